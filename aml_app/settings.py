@@ -1,0 +1,176 @@
+"""Typed configuration read from the environment, validated once at start-up.
+
+Every setting has a sane default for the embedded demo; a bad value stops the process with a sentence
+that names the variable, the value and what was expected, instead of a stack trace later.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+_TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+_GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
+
+
+class ConfigError(ValueError):
+    """A configuration value a person has to fix before the service can start."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    bootstrap_servers: tuple[str, ...] = ("127.0.0.1:9092",)
+    app_id: str = "aml"
+    depends_on: tuple[str, ...] = ("relations", "aggregates")
+    payments_topic: str = "payments"
+    decisions_topic: str = "aml.decisions"
+    dlq_topic: str = "payments.dlq"
+    partitions: int = 4
+    replication_factor: int = 1
+    gate_enabled: bool = True
+    refresh_interval: float = 1.0
+    fast_refresh_interval: float = 0.1
+    max_pending_per_partition: int = 1000
+    max_payment_bytes: int = 65536
+    session_timeout: float = 10.0
+    rebalance_timeout: float = 10.0
+    commit_interval: float = 1.0
+    web_host: str = "127.0.0.1"
+    web_port: int = 6066
+    data_dir: str = "var/aml"
+    table_store: str = "rocksdb://"
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    broker_port: int = 9092
+
+    @property
+    def faust_brokers(self) -> list[str]:
+        return [f"kafka://{server}" for server in self.bootstrap_servers]
+
+    @property
+    def worker_data_dir(self) -> str:
+        """RocksDB holds a lock per directory, so each worker on a host needs its own."""
+        return os.path.join(self.data_dir, f"{self.app_id}-{self.web_port}")
+
+
+def _text(env: Mapping[str, str], name: str, default: str) -> str:
+    value = env.get(name)
+    return default if value is None or value.strip() == "" else value.strip()
+
+
+def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
+    raw = _text(env, name, str(default))
+    try:
+        value = int(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a whole number; expected {low}..{high}.") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value} is out of range; expected {low}..{high}.")
+    return value
+
+
+def _float(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = _text(env, name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of seconds.") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value} is out of range; expected {low}..{high} seconds.")
+    return value
+
+
+def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
+    raw = _text(env, name, "on" if default else "off").lower()
+    if raw in {"1", "true", "on", "yes"}:
+        return True
+    if raw in {"0", "false", "off", "no"}:
+        return False
+    raise ConfigError(f"{name}={raw!r} is not a switch; use on or off.")
+
+
+def _servers(env: Mapping[str, str], name: str, default: str) -> tuple[str, ...]:
+    raw = _text(env, name, default)
+    servers = tuple(s.strip().removeprefix("kafka://") for s in raw.split(",") if s.strip())
+    for server in servers:
+        host, sep, port = server.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ConfigError(
+                f"{name}={raw!r}: {server!r} is not host:port; "
+                "expected a comma-separated list such as broker1:9092,broker2:9092."
+            )
+    if not servers:
+        raise ConfigError(f"{name} is empty; expected host:port[,host:port...].")
+    return servers
+
+
+def _name(env: Mapping[str, str], var: str, default: str, pattern: re.Pattern[str], what: str) -> str:
+    value = _text(env, var, default)
+    if not pattern.match(value):
+        raise ConfigError(
+            f"{var}={value!r} is not a valid Kafka {what} name "
+            "(letters, digits, '.', '_' and '-', at most 249)."
+        )
+    return value
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
+    env = os.environ if env is None else env
+    defaults = Settings()
+    depends_raw = _text(env, "AML_DEPENDS_ON", ",".join(defaults.depends_on))
+    depends = tuple(g.strip() for g in depends_raw.split(",") if g.strip())
+    if not depends:
+        raise ConfigError("AML_DEPENDS_ON is empty; name at least one consumer group to wait for.")
+    for group in depends:
+        if not _GROUP.match(group):
+            raise ConfigError(f"AML_DEPENDS_ON: {group!r} is not a valid consumer group name.")
+    if len(set(depends)) != len(depends):
+        raise ConfigError(f"AML_DEPENDS_ON={depends_raw!r} names a group twice.")
+    app_id = _name(env, "AML_APP_ID", defaults.app_id, _GROUP, "consumer group")
+    if app_id in depends:
+        raise ConfigError(
+            f"AML_APP_ID={app_id!r} is also listed in AML_DEPENDS_ON; "
+            "a service cannot wait for its own consumer group."
+        )
+    fast = _float(env, "AML_FAST_REFRESH_INTERVAL", defaults.fast_refresh_interval, 0.01, 60)
+    slow = _float(env, "AML_REFRESH_INTERVAL", defaults.refresh_interval, 0.05, 600)
+    if fast > slow:
+        raise ConfigError(
+            f"AML_FAST_REFRESH_INTERVAL={fast} is longer than AML_REFRESH_INTERVAL={slow}; "
+            "the on-demand refresh must be at least as frequent as the background one."
+        )
+    session = _float(env, "AML_SESSION_TIMEOUT", defaults.session_timeout, 1, 300)
+    settings = Settings(
+        bootstrap_servers=_servers(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+        app_id=app_id,
+        depends_on=depends,
+        payments_topic=_name(env, "AML_PAYMENTS_TOPIC", defaults.payments_topic, _TOPIC, "topic"),
+        decisions_topic=_name(env, "AML_DECISIONS_TOPIC", defaults.decisions_topic, _TOPIC, "topic"),
+        dlq_topic=_name(env, "AML_DLQ_TOPIC", defaults.dlq_topic, _TOPIC, "topic"),
+        partitions=_int(env, "AML_PARTITIONS", defaults.partitions, 1, 10000),
+        replication_factor=_int(env, "AML_REPLICATION_FACTOR", defaults.replication_factor, 1, 10),
+        gate_enabled=_bool(env, "AML_GATE", True),
+        refresh_interval=slow,
+        fast_refresh_interval=fast,
+        max_pending_per_partition=_int(env, "AML_MAX_PENDING", 1000, 1, 1_000_000),
+        max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", 65536, 256, 10_000_000),
+        session_timeout=session,
+        rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
+        commit_interval=_float(env, "AML_COMMIT_INTERVAL", defaults.commit_interval, 0.1, 60),
+        web_host=_text(env, "AML_WEB_HOST", defaults.web_host),
+        web_port=_int(env, "AML_WEB_PORT", defaults.web_port, 1, 65535),
+        data_dir=_text(env, "AML_DATA_DIR", defaults.data_dir),
+        table_store=_text(env, "AML_TABLE_STORE", defaults.table_store),
+        worker_id=_text(env, "AML_WORKER_ID", defaults.worker_id),
+        broker_port=_int(env, "AML_BROKER_PORT", defaults.broker_port, 1, 65535),
+    )
+    if not settings.table_store.startswith(("rocksdb://", "memory://")):
+        raise ConfigError(
+            f"AML_TABLE_STORE={settings.table_store!r} is not supported; use rocksdb:// or memory://."
+        )
+    if len({settings.payments_topic, settings.decisions_topic, settings.dlq_topic}) != 3:
+        raise ConfigError("AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC and AML_DLQ_TOPIC must differ.")
+    return settings

@@ -1,0 +1,174 @@
+"""The watermark table, the demand table, and the leader's refresh timer.
+
+`watermarks` (partition -> row) is a GlobalTable: every worker holds every partition's watermark, so a
+partition that moves to another worker is gated there at once. Only the leader talks to the admin API
+(one set of calls per refresh, whatever the worker count) and writes the rows; the changelog carries
+them to the other workers, whose table hook wakes the gate's waiters.
+
+`demand` (worker id -> partitions it is waiting on) makes the refresh demand-driven: the leader polls
+the admin API on the fast interval only while somebody waits on a partition that is still closed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import faust
+from faust.types import EventT
+
+from aml_app.app import app, settings
+from aml_app.gate import DependencyOffsets, FreshnessGate, OffsetReadError
+from aml_app.gate.watermark import Row, build_rows, live_demand, refresh_due
+
+log = logging.getLogger(__name__)
+
+
+class WatchedGlobalTable(faust.GlobalTable):
+    """A GlobalTable that reports changed keys, whether written here or applied from its changelog."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.watchers: list[Any] = []
+
+    def _changed(self, keys: Iterable[Any]) -> None:
+        keys = list(keys)
+        for watcher in self.watchers:
+            watcher(keys)
+
+    def on_key_set(self, key: Any, value: Any) -> None:
+        super().on_key_set(key, value)
+        self._changed([key])
+
+    def apply_changelog_batch(self, batch: Iterable[EventT]) -> None:
+        batch = list(batch)
+        super().apply_changelog_batch(batch)
+        self._changed(self._to_key(event.key) for event in batch)
+
+
+def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
+    table = WatchedGlobalTable(
+        app,
+        name=name,
+        default=None,
+        beacon=app.tables.beacon,
+        partitions=1,
+        schema=faust.Schema(key_type=key_type, key_serializer="json", value_serializer="json"),
+        # Apply every changelog record as it arrives: a waiting payment should see it at once.
+        standby_buffer_size=1,
+        recovery_buffer_size=1,
+        is_global=True,
+        # Written from timers, not from a stream; also makes every worker read every partition.
+        use_partitioner=True,
+        # Derived state, recomputed by the next refresh: kept in memory, rebuilt from the changelog.
+        # (Faust's RocksDB store also refuses writes made outside an event, as these are.) The host
+        # part matters: Faust ignores a bare "memory://" (an empty yarl URL is falsy).
+        store="memory://localhost/",
+        help=help,
+    )
+    return app.tables.add(table)
+
+
+watermarks = _global_table("watermarks", int, "Per payments partition: W(p) and the offsets behind it.")
+demand = _global_table("gate-demand", str, "Per worker: the partitions it waits on, and since when.")
+
+gate = FreshnessGate(lookup=lambda p: watermarks.get(p))
+watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
+
+
+class RefreshStatus:
+    """The leader's view of its own refreshes, for logs, the web view and the benchmarks."""
+
+    def __init__(self) -> None:
+        self.last_refresh: float | None = None
+        self.last_attempt: float | None = None
+        self.last_error: str | None = None
+        self.refreshes = 0
+        self.errors = 0
+        self.partition_check_at = 0.0
+
+
+offsets = DependencyOffsets(
+    settings.bootstrap_servers, settings.payments_topic, settings.depends_on
+)
+status = RefreshStatus()
+
+
+def _write_rows(rows: dict[int, Row]) -> None:
+    """Write a row when it changed, or when it is getting old, so readers can trust its age."""
+    for p, row in rows.items():
+        old = watermarks.get(p)
+        unchanged = (
+            old is not None
+            and not old.get("error")
+            and (old["watermark"], old["dependencies"]) == (row["watermark"], row["dependencies"])
+        )
+        if not unchanged or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval:
+            watermarks[p] = row
+
+
+def _mark_error(message: str) -> None:
+    """Keep every watermark as it was; record the error on the rows so every worker can see it."""
+    for p in list(watermarks.keys()):
+        row = watermarks[p]
+        if row.get("error") != message:
+            watermarks[p] = {**row, "error": message, "error_at": time.time()}
+
+
+async def refresh_once(now: float) -> None:
+    status.last_attempt = now
+    recheck = now - status.partition_check_at >= 10 * settings.refresh_interval
+    try:
+        partitions, committed = await offsets.read(refresh_partitions=recheck)
+    except OffsetReadError as exc:
+        status.errors += 1
+        message = str(exc)
+        if message != status.last_error:
+            log.warning("watermark refresh failed, holding the last known watermarks: %s", message)
+        status.last_error = message
+        _mark_error(message)
+        return
+    if recheck:
+        status.partition_check_at = now
+    if status.last_error:
+        log.info("watermark refresh recovered after: %s", status.last_error)
+    status.last_error = None
+    status.last_refresh = now
+    status.refreshes += 1
+    _write_rows(build_rows(partitions, committed, refreshed_at=time.time()))
+
+
+@app.timer(settings.fast_refresh_interval, on_leader=True)
+async def refresh_watermarks() -> None:
+    """Leader only: read the dependencies' committed offsets when due and publish W(p) for every p."""
+    now = time.monotonic()
+    waiting = live_demand(demand.values(), time.time(), max_age=3 * settings.refresh_interval)
+    last = status.last_refresh if status.last_error is None else status.last_attempt
+    rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
+    if refresh_due(now, last, waiting, rows, settings.refresh_interval, settings.fast_refresh_interval):
+        await refresh_once(now)
+
+
+class DemandPublisher:
+    """Publishes this worker's waiting partitions when they change, and re-asserts them while waiting."""
+
+    def __init__(self) -> None:
+        self.published: dict[str, int] | None = None
+        self.published_at = 0.0
+
+    def tick(self, now: float) -> None:
+        current = {str(p): o for p, o in gate.waiting.items()}
+        stale = bool(current) and now - self.published_at >= settings.refresh_interval / 2
+        if current != self.published or stale:
+            demand[settings.worker_id] = {"waiting": current, "at": now}
+            self.published, self.published_at = current, now
+
+
+publisher = DemandPublisher()
+
+
+@app.timer(settings.fast_refresh_interval)
+async def publish_demand() -> None:
+    publisher.tick(time.time())
