@@ -65,7 +65,7 @@ class EmbeddedBroker:
                 "AML_BROKER_PORT, or point KAFKA_BOOTSTRAP_SERVERS at the broker that is running there"
             )
         url = f"tcp://{self.host}:{self.port}"
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
             [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
             stdout=out,

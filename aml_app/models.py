@@ -8,6 +8,7 @@ would crash the agent and Faust would ack (skip) the record. `parse_payment` tur
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 
@@ -19,6 +20,8 @@ REQUIRED = ("payment_id", "payer", "payee", "amount", "currency", "ts")
 OPTIONAL = ("channel", "country")
 MAX_ID_LENGTH = 128
 MAX_AMOUNT = Decimal("1e15")
+# ASCII digits only: Decimal() would also take "1_000", "1E+3", " 5 " or Arabic-Indic digits.
+_DECIMAL = re.compile(r"^-?[0-9]+(\.[0-9]+)?$")
 
 
 class InvalidPayment(ValueError):
@@ -74,6 +77,10 @@ def _amount(doc: dict) -> str:
         raise InvalidPayment(
             f"field 'amount' must be a decimal string such as \"12.50\", got {type(raw).__name__}"
         )
+    if not _DECIMAL.match(raw):
+        raise InvalidPayment(
+            f"field 'amount' must be plain decimal digits such as \"12.50\", got {raw[:40]!r}"
+        )
     try:
         value = Decimal(raw)
     except InvalidOperation:
@@ -97,7 +104,7 @@ def _timestamp(doc: dict) -> str:
     except ValueError:
         raise InvalidPayment(f"field 'ts' is not an ISO-8601 timestamp: {raw!r}") from None
     if when.tzinfo is None or when.utcoffset() != UTC.utcoffset(None):
-        raise InvalidPayment(f"field 'ts' must be in UTC (ending in Z): {raw!r}")
+        raise InvalidPayment(f"field 'ts' must be in UTC (Z or +00:00): {raw!r}")
     return raw
 
 
@@ -116,6 +123,9 @@ def parse_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> Pay
         raise InvalidPayment("key or value is not UTF-8 text") from None
     except json.JSONDecodeError as exc:
         raise InvalidPayment(f"value is not JSON: {exc.msg} at position {exc.pos}") from None
+    except (ValueError, RecursionError) as exc:
+        # Nesting too deep, or an integer longer than Python converts: hostile input, not a crash.
+        raise InvalidPayment(f"value is not acceptable JSON: {type(exc).__name__}") from None
     if not isinstance(doc, dict):
         raise InvalidPayment(f"value must be a JSON object, got {type(doc).__name__}")
     missing = [name for name in REQUIRED if name not in doc]

@@ -96,7 +96,7 @@ def _servers(env: Mapping[str, str], name: str, default: str) -> tuple[str, ...]
     servers = tuple(s.strip().removeprefix("kafka://") for s in raw.split(",") if s.strip())
     for server in servers:
         host, sep, port = server.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not host or not (port.isascii() and port.isdigit()) or not 0 < int(port) < 65536:
             raise ConfigError(
                 f"{name}={raw!r}: {server!r} is not host:port; "
                 "expected a comma-separated list such as broker1:9092,broker2:9092."
@@ -108,7 +108,7 @@ def _servers(env: Mapping[str, str], name: str, default: str) -> tuple[str, ...]
 
 def _name(env: Mapping[str, str], var: str, default: str, pattern: re.Pattern[str], what: str) -> str:
     value = _text(env, var, default)
-    if not pattern.match(value):
+    if not pattern.match(value) or value in {".", ".."}:
         raise ConfigError(
             f"{var}={value!r} is not a valid Kafka {what} name "
             "(letters, digits, '.', '_' and '-', at most 249)."

@@ -18,9 +18,11 @@ from tables.watermarks import gate, offsets, status, watermarks
 
 def snapshot() -> dict[str, Any]:
     now = time.time()
-    assigned = sorted(
-        tp.partition for tp in app.consumer.assignment() if tp.topic == settings.payments_topic
-    ) if app.consumer else []
+    assigned = (
+        sorted(tp.partition for tp in app.consumer.assignment() if tp.topic == settings.payments_topic)
+        if app.consumer
+        else []
+    )
     rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
     return {
         "worker": settings.worker_id,
@@ -37,8 +39,10 @@ def snapshot() -> dict[str, Any]:
         "in_flight": {str(p): lane.in_flight for p, lane in gated.lanes.items()},
         "processed": {str(p): lane.done for p, lane in gated.lanes.items()},
         "dead_lettered": gated.dead_lettered,
+        "rebalances": gated.rebalances,
         "refresh": {
-            "last_refresh_age_s": None if status.last_refresh is None
+            "last_refresh_age_s": None
+            if status.last_refresh is None
             else round(time.monotonic() - status.last_refresh, 3),
             "refreshes": status.refreshes,
             "errors": status.errors,

@@ -90,9 +90,7 @@ class RefreshStatus:
         self.partition_check_at = 0.0
 
 
-offsets = DependencyOffsets(
-    settings.bootstrap_servers, settings.payments_topic, settings.depends_on
-)
+offsets = DependencyOffsets(settings.bootstrap_servers, settings.payments_topic, settings.depends_on)
 status = RefreshStatus()
 
 

@@ -47,7 +47,10 @@ Handler = Callable[[Payment, Admission], Awaitable[None]]
 
 
 async def retry_forever(
-    what: str, action: Callable[[], Awaitable[Any]], first_delay: float = 0.1, max_delay: float = 5.0
+    what: str,
+    action: Callable[[], Awaitable[Any]],
+    first_delay: float = 0.1,
+    max_delay: float = 5.0,
 ) -> Any:
     """Run `action` until it succeeds, backing off exponentially; log each failure."""
     delay = first_delay
@@ -99,6 +102,7 @@ class GatedConsumer:
         self.worker_id = worker_id
         self.lanes: dict[int, Lane] = {}
         self.dead_lettered = 0
+        self.rebalances = 0
 
     async def consume(self, stream: StreamT) -> None:
         """The agent body: dispatch, never wait."""
@@ -120,6 +124,7 @@ class GatedConsumer:
 
     def on_rebalance(self) -> None:
         """Cancel every lane: unacked payments stay uncommitted and are re-read by their next owner."""
+        self.rebalances += 1
         lanes, self.lanes = self.lanes, {}
         for lane in lanes.values():
             if lane.task is not None:
@@ -143,9 +148,8 @@ class GatedConsumer:
         try:
             payment = parse_payment(message.key, message.value, self.max_payment_bytes)
         except InvalidPayment as exc:
-            await retry_forever(
-                f"dead-lettering {p}:{offset}", lambda: self._dead_letter(event, str(exc))
-            )
+            reason = str(exc)
+            await retry_forever(f"dead-lettering {p}:{offset}", lambda: self._dead_letter(event, reason))
             return
         started = time.monotonic()
         if self.gate_enabled:

@@ -21,9 +21,18 @@ class FreshnessGate:
         self._lookup = lookup
         self._conditions: dict[int, asyncio.Condition] = {}
         self._notifications: set[asyncio.Task[None]] = set()
-        #: partition -> offset currently waiting, and since when (wall clock); read by the web view.
-        self.waiting: dict[int, int] = {}
-        self.blocked_since: dict[int, float] = {}
+        #: partition -> (offset, since) of every waiter; one per lane, but any number is safe.
+        self._waiters: dict[int, list[tuple[int, float]]] = {}
+
+    @property
+    def waiting(self) -> dict[int, int]:
+        """Lowest waiting offset per partition (read by the demand publisher and the web view)."""
+        return {p: min(o for o, _ in ws) for p, ws in self._waiters.items()}
+
+    @property
+    def blocked_since(self) -> dict[int, float]:
+        """Since when (wall clock) each partition has had a waiter."""
+        return {p: min(t for _, t in ws) for p, ws in self._waiters.items()}
 
     def row(self, partition: int) -> Row | None:
         return self._lookup(partition)
@@ -45,13 +54,15 @@ class FreshnessGate:
         cond = self._condition(partition)
         async with cond:
             if not self.is_open(partition, offset):
-                self.waiting[partition] = offset
-                self.blocked_since[partition] = time.time()
+                waiter = (offset, time.time())
+                waiters = self._waiters.setdefault(partition, [])
+                waiters.append(waiter)
                 try:
                     await cond.wait_for(lambda: self.is_open(partition, offset))
                 finally:
-                    self.waiting.pop(partition, None)
-                    self.blocked_since.pop(partition, None)
+                    waiters.remove(waiter)
+                    if not waiters and self._waiters.get(partition) is waiters:
+                        del self._waiters[partition]
             row = self._lookup(partition)
             assert row is not None and offset < row["watermark"]
             return row
@@ -59,7 +70,7 @@ class FreshnessGate:
     def notify(self, partitions: Iterable[int]) -> None:
         """Wake the waiters of these partitions; safe to call from synchronous table hooks."""
         for p in partitions:
-            if p in self.waiting:
+            if p in self._waiters:
                 task = asyncio.ensure_future(self._notify(p))
                 self._notifications.add(task)
                 task.add_done_callback(self._notifications.discard)

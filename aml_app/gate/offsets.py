@@ -57,7 +57,9 @@ class DependencyOffsets:
         if client is not None:
             await client.close()
 
-    async def read(self, refresh_partitions: bool = False) -> tuple[list[int], dict[str, dict[int, int | None]]]:
+    async def read(
+        self, refresh_partitions: bool = False
+    ) -> tuple[list[int], dict[str, dict[int, int | None]]]:
         """The topic's partitions and each group's committed offset on them (None: nothing committed).
 
         Partitions are re-read when asked, so partitions added to the topic are picked up.

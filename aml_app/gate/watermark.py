@@ -44,9 +44,7 @@ def build_rows(
     return rows
 
 
-def live_demand(
-    demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float
-) -> dict[int, int]:
+def live_demand(demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float) -> dict[int, int]:
     """Lowest waiting offset per partition over every worker whose demand entry is recent."""
     waiting: dict[int, int] = {}
     for entry in demand_entries:

@@ -1,0 +1,71 @@
+"""Small Kafka helpers shared by the demo, the tests and the benchmarks (plain aiokafka, no Faust)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+
+class GroupCommitter:
+    """Commits offsets for one consumer group, as a dependency service does after its work is durable."""
+
+    def __init__(self, bootstrap: Sequence[str], group: str, topic: str) -> None:
+        self.topic = topic
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=list(bootstrap), group_id=group, enable_auto_commit=False
+        )
+
+    async def start(self, partitions: Iterable[int]) -> GroupCommitter:
+        await self.consumer.start()
+        self.consumer.assign([TopicPartition(self.topic, p) for p in partitions])
+        return self
+
+    async def commit(self, offsets: Mapping[int, int]) -> None:
+        await self.consumer.commit({TopicPartition(self.topic, p): o for p, o in offsets.items()})
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+
+
+async def end_offsets(bootstrap: Sequence[str], topic: str, partitions: Iterable[int]) -> dict[int, int]:
+    consumer = AIOKafkaConsumer(bootstrap_servers=list(bootstrap))
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in partitions]
+        ends = await consumer.end_offsets(tps)
+        return {tp.partition: offset for tp, offset in ends.items()}
+    finally:
+        await consumer.stop()
+
+
+def payment_json(payment_id: str, payer: str, payee: str, amount: str, ts: str, **extra: Any) -> bytes:
+    doc = {
+        "payment_id": payment_id,
+        "payer": payer,
+        "payee": payee,
+        "amount": amount,
+        "currency": "EUR",
+        "ts": ts,
+        **extra,
+    }
+    return json.dumps(doc).encode()
+
+
+async def produce(
+    producer: AIOKafkaProducer,
+    topic: str,
+    records: Iterable[tuple[int | None, bytes | None, bytes | None]],
+) -> list[tuple[int, int]]:
+    """Send (partition, key, value) records; return their (partition, offset) in order."""
+    futures = [
+        await producer.send(topic, value=value, key=key, partition=partition)
+        for partition, key, value in records
+    ]
+    placed = []
+    for fut in futures:
+        meta = await fut
+        placed.append((meta.partition, meta.offset))
+    return placed

@@ -1,0 +1,76 @@
+"""One embedded broker for the whole session; fresh names and a work folder per test."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from aml_app.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
+from aml_app.kafka_tools import GroupCommitter
+from tests.harness import DecisionLog, Names, Worker
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]:
+    log = tmp_path_factory.mktemp("broker") / "broker.log"
+    embedded = EmbeddedBroker(free_port(), log_path=log).start()
+    asyncio.run(wait_until_answering([embedded.bootstrap]))
+    yield embedded
+    embedded.stop()
+
+
+@pytest.fixture
+async def names(broker: EmbeddedBroker) -> Names:
+    fresh = Names()
+    await create_topics([broker.bootstrap], [fresh.payments, fresh.decisions, fresh.dlq], fresh.partitions)
+    return fresh
+
+
+@pytest.fixture
+async def producer(broker: EmbeddedBroker) -> AsyncIterator[AIOKafkaProducer]:
+    prod = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, max_request_size=4_000_000)
+    await prod.start()
+    yield prod
+    await prod.stop()
+
+
+@pytest.fixture
+def workers(broker: EmbeddedBroker, names: Names, tmp_path: Path) -> Iterator[list[Worker]]:
+    """Start workers with `workers.append(Worker(...).start())`; all are stopped after the test."""
+    started: list[Worker] = []
+    yield started
+    for worker in started:
+        worker.stop(timeout=10)
+
+
+@pytest.fixture
+def new_worker(broker: EmbeddedBroker, names: Names, tmp_path: Path, workers: list[Worker]):
+    def start(**env: str) -> Worker:
+        worker = Worker(broker.bootstrap, names, tmp_path, **env).start()
+        workers.append(worker)
+        return worker
+
+    return start
+
+
+@pytest.fixture
+async def deps(broker: EmbeddedBroker, names: Names) -> AsyncIterator[dict[str, GroupCommitter]]:
+    """The dependency groups, played by the test: group -> committer."""
+    committers = {
+        g: await GroupCommitter([broker.bootstrap], g, names.payments).start(range(names.partitions))
+        for g in names.deps
+    }
+    yield committers
+    for committer in committers.values():
+        await committer.stop()
+
+
+@pytest.fixture
+async def decision_log(broker: EmbeddedBroker, names: Names) -> AsyncIterator[DecisionLog]:
+    log = await DecisionLog(broker.bootstrap, names.decisions, names.partitions).start()
+    yield log
+    await log.stop()

@@ -1,0 +1,233 @@
+"""FreshnessGate over a plain dict, and retry_forever; every wait is bounded by a deadline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import pytest
+
+from aml_app.gate.consumer import retry_forever
+from aml_app.gate.gate import FreshnessGate
+
+DEADLINE = 2.0  # generous upper bound for things that should happen at once
+QUIET = 0.05  # how long a waiter must stay blocked to count as "not woken"
+
+
+def row(p: int, w: int) -> dict[str, Any]:
+    return {"partition": p, "watermark": w, "dependencies": {"relations": w}, "refreshed_at": 0.0}
+
+
+async def spin(times: int = 5) -> None:
+    """Let ready tasks (a waiter starting, a notify task) run."""
+    for _ in range(times):
+        await asyncio.sleep(0)
+
+
+async def start_waiting(gate: FreshnessGate, p: int, offset: int) -> asyncio.Task[Any]:
+    task = asyncio.ensure_future(gate.wait_open(p, offset))
+    await spin()
+    assert not task.done(), "the waiter should be blocked"
+    assert gate.waiting.get(p, -1) <= offset, "waiting shows the lowest waiting offset"
+    return task
+
+
+async def assert_still_blocked(task: asyncio.Task[Any]) -> None:
+    done, _ = await asyncio.wait({task}, timeout=QUIET)
+    assert not done, "the waiter returned although its partition is closed or was not notified"
+
+
+async def cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(task, DEADLINE)
+
+
+async def test_wait_open_returns_immediately_when_open() -> None:
+    rows = {0: row(0, 5)}
+    gate = FreshnessGate(rows.get)
+    result = await asyncio.wait_for(gate.wait_open(0, 4), DEADLINE)
+    assert result is rows[0]
+    assert gate.waiting == {}
+    assert gate.blocked_since == {}
+
+
+async def test_gate_row_and_is_open_read_the_lookup() -> None:
+    rows = {0: row(0, 5)}
+    gate = FreshnessGate(rows.get)
+    assert gate.row(0) is rows[0]
+    assert gate.row(1) is None
+    assert gate.is_open(0, 4) is True
+    assert gate.is_open(0, 5) is False
+    assert gate.is_open(1, 0) is False
+
+
+async def test_blocks_until_updated_and_notified() -> None:
+    rows = {0: row(0, 5)}
+    gate = FreshnessGate(rows.get)
+    before = time.time()
+    task = await start_waiting(gate, 0, 5)
+    assert before <= gate.blocked_since[0] <= time.time()
+
+    rows[0] = row(0, 6)
+    gate.notify([0])
+    result = await asyncio.wait_for(task, DEADLINE)
+    assert result["watermark"] == 6
+    assert gate.waiting == {}
+    assert gate.blocked_since == {}
+
+
+async def test_blocks_on_a_partition_without_row() -> None:
+    rows: dict[int, dict[str, Any]] = {}
+    gate = FreshnessGate(rows.get)
+    task = await start_waiting(gate, 2, 0)
+    gate.notify([2])  # still no row: the waiter re-checks and keeps waiting
+    await assert_still_blocked(task)
+    rows[2] = row(2, 1)
+    gate.notify([2])
+    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 1
+
+
+async def test_notify_while_still_closed_keeps_waiting() -> None:
+    rows = {0: row(0, 5)}
+    gate = FreshnessGate(rows.get)
+    task = await start_waiting(gate, 0, 7)
+    rows[0] = row(0, 7)  # advanced, but offset 7 is still not < 7
+    gate.notify([0])
+    await assert_still_blocked(task)
+    assert gate.waiting == {0: 7}
+    rows[0] = row(0, 8)
+    gate.notify([0])
+    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 8
+    assert gate.waiting == {}
+
+
+async def test_notify_of_another_partition_does_not_wake_it() -> None:
+    rows = {0: row(0, 5), 1: row(1, 0)}
+    gate = FreshnessGate(rows.get)
+    task = await start_waiting(gate, 0, 5)
+    rows[0] = row(0, 6)  # open now, but only partition 1 is notified
+    gate.notify([1])
+    await assert_still_blocked(task)
+    assert gate.waiting == {0: 5}
+    gate.notify([0])
+    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 6
+
+
+async def test_cancellation_clears_waiting() -> None:
+    rows = {0: row(0, 0)}
+    gate = FreshnessGate(rows.get)
+    task = await start_waiting(gate, 0, 3)
+    assert 0 in gate.blocked_since
+    await cancel(task)
+    assert gate.waiting == {}
+    assert gate.blocked_since == {}
+    # the partition's condition is still usable after the cancellation
+    task = await start_waiting(gate, 0, 3)
+    rows[0] = row(0, 4)
+    gate.notify([0])
+    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 4
+
+
+async def test_partitions_are_independent() -> None:
+    rows = {0: row(0, 0), 1: row(1, 10)}
+    gate = FreshnessGate(rows.get)
+    blocked = await start_waiting(gate, 0, 3)
+    result = await asyncio.wait_for(gate.wait_open(1, 3), DEADLINE)
+    assert result["partition"] == 1
+    assert not blocked.done()
+    assert gate.waiting == {0: 3}
+    rows[0] = row(0, 4)
+    gate.notify([0, 1])
+    assert (await asyncio.wait_for(blocked, DEADLINE))["partition"] == 0
+
+
+async def test_two_waiters_on_one_partition_both_wake() -> None:
+    rows = {0: row(0, 0)}
+    gate = FreshnessGate(rows.get)
+    first = await start_waiting(gate, 0, 5)
+    second = await start_waiting(gate, 0, 10)
+    assert gate.waiting == {0: 5}
+    rows[0] = row(0, 6)
+    gate.notify([0])
+    assert (await asyncio.wait_for(first, DEADLINE))["watermark"] == 6
+    assert gate.waiting == {0: 10}, "the remaining waiter is still visible"
+    rows[0] = row(0, 11)
+    gate.notify([0])
+    try:
+        assert (await asyncio.wait_for(second, 0.2))["watermark"] == 11
+    finally:
+        second.cancel()
+
+
+# --- retry_forever ------------------------------------------------------------------------------
+
+
+async def test_retry_forever_retries_until_success() -> None:
+    calls = 0
+
+    async def action() -> str:
+        nonlocal calls
+        calls += 1
+        if calls < 3:
+            raise RuntimeError(f"failure {calls}")
+        return "done"
+
+    result = await asyncio.wait_for(retry_forever("test", action, first_delay=0.001), DEADLINE)
+    assert result == "done"
+    assert calls == 3
+
+
+async def test_retry_forever_does_not_retry_cancellation() -> None:
+    calls = 0
+
+    async def action() -> None:
+        nonlocal calls
+        calls += 1
+        raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(retry_forever("test", action, first_delay=0.001), DEADLINE)
+    assert calls == 1
+
+
+async def test_retry_forever_cancelled_during_backoff() -> None:
+    calls = 0
+
+    async def action() -> None:
+        nonlocal calls
+        calls += 1
+        raise RuntimeError("always")
+
+    task = asyncio.ensure_future(retry_forever("test", action, first_delay=30))
+    await spin()
+    assert calls == 1
+    await cancel(task)
+    assert calls == 1
+
+
+async def test_retry_forever_backs_off_exponentially_up_to_the_cap(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recording_sleep(delay: float, *args: Any, **kwargs: Any) -> Any:
+        delays.append(delay)
+        return await real_sleep(0)
+
+    calls = 0
+
+    async def action() -> int:
+        nonlocal calls
+        calls += 1
+        if calls <= 5:
+            raise OSError("down")
+        return calls
+
+    monkeypatch.setattr("aml_app.gate.consumer.asyncio.sleep", recording_sleep)
+    result = await asyncio.wait_for(retry_forever("test", action, first_delay=0.5, max_delay=2.0), DEADLINE)
+    monkeypatch.undo()
+    assert result == 6
+    assert delays == [0.5, 1.0, 2.0, 2.0, 2.0]

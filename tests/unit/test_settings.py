@@ -1,0 +1,255 @@
+"""load_settings: defaults, parsing, and one ConfigError per fault, each naming the variable."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+
+from aml_app.settings import ConfigError, Settings, load_settings
+
+
+def test_defaults_from_an_empty_environment() -> None:
+    s = load_settings({})
+    assert s.bootstrap_servers == ("127.0.0.1:9092",)
+    assert s.faust_brokers == ["kafka://127.0.0.1:9092"]
+    assert s.app_id == "aml"
+    assert s.depends_on == ("relations", "aggregates")
+    assert (s.payments_topic, s.decisions_topic, s.dlq_topic) == (
+        "payments",
+        "aml.decisions",
+        "payments.dlq",
+    )
+    assert s.partitions == 4
+    assert s.replication_factor == 1
+    assert s.gate_enabled is True
+    assert s.refresh_interval == 1.0
+    assert s.fast_refresh_interval == 0.1
+    assert s.max_pending_per_partition == 1000
+    assert s.max_payment_bytes == 65536
+    assert s.session_timeout == 10.0
+    assert s.rebalance_timeout == 10.0
+    assert s.commit_interval == 1.0
+    assert (s.web_host, s.web_port) == ("127.0.0.1", 6066)
+    assert s.data_dir == "var/aml"
+    assert s.table_store == "rocksdb://"
+    assert s.broker_port == 9092
+    assert s.worker_id == f"{socket.gethostname()}-{os.getpid()}"
+    assert s.worker_data_dir == os.path.join("var/aml", "aml-6066")
+
+
+def test_defaults_match_the_dataclass_defaults() -> None:
+    loaded, plain = load_settings({}), Settings()
+    for name in ("app_id", "depends_on", "partitions", "refresh_interval", "table_store"):
+        assert getattr(loaded, name) == getattr(plain, name)
+
+
+def test_blank_values_fall_back_to_the_default() -> None:
+    s = load_settings({"AML_APP_ID": "   ", "AML_PARTITIONS": "", "AML_DEPENDS_ON": ""})
+    assert s.app_id == "aml"
+    assert s.partitions == 4
+    assert s.depends_on == ("relations", "aggregates")
+
+
+def test_bootstrap_servers_are_split_stripped_and_unprefixed() -> None:
+    s = load_settings({"KAFKA_BOOTSTRAP_SERVERS": "kafka://a:1, b:2"})
+    assert s.bootstrap_servers == ("a:1", "b:2")
+    assert s.faust_brokers == ["kafka://a:1", "kafka://b:2"]
+
+
+def test_explicit_values_are_read_and_trimmed() -> None:
+    s = load_settings(
+        {
+            "AML_APP_ID": " detector ",
+            "AML_DEPENDS_ON": "g1, g2 ,g3",
+            "AML_PARTITIONS": "12",
+            "AML_GATE": "OFF",
+            "AML_REFRESH_INTERVAL": "2.5",
+            "AML_FAST_REFRESH_INTERVAL": "2.5",
+            "AML_SESSION_TIMEOUT": "30",
+            "AML_TABLE_STORE": "memory://",
+            "AML_WEB_PORT": "7000",
+            "AML_DATA_DIR": "/tmp/x",
+            "AML_WORKER_ID": "w1",
+        }
+    )
+    assert s.app_id == "detector"
+    assert s.depends_on == ("g1", "g2", "g3")
+    assert s.partitions == 12
+    assert s.gate_enabled is False
+    # fast == slow is allowed
+    assert s.refresh_interval == s.fast_refresh_interval == 2.5
+    # the rebalance timeout follows the session timeout unless set
+    assert s.session_timeout == s.rebalance_timeout == 30.0
+    assert s.table_store == "memory://"
+    assert s.worker_id == "w1"
+    assert s.worker_data_dir == os.path.join("/tmp/x", "detector-7000")
+
+
+@pytest.mark.parametrize(
+    ("raw", "expected"),
+    [
+        ("on", True),
+        ("1", True),
+        ("true", True),
+        ("YES", True),
+        ("off", False),
+        ("0", False),
+        ("False", False),
+        ("no", False),
+    ],
+)
+def test_gate_switch_spellings(raw: str, expected: bool) -> None:
+    assert load_settings({"AML_GATE": raw}).gate_enabled is expected
+
+
+def _fails(env: dict[str, str], *names: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    message = str(info.value)
+    for name in names:
+        assert name in message, f"{name!r} not named in {message!r}"
+    return message
+
+
+@pytest.mark.parametrize(
+    "raw",
+    ["broker", "a:b", "a:0", "a:65536", ":9092", "a:", "a:1,b", " , ", "kafka://"],
+)
+def test_bad_bootstrap_servers(raw: str) -> None:
+    _fails({"KAFKA_BOOTSTRAP_SERVERS": raw}, "KAFKA_BOOTSTRAP_SERVERS")
+
+
+@pytest.mark.parametrize("raw", [",", " , ,"])
+def test_empty_depends_on(raw: str) -> None:
+    message = _fails({"AML_DEPENDS_ON": raw}, "AML_DEPENDS_ON")
+    assert "empty" in message
+
+
+def test_duplicate_depends_on() -> None:
+    message = _fails({"AML_DEPENDS_ON": "a, b, a"}, "AML_DEPENDS_ON")
+    assert "twice" in message
+
+
+def test_invalid_group_in_depends_on() -> None:
+    _fails({"AML_DEPENDS_ON": "ok,not ok"}, "AML_DEPENDS_ON", "not ok")
+
+
+def test_app_id_listed_in_depends_on() -> None:
+    _fails({"AML_APP_ID": "aml", "AML_DEPENDS_ON": "relations,aml"}, "AML_APP_ID", "AML_DEPENDS_ON")
+    # also with the default dependency list
+    _fails({"AML_APP_ID": "relations"}, "AML_APP_ID", "AML_DEPENDS_ON")
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "AML_PARTITIONS",
+        "AML_REPLICATION_FACTOR",
+        "AML_MAX_PENDING",
+        "AML_MAX_PAYMENT_BYTES",
+        "AML_WEB_PORT",
+        "AML_BROKER_PORT",
+        "AML_REFRESH_INTERVAL",
+        "AML_FAST_REFRESH_INTERVAL",
+        "AML_SESSION_TIMEOUT",
+        "AML_REBALANCE_TIMEOUT",
+        "AML_COMMIT_INTERVAL",
+    ],
+)
+def test_non_numeric(name: str) -> None:
+    _fails({name: "soon"}, name, "soon")
+
+
+@pytest.mark.parametrize("name", ["AML_PARTITIONS", "AML_WEB_PORT", "AML_MAX_PAYMENT_BYTES"])
+def test_whole_numbers_reject_fractions(name: str) -> None:
+    _fails({name: "1.5"}, name)
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("AML_PARTITIONS", "0"),
+        ("AML_PARTITIONS", "10001"),
+        ("AML_REPLICATION_FACTOR", "11"),
+        ("AML_MAX_PENDING", "0"),
+        ("AML_MAX_PAYMENT_BYTES", "255"),
+        ("AML_MAX_PAYMENT_BYTES", "10000001"),
+        ("AML_WEB_PORT", "0"),
+        ("AML_WEB_PORT", "65536"),
+        ("AML_BROKER_PORT", "-1"),
+        ("AML_REFRESH_INTERVAL", "0.04"),
+        ("AML_REFRESH_INTERVAL", "601"),
+        ("AML_REFRESH_INTERVAL", "nan"),
+        ("AML_REFRESH_INTERVAL", "inf"),
+        ("AML_FAST_REFRESH_INTERVAL", "0.001"),
+        ("AML_SESSION_TIMEOUT", "0.5"),
+        ("AML_SESSION_TIMEOUT", "301"),
+        ("AML_REBALANCE_TIMEOUT", "601"),
+        ("AML_COMMIT_INTERVAL", "0.05"),
+        ("AML_COMMIT_INTERVAL", "61"),
+    ],
+)
+def test_out_of_range(name: str, raw: str) -> None:
+    message = _fails({name: raw}, name)
+    assert "out of range" in message
+
+
+@pytest.mark.parametrize(("name", "raw"), [("AML_PARTITIONS", "1"), ("AML_PARTITIONS", "10000")])
+def test_range_bounds_are_inclusive(name: str, raw: str) -> None:
+    assert load_settings({name: raw}).partitions == int(raw)
+
+
+def test_fast_refresh_longer_than_slow() -> None:
+    _fails(
+        {"AML_FAST_REFRESH_INTERVAL": "2", "AML_REFRESH_INTERVAL": "1"},
+        "AML_FAST_REFRESH_INTERVAL",
+        "AML_REFRESH_INTERVAL",
+    )
+    # the default fast interval (0.1) against a slow one set below it
+    _fails({"AML_REFRESH_INTERVAL": "0.05"}, "AML_FAST_REFRESH_INTERVAL")
+
+
+@pytest.mark.parametrize("raw", ["maybe", "2", "enabled"])
+def test_bad_gate_switch(raw: str) -> None:
+    _fails({"AML_GATE": raw}, "AML_GATE")
+
+
+@pytest.mark.parametrize(
+    ("name", "raw"),
+    [
+        ("AML_PAYMENTS_TOPIC", "pay ments"),
+        ("AML_DECISIONS_TOPIC", "aml/decisions"),
+        ("AML_DLQ_TOPIC", "x" * 250),
+        ("AML_DLQ_TOPIC", "dlq!"),
+        ("AML_APP_ID", "bad id"),
+    ],
+)
+def test_bad_names(name: str, raw: str) -> None:
+    _fails({name: raw}, name)
+
+
+def test_longest_topic_name_is_accepted() -> None:
+    assert load_settings({"AML_DLQ_TOPIC": "x" * 249}).dlq_topic == "x" * 249
+
+
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"AML_DLQ_TOPIC": "payments"},
+        {"AML_DECISIONS_TOPIC": "payments.dlq"},
+        {"AML_PAYMENTS_TOPIC": "t", "AML_DECISIONS_TOPIC": "t", "AML_DLQ_TOPIC": "t"},
+    ],
+)
+def test_equal_topic_names(env: dict[str, str]) -> None:
+    _fails(env, "AML_PAYMENTS_TOPIC", "AML_DECISIONS_TOPIC", "AML_DLQ_TOPIC")
+
+
+@pytest.mark.parametrize("raw", ["redis://", "rocksdb", "aerospike://x"])
+def test_unsupported_table_store(raw: str) -> None:
+    _fails({"AML_TABLE_STORE": raw}, "AML_TABLE_STORE", raw)
+
+
+def test_config_error_is_a_value_error() -> None:
+    assert issubclass(ConfigError, ValueError)
