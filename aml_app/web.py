@@ -40,6 +40,7 @@ def snapshot() -> dict[str, Any]:
         "processed": {str(p): lane.done for p, lane in gated.lanes.items()},
         "dead_lettered": gated.dead_lettered,
         "rebalances": gated.rebalances,
+        "refetches": gated.refetches,
         "refresh": {
             "last_refresh_age_s": None
             if status.last_refresh is None

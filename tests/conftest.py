@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -39,11 +40,13 @@ async def producer(broker: EmbeddedBroker) -> AsyncIterator[AIOKafkaProducer]:
 
 
 @pytest.fixture
-def workers(broker: EmbeddedBroker, names: Names, tmp_path: Path) -> Iterator[list[Worker]]:
-    """Start workers with `workers.append(Worker(...).start())`; all are stopped after the test."""
+async def workers(broker: EmbeddedBroker, names: Names, tmp_path: Path) -> AsyncIterator[list[Worker]]:
+    """Workers started by the test; stopped after it. Their last state is printed (shown on failure)."""
     started: list[Worker] = []
     yield started
     for worker in started:
+        if worker.process is not None and worker.process.poll() is None:
+            print(f"state of {worker.worker_id}: {json.dumps(await worker.state())}")
         worker.stop(timeout=10)
 
 

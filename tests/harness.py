@@ -260,3 +260,15 @@ def ends_of(placed: list[tuple[int, int]]) -> dict[int, int]:
     for p, o in placed:
         ends[p] = max(ends.get(p, 0), o + 1)
     return ends
+
+
+async def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
+    """A group's committed offsets on `topic` (-1: nothing committed), read like the gate reads them."""
+    from aml_app.gate.offsets import DependencyOffsets
+
+    reader = DependencyOffsets([bootstrap], topic, [group])
+    try:
+        _, committed = await reader.read()
+    finally:
+        await reader.close()
+    return {p: (-1 if o is None else o) for p, o in committed[group].items() if p < partitions}

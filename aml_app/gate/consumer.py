@@ -11,7 +11,8 @@ finished. Faust commits the longest contiguous run of acked offsets, so the comm
 passes a payment that is waiting or in flight (the over-commit of Faust issue #606 needs an ack ahead
 of an unacked head, which in-order acks never produce). A handler exception is retried with backoff and
 the lane stays on that payment: nothing is skipped (Faust would ack a crashed event, issue #315). On a
-rebalance every lane is cancelled; its unacked payments are re-read by the next owner.
+rebalance every lane stops at once, waiting or not; its unacked payments are re-read by the next owner
+(or resumed here, if the partition stays).
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from faust.types import AppT, EventT, StreamT, TopicT
+from faust.types import TP, AppT, EventT, StreamT, TopicT
 
 from aml_app.gate.gate import FreshnessGate
 from aml_app.models import InvalidPayment, Payment, parse_payment
@@ -70,11 +72,25 @@ async def retry_forever(
 @dataclass
 class Lane:
     partition: int
-    queue: asyncio.Queue[EventT] = field(default_factory=asyncio.Queue)
+    queue: deque[EventT] = field(default_factory=deque)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     paused: bool = False
-    in_flight: int | None = None
+    current: EventT | None = None
+    #: When each queued offset reached this worker (monotonic), for the decision's waited_ms.
+    arrived: dict[int, float] = field(default_factory=dict)
     done: int = 0
+    #: Next offset this lane expects; anything lower was delivered before (a re-delivery).
+    next_offset: int | None = None
+    last_dispatch: float = field(default_factory=time.monotonic)
+
+    @property
+    def in_flight(self) -> int | None:
+        return None if self.current is None else self.current.message.offset
+
+    def pending(self) -> list[EventT]:
+        """The unacked events, in offset order: the one in flight first."""
+        return ([self.current] if self.current is not None else []) + list(self.queue)
 
 
 class GatedConsumer:
@@ -101,48 +117,128 @@ class GatedConsumer:
         self.max_payment_bytes = max_payment_bytes
         self.worker_id = worker_id
         self.lanes: dict[int, Lane] = {}
+        self.parked: dict[int, list[EventT]] = {}
+        #: Where each assigned partition starts in this generation, and since when it is ours.
+        self.starts: dict[int, int] = {}
+        self.assigned_at = time.monotonic()
         self.dead_lettered = 0
         self.rebalances = 0
+        self.refetches = 0
+        self._stream: StreamT | None = None
 
     async def consume(self, stream: StreamT) -> None:
         """The agent body: dispatch, never wait."""
-        manual = stream.noack()
+        self._stream = manual = stream.noack()
         async for event in manual.events():
-            self._dispatch(manual, event)
+            self._dispatch(event)
 
-    def _dispatch(self, stream: StreamT, event: EventT) -> None:
-        tp = event.message.tp
-        lane = self.lanes.get(tp.partition)
+    def _lane(self, partition: int) -> Lane:
+        lane = self.lanes.get(partition)
         if lane is None:
-            lane = self.lanes[tp.partition] = Lane(tp.partition)
-            lane.task = asyncio.ensure_future(self._run_lane(stream, lane))
-        lane.queue.put_nowait(event)
-        if not lane.paused and lane.queue.qsize() >= self.max_pending:
+            lane = self.lanes[partition] = Lane(partition)
+            lane.task = asyncio.ensure_future(self._run_lane(lane))
+            for event in self.parked.pop(partition, []):
+                self._enqueue(lane, event)
+        return lane
+
+    def _dispatch(self, event: EventT) -> None:
+        lane = self._lane(event.message.partition)
+        lane.last_dispatch = time.monotonic()
+        self._enqueue(lane, event)
+        if not lane.paused and len(lane.queue) >= self.max_pending:
             # Back-pressure for this partition only: stop fetching it until the lane catches up.
-            self.app.consumer.pause_partitions([tp])
+            self.app.consumer.pause_partitions([event.message.tp])
             lane.paused = True
 
-    def on_rebalance(self) -> None:
-        """Cancel every lane: unacked payments stay uncommitted and are re-read by their next owner."""
+    def _enqueue(self, lane: Lane, event: EventT) -> None:
+        offset = event.message.offset
+        if lane.next_offset is not None and offset < lane.next_offset:
+            return  # delivered before the rebalance and kept: this is the re-delivery
+        lane.next_offset = offset + 1
+        lane.arrived[offset] = time.monotonic()
+        lane.queue.append(event)
+        lane.ready.set()
+
+    def on_revoked(self) -> None:
+        """Stop every lane; keep its unacked events aside until we know who owns the partition.
+
+        Nothing is acked, so the next owner starts at the committed offset. If the partition comes back
+        to this worker, its lane resumes with the kept events: Faust does not always deliver records
+        again that it had already delivered before the rebalance (seen under CPU load).
+        """
         self.rebalances += 1
+        self.starts = {}  # nothing is ours until the next assignment
         lanes, self.lanes = self.lanes, {}
         for lane in lanes.values():
             if lane.task is not None:
                 lane.task.cancel()
+            pending = lane.pending()
+            if pending:
+                self.parked[lane.partition] = pending
 
-    async def _run_lane(self, stream: StreamT, lane: Lane) -> None:
+    def on_assigned(self, starts: dict[int, int]) -> None:
+        """Drop the kept events of partitions that went to another worker; resume the others.
+
+        `starts` maps each assigned partition to where this generation starts reading it (the
+        group's committed offset, or the log start): the delivery check below compares against it.
+        """
+        self.starts = dict(starts)
+        self.assigned_at = time.monotonic()
+        for p in list(self.parked):
+            if p not in starts:
+                del self.parked[p]
+            else:
+                self._lane(p)
+
+    async def check_delivery(self, topic: str, quiet: float) -> None:
+        """Re-fetch records that the consumer fetched but that never reached a lane.
+
+        Right after an assignment Faust can skip freshly fetched records and then, for a partition
+        without a committed offset, not seek back (seen under CPU load: a new owner received nothing).
+        A record that was fetched but not dispatched within `quiet` seconds was dropped: seek to the
+        first offset the lane still needs. The lanes drop any duplicate this causes.
+        """
+        now = time.monotonic()
+        for p, start in list(self.starts.items()):
+            lane = self.lanes.get(p)
+            last = lane.last_dispatch if lane else self.assigned_at
+            if now - last < quiet:
+                continue
+            expected = lane.next_offset if lane and lane.next_offset is not None else start
+            tp = TP(topic, p)
+            if tp not in self.app.consumer.assignment():
+                continue
+            try:
+                position = await asyncio.wait_for(self.app.consumer.position(tp), quiet)
+            except TimeoutError:
+                continue  # no valid position yet: the consumer is still resetting it
+            if position is not None and position > expected:
+                log.warning(
+                    "%s: offsets %d..%d were fetched but never delivered; fetching them again",
+                    tp,
+                    expected,
+                    position - 1,
+                )
+                await self.app.consumer.seek(tp, expected)
+                self.refetches += 1
+
+    async def _run_lane(self, lane: Lane) -> None:
+        assert self._stream is not None
         while True:
-            event = await lane.queue.get()
-            if lane.paused and lane.queue.qsize() <= self.max_pending // 2:
+            while not lane.queue:
+                lane.ready.clear()
+                await lane.ready.wait()
+            event = lane.current = lane.queue.popleft()
+            if lane.paused and len(lane.queue) <= self.max_pending // 2:
                 self.app.consumer.resume_partitions([event.message.tp])
                 lane.paused = False
-            lane.in_flight = event.message.offset
-            await self._process(event)
-            await stream.ack(event)
-            lane.in_flight = None
+            arrived = lane.arrived.pop(event.message.offset, time.monotonic())
+            await self._process(event, arrived)
+            await self._stream.ack(event)
+            lane.current = None
             lane.done += 1
 
-    async def _process(self, event: EventT) -> None:
+    async def _process(self, event: EventT, arrived: float) -> None:
         message = event.message
         p, offset = message.tp.partition, message.offset
         try:
@@ -151,7 +247,6 @@ class GatedConsumer:
             reason = str(exc)
             await retry_forever(f"dead-lettering {p}:{offset}", lambda: self._dead_letter(event, reason))
             return
-        started = time.monotonic()
         if self.gate_enabled:
             row = await self.gate.wait_open(p, offset)
         else:
@@ -161,7 +256,9 @@ class GatedConsumer:
             offset=offset,
             watermark=row["watermark"],
             dependencies=dict(row["dependencies"]),
-            waited_ms=round((time.monotonic() - started) * 1000, 3),
+            # From arrival at this worker to the start of processing: the time the payment was held,
+            # by the gate on itself or on an earlier payment of its partition.
+            waited_ms=round((time.monotonic() - arrived) * 1000, 3),
             gated=self.gate_enabled,
         )
         await retry_forever(

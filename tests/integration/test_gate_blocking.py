@@ -7,7 +7,14 @@ import asyncio
 import pytest
 
 from aml_app.kafka_tools import produce
-from tests.harness import CommitTimeline, ends_of, payments_for, premature, wait_until
+from tests.harness import (
+    CommitTimeline,
+    committed_offsets,
+    ends_of,
+    payments_for,
+    premature,
+    wait_until,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -31,7 +38,7 @@ async def _matching(worker, predicate) -> dict | None:
 
 
 async def test_boundary_every_dependency_exactly_at_o_keeps_o_waiting(
-    names, producer, new_worker, deps, decision_log
+    broker, names, producer, new_worker, deps, decision_log
 ):
     placed = await produce(producer, names.payments, payments_for(names.partitions, 4, "b"))
     ends = ends_of(placed)
@@ -48,6 +55,13 @@ async def test_boundary_every_dependency_exactly_at_o_keeps_o_waiting(
     await decision_log.poll(0.5)
     assert (0, 2) not in decision_log.decided()
 
+    # The service's own committed offset stops exactly at the waiting payment, never past it.
+    async def own_commit_reached() -> dict[int, int] | None:
+        committed = await committed_offsets(broker.bootstrap, names.app_id, names.payments, 4)
+        return committed if committed[0] == 2 and committed[1] == ends[1] else None
+
+    await wait_until(own_commit_reached, 30, "the service to commit up to the waiting payment")
+
     # One dependency past it is not enough: the watermark is the minimum.
     first, second = names.deps
     await timeline.commit({first: deps[first]}, {0: 3})
@@ -57,6 +71,9 @@ async def test_boundary_every_dependency_exactly_at_o_keeps_o_waiting(
     )
     await decision_log.poll(0.5)
     assert (0, 2) not in decision_log.decided()
+
+    committed = await committed_offsets(broker.bootstrap, names.app_id, names.payments, 4)
+    assert committed[0] == 2, "committed past a payment that is still waiting"
 
     await timeline.commit({second: deps[second]}, {0: 3})
     await decision_log.wait_for({(0, 2)}, timeout=15)
@@ -112,3 +129,35 @@ async def test_stall_of_three_session_timeouts_neither_evicts_nor_loses(
     assert after["rebalances"] == ready["rebalances"]
     assert sorted(after["assigned"]) == list(range(names.partitions))
     assert premature(decision_log.decisions(), names.deps, timeline) == []
+
+
+async def test_rebalance_completes_while_every_partition_is_blocked(
+    broker, names, producer, new_worker, deps, decision_log
+):
+    """Waiting lanes are cancelled on revoke, so a blocked worker does not hold up a rebalance."""
+    placed = await produce(producer, names.payments, payments_for(names.partitions, 5, "rb"))
+    first = new_worker()
+    await first.wait_ready(set(range(names.partitions)))
+    await wait_until(
+        lambda: _matching(first, lambda s: len(s["waiting"]) == names.partitions),
+        30,
+        "every partition to be waiting",
+    )
+    second = new_worker()
+
+    async def shared() -> bool:
+        a, b = await first.state(), await second.state()
+        if not a or not b or a["recovering"] or b["recovering"]:
+            return False
+        owned = [set(a["assigned"]), set(b["assigned"])]
+        return all(owned) and owned[0] | owned[1] == set(range(names.partitions))
+
+    await wait_until(shared, 60, "the rebalance to complete with both workers owning partitions")
+    committed = await committed_offsets(broker.bootstrap, names.app_id, names.payments, 4)
+    assert set(committed.values()) <= {-1, 0}, f"committed past waiting payments: {committed}"
+    timeline = CommitTimeline()
+    await timeline.commit(deps, ends_of(placed))
+    await decision_log.wait_for(set(placed), timeout=30)
+    made = decision_log.decisions()
+    assert premature(made, names.deps, timeline) == []
+    assert {d["worker"] for d in made} == {first.worker_id, second.worker_id}

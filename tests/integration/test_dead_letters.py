@@ -1,0 +1,86 @@
+"""Malformed payments go to the dead-letter topic with their reason and original bytes; the rest flow."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from aml_app.kafka_tools import payment_json, produce
+from tests.harness import CommitTimeline, TopicReader, ends_of, premature, wait_until
+
+pytestmark = pytest.mark.integration
+
+GOOD = {
+    "payment_id": "x",
+    "payer": "acct-1",
+    "payee": "acct-2",
+    "amount": "5.00",
+    "currency": "EUR",
+    "ts": "2026-11-20T10:15:00Z",
+}
+
+
+def bad(**changes) -> bytes:
+    doc = {**GOOD, **changes}
+    return json.dumps({k: v for k, v in doc.items() if v is not None}).encode()
+
+
+# (key, value, expected substring of the reason)
+MALFORMED = [
+    (b"acct-1", b"{not json", "not JSON"),
+    (b"acct-1", bad(payee=None), "missing field(s): payee"),
+    (b"acct-1", bad(amount=5), "must be a decimal string"),
+    (b"acct-1", bad(amount="-3.00"), "greater than zero"),
+    (b"acct-1", bad(currency="XXQ"), "ISO 4217"),
+    (b"acct-1", bad(ts="yesterday"), "ISO-8601"),
+    (b"acct-1", b'{"payload": "' + b"A" * 200_000 + b'"}', "over the limit"),
+    (b"acct-1", os.urandom(64) + b"\xff\xfe", "not UTF-8"),
+    (None, payment_json("nokey", "acct-1", "acct-2", "5.00", "2026-11-20T10:15:00Z"), "key is missing"),
+    (b"acct-1", b"[1, 2, 3]", "must be a JSON object"),
+]
+
+
+async def test_each_malformed_payment_is_dead_lettered_and_the_rest_decided(
+    broker, names, producer, new_worker, deps, decision_log
+):
+    records = []
+    for i, (key, value, _) in enumerate(MALFORMED):
+        records.append((0, key, value))
+        good = payment_json(f"good-{i}", "acct-1", "acct-2", "1.00", "2026-11-20T10:15:00Z")
+        records.append((0, b"acct-1", good))
+    placed = await produce(producer, names.payments, records)
+    worker = new_worker()
+    await worker.wait_ready(set(range(names.partitions)))
+    timeline = CommitTimeline()
+    await timeline.commit(deps, {p: ends_of(placed).get(p, 0) for p in range(names.partitions)})
+
+    good_placed = {placed[i] for i in range(1, len(records), 2)}
+    await decision_log.wait_for(good_placed, timeout=30)
+    assert decision_log.decided() == good_placed
+    assert premature(decision_log.decisions(), names.deps, timeline) == []
+
+    dlq = await TopicReader(broker.bootstrap, names.dlq, names.partitions).start()
+    try:
+
+        async def all_dead_lettered() -> bool:
+            await dlq.poll(0.2)
+            return len(dlq.records) >= len(MALFORMED)
+
+        await wait_until(all_dead_lettered, 30, "every malformed payment in the DLQ", interval=0)
+        assert len(dlq.records) == len(MALFORMED)
+        by_offset = {int(dict(r.headers)["dlq.offset"]): r for r in dlq.records}
+        for i, (key, value, reason) in enumerate(MALFORMED):
+            partition, offset = placed[2 * i]
+            record = by_offset[offset]
+            headers = {k: v.decode() for k, v in record.headers}
+            assert reason in headers["dlq.reason"], (reason, headers["dlq.reason"])
+            assert record.value == value, "the original bytes, unchanged"
+            assert record.key == key
+            assert headers["dlq.partition"] == str(partition)
+            assert headers["dlq.topic"] == names.payments
+    finally:
+        await dlq.stop()
+    state = await worker.state()
+    assert state["dead_lettered"] == len(MALFORMED)
