@@ -10,10 +10,16 @@ from aml_app.models import Decision
 from aml_app.settings import load_settings
 
 settings = load_settings()
-# Faust creates the worker's own directory but not its parents.
-Path(settings.data_dir).mkdir(parents=True, exist_ok=True)
 
-app = faust.App(
+
+class AmlApp(faust.App):
+    async def on_first_start(self) -> None:
+        # Faust creates the worker's own directory but not its parents; only workers need it.
+        Path(self.conf.datadir).parent.mkdir(parents=True, exist_ok=True)
+        await super().on_first_start()
+
+
+app = AmlApp(
     settings.app_id,
     broker=settings.faust_brokers,
     store=settings.table_store,

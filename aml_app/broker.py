@@ -16,6 +16,7 @@ import subprocess
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import IO
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
@@ -53,6 +54,7 @@ class EmbeddedBroker:
         self.port = port
         self.log_path = log_path
         self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
 
     @property
     def bootstrap(self) -> str:
@@ -92,6 +94,9 @@ class EmbeddedBroker:
 
     def stop(self) -> None:
         process, self.process = self.process, None
+        log, self._log = self._log, None
+        if log is not None:
+            log.close()
         if process is None or process.poll() is not None:
             return
         with contextlib.suppress(ProcessLookupError):

@@ -43,8 +43,8 @@ class Payment(faust.Record, serializer="json"):
         return Decimal(self.amount)
 
 
-class Decision(faust.Record, serializer="json"):
-    """One per processed payment on `aml.decisions`, keyed by payment_id."""
+class Decision(faust.Record, serializer="json", include_metadata=False):
+    """One per processed payment on `aml.decisions`, keyed by payment_id (plain JSON, no Faust metadata)."""
 
     payment_id: str
     partition: int
