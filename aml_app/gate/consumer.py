@@ -147,7 +147,7 @@ class GatedConsumer:
         self._enqueue(lane, event)
         if not lane.paused and len(lane.queue) >= self.max_pending:
             # Back-pressure for this partition only: stop fetching it until the lane catches up.
-            self.app.consumer.pause_partitions([event.message.tp])
+            self.app.consumer.pause_partitions([TP(*event.message.tp)])
             lane.paused = True
 
     def _enqueue(self, lane: Lane, event: EventT) -> None:
@@ -230,7 +230,8 @@ class GatedConsumer:
                 await lane.ready.wait()
             event = lane.current = lane.queue.popleft()
             if lane.paused and len(lane.queue) <= self.max_pending // 2:
-                self.app.consumer.resume_partitions([event.message.tp])
+                # Faust keeps its own TP type in its paused set; aiokafka's would crash its checks.
+                self.app.consumer.resume_partitions([TP(*event.message.tp)])
                 lane.paused = False
             arrived = lane.arrived.pop(event.message.offset, time.monotonic())
             await self._process(event, arrived)

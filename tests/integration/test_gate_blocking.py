@@ -161,3 +161,24 @@ async def test_rebalance_completes_while_every_partition_is_blocked(
     made = decision_log.decisions()
     assert premature(made, names.deps, timeline) == []
     assert {d["worker"] for d in made} == {first.worker_id, second.worker_id}
+
+
+async def test_back_pressure_pauses_only_the_blocked_partition_and_resumes(
+    names, producer, new_worker, deps, decision_log
+):
+    """More payments than AML_MAX_PENDING behind a closed gate: the partition pauses, the others flow,
+    and once the gate opens it resumes and drains without losing anything."""
+    placed = await produce(producer, names.payments, payments_for(names.partitions, 60, "bp"))
+    ends = ends_of(placed)
+    worker = new_worker(AML_MAX_PENDING="8")
+    await worker.wait_ready(set(range(names.partitions)))
+    timeline = CommitTimeline()
+    await timeline.commit(deps, {p: ends[p] for p in range(1, names.partitions)})
+    await decision_log.wait_for({(p, o) for p, o in placed if p != 0}, timeout=30)
+    assert not any(p == 0 for p, _ in decision_log.decided())
+
+    await timeline.commit(deps, {0: ends[0]})
+    await decision_log.wait_for(set(placed), timeout=30)
+    assert premature(decision_log.decisions(), names.deps, timeline) == []
+    state = await worker.state()
+    assert state is not None, "the worker survived the pause and resume"

@@ -1,0 +1,494 @@
+"""GatedConsumer lanes with hand-written stand-ins for the Faust objects it touches; no broker.
+
+Every wait is bounded by a deadline; "does not happen" is checked over a short quiet period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+from faust.types import TP
+
+from aml_app.gate.consumer import Admission, GatedConsumer
+from aml_app.gate.gate import FreshnessGate
+from aml_app.models import Payment
+
+TOPIC = "payments"
+DEADLINE = 2.0  # generous upper bound for things that should happen at once
+QUIET = 0.05  # how long something must not happen to count as "held"
+
+
+# --- stand-ins -----------------------------------------------------------------------------------
+
+
+def payment_value(p: int, o: int, payer: str = "acct-1") -> bytes:
+    return json.dumps(
+        {
+            "payment_id": f"pay-{p}-{o}",
+            "payer": payer,
+            "payee": "acct-2",
+            "amount": "10.00",
+            "currency": "EUR",
+            "ts": "2026-11-20T10:15:00Z",
+        }
+    ).encode()
+
+
+@dataclass
+class FakeMessage:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+
+    @property
+    def tp(self) -> TP:
+        return TP(self.topic, self.partition)
+
+
+@dataclass
+class FakeEvent:
+    message: FakeMessage
+
+
+def event(p: int, o: int, key: bytes | None = b"acct-1", value: bytes | None = None) -> FakeEvent:
+    if value is None:
+        value = payment_value(p, o)
+    return FakeEvent(FakeMessage(TOPIC, p, o, key, value))
+
+
+def po(e: FakeEvent) -> tuple[int, int]:
+    return e.message.partition, e.message.offset
+
+
+class FakeConsumer:
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, list[TP], Any]] = []
+        self.seeks: list[tuple[TP, int]] = []
+        self.assigned: set[TP] = set()
+        self.positions: dict[TP, int | None] = {}
+        #: Called at each pause/resume; its result is recorded with the call.
+        self.probe: Callable[[], Any] = lambda: None
+
+    def pause_partitions(self, tps: Iterable[TP]) -> None:
+        self.calls.append(("pause", list(tps), self.probe()))
+
+    def resume_partitions(self, tps: Iterable[TP]) -> None:
+        self.calls.append(("resume", list(tps), self.probe()))
+
+    def assignment(self) -> set[TP]:
+        return set(self.assigned)
+
+    async def position(self, tp: TP) -> int | None:
+        return self.positions.get(tp)
+
+    async def seek(self, tp: TP, offset: int) -> None:
+        self.seeks.append((tp, offset))
+
+
+class FakeApp:
+    def __init__(self) -> None:
+        self.consumer = FakeConsumer()
+
+
+class FakeStream:
+    """Manual-ack stream: `noack()` is itself, `events()` yields the given events."""
+
+    def __init__(self, on_ack: Callable[[FakeEvent], None], events: Iterable[FakeEvent] = ()) -> None:
+        self.acks: list[tuple[int, int]] = []
+        self._on_ack = on_ack
+        self._events = list(events)
+        self.manual = False
+
+    def noack(self) -> FakeStream:
+        self.manual = True
+        return self
+
+    async def events(self) -> AsyncIterator[FakeEvent]:
+        for e in self._events:  # one batch: every event is dispatched before any lane runs
+            yield e
+
+    async def ack(self, e: FakeEvent) -> bool:
+        self._on_ack(e)
+        self.acks.append(po(e))
+        return True
+
+
+class FakeDeadLetters:
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, *, key: bytes | None, value: bytes | None, headers: list) -> asyncio.Future[None]:
+        self.sent.append({"key": key, "value": value, "headers": dict(headers)})
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.set_result(None)
+        return fut
+
+
+def row(p: int, w: int) -> dict[str, Any]:
+    return {"partition": p, "watermark": w, "dependencies": {"relations": w}, "refreshed_at": 0.0}
+
+
+class Harness:
+    """One GatedConsumer over the fakes; the handler records what it processed, in order."""
+
+    def __init__(self, *, gate_enabled: bool = True, max_pending: int = 1000) -> None:
+        self.rows: dict[int, dict[str, Any]] = {}
+        self.gate = FreshnessGate(lookup=self.rows.get)
+        self.app = FakeApp()
+        self.dlq = FakeDeadLetters()
+        self.calls: list[tuple[int, int]] = []  # every handler call, failed or not
+        self.handled: list[tuple[int, int]] = []  # successful handler calls
+        self.admissions: dict[tuple[int, int], Admission] = {}
+        self.failures: dict[tuple[int, int], int] = {}  # (p, o) -> how many first calls raise
+        self.violations: list[str] = []
+        self.gated = GatedConsumer(
+            self.app,  # type: ignore[arg-type]
+            self.gate,
+            self.handle,
+            self.dlq,  # type: ignore[arg-type]
+            gate_enabled=gate_enabled,
+            max_pending=max_pending,
+            worker_id="w-test",
+        )
+        self.stream = self.new_stream()
+        self.gated._stream = self.stream  # type: ignore[assignment]
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    def new_stream(self, events: Iterable[FakeEvent] = ()) -> FakeStream:
+        return FakeStream(self._check_ack, events)
+
+    @property
+    def acks(self) -> list[tuple[int, int]]:
+        return self.stream.acks
+
+    def _check_ack(self, e: FakeEvent) -> None:
+        key = po(e)
+        if key in self.stream.acks:
+            self.violations.append(f"{key} acked twice")
+        dead = any(
+            s["headers"]["dlq.partition"] == str(key[0]).encode()
+            and s["headers"]["dlq.offset"] == str(key[1]).encode()
+            for s in self.dlq.sent
+        )
+        if key not in self.handled and not dead:
+            self.violations.append(f"{key} acked before it was handled or dead-lettered")
+
+    async def handle(self, payment: Payment, admission: Admission) -> None:
+        key = (admission.partition, admission.offset)
+        self.calls.append(key)
+        assert payment.payment_id == f"pay-{key[0]}-{key[1]}"
+        await asyncio.sleep(0)  # let the other lanes run in between
+        if self.failures.get(key, 0) > 0:
+            self.failures[key] -= 1
+            raise RuntimeError(f"handler failure at {key}")
+        self.admissions[key] = admission
+        self.handled.append(key)
+
+    def open(self, p: int, watermark: int) -> None:
+        self.rows[p] = row(p, watermark)
+        self.gate.notify([p])
+
+    def _track(self) -> None:
+        self.tasks.update(lane.task for lane in self.gated.lanes.values() if lane.task is not None)
+
+    def dispatch(self, *events: FakeEvent) -> None:
+        for e in events:
+            self.gated._dispatch(e)  # type: ignore[arg-type]
+        self._track()
+
+    def assign(self, starts: dict[int, int]) -> None:
+        self.gated.on_assigned(starts)
+        self._track()
+
+    def of(self, items: list[tuple[int, int]], p: int) -> list[int]:
+        return [o for q, o in items if q == p]
+
+    async def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait_for(asyncio.gather(*self.tasks, return_exceptions=True), DEADLINE)
+        notifications = list(self.gate._notifications)
+        if notifications:
+            await asyncio.wait_for(asyncio.gather(*notifications, return_exceptions=True), DEADLINE)
+
+
+async def until(predicate: Callable[[], bool], what: str) -> None:
+    async def poll() -> None:
+        while True:  # polling like tests.harness.wait_until, but bounded by wait_for
+            if predicate():
+                return
+            await asyncio.sleep(0.002)
+
+    try:
+        await asyncio.wait_for(poll(), DEADLINE)
+    except TimeoutError:
+        pytest.fail(f"timed out waiting for {what}")
+
+
+async def quiet() -> None:
+    await asyncio.sleep(QUIET)
+
+
+@pytest.fixture
+async def make() -> AsyncIterator[Callable[..., Harness]]:
+    made: list[Harness] = []
+
+    def build(**kwargs: Any) -> Harness:
+        h = Harness(**kwargs)
+        made.append(h)
+        return h
+
+    yield build
+    for h in made:
+        await h.close()
+
+
+# --- tests ---------------------------------------------------------------------------------------
+
+
+async def test_in_order_processing_and_acks_per_partition(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.open(0, 100)
+    h.open(1, 100)
+    events = [event(p, o) for o in range(5) for p in (0, 1)]
+    h.stream = h.new_stream(events)
+    await asyncio.wait_for(h.gated.consume(h.stream), DEADLINE)  # type: ignore[arg-type]
+    assert h.stream.manual and h.gated._stream is h.stream
+    h._track()
+
+    await until(lambda: len(h.acks) == 10, "all ten payments acked")
+    assert h.violations == []
+    for p in (0, 1):
+        assert h.of(h.handled, p) == [0, 1, 2, 3, 4]
+        assert h.of(h.acks, p) == [0, 1, 2, 3, 4]  # contiguous, in offset order
+    assert h.acks == h.handled  # each ack right after its handler finished
+    assert h.dlq.sent == []
+    assert {lane.done for lane in h.gated.lanes.values()} == {5}
+
+
+async def test_gate_holds_each_payment_until_the_watermark_passes_it(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.open(0, 2)
+    h.open(1, 100)
+    h.dispatch(*(event(0, o) for o in range(4)))
+
+    await until(lambda: h.gate.waiting == {0: 2}, "offset 2 waiting at the gate")
+    assert h.handled == [(0, 0), (0, 1)]
+    assert h.acks == [(0, 0), (0, 1)]
+
+    # No head-of-line blocking: partition 1 flows while partition 0 is held.
+    h.dispatch(*(event(1, o) for o in range(3)))
+    await until(lambda: h.of(h.acks, 1) == [0, 1, 2], "partition 1 acked while partition 0 waits")
+    assert h.of(h.handled, 0) == [0, 1]
+
+    h.open(0, 2)  # a refresh that does not move the watermark keeps it waiting
+    await quiet()
+    assert h.of(h.handled, 0) == [0, 1]
+
+    h.open(0, 3)  # 2 < 3: offset 2 goes; watermark == 3 keeps offset 3 waiting
+    await until(lambda: (0, 2) in h.acks, "offset 2 acked once the watermark passed it")
+    await until(lambda: h.gate.waiting == {0: 3}, "offset 3 waiting at the gate")
+    await quiet()
+    assert h.of(h.handled, 0) == [0, 1, 2]
+
+    h.open(0, 4)
+    await until(lambda: h.of(h.acks, 0) == [0, 1, 2, 3], "offset 3 acked")
+    assert h.of(h.handled, 0) == [0, 1, 2, 3]
+    assert h.violations == []
+    held = h.admissions[(0, 2)]
+    assert held == Admission(
+        partition=0,
+        offset=2,
+        watermark=3,
+        dependencies={"relations": 3},
+        waited_ms=held.waited_ms,
+        gated=True,
+    )
+    assert held.waited_ms >= QUIET * 1000 / 2
+
+
+async def test_handler_exception_is_retried_never_skipped(make: Callable[..., Harness]) -> None:
+    h = make()
+    h.open(0, 100)
+    h.open(1, 100)
+    h.failures[(0, 1)] = 2  # default backoff: 0.1 s + 0.2 s
+    h.dispatch(*(event(0, o) for o in range(3)))
+
+    await until(lambda: h.calls.count((0, 1)) >= 1, "first attempt at offset 1")
+    h.dispatch(*(event(1, o) for o in range(3)))
+    await until(lambda: h.of(h.acks, 1) == [0, 1, 2], "partition 1 acked while partition 0 retries")
+    assert (0, 1) not in h.handled
+    assert (0, 2) not in h.calls
+
+    await until(lambda: h.of(h.acks, 0) == [0, 1, 2], "partition 0 acked after the retries")
+    assert h.of(h.calls, 0) == [0, 1, 1, 1, 2]  # offset 2 only after offset 1 succeeded
+    assert h.of(h.handled, 0) == [0, 1, 2]
+    assert h.acks.count((0, 1)) == 1
+    assert h.violations == []
+
+
+async def test_invalid_payments_are_dead_lettered_in_order_without_the_gate(
+    make: Callable[..., Harness],
+) -> None:
+    h = make()  # no row for partition 0: its gate is closed
+    consulted: list[tuple[int, int]] = []
+    wait_open = h.gate.wait_open
+
+    async def spy(partition: int, offset: int) -> Any:
+        consulted.append((partition, offset))
+        return await wait_open(partition, offset)
+
+    h.gate.wait_open = spy  # type: ignore[method-assign]
+    bad_json = b'{"payment_id": "pay-0-0", '
+    null_key_value = payment_value(0, 1)
+    h.dispatch(
+        event(0, 0, value=bad_json),
+        event(0, 1, key=None, value=null_key_value),
+        event(0, 2),
+        event(0, 3, value=b"not json at all"),
+    )
+
+    await until(lambda: h.gate.waiting == {0: 2}, "the valid payment waiting at the gate")
+    await quiet()
+    assert h.acks == [(0, 0), (0, 1)]
+    assert h.handled == []
+    assert consulted == [(0, 2)]
+    assert len(h.dlq.sent) == 2  # offset 3 waits behind offset 2
+    first, second = h.dlq.sent
+    assert first["key"] == b"acct-1" and first["value"] == bad_json
+    assert first["headers"]["dlq.reason"].startswith(b"value is not JSON")
+    assert first["headers"]["dlq.topic"] == TOPIC.encode()
+    assert (first["headers"]["dlq.partition"], first["headers"]["dlq.offset"]) == (b"0", b"0")
+    assert first["headers"]["dlq.worker"] == b"w-test"
+    assert second["key"] is None and second["value"] == null_key_value
+    assert second["headers"]["dlq.reason"].startswith(b"key is missing (null)")
+    assert second["headers"]["dlq.offset"] == b"1"
+
+    h.open(0, 10)
+    await until(lambda: h.acks == [(0, 0), (0, 1), (0, 2), (0, 3)], "all four acked in order")
+    assert h.handled == [(0, 2)]
+    assert consulted == [(0, 2)]
+    assert [s["headers"]["dlq.offset"] for s in h.dlq.sent] == [b"0", b"1", b"3"]
+    assert h.dlq.sent[2]["value"] == b"not json at all"
+    assert h.gated.dead_lettered == 3
+    assert h.violations == []
+
+
+async def test_rebalance_keeps_resumes_deduplicates_or_drops_pending(make: Callable[..., Harness]) -> None:
+    h = make()  # both partitions closed
+    h.dispatch(*(event(p, o) for p in (0, 1) for o in range(3)))
+    await until(lambda: h.gate.waiting == {0: 0, 1: 0}, "both lanes waiting")
+    old_tasks = [lane.task for lane in h.gated.lanes.values()]
+
+    h.gated.on_revoked()
+    results = await asyncio.wait_for(asyncio.gather(*old_tasks, return_exceptions=True), DEADLINE)
+    assert all(isinstance(r, asyncio.CancelledError) for r in results)
+    assert h.gated.lanes == {}
+    assert h.gated.starts == {}
+    assert {p: [po(e)[1] for e in events] for p, events in h.gated.parked.items()} == {
+        0: [0, 1, 2],
+        1: [0, 1, 2],
+    }
+    assert h.gate.waiting == {}
+    assert h.acks == [] and h.handled == []
+
+    h.assign({0: 0})  # partition 0 stays here, partition 1 went elsewhere
+    assert h.gated.parked == {}
+    assert set(h.gated.lanes) == {0}
+    h.dispatch(*(event(0, o) for o in range(4)))  # re-delivery of 0..2, then new offset 3
+    h.open(0, 100)
+    h.open(1, 100)
+    await until(lambda: h.acks == [(0, 0), (0, 1), (0, 2), (0, 3)], "the kept payments resumed")
+    await quiet()
+    assert h.handled == [(0, 0), (0, 1), (0, 2), (0, 3)]  # each exactly once
+    assert h.acks == h.handled
+    assert 1 not in h.gated.lanes  # the dropped partition's kept events are never handled
+    assert h.violations == []
+
+
+async def test_back_pressure_pauses_and_resumes_only_the_blocked_partition(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_pending=3)
+    h.open(1, 100)
+    tp0 = TP(TOPIC, 0)
+    h.app.consumer.probe = lambda: list(h.handled)
+
+    # Partition 1 flows: its lane never holds max_pending events, so it is never paused.
+    for o in range(5):
+        h.dispatch(event(1, o))
+        await until(lambda o=o: (1, o) in h.acks, f"partition 1 offset {o} acked")
+
+    h.dispatch(event(0, 0), event(0, 1))
+    assert h.app.consumer.calls == []
+    h.dispatch(event(0, 2))  # the third event queued: pause
+    assert h.app.consumer.calls == [("pause", [tp0], list(h.handled))]
+    await until(lambda: h.gate.waiting == {0: 0}, "partition 0 waiting")
+    h.dispatch(event(0, 3))  # already paused: no second pause
+    await quiet()
+    assert [c[:2] for c in h.app.consumer.calls] == [("pause", [tp0])]
+
+    h.open(0, 100)
+    await until(lambda: h.of(h.acks, 0) == [0, 1, 2, 3], "partition 0 drained")
+    _, resume = h.app.consumer.calls
+    # Resumed when the lane took offset 2, leaving 1 queued (<= 3 // 2); not when it left 2 queued.
+    assert resume[:2] == ("resume", [tp0])
+    assert h.of(resume[2], 0) == [0, 1]
+    assert not h.gated.lanes[0].paused
+    assert h.violations == []
+
+
+async def test_check_delivery_refetches_only_what_never_reached_a_lane(make: Callable[..., Harness]) -> None:
+    h = make()
+    tp0 = TP(TOPIC, 0)
+    consumer = h.app.consumer
+    consumer.assigned = {tp0}
+    consumer.positions[tp0] = 5
+
+    h.assign({0: 0})
+    await h.gated.check_delivery(TOPIC, quiet=1.0)
+    assert consumer.seeks == []  # just assigned: not quiet long enough yet
+
+    h.gated.assigned_at = time.monotonic() - 10
+    await h.gated.check_delivery(TOPIC, quiet=1.0)
+    assert consumer.seeks == [(tp0, 0)]
+    assert h.gated.refetches == 1
+
+    # A lane that has seen offsets up to 4 expects 5: position 5 means nothing is missing.
+    consumer.seeks.clear()
+    h.open(0, 100)
+    h.dispatch(event(0, 4))
+    await until(lambda: h.acks == [(0, 4)], "offset 4 acked")
+    lane = h.gated.lanes[0]
+    assert lane.next_offset == 5
+    lane.last_dispatch = time.monotonic() - 10
+    await h.gated.check_delivery(TOPIC, quiet=1.0)
+    assert consumer.seeks == []
+    assert h.gated.refetches == 1
+
+    consumer.positions[tp0] = 7  # 5 and 6 were fetched but never dispatched
+    await h.gated.check_delivery(TOPIC, quiet=1.0)
+    assert consumer.seeks == [(tp0, 5)]
+    assert h.gated.refetches == 2
+
+
+async def test_gate_disabled_handles_at_once(make: Callable[..., Harness]) -> None:
+    h = make(gate_enabled=False)
+    h.rows[1] = row(1, 0)  # closed for offset 0
+    h.dispatch(event(0, 0), event(0, 1), event(1, 0))
+    await until(lambda: len(h.acks) == 3, "all acked with the gate closed")
+    assert h.of(h.handled, 0) == [0, 1]
+    assert h.gate.waiting == {}
+    assert all(not a.gated for a in h.admissions.values())
+    assert (h.admissions[(0, 0)].watermark, h.admissions[(0, 0)].dependencies) == (-1, {})
+    assert (h.admissions[(1, 0)].watermark, h.admissions[(1, 0)].dependencies) == (0, {"relations": 0})
+    assert h.violations == []
