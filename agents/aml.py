@@ -60,7 +60,10 @@ async def _stop_lanes(sender, revoked, **kwargs) -> None:  # type: ignore[no-unt
 @app.on_partitions_assigned.connect
 async def _resume_lanes(sender, assigned, **kwargs) -> None:  # type: ignore[no-untyped-def]
     mine = sorted(tp for tp in assigned if tp.topic == settings.payments_topic)
-    gated.on_assigned(await _starts(mine) if mine else {})
+    generation = gated.rebalances
+    starts = await _starts(mine) if mine else {}
+    if gated.rebalances == generation:  # a newer rebalance has begun: its own handler takes over
+        gated.on_assigned(starts)
 
 
 async def _starts(tps: list) -> dict[int, int]:

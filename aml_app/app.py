@@ -5,14 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import faust
+from faust.types import TransportT
 
 from aml_app.models import Decision
 from aml_app.settings import load_settings
+from aml_app.transport import transport_with_fetch_wait
 
 settings = load_settings()
 
 
 class AmlApp(faust.App):
+    def _new_transport(self) -> TransportT:
+        transport = transport_with_fetch_wait(settings.fetch_max_wait_ms)
+        return transport(self.conf.broker_consumer, self)
+
     async def on_first_start(self) -> None:
         # Faust creates the worker's own directory but not its parents; only workers need it.
         Path(self.conf.datadir).parent.mkdir(parents=True, exist_ok=True)

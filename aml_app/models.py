@@ -21,7 +21,7 @@ OPTIONAL = ("channel", "country")
 MAX_ID_LENGTH = 128
 MAX_AMOUNT = Decimal("1e15")
 # ASCII digits only: Decimal() would also take "1_000", "1E+3", " 5 " or Arabic-Indic digits.
-_DECIMAL = re.compile(r"^-?[0-9]+(\.[0-9]+)?$")
+_DECIMAL = re.compile(r"-?[0-9]+(\.[0-9]+)?")
 
 
 class InvalidPayment(ValueError):
@@ -77,7 +77,7 @@ def _amount(doc: dict) -> str:
         raise InvalidPayment(
             f"field 'amount' must be a decimal string such as \"12.50\", got {type(raw).__name__}"
         )
-    if not _DECIMAL.match(raw):
+    if not _DECIMAL.fullmatch(raw):
         raise InvalidPayment(
             f"field 'amount' must be plain decimal digits such as \"12.50\", got {raw[:40]!r}"
         )

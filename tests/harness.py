@@ -204,7 +204,11 @@ class DecisionLog(TopicReader):
             await self.poll(0.2)
             return self.decided() >= expected
 
-        await wait_until(covered, timeout, f"decisions for {len(expected)} payments", interval=0)
+        try:
+            await wait_until(covered, timeout, f"decisions for {len(expected)} payments", interval=0)
+        except AssertionError as exc:
+            missing = sorted(expected - self.decided())
+            raise AssertionError(f"{exc}; {len(missing)} missing, first: {missing[:20]}") from None
 
 
 class CommitTimeline:

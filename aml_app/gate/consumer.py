@@ -137,6 +137,7 @@ class GatedConsumer:
         if lane is None:
             lane = self.lanes[partition] = Lane(partition)
             lane.task = asyncio.ensure_future(self._run_lane(lane))
+            lane.task.add_done_callback(self._lane_ended)
             for event in self.parked.pop(partition, []):
                 self._enqueue(lane, event)
         return lane
@@ -189,6 +190,11 @@ class GatedConsumer:
                 del self.parked[p]
             else:
                 self._lane(p)
+        for p, lane in list(self.lanes.items()):
+            if p not in starts and lane.task is not None:
+                # Only an event from before the assignment could have made this lane: never ours.
+                lane.task.cancel()
+                del self.lanes[p]
 
     async def check_delivery(self, topic: str, quiet: float) -> None:
         """Re-fetch records that the consumer fetched but that never reached a lane.
@@ -221,6 +227,13 @@ class GatedConsumer:
                 )
                 await self.app.consumer.seek(tp, expected)
                 self.refetches += 1
+
+    def _lane_ended(self, task: asyncio.Task[None]) -> None:
+        """A lane ends only when cancelled. Anything else is a bug: stop loudly, never stall silently."""
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.error("a partition lane stopped unexpectedly; stopping the worker", exc_info=exc)
+            self.app.add_future(self.app.crash(exc))
 
     async def _run_lane(self, lane: Lane) -> None:
         assert self._stream is not None

@@ -67,8 +67,12 @@ async def test_one_to_three_to_one_workers_loses_nothing_and_decides_nothing_ear
             assert set(map(int, state["watermarks"])) == all_partitions
             assert all(now - row["refreshed_at"] < 10 for row in state["watermarks"].values())
         assert sum(s["is_leader"] for s in states) == 1
-        decided_by_three = len(decision_log.decided())
-        await decision_log.poll(1.0)
+
+        async def all_working() -> bool:
+            states = [await w.state() for w in trio]
+            return all(s and sum(s["processed"].values()) > 0 for s in states)
+
+        await wait_until(all_working, 60, "each of the three workers to decide payments")
 
         for worker in others:
             worker.stop()
@@ -82,5 +86,4 @@ async def test_one_to_three_to_one_workers_loses_nothing_and_decides_nothing_ear
     assert premature(made, names.deps, traffic.timeline) == []
     produced_ids = {f"t{r}-{p}-{i}" for r in range(traffic.rounds) for p in all_partitions for i in (0, 1)}
     assert {d["payment_id"] for d in made} == produced_ids
-    assert len({d["worker"] for d in made}) >= 2, "decisions came from more than one worker"
-    assert decided_by_three <= len(made)
+    assert {first.worker_id, *(w.worker_id for w in others)} <= {d["worker"] for d in made}
