@@ -27,6 +27,8 @@ lint: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python -m bench.gate_overhead
 	$(BIN)/python -m bench.gate_latency
+	$(BIN)/python -m bench.admin_idle
+	$(BIN)/python -m bench.plot
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache

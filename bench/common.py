@@ -1,0 +1,295 @@
+"""Shared set-up for the benchmarks: one private broker, fresh names per run, worker processes.
+
+Everything runs on a broker of our own on a free port, so a benchmark neither disturbs nor is
+disturbed by topics of other people's test runs (the CPU is shared all the same: expect noise).
+Workers are started through `tests.harness.Worker`, exactly as the integration tests start them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+
+from aml_app.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
+from aml_app.kafka_tools import GroupCommitter
+from tests.harness import Names, Worker, wait_until
+
+RESULTS = Path(__file__).resolve().parent / "results"
+PROJECT = Path(__file__).resolve().parent.parent
+#: The timeouts the integration harness uses; a benchmark worker behaves like a test worker.
+WORKER_ENV = {"AML_SESSION_TIMEOUT": "4", "AML_REBALANCE_TIMEOUT": "4"}
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class BenchEnv:
+    """A private broker, one producer, and every worker started through it (stopped at the end)."""
+
+    broker: EmbeddedBroker
+    workdir: Path
+    producer: AIOKafkaProducer
+    workers: list[Worker] = field(default_factory=list)
+
+    @property
+    def bootstrap(self) -> str:
+        return self.broker.bootstrap
+
+    async def fresh_names(self, partitions: int) -> Names:
+        """New payments/decisions/DLQ topics and group names, so runs never see each other."""
+        names = Names(partitions=partitions)
+        await create_topics([self.bootstrap], [names.payments, names.decisions, names.dlq], partitions)
+        return names
+
+    def start_worker(self, names: Names, **env: str) -> Worker:
+        worker = Worker(self.bootstrap, names, self.workdir, **{**WORKER_ENV, **env}).start()
+        self.workers.append(worker)
+        return worker
+
+    async def stop_workers(self, workers: Sequence[Worker] | None = None) -> None:
+        """SIGTERM (then SIGKILL) the given workers, or all of ours; in parallel, with a deadline."""
+        chosen = list(self.workers if workers is None else workers)
+        await asyncio.gather(*(asyncio.to_thread(w.stop, 20) for w in chosen))
+        self.workers = [w for w in self.workers if w not in chosen]
+
+    async def commit(self, names: Names, offsets: Mapping[int, int]) -> None:
+        """Play every dependency group once: commit `offsets` for each, then let go."""
+        for group in names.deps:
+            committer = await GroupCommitter([self.bootstrap], group, names.payments).start(
+                range(names.partitions)
+            )
+            try:
+                await committer.commit(offsets)
+            finally:
+                await committer.stop()
+
+
+@contextlib.asynccontextmanager
+async def bench_env(keep: bool = False) -> AsyncIterator[BenchEnv]:
+    """Start the broker and a producer; always stop the workers, the producer and the broker."""
+    workdir = Path(tempfile.mkdtemp(prefix="aml-bench-"))
+    broker = EmbeddedBroker(free_port(), log_path=workdir / "broker.log").start()
+    producer: AIOKafkaProducer | None = None
+    env: BenchEnv | None = None
+    ok = False
+    try:
+        await wait_until_answering([broker.bootstrap])
+        producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, max_request_size=4_000_000)
+        await producer.start()
+        env = BenchEnv(broker, workdir, producer)
+        yield env
+        ok = True
+    finally:
+        if env is not None:
+            await env.stop_workers()
+        if producer is not None:
+            await producer.stop()
+        broker.stop()
+        if ok and not keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"worker and broker logs kept in {workdir}", file=sys.stderr)
+
+
+async def states(workers: Sequence[Worker]) -> list[dict[str, Any] | None]:
+    return list(await asyncio.gather(*(w.state() for w in workers)))
+
+
+async def wait_owned(
+    workers: Sequence[Worker], partitions: int, timeout: float = 90, settle: float = 3.0
+) -> list[dict[str, Any]]:
+    """Until the workers are recovered, see every watermark row, own all partitions disjointly,
+    and the assignment has not changed for `settle` seconds (a late rebalance would skew a run)."""
+    wanted = list(range(partitions))
+    stable_since: float | None = None
+    last: list[list[int]] | None = None
+
+    async def ready() -> list[dict[str, Any]] | None:
+        nonlocal stable_since, last
+        now = await states(workers)
+        good = all(s and not s["recovering"] and s["watermarks"] for s in now)
+        owned = [sorted(s["assigned"]) for s in now if s] if good else None
+        if not owned or sorted(p for ps in owned for p in ps) != wanted:
+            stable_since, last = None, None
+            return None
+        if owned != last:
+            stable_since, last = time.monotonic(), owned
+        return [s for s in now if s] if time.monotonic() - stable_since >= settle else None
+
+    return await wait_until(ready, timeout, f"{len(workers)} workers to own {partitions} partitions")
+
+
+async def admin_requests(workers: Sequence[Worker]) -> dict[str, Any]:
+    """The admin-request and refresh counters summed over the workers, and who leads now."""
+    now = await states(workers)
+    if any(s is None for s in now):
+        raise AssertionError("a worker did not answer /watermarks.json")
+    return {
+        "at": time.monotonic(),
+        "admin_requests": sum(s["refresh"]["admin_requests"] for s in now if s),
+        "refreshes": sum(s["refresh"]["refreshes"] for s in now if s),
+        "leaders": [s["worker"] for s in now if s and s["is_leader"]],
+        "rebalances": {s["worker"]: s["rebalances"] for s in now if s},
+    }
+
+
+class DecisionCounter:
+    """Counts decisions by the topic's end offsets: cheap enough to poll while a worker runs."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        self.tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+
+    async def __aenter__(self) -> DecisionCounter:
+        await self.consumer.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.consumer.stop()
+
+    async def count(self) -> int:
+        return sum((await self.consumer.end_offsets(self.tps)).values())
+
+
+async def read_decisions(
+    bootstrap: str, topic: str, partitions: int, expected: int, timeout: float = 60
+) -> list[dict[str, Any]]:
+    """Read the decisions topic from the beginning until `expected` records are in (or fail)."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, max_partition_fetch_bytes=8_000_000
+    )
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        out: list[dict[str, Any]] = []
+
+        async def enough() -> bool:
+            batch = await consumer.getmany(timeout_ms=200, max_records=10_000)
+            out.extend(json.loads(r.value) for records in batch.values() for r in records)
+            return len(out) >= expected
+
+        await wait_until(enough, timeout, f"{expected} decisions on {topic}", interval=0)
+        return out
+    finally:
+        await consumer.stop()
+
+
+class CommitLog:
+    """When each dependency commit was initiated, indexed for "which commit first covered o".
+
+    The benchmark's committers only ever move forward, so per (group, partition) the committed
+    offsets are non-decreasing and a bisection finds the first commit past o.
+    """
+
+    def __init__(self) -> None:
+        self._times: dict[tuple[str, int], list[float]] = {}
+        self._offsets: dict[tuple[str, int], list[int]] = {}
+
+    def record(self, group: str, partition: int, offset: int, at: float) -> None:
+        offsets = self._offsets.setdefault((group, partition), [])
+        if offsets and offset <= offsets[-1]:
+            return
+        offsets.append(offset)
+        self._times.setdefault((group, partition), []).append(at)
+
+    def covered_at(self, group: str, partition: int, offset: int) -> float | None:
+        """Wall-clock time `group` started its first commit of an offset > `offset`."""
+        offsets = self._offsets.get((group, partition), [])
+        i = bisect.bisect_right(offsets, offset)
+        return self._times[(group, partition)][i] if i < len(offsets) else None
+
+    def opened_at(self, groups: Iterable[str], partition: int, offset: int) -> float | None:
+        """When the last of the dependency commits covering (partition, offset) was initiated."""
+        times = [self.covered_at(g, partition, offset) for g in groups]
+        return None if any(t is None for t in times) else max(t for t in times if t is not None)
+
+
+def decided_ts(decision: Mapping[str, Any]) -> float:
+    return datetime.fromisoformat(decision["decided_at"]).timestamp()
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """User+system CPU of a process (not its children), or None when it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100]."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = (len(ordered) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
+
+
+def median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    def cell(value: Any) -> str:
+        if isinstance(value, float):
+            return f"{value:.3f}" if abs(value) < 10 else f"{value:.1f}"
+        return str(value)
+
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def code_version() -> str:
+    """A digest of the service's source: the workers run whatever is on disk when they start, and
+    the code may change between two benchmark runs (or during one)."""
+    digest = hashlib.sha256()
+    for package in ("aml_app", "agents", "tables"):
+        for path in sorted((PROJECT / package).rglob("*.py")):
+            digest.update(str(path.relative_to(PROJECT)).encode())
+            digest.update(path.read_bytes())
+    return digest.hexdigest()[:12]
+
+
+def machine() -> dict[str, Any]:
+    """What the figures were measured on; the load average hints at competing work."""
+    return {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": os.getloadavg(),
+        "code_at_start": code_version(),
+    }
+
+
+def write_results(name: str, doc: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    info = doc.setdefault("machine", {})
+    info["loadavg_at_end"] = os.getloadavg()
+    info["code_at_end"] = code_version()
+    if info.get("code_at_start") != info["code_at_end"]:
+        print("warning: the service's code changed during the benchmark", file=sys.stderr)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
