@@ -1,0 +1,78 @@
+"""The command line: the embedded broker command and fail-fast configuration errors."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from aml_app.broker import free_port
+from tests.harness import wait_until
+
+pytestmark = pytest.mark.integration
+
+AML_APP = str(Path(sys.executable).with_name("aml-app"))
+
+
+async def test_broker_command_creates_the_topics_and_stops_on_ctrl_c(tmp_path):
+    port = free_port()
+    env = {**os.environ, "AML_PAYMENTS_TOPIC": "payments", "AML_PARTITIONS": "3"}
+    broker = await asyncio.create_subprocess_exec(
+        AML_APP,
+        "broker",
+        "--port",
+        str(port),
+        env=env,
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+
+        async def topics() -> set[str] | None:
+            admin = AIOKafkaAdminClient(bootstrap_servers=f"127.0.0.1:{port}", request_timeout_ms=2000)
+            try:
+                await admin.start()
+                found = set(await admin.list_topics())
+                return found if {"payments", "aml.decisions", "payments.dlq"} <= found else None
+            except Exception:
+                return None
+            finally:
+                await admin.close()
+
+        await wait_until(topics, 30, "the broker command to create the topics", interval=0.3)
+        broker.send_signal(signal.SIGINT)
+        out, _ = await asyncio.wait_for(broker.communicate(), 20)
+    finally:
+        if broker.returncode is None:
+            broker.kill()
+    assert broker.returncode == 0
+    text = out.decode()
+    assert f"KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port}" in text
+    assert "embedded broker stopped" in text
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "named"),
+    [
+        ("KAFKA_BOOTSTRAP_SERVERS", "not-a-server", "KAFKA_BOOTSTRAP_SERVERS"),
+        ("AML_DEPENDS_ON", "aml", "AML_APP_ID"),
+        ("AML_REFRESH_INTERVAL", "soon", "AML_REFRESH_INTERVAL"),
+    ],
+)
+def test_a_bad_setting_stops_the_worker_at_once_with_a_sentence(tmp_path, variable, value, named):
+    env = {**os.environ, variable: value}
+    done = subprocess.run(
+        [AML_APP, "worker"], env=env, cwd=tmp_path, capture_output=True, timeout=60, check=False
+    )
+    assert done.returncode == 2
+    err = done.stderr.decode()
+    assert err.startswith("aml-app: configuration error: ")
+    assert named in err
+    assert "Traceback" not in err
