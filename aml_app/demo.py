@@ -4,7 +4,8 @@ The demo starts (or reuses) a broker, starts the AML workers as real `aml-app wo
 plays the dependency services itself (one aiokafka consumer group each, committing after a simulated
 delay), produces payments with a few malformed ones, and prints what happens every two seconds.
 At the end it checks the one promise the gate makes: no payment is decided before every dependency
-was told to commit past it. Later issues replace the simulated groups with the real Spark services.
+was told to commit past it (`aml_app.verify`, the check the integration tests make too). Later
+issues replace the simulated groups with the real Spark services.
 """
 
 from __future__ import annotations
@@ -12,23 +13,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import random
 import shutil
 import signal
-import subprocess
-import sys
 import time
 import uuid
-from bisect import bisect_right
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.errors import KafkaError
 
@@ -42,6 +40,8 @@ from aml_app.broker import (
 )
 from aml_app.kafka_tools import payment_json
 from aml_app.settings import Settings
+from aml_app.verify import CommitTimeline, Premature, decided_at, percentile, premature
+from aml_app.workers import WorkerProcess
 
 DEMO_DIR = Path("var/demo")
 ACCOUNTS = 200
@@ -76,17 +76,8 @@ def utc_now_z() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """Nearest-rank percentile: a value that really occurred, None when there is nothing."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    rank = max(1, round(q / 100 * len(ordered)))
-    return ordered[min(rank, len(ordered)) - 1]
-
-
-def fmt_ms(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.1f} ms"
+def fmt_ms(value: float) -> str:
+    return "n/a" if math.isnan(value) else f"{value:.1f} ms"
 
 
 async def sleep_unless(event: asyncio.Event, seconds: float) -> None:
@@ -234,32 +225,6 @@ class Stall:
         return elapsed >= self.start + self.seconds
 
 
-class CommitLog:
-    """When each dependency commit was initiated: a decision must come after the one covering it."""
-
-    def __init__(self) -> None:
-        # (group, partition) -> commit initiation times and offsets, in time order, offsets rising.
-        self._times: dict[tuple[str, int], list[float]] = {}
-        self._offsets: dict[tuple[str, int], list[int]] = {}
-        self.committed: dict[str, dict[int, int]] = {}
-        self.count = 0
-
-    def record(self, group: str, partition: int, offset: int, initiated: float) -> None:
-        self._times.setdefault((group, partition), []).append(initiated)
-        self._offsets.setdefault((group, partition), []).append(offset)
-        self.committed.setdefault(group, {})[partition] = offset
-        self.count += 1
-
-    def covered_at(self, group: str, partition: int, offset: int) -> float | None:
-        """Earliest time `group` was told to commit past `offset` on `partition`."""
-        offsets = self._offsets.get((group, partition), [])
-        index = bisect_right(offsets, offset)
-        return self._times[(group, partition)][index] if index < len(offsets) else None
-
-    def total(self, group: str) -> int:
-        return sum(self.committed.get(group, {}).values())
-
-
 class SimulatedDependency:
     """Plays one dependency service: reads payments, 'processes' them, commits what it finished.
 
@@ -273,7 +238,7 @@ class SimulatedDependency:
         topic: str,
         group: str,
         commit_every: float,
-        commits: CommitLog,
+        commits: CommitTimeline,
         clock: RunClock,
         stall: Stall | None = None,
     ) -> None:
@@ -311,7 +276,7 @@ class SimulatedDependency:
 
     async def _commit(self, elapsed: float) -> None:
         self._announce_stall(elapsed)
-        done = self.commits.committed.get(self.group, {})
+        done = self.commits.committed(self.group)
         offsets = {
             p: o
             for p, o in self.read.items()
@@ -330,7 +295,7 @@ class SimulatedDependency:
             self.commits.record(self.group, p, o, initiated)
 
     def _announce_stall(self, elapsed: float) -> None:
-        if self.stall is None or self.clock.started is None:
+        if self.stall is None:
             return
         if not self.stall_announced and self.stall.holds(self.stall.partition, elapsed):
             self.stall_announced = True
@@ -393,18 +358,15 @@ class TopicTail:
 
 
 class DecisionTail(TopicTail):
-    """The decisions topic, parsed; a record that is not JSON is counted, not fatal."""
+    """The decisions topic, parsed; a record that is not JSON is skipped, not fatal."""
 
     def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
         super().__init__(bootstrap, topic)
         self.decisions: list[dict[str, Any]] = []
-        self.unreadable = 0
 
     def take(self, record: Any) -> None:
-        try:
+        with contextlib.suppress(TypeError, ValueError):
             self.decisions.append(json.loads(record.value))
-        except (TypeError, ValueError):
-            self.unreadable += 1
 
     def of_run(self, ids: set[str]) -> list[dict[str, Any]]:
         """Decisions for this run's payments (a shared cluster may hold older ones)."""
@@ -428,124 +390,10 @@ class DeadLetterTail(TopicTail):
         return {o: reason for o, reason in self.origins.items() if o in malformed}
 
 
-# --------------------------------------------------------------------------- the workers
-
-
-def aml_app_executable() -> str:
-    """`aml-app` next to this interpreter (the venv), else the one on PATH."""
-    beside = Path(sys.executable).with_name("aml-app")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("aml-app")
-    if found is None:
-        raise DemoError(f"no aml-app executable next to {sys.executable} or on PATH")
-    return found
-
-
-class WorkerProcess:
-    """One `aml-app worker` process with its own web port, id and log file."""
-
-    def __init__(self, index: int, port: int, env: dict[str, str], log_path: Path) -> None:
-        self.index = index
-        self.port = port
-        self.worker_id = env["AML_WORKER_ID"]
-        self.env = env
-        self.log_path = log_path
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/watermarks.json"
-
-    def start(self) -> WorkerProcess:
-        self._log = open(self.log_path, "wb")  # closed by close_log once the process has ended
-        self.process = subprocess.Popen(
-            [aml_app_executable(), "worker", "-l", "info"],
-            env=self.env,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,  # own process group: Ctrl-C reaches the demo, not the worker
-        )
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    async def state(self, session: aiohttp.ClientSession) -> dict[str, Any] | None:
-        """The worker's /watermarks.json, or None while it does not answer."""
-        try:
-            async with session.get(self.url, timeout=aiohttp.ClientTimeout(total=1.5)) as r:
-                return await r.json() if r.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError):
-            return None
-
-    def log_tail(self, lines: int = 25) -> str:
-        if not self.log_path.exists():
-            return ""
-        text = self.log_path.read_bytes().decode(errors="replace")
-        return "\n".join("    " + line for line in text.splitlines()[-lines:])
-
-    def failure(self, what: str) -> str:
-        """Why the demo gives up on this worker, with the end of its log."""
-        return f"worker {self.worker_id} {what}; the end of {self.log_path}:\n{self.log_tail()}"
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            assert self.process is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-
-    def close_log(self) -> None:
-        if self._log is not None and not self.alive():
-            self._log.close()
-            self._log = None
-
-
-def worker_env(
-    settings: Settings,
-    bootstrap: str,
-    index: int,
-    port: int,
-    data_dir: Path,
-) -> dict[str, str]:
-    """The worker's environment: the demo's settings spelled out, so a passed Settings wins."""
-    return {
-        **os.environ,
-        "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-        "AML_APP_ID": settings.app_id,
-        "AML_DEPENDS_ON": ",".join(settings.depends_on),
-        "AML_PAYMENTS_TOPIC": settings.payments_topic,
-        "AML_DECISIONS_TOPIC": settings.decisions_topic,
-        "AML_DLQ_TOPIC": settings.dlq_topic,
-        "AML_PARTITIONS": str(settings.partitions),
-        "AML_SESSION_TIMEOUT": WORKER_SESSION_TIMEOUT,
-        "AML_REBALANCE_TIMEOUT": WORKER_SESSION_TIMEOUT,
-        "AML_WEB_PORT": str(port),
-        "AML_DATA_DIR": str(data_dir),
-        "AML_WORKER_ID": f"demo-{index}",
-    }
-
-
-async def stop_workers(workers: Sequence[WorkerProcess], grace: float) -> None:
-    """SIGTERM every worker's process group, then SIGKILL whatever is left after `grace` seconds."""
-    for worker in workers:
-        worker.signal(signal.SIGTERM)
-    await asyncio.gather(*(_reap(worker, grace) for worker in workers))
-
-
-async def _reap(worker: WorkerProcess, grace: float) -> None:
-    """Wait for one signalled worker; kill its process group if it outlives `grace`."""
-    if worker.process is None:
-        return
-    try:
-        await asyncio.to_thread(worker.process.wait, grace)
-    except subprocess.TimeoutExpired:
-        say(f"worker {worker.worker_id} did not stop within {grace:.0f} s: killing it")
-        worker.signal(signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            await asyncio.to_thread(worker.process.wait, 10)
-    worker.close_log()
+def failure(worker: WorkerProcess, what: str) -> str:
+    """Why the demo gives up on a worker, with the end of its log."""
+    tail = "\n".join("    " + line for line in worker.log_tail(25).splitlines())
+    return f"worker {worker.worker_id} {what}; the end of {worker.log_path}:\n{tail}"
 
 
 # --------------------------------------------------------------------------- the run
@@ -562,11 +410,11 @@ class Verdict:
     missing: int
     dead_lettered: int
     reasons: Counter[str]
-    premature: list[tuple[int, int, str, float | None, float]]
-    p50: float | None
-    p99: float | None
-    latency_p50: float | None
-    latency_p99: float | None
+    premature: list[Premature]
+    p50: float
+    p99: float
+    latency_p50: float
+    latency_p99: float
 
     @property
     def premature_decisions(self) -> int:
@@ -590,7 +438,7 @@ class Demo:
         self.controls = Controls()
         self.clock = RunClock()
         self.ledger = Ledger()
-        self.commits = CommitLog()
+        self.commits = CommitTimeline()
         self.broker: EmbeddedBroker | None = None
         self.bootstrap: list[str] = []
         self.workers: list[WorkerProcess] = []
@@ -598,7 +446,6 @@ class Demo:
         self.decisions: DecisionTail | None = None
         self.dead_letters: DeadLetterTail | None = None
         self.producer: AIOKafkaProducer | None = None
-        self.session: aiohttp.ClientSession | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.producing: asyncio.Task[None] | None = None
 
@@ -640,7 +487,6 @@ class Demo:
         self.start_workers()
         self.print_where_to_look()
         await self.wait_workers_ready()
-        self.session = aiohttp.ClientSession()
 
     async def start_broker(self) -> None:
         """Use KAFKA_BOOTSTRAP_SERVERS when given; otherwise an embedded broker of our own."""
@@ -662,38 +508,40 @@ class Demo:
         await wait_until_answering(self.bootstrap)
 
     def start_workers(self) -> None:
-        if self.worker_count < 1:
-            raise DemoError("--workers must be at least 1")
-        data_dir = self.folder / "data"
+        settings = replace(self.settings, bootstrap_servers=tuple(self.bootstrap))
         for i in range(self.worker_count):
             port = self.settings.web_port + i
             if port_open("127.0.0.1", port):
                 busy, port = port, free_port()
                 say(f"web port {busy} is busy: worker demo-{i} serves on {port}")
-            env = worker_env(self.settings, ",".join(self.bootstrap), i, port, data_dir)
-            log_path = self.folder / f"worker-{i}.log"
-            self.workers.append(WorkerProcess(i, port, env, log_path).start())
+            worker = WorkerProcess(
+                settings,
+                port=port,
+                worker_id=f"demo-{i}",
+                data_dir=self.folder / "data",
+                log_path=self.folder / f"worker-{i}.log",
+                AML_SESSION_TIMEOUT=WORKER_SESSION_TIMEOUT,
+                AML_REBALANCE_TIMEOUT=WORKER_SESSION_TIMEOUT,
+            )
+            self.workers.append(worker.start())
 
     async def wait_workers_ready(self) -> None:
         """Every worker answers /watermarks.json and has finished recovering its tables."""
         say(f"waiting for {len(self.workers)} worker(s) to be ready (up to {READY_DEADLINE:.0f} s)")
         started = time.monotonic()
-        async with aiohttp.ClientSession() as session:
-            for worker in self.workers:
-                while True:
-                    if self.controls.stop.is_set():
-                        raise Interrupted
-                    if not worker.alive():
-                        raise DemoError(worker.failure("exited"))
-                    state = await worker.state(session)
-                    if state is not None and state.get("recovering") is False:
-                        waited = time.monotonic() - started
-                        say(f"  worker {worker.worker_id} ready after {waited:.1f} s")
-                        break
-                    if time.monotonic() - started > READY_DEADLINE:
-                        late = f"was not ready within {READY_DEADLINE:.0f} s"
-                        raise DemoError(worker.failure(late))
-                    await asyncio.sleep(0.25)
+        for worker in self.workers:
+            while True:
+                if self.controls.stop.is_set():
+                    raise Interrupted
+                if not worker.alive():
+                    raise DemoError(failure(worker, "exited"))
+                state = await worker.state()
+                if state is not None and state.get("recovering") is False:
+                    say(f"  worker {worker.worker_id} ready after {time.monotonic() - started:.1f} s")
+                    break
+                if time.monotonic() - started > READY_DEADLINE:
+                    raise DemoError(failure(worker, f"was not ready within {READY_DEADLINE:.0f} s"))
+                await asyncio.sleep(0.25)
 
     def print_where_to_look(self) -> None:
         s = self.settings
@@ -717,7 +565,7 @@ class Demo:
         for text in deps:
             say(f"                {text}")
         for worker in self.workers:
-            say(f"  web view      {worker.url} (worker {worker.worker_id})")
+            say(f"  web view      {worker.state_url} (worker {worker.worker_id})")
         files = "broker.log, worker-<i>.log" if self.broker else "worker-<i>.log"
         say(f"  logs          {self.folder}/ ({files})")
         say("  Ctrl-C stops producing early, drains and prints the summary")
@@ -779,7 +627,7 @@ class Demo:
         """A dead worker or a crashed helper task ends the run with a message, not a hang."""
         for worker in self.workers:
             if not worker.alive():
-                raise DemoError(worker.failure("exited"))
+                raise DemoError(failure(worker, "exited"))
         tasks = dict(self.tasks)
         if self.producing is not None:
             tasks["payment simulator"] = self.producing
@@ -795,7 +643,7 @@ class Demo:
         assert self.decisions is not None and self.dead_letters is not None
         decided = self.decisions.of_run(ids)
         dlq = len(self.dead_letters.of_run(self.ledger.malformed))
-        deps = "  ".join(f"{g} {self.commits.total(g)}" for g in self.settings.depends_on)
+        deps = "  ".join(f"{g} {sum(self.commits.committed(g).values())}" for g in self.settings.depends_on)
         p50 = percentile([float(d.get("waited_ms", 0)) for d in decided], 50)
         say(
             f"{prefix}{self.clock.elapsed():6.1f}s  produced {self.ledger.produced}  "
@@ -805,9 +653,7 @@ class Demo:
 
     async def waiting_text(self) -> str:
         """How many partitions have a payment held by the gate, and the longest hold."""
-        if self.session is None:
-            return "waiting ?"
-        states = await asyncio.gather(*(w.state(self.session) for w in self.workers))
+        states = await asyncio.gather(*(w.state() for w in self.workers))
         waiting: set[str] = set()
         since: dict[str, float] = {}
         for state in states:
@@ -830,7 +676,7 @@ class Demo:
         """Dependencies committed to the log end; every payment decided or dead-lettered."""
         assert self.decisions is not None and self.dead_letters is not None
         for group in self.settings.depends_on:
-            done = self.commits.committed.get(group, {})
+            done = self.commits.committed(group)
             if any(done.get(p, 0) < end for p, end in self.ledger.ends.items()):
                 return False
         ids = set(self.ledger.valid.values())
@@ -876,7 +722,7 @@ class Demo:
             missing=len(ids - distinct),
             dead_lettered=len(dead),
             reasons=Counter(reason_kind(reason) for reason in dead.values()),
-            premature=find_premature(decided, self.settings.depends_on, self.commits),
+            premature=premature(decided, self.settings.depends_on, self.commits),
             p50=percentile(waits, 50),
             p99=percentile(waits, 99),
             latency_p50=percentile(latencies, 50),
@@ -886,21 +732,15 @@ class Demo:
     def print_summary(self, v: Verdict) -> None:
         reasons = ", ".join(f"{reason} {n}" for reason, n in v.reasons.most_common())
         rows = [
-            (
-                "payments produced",
-                f"{v.valid + v.malformed} (valid {v.valid}, malformed {v.malformed})",
-            ),
-            (
-                "decisions",
-                f"{v.distinct} distinct payment ids ({v.records} records, {v.missing} missing)",
-            ),
+            ("payments produced", f"{v.valid + v.malformed} (valid {v.valid}, malformed {v.malformed})"),
+            ("decisions", f"{v.distinct} distinct payment ids ({v.records} records, {v.missing} missing)"),
             ("dead-lettered", f"{v.dead_lettered}" + (f" ({reasons})" if reasons else "")),
             ("premature decisions", f"{v.premature_decisions}"),
             ("gate wait p50 / p99", f"{fmt_ms(v.p50)} / {fmt_ms(v.p99)}"),
             ("end-to-end p50 / p99", f"{fmt_ms(v.latency_p50)} / {fmt_ms(v.latency_p99)}"),
             ("dependency commits", f"{self.commits.count}"),
         ]
-        rows += [("web view", f"{w.url} (worker {w.worker_id})") for w in self.workers]
+        rows += [("web view", f"{w.state_url} (worker {w.worker_id})") for w in self.workers]
         rows.append(("result", "OK" if v.ok else "PROBLEM"))
         say()
         say("summary")
@@ -923,14 +763,15 @@ class Demo:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
         if self.workers:
             say(f"stopping {len(self.workers)} worker(s)")
-            await stop_workers(self.workers, WORKER_STOP_GRACE)
+            stops = (asyncio.to_thread(w.stop, WORKER_STOP_GRACE) for w in self.workers)
+            for worker, stopped in zip(self.workers, await asyncio.gather(*stops), strict=True):
+                if not stopped:
+                    say(f"worker {worker.worker_id} did not stop within {WORKER_STOP_GRACE:.0f} s: killed it")
         clients: list[Any] = [*self.dependencies, self.decisions, self.dead_letters, self.producer]
         for client in clients:
             if client is not None:
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(client.stop(), CLIENT_STOP_DEADLINE)
-        if self.session is not None:
-            await self.session.close()
         if self.broker is not None:
             say("stopping the embedded broker")
             await asyncio.to_thread(self.broker.stop)
@@ -944,24 +785,8 @@ def reason_kind(reason: str) -> str:
 def end_to_end_ms(decisions: Sequence[dict[str, Any]], sent_at: dict[str, float]) -> list[float]:
     """From handing a payment to the producer to its decision (same host, same wall clock)."""
     return [
-        (datetime.fromisoformat(d["decided_at"]).timestamp() - sent_at[d["payment_id"]]) * 1000
-        for d in decisions
-        if d["payment_id"] in sent_at
+        (decided_at(d) - sent_at[d["payment_id"]]) * 1000 for d in decisions if d["payment_id"] in sent_at
     ]
-
-
-def find_premature(
-    decisions: Sequence[dict[str, Any]], groups: Sequence[str], commits: CommitLog
-) -> list[tuple[int, int, str, float | None, float]]:
-    """Decisions made before some dependency was told to commit past their payment."""
-    bad = []
-    for d in decisions:
-        decided = datetime.fromisoformat(d["decided_at"]).timestamp()
-        for group in groups:
-            covered = commits.covered_at(group, d["partition"], d["offset"])
-            if covered is None or covered > decided:
-                bad.append((d["partition"], d["offset"], group, covered, decided))
-    return bad
 
 
 def run_demo(settings: Settings, *, duration: float, rate: float, workers: int) -> int:

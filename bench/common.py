@@ -2,13 +2,13 @@
 
 Everything runs on a broker of our own on a free port, so a benchmark neither disturbs nor is
 disturbed by topics of other people's test runs (the CPU is shared all the same: expect noise).
-Workers are started through `tests.harness.Worker`, exactly as the integration tests start them.
+Workers are started through `tests.harness.Worker`, exactly as the integration tests start them; the
+premature-decision check and `percentile` come from `aml_app.verify`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import hashlib
 import json
@@ -21,7 +21,6 @@ import tempfile
 import time
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +32,6 @@ from tests.harness import Names, Worker, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT = Path(__file__).resolve().parent.parent
-#: The timeouts the integration harness uses; a benchmark worker behaves like a test worker.
-WORKER_ENV = {"AML_SESSION_TIMEOUT": "4", "AML_REBALANCE_TIMEOUT": "4"}
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -58,7 +55,7 @@ class BenchEnv:
         return names
 
     def start_worker(self, names: Names, **env: str) -> Worker:
-        worker = Worker(self.bootstrap, names, self.workdir, **{**WORKER_ENV, **env}).start()
+        worker = Worker(self.bootstrap, names, self.workdir, **env).start()
         self.workers.append(worker)
         return worker
 
@@ -192,40 +189,6 @@ async def read_decisions(
         await consumer.stop()
 
 
-class CommitLog:
-    """When each dependency commit was initiated, indexed for "which commit first covered o".
-
-    The benchmark's committers only ever move forward, so per (group, partition) the committed
-    offsets are non-decreasing and a bisection finds the first commit past o.
-    """
-
-    def __init__(self) -> None:
-        self._times: dict[tuple[str, int], list[float]] = {}
-        self._offsets: dict[tuple[str, int], list[int]] = {}
-
-    def record(self, group: str, partition: int, offset: int, at: float) -> None:
-        offsets = self._offsets.setdefault((group, partition), [])
-        if offsets and offset <= offsets[-1]:
-            return
-        offsets.append(offset)
-        self._times.setdefault((group, partition), []).append(at)
-
-    def covered_at(self, group: str, partition: int, offset: int) -> float | None:
-        """Wall-clock time `group` started its first commit of an offset > `offset`."""
-        offsets = self._offsets.get((group, partition), [])
-        i = bisect.bisect_right(offsets, offset)
-        return self._times[(group, partition)][i] if i < len(offsets) else None
-
-    def opened_at(self, groups: Iterable[str], partition: int, offset: int) -> float | None:
-        """When the last of the dependency commits covering (partition, offset) was initiated."""
-        times = [self.covered_at(g, partition, offset) for g in groups]
-        return None if any(t is None for t in times) else max(t for t in times if t is not None)
-
-
-def decided_ts(decision: Mapping[str, Any]) -> float:
-    return datetime.fromisoformat(decision["decided_at"]).timestamp()
-
-
 def cpu_seconds(pid: int) -> float | None:
     """User+system CPU of a process (not its children), or None when it is gone."""
     try:
@@ -233,17 +196,6 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = (len(ordered) - 1) * q / 100
-    lo = int(k)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
 def median(values: Sequence[float]) -> float:

@@ -37,15 +37,13 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from aml_app.kafka_tools import GroupCommitter, payment_json
+from aml_app.verify import CommitTimeline, decided_at, percentile
 from bench.common import (
     BenchEnv,
-    CommitLog,
     admin_requests,
     bench_env,
-    decided_ts,
     machine,
     markdown_table,
-    percentile,
     read_decisions,
     wait_owned,
     write_results,
@@ -78,7 +76,7 @@ class Scenario:
         #: (monotonic time acknowledged, partition, new log end), in acknowledgement order.
         self.acks: list[tuple[float, int, int]] = []
         self.produced: dict[tuple[int, int], float] = {}  # (p, o) -> wall time acknowledged
-        self.commits = CommitLog()
+        self.commits = CommitTimeline()
         self.commit_count = 0
         self.producing = True
         self.rng = random.Random(2026)
@@ -124,10 +122,7 @@ class Scenario:
                     seen += 1
                 offsets = {p: o for p, o in known.items() if o > committed.get(p, 0)}
                 if offsets:
-                    at = time.time()
-                    for p, o in offsets.items():
-                        self.commits.record(group, p, o, at)
-                    await committer.commit(offsets)
+                    await self.commits.commit({group: committer}, offsets)
                     committed.update(offsets)
                     self.commit_count += 1
                 elif finished and seen == len(self.acks):
@@ -190,7 +185,7 @@ async def one_run(env: BenchEnv, workers: int, dep_delay: float, config: Config)
         if opened is None:
             unmeasured += 1
             continue
-        latency = (decided_ts(d) - opened) * 1000
+        latency = (decided_at(d) - opened) * 1000
         premature += latency < 0
         latencies.append(latency)
         held.append(d["waited_ms"])

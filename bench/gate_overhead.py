@@ -19,16 +19,15 @@ import time
 from typing import Any
 
 from aml_app.kafka_tools import produce
+from aml_app.verify import decided_at, percentile
 from bench.common import (
     BenchEnv,
     DecisionCounter,
     bench_env,
     cpu_seconds,
-    decided_ts,
     machine,
     markdown_table,
     median,
-    percentile,
     read_decisions,
     write_results,
 )
@@ -71,7 +70,7 @@ async def one_run(
     await env.stop_workers([worker])
 
     decisions = await read_decisions(env.bootstrap, names.decisions, partitions, total)
-    times = sorted(decided_ts(d) for d in decisions)
+    times = sorted(decided_at(d) for d in decisions)
     span = times[-1] - times[0]
     keys = {(d["partition"], d["offset"]) for d in decisions}
     waited = [d["waited_ms"] for d in decisions]

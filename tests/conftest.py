@@ -45,9 +45,9 @@ async def workers(broker: EmbeddedBroker, names: Names, tmp_path: Path) -> Async
     started: list[Worker] = []
     yield started
     for worker in started:
-        if worker.process is not None and worker.process.poll() is None:
+        if worker.alive():
             print(f"state of {worker.worker_id}: {json.dumps(await worker.state())}")
-        worker.stop(timeout=10)
+        worker.stop(grace=10)
 
 
 @pytest.fixture

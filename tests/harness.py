@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.broker import free_port
+from aml_app.settings import Settings
+from aml_app.workers import WorkerProcess, aml_app_executable
 
-AML_APP = str(Path(sys.executable).with_name("aml-app"))
+AML_APP = aml_app_executable()
 
 
 async def wait_until(
@@ -70,64 +66,49 @@ class Names:
     def deps(self) -> tuple[str, str]:
         return (f"relations-{self.suffix}", f"aggregates-{self.suffix}")
 
+    def settings(self, bootstrap: str) -> Settings:
+        """The service's settings for these names, as a worker started on them gets them."""
+        return Settings(
+            bootstrap_servers=(bootstrap,),
+            app_id=self.app_id,
+            depends_on=self.deps,
+            payments_topic=self.payments,
+            decisions_topic=self.decisions,
+            dlq_topic=self.dlq,
+            partitions=self.partitions,
+        )
 
-class Worker:
-    """One `aml-app worker` process with its own web port and data directory."""
+
+#: Short timeouts and intervals, so a test sees rebalances, commits and refreshes within seconds.
+TEST_ENV = {
+    "AML_SESSION_TIMEOUT": "4",
+    "AML_REBALANCE_TIMEOUT": "4",
+    "AML_COMMIT_INTERVAL": "0.5",
+    "AML_REFRESH_INTERVAL": "1.0",
+    "AML_FAST_REFRESH_INTERVAL": "0.1",
+}
+
+
+class Worker(WorkerProcess):
+    """A worker for one test: a free web port it is named after, its log and data in the test's folder."""
 
     def __init__(self, bootstrap: str, names: Names, workdir: Path, **env: str) -> None:
-        self.port = free_port()
-        self.worker_id = f"w{self.port}"
-        self.log_path = workdir / f"worker-{self.port}.log"
-        self.env = {
-            **os.environ,
-            "KAFKA_BOOTSTRAP_SERVERS": bootstrap,
-            "AML_APP_ID": names.app_id,
-            "AML_DEPENDS_ON": ",".join(names.deps),
-            "AML_PAYMENTS_TOPIC": names.payments,
-            "AML_DECISIONS_TOPIC": names.decisions,
-            "AML_DLQ_TOPIC": names.dlq,
-            "AML_PARTITIONS": str(names.partitions),
-            "AML_SESSION_TIMEOUT": "4",
-            "AML_REBALANCE_TIMEOUT": "4",
-            "AML_COMMIT_INTERVAL": "0.5",
-            "AML_REFRESH_INTERVAL": "1.0",
-            "AML_FAST_REFRESH_INTERVAL": "0.1",
-            "AML_WEB_PORT": str(self.port),
-            "AML_DATA_DIR": str(workdir / "data"),
-            "AML_WORKER_ID": self.worker_id,
-            **env,
-        }
-        self.process: subprocess.Popen[bytes] | None = None
-        self.workdir = workdir
-
-    def start(self) -> Worker:
-        log = open(self.log_path, "ab")
-        self.process = subprocess.Popen(
-            [AML_APP, "worker", "-l", "info"],
-            env=self.env,
-            cwd=self.workdir,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
+        port = free_port()
+        super().__init__(
+            names.settings(bootstrap),
+            port=port,
+            worker_id=f"w{port}",
+            data_dir=workdir / "data",
+            log_path=workdir / f"worker-{port}.log",
+            cwd=workdir,
+            **{**TEST_ENV, **env},
         )
-        return self
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def state(self) -> dict[str, Any] | None:
-        """The worker's /watermarks.json, or None while it does not answer."""
-        if self.process is None or self.process.poll() is not None:
+    async def state(self, timeout: float = 2) -> dict[str, Any] | None:
+        """The worker's /watermarks.json, or None while it does not answer; fails once it has exited."""
+        if not self.alive():
             raise AssertionError(f"worker {self.worker_id} is not running; log:\n{self.log_tail()}")
-        try:
-            async with (
-                aiohttp.ClientSession() as session,
-                session.get(f"{self.url}/watermarks.json", timeout=aiohttp.ClientTimeout(2)) as r,
-            ):
-                return await r.json() if r.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError):
-            return None
+        return await super().state(timeout)
 
     async def wait_ready(self, partitions: set[int] | None = None, timeout: float = 60) -> dict:
         """Until the worker is recovered, owns `partitions` (if given) and sees every watermark row."""
@@ -141,25 +122,6 @@ class Worker:
             return state
 
         return await wait_until(ready, timeout, f"worker {self.worker_id} to be ready")
-
-    def kill(self) -> None:
-        assert self.process is not None
-        os.killpg(self.process.pid, signal.SIGKILL)
-        self.process.wait(10)
-
-    def stop(self, timeout: float = 30) -> None:
-        if self.process is None or self.process.poll() is not None:
-            return
-        os.killpg(self.process.pid, signal.SIGTERM)
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
 
 
 class TopicReader:
@@ -209,40 +171,6 @@ class DecisionLog(TopicReader):
         except AssertionError as exc:
             missing = sorted(expected - self.decided())
             raise AssertionError(f"{exc}; {len(missing)} missing, first: {missing[:20]}") from None
-
-
-class CommitTimeline:
-    """When each dependency commit was *initiated*: a decision must come after the commit covering it."""
-
-    def __init__(self) -> None:
-        self.events: list[tuple[float, str, int, int]] = []
-
-    async def commit(self, committers: dict[str, Any], offsets: dict[int, int]) -> None:
-        """Commit `offsets` for every group in `committers` (group -> GroupCommitter), recording it."""
-        for group, committer in committers.items():
-            for p, o in offsets.items():
-                self.record(group, p, o)
-            await committer.commit(offsets)
-
-    def record(self, group: str, partition: int, offset: int) -> None:
-        self.events.append((time.time(), group, partition, offset))
-
-    def covered_at(self, group: str, partition: int, offset: int) -> float | None:
-        """Earliest time `group` was told to commit past `offset` on `partition`."""
-        times = [t for t, g, p, o in self.events if g == group and p == partition and o > offset]
-        return min(times) if times else None
-
-
-def premature(decisions: list[dict[str, Any]], groups: tuple[str, ...], timeline: CommitTimeline) -> list:
-    """Decisions made before every dependency had committed past the payment."""
-    bad = []
-    for d in decisions:
-        decided = datetime.fromisoformat(d["decided_at"]).timestamp()
-        for group in groups:
-            covered = timeline.covered_at(group, d["partition"], d["offset"])
-            if covered is None or covered > decided:
-                bad.append((d["partition"], d["offset"], group, covered, decided))
-    return bad
 
 
 def payments_for(partitions: int, per_partition: int, tag: str) -> list[tuple[int, bytes, bytes]]:

@@ -6,18 +6,17 @@ import asyncio
 import os
 import signal
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.broker import free_port
+from aml_app.workers import aml_app_executable
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.integration
 
-AML_APP = str(Path(sys.executable).with_name("aml-app"))
+AML_APP = aml_app_executable()
 
 
 async def test_broker_command_creates_the_topics_and_stops_on_ctrl_c(tmp_path):

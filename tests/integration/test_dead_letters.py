@@ -8,7 +8,8 @@ import os
 import pytest
 
 from aml_app.kafka_tools import payment_json, produce
-from tests.harness import CommitTimeline, TopicReader, ends_of, premature, wait_until
+from aml_app.verify import CommitTimeline, premature
+from tests.harness import TopicReader, ends_of, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -7,14 +7,8 @@ import asyncio
 import pytest
 
 from aml_app.kafka_tools import produce
-from tests.harness import (
-    CommitTimeline,
-    committed_offsets,
-    ends_of,
-    payments_for,
-    premature,
-    wait_until,
-)
+from aml_app.verify import CommitTimeline, premature
+from tests.harness import committed_offsets, ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration
 

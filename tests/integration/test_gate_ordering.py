@@ -12,7 +12,8 @@ import random
 import pytest
 
 from aml_app.kafka_tools import produce
-from tests.harness import CommitTimeline, ends_of, payments_for, premature
+from aml_app.verify import CommitTimeline, premature
+from tests.harness import ends_of, payments_for
 
 pytestmark = pytest.mark.integration
 

@@ -8,7 +8,8 @@ import contextlib
 import pytest
 
 from aml_app.kafka_tools import produce
-from tests.harness import CommitTimeline, ends_of, payments_for, premature, wait_until
+from aml_app.verify import CommitTimeline, premature
+from tests.harness import ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration
 

@@ -1,0 +1,153 @@
+"""Real `aml-app worker` processes, started and watched from the outside.
+
+The demo, the integration tests and the benchmarks all run the service as a user would: separate
+worker processes talking to a broker. They share this one way of doing it, so a worker in a test is
+configured, started, observed (`/watermarks.json`) and stopped exactly like a worker in the demo.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp
+
+from aml_app.settings import Settings
+
+
+def aml_app_executable() -> str:
+    """`aml-app` next to this interpreter (the venv), else the one on PATH."""
+    beside = Path(sys.executable).with_name("aml-app")
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("aml-app")
+    if found is None:
+        raise FileNotFoundError(f"no aml-app executable next to {sys.executable} or on PATH")
+    return found
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The settings that say which broker, topics and groups a worker uses, as its environment.
+
+    Spelled out so that a worker serves the Settings it was given, not whatever the caller's
+    environment says; everything else is inherited.
+    """
+    return {
+        "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.bootstrap_servers),
+        "AML_APP_ID": settings.app_id,
+        "AML_DEPENDS_ON": ",".join(settings.depends_on),
+        "AML_PAYMENTS_TOPIC": settings.payments_topic,
+        "AML_DECISIONS_TOPIC": settings.decisions_topic,
+        "AML_DLQ_TOPIC": settings.dlq_topic,
+        "AML_PARTITIONS": str(settings.partitions),
+    }
+
+
+class WorkerProcess:
+    """One `aml-app worker` process with its own web port, id, data directory and log file.
+
+    It runs in a process group of its own: a Ctrl-C in the caller's terminal does not reach it, and
+    `stop`/`kill` reach it and anything it started.
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        *,
+        port: int,
+        worker_id: str,
+        data_dir: Path,
+        log_path: Path,
+        cwd: Path | None = None,
+        **env: str,
+    ) -> None:
+        """`env` overrides any of the worker's environment variables (AML_GATE="off", ...)."""
+        self.port = port
+        self.worker_id = worker_id
+        self.log_path = log_path
+        self.cwd = cwd
+        self.env = {
+            **os.environ,
+            **settings_env(settings),
+            "AML_WEB_PORT": str(port),
+            "AML_DATA_DIR": str(data_dir),
+            "AML_WORKER_ID": worker_id,
+            **env,
+        }
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def state_url(self) -> str:
+        return f"{self.url}/watermarks.json"
+
+    def start(self) -> Self:
+        """Start the process; its log file starts empty (the child keeps its own handle on it)."""
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [aml_app_executable(), "worker", "-l", "info"],
+                env=self.env,
+                cwd=self.cwd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    async def state(self, timeout: float = 2) -> dict[str, Any] | None:
+        """The worker's /watermarks.json, or None while it does not answer."""
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(self.state_url, timeout=aiohttp.ClientTimeout(timeout)) as r,
+            ):
+                return await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    def kill(self) -> None:
+        """SIGKILL the process group, as a crash would."""
+        self._signal(signal.SIGKILL)
+        self._wait(10)
+
+    def stop(self, grace: float = 30) -> bool:
+        """SIGTERM the process group, then SIGKILL it after `grace` seconds; False if it had to be killed."""
+        if not self.alive():
+            return True
+        self._signal(signal.SIGTERM)
+        if self._wait(grace):
+            return True
+        self.kill()
+        return False
+
+    def log_tail(self, lines: int = 60) -> str:
+        text = self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def _signal(self, sig: int) -> None:
+        if self.alive():  # once reaped, its pid (and group id) may belong to someone else
+            assert self.process is not None
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, sig)
+
+    def _wait(self, timeout: float) -> bool:
+        """Whether the process has ended within `timeout` seconds."""
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
