@@ -29,6 +29,8 @@ def broker_command(port: int | None) -> None:
         asyncio.run(create_topics(bootstrap, topics, settings.partitions))
         click.echo(f"embedded broker ready: KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}")
         click.echo(f"topics: {', '.join(topics)} ({settings.partitions} partitions); Ctrl-C stops it")
+        # Ctrl-C must stop it even when started from a shell that ignores SIGINT in background jobs.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         assert broker.process is not None
         broker.process.wait()
