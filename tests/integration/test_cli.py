@@ -50,7 +50,11 @@ async def test_broker_command_creates_the_topics_and_stops_on_ctrl_c(tmp_path):
         out, _ = await asyncio.wait_for(broker.communicate(), 20)
     finally:
         if broker.returncode is None:
-            broker.kill()
+            broker.terminate()  # SIGTERM still stops the embedded broker cleanly; a kill would orphan it
+            try:
+                await asyncio.wait_for(broker.wait(), 20)
+            except TimeoutError:
+                broker.kill()
     assert broker.returncode == 0
     text = out.decode()
     assert f"KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port}" in text
