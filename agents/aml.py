@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from aml_app.app import app, decisions_topic, dlq_topic, payments_topic, settings
-from aml_app.gate import Admission, DependencyOffsets, GatedConsumer, retry_forever
+from aml_app.gate import Admission, GatedConsumer
 from aml_app.models import Decision, Payment
 from tables.watermarks import gate
 
@@ -45,39 +45,14 @@ gated = GatedConsumer(
     max_payment_bytes=settings.max_payment_bytes,
     worker_id=settings.worker_id,
 )
+gated.attach(
+    bootstrap_servers=settings.bootstrap_servers,
+    topic=settings.payments_topic,
+    group=settings.app_id,
+    check_every=settings.refresh_interval,
+)
 
 
 @app.agent(payments_topic, name="aml")
 async def aml(stream):  # type: ignore[no-untyped-def]
     await gated.consume(stream)
-
-
-@app.on_partitions_revoked.connect
-async def _stop_lanes(sender, revoked, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    gated.on_revoked()
-
-
-@app.on_partitions_assigned.connect
-async def _resume_lanes(sender, assigned, **kwargs) -> None:  # type: ignore[no-untyped-def]
-    mine = sorted(tp for tp in assigned if tp.topic == settings.payments_topic)
-    generation = gated.rebalances
-    starts = await _starts(mine) if mine else {}
-    if gated.rebalances == generation:  # a newer rebalance has begun: its own handler takes over
-        gated.on_assigned(starts)
-
-
-async def _starts(tps: list) -> dict[int, int]:
-    """Where each partition starts: our group's committed offset, or the log start."""
-    reader = DependencyOffsets(settings.bootstrap_servers, settings.payments_topic, [settings.app_id])
-    try:
-        _, committed = await retry_forever("reading our committed offsets", reader.read)
-    finally:
-        await reader.close()
-    earliest = await app.consumer.earliest_offsets(*tps)
-    ours = committed[settings.app_id]
-    return {tp.partition: max(ours.get(tp.partition) or 0, earliest.get(tp) or 0) for tp in tps}
-
-
-@app.timer(settings.refresh_interval)
-async def _check_delivery() -> None:
-    await gated.check_delivery(settings.payments_topic, quiet=2 * settings.refresh_interval)

@@ -21,13 +21,14 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
 from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.offsets import DependencyOffsets
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
 log = logging.getLogger(__name__)
@@ -125,6 +126,41 @@ class GatedConsumer:
         self.rebalances = 0
         self.refetches = 0
         self._stream: StreamT | None = None
+
+    def attach(self, *, bootstrap_servers: Sequence[str], topic: str, group: str, check_every: float) -> None:
+        """Wire this consumer to the app's rebalances and run the delivery check every `check_every` s.
+
+        Any gated service calls this once next to its agent: the lanes stop on revoke, resume (or drop
+        their kept events) on assignment, and fetched-but-undelivered records are fetched again.
+        """
+
+        async def stop_lanes(sender: Any, revoked: Any, **kwargs: Any) -> None:
+            self.on_revoked()
+
+        async def resume_lanes(sender: Any, assigned: Any, **kwargs: Any) -> None:
+            mine = sorted(tp for tp in assigned if tp.topic == topic)
+            generation = self.rebalances
+            starts = await self._starts(bootstrap_servers, group, mine) if mine else {}
+            if self.rebalances == generation:  # a newer rebalance began: its own handler takes over
+                self.on_assigned(starts)
+
+        async def check_delivery() -> None:
+            await self.check_delivery(topic, quiet=2 * check_every)
+
+        self.app.on_partitions_revoked.connect(stop_lanes)
+        self.app.on_partitions_assigned.connect(resume_lanes)
+        self.app.timer(check_every)(check_delivery)
+
+    async def _starts(self, bootstrap_servers: Sequence[str], group: str, tps: list[TP]) -> dict[int, int]:
+        """Where each partition starts in this generation: the group's committed offset, or the log start."""
+        reader = DependencyOffsets(bootstrap_servers, tps[0].topic, [group])
+        try:
+            _, committed = await retry_forever("reading our committed offsets", reader.read)
+        finally:
+            await reader.close()
+        earliest = await self.app.consumer.earliest_offsets(*tps)
+        ours = committed[group]
+        return {tp.partition: max(ours.get(tp.partition) or 0, earliest.get(tp) or 0) for tp in tps}
 
     async def consume(self, stream: StreamT) -> None:
         """The agent body: dispatch, never wait."""
