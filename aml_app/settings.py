@@ -11,6 +11,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -45,10 +46,39 @@ class Settings:
     table_store: str = "rocksdb://"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     broker_port: int = 9092
+    # Services B and C (the Spark pipeline and their APIs).
+    relations_group: str = "relations"
+    aggregates_group: str = "aggregates"
+    store_dir: str = "var/services"
+    services_host: str = "127.0.0.1"
+    relations_port: int = 8081
+    aggregates_port: int = 8082
+    reporting_threshold: Decimal = Decimal("10000")
+    threshold_band: Decimal = Decimal("0.1")
+    spark_master: str = "local[2]"
+    checkpoint_dir: str = "var/checkpoints"
+    trigger_interval: float = 0.5
+    max_records_per_trigger: int = 50000
 
     @property
     def faust_brokers(self) -> list[str]:
         return [f"kafka://{server}" for server in self.bootstrap_servers]
+
+    @property
+    def relations_db(self) -> str:
+        return os.path.join(self.store_dir, "relations.sqlite")
+
+    @property
+    def aggregates_db(self) -> str:
+        return os.path.join(self.store_dir, "aggregates.sqlite")
+
+    @property
+    def relations_url(self) -> str:
+        return f"http://{self.services_host}:{self.relations_port}"
+
+    @property
+    def aggregates_url(self) -> str:
+        return f"http://{self.services_host}:{self.aggregates_port}"
 
     @property
     def worker_data_dir(self) -> str:
@@ -90,6 +120,17 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     if raw in {"0", "false", "off", "no"}:
         return False
     raise ConfigError(f"{name}={raw!r} is not a switch; use on or off.")
+
+
+def _decimal(env: Mapping[str, str], name: str, default: Decimal, low: Decimal, high: Decimal) -> Decimal:
+    raw = _text(env, name, str(default))
+    try:
+        value = Decimal(raw)
+    except InvalidOperation:
+        raise ConfigError(f"{name}={raw!r} is not a decimal number; expected {low}..{high}.") from None
+    if not value.is_finite() or not low <= value <= high:
+        raise ConfigError(f"{name}={raw} is out of range; expected {low}..{high}.")
+    return value
 
 
 def _servers(env: Mapping[str, str], name: str, default: str) -> tuple[str, ...]:
@@ -168,6 +209,26 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         table_store=_text(env, "AML_TABLE_STORE", defaults.table_store),
         worker_id=_text(env, "AML_WORKER_ID", defaults.worker_id),
         broker_port=_int(env, "AML_BROKER_PORT", defaults.broker_port, 1, 65535),
+        relations_group=_name(env, "AML_RELATIONS_GROUP", defaults.relations_group, _GROUP, "consumer group"),
+        aggregates_group=_name(
+            env, "AML_AGGREGATES_GROUP", defaults.aggregates_group, _GROUP, "consumer group"
+        ),
+        store_dir=_text(env, "AML_STORE_DIR", defaults.store_dir),
+        services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
+        relations_port=_int(env, "AML_RELATIONS_PORT", defaults.relations_port, 1, 65535),
+        aggregates_port=_int(env, "AML_AGGREGATES_PORT", defaults.aggregates_port, 1, 65535),
+        reporting_threshold=_decimal(
+            env, "AML_REPORTING_THRESHOLD", defaults.reporting_threshold, Decimal("0.01"), Decimal("1e12")
+        ),
+        threshold_band=_decimal(
+            env, "AML_THRESHOLD_BAND", defaults.threshold_band, Decimal("0.001"), Decimal("0.9")
+        ),
+        spark_master=_text(env, "AML_SPARK_MASTER", defaults.spark_master),
+        checkpoint_dir=_text(env, "AML_CHECKPOINT_DIR", defaults.checkpoint_dir),
+        trigger_interval=_float(env, "AML_TRIGGER_INTERVAL", defaults.trigger_interval, 0.05, 600),
+        max_records_per_trigger=_int(
+            env, "AML_MAX_RECORDS_PER_TRIGGER", defaults.max_records_per_trigger, 1, 100_000_000
+        ),
     )
     if not settings.table_store.startswith(("rocksdb://", "memory://")):
         raise ConfigError(
@@ -175,4 +236,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         )
     if len({settings.payments_topic, settings.decisions_topic, settings.dlq_topic}) != 3:
         raise ConfigError("AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC and AML_DLQ_TOPIC must differ.")
+    if settings.relations_group == settings.aggregates_group:
+        raise ConfigError(
+            "AML_RELATIONS_GROUP and AML_AGGREGATES_GROUP must differ: each service has its own group."
+        )
+    if settings.relations_port == settings.aggregates_port:
+        raise ConfigError("AML_RELATIONS_PORT and AML_AGGREGATES_PORT must differ.")
     return settings
