@@ -9,7 +9,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aml_app.models import REQUIRED, InvalidPayment, Payment, parse_payment
+from aml_app.contract import REQUIRED
+from aml_app.models import InvalidPayment, Payment, parse_payment
 
 MAX = 65536
 KEY = b"acct-1"
