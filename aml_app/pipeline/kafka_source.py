@@ -1,0 +1,297 @@
+"""A Kafka streaming source for PySpark, written with the Python Data Source API.
+
+The PySpark wheel ships no Kafka connector (that is a Maven jar), so this source reads Kafka with
+confluent-kafka: the driver plans offset ranges per partition, the executors read them and hand Spark Arrow
+record batches. Usage:
+
+    spark.dataSource.register(KafkaSource)
+    spark.readStream.format("aml-kafka")
+        .option("kafka.bootstrap.servers", "host:9092")
+        .option("subscribe", "payments")
+        .option("groupId", "relations")          # start from this group's committed offsets
+        .option("maxRecordsPerTrigger", "50000")  # back-pressure: records per micro-batch
+        .load()
+
+Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY. Options starting with
+`kafka.` go to the client as they are (e.g. `kafka.security.protocol`, `kafka.sasl.mechanism`).
+
+The source does not commit the group's offsets itself: Spark calls `commit(end)` one batch late and never
+while the topic is idle, so the service commits after its own store write instead (see `progress.py`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
+from pyspark.sql.types import StructType
+
+from aml_app.pipeline.ranges import (
+    SparkOffset,
+    from_spark,
+    plan_end,
+    planned_ranges,
+    starting_offsets,
+    to_spark,
+)
+
+SCHEMA = "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY"
+ARROW_BATCH_ROWS = 10_000
+METADATA_TIMEOUT = 10.0
+# A task that gets no record for this long fails (Spark retries it) instead of hanging the batch.
+READ_STALL_TIMEOUT = 60.0
+
+
+class SourceConfigError(ValueError):
+    """An option of the source is missing or wrong."""
+
+
+def client_config(options: Mapping[str, str]) -> dict[str, Any]:
+    """confluent-kafka settings from the source options: every `kafka.*` option, prefix removed."""
+    config = {k.removeprefix("kafka."): v for k, v in options.items() if k.startswith("kafka.")}
+    if not config.get("bootstrap.servers"):
+        raise SourceConfigError("the aml-kafka source needs the option kafka.bootstrap.servers")
+    return config
+
+
+class KafkaRange(InputPartition):
+    """One Spark task: offsets start <= o < end of one Kafka partition."""
+
+    def __init__(self, partition: int, start: int, end: int) -> None:
+        super().__init__((partition, start, end))
+        self.partition, self.start, self.end = partition, start, end
+
+
+def _consumer(config: Mapping[str, Any]) -> Any:
+    from confluent_kafka import Consumer
+
+    return Consumer(
+        {
+            # A group id is required by the client but never joined: we only assign() and never commit here.
+            "group.id": "aml-kafka-source-reader",
+            **config,
+            "enable.auto.commit": False,
+            "enable.auto.offset.store": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+        }
+    )
+
+
+def topic_watermarks(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, int]]:
+    """(low, high) watermarks of every partition the topic has now (new partitions included)."""
+    from confluent_kafka import TopicPartition
+
+    consumer = _consumer(config)
+    try:
+        metadata = consumer.list_topics(topic, timeout=METADATA_TIMEOUT)
+        described = metadata.topics.get(topic)
+        if described is None or described.error is not None or not described.partitions:
+            reason = described.error if described is not None else "no such topic"
+            raise RuntimeError(f"cannot read the partitions of topic {topic!r}: {reason}")
+        return {
+            p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=METADATA_TIMEOUT)
+            for p in sorted(described.partitions)
+        }
+    finally:
+        consumer.close()
+
+
+def fetched_high_watermarks(
+    consumer: Any, topic: str, starts: Mapping[int, int], timeout: float = METADATA_TIMEOUT
+) -> dict[int, int]:
+    """High watermarks as fetch responses report them, for the partitions it could reach in `timeout`.
+
+    ListOffsets (what `get_watermark_offsets` asks) is the usual way, and on Apache Kafka both agree. Some
+    Kafka-compatible brokers answer ListOffsets with the base offset of the last record batch instead
+    (Tansu, our embedded broker, does: 1 for a 1000-record batch), which would leave a batch's tail unread
+    until the next write. A fetch response always carries the real high watermark, so the planner takes the
+    larger of the two. The fetch is bounded to one small batch per partition.
+    """
+    from confluent_kafka import KafkaError, TopicPartition
+
+    consumer.assign([TopicPartition(topic, p, o) for p, o in starts.items()])
+    ends: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(ends) < len(starts) and time.monotonic() < deadline:
+            for message in consumer.consume(num_messages=len(starts), timeout=0.1):
+                p = message.partition()
+                error = message.error()
+                if error is not None and error.code() == KafkaError._PARTITION_EOF:
+                    ends[p] = message.offset()
+                elif error is None:
+                    _low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
+                    if high >= 0:
+                        ends[p] = high
+    finally:
+        consumer.unassign()
+    return ends
+
+
+def probe_consumer(config: Mapping[str, Any]) -> Any:
+    """A consumer for `fetched_high_watermarks`: fetches as little as the protocol allows."""
+    from confluent_kafka import Consumer
+
+    return Consumer(
+        {
+            "group.id": "aml-kafka-source-probe",
+            **config,
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "earliest",
+            "max.partition.fetch.bytes": 1,
+            "queued.min.messages": 1,
+            "fetch.wait.max.ms": 10,
+        }
+    )
+
+
+def committed_offsets(config: Mapping[str, Any], topic: str, group: str, partitions: list[int]) -> dict:
+    """The group's committed offsets (None where it has none), read without joining the group."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    consumer = Consumer({**config, "group.id": group, "enable.auto.commit": False})
+    try:
+        found = consumer.committed([TopicPartition(topic, p) for p in partitions], timeout=METADATA_TIMEOUT)
+        return {tp.partition: (tp.offset if tp.offset >= 0 else None) for tp in found}
+    finally:
+        consumer.close()
+
+
+def read_range(
+    config: Mapping[str, Any], topic: str, partition: int, start: int, end: int, rows: int = ARROW_BATCH_ROWS
+) -> Iterator[Any]:
+    """Yield Arrow record batches with the records start <= offset < end of one partition.
+
+    Offsets can have holes (transaction markers, compaction), so the read ends at the first record at or
+    past `end - 1` or when the client reports the end of the partition at or past `end`.
+    """
+    import pyarrow as pa
+    from confluent_kafka import KafkaError, KafkaException, TopicPartition
+
+    consumer = _consumer(config)
+    columns: dict[str, list] = {"offset": [], "timestamp": [], "key": [], "value": []}
+
+    def flush() -> Any:
+        n = len(columns["offset"])
+        batch = pa.RecordBatch.from_arrays(
+            [
+                pa.array([partition] * n, pa.int32()),
+                pa.array(columns["offset"], pa.int64()),
+                pa.array(columns["timestamp"], pa.timestamp("us", tz="UTC")),
+                pa.array(columns["key"], pa.binary()),
+                pa.array(columns["value"], pa.binary()),
+            ],
+            names=["partition", "offset", "timestamp", "key", "value"],
+        )
+        for values in columns.values():
+            values.clear()
+        return batch
+
+    try:
+        consumer.assign([TopicPartition(topic, partition, start)])
+        position = start
+        last_progress = time.monotonic()
+        while position < end:
+            messages = consumer.consume(num_messages=min(rows, end - position), timeout=0.5)
+            if not messages and time.monotonic() - last_progress > READ_STALL_TIMEOUT:
+                raise TimeoutError(
+                    f"no record of {topic}[{partition}] at offset {position} (reading up to {end}) "
+                    f"for {READ_STALL_TIMEOUT:.0f} s"
+                )
+            for message in messages:
+                error = message.error()
+                if error is not None:
+                    if error.code() == KafkaError._PARTITION_EOF:
+                        position = max(position, message.offset())
+                        continue
+                    raise KafkaException(error)
+                offset = message.offset()
+                if offset >= end:
+                    position = end
+                    break
+                last_progress = time.monotonic()
+                position = offset + 1
+                columns["offset"].append(offset)
+                _, ts_ms = message.timestamp()
+                columns["timestamp"].append(ts_ms * 1000 if ts_ms >= 0 else None)
+                columns["key"].append(message.key())
+                columns["value"].append(message.value())
+            if len(columns["offset"]) >= rows:
+                yield flush()
+        if columns["offset"]:
+            yield flush()
+    finally:
+        consumer.close()
+
+
+class KafkaStreamReader(DataSourceStreamReader):
+    def __init__(self, options: Mapping[str, str]) -> None:
+        self.config = client_config(options)
+        self.topic = options.get("subscribe", "")
+        if not self.topic:
+            raise SourceConfigError("the aml-kafka source needs the option subscribe (one topic name)")
+        self.group = options.get("groupId") or None
+        raw_limit = options.get("maxRecordsPerTrigger")
+        try:
+            self.max_records = int(raw_limit) if raw_limit else None
+        except ValueError:
+            raise SourceConfigError(f"maxRecordsPerTrigger={raw_limit!r} is not a whole number") from None
+        if self.max_records is not None and self.max_records < 1:
+            raise SourceConfigError(f"maxRecordsPerTrigger={raw_limit} must be at least 1")
+        self._probe: Any = None  # lives in the planning process only; never pickled
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_probe": None}
+
+    def _log_ends(self, starts: Mapping[int, int], marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+        if self._probe is None:
+            self._probe = probe_consumer(self.config)
+        fetched = fetched_high_watermarks(self._probe, self.topic, starts)
+        return {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
+
+    def initialOffset(self) -> SparkOffset:
+        marks = topic_watermarks(self.config, self.topic)
+        committed = committed_offsets(self.config, self.topic, self.group, list(marks)) if self.group else {}
+        return to_spark(starting_offsets(marks, committed))
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
+
+    def latestOffset(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
+        marks = topic_watermarks(self.config, self.topic)
+        begin = from_spark(start)
+        for p, (low, _high) in marks.items():
+            begin.setdefault(p, low)  # a partition added since the last batch starts at its log start
+        max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
+        return to_spark(plan_end(begin, self._log_ends(begin, marks), max_records))
+
+    def partitions(self, start: SparkOffset, end: SparkOffset) -> list[KafkaRange]:
+        return [KafkaRange(p, s, e) for p, s, e in planned_ranges(from_spark(start), from_spark(end))]
+
+    def read(self, partition: KafkaRange) -> Iterator[Any]:  # type: ignore[override]
+        yield from read_range(self.config, self.topic, partition.partition, partition.start, partition.end)
+
+    def commit(self, end: SparkOffset) -> None:
+        """Nothing: the service commits its group after its own durable write (see progress.py)."""
+
+    def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+
+class KafkaSource(DataSource):
+    @classmethod
+    def name(cls) -> str:
+        return "aml-kafka"
+
+    def schema(self) -> str:
+        return SCHEMA
+
+    def streamReader(self, schema: StructType) -> KafkaStreamReader:
+        return KafkaStreamReader(self.options)

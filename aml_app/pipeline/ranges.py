@@ -1,0 +1,70 @@
+"""Pure offset planning for the Kafka streaming source: no Spark, no Kafka, unit-tested.
+
+Spark keeps offsets as JSON, so an offset here is `{"<partition>": next offset}` with string keys; Kafka's
+convention holds throughout: an end offset is exclusive, a start offset is the next record to read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+SparkOffset = dict[str, int]
+
+
+def to_spark(offsets: Mapping[int, int]) -> SparkOffset:
+    return {str(p): int(o) for p, o in sorted(offsets.items())}
+
+
+def from_spark(offset: Mapping[str, int]) -> dict[int, int]:
+    return {int(p): int(o) for p, o in offset.items()}
+
+
+def starting_offsets(
+    partitions: Mapping[int, tuple[int, int]], committed: Mapping[int, int | None]
+) -> dict[int, int]:
+    """Where a new query starts: the group's committed offset, else the log start.
+
+    `partitions` maps each partition to its (low, high) watermarks. A committed offset outside the log
+    (records deleted by retention, or a topic recreated) is clamped into it, as Kafka's
+    auto.offset.reset=earliest would do.
+    """
+    start = {}
+    for p, (low, high) in partitions.items():
+        committed_offset = committed.get(p)
+        start[p] = low if committed_offset is None else min(max(committed_offset, low), high)
+    return start
+
+
+def plan_end(start: Mapping[int, int], latest: Mapping[int, int], max_records: int | None) -> dict[int, int]:
+    """End offsets of the next micro-batch: everything up to `latest`, or at most `max_records` records.
+
+    Partitions that appeared since `start` was planned start at their log start, which the caller folds
+    into `start`. Under a limit, the budget is shared fairly (water-filling): every partition with a
+    backlog gets an equal share, and what a small backlog leaves unused goes to the others, so no
+    partition starves.
+    """
+    end = {p: max(start.get(p, 0), latest.get(p, 0)) for p in sorted(set(start) | set(latest))}
+    if max_records is None:
+        return end
+    backlog = {p: end[p] - start.get(p, 0) for p in end if end[p] > start.get(p, 0)}
+    if sum(backlog.values()) <= max_records:
+        return end
+    budget = max_records
+    grant = dict.fromkeys(backlog, 0)
+    hungry = sorted(backlog, key=lambda p: (backlog[p], p))
+    while budget > 0 and hungry:
+        share = max(1, budget // len(hungry))
+        for p in list(hungry):
+            take = min(share, backlog[p] - grant[p], budget)
+            grant[p] += take
+            budget -= take
+            if grant[p] == backlog[p]:
+                hungry.remove(p)
+            if budget == 0:
+                break
+    return {p: start.get(p, 0) + grant.get(p, 0) if p in backlog else end[p] for p in end}
+
+
+def planned_ranges(start: Mapping[int, int], end: Mapping[int, int]) -> list[tuple[int, int, int]]:
+    """(partition, start, end) for every partition with records to read in the batch."""
+    return [(p, start.get(p, 0), end[p]) for p in sorted(end) if end[p] > start.get(p, 0)]

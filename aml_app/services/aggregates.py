@@ -1,0 +1,271 @@
+"""Service C's store: per-account payment sides over event time, and the windowed aggregates query.
+
+Each payment is stored twice, once per side: the payer's row (direction 'out', counterparty = payee) and
+the payee's row (direction 'in', counterparty = payer), keyed by the record's Kafka (partition, offset,
+direction). Event time is the payment's `ts`.
+
+Too-late rule (exactly): the store keeps `max_event_ts`, the largest ts of every payment applied so far.
+When a batch is applied, max_event_ts is first raised to include the whole batch, and then every payment
+of the batch with ts <= max_event_ts - 7 days is too late: it is not stored and `late_dropped` grows by
+one. So within a batch the order does not matter; across batches the apply order does. Late payments
+inside the 7-day horizon are stored and do count.
+
+Pruning: whenever max_event_ts rises, rows with ts <= max_event_ts - 7d - 1h are deleted. A query at
+instant `at` needs rows with at - 7d < ts <= at, so answers are exact (equal to a computation over every
+non-late payment) for every `at >= max_event_ts - 1h`; earlier instants may miss pruned rows.
+
+Window of length w at instant `at` = payments with at - w < ts <= at.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from aml_app.services.store import (
+    DECIMAL,
+    MICROSECOND,
+    Writer,
+    as_of_json,
+    claim_offsets,
+    has_table,
+    iso_text,
+    money,
+    money_text,
+    read_offsets,
+    read_snapshot,
+    to_micros,
+    validate_covered,
+)
+
+HORIZON = timedelta(days=7)
+PRUNE_SLACK = timedelta(hours=1)
+WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
+_HORIZON_US = HORIZON // MICROSECOND
+_PRUNE_US = (HORIZON + PRUNE_SLACK) // MICROSECOND
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS sides (
+    partition INTEGER NOT NULL,
+    offset INTEGER NOT NULL,
+    direction TEXT NOT NULL CHECK (direction IN ('in', 'out')),
+    account TEXT NOT NULL,
+    counterparty TEXT NOT NULL,
+    payment_id TEXT NOT NULL,
+    amount TEXT NOT NULL,
+    currency TEXT NOT NULL,
+    ts INTEGER NOT NULL,
+    PRIMARY KEY (partition, offset, direction)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS sides_by_account_ts ON sides (account, ts);
+CREATE INDEX IF NOT EXISTS sides_by_ts ON sides (ts);
+CREATE TABLE IF NOT EXISTS meta (
+    key TEXT PRIMARY KEY,
+    value INTEGER NOT NULL
+)
+"""
+
+_INSERT = """
+INSERT INTO sides (partition, offset, direction, account, counterparty, payment_id, amount, currency, ts)
+VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
+"""
+
+
+@dataclass(frozen=True)
+class PaymentRow:
+    """One valid payment from Kafka record (partition, offset); `ts` is UTC-aware."""
+
+    partition: int
+    offset: int
+    payment_id: str
+    payer: str
+    payee: str
+    amount: Decimal
+    currency: str
+    ts: datetime
+
+
+def _check(row: PaymentRow, spans: Mapping[int, tuple[int, int]]) -> tuple[int, str]:
+    """(ts in microseconds, amount text) for a well-formed row inside the covered offsets."""
+    for name in ("payment_id", "payer", "payee", "currency"):
+        value = getattr(row, name)
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"PaymentRow.{name} must be a non-empty string, got {value!r}")
+    span = spans.get(row.partition)
+    if span is None or not span[0] <= row.offset < span[1]:
+        raise ValueError(
+            f"PaymentRow at partition {row.partition} offset {row.offset} is outside the covered offsets"
+        )
+    amount = money(row.amount)
+    if amount <= 0:
+        raise ValueError(f"PaymentRow.amount must be greater than zero, got {amount}")
+    return to_micros(row.ts), money_text(amount)
+
+
+def _meta(conn: sqlite3.Connection, key: str) -> int | None:
+    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
+    return None if row is None else int(row[0])
+
+
+def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
+    conn.execute(
+        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
+        (key, value),
+    )
+
+
+def _empty_window() -> dict[str, Any]:
+    return {"sent_count": 0, "sent": {}, "received_count": 0, "received": {}, "counterparties": 0}
+
+
+class AggregatesStore:
+    """Service C's SQLite store. Writes go through one lazily opened writer connection (`apply`); every
+    query opens its own read-only connection, so the API can run while another process writes, and
+    answers empty until the file exists."""
+
+    def __init__(self, path: str, reporting_threshold: Decimal, threshold_band: Decimal) -> None:
+        self.path = path
+        self.reporting_threshold = money(reporting_threshold)
+        self.threshold_band = money(threshold_band)
+        if self.reporting_threshold <= 0 or not 0 <= self.threshold_band < 1:
+            raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
+        # threshold * (1 - band) <= amount < threshold is "near the threshold".
+        self.near_low = DECIMAL.multiply(self.reporting_threshold, DECIMAL.subtract(1, self.threshold_band))
+        self._writer = Writer(path, SCHEMA)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def __enter__(self) -> AggregatesStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def apply(self, rows: Iterable[PaymentRow], covered: Mapping[int, tuple[int, int]]) -> None:
+        """Store the batch's payments (minus too-late ones) and advance the covered offsets, in one
+        transaction. Raises StaleBatch, or ValueError for a malformed or duplicate row; either way nothing
+        changes."""
+        spans = validate_covered(covered)
+        with self._writer.transaction() as conn:
+            claim_offsets(conn, spans)
+            batch = [(row, *_check(row, spans)) for row in rows]
+            stored_max = _meta(conn, "max_event_ts")
+            new_max = max(
+                [ts for _, ts, _ in batch] + ([] if stored_max is None else [stored_max]), default=None
+            )
+            if new_max is None:
+                return
+            cutoff = new_max - _HORIZON_US
+            late = 0
+            seen: set[tuple[int, int]] = set()
+            for row, ts, amount in batch:
+                if (row.partition, row.offset) in seen:
+                    raise ValueError(
+                        f"PaymentRow at partition {row.partition} offset {row.offset} is given twice"
+                    )
+                seen.add((row.partition, row.offset))
+                if ts <= cutoff:
+                    late += 1
+                    continue
+                sides = [
+                    ("out", row.payer, row.payee),
+                    ("in", row.payee, row.payer),
+                ]
+                try:
+                    conn.executemany(
+                        _INSERT,
+                        [
+                            (row.partition, row.offset, d, a, c, row.payment_id, amount, row.currency, ts)
+                            for d, a, c in sides
+                        ],
+                    )
+                except sqlite3.IntegrityError as exc:
+                    raise ValueError(
+                        f"PaymentRow at partition {row.partition} offset {row.offset} is already stored"
+                    ) from exc
+            if late:
+                _set_meta(conn, "late_dropped", (_meta(conn, "late_dropped") or 0) + late)
+            if stored_max is None or new_max > stored_max:
+                _set_meta(conn, "max_event_ts", new_max)
+                conn.execute("DELETE FROM sides WHERE ts <= ?", (new_max - _PRUNE_US,))
+
+    def applied_offsets(self) -> dict[int, int]:
+        """partition -> next offset applied ({} before the first apply)."""
+        return read_snapshot(self.path, read_offsets)
+
+    def status(self) -> dict[str, Any]:
+        """store_exists, as_of, late_dropped and max_event_ts (ISO text or None), from one snapshot."""
+
+        def query(conn: sqlite3.Connection | None) -> dict[str, Any]:
+            late, high = self._counters(conn)
+            return {
+                "store_exists": conn is not None,
+                "as_of": as_of_json(read_offsets(conn)),
+                "late_dropped": late,
+                "max_event_ts": None if high is None else iso_text(high),
+            }
+
+        return read_snapshot(self.path, query)
+
+    @staticmethod
+    def _counters(conn: sqlite3.Connection | None) -> tuple[int, int | None]:
+        if conn is None or not has_table(conn, "meta"):
+            return 0, None
+        return _meta(conn, "late_dropped") or 0, _meta(conn, "max_event_ts")
+
+    def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
+        at_us = to_micros(at)
+
+        def query(conn: sqlite3.Connection | None) -> dict[str, Any]:
+            late, _ = self._counters(conn)
+            answer: dict[str, Any] = {
+                "account": account,
+                "at": iso_text(at_us),
+                "as_of": as_of_json(read_offsets(conn)),
+                "windows": {name: _empty_window() for name in WINDOWS},
+                "near_threshold_24h": 0,
+                "reporting_threshold": format(self.reporting_threshold, "f"),
+                "threshold_band": format(self.threshold_band, "f"),
+                "late_dropped": late,
+            }
+            if conn is None or not has_table(conn, "sides"):
+                return answer
+            rows = conn.execute(
+                "SELECT direction, counterparty, amount, currency, ts FROM sides "
+                "WHERE account = ? AND ts > ? AND ts <= ?",
+                (account, at_us - _HORIZON_US, at_us),
+            ).fetchall()
+            for name, length in WINDOWS.items():
+                since = at_us - length // MICROSECOND
+                inside = [r for r in rows if r[4] > since]
+                answer["windows"][name] = self._window(inside)
+                if name == "24h":
+                    answer["near_threshold_24h"] = sum(
+                        1
+                        for direction, _, amount, _, _ in inside
+                        if direction == "out" and self.near_low <= Decimal(amount) < self.reporting_threshold
+                    )
+            return answer
+
+        return read_snapshot(self.path, query)
+
+    @staticmethod
+    def _window(rows: list[tuple[str, str, str, str, int]]) -> dict[str, Any]:
+        sums: dict[str, dict[str, Decimal]] = {"out": {}, "in": {}}
+        counts = {"out": 0, "in": 0}
+        for direction, _, amount, currency, _ in rows:
+            counts[direction] += 1
+            per_currency = sums[direction]
+            per_currency[currency] = DECIMAL.add(per_currency.get(currency, Decimal(0)), Decimal(amount))
+        return {
+            "sent_count": counts["out"],
+            "sent": {c: money_text(sums["out"][c]) for c in sorted(sums["out"])},
+            "received_count": counts["in"],
+            "received": {c: money_text(sums["in"][c]) for c in sorted(sums["in"])},
+            "counterparties": len({r[1] for r in rows}),
+        }

@@ -1,0 +1,187 @@
+"""Naive pure-Python answers of services B (relations) and C (aggregates), to check the stores against.
+
+Written differently from the stores on purpose: no SQL, no indexes, no incremental state; every part of
+every answer loops over all payments again. Used by the store tests and by the Spark integration tests.
+
+Payments are "payment-like": any objects with `payer`, `payee`, `amount` (Decimal or decimal string),
+`currency` and `ts` (aware datetime or ISO-8601 string) attributes, e.g. `aml_app.models.Payment` or
+`aml_app.services.aggregates.PaymentRow`. Only valid payments belong in the lists.
+
+Conventions shared with the stores (aml_app/services/store.py):
+- money as text: no exponent, at least two decimal places, more only when needed ("12.50", "0.0001");
+- instants as text: UTC, six fractional digits, 'Z' ("2026-01-02T03:04:05.000000Z").
+
+Too-late rule (as in aml_app/services/aggregates.py): `reference_aggregates` takes the payments as the
+list of batches in apply order. For each batch, max_ts becomes the largest ts over all earlier batches
+AND this batch; then each payment of the batch with ts <= max_ts - 7 days is dropped and counted in
+`late_dropped`. The store prunes old rows, so its answers equal these only for instants
+`at >= exact_from(batches)` (= max ts - 1 hour).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal, localcontext
+from typing import Any
+
+HORIZON = timedelta(days=7)
+WINDOWS = (("1h", timedelta(hours=1)), ("24h", timedelta(hours=24)), ("7d", timedelta(days=7)))
+
+
+def amount_of(payment: Any) -> Decimal:
+    return payment.amount if isinstance(payment.amount, Decimal) else Decimal(str(payment.amount))
+
+
+def ts_of(payment: Any) -> datetime:
+    ts = payment.ts if isinstance(payment.ts, datetime) else datetime.fromisoformat(payment.ts)
+    return ts.astimezone(UTC)
+
+
+def money_text(value: Decimal) -> str:
+    whole, _, fraction = format(value, "f").partition(".")
+    fraction = fraction.rstrip("0")
+    while len(fraction) < 2:
+        fraction += "0"
+    return f"{whole}.{fraction}"
+
+
+def instant_text(when: datetime) -> str:
+    return when.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
+
+
+def _total(amounts: Iterable[Decimal]) -> Decimal:
+    with localcontext() as ctx:
+        ctx.prec = 80
+        result = Decimal(0)
+        for amount in amounts:
+            result += amount
+        return result
+
+
+# --- service B -----------------------------------------------------------------------------------
+
+
+def _summary(payments: list[Any], account: str, counterparty: str, outgoing: bool) -> dict[str, Any]:
+    def on_edge(p: Any) -> bool:
+        return (p.payer, p.payee) == ((account, counterparty) if outgoing else (counterparty, account))
+
+    currencies = sorted({p.currency for p in payments if on_edge(p)})
+    return {
+        "counterparty": counterparty,
+        "count": sum(1 for p in payments if on_edge(p)),
+        "totals": {
+            c: money_text(_total(amount_of(p) for p in payments if on_edge(p) and p.currency == c))
+            for c in currencies
+        },
+        "first_seen": instant_text(min(ts_of(p) for p in payments if on_edge(p))),
+        "last_seen": instant_text(max(ts_of(p) for p in payments if on_edge(p))),
+    }
+
+
+def _walks(payments: list[Any], start: str, length: int) -> list[list[str]]:
+    """Every directed walk of exactly `length` edges from `start` (an edge: at least one payment)."""
+    walks = [[start]]
+    for _ in range(length):
+        walks = [[*w, payee] for w in walks for payee in {p.payee for p in payments if p.payer == w[-1]}]
+    return walks
+
+
+def reference_relations(payments: Iterable[Any], account: str, hops: int) -> dict[str, Any]:
+    """Service B's answer for `account`, without `as_of`."""
+    payments = list(payments)
+    payees = sorted({p.payee for p in payments if p.payer == account})
+    payers = sorted({p.payer for p in payments if p.payee == account})
+
+    distance = {account: 0}
+    for step in range(1, hops + 1):
+        for p in payments:
+            for here, there in ((p.payer, p.payee), (p.payee, p.payer)):
+                if distance.get(here) == step - 1 and there not in distance:
+                    distance[there] = step
+    neighbourhood = sorted(
+        ({"account": a, "hops": d} for a, d in distance.items() if a != account),
+        key=lambda n: (n["hops"], n["account"]),
+    )
+
+    cycle: dict[str, Any] = {"found": False, "path": []}
+    for length in range(1, hops + 1):
+        closed = [w for w in _walks(payments, account, length) if w[-1] == account]
+        if closed:
+            cycle = {"found": True, "path": min(closed)}
+            break
+
+    return {
+        "account": account,
+        "hops": hops,
+        "out": [_summary(payments, account, c, outgoing=True) for c in payees],
+        "in": [_summary(payments, account, c, outgoing=False) for c in payers],
+        "neighbourhood": neighbourhood,
+        "cycle": cycle,
+    }
+
+
+# --- service C -----------------------------------------------------------------------------------
+
+
+def accepted(batches: Sequence[Sequence[Any]]) -> tuple[list[Any], int]:
+    """(payments kept, number dropped as too late), applying the too-late rule batch by batch."""
+    kept: list[Any] = []
+    dropped = 0
+    high: datetime | None = None
+    for batch in batches:
+        for p in batch:
+            if high is None or ts_of(p) > high:
+                high = ts_of(p)
+        for p in batch:
+            if high is not None and ts_of(p) <= high - HORIZON:
+                dropped += 1
+            else:
+                kept.append(p)
+    return kept, dropped
+
+
+def exact_from(batches: Sequence[Sequence[Any]]) -> datetime | None:
+    """The earliest instant from which the store's aggregates must equal the reference (max ts - 1h)."""
+    stamps = [ts_of(p) for batch in batches for p in batch]
+    return max(stamps) - timedelta(hours=1) if stamps else None
+
+
+def reference_aggregates(
+    batches: Sequence[Sequence[Any]], account: str, at: datetime, threshold: Decimal, band: Decimal
+) -> dict[str, Any]:
+    """Service C's answer for `account` at instant `at`, without `as_of`."""
+    kept, dropped = accepted(batches)
+    at = at.astimezone(UTC)
+    windows: dict[str, Any] = {}
+    near = 0
+    for name, length in WINDOWS:
+        sent = [p for p in kept if p.payer == account and at - length < ts_of(p) <= at]
+        received = [p for p in kept if p.payee == account and at - length < ts_of(p) <= at]
+        windows[name] = {
+            "sent_count": len(sent),
+            "sent": {
+                c: money_text(_total(amount_of(p) for p in sent if p.currency == c))
+                for c in sorted({p.currency for p in sent})
+            },
+            "received_count": len(received),
+            "received": {
+                c: money_text(_total(amount_of(p) for p in received if p.currency == c))
+                for c in sorted({p.currency for p in received})
+            },
+            "counterparties": len({p.payee for p in sent} | {p.payer for p in received}),
+        }
+        if name == "24h":
+            with localcontext() as ctx:
+                ctx.prec = 80
+                low = threshold * (1 - band)
+            near = sum(1 for p in sent if low <= amount_of(p) < threshold)
+    return {
+        "account": account,
+        "at": instant_text(at),
+        "windows": windows,
+        "near_threshold_24h": near,
+        "reporting_threshold": format(threshold, "f"),
+        "threshold_band": format(band, "f"),
+        "late_dropped": dropped,
+    }

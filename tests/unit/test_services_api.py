@@ -1,0 +1,323 @@
+"""The HTTP APIs of services B and C over real HTTP on loopback (aiohttp's TestServer and TestClient),
+on real SQLite files. Also one smoke test of `serve` in a child process."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from aml_app.broker import free_port
+from aml_app.services.aggregates import AggregatesStore, PaymentRow
+from aml_app.services.api import aggregates_app, build_app, relations_app
+from aml_app.services.relations import RelationsStore
+from aml_app.settings import Settings
+from tests.reference import reference_aggregates, reference_relations
+from tests.unit.test_relations_store import edge_deltas, without_as_of
+
+T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
+THRESHOLD = Decimal("10000")
+BAND = Decimal("0.1")
+
+
+@asynccontextmanager
+async def client_for(app: web.Application) -> AsyncIterator[TestClient]:
+    async with TestClient(TestServer(app, host="127.0.0.1")) as client:
+        yield client
+
+
+async def get(client: TestClient, path: str, status: int = 200) -> dict[str, Any]:
+    response = await client.get(path)
+    assert response.content_type == "application/json", await response.text()
+    body = await response.json()
+    assert response.status == status, body
+    if status >= 400:
+        assert set(body) == {"error"} and body["error"].endswith("."), body
+    return body
+
+
+def payments() -> list[PaymentRow]:
+    rows = [
+        ("A", "B", "9500", T0 - timedelta(minutes=30)),
+        ("B", "C", "12.5", T0 - timedelta(hours=3)),
+        ("C", "A", "0.0001", T0 - timedelta(days=2)),
+        ("A", "a/b ü", "1", T0),
+    ]
+    return [
+        PaymentRow(i % 2, i // 2, f"pay-{i}", payer, payee, Decimal(amount), "EUR", ts)
+        for i, (payer, payee, amount, ts) in enumerate(rows)
+    ]
+
+
+COVERED = {0: (0, 2), 1: (0, 2)}
+
+
+# --- relations -----------------------------------------------------------------------------------
+
+
+async def test_relations_answers(tmp_path: Path) -> None:
+    store = RelationsStore(str(tmp_path / "relations.sqlite"))
+    store.apply(edge_deltas(payments()), COVERED)
+    async with client_for(relations_app(store)) as client:
+        body = await get(client, "/relations/A?hops=3")
+        assert body["as_of"] == {"0": 2, "1": 2}
+        assert without_as_of(body) == reference_relations(payments(), "A", 3)
+        assert body["cycle"] == {"found": True, "path": ["A", "B", "C", "A"]}
+        assert body["out"][0] == {
+            "counterparty": "B",
+            "count": 1,
+            "totals": {"EUR": "9500.00"},
+            "first_seen": "2026-03-01T11:30:00.000000Z",
+            "last_seen": "2026-03-01T11:30:00.000000Z",
+        }
+        default = await get(client, "/relations/A")
+        assert default["hops"] == 2 and default["cycle"]["found"] is False
+        # Any account id works as one percent-encoded path segment.
+        odd = await get(client, "/relations/" + quote("a/b ü", safe=""))
+        assert odd["account"] == "a/b ü" and odd["in"][0]["counterparty"] == "A"
+        assert (await get(client, "/relations/" + "x" * 128))["out"] == []
+
+
+async def test_relations_unknown_account_is_a_well_formed_empty_answer(tmp_path: Path) -> None:
+    store = RelationsStore(str(tmp_path / "relations.sqlite"))
+    store.apply(edge_deltas(payments()), COVERED)
+    async with client_for(relations_app(store)) as client:
+        assert await get(client, "/relations/nobody?hops=1") == {
+            "account": "nobody",
+            "hops": 1,
+            "as_of": {"0": 2, "1": 2},
+            "out": [],
+            "in": [],
+            "neighbourhood": [],
+            "cycle": {"found": False, "path": []},
+        }
+
+
+@pytest.mark.parametrize(
+    ("query", "words"),
+    [
+        ("hops=0", "hops must be a whole number from 1 to 3, got '0'"),
+        ("hops=4", "from 1 to 3"),
+        ("hops=x", "got 'x'"),
+        ("hops=", "got ''"),
+        ("hops=-1", "from 1 to 3"),
+        ("hops=1.5", "whole number"),
+        ("hops=1&hops=2", "given 2 times"),
+    ],
+)
+async def test_relations_bad_hops(tmp_path: Path, query: str, words: str) -> None:
+    async with client_for(relations_app(RelationsStore(str(tmp_path / "r.sqlite")))) as client:
+        body = await get(client, f"/relations/A?{query}", status=400)
+        assert words in body["error"]
+
+
+async def test_errors_are_json_sentences(tmp_path: Path) -> None:
+    async with client_for(relations_app(RelationsStore(str(tmp_path / "r.sqlite")))) as client:
+        too_long = await get(client, "/relations/" + "x" * 129, status=400)
+        assert "129 characters" in too_long["error"] and "128" in too_long["error"]
+        blank = await get(client, "/relations/%20%20", status=400)
+        assert "blank" in blank["error"]
+        missing = await get(client, "/nothing/here", status=404)
+        assert "GET /relations/{account}" in missing["error"]
+        response = await client.post("/relations/A")
+        assert response.status == 405 and "use GET" in (await response.json())["error"]
+
+
+async def test_health_and_as_of_follow_the_applies(tmp_path: Path) -> None:
+    path = tmp_path / "later" / "relations.sqlite"
+    settings = Settings(store_dir=str(path.parent))
+    async with client_for(build_app("relations", settings)) as client:
+        health = await get(client, "/health")
+        assert health == {
+            "status": "ok",
+            "service": "relations",
+            "store": str(path),
+            "store_exists": False,
+            "as_of": {},
+        }
+        assert (await get(client, "/relations/A"))["as_of"] == {}
+        assert not path.exists(), "the API must not create the store file"
+        # The pipeline (another store object, as in another process) creates the file and writes.
+        with RelationsStore(settings.relations_db) as writer:
+            writer.apply([], {0: (5, 5)})
+            health = await get(client, "/health")
+            assert health["store_exists"] is True and health["as_of"] == {"0": 5}
+            writer.apply(edge_deltas(payments()[:1]), {0: (5, 6), 3: (0, 9)})
+            body = await get(client, "/relations/A?hops=1")
+            assert body["as_of"] == {"0": 6, "3": 9}
+            assert [e["counterparty"] for e in body["out"]] == ["B"]
+            assert (await get(client, "/health"))["as_of"] == {"0": 6, "3": 9}
+
+
+async def test_reads_run_concurrently_with_a_writer(tmp_path: Path) -> None:
+    store = RelationsStore(str(tmp_path / "relations.sqlite"))
+    async with client_for(relations_app(store)) as client:
+
+        async def write() -> None:
+            for i in range(30):
+                deltas = edge_deltas([PaymentRow(0, i, "p", "A", f"N{i:02}", Decimal("1"), "EUR", T0)])
+                await asyncio.to_thread(store.apply, deltas, {0: (i, i + 1)})
+
+        async def read() -> list[dict[str, Any]]:
+            return [await get(client, "/relations/A?hops=1") for _ in range(30)]
+
+        _, answers = await asyncio.gather(write(), read())
+        for body in answers:  # every answer is one snapshot: as many edges as offsets applied
+            assert len(body["out"]) == body["as_of"].get("0", 0)
+        assert len((await get(client, "/relations/A?hops=1"))["out"]) == 30
+
+
+# --- aggregates ----------------------------------------------------------------------------------
+
+
+async def test_aggregates_answers(tmp_path: Path) -> None:
+    store = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
+    store.apply(payments(), COVERED)
+    async with client_for(aggregates_app(store)) as client:
+        body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
+        assert body["as_of"] == {"0": 2, "1": 2}
+        assert without_as_of(body) == reference_aggregates([payments()], "A", T0, THRESHOLD, BAND)
+        assert body["at"] == "2026-03-01T12:00:00.000000Z"
+        assert body["near_threshold_24h"] == 1
+        assert body["windows"]["1h"] == {
+            "sent_count": 2,
+            "sent": {"EUR": "9501.00"},
+            "received_count": 0,
+            "received": {},
+            "counterparties": 2,
+        }
+        assert body["windows"]["7d"]["received"] == {"EUR": "0.0001"}
+        # The same instant written with an offset: encoded '+', or a raw '+' the query decodes to a space.
+        for at in (
+            "2026-03-01T13:00:00%2B01:00",
+            "2026-03-01T13:00:00+01:00",
+            "2026-03-01T12:00:00.000000+00:00",
+        ):
+            assert (await get(client, f"/aggregates/A?at={at}")) == body
+        unknown = await get(client, "/aggregates/nobody?at=2026-03-01T12:00:00Z")
+        assert unknown["windows"]["24h"] == {
+            "sent_count": 0,
+            "sent": {},
+            "received_count": 0,
+            "received": {},
+            "counterparties": 0,
+        }
+        assert unknown["near_threshold_24h"] == 0 and unknown["as_of"] == {"0": 2, "1": 2}
+
+
+async def test_aggregates_at_defaults_to_now(tmp_path: Path) -> None:
+    store = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
+    async with client_for(aggregates_app(store)) as client:
+        before = datetime.now(UTC)
+        body = await get(client, "/aggregates/A")
+        at = datetime.fromisoformat(body["at"])
+        assert before <= at <= datetime.now(UTC)
+        assert body["as_of"] == {} and body["late_dropped"] == 0
+
+
+@pytest.mark.parametrize(
+    ("query", "words"),
+    [
+        ("at=garbage", "at must be an ISO-8601 instant"),
+        ("at=2026-03-01T12:00:00", "at must include a timezone"),
+        ("at=2026-03-01", "at must include a timezone"),
+        ("at=2026-13-01T00:00:00Z", "ISO-8601"),
+        ("at=", "ISO-8601"),
+        ("at=2026-03-01T12:00:00Z&at=2026-03-01T12:00:00Z", "given 2 times"),
+        ("at=0001-01-01T00:00:00%2B01:00", "out of range"),
+    ],
+)
+async def test_aggregates_bad_at(tmp_path: Path, query: str, words: str) -> None:
+    store = AggregatesStore(str(tmp_path / "a.sqlite"), THRESHOLD, BAND)
+    async with client_for(aggregates_app(store)) as client:
+        body = await get(client, f"/aggregates/A?{query}", status=400)
+        assert words in body["error"]
+        assert (await get(client, "/aggregates/" + "y" * 129, status=400))["error"].startswith(
+            "The account id"
+        )
+
+
+async def test_aggregates_health_without_then_with_a_store(tmp_path: Path) -> None:
+    settings = Settings(store_dir=str(tmp_path / "services"), reporting_threshold=Decimal("5000"))
+    async with client_for(build_app("aggregates", settings)) as client:
+        assert await get(client, "/health") == {
+            "status": "ok",
+            "service": "aggregates",
+            "store": settings.aggregates_db,
+            "store_exists": False,
+            "as_of": {},
+            "late_dropped": 0,
+            "max_event_ts": None,
+        }
+        empty = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
+        assert empty["as_of"] == {} and empty["reporting_threshold"] == "5000"
+        assert not Path(settings.aggregates_db).exists()  # noqa: ASYNC240
+        with AggregatesStore(
+            settings.aggregates_db, settings.reporting_threshold, settings.threshold_band
+        ) as w:
+            w.apply(payments(), COVERED)
+            late = PaymentRow(0, 2, "old", "A", "B", Decimal("1"), "EUR", T0 - timedelta(days=8))
+            w.apply([late], {0: (2, 3)})
+        health = await get(client, "/health")
+        assert health["store_exists"] is True
+        assert health["as_of"] == {"0": 3, "1": 2}
+        assert health["late_dropped"] == 1
+        assert health["max_event_ts"] == "2026-03-01T12:00:00.000000Z"
+        body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
+        assert body["as_of"] == {"0": 3, "1": 2} and body["late_dropped"] == 1
+        assert body["near_threshold_24h"] == 0  # 9500 is not near a 5000 threshold
+
+
+def test_build_app_refuses_an_unknown_kind(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="unknown service 'ledger'"):
+        build_app("ledger", Settings(store_dir=str(tmp_path)))
+
+
+# --- serve ---------------------------------------------------------------------------------------
+
+
+async def test_serve_runs_the_service_until_stopped(tmp_path: Path) -> None:
+    port = free_port()
+    code = (
+        "from aml_app.services.api import serve\n"
+        "from aml_app.settings import Settings\n"
+        f"serve('aggregates', Settings(store_dir={str(tmp_path)!r}, aggregates_port={port}))\n"
+    )
+    child = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    try:
+        deadline = time.monotonic() + 30
+        async with aiohttp.ClientSession() as session:
+            while True:
+                try:
+                    async with session.get(f"http://127.0.0.1:{port}/health") as response:
+                        body = await response.json()
+                        break
+                except aiohttp.ClientConnectionError:
+                    if child.returncode is not None:
+                        output = await child.stdout.read() if child.stdout else b""
+                        pytest.fail(f"the service exited early: {output.decode()}")
+                    assert time.monotonic() < deadline, "the service did not answer within 30 s"
+                    await asyncio.sleep(0.1)
+        assert body["service"] == "aggregates" and body["store_exists"] is False
+    finally:
+        if child.returncode is None:
+            child.terminate()
+            try:
+                await asyncio.wait_for(child.wait(), 10)
+            except TimeoutError:
+                child.kill()
+                await child.wait()
