@@ -52,6 +52,44 @@ def demo_command(duration: float, rate: float, workers: int) -> None:
     sys.exit(run_demo(load_settings(), duration=duration, rate=rate, workers=workers))
 
 
+@click.command("pipeline")
+@click.option("--master", default=None, help="Spark master (default AML_SPARK_MASTER, local[2]).")
+@click.option(
+    "--checkpoint-dir",
+    default=None,
+    help="Checkpoint directory (default AML_CHECKPOINT_DIR, var/checkpoints).",
+)
+@click.option(
+    "--service",
+    "services",
+    multiple=True,
+    type=click.Choice(["relations", "aggregates"]),
+    help="Run only this service's query (repeatable; default both).",
+)
+def pipeline_command(master: str | None, checkpoint_dir: str | None, services: tuple[str, ...]) -> None:
+    """Run Services B and C: the Spark streaming queries that build the relations and aggregates stores."""
+    from aml_app.pipeline.runner import SERVICES, run_pipeline
+
+    settings = load_settings()
+    sys.exit(
+        run_pipeline(
+            settings,
+            master or settings.spark_master,
+            checkpoint_dir or settings.checkpoint_dir,
+            services or SERVICES,
+        )
+    )
+
+
+@click.command("serve")
+@click.argument("service", type=click.Choice(["relations", "aggregates"]))
+def serve_command(service: str) -> None:
+    """Run the HTTP API of Service-B (relations) or Service-C (aggregates)."""
+    from aml_app.services.api import serve
+
+    serve(service, load_settings())
+
+
 def main() -> None:
     try:
         load_settings()
@@ -63,6 +101,8 @@ def main() -> None:
 
     cli.add_command(broker_command)
     cli.add_command(demo_command)
+    cli.add_command(pipeline_command)
+    cli.add_command(serve_command)
     app.main()
 
 

@@ -94,3 +94,4 @@ class DeadLetters:
 
     def close(self) -> None:
         self.producer.flush(DELIVERY_TIMEOUT)
+        self.producer.close()

@@ -1,0 +1,89 @@
+"""Seeded test payments for the pipeline tests: few accounts (edges repeat, cycles form), several currencies,
+event times spread over days and arriving out of order, late ones inside the 7-day horizon, and malformed
+records. Returns what was produced so tests can build the reference answers."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+
+from aiokafka import AIOKafkaProducer
+
+from aml_app.kafka_tools import produce
+from aml_app.services.aggregates import PaymentRow
+
+BASE = datetime(2026, 3, 1, tzinfo=UTC)
+MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"")
+
+
+@dataclass
+class Produced:
+    valid: list[PaymentRow]
+    malformed: list[tuple[int, int, bytes]]  # partition, offset, value
+
+    @property
+    def accounts(self) -> list[str]:
+        return sorted({p.payer for p in self.valid} | {p.payee for p in self.valid})
+
+
+def payment_doc(rng: random.Random, n: int, prefix: str, accounts: int, spread: timedelta) -> dict[str, str]:
+    payer, payee = rng.sample(range(accounts), 2) if rng.random() > 0.02 else (0, 0)
+    amount = (
+        Decimal(rng.choice(["9500", "9999.99", "10000", "120.5", "0.0001", "42"]))
+        + Decimal(rng.randrange(0, 10_000)) / 100
+    )
+    when = BASE + timedelta(seconds=rng.randrange(int(spread.total_seconds())))
+    return {
+        "payment_id": f"{prefix}-{n}",
+        "payer": f"acct-{payer}",
+        "payee": f"acct-{payee}",
+        "amount": str(amount),
+        "currency": rng.choice(["EUR", "EUR", "USD", "GBP"]),
+        "ts": when.isoformat().replace("+00:00", "Z"),
+    }
+
+
+async def produce_payments(
+    producer: AIOKafkaProducer,
+    topic: str,
+    count: int,
+    seed: int,
+    accounts: int = 12,
+    spread: timedelta = timedelta(days=6),
+    malformed_every: int = 50,
+) -> Produced:
+    """Send `count` records (every `malformed_every`-th one malformed), keyed by payer."""
+    rng = random.Random(seed)
+    records: list[tuple[int | None, bytes | None, bytes | None]] = []
+    docs: list[dict[str, str] | None] = []
+    for n in range(count):
+        if malformed_every and n % malformed_every == malformed_every - 1:
+            records.append((None, b"acct-0", MALFORMED[n % len(MALFORMED)]))
+            docs.append(None)
+            continue
+        doc = payment_doc(rng, n, f"s{seed}", accounts, spread)
+        records.append((None, doc["payer"].encode(), json.dumps(doc).encode()))
+        docs.append(doc)
+    placed = await produce(producer, topic, records)
+    produced = Produced([], [])
+    for (partition, offset), doc, (_p, _k, value) in zip(placed, docs, records, strict=True):
+        if doc is None:
+            assert value is not None
+            produced.malformed.append((partition, offset, value))
+            continue
+        produced.valid.append(
+            PaymentRow(
+                partition=partition,
+                offset=offset,
+                payment_id=doc["payment_id"],
+                payer=doc["payer"],
+                payee=doc["payee"],
+                amount=Decimal(doc["amount"]),
+                currency=doc["currency"],
+                ts=datetime.fromisoformat(doc["ts"]),
+            )
+        )
+    return produced
