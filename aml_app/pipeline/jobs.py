@@ -18,6 +18,7 @@ into edge deltas; the store adds the deltas up exactly.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -52,6 +53,17 @@ class BatchReport:
     dead_lettered: int
     committed: dict[int, int]
     seconds: float
+
+
+def failpoint(name: str) -> None:
+    """Die here, like a kill -9, when AML_FAILPOINT names this point.
+
+    How the crash test reproduces the worst moment on purpose: the store holds a batch that neither the
+    group nor Spark's checkpoint has recorded as done, so the restart must replay it and change nothing.
+    """
+    if os.environ.get("AML_FAILPOINT") == name:
+        log.warning("failpoint %s: exiting now", name)
+        os._exit(137)
 
 
 def micros_to_datetime(micros: int) -> datetime:
@@ -155,7 +167,11 @@ class ServiceBatches:
                 )
                 .collect()
             }
-            covered = {p: (applied.get(p, first), last + 1) for p, (first, last, _n) in spans.items()}
+            # From the store's offset (records may have holes: transaction markers, compaction). A row below
+            # it would make `start` disagree with the store, which then refuses the batch (StaleBatch).
+            covered = {
+                p: (min(first, applied.get(p, first)), last + 1) for p, (first, last, _n) in spans.items()
+            }
             rejected = [
                 Rejected(r.partition, r.offset, r.key, r.value, r.error)
                 for r in parsed.where(F.col("error").isNotNull())
@@ -168,6 +184,7 @@ class ServiceBatches:
         self.dead_letters.send(rejected)
         if covered:
             self.store.apply(rows, covered)
+            failpoint("after-store-write")
         # Commit what the store holds, including a replayed batch's offsets that a crash left uncommitted.
         committed = {**applied, **{p: end for p, (_start, end) in covered.items()}}
         self.progress.commit(committed)

@@ -256,6 +256,10 @@ class KafkaStreamReader(DataSourceStreamReader):
 
     def initialOffset(self) -> SparkOffset:
         marks = topic_watermarks(self.config, self.topic)
+        # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
+        # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
+        ends = self._log_ends({p: low for p, (low, _high) in marks.items()}, marks)
+        marks = {p: (low, ends[p]) for p, (low, _high) in marks.items()}
         committed = committed_offsets(self.config, self.topic, self.group, list(marks)) if self.group else {}
         return to_spark(starting_offsets(marks, committed))
 
