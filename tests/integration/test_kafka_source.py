@@ -91,7 +91,11 @@ def produce(bootstrap: str, topic: str, counts: dict[int, int], tag: str = "") -
     for p, n in sorted(counts.items()):
         for i in range(n):
             producer.produce(
-                topic, key=f"k{tag}-{p}-{i}".encode(), value=f"v{tag}-{p}-{i}".encode() * 3, partition=p
+                topic,
+                key=f"k{tag}-{p}-{i}".encode(),
+                value=f"v{tag}-{p}-{i}".encode() * 3,
+                partition=p,
+                on_delivery=delivered,
             )
             producer.poll(0)
     remaining = producer.flush(TIMEOUT)
