@@ -38,6 +38,7 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
         .config("spark.sql.session.timeZone", "UTC")
         .config("spark.sql.execution.arrow.pyspark.enabled", "true")
         .config("spark.python.worker.reuse", "true")
+        .config("spark.ui.showConsoleProgress", "false")
         .config("spark.driver.extraJavaOptions", "-Dlog4j.rootLogger=WARN")
     )
     for key, value in (extra or {}).items():
