@@ -11,8 +11,10 @@ Each micro-batch follows the same four steps, in this order, on the driver:
 4. Commit those offsets to the service's consumer group. Only now does the gate see the progress, so a
    committed offset is never ahead of what the API answers.
 
-Spark does the parsing (on the executors, Arrow in and out) and, for relations, the per-batch aggregation
-into edge deltas; the store adds the deltas up exactly.
+Spark does the parsing on the executors (Arrow in and out) and, for relations, aggregates each task's
+payments into edge deltas there; the store adds the deltas up exactly. One Spark job per micro-batch:
+each task returns its span of offsets, its rejected records and its rows in one Arrow schema
+(`parse.BATCH_SCHEMA`), and one `toArrow()` brings them to the driver.
 """
 
 from __future__ import annotations
@@ -21,21 +23,18 @@ import logging
 import os
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
-from decimal import Decimal
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from aml_app.pipeline.parse import PARSED_SCHEMA, payment_parser
+from aml_app.pipeline.parse import BATCH_SCHEMA, batch_task
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
 from aml_app.services.aggregates import PaymentRow
 from aml_app.services.relations import EdgeDelta
 
 log = logging.getLogger("aml_app.pipeline")
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class Store(Protocol):
@@ -53,6 +52,7 @@ class BatchReport:
     dead_lettered: int
     committed: dict[int, int]
     seconds: float
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the benchmark
 
 
 def failpoint(name: str) -> None:
@@ -66,10 +66,6 @@ def failpoint(name: str) -> None:
         os._exit(137)
 
 
-def micros_to_datetime(micros: int) -> datetime:
-    return EPOCH + timedelta(microseconds=micros)
-
-
 def unapplied(df: DataFrame, applied: Mapping[int, int]) -> DataFrame:
     """Rows at or past the store's next offset of their partition (all rows where it has none)."""
     if not applied:
@@ -78,60 +74,30 @@ def unapplied(df: DataFrame, applied: Mapping[int, int]) -> DataFrame:
     return df.where(F.col("offset") >= F.coalesce(F.element_at(floor, F.col("partition")), F.lit(0)))
 
 
-def relations_rows(valid: DataFrame) -> list[EdgeDelta]:
-    """Edge deltas of one batch: Spark groups the payments by (payer, payee, currency)."""
-    rows = (
-        valid.groupBy("payer", "payee", "currency")
-        .agg(
-            F.count(F.lit(1)).alias("n"),
-            F.sum("amount").alias("total"),
-            F.min(F.unix_micros("ts")).alias("first"),
-            F.max(F.unix_micros("ts")).alias("last"),
-        )
-        .collect()
-    )
+def _column_rows(table: Any, kind: str, names: list[str]) -> list[tuple[Any, ...]]:
+    """The rows of one kind as tuples (Arrow converts decimals and UTC timestamps itself)."""
+    import pyarrow.compute as pc
+
+    part = table.filter(pc.equal(table["kind"], kind))
+    return list(zip(*(part[name].to_pylist() for name in names), strict=True))
+
+
+def relations_rows(table: Any) -> list[EdgeDelta]:
+    """Edge deltas, pre-aggregated per task on the executors; the store adds them up exactly."""
+    names = ["payer", "payee", "currency", "n", "amount", "first_ts", "last_ts"]
     return [
-        EdgeDelta(
-            payer=r.payer,
-            payee=r.payee,
-            currency=r.currency,
-            count=r.n,
-            total=Decimal(r.total),
-            first_seen=micros_to_datetime(r.first),
-            last_seen=micros_to_datetime(r.last),
-        )
-        for r in rows
+        EdgeDelta(payer, payee, currency, n, total, first, last)
+        for payer, payee, currency, n, total, first, last in _column_rows(table, "edge", names)
     ]
 
 
-def aggregates_rows(valid: DataFrame) -> list[PaymentRow]:
+def aggregates_rows(table: Any) -> list[PaymentRow]:
     """One row per payment; the store keeps both sides and answers windows at any instant."""
-    table = valid.select(
-        "partition",
-        "offset",
-        "payment_id",
-        "payer",
-        "payee",
-        F.col("amount").cast("string").alias("amount"),
-        "currency",
-        F.unix_micros("ts").alias("ts"),
-    ).toArrow()
-    columns = table.to_pydict()
-    return [
-        PaymentRow(
-            partition=partition,
-            offset=offset,
-            payment_id=payment_id,
-            payer=payer,
-            payee=payee,
-            amount=Decimal(amount),
-            currency=currency,
-            ts=micros_to_datetime(ts),
-        )
-        for partition, offset, payment_id, payer, payee, amount, currency, ts in zip(
-            *(columns[name] for name in table.column_names), strict=True
-        )
-    ]
+    names = ["partition", "offset", "payment_id", "payer", "payee", "amount", "currency", "first_ts"]
+    return [PaymentRow(*row) for row in _column_rows(table, "payment", names)]
+
+
+SHAPE = {"relations": "edges", "aggregates": "payments"}
 
 
 class ServiceBatches:
@@ -141,7 +107,7 @@ class ServiceBatches:
         self,
         service: str,
         store: Store,
-        to_rows: Callable[[DataFrame], list[Any]],
+        to_rows: Callable[[Any], list[Any]],
         progress: GroupProgress,
         dead_letters: DeadLetters,
         max_payment_bytes: int,
@@ -149,45 +115,44 @@ class ServiceBatches:
     ) -> None:
         self.service, self.store, self.to_rows = service, store, to_rows
         self.progress, self.dead_letters = progress, dead_letters
-        self.parser = payment_parser(max_payment_bytes)
+        self.task = batch_task(max_payment_bytes, SHAPE[service])
         self.on_batch = on_batch
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
+        phases: dict[str, float] = {}
+
+        def lap(name: str) -> None:
+            phases[name] = time.monotonic() - started - sum(phases.values())
+
         applied = self.store.applied_offsets()
-        parsed = unapplied(batch, applied).mapInArrow(self.parser, PARSED_SCHEMA).persist()
-        try:
-            spans = {
-                r.partition: (r.first, r.last, r.n)
-                for r in parsed.groupBy("partition")
-                .agg(
-                    F.min("offset").alias("first"),
-                    F.max("offset").alias("last"),
-                    F.count(F.lit(1)).alias("n"),
-                )
-                .collect()
-            }
-            # From the store's offset (records may have holes: transaction markers, compaction). A row below
-            # it would make `start` disagree with the store, which then refuses the batch (StaleBatch).
-            covered = {
-                p: (min(first, applied.get(p, first)), last + 1) for p, (first, last, _n) in spans.items()
-            }
-            rejected = [
-                Rejected(r.partition, r.offset, r.key, r.value, r.error)
-                for r in parsed.where(F.col("error").isNotNull())
-                .select("partition", "offset", "key", "value", "error")
-                .collect()
-            ]
-            rows = self.to_rows(parsed.where(F.col("error").isNull())) if spans else []
-        finally:
-            parsed.unpersist()
+        table = unapplied(batch, applied).mapInArrow(self.task, BATCH_SCHEMA).toArrow()
+        lap("spark")
+        spans: dict[int, tuple[int, int, int]] = {}
+        for p, first, last, n in _column_rows(table, "span", ["partition", "offset", "last_offset", "n"]):
+            seen = spans.get(p)
+            spans[p] = (
+                (first, last, n) if seen is None else (min(seen[0], first), max(seen[1], last), seen[2] + n)
+            )
+        # From the store's offset (records may have holes: transaction markers, compaction). A row below it
+        # would make `start` disagree with the store, which then refuses the batch (StaleBatch).
+        covered = {p: (min(first, applied.get(p, first)), last + 1) for p, (first, last, _n) in spans.items()}
+        rejected = [
+            Rejected(*row)
+            for row in _column_rows(table, "reject", ["partition", "offset", "key", "value", "error"])
+        ]
+        rows = self.to_rows(table)
+        lap("collect")
         self.dead_letters.send(rejected)
+        lap("dead_letters")
         if covered:
             self.store.apply(rows, covered)
             failpoint("after-store-write")
+        lap("store")
         # Commit what the store holds, including a replayed batch's offsets that a crash left uncommitted.
         committed = {**applied, **{p: end for p, (_start, end) in covered.items()}}
         self.progress.commit(committed)
+        lap("commit")
         records = sum(n for _first, _last, n in spans.values())
         report = BatchReport(
             self.service,
@@ -197,15 +162,17 @@ class ServiceBatches:
             len(rejected),
             committed,
             time.monotonic() - started,
+            phases,
         )
         if records:
             log.info(
-                "%s batch %d: %d records, %d dead-lettered, %.2f s, committed %s",
+                "%s batch %d: %d records, %d dead-lettered, %.2f s (%s), committed %s",
                 self.service,
                 batch_id,
                 report.records,
                 report.dead_lettered,
                 report.seconds,
+                " ".join(f"{k} {v:.2f}" for k, v in phases.items()),
                 committed,
             )
         if self.on_batch is not None:

@@ -81,11 +81,15 @@ def _consumer(config: Mapping[str, Any]) -> Any:
     )
 
 
-def topic_watermarks(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, int]]:
-    """(low, high) watermarks of every partition the topic has now (new partitions included)."""
+def topic_watermarks(config: Mapping[str, Any], topic: str, client: Any = None) -> dict[int, tuple[int, int]]:
+    """(low, high) watermarks of every partition the topic has now (new partitions included).
+
+    Uses `client` (a consumer) when given, else a short-lived one: the planner keeps one across batches,
+    since connecting costs more than the requests.
+    """
     from confluent_kafka import TopicPartition
 
-    consumer = _consumer(config)
+    consumer = client or _consumer(config)
     try:
         metadata = consumer.list_topics(topic, timeout=METADATA_TIMEOUT)
         described = metadata.topics.get(topic)
@@ -97,7 +101,8 @@ def topic_watermarks(config: Mapping[str, Any], topic: str) -> dict[int, tuple[i
             for p in sorted(described.partitions)
         }
     finally:
-        consumer.close()
+        if client is None:
+            consumer.close()
 
 
 def fetched_high_watermarks(
@@ -146,6 +151,10 @@ def probe_consumer(config: Mapping[str, Any]) -> Any:
             "max.partition.fetch.bytes": 1,
             "queued.min.messages": 1,
             "fetch.wait.max.ms": 10,
+            # The probe's queue is over queued.min.messages after every probe, and librdkafka then holds
+            # back the partition's next fetch for fetch.queue.backoff.ms (1 s by default): every plan of
+            # the reused probe would wait that second out, once per micro-batch.
+            "fetch.queue.backoff.ms": 10,
         }
     )
 
@@ -248,14 +257,18 @@ class KafkaStreamReader(DataSourceStreamReader):
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_probe": None}
 
-    def _log_ends(self, starts: Mapping[int, int], marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+    @property
+    def probe(self) -> Any:
         if self._probe is None:
             self._probe = probe_consumer(self.config)
-        fetched = fetched_high_watermarks(self._probe, self.topic, starts)
+        return self._probe
+
+    def _log_ends(self, starts: Mapping[int, int], marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+        fetched = fetched_high_watermarks(self.probe, self.topic, starts)
         return {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
 
     def initialOffset(self) -> SparkOffset:
-        marks = topic_watermarks(self.config, self.topic)
+        marks = topic_watermarks(self.config, self.topic, self.probe)
         # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
         ends = self._log_ends({p: low for p, (low, _high) in marks.items()}, marks)
@@ -267,7 +280,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
 
     def latestOffset(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
-        marks = topic_watermarks(self.config, self.topic)
+        marks = topic_watermarks(self.config, self.topic, self.probe)
         begin = from_spark(start)
         for p, (low, _high) in marks.items():
             begin.setdefault(p, low)  # a partition added since the last batch starts at its log start

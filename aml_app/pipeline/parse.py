@@ -68,3 +68,121 @@ def _parse_batches(batches: Iterator[Any], max_bytes: int) -> Iterator[Any]:
 def payment_parser(max_bytes: int) -> Any:
     """The function for `DataFrame.mapInArrow(payment_parser(n), PARSED_SCHEMA)`."""
     return partial(_parse_batches, max_bytes=max_bytes)
+
+
+# --- One Spark job per micro-batch -------------------------------------------------------------------------
+# Each task parses its Kafka range and returns, in one Arrow schema, everything the driver needs: the span of
+# offsets it covered, the rejected records (with their bytes), and the service's rows: one per payment
+# (aggregates) or edge deltas pre-aggregated within the task (relations; the store adds deltas up). One
+# `toArrow()` then brings the batch to the driver: no shuffle, no cache, no second pass over Kafka.
+
+BATCH_SCHEMA = (
+    "kind STRING, partition INT, offset BIGINT, last_offset BIGINT, n BIGINT, payment_id STRING, "
+    "payer STRING, payee STRING, currency STRING, amount DECIMAL(38,4), first_ts TIMESTAMP, "
+    "last_ts TIMESTAMP, error STRING, key BINARY, value BINARY"
+)
+SHAPES = ("payments", "edges")
+
+
+def _arrow_schema() -> Any:
+    import pyarrow as pa
+
+    ts = pa.timestamp("us", tz="UTC")
+    return pa.schema(
+        [
+            ("kind", pa.string()),
+            ("partition", pa.int32()),
+            ("offset", pa.int64()),
+            ("last_offset", pa.int64()),
+            ("n", pa.int64()),
+            ("payment_id", pa.string()),
+            ("payer", pa.string()),
+            ("payee", pa.string()),
+            ("currency", pa.string()),
+            ("amount", pa.decimal128(38, 4)),
+            ("first_ts", ts),
+            ("last_ts", ts),
+            ("error", pa.string()),
+            ("key", pa.binary()),
+            ("value", pa.binary()),
+        ]
+    )
+
+
+def _kind_batch(schema: Any, kind: str, length: int, columns: dict[str, Any]) -> Any:
+    import pyarrow as pa
+
+    arrays = []
+    for field in schema:
+        if field.name == "kind":
+            arrays.append(pa.array([kind] * length, pa.string()))
+        elif field.name in columns:
+            column = columns[field.name]
+            if isinstance(column, pa.ChunkedArray):
+                column = column.combine_chunks()
+            arrays.append(column.cast(field.type))
+        else:
+            arrays.append(pa.nulls(length, field.type))
+    return pa.RecordBatch.from_arrays(arrays, schema=schema)
+
+
+def _batch_task(batches: Iterator[Any], max_bytes: int, shape: str) -> Iterator[Any]:
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    parsed = list(_parse_batches(batches, max_bytes))
+    if not parsed:
+        return
+    table = pa.Table.from_batches(parsed).combine_chunks()
+    schema = _arrow_schema()
+    spans = table.group_by("partition").aggregate([("offset", "min"), ("offset", "max"), ("offset", "count")])
+    yield _kind_batch(
+        schema,
+        "span",
+        spans.num_rows,
+        {
+            "partition": spans["partition"],
+            "offset": spans["offset_min"],
+            "last_offset": spans["offset_max"],
+            "n": spans["offset_count"],
+        },
+    )
+    bad = pc.is_valid(table["error"])
+    rejected = table.filter(bad)
+    if rejected.num_rows:
+        yield _kind_batch(
+            schema, "reject", rejected.num_rows, {c: rejected[c] for c in rejected.column_names}
+        )
+    valid = table.filter(pc.invert(bad))
+    if not valid.num_rows:
+        return
+    if shape == "payments":
+        columns = {c: valid[c] for c in ("partition", "offset", "payment_id", "payer", "payee", "currency")}
+        yield _kind_batch(
+            schema, "payment", valid.num_rows, {**columns, "amount": valid["amount"], "first_ts": valid["ts"]}
+        )
+        return
+    edges = valid.group_by(["payer", "payee", "currency"]).aggregate(
+        [("amount", "sum"), ("amount", "count"), ("ts", "min"), ("ts", "max")]
+    )
+    yield _kind_batch(
+        schema,
+        "edge",
+        edges.num_rows,
+        {
+            "payer": edges["payer"],
+            "payee": edges["payee"],
+            "currency": edges["currency"],
+            "amount": edges["amount_sum"],
+            "n": edges["amount_count"],
+            "first_ts": edges["ts_min"],
+            "last_ts": edges["ts_max"],
+        },
+    )
+
+
+def batch_task(max_bytes: int, shape: str) -> Any:
+    """The function for `DataFrame.mapInArrow(batch_task(n, shape), BATCH_SCHEMA)`."""
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
+    return partial(_batch_task, max_bytes=max_bytes, shape=shape)
