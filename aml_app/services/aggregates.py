@@ -163,6 +163,7 @@ class AggregatesStore:
             cutoff = new_max - _HORIZON_US
             late = 0
             seen: set[tuple[int, int]] = set()
+            inserts = []
             for row, ts, amount in batch:
                 if (row.partition, row.offset) in seen:
                     raise ValueError(
@@ -172,22 +173,36 @@ class AggregatesStore:
                 if ts <= cutoff:
                     late += 1
                     continue
-                sides = [
-                    ("out", row.payer, row.payee),
-                    ("in", row.payee, row.payer),
-                ]
-                try:
-                    conn.executemany(
-                        _INSERT,
-                        [
-                            (row.partition, row.offset, d, a, c, row.payment_id, amount, row.currency, ts)
-                            for d, a, c in sides
-                        ],
+                inserts.append(
+                    (
+                        row.partition,
+                        row.offset,
+                        "out",
+                        row.payer,
+                        row.payee,
+                        row.payment_id,
+                        amount,
+                        row.currency,
+                        ts,
                     )
-                except sqlite3.IntegrityError as exc:
-                    raise ValueError(
-                        f"PaymentRow at partition {row.partition} offset {row.offset} is already stored"
-                    ) from exc
+                )
+                inserts.append(
+                    (
+                        row.partition,
+                        row.offset,
+                        "in",
+                        row.payee,
+                        row.payer,
+                        row.payment_id,
+                        amount,
+                        row.currency,
+                        ts,
+                    )
+                )
+            try:
+                conn.executemany(_INSERT, inserts)  # one statement for the batch: the per-row cost is the row
+            except sqlite3.IntegrityError as exc:
+                raise ValueError(f"a PaymentRow of this batch is already stored: {exc}") from exc
             if late:
                 _set_meta(conn, "late_dropped", (_meta(conn, "late_dropped") or 0) + late)
             if stored_max is None or new_max > stored_max:
