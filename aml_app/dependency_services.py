@@ -1,0 +1,226 @@
+"""The dependency services B and C seen from the outside: their processes, and their progress.
+
+`ServiceProcess`/`ApiProcess` run them as a user does (`aml-app pipeline`, `aml-app serve
+relations|aggregates`), like `aml_app.workers` runs AML workers: each in a process group of its own (a
+Ctrl-C in the caller's terminal does not reach it; `stop` reaches it and the JVM it started), with its own
+log file, configured from a `Settings` spelled out in its environment rather than from whatever the
+caller's environment says. `CommitWatch` follows their consumer groups' committed offsets on the broker,
+the progress the gate reads, and dates it for the premature-decision check (`aml_app.verify`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Self
+
+import aiohttp
+
+from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+from aml_app.settings import Settings
+from aml_app.verify import CommitTimeline
+from aml_app.workers import aml_app_executable, settings_env
+
+# Spark draws progress bars on stderr with carriage returns: noise in a log file.
+SPARK_SUBMIT_ARGS = "--conf spark.ui.showConsoleProgress=false pyspark-shell"
+COMMIT_POLL_EVERY = 0.05
+
+
+def services_env(settings: Settings) -> dict[str, str]:
+    """`settings_env` plus everything the pipeline and the APIs read."""
+    return {
+        **settings_env(settings),
+        "AML_RELATIONS_GROUP": settings.relations_group,
+        "AML_AGGREGATES_GROUP": settings.aggregates_group,
+        "AML_STORE_DIR": settings.store_dir,
+        "AML_CHECKPOINT_DIR": settings.checkpoint_dir,
+        "AML_SERVICES_HOST": settings.services_host,
+        "AML_RELATIONS_PORT": str(settings.relations_port),
+        "AML_AGGREGATES_PORT": str(settings.aggregates_port),
+        "AML_REPORTING_THRESHOLD": str(settings.reporting_threshold),
+        "AML_THRESHOLD_BAND": str(settings.threshold_band),
+        "AML_SPARK_MASTER": settings.spark_master,
+        "AML_TRIGGER_INTERVAL": str(settings.trigger_interval),
+        "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
+        "AML_MAX_PAYMENT_BYTES": str(settings.max_payment_bytes),
+    }
+
+
+class ServiceProcess:
+    """`aml-app <args>` in its own process group, stdout and stderr in `log_path` (emptied on start)."""
+
+    def __init__(self, name: str, args: list[str], settings: Settings, log_path: Path, **env: str) -> None:
+        self.name = name
+        self.args = args
+        self.log_path = log_path
+        self.env = {**os.environ, **services_env(settings), **env}
+        self.env.setdefault("PYSPARK_SUBMIT_ARGS", SPARK_SUBMIT_ARGS)
+        self.process: subprocess.Popen[bytes] | None = None
+        self.stopped = False
+
+    def start(self) -> Self:
+        with open(self.log_path, "wb") as log:
+            self.process = subprocess.Popen(
+                [aml_app_executable(), *self.args],
+                env=self.env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def log_text(self) -> str:
+        return self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 40) -> str:
+        """The last lines of the log, without Java stack frames (the exception line above them stays)."""
+        kept = [line for line in self.log_text().splitlines() if not line.lstrip().startswith("at ")]
+        return "\n".join(kept[-lines:])
+
+    def stop(self, grace: float = 30) -> bool:
+        """SIGTERM the process itself, SIGKILL its group after `grace` seconds; False if it had to be killed.
+
+        Only the process gets the SIGTERM: the pipeline stops its queries and Spark in order, which a JVM
+        that got the same signal at the same moment would not let it do. Whatever of the group outlives
+        it (a JVM that did not exit) is killed.
+        """
+        if self.process is None or self.stopped:
+            return True
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                self.process.send_signal(signal.SIGTERM)
+        stopped = self._wait(grace)
+        # The process when it did not stop, else what of its group outlived it, right away and once: a
+        # group id is not handed out again while a member lives, and an empty group answers ESRCH.
+        self.stopped = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        if not stopped:
+            self._wait(10)
+        return stopped
+
+    def _wait(self, timeout: float) -> bool:
+        if self.process is None:
+            return True
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+
+
+class ApiProcess(ServiceProcess):
+    """`aml-app serve relations|aggregates` on the port its settings name."""
+
+    def __init__(self, kind: str, settings: Settings, log_path: Path, **env: str) -> None:
+        super().__init__(f"{kind} API", ["serve", kind], settings, log_path, **env)
+        self.kind = kind
+        port = settings.relations_port if kind == "relations" else settings.aggregates_port
+        self.url = f"http://{settings.services_host}:{port}"
+
+    async def get(self, path: str, params: dict[str, str] | None = None, timeout: float = 5) -> Any:
+        """The JSON answer of GET `path`, or None when the service does not answer 200."""
+        try:
+            async with (
+                aiohttp.ClientSession() as session,
+                session.get(self.url + path, params=params, timeout=aiohttp.ClientTimeout(timeout)) as r,
+            ):
+                return await r.json() if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return None
+
+    async def health(self) -> dict[str, Any] | None:
+        answer = await self.get("/health", timeout=2)
+        return answer if isinstance(answer, dict) and answer.get("status") == "ok" else None
+
+
+def pipeline_process(settings: Settings, log_path: Path) -> ServiceProcess:
+    """Both streaming queries in one `aml-app pipeline` (store and checkpoint dirs from `settings`)."""
+    return ServiceProcess("pipeline", ["pipeline"], settings, log_path)
+
+
+class CommitWatch:
+    """Polls the dependency groups' committed offsets and dates every advance in a CommitTimeline.
+
+    A poll that first sees an offset advanced dates it at the start of the previous successful poll,
+    which did not see it: the commit became visible after that moment, so the recorded time is a lower
+    bound and a decision before it is premature for certain. What the first poll finds was committed
+    before the watch started, at an unknown time: it is dated 0 (the epoch).
+    """
+
+    def __init__(self, bootstrap: Sequence[str], topic: str, groups: Sequence[str]) -> None:
+        self.groups = tuple(groups)
+        self.offsets = DependencyOffsets(bootstrap, topic, self.groups)
+        self.timeline = CommitTimeline()
+        self.polls = 0
+        self.advances = 0
+        self.failing_since: float | None = None
+        self.last_error = ""
+        self.polled = asyncio.Event()  # set and replaced after every successful poll
+        self.closing = asyncio.Event()
+
+    async def run(self) -> None:
+        previous: float | None = None  # wall-clock start of the last successful poll
+        while not self.closing.is_set():
+            started = time.time()
+            try:
+                _, committed = await self.offsets.read()
+            except OffsetReadError as exc:
+                self.failing_since = self.failing_since or time.monotonic()
+                self.last_error = str(exc)
+            else:
+                self.polls += 1
+                self.failing_since = None
+                self._take(committed, 0.0 if previous is None else previous)
+                previous = started
+                self.polled.set()
+                self.polled = asyncio.Event()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.closing.wait(), COMMIT_POLL_EVERY)
+
+    def _take(self, committed: dict[str, dict[int, int | None]], at: float) -> None:
+        for group, offsets in committed.items():
+            known = self.timeline.committed(group)
+            for p, o in offsets.items():
+                if o is not None and o > known.get(p, -1):
+                    self.timeline.record(group, p, o, at)
+                    self.advances += 1
+
+    async def settle(self, timeout: float = 5.0) -> None:
+        """Wait for a poll that starts now to complete: every commit made so far is then dated."""
+        for _ in range(2):  # the poll under way may have started before now
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.polled.wait(), timeout)
+
+    def committed(self, group: str) -> dict[int, int]:
+        return self.timeline.committed(group)
+
+    def behind(self, group: str, ends: dict[int, int]) -> int:
+        """Records of `ends` (partition -> log end) that `group` has not committed past yet."""
+        done = self.committed(group)
+        return sum(max(0, end - done.get(p, 0)) for p, end in ends.items())
+
+    def status(self, ends: dict[int, int]) -> str:
+        parts = [f"{g} {sum(self.committed(g).values())} (lag {self.behind(g, ends)})" for g in self.groups]
+        if self.failing_since is not None and time.monotonic() - self.failing_since > 2:
+            parts.append(f"[offset polls failing: {self.last_error}]")
+        return "  ".join(parts)
+
+    def halt(self) -> None:
+        self.closing.set()
+
+    async def stop(self) -> None:
+        await self.offsets.close()
