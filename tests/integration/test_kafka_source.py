@@ -247,6 +247,23 @@ def test_latest_offset_reaches_the_true_end_of_big_batches(broker: EmbeddedBroke
         }
 
 
+def test_latest_offset_stays_fast_with_its_reused_probe(broker: EmbeddedBroker) -> None:
+    # Each plan probes the partitions it will read with the same consumer. Without a short
+    # fetch.queue.backoff.ms, librdkafka held every probe after the first back for 1 s, once per batch.
+    topic = new_topic(broker.bootstrap, 4)
+    produce(broker.bootstrap, topic, {p: 2000 for p in range(4)})
+    with stream_reader(options(broker.bootstrap, topic)) as reader:
+        start = reader.initialOffset()
+        took = []
+        for _ in range(5):
+            began = time.monotonic()
+            end = reader.latestOffset(start, ReadMaxRows(1000))
+            took.append(time.monotonic() - began)
+            assert sum(end[p] - start[p] for p in end) == 1000
+            start = end
+        assert sorted(took)[2] < 0.5, f"latestOffset took {[round(t, 3) for t in took]} s"
+
+
 def test_latest_offset_respects_read_max_rows(broker: EmbeddedBroker) -> None:
     topic = new_topic(broker.bootstrap, 3)
     produce(broker.bootstrap, topic, {0: 1000, 1: 10})
