@@ -1,0 +1,772 @@
+"""Pipeline throughput: Services B and C (Spark, local[2]) against a plain Kafka consumer, on the same data.
+
+One run on a private broker. N payments (valid JSON from `payment_json`, ~1 % invalid, key = payer) are
+produced to a fresh 4-partition topic beforehand, then:
+
+a. raw consume: one confluent-kafka Consumer assigned to every partition reads all N records and touches
+   each key and value; best of 3 (after one unmeasured warm-up read, alternating with b).
+b. source read: the same client through the source's `read_range` (Arrow batches), one partition after the
+   other as one Spark task slot would; best of 3.
+c. pipeline: `start_pipeline` with both services on fresh stores, checkpoints and groups. Throughput = N /
+   time until both groups' committed offsets reach the log end: from before the SparkSession is created
+   ("cold") and from after ("warm"). The steady-state rate leaves out each service's first batch (Python
+   worker start-up, first-time planning) and runs from the end of that batch to the end of the last one.
+d. latency: with the pipeline caught up, records are produced at a fixed rate R for D seconds; a thread
+   polls both groups' committed offsets every 20 ms. A record's latency = the first poll that saw both
+   groups past its offset minus the moment it was handed to the producer, so it includes the producer's
+   linger (5 ms) and reads up to one poll interval (+ one OffsetFetch round trip) late.
+e. where the time goes: Spark's own per-trigger durations (latestOffset = our planner, planning, addBatch =
+   our handler, WAL and offset commits), the handler's phases per batch (`BatchReport.phases`: the Spark
+   job that reads, parses and shapes the batch, the collect on the driver, dead letters, store, commit),
+   and standalone per-record costs of `read_range`, the parser, each service's task function, the rows
+   conversion on the driver and the stores' apply.
+
+    .venv/bin/python -m bench.pipeline_throughput [--payments 200000] [--rate 2000] [--duration 20]
+        [--max-records-per-trigger 50000] [--trigger-interval 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import shutil
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from bisect import bisect_right
+from collections import defaultdict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from aml_app.broker import EmbeddedBroker, free_port, wait_until_answering
+from aml_app.kafka_tools import payment_json
+from aml_app.verify import percentile
+from bench.common import machine, markdown_table, write_results
+
+NAME = "pipeline_throughput"
+PARTITIONS = 4
+ACCOUNTS = 5000
+MAX_PAYMENT_BYTES = 65536
+POLL_INTERVAL = 0.02
+STEPS = ("task", "to_rows", "store_apply")
+INVALID = (
+    b"not json",
+    b'{"payment_id": "x"}',
+    b"[]",
+    b"\xff\xfe",
+)
+
+
+# --- data -----------------------------------------------------------------------------------------
+
+
+def payments(n: int, invalid_every: int, seed: int, tag: str) -> Iterator[tuple[bytes, bytes, bool]]:
+    """(key, value, valid): key = payer; every `invalid_every`-th record breaks the contract."""
+    rng = random.Random(seed)
+    now = datetime.now(UTC)
+    for i in range(n):
+        payer, payee = rng.sample(range(ACCOUNTS), 2)
+        key = f"acct-{payer}".encode()
+        if invalid_every and i % invalid_every == invalid_every - 1:
+            yield key, INVALID[i % len(INVALID)], False
+            continue
+        ts = (now - timedelta(seconds=rng.randrange(3600))).isoformat().replace("+00:00", "Z")
+        amount = f"{rng.randrange(1, 2_000_000) / 100:.2f}"
+        yield key, payment_json(f"{tag}-{i}", f"acct-{payer}", f"acct-{payee}", amount, ts), True
+
+
+def create_topics(bootstrap: str, topics: list[str], partitions: int) -> None:
+    from confluent_kafka.admin import AdminClient, NewTopic
+
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    futures = admin.create_topics([NewTopic(t, partitions, 1) for t in topics], operation_timeout=30)
+    for future in futures.values():
+        future.result(30)
+
+
+def produce_all(bootstrap: str, topic: str, n: int, invalid_every: int) -> dict[str, Any]:
+    """Produce the benchmark's payments; return the true log end per partition (from delivery reports)."""
+    from confluent_kafka import Producer
+
+    ends: dict[int, int] = defaultdict(int)
+    errors: list[str] = []
+    invalid = 0
+
+    def delivered(err: Any, msg: Any) -> None:
+        if err is not None:
+            errors.append(str(err))
+        else:
+            ends[msg.partition()] = max(ends[msg.partition()], msg.offset() + 1)
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "batch.num.messages": 10000})
+    started = time.monotonic()
+    for key, value, valid in payments(n, invalid_every, seed=1, tag="p"):
+        invalid += not valid
+        while True:
+            try:
+                producer.produce(topic, key=key, value=value, on_delivery=delivered)
+                break
+            except BufferError:
+                producer.poll(0.05)
+        producer.poll(0)
+    remaining = producer.flush(60)
+    if remaining or errors:
+        raise RuntimeError(f"{remaining} payments undelivered, errors: {errors[:3]}")
+    if sum(ends.values()) != n:
+        raise RuntimeError(f"the log holds {sum(ends.values())} records, expected {n} (topic not fresh?)")
+    return {"ends": dict(ends), "invalid": invalid, "seconds": time.monotonic() - started}
+
+
+# --- a, b: reading without Spark ------------------------------------------------------------------
+
+
+def raw_consume(bootstrap: str, topic: str, ends: dict[int, int]) -> float:
+    """Seconds for one plain consumer to read every record, touching key and value."""
+    from confluent_kafka import Consumer, TopicPartition
+
+    started = time.monotonic()
+    consumer = Consumer(
+        {
+            "bootstrap.servers": bootstrap,
+            "group.id": f"bench-raw-{uuid.uuid4().hex[:8]}",
+            "enable.auto.commit": False,
+            "auto.offset.reset": "earliest",
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(topic, p, 0) for p in ends])
+        total, touched, wanted = 0, 0, sum(ends.values())
+        deadline = started + 120
+        while total < wanted:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"raw consumer read {total} of {wanted} records in 120 s")
+            for message in consumer.consume(num_messages=10_000, timeout=1.0):
+                if message.error() is not None:
+                    raise RuntimeError(f"raw consumer: {message.error()}")
+                touched += len(message.key()) + len(message.value())
+                total += 1
+        return time.monotonic() - started
+    finally:
+        consumer.close()
+
+
+def source_read(bootstrap: str, topic: str, ends: dict[int, int]) -> tuple[float, dict[int, list[Any]]]:
+    """Seconds for `read_range` to read every partition in turn, and the Arrow batches it made."""
+    from aml_app.pipeline.kafka_source import read_range
+
+    config = {"bootstrap.servers": bootstrap}
+    started = time.monotonic()
+    batches = {p: list(read_range(config, topic, p, 0, end)) for p, end in sorted(ends.items())}
+    seconds = time.monotonic() - started
+    rows = sum(b.num_rows for bs in batches.values() for b in bs)
+    if rows != sum(ends.values()):
+        raise RuntimeError(f"read_range gave {rows} records, expected {sum(ends.values())}")
+    return seconds, batches
+
+
+# --- e: standalone per-record costs ---------------------------------------------------------------
+
+
+def standalone_costs(batches: dict[int, list[Any]], chunk: int, workdir: Path) -> dict[str, Any]:
+    """The pipeline's steps timed alone, in one process, on the source's batches (µs per record).
+
+    Executor side: the payment parser alone, and the whole task function of each service (`batch_task`:
+    parse, spans, rejects, and rows or per-task edge deltas). Driver side: the task output turned into the
+    stores' rows, and the stores' apply, in chunks of `chunk` records of one partition.
+    """
+    import pyarrow as pa
+
+    from aml_app.pipeline import jobs
+    from aml_app.pipeline.parse import batch_task, payment_parser
+    from aml_app.services.aggregates import AggregatesStore
+    from aml_app.services.relations import RelationsStore
+
+    n = sum(b.num_rows for bs in batches.values() for b in bs)
+    parse = payment_parser(MAX_PAYMENT_BYTES)
+    started = time.monotonic()
+    for bs in batches.values():
+        for _ in parse(iter(bs)):
+            pass
+    costs: dict[str, Any] = {"records": n, "chunk": chunk}
+    costs["parse_us_per_record"] = (time.monotonic() - started) / n * 1e6
+
+    stores = {
+        "aggregates": AggregatesStore(str(workdir / "alone-agg.sqlite"), Decimal("10000"), Decimal("0.1")),
+        "relations": RelationsStore(str(workdir / "alone-rel.sqlite")),
+    }
+    shapes = {"aggregates": ("payments", jobs.aggregates_rows), "relations": ("edges", jobs.relations_rows)}
+    try:
+        for service, (shape, to_rows) in shapes.items():
+            task = batch_task(MAX_PAYMENT_BYTES, shape)
+            seconds = defaultdict(float)
+            for p, bs in sorted(batches.items()):
+                table = pa.Table.from_batches(bs)
+                for first in range(0, table.num_rows, chunk):
+                    piece = table.slice(first, chunk).to_batches()
+                    t0 = time.monotonic()
+                    out = pa.Table.from_batches(list(task(iter(piece))))
+                    t1 = time.monotonic()
+                    rows = to_rows(out)
+                    t2 = time.monotonic()
+                    offsets = pa.Table.from_batches(piece).column("offset")
+                    stores[service].apply(rows, {p: (offsets[0].as_py(), offsets[-1].as_py() + 1)})
+                    t3 = time.monotonic()
+                    seconds["task"] += t1 - t0
+                    seconds["to_rows"] += t2 - t1
+                    seconds["store_apply"] += t3 - t2
+            for step, total in seconds.items():
+                costs[f"{service}_{step}_us_per_record"] = total / n * 1e6
+    finally:
+        for store in stores.values():
+            store.close()
+    return costs
+
+
+# --- c, d: the pipeline ---------------------------------------------------------------------------
+
+
+@dataclass
+class Batches:
+    """BatchReports as the handlers deliver them (from Spark's query threads), with arrival times."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    reports: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(self, report: Any) -> None:
+        with self.lock:
+            self.reports.append(
+                {
+                    "service": report.service,
+                    "batch_id": report.batch_id,
+                    "records": report.records,
+                    "dead_lettered": report.dead_lettered,
+                    "seconds": report.seconds,
+                    # Per step: spark (read + parse + shape, one job), collect, dead_letters, store, commit.
+                    "phases": dict(getattr(report, "phases", {}) or {}),
+                    "at": time.monotonic(),
+                }
+            )
+
+    def of(self, service: str, first_batch: int = 0) -> list[dict[str, Any]]:
+        """The service's batches with records, from batch id `first_batch` on."""
+        with self.lock:
+            return [
+                r
+                for r in self.reports
+                if r["service"] == service and r["records"] and r["batch_id"] >= first_batch
+            ]
+
+    def next_batch(self, service: str) -> int:
+        with self.lock:
+            return 1 + max((r["batch_id"] for r in self.reports if r["service"] == service), default=-1)
+
+    def wait_for(self, records: int, first_batch: dict[str, int], timeout: float = 30) -> None:
+        """Until each service reported `records` (a handler reports after it committed the group)."""
+        deadline = time.monotonic() + timeout
+        for service in ("relations", "aggregates"):
+            while sum(r["records"] for r in self.of(service, first_batch.get(service, 0))) < records:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{service} reported fewer than {records} records in its batches")
+                time.sleep(0.01)
+
+
+def phases(reports: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds per step of the handler (`BatchReport.phases`) summed over batches, and its total."""
+    out: dict[str, float] = defaultdict(float)
+    for r in reports:
+        for step, seconds in r["phases"].items():
+            out[step] += seconds
+        out["handler_total"] += r["seconds"]
+    return {k: round(v, 3) for k, v in out.items()}
+
+
+class CommitPoller:
+    """Polls both groups' committed offsets in a thread; keeps (time, {p: min over groups})."""
+
+    def __init__(self, bootstrap: str, topic: str, groups: list[str], interval: float) -> None:
+        from aml_app.pipeline.progress import GroupProgress
+
+        self.progress = [GroupProgress({"bootstrap.servers": bootstrap}, topic, g) for g in groups]
+        self.interval = interval
+        self.samples: list[tuple[float, dict[int, int]]] = []
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="commit-poller", daemon=True)
+
+    def both(self) -> dict[int, int]:
+        seen = [g.committed(range(PARTITIONS)) for g in self.progress]
+        return {p: min(c.get(p, 0) for c in seen) for p in range(PARTITIONS)}
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            asked = time.monotonic()
+            offsets = self.both()
+            self.samples.append((time.monotonic(), offsets))
+            self.stopping.wait(max(0.0, self.interval - (time.monotonic() - asked)))
+
+    def start(self) -> CommitPoller:
+        self.thread.start()
+        return self
+
+    def latest(self) -> dict[int, int]:
+        return self.samples[-1][1] if self.samples else {}
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(10)
+        for g in self.progress:
+            g.close()
+
+
+def wait_committed(poller: CommitPoller, ends: dict[int, int], timeout: float, pipeline: Any) -> float:
+    """Block until both groups committed `ends` on every partition; return the time it was seen."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = poller.latest()
+        if all(now.get(p, 0) >= end for p, end in ends.items()):
+            return poller.samples[-1][0]
+        for query in pipeline.queries:
+            if not query.isActive:
+                raise RuntimeError(f"query {query.name} stopped: {query.exception()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"groups at {now}, log end {ends}: not caught up in {timeout:.0f} s")
+        time.sleep(0.01)
+
+
+def spark_progress(pipeline: Any, since_batch: dict[str, int]) -> dict[str, Any]:
+    """Spark's per-trigger durations (ms) summed over the triggers that read records."""
+    out: dict[str, Any] = {}
+    for query in pipeline.queries:
+        sums: dict[str, float] = defaultdict(float)
+        triggers = rows = 0
+        for progress in query.recentProgress:
+            if progress.numInputRows <= 0 or progress.batchId < since_batch.get(query.name, 0):
+                continue
+            triggers += 1
+            rows += progress.numInputRows
+            for key, value in progress.durationMs.items():
+                sums[key] += value
+        out[query.name] = {"triggers_with_data": triggers, "rows": rows, "duration_ms": dict(sums)}
+    return out
+
+
+def settled_progress(pipeline: Any, rows: int, since_batch: dict[str, int], timeout: float = 15) -> dict:
+    """`spark_progress` once every query's triggers account for `rows` (a trigger's progress is only
+    published after its offsets are committed, a moment after the handler returned)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        progress = spark_progress(pipeline, since_batch)
+        if all(q["rows"] >= rows for q in progress.values()) or time.monotonic() > deadline:
+            return progress
+        time.sleep(0.05)
+
+
+def steady_state(batches: Batches, service: str) -> dict[str, Any]:
+    """Rates of one service's batches after its first one with records (both in and between handlers)."""
+    reports = batches.of(service)
+    if len(reports) < 2:
+        return {"batches": len(reports), "note": "fewer than 2 batches: no steady state to measure"}
+    rest = reports[1:]
+    records = sum(r["records"] for r in rest)
+    span = rest[-1]["at"] - reports[0]["at"]
+    handler = sum(r["seconds"] for r in rest)
+    return {
+        "batches": len(reports),
+        "first_batch": {"records": reports[0]["records"], "handler_s": reports[0]["seconds"]},
+        "records_after_first": records,
+        "wall_s_after_first": span,
+        "records_per_s": records / span if span > 0 else float("nan"),
+        "handler_s_after_first": handler,
+        "handler_records_per_s": records / handler if handler > 0 else float("nan"),
+        "handler_s_per_batch": [round(r["seconds"], 3) for r in reports],
+        "records_per_batch": [r["records"] for r in reports],
+    }
+
+
+def produce_at_rate(
+    bootstrap: str, topic: str, rate: float, duration: float, invalid_every: int
+) -> list[tuple[int, int, float]]:
+    """Produce `rate` records/s for `duration` s; return (partition, offset, monotonic send time)."""
+    from confluent_kafka import Producer
+
+    placed: list[tuple[int, int, float]] = []
+    errors: list[str] = []
+
+    def delivered_at(sent: float) -> Any:
+        def delivered(err: Any, msg: Any) -> None:
+            if err is not None:
+                errors.append(str(err))
+            else:
+                placed.append((msg.partition(), msg.offset(), sent))
+
+        return delivered
+
+    producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 5})
+    records = payments(int(rate * duration), invalid_every, seed=2, tag="l")
+    started = time.monotonic()
+    sent = 0
+    total = int(rate * duration)
+    while sent < total:
+        due = min(total, int((time.monotonic() - started) * rate) + 1)
+        while sent < due:
+            key, value, _valid = next(records)
+            producer.produce(topic, key=key, value=value, on_delivery=delivered_at(time.monotonic()))
+            sent += 1
+        producer.poll(0)
+        time.sleep(0.002)
+    remaining = producer.flush(60)
+    if remaining or errors:
+        raise RuntimeError(f"{remaining} records undelivered, errors: {errors[:3]}")
+    return placed
+
+
+def latencies(
+    placed: list[tuple[int, int, float]], samples: list[tuple[float, dict[int, int]]]
+) -> list[float]:
+    """Per record: first poll that saw both groups past its offset, minus its send time (seconds)."""
+    by_partition: dict[int, tuple[list[float], list[int]]] = {}
+    for p in range(PARTITIONS):
+        times = [t for t, _ in samples]
+        commits = [offsets.get(p, 0) for _, offsets in samples]
+        by_partition[p] = (times, commits)
+    out = []
+    for p, offset, sent in placed:
+        times, commits = by_partition[p]
+        i = bisect_right(commits, offset)  # committed offsets only grow: first sample with commit > offset
+        if i == len(times):
+            raise RuntimeError(f"record {p}@{offset} was never seen committed")
+        out.append(times[i] - sent)
+    return out
+
+
+# --- the run --------------------------------------------------------------------------------------
+
+
+def main(args: argparse.Namespace) -> dict[str, Any]:
+    from aml_app.pipeline.runner import spark_session, start_pipeline
+    from aml_app.settings import Settings
+
+    os.environ["PYSPARK_PYTHON"] = sys.executable
+    os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
+    invalid_every = round(1 / args.invalid_fraction) if args.invalid_fraction > 0 else 0
+    doc: dict[str, Any] = {
+        "benchmark": NAME,
+        "machine": machine(),
+        "params": {
+            "payments": args.payments,
+            "partitions": PARTITIONS,
+            "invalid_every": invalid_every,
+            "rate": args.rate,
+            "duration_s": args.duration,
+            "max_records_per_trigger": args.max_records_per_trigger,
+            "trigger_interval_s": args.trigger_interval,
+            "spark_master": args.master,
+            "runs_without_spark": args.runs,
+            "commit_poll_interval_s": POLL_INTERVAL,
+        },
+    }
+    workdir = Path(tempfile.mkdtemp(prefix="aml-bench-pipeline-"))
+    broker = EmbeddedBroker(free_port(), log_path=workdir / "broker.log").start()
+    suffix = uuid.uuid4().hex[:8]
+    topic, dlq = f"payments-{suffix}", f"dlq-{suffix}"
+    ok = False
+    try:
+        asyncio.run(wait_until_answering([broker.bootstrap]))
+        create_topics(broker.bootstrap, [topic, dlq], PARTITIONS)
+        produced = produce_all(broker.bootstrap, topic, args.payments, invalid_every)
+        ends, n = produced["ends"], args.payments
+        print(f"produced {n} payments ({produced['invalid']} invalid) in {produced['seconds']:.1f} s: {ends}")
+        doc["produced"] = produced
+
+        # One unmeasured read first (the broker may still be settling after taking N records in), then
+        # a. and b. alternate, so a slow moment of the machine does not hit only one of them.
+        warm_up = raw_consume(broker.bootstrap, topic, ends)
+        raw, reads, batches = [], [], {}
+        for _ in range(args.runs):
+            raw.append(raw_consume(broker.bootstrap, topic, ends))
+            seconds, batches = source_read(broker.bootstrap, topic, ends)
+            reads.append(seconds)
+        doc["raw_consume"] = {
+            "warm_up_s": warm_up,
+            "runs_s": raw,
+            "best_s": min(raw),
+            "records_per_s": n / min(raw),
+        }
+        print(f"a. raw consume: {n / min(raw):,.0f} records/s (best of {args.runs}: {min(raw):.2f} s)")
+        doc["source_read"] = {
+            "runs_s": reads,
+            "best_s": min(reads),
+            "records_per_s": n / min(reads),
+            "us_per_record": min(reads) / n * 1e6,
+        }
+        print(f"b. read_range:  {n / min(reads):,.0f} records/s (best of {args.runs}: {min(reads):.2f} s)")
+
+        costs = standalone_costs(batches, args.max_records_per_trigger // PARTITIONS, workdir)
+        costs["read_range_us_per_record"] = doc["source_read"]["us_per_record"]
+        costs["raw_consume_us_per_record"] = min(raw) / n * 1e6
+        doc["standalone_costs"] = costs
+        del batches
+
+        groups = [f"relations-{suffix}", f"aggregates-{suffix}"]
+        settings = Settings(
+            bootstrap_servers=(broker.bootstrap,),
+            payments_topic=topic,
+            dlq_topic=dlq,
+            relations_group=groups[0],
+            aggregates_group=groups[1],
+            store_dir=str(workdir / "stores"),
+            checkpoint_dir=str(workdir / "checkpoints"),
+            spark_master=args.master,
+            trigger_interval=args.trigger_interval,
+            max_records_per_trigger=args.max_records_per_trigger,
+            max_payment_bytes=MAX_PAYMENT_BYTES,
+        )
+        os.makedirs(settings.store_dir, exist_ok=True)
+        poller = CommitPoller(broker.bootstrap, topic, groups, POLL_INTERVAL).start()
+        reports = Batches()
+        spark = pipeline = None
+        try:
+            t_cold = time.monotonic()
+            spark = spark_session(args.master, app_name="bench-pipeline")
+            t_warm = time.monotonic()
+            pipeline = start_pipeline(
+                spark, settings, checkpoint_dir=settings.checkpoint_dir, on_batch=reports
+            )
+            t_done = wait_committed(poller, ends, args.timeout, pipeline)
+            reports.wait_for(n, {})
+            steady = {s: steady_state(reports, s) for s in ("relations", "aggregates")}
+            dead = {s: sum(r["dead_lettered"] for r in reports.of(s)) for s in ("relations", "aggregates")}
+            doc["pipeline"] = {
+                "session_start_s": t_warm - t_cold,
+                "cold_s": t_done - t_cold,
+                "warm_s": t_done - t_warm,
+                "records_per_s_cold": n / (t_done - t_cold),
+                "records_per_s_warm": n / (t_done - t_warm),
+                "steady_state": steady,
+                "steady_records_per_s": min(s.get("records_per_s", float("nan")) for s in steady.values()),
+                "dead_lettered": dead,
+                "handler_phases_s": {s: phases(reports.of(s)) for s in ("relations", "aggregates")},
+                "spark_progress": settled_progress(pipeline, n, {}),
+            }
+            if any(d != produced["invalid"] for d in dead.values()):
+                raise RuntimeError(f"dead letters {dead}, expected {produced['invalid']} per service")
+            p = doc["pipeline"]
+            print(
+                f"c. pipeline: {p['records_per_s_cold']:,.0f} records/s cold ({p['cold_s']:.1f} s, session "
+                f"start {p['session_start_s']:.1f} s), {p['records_per_s_warm']:,.0f} warm, steady "
+                f"{p['steady_records_per_s']:,.0f}"
+            )
+
+            # d. latency at a steady rate, on the same running pipeline.
+            batch_ids = {s: reports.next_batch(s) for s in ("relations", "aggregates")}
+            placed = produce_at_rate(broker.bootstrap, topic, args.rate, args.duration, invalid_every)
+            late_ends = dict(ends)
+            for part, offset, _sent in placed:
+                late_ends[part] = max(late_ends[part], offset + 1)
+            wait_committed(poller, late_ends, args.timeout, pipeline)
+            reports.wait_for(len(placed), batch_ids)
+            lat = latencies(placed, list(poller.samples))
+            lat_ms = [x * 1000 for x in lat]
+            doc["latency"] = {
+                "records": len(placed),
+                "rate": args.rate,
+                "duration_s": args.duration,
+                "p50_ms": percentile(lat_ms, 50),
+                "p90_ms": percentile(lat_ms, 90),
+                "p99_ms": percentile(lat_ms, 99),
+                "max_ms": max(lat_ms),
+                "min_ms": min(lat_ms),
+                "resolution_ms": POLL_INTERVAL * 1000,
+                "batches": {s: len(reports.of(s, batch_ids[s])) for s in ("relations", "aggregates")},
+                "handler_s_per_batch": {
+                    s: [round(r["seconds"], 3) for r in reports.of(s, batch_ids[s])]
+                    for s in ("relations", "aggregates")
+                },
+                "handler_phases_s": {
+                    s: phases(reports.of(s, batch_ids[s])) for s in ("relations", "aggregates")
+                },
+                "spark_progress": settled_progress(pipeline, len(placed), batch_ids),
+            }
+            latency = doc["latency"]
+            print(
+                f"d. latency at {args.rate:.0f}/s for {args.duration:.0f} s: p50 {latency['p50_ms']:.0f} ms, "
+                f"p99 {latency['p99_ms']:.0f} ms"
+            )
+        finally:
+            if pipeline is not None:
+                pipeline.stop()
+            if spark is not None:
+                spark.stop()
+            poller.stop()
+        raw_rate = doc["raw_consume"]["records_per_s"]
+        # Both services' per-record work done alone, back to back: what 2 perfectly used cores could reach
+        # if Spark, the JVM, the broker and the GIL cost nothing.
+        c = doc["standalone_costs"]
+        work_us = sum(
+            c["read_range_us_per_record"] + sum(c.get(f"{svc}_{step}_us_per_record", 0.0) for step in STEPS)
+            for svc in ("relations", "aggregates")
+        )
+        doc["summary"] = {
+            "raw_consume_per_s": raw_rate,
+            "read_range_per_s": doc["source_read"]["records_per_s"],
+            "pipeline_cold_per_s": doc["pipeline"]["records_per_s_cold"],
+            "pipeline_warm_per_s": doc["pipeline"]["records_per_s_warm"],
+            "pipeline_steady_per_s": doc["pipeline"]["steady_records_per_s"],
+            "ratio_read_range_to_raw": doc["source_read"]["records_per_s"] / raw_rate,
+            "ratio_cold_to_raw": doc["pipeline"]["records_per_s_cold"] / raw_rate,
+            "ratio_warm_to_raw": doc["pipeline"]["records_per_s_warm"] / raw_rate,
+            "ratio_steady_to_raw": doc["pipeline"]["steady_records_per_s"] / raw_rate,
+            "standalone_us_per_payment_both_services": work_us,
+            "standalone_bound_per_s_on_2_cores": 2e6 / work_us,
+            "ratio_bound_to_raw": 2e6 / work_us / raw_rate,
+            "goal": "pipeline (warm) / raw consume >= 0.3 at local[2]",
+            "goal_met": doc["pipeline"]["records_per_s_warm"] / raw_rate >= 0.3,
+            "latency_p50_ms": doc["latency"]["p50_ms"],
+            "latency_p99_ms": doc["latency"]["p99_ms"],
+        }
+        ok = True
+    finally:
+        broker.stop()
+        if ok and not args.keep:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"broker log, stores and checkpoints kept in {workdir}", file=sys.stderr)
+    return doc
+
+
+def report(doc: dict[str, Any]) -> str:
+    s, p, c = doc["summary"], doc["pipeline"], doc["standalone_costs"]
+    rates = markdown_table(
+        ["measure", "records/s", "÷ raw consume"],
+        [
+            ("a. raw consume (confluent-kafka, best of 3)", round(s["raw_consume_per_s"]), 1.0),
+            ("b. read_range → Arrow (best of 3)", round(s["read_range_per_s"]), s["ratio_read_range_to_raw"]),
+            (
+                "c. pipeline, incl. Spark session start",
+                round(s["pipeline_cold_per_s"]),
+                s["ratio_cold_to_raw"],
+            ),
+            ("c. pipeline, session already up", round(s["pipeline_warm_per_s"]), s["ratio_warm_to_raw"]),
+            (
+                "c. pipeline, steady (after 1st batch)",
+                round(s["pipeline_steady_per_s"]),
+                s["ratio_steady_to_raw"],
+            ),
+            (
+                "e. bound: standalone steps of both services on 2 ideal cores",
+                round(s["standalone_bound_per_s_on_2_cores"]),
+                s["ratio_bound_to_raw"],
+            ),
+        ],
+    )
+    services = markdown_table(
+        ["service", "batches", "1st batch: records, handler s", "after it: records/s (wall)", "in handler"],
+        [
+            (
+                name,
+                st["batches"],
+                f"{st['first_batch']['records']}, {st['first_batch']['handler_s']:.2f}"
+                if "first_batch" in st
+                else "",
+                round(st.get("records_per_s", float("nan"))),
+                round(st.get("handler_records_per_s", float("nan"))),
+            )
+            for name, st in p["steady_state"].items()
+        ],
+    )
+    spark_rows = []
+    for name, sp in p["spark_progress"].items():
+        d = sp["duration_ms"]
+        spark_rows.append(
+            (
+                name,
+                sp["triggers_with_data"],
+                d.get("triggerExecution", 0) / 1000,
+                d.get("latestOffset", 0) / 1000,
+                d.get("queryPlanning", 0) / 1000,
+                d.get("addBatch", 0) / 1000,
+                (d.get("walCommit", 0) + d.get("commitOffsets", 0)) / 1000,
+            )
+        )
+    spark = markdown_table(
+        [
+            "query (catch-up)",
+            "triggers",
+            "trigger s",
+            "latestOffset s",
+            "planning s",
+            "addBatch s",
+            "WAL+commit s",
+        ],
+        spark_rows,
+    )
+    handler_phases = p["handler_phases_s"]
+    names = sorted({k for ph in handler_phases.values() for k in ph}, key=lambda k: (k == "handler_total", k))
+    handler = markdown_table(
+        ["handler phase, catch-up (s)", *handler_phases],
+        [(k, *(ph.get(k, 0.0) for ph in handler_phases.values())) for k in names],
+    )
+    per_record = markdown_table(
+        ["standalone step", "µs/record"],
+        [
+            ("raw consume", c["raw_consume_us_per_record"]),
+            ("read_range (consume + Arrow)", c["read_range_us_per_record"]),
+            ("payment_parser alone", c["parse_us_per_record"]),
+            *(
+                (f"{service}: {step.replace('_', ' ')}", c[f"{service}_{step}_us_per_record"])
+                for service in ("relations", "aggregates")
+                for step in STEPS
+                if f"{service}_{step}_us_per_record" in c
+            ),
+        ],
+    )
+    lat = doc["latency"]
+    latency = markdown_table(
+        ["rate/s", "records", "p50 ms", "p90 ms", "p99 ms", "max ms", "poll every ms"],
+        [
+            (
+                lat["rate"],
+                lat["records"],
+                lat["p50_ms"],
+                lat["p90_ms"],
+                lat["p99_ms"],
+                lat["max_ms"],
+                lat["resolution_ms"],
+            )
+        ],
+    )
+    goal = "met" if s["goal_met"] else "NOT met"
+    return "\n\n".join([rates, f"goal {s['goal']}: {goal}", services, spark, handler, per_record, latency])
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--payments", type=int, default=200_000, help="N, produced before the measurements")
+    parser.add_argument("--rate", type=float, default=2000, help="records/s for the latency phase")
+    parser.add_argument("--duration", type=float, default=20, help="seconds of the latency phase")
+    parser.add_argument("--max-records-per-trigger", type=int, default=50_000, help="as Settings")
+    parser.add_argument("--trigger-interval", type=float, default=0.5, help="seconds between micro-batches")
+    parser.add_argument("--invalid-fraction", type=float, default=0.01)
+    parser.add_argument("--runs", type=int, default=3, help="runs of a. and b. (the best counts)")
+    parser.add_argument("--master", default="local[2]")
+    parser.add_argument(
+        "--timeout", type=float, default=300, help="seconds the pipeline may take to catch up"
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the broker log, stores and checkpoints")
+    args = parser.parse_args()
+    doc = main(args)
+    path = write_results(NAME, doc)
+    print()
+    print(report(doc))
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    cli()
