@@ -217,7 +217,7 @@ def standalone_costs(batches: dict[int, list[Any]], chunk: int, workdir: Path) -
                     rows = to_rows(out)
                     t2 = time.monotonic()
                     offsets = pa.Table.from_batches(piece).column("offset")
-                    stores[service].apply(rows, {p: (offsets[0].as_py(), offsets[-1].as_py() + 1)})
+                    stores[service].apply_prepared(rows, {p: (offsets[0].as_py(), offsets[-1].as_py() + 1)})
                     t3 = time.monotonic()
                     seconds["task"] += t1 - t0
                     seconds["to_rows"] += t2 - t1

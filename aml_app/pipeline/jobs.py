@@ -27,12 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from aml_app.pipeline.parse import BATCH_SCHEMA, batch_task
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
-from aml_app.services.aggregates import PaymentRow
-from aml_app.services.relations import EdgeDelta
+from aml_app.services.aggregates import PreparedPayment
+from aml_app.services.relations import PreparedEdge
 
 log = logging.getLogger("aml_app.pipeline")
 
@@ -40,7 +39,7 @@ log = logging.getLogger("aml_app.pipeline")
 class Store(Protocol):
     def applied_offsets(self) -> dict[int, int]: ...
 
-    def apply(self, rows: Any, covered: Mapping[int, tuple[int, int]]) -> None: ...
+    def apply_prepared(self, rows: Any, covered: Mapping[int, tuple[int, int]]) -> None: ...
 
 
 @dataclass
@@ -66,35 +65,23 @@ def failpoint(name: str) -> None:
         os._exit(137)
 
 
-def unapplied(df: DataFrame, applied: Mapping[int, int]) -> DataFrame:
-    """Rows at or past the store's next offset of their partition (all rows where it has none)."""
-    if not applied:
-        return df
-    floor = F.create_map(*[F.lit(x) for p, o in sorted(applied.items()) for x in (p, o)])
-    return df.where(F.col("offset") >= F.coalesce(F.element_at(floor, F.col("partition")), F.lit(0)))
-
-
-def _column_rows(table: Any, kind: str, names: list[str]) -> list[tuple[Any, ...]]:
-    """The rows of one kind as tuples (Arrow converts decimals and UTC timestamps itself)."""
+def _column_rows(table: Any, kind: str, names: list[str]) -> list[Any]:
+    """The rows of one kind as tuples."""
     import pyarrow.compute as pc
 
     part = table.filter(pc.equal(table["kind"], kind))
     return list(zip(*(part[name].to_pylist() for name in names), strict=True))
 
 
-def relations_rows(table: Any) -> list[EdgeDelta]:
+def relations_rows(table: Any) -> list[PreparedEdge]:
     """Edge deltas, pre-aggregated per task on the executors; the store adds them up exactly."""
-    names = ["payer", "payee", "currency", "n", "amount", "first_ts", "last_ts"]
-    return [
-        EdgeDelta(payer, payee, currency, n, total, first, last)
-        for payer, payee, currency, n, total, first, last in _column_rows(table, "edge", names)
-    ]
+    return _column_rows(table, "edge", ["payer", "payee", "currency", "n", "amount", "first_us", "last_us"])
 
 
-def aggregates_rows(table: Any) -> list[PaymentRow]:
+def aggregates_rows(table: Any) -> list[PreparedPayment]:
     """One row per payment; the store keeps both sides and answers windows at any instant."""
-    names = ["partition", "offset", "payment_id", "payer", "payee", "amount", "currency", "first_ts"]
-    return [PaymentRow(*row) for row in _column_rows(table, "payment", names)]
+    names = ["partition", "offset", "payment_id", "payer", "payee", "amount", "currency", "first_us"]
+    return _column_rows(table, "payment", names)
 
 
 SHAPE = {"relations": "edges", "aggregates": "payments"}
@@ -115,7 +102,7 @@ class ServiceBatches:
     ) -> None:
         self.service, self.store, self.to_rows = service, store, to_rows
         self.progress, self.dead_letters = progress, dead_letters
-        self.task = batch_task(max_payment_bytes, SHAPE[service])
+        self.max_payment_bytes = max_payment_bytes
         self.on_batch = on_batch
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
@@ -126,7 +113,8 @@ class ServiceBatches:
             phases[name] = time.monotonic() - started - sum(phases.values())
 
         applied = self.store.applied_offsets()
-        table = unapplied(batch, applied).mapInArrow(self.task, BATCH_SCHEMA).toArrow()
+        task = batch_task(self.max_payment_bytes, SHAPE[self.service], applied)
+        table = batch.mapInArrow(task, BATCH_SCHEMA).toArrow()
         lap("spark")
         spans: dict[int, tuple[int, int, int]] = {}
         for p, first, last, n in _column_rows(table, "span", ["partition", "offset", "last_offset", "n"]):
@@ -146,7 +134,7 @@ class ServiceBatches:
         self.dead_letters.send(rejected)
         lap("dead_letters")
         if covered:
-            self.store.apply(rows, covered)
+            self.store.apply_prepared(rows, covered)
             failpoint("after-store-write")
         lap("store")
         # Commit what the store holds, including a replayed batch's offsets that a crash left uncommitted.

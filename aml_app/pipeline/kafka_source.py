@@ -10,6 +10,7 @@ record batches. Usage:
         .option("subscribe", "payments")
         .option("groupId", "relations")          # start from this group's committed offsets
         .option("maxRecordsPerTrigger", "50000")  # back-pressure: records per micro-batch
+        .option("maxTasks", "2")                  # pack a batch's partitions into at most 2 tasks
         .load()
 
 Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY. Options starting with
@@ -22,7 +23,7 @@ while the topic is idle, so the service commits after its own store write instea
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
@@ -30,8 +31,10 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMa
 from pyspark.sql.types import StructType
 
 from aml_app.pipeline.ranges import (
+    Range,
     SparkOffset,
     from_spark,
+    pack_ranges,
     plan_end,
     planned_ranges,
     starting_offsets,
@@ -57,12 +60,12 @@ def client_config(options: Mapping[str, str]) -> dict[str, Any]:
     return config
 
 
-class KafkaRange(InputPartition):
-    """One Spark task: offsets start <= o < end of one Kafka partition."""
+class KafkaTask(InputPartition):
+    """One Spark task: for each (partition, start, end), the offsets start <= o < end of that partition."""
 
-    def __init__(self, partition: int, start: int, end: int) -> None:
-        super().__init__((partition, start, end))
-        self.partition, self.start, self.end = partition, start, end
+    def __init__(self, ranges: Sequence[Range]) -> None:
+        super().__init__(tuple(ranges))
+        self.ranges = tuple(ranges)
 
 
 def _consumer(config: Mapping[str, Any]) -> Any:
@@ -72,6 +75,11 @@ def _consumer(config: Mapping[str, Any]) -> Any:
         {
             # A group id is required by the client but never joined: we only assign() and never commit here.
             "group.id": "aml-kafka-source-reader",
+            # A task reads ranges below the high watermark, so a long-polling fetch has nothing to wait for;
+            # but librdkafka keeps one fetch in flight per broker, and when a task moves on to its next
+            # partition, that fetch (still held by the broker for the old one) would delay the first
+            # records of the new one by up to this wait (500 ms by default: a quarter-second per batch).
+            "fetch.wait.max.ms": 10,
             **config,
             "enable.auto.commit": False,
             "enable.auto.offset.store": False,
@@ -174,10 +182,18 @@ def committed_offsets(config: Mapping[str, Any], topic: str, group: str, partiti
 def read_range(
     config: Mapping[str, Any], topic: str, partition: int, start: int, end: int, rows: int = ARROW_BATCH_ROWS
 ) -> Iterator[Any]:
-    """Yield Arrow record batches with the records start <= offset < end of one partition.
+    """Yield Arrow record batches with the records start <= offset < end of one partition."""
+    yield from read_ranges(config, topic, [(partition, start, end)], rows)
 
-    Offsets can have holes (transaction markers, compaction), so the read ends at the first record at or
-    past `end - 1` or when the client reports the end of the partition at or past `end`.
+
+def read_ranges(
+    config: Mapping[str, Any], topic: str, ranges: Sequence[Range], rows: int = ARROW_BATCH_ROWS
+) -> Iterator[Any]:
+    """Yield Arrow record batches with the records of each (partition, start, end) range, in turn.
+
+    One client serves every range of a task. Offsets can have holes (transaction markers, compaction), so
+    a range ends at the first record at or past `end - 1` or when the client reports the end of the
+    partition at or past `end`. A batch never mixes partitions.
     """
     import pyarrow as pa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -185,7 +201,7 @@ def read_range(
     consumer = _consumer(config)
     columns: dict[str, list] = {"offset": [], "timestamp": [], "key": [], "value": []}
 
-    def flush() -> Any:
+    def flush(partition: int) -> Any:
         n = len(columns["offset"])
         batch = pa.RecordBatch.from_arrays(
             [
@@ -202,38 +218,40 @@ def read_range(
         return batch
 
     try:
-        consumer.assign([TopicPartition(topic, partition, start)])
-        position = start
-        last_progress = time.monotonic()
-        while position < end:
-            messages = consumer.consume(num_messages=min(rows, end - position), timeout=0.5)
-            if not messages and time.monotonic() - last_progress > READ_STALL_TIMEOUT:
-                raise TimeoutError(
-                    f"no record of {topic}[{partition}] at offset {position} (reading up to {end}) "
-                    f"for {READ_STALL_TIMEOUT:.0f} s"
-                )
-            for message in messages:
-                error = message.error()
-                if error is not None:
-                    if error.code() == KafkaError._PARTITION_EOF:
-                        position = max(position, message.offset())
-                        continue
-                    raise KafkaException(error)
-                offset = message.offset()
-                if offset >= end:
-                    position = end
-                    break
-                last_progress = time.monotonic()
-                position = offset + 1
-                columns["offset"].append(offset)
-                _, ts_ms = message.timestamp()
-                columns["timestamp"].append(ts_ms * 1000 if ts_ms >= 0 else None)
-                columns["key"].append(message.key())
-                columns["value"].append(message.value())
-            if len(columns["offset"]) >= rows:
-                yield flush()
-        if columns["offset"]:
-            yield flush()
+        for partition, start, end in ranges:
+            consumer.assign([TopicPartition(topic, partition, start)])
+            position = start
+            last_progress = time.monotonic()
+            while position < end:
+                messages = consumer.consume(num_messages=min(rows, end - position), timeout=0.5)
+                if not messages and time.monotonic() - last_progress > READ_STALL_TIMEOUT:
+                    raise TimeoutError(
+                        f"no record of {topic}[{partition}] at offset {position} (reading up to {end}) "
+                        f"for {READ_STALL_TIMEOUT:.0f} s"
+                    )
+                for message in messages:
+                    error = message.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            position = max(position, message.offset())
+                            continue
+                        raise KafkaException(error)
+                    offset = message.offset()
+                    if offset >= end:
+                        position = end
+                        break
+                    last_progress = time.monotonic()
+                    position = offset + 1
+                    columns["offset"].append(offset)
+                    _, ts_ms = message.timestamp()
+                    columns["timestamp"].append(ts_ms * 1000 if ts_ms >= 0 else None)
+                    columns["key"].append(message.key())
+                    columns["value"].append(message.value())
+                if len(columns["offset"]) >= rows:
+                    yield flush(partition)
+            if columns["offset"]:
+                yield flush(partition)
+            consumer.unassign()
     finally:
         consumer.close()
 
@@ -252,6 +270,13 @@ class KafkaStreamReader(DataSourceStreamReader):
             raise SourceConfigError(f"maxRecordsPerTrigger={raw_limit!r} is not a whole number") from None
         if self.max_records is not None and self.max_records < 1:
             raise SourceConfigError(f"maxRecordsPerTrigger={raw_limit} must be at least 1")
+        raw_tasks = options.get("maxTasks")
+        try:
+            self.max_tasks = int(raw_tasks) if raw_tasks else None
+        except ValueError:
+            raise SourceConfigError(f"maxTasks={raw_tasks!r} is not a whole number") from None
+        if self.max_tasks is not None and self.max_tasks < 1:
+            raise SourceConfigError(f"maxTasks={raw_tasks} must be at least 1")
         self._probe: Any = None  # lives in the planning process only; never pickled
 
     def __getstate__(self) -> dict[str, Any]:
@@ -287,11 +312,12 @@ class KafkaStreamReader(DataSourceStreamReader):
         max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         return to_spark(plan_end(begin, self._log_ends(begin, marks), max_records))
 
-    def partitions(self, start: SparkOffset, end: SparkOffset) -> list[KafkaRange]:
-        return [KafkaRange(p, s, e) for p, s, e in planned_ranges(from_spark(start), from_spark(end))]
+    def partitions(self, start: SparkOffset, end: SparkOffset) -> list[KafkaTask]:
+        ranges = planned_ranges(from_spark(start), from_spark(end))
+        return [KafkaTask(task) for task in pack_ranges(ranges, self.max_tasks)]
 
-    def read(self, partition: KafkaRange) -> Iterator[Any]:  # type: ignore[override]
-        yield from read_range(self.config, self.topic, partition.partition, partition.start, partition.end)
+    def read(self, partition: KafkaTask) -> Iterator[Any]:  # type: ignore[override]
+        yield from read_ranges(self.config, self.topic, partition.ranges)
 
     def commit(self, end: SparkOffset) -> None:
         """Nothing: the service commits its group after its own durable write (see progress.py)."""

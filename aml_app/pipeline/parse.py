@@ -6,7 +6,7 @@ gets the reason in `error`, so the service can dead-letter it; valid rows carry 
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from datetime import datetime
 from decimal import Decimal
 from functools import partial
@@ -76,10 +76,12 @@ def payment_parser(max_bytes: int) -> Any:
 # (aggregates) or edge deltas pre-aggregated within the task (relations; the store adds deltas up). One
 # `toArrow()` then brings the batch to the driver: no shuffle, no cache, no second pass over Kafka.
 
+# Rows leave the executors in the stores' own form (money as canonical text, instants as microseconds), so
+# the driver, whose Python is shared by both services' handlers, converts nothing per row.
 BATCH_SCHEMA = (
     "kind STRING, partition INT, offset BIGINT, last_offset BIGINT, n BIGINT, payment_id STRING, "
-    "payer STRING, payee STRING, currency STRING, amount DECIMAL(38,4), first_ts TIMESTAMP, "
-    "last_ts TIMESTAMP, error STRING, key BINARY, value BINARY"
+    "payer STRING, payee STRING, currency STRING, amount STRING, first_us BIGINT, "
+    "last_us BIGINT, error STRING, key BINARY, value BINARY"
 )
 SHAPES = ("payments", "edges")
 
@@ -87,7 +89,6 @@ SHAPES = ("payments", "edges")
 def _arrow_schema() -> Any:
     import pyarrow as pa
 
-    ts = pa.timestamp("us", tz="UTC")
     return pa.schema(
         [
             ("kind", pa.string()),
@@ -99,14 +100,32 @@ def _arrow_schema() -> Any:
             ("payer", pa.string()),
             ("payee", pa.string()),
             ("currency", pa.string()),
-            ("amount", pa.decimal128(38, 4)),
-            ("first_ts", ts),
-            ("last_ts", ts),
+            ("amount", pa.string()),
+            ("first_us", pa.int64()),
+            ("last_us", pa.int64()),
             ("error", pa.string()),
             ("key", pa.binary()),
             ("value", pa.binary()),
         ]
     )
+
+
+def money_texts(amounts: Any) -> Any:
+    """Canonical money text (`aml_app.services.store.money_text`) of an Arrow decimal array, vectorized.
+
+    A decimal cast to string keeps its scale ("12.5000"); the canonical form keeps at least two decimal
+    places and drops the trailing zeros beyond ("12.50", "12.345", "0.0001", "100.00").
+    """
+    import pyarrow.compute as pc
+
+    return pc.replace_substring_regex(
+        amounts.cast("string"), pattern=r"(\.[0-9]{2}[0-9]*?)0+$", replacement=r"\1"
+    )
+
+
+def micros(instants: Any) -> Any:
+    """Microseconds since the epoch of an Arrow timestamp("us") array."""
+    return instants.cast("int64")
 
 
 def _kind_batch(schema: Any, kind: str, length: int, columns: dict[str, Any]) -> Any:
@@ -126,11 +145,25 @@ def _kind_batch(schema: Any, kind: str, length: int, columns: dict[str, Any]) ->
     return pa.RecordBatch.from_arrays(arrays, schema=schema)
 
 
-def _batch_task(batches: Iterator[Any], max_bytes: int, shape: str) -> Iterator[Any]:
+def _unapplied(batches: Iterator[Any], applied: Mapping[int, int]) -> Iterator[Any]:
+    """Only the records at or past the store's next offset of their partition (a replay is dropped)."""
+    import pyarrow.compute as pc
+
+    for batch in batches:
+        keep = None
+        for p, floor in applied.items():
+            replayed = pc.and_(pc.equal(batch.column("partition"), p), pc.less(batch.column("offset"), floor))
+            keep = pc.invert(replayed) if keep is None else pc.and_(keep, pc.invert(replayed))
+        yield batch if keep is None else batch.filter(keep)
+
+
+def _batch_task(
+    batches: Iterator[Any], max_bytes: int, shape: str, applied: Mapping[int, int]
+) -> Iterator[Any]:
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    parsed = list(_parse_batches(batches, max_bytes))
+    parsed = list(_parse_batches(_unapplied(batches, applied), max_bytes))
     if not parsed:
         return
     table = pa.Table.from_batches(parsed).combine_chunks()
@@ -158,8 +191,9 @@ def _batch_task(batches: Iterator[Any], max_bytes: int, shape: str) -> Iterator[
         return
     if shape == "payments":
         columns = {c: valid[c] for c in ("partition", "offset", "payment_id", "payer", "payee", "currency")}
+        amounts = money_texts(valid["amount"])
         yield _kind_batch(
-            schema, "payment", valid.num_rows, {**columns, "amount": valid["amount"], "first_ts": valid["ts"]}
+            schema, "payment", valid.num_rows, {**columns, "amount": amounts, "first_us": micros(valid["ts"])}
         )
         return
     edges = valid.group_by(["payer", "payee", "currency"]).aggregate(
@@ -173,16 +207,21 @@ def _batch_task(batches: Iterator[Any], max_bytes: int, shape: str) -> Iterator[
             "payer": edges["payer"],
             "payee": edges["payee"],
             "currency": edges["currency"],
-            "amount": edges["amount_sum"],
+            "amount": money_texts(edges["amount_sum"]),
             "n": edges["amount_count"],
-            "first_ts": edges["ts_min"],
-            "last_ts": edges["ts_max"],
+            "first_us": micros(edges["ts_min"]),
+            "last_us": micros(edges["ts_max"]),
         },
     )
 
 
-def batch_task(max_bytes: int, shape: str) -> Any:
-    """The function for `DataFrame.mapInArrow(batch_task(n, shape), BATCH_SCHEMA)`."""
+def batch_task(max_bytes: int, shape: str, applied: Mapping[int, int] | None = None) -> Any:
+    """The function for `DataFrame.mapInArrow(batch_task(n, shape, applied), BATCH_SCHEMA)`.
+
+    Records below `applied` (partition -> the store's next offset) are skipped on the executors. Filtering
+    here rather than with a Spark expression keeps every micro-batch's plan identical, so Spark does not
+    generate and compile new code for each batch (that cost about half a second of JVM time per batch).
+    """
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; expected one of {SHAPES}")
-    return partial(_batch_task, max_bytes=max_bytes, shape=shape)
+    return partial(_batch_task, max_bytes=max_bytes, shape=shape, applied=dict(applied or {}))

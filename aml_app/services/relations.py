@@ -16,7 +16,7 @@ applied offsets in one transaction (see `aml_app.services.store`).
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
@@ -63,6 +63,10 @@ ON CONFLICT (payer, payee, currency) DO UPDATE SET
     first_seen = min(first_seen, excluded.first_seen),
     last_seen = max(last_seen, excluded.last_seen)
 """
+
+
+#: (payer, payee, currency, count, total text, first seen us, last seen us)
+PreparedEdge = tuple[str, str, str, int, str, int, int]
 
 
 @dataclass(frozen=True)
@@ -203,15 +207,18 @@ class RelationsStore:
         Raises StaleBatch (and changes nothing) if a covered range does not start at the stored next
         offset; raises ValueError (and changes nothing) for a malformed delta or range.
         """
+        self.apply_prepared([_delta_row(delta) for delta in rows], covered)
+
+    def apply_prepared(self, rows: Sequence[PreparedEdge], covered: Mapping[int, tuple[int, int]]) -> None:
+        """`apply` for deltas already in stored form, as the pipeline's tasks make them on the executors:
+        (payer, payee, currency, count, total as canonical money text, first and last seen in
+        microseconds). The driver then does no per-row conversion."""
         spans = validate_covered(covered)
+        if rows and not any(start < end for start, end in spans.values()):
+            raise ValueError("apply: rows were given without any covered offsets to store them with")
         with self._writer.transaction() as conn:
             claim_offsets(conn, spans)
-            wrote = False
-            for delta in rows:
-                conn.execute(_UPSERT, _delta_row(delta))
-                wrote = True
-            if wrote and not any(start < end for start, end in spans.values()):
-                raise ValueError("apply: rows were given without any covered offsets to store them with")
+            conn.executemany(_UPSERT, rows)
 
     def applied_offsets(self) -> dict[int, int]:
         """partition -> next offset applied ({} before the first apply)."""

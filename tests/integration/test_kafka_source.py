@@ -23,8 +23,8 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from aml_app.broker import EmbeddedBroker
 from aml_app.pipeline.kafka_source import (
-    KafkaRange,
     KafkaStreamReader,
+    KafkaTask,
     SourceConfigError,
     read_range,
     topic_watermarks,
@@ -143,10 +143,10 @@ def stream_reader(opts: dict[str, str]) -> Iterator[KafkaStreamReader]:
 
 
 def read_planned(reader: KafkaStreamReader, start: dict, end: dict) -> list[Placed]:
-    """What Spark does with a planned batch: one task per range, each task reading its range."""
+    """What Spark does with a planned batch: each task reads its ranges."""
     out: list[Placed] = []
     for part in reader.partitions(start, end):
-        assert isinstance(part, KafkaRange)
+        assert isinstance(part, KafkaTask)
         for batch in reader.read(part):
             assert batch.schema == ARROW_SCHEMA
             out += as_placed(pa.Table.from_batches([batch]))
@@ -334,10 +334,7 @@ def test_partition_unknown_to_the_previous_plan_is_read_from_its_start(broker: E
         start = {"0": 100}
         end = reader.latestOffset(start, ReadAllAvailable())
         assert end == {"0": 100, "1": 400, "2": 5}
-        assert [(p.partition, p.start, p.end) for p in reader.partitions(start, end)] == [
-            (1, 0, 400),
-            (2, 0, 5),
-        ]
+        assert [task.ranges for task in reader.partitions(start, end)] == [((1, 0, 400),), ((2, 0, 5),)]
         got = read_planned(reader, start, end)
         assert sorted(got, key=lambda r: (r.partition, r.offset)) == placed[100:]
 
@@ -351,6 +348,21 @@ def test_partition_unknown_to_the_previous_plan_is_read_from_its_start(broker: E
             *((1, o) for o in range(limited["1"])),
             *((2, o) for o in range(5)),
         ]
+
+
+def test_a_task_reads_several_partitions_with_one_client(broker: EmbeddedBroker) -> None:
+    topic = new_topic(broker.bootstrap, 4)
+    placed = produce(broker.bootstrap, topic, {0: 300, 1: 40, 2: 260, 3: 1})
+    with stream_reader(options(broker.bootstrap, topic, maxTasks="2")) as reader:
+        start = {"0": 0, "1": 0, "2": 0, "3": 0}
+        end = reader.latestOffset(start, ReadAllAvailable())
+        tasks = reader.partitions(start, end)
+        # Longest first onto the least-loaded task: 300 | 260, 40 onto the 260, then 1 onto the first.
+        assert [task.ranges for task in tasks] == [((0, 0, 300), (3, 0, 1)), ((1, 0, 40), (2, 0, 260))]
+        batches = list(reader.read(tasks[1]))
+        assert all(len(set(b.column("partition").to_pylist())) == 1 for b in batches), "a batch mixed"
+        got = read_planned(reader, start, end)
+    assert sorted(got, key=lambda r: (r.partition, r.offset)) == placed
 
 
 # --- pickling -----------------------------------------------------------------------------------
@@ -388,6 +400,14 @@ def test_reader_pickles_after_latest_offset_made_its_probe(broker: EmbeddedBroke
         (
             {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxRecordsPerTrigger": "lots"},
             "not a whole number",
+        ),
+        (
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxTasks": "0"},
+            "maxTasks=0 must be at least 1",
+        ),
+        (
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxTasks": "2.5"},
+            "maxTasks='2.5' is not a whole",
         ),
         ({"kafka.bootstrap.servers": "h:1"}, "needs the option subscribe"),
         ({"kafka.bootstrap.servers": "h:1", "subscribe": ""}, "needs the option subscribe"),

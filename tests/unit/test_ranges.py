@@ -9,7 +9,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aml_app.pipeline.ranges import from_spark, plan_end, planned_ranges, starting_offsets, to_spark
+from aml_app.pipeline.ranges import (
+    from_spark,
+    pack_ranges,
+    plan_end,
+    planned_ranges,
+    starting_offsets,
+    to_spark,
+)
 
 # --- strategies ---------------------------------------------------------------------------------
 
@@ -271,3 +278,53 @@ def test_from_spark_accepts_numeric_strings() -> None:
 def test_from_spark_rejects_garbage(bad) -> None:
     with pytest.raises(ValueError):
         from_spark(bad)
+
+
+# --- pack_ranges: tasks of a micro-batch -----------------------------------------------------------
+
+range_lists = st.lists(
+    st.tuples(st.integers(0, 63), st.integers(0, 1000), st.integers(1, 5000)),
+    max_size=24,
+    unique_by=lambda r: r[0],
+).map(lambda rs: sorted((p, s, s + n) for p, s, n in rs))
+
+
+@settings(max_examples=400)
+@given(range_lists, st.none() | st.integers(1, 8))
+def test_packing_keeps_every_range_once_within_the_task_limit(ranges, max_tasks) -> None:
+    tasks = pack_ranges(ranges, max_tasks)
+    flat = [r for task in tasks for r in task]
+    assert sorted(flat) == ranges, "a range was lost, split or duplicated"
+    assert all(task for task in tasks), "an empty task"
+    if max_tasks is not None:
+        assert len(tasks) <= max_tasks
+    for task in tasks:
+        assert list(task) == sorted(task)
+
+
+@settings(max_examples=400)
+@given(range_lists, st.integers(1, 8))
+def test_packing_balances_within_one_range_of_the_ideal(ranges, max_tasks) -> None:
+    tasks = pack_ranges(ranges, max_tasks)
+    if not ranges:
+        assert tasks == []
+        return
+    sizes = [e - s for _, s, e in ranges]
+    loads = [sum(e - s for _, s, e in task) for task in tasks]
+    assert max(loads) <= sum(sizes) / min(max_tasks, len(ranges)) + max(sizes)
+
+
+def test_packing_without_a_limit_or_with_room_keeps_one_task_per_partition() -> None:
+    ranges = [(0, 0, 10), (1, 5, 6), (3, 0, 100)]
+    assert pack_ranges(ranges, None) == [((0, 0, 10),), ((1, 5, 6),), ((3, 0, 100),)]
+    assert pack_ranges(ranges, 3) == pack_ranges(ranges, None)
+
+
+def test_four_partitions_on_two_cores_make_two_equal_tasks() -> None:
+    ranges = [(0, 0, 100), (1, 0, 100), (2, 0, 100), (3, 0, 100)]
+    assert pack_ranges(ranges, 2) == [((0, 0, 100), (2, 0, 100)), ((1, 0, 100), (3, 0, 100))]
+
+
+def test_packing_refuses_a_task_limit_below_one() -> None:
+    with pytest.raises(ValueError, match="at least 1"):
+        pack_ranges([(0, 0, 1), (1, 0, 1)], 0)
