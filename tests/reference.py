@@ -170,6 +170,8 @@ def reference_aggregates(
                 for c in sorted({p.currency for p in received})
             },
             "counterparties": len({p.payee for p in sent} | {p.payer for p in received}),
+            "sent_counterparties": len({p.payee for p in sent}),
+            "received_counterparties": len({p.payer for p in received}),
         }
         if name == "24h":
             with localcontext() as ctx:

@@ -123,7 +123,15 @@ def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
 
 
 def _empty_window() -> dict[str, Any]:
-    return {"sent_count": 0, "sent": {}, "received_count": 0, "received": {}, "counterparties": 0}
+    return {
+        "sent_count": 0,
+        "sent": {},
+        "received_count": 0,
+        "received": {},
+        "counterparties": 0,
+        "sent_counterparties": 0,
+        "received_counterparties": 0,
+    }
 
 
 class AggregatesStore:
@@ -281,4 +289,6 @@ class AggregatesStore:
             "received_count": counts["in"],
             "received": {c: money_text(sums["in"][c]) for c in sorted(sums["in"])},
             "counterparties": len({r[1] for r in rows}),
+            "sent_counterparties": len({r[1] for r in rows if r[0] == "out"}),
+            "received_counterparties": len({r[1] for r in rows if r[0] == "in"}),
         }

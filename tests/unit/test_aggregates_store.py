@@ -116,6 +116,8 @@ def test_window_edges(store: AggregatesStore) -> None:
         "received_count": 1,
         "received": {"EUR": "7.25"},
         "counterparties": 2,
+        "sent_counterparties": 1,
+        "received_counterparties": 1,
     }
     assert window(feed.check("A", T0 + HOUR), "1h") == (0, 0)  # ts == at - 1h is excluded
     assert window(feed.check("A", T0 + HOUR - US), "1h") == (1, 0)
@@ -146,7 +148,10 @@ def test_threshold_band_edges(store: AggregatesStore) -> None:
     answer = feed.check("A", T0)
     assert answer["near_threshold_24h"] == 2
     assert answer["reporting_threshold"] == "10000" and answer["threshold_band"] == "0.1"
+    # B is paid by A and pays A: one counterparty, counted in each direction.
     assert answer["windows"]["7d"]["counterparties"] == 3
+    assert answer["windows"]["7d"]["sent_counterparties"] == 3
+    assert answer["windows"]["7d"]["received_counterparties"] == 1
     assert feed.check("A", T0 + US)["near_threshold_24h"] == 1
     assert feed.check("Z", T0)["near_threshold_24h"] == 0
 
@@ -195,7 +200,15 @@ def test_pruning_keeps_exact_answers_from_max_minus_one_hour(store: AggregatesSt
 def test_unknown_account_and_missing_file(tmp_path: Path) -> None:
     path = tmp_path / "none" / "aggregates.sqlite"
     store = open_store(path)
-    zeros = {"sent_count": 0, "sent": {}, "received_count": 0, "received": {}, "counterparties": 0}
+    zeros = {
+        "sent_count": 0,
+        "sent": {},
+        "received_count": 0,
+        "received": {},
+        "counterparties": 0,
+        "sent_counterparties": 0,
+        "received_counterparties": 0,
+    }
     expected = {
         "account": "A",
         "at": "2026-03-01T12:00:00.000000Z",

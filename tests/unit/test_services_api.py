@@ -197,6 +197,8 @@ async def test_aggregates_answers(tmp_path: Path) -> None:
             "received_count": 0,
             "received": {},
             "counterparties": 2,
+            "sent_counterparties": 2,
+            "received_counterparties": 0,
         }
         assert body["windows"]["7d"]["received"] == {"EUR": "0.0001"}
         # The same instant written with an offset: encoded '+', or a raw '+' the query decodes to a space.
@@ -213,6 +215,8 @@ async def test_aggregates_answers(tmp_path: Path) -> None:
             "received_count": 0,
             "received": {},
             "counterparties": 0,
+            "sent_counterparties": 0,
+            "received_counterparties": 0,
         }
         assert unknown["near_threshold_24h"] == 0 and unknown["as_of"] == {"0": 2, "1": 2}
 
