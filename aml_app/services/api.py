@@ -1,7 +1,8 @@
 """HTTP APIs of services B (relations) and C (aggregates), on aiohttp.
 
 Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence>"}):
-- relations:  GET /relations/{account}?hops=2   hops is a whole number 1..3 (default 2)
+- relations:  GET /relations/{account}?hops=2   hops is a whole number 1..3 (default 2); `parts=out,cycle`
+              answers only those parts (of out, in, neighbourhood, cycle; default all)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back
 - both:       GET /health
@@ -25,7 +26,7 @@ from aiohttp import web
 
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.services.aggregates import AggregatesStore
-from aml_app.services.relations import MAX_HOPS, RelationsStore
+from aml_app.services.relations import MAX_HOPS, PARTS, RelationsStore
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +95,16 @@ def parse_hops(raw: str | None) -> int:
     return int(text)
 
 
+def parse_parts(raw: str | None) -> tuple[str, ...]:
+    if raw is None:
+        return PARTS
+    parts = tuple(p.strip() for p in raw.split(","))
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown or not parts:
+        raise BadRequest(f"parts must be a comma-separated list of {', '.join(PARTS)}, got {raw[:60]!r}.")
+    return parts
+
+
 def parse_at(raw: str | None) -> datetime:
     """An aware UTC datetime from the `at` parameter (default: now)."""
     if raw is None:
@@ -123,13 +134,14 @@ def _app(service: str, routes: list[str]) -> web.Application:
 
 
 def relations_app(store: RelationsStore) -> web.Application:
-    app = _app("relations", ["GET /relations/{account}?hops=1..3"])
+    app = _app("relations", ["GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle"])
     app[RELATIONS_STORE] = store
 
     async def relations(request: web.Request) -> web.Response:
         account = _account(request)
         hops = parse_hops(_single(request, "hops"))
-        return web.json_response(await asyncio.to_thread(store.relations, account, hops))
+        parts = parse_parts(_single(request, "parts"))
+        return web.json_response(await asyncio.to_thread(store.relations, account, hops, parts))
 
     async def health(request: web.Request) -> web.Response:
         status = await asyncio.to_thread(store.status)

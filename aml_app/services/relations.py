@@ -38,6 +38,7 @@ from aml_app.services.store import (
 )
 
 MAX_HOPS = 3
+PARTS = ("out", "in", "neighbourhood", "cycle")
 _CHUNK = 500  # accounts per IN (...) list
 
 SCHEMA = """
@@ -231,26 +232,40 @@ class RelationsStore:
             lambda conn: {"store_exists": conn is not None, "as_of": as_of_json(read_offsets(conn))},
         )
 
-    def relations(self, account: str, hops: int) -> dict[str, Any]:
+    def relations(self, account: str, hops: int, parts: Iterable[str] = PARTS) -> dict[str, Any]:
+        """The answer for `account`, with only the `parts` asked for (all by default).
+
+        A caller that needs the cycle but not the neighbourhood says so: a 3-hop neighbourhood of an account
+        that paid a busy merchant is most of the graph, and the detectors ask once per payment.
+        """
         if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
             raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
+        wanted = set(parts)
+        if not wanted <= set(PARTS):
+            raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(wanted)}")
+        compute = {
+            "out": lambda conn: _side(conn, account, "payer", "payee"),
+            "in": lambda conn: _side(conn, account, "payee", "payer"),
+            "neighbourhood": lambda conn: _neighbourhood(conn, account, hops),
+            "cycle": lambda conn: _cycle(conn, account, hops),
+        }
+        empty: dict[str, Any] = {
+            "out": [],
+            "in": [],
+            "neighbourhood": [],
+            "cycle": {"found": False, "path": []},
+        }
 
         def query(conn: sqlite3.Connection | None) -> dict[str, Any]:
             answer: dict[str, Any] = {
                 "account": account,
                 "hops": hops,
                 "as_of": as_of_json(read_offsets(conn)),
-                "out": [],
-                "in": [],
-                "neighbourhood": [],
-                "cycle": {"found": False, "path": []},
             }
-            if conn is None or not has_table(conn, "edges"):
-                return answer
-            answer["out"] = _side(conn, account, "payer", "payee")
-            answer["in"] = _side(conn, account, "payee", "payer")
-            answer["neighbourhood"] = _neighbourhood(conn, account, hops)
-            answer["cycle"] = _cycle(conn, account, hops)
+            stored = conn is not None and has_table(conn, "edges")
+            for part in PARTS:
+                if part in wanted:
+                    answer[part] = compute[part](conn) if stored else empty[part]
             return answer
 
         return read_snapshot(self.path, query)

@@ -88,6 +88,11 @@ async def test_relations_answers(tmp_path: Path) -> None:
         odd = await get(client, "/relations/" + quote("a/b ü", safe=""))
         assert odd["account"] == "a/b ü" and odd["in"][0]["counterparty"] == "A"
         assert (await get(client, "/relations/" + "x" * 128))["out"] == []
+        # Only the parts asked for, each equal to the full answer's.
+        some = await get(client, "/relations/A?hops=3&parts=cycle,out")
+        assert some == {k: body[k] for k in ("account", "hops", "as_of", "out", "cycle")}
+        nothing_stored = await get(client, "/relations/nobody?parts=neighbourhood")
+        assert set(nothing_stored) == {"account", "hops", "as_of", "neighbourhood"}
 
 
 async def test_relations_unknown_account_is_a_well_formed_empty_answer(tmp_path: Path) -> None:
@@ -115,9 +120,12 @@ async def test_relations_unknown_account_is_a_well_formed_empty_answer(tmp_path:
         ("hops=-1", "from 1 to 3"),
         ("hops=1.5", "whole number"),
         ("hops=1&hops=2", "given 2 times"),
+        ("parts=cycle,edges", "parts must be a comma-separated list of out, in, neighbourhood, cycle"),
+        ("parts=", "got ''"),
+        ("parts=out&parts=in", "given 2 times"),
     ],
 )
-async def test_relations_bad_hops(tmp_path: Path, query: str, words: str) -> None:
+async def test_relations_bad_parameters(tmp_path: Path, query: str, words: str) -> None:
     async with client_for(relations_app(RelationsStore(str(tmp_path / "r.sqlite")))) as client:
         body = await get(client, f"/relations/A?{query}", status=400)
         assert words in body["error"]
