@@ -7,7 +7,7 @@ from pathlib import Path
 import faust
 from faust.types import TransportT
 
-from aml_app.models import Decision
+from aml_app.models import Alert, Decision
 from aml_app.settings import load_settings
 from aml_app.transport import transport_with_fetch_wait
 
@@ -30,7 +30,8 @@ app = AmlApp(
     broker=settings.faust_brokers,
     store=settings.table_store,
     datadir=settings.worker_data_dir,
-    autodiscover=["agents", "tables", "aml_app.web"],
+    # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
+    autodiscover=[f"agents.{settings.service}", "tables", "aml_app.web"],
     origin="aml_app",
     topic_partitions=settings.partitions,
     topic_replication_factor=settings.replication_factor,
@@ -60,6 +61,9 @@ payments_topic = app.topic(
 )
 decisions_topic = app.topic(
     settings.decisions_topic, key_type=str, value_type=Decision, partitions=settings.partitions
+)
+alerts_topic = app.topic(
+    settings.alerts_topic, key_type=str, value_type=Alert, partitions=settings.partitions
 )
 dlq_topic = app.topic(
     settings.dlq_topic,

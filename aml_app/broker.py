@@ -21,6 +21,8 @@ from typing import IO
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
+from aml_app.topics import TopicSpec
+
 
 class BrokerError(RuntimeError):
     """The embedded broker could not be started or did not answer."""
@@ -129,17 +131,31 @@ async def wait_until_answering(bootstrap: Sequence[str], timeout: float = 20.0) 
 
 
 async def create_topics(
-    bootstrap: Sequence[str], topics: Iterable[str], partitions: int, replication_factor: int = 1
+    bootstrap: Sequence[str],
+    topics: Iterable[str | TopicSpec],
+    partitions: int = 1,
+    replication_factor: int = 1,
 ) -> None:
-    """Create the topics that do not exist yet; existing topics are left as they are."""
+    """Create the topics that do not exist yet; existing topics are left as they are.
+
+    A plain name gets `partitions` and `replication_factor`; a `TopicSpec` brings its own, and its config.
+    """
     admin = AIOKafkaAdminClient(bootstrap_servers=list(bootstrap), request_timeout_ms=10000)
     await admin.start()
     try:
         existing = set(await admin.list_topics())
+        specs = [
+            t if isinstance(t, TopicSpec) else TopicSpec(t, partitions, replication_factor) for t in topics
+        ]
         missing = [
-            NewTopic(name, num_partitions=partitions, replication_factor=replication_factor)
-            for name in topics
-            if name not in existing
+            NewTopic(
+                spec.name,
+                num_partitions=spec.partitions,
+                replication_factor=spec.replication_factor,
+                topic_configs=dict(spec.config),
+            )
+            for spec in specs
+            if spec.name not in existing
         ]
         if missing:
             with contextlib.suppress(TopicAlreadyExistsError):

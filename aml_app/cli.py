@@ -19,16 +19,18 @@ from aml_app.settings import ConfigError, load_settings
 def broker_command(port: int | None) -> None:
     """Run the embedded Kafka-compatible broker (Tansu, in memory) and create the topics."""
     from aml_app.broker import EmbeddedBroker, create_topics, wait_until_answering
+    from aml_app.topics import topic_specs
 
     settings = load_settings()
     broker = EmbeddedBroker(port or settings.broker_port).start()
     try:
         bootstrap = [broker.bootstrap]
         asyncio.run(wait_until_answering(bootstrap))
-        topics = [settings.payments_topic, settings.decisions_topic, settings.dlq_topic]
-        asyncio.run(create_topics(bootstrap, topics, settings.partitions))
+        topics = topic_specs(settings)
+        asyncio.run(create_topics(bootstrap, topics))
         click.echo(f"embedded broker ready: KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}")
-        click.echo(f"topics: {', '.join(topics)} ({settings.partitions} partitions); Ctrl-C stops it")
+        names = ", ".join(t.name for t in topics)
+        click.echo(f"topics: {names} ({settings.partitions} partitions); Ctrl-C stops it")
         # Ctrl-C must stop it even when started from a shell that ignores SIGINT in background jobs.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -66,7 +68,17 @@ def demo_command(duration: float, rate: float, workers: int) -> None:
     type=click.Choice(["relations", "aggregates"]),
     help="Run only this service's query (repeatable; default both).",
 )
-def pipeline_command(master: str | None, checkpoint_dir: str | None, services: tuple[str, ...]) -> None:
+@click.option(
+    "--trigger",
+    "triggers",
+    multiple=True,
+    metavar="SERVICE=SECONDS",
+    help="Trigger interval of one service's query (default AML_TRIGGER_INTERVAL); "
+    "--trigger relations=10 plays a lagging dependency.",
+)
+def pipeline_command(
+    master: str | None, checkpoint_dir: str | None, services: tuple[str, ...], triggers: tuple[str, ...]
+) -> None:
     """Run Services B and C: the Spark streaming queries that build the relations and aggregates stores."""
     from aml_app.pipeline.runner import SERVICES, run_pipeline
 
@@ -77,8 +89,27 @@ def pipeline_command(master: str | None, checkpoint_dir: str | None, services: t
             master or settings.spark_master,
             checkpoint_dir or settings.checkpoint_dir,
             services or SERVICES,
+            parse_triggers(triggers),
         )
     )
+
+
+def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
+    """`relations=10` -> {"relations": 10.0}; a malformed value is a usage error naming it."""
+    triggers: dict[str, float] = {}
+    for value in values:
+        service, _, seconds = value.partition("=")
+        try:
+            interval = float(seconds)
+        except ValueError:
+            interval = -1.0
+        if service not in ("relations", "aggregates") or not 0.05 <= interval <= 3600:
+            raise click.BadParameter(
+                f"{value!r}: expected relations=SECONDS or aggregates=SECONDS with 0.05..3600 seconds",
+                param_hint="--trigger",
+            )
+        triggers[service] = interval
+    return triggers
 
 
 @click.command("serve")
@@ -99,10 +130,13 @@ def main() -> None:
         sys.exit(2)
     from faust.cli.faust import cli
 
+    from aml_app.simulation.command import simulate_command
+
     cli.add_command(broker_command)
     cli.add_command(demo_command)
     cli.add_command(pipeline_command)
     cli.add_command(serve_command)
+    cli.add_command(simulate_command)
     app.main()
 
 

@@ -52,6 +52,7 @@ from aml_app.dependency_services import (
 )
 from aml_app.kafka_tools import payment_json
 from aml_app.settings import Settings
+from aml_app.topics import topic_specs
 from aml_app.verify import Premature, decided_at, percentile, premature
 from aml_app.workers import WorkerProcess
 
@@ -433,8 +434,7 @@ class Demo:
         if self.controls.stop.is_set():
             raise Interrupted
         s = self.settings = replace(self.settings, bootstrap_servers=tuple(self.bootstrap))
-        topics = [s.payments_topic, s.decisions_topic, s.dlq_topic]
-        await create_topics(self.bootstrap, topics, s.partitions, s.replication_factor)
+        await create_topics(self.bootstrap, topic_specs(s))
         self.start_services()
         self.start_workers()
         self.print_where_to_look()

@@ -8,7 +8,7 @@ import faust
 
 from aml_app.contract import InvalidPayment, validate_payment
 
-__all__ = ["Decision", "InvalidPayment", "Payment", "parse_payment"]
+__all__ = ["Alert", "Decision", "InvalidPayment", "Payment", "parse_payment"]
 
 
 class Payment(faust.Record, serializer="json"):
@@ -27,13 +27,20 @@ class Payment(faust.Record, serializer="json"):
 
 
 class Decision(faust.Record, serializer="json", include_metadata=False):
-    """One per processed payment on `aml.decisions`, keyed by payment_id (plain JSON, no Faust metadata)."""
+    """One per processed payment on `<service>.decisions`, keyed by payment_id (plain JSON, no metadata).
+
+    `fresh` says whether every dependency's answer included the payment (`evidence_as_of[dep] > offset`);
+    with the gate on a decision is only made on fresh evidence, so it is false only in the ungated
+    comparison mode. `stale_reads` counts the answers that did not include the payment.
+    """
 
     payment_id: str
     partition: int
     offset: int
+    service: str
     verdict: str
     rules: list[str]
+    typologies: list[str]
     note: str
     watermark: int
     dependencies: dict[str, int]
@@ -41,6 +48,30 @@ class Decision(faust.Record, serializer="json", include_metadata=False):
     decided_at: str
     worker: str
     gated: bool
+    fresh: bool = True
+    stale_reads: int = 0
+    evidence_as_of: dict[str, int] = {}
+
+
+class Alert(faust.Record, serializer="json", include_metadata=False):
+    """A flagged payment on `<service>.alerts`, keyed by payment_id, with the evidence that flagged it.
+
+    Each hit: rule, typology, reason (a sentence), figures (the numbers that crossed a threshold), path.
+    """
+
+    payment_id: str
+    partition: int
+    offset: int
+    service: str
+    payer: str
+    payee: str
+    amount: str
+    currency: str
+    ts: str
+    typologies: list[str]
+    hits: list[dict]
+    decided_at: str
+    worker: str
 
 
 def parse_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> Payment:

@@ -6,12 +6,18 @@ that names the variable, the value and what was expected, instead of a stack tra
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -21,13 +27,37 @@ class ConfigError(ValueError):
     """A configuration value a person has to fix before the service can start."""
 
 
+def _default_aml_thresholds() -> AmlThresholds:
+    from aml_app.detection.thresholds import AmlThresholds
+
+    return AmlThresholds()
+
+
+def _default_fraud_thresholds() -> FraudThresholds:
+    from aml_app.detection.thresholds import FraudThresholds
+
+    return FraudThresholds()
+
+
+def available_services() -> list[str]:
+    """The gated services a worker can run: one module each in the `agents` package."""
+    spec = importlib.util.find_spec("agents")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    folder = Path(next(iter(spec.submodule_search_locations)))
+    return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
+
+
 @dataclass(frozen=True)
 class Settings:
     bootstrap_servers: tuple[str, ...] = ("127.0.0.1:9092",)
+    #: Which gated service this worker runs: the module agents/<service>.py (aml, fraud, ...).
+    service: str = "aml"
     app_id: str = "aml"
     depends_on: tuple[str, ...] = ("relations", "aggregates")
     payments_topic: str = "payments"
     decisions_topic: str = "aml.decisions"
+    alerts_topic: str = "aml.alerts"
     dlq_topic: str = "payments.dlq"
     partitions: int = 4
     replication_factor: int = 1
@@ -53,6 +83,11 @@ class Settings:
     services_host: str = "127.0.0.1"
     relations_port: int = 8081
     aggregates_port: int = 8082
+    relations_api: str = ""  # AML_RELATIONS_URL; empty: http://services_host:relations_port
+    aggregates_api: str = ""  # AML_AGGREGATES_URL; likewise
+    http_timeout: float = 5.0
+    aml_thresholds: Any = field(default_factory=_default_aml_thresholds)
+    fraud_thresholds: Any = field(default_factory=_default_fraud_thresholds)
     reporting_threshold: Decimal = Decimal("10000")
     threshold_band: Decimal = Decimal("0.1")
     spark_master: str = "local[2]"
@@ -74,11 +109,11 @@ class Settings:
 
     @property
     def relations_url(self) -> str:
-        return f"http://{self.services_host}:{self.relations_port}"
+        return self.relations_api or f"http://{self.services_host}:{self.relations_port}"
 
     @property
     def aggregates_url(self) -> str:
-        return f"http://{self.services_host}:{self.aggregates_port}"
+        return self.aggregates_api or f"http://{self.services_host}:{self.aggregates_port}"
 
     @property
     def worker_data_dir(self) -> str:
@@ -158,6 +193,19 @@ def _name(env: Mapping[str, str], var: str, default: str, pattern: re.Pattern[st
     return value
 
 
+def _url(env: Mapping[str, str], name: str) -> str:
+    value = _text(env, name, "")
+    if value and not re.match(r"^https?://[^/\s]+", value):
+        raise ConfigError(f"{name}={value!r} is not an http(s) URL such as http://relations:8081.")
+    return value.rstrip("/")
+
+
+def _thresholds(env: Mapping[str, str], kind: str) -> Any:
+    from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
+
+    return (AmlThresholds if kind == "aml" else FraudThresholds).from_env(env)
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
     env = os.environ if env is None else env
@@ -171,7 +219,14 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError(f"AML_DEPENDS_ON: {group!r} is not a valid consumer group name.")
     if len(set(depends)) != len(depends):
         raise ConfigError(f"AML_DEPENDS_ON={depends_raw!r} names a group twice.")
-    app_id = _name(env, "AML_APP_ID", defaults.app_id, _GROUP, "consumer group")
+    service = _text(env, "AML_SERVICE", defaults.service)
+    services = available_services()
+    if service not in services:
+        raise ConfigError(
+            f"AML_SERVICE={service!r} names no gated service; expected one of {', '.join(services)} "
+            "(a module in the agents package)."
+        )
+    app_id = _name(env, "AML_APP_ID", service, _GROUP, "consumer group")
     if app_id in depends:
         raise ConfigError(
             f"AML_APP_ID={app_id!r} is also listed in AML_DEPENDS_ON; "
@@ -187,10 +242,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     session = _float(env, "AML_SESSION_TIMEOUT", defaults.session_timeout, 1, 300)
     settings = Settings(
         bootstrap_servers=_servers(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+        service=service,
         app_id=app_id,
         depends_on=depends,
         payments_topic=_name(env, "AML_PAYMENTS_TOPIC", defaults.payments_topic, _TOPIC, "topic"),
-        decisions_topic=_name(env, "AML_DECISIONS_TOPIC", defaults.decisions_topic, _TOPIC, "topic"),
+        decisions_topic=_name(env, "AML_DECISIONS_TOPIC", f"{app_id}.decisions", _TOPIC, "topic"),
+        alerts_topic=_name(env, "AML_ALERTS_TOPIC", f"{app_id}.alerts", _TOPIC, "topic"),
         dlq_topic=_name(env, "AML_DLQ_TOPIC", defaults.dlq_topic, _TOPIC, "topic"),
         partitions=_int(env, "AML_PARTITIONS", defaults.partitions, 1, 10000),
         replication_factor=_int(env, "AML_REPLICATION_FACTOR", defaults.replication_factor, 1, 10),
@@ -217,6 +274,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
         relations_port=_int(env, "AML_RELATIONS_PORT", defaults.relations_port, 1, 65535),
         aggregates_port=_int(env, "AML_AGGREGATES_PORT", defaults.aggregates_port, 1, 65535),
+        relations_api=_url(env, "AML_RELATIONS_URL"),
+        aggregates_api=_url(env, "AML_AGGREGATES_URL"),
+        http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
+        aml_thresholds=_thresholds(env, "aml"),
+        fraud_thresholds=_thresholds(env, "fraud"),
         reporting_threshold=_decimal(
             env, "AML_REPORTING_THRESHOLD", defaults.reporting_threshold, Decimal("0.01"), Decimal("1e12")
         ),
@@ -234,8 +296,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"AML_TABLE_STORE={settings.table_store!r} is not supported; use rocksdb:// or memory://."
         )
-    if len({settings.payments_topic, settings.decisions_topic, settings.dlq_topic}) != 3:
-        raise ConfigError("AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC and AML_DLQ_TOPIC must differ.")
+    topics = (settings.payments_topic, settings.decisions_topic, settings.alerts_topic, settings.dlq_topic)
+    if len(set(topics)) != len(topics):
+        raise ConfigError(
+            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC and AML_DLQ_TOPIC must differ."
+        )
     if settings.relations_group == settings.aggregates_group:
         raise ConfigError(
             "AML_RELATIONS_GROUP and AML_AGGREGATES_GROUP must differ: each service has its own group."

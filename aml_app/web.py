@@ -11,13 +11,14 @@ from typing import Any
 
 from faust.web import Request, Response, View
 
-from agents.aml import gated
+from aml_app import detector, service
 from aml_app.app import app, settings
 from tables.watermarks import gate, offsets, status, watermarks
 
 
 def snapshot() -> dict[str, Any]:
     now = time.time()
+    gated = service.running[0]
     assigned = (
         sorted(tp.partition for tp in app.consumer.assignment() if tp.topic == settings.payments_topic)
         if app.consumer
@@ -26,6 +27,7 @@ def snapshot() -> dict[str, Any]:
     rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
     return {
         "worker": settings.worker_id,
+        "service": settings.service,
         "app_id": settings.app_id,
         "topic": settings.payments_topic,
         "depends_on": list(settings.depends_on),
@@ -50,6 +52,7 @@ def snapshot() -> dict[str, Any]:
             "last_error": status.last_error,
             "admin_requests": offsets.requests,
         },
+        "detector": detector.stats_json(detector.running[0]) if detector.running else None,
         "generated_at": now,
     }
 

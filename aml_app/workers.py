@@ -40,10 +40,12 @@ def settings_env(settings: Settings) -> dict[str, str]:
     """
     return {
         "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.bootstrap_servers),
+        "AML_SERVICE": settings.service,
         "AML_APP_ID": settings.app_id,
         "AML_DEPENDS_ON": ",".join(settings.depends_on),
         "AML_PAYMENTS_TOPIC": settings.payments_topic,
         "AML_DECISIONS_TOPIC": settings.decisions_topic,
+        "AML_ALERTS_TOPIC": settings.alerts_topic,
         "AML_DLQ_TOPIC": settings.dlq_topic,
         "AML_PARTITIONS": str(settings.partitions),
     }

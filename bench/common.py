@@ -51,7 +51,9 @@ class BenchEnv:
     async def fresh_names(self, partitions: int) -> Names:
         """New payments/decisions/DLQ topics and group names, so runs never see each other."""
         names = Names(partitions=partitions)
-        await create_topics([self.bootstrap], [names.payments, names.decisions, names.dlq], partitions)
+        await create_topics(
+            [self.bootstrap], [names.payments, names.decisions, names.alerts, names.dlq], partitions
+        )
         return names
 
     def start_worker(self, names: Names, **env: str) -> Worker:

@@ -27,7 +27,9 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]
 @pytest.fixture
 async def names(broker: EmbeddedBroker) -> Names:
     fresh = Names()
-    await create_topics([broker.bootstrap], [fresh.payments, fresh.decisions, fresh.dlq], fresh.partitions)
+    await create_topics(
+        [broker.bootstrap], [fresh.payments, fresh.decisions, fresh.alerts, fresh.dlq], fresh.partitions
+    )
     return fresh
 
 

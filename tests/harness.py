@@ -59,6 +59,10 @@ class Names:
         return f"decisions-{self.suffix}"
 
     @property
+    def alerts(self) -> str:
+        return f"alerts-{self.suffix}"
+
+    @property
     def dlq(self) -> str:
         return f"dlq-{self.suffix}"
 
@@ -70,10 +74,13 @@ class Names:
         """The service's settings for these names, as a worker started on them gets them."""
         return Settings(
             bootstrap_servers=(bootstrap,),
+            # The gate's tests run the probe service: the gate alone, dependencies played by the test.
+            service="probe",
             app_id=self.app_id,
             depends_on=self.deps,
             payments_topic=self.payments,
             decisions_topic=self.decisions,
+            alerts_topic=self.alerts,
             dlq_topic=self.dlq,
             partitions=self.partitions,
         )

@@ -20,11 +20,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from faust.streams import _current_event
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
 from aml_app.gate.gate import FreshnessGate
@@ -32,6 +34,11 @@ from aml_app.gate.offsets import DependencyOffsets
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
 log = logging.getLogger(__name__)
+
+
+def set_current_event(event: EventT) -> None:
+    """Make `event` Faust's current event in this task (each lane is a task with its own context)."""
+    _current_event.set(weakref.ref(event))
 
 
 @dataclass(frozen=True)
@@ -311,6 +318,9 @@ class GatedConsumer:
             waited_ms=round((time.monotonic() - arrived) * 1000, 3),
             gated=self.gate_enabled,
         )
+        # The handler runs as if inside Faust's stream iteration of this event, so it can use partitioned
+        # tables (their reads and writes go to the event's partition) like any agent.
+        set_current_event(event)
         await retry_forever(
             f"processing payment {payment.payment_id} at {p}:{offset}",
             lambda: self.handler(payment, admission),

@@ -11,7 +11,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,8 +81,13 @@ def start_pipeline(
     services: Sequence[str] = SERVICES,
     checkpoint_dir: str | None = None,
     on_batch: Callable[[Any], None] | None = None,
+    triggers: Mapping[str, float] | None = None,
 ) -> Pipeline:
-    """Start one streaming query per service; returns at once (the queries run in Spark's threads)."""
+    """Start one streaming query per service; returns at once (the queries run in Spark's threads).
+
+    `triggers` overrides the trigger interval (seconds) of some services, e.g. {"relations": 10} to play a
+    lagging dependency in the gate-on/gate-off comparison.
+    """
     from aml_app.pipeline.jobs import ServiceBatches, aggregates_rows, relations_rows
     from aml_app.pipeline.progress import DeadLetters, GroupProgress
     from aml_app.services.aggregates import AggregatesStore
@@ -125,11 +130,12 @@ def start_pipeline(
             .option("maxTasks", str(spark.sparkContext.defaultParallelism))
             .load()
         )
+        interval = (triggers or {}).get(service, settings.trigger_interval)
         query = (
             stream.writeStream.queryName(service)
             .foreachBatch(handler)
             .option("checkpointLocation", os.path.join(checkpoints, service))
-            .trigger(processingTime=f"{int(settings.trigger_interval * 1000)} milliseconds")
+            .trigger(processingTime=f"{int(1000 * interval)} milliseconds")
             .start()
         )
         pipeline.queries.append(query)
@@ -137,12 +143,18 @@ def start_pipeline(
     return pipeline
 
 
-def run_pipeline(settings: Settings, master: str, checkpoint_dir: str, services: Sequence[str]) -> int:
+def run_pipeline(
+    settings: Settings,
+    master: str,
+    checkpoint_dir: str,
+    services: Sequence[str],
+    triggers: Mapping[str, float] | None = None,
+) -> int:
     """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     os.makedirs(settings.store_dir, exist_ok=True)
     spark = spark_session(master)
-    pipeline = start_pipeline(spark, settings, services, checkpoint_dir)
+    pipeline = start_pipeline(spark, settings, services, checkpoint_dir, triggers=triggers)
     log.info(
         "pipeline running: %s on %s, topic %s, stores in %s, checkpoints in %s",
         ", ".join(services),

@@ -160,24 +160,52 @@ def read_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
             conn.execute("ROLLBACK")
 
 
-def read_snapshot(path: str, query: Callable[[sqlite3.Connection | None], T]) -> T:
-    """Run `query(conn)` in one read transaction on a fresh read-only connection.
+_readers = threading.local()
 
-    If the store file does not exist yet, `query(None)` is called instead: the caller answers "empty".
+
+def _reader(path: str) -> sqlite3.Connection | None:
+    """This thread's read-only connection to `path`, opened once and kept while the file stays the same.
+
+    Opening a connection (and its pragmas and functions) cost more than a typical query; the APIs answer
+    from a small pool of threads, so one kept connection per thread and file is enough. A file that was
+    replaced (another inode) gets a fresh connection; a missing file gets None.
     """
-    if not os.path.exists(path):
-        return query(None)
+    try:
+        inode = os.stat(path).st_ino
+    except FileNotFoundError:
+        return None
+    cache: dict[str, tuple[int, sqlite3.Connection]] = _readers.__dict__.setdefault("connections", {})
+    kept = cache.get(path)
+    if kept is not None and kept[0] == inode:
+        return kept[1]
+    if kept is not None:
+        kept[1].close()
     try:
         conn = connect(path, readonly=True)
     except sqlite3.OperationalError:
         if not os.path.exists(path):  # removed between the check and the open
-            return query(None)
+            return None
         raise
+    cache[path] = (inode, conn)
+    return conn
+
+
+def read_snapshot(path: str, query: Callable[[sqlite3.Connection | None], T]) -> T:
+    """Run `query(conn)` in one read transaction on this thread's read-only connection.
+
+    If the store file does not exist yet, `query(None)` is called instead: the caller answers "empty".
+    """
+    conn = _reader(path)
+    if conn is None:
+        return query(None)
     try:
         with read_transaction(conn):
             return query(conn)
-    finally:
+    except sqlite3.Error:
+        # A broken connection is not kept: the next read opens a fresh one.
+        _readers.__dict__.get("connections", {}).pop(path, None)
         conn.close()
+        raise
 
 
 def has_table(conn: sqlite3.Connection, name: str) -> bool:

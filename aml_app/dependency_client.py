@@ -1,0 +1,130 @@
+"""The detectors' HTTP client for Services B (relations) and C (aggregates).
+
+One pooled `aiohttp.ClientSession` per worker, shared by every partition lane: keep-alive connections,
+no per-payment connection set-up. Each request has a timeout. A dependency that is down, slow or answers
+5xx raises `DependencyUnavailable`; the caller waits and asks again (a payment is never skipped because a
+dependency was away). A 4xx means our request is wrong, which retrying cannot fix: `DependencyRequestError`.
+
+Every answer carries `as_of` = {partition: next offset applied}; `includes` says whether an answer proves
+that it already contains payment (p, o).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from yarl import URL
+
+#: Service B parts the detectors use: the neighbourhood is never needed and can be most of the graph.
+RELATIONS_PARTS = "out,cycle"
+CYCLE_HOPS = 3
+
+
+class DependencyUnavailable(RuntimeError):
+    """A dependency did not answer usefully (down, timeout, 5xx): wait and ask again."""
+
+
+class DependencyRequestError(RuntimeError):
+    """A dependency refused the request itself (4xx): a bug on our side, reported loudly."""
+
+
+def includes(answer: Mapping[str, Any], partition: int, offset: int) -> bool:
+    """Whether an answer's `as_of` proves it includes payment (partition, offset)."""
+    return int(answer.get("as_of", {}).get(str(partition), 0)) > offset
+
+
+@dataclass
+class ClientStats:
+    """What the client did, for logs, the web view and the benchmarks."""
+
+    requests: int = 0
+    failures: int = 0
+    seconds: float = 0.0
+    last_error: str | None = None
+    by_dependency: dict[str, int] = field(default_factory=dict)
+
+
+class DependencyClient:
+    """GET /aggregates and /relations with pooling and timeouts; one instance per worker process."""
+
+    def __init__(
+        self, relations_url: str, aggregates_url: str, timeout: float = 5.0, max_connections: int = 64
+    ) -> None:
+        self.relations_url = URL(relations_url)
+        self.aggregates_url = URL(aggregates_url)
+        self.timeout = aiohttp.ClientTimeout(total=timeout)
+        self.max_connections = max_connections
+        self.stats = ClientStats()
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=60)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
+        url = _resource(self.aggregates_url, "aggregates", account)
+        return await self._get("aggregates", url.with_query(at=at.isoformat()))
+
+    async def relations(self, account: str, hops: int = CYCLE_HOPS, parts: str = RELATIONS_PARTS) -> dict:
+        url = _resource(self.relations_url, "relations", account)
+        return await self._get("relations", url.with_query(hops=str(hops), parts=parts))
+
+    async def _get(self, dependency: str, url: URL) -> dict[str, Any]:
+        started = time.monotonic()
+        self.stats.requests += 1
+        self.stats.by_dependency[dependency] = self.stats.by_dependency.get(dependency, 0) + 1
+        try:
+            async with self._client().get(url) as response:
+                if response.status >= 500:
+                    raise DependencyUnavailable(f"{dependency} answered {response.status} for {url.path}")
+                body = await response.json(content_type=None)
+                if response.status >= 400:
+                    message = body.get("error") if isinstance(body, dict) else body
+                    raise DependencyRequestError(f"{dependency} refused {url}: {response.status} {message}")
+                if not isinstance(body, dict):
+                    raise DependencyUnavailable(f"{dependency} answered {type(body).__name__}, not an object")
+                return body
+        except DependencyRequestError:
+            self._failed("request refused")
+            raise
+        except (aiohttp.ClientError, TimeoutError, ValueError, DependencyUnavailable) as exc:
+            message = str(exc) or type(exc).__name__
+            self._failed(f"{dependency}: {message}")
+            if isinstance(exc, DependencyUnavailable):
+                raise
+            raise DependencyUnavailable(f"{dependency} at {url.origin()} is unavailable: {message}") from exc
+        finally:
+            self.stats.seconds += time.monotonic() - started
+
+    def _failed(self, message: str) -> None:
+        self.stats.failures += 1
+        self.stats.last_error = message
+
+
+def _resource(base: URL, kind: str, account: str) -> URL:
+    """`base/kind/<account>` with the account id as ONE path segment: a '/' in it is encoded, not a split."""
+    path = f"{base.raw_path.rstrip('/')}/{kind}/{quote(account, safe='')}"
+    return base.with_path(path, encoded=True)
+
+
+async def gather_answers(
+    client: DependencyClient, payer: str, payee: str, at: datetime
+) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
+    """(payer aggregates, payee aggregates, payer relations), asked concurrently."""
+    return await asyncio.gather(  # type: ignore[return-value]
+        client.aggregates(payer, at), client.aggregates(payee, at), client.relations(payer)
+    )

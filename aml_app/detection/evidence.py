@@ -1,0 +1,327 @@
+"""Typed evidence for the detection rules, parsed from the JSON answers of Services B and C.
+
+Why a parsing layer: the rules should compare Decimals and datetimes, not poke at dicts of strings, and a
+malformed or mismatched answer (wrong account, wrong instant, a missing field) must stop the decision with
+a clear ValueError instead of silently reading as "nothing suspicious". Parsing checks the shape the
+services document (README, "Services B and C") and nothing more; an unknown account's answer (all
+zeros, empty lists) is valid and parses to empty values.
+
+No Faust here: Service-A and Service-A1 build `Evidence` from plain payment fields.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+WINDOW_NAMES = ("1h", "24h", "7d")
+_COUNTS = ("sent_count", "received_count", "counterparties", "sent_counterparties", "received_counterparties")
+
+
+def _need(doc: Mapping[str, Any], key: str, where: str) -> Any:
+    if not isinstance(doc, Mapping):
+        raise ValueError(f"{where} must be a JSON object, got {type(doc).__name__}")
+    if key not in doc:
+        raise ValueError(f"{where} lacks the field {key!r}")
+    return doc[key]
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where} must be a whole number >= 0, got {value!r}")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{where} must be a non-empty string, got {value!r}")
+    return value
+
+
+def parse_money(value: Any, where: str) -> Decimal:
+    """An exact amount from a decimal string ("12.50"); floats are refused because they are not exact."""
+    if not isinstance(value, str):
+        raise ValueError(f'{where} must be a decimal string such as "12.50", got {value!r}')
+    try:
+        amount = Decimal(value)
+    except InvalidOperation:
+        raise ValueError(f"{where} is not a decimal number: {value!r}") from None
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"{where} must be a finite amount >= 0, got {value!r}")
+    return amount
+
+
+def parse_instant(value: Any, where: str) -> datetime:
+    """An aware UTC datetime from ISO-8601 text with a timezone ('Z' or an offset)."""
+    if isinstance(value, datetime):
+        when = value
+    elif isinstance(value, str):
+        try:
+            when = datetime.fromisoformat(value)
+        except ValueError:
+            raise ValueError(f"{where} is not an ISO-8601 instant: {value!r}") from None
+    else:
+        raise ValueError(f"{where} must be an ISO-8601 string, got {value!r}")
+    if when.tzinfo is None or when.utcoffset() is None:
+        raise ValueError(f"{where} has no timezone: {value!r}")
+    return when.astimezone(UTC)
+
+
+def _sums(value: Any, where: str) -> dict[str, Decimal]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{where} must be an object of currency -> amount, got {value!r}")
+    return {_text(c, f"{where} currency"): parse_money(a, f"{where}.{c}") for c, a in value.items()}
+
+
+def _as_of(doc: Mapping[str, Any], where: str) -> dict[int, int]:
+    raw = doc.get("as_of", {})
+    if not isinstance(raw, Mapping):
+        raise ValueError(f"{where}.as_of must be an object of partition -> offset, got {raw!r}")
+    try:
+        return {int(p): _count(o, f"{where}.as_of[{p}]") for p, o in raw.items()}
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"{where}.as_of is malformed: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Window:
+    """One window (at - w, at] of Service C: counts and per-currency sums, the payment itself included."""
+
+    sent_count: int = 0
+    sent: Mapping[str, Decimal] = field(default_factory=dict)
+    received_count: int = 0
+    received: Mapping[str, Decimal] = field(default_factory=dict)
+    counterparties: int = 0
+    sent_counterparties: int = 0
+    received_counterparties: int = 0
+
+    def sent_in(self, currency: str) -> Decimal:
+        """Sent in `currency` only; other currencies are not converted (no FX)."""
+        return self.sent.get(currency, Decimal(0))
+
+    def received_in(self, currency: str) -> Decimal:
+        """Received in `currency` only; other currencies are not converted (no FX)."""
+        return self.received.get(currency, Decimal(0))
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> Window:
+        counts = {name: _count(_need(doc, name, where), f"{where}.{name}") for name in _COUNTS}
+        return cls(
+            sent=_sums(_need(doc, "sent", where), f"{where}.sent"),
+            received=_sums(_need(doc, "received", where), f"{where}.received"),
+            **counts,
+        )
+
+
+@dataclass(frozen=True)
+class Aggregates:
+    """Service C's answer for one account at one instant (`GET /aggregates/{account}?at=`)."""
+
+    account: str
+    at: datetime
+    windows: Mapping[str, Window]
+    near_threshold_24h: int
+    reporting_threshold: Decimal
+    threshold_band: Decimal
+    late_dropped: int = 0
+    as_of: Mapping[int, int] = field(default_factory=dict)
+
+    def window(self, name: str) -> Window:
+        return self.windows[name]
+
+    def is_near_threshold(self, amount: Decimal) -> bool:
+        """Service C's own definition: threshold * (1 - band) <= amount < threshold."""
+        low = self.reporting_threshold * (1 - self.threshold_band)
+        return low <= amount < self.reporting_threshold
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Aggregates:
+        account = _text(_need(doc, "account", "aggregates answer"), "aggregates answer.account")
+        where = f"aggregates answer for {account!r}"
+        windows_doc = _need(doc, "windows", where)
+        windows = {
+            name: Window.from_json(_need(windows_doc, name, f"{where}.windows"), f"{where}.windows.{name}")
+            for name in WINDOW_NAMES
+        }
+        threshold = parse_money(_need(doc, "reporting_threshold", where), f"{where}.reporting_threshold")
+        band = parse_money(_need(doc, "threshold_band", where), f"{where}.threshold_band")
+        if threshold <= 0 or not 0 <= band < 1:
+            raise ValueError(f"{where}: reporting_threshold must be > 0 and threshold_band in [0, 1)")
+        return cls(
+            account=account,
+            at=parse_instant(_need(doc, "at", where), f"{where}.at"),
+            windows=windows,
+            near_threshold_24h=_count(_need(doc, "near_threshold_24h", where), f"{where}.near_threshold_24h"),
+            reporting_threshold=threshold,
+            threshold_band=band,
+            late_dropped=_count(doc.get("late_dropped", 0), f"{where}.late_dropped"),
+            as_of=_as_of(doc, where),
+        )
+
+
+@dataclass(frozen=True)
+class Edge:
+    """A direct counterparty in Service B: payments on the edge, all currencies merged in `count`."""
+
+    counterparty: str
+    count: int
+    totals: Mapping[str, Decimal]
+    first_seen: datetime
+    last_seen: datetime
+
+    @classmethod
+    def from_json(cls, doc: Any, where: str) -> Edge:
+        counterparty = _text(_need(doc, "counterparty", where), f"{where}.counterparty")
+        where = f"{where}[{counterparty!r}]"
+        return cls(
+            counterparty=counterparty,
+            count=_count(_need(doc, "count", where), f"{where}.count"),
+            totals=_sums(_need(doc, "totals", where), f"{where}.totals"),
+            first_seen=parse_instant(_need(doc, "first_seen", where), f"{where}.first_seen"),
+            last_seen=parse_instant(_need(doc, "last_seen", where), f"{where}.last_seen"),
+        )
+
+
+@dataclass(frozen=True)
+class Cycle:
+    """The shortest directed cycle from the account back to itself (path starts and ends there)."""
+
+    found: bool = False
+    path: tuple[str, ...] = ()
+
+    @property
+    def hops(self) -> int:
+        return max(len(self.path) - 1, 0)
+
+
+@dataclass(frozen=True)
+class Relations:
+    """Service B's answer for one account (`GET /relations/{account}?hops=k`)."""
+
+    account: str
+    hops: int
+    out: Mapping[str, Edge]
+    in_: Mapping[str, Edge]
+    neighbourhood: Mapping[str, int]
+    cycle: Cycle
+    as_of: Mapping[int, int] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Relations:
+        account = _text(_need(doc, "account", "relations answer"), "relations answer.account")
+        where = f"relations answer for {account!r}"
+        hops = _count(_need(doc, "hops", where), f"{where}.hops")
+        # A caller may ask B for some parts only (`parts=out,cycle`): a part not asked for is absent, and
+        # reads as empty here; a part that is present must be well-formed.
+        sides: dict[str, dict[str, Edge]] = {}
+        for side in ("out", "in"):
+            items = doc.get(side, []) if isinstance(doc, Mapping) else _need(doc, side, where)
+            if not isinstance(items, list):
+                raise ValueError(f"{where}.{side} must be a list, got {type(items).__name__}")
+            sides[side] = {}
+            for item in items:
+                edge = Edge.from_json(item, f"{where}.{side}")
+                sides[side][edge.counterparty] = edge
+        neighbourhood: dict[str, int] = {}
+        items = doc.get("neighbourhood", [])
+        if not isinstance(items, list):
+            raise ValueError(f"{where}.neighbourhood must be a list, got {type(items).__name__}")
+        for item in items:
+            name = _text(_need(item, "account", f"{where}.neighbourhood"), f"{where}.neighbourhood.account")
+            hops_away = _need(item, "hops", f"{where}.neighbourhood")
+            neighbourhood[name] = _count(hops_away, f"{where}.neighbourhood[{name!r}].hops")
+        return cls(
+            account=account,
+            hops=hops,
+            out=sides["out"],
+            in_=sides["in"],
+            neighbourhood=neighbourhood,
+            cycle=_cycle(doc.get("cycle", {"found": False, "path": []}), account, hops, where),
+            as_of=_as_of(doc, where),
+        )
+
+
+def _cycle(doc: Any, account: str, hops: int, where: str) -> Cycle:
+    found = _need(doc, "found", f"{where}.cycle")
+    raw_path = _need(doc, "path", f"{where}.cycle")
+    if not isinstance(found, bool):
+        raise ValueError(f"{where}.cycle.found must be true or false, got {found!r}")
+    if not isinstance(raw_path, list):
+        raise ValueError(f"{where}.cycle.path must be a list, got {raw_path!r}")
+    path = tuple(_text(a, f"{where}.cycle.path") for a in raw_path)
+    if not found:
+        if path:
+            raise ValueError(f"{where}.cycle has a path but found is false")
+        return Cycle()
+    if len(path) < 2 or path[0] != account or path[-1] != account or len(path) - 1 > hops:
+        raise ValueError(
+            f"{where}.cycle.path must start and end at {account!r} with 1..{hops} edges, got {list(path)}"
+        )
+    return Cycle(found=True, path=path)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """One payment and what Services B and C answered about it, all including the payment itself."""
+
+    payment_id: str
+    payer: str
+    payee: str
+    amount: Decimal
+    currency: str
+    ts: datetime
+    payer_aggregates: Aggregates
+    payee_aggregates: Aggregates
+    payer_relations: Relations
+
+    def __post_init__(self) -> None:
+        for name in ("payment_id", "payer", "payee", "currency"):
+            _text(getattr(self, name), f"payment {name}")
+        if not isinstance(self.amount, Decimal) or not self.amount.is_finite() or self.amount <= 0:
+            raise ValueError(f"payment amount must be a Decimal > 0, got {self.amount!r}")
+        if self.ts.tzinfo is None:
+            raise ValueError(f"payment ts must be timezone-aware, got {self.ts!r}")
+        # Evidence about another account or another instant would be answered for the wrong question.
+        for role, answer, account in (
+            ("payer aggregates", self.payer_aggregates, self.payer),
+            ("payee aggregates", self.payee_aggregates, self.payee),
+            ("payer relations", self.payer_relations, self.payer),
+        ):
+            if answer.account != account:
+                raise ValueError(f"{role} are for {answer.account!r}, not for {account!r}")
+        for role, answer in (("payer", self.payer_aggregates), ("payee", self.payee_aggregates)):
+            if answer.at != self.ts:
+                raise ValueError(
+                    f"{role} aggregates are at {answer.at.isoformat()}, not at the payment's ts "
+                    f"{self.ts.isoformat()}"
+                )
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        payment_id: str,
+        payer: str,
+        payee: str,
+        amount: Decimal,
+        currency: str,
+        ts: datetime | str,
+        payer_aggregates: Any,
+        payee_aggregates: Any,
+        payer_relations: Any,
+    ) -> Evidence:
+        """Evidence from the payment's fields and the three parsed JSON answers; ValueError if malformed."""
+        return cls(
+            payment_id=payment_id,
+            payer=payer,
+            payee=payee,
+            amount=amount,
+            currency=currency,
+            ts=parse_instant(ts, "payment ts"),
+            payer_aggregates=Aggregates.from_json(payer_aggregates),
+            payee_aggregates=Aggregates.from_json(payee_aggregates),
+            payer_relations=Relations.from_json(payer_relations),
+        )

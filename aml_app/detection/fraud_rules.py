@@ -1,0 +1,86 @@
+"""Service-A1's fraud rules: different questions on the same gated evidence as the AML rules.
+
+Why a separate rule set: fraud looks for a payer being abused (an account takeover paying a new
+beneficiary, a burst of payments), AML for a payer abusing the system; both need the payment itself
+already in Services B and C, which the freshness gate guarantees. Same conventions as
+`aml_app.detection.rules`: amounts in the payment's own currency without FX, inclusive thresholds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from decimal import Decimal
+
+from aml_app.detection.evidence import Evidence
+from aml_app.detection.rules import Hit, average, money
+from aml_app.detection.thresholds import FraudThresholds
+
+FRAUD_TYPOLOGIES = ("large_new_counterparty", "velocity_spike")
+HOURS_PER_WEEK = 7 * 24
+
+
+def large_new_counterparty(evidence: Evidence, thresholds: FraudThresholds) -> Hit | None:
+    """A large payment that is the payer's first ever to this payee (Service B's edge count is 1, this
+    payment included). No edge at all means B has not seen it: no evidence, no hit."""
+    if evidence.amount < thresholds.large_new_counterparty_min_amount:
+        return None
+    edge = evidence.payer_relations.out.get(evidence.payee)
+    if edge is None or edge.count != 1:
+        return None
+    return Hit(
+        rule="fraud.large_new_counterparty",
+        typology="large_new_counterparty",
+        reason=(
+            f"{evidence.payer} paid {money(evidence.amount)} {evidence.currency} to {evidence.payee}, "
+            "its first payment to that payee."
+        ),
+        figures={
+            "amount": money(evidence.amount),
+            "currency": evidence.currency,
+            "min_amount": money(thresholds.large_new_counterparty_min_amount),
+            "payments_to_payee": edge.count,
+        },
+    )
+
+
+def velocity_spike(evidence: Evidence, thresholds: FraudThresholds) -> Hit | None:
+    """The payer sent far more payments in the last hour than its hourly average over 7 days.
+
+    The 7-day window includes the last hour, and the average is over all 168 hours, whatever the account's
+    age: an account with no history is a spike as soon as it reaches the minimum count. Compared exactly:
+    count_1h * 168 >= multiple * count_7d.
+    """
+    aggregates = evidence.payer_aggregates
+    last_hour = aggregates.window("1h").sent_count
+    week = aggregates.window("7d").sent_count
+    if last_hour < thresholds.velocity_min_count:
+        return None
+    if last_hour * HOURS_PER_WEEK < thresholds.velocity_multiple * week:
+        return None
+    hourly = money(average(Decimal(week), HOURS_PER_WEEK))
+    return Hit(
+        rule="fraud.velocity_spike",
+        typology="velocity_spike",
+        reason=(
+            f"{evidence.payer} sent {last_hour} payments in the last hour against {hourly} per hour on "
+            "average over 7 days."
+        ),
+        figures={
+            "sent_1h": last_hour,
+            "sent_7d": week,
+            "hourly_average_7d": hourly,
+            "min_count": thresholds.velocity_min_count,
+            "multiple": money(thresholds.velocity_multiple),
+        },
+    )
+
+
+FRAUD_RULES: tuple[Callable[[Evidence, FraudThresholds], Hit | None], ...] = (
+    large_new_counterparty,
+    velocity_spike,
+)
+
+
+def fraud_rules(evidence: Evidence, thresholds: FraudThresholds) -> list[Hit]:
+    """Every fraud rule that fires on this payment, in the order of FRAUD_TYPOLOGIES."""
+    return [hit for rule in FRAUD_RULES if (hit := rule(evidence, thresholds)) is not None]

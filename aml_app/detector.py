@@ -1,0 +1,212 @@
+"""The handler of a detecting service (AML, fraud): fresh evidence from B and C, rules, decision, alert.
+
+For each payment the gate let through:
+1. ask B and C about it (`aml_app.dependency_client`), waiting and asking again while one is away;
+2. check freshness: every answer's `as_of` must include the payment. The gate makes this true; if it is
+   not, that is a freshness violation: counted, and with the gate on the payment waits and asks again,
+   so no decision is ever made on evidence that lacks it. With the gate off (the comparison mode) the
+   violation is counted and the service decides on what it saw, as an ungated consumer would;
+3. run the service's rules (pure functions of the evidence);
+4. send the alert, once: `alerts-sent` (RocksDB table) remembers alerted payments, so a payment processed
+   again after a crash or a rebalance does not alert twice; alerts are keyed by payment id, so a
+   compacted topic agrees downstream;
+5. send the decision (every payment, keyed by payment id).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from aml_app.app import alerts_topic, app, decisions_topic, settings
+from aml_app.dependency_client import (
+    DependencyClient,
+    DependencyUnavailable,
+    gather_answers,
+    includes,
+)
+from aml_app.detection.evidence import Evidence
+from aml_app.detection.rules import Hit
+from aml_app.gate import Admission
+from aml_app.models import Alert, Decision, Payment
+from tables.alerts import alerts_sent
+
+log = logging.getLogger(__name__)
+
+Rules = Callable[[Evidence], list[Hit]]
+ANSWERS = ("payer aggregates", "payee aggregates", "payer relations")
+#: Waits between asking again: a dependency that is away, and evidence that is not fresh yet.
+UNAVAILABLE_DELAYS = (0.1, 5.0)
+STALE_DELAYS = (0.05, 1.0)
+
+
+#: This worker's detector, if its service detects (the probe does not), for the web view.
+running: list[Detector] = []
+
+
+@dataclass
+class DetectorStats:
+    decisions: int = 0
+    alerts: int = 0
+    duplicates_suppressed: int = 0
+    freshness_violations: int = 0
+    decided_on_stale: int = 0
+    unavailable: int = 0
+
+
+class Detector:
+    """A gated service's handler; one per worker, shared by every partition lane."""
+
+    def __init__(self, service: str, rules: Rules, client: DependencyClient) -> None:
+        self.service = service
+        self.rules = rules
+        self.client = client
+        self.stats = DetectorStats()
+
+    async def __call__(self, payment: Payment, admission: Admission) -> None:
+        answers, stale_reads = await self.fresh_answers(payment, admission)
+        payer_aggregates, payee_aggregates, payer_relations = answers
+        evidence = Evidence.parse(
+            payment_id=payment.payment_id,
+            payer=payment.payer,
+            payee=payment.payee,
+            amount=Decimal(payment.amount),
+            currency=payment.currency,
+            ts=payment.ts,
+            payer_aggregates=payer_aggregates,
+            payee_aggregates=payee_aggregates,
+            payer_relations=payer_relations,
+        )
+        hits = self.rules(evidence)
+        decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
+        if hits:
+            await self.alert_once(payment, admission, hits, decided_at)
+        fresh = all(includes(a, admission.partition, admission.offset) for a in answers)
+        decision = Decision(
+            payment_id=payment.payment_id,
+            partition=admission.partition,
+            offset=admission.offset,
+            service=self.service,
+            verdict="alert" if hits else "clear",
+            rules=[hit.rule for hit in hits],
+            typologies=sorted({hit.typology for hit in hits}),
+            note="" if fresh else "decided on evidence that did not include this payment (gate off)",
+            watermark=admission.watermark,
+            dependencies=admission.dependencies,
+            waited_ms=admission.waited_ms,
+            decided_at=decided_at,
+            worker=settings.worker_id,
+            gated=admission.gated,
+            fresh=fresh,
+            stale_reads=stale_reads,
+            evidence_as_of={
+                name: int(answer.get("as_of", {}).get(str(admission.partition), 0))
+                for name, answer in zip(ANSWERS, answers, strict=True)
+            },
+        )
+        # The payment is acked (and later committed) only after the broker has the decision.
+        await (await decisions_topic.send(key=payment.payment_id, value=decision))
+        self.stats.decisions += 1
+
+    async def fresh_answers(self, payment: Payment, admission: Admission) -> tuple[list[dict], int]:
+        """B's and C's answers about the payment, and how many rounds of them were stale."""
+        p, offset = admission.partition, admission.offset
+        at = datetime.fromisoformat(payment.ts).astimezone(UTC)
+        stale_reads = 0
+        unavailable_delay, stale_delay = UNAVAILABLE_DELAYS[0], STALE_DELAYS[0]
+        while True:
+            try:
+                answers = list(await gather_answers(self.client, payment.payer, payment.payee, at))
+            except DependencyUnavailable as exc:
+                self.stats.unavailable += 1
+                log.warning("payment %s at %d:%d waits: %s", payment.payment_id, p, offset, exc)
+                await asyncio.sleep(unavailable_delay)
+                unavailable_delay = min(unavailable_delay * 2, UNAVAILABLE_DELAYS[1])
+                continue
+            stale = [name for name, a in zip(ANSWERS, answers, strict=True) if not includes(a, p, offset)]
+            if not stale:
+                return answers, stale_reads
+            stale_reads += 1
+            self.stats.freshness_violations += 1
+            if not admission.gated:
+                self.stats.decided_on_stale += 1
+                return answers, stale_reads
+            log.warning(
+                "freshness violation: %s about payment %s at %d:%d does not include it yet; asking again",
+                ", ".join(stale),
+                payment.payment_id,
+                p,
+                offset,
+            )
+            await asyncio.sleep(stale_delay)
+            stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
+
+    async def alert_once(
+        self, payment: Payment, admission: Admission, hits: list[Hit], decided_at: str
+    ) -> None:
+        """Send the alert unless this payment was alerted on before (a re-processing)."""
+        if alerts_sent.get(payment.payment_id) is not None:
+            self.stats.duplicates_suppressed += 1
+            log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
+            return
+        alert = Alert(
+            payment_id=payment.payment_id,
+            partition=admission.partition,
+            offset=admission.offset,
+            service=self.service,
+            payer=payment.payer,
+            payee=payment.payee,
+            amount=payment.amount,
+            currency=payment.currency,
+            ts=payment.ts,
+            typologies=sorted({hit.typology for hit in hits}),
+            hits=[hit.as_json() for hit in hits],
+            decided_at=decided_at,
+            worker=settings.worker_id,
+        )
+        await (await alerts_topic.send(key=payment.payment_id, value=alert))
+        alerts_sent[payment.payment_id] = {"at": decided_at, "worker": settings.worker_id}
+        # Make the record durable now rather than at the next commit: the window in which a crash could
+        # still repeat this alert shrinks to this one round trip.
+        await app.producer.flush()
+        self.stats.alerts += 1
+
+
+def stats_json(detector: Detector) -> dict[str, Any]:
+    s, c = detector.stats, detector.client.stats
+    return {
+        "service": detector.service,
+        "decisions": s.decisions,
+        "alerts": s.alerts,
+        "duplicates_suppressed": s.duplicates_suppressed,
+        "freshness_violations": s.freshness_violations,
+        "decided_on_stale": s.decided_on_stale,
+        "dependency_unavailable": s.unavailable,
+        "http": {
+            "requests": c.requests,
+            "failures": c.failures,
+            "mean_ms": round(1000 * c.seconds / c.requests, 3) if c.requests else None,
+            "last_error": c.last_error,
+        },
+    }
+
+
+def detecting_service(service: str, rules: Rules) -> Detector:
+    """Build the detector of this worker's service and register its gated agent."""
+    from aml_app.service import gated_service
+
+    client = DependencyClient(settings.relations_url, settings.aggregates_url, settings.http_timeout)
+    detector = Detector(service, rules, client)
+    gated_service(detector)
+
+    @app.on_before_shutdown.connect
+    async def close_client(app: Any, **kwargs: Any) -> None:
+        await client.close()
+
+    running.append(detector)
+    return detector

@@ -1,0 +1,45 @@
+"""A gated service in one call: a Faust agent on the payments topic whose payments pass the freshness gate.
+
+Every gated service (AML, fraud, the probe) is the same machinery with a different handler: the agent only
+dispatches, per-partition lanes wait on the gate, the handler runs, acks go in offset order
+(`aml_app.gate.GatedConsumer`). The module in `agents/` that `AML_SERVICE` names calls `gated_service` once.
+"""
+
+from __future__ import annotations
+
+from aml_app.app import app, dlq_topic, payments_topic, settings
+from aml_app.gate import GatedConsumer
+from aml_app.gate.consumer import Handler
+from tables.watermarks import gate
+
+#: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
+running: list[GatedConsumer] = []
+
+
+def gated_service(handler: Handler) -> GatedConsumer:
+    """Register the agent of this worker's service and return its gated consumer."""
+    if running:
+        raise RuntimeError("a worker runs one gated service; gated_service was called twice")
+    gated = GatedConsumer(
+        app,
+        gate,
+        handler,
+        dlq_topic,
+        gate_enabled=settings.gate_enabled,
+        max_pending=settings.max_pending_per_partition,
+        max_payment_bytes=settings.max_payment_bytes,
+        worker_id=settings.worker_id,
+    )
+    gated.attach(
+        bootstrap_servers=settings.bootstrap_servers,
+        topic=settings.payments_topic,
+        group=settings.app_id,
+        check_every=settings.refresh_interval,
+    )
+
+    async def consume(stream):  # type: ignore[no-untyped-def]
+        await gated.consume(stream)
+
+    app.agent(payments_topic, name=settings.service)(consume)
+    running.append(gated)
+    return gated

@@ -1,0 +1,56 @@
+"""Every topic of the system and its configuration, in one place.
+
+Used by `aml-app broker` (the embedded development broker), the demo, and as the reference for a real
+cluster (`aml-app topics` prints it). Keyed outputs (decisions and alerts, keyed by payment id) are
+compacted, so re-processing after a crash leaves one record per payment once the log is compacted;
+the payments and dead-letter topics keep a time-based retention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from aml_app.settings import Settings, available_services
+
+DAY_MS = 24 * 3600 * 1000
+#: Services that publish decisions and alerts (the probe writes only to topics a test names).
+DETECTING = ("aml", "fraud")
+
+
+@dataclass(frozen=True)
+class TopicSpec:
+    name: str
+    partitions: int
+    replication_factor: int
+    config: dict[str, str] = field(default_factory=dict)
+    purpose: str = ""
+
+
+def topic_specs(settings: Settings) -> list[TopicSpec]:
+    """The payments topic, its dead-letter topic, and decisions and alerts of every detecting service."""
+    n, rf = settings.partitions, settings.replication_factor
+    keyed = {"cleanup.policy": "compact", "min.insync.replicas": str(min(2, rf))}
+    specs = [
+        TopicSpec(
+            settings.payments_topic,
+            n,
+            rf,
+            {"retention.ms": str(7 * DAY_MS), "min.insync.replicas": str(min(2, rf))},
+            "payments, key = payer",
+        ),
+        TopicSpec(
+            settings.dlq_topic, n, rf, {"retention.ms": str(30 * DAY_MS)}, "dead letters: bytes + reason"
+        ),
+    ]
+    for service in [s for s in DETECTING if s in available_services()]:
+        # This worker's own service may have its topics renamed; the others keep their default names.
+        mine = service == settings.service
+        decisions = settings.decisions_topic if mine else f"{service}.decisions"
+        alerts = settings.alerts_topic if mine else f"{service}.alerts"
+        specs.append(
+            TopicSpec(decisions, n, rf, keyed, f"{service}: one decision per payment, key = payment id")
+        )
+        specs.append(
+            TopicSpec(alerts, n, rf, keyed, f"{service}: flagged payments with evidence, key = payment id")
+        )
+    return specs

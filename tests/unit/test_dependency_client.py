@@ -1,0 +1,102 @@
+"""The detectors' client for Services B and C, against the real APIs over real HTTP on loopback."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from aml_app.broker import free_port
+from aml_app.dependency_client import (
+    DependencyClient,
+    DependencyRequestError,
+    DependencyUnavailable,
+    gather_answers,
+    includes,
+)
+from aml_app.services.aggregates import AggregatesStore
+from aml_app.services.api import aggregates_app, relations_app
+from aml_app.services.relations import RelationsStore
+from tests.unit.test_relations_store import edge_deltas
+from tests.unit.test_services_api import BAND, COVERED, T0, THRESHOLD, payments
+
+
+@asynccontextmanager
+async def served(app: web.Application) -> AsyncIterator[str]:
+    server = TestServer(app, host="127.0.0.1")
+    await server.start_server()
+    try:
+        yield str(server.make_url("")).rstrip("/")
+    finally:
+        await server.close()
+
+
+@asynccontextmanager
+async def services(tmp_path: Path) -> AsyncIterator[DependencyClient]:
+    relations = RelationsStore(str(tmp_path / "relations.sqlite"))
+    relations.apply(edge_deltas(payments()), COVERED)
+    aggregates = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
+    aggregates.apply(payments(), COVERED)
+    async with served(relations_app(relations)) as r_url, served(aggregates_app(aggregates)) as a_url:
+        client = DependencyClient(r_url, a_url, timeout=5)
+        try:
+            yield client
+        finally:
+            await client.close()
+
+
+async def test_answers_for_a_payment_with_one_pooled_session(tmp_path: Path) -> None:
+    async with services(tmp_path) as client:
+        payer_agg, payee_agg, payer_rel = await gather_answers(client, "A", "a/b ü", T0)
+        assert payer_agg["account"] == "A" and payer_agg["at"] == "2026-03-01T12:00:00.000000Z"
+        assert payer_agg["windows"]["1h"]["sent_count"] == 2
+        # An account id with '/' and non-ASCII characters is one path segment.
+        assert payee_agg["account"] == "a/b ü" and payee_agg["windows"]["1h"]["received_count"] == 1
+        # Only the parts the detectors use: out and the cycle (hops 3), no neighbourhood.
+        assert set(payer_rel) == {"account", "hops", "as_of", "out", "cycle"}
+        assert payer_rel["hops"] == 3 and payer_rel["cycle"] == {"found": True, "path": ["A", "B", "C", "A"]}
+        session = client._client()
+        for _ in range(5):
+            await gather_answers(client, "A", "B", T0)
+        assert client._client() is session, "a new session (and connections) per request"
+        assert client.stats.requests == 18 and client.stats.failures == 0
+
+
+async def test_as_of_proves_inclusion_of_a_payment(tmp_path: Path) -> None:
+    async with services(tmp_path) as client:
+        answer = await client.aggregates("A", T0)
+        assert answer["as_of"] == {"0": 2, "1": 2}
+        assert includes(answer, 0, 1) and not includes(answer, 0, 2)
+        assert not includes(answer, 3, 0), "a partition the store has not seen includes nothing"
+
+
+async def test_a_dependency_that_is_down_is_unavailable_not_an_answer() -> None:
+    down = f"http://127.0.0.1:{free_port()}"
+    client = DependencyClient(down, down, timeout=2)
+    try:
+        with pytest.raises(DependencyUnavailable, match="unavailable"):
+            await client.relations("A")
+        assert client.stats.failures == 1 and client.stats.last_error
+    finally:
+        await client.close()
+
+
+async def test_a_5xx_is_unavailable_and_a_4xx_is_our_bug(tmp_path: Path) -> None:
+    async def broken(request: web.Request) -> web.Response:
+        return web.json_response({"error": "The store could not be read right now."}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/aggregates/{account}", broken)
+    async with served(app) as url, services(tmp_path) as working:
+        client = DependencyClient(working.relations_url.human_repr(), url, timeout=2)
+        try:
+            with pytest.raises(DependencyUnavailable, match="503"):
+                await client.aggregates("A", T0)
+            with pytest.raises(DependencyRequestError, match="400"):
+                await client.relations("A", hops=4)
+        finally:
+            await client.close()

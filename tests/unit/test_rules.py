@@ -1,0 +1,557 @@
+"""AML and fraud rules on hand-built answers of Services B and C: each threshold's boundary (inclusive
+unless documented), other currencies ignored, empty answers quiet, parsing faults, and the thresholds'
+environment variables."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from aml_app.detection.evidence import Aggregates, Evidence, Relations
+from aml_app.detection.fraud_rules import fraud_rules, large_new_counterparty, velocity_spike
+from aml_app.detection.rules import (
+    TYPOLOGIES,
+    Hit,
+    aml_rules,
+    cycle,
+    fan_in,
+    fan_out,
+    pass_through,
+    structuring,
+)
+from aml_app.detection.thresholds import LIMITS, AmlThresholds, FraudThresholds, variable
+from aml_app.settings import ConfigError
+
+TS = "2026-03-02T12:00:00.000000Z"
+AT = datetime(2026, 3, 2, 12, tzinfo=UTC)
+AML = AmlThresholds()
+FRAUD = FraudThresholds()
+
+
+def window(
+    sent_count: int = 0,
+    sent: dict[str, str] | None = None,
+    received_count: int = 0,
+    received: dict[str, str] | None = None,
+    sent_counterparties: int = 0,
+    received_counterparties: int = 0,
+) -> dict[str, Any]:
+    return {
+        "sent_count": sent_count,
+        "sent": sent or {},
+        "received_count": received_count,
+        "received": received or {},
+        "counterparties": sent_counterparties + received_counterparties,
+        "sent_counterparties": sent_counterparties,
+        "received_counterparties": received_counterparties,
+    }
+
+
+def aggregates(
+    account: str, near: int = 0, threshold: str = "10000", band: str = "0.1", **windows: dict[str, Any]
+) -> dict[str, Any]:
+    """Service C's answer; windows given as h1=, h24=, d7= (default empty)."""
+    return {
+        "account": account,
+        "at": TS,
+        "as_of": {"0": 12, "1": 7},
+        "windows": {
+            "1h": windows.get("h1", window()),
+            "24h": windows.get("h24", window()),
+            "7d": windows.get("d7", window()),
+        },
+        "near_threshold_24h": near,
+        "reporting_threshold": threshold,
+        "threshold_band": band,
+        "late_dropped": 0,
+    }
+
+
+def edge(counterparty: str, count: int = 1, totals: dict[str, str] | None = None) -> dict[str, Any]:
+    return {
+        "counterparty": counterparty,
+        "count": count,
+        "totals": totals or {"EUR": "10.00"},
+        "first_seen": TS,
+        "last_seen": TS,
+    }
+
+
+def relations(account: str, out: list[dict[str, Any]] | None = None, path: list[str] | None = None) -> dict:
+    return {
+        "account": account,
+        "hops": 3,
+        "as_of": {"0": 12},
+        "out": out or [],
+        "in": [],
+        "neighbourhood": [],
+        "cycle": {"found": path is not None, "path": path or []},
+    }
+
+
+def evidence(
+    amount: str = "100.00",
+    currency: str = "EUR",
+    payer: str = "a",
+    payee: str = "b",
+    payer_aggregates: dict[str, Any] | None = None,
+    payee_aggregates: dict[str, Any] | None = None,
+    payer_relations: dict[str, Any] | None = None,
+) -> Evidence:
+    return Evidence.parse(
+        payment_id="p-1",
+        payer=payer,
+        payee=payee,
+        amount=Decimal(amount),
+        currency=currency,
+        ts=TS,
+        payer_aggregates=payer_aggregates or aggregates(payer),
+        payee_aggregates=payee_aggregates or aggregates(payee),
+        payer_relations=payer_relations or relations(payer),
+    )
+
+
+# --------------------------------------------------------------------------- structuring
+
+
+@pytest.mark.parametrize(
+    ("amount", "near", "fires"),
+    [
+        ("9000.00", 3, True),  # threshold * (1 - band): the band's lower edge is inside
+        ("8999.99", 3, False),  # one cent below the band
+        ("9999.99", 3, True),
+        ("10000.00", 3, False),  # at the threshold: reported anyway, not "just under"
+        ("9500.00", 2, False),  # min_count - 1
+        ("9500.00", 50, True),
+    ],
+)
+def test_structuring_boundaries(amount: str, near: int, fires: bool) -> None:
+    hit = structuring(evidence(amount, payer_aggregates=aggregates("a", near=near)), AML)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.rule, hit.typology, hit.path) == ("aml.structuring", "structuring", ())
+        assert hit.figures["near_threshold_24h"] == near
+        assert hit.figures["amount"] == amount
+        assert amount in hit.reason
+
+
+def test_structuring_uses_service_c_threshold_and_band_and_the_configured_count() -> None:
+    answer = aggregates("a", near=4, threshold="5000", band="0.2")
+    assert structuring(evidence("4000.00", payer_aggregates=answer), AML) is not None
+    assert structuring(evidence("3999.99", payer_aggregates=answer), AML) is None
+    assert structuring(evidence("9500.00", payer_aggregates=answer), AML) is None
+    assert (
+        structuring(evidence("4500.00", payer_aggregates=answer), AmlThresholds(structuring_min_count=5))
+        is None
+    )
+    assert structuring(evidence("4500.00", payer_aggregates=answer), AmlThresholds(structuring_min_count=4))
+
+
+# --------------------------------------------------------------------------- fan-in / fan-out
+
+FANS = [
+    # rule, threshold fields, which answer (payer or payee), window keys (count, sums, counterparties)
+    (fan_in, "fan_in", "payee", ("received_count", "received", "received_counterparties")),
+    (fan_out, "fan_out", "payer", ("sent_count", "sent", "sent_counterparties")),
+]
+
+
+def fan_evidence(
+    side: str, keys: tuple[str, str, str], count: int, sums: dict[str, str], parties: int
+) -> Evidence:
+    count_key, sums_key, parties_key = keys
+    answer = aggregates(
+        "a" if side == "payer" else "b",
+        h24=window(**{count_key: count, sums_key: sums, parties_key: parties}),
+    )
+    return evidence(**{f"{side}_aggregates": answer}, currency="EUR")
+
+
+@pytest.mark.parametrize(("rule", "name", "side", "keys"), FANS)
+@pytest.mark.parametrize(
+    ("count", "sums", "parties", "fires"),
+    [
+        (8, {"EUR": "8000.00"}, 8, True),  # 8 counterparties, average exactly 1000
+        (8, {"EUR": "7999.99"}, 8, False),  # average one cent short
+        (8, {"EUR": "80000.00"}, 7, False),  # one counterparty short
+        (300, {"EUR": "15000.00"}, 250, False),  # a busy merchant: many, but small on average
+        (8, {"EUR": "100.00", "USD": "100000.00"}, 8, False),  # other currencies are ignored
+        (9, {"EUR": "8000.00", "USD": "1.00"}, 8, False),  # ...but counted in the average's denominator
+        (0, {}, 0, False),  # unknown account
+    ],
+)
+def test_fan_boundaries(
+    rule: Any,
+    name: str,
+    side: str,
+    keys: tuple[str, str, str],
+    count: int,
+    sums: dict,
+    parties: int,
+    fires: bool,
+) -> None:
+    hit = rule(fan_evidence(side, keys, count, sums, parties), AML)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.rule, hit.typology) == (f"aml.{name}", name)
+        assert hit.figures["counterparties"] == parties
+        assert hit.figures["average"] == "1000.00"
+        assert hit.figures["account"] == ("b" if side == "payee" else "a")
+
+
+@pytest.mark.parametrize(("rule", "name", "side", "keys"), FANS)
+def test_fan_reads_the_right_account_and_the_payment_currency(
+    rule: Any, name: str, side: str, keys: tuple[str, str, str]
+) -> None:
+    other = "payer" if side == "payee" else "payee"
+    assert rule(fan_evidence(other, keys, 10, {"EUR": "50000.00"}, 10), AML) is None
+    usd = fan_evidence(side, keys, 10, {"EUR": "1.00", "USD": "50000.00"}, 10)
+    assert rule(dataclasses.replace(usd, currency="USD"), AML) is not None
+    assert rule(usd, AML) is None
+
+
+@pytest.mark.parametrize(("rule", "name", "side", "keys"), FANS)
+def test_fan_thresholds_are_configurable(rule: Any, name: str, side: str, keys: tuple[str, str, str]) -> None:
+    small = fan_evidence(side, keys, 3, {"EUR": "30.00"}, 3)
+    assert rule(small, AML) is None
+    loose = AmlThresholds(**{f"{name}_min_counterparties": 3, f"{name}_min_average": Decimal("10")})
+    assert rule(small, loose) is not None
+
+
+def test_fan_ignores_the_other_windows() -> None:
+    busy = window(received_count=20, received={"EUR": "40000.00"}, received_counterparties=20)
+    assert fan_in(evidence(payee_aggregates=aggregates("b", h1=busy, d7=busy)), AML) is None
+
+
+# --------------------------------------------------------------------------- cycle
+
+
+@pytest.mark.parametrize(
+    ("path", "payee", "thresholds", "fires"),
+    [
+        (["a", "b", "c", "a"], "b", AML, True),
+        (["a", "b", "a"], "b", AML, True),
+        (["a", "b", "c", "a"], "c", AML, False),  # the account is on a cycle, this payment is not
+        (["a", "b", "c", "a"], "b", AmlThresholds(cycle_max_hops=2), False),
+        (["a", "a"], "a", AML, False),  # a self-payment is not laundering by default (min 2 hops)
+        (["a", "a"], "a", AmlThresholds(cycle_min_hops=1), True),
+        (None, "b", AML, False),
+    ],
+)
+def test_cycle(path: list[str] | None, payee: str, thresholds: AmlThresholds, fires: bool) -> None:
+    hit = cycle(evidence(payee=payee, payer_relations=relations("a", path=path)), thresholds)
+    assert (hit is not None) is fires
+    if hit:
+        assert hit.path == tuple(path or ())
+        assert hit.figures["hops"] == len(path or ()) - 1
+        assert " -> ".join(path or ()) in hit.reason
+
+
+# --------------------------------------------------------------------------- pass-through
+
+
+@pytest.mark.parametrize(
+    ("received", "sent", "fires"),
+    [
+        ({"EUR": "5000.00"}, {"EUR": "4000.00"}, True),  # min received, ratio exactly 0.8
+        ({"EUR": "5000.00"}, {"EUR": "3999.99"}, False),
+        ({"EUR": "4999.99"}, {"EUR": "4999.99"}, False),  # received one cent short
+        ({"EUR": "50000.00"}, {"EUR": "60000.00"}, True),
+        ({"EUR": "5000.00"}, {"USD": "5000.00"}, False),  # sent in another currency
+        ({"USD": "5000.00"}, {"EUR": "5000.00"}, False),  # received in another currency
+        ({}, {}, False),
+    ],
+)
+def test_pass_through_boundaries(received: dict[str, str], sent: dict[str, str], fires: bool) -> None:
+    hour = window(sent_count=1, sent=sent, received_count=1, received=received)
+    hit = pass_through(evidence(payer_aggregates=aggregates("a", h1=hour)), AML)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.figures["received"], hit.figures["sent"]) == (received["EUR"], sent["EUR"])
+
+
+def test_pass_through_looks_at_one_hour_only_and_at_the_payer() -> None:
+    day = window(sent_count=2, sent={"EUR": "9000.00"}, received_count=1, received={"EUR": "10000.00"})
+    assert pass_through(evidence(payer_aggregates=aggregates("a", h24=day, d7=day)), AML) is None
+    assert pass_through(evidence(payee_aggregates=aggregates("b", h1=day)), AML) is None
+    assert pass_through(evidence(payer_aggregates=aggregates("a", h1=day)), AML) is not None
+
+
+# --------------------------------------------------------------------------- all rules together
+
+
+def test_empty_answers_produce_no_hit_even_for_a_suspicious_looking_payment() -> None:
+    for amount in ("0.01", "9500.00", "10000.00", "1000000.00"):
+        quiet = evidence(amount)
+        assert aml_rules(quiet, AML) == []
+        assert fraud_rules(quiet, FRAUD) == []
+
+
+def test_aml_rules_returns_every_hit_in_typology_order() -> None:
+    hour = window(sent_count=9, sent={"EUR": "85500.00"}, received_count=1, received={"EUR": "90000.00"})
+    day = window(sent_count=9, sent={"EUR": "85500.00"}, sent_counterparties=9)
+    payee_day = window(received_count=8, received={"EUR": "80000.00"}, received_counterparties=8)
+    everything = evidence(
+        "9500.00",
+        payer_aggregates=aggregates("a", near=9, h1=hour, h24=day),
+        payee_aggregates=aggregates("b", h24=payee_day),
+        payer_relations=relations("a", path=["a", "b", "a"]),
+    )
+    hits = aml_rules(everything, AML)
+    assert [h.typology for h in hits] == list(TYPOLOGIES)
+    assert all(h.rule == f"aml.{h.typology}" for h in hits)
+
+
+def test_hit_as_json_is_plain_json() -> None:
+    hit = Hit("aml.cycle", "cycle", "why", {"hops": 2}, ("a", "b", "a"))
+    assert hit.as_json() == {
+        "rule": "aml.cycle",
+        "typology": "cycle",
+        "reason": "why",
+        "figures": {"hops": 2},
+        "path": ["a", "b", "a"],
+    }
+
+
+# --------------------------------------------------------------------------- fraud rules
+
+
+@pytest.mark.parametrize(
+    ("amount", "out", "fires"),
+    [
+        ("5000.00", [edge("b", 1)], True),
+        ("4999.99", [edge("b", 1)], False),
+        ("5000.00", [edge("b", 2)], False),  # not the first payment to b
+        ("5000.00", [edge("c", 1)], False),  # B has not seen this edge: no evidence
+        ("5000.00", [], False),
+    ],
+)
+def test_large_new_counterparty(amount: str, out: list[dict[str, Any]], fires: bool) -> None:
+    hit = large_new_counterparty(evidence(amount, payer_relations=relations("a", out=out)), FRAUD)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.rule, hit.typology, hit.figures["payments_to_payee"]) == (
+            "fraud.large_new_counterparty",
+            "large_new_counterparty",
+            1,
+        )
+
+
+@pytest.mark.parametrize(
+    ("last_hour", "week", "fires"),
+    [
+        (10, 10, True),  # a new account reaching the minimum count
+        (9, 9, False),  # one short of the minimum
+        (10, 336, True),  # 10 * 168 == 5 * 336: exactly the multiple
+        (10, 337, False),
+    ],
+)
+def test_velocity_spike(last_hour: int, week: int, fires: bool) -> None:
+    answer = aggregates("a", h1=window(sent_count=last_hour), d7=window(sent_count=week))
+    hit = velocity_spike(evidence(payer_aggregates=answer), FRAUD)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.figures["sent_1h"], hit.figures["sent_7d"]) == (last_hour, week)
+        assert hit.figures["hourly_average_7d"] == str((Decimal(week) / 168).quantize(Decimal("0.01")))
+
+
+def test_fraud_rules_reads_the_payers_answers_only() -> None:
+    burst = aggregates("b", h1=window(sent_count=50), d7=window(sent_count=50))
+    assert fraud_rules(evidence("9000.00", payee_aggregates=burst), FRAUD) == []
+    both = evidence(
+        "9000.00",
+        payer_aggregates=aggregates("a", h1=window(sent_count=50), d7=window(sent_count=50)),
+        payer_relations=relations("a", out=[edge("b")]),
+    )
+    assert [h.typology for h in fraud_rules(both, FRAUD)] == ["large_new_counterparty", "velocity_spike"]
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def test_parsing_gives_typed_values() -> None:
+    parsed = evidence(
+        "12.50",
+        payer_aggregates=aggregates(
+            "a", near=1, h1=window(sent_count=1, sent={"EUR": "12.50"}, sent_counterparties=1)
+        ),
+        payer_relations=relations(
+            "a", out=[edge("b", 2, {"EUR": "20.00", "USD": "1.5"})], path=["a", "b", "a"]
+        ),
+    )
+    assert parsed.ts == AT
+    assert parsed.payer_aggregates.at == AT
+    assert parsed.payer_aggregates.as_of == {0: 12, 1: 7}
+    assert parsed.payer_aggregates.window("1h").sent_in("EUR") == Decimal("12.50")
+    assert parsed.payer_aggregates.window("1h").sent_in("GBP") == 0
+    assert parsed.payer_aggregates.reporting_threshold == Decimal("10000")
+    assert parsed.payer_relations.out["b"].totals == {"EUR": Decimal("20.00"), "USD": Decimal("1.5")}
+    assert parsed.payer_relations.out["b"].first_seen == AT
+    assert parsed.payer_relations.cycle.path == ("a", "b", "a")
+    assert Aggregates.from_json(aggregates("x")).windows["7d"].sent == {}
+    assert Relations.from_json(relations("x")).cycle.found is False
+
+
+def broken(change: Any) -> dict[str, Any]:
+    answer = aggregates("a")
+    change(answer)
+    return answer
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        (broken(lambda a: a["windows"].pop("24h")), "'24h'"),
+        (broken(lambda a: a["windows"]["1h"].pop("sent_counterparties")), "'sent_counterparties'"),
+        (broken(lambda a: a["windows"]["1h"].update(sent={"EUR": 12.5})), "decimal string"),
+        (broken(lambda a: a["windows"]["1h"].update(sent={"EUR": "12,50"})), "not a decimal number"),
+        (broken(lambda a: a["windows"]["1h"].update(sent={"EUR": "-1"})), ">= 0"),
+        (broken(lambda a: a["windows"]["7d"].update(sent_count=-1)), "sent_count"),
+        (broken(lambda a: a["windows"]["7d"].update(received_count=True)), "received_count"),
+        (broken(lambda a: a.update(at="2026-03-02T12:00:00")), "no timezone"),
+        (broken(lambda a: a.update(at="yesterday")), "not an ISO-8601"),
+        (broken(lambda a: a.update(near_threshold_24h="3")), "near_threshold_24h"),
+        (broken(lambda a: a.update(threshold_band="1.5")), "threshold_band"),
+        (broken(lambda a: a.update(as_of={"zero": 1})), "as_of"),
+        (broken(lambda a: a.pop("account")), "'account'"),
+        ([], "JSON object"),
+    ],
+)
+def test_malformed_aggregates_raise_a_clear_value_error(answer: Any, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Aggregates.from_json(answer)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (lambda r: r.update(cycle={"found": True, "path": ["b", "c", "b"]}), "must start and end at 'a'"),
+        (lambda r: r.update(cycle={"found": True, "path": ["a", "b", "c", "d", "a"]}), "1..3 edges"),
+        (lambda r: r.update(cycle={"found": False, "path": ["a", "b", "a"]}), "found is false"),
+        (lambda r: r.update(cycle={"found": "yes", "path": []}), "true or false"),
+        (lambda r: r.update(out=[{"counterparty": "b", "count": 1}]), "'totals'"),
+        (lambda r: r.update(out={"b": 1}), "must be a list"),
+        (lambda r: r.update(neighbourhood=[{"account": "b", "hops": -1}]), "hops"),
+        (lambda r: r.update({"in": "nobody"}), "must be a list"),
+    ],
+)
+def test_malformed_relations_raise_a_clear_value_error(change: Any, message: str) -> None:
+    answer = relations("a")
+    change(answer)
+    with pytest.raises(ValueError, match=message):
+        Relations.from_json(answer)
+
+
+def test_relations_asked_for_some_parts_only_read_the_others_as_empty() -> None:
+    # The detectors ask B for `parts=out,cycle`: `in` and `neighbourhood` are absent from the answer.
+    answer = relations("a")
+    del answer["in"], answer["neighbourhood"]
+    parsed = Relations.from_json(answer)
+    assert parsed.in_ == {} and parsed.neighbourhood == {}
+    assert parsed.out == Relations.from_json(relations("a")).out
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"payer_aggregates": aggregates("someone-else")}, "payer aggregates are for 'someone-else'"),
+        ({"payee_aggregates": aggregates("a")}, "payee aggregates are for 'a'"),
+        ({"payer_relations": relations("b")}, "payer relations are for 'b'"),
+        ({"payer_aggregates": {**aggregates("a"), "at": "2026-03-02T12:00:01Z"}}, "not at the payment's ts"),
+        ({"amount": "0"}, "amount must be"),
+    ],
+)
+def test_evidence_for_the_wrong_question_is_refused(kwargs: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        evidence(**kwargs)
+
+
+# --------------------------------------------------------------------------- thresholds from the environment
+
+
+def test_thresholds_defaults() -> None:
+    assert AmlThresholds.from_env({}) == AmlThresholds()
+    assert FraudThresholds.from_env({}) == FraudThresholds()
+    assert (AML.structuring_min_count, AML.fan_in_min_counterparties, AML.fan_out_min_counterparties) == (
+        3,
+        8,
+        8,
+    )
+    assert (AML.fan_in_min_average, AML.fan_out_min_average) == (Decimal(1000), Decimal(1000))
+    assert (AML.cycle_min_hops, AML.cycle_max_hops) == (2, 3)
+    assert (AML.pass_through_min_received, AML.pass_through_min_ratio) == (Decimal(5000), Decimal("0.8"))
+    assert (FRAUD.large_new_counterparty_min_amount, FRAUD.velocity_min_count, FRAUD.velocity_multiple) == (
+        Decimal(5000),
+        10,
+        Decimal(5),
+    )
+
+
+def test_thresholds_overrides_and_blank_values() -> None:
+    env = {
+        "AML_RULE_FAN_IN_MIN_AVERAGE": " 250.5 ",
+        "AML_RULE_STRUCTURING_MIN_COUNT": "4",
+        "AML_RULE_CYCLE_MAX_HOPS": "",
+        "AML_RULE_VELOCITY_MULTIPLE": "2.5",
+        "AML_GATE": "off",  # other variables are none of its business
+    }
+    aml = AmlThresholds.from_env(env)
+    assert (aml.fan_in_min_average, aml.structuring_min_count, aml.cycle_max_hops) == (Decimal("250.5"), 4, 3)
+    assert FraudThresholds.from_env(env).velocity_multiple == Decimal("2.5")
+
+
+@pytest.mark.parametrize("cls", [AmlThresholds, FraudThresholds])
+def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
+    for f in dataclasses.fields(cls):
+        low, high, _ = LIMITS[f.name]
+        assert low <= f.default <= high, f.name
+        at_the_limit = cls.from_env({variable(f.name): str(high)})
+        if f.name == "cycle_min_hops":
+            at_the_limit = cls.from_env({variable(f.name): str(high), "AML_RULE_CYCLE_MAX_HOPS": str(high)})
+        assert getattr(at_the_limit, f.name) == high
+        with pytest.raises(ConfigError, match=variable(f.name)):
+            cls.from_env({variable(f.name): str(high + 1)})
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        (
+            {"AML_RULE_FAN_IN_MIN_COUNTERPARTIES": "many"},
+            r"AML_RULE_FAN_IN_MIN_COUNTERPARTIES='many' is not a whole",
+        ),
+        (
+            {"AML_RULE_FAN_IN_MIN_COUNTERPARTIES": "8.5"},
+            r"AML_RULE_FAN_IN_MIN_COUNTERPARTIES='8.5' is not a whole",
+        ),
+        ({"AML_RULE_FAN_OUT_MIN_AVERAGE": "lots"}, r"AML_RULE_FAN_OUT_MIN_AVERAGE='lots' is not a decimal"),
+        ({"AML_RULE_FAN_OUT_MIN_AVERAGE": "-1"}, r"AML_RULE_FAN_OUT_MIN_AVERAGE=-1 is out of range"),
+        (
+            {"AML_RULE_PASS_THROUGH_MIN_RATIO": "nan"},
+            r"AML_RULE_PASS_THROUGH_MIN_RATIO='nan' is not a finite",
+        ),
+        ({"AML_RULE_PASS_THROUGH_MIN_RATIO": "1.5"}, r"AML_RULE_PASS_THROUGH_MIN_RATIO=1.5 is out of range"),
+        ({"AML_RULE_CYCLE_MAX_HOPS": "4"}, r"AML_RULE_CYCLE_MAX_HOPS=4 is out of range; expected 1..3"),
+        (
+            {"AML_RULE_CYCLE_MIN_HOPS": "3", "AML_RULE_CYCLE_MAX_HOPS": "2"},
+            r"AML_RULE_CYCLE_MIN_HOPS=3 is larger",
+        ),
+        ({"AML_RULE_FANIN_MIN_AVERAGE": "10"}, r"AML_RULE_FANIN_MIN_AVERAGE is not a detection threshold"),
+    ],
+)
+def test_a_bad_value_names_its_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        AmlThresholds.from_env(env)
+
+
+def test_fraud_thresholds_bad_values_and_code_built_values() -> None:
+    with pytest.raises(ConfigError, match=r"AML_RULE_VELOCITY_MIN_COUNT=0 is out of range"):
+        FraudThresholds.from_env({"AML_RULE_VELOCITY_MIN_COUNT": "0"})
+    with pytest.raises(ConfigError, match="AML_RULE_VELOCITY_MULTIPLE must be a decimal number"):
+        FraudThresholds(velocity_multiple=5.0)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="AML_RULE_STRUCTURING_MIN_COUNT must be a whole number"):
+        AmlThresholds(structuring_min_count=True)
