@@ -44,14 +44,43 @@ def broker_command(port: int | None) -> None:
 
 
 @click.command("demo")
-@click.option("--duration", type=float, default=60.0, show_default=True, help="Seconds to run.")
+@click.option("--duration", type=float, default=60.0, show_default=True, help="Seconds of simulated traffic.")
 @click.option("--rate", type=float, default=50.0, show_default=True, help="Payments per second.")
 @click.option("--workers", type=int, default=1, show_default=True, help="AML worker processes.")
-def demo_command(duration: float, rate: float, workers: int) -> None:
-    """Run the whole system on the embedded broker and print what happens."""
-    from aml_app.demo import run_demo
+@click.option("--fraud-workers", type=int, default=1, show_default=True, help="Fraud worker processes.")
+@click.option(
+    "--seed", type=int, default=7, show_default=True, help="Simulator seed (same seed, same traffic)."
+)
+@click.option("--no-gate", is_flag=True, help="Run the workers ungated (for the comparison only).")
+@click.option(
+    "--trigger",
+    "triggers",
+    multiple=True,
+    metavar="SERVICE=SECONDS",
+    help="Trigger interval of one Spark query; --trigger relations=10 makes that dependency lag.",
+)
+def demo_command(
+    duration: float,
+    rate: float,
+    workers: int,
+    fraud_workers: int,
+    seed: int,
+    no_gate: bool,
+    triggers: tuple[str, ...],
+) -> None:
+    """Run the whole system on the embedded broker with simulated laundering, and check it."""
+    from aml_app.demo import Options, run_demo
 
-    sys.exit(run_demo(load_settings(), duration=duration, rate=rate, workers=workers))
+    options = Options(
+        duration=duration,
+        rate=rate,
+        aml_workers=workers,
+        fraud_workers=fraud_workers,
+        seed=seed,
+        gate=not no_gate,
+        triggers=parse_triggers(triggers),
+    )
+    sys.exit(run_demo(load_settings(), options))
 
 
 @click.command("pipeline")

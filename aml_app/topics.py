@@ -26,7 +26,12 @@ class TopicSpec:
     purpose: str = ""
 
 
-def topic_specs(settings: Settings) -> list[TopicSpec]:
+def service_topics(service: str, suffix: str = "") -> tuple[str, str]:
+    """Default (decisions, alerts) topics of a service; `suffix` keeps test runs on one broker apart."""
+    return f"{service}.decisions{suffix}", f"{service}.alerts{suffix}"
+
+
+def topic_specs(settings: Settings, suffix: str = "") -> list[TopicSpec]:
     """The payments topic, its dead-letter topic, and decisions and alerts of every detecting service."""
     n, rf = settings.partitions, settings.replication_factor
     keyed = {"cleanup.policy": "compact", "min.insync.replicas": str(min(2, rf))}
@@ -45,8 +50,9 @@ def topic_specs(settings: Settings) -> list[TopicSpec]:
     for service in [s for s in DETECTING if s in available_services()]:
         # This worker's own service may have its topics renamed; the others keep their default names.
         mine = service == settings.service
-        decisions = settings.decisions_topic if mine else f"{service}.decisions"
-        alerts = settings.alerts_topic if mine else f"{service}.alerts"
+        decisions, alerts = (
+            (settings.decisions_topic, settings.alerts_topic) if mine else service_topics(service, suffix)
+        )
         specs.append(
             TopicSpec(decisions, n, rf, keyed, f"{service}: one decision per payment, key = payment id")
         )

@@ -26,6 +26,7 @@ from aml_app.simulation.traffic import (
     DEFAULT_BAND,
     DEFAULT_SPEEDUP,
     DEFAULT_THRESHOLD,
+    SimPayment,
     Simulation,
     simulate,
 )
@@ -84,12 +85,14 @@ async def run_simulator(
     progress_interval: float = 5.0,
     producer: AIOKafkaProducer | None = None,
     stop: asyncio.Event | None = None,
+    on_sent: Callable[[SimPayment, int, int, float], None] | None = None,
 ) -> SimulatorReport:
     """Simulate `rate * duration` payments and send them at `rate` per second; see the module docstring.
 
     `start` is the first event time (default: now, to the second). A given `producer` must be started and
     is left running; otherwise one is created with acks=all and stopped at the end. Setting `stop` ends
-    the run after the current burst (`stopped_early` in the report).
+    the run after the current burst (`stopped_early` in the report). `on_sent(payment, partition, offset,
+    sent_at)` is called for every acknowledged payment as it goes (sent_at: POSIX time of its burst).
     """
     simulation = simulate(
         seed,
@@ -124,7 +127,7 @@ async def run_simulator(
             await producer.stop()  # a failed start leaves connections and tasks behind otherwise
             raise
     try:
-        await _send_paced(producer, report, rate, stop, progress, progress_interval)
+        await _send_paced(producer, report, rate, stop, progress, progress_interval, on_sent)
     finally:
         if owned:
             await producer.stop()
@@ -138,6 +141,7 @@ async def _send_paced(
     stop: asyncio.Event | None,
     progress: Callable[[str], None] | None,
     progress_interval: float,
+    on_sent: Callable[[SimPayment, int, int, float], None] | None = None,
 ) -> None:
     payments = report.simulation.payments
     started = time.monotonic()
@@ -155,6 +159,8 @@ async def _send_paced(
             for payment, meta in zip(burst, await asyncio.gather(*futures), strict=True):
                 report.placements[payment.payment_id] = (meta.partition, meta.offset)
                 report.payments_per_typology[payment.typology or "background"] += 1
+                if on_sent is not None:
+                    on_sent(payment, meta.partition, meta.offset, sent_at.timestamp())
             report.first_sent_at = report.first_sent_at or sent_at
             report.last_sent_at = sent_at
             report.sent = due

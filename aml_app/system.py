@@ -1,0 +1,354 @@
+"""The whole system as real processes: broker, Spark pipeline (B and C), their APIs, gated workers.
+
+`System` starts what a user would start, each as its own process (`aml-app broker` is replaced by an
+embedded broker object, or `KAFKA_BOOTSTRAP_SERVERS` names a cluster), watches it, reads what it writes
+(`aml_app.tails`) and stops everything, each step bounded, whatever happened. The demo, the end-to-end
+tests and the benchmarks share it, so each of them runs the system exactly as the others do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from aml_app.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
+from aml_app.dependency_services import ApiProcess, CommitWatch, ServiceProcess
+from aml_app.settings import Settings
+from aml_app.tails import DeadLetterTail, RecordTail
+from aml_app.topics import service_topics, topic_specs
+from aml_app.workers import WorkerProcess
+
+API_DEADLINE = 60.0
+WORKER_DEADLINE = 90.0
+PIPELINE_DEADLINE = 180.0  # Spark starts in 10-25 s on two cores, more when the machine is busy
+WORKER_STOP_GRACE = 15.0
+SERVICE_STOP_GRACE = 30.0
+CLIENT_STOP_DEADLINE = 10.0
+# Tansu holds a group join for about half the session timeout: keep it short so workers start fast.
+WORKER_SESSION_TIMEOUT = "6"
+PIPELINE_RUNNING = "pipeline running"  # the runner's log line once both queries are started
+
+
+class SystemFailure(RuntimeError):
+    """Something the system depends on failed; the message says what (with the end of a log)."""
+
+
+class Interrupted(Exception):
+    """A stop was requested before the system was up."""
+
+
+def failure(name: str, process: WorkerProcess | ServiceProcess, what: str, lines: int = 25) -> str:
+    """Why we give up on a process, with the end of its log."""
+    tail = "\n".join("    " + line for line in process.log_tail(lines).splitlines())
+    return f"{name} {what}; the end of {process.log_path}:\n{tail}"
+
+
+def service_settings(settings: Settings, service: str, suffix: str = "") -> Settings:
+    """The settings of one detecting service's workers: its own group and topics, the rest shared.
+
+    `suffix` goes into the group and topic names, so that runs sharing a broker (tests) never share a
+    Faust app's internal topics (its watermark table, its dedupe table).
+    """
+    decisions, alerts = service_topics(service, suffix)
+    return replace(
+        settings, service=service, app_id=f"{service}{suffix}", decisions_topic=decisions, alerts_topic=alerts
+    )
+
+
+@dataclass
+class Layout:
+    """What to run: worker counts per service, the gate, and per-service trigger intervals of Spark."""
+
+    workers: Mapping[str, int] = field(default_factory=lambda: {"aml": 1, "fraud": 1})
+    gate: bool = True
+    triggers: Mapping[str, float] = field(default_factory=dict)
+    worker_env: Mapping[str, str] = field(default_factory=dict)
+    #: Appended to the services' group and topic names (tests on a shared broker).
+    suffix: str = ""
+    #: An existing broker to use (tests); else KAFKA_BOOTSTRAP_SERVERS, else an embedded one.
+    bootstrap: tuple[str, ...] = ()
+
+
+class System:
+    """Owns every process and client it starts, so `cleanup` can always stop them."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        folder: Path,
+        layout: Layout,
+        say: Callable[[str], None] = print,
+        stop: asyncio.Event | None = None,
+    ) -> None:
+        self.layout = layout
+        self.folder = folder.resolve()
+        self.say = say
+        self.stop_requested = stop or asyncio.Event()
+        self.settings = replace(
+            settings,
+            store_dir=str(self.folder / "services"),
+            checkpoint_dir=str(self.folder / "checkpoints"),
+        )
+        self.broker: EmbeddedBroker | None = None
+        self.bootstrap: list[str] = []
+        self.pipeline: ServiceProcess | None = None
+        self.apis: dict[str, ApiProcess] = {}
+        self.workers: dict[str, list[WorkerProcess]] = {}
+        self.watch: CommitWatch | None = None
+        self.decisions: dict[str, RecordTail] = {}
+        self.alerts: dict[str, RecordTail] = {}
+        self.dead_letters: DeadLetterTail | None = None
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.killed: set[str] = set()  # worker ids killed on purpose
+
+    # ---- start-up
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """Every group the watch follows: what the gate waits for, and the pipeline's own groups."""
+        s = self.settings
+        return tuple(dict.fromkeys((*s.depends_on, s.relations_group, s.aggregates_group)))
+
+    @property
+    def services(self) -> list[str]:
+        return [service for service, n in self.layout.workers.items() if n > 0]
+
+    async def start(self) -> None:
+        """Broker, topics, pipeline, APIs, workers, then the commit watch and the topic readers."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        await self.start_broker()
+        if self.stop_requested.is_set():
+            raise Interrupted
+        self.settings = replace(self.settings, bootstrap_servers=tuple(self.bootstrap))
+        await create_topics(self.bootstrap, topic_specs(self.settings, self.layout.suffix))
+        self.start_services()
+        self.start_workers()
+        s = self.settings
+        self.watch = CommitWatch(self.bootstrap, s.payments_topic, self.groups)
+        self.tasks["commit watch"] = asyncio.create_task(self.watch.run())
+        await self.start_tails()
+
+    async def start_broker(self) -> None:
+        """The layout's broker, else KAFKA_BOOTSTRAP_SERVERS when given, else an embedded one of our own."""
+        if self.layout.bootstrap:
+            self.bootstrap = list(self.layout.bootstrap)
+        elif os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
+            self.bootstrap = list(self.settings.bootstrap_servers)
+            self.say(f"using the Kafka cluster at {','.join(self.bootstrap)} (KAFKA_BOOTSTRAP_SERVERS)")
+        else:
+            port = self.free("AML_BROKER_PORT", "the embedded broker", self.settings.broker_port)
+            log_path = self.folder / "broker.log"
+            log_path.write_bytes(b"")
+            # Worker state from an earlier run belongs to a broker that no longer exists.
+            shutil.rmtree(self.folder / "data", ignore_errors=True)
+            self.broker = EmbeddedBroker(port, log_path=log_path)
+            await asyncio.to_thread(self.broker.start)
+            self.bootstrap = [self.broker.bootstrap]
+        await wait_until_answering(self.bootstrap)
+
+    def free(self, variable: str, who: str, port: int) -> int:
+        """`port`, or a free one when it is taken (said out loud)."""
+        if not port_open("127.0.0.1", port):
+            return port
+        chosen = free_port()
+        self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")
+        return chosen
+
+    def start_services(self) -> None:
+        """The pipeline (fresh stores and checkpoints: the groups are the only progress it resumes from)
+        and the two APIs reading its stores."""
+        s = self.settings
+        for folder in (s.store_dir, s.checkpoint_dir):
+            shutil.rmtree(folder, ignore_errors=True)
+            os.makedirs(folder)
+        s = self.settings = replace(
+            s,
+            relations_port=self.free("AML_RELATIONS_PORT", "the relations API", s.relations_port),
+            aggregates_port=self.free("AML_AGGREGATES_PORT", "the aggregates API", s.aggregates_port),
+        )
+        args = ["pipeline"] + [f"--trigger={svc}={sec:g}" for svc, sec in self.layout.triggers.items()]
+        self.pipeline = ServiceProcess("pipeline", args, s, self.folder / "pipeline.log").start()
+        for kind in ("relations", "aggregates"):
+            self.apis[kind] = ApiProcess(kind, s, self.folder / f"{kind}-api.log").start()
+
+    def start_workers(self) -> None:
+        port = self.settings.web_port
+        for service in self.services:
+            for _ in range(self.layout.workers[service]):
+                self.add_worker(service, port)
+                port += 1
+
+    def add_worker(self, service: str, port: int | None = None) -> WorkerProcess:
+        """Start one more worker of `service` (also after start-up: scaling, or a restart after a kill)."""
+        running = self.workers.setdefault(service, [])
+        worker_id = f"{service}-{len(running)}"
+        port = self.free("AML_WEB_PORT", f"worker {worker_id}", port or free_port())
+        worker = WorkerProcess(
+            service_settings(self.settings, service, self.layout.suffix),
+            port=port,
+            worker_id=worker_id,
+            data_dir=self.folder / "data",
+            log_path=self.folder / f"worker-{worker_id}.log",
+            AML_SESSION_TIMEOUT=WORKER_SESSION_TIMEOUT,
+            AML_REBALANCE_TIMEOUT=WORKER_SESSION_TIMEOUT,
+            AML_GATE="on" if self.layout.gate else "off",
+            AML_RELATIONS_URL=self.apis["relations"].url,
+            AML_AGGREGATES_URL=self.apis["aggregates"].url,
+            **self.layout.worker_env,
+        )
+        running.append(worker.start())
+        if self.dead_letters is not None:
+            self.dead_letters.worker_services[worker_id] = service
+        return worker
+
+    async def start_tails(self) -> None:
+        s = self.settings
+        for service in self.services:
+            own = service_settings(s, service, self.layout.suffix)
+            self.decisions[service] = RecordTail(self.bootstrap, own.decisions_topic)
+            self.alerts[service] = RecordTail(self.bootstrap, own.alerts_topic)
+        self.dead_letters = DeadLetterTail(self.bootstrap, s.dlq_topic, self.groups)
+        for service, workers in self.workers.items():
+            for worker in workers:
+                self.dead_letters.worker_services[worker.worker_id] = service
+        tails = {
+            **{f"{svc} decisions reader": t for svc, t in self.decisions.items()},
+            **{f"{svc} alerts reader": t for svc, t in self.alerts.items()},
+            "dead-letter reader": self.dead_letters,
+        }
+        for name, tail in tails.items():
+            await tail.start(s.partitions)
+            self.tasks[name] = asyncio.create_task(tail.run())
+
+    @property
+    def all_workers(self) -> list[WorkerProcess]:
+        return [w for workers in self.workers.values() for w in workers]
+
+    async def wait_ready(self) -> None:
+        """The APIs answer /health, every worker has recovered, the pipeline's queries run."""
+        self.say(
+            f"waiting for the services (APIs up to {API_DEADLINE:.0f} s, workers {WORKER_DEADLINE:.0f} s, "
+            f"Spark {PIPELINE_DEADLINE:.0f} s)"
+        )
+        started = time.monotonic()
+
+        async def until(
+            what: str, ready: Callable[[], Awaitable[bool]], deadline: float, process: Any
+        ) -> None:
+            while not await ready():
+                if self.stop_requested.is_set():
+                    raise Interrupted
+                self.check_processes()
+                if time.monotonic() - started > deadline:
+                    raise SystemFailure(failure(what, process, f"was not ready within {deadline:.0f} s"))
+                await asyncio.sleep(0.25)
+            self.say(f"  {what} ready after {time.monotonic() - started:.1f} s")
+
+        for api in self.apis.values():
+            await until(f"the {api.kind} API", lambda a=api: self._answers(a), API_DEADLINE, api)
+        for w in self.all_workers:
+            await until(f"worker {w.worker_id}", lambda w=w: self.recovered(w), WORKER_DEADLINE, w)
+        pipeline = self.pipeline
+        assert pipeline is not None
+        await until("the pipeline", lambda: self._running(pipeline), PIPELINE_DEADLINE, pipeline)
+
+    @staticmethod
+    async def _answers(api: ApiProcess) -> bool:
+        return await api.health() is not None
+
+    @staticmethod
+    async def recovered(worker: WorkerProcess) -> bool:
+        state = await worker.state()
+        return state is not None and state.get("recovering") is False
+
+    @staticmethod
+    async def _running(pipeline: ServiceProcess) -> bool:
+        return PIPELINE_RUNNING in await asyncio.to_thread(pipeline.log_text)
+
+    # ---- while it runs
+
+    def check_processes(self) -> None:
+        """A dead worker, pipeline or API ends the run with the end of its log, not with a hang."""
+        for worker in self.all_workers:
+            if worker.process is not None and not worker.alive() and worker.worker_id not in self.killed:
+                raise SystemFailure(failure(f"worker {worker.worker_id}", worker, "exited"))
+        if self.pipeline is not None and not self.pipeline.alive() and not self.pipeline.stopped:
+            code = self.pipeline.returncode
+            raise SystemFailure(failure("the pipeline", self.pipeline, f"exited with code {code}", 40))
+        for api in self.apis.values():
+            if not api.alive() and not api.stopped:
+                raise SystemFailure(failure(f"the {api.kind} API", api, f"exited with code {api.returncode}"))
+
+    def check_health(self, extra: Mapping[str, asyncio.Task[Any]] | None = None) -> None:
+        """Processes alive, and no reader or helper task crashed."""
+        self.check_processes()
+        for name, task in {**self.tasks, **(extra or {})}.items():
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise SystemFailure(f"the {name} failed: {task.exception()!r}")
+
+    def restart_api(self, kind: str) -> ApiProcess:
+        """Start a stopped API again on the same port (an outage test)."""
+        old = self.apis[kind]
+        if old.alive():
+            raise RuntimeError(f"the {kind} API is still running")
+        self.apis[kind] = ApiProcess(kind, self.settings, old.log_path.with_suffix(".restarted.log")).start()
+        return self.apis[kind]
+
+    def kill_worker(self, worker: WorkerProcess) -> None:
+        """kill -9 a worker on purpose (a crash test): the health check then leaves it alone."""
+        self.killed.add(worker.worker_id)
+        worker.kill()
+
+    async def waiting(self) -> tuple[int, float, bool]:
+        """(partitions held by a gate, the longest hold in seconds, whether every worker answered)."""
+        live = [w for w in self.all_workers if w.alive()]
+        states = await asyncio.gather(*(w.state() for w in live))
+        waiting: set[tuple[str, str]] = set()
+        oldest = time.time()
+        for worker, state in zip(live, states, strict=True):
+            if state:
+                service = worker.env.get("AML_SERVICE", "")
+                waiting |= {(service, p) for p in state.get("waiting", {})}
+                oldest = min([oldest, *state.get("blocked_since", {}).values()])
+        return len(waiting), time.time() - oldest, all(s is not None for s in states)
+
+    # ---- the end
+
+    async def cleanup(self) -> None:
+        """Stop everything we started, each step bounded, whatever happened before."""
+        readers: list[Any] = [self.watch, *self.decisions.values(), *self.alerts.values(), self.dead_letters]
+        # Python 3.11's asyncio.wait_for can lose a cancellation (aiokafka and the offset reader use it),
+        # so the loops also stop on a flag, and the wait is bounded.
+        for client in readers:
+            if client is not None:
+                client.halt()
+        for task in self.tasks.values():
+            task.cancel()
+        if self.tasks:
+            await asyncio.wait(self.tasks.values(), timeout=CLIENT_STOP_DEADLINE)
+        stops: list[tuple[str, Any, float]] = [
+            (f"worker {w.worker_id}", w, WORKER_STOP_GRACE) for w in self.all_workers
+        ]
+        stops += [(f"the {a.kind} API", a, SERVICE_STOP_GRACE) for a in self.apis.values()]
+        if self.pipeline is not None:
+            stops.append(("the pipeline", self.pipeline, SERVICE_STOP_GRACE))
+        if stops:
+            self.say(f"stopping {len(self.all_workers)} worker(s), the pipeline and the APIs")
+            results = await asyncio.gather(*(asyncio.to_thread(p.stop, grace) for _, p, grace in stops))
+            for (name, _, grace), stopped in zip(stops, results, strict=True):
+                if not stopped:
+                    self.say(f"{name} did not stop within {grace:.0f} s: killed it")
+        for client in readers:
+            if client is not None:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(client.stop(), CLIENT_STOP_DEADLINE)
+        if self.broker is not None:
+            self.say("stopping the embedded broker")
+            await asyncio.to_thread(self.broker.stop)

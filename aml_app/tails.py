@@ -1,0 +1,102 @@
+"""Readers of the system's output topics, from the beginning and without a consumer group.
+
+The demo, the end-to-end tests and the benchmarks judge the system by what it wrote: decisions and alerts
+of each detecting service, and the dead letters. These readers keep everything they saw, so a verdict can
+count records (duplicates included) as well as distinct payments.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+
+async def partitions_of(consumer: AIOKafkaConsumer, topic: str, expected: int) -> list[int]:
+    """The topic's partitions from the broker (an existing topic may have its own count)."""
+    await consumer.topics()
+    found = consumer.partitions_for_topic(topic)
+    return sorted(found) if found else list(range(expected))
+
+
+class TopicTail:
+    """Reads a whole topic from the beginning; `run` loops until `halt`."""
+
+    def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
+        self.topic = topic
+        self.consumer = AIOKafkaConsumer(bootstrap_servers=list(bootstrap), enable_auto_commit=False)
+        self.closing = False
+
+    async def start(self, expected_partitions: int) -> TopicTail:
+        await self.consumer.start()
+        partitions = await partitions_of(self.consumer, self.topic, expected_partitions)
+        tps = [TopicPartition(self.topic, p) for p in partitions]
+        self.consumer.assign(tps)
+        await self.consumer.seek_to_beginning(*tps)
+        return self
+
+    async def run(self) -> None:
+        while not self.closing:
+            batch = await self.consumer.getmany(timeout_ms=200)
+            for records in batch.values():
+                for record in records:
+                    self.take(record)
+
+    def take(self, record: Any) -> None:
+        raise NotImplementedError
+
+    def halt(self) -> None:
+        self.closing = True
+
+    async def stop(self) -> None:
+        await self.consumer.stop()
+
+
+class RecordTail(TopicTail):
+    """A topic of JSON records keyed by payment id (decisions, alerts); a record that is not JSON is
+    skipped, not fatal."""
+
+    def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
+        super().__init__(bootstrap, topic)
+        self.records: list[dict[str, Any]] = []
+
+    def take(self, record: Any) -> None:
+        with contextlib.suppress(TypeError, ValueError):
+            doc = json.loads(record.value)
+            if isinstance(doc, dict):
+                self.records.append(doc)
+
+    def of_run(self, ids: set[str]) -> list[dict[str, Any]]:
+        """Records about this run's payments (a shared cluster may hold older ones)."""
+        return [d for d in self.records if d.get("payment_id") in ids]
+
+    def distinct(self, ids: set[str]) -> set[str]:
+        return {d["payment_id"] for d in self.of_run(ids)}
+
+
+class DeadLetterTail(TopicTail):
+    """The dead-letter topic: original bytes as value, where it came from and why in the headers.
+
+    Each service dead-letters a bad record itself: `dlq.worker` is the group name for B and C and the
+    worker id for a gated worker; `source_of` maps a worker id to its service.
+    """
+
+    def __init__(self, bootstrap: Sequence[str], topic: str, groups: Sequence[str]) -> None:
+        super().__init__(bootstrap, topic)
+        self.groups = set(groups)
+        self.worker_services: dict[str, str] = {}
+        self.origins: dict[str, dict[tuple[int, int], str]] = {}
+
+    def take(self, record: Any) -> None:
+        headers = {k: v.decode(errors="replace") for k, v in (record.headers or ())}
+        source = headers.get("dlq.worker", "")
+        source = source if source in self.groups else self.worker_services.get(source, source)
+        with contextlib.suppress(KeyError, ValueError):
+            origin = (int(headers["dlq.partition"]), int(headers["dlq.offset"]))
+            self.origins.setdefault(source, {})[origin] = headers.get("dlq.reason", "?")
+
+    def of_run(self, source: str, malformed: set[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        return {o: reason for o, reason in self.origins.get(source, {}).items() if o in malformed}
