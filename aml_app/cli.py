@@ -160,12 +160,14 @@ def main() -> None:
     from faust.cli.faust import cli
 
     from aml_app.simulation.command import simulate_command
+    from aml_app.status import status_command
 
     cli.add_command(broker_command)
     cli.add_command(demo_command)
     cli.add_command(pipeline_command)
     cli.add_command(serve_command)
     cli.add_command(simulate_command)
+    cli.add_command(status_command)
     app.main()
 
 

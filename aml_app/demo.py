@@ -88,6 +88,7 @@ class Options:
     gate: bool = True
     triggers: Mapping[str, float] = field(default_factory=dict)
     folder: Path = DEMO_DIR
+    drain_deadline: float = DRAIN_DEADLINE
 
     def problems(self) -> list[str]:
         found = []
@@ -134,19 +135,22 @@ class Ledger:
     malformed: set[tuple[int, int]] = field(default_factory=set)
     ends: dict[int, int] = field(default_factory=dict)
     warm_up: set[str] = field(default_factory=set)
+    _ids: set[str] = field(default_factory=set)
 
     @property
     def produced(self) -> int:
         return len(self.valid) + len(self.malformed)
 
     def ids(self) -> set[str]:
-        return {p.payment_id for p in self.valid.values()}
+        """The valid payments' ids (kept as they are placed: the progress loop polls this)."""
+        return self._ids
 
     def place(self, partition: int, offset: int, payment: Sent | None, sent_at: float) -> None:
         if payment is None:
             self.malformed.add((partition, offset))
         else:
             self.valid[(partition, offset)] = payment
+            self._ids.add(payment.payment_id)
             self.sent_at[payment.payment_id] = sent_at
         self.ends[partition] = max(self.ends.get(partition, 0), offset + 1)
 
@@ -476,9 +480,9 @@ class Demo:
     async def drain(self) -> None:
         say(
             f"stopped producing after {self.elapsed():.1f} s ({self.ledger.produced} records); "
-            f"letting the services and the workers catch up (up to {DRAIN_DEADLINE:.0f} s)"
+            f"letting the services and the workers catch up (up to {self.options.drain_deadline:.0f} s)"
         )
-        deadline = time.monotonic() + DRAIN_DEADLINE
+        deadline = time.monotonic() + self.options.drain_deadline
         next_report = time.monotonic() + PROGRESS_EVERY
         script = self.tasks.get("test script")
         while not (self.caught_up() and (script is None or script.done())):
@@ -486,7 +490,10 @@ class Demo:
                 say("drain skipped")
                 return
             if time.monotonic() > deadline:
-                say(f"not everything was committed, decided and dead-lettered within {DRAIN_DEADLINE:.0f} s")
+                say(
+                    "not everything was committed, decided and dead-lettered within "
+                    f"{self.options.drain_deadline:.0f} s"
+                )
                 return
             self.system.check_health(self.tasks)
             if time.monotonic() >= next_report:

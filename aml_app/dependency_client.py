@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -83,12 +83,32 @@ class DependencyClient:
         url = _resource(self.relations_url, "relations", account)
         return await self._get("relations", url.with_query(hops=str(hops), parts=parts))
 
+    async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
+        """One POST /aggregates for several (account, at): one snapshot of C answers them all."""
+        body = {"queries": [{"account": a, "at": at.isoformat()} for a, at in queries]}
+        answer = await self._send("aggregates", self.aggregates_url / "aggregates", body)
+        return _answers(answer, len(queries), "aggregates")
+
+    async def relations_many(
+        self, accounts: Sequence[str], hops: int = CYCLE_HOPS, parts: str = RELATIONS_PARTS
+    ) -> list[dict[str, Any]]:
+        """One POST /relations for several accounts: one snapshot of B answers them all."""
+        body = {"queries": [{"account": a, "hops": hops, "parts": parts} for a in accounts]}
+        answer = await self._send("relations", self.relations_url / "relations", body)
+        return _answers(answer, len(accounts), "relations")
+
     async def _get(self, dependency: str, url: URL) -> dict[str, Any]:
+        return await self._send(dependency, url, None)
+
+    async def _send(self, dependency: str, url: URL, body: Any) -> dict[str, Any]:
+        """GET `url` (no body) or POST `body` as JSON; the answer's JSON object."""
         started = time.monotonic()
         self.stats.requests += 1
         self.stats.by_dependency[dependency] = self.stats.by_dependency.get(dependency, 0) + 1
+        client = self._client()
         try:
-            async with self._client().get(url) as response:
+            request = client.get(url) if body is None else client.post(url, json=body)
+            async with request as response:
                 if response.status >= 500:
                     raise DependencyUnavailable(f"{dependency} answered {response.status} for {url.path}")
                 body = await response.json(content_type=None)
@@ -121,10 +141,26 @@ def _resource(base: URL, kind: str, account: str) -> URL:
     return base.with_path(path, encoded=True)
 
 
-async def gather_answers(
-    client: DependencyClient, payer: str, payee: str, at: datetime
-) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any]]:
-    """(payer aggregates, payee aggregates, payer relations), asked concurrently."""
-    return await asyncio.gather(  # type: ignore[return-value]
-        client.aggregates(payer, at), client.aggregates(payee, at), client.relations(payer)
+def _answers(answer: dict[str, Any], expected: int, dependency: str) -> list[dict[str, Any]]:
+    answers = answer.get("answers")
+    if (
+        not isinstance(answers, list)
+        or len(answers) != expected
+        or not all(isinstance(a, dict) for a in answers)
+    ):
+        raise DependencyUnavailable(f"{dependency} answered a batch of {expected} without {expected} answers")
+    return answers
+
+
+async def evidence_for(
+    client: DependencyClient, payments: Sequence[tuple[str, str, datetime]]
+) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """(payer aggregates, payee aggregates, payer relations) for each (payer, payee, at): two requests in
+    all, asked concurrently, whatever the number of payments."""
+    if not payments:
+        return []
+    aggregates, relations = await asyncio.gather(
+        client.aggregates_many([q for payer, payee, at in payments for q in ((payer, at), (payee, at))]),
+        client.relations_many([payer for payer, _, _ in payments]),
     )
+    return [(aggregates[2 * i], aggregates[2 * i + 1], relations[i]) for i in range(len(payments))]

@@ -9,15 +9,21 @@ from __future__ import annotations
 
 from aml_app.app import app, dlq_topic, payments_topic, settings
 from aml_app.gate import GatedConsumer
-from aml_app.gate.consumer import Handler
+from aml_app.gate.consumer import BatchHandler, Handler
 from tables.watermarks import gate
 
 #: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
 running: list[GatedConsumer] = []
 
 
-def gated_service(handler: Handler) -> GatedConsumer:
-    """Register the agent of this worker's service and return its gated consumer."""
+def gated_service(
+    handler: Handler | None = None, *, batch_handler: BatchHandler | None = None, max_batch: int = 1
+) -> GatedConsumer:
+    """Register the agent of this worker's service and return its gated consumer.
+
+    `handler` takes one payment at a time; `batch_handler` up to `max_batch` admitted payments of one
+    partition at once (one round trip to each dependency for all of them).
+    """
     if running:
         raise RuntimeError("a worker runs one gated service; gated_service was called twice")
     gated = GatedConsumer(
@@ -25,6 +31,8 @@ def gated_service(handler: Handler) -> GatedConsumer:
         gate,
         handler,
         dlq_topic,
+        batch_handler=batch_handler,
+        max_batch=max_batch,
         gate_enabled=settings.gate_enabled,
         max_pending=settings.max_pending_per_partition,
         max_payment_bytes=settings.max_payment_bytes,

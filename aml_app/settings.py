@@ -86,6 +86,7 @@ class Settings:
     relations_api: str = ""  # AML_RELATIONS_URL; empty: http://services_host:relations_port
     aggregates_api: str = ""  # AML_AGGREGATES_URL; likewise
     http_timeout: float = 5.0
+    max_batch: int = 100
     aml_thresholds: Any = field(default_factory=_default_aml_thresholds)
     fraud_thresholds: Any = field(default_factory=_default_fraud_thresholds)
     reporting_threshold: Decimal = Decimal("10000")
@@ -94,6 +95,9 @@ class Settings:
     checkpoint_dir: str = "var/checkpoints"
     trigger_interval: float = 0.5
     max_records_per_trigger: int = 50000
+    # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
+    stall_after: float = 30.0
+    lag_warn: int = 1000
 
     @property
     def faust_brokers(self) -> list[str]:
@@ -277,6 +281,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         relations_api=_url(env, "AML_RELATIONS_URL"),
         aggregates_api=_url(env, "AML_AGGREGATES_URL"),
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
+        max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
         aml_thresholds=_thresholds(env, "aml"),
         fraud_thresholds=_thresholds(env, "fraud"),
         reporting_threshold=_decimal(
@@ -291,6 +296,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_records_per_trigger=_int(
             env, "AML_MAX_RECORDS_PER_TRIGGER", defaults.max_records_per_trigger, 1, 100_000_000
         ),
+        stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
+        lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
     )
     if not settings.table_store.startswith(("rocksdb://", "memory://")):
         raise ConfigError(

@@ -62,19 +62,21 @@ class RecordTail(TopicTail):
     def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
         super().__init__(bootstrap, topic)
         self.records: list[dict[str, Any]] = []
+        self.ids: set[str] = set()  # every payment id seen, kept as records arrive (cheap to poll)
 
     def take(self, record: Any) -> None:
         with contextlib.suppress(TypeError, ValueError):
             doc = json.loads(record.value)
             if isinstance(doc, dict):
                 self.records.append(doc)
+                self.ids.add(doc.get("payment_id"))
 
     def of_run(self, ids: set[str]) -> list[dict[str, Any]]:
         """Records about this run's payments (a shared cluster may hold older ones)."""
         return [d for d in self.records if d.get("payment_id") in ids]
 
     def distinct(self, ids: set[str]) -> set[str]:
-        return {d["payment_id"] for d in self.of_run(ids)}
+        return self.ids & ids
 
 
 class DeadLetterTail(TopicTail):

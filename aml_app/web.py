@@ -1,30 +1,68 @@
-"""Read-only views served by every worker on Faust's web server.
+"""Read-only views served by every worker on Faust's web server (bound to AML_WEB_HOST, 127.0.0.1).
 
-`/watermarks.json` is this worker's view of the shared watermark table plus its own gate state. The
-HTML page and the operator fields come with the web-view issue; the field names here are kept stable.
+- `/watermarks/`: the page an on-call engineer opens first (`aml_app.webview.PAGE`); `/watermarks`
+  redirects there.
+- `/watermarks.json`: this worker's view of the shared watermark table plus its own gate state; every
+  field is documented in README "Operating it", and the older field names are kept as they were.
+- `/metrics`: Prometheus text format (`aml_app.metrics`).
+
+Only GET; no secrets and no payment contents (offsets, group names and counts only). Faust's web server
+starts before the tables are recovered, so while they recover the operator fields stay empty and
+`recovering` says why.
 """
 
 from __future__ import annotations
 
+import importlib
 import time
 from typing import Any
 
+from faust.types import TP
 from faust.web import Request, Response, View
+from prometheus_client import CONTENT_TYPE_LATEST
 
-from aml_app import detector, service
+from aml_app import detector, metrics, service
 from aml_app.app import app, settings
-from tables.watermarks import gate, offsets, status, watermarks
+from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
+from tables.watermarks import gate, offsets, operator_view, status, watermarks
+
+# The service's agent module registers its gated consumer; make sure it exists before hooking into it.
+importlib.import_module(f"agents.{settings.service}")
+service.running[0].observers.append(metrics.observe_admission)
+
+
+def _recovering() -> bool:
+    return bool(app.in_recovery) or not app.tables.recovery.completed.is_set()
+
+
+def _assigned() -> list[int]:
+    if not app.consumer:
+        return []
+    return sorted(tp.partition for tp in app.consumer.assignment() if tp.topic == settings.payments_topic)
+
+
+def _highwaters(partitions: list[int]) -> dict[int, int | None]:
+    """The log end as this worker's own fetches saw it (exact even where ListOffsets is not, on Tansu)."""
+    found: dict[int, int | None] = {}
+    for p in partitions:
+        try:
+            found[p] = app.consumer.highwater(TP(settings.payments_topic, p))
+        except Exception:  # not fetched yet, or the assignment just changed: the leader's value stands
+            found[p] = None
+    return found
 
 
 def snapshot() -> dict[str, Any]:
     now = time.time()
     gated = service.running[0]
-    assigned = (
-        sorted(tp.partition for tp in app.consumer.assignment() if tp.topic == settings.payments_topic)
-        if app.consumer
-        else []
-    )
+    assigned = _assigned()
+    recovering = _recovering()
     rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
+    in_flight = {p: lane.in_flight for p, lane in gated.lanes.items()}
+    if recovering:
+        view: dict[str, Any] = {"partitions": [], "dependencies": [], "gate": None}
+    else:
+        view = operator_view(now, in_flight=in_flight, local=assigned, highwaters=_highwaters(assigned))
     return {
         "worker": settings.worker_id,
         "service": settings.service,
@@ -32,14 +70,15 @@ def snapshot() -> dict[str, Any]:
         "topic": settings.payments_topic,
         "depends_on": list(settings.depends_on),
         "gate_enabled": settings.gate_enabled,
-        "recovering": bool(app.in_recovery) or not app.tables.recovery.completed.is_set(),
+        "recovering": recovering,
         "is_leader": app.is_leader(),
         "assigned": assigned,
         "watermarks": rows,
         "waiting": {str(p): o for p, o in gate.waiting.items()},
         "blocked_since": {str(p): t for p, t in gate.blocked_since.items()},
-        "in_flight": {str(p): lane.in_flight for p, lane in gated.lanes.items()},
+        "in_flight": {str(p): o for p, o in in_flight.items()},
         "processed": {str(p): lane.done for p, lane in gated.lanes.items()},
+        "payments_handled": metrics.counts.handled,
         "dead_lettered": gated.dead_lettered,
         "rebalances": gated.rebalances,
         "refetches": gated.refetches,
@@ -53,11 +92,63 @@ def snapshot() -> dict[str, Any]:
             "admin_requests": offsets.requests,
         },
         "detector": detector.stats_json(detector.running[0]) if detector.running else None,
+        **view,
         "generated_at": now,
     }
 
 
+metrics.register_snapshot(snapshot)
+
+
+def _check(request: Request, allowed: tuple[str, ...] = ()) -> None:
+    query = request.query  # type: ignore[attr-defined]
+    repeated = sorted(name for name in set(query) if len(query.getall(name)) > 1)
+    check_query(query, allowed, repeated)
+
+
 @app.page("/watermarks.json")
 class WatermarksJson(View):
+    """The watermark table and this worker's gate, as JSON; `?partition=0,2` keeps only those partitions."""
+
     async def get(self, request: Request) -> Response:
-        return self.json(snapshot())
+        try:
+            _check(request, ("partition",))
+            doc = snapshot()
+            raw = request.query.get("partition")  # type: ignore[attr-defined]
+            if raw is not None:
+                chosen = parse_partitions(raw, set(watermarks.keys()))
+                doc["partitions"] = [p for p in doc["partitions"] if p["partition"] in chosen]
+        except BadQuery as exc:
+            return self.error(400, str(exc))
+        return self.json(doc)
+
+
+@app.page("/watermarks/")
+class WatermarksPage(View):
+    """The operator page: one self-contained HTML document that polls `watermarks.json`."""
+
+    async def get(self, request: Request) -> Response:
+        try:
+            _check(request)
+        except BadQuery as exc:
+            return self.error(400, str(exc))
+        return self.html(PAGE, headers=dict(PAGE_HEADERS))
+
+
+@app.page("/watermarks")
+class WatermarksRedirect(View):
+    async def get(self, request: Request) -> Response:
+        # Relative, so it also works behind a proxy that serves the worker under a prefix.
+        return self.text("see watermarks/\n", status=302, headers={"Location": "watermarks/"})
+
+
+@app.page("/metrics")
+class Metrics(View):
+    """Prometheus text format, rendered by prometheus_client from this process's registry."""
+
+    async def get(self, request: Request) -> Response:
+        try:
+            _check(request)
+        except BadQuery as exc:
+            return self.error(400, str(exc))
+        return self.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -7,6 +7,10 @@ them to the other workers, whose table hook wakes the gate's waiters.
 
 `demand` (worker id -> partitions it is waiting on) makes the refresh demand-driven: the leader polls
 the admin API on the fast interval only while somebody waits on a partition that is still closed.
+
+For the operators, the rows also carry the log end, this service's own committed offset (both read on
+the slow interval only) and when each dependency's offset last moved; every worker derives the
+dependency statuses from the two tables (`operator_view`), and the leader logs stalls (`watch_stalls`).
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from typing import Any
 import faust
 from faust.types import EventT
 
+from aml_app import metrics
 from aml_app.app import app, settings
 from aml_app.gate import DependencyOffsets, FreshnessGate, OffsetReadError
-from aml_app.gate.watermark import Row, build_rows, live_demand, refresh_due
+from aml_app.gate.health import Limits, StallWatch, describe
+from aml_app.gate.watermark import Row, build_rows, live_blocked_since, live_demand, refresh_due, row_changed
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +94,11 @@ class RefreshStatus:
         self.refreshes = 0
         self.errors = 0
         self.partition_check_at = 0.0
+        #: The operator fields (log ends, our own commits) are read on the slow interval only, so the
+        #: fast refresh that unblocks payments costs what it did before they existed.
+        self.operator_read_at = float("-inf")
+        self.log_ends: dict[int, int] = {}
+        self.service_committed: dict[int, int | None] = {}
 
 
 offsets = DependencyOffsets(settings.bootstrap_servers, settings.payments_topic, settings.depends_on)
@@ -98,12 +109,7 @@ def _write_rows(rows: dict[int, Row]) -> None:
     """Write a row when it changed, or when it is getting old, so readers can trust its age."""
     for p, row in rows.items():
         old = watermarks.get(p)
-        unchanged = (
-            old is not None
-            and not old.get("error")
-            and (old["watermark"], old["dependencies"]) == (row["watermark"], row["dependencies"])
-        )
-        if not unchanged or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval:
+        if row_changed(old, row) or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval:
             watermarks[p] = row
 
 
@@ -118,8 +124,12 @@ def _mark_error(message: str) -> None:
 async def refresh_once(now: float) -> None:
     status.last_attempt = now
     recheck = now - status.partition_check_at >= 10 * settings.refresh_interval
+    operator_fields = now - status.operator_read_at >= settings.refresh_interval
     try:
-        partitions, committed = await offsets.read(refresh_partitions=recheck)
+        with metrics.admin_refresh.time():
+            reading = await offsets.read_all(
+                settings.app_id, refresh_partitions=recheck, operator_fields=operator_fields
+            )
     except OffsetReadError as exc:
         status.errors += 1
         message = str(exc)
@@ -135,7 +145,18 @@ async def refresh_once(now: float) -> None:
     status.last_error = None
     status.last_refresh = now
     status.refreshes += 1
-    _write_rows(build_rows(partitions, committed, refreshed_at=time.time()))
+    if reading.log_ends is not None and reading.service_committed is not None:
+        status.log_ends, status.service_committed = reading.log_ends, reading.service_committed
+        status.operator_read_at = now
+    rows = build_rows(
+        reading.partitions,
+        reading.committed,
+        refreshed_at=time.time(),
+        log_ends=status.log_ends,
+        service_committed=status.service_committed,
+        previous={p: watermarks.get(p) for p in reading.partitions},
+    )
+    _write_rows(rows)
 
 
 @app.timer(settings.fast_refresh_interval, on_leader=True)
@@ -160,7 +181,8 @@ class DemandPublisher:
         current = {str(p): o for p, o in gate.waiting.items()}
         stale = bool(current) and now - self.published_at >= settings.refresh_interval / 2
         if current != self.published or stale:
-            demand[settings.worker_id] = {"waiting": current, "at": now}
+            since = {str(p): t for p, t in gate.blocked_since.items()}
+            demand[settings.worker_id] = {"waiting": current, "since": since, "at": now}
             self.published, self.published_at = current, now
 
 
@@ -170,3 +192,62 @@ publisher = DemandPublisher()
 @app.timer(settings.fast_refresh_interval)
 async def publish_demand() -> None:
     publisher.tick(time.time())
+
+
+limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn)
+#: How old a worker's demand entry may be and still count (it re-asserts it every half interval).
+DEMAND_MAX_AGE = 3 * settings.refresh_interval
+
+
+def waiting_everywhere(now: float) -> tuple[dict[int, int], dict[int, float]]:
+    """Who waits where, over every worker: the lowest waiting offset and since when, per partition.
+
+    This worker's own gate is merged in, so its page is right before its demand entry comes back
+    through the changelog.
+    """
+    entries = list(demand.values())
+    waiting = live_demand(entries, now, max_age=DEMAND_MAX_AGE)
+    since = live_blocked_since(entries, now, max_age=DEMAND_MAX_AGE)
+    for p, offset in gate.waiting.items():
+        waiting[p] = min(waiting.get(p, offset), offset)
+    for p, started in gate.blocked_since.items():
+        since[p] = min(since.get(p, started), started)
+    return waiting, since
+
+
+def operator_view(
+    now: float,
+    *,
+    in_flight: dict[int, int | None] | None = None,
+    local: Iterable[int] = (),
+    highwaters: dict[int, int | None] | None = None,
+) -> dict[str, Any]:
+    """The table as an operator sees it (partitions, dependencies, gate): see aml_app.gate.health."""
+    waiting, since = waiting_everywhere(now)
+    rows = {p: row for p in list(watermarks.keys()) if (row := watermarks.get(p)) is not None}
+    return describe(
+        rows,
+        settings.depends_on,
+        now,
+        limits,
+        waiting=waiting,
+        blocked_since=since,
+        in_flight=in_flight,
+        local=set(local),
+        highwaters=highwaters,
+    )
+
+
+stall_watch = StallWatch()
+
+
+@app.timer(max(settings.fast_refresh_interval, min(settings.refresh_interval, settings.stall_after / 4)))
+async def watch_stalls() -> None:
+    """Every worker computes the statuses (its page and metrics show them); the leader logs a stall once
+    when it starts and once when it clears."""
+    if app.in_recovery or not app.tables.recovery.completed.is_set():
+        return
+    lines = stall_watch.update(operator_view(time.time())["dependencies"])
+    if app.is_leader():
+        for level, message in lines:
+            log.log(level, message)

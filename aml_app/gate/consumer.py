@@ -54,6 +54,10 @@ class Admission:
 
 
 Handler = Callable[[Payment, Admission], Awaitable[None]]
+Admitted = tuple[Payment, Admission]
+#: Handles several admitted payments of one partition at once (in offset order); must be idempotent per
+#: payment, since a failure retries the whole batch.
+BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[None]]
 
 
 async def retry_forever(
@@ -84,7 +88,8 @@ class Lane:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     paused: bool = False
-    current: EventT | None = None
+    #: The events taken from the queue and not acked yet (the batch in flight), in offset order.
+    current: list[EventT] = field(default_factory=list)
     #: When each queued offset reached this worker (monotonic), for the decision's waited_ms.
     arrived: dict[int, float] = field(default_factory=dict)
     done: int = 0
@@ -94,11 +99,12 @@ class Lane:
 
     @property
     def in_flight(self) -> int | None:
-        return None if self.current is None else self.current.message.offset
+        """The lowest offset being processed (the head of the batch in flight)."""
+        return self.current[0].message.offset if self.current else None
 
     def pending(self) -> list[EventT]:
-        """The unacked events, in offset order: the one in flight first."""
-        return ([self.current] if self.current is not None else []) + list(self.queue)
+        """The unacked events, in offset order: the ones in flight first."""
+        return [*self.current, *self.queue]
 
 
 class GatedConsumer:
@@ -108,17 +114,27 @@ class GatedConsumer:
         self,
         app: AppT,
         gate: FreshnessGate,
-        handler: Handler,
+        handler: Handler | None,
         dead_letters: TopicT,
         *,
+        batch_handler: BatchHandler | None = None,
+        max_batch: int = 1,
         gate_enabled: bool = True,
         max_pending: int = 1000,
         max_payment_bytes: int = 65536,
         worker_id: str = "",
     ) -> None:
+        """Give `handler` (one payment at a time) or `batch_handler` (up to `max_batch` payments of one
+        partition at a time, every one of them already admitted by the gate)."""
+        if (handler is None) == (batch_handler is None):
+            raise ValueError("give either a handler or a batch_handler")
+        if max_batch < 1 or (handler is not None and max_batch != 1):
+            raise ValueError("max_batch must be at least 1, and 1 with a per-payment handler")
         self.app = app
         self.gate = gate
         self.handler = handler
+        self.batch_handler = batch_handler
+        self.max_batch = max_batch
         self.dead_letters = dead_letters
         self.gate_enabled = gate_enabled
         self.max_pending = max_pending
@@ -132,6 +148,8 @@ class GatedConsumer:
         self.dead_lettered = 0
         self.rebalances = 0
         self.refetches = 0
+        #: Called with the admission of each payment the handler finished (metrics); never fails a lane.
+        self.observers: list[Callable[[Admission], None]] = []
         self._stream: StreamT | None = None
 
     def attach(self, *, bootstrap_servers: Sequence[str], topic: str, group: str, check_every: float) -> None:
@@ -284,18 +302,44 @@ class GatedConsumer:
             while not lane.queue:
                 lane.ready.clear()
                 await lane.ready.wait()
-            event = lane.current = lane.queue.popleft()
+            batch = await self._take(lane)
+            await self._handle(batch)
+            for event, _ in batch:
+                await self._stream.ack(event)
+                lane.done += 1
+            lane.current = []
+
+    async def _take(self, lane: Lane) -> list[tuple[EventT, Admitted | None]]:
+        """The next events of the lane, in offset order, each admitted (or dead-lettered: None).
+
+        The head waits for the gate. Then, up to `max_batch` payments, the events queued behind it join
+        the batch while the gate is already open for them: a batch never waits for a later payment.
+        """
+        taken: list[tuple[EventT, Admitted | None]] = []
+        payments = 0
+        while lane.queue and payments < self.max_batch:
+            event = lane.queue[0]
+            head = not taken
+            if (
+                not head
+                and self.gate_enabled
+                and not self.gate.is_open(event.message.partition, event.message.offset)
+            ):
+                break
+            lane.queue.popleft()
+            lane.current.append(event)
             if lane.paused and len(lane.queue) <= self.max_pending // 2:
                 # Faust keeps its own TP type in its paused set; aiokafka's would crash its checks.
                 self.app.consumer.resume_partitions([TP(*event.message.tp)])
                 lane.paused = False
             arrived = lane.arrived.pop(event.message.offset, time.monotonic())
-            await self._process(event, arrived)
-            await self._stream.ack(event)
-            lane.current = None
-            lane.done += 1
+            admitted = await self._admit(event, arrived)
+            taken.append((event, admitted))
+            payments += admitted is not None
+        return taken
 
-    async def _process(self, event: EventT, arrived: float) -> None:
+    async def _admit(self, event: EventT, arrived: float) -> Admitted | None:
+        """Parse the payment and wait for the gate; a payment that breaks the contract is dead-lettered."""
         message = event.message
         p, offset = message.tp.partition, message.offset
         try:
@@ -303,7 +347,7 @@ class GatedConsumer:
         except InvalidPayment as exc:
             reason = str(exc)
             await retry_forever(f"dead-lettering {p}:{offset}", lambda: self._dead_letter(event, reason))
-            return
+            return None
         if self.gate_enabled:
             row = await self.gate.wait_open(p, offset)
         else:
@@ -318,13 +362,39 @@ class GatedConsumer:
             waited_ms=round((time.monotonic() - arrived) * 1000, 3),
             gated=self.gate_enabled,
         )
-        # The handler runs as if inside Faust's stream iteration of this event, so it can use partitioned
-        # tables (their reads and writes go to the event's partition) like any agent.
-        set_current_event(event)
-        await retry_forever(
-            f"processing payment {payment.payment_id} at {p}:{offset}",
-            lambda: self.handler(payment, admission),
-        )
+        return payment, admission
+
+    async def _handle(self, batch: list[tuple[EventT, Admitted | None]]) -> None:
+        admitted = [(event, a) for event, a in batch if a is not None]
+        if not admitted:
+            return
+        # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
+        # partitioned tables like any agent: their reads and writes go to the event's partition, which
+        # every event of a lane's batch shares.
+        set_current_event(admitted[0][0])
+        first, last = admitted[0][1][1], admitted[-1][1][1]
+        if self.batch_handler is not None:
+            handle_batch = self.batch_handler
+            items = [a for _, a in admitted]
+            await retry_forever(
+                f"processing {len(items)} payment(s) at {first.partition}:{first.offset}..{last.offset}",
+                lambda: handle_batch(items),
+            )
+        else:
+            assert self.handler is not None
+            handle = self.handler
+            for event, (payment, admission) in admitted:
+                set_current_event(event)
+                await retry_forever(
+                    f"processing payment {payment.payment_id} at {admission.partition}:{admission.offset}",
+                    lambda payment=payment, admission=admission: handle(payment, admission),
+                )
+        for _, (_, admission) in admitted:
+            for observe in self.observers:
+                try:
+                    observe(admission)
+                except Exception:  # an observer is for telemetry; it must never stop a lane
+                    log.exception("an admission observer failed")
 
     async def _dead_letter(self, event: EventT, reason: str) -> None:
         """Original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""

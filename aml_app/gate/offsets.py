@@ -10,8 +10,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 log = logging.getLogger(__name__)
@@ -21,8 +22,24 @@ class OffsetReadError(RuntimeError):
     """The admin API could not tell us the dependencies' progress; the caller keeps what it knew."""
 
 
+@dataclass(frozen=True)
+class Reading:
+    """One refresh's worth of offsets: what the gate needs and what an operator needs to see."""
+
+    partitions: list[int]
+    #: Each dependency group's committed offset per partition (None: nothing committed).
+    committed: dict[str, dict[int, int | None]]
+    #: This service's own group's committed offset per partition (None: nothing committed); None when
+    #: this reading did not include it.
+    service_committed: dict[int, int | None] | None = None
+    #: ListOffsets(latest) per partition: the log end as the partition leader reports it; None when this
+    #: reading did not include it.
+    log_ends: dict[int, int] | None = None
+
+
 class DependencyOffsets:
-    """One admin client, reused across refreshes, counting the requests it makes."""
+    """One admin client (and, for log ends, one group-less consumer), reused across refreshes,
+    counting the requests it makes."""
 
     def __init__(
         self,
@@ -37,6 +54,7 @@ class DependencyOffsets:
         self.request_timeout = request_timeout
         self.requests = 0
         self._client: AIOKafkaAdminClient | None = None
+        self._consumer: AIOKafkaConsumer | None = None
         self._coordinators: dict[str, int] = {}
         self._partitions: list[int] = []
 
@@ -51,11 +69,27 @@ class DependencyOffsets:
             self._client = client
         return self._client
 
+    async def _log_end_reader(self) -> AIOKafkaConsumer:
+        """A consumer without a group: the public client API for ListOffsets (the admin client has none)."""
+        if self._consumer is None:
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap_servers,
+                client_id="aml-gate",
+                enable_auto_commit=False,
+                request_timeout_ms=int(self.request_timeout * 1000),
+            )
+            await asyncio.wait_for(consumer.start(), self.request_timeout)
+            self._consumer = consumer
+        return self._consumer
+
     async def close(self) -> None:
         client, self._client = self._client, None
+        consumer, self._consumer = self._consumer, None
         self._coordinators.clear()
         if client is not None:
             await client.close()
+        if consumer is not None:
+            await consumer.stop()
 
     async def read(
         self, refresh_partitions: bool = False
@@ -68,13 +102,50 @@ class DependencyOffsets:
             admin = await self._admin()
             if refresh_partitions or not self._partitions:
                 self._partitions = await self._read_partitions(admin)
-            return self._partitions, await self._read_committed(admin, self._partitions)
+            return self._partitions, await self._read_committed(admin, self._partitions, self.groups)
         except OffsetReadError:
             raise
         except Exception as exc:
-            # Forget the connection and coordinators: the next refresh starts clean.
-            await self._reset()
-            raise OffsetReadError(f"{type(exc).__name__}: {exc}".strip(": ")) from exc
+            raise await self._failed(exc) from exc
+
+    async def read_all(
+        self, service_group: str, refresh_partitions: bool = False, operator_fields: bool = True
+    ) -> Reading:
+        """`read` plus, when `operator_fields`, what the operator views need, in the same refresh: this
+        service's own committed offsets and the topic's log ends (two more requests).
+
+        The log ends are read after the committed offsets, so on Apache Kafka no group is ever seen
+        ahead of the log end.
+        """
+        try:
+            admin = await self._admin()
+            if refresh_partitions or not self._partitions:
+                self._partitions = await self._read_partitions(admin)
+            partitions = self._partitions
+            if not operator_fields:
+                return Reading(partitions, await self._read_committed(admin, partitions, self.groups))
+            groups = list(dict.fromkeys([*self.groups, service_group]))
+            committed = await self._read_committed(admin, partitions, groups)
+            own = committed[service_group] if service_group in self.groups else committed.pop(service_group)
+            return Reading(partitions, committed, own, await self._read_log_ends(partitions))
+        except OffsetReadError:
+            raise
+        except Exception as exc:
+            raise await self._failed(exc) from exc
+
+    async def _failed(self, exc: Exception) -> OffsetReadError:
+        """Forget the connections and coordinators, so the next refresh starts clean."""
+        await self._reset()
+        name, text = type(exc).__name__, str(exc)
+        return OffsetReadError(text if text.startswith(name) else f"{name}: {text}".strip(": "))
+
+    async def _read_log_ends(self, partitions: Sequence[int]) -> dict[int, int]:
+        consumer = await self._log_end_reader()
+        self.requests += 1
+        ends = await asyncio.wait_for(
+            consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions]), self.request_timeout
+        )
+        return {tp.partition: offset for tp, offset in ends.items()}
 
     async def _read_partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
         self.requests += 1
@@ -85,11 +156,11 @@ class DependencyOffsets:
         return sorted(p["partition"] for p in found[0]["partitions"])
 
     async def _read_committed(
-        self, admin: AIOKafkaAdminClient, partitions: Sequence[int]
+        self, admin: AIOKafkaAdminClient, partitions: Sequence[int], groups: Sequence[str]
     ) -> dict[str, dict[int, int | None]]:
         tps = [TopicPartition(self.topic, p) for p in partitions]
         result: dict[str, dict[int, int | None]] = {}
-        for group in self.groups:
+        for group in groups:
             if group not in self._coordinators:
                 self.requests += 1
                 self._coordinators[group] = await asyncio.wait_for(

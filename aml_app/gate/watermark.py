@@ -30,18 +30,54 @@ def build_rows(
     partitions: Iterable[int],
     committed_by_group: Mapping[str, Mapping[int, int | None]],
     refreshed_at: float,
+    *,
+    log_ends: Mapping[int, int] | None = None,
+    service_committed: Mapping[int, int | None] | None = None,
+    previous: Mapping[int, Row | None] | None = None,
 ) -> dict[int, Row]:
-    """One table row per partition: the watermark and the offsets it was computed from."""
+    """One table row per partition: the watermark and the offsets it was computed from.
+
+    Besides W(p) and the dependencies' offsets, a row carries what an operator needs to see why a
+    partition waits: the log end (`log_ends`, ListOffsets latest), this service's own committed offset
+    (`service_committed`), the groups that never committed on it, and per group when its committed offset
+    last moved (`advanced_at`), carried over from the `previous` row while the offset stays put.
+
+    The log end is never below an offset some group committed: a committed offset is proof that the log
+    reaches that far, and some brokers (Tansu) answer ListOffsets with a record batch's base offset + 1.
+    """
     rows: dict[int, Row] = {}
     for p in partitions:
-        deps = {g: max(offsets.get(p) or 0, 0) for g, offsets in committed_by_group.items()}
+        raw = {g: offsets.get(p) for g, offsets in committed_by_group.items()}
+        deps = {g: max(offset or 0, 0) for g, offset in raw.items()}
+        own = (service_committed or {}).get(p)
+        own = None if own is None or own < 0 else own
+        listed = None if log_ends is None else log_ends.get(p)
+        log_end = None if listed is None else max(listed, own or 0, *deps.values())
+        old = (previous or {}).get(p) or {}
+        old_deps, old_advanced = old.get("dependencies") or {}, old.get("advanced_at") or {}
+        advanced_at = {
+            g: old_advanced[g] if old_deps.get(g) == c and old_advanced.get(g) is not None else refreshed_at
+            for g, c in deps.items()
+        }
         rows[p] = {
             "partition": p,
             "watermark": watermark(deps),
             "dependencies": deps,
             "refreshed_at": refreshed_at,
+            "log_end": log_end,
+            "service_committed": own,
+            "never_committed": sorted(g for g, offset in raw.items() if offset is None or offset < 0),
+            "advanced_at": advanced_at,
         }
     return rows
+
+
+def row_changed(old: Row | None, new: Row) -> bool:
+    """Whether `new` says something `old` did not (an error row always counts as changed)."""
+    if old is None or old.get("error"):
+        return True
+    keys = ("watermark", "dependencies", "log_end", "service_committed", "never_committed")
+    return any(old.get(k) != new.get(k) for k in keys)
 
 
 def live_demand(demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float) -> dict[int, int]:
@@ -54,6 +90,20 @@ def live_demand(demand_entries: Iterable[Mapping[str, Any]], now: float, max_age
             p = int(p)
             waiting[p] = min(waiting.get(p, offset), offset)
     return waiting
+
+
+def live_blocked_since(
+    demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float
+) -> dict[int, float]:
+    """Earliest time some worker started waiting, per partition, over the recent demand entries."""
+    since: dict[int, float] = {}
+    for entry in demand_entries:
+        if now - float(entry.get("at", 0)) > max_age:
+            continue
+        for p, started in (entry.get("since") or {}).items():
+            p = int(p)
+            since[p] = min(since.get(p, started), started)
+    return since
 
 
 def refresh_due(

@@ -5,6 +5,10 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               answers only those parts (of out, in, neighbourhood, cycle; default all)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back
+- batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle"}, ...]}
+              POST /aggregates {"queries": [{"account": "a", "at": "ISO"}, ...]}
+              -> {"answers": [...]} in the order asked, every answer as its GET would give it, all from
+              ONE read snapshot (one as_of); at most MAX_BATCH queries
 - both:       GET /health
 
 Account ids are path segments (percent-encode '/', '%', '?', '#'), at most 128 characters. Store reads
@@ -32,6 +36,7 @@ log = logging.getLogger(__name__)
 
 KINDS = ("relations", "aggregates")
 DEFAULT_HOPS = 2
+MAX_BATCH = 1000
 RELATIONS_STORE = web.AppKey("relations_store", RelationsStore)
 AGGREGATES_STORE = web.AppKey("aggregates_store", AggregatesStore)
 SERVICE = web.AppKey("service", str)
@@ -95,6 +100,38 @@ def parse_hops(raw: str | None) -> int:
     return int(text)
 
 
+async def _queries(request: web.Request) -> list[dict[str, Any]]:
+    """The `queries` list of a batch request body, each an object (checked further by the caller)."""
+    try:
+        body = await request.json()
+    except ValueError:
+        raise BadRequest('The request body must be JSON: {"queries": [...]}.') from None
+    queries = body.get("queries") if isinstance(body, dict) else None
+    if not isinstance(queries, list) or not all(isinstance(q, dict) for q in queries):
+        raise BadRequest('The request body must be {"queries": [...]} with one object per query.')
+    if len(queries) > MAX_BATCH:
+        raise BadRequest(f"A batch holds at most {MAX_BATCH} queries; this one has {len(queries)}.")
+    return queries
+
+
+def _batch_account(query: dict[str, Any], i: int) -> str:
+    account = query.get("account")
+    if not isinstance(account, str) or not account.strip() or len(account) > MAX_ID_LENGTH:
+        raise BadRequest(
+            f"queries[{i}].account must be a non-blank string of at most {MAX_ID_LENGTH} characters."
+        )
+    return account
+
+
+def _text_or_none(query: dict[str, Any], name: str, i: int) -> str | None:
+    value = query.get(name)
+    if value is None or isinstance(value, str):
+        return value
+    if name == "hops" and isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    raise BadRequest(f"queries[{i}].{name} must be a string, got {type(value).__name__}.")
+
+
 def parse_parts(raw: str | None) -> tuple[str, ...]:
     if raw is None:
         return PARTS
@@ -134,7 +171,10 @@ def _app(service: str, routes: list[str]) -> web.Application:
 
 
 def relations_app(store: RelationsStore) -> web.Application:
-    app = _app("relations", ["GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle"])
+    app = _app(
+        "relations",
+        ["GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle", "POST /relations"],
+    )
     app[RELATIONS_STORE] = store
 
     async def relations(request: web.Request) -> web.Response:
@@ -147,13 +187,21 @@ def relations_app(store: RelationsStore) -> web.Application:
         status = await asyncio.to_thread(store.status)
         return web.json_response({"status": "ok", "service": "relations", "store": store.path, **status})
 
+    async def relations_batch(request: web.Request) -> web.Response:
+        queries = []
+        for i, q in enumerate(await _queries(request)):
+            hops = parse_hops(_text_or_none(q, "hops", i))
+            queries.append((_batch_account(q, i), hops, parse_parts(_text_or_none(q, "parts", i))))
+        return web.json_response({"answers": await asyncio.to_thread(store.relations_many, queries)})
+
     app.router.add_get("/relations/{account}", relations)
+    app.router.add_post("/relations", relations_batch)
     app.router.add_get("/health", health)
     return app
 
 
 def aggregates_app(store: AggregatesStore) -> web.Application:
-    app = _app("aggregates", ["GET /aggregates/{account}?at=ISO-8601"])
+    app = _app("aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"])
     app[AGGREGATES_STORE] = store
 
     async def aggregates(request: web.Request) -> web.Response:
@@ -165,7 +213,15 @@ def aggregates_app(store: AggregatesStore) -> web.Application:
         status = await asyncio.to_thread(store.status)
         return web.json_response({"status": "ok", "service": "aggregates", "store": store.path, **status})
 
+    async def aggregates_batch(request: web.Request) -> web.Response:
+        queries = [
+            (_batch_account(q, i), parse_at(_text_or_none(q, "at", i)))
+            for i, q in enumerate(await _queries(request))
+        ]
+        return web.json_response({"answers": await asyncio.to_thread(store.aggregates_many, queries)})
+
     app.router.add_get("/aggregates/{account}", aggregates)
+    app.router.add_post("/aggregates", aggregates_batch)
     app.router.add_get("/health", health)
     return app
 

@@ -238,34 +238,39 @@ class RelationsStore:
         A caller that needs the cycle but not the neighbourhood says so: a 3-hop neighbourhood of an account
         that paid a busy merchant is most of the graph, and the detectors ask once per payment.
         """
-        if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
-            raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
-        wanted = set(parts)
-        if not wanted <= set(PARTS):
-            raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(wanted)}")
-        compute = {
-            "out": lambda conn: _side(conn, account, "payer", "payee"),
-            "in": lambda conn: _side(conn, account, "payee", "payer"),
-            "neighbourhood": lambda conn: _neighbourhood(conn, account, hops),
-            "cycle": lambda conn: _cycle(conn, account, hops),
-        }
-        empty: dict[str, Any] = {
-            "out": [],
-            "in": [],
-            "neighbourhood": [],
-            "cycle": {"found": False, "path": []},
-        }
+        return self.relations_many([(account, hops, tuple(parts))])[0]
 
-        def query(conn: sqlite3.Connection | None) -> dict[str, Any]:
-            answer: dict[str, Any] = {
-                "account": account,
-                "hops": hops,
-                "as_of": as_of_json(read_offsets(conn)),
-            }
-            stored = conn is not None and has_table(conn, "edges")
-            for part in PARTS:
-                if part in wanted:
-                    answer[part] = compute[part](conn) if stored else empty[part]
-            return answer
+    def relations_many(self, queries: Sequence[tuple[str, int, Sequence[str]]]) -> list[dict[str, Any]]:
+        """Answers for several (account, hops, parts), all from ONE read snapshot (one `as_of`)."""
+        for _account, hops, parts in queries:
+            if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
+                raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
+            if not set(parts) <= set(PARTS):
+                raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(parts)}")
+
+        def query(conn: sqlite3.Connection | None) -> list[dict[str, Any]]:
+            as_of = as_of_json(read_offsets(conn))
+            stored = conn if conn is not None and has_table(conn, "edges") else None
+            return [_answer(stored, account, hops, set(parts), as_of) for account, hops, parts in queries]
 
         return read_snapshot(self.path, query)
+
+
+def _empty(part: str) -> Any:
+    return {"found": False, "path": []} if part == "cycle" else []
+
+
+def _answer(
+    conn: sqlite3.Connection | None, account: str, hops: int, wanted: set[str], as_of: dict[str, int]
+) -> dict[str, Any]:
+    compute = {
+        "out": lambda c: _side(c, account, "payer", "payee"),
+        "in": lambda c: _side(c, account, "payee", "payer"),
+        "neighbourhood": lambda c: _neighbourhood(c, account, hops),
+        "cycle": lambda c: _cycle(c, account, hops),
+    }
+    answer: dict[str, Any] = {"account": account, "hops": hops, "as_of": as_of}
+    for part in PARTS:
+        if part in wanted:
+            answer[part] = compute[part](conn) if conn is not None else _empty(part)
+    return answer

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -15,7 +17,7 @@ from aml_app.dependency_client import (
     DependencyClient,
     DependencyRequestError,
     DependencyUnavailable,
-    gather_answers,
+    evidence_for,
     includes,
 )
 from aml_app.services.aggregates import AggregatesStore
@@ -23,6 +25,15 @@ from aml_app.services.api import aggregates_app, relations_app
 from aml_app.services.relations import RelationsStore
 from tests.unit.test_relations_store import edge_deltas
 from tests.unit.test_services_api import BAND, COVERED, T0, THRESHOLD, payments
+
+
+async def gather_answers(client: DependencyClient, payer: str, payee: str, at: datetime) -> tuple:
+    """The three single GETs a payment's evidence is made of."""
+    return tuple(
+        await asyncio.gather(
+            client.aggregates(payer, at), client.aggregates(payee, at), client.relations(payer)
+        )
+    )
 
 
 @asynccontextmanager
@@ -64,6 +75,16 @@ async def test_answers_for_a_payment_with_one_pooled_session(tmp_path: Path) -> 
             await gather_answers(client, "A", "B", T0)
         assert client._client() is session, "a new session (and connections) per request"
         assert client.stats.requests == 18 and client.stats.failures == 0
+
+
+async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_answers(tmp_path: Path) -> None:
+    async with services(tmp_path) as client:
+        payments = [("A", "a/b ü", T0), ("B", "C", T0), ("A", "B", T0)]
+        batch = await evidence_for(client, payments)
+        assert client.stats.requests == 2, "one POST to B and one to C, whatever the batch size"
+        singles = [await gather_answers(client, payer, payee, at) for payer, payee, at in payments]
+        assert batch == singles
+        assert await evidence_for(client, []) == []
 
 
 async def test_as_of_proves_inclusion_of_a_payment(tmp_path: Path) -> None:

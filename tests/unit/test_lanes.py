@@ -139,7 +139,7 @@ def row(p: int, w: int) -> dict[str, Any]:
 class Harness:
     """One GatedConsumer over the fakes; the handler records what it processed, in order."""
 
-    def __init__(self, *, gate_enabled: bool = True, max_pending: int = 1000) -> None:
+    def __init__(self, *, gate_enabled: bool = True, max_pending: int = 1000, max_batch: int = 1) -> None:
         self.rows: dict[int, dict[str, Any]] = {}
         self.gate = FreshnessGate(lookup=self.rows.get)
         self.app = FakeApp()
@@ -149,11 +149,14 @@ class Harness:
         self.admissions: dict[tuple[int, int], Admission] = {}
         self.failures: dict[tuple[int, int], int] = {}  # (p, o) -> how many first calls raise
         self.violations: list[str] = []
+        self.batches: list[list[tuple[int, int]]] = []  # every batch handler call, in order
         self.gated = GatedConsumer(
             self.app,  # type: ignore[arg-type]
             self.gate,
-            self.handle,
+            self.handle if max_batch == 1 else None,
             self.dlq,  # type: ignore[arg-type]
+            batch_handler=self.handle_batch if max_batch > 1 else None,
+            max_batch=max_batch,
             gate_enabled=gate_enabled,
             max_pending=max_pending,
             worker_id="w-test",
@@ -191,6 +194,20 @@ class Harness:
             raise RuntimeError(f"handler failure at {key}")
         self.admissions[key] = admission
         self.handled.append(key)
+
+    async def handle_batch(self, items: list[tuple[Payment, Admission]]) -> None:
+        keys = [(a.partition, a.offset) for _, a in items]
+        self.batches.append(keys)
+        for key in keys:
+            if self.gated.gate_enabled and not self.gate.is_open(*key):
+                self.violations.append(f"{key} handed to the handler while its partition was closed")
+            if self.failures.get(key, 0) > 0:
+                self.failures[key] -= 1
+                raise RuntimeError(f"batch failure at {key}")
+        await asyncio.sleep(0)
+        for key, (_, admission) in zip(keys, items, strict=True):
+            self.admissions[key] = admission
+            self.handled.append(key)
 
     def open(self, p: int, watermark: int) -> None:
         self.rows[p] = row(p, watermark)
@@ -492,3 +509,56 @@ async def test_gate_disabled_handles_at_once(make: Callable[..., Harness]) -> No
     assert (h.admissions[(0, 0)].watermark, h.admissions[(0, 0)].dependencies) == (-1, {})
     assert (h.admissions[(1, 0)].watermark, h.admissions[(1, 0)].dependencies) == (0, {"relations": 0})
     assert h.violations == []
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+
+async def test_a_batch_takes_the_open_payments_behind_its_head_and_never_waits_for_more(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_batch=4)
+    h.dispatch(*(event(0, o) for o in range(10)))
+    await quiet()
+    assert h.batches == [] and h.acks == []
+    h.open(0, 6)
+    await until(lambda: len(h.acks) == 6, "offsets 0..5 acked")
+    assert h.batches == [[(0, o) for o in range(4)], [(0, 4), (0, 5)]]
+    await quiet()
+    assert len(h.acks) == 6, "a closed payment joined a batch"
+    h.open(0, 10)
+    await until(lambda: len(h.acks) == 10, "offsets 6..9 acked")
+    assert h.batches[2:] == [[(0, 6), (0, 7), (0, 8), (0, 9)]]
+    assert h.acks == [(0, o) for o in range(10)]
+    assert h.violations == []
+
+
+async def test_a_dead_letter_inside_a_batch_keeps_the_acks_in_offset_order(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_batch=8)
+    h.open(1, 100)
+    h.dispatch(event(1, 0), event(1, 1, value=b"not json"), event(1, 2), event(1, 3))
+    await until(lambda: len(h.acks) == 4, "four acks")
+    assert h.acks == [(1, 0), (1, 1), (1, 2), (1, 3)]
+    assert [s["headers"]["dlq.offset"] for s in h.dlq.sent] == [b"1"]
+    assert [k for batch in h.batches for k in batch] == [(1, 0), (1, 2), (1, 3)]
+    assert h.violations == []
+
+
+async def test_a_failing_batch_is_retried_whole_and_acked_only_after(make: Callable[..., Harness]) -> None:
+    h = make(max_batch=8)
+    h.failures[(2, 1)] = 1
+    h.open(2, 100)
+    h.dispatch(*(event(2, o) for o in range(3)))
+    await until(lambda: len(h.acks) == 3, "three acks after the retry")
+    assert h.batches[0] == h.batches[1] == [(2, 0), (2, 1), (2, 2)], "the failed batch is retried whole"
+    assert h.handled == [(2, 0), (2, 1), (2, 2)] and h.violations == []
+
+
+def test_one_kind_of_handler_and_a_sane_batch_size() -> None:
+    h = Harness()
+    with pytest.raises(ValueError, match="either a handler or a batch_handler"):
+        GatedConsumer(h.app, h.gate, h.handle, h.dlq, batch_handler=h.handle_batch)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="max_batch"):
+        GatedConsumer(h.app, h.gate, h.handle, h.dlq, max_batch=2)  # type: ignore[arg-type]

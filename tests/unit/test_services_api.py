@@ -333,3 +333,71 @@ async def test_serve_runs_the_service_until_stopped(tmp_path: Path) -> None:
             except TimeoutError:
                 child.kill()
                 await child.wait()
+
+
+# --- batches -------------------------------------------------------------------------------------
+
+
+async def post(client: TestClient, path: str, body: Any, status: int = 200) -> dict[str, Any]:
+    response = (
+        await client.post(path, json=body)
+        if not isinstance(body, bytes)
+        else await client.post(path, data=body)
+    )
+    answer = await response.json()
+    assert response.status == status, answer
+    return answer
+
+
+async def test_batches_answer_like_the_single_queries_from_one_snapshot(tmp_path: Path) -> None:
+    relations = RelationsStore(str(tmp_path / "relations.sqlite"))
+    relations.apply(edge_deltas(payments()), COVERED)
+    aggregates = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
+    aggregates.apply(payments(), COVERED)
+    async with client_for(relations_app(relations)) as r, client_for(aggregates_app(aggregates)) as a:
+        queries = [
+            {"account": "A", "hops": 3, "parts": "out,cycle"},
+            {"account": "a/b ü", "hops": "1"},
+            {"account": "nobody"},
+        ]
+        batch = await post(r, "/relations", {"queries": queries})
+        singles = [
+            await get(r, "/relations/A?hops=3&parts=out,cycle"),
+            await get(r, "/relations/" + quote("a/b ü", safe="") + "?hops=1"),
+            await get(r, "/relations/nobody"),
+        ]
+        assert batch == {"answers": singles}
+        at = "2026-03-01T12:00:00Z"
+        batch = await post(
+            a, "/aggregates", {"queries": [{"account": "A", "at": at}, {"account": "C", "at": at}]}
+        )
+        assert batch == {
+            "answers": [await get(a, f"/aggregates/A?at={at}"), await get(a, f"/aggregates/C?at={at}")]
+        }
+        assert await post(a, "/aggregates", {"queries": []}) == {"answers": []}
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "words"),
+    [
+        ("/aggregates", b"not json", "must be JSON"),
+        ("/aggregates", {"query": []}, 'must be {"queries": [...]}'),
+        ("/aggregates", {"queries": ["A"]}, "one object per query"),
+        ("/aggregates", {"queries": [{"account": "A"}] * 1001}, "at most 1000 queries; this one has 1001"),
+        ("/aggregates", {"queries": [{"at": "2026-03-01T12:00:00Z"}]}, "queries[0].account must be"),
+        ("/aggregates", {"queries": [{"account": "A", "at": "yesterday"}]}, "at must be an ISO-8601 instant"),
+        ("/aggregates", {"queries": [{"account": "A", "at": 5}]}, "queries[0].at must be a string"),
+        ("/relations", {"queries": [{"account": "A", "hops": 4}]}, "hops must be a whole number from 1 to 3"),
+        ("/relations", {"queries": [{"account": "A", "parts": "edges"}]}, "parts must be a comma-separated"),
+        ("/relations", {"queries": [{"account": "x" * 129}]}, "at most 128 characters"),
+    ],
+)
+async def test_bad_batches_get_a_400_sentence(tmp_path: Path, path: str, body: Any, words: str) -> None:
+    app = (
+        relations_app(RelationsStore(str(tmp_path / "r.sqlite")))
+        if path == "/relations"
+        else aggregates_app(AggregatesStore(str(tmp_path / "a.sqlite"), THRESHOLD, BAND))
+    )
+    async with client_for(app) as client:
+        answer = await post(client, path, body, status=400)
+        assert words in answer["error"] and answer["error"].endswith(".")

@@ -253,3 +253,25 @@ def test_unsupported_table_store(raw: str) -> None:
 
 def test_config_error_is_a_value_error() -> None:
     assert issubclass(ConfigError, ValueError)
+
+
+def test_operator_view_limits() -> None:
+    s = load_settings({})
+    assert (s.stall_after, s.lag_warn) == (30.0, 1000)
+    s = load_settings({"AML_STALL_AFTER": "2.5", "AML_LAG_WARN": "0"})
+    assert (s.stall_after, s.lag_warn) == (2.5, 0)
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "says"),
+    [
+        ("AML_STALL_AFTER", "soon", "soon"),
+        ("AML_STALL_AFTER", "0.05", "out of range"),
+        ("AML_STALL_AFTER", "86401", "out of range"),
+        ("AML_LAG_WARN", "many", "many"),
+        ("AML_LAG_WARN", "-1", "out of range"),
+        ("AML_LAG_WARN", "1.5", "whole number"),
+    ],
+)
+def test_bad_operator_view_limits(name: str, raw: str, says: str) -> None:
+    assert says in _fails({name: raw}, name)

@@ -6,7 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from aml_app.gate.watermark import build_rows, is_open, live_demand, refresh_due, watermark
+from aml_app.gate.watermark import (
+    build_rows,
+    is_open,
+    live_blocked_since,
+    live_demand,
+    refresh_due,
+    row_changed,
+    watermark,
+)
 
 # --- watermark ----------------------------------------------------------------------------------
 
@@ -72,6 +80,11 @@ def test_build_rows() -> None:
         "watermark": 7,
         "dependencies": {"relations": 10, "aggregates": 7},
         "refreshed_at": 123.5,
+        # the operator fields: nothing read about them (no log ends, no own commits), first sighting
+        "log_end": None,
+        "service_committed": None,
+        "never_committed": [],
+        "advanced_at": {"relations": 123.5, "aggregates": 123.5},
     }
     # None and a missing partition both count as 0
     assert rows[1]["dependencies"] == {"relations": 0, "aggregates": 0}
@@ -92,6 +105,61 @@ def test_build_rows_only_for_requested_partitions() -> None:
 def test_build_rows_without_groups_raises() -> None:
     with pytest.raises(ValueError):
         build_rows([0], {}, 0.0)
+
+
+def test_build_rows_log_end_is_never_below_a_committed_offset() -> None:
+    committed = {"relations": {0: 10, 1: 4}, "aggregates": {0: 7, 1: None}}
+    # Tansu answers ListOffsets with a batch's base offset + 1: 3 on partition 0, short of the commits.
+    rows = build_rows([0, 1, 2], committed, 1.0, log_ends={0: 3, 1: 9}, service_committed={0: 12, 1: None})
+    assert rows[0]["log_end"] == 12  # our own commit proves the log reaches 12
+    assert rows[1]["log_end"] == 9
+    assert rows[2]["log_end"] is None  # no log end read for partition 2
+    assert rows[0]["service_committed"] == 12
+    assert rows[1]["service_committed"] is None
+
+
+def test_build_rows_own_commit_negative_means_none() -> None:
+    rows = build_rows([0], {"g": {0: 1}}, 1.0, log_ends={0: 5}, service_committed={0: -1})
+    assert rows[0]["service_committed"] is None
+    assert rows[0]["log_end"] == 5
+
+
+def test_build_rows_never_committed_lists_none_and_negative_offsets() -> None:
+    rows = build_rows([0, 1], {"a": {0: None, 1: 3}, "b": {0: -1}, "c": {0: 0, 1: 2}}, 1.0)
+    assert rows[0]["never_committed"] == ["a", "b"]  # an explicit 0 is a commit
+    assert rows[1]["never_committed"] == ["b"]
+    assert rows[0]["watermark"] == 0 and rows[1]["watermark"] == 0  # the gate's rule is unchanged
+
+
+def test_build_rows_advanced_at_kept_while_the_offset_stays_and_reset_when_it_moves() -> None:
+    first = build_rows([0], {"r": {0: 5}, "a": {0: 2}}, 100.0)
+    assert first[0]["advanced_at"] == {"r": 100.0, "a": 100.0}
+    second = build_rows([0], {"r": {0: 6}, "a": {0: 2}}, 105.0, previous=first)
+    assert second[0]["advanced_at"] == {"r": 105.0, "a": 100.0}
+    # a group moving backwards (its offsets were reset) moved too
+    third = build_rows([0], {"r": {0: 6}, "a": {0: 1}}, 110.0, previous=second)
+    assert third[0]["advanced_at"] == {"r": 105.0, "a": 110.0}
+
+
+def test_build_rows_advanced_at_from_an_error_row_or_an_old_row_shape() -> None:
+    errored = {**build_rows([0], {"r": {0: 5}}, 100.0)[0], "error": "boom", "error_at": 101.0}
+    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: errored})[0]["advanced_at"] == {"r": 100.0}
+    old_shape = {"partition": 0, "watermark": 5, "dependencies": {"r": 5}, "refreshed_at": 90.0}
+    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: old_shape})[0]["advanced_at"] == {"r": 102.0}
+    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: None})[0]["advanced_at"] == {"r": 102.0}
+
+
+def test_row_changed() -> None:
+    base = build_rows([0], {"r": {0: 5}}, 100.0, log_ends={0: 8}, service_committed={0: 3})[0]
+    same_later = build_rows([0], {"r": {0: 5}}, 200.0, log_ends={0: 8}, service_committed={0: 3})[0]
+    assert row_changed(None, base)
+    assert not row_changed(base, same_later)  # only the times differ
+    assert row_changed({**base, "error": "x"}, same_later)
+    for change in ({"log_end": 9}, {"service_committed": 4}, {"watermark": 6}, {"never_committed": ["r"]}):
+        assert row_changed(base, {**same_later, **change}), change
+    assert row_changed(
+        base, build_rows([0], {"r": {0: 6}}, 200.0, log_ends={0: 8}, service_committed={0: 3})[0]
+    )
 
 
 # --- live_demand --------------------------------------------------------------------------------
@@ -125,6 +193,17 @@ def test_live_demand_tolerates_missing_fields() -> None:
 
 def test_live_demand_empty() -> None:
     assert live_demand([], now=1.0, max_age=1.0) == {}
+
+
+def test_live_blocked_since_earliest_over_recent_entries() -> None:
+    now = 1000.0
+    entries = [
+        {"at": now - 10, "waiting": {"0": 1}, "since": {"0": 1.0}},  # stale
+        {"at": now, "waiting": {"0": 7, "1": 3}, "since": {"0": 990.0, "1": 995.0}},
+        {"at": now - 1, "waiting": {"0": 4}, "since": {"0": 980.0}},
+        {"at": now, "waiting": {"2": 1}},  # an entry from before "since" existed
+    ]
+    assert live_blocked_since(entries, now, max_age=5) == {0: 980.0, 1: 995.0}
 
 
 # --- refresh_due --------------------------------------------------------------------------------

@@ -1,0 +1,229 @@
+"""`aml-app status`: the watermark table in the terminal, like `kafka-consumer-groups --describe`.
+
+Two sources. By default straight from the broker with the admin API (log ends, this service's group and
+every dependency group's committed offsets per partition, lag, watermark): no worker needed, so it also
+answers when every worker is down. Or `--worker URL`: a running worker's `/watermarks.json`, which adds
+what only the workers know (who waits where and since when, in-flight offsets, stalls). `--json` prints
+the document instead of the table, for scripts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import click
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from aml_app.gate.health import Limits, describe
+from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+from aml_app.gate.watermark import build_rows
+from aml_app.settings import Settings
+
+
+class StatusError(RuntimeError):
+    """The source could not be read; the message is the one line the user sees."""
+
+
+async def fetched_high_watermarks(
+    bootstrap: Sequence[str], topic: str, starts: Mapping[int, int], timeout: float
+) -> dict[int, int]:
+    """The log ends as fetch responses report them (one small fetch per partition).
+
+    ListOffsets is the log end on Apache Kafka, but Tansu answers it with the last record batch's base
+    offset + 1; the high watermark of a fetch response is right on both. Partitions that do not answer
+    within `timeout` are left out (the ListOffsets value stands).
+    """
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=list(bootstrap),
+        enable_auto_commit=False,
+        fetch_max_wait_ms=50,
+        max_partition_fetch_bytes=1024,
+        request_timeout_ms=int(timeout * 1000),
+    )
+    await asyncio.wait_for(consumer.start(), timeout)
+    try:
+        tps = {p: TopicPartition(topic, p) for p in starts}
+        consumer.assign(list(tps.values()))
+        for p, tp in tps.items():
+            consumer.seek(tp, max(starts[p], 0))
+        found: dict[int, int] = {}
+        deadline = time.monotonic() + timeout
+        while len(found) < len(tps) and time.monotonic() < deadline:
+            await consumer.getmany(timeout_ms=100)
+            for p, tp in tps.items():
+                high = consumer.highwater(tp)
+                if high is not None:
+                    found[p] = high
+        return found
+    finally:
+        await consumer.stop()
+
+
+async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
+    """The table from committed offsets and log ends alone (no waits, in-flight offsets or stalls)."""
+    reader = DependencyOffsets(
+        settings.bootstrap_servers, settings.payments_topic, settings.depends_on, request_timeout=timeout
+    )
+    servers = ",".join(settings.bootstrap_servers)
+    try:
+        reading = await reader.read_all(settings.app_id)
+        assert reading.log_ends is not None
+        highwaters = await fetched_high_watermarks(
+            settings.bootstrap_servers, settings.payments_topic, reading.log_ends, timeout
+        )
+    except OffsetReadError as exc:
+        raise StatusError(f"cannot read offsets from the Kafka cluster at {servers}: {exc}") from exc
+    except Exception as exc:
+        raise StatusError(
+            f"cannot read offsets from the Kafka cluster at {servers}: {type(exc).__name__}: {exc}"
+        ) from exc
+    finally:
+        await reader.close()
+    now = time.time()
+    rows = build_rows(
+        reading.partitions,
+        reading.committed,
+        refreshed_at=now,
+        log_ends=reading.log_ends,
+        service_committed=reading.service_committed,
+    )
+    for row in rows.values():  # one reading cannot tell when an offset last moved
+        row["advanced_at"] = {g: None for g in row["advanced_at"]}
+    limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn)
+    view = describe(rows, settings.depends_on, now, limits, highwaters=highwaters)
+    return {
+        "source": "broker",
+        "bootstrap_servers": list(settings.bootstrap_servers),
+        "app_id": settings.app_id,
+        "topic": settings.payments_topic,
+        "depends_on": list(settings.depends_on),
+        "recovering": False,
+        **view,
+        "generated_at": now,
+    }
+
+
+def worker_json_url(url: str) -> str:
+    """`127.0.0.1:6066`, `http://host:6066/` or the full `.../watermarks.json` all name the same view."""
+    url = url.strip()
+    if "://" not in url:
+        url = f"http://{url}"
+    return url if url.endswith("/watermarks.json") else url.rstrip("/") + "/watermarks.json"
+
+
+async def from_worker(url: str, timeout: float) -> dict[str, Any]:
+    """A running worker's `/watermarks.json`, as it is."""
+    target = worker_json_url(url)
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(target, timeout=aiohttp.ClientTimeout(total=timeout)) as response,
+        ):
+            if response.status != 200:
+                body = (await response.text())[:200]
+                raise StatusError(f"the worker at {target} answered HTTP {response.status}: {body}")
+            doc = await response.json()
+    except StatusError:
+        raise
+    except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+        reason = str(exc) or type(exc).__name__
+        raise StatusError(f"cannot reach the worker at {target}: {reason}") from exc
+    return {"source": "worker", **doc}
+
+
+def _cell(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _ago(then: float | None, now: float) -> str:
+    if then is None:
+        return "-"
+    seconds = max(0.0, now - then)
+    return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    """Left-aligned columns separated by two spaces, like Kafka's own tools."""
+    widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
+    return [
+        "  ".join(str(x).ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
+        for line in (header, *rows)
+    ]
+
+
+def render(doc: Mapping[str, Any]) -> str:
+    """The human table of a status document (from the broker or from a worker)."""
+    now = doc["generated_at"]
+    at = datetime.fromtimestamp(now, UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
+    if doc["source"] == "broker":
+        origin = f"read from the Kafka cluster at {','.join(doc['bootstrap_servers'])}"
+    else:
+        origin = f"as worker {doc['worker']} sees it" + (" (the leader)" if doc.get("is_leader") else "")
+    lines = [f"topic {doc['topic']}, service group {doc['app_id']}: {origin}, {at}"]
+    if doc.get("recovering"):
+        return "\n".join([*lines, "the worker is still recovering its tables: no numbers yet"])
+    if not doc["partitions"]:
+        return "\n".join([*lines, "no watermark yet: the leader has not refreshed the table"])
+    groups = list(doc["depends_on"])
+    header = ["PARTITION", "LOG-END", "COMMITTED", "IN-FLIGHT", *groups]
+    header += ["WATERMARK", "WAITING", "WAITING-AT", "BLOCKED-SINCE", "BOTTLENECK"]
+    rows = [
+        [
+            _cell(p["partition"]),
+            _cell(p["log_end"]),
+            _cell(p["service_committed"]),
+            _cell(p["in_flight"]),
+            *(_cell(p["dependencies"].get(g)) for g in groups),
+            _cell(p["watermark"]),
+            _cell(p["payments_waiting"]),
+            _cell(p["waiting_offset"]),
+            _ago(p["blocked_since"], now),
+            ",".join(p["bottleneck"]),
+        ]
+        for p in doc["partitions"]
+    ]
+    deps = [
+        [d["group"], d["status"], _cell(d["lag"]), _ago(d["last_advance"], now), d["detail"]]
+        for d in doc["dependencies"]
+    ]
+    gate = doc.get("gate") or {}
+    lines += ["", *_table(header, rows), ""]
+    lines += _table(["DEPENDENCY", "STATUS", "LAG", "LAST-ADVANCE", "DETAIL"], deps)
+    if gate.get("admin_error"):
+        lines += ["", f"last offset refresh failed: {gate['admin_error']}"]
+    return "\n".join(lines)
+
+
+@click.command("status")
+@click.option(
+    "--worker",
+    "worker_url",
+    metavar="URL",
+    default=None,
+    help="Ask a running worker (e.g. 127.0.0.1:6066) instead of the broker; adds waits and stalls.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON document instead of the table.")
+@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for answers.")
+def status_command(worker_url: str | None, as_json: bool, timeout: float) -> None:
+    """Show the watermark table: log ends, committed offsets, watermarks, waits, dependency status."""
+    from aml_app.settings import load_settings
+
+    # The Kafka client logs every failed connection attempt; the one line below says it all.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    try:
+        if worker_url:
+            doc = asyncio.run(from_worker(worker_url, timeout))
+        else:
+            doc = asyncio.run(from_broker(load_settings(), timeout))
+    except StatusError as exc:
+        click.echo(f"aml-app status: {exc}", err=True)
+        sys.exit(1)
+    click.echo(json.dumps(doc, indent=2) if as_json else render(doc))

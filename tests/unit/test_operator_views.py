@@ -1,0 +1,230 @@
+"""The pieces of the operator views that need no worker: the metric families (parsed back with the
+Prometheus client's own parser), query checking, the page's self-containment, the status table, the
+gated consumer's observer hook."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from collections.abc import Iterable
+from typing import Any
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
+
+from aml_app import metrics
+from aml_app.gate.consumer import Admission
+from aml_app.gate.health import Limits, describe
+from aml_app.gate.watermark import build_rows
+from aml_app.status import render, worker_json_url
+from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
+from tests.unit.test_lanes import Harness, event, until
+
+NOW = 5000.0
+
+
+def snapshot(*, detector: dict[str, Any] | None = None, recovering: bool = False) -> dict[str, Any]:
+    rows = build_rows(
+        [0, 1],
+        {"rel": {0: 3, 1: 8}, "agg": {0: 5, 1: None}},
+        NOW - 40,
+        log_ends={0: 10, 1: 8},
+        service_committed={0: 3, 1: 0},
+    )
+    view = describe(rows, ["rel", "agg"], NOW, Limits(30, 1000), waiting={0: 3}, blocked_since={0: NOW - 35})
+    if recovering:
+        view = {"partitions": [], "dependencies": [], "gate": None}
+    return {
+        "worker": "w1",
+        "service": "probe",
+        "app_id": "aml",
+        "topic": "payments",
+        "depends_on": ["rel", "agg"],
+        "recovering": recovering,
+        "is_leader": True,
+        "dead_lettered": 2,
+        "rebalances": 1,
+        "refresh": {"errors": 4, "admin_requests": 99},
+        "detector": detector,
+        **view,
+        "generated_at": NOW,
+    }
+
+
+def parse(snap: dict[str, Any], handled: int = 7) -> dict[str, Any]:
+    class Once(Collector):
+        def collect(self) -> Iterable[Metric]:
+            return metrics.families(snap, handled)
+
+    registry = CollectorRegistry()
+    registry.register(Once())
+    text = generate_latest(registry).decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def value(families: dict[str, Any], name: str, **labels: str) -> float:
+    family = families[name.removesuffix("_total")]
+    found = [s.value for s in family.samples if s.name == name and s.labels == labels]
+    assert len(found) == 1, (name, labels, family.samples)
+    return found[0]
+
+
+def test_metric_families_parse_with_their_values() -> None:
+    fams = parse(snapshot())
+    assert value(fams, "aml_watermark", partition="0") == 3
+    assert value(fams, "aml_watermark", partition="1") == 0
+    assert value(fams, "aml_log_end_offset", partition="0") == 10
+    assert value(fams, "aml_service_committed_offset", partition="0") == 3
+    assert value(fams, "aml_payments_waiting", partition="0") == 7
+    assert value(fams, "aml_dependency_committed_offset", dependency="agg", partition="0") == 5
+    assert value(fams, "aml_dependency_lag", dependency="rel", partition="0") == 7
+    assert value(fams, "aml_dependency_stalled", dependency="rel") == 1  # 40 s quiet, payment 0:3 waits
+    assert value(fams, "aml_dependency_stalled", dependency="agg") == 0
+    assert value(fams, "aml_dependency_status", dependency="rel", status="stalled") == 1
+    assert value(fams, "aml_dependency_status", dependency="rel", status="ok") == 0
+    assert value(fams, "aml_dependency_status", dependency="agg", status="lagging") == 1  # 8 behind on 1
+    assert value(fams, "aml_dependency_last_advance_timestamp_seconds", dependency="rel") == NOW - 40
+    assert value(fams, "aml_blocked_partitions") == 1
+    assert value(fams, "aml_refresh_age_seconds") == 40
+    assert value(fams, "aml_admin_error") == 0
+    assert value(fams, "aml_recovering") == 0 and value(fams, "aml_is_leader") == 1
+    assert value(fams, "aml_decisions_total") == 7  # no detector: the payments handled
+    assert value(fams, "aml_payments_handled_total") == 7
+    assert value(fams, "aml_dead_lettered_total") == 2
+    assert value(fams, "aml_admin_refresh_errors_total") == 4
+    assert value(fams, "aml_admin_requests_total") == 99
+    assert fams["aml_decisions"].type == "counter" and fams["aml_watermark"].type == "gauge"
+    assert "aml_alerts" not in fams and "aml_freshness_violations" not in fams  # no detector, no lie
+
+
+def test_detector_counters_when_a_detector_runs() -> None:
+    fams = parse(snapshot(detector={"decisions": 11, "alerts": 3, "freshness_violations": 1}))
+    assert value(fams, "aml_decisions_total") == 11
+    assert value(fams, "aml_alerts_total") == 3
+    assert value(fams, "aml_freshness_violations_total") == 1
+
+
+def test_recovering_has_no_per_partition_samples() -> None:
+    fams = parse(snapshot(recovering=True))
+    assert value(fams, "aml_recovering") == 1
+    assert fams["aml_watermark"].samples == []
+    assert fams["aml_dependency_status"].samples == []
+
+
+def test_process_registry_renders_and_the_wait_histogram_counts_admissions() -> None:
+    before = metrics.counts.handled
+    metrics.observe_admission(Admission(0, 5, 6, {"rel": 6}, waited_ms=1500.0, gated=True))
+    assert metrics.counts.handled == before + 1
+    fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    hist = fams["aml_gate_wait_seconds"]
+    assert hist.type == "histogram"
+    buckets = {s.labels["le"]: s.value for s in hist.samples if s.name.endswith("_bucket")}
+    assert buckets["1.0"] == buckets["0.005"]  # 1.5 s lands above 1 s ...
+    assert buckets["2.5"] >= buckets["1.0"] + 1  # ... and within 2.5 s
+    assert "aml_admin_refresh_seconds" in fams
+
+
+# --- query parameters ---------------------------------------------------------------------------
+
+
+def test_check_query() -> None:
+    check_query({}, ())
+    check_query({"partition": "1"}, ("partition",))
+    with pytest.raises(BadQuery, match=r"unknown query parameter 'x'.*accepts only partition"):
+        check_query({"x": "1"}, ("partition",))
+    with pytest.raises(BadQuery, match="takes no query parameter"):
+        check_query({"refresh": "1"}, ())
+    with pytest.raises(BadQuery, match="more than once"):
+        check_query({"partition": "1"}, ("partition",), repeated=["partition"])
+
+
+def test_parse_partitions() -> None:
+    assert parse_partitions("0,2", {0, 1, 2, 3}) == [0, 2]
+    assert parse_partitions(" 3 , 3", {0, 1, 2, 3}) == [3]
+    for bad in ("", "a", "-1", "1.5", "0,,1", "\u0661"):  # the last: an Arabic-Indic digit one
+        with pytest.raises(BadQuery, match="not a comma-separated list"):
+            parse_partitions(bad, {0, 1})
+    with pytest.raises(BadQuery, match=r"partition 7 is not a partition of the topic \(it has 0..3\)"):
+        parse_partitions("7", {0, 1, 2, 3})
+
+
+# --- the page -----------------------------------------------------------------------------------
+
+
+def test_page_is_self_contained() -> None:
+    assert not re.search(r"(https?:)?//[a-z0-9]", PAGE, re.IGNORECASE), "the page names an external URL"
+    assert not re.search(r"<(link|img|iframe)\b|\bsrc=|@import|url\(", PAGE, re.IGNORECASE)
+    assert 'fetch("../watermarks.json"' in PAGE
+    assert "innerHTML" not in PAGE  # values are written as text, never as markup
+    assert "default-src 'none'" in PAGE_HEADERS["Content-Security-Policy"]
+
+
+# --- aml-app status -----------------------------------------------------------------------------
+
+
+def test_worker_json_url() -> None:
+    assert worker_json_url("127.0.0.1:6066") == "http://127.0.0.1:6066/watermarks.json"
+    assert worker_json_url("http://h:1/") == "http://h:1/watermarks.json"
+    assert worker_json_url("https://h/x/watermarks.json") == "https://h/x/watermarks.json"
+
+
+def test_render_table_aligns_columns() -> None:
+    doc = {**snapshot(), "source": "worker"}
+    lines = render(doc).splitlines()
+    assert lines[0].startswith("topic payments, service group aml: as worker w1 sees it (the leader)")
+    header, first, second = lines[2], lines[3], lines[4]
+    assert header.split() == [
+        "PARTITION",
+        "LOG-END",
+        "COMMITTED",
+        "IN-FLIGHT",
+        "rel",
+        "agg",
+        "WATERMARK",
+        "WAITING",
+        "WAITING-AT",
+        "BLOCKED-SINCE",
+        "BOTTLENECK",
+    ]
+    assert first.split() == ["0", "10", "3", "-", "3", "5", "3", "7", "3", "35s", "ago", "rel"]
+    assert second.split() == ["1", "8", "0", "-", "8", "0", "0", "8", "-", "-", "agg"]
+    # aligned: every value starts exactly where its column's header starts
+    starts = [m.start() for m in re.finditer(r"\S+", header)]
+    for line in (first, second):
+        assert all(line[i] != " " and (i == 0 or line[i - 1] == " ") for i in starts), line
+    deps = lines[6:]
+    assert deps[0].split()[:2] == ["DEPENDENCY", "STATUS"]
+    assert deps[1].split()[:2] == ["rel", "stalled"]
+    assert deps[2].split()[:2] == ["agg", "lagging"]
+
+
+def test_render_recovering_and_empty() -> None:
+    assert "still recovering" in render({**snapshot(recovering=True), "source": "worker"})
+    broker_doc = {**snapshot(), "source": "broker", "bootstrap_servers": ["b:9092"], "partitions": []}
+    assert "no watermark yet" in render(broker_doc)
+
+
+# --- the gated consumer's observer hook ---------------------------------------------------------
+
+
+async def test_observers_see_each_handled_payment_once_and_cannot_break_a_lane() -> None:
+    h = Harness()
+    seen: list[tuple[int, int]] = []
+
+    def broken(admission: Admission) -> None:
+        raise RuntimeError("telemetry bug")
+
+    h.gated.observers += [broken, lambda a: seen.append((a.partition, a.offset))]
+    h.failures[(0, 1)] = 2  # retried twice: still one observation
+    try:
+        h.open(0, 100)
+        h.dispatch(event(0, 0), event(0, 1), event(0, 2))
+        await until(lambda: len(h.acks) == 3, "three payments acked")
+        assert seen == [(0, 0), (0, 1), (0, 2)]
+        assert h.violations == []
+    finally:
+        await h.close()
+        await asyncio.sleep(0)
