@@ -122,6 +122,51 @@ def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
     )
 
 
+UNITS = 10_000  # stored amounts have at most four decimal places
+
+
+def to_units(amount: str) -> int:
+    """Stored money text ("12.50", "0.0001") as an exact integer number of 0.0001 units."""
+    whole, _, fraction = amount.partition(".")
+    return int(whole) * UNITS + int((fraction + "0000")[:4])
+
+
+def units_text(units: int) -> str:
+    """The canonical money text (as `money_text`) of a number of 0.0001 units."""
+    whole, fraction = divmod(units, UNITS)
+    return f"{whole}.{f'{fraction:04d}'.rstrip('0').ljust(2, '0')}"
+
+
+class _Window:
+    """Counts, exact per-currency sums (0.0001 units) and counterparties of one window, row by row."""
+
+    __slots__ = ("counts", "parties", "sums")
+
+    def __init__(self) -> None:
+        self.counts = {"out": 0, "in": 0}
+        self.sums: dict[str, dict[str, int]] = {"out": {}, "in": {}}
+        self.parties: dict[str, set[str]] = {"out": set(), "in": set()}
+
+    def add(self, direction: str, counterparty: str, units: int, currency: str) -> None:
+        self.counts[direction] += 1
+        sums = self.sums[direction]
+        sums[currency] = sums.get(currency, 0) + units
+        self.parties[direction].add(counterparty)
+
+    def as_json(self) -> dict[str, Any]:
+        sums = {d: {c: units_text(self.sums[d][c]) for c in sorted(self.sums[d])} for d in ("out", "in")}
+        out, into = self.parties["out"], self.parties["in"]
+        return {
+            "sent_count": self.counts["out"],
+            "sent": sums["out"],
+            "received_count": self.counts["in"],
+            "received": sums["in"],
+            "counterparties": len(out | into),
+            "sent_counterparties": len(out),
+            "received_counterparties": len(into),
+        }
+
+
 def _empty_window() -> dict[str, Any]:
     return {
         "sent_count": 0,
@@ -147,6 +192,9 @@ class AggregatesStore:
             raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
         # threshold * (1 - band) <= amount < threshold is "near the threshold".
         self.near_low = DECIMAL.multiply(self.reporting_threshold, DECIMAL.subtract(1, self.threshold_band))
+        # The same bounds in 0.0001 units (Decimals: an int compares with them exactly).
+        self.near_low_units = DECIMAL.multiply(self.near_low, UNITS)
+        self.threshold_units = DECIMAL.multiply(self.reporting_threshold, UNITS)
         self._writer = Writer(path, SCHEMA)
 
     def close(self) -> None:
@@ -277,37 +325,33 @@ class AggregatesStore:
         }
         if conn is None:
             return answer
+        windows, near = self._windows(conn, account, at_us)
+        answer["windows"] = {name: w.as_json() for name, w in zip(WINDOWS, windows, strict=True)}
+        answer["near_threshold_24h"] = near
+        return answer
+
+    def _windows(self, conn: sqlite3.Connection, account: str, at_us: int) -> tuple[list[_Window], int]:
+        """The windows and the near-threshold count, in one pass over the account's rows of the last 7 d.
+
+        Sums are exact integers of 0.0001 units (stored amounts have at most four decimal places); the
+        windows are nested, so a row counts in its smallest window and every larger one. (Decimal
+        arithmetic per row and window cost most of a query.)
+        """
         rows = conn.execute(
             "SELECT direction, counterparty, amount, currency, ts FROM sides "
             "WHERE account = ? AND ts > ? AND ts <= ?",
             (account, at_us - _HORIZON_US, at_us),
         ).fetchall()
-        for name, length in WINDOWS.items():
-            since = at_us - length // MICROSECOND
-            inside = [r for r in rows if r[4] > since]
-            answer["windows"][name] = self._window(inside)
-            if name == "24h":
-                answer["near_threshold_24h"] = sum(
-                    1
-                    for direction, _, amount, _, _ in inside
-                    if direction == "out" and self.near_low <= Decimal(amount) < self.reporting_threshold
-                )
-        return answer
-
-    @staticmethod
-    def _window(rows: list[tuple[str, str, str, str, int]]) -> dict[str, Any]:
-        sums: dict[str, dict[str, Decimal]] = {"out": {}, "in": {}}
-        counts = {"out": 0, "in": 0}
-        for direction, _, amount, currency, _ in rows:
-            counts[direction] += 1
-            per_currency = sums[direction]
-            per_currency[currency] = DECIMAL.add(per_currency.get(currency, Decimal(0)), Decimal(amount))
-        return {
-            "sent_count": counts["out"],
-            "sent": {c: money_text(sums["out"][c]) for c in sorted(sums["out"])},
-            "received_count": counts["in"],
-            "received": {c: money_text(sums["in"][c]) for c in sorted(sums["in"])},
-            "counterparties": len({r[1] for r in rows}),
-            "sent_counterparties": len({r[1] for r in rows if r[0] == "out"}),
-            "received_counterparties": len({r[1] for r in rows if r[0] == "in"}),
-        }
+        bounds = [at_us - length // MICROSECOND for length in WINDOWS.values()]
+        windows = [_Window() for _ in WINDOWS]
+        near = 0
+        for direction, counterparty, amount, currency, ts in rows:
+            units = to_units(amount)
+            for k in range(len(windows)):
+                if ts > bounds[k]:
+                    for window in windows[k:]:
+                        window.add(direction, counterparty, units, currency)
+                    break
+            if direction == "out" and ts > bounds[1] and self.near_low_units <= units < self.threshold_units:
+                near += 1
+        return windows, near

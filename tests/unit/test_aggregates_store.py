@@ -14,8 +14,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from aml_app.services.aggregates import AggregatesStore, PaymentRow
-from aml_app.services.store import StaleBatch
+from aml_app.services.aggregates import AggregatesStore, PaymentRow, to_units, units_text
+from aml_app.services.store import StaleBatch, money_text
 from tests.reference import exact_from, reference_aggregates
 from tests.unit.test_relations_store import ACCOUNTS, Scenario, scenarios, without_as_of
 
@@ -274,3 +274,13 @@ def test_malformed_rows_are_refused(store: AggregatesStore) -> None:
         with pytest.raises(ValueError):
             store.apply([row], {0: (0, 1)})
     assert store.status()["as_of"] == {}
+
+
+@settings(max_examples=500)
+@given(
+    st.lists(st.decimals(min_value=Decimal("0.0001"), max_value=Decimal("1e15") - 1, places=4), min_size=1)
+)
+def test_integer_units_sum_exactly_like_decimals(amounts: list[Decimal]) -> None:
+    texts = [money_text(a) for a in amounts]
+    assert [to_units(t) for t in texts] == [int(a * 10_000) for a in amounts]
+    assert units_text(sum(to_units(t) for t in texts)) == money_text(sum(amounts, Decimal(0)))

@@ -1,0 +1,203 @@
+"""End to end: the AML service's throughput against its slowest dependency's, in the same run.
+
+The whole system runs as in the demo (`aml_app.demo.Demo` on `aml_app.system.System`: an embedded broker,
+the Spark pipeline of Services B and C, their APIs, the gated AML worker) and the simulator sends N
+payments as fast as it can. Then, from the same run:
+
+- each dependency's throughput = N / (when its group's commits covered the last payment - first send),
+  dated by the demo's commit watch (polls every 50 ms);
+- the AML service's throughput = N / (its last decision - first send);
+- ratio = AML / the slower dependency: 1.0 means the gated service keeps up with the physical limit
+  (it can never decide a payment before its dependencies have committed it). Goal >= 0.8.
+
+Where the time goes: CPU seconds of every process (tree) over the run, per payment; and the AML worker's
+own split of its handler time (evidence from B and C over HTTP, rules, alert, decision) from
+`/watermarks.json`.
+
+    .venv/bin/python -m bench.end_to_end [--payments 20000] [--rate 4000] [--fraud-workers 0]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from aml_app.demo import Demo, Options
+from aml_app.settings import load_settings
+from aml_app.verify import decided_at
+from bench.common import CLK_TCK, machine, markdown_table, write_results
+from tests.harness import wait_until
+
+NAME = "end_to_end"
+
+
+def tree_cpu(pid: int, children: bool = True) -> float:
+    """CPU seconds (user + system) of a process and (unless told not to) every live descendant, including
+    reaped children."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+            stats[int(entry)] = fields
+    family, frontier = {pid}, [pid] if children else []
+    while frontier:
+        children = [p for p, parent in parents.items() if parent in frontier and p not in family]
+        family.update(children)
+        frontier = children
+    total = 0
+    for member in family & set(stats):
+        fields = stats[member]
+        total += sum(int(fields[i]) for i in ((11, 12, 13, 14) if children else (11, 12)))
+    return total / CLK_TCK
+
+
+def processes(demo: Demo) -> dict[str, int]:
+    system = demo.system
+    found = {}
+    if system.broker is not None and system.broker.process is not None:
+        found["broker (Tansu)"] = system.broker.process.pid
+    if system.pipeline is not None and system.pipeline.process is not None:
+        found["pipeline (Spark: driver, JVM, Python workers)"] = system.pipeline.process.pid
+    for kind, api in system.apis.items():
+        if api.process is not None:
+            found[f"{kind} API"] = api.process.pid
+    for worker in system.all_workers:
+        if worker.process is not None:
+            found[f"worker {worker.worker_id}"] = worker.process.pid
+    found[OWN] = os.getpid()
+    return found
+
+
+OWN = "this process alone (simulator, readers, commit watch)"
+
+
+def cpu_of(name: str, pid: int) -> float:
+    # Every other process here is a child of this one: count this one without them.
+    return tree_cpu(pid, children=name != OWN)
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    cpu: dict[str, dict[str, float]] = {"start": {}, "end": {}}
+    states: dict[str, Any] = {}
+
+    async def sample(demo: Demo) -> None:
+        for name, pid in processes(demo).items():
+            cpu["start"][name] = cpu_of(name, pid)
+        simulator = demo.tasks["payment simulator"]
+        await wait_until(
+            lambda: simulator.done() and demo.caught_up(), args.timeout, "everything decided", interval=0.1
+        )
+        for name, pid in processes(demo).items():
+            cpu["end"][name] = cpu_of(name, pid)
+        for worker in demo.system.all_workers:
+            states[worker.worker_id] = await worker.state()
+
+    settings = load_settings()
+    folder = Path(tempfile.mkdtemp(prefix="aml-bench-e2e-"))
+    options = Options(
+        duration=args.payments / args.rate,
+        rate=args.rate,
+        aml_workers=1,
+        fraud_workers=args.fraud_workers,
+        seed=args.seed,
+        folder=folder,
+        drain_deadline=args.timeout,
+    )
+    demo = Demo(settings, options, script=sample)
+    verdict = await demo.run()
+    if verdict is None or not cpu["end"]:
+        raise RuntimeError("the run did not complete")
+    ledger, watch = demo.ledger, demo.system.watch
+    assert watch is not None
+    steady = {pid for pid in ledger.ids() if pid not in ledger.warm_up}
+    first_sent = min(ledger.sent_at[p] for p in steady)
+    n = len(steady) + len(ledger.malformed)
+    done_at = {}
+    for group in demo.system.groups:
+        times = [watch.timeline.covered_at(group, p, end - 1) for p, end in ledger.ends.items()]
+        if any(t is None for t in times):
+            raise RuntimeError(f"{group} never covered the log end")
+        done_at[group] = max(t for t in times if t is not None)
+    decisions = demo.system.decisions["aml"].of_run(steady)
+    done_at["aml"] = max(decided_at(d) for d in decisions)
+    rates = {who: n / (at - first_sent) for who, at in done_at.items()}
+    slowest = min(rates[g] for g in demo.system.groups)
+    used = {k: cpu["end"][k] - cpu["start"].get(k, 0.0) for k in cpu["end"]}
+    aml_state = states.get("aml-0") or {}
+    detector = aml_state.get("detector") or {}
+    return {
+        "benchmark": NAME,
+        "machine": machine(),
+        "params": vars(args) | {"folder": str(folder)},
+        "records": n,
+        "valid": len(steady),
+        "seconds": {who: at - first_sent for who, at in done_at.items()},
+        "records_per_s": rates,
+        "ratio_aml_to_slowest_dependency": rates["aml"] / slowest,
+        "goal": "AML throughput / slowest dependency's >= 0.8",
+        "goal_met": rates["aml"] / slowest >= 0.8,
+        "cpu_seconds": used,
+        "cpu_us_per_record": {k: v / n * 1e6 for k, v in used.items()},
+        "detector": detector,
+        "checks": {
+            "premature": verdict.services["aml"].premature_decisions,
+            "freshness_violations": verdict.services["aml"].freshness_violations,
+            "missing": verdict.services["aml"].missing,
+            "ok": verdict.ok,
+        },
+    }
+
+
+def report(doc: dict[str, Any]) -> str:
+    rates = markdown_table(
+        ["who", "done after (s)", "records/s"],
+        [(who, doc["seconds"][who], round(rate)) for who, rate in doc["records_per_s"].items()],
+    )
+    goal = "met" if doc["goal_met"] else "NOT met"
+    cpu = markdown_table(
+        ["process (tree)", "CPU s", "CPU µs per record"],
+        [(k, v, round(doc["cpu_us_per_record"][k])) for k, v in sorted(doc["cpu_seconds"].items())],
+    )
+    split = doc["detector"].get("seconds", {})
+    decisions = max(doc["detector"].get("decisions", 0), 1)
+    handler = markdown_table(
+        ["AML handler step", "seconds (sum over payments)", "ms per payment"],
+        [(k, v, v / decisions * 1000) for k, v in split.items()],
+    )
+    return "\n\n".join(
+        [
+            rates,
+            f"ratio AML / slowest dependency: {doc['ratio_aml_to_slowest_dependency']:.3f} "
+            f"(goal >= 0.8: {goal})",
+            cpu,
+            handler,
+        ]
+    )
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--payments", type=int, default=20_000)
+    parser.add_argument("--rate", type=float, default=4000, help="the simulator's send rate (payments/s)")
+    parser.add_argument("--fraud-workers", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--timeout", type=float, default=900, help="seconds to catch up after sending")
+    args = parser.parse_args()
+    doc = asyncio.run(measure(args))
+    path = write_results(NAME, doc)
+    print()
+    print(report(doc))
+    print(f"\nresults: {path}")
+
+
+if __name__ == "__main__":
+    cli()
