@@ -11,17 +11,21 @@ Then the real servers run as subprocesses (`aml-app serve relations|aggregates` 
 ports) and a load generator on loopback (aiohttp, one connection per client) keeps C requests in flight
 for a fixed duration, each for a random account (uniform over all accounts):
 
-    relations:  GET /relations/{account}?hops=2
+    relations:  GET /relations/{account}?hops=2                  (every part: the neighbourhood too)
+                GET /relations/{account}?hops=3&parts=out,cycle  (what a detector asks per payment)
+                POST /relations, B queries like the one above    (what a detector asks per batch)
     aggregates: GET /aggregates/{account}?at=<random instant inside the data's time range>
+                POST /aggregates, B such queries
 
-for C = 1 and 16. Reported per (endpoint, C): requests/s, latency p50/p99 (from sending the request to
+for C = 1 and 16 (B = --batch, 100). Reported per (endpoint, C): requests/s, queries/s (B per POST),
+latency p50/p99 (from sending the request to
 having read the whole body), mean response size, errors, and the server's CPU use over the window. The
 pipeline is NOT writing during the measurement (the stores are static); while it writes, readers still
 never block (WAL) but compete with it for the CPU. The load generator shares the machine (2 cores here)
 with the server, so at C = 16 the figures are a floor for what the server alone could do.
 
     .venv/bin/python -m bench.api_latency [--payments 100000] [--accounts 10000] [--duration 10]
-        [--concurrency 1 16] [--keep]
+        [--concurrency 1 16] [--batch 100] [--keep]
 """
 
 from __future__ import annotations
@@ -57,10 +61,14 @@ ZIPF_EXPONENT = 0.8
 SPAN = timedelta(days=6, hours=12)
 WARMUP = 1.0
 REQUEST_TIMEOUT = 30.0
+#: (path, query parameters, JSON body or None for a GET, queries it asks)
+Request = tuple[str, dict[str, str], dict[str, Any] | None, int]
+
 COLUMNS = {
     "endpoint": "endpoint",
     "clients": "clients",
     "req_per_s": "req/s",
+    "queries_per_s": "queries/s",
     "p50_ms": "p50 ms",
     "p99_ms": "p99 ms",
     "max_ms": "max ms",
@@ -168,12 +176,13 @@ async def wait_healthy(api: ApiProcess, timeout: float = 60) -> None:
 
 
 async def drive(
-    api: ApiProcess, request: Any, clients: int, duration: float, rng: random.Random
+    api: ApiProcess, label: str, request: Any, clients: int, duration: float, rng: random.Random
 ) -> dict[str, Any]:
     """`clients` loops, each with one request in flight, for WARMUP + `duration` seconds; measures the
-    last `duration`."""
+    last `duration`. `request(rng)` gives (path, query params, JSON body or None for a GET, queries)."""
     latencies: list[float] = []
     sizes: list[int] = []
+    queries = 0
     errors = 0
     connector = aiohttp.TCPConnector(limit=clients, force_close=False)
     timeout = aiohttp.ClientTimeout(REQUEST_TIMEOUT)
@@ -182,11 +191,14 @@ async def drive(
         stop_at = measure_from + duration
 
         async def client() -> None:
-            nonlocal errors
+            nonlocal errors, queries
             while (now := time.monotonic()) < stop_at:
-                path, params = request(rng)
+                path, params, payload, asked = request(rng)
+                call = (
+                    session.get(path, params=params) if payload is None else session.post(path, json=payload)
+                )
                 try:
-                    async with session.get(path, params=params) as response:
+                    async with call as response:
                         body = await response.read()
                         ok = response.status == 200
                 except (aiohttp.ClientError, TimeoutError):
@@ -195,6 +207,7 @@ async def drive(
                     latencies.append((time.monotonic() - now) * 1000)
                     sizes.append(len(body))
                     errors += not ok
+                    queries += asked
 
         assert api.process is not None
         tasks = [asyncio.create_task(client()) for _ in range(clients)]
@@ -204,10 +217,11 @@ async def drive(
         cpu_after = cpu_seconds(api.process.pid) or 0.0
     window = duration + (time.monotonic() - stop_at)  # the last requests end after stop_at
     return {
-        "endpoint": api.kind,
+        "endpoint": label,
         "clients": clients,
         "requests": len(latencies),
         "req_per_s": round(len(latencies) / window, 1),
+        "queries_per_s": round(queries / window, 1),
         "p50_ms": round(percentile(latencies, 50), 2),
         "p99_ms": round(percentile(latencies, 99), 2),
         "max_ms": round(max(latencies, default=float("nan")), 2),
@@ -237,12 +251,37 @@ async def main(args: argparse.Namespace) -> None:
     accounts = [f"acct-{i:05d}" for i in range(args.accounts)]
     span_s = SPAN.total_seconds()
 
-    def relations_request(rng: random.Random) -> tuple[str, dict[str, str]]:
-        return f"/relations/{rng.choice(accounts)}", {"hops": "2"}
+    def instant(rng: random.Random) -> str:
+        return (end - timedelta(seconds=span_s * rng.random())).isoformat().replace("+00:00", "Z")
 
-    def aggregates_request(rng: random.Random) -> tuple[str, dict[str, str]]:
-        at = end - timedelta(seconds=span_s * rng.random())
-        return f"/aggregates/{rng.choice(accounts)}", {"at": at.isoformat().replace("+00:00", "Z")}
+    def relations_everything(rng: random.Random) -> Request:
+        return f"/relations/{rng.choice(accounts)}", {"hops": "2"}, None, 1
+
+    def relations_detector(rng: random.Random) -> Request:
+        return f"/relations/{rng.choice(accounts)}", {"hops": "3", "parts": "out,cycle"}, None, 1
+
+    def aggregates_one(rng: random.Random) -> Request:
+        return f"/aggregates/{rng.choice(accounts)}", {"at": instant(rng)}, None, 1
+
+    def relations_batch(rng: random.Random) -> Request:
+        body = {
+            "queries": [
+                {"account": rng.choice(accounts), "hops": 3, "parts": "out,cycle"} for _ in range(args.batch)
+            ]
+        }
+        return "/relations", {}, body, args.batch
+
+    def aggregates_batch(rng: random.Random) -> Request:
+        body = {"queries": [{"account": rng.choice(accounts), "at": instant(rng)} for _ in range(args.batch)]}
+        return "/aggregates", {}, body, args.batch
+
+    endpoints = [
+        ("relations", "GET /relations hops=2 (all parts)", relations_everything),
+        ("relations", "GET /relations hops=3 parts=out,cycle", relations_detector),
+        ("relations", f"POST /relations, {args.batch} queries of hops=3 parts=out,cycle", relations_batch),
+        ("aggregates", "GET /aggregates", aggregates_one),
+        ("aggregates", f"POST /aggregates, {args.batch} queries", aggregates_batch),
+    ]
 
     apis = [ApiProcess(kind, settings, workdir / f"{kind}-api.log") for kind in ("relations", "aggregates")]
     rows = []
@@ -253,12 +292,13 @@ async def main(args: argparse.Namespace) -> None:
         for api in apis:
             await wait_healthy(api)
         rng = random.Random(11)
-        for api, request in zip(apis, (relations_request, aggregates_request), strict=True):
+        by_kind = {api.kind: api for api in apis}
+        for kind, label, request in endpoints:
             for clients in args.concurrency:
-                row = await drive(api, request, clients, args.duration, rng)
+                row = await drive(by_kind[kind], label, request, clients, args.duration, rng)
                 print(
-                    f"  {api.kind:<10} C={clients:<3} {row['req_per_s']:>8} req/s  "
-                    f"p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms  errors {row['errors']}"
+                    f"  {label:<50} C={clients:<3} {row['req_per_s']:>8} req/s ({row['queries_per_s']} "
+                    f"queries/s)  p50 {row['p50_ms']} ms  p99 {row['p99_ms']} ms  errors {row['errors']}"
                 )
                 rows.append(row)
     finally:
@@ -278,6 +318,7 @@ async def main(args: argparse.Namespace) -> None:
             "partitions": PARTITIONS,
             "batch": BATCH,
             "duration_s": args.duration,
+            "queries_per_batch": args.batch,
             "warmup_s": WARMUP,
             "pipeline_writing": False,
             "client": "aiohttp on loopback, same machine as the server",
@@ -305,6 +346,7 @@ def cli() -> None:
     parser.add_argument("--accounts", type=int, default=10_000)
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds per run")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--batch", type=int, default=100, help="queries per POST (the detectors' batches)")
     parser.add_argument("--keep", action="store_true", help="keep the stores and the API logs")
     asyncio.run(main(parser.parse_args()))
 
