@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean system-deps
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -12,10 +12,15 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
-demo: $(STAMP)
+system-deps:
+	@.ci/system-deps
+
+demo: system-deps $(STAMP)
 	$(BIN)/aml-app demo
 
-test: $(STAMP)
+test: system-deps $(STAMP)
+	@java -version 2>&1 | head -1
+	@chromium --version 2>/dev/null | tail -1 || true
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest
@@ -24,10 +29,14 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-bench: $(STAMP)
+bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.gate_overhead
 	$(BIN)/python -m bench.gate_latency
 	$(BIN)/python -m bench.admin_idle
+	$(BIN)/python -m bench.pipeline_throughput
+	$(BIN)/python -m bench.api_latency
+	$(BIN)/python -m bench.end_to_end
+	$(BIN)/python -m bench.gate_matters
 	$(BIN)/python -m bench.plot
 
 clean:
