@@ -1,7 +1,8 @@
 """The handler of a detecting service (AML, fraud): fresh evidence from B and C, rules, decision, alert.
 
-For each payment the gate let through:
-1. ask B and C about it (`aml_app.dependency_client`), waiting and asking again while one is away;
+For each batch of payments of one partition that the gate let through (`AML_MAX_BATCH` at most):
+1. ask B and C about them, one request to each for the whole batch (`aml_app.dependency_client`),
+   waiting and asking again while one is away;
 2. check freshness: every answer's `as_of` must include the payment. The gate makes this true; if it is
    not, that is a freshness violation: counted, and with the gate on the payment waits and asks again,
    so no decision is ever made on evidence that lacks it. With the gate off (the comparison mode) the
@@ -10,7 +11,8 @@ For each payment the gate let through:
 4. send the alert, once: `alerts-sent` (RocksDB table) remembers alerted payments, so a payment processed
    again after a crash or a rebalance does not alert twice; alerts are keyed by payment id, so a
    compacted topic agrees downstream;
-5. send the decision (every payment, keyed by payment id).
+5. send the decisions (every payment, keyed by payment id); the lane acks the batch once the broker has
+   them all.
 """
 
 from __future__ import annotations
