@@ -3,10 +3,18 @@ payment, that the gate let it through and when.
 
 The gate's own integration tests and benchmarks run it, so they check and measure the gate alone, with
 the dependency groups played by the test (no Spark, no HTTP).
+
+`AML_PROBE_COST_MS` (default 0) adds a cost per payment, a benchmarking knob only (`bench/scaling.py`):
+it makes the worker the bottleneck so that throughput follows the worker count. `AML_PROBE_COST_KIND`
+says what the cost is: `cpu` burns that much CPU time (rules that compute), `block` sleeps without
+releasing the event loop (a synchronous call to something slow: no CPU, but the worker does nothing
+else meanwhile), `wait` awaits a sleep (an asynchronous call: the other partitions' lanes go on).
 """
 
 from __future__ import annotations
 
+import asyncio
+import time
 from datetime import UTC, datetime
 
 from aml_app.app import decisions_topic, settings
@@ -17,7 +25,28 @@ from aml_app.service import gated_service
 NOTE = "probe: admitted by the gate; no evidence asked for and no rule run"
 
 
+def burn_cpu(seconds: float) -> None:
+    """Spin until this thread has used `seconds` of CPU (not wall) time: the same work per payment
+    however busy the machine is."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+async def pay_cost(ms: float, kind: str) -> None:
+    """The benchmarking cost of one payment (see the module docstring)."""
+    if ms <= 0:
+        return
+    if kind == "cpu":
+        burn_cpu(ms / 1000)
+    elif kind == "block":
+        time.sleep(ms / 1000)  # noqa: ASYNC251 - deliberately blocking: a synchronous client call
+    else:
+        await asyncio.sleep(ms / 1000)
+
+
 async def record(payment: Payment, admission: Admission) -> None:
+    await pay_cost(settings.probe_cost_ms, settings.probe_cost_kind)
     decision = Decision(
         payment_id=payment.payment_id,
         partition=admission.partition,

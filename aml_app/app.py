@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import faust
 from faust.types import TransportT
 
+from aml_app.kafka_security import faust_credentials
 from aml_app.models import Alert, Decision
+from aml_app.scaling import watch_assignments
 from aml_app.settings import load_settings
 from aml_app.transport import transport_with_fetch_wait
 
 settings = load_settings()
+#: The URL other workers know this one by; Faust also names group members by it, and
+#: `aml_app.scaling` counts members by it: with a wildcard bind (containers) use the host's name.
+canonical_host = socket.gethostname() if settings.web_host in ("0.0.0.0", "::", "") else settings.web_host
 
 
 class AmlApp(faust.App):
@@ -49,7 +55,12 @@ app = AmlApp(
     web_bind=settings.web_host,
     web_host=settings.web_host,
     web_port=settings.web_port,
+    canonical_url=f"http://{canonical_host}:{settings.web_port}",
+    # TLS/SASL from KAFKA_SECURITY_PROTOCOL etc. (None: plaintext); Faust passes it to all its clients.
+    broker_credentials=faust_credentials(settings.kafka_security),
 )
+#: Warns at each assignment that leaves this worker without a payments partition (aml_app.scaling).
+assignment_watch = watch_assignments(app, settings.payments_topic, settings.app_id, settings.worker_id)
 
 payments_topic = app.topic(
     settings.payments_topic,

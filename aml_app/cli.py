@@ -161,6 +161,7 @@ def main() -> None:
 
     from aml_app.simulation.command import simulate_command
     from aml_app.status import status_command
+    from aml_app.topics_command import topics_command
 
     cli.add_command(broker_command)
     cli.add_command(demo_command)
@@ -168,6 +169,7 @@ def main() -> None:
     cli.add_command(serve_command)
     cli.add_command(simulate_command)
     cli.add_command(status_command)
+    cli.add_command(topics_command)
     app.main()
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
+    from aml_app.kafka_security import KafkaSecurity
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -37,6 +38,12 @@ def _default_fraud_thresholds() -> FraudThresholds:
     from aml_app.detection.thresholds import FraudThresholds
 
     return FraudThresholds()
+
+
+def _default_kafka_security() -> KafkaSecurity:
+    from aml_app.kafka_security import KafkaSecurity
+
+    return KafkaSecurity()
 
 
 def available_services() -> list[str]:
@@ -98,6 +105,14 @@ class Settings:
     # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
     stall_after: float = 30.0
     lag_warn: int = 1000
+    #: TLS and SASL for every Kafka client (aml_app.kafka_security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
+    #: KAFKA_SSL_*. Its repr leaves the password out.
+    kafka_security: Any = field(default_factory=_default_kafka_security)
+    #: Benchmarking knob of the probe service only (agents/probe.py): a cost per payment, in ms, and
+    #: its kind: "cpu" (busy loop), "block" (a blocking sleep that holds the event loop without using
+    #: CPU, like a synchronous client call) or "wait" (an asyncio sleep, like an awaited call).
+    probe_cost_ms: float = 0.0
+    probe_cost_kind: str = "cpu"
 
     @property
     def faust_brokers(self) -> list[str]:
@@ -204,6 +219,30 @@ def _url(env: Mapping[str, str], name: str) -> str:
     return value.rstrip("/")
 
 
+def _security(env: Mapping[str, str]) -> Any:
+    from aml_app.kafka_security import load_security
+
+    return load_security(env)
+
+
+def _millis(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+    raw = _text(env, name, str(default))
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number of milliseconds.") from None
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={value} is out of range; expected {low:g}..{high:g} milliseconds.")
+    return value
+
+
+def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = _text(env, name, default).lower()
+    if value not in choices:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}.")
+    return value
+
+
 def _thresholds(env: Mapping[str, str], kind: str) -> Any:
     from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 
@@ -298,6 +337,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         ),
         stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
         lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
+        kafka_security=_security(env),
+        probe_cost_ms=_millis(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000),
+        probe_cost_kind=_choice(
+            env, "AML_PROBE_COST_KIND", defaults.probe_cost_kind, ("cpu", "block", "wait")
+        ),
     )
     if not settings.table_store.startswith(("rocksdb://", "memory://")):
         raise ConfigError(

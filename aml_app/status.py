@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aml_app.gate.health import Limits, describe
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.gate.watermark import build_rows
+from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
 from aml_app.settings import Settings
 
 
@@ -33,7 +34,11 @@ class StatusError(RuntimeError):
 
 
 async def fetched_high_watermarks(
-    bootstrap: Sequence[str], topic: str, starts: Mapping[int, int], timeout: float
+    bootstrap: Sequence[str],
+    topic: str,
+    starts: Mapping[int, int],
+    timeout: float,
+    security: KafkaSecurity | None = None,
 ) -> dict[int, int]:
     """The log ends as fetch responses report them (one small fetch per partition).
 
@@ -47,6 +52,7 @@ async def fetched_high_watermarks(
         fetch_max_wait_ms=50,
         max_partition_fetch_bytes=1024,
         request_timeout_ms=int(timeout * 1000),
+        **aiokafka_kwargs(security),
     )
     await asyncio.wait_for(consumer.start(), timeout)
     try:
@@ -70,14 +76,22 @@ async def fetched_high_watermarks(
 async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
     """The table from committed offsets and log ends alone (no waits, in-flight offsets or stalls)."""
     reader = DependencyOffsets(
-        settings.bootstrap_servers, settings.payments_topic, settings.depends_on, request_timeout=timeout
+        settings.bootstrap_servers,
+        settings.payments_topic,
+        settings.depends_on,
+        request_timeout=timeout,
+        security=settings.kafka_security,
     )
     servers = ",".join(settings.bootstrap_servers)
     try:
         reading = await reader.read_all(settings.app_id)
         assert reading.log_ends is not None
         highwaters = await fetched_high_watermarks(
-            settings.bootstrap_servers, settings.payments_topic, reading.log_ends, timeout
+            settings.bootstrap_servers,
+            settings.payments_topic,
+            reading.log_ends,
+            timeout,
+            security=settings.kafka_security,
         )
     except OffsetReadError as exc:
         raise StatusError(f"cannot read offsets from the Kafka cluster at {servers}: {exc}") from exc

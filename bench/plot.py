@@ -1,7 +1,8 @@
 """Plots of the last benchmark results, for the issue: a picture shows the latency tail at a glance.
 
-Reads bench/results/gate_overhead.json and bench/results/gate_latency.json (whichever exist) and
-writes gate_overhead.png (decisions/s per run) and gate_latency.png (latency CDF per run).
+Reads bench/results/gate_overhead.json, gate_latency.json and scaling.json (whichever exist) and
+writes gate_overhead.png (decisions/s per run), gate_latency.png (latency CDF per run) and scaling.png
+(decisions/s and admin requests/s against the worker count).
 
     .venv/bin/python -m bench.plot
 """
@@ -9,6 +10,7 @@ writes gate_overhead.png (decisions/s per run) and gate_latency.png (latency CDF
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -65,12 +67,62 @@ def plot_latency(doc: dict[str, Any]) -> Path:
     return path
 
 
+def plot_scaling(doc: dict[str, Any]) -> Path:
+    """Left: decisions/s per worker count and cost kind (each round a marker, the median a line), with
+    linear scaling from the 1-worker median dotted. Right: admin requests/s, summed over workers."""
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colours = {"cpu": "tab:red", "block": "tab:blue", "wait": "tab:grey"}
+    labels = {
+        "cpu": "cpu: busy loop (bounded by the cores)",
+        "block": "block: blocking sleep, no CPU",
+        "wait": "wait: awaited sleep (lanes overlap it)",
+    }
+    summary = {kind: rows for kind, rows in doc["summary"].items() if kind != "stalled_runs"}
+    for kind, per_count in summary.items():
+        counts = sorted(int(n) for n in per_count)
+        colour = colours.get(kind, "black")
+        medians = []
+        for n in counts:
+            values = per_count[str(n)]["decisions_per_s"]
+            left.scatter([n] * len(values), values, color=colour, s=14, alpha=0.6)
+            medians.append(statistics.median(values))
+        left.plot(counts, medians, color=colour, marker="o", label=labels.get(kind, kind))
+        ratios = [per_count[str(n)]["median_ratio_to_1"] for n in counts]
+        for n, m, r in zip(counts, medians, ratios, strict=True):
+            left.annotate(f"x{r:.2f}", (n, m), textcoords="offset points", xytext=(6, -10), fontsize=8)
+        if kind != "wait":  # linear scaling from one worker, for reference (the wait needs no more workers)
+            left.plot(counts, [medians[0] * n for n in counts], color=colour, ls=":", lw=0.8)
+        for phase, marker in (("held", "s"), ("processing", "o")):
+            values = [statistics.median(per_count[str(n)][f"admin_requests_per_s_{phase}"]) for n in counts]
+            right.plot(counts, values, color=colour, marker=marker, label=f"{kind}, {phase}")
+    params = doc["params"]
+    left.set_title(f"Decisions/s, {params['cost_ms']:g} ms per payment, {params['partitions']} partitions")
+    left.set_xlabel("workers")
+    left.set_ylabel("decisions/s (commit → last decision)")
+    left.set_xticks(sorted({int(n) for rows in summary.values() for n in rows}))
+    left.set_ylim(bottom=0)
+    left.legend(fontsize=7, loc="upper left")
+    right.set_title("Admin requests/s, all workers (leader only)")
+    right.set_xlabel("workers")
+    right.set_ylabel("requests/s")
+    right.set_xticks(left.get_xticks())
+    right.set_ylim(bottom=0)
+    right.legend(fontsize=7)
+    fig.tight_layout()
+    path = RESULTS / "scaling.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     made = []
     if overhead := _load("gate_overhead"):
         made.append(plot_overhead(overhead))
     if latency := _load("gate_latency"):
         made.append(plot_latency(latency))
+    if scaling := _load("scaling"):
+        made.append(plot_scaling(scaling))
     print("\n".join(str(p) for p in made) or f"no results in {RESULTS}; run a benchmark first")
 
 

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+
 log = logging.getLogger(__name__)
 
 
@@ -39,7 +41,12 @@ class Reading:
 
 class DependencyOffsets:
     """One admin client (and, for log ends, one group-less consumer), reused across refreshes,
-    counting the requests it makes."""
+    counting the requests it makes.
+
+    `security` is the cluster's TLS/SASL settings; None takes the process's (KAFKA_SECURITY_PROTOCOL etc.
+    from the environment), so every reader in a worker, in `aml-app status` and in the demo's commit
+    watch authenticates like the rest of the process.
+    """
 
     def __init__(
         self,
@@ -47,8 +54,10 @@ class DependencyOffsets:
         topic: str,
         groups: Sequence[str],
         request_timeout: float = 5.0,
+        security: KafkaSecurity | None = None,
     ) -> None:
         self.bootstrap_servers = list(bootstrap_servers)
+        self._security = aiokafka_kwargs(security)
         self.topic = topic
         self.groups = list(groups)
         self.request_timeout = request_timeout
@@ -64,6 +73,7 @@ class DependencyOffsets:
                 bootstrap_servers=self.bootstrap_servers,
                 client_id="aml-gate",
                 request_timeout_ms=int(self.request_timeout * 1000),
+                **self._security,
             )
             await asyncio.wait_for(client.start(), self.request_timeout)
             self._client = client
@@ -77,6 +87,7 @@ class DependencyOffsets:
                 client_id="aml-gate",
                 enable_auto_commit=False,
                 request_timeout_ms=int(self.request_timeout * 1000),
+                **self._security,
             )
             await asyncio.wait_for(consumer.start(), self.request_timeout)
             self._consumer = consumer

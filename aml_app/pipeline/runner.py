@@ -50,8 +50,15 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
 
 
 def kafka_config(settings: Settings) -> dict[str, str]:
-    """Client settings for confluent-kafka (librdkafka names)."""
-    return {"bootstrap.servers": ",".join(settings.bootstrap_servers)}
+    """Client settings for confluent-kafka (librdkafka names): the servers and, for a secured cluster,
+    TLS/SASL (`aml_app.kafka_security`). The Spark source gets them as `kafka.*` options; Spark redacts
+    option values whose key matches `spark.redaction.regex` (the password's does)."""
+    from aml_app.kafka_security import librdkafka_config
+
+    return {
+        "bootstrap.servers": ",".join(settings.bootstrap_servers),
+        **librdkafka_config(settings.kafka_security),
+    }
 
 
 def is_local_path(path: str) -> bool:

@@ -131,6 +131,7 @@ def simulate_command(
                     prefix=prefix,
                     progress=click.echo,
                     stop=stop,
+                    security=settings.kafka_security,
                 )
             )
         )

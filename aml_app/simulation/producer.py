@@ -22,6 +22,7 @@ from aiokafka import AIOKafkaProducer
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
+from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
 from aml_app.simulation.traffic import (
     DEFAULT_BAND,
     DEFAULT_SPEEDUP,
@@ -86,6 +87,7 @@ async def run_simulator(
     producer: AIOKafkaProducer | None = None,
     stop: asyncio.Event | None = None,
     on_sent: Callable[[SimPayment, int, int, float], None] | None = None,
+    security: KafkaSecurity | None = None,
 ) -> SimulatorReport:
     """Simulate `rate * duration` payments and send them at `rate` per second; see the module docstring.
 
@@ -93,6 +95,7 @@ async def run_simulator(
     is left running; otherwise one is created with acks=all and stopped at the end. Setting `stop` ends
     the run after the current burst (`stopped_early` in the report). `on_sent(payment, partition, offset,
     sent_at)` is called for every acknowledged payment as it goes (sent_at: POSIX time of its burst).
+    `security` (TLS/SASL) is used for the producer created here; None: the process's settings.
     """
     simulation = simulate(
         seed,
@@ -119,7 +122,11 @@ async def run_simulator(
     owned = producer is None
     if producer is None:
         producer = AIOKafkaProducer(
-            bootstrap_servers=list(bootstrap), acks="all", linger_ms=5, client_id="aml-simulator"
+            bootstrap_servers=list(bootstrap),
+            acks="all",
+            linger_ms=5,
+            client_id="aml-simulator",
+            **aiokafka_kwargs(security),
         )
         try:
             await producer.start()

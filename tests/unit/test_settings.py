@@ -275,3 +275,51 @@ def test_operator_view_limits() -> None:
 )
 def test_bad_operator_view_limits(name: str, raw: str, says: str) -> None:
     assert says in _fails({name: raw}, name)
+
+
+def test_kafka_security_defaults_to_plaintext_and_is_read_at_start_up() -> None:
+    assert load_settings({}).kafka_security.protocol == "PLAINTEXT"
+    s = load_settings(
+        {
+            "KAFKA_SECURITY_PROTOCOL": "sasl_plaintext",
+            "KAFKA_SASL_MECHANISM": "scram-sha-256",
+            "KAFKA_SASL_USERNAME": "svc",
+            "KAFKA_SASL_PASSWORD": "pw",
+        }
+    )
+    assert (s.kafka_security.protocol, s.kafka_security.sasl_mechanism) == ("SASL_PLAINTEXT", "SCRAM-SHA-256")
+    assert (s.kafka_security.username, s.kafka_security.password) == ("svc", "pw")
+
+
+@pytest.mark.parametrize(
+    ("env", "name"),
+    [
+        ({"KAFKA_SECURITY_PROTOCOL": "ssl-please"}, "KAFKA_SECURITY_PROTOCOL"),
+        ({"KAFKA_SASL_MECHANISM": "PLAIN"}, "KAFKA_SASL_MECHANISM"),
+        ({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KAFKA_SASL_PASSWORD": "pw"}, "KAFKA_SASL_USERNAME"),
+        ({"KAFKA_SECURITY_PROTOCOL": "SSL", "KAFKA_SSL_CAFILE": "/nonexistent/ca.pem"}, "KAFKA_SSL_CAFILE"),
+    ],
+)
+def test_bad_kafka_security(env: dict[str, str], name: str) -> None:
+    _fails(env, name)
+
+
+def test_probe_cost_is_off_by_default_and_read_when_set() -> None:
+    s = load_settings({})
+    assert (s.probe_cost_ms, s.probe_cost_kind) == (0.0, "cpu")
+    s = load_settings({"AML_PROBE_COST_MS": "2.5", "AML_PROBE_COST_KIND": "Block"})
+    assert (s.probe_cost_ms, s.probe_cost_kind) == (2.5, "block")
+
+
+@pytest.mark.parametrize(
+    ("name", "raw", "says"),
+    [
+        ("AML_PROBE_COST_MS", "slow", "milliseconds"),
+        ("AML_PROBE_COST_MS", "-1", "out of range"),
+        ("AML_PROBE_COST_MS", "10001", "out of range"),
+        ("AML_PROBE_COST_MS", "nan", "out of range"),
+        ("AML_PROBE_COST_KIND", "gpu", "cpu, block, wait"),
+    ],
+)
+def test_bad_probe_cost(name: str, raw: str, says: str) -> None:
+    assert says in _fails({name: raw}, name)

@@ -1,0 +1,74 @@
+"""`aml-app topics --create` on the embedded broker: creates what is missing, keeps what exists, refuses a
+replication factor the cluster cannot hold with one sentence."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import uuid
+
+import pytest
+from aiokafka.admin import AIOKafkaAdminClient
+
+from aml_app.broker import EmbeddedBroker
+from aml_app.workers import aml_app_executable
+
+pytestmark = pytest.mark.integration
+
+
+def topics(broker: EmbeddedBroker, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [aml_app_executable(), "topics", *args],
+        env={**os.environ, "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+async def test_create_makes_the_missing_topics_with_their_partitions(broker: EmbeddedBroker) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    env = {
+        "AML_PAYMENTS_TOPIC": f"payments-{suffix}",
+        "AML_DLQ_TOPIC": f"dlq-{suffix}",
+        "AML_DECISIONS_TOPIC": f"decisions-{suffix}",
+        "AML_ALERTS_TOPIC": f"alerts-{suffix}",
+        "AML_PARTITIONS": "3",
+    }
+    listed = topics(broker, **env)
+    assert listed.returncode == 0, listed.stderr
+    assert f"payments-{suffix}" in listed.stdout and "cleanup.policy=compact" in listed.stdout
+
+    first = topics(broker, "--create", **env)
+    assert first.returncode == 0, first.stderr
+    mine = [f"payments-{suffix}", f"dlq-{suffix}", f"decisions-{suffix}", f"alerts-{suffix}"]
+    for name in mine:
+        assert f"created  {name}" in first.stdout
+    admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    await admin.start()
+    try:
+        described = {t["topic"]: len(t["partitions"]) for t in await admin.describe_topics(mine)}
+    finally:
+        await admin.close()
+    assert described == dict.fromkeys(mine, 3)
+
+    again = topics(broker, "--create", **{**env, "AML_PARTITIONS": "5"})
+    assert again.returncode == 0, again.stderr
+    assert f"exists   payments-{suffix} with 3 partitions, not 5; left as it is" in again.stdout
+    assert "created" not in again.stdout
+
+
+def test_a_replication_factor_above_the_broker_count_is_one_sentence(broker: EmbeddedBroker) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    result = topics(broker, "--create", AML_REPLICATION_FACTOR="3", AML_PAYMENTS_TOPIC=f"payments-{suffix}")
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [
+        "Error: AML_REPLICATION_FACTOR=3 but the cluster has 1 broker(s); set it to at most 1."
+    ]
+
+
+def test_a_bad_security_setting_stops_it_before_connecting(broker: EmbeddedBroker) -> None:
+    result = topics(broker, "--create", KAFKA_SECURITY_PROTOCOL="SASL_SSL", KAFKA_SASL_USERNAME="u")
+    assert result.returncode != 0
+    assert "KAFKA_SASL_PASSWORD" in result.stderr
+    assert "Traceback" not in result.stderr

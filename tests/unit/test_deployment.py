@@ -1,0 +1,375 @@
+"""The deployment files (Procfile, docker/compose.yaml, docker/Dockerfile) against the code they run.
+
+No Docker engine here, so the compose file is checked for structure: a 3-node KRaft quorum, replication
+factor 3 for our topics, every command one our CLI accepts (parsed by our click CLI, nothing started),
+every AML_*/KAFKA_* variable one our settings read (and a value they accept), the stores shared by the
+pipeline and the APIs, workers reachable. The Procfile: every command exists, every worker gets its own
+port from honcho's numbering, and aml and fraud ports never collide.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import shlex
+import tomllib
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+import yaml
+from honcho.environ import expand_processes, parse_procfile
+
+from aml_app.settings import available_services, load_settings
+from aml_app.topics import topic_specs
+
+ROOT = Path(__file__).resolve().parents[2]
+COMPOSE = ROOT / "docker" / "compose.yaml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
+CONSTRAINTS = ROOT / "docker" / "constraints.txt"
+PROCFILE = ROOT / "Procfile"
+OUR_VARIABLE = re.compile(r"^(AML|KAFKA)_[A-Z0-9_]+$")
+
+
+# ---- our CLI, as `aml-app` builds it
+
+
+@pytest.fixture(scope="module")
+def cli() -> Iterator[click.Group]:
+    """Faust's command group with our commands registered by `aml_app.cli.main` (Faust's own `app.main`,
+    which would run a command, stubbed out)."""
+    import aml_app.cli
+    from aml_app.app import app
+
+    original = app.main
+    app.main = lambda: None  # type: ignore[method-assign]
+    try:
+        aml_app.cli.main()
+    finally:
+        app.main = original  # type: ignore[method-assign]
+    from faust.cli.faust import cli as group
+
+    yield group
+
+
+def parse(group: click.Group, argv: Sequence[str]) -> str:
+    """Parse `aml-app ARGV` the way click would before running it; the command's name, or a UsageError."""
+    ctx = group.make_context("aml-app", list(argv))
+    rest = [*getattr(ctx, "_protected_args", []), *ctx.args]
+    name, command, args = group.resolve_command(ctx, rest)
+    assert command is not None and name is not None
+    command.make_context(name, args, parent=ctx)
+    return name
+
+
+def test_the_parser_refuses_what_our_cli_would_refuse(cli: click.Group) -> None:
+    assert parse(cli, ["worker", "-l", "info"]) == "worker"
+    assert parse(cli, ["topics", "--create"]) == "topics"
+    for bad in (["wrker"], ["worker", "--bogus"], ["serve", "payments"], ["pipeline", "--master"]):
+        with pytest.raises(click.UsageError):
+            parse(cli, bad)
+
+
+# ---- settings
+
+
+class Recording(dict):
+    """An environment that remembers which variables the settings asked for."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.read: set[str] = set()
+
+    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+        self.read.add(key)
+        return super().get(key, default)
+
+
+def settings_variables(env: Mapping[str, str]) -> set[str]:
+    """Every variable `load_settings` reads, given `env` (it must load)."""
+    recording = Recording(env)
+    load_settings(recording)
+    empty = Recording()
+    load_settings(empty)
+    return recording.read | empty.read
+
+
+# ---- docker/compose.yaml
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict[str, Any]:
+    return yaml.safe_load(COMPOSE.read_text())
+
+
+def image_env() -> dict[str, str]:
+    """The ENV lines of the Dockerfile (what every container of the image starts with)."""
+    env: dict[str, str] = {}
+    for instruction in dockerfile_instructions():
+        if instruction[0] == "ENV":
+            for token in shlex.split(instruction[1]):
+                name, _, value = token.partition("=")
+                env[name] = value
+    return env
+
+
+def env_of(service: Mapping[str, Any]) -> dict[str, str]:
+    raw = service.get("environment") or {}
+    if isinstance(raw, list):
+        raw = dict(item.split("=", 1) for item in raw)
+    return {k: str(v) for k, v in raw.items()}
+
+
+def app_services(compose: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The services that run our image."""
+    return {
+        name: s for name, s in compose["services"].items() if str(s.get("image", "")).startswith("aml-app:")
+    }
+
+
+def kafka_nodes(compose: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {
+        name: s
+        for name, s in compose["services"].items()
+        if str(s.get("image", "")).startswith("apache/kafka:")
+    }
+
+
+def test_three_kafka_nodes_form_one_kraft_quorum(compose: dict[str, Any]) -> None:
+    nodes = kafka_nodes(compose)
+    assert len(nodes) == 3
+    images = {s["image"] for s in nodes.values()}
+    assert len(images) == 1 and re.fullmatch(r"apache/kafka:\d+\.\d+\.\d+", images.pop())
+    envs = {name: env_of(s) for name, s in nodes.items()}
+    ids = {name: int(env["KAFKA_NODE_ID"]) for name, env in envs.items()}
+    assert len(set(ids.values())) == 3, "node ids must be distinct"
+    for key in ("CLUSTER_ID", "KAFKA_CONTROLLER_QUORUM_VOTERS", "KAFKA_PROCESS_ROLES"):
+        assert len({env[key] for env in envs.values()}) == 1, f"{key} differs between nodes"
+    assert not any("KAFKA_ZOOKEEPER_CONNECT" in env for env in envs.values())
+    voters = {}
+    for voter in next(iter(envs.values()))["KAFKA_CONTROLLER_QUORUM_VOTERS"].split(","):
+        node_id, _, address = voter.partition("@")
+        host, _, port = address.rpartition(":")
+        voters[int(node_id)] = (host, port)
+    controllers = {
+        name for name, env in envs.items() if "controller" in env["KAFKA_PROCESS_ROLES"].split(",")
+    }
+    assert controllers == set(nodes), "combined mode: every node is a controller"
+    assert set(voters) == {ids[name] for name in controllers}
+    for name, env in envs.items():
+        assert "broker" in env["KAFKA_PROCESS_ROLES"].split(",")
+        hostname = nodes[name].get("hostname", name)
+        assert hostname == name, "other containers reach a node by its service name"
+        listeners = dict(item.split("://", 1) for item in env["KAFKA_LISTENERS"].split(","))
+        controller_name = env["KAFKA_CONTROLLER_LISTENER_NAMES"]
+        assert voters[ids[name]] == (hostname, listeners[controller_name].rpartition(":")[2])
+        assert f"PLAINTEXT://{hostname}:9092" in env["KAFKA_ADVERTISED_LISTENERS"].split(",")
+        assert int(env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"]) == 3
+        assert int(env["KAFKA_MIN_INSYNC_REPLICAS"]) == 2
+        data = env["KAFKA_LOG_DIRS"]
+        assert any(v.endswith(":" + data) for v in nodes[name]["volumes"]), "the log dir is on a volume"
+        assert nodes[name]["healthcheck"]["test"]
+
+
+def test_our_topics_get_replication_factor_three(compose: dict[str, Any]) -> None:
+    services = app_services(compose)
+    topics = services["topics"]
+    assert topics["command"][:2] == ["topics", "--create"]
+    assert topics["restart"] == "no"
+    assert all(topics["depends_on"][n]["condition"] == "service_healthy" for n in kafka_nodes(compose))
+    env = {**image_env(), **env_of(topics)}
+    specs = topic_specs(load_settings(env))
+    assert specs and all(spec.replication_factor == 3 for spec in specs)
+    payments = next(s for s in specs if s.name == "payments")
+    assert payments.config["min.insync.replicas"] == "2"
+    assert payments.partitions == int(env["AML_PARTITIONS"])
+    # Faust creates its own topics (changelogs, leader election) with the same replication factor.
+    for name, service in services.items():
+        assert env_of(service).get("AML_REPLICATION_FACTOR") == "3", name
+        if name != "topics":
+            assert service["depends_on"]["topics"]["condition"] == "service_completed_successfully", name
+
+
+def test_every_app_service_runs_a_command_our_cli_accepts(compose: dict[str, Any], cli: click.Group) -> None:
+    services = app_services(compose)
+    assert {"topics", "pipeline", "relations", "aggregates", "aml", "fraud"} <= set(services)
+    ran = {name: parse(cli, service["command"]) for name, service in services.items()}
+    assert ran["pipeline"] == "pipeline"
+    assert ran["relations"] == ran["aggregates"] == "serve"
+    assert ran["aml"] == ran["fraud"] == "worker"
+    assert ran["simulator"] == "simulate"
+
+
+def test_every_variable_the_compose_sets_is_a_setting_with_a_valid_value(compose: dict[str, Any]) -> None:
+    for name, service in app_services(compose).items():
+        env = {**image_env(), **env_of(service)}
+        ours = {k for k in env if OUR_VARIABLE.match(k)}
+        unknown = ours - settings_variables(env)
+        assert not unknown, f"{name} sets variables that aml_app/settings.py never reads: {sorted(unknown)}"
+    bootstrap = env_of(app_services(compose)["topics"])["KAFKA_BOOTSTRAP_SERVERS"]
+    assert sorted(bootstrap.split(",")) == [f"{node}:9092" for node in sorted(kafka_nodes(compose))]
+
+
+def test_the_pipeline_and_the_apis_share_the_store_volume(compose: dict[str, Any]) -> None:
+    services = app_services(compose)
+    mounts = {}
+    for name in ("pipeline", "relations", "aggregates"):
+        env = {**image_env(), **env_of(services[name])}
+        store_dir = load_settings(env).store_dir
+        volume = next(
+            v for v in services[name]["volumes"] if store_dir.startswith(v.split(":")[1].rstrip("/") + "/")
+        )
+        mounts[name] = volume.split(":")[0]
+        assert volume.split(":")[0] in compose["volumes"], "a named volume, not a container path"
+    assert len(set(mounts.values())) == 1, mounts
+
+
+def test_workers_bind_every_address_and_find_the_apis(compose: dict[str, Any]) -> None:
+    services = app_services(compose)
+    workers = {n: s for n, s in services.items() if s["command"][0] == "worker"}
+    assert set(workers) == {"aml", "fraud"}
+    for name, service in workers.items():
+        settings = load_settings({**image_env(), **env_of(service)})
+        assert settings.web_host == "0.0.0.0"
+        assert settings.service == name and name in available_services()
+        assert service["deploy"]["replicas"] >= 2
+        for api, url in (("relations", settings.relations_url), ("aggregates", settings.aggregates_url)):
+            api_settings = load_settings({**image_env(), **env_of(services[api])})
+            port = api_settings.relations_port if api == "relations" else api_settings.aggregates_port
+            assert url == f"http://{api}:{port}"
+            assert api_settings.services_host == "0.0.0.0"
+        # One host port per replica: the range holds every replica.
+        published = service["ports"][0].split(":")
+        low, high = (int(p) for p in published[0].split("-"))
+        assert high - low + 1 >= service["deploy"]["replicas"] and published[1] == str(settings.web_port)
+
+
+# ---- docker/Dockerfile
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(
+        r"\\\n", " ", "\n".join(x for x in DOCKERFILE.read_text().splitlines() if not x.startswith("#"))
+    )
+    found = []
+    for line in text.splitlines():
+        if line.strip():
+            word, _, rest = line.strip().partition(" ")
+            found.append((word.upper(), rest.strip()))
+    return found
+
+
+def test_the_image_is_slim_pinned_non_root_with_java_and_aml_app_as_entrypoint() -> None:
+    instructions = dockerfile_instructions()
+    bases = [rest for word, rest in instructions if word == "FROM"]
+    assert len(bases) == 1 and re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", bases[0])
+    users = [rest for word, rest in instructions if word == "USER"]
+    assert users and users[-1] not in ("root", "0")
+    entrypoint = [rest for word, rest in instructions if word == "ENTRYPOINT"]
+    assert len(entrypoint) == 1 and yaml.safe_load(entrypoint[0]) == ["aml-app"]
+    runs = " ".join(rest for word, rest in instructions if word == "RUN")
+    assert "openjdk-17-jre-headless" in runs
+    assert "pip install" in runs and "-c docker/constraints.txt" in runs
+    load_settings(image_env())  # the image's own settings load
+
+
+def test_every_dependency_is_pinned_for_the_image() -> None:
+    pins = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line.strip() and not line.startswith("#"):
+            name, _, version = line.partition("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for requirement in project["dependencies"]:
+        name = re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0]
+        key = re.sub(r"[-_.]+", "-", name).lower()
+        assert key in pins, f"{name} is not pinned in docker/constraints.txt (run docker/pin_constraints.py)"
+        if "==" in requirement:
+            assert requirement.split("==")[1].strip() == pins[key], (
+                f"{name}: pyproject and constraints differ"
+            )
+
+
+# ---- Procfile
+
+
+def procfile() -> dict[str, str]:
+    return dict(parse_procfile(PROCFILE.read_text()).processes)
+
+
+def split_command(line: str) -> tuple[dict[str, str], list[str]]:
+    """`VAR=value ... exec aml-app ARGS` -> ({VAR: value}, [ARGS]); fails if the program is not aml-app."""
+    tokens = shlex.split(line)
+    assignments = {}
+    while tokens and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", tokens[0]):
+        name, _, value = tokens.pop(0).partition("=")
+        assignments[name] = value
+    if tokens and tokens[0] == "exec":
+        tokens.pop(0)
+    assert tokens and tokens[0] == "aml-app", f"not an aml-app command: {line!r}"
+    return assignments, tokens[1:]
+
+
+def port_of(expression: str, port: int) -> int:
+    """The value of `$PORT` or `$((PORT + N))` for a given $PORT (the only forms we allow)."""
+    if expression in ("$PORT", "${PORT}"):
+        return port
+    match = re.fullmatch(r"\$\(\(\s*\$?PORT\s*\+\s*(\d+)\s*\)\)", expression)
+    assert match, f"unsupported port expression {expression!r}"
+    return port + int(match.group(1))
+
+
+def test_every_procfile_process_is_an_aml_app_command(cli: click.Group) -> None:
+    processes = procfile()
+    assert set(processes) == {"broker", "pipeline", "relations", "aggregates", "aml", "fraud", "simulator"}
+    ran = {name: parse(cli, split_command(line)[1]) for name, line in processes.items()}
+    assert ran == {
+        "broker": "broker",
+        "pipeline": "pipeline",
+        "relations": "serve",
+        "aggregates": "serve",
+        "aml": "worker",
+        "fraud": "worker",
+        "simulator": "simulate",
+    }
+    for name in ("aml", "fraud"):
+        assignments, _ = split_command(processes[name])
+        assert "PORT" in assignments["AML_WEB_PORT"], f"{name} must take its web port from honcho's $PORT"
+        env = {k: str(port_of(v, 5000)) if k == "AML_WEB_PORT" else v for k, v in assignments.items()}
+        assert load_settings(env).service == name
+
+
+def worker_ports(types: Sequence[str], counts: Mapping[str, int], base: int) -> list[int]:
+    """The web ports honcho's own numbering gives the workers of one `honcho start -c ... TYPES` run."""
+    processes = procfile()
+    chosen = {name: processes[name] for name in types}
+    ports = []
+    for params in expand_processes(chosen, concurrency=dict(counts), port=base):
+        kind = params.name.split(".")[0]
+        if kind in ("aml", "fraud"):
+            expression = split_command(processes[kind])[0]["AML_WEB_PORT"]
+            ports.append(port_of(expression, int(params.env["PORT"])))
+    return ports
+
+
+@pytest.mark.parametrize("aml", [1, 3, 50])
+@pytest.mark.parametrize("fraud", [1, 2, 50])
+def test_aml_and_fraud_workers_never_share_a_port(aml: int, fraud: int) -> None:
+    counts = {"aml": aml, "fraud": fraud}
+    everything = list(procfile())
+    runs = [
+        everything,
+        ["aml", "fraud"],
+        ["fraud", "aml"],
+        *itertools.permutations(["aml", "fraud", "broker"]),
+    ]
+    for types in runs:
+        ports = worker_ports(types, counts, 5000)
+        assert len(ports) == aml + fraud
+        assert len(set(ports)) == len(ports), f"collision in `honcho start {' '.join(types)}`"
+    # Two separate honcho runs on the same base port: `honcho start aml` and `honcho start fraud`.
+    apart = worker_ports(["aml"], counts, 5000) + worker_ports(["fraud"], counts, 5000)
+    assert len(set(apart)) == aml + fraud
