@@ -37,6 +37,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.api_latency
 	$(BIN)/python -m bench.end_to_end
 	$(BIN)/python -m bench.gate_matters
+	$(BIN)/python -m bench.scaling
 	$(BIN)/python -m bench.plot
 
 clean:

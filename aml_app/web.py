@@ -82,6 +82,9 @@ def snapshot() -> dict[str, Any]:
         "dead_lettered": gated.dead_lettered,
         "rebalances": gated.rebalances,
         "refetches": gated.refetches,
+        "holes_refetched": gated.holes_refetched,
+        "gaps_accepted": gated.gaps_accepted,
+        "fetching": {str(p): state for p, state in gated.fetch_state(settings.payments_topic).items()},
         "refresh": {
             "last_refresh_age_s": None
             if status.last_refresh is None

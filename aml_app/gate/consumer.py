@@ -13,6 +13,14 @@ of an unacked head, which in-order acks never produce). A handler exception is r
 the lane stays on that payment: nothing is skipped (Faust would ack a crashed event, issue #315). On a
 rebalance every lane stops at once, waiting or not; its unacked payments are re-read by the next owner
 (or resumed here, if the partition stays).
+
+A lane never runs past a hole. Faust can skip records of a partition (seen about once in ten runs of
+three workers joining at once: a range of offsets never reached the stream, later ones did) and then
+commits over the range it counts as a gap once a later offset is acked. So when an offset arrives past
+the one a lane expects, the lane holds it and reads the log directly: if records exist in between, the
+partition is fetched again from the expected offset; if not (transaction markers, compaction), the held
+events go on. The expected offset of a partition's first event is where the generation starts (the
+group's committed offset), so events wait until this worker has read that after an assignment.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ from faust.streams import _current_event
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
 from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.holes import first_offset_from
 from aml_app.gate.offsets import DependencyOffsets
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
@@ -95,7 +104,12 @@ class Lane:
     done: int = 0
     #: Next offset this lane expects; anything lower was delivered before (a re-delivery).
     next_offset: int | None = None
+    #: When the lane last received the offset it expected.
     last_dispatch: float = field(default_factory=time.monotonic)
+    #: (expected, received) while a jump past the expected offset is being checked against the log.
+    hole: tuple[int, int] | None = None
+    #: The events received past the hole meanwhile, in offset order; queued if the hole is no hole.
+    held: list[EventT] = field(default_factory=list)
 
     @property
     def in_flight(self) -> int | None:
@@ -144,6 +158,10 @@ class GatedConsumer:
         self.parked: dict[int, list[EventT]] = {}
         #: Where each assigned partition starts in this generation, and since when it is ours.
         self.starts: dict[int, int] = {}
+        #: Whether `starts` is known for the current generation; until then (attached only) events wait
+        #: in `early`, so that a jump past the start is seen as the hole it is.
+        self.assigned = False
+        self.early: dict[int, list[EventT]] = {}
         self.assigned_at = time.monotonic()
         self.dead_lettered = 0
         self.rebalances = 0
@@ -151,6 +169,12 @@ class GatedConsumer:
         #: Called with the admission of each payment the handler finished (metrics); never fails a lane.
         self.observers: list[Callable[[Admission], None]] = []
         self._stream: StreamT | None = None
+        self._background: set[asyncio.Future[None]] = set()
+        #: The offset of the first record at or after an offset of a partition, read from the log
+        #: (None: unknown); set by attach().
+        self.first_offset: Callable[[int, int], Awaitable[int | None]] | None = None
+        self.holes_refetched = 0
+        self.gaps_accepted = 0
 
     def attach(self, *, bootstrap_servers: Sequence[str], topic: str, group: str, check_every: float) -> None:
         """Wire this consumer to the app's rebalances and run the delivery check every `check_every` s.
@@ -162,15 +186,24 @@ class GatedConsumer:
         async def stop_lanes(sender: Any, revoked: Any, **kwargs: Any) -> None:
             self.on_revoked()
 
-        async def resume_lanes(sender: Any, assigned: Any, **kwargs: Any) -> None:
-            mine = sorted(tp for tp in assigned if tp.topic == topic)
-            generation = self.rebalances
+        async def learn_starts(mine: list[TP], generation: int) -> None:
             starts = await self._starts(bootstrap_servers, group, mine) if mine else {}
-            if self.rebalances == generation:  # a newer rebalance began: its own handler takes over
+            if self.rebalances == generation:  # a newer rebalance began: its own task takes over
                 self.on_assigned(starts)
+
+        async def resume_lanes(sender: Any, assigned: Any, **kwargs: Any) -> None:
+            # Reading offsets takes round trips to the broker: do it beside the rebalance, not inside
+            # Faust's rebalance callback, which holds up the group join while it runs.
+            mine = sorted(tp for tp in assigned if tp.topic == topic)
+            self._spawn(learn_starts(mine, self.rebalances))
 
         async def check_delivery() -> None:
             await self.check_delivery(topic, quiet=2 * check_every)
+
+        async def first_offset(partition: int, offset: int) -> int | None:
+            return await first_offset_from(bootstrap_servers, topic, partition, offset)
+
+        self.first_offset = first_offset
 
         self.app.on_partitions_revoked.connect(stop_lanes)
         self.app.on_partitions_assigned.connect(resume_lanes)
@@ -199,13 +232,18 @@ class GatedConsumer:
             lane = self.lanes[partition] = Lane(partition)
             lane.task = asyncio.ensure_future(self._run_lane(lane))
             lane.task.add_done_callback(self._lane_ended)
-            for event in self.parked.pop(partition, []):
+            parked = self.parked.pop(partition, [])
+            if parked:
+                lane.next_offset = parked[0].message.offset  # kept from before: contiguous from there
+            for event in parked:
                 self._enqueue(lane, event)
         return lane
 
     def _dispatch(self, event: EventT) -> None:
+        if self.first_offset is not None and not self.assigned:
+            self.early.setdefault(event.message.partition, []).append(event)
+            return
         lane = self._lane(event.message.partition)
-        lane.last_dispatch = time.monotonic()
         self._enqueue(lane, event)
         if not lane.paused and len(lane.queue) >= self.max_pending:
             # Back-pressure for this partition only: stop fetching it until the lane catches up.
@@ -214,12 +252,62 @@ class GatedConsumer:
 
     def _enqueue(self, lane: Lane, event: EventT) -> None:
         offset = event.message.offset
-        if lane.next_offset is not None and offset < lane.next_offset:
-            return  # delivered before the rebalance and kept: this is the re-delivery
+        expected = lane.next_offset if lane.next_offset is not None else self.starts.get(lane.partition)
+        if expected is not None and offset < expected:
+            return  # delivered before (kept over a rebalance, or fetched again): this is the re-delivery
+        if lane.hole is not None:
+            if offset > expected:  # type: ignore[operator]  # a hole implies an expected offset
+                if not lane.held or offset > lane.held[-1].message.offset:
+                    lane.held.append(event)
+                return
+            lane.hole, lane.held = None, []  # the missing record came after all: the hole is filled
+        elif expected is not None and offset > expected and self.first_offset is not None:
+            lane.hole, lane.held = (expected, offset), [event]
+            self._spawn(self._check_hole(lane, TP(*event.message.tp)))
+            return
         lane.next_offset = offset + 1
+        lane.last_dispatch = time.monotonic()
         lane.arrived[offset] = time.monotonic()
         lane.queue.append(event)
         lane.ready.set()
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _check_hole(self, lane: Lane, tp: TP) -> None:
+        """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
+        holds no record there (the gap in offsets is real)."""
+        assert lane.hole is not None and self.first_offset is not None
+        hole = expected, received = lane.hole
+        first_offset = self.first_offset
+        first = await retry_forever(
+            f"reading {tp.topic}:{tp.partition} at {expected} from the log",
+            lambda: first_offset(tp.partition, expected),
+        )
+        if lane.hole != hole or self.lanes.get(lane.partition) is not lane:
+            return  # filled meanwhile, or the partition moved on
+        if first is not None and first >= received:
+            log.info(
+                "%s: no records at offsets %d..%d (a gap in the log); going on", tp, expected, received - 1
+            )
+            held, lane.hole, lane.held = lane.held, None, []
+            lane.next_offset = received
+            self.gaps_accepted += 1
+            for event in held:
+                self._enqueue(lane, event)
+            return
+        log.warning(
+            "%s: the consumer skipped offsets %d..%d (delivered %d next); fetching them again",
+            tp,
+            expected,
+            received - 1,
+            received,
+        )
+        lane.held = []  # they come again after the missing ones
+        await self.app.consumer.seek(tp, expected)
+        self.holes_refetched += 1
 
     def on_revoked(self) -> None:
         """Stop every lane; keep its unacked events aside until we know who owns the partition.
@@ -230,6 +318,8 @@ class GatedConsumer:
         """
         self.rebalances += 1
         self.starts = {}  # nothing is ours until the next assignment
+        self.assigned = False
+        self.early = {}
         lanes, self.lanes = self.lanes, {}
         for lane in lanes.values():
             if lane.task is not None:
@@ -245,6 +335,7 @@ class GatedConsumer:
         group's committed offset, or the log start): the delivery check below compares against it.
         """
         self.starts = dict(starts)
+        self.assigned = True
         self.assigned_at = time.monotonic()
         for p in list(self.parked):
             if p not in starts:
@@ -256,38 +347,69 @@ class GatedConsumer:
                 # Only an event from before the assignment could have made this lane: never ours.
                 lane.task.cancel()
                 del self.lanes[p]
+        early, self.early = self.early, {}
+        for p, events in early.items():
+            if p in starts:
+                for event in events:
+                    self._dispatch(event)
 
     async def check_delivery(self, topic: str, quiet: float) -> None:
-        """Re-fetch records that the consumer fetched but that never reached a lane.
+        """Fetch again what an owned partition should have delivered to its lane and did not.
 
         Right after an assignment Faust can skip freshly fetched records and then, for a partition
-        without a committed offset, not seek back (seen under CPU load: a new owner received nothing).
-        A record that was fetched but not dispatched within `quiet` seconds was dropped: seek to the
-        first offset the lane still needs. The lanes drop any duplicate this causes.
+        without a committed offset, not seek back (seen under CPU load: a new owner received nothing,
+        with nothing logged): the consumer's position is past what the lane has had. A hole whose
+        refetch did not take looks the same. Once the lane has had nothing new for `quiet` seconds, the
+        partition is seeked to the first offset the lane still needs; the lane drops any duplicate.
         """
         now = time.monotonic()
+        consumer = self.app.consumer
         for p, start in list(self.starts.items()):
             lane = self.lanes.get(p)
             last = lane.last_dispatch if lane else self.assigned_at
-            if now - last < quiet:
+            if now - last < quiet or (lane is not None and lane.paused):
                 continue
             expected = lane.next_offset if lane and lane.next_offset is not None else start
             tp = TP(topic, p)
-            if tp not in self.app.consumer.assignment():
+            if tp not in consumer.assignment():
                 continue
             try:
-                position = await asyncio.wait_for(self.app.consumer.position(tp), quiet)
+                position = await asyncio.wait_for(consumer.position(tp), quiet)
             except TimeoutError:
                 continue  # no valid position yet: the consumer is still resetting it
-            if position is not None and position > expected:
-                log.warning(
-                    "%s: offsets %d..%d were fetched but never delivered; fetching them again",
-                    tp,
-                    expected,
-                    position - 1,
-                )
-                await self.app.consumer.seek(tp, expected)
-                self.refetches += 1
+            if position is None or position <= expected:
+                continue
+            log.warning(
+                "%s: offsets %d..%d were fetched but never delivered; fetching them again",
+                tp,
+                expected,
+                position - 1,
+            )
+            await consumer.seek(tp, expected)
+            self.refetches += 1
+
+    def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:
+        """Per owned partition, what the delivery check looks at: where this generation started, the next
+        offset the lane expects, how long it has had nothing, and whether Faust fetches it at all."""
+        consumer = self.app.consumer
+        paused = getattr(consumer, "_paused_partitions", set())
+        active = getattr(consumer, "_active_partitions", None)
+        now = time.monotonic()
+        state = {}
+        for p in sorted(set(self.starts) | set(self.lanes)):
+            lane = self.lanes.get(p)
+            tp = TP(topic, p)
+            state[p] = {
+                "start": self.starts.get(p),
+                "next_offset": lane.next_offset if lane else None,
+                "queued": len(lane.queue) if lane else 0,
+                "quiet_s": round(now - (lane.last_dispatch if lane else self.assigned_at), 3),
+                "paused_by_lane": bool(lane and lane.paused),
+                "hole": list(lane.hole) if lane and lane.hole else None,
+                "paused_in_faust": tp in paused,
+                "fetched_by_faust": None if active is None else tp in active,
+            }
+        return state
 
     def _lane_ended(self, task: asyncio.Task[None]) -> None:
         """A lane ends only when cancelled. Anything else is a bug: stop loudly, never stall silently."""

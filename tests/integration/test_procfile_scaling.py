@@ -149,17 +149,23 @@ class Traffic:
         self.placed: dict[str, tuple[int, int]] = {}  # payment id -> (partition, offset)
         self.sent_at: list[tuple[float, int, int]] = []  # (when, partition, offset + 1)
         self.timeline = CommitTimeline()
-        self.stop = asyncio.Event()
+        self.stop = asyncio.Event()  # asks the simulator to stop after its current burst
+        self.sent_all = asyncio.Event()  # the simulator has returned: every acknowledged payment is known
 
     def on_sent(self, payment: Any, partition: int, offset: int, sent_at: float) -> None:
         self.placed[payment.payment_id] = (partition, offset)
         self.sent_at.append((time.monotonic(), partition, offset + 1))
 
     async def follow(self) -> None:
-        """Commit, every 0.25 s, the log ends as they were DEPENDENCY_LAG seconds ago; all at the end."""
+        """Commit, every 0.25 s, the log ends as they were DEPENDENCY_LAG seconds ago; all at the end.
+
+        The end is when the simulator has returned, not when it was asked to stop: the burst under way
+        then is acknowledged after the request, and a final commit made before it would leave those
+        payments uncommitted by the dependencies (so, rightly, never decided).
+        """
         committed: dict[int, int] = {}
         while True:
-            done = self.stop.is_set()
+            done = self.sent_all.is_set()
             cutoff = time.monotonic() - (0 if done else DEPENDENCY_LAG)
             ends: dict[int, int] = {}
             for when, p, end in self.sent_at:
@@ -189,6 +195,7 @@ class Traffic:
             )
         finally:
             self.stop.set()
+            self.sent_all.set()
             await follower
 
 

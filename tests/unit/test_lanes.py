@@ -562,3 +562,80 @@ def test_one_kind_of_handler_and_a_sane_batch_size() -> None:
         GatedConsumer(h.app, h.gate, h.handle, h.dlq, batch_handler=h.handle_batch)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_batch"):
         GatedConsumer(h.app, h.gate, h.handle, h.dlq, max_batch=2)  # type: ignore[arg-type]
+
+
+# --- holes in delivery ---------------------------------------------------------------------------
+
+
+class FakeLog:
+    """What the partition's log holds: the first record at or after an offset, as the broker answers."""
+
+    def __init__(self, offsets: Iterable[int]) -> None:
+        self.offsets = sorted(offsets)
+        self.asked: list[tuple[int, int]] = []
+        self.answer = asyncio.Event()
+        self.answer.set()
+
+    async def first_offset(self, partition: int, offset: int) -> int | None:
+        self.asked.append((partition, offset))
+        await asyncio.wait_for(self.answer.wait(), DEADLINE)
+        return next((o for o in self.offsets if o >= offset), None)
+
+
+async def test_a_lane_never_runs_past_records_the_consumer_skipped(make: Callable[..., Harness]) -> None:
+    h = make()
+    log_ = FakeLog(range(20))
+    h.gated.first_offset = log_.first_offset
+    tp0 = TP(TOPIC, 0)
+    h.assign({0: 0})
+    h.open(0, 100)
+    h.dispatch(event(0, 0), event(0, 1), event(0, 5), event(0, 6))  # 2..4 never reached the stream
+    await until(lambda: h.app.consumer.seeks == [(tp0, 2)], "fetched again from offset 2")
+    await quiet()
+    assert h.handled == [(0, 0), (0, 1)], "a payment past the hole was processed"
+    assert log_.asked == [(0, 2)]
+    assert h.gated.holes_refetched == 1
+
+    h.dispatch(*(event(0, o) for o in range(2, 8)))  # the refetch delivers 2.. in order
+    await until(lambda: len(h.acks) == 8, "offsets 0..7 acked")
+    assert h.handled == [(0, o) for o in range(8)]
+    assert h.acks == [(0, o) for o in range(8)]
+    assert h.violations == [] and h.gated.lanes[0].hole is None
+
+
+async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_order(
+    make: Callable[..., Harness],
+) -> None:
+    h = make()
+    log_ = FakeLog([0, 1, 5, 6, 7])  # 2..4 are not records (transaction markers, compaction)
+    log_.answer.clear()
+    h.gated.first_offset = log_.first_offset
+    h.assign({0: 0})
+    h.open(0, 100)
+    h.dispatch(event(0, 0), event(0, 1), event(0, 5), event(0, 6))
+    await until(lambda: log_.asked == [(0, 2)], "the log asked about offset 2")
+    h.dispatch(event(0, 7))  # arrives while the log is being read: held too
+    await quiet()
+    assert h.handled == [(0, 0), (0, 1)]
+    log_.answer.set()
+    await until(lambda: len(h.acks) == 5, "all five acked")
+    assert h.handled == [(0, 0), (0, 1), (0, 5), (0, 6), (0, 7)]
+    assert h.app.consumer.seeks == [] and h.gated.gaps_accepted == 1 and h.violations == []
+
+
+async def test_the_first_payment_of_an_assignment_past_its_start_is_a_hole(
+    make: Callable[..., Harness],
+) -> None:
+    h = make()
+    log_ = FakeLog(range(40))
+    h.gated.first_offset = log_.first_offset
+    tp0 = TP(TOPIC, 0)
+    h.open(0, 100)
+    h.dispatch(event(0, 33))  # delivered before this worker knows where the generation starts
+    await quiet()
+    assert h.app.consumer.seeks == [] and h.handled == [] and 0 not in h.gated.lanes
+    h.assign({0: 30})  # it starts at the committed offset 30: 30..32 were skipped
+    await until(lambda: h.app.consumer.seeks == [(tp0, 30)], "fetched again from the start")
+    h.dispatch(event(0, 29), *(event(0, o) for o in range(30, 35)))  # 29: before the start, dropped
+    await until(lambda: len(h.acks) == 5, "offsets 30..34 acked")
+    assert h.handled == [(0, o) for o in range(30, 35)] and h.violations == []
