@@ -62,7 +62,7 @@ class ServiceProcess:
         self.env = {**os.environ, **services_env(settings), **env}
         self.env.setdefault("PYSPARK_SUBMIT_ARGS", SPARK_SUBMIT_ARGS)
         self.process: subprocess.Popen[bytes] | None = None
-        self.stopped = False
+        self.stopped = False  # a stop was asked for: the exit that follows is no crash
 
     def start(self) -> Self:
         with open(self.log_path, "wb") as log:
@@ -99,13 +99,14 @@ class ServiceProcess:
         """
         if self.process is None or self.stopped:
             return True
+        # Set before the signal: a health check running meanwhile must not take this exit for a crash.
+        self.stopped = True
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
         stopped = self._wait(grace)
         # The process when it did not stop, else what of its group outlived it, right away and once: a
         # group id is not handed out again while a member lives, and an empty group answers ESRCH.
-        self.stopped = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         if not stopped:
