@@ -1,8 +1,9 @@
 """Plots of the last benchmark results, for the issue: a picture shows the latency tail at a glance.
 
-Reads bench/results/gate_overhead.json, gate_latency.json and scaling.json (whichever exist) and
-writes gate_overhead.png (decisions/s per run), gate_latency.png (latency CDF per run) and scaling.png
-(decisions/s and admin requests/s against the worker count).
+Reads the result files in bench/results (whichever exist) and writes gate_overhead.png (decisions/s
+per run), gate_latency.png (latency CDF per run), scaling.png (decisions/s and admin requests/s against
+the worker count), pipeline_throughput.png (records/s against a plain consumer), end_to_end.png (CPU
+per payment per process) and gate_matters.png (recall per typology, gate on and off).
 
     .venv/bin/python -m bench.plot
 """
@@ -115,6 +116,79 @@ def plot_scaling(doc: dict[str, Any]) -> Path:
     return path
 
 
+def plot_pipeline(doc: dict[str, Any]) -> Path:
+    """Records/s of each way of reading the same payments, on a log scale, with the ratio to raw."""
+    summary = doc["summary"]
+    bars = [
+        ("raw consume", summary["raw_consume_per_s"]),
+        ("read_range\n(Arrow)", summary["read_range_per_s"]),
+        ("ceiling of the\nPython steps", summary["standalone_bound_per_s_on_2_cores"]),
+        ("pipeline\nsteady", summary["pipeline_steady_per_s"]),
+        ("pipeline\nwarm", summary["pipeline_warm_per_s"]),
+    ]
+    raw = summary["raw_consume_per_s"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.bar(
+        range(len(bars)),
+        [v for _, v in bars],
+        color=["tab:grey", "tab:grey", "tab:orange", "tab:blue", "tab:blue"],
+    )
+    ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
+    ax.set_yscale("log")
+    ax.axhline(0.3 * raw, color="red", ls="--", lw=0.8, label="goal: 0.3 x raw")
+    for i, (_, v) in enumerate(bars):
+        ax.annotate(f"{v:,.0f}/s\n{v / raw:.3f}", (i, v), ha="center", va="bottom", fontsize=7)
+    ax.set_ylabel("records/s (log scale)")
+    ax.set_title("Services B and C on Spark local[2] vs a plain consumer")
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    path = RESULTS / "pipeline_throughput.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_end_to_end(doc: dict[str, Any]) -> Path:
+    """CPU µs per payment of each process: where a gated payment's cost goes on a shared machine."""
+    costs = sorted(doc["cpu_us_per_record"].items(), key=lambda kv: kv[1])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.barh(range(len(costs)), [v for _, v in costs], color="tab:blue")
+    ax.set_yticks(range(len(costs)), [name for name, _ in costs], fontsize=7)
+    ax.set_xlabel("CPU µs per payment")
+    ratio = doc["ratio_aml_to_slowest_dependency"]
+    ax.set_title(f"End to end on 2 cores: AML / slowest dependency = {ratio:.3f}")
+    fig.tight_layout()
+    path = RESULTS / "end_to_end.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_gate_matters(doc: dict[str, Any]) -> Path:
+    """Recall per typology, gate on and off, on the same seeded traffic with a lagging dependency."""
+    runs = doc["runs"]
+    typologies = list(runs["gate on"]["scores"])
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    width = 0.38
+    for i, (name, colour) in enumerate((("gate on", "tab:blue"), ("gate off", "tab:red"))):
+        run = runs[name]
+        recalls = [run["scores"][t]["recall"] for t in typologies]
+        label = f"{name}: {run['freshness_violations']} freshness violations"
+        ax.bar(
+            [x + (i - 0.5) * width for x in range(len(typologies))], recalls, width, color=colour, label=label
+        )
+    ax.set_xticks(range(len(typologies)), typologies)
+    ax.set_ylabel("recall")
+    ax.set_ylim(0, 1.35)
+    ax.set_title("Why the gate matters: Service B lagging, same seed")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = RESULTS / "gate_matters.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def main() -> None:
     made = []
     if overhead := _load("gate_overhead"):
@@ -123,6 +197,12 @@ def main() -> None:
         made.append(plot_latency(latency))
     if scaling := _load("scaling"):
         made.append(plot_scaling(scaling))
+    if pipeline := _load("pipeline_throughput"):
+        made.append(plot_pipeline(pipeline))
+    if end_to_end := _load("end_to_end"):
+        made.append(plot_end_to_end(end_to_end))
+    if gate_matters := _load("gate_matters"):
+        made.append(plot_gate_matters(gate_matters))
     print("\n".join(str(p) for p in made) or f"no results in {RESULTS}; run a benchmark first")
 
 
