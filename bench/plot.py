@@ -28,6 +28,14 @@ def _load(name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def _save(fig: Any, name: str) -> Path:
+    fig.tight_layout()
+    path = RESULTS / f"{name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
 def plot_overhead(doc: dict[str, Any]) -> Path:
     runs = doc["runs"]
     labels = [f"{r['variant']}\nrun {r['run']}" for r in runs]
@@ -39,11 +47,7 @@ def plot_overhead(doc: dict[str, Any]) -> Path:
     ax.set_ylabel("decisions/s (first → last decision)")
     ratio = doc["summary"]["median_pair_ratio"]
     ax.set_title(f"Gate overhead: median gated/ungated = {ratio:.3f} (goal ≥ 0.9)")
-    fig.tight_layout()
-    path = RESULTS / "gate_overhead.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, "gate_overhead")
 
 
 def plot_latency(doc: dict[str, Any]) -> Path:
@@ -61,11 +65,7 @@ def plot_latency(doc: dict[str, Any]) -> Path:
     ax.set_ylabel("fraction of payments")
     ax.set_title("Gate latency (CDF)")
     ax.legend(fontsize=8, loc="lower right")
-    fig.tight_layout()
-    path = RESULTS / "gate_latency.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, "gate_latency")
 
 
 def plot_scaling(doc: dict[str, Any]) -> Path:
@@ -109,11 +109,7 @@ def plot_scaling(doc: dict[str, Any]) -> Path:
     right.set_xticks(left.get_xticks())
     right.set_ylim(bottom=0)
     right.legend(fontsize=7)
-    fig.tight_layout()
-    path = RESULTS / "scaling.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, "scaling")
 
 
 def plot_pipeline(doc: dict[str, Any]) -> Path:
@@ -141,11 +137,7 @@ def plot_pipeline(doc: dict[str, Any]) -> Path:
     ax.set_ylabel("records/s (log scale)")
     ax.set_title("Services B and C on Spark local[2] vs a plain consumer")
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    path = RESULTS / "pipeline_throughput.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, "pipeline_throughput")
 
 
 def plot_end_to_end(doc: dict[str, Any]) -> Path:
@@ -157,11 +149,7 @@ def plot_end_to_end(doc: dict[str, Any]) -> Path:
     ax.set_xlabel("CPU µs per payment")
     ratio = doc["ratio_aml_to_slowest_dependency"]
     ax.set_title(f"End to end on 2 cores: AML / slowest dependency = {ratio:.3f}")
-    fig.tight_layout()
-    path = RESULTS / "end_to_end.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, "end_to_end")
 
 
 def plot_gate_matters(doc: dict[str, Any]) -> Path:
@@ -182,11 +170,7 @@ def plot_gate_matters(doc: dict[str, Any]) -> Path:
     ax.set_ylim(0, 1.35)
     ax.set_title("Why the gate matters: Service B lagging, same seed")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = RESULTS / "gate_matters.png"
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path
+    return _save(fig, "gate_matters")
 
 
 def main() -> None:
