@@ -216,7 +216,11 @@ class GatedConsumer:
             _, committed = await retry_forever("reading our committed offsets", reader.read)
         finally:
             await reader.close()
-        earliest = await self.app.consumer.earliest_offsets(*tps)
+        # Until this returns, this generation's events wait (see `early`): a failure must be retried.
+        consumer = self.app.consumer
+        earliest = await retry_forever(
+            "reading the log start offsets", lambda: consumer.earliest_offsets(*tps)
+        )
         ours = committed[group]
         return {tp.partition: max(ours.get(tp.partition) or 0, earliest.get(tp) or 0) for tp in tps}
 
