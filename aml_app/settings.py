@@ -156,14 +156,16 @@ def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -
     return value
 
 
-def _float(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
+def _float(
+    env: Mapping[str, str], name: str, default: float, low: float, high: float, unit: str = "seconds"
+) -> float:
     raw = _text(env, name, str(default))
     try:
         value = float(raw)
     except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of seconds.") from None
+        raise ConfigError(f"{name}={raw!r} is not a number of {unit}.") from None
     if not low <= value <= high:
-        raise ConfigError(f"{name}={value} is out of range; expected {low}..{high} seconds.")
+        raise ConfigError(f"{name}={value} is out of range; expected {low}..{high} {unit}.")
     return value
 
 
@@ -223,17 +225,6 @@ def _security(env: Mapping[str, str]) -> Any:
     from aml_app.kafka_security import load_security
 
     return load_security(env)
-
-
-def _millis(env: Mapping[str, str], name: str, default: float, low: float, high: float) -> float:
-    raw = _text(env, name, str(default))
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a number of milliseconds.") from None
-    if not low <= value <= high:
-        raise ConfigError(f"{name}={value} is out of range; expected {low:g}..{high:g} milliseconds.")
-    return value
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -338,7 +329,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
         lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
         kafka_security=_security(env),
-        probe_cost_ms=_millis(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000),
+        probe_cost_ms=_float(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000, "milliseconds"),
         probe_cost_kind=_choice(
             env, "AML_PROBE_COST_KIND", defaults.probe_cost_kind, ("cpu", "block", "wait")
         ),
