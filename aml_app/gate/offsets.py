@@ -109,21 +109,14 @@ class DependencyOffsets:
 
         Partitions are re-read when asked, so partitions added to the topic are picked up.
         """
-        try:
-            admin = await self._admin()
-            if refresh_partitions or not self._partitions:
-                self._partitions = await self._read_partitions(admin)
-            return self._partitions, await self._read_committed(admin, self._partitions, self.groups)
-        except OffsetReadError:
-            raise
-        except Exception as exc:
-            raise await self._failed(exc) from exc
+        reading = await self.read_all("", refresh_partitions, operator_fields=False)
+        return reading.partitions, reading.committed
 
     async def read_all(
         self, service_group: str, refresh_partitions: bool = False, operator_fields: bool = True
     ) -> Reading:
         """`read` plus, when `operator_fields`, what the operator views need, in the same refresh: this
-        service's own committed offsets and the topic's log ends (two more requests).
+        service's own committed offsets (`service_group`'s) and the topic's log ends (two more requests).
 
         The log ends are read after the committed offsets, so on Apache Kafka no group is ever seen
         ahead of the log end.
