@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import signal
 import sys
+import threading
 
 import click
 
@@ -83,13 +84,43 @@ def demo_command(
     sys.exit(run_demo(load_settings(), options))
 
 
+@click.command("postgres")
+@click.option("--port", type=int, default=None, help="Port on 127.0.0.1 (default: AML_STORE_URL's, 5433).")
+@click.option(
+    "--folder", default="var/postgres", show_default=True, help="Where the server keeps its data and log."
+)
+def postgres_command(port: int | None, folder: str) -> None:
+    """Run the embedded PostgreSQL server (the store of Services B and C) until Ctrl-C."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    from aml_app.embedded_postgres import EmbeddedPostgres, PostgresError
+
+    settings = load_settings()
+    port = port or int(conninfo_to_dict(settings.store_url).get("port") or 5433)
+    server = EmbeddedPostgres(folder, port)
+    try:
+        server.start()
+    except PostgresError as exc:
+        click.echo(f"aml-app postgres: {exc}", err=True)
+        sys.exit(2)
+    click.echo(
+        f"embedded PostgreSQL ready: AML_STORE_URL={server.url()} (data in {server.data}); Ctrl-C stops it"
+    )
+    stopped = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
+    try:
+        while not stopped.wait(1.0):
+            if not server.running():
+                click.echo(f"aml-app postgres: the server stopped; see {server.log_path}", err=True)
+                sys.exit(1)
+    finally:
+        server.stop()
+        click.echo("embedded PostgreSQL stopped")
+
+
 @click.command("pipeline")
 @click.option("--master", default=None, help="Spark master (default AML_SPARK_MASTER, local[2]).")
-@click.option(
-    "--checkpoint-dir",
-    default=None,
-    help="Checkpoint directory (default AML_CHECKPOINT_DIR, var/checkpoints).",
-)
 @click.option(
     "--service",
     "services",
@@ -105,22 +136,40 @@ def demo_command(
     help="Trigger interval of one service's query (default AML_TRIGGER_INTERVAL); "
     "--trigger relations=10 plays a lagging dependency.",
 )
-def pipeline_command(
-    master: str | None, checkpoint_dir: str | None, services: tuple[str, ...], triggers: tuple[str, ...]
-) -> None:
+def pipeline_command(master: str | None, services: tuple[str, ...], triggers: tuple[str, ...]) -> None:
     """Run Services B and C: the Spark streaming queries that build the relations and aggregates stores."""
     from aml_app.pipeline.runner import SERVICES, run_pipeline
 
     settings = load_settings()
     sys.exit(
         run_pipeline(
-            settings,
-            master or settings.spark_master,
-            checkpoint_dir or settings.checkpoint_dir,
-            services or SERVICES,
-            parse_triggers(triggers),
+            settings, master or settings.spark_master, services or SERVICES, parse_triggers(triggers)
         )
     )
+
+
+@click.command("rebuild")
+@click.argument("service", type=click.Choice(["relations", "aggregates"]))
+@click.option("--master", default=None, help="Spark master (default AML_SPARK_MASTER, local[2]).")
+@click.option("--yes", is_flag=True, help="Do not ask before dropping the store.")
+def rebuild_command(service: str, master: str | None, yes: bool) -> None:
+    """Drop SERVICE's store and replay the topic into a fresh one, up to what its group has committed.
+
+    For a store that is behind its consumer group (empty, restored from an old backup, the wrong
+    database): the pipeline refuses to start on it and the API reports it unhealthy until this has run.
+    Stop the pipeline first. Payments no longer retained by the topic cannot be replayed.
+    """
+    from aml_app.pipeline.runner import run_rebuild
+    from aml_app.services.store import redacted
+
+    settings = load_settings()
+    if not yes:
+        click.confirm(
+            f"Drop the {service} store at {redacted(settings.store_url)} and rebuild it from the topic "
+            f"{settings.payments_topic}?",
+            abort=True,
+        )
+    sys.exit(run_rebuild(settings, master or settings.spark_master, service))
 
 
 def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
@@ -166,6 +215,8 @@ def main() -> None:
     cli.add_command(broker_command)
     cli.add_command(demo_command)
     cli.add_command(pipeline_command)
+    cli.add_command(postgres_command)
+    cli.add_command(rebuild_command)
     cli.add_command(serve_command)
     cli.add_command(simulate_command)
     cli.add_command(status_command)

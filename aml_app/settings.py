@@ -86,7 +86,8 @@ class Settings:
     # Services B and C (the Spark pipeline and their APIs).
     relations_group: str = "relations"
     aggregates_group: str = "aggregates"
-    store_dir: str = "var/services"
+    #: Where Services B and C keep their state (PostgreSQL); `aml-app postgres` runs an embedded one here.
+    store_url: str = "postgresql://aml@127.0.0.1:5433/aml"
     services_host: str = "127.0.0.1"
     relations_port: int = 8081
     aggregates_port: int = 8082
@@ -99,7 +100,6 @@ class Settings:
     reporting_threshold: Decimal = Decimal("10000")
     threshold_band: Decimal = Decimal("0.1")
     spark_master: str = "local[2]"
-    checkpoint_dir: str = "var/checkpoints"
     trigger_interval: float = 0.5
     max_records_per_trigger: int = 50000
     # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
@@ -117,14 +117,6 @@ class Settings:
     @property
     def faust_brokers(self) -> list[str]:
         return [f"kafka://{server}" for server in self.bootstrap_servers]
-
-    @property
-    def relations_db(self) -> str:
-        return os.path.join(self.store_dir, "relations.sqlite")
-
-    @property
-    def aggregates_db(self) -> str:
-        return os.path.join(self.store_dir, "aggregates.sqlite")
 
     @property
     def relations_url(self) -> str:
@@ -221,6 +213,23 @@ def _url(env: Mapping[str, str], name: str) -> str:
     return value.rstrip("/")
 
 
+def _store_url(env: Mapping[str, str], name: str, default: str) -> str:
+    """A libpq connection URI (postgresql://user:password@host:port/database?sslmode=...)."""
+    value = _text(env, name, default)
+    if not re.match(r"^postgres(ql)?://", value):
+        raise ConfigError(
+            f"{name}={value[:60]!r} is not a PostgreSQL URL such as postgresql://user:password@host:5432/aml "
+            "(TLS and other libpq settings go in its query string, e.g. ?sslmode=verify-full)."
+        )
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        conninfo_to_dict(value)
+    except Exception as exc:
+        raise ConfigError(f"{name} is not a valid PostgreSQL URL: {exc}") from None
+    return value
+
+
 def _security(env: Mapping[str, str]) -> Any:
     from aml_app.kafka_security import load_security
 
@@ -304,7 +313,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         aggregates_group=_name(
             env, "AML_AGGREGATES_GROUP", defaults.aggregates_group, _GROUP, "consumer group"
         ),
-        store_dir=_text(env, "AML_STORE_DIR", defaults.store_dir),
+        store_url=_store_url(env, "AML_STORE_URL", defaults.store_url),
         services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
         relations_port=_int(env, "AML_RELATIONS_PORT", defaults.relations_port, 1, 65535),
         aggregates_port=_int(env, "AML_AGGREGATES_PORT", defaults.aggregates_port, 1, 65535),
@@ -321,7 +330,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             env, "AML_THRESHOLD_BAND", defaults.threshold_band, Decimal("0.001"), Decimal("0.9")
         ),
         spark_master=_text(env, "AML_SPARK_MASTER", defaults.spark_master),
-        checkpoint_dir=_text(env, "AML_CHECKPOINT_DIR", defaults.checkpoint_dir),
         trigger_interval=_float(env, "AML_TRIGGER_INTERVAL", defaults.trigger_interval, 0.05, 600),
         max_records_per_trigger=_int(
             env, "AML_MAX_RECORDS_PER_TRIGGER", defaults.max_records_per_trigger, 1, 100_000_000

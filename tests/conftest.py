@@ -1,9 +1,13 @@
-"""One embedded broker for the whole session; fresh names and a work folder per test."""
+"""One embedded broker and one PostgreSQL server for the whole session; fresh names, a fresh database and
+a work folder per test."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import shutil
+import tempfile
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -11,6 +15,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from aml_app.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
+from aml_app.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka_tools import GroupCommitter
 from tests.harness import DecisionLog, Names, Worker
 
@@ -22,6 +27,24 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]
     asyncio.run(wait_until_answering([embedded.bootstrap]))
     yield embedded
     embedded.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[EmbeddedPostgres]:
+    """The session's PostgreSQL server. Its folder is outside pytest's (mode 700) temporary folders, since
+    a root test run hands it to an unprivileged user that must be able to enter it."""
+    folder = Path(tempfile.mkdtemp(prefix="aml-test-postgres-"))
+    folder.chmod(0o755)
+    server = EmbeddedPostgres(folder / "server", free_port()).start()
+    yield server
+    server.stop("immediate")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
+def store_url(postgres: EmbeddedPostgres) -> str:
+    """A fresh, empty database for this test's stores."""
+    return postgres.create_database(f"test_{uuid.uuid4().hex[:12]}")
 
 
 @pytest.fixture

@@ -13,10 +13,35 @@ from decimal import Decimal
 from aiokafka import AIOKafkaProducer
 
 from aml_app.kafka_tools import produce
-from aml_app.services.aggregates import PaymentRow
 
 BASE = datetime(2026, 3, 1, tzinfo=UTC)
 MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"")
+
+
+@dataclass(frozen=True)
+class PaymentRow:
+    """One valid payment as the tests know it, at Kafka record (partition, offset)."""
+
+    partition: int
+    offset: int
+    payment_id: str
+    payer: str
+    payee: str
+    amount: Decimal
+    currency: str
+    ts: datetime
+
+    def record(self) -> tuple[bytes, bytes]:
+        """(key, value) as a producer sends it: the payer's id and the JSON document."""
+        doc = {
+            "payment_id": self.payment_id,
+            "payer": self.payer,
+            "payee": self.payee,
+            "amount": str(self.amount),
+            "currency": self.currency,
+            "ts": self.ts.astimezone(UTC).isoformat().replace("+00:00", "Z"),
+        }
+        return self.payer.encode(), json.dumps(doc).encode()
 
 
 @dataclass

@@ -13,9 +13,10 @@ Conventions shared with the stores (aml_app/services/store.py):
 
 Too-late rule (as in aml_app/services/aggregates.py): `reference_aggregates` takes the payments as the
 list of batches in apply order. For each batch, max_ts becomes the largest ts over all earlier batches
-AND this batch; then each payment of the batch with ts <= max_ts - 7 days is dropped and counted in
-`late_dropped`. The store prunes old rows, so its answers equal these only for instants
-`at >= exact_from(batches)` (= max ts - 1 hour).
+AND this batch; then each payment of the batch whose minute starts before max_ts - 7 days (ts < the
+start of that minute, minutes counted from the epoch) is dropped and counted in `late_dropped`. The
+store prunes old rows, so its answers equal these only for instants `at >= exact_from(batches)`
+(= max ts - 1 hour).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from decimal import Decimal, localcontext
 from typing import Any
 
 HORIZON = timedelta(days=7)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 WINDOWS = (("1h", timedelta(hours=1)), ("24h", timedelta(hours=24)), ("7d", timedelta(days=7)))
 
 
@@ -133,8 +135,10 @@ def accepted(batches: Sequence[Sequence[Any]]) -> tuple[list[Any], int]:
         for p in batch:
             if high is None or ts_of(p) > high:
                 high = ts_of(p)
+        cutoff = None if high is None else high - HORIZON
+        minute_start = None if cutoff is None else cutoff - (cutoff - EPOCH) % timedelta(minutes=1)
         for p in batch:
-            if high is not None and ts_of(p) <= high - HORIZON:
+            if minute_start is not None and ts_of(p) < minute_start:
                 dropped += 1
             else:
                 kept.append(p)

@@ -1,20 +1,16 @@
-"""The two streaming queries: Service-B (relations) and Service-C (aggregates), one micro-batch at a time.
+"""The two streaming queries' batch handler: Service-B (relations) and Service-C (aggregates).
 
-Each micro-batch follows the same four steps, in this order, on the driver:
+Each micro-batch follows the same steps, in this order, on the driver:
 
-1. Skip what the store already holds. The store keeps, per partition, the next offset it applied; rows
-   below it are a replay (a restart after a crash between the store write and Spark's checkpoint commit)
-   and are filtered out before anything is computed. So a replayed batch changes nothing.
-2. Dead-letter the records that break the payment contract (original bytes, reason in headers).
-3. Apply the batch to the store in one SQLite transaction together with the per-partition offsets it
-   covers ("store offsets with the results").
+1. Spark computes the batch's outputs (`transforms.batch_outputs`): parsing, the contract, aggregation,
+   all in the JVM; they arrive as Arrow tables.
+2. Dead-letter the records that break the payment contract (original bytes, the reason in headers). The
+   reason is the worker's own (`aml_app.contract`), computed here for the rejected records only.
+3. Apply the results to the store in ONE PostgreSQL transaction together with the per-partition offsets
+   they cover ("store offsets with the results"). The store refuses a batch that does not start where it
+   left off, so nothing is ever counted twice. While the database is unreachable, this step waits.
 4. Commit those offsets to the service's consumer group. Only now does the gate see the progress, so a
    committed offset is never ahead of what the API answers.
-
-Spark does the parsing on the executors (Arrow in and out) and, for relations, aggregates each task's
-payments into edge deltas there; the store adds the deltas up exactly. One Spark job per micro-batch:
-each task returns its span of offsets, its rejected records and its rows in one Arrow schema
-(`parse.BATCH_SCHEMA`), and one `toArrow()` brings them to the driver.
 """
 
 from __future__ import annotations
@@ -22,24 +18,24 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from decimal import Decimal
 
+import psycopg
 from pyspark.sql import DataFrame
 
-from aml_app.pipeline.parse import BATCH_SCHEMA, batch_task
+from aml_app.contract import InvalidPayment, validate_payment
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
-from aml_app.services.aggregates import PreparedPayment
-from aml_app.services.relations import PreparedEdge
+from aml_app.pipeline.transforms import BatchOutputs, batch_outputs
+from aml_app.services import aggregates, relations
+from aml_app.services.store import Writer
 
 log = logging.getLogger("aml_app.pipeline")
 
-
-class Store(Protocol):
-    def applied_offsets(self) -> dict[int, int]: ...
-
-    def apply_prepared(self, rows: Any, covered: Mapping[int, tuple[int, int]]) -> None: ...
+#: A record that Spark's contract check rejected although the Python contract accepts it: a bug (the two
+#: are checked against each other by tests), dead-lettered with this reason rather than lost.
+DISAGREEMENT = "rejected by the pipeline's Spark SQL contract check although the payment contract accepts it"
 
 
 @dataclass
@@ -57,53 +53,70 @@ class BatchReport:
 def failpoint(name: str) -> None:
     """Die here, like a kill -9, when AML_FAILPOINT names this point.
 
-    How the crash test reproduces the worst moment on purpose: the store holds a batch that neither the
-    group nor Spark's checkpoint has recorded as done, so the restart must replay it and change nothing.
+    How the crash test reproduces the worst moment on purpose: the store holds a batch that the group has
+    not committed, so the restart must publish it and change nothing.
     """
     if os.environ.get("AML_FAILPOINT") == name:
         log.warning("failpoint %s: exiting now", name)
         os._exit(137)
 
 
-def _column_rows(table: Any, kind: str, names: list[str]) -> list[Any]:
-    """The rows of one kind as tuples."""
-    import pyarrow.compute as pc
-
-    part = table.filter(pc.equal(table["kind"], kind))
-    return list(zip(*(part[name].to_pylist() for name in names), strict=True))
-
-
-def relations_rows(table: Any) -> list[PreparedEdge]:
-    """Edge deltas, pre-aggregated per task on the executors; the store adds them up exactly."""
-    return _column_rows(table, "edge", ["payer", "payee", "currency", "n", "amount", "first_us", "last_us"])
-
-
-def aggregates_rows(table: Any) -> list[PreparedPayment]:
-    """One row per payment; the store keeps both sides and answers windows at any instant."""
-    names = ["partition", "offset", "payment_id", "payer", "payee", "amount", "currency", "first_us"]
-    return _column_rows(table, "payment", names)
+def rejected_records(outputs: BatchOutputs, max_bytes: int) -> list[Rejected]:
+    """The rejected records with the payment contract's reason for each."""
+    rejected = []
+    rows = outputs.rejects.to_pydict()
+    for p, o, key, value in zip(rows["partition"], rows["offset"], rows["key"], rows["value"], strict=True):
+        try:
+            validate_payment(key, value, max_bytes)
+        except InvalidPayment as exc:
+            reason = str(exc)
+        else:
+            log.error("partition %d offset %d: %s", p, o, DISAGREEMENT)
+            reason = DISAGREEMENT
+        rejected.append(Rejected(p, o, key, value, reason))
+    return rejected
 
 
-SHAPE = {"relations": "edges", "aggregates": "payments"}
+def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int]:
+    """The store write of `service`: results of one batch into its tables; returns the rows applied."""
+    if service == "relations":
+
+        def write_relations(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
+            relations.write_edges(conn, relations.SCHEMA, outputs.tables["edges"])
+            return outputs.tables["edges"].num_rows
+
+        return write_relations
+
+    def write_aggregates(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
+        payments = outputs.tables["payments"]
+        late = aggregates.write_batch(conn, aggregates.SCHEMA, payments, outputs.tables["buckets"])
+        return payments.num_rows - late
+
+    return write_aggregates
 
 
 class ServiceBatches:
-    """The `foreachBatch` function of one service: parse, dead-letter, apply with offsets, commit."""
+    """The `foreachBatch` function of one service: compute, dead-letter, apply with offsets, commit."""
 
     def __init__(
         self,
         service: str,
-        store: Store,
-        to_rows: Callable[[Any], list[Any]],
+        store: Writer,
         progress: GroupProgress,
         dead_letters: DeadLetters,
         max_payment_bytes: int,
+        threshold: Decimal,
+        band: Decimal,
         on_batch: Callable[[BatchReport], None] | None = None,
     ) -> None:
-        self.service, self.store, self.to_rows = service, store, to_rows
+        self.service, self.store = service, store
         self.progress, self.dead_letters = progress, dead_letters
         self.max_payment_bytes = max_payment_bytes
+        self.threshold, self.band = threshold, band
         self.on_batch = on_batch
+        self.write = writer_for(service)
+        #: The store's offsets: read once, then advanced by every apply (the store has one writer, us).
+        self.applied = store.applied_offsets()
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
         started = time.monotonic()
@@ -112,47 +125,38 @@ class ServiceBatches:
         def lap(name: str) -> None:
             phases[name] = time.monotonic() - started - sum(phases.values())
 
-        applied = self.store.applied_offsets()
-        task = batch_task(self.max_payment_bytes, SHAPE[self.service], applied)
-        table = batch.mapInArrow(task, BATCH_SCHEMA).toArrow()
+        outputs = batch_outputs(batch, self.service, self.max_payment_bytes, self.threshold, self.band)
         lap("spark")
-        spans: dict[int, tuple[int, int, int]] = {}
-        for p, first, last, n in _column_rows(table, "span", ["partition", "offset", "last_offset", "n"]):
-            seen = spans.get(p)
-            spans[p] = (
-                (first, last, n) if seen is None else (min(seen[0], first), max(seen[1], last), seen[2] + n)
-            )
-        # From the store's offset (records may have holes: transaction markers, compaction). A row below it
-        # would make `start` disagree with the store, which then refuses the batch (StaleBatch).
-        covered = {p: (min(first, applied.get(p, first)), last + 1) for p, (first, last, _n) in spans.items()}
-        rejected = [
-            Rejected(*row)
-            for row in _column_rows(table, "reject", ["partition", "offset", "key", "value", "error"])
-        ]
-        rows = self.to_rows(table)
-        lap("collect")
-        self.dead_letters.send(rejected)
+        covered = outputs.covered(self.applied)
+        rejected = rejected_records(outputs, self.max_payment_bytes)
+        # What the group has already committed was dead-lettered when it was first processed (a rebuild).
+        fresh = [r for r in rejected if r.offset >= self.progress.floor.get(r.partition, 0)]
+        self.dead_letters.send(fresh)
         lap("dead_letters")
+        applied = 0
         if covered:
-            self.store.apply_prepared(rows, covered)
+
+            def write(conn: psycopg.Connection) -> None:
+                nonlocal applied
+                applied = self.write(conn, outputs)
+
+            self.store.apply(covered, write)
+            self.applied.update({p: end for p, (_start, end) in covered.items()})
             failpoint("after-store-write")
         lap("store")
-        # Commit what the store holds, including a replayed batch's offsets that a crash left uncommitted.
-        committed = {**applied, **{p: end for p, (_start, end) in covered.items()}}
-        self.progress.commit(committed)
+        committed = self.progress.commit(self.applied)
         lap("commit")
-        records = sum(n for _first, _last, n in spans.values())
         report = BatchReport(
             self.service,
             batch_id,
-            records,
-            len(rows),
+            outputs.records,
+            applied,
             len(rejected),
             committed,
             time.monotonic() - started,
             phases,
         )
-        if records:
+        if report.records:
             log.info(
                 "%s batch %d: %d records, %d dead-lettered, %.2f s (%s), committed %s",
                 self.service,

@@ -8,6 +8,7 @@ record batches. Usage:
     spark.readStream.format("aml-kafka")
         .option("kafka.bootstrap.servers", "host:9092")
         .option("subscribe", "payments")
+        .option("startingOffsets", '{"0": 42}')  # where a new query starts (else the log start), or
         .option("groupId", "relations")          # start from this group's committed offsets
         .option("maxRecordsPerTrigger", "50000")  # back-pressure: records per micro-batch
         .option("maxTasks", "2")                  # pack a batch's partitions into at most 2 tasks
@@ -58,6 +59,26 @@ def client_config(options: Mapping[str, str]) -> dict[str, Any]:
     if not config.get("bootstrap.servers"):
         raise SourceConfigError("the aml-kafka source needs the option kafka.bootstrap.servers")
     return config
+
+
+def parse_starting_offsets(raw: str | None) -> dict[int, int] | None:
+    """`startingOffsets`: "earliest" ({}), or JSON {"partition": next offset, ...}; None if absent."""
+    if raw is None or raw.strip() == "":
+        return None
+    if raw.strip() == "earliest":
+        return {}
+    import json
+
+    try:
+        parsed = json.loads(raw)
+        offsets = {int(p): int(o) for p, o in parsed.items()}
+    except (ValueError, AttributeError, TypeError):
+        raise SourceConfigError(
+            f'startingOffsets={raw[:80]!r} is neither "earliest" nor a JSON object such as {{"0": 42}}'
+        ) from None
+    if any(p < 0 or o < 0 for p, o in offsets.items()):
+        raise SourceConfigError(f"startingOffsets={raw[:80]!r} has a negative partition or offset")
+    return offsets
 
 
 class KafkaTask(InputPartition):
@@ -263,6 +284,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         if not self.topic:
             raise SourceConfigError("the aml-kafka source needs the option subscribe (one topic name)")
         self.group = options.get("groupId") or None
+        self.starting = parse_starting_offsets(options.get("startingOffsets"))
         raw_limit = options.get("maxRecordsPerTrigger")
         try:
             self.max_records = int(raw_limit) if raw_limit else None
@@ -298,8 +320,13 @@ class KafkaStreamReader(DataSourceStreamReader):
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
         ends = self._log_ends({p: low for p, (low, _high) in marks.items()}, marks)
         marks = {p: (low, ends[p]) for p, (low, _high) in marks.items()}
-        committed = committed_offsets(self.config, self.topic, self.group, list(marks)) if self.group else {}
-        return to_spark(starting_offsets(marks, committed))
+        if self.starting is not None:
+            chosen: dict[int, int | None] = dict(self.starting)
+        elif self.group:
+            chosen = committed_offsets(self.config, self.topic, self.group, list(marks))
+        else:
+            chosen = {}
+        return to_spark(starting_offsets(marks, chosen))
 
     def getDefaultReadLimit(self) -> ReadLimit:
         return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)

@@ -15,27 +15,43 @@ DELIVERY_TIMEOUT = 30.0
 
 
 class GroupProgress:
-    """Commits offsets for one group without joining it (no member, no rebalance), like a simple consumer."""
+    """Commits offsets for one group without joining it (no member, no rebalance), like a simple consumer.
 
-    def __init__(self, config: Mapping[str, Any], topic: str, group: str) -> None:
+    A group's committed offsets never move backwards here: `floor` is what the group had committed when
+    this started (read once), and `commit` only sends partitions past both it and our last commit. A
+    store being rebuilt from the start of the topic therefore leaves the group alone until it has caught
+    up, and the gate never sees a dependency's progress shrink.
+    """
+
+    def __init__(
+        self, config: Mapping[str, Any], topic: str, group: str, partitions: Iterable[int] = ()
+    ) -> None:
         from confluent_kafka import Consumer
 
         self.topic, self.group = topic, group
         self.consumer = Consumer({**config, "group.id": group, "enable.auto.commit": False})
+        wanted = list(partitions)
+        self.floor: dict[int, int] = self.committed(wanted) if wanted else {}
+        self.sent: dict[int, int] = dict(self.floor)
 
-    def commit(self, offsets: Mapping[int, int]) -> None:
-        """Commit `{partition: next offset}`; raises if the broker refuses, so the batch is retried."""
+    def commit(self, offsets: Mapping[int, int]) -> dict[int, int]:
+        """Commit `{partition: next offset}` where it moves the group forward; returns what the group
+        now has committed (as far as we know). Raises if the broker refuses, so the batch is retried."""
         from confluent_kafka import TopicPartition
 
-        if offsets:
-            tps = [TopicPartition(self.topic, p, o) for p, o in sorted(offsets.items())]
+        forward = {p: o for p, o in offsets.items() if o > self.sent.get(p, 0)}
+        if forward:
+            tps = [TopicPartition(self.topic, p, o) for p, o in sorted(forward.items())]
             for tp in self.consumer.commit(offsets=tps, asynchronous=False) or []:
                 if tp.error is not None:
                     raise RuntimeError(
                         f"commit of {self.group} {self.topic}[{tp.partition}] failed: {tp.error}"
                     )
+            self.sent.update(forward)
+        return dict(sorted(self.sent.items()))
 
     def committed(self, partitions: Iterable[int]) -> dict[int, int]:
+        """The group's committed offsets as the broker has them now (partitions without any left out)."""
         from confluent_kafka import TopicPartition
 
         found = self.consumer.committed([TopicPartition(self.topic, p) for p in partitions], timeout=10)

@@ -1,20 +1,26 @@
 """`aml-app pipeline`: both Spark streaming queries (relations, aggregates) in one SparkSession.
 
-Local mode (`local[2]`) by default; `--master` points it at a cluster. Each query has its own checkpoint
-under the checkpoint directory and its own consumer group; the stores are SQLite files on the driver.
+Local mode (`local[2]`) by default; `--master` points it at a cluster. Each query has its own consumer
+group and its own store in PostgreSQL (`AML_STORE_URL`); the store, not a Spark checkpoint, says where a
+query resumes, so the driver keeps nothing that matters on its disk.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from aml_app.pipeline.progress import GroupProgress
+from aml_app.services.store import Schema, Writer, redacted
 from aml_app.settings import Settings
 
 log = logging.getLogger("aml_app.pipeline")
@@ -61,9 +67,8 @@ def kafka_config(settings: Settings) -> dict[str, str]:
     }
 
 
-def is_local_path(path: str) -> bool:
-    """A path on the driver's local disk (no URI scheme, or file:)."""
-    return "://" not in path or path.startswith("file:")
+class StoreRefused(RuntimeError):
+    """The pipeline must not start on this store; the message says why and what to do."""
 
 
 @dataclass
@@ -71,6 +76,7 @@ class Pipeline:
     spark: Any
     queries: list[Any]
     closers: list[Callable[[], None]]
+    handlers: list[Any] = field(default_factory=list)
 
     def stop(self) -> None:
         for query in self.queries:
@@ -82,94 +88,212 @@ class Pipeline:
             close()
 
 
+def group_of(settings: Settings, service: str) -> str:
+    if service not in SERVICES:
+        raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    return settings.relations_group if service == "relations" else settings.aggregates_group
+
+
+def schema_of(service: str) -> Schema:
+    from aml_app.services import aggregates, relations
+
+    return relations.SCHEMA if service == "relations" else aggregates.SCHEMA
+
+
+def open_store(settings: Settings, service: str, progress: GroupProgress, rebuild: bool = False) -> Writer:
+    """The service's store, migrated and checked before anything is read from Kafka.
+
+    Refuses (StoreRefused) a store built from another topic, one counted with other near-threshold
+    settings, and one behind its consumer group (the store-loss guard, `aml_app.services.guard`). With
+    `rebuild`, the store is dropped and created empty first, and being behind is expected.
+    """
+    from aml_app.services import aggregates, store
+    from aml_app.services.guard import behind
+
+    writer = Writer(settings.store_url, schema_of(service))
+    if rebuild:
+        writer.patiently("dropping the store", lambda conn: store.drop(conn, writer.schema))
+    writer.migrate()
+
+    def check_meta(conn: Any) -> None:
+        with conn.transaction():
+            meta = store.read_meta(conn, writer.schema)
+            topic = meta.get("topic")
+            if topic is None:
+                store.write_meta(conn, writer.schema, {"topic": settings.payments_topic})
+            elif topic != settings.payments_topic:
+                raise StoreRefused(
+                    f"the {service} store at {store.redacted(settings.store_url)} was built from topic "
+                    f"{topic!r}, not {settings.payments_topic!r}: point AML_STORE_URL at the store of "
+                    f"this topic, or rebuild it (aml-app rebuild {service})"
+                )
+            if service == "aggregates":
+                aggregates.check_thresholds(
+                    conn, writer.schema, settings.reporting_threshold, settings.threshold_band
+                )
+
+    try:
+        writer.patiently("checking the store", check_meta)
+    except store.StoreError as exc:
+        raise StoreRefused(str(exc)) from None
+    # Committed first, then the store's offsets: see guard.behind.
+    committed = dict(progress.floor)
+    applied = writer.applied_offsets()
+    problem = None if rebuild else behind(service, progress.group, applied, committed)
+    if problem is not None:
+        writer.close()
+        raise StoreRefused(problem)
+    return writer
+
+
 def start_pipeline(
     spark: Any,
     settings: Settings,
     services: Sequence[str] = SERVICES,
-    checkpoint_dir: str | None = None,
     on_batch: Callable[[Any], None] | None = None,
     triggers: Mapping[str, float] | None = None,
+    rebuild: bool = False,
 ) -> Pipeline:
     """Start one streaming query per service; returns at once (the queries run in Spark's threads).
 
+    Each query starts where its store left off: the store's applied offsets are the query's starting
+    offsets (a partition the store has not seen starts at the log start), and Spark's checkpoint is a
+    throw-away folder, so nothing but the store says what was processed, on any host. Before that, the
+    store's progress is published to the group (a crash between the store's commit and the group's).
+
     `triggers` overrides the trigger interval (seconds) of some services, e.g. {"relations": 10} to play a
-    lagging dependency in the gate-on/gate-off comparison.
+    lagging dependency in the gate-on/gate-off comparison. `rebuild` starts the services' stores afresh
+    (see `aml-app rebuild`).
     """
-    from aml_app.pipeline.jobs import ServiceBatches, aggregates_rows, relations_rows
-    from aml_app.pipeline.progress import DeadLetters, GroupProgress
-    from aml_app.services.aggregates import AggregatesStore
-    from aml_app.services.relations import RelationsStore
+    import json
+
+    from aml_app.pipeline.jobs import ServiceBatches
+    from aml_app.pipeline.kafka_source import topic_watermarks
+    from aml_app.pipeline.progress import DeadLetters
 
     config = kafka_config(settings)
-    checkpoints = checkpoint_dir or settings.checkpoint_dir
-    if is_local_path(checkpoints):
-        # Hadoop's FileContext renames a local file by forking `readlink` (a process per metadata write,
-        # two writes per micro-batch); the FileSystem API renames in-process. Measured: the offset and
-        # commit log writes went from about 150 to about 50 ms per batch. Same atomic rename on a local disk.
-        spark.conf.set(
-            "spark.sql.streaming.checkpointFileManagerClass",
-            "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
-        )
+    # Hadoop's FileContext renames a local file by forking `readlink` (a process per metadata write,
+    # two writes per micro-batch); the FileSystem API renames in-process. Measured: the offset and
+    # commit log writes went from about 150 to about 50 ms per batch. Same atomic rename on a local disk.
+    spark.conf.set(
+        "spark.sql.streaming.checkpointFileManagerClass",
+        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+    )
+    partitions = sorted(topic_watermarks(config, settings.payments_topic))
     pipeline = Pipeline(spark, [], [])
-    for service in services:
-        if service == "relations":
-            store: Any = RelationsStore(settings.relations_db)
-            to_rows, group = relations_rows, settings.relations_group
-        elif service == "aggregates":
-            store = AggregatesStore(
-                settings.aggregates_db, settings.reporting_threshold, settings.threshold_band
+    try:
+        for service in services:
+            group = group_of(settings, service)
+            progress = GroupProgress(config, settings.payments_topic, group, partitions)
+            pipeline.closers.append(progress.close)
+            writer = open_store(settings, service, progress, rebuild)
+            pipeline.closers.append(writer.close)
+            dead_letters = DeadLetters(config, settings.dlq_topic, settings.payments_topic, group)
+            pipeline.closers.append(dead_letters.close)
+            handler = ServiceBatches(
+                service,
+                writer,
+                progress,
+                dead_letters,
+                settings.max_payment_bytes,
+                settings.reporting_threshold,
+                settings.threshold_band,
+                on_batch,
             )
-            to_rows, group = aggregates_rows, settings.aggregates_group
-        else:
-            raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-        progress = GroupProgress(config, settings.payments_topic, group)
-        dead_letters = DeadLetters(config, settings.dlq_topic, settings.payments_topic, group)
-        handler = ServiceBatches(
-            service, store, to_rows, progress, dead_letters, settings.max_payment_bytes, on_batch
-        )
-        reader = spark.readStream.format("aml-kafka").option("subscribe", settings.payments_topic)
-        for key, value in config.items():
-            reader = reader.option(f"kafka.{key}", value)
-        stream = (
-            reader.option("groupId", group)
-            .option("maxRecordsPerTrigger", str(settings.max_records_per_trigger))
-            # One wave of tasks per micro-batch, however many partitions the topic has.
-            .option("maxTasks", str(spark.sparkContext.defaultParallelism))
-            .load()
-        )
-        interval = (triggers or {}).get(service, settings.trigger_interval)
-        query = (
-            stream.writeStream.queryName(service)
-            .foreachBatch(handler)
-            .option("checkpointLocation", os.path.join(checkpoints, service))
-            .trigger(processingTime=f"{int(1000 * interval)} milliseconds")
-            .start()
-        )
-        pipeline.queries.append(query)
-        pipeline.closers += [progress.close, dead_letters.close, store.close]
+            pipeline.handlers.append(handler)
+            progress.commit(handler.applied)
+            checkpoint = tempfile.mkdtemp(prefix=f"aml-{service}-checkpoint-")
+            pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))
+            reader = spark.readStream.format("aml-kafka").option("subscribe", settings.payments_topic)
+            for key, value in config.items():
+                reader = reader.option(f"kafka.{key}", value)
+            stream = (
+                reader.option("startingOffsets", json.dumps({str(p): o for p, o in handler.applied.items()}))
+                .option("maxRecordsPerTrigger", str(settings.max_records_per_trigger))
+                # One wave of tasks per micro-batch, however many partitions the topic has.
+                .option("maxTasks", str(spark.sparkContext.defaultParallelism))
+                .load()
+            )
+            interval = (triggers or {}).get(service, settings.trigger_interval)
+            query = (
+                stream.writeStream.queryName(service)
+                .foreachBatch(handler)
+                .option("checkpointLocation", checkpoint)
+                .trigger(processingTime=f"{int(1000 * interval)} milliseconds")
+                .start()
+            )
+            pipeline.queries.append(query)
+    except BaseException:
+        pipeline.stop()
+        raise
     return pipeline
 
 
 def run_pipeline(
     settings: Settings,
     master: str,
-    checkpoint_dir: str,
     services: Sequence[str],
     triggers: Mapping[str, float] | None = None,
 ) -> int:
-    """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0)."""
+    """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0); a refused store exits 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    os.makedirs(settings.store_dir, exist_ok=True)
     spark = spark_session(master)
-    pipeline = start_pipeline(spark, settings, services, checkpoint_dir, triggers=triggers)
+    try:
+        pipeline = start_pipeline(spark, settings, services, triggers=triggers)
+    except StoreRefused as exc:
+        log.error("%s", exc)
+        print(f"aml-app pipeline: {exc}", file=sys.stderr, flush=True)
+        spark.stop()
+        return 2
     log.info(
-        "pipeline running: %s on %s, topic %s, stores in %s, checkpoints in %s",
+        "pipeline running: %s on %s, topic %s, store %s",
         ", ".join(services),
         master,
         settings.payments_topic,
-        settings.store_dir,
-        checkpoint_dir,
+        redacted(settings.store_url),
     )
+    return _run_until_stopped(spark, pipeline)
+
+
+def run_rebuild(settings: Settings, master: str, service: str) -> int:
+    """Drop the service's store, replay the topic from its earliest retained offset into a fresh one, and
+    stop once the store holds everything its group has committed (the guard then lets the pipeline start).
+
+    The group's offsets stay where they are meanwhile (they never move backwards), so the gate keeps its
+    watermarks; the API reports the store behind until the replay has passed them.
+    """
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    spark = spark_session(master)
+    try:
+        pipeline = start_pipeline(spark, settings, [service], rebuild=True)
+    except StoreRefused as exc:
+        print(f"aml-app rebuild: {exc}", file=sys.stderr, flush=True)
+        spark.stop()
+        return 2
+    handler = pipeline.handlers[0]
+    target = dict(handler.progress.floor)
+    print(
+        f"rebuilding the {service} store at {redacted(settings.store_url)} from the start of "
+        f"{settings.payments_topic}, up to what group {handler.progress.group} has committed: {target}",
+        flush=True,
+    )
+    last_report = [0.0]
+
+    def caught_up() -> bool:
+        applied = dict(handler.applied)
+        done = all(applied.get(p, 0) >= o for p, o in target.items())
+        if done or time.monotonic() - last_report[0] > 5:
+            last_report[0] = time.monotonic()
+            print(f"  replayed {sum(applied.values())} of {sum(target.values())} offsets", flush=True)
+        return done
+
+    code = _run_until_stopped(spark, pipeline, caught_up)
+    if code == 0:
+        print(f"the {service} store is rebuilt; start the pipeline (aml-app pipeline)", flush=True)
+    return code
+
+
+def _run_until_stopped(spark: Any, pipeline: Pipeline, done: Callable[[], bool] | None = None) -> int:
     stopping = threading.Event()
 
     def stop(*_: Any) -> None:
@@ -183,6 +307,8 @@ def run_pipeline(
             if not query.isActive:
                 failed = query.exception() or RuntimeError(f"query {query.name} stopped")
                 stopping.set()
+        if done is not None and done():
+            break
         stopping.wait(0.5)
     pipeline.stop()
     spark.stop()

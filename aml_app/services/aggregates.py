@@ -1,173 +1,208 @@
-"""Service C's store: per-account payment sides over event time, and the windowed aggregates query.
+"""Service C's store: payments over event time, per-minute buckets, and the windowed aggregates query.
 
-Each payment is stored twice, once per side: the payer's row (direction 'out', counterparty = payee) and
-the payee's row (direction 'in', counterparty = payer), keyed by the record's Kafka (partition, offset,
-direction). Event time is the payment's `ts`.
+Windows at an instant come from pre-aggregated buckets plus the exact payments at the window's edges (the
+idea of TimescaleDB's real-time continuous aggregates):
 
-Too-late rule (exactly): the store keeps `max_event_ts`, the largest ts of every payment applied so far.
-When a batch is applied, max_event_ts is first raised to include the whole batch, and then every payment
-of the batch with ts <= max_event_ts - 7 days is too late: it is not stored and `late_dropped` grows by
-one. So within a batch the order does not matter; across batches the apply order does. Late payments
-inside the 7-day horizon are stored and do count.
+- `buckets(account, bucket, direction, counterparty, currency)`: per account and minute of event time,
+  per direction ('out': the account paid, 'in': it was paid), counterparty and currency, the number of
+  payments, their exact total, and how many were sent near the reporting threshold. Spark builds one row
+  per key for each micro-batch (`aml_app.pipeline.transforms.buckets`); the store adds them up.
+- `payments(payer, payee, currency, amount, ts)`: every payment, once, for the edges of a window.
 
-Pruning: whenever max_event_ts rises, rows with ts <= max_event_ts - 7d - 1h are deleted. A query at
-instant `at` needs rows with at - 7d < ts <= at, so answers are exact (equal to a computation over every
-non-late payment) for every `at >= max_event_ts - 1h`; earlier instants may miss pruned rows.
+A window (at - w, at] is the buckets that lie wholly inside it plus the payments in the two partial
+minutes at its ends, so an answer reads at most two minutes of payments per account and direction, and
+one row per (minute, counterparty, currency) for the rest: exact, and equal to a computation over every
+payment (tests/reference.py), without scanning every payment of a busy account.
 
-Window of length w at instant `at` = payments with at - w < ts <= at.
+Too-late rule: the store keeps `max_event_ts`, the largest ts applied so far. When a batch is applied,
+max_event_ts first rises to include the whole batch; then every payment of the batch whose minute starts
+before `max_event_ts - 7 days` (its ts < the start of that minute) is too late: not stored, counted in
+`late_dropped`. Late payments inside the horizon are stored and do count. Whenever that minute boundary
+moves, payments and buckets before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are
+exact for every `at >= max_event_ts - 1 h`.
+
+Near the threshold: `threshold * (1 - band) <= amount < threshold`, counted over payments sent in 24 h.
+Both numbers are part of the store (`meta`): the buckets were counted with them, so a pipeline started
+with other values refuses until the store is rebuilt, and the API reports the store's values.
 """
 
 from __future__ import annotations
 
-import sqlite3
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timedelta
+from collections.abc import Mapping, Sequence
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
-from aml_app.services.store import (
-    DECIMAL,
-    MICROSECOND,
-    Writer,
-    as_of_json,
-    claim_offsets,
-    has_table,
-    iso_text,
-    money,
-    money_text,
-    read_offsets,
-    read_snapshot,
-    to_micros,
-    validate_covered,
-)
+import psycopg
+from psycopg import sql
+
+from aml_app.services.copy import copy_arrow
+from aml_app.services.store import Schema, StoreError, as_of_json, iso_text, money_text, read_meta, write_meta
 
 HORIZON = timedelta(days=7)
 PRUNE_SLACK = timedelta(hours=1)
+BUCKET = timedelta(minutes=1)
 WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
-_HORIZON_US = HORIZON // MICROSECOND
-_PRUNE_US = (HORIZON + PRUNE_SLACK) // MICROSECOND
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS sides (
-    partition INTEGER NOT NULL,
-    offset INTEGER NOT NULL,
-    direction TEXT NOT NULL CHECK (direction IN ('in', 'out')),
-    account TEXT NOT NULL,
-    counterparty TEXT NOT NULL,
-    payment_id TEXT NOT NULL,
-    amount TEXT NOT NULL,
-    currency TEXT NOT NULL,
-    ts INTEGER NOT NULL,
-    PRIMARY KEY (partition, offset, direction)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS sides_by_account_ts ON sides (account, ts);
-CREATE INDEX IF NOT EXISTS sides_by_ts ON sides (ts);
-CREATE TABLE IF NOT EXISTS meta (
-    key TEXT PRIMARY KEY,
-    value INTEGER NOT NULL
+SCHEMA = Schema(
+    "aggregates",
+    [
+        """
+        CREATE TABLE {schema}.payments (
+            payer text COLLATE "C" NOT NULL,
+            payee text COLLATE "C" NOT NULL,
+            currency text COLLATE "C" NOT NULL,
+            amount numeric NOT NULL,
+            ts timestamptz NOT NULL
+        );
+        CREATE INDEX payments_by_payer ON {schema}.payments (payer, ts);
+        CREATE INDEX payments_by_payee ON {schema}.payments (payee, ts);
+        CREATE INDEX payments_by_ts ON {schema}.payments USING brin (ts);
+        CREATE TABLE {schema}.buckets (
+            account text COLLATE "C" NOT NULL,
+            bucket timestamptz NOT NULL,
+            direction text NOT NULL CHECK (direction IN ('out', 'in')),
+            counterparty text COLLATE "C" NOT NULL,
+            currency text COLLATE "C" NOT NULL,
+            payments bigint NOT NULL,
+            total numeric NOT NULL,
+            near bigint NOT NULL,
+            PRIMARY KEY (account, bucket, direction, counterparty, currency)
+        );
+        CREATE INDEX buckets_by_bucket ON {schema}.buckets USING brin (bucket)
+        """
+    ],
 )
-"""
 
-_INSERT = """
-INSERT INTO sides (partition, offset, direction, account, counterparty, payment_id, amount, currency, ts)
-VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)
-"""
+#: The columns of a batch's payment and bucket rows, as Spark makes them.
+PAYMENT_COLUMNS = ("payer", "payee", "currency", "amount", "ts")
+BUCKET_COLUMNS = ("account", "bucket", "direction", "counterparty", "currency", "payments", "total", "near")
 
 
-#: (partition, offset, payment_id, payer, payee, amount text, currency, ts in microseconds)
-PreparedPayment = tuple[int, int, str, str, str, str, str, int]
+def floor_bucket(when: datetime) -> datetime:
+    """The start of the minute (of the epoch's minutes) that `when` falls in."""
+    return when - (when - EPOCH) % BUCKET
 
 
-@dataclass(frozen=True)
-class PaymentRow:
-    """One valid payment from Kafka record (partition, offset); `ts` is UTC-aware."""
-
-    partition: int
-    offset: int
-    payment_id: str
-    payer: str
-    payee: str
-    amount: Decimal
-    currency: str
-    ts: datetime
+def near_bounds(threshold: Decimal, band: Decimal) -> tuple[Decimal, Decimal]:
+    """[low, high): the amounts counted as near the reporting threshold."""
+    return threshold * (1 - band), threshold
 
 
-def _check(row: PaymentRow, spans: Mapping[int, tuple[int, int]]) -> tuple[int, str]:
-    """(ts in microseconds, amount text) for a well-formed row inside the covered offsets."""
-    for name in ("payment_id", "payer", "payee", "currency"):
-        value = getattr(row, name)
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"PaymentRow.{name} must be a non-empty string, got {value!r}")
-    span = spans.get(row.partition)
-    if span is None or not span[0] <= row.offset < span[1]:
-        raise ValueError(
-            f"PaymentRow at partition {row.partition} offset {row.offset} is outside the covered offsets"
+def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decimal, band: Decimal) -> None:
+    """Record the near-threshold definition in a new store; refuse a store counted with another one."""
+    meta = read_meta(conn, schema)
+    if "reporting_threshold" not in meta:
+        write_meta(conn, schema, {"reporting_threshold": str(threshold), "threshold_band": str(band)})
+        return
+    stored = Decimal(meta["reporting_threshold"]), Decimal(meta["threshold_band"])
+    if stored != (threshold, band):
+        raise StoreError(
+            f"the aggregates store counts near-threshold payments with AML_REPORTING_THRESHOLD={stored[0]} "
+            f"and AML_THRESHOLD_BAND={stored[1]}, but this pipeline has {threshold} and {band}: set them "
+            "back, or rebuild the store with the new values (aml-app rebuild aggregates)"
         )
-    amount = money(row.amount)
-    if amount <= 0:
-        raise ValueError(f"PaymentRow.amount must be greater than zero, got {amount}")
-    return to_micros(row.ts), money_text(amount)
 
 
-def _meta(conn: sqlite3.Connection, key: str) -> int | None:
-    row = conn.execute("SELECT value FROM meta WHERE key = ?", (key,)).fetchone()
-    return None if row is None else int(row[0])
+def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, buckets: Any) -> int:
+    """Store a batch's payments and add its bucket rows (Arrow tables), minus too-late ones; prune.
 
+    Returns how many payments were too late. Runs inside the caller's transaction.
+    """
+    import pyarrow.compute as pc
 
-def _set_meta(conn: sqlite3.Connection, key: str, value: int) -> None:
+    if payments.num_rows == 0:
+        return 0
+    meta = read_meta(conn, schema)
+    stored_max = datetime.fromisoformat(meta["max_event_ts"]) if "max_event_ts" in meta else None
+    batch_max = pc.max(payments["ts"]).as_py()
+    new_max = batch_max if stored_max is None else max(stored_max, batch_max)
+    cutoff = floor_bucket(new_max - HORIZON)
+    on_time = pc.greater_equal(payments["ts"], cutoff)
+    late = payments.num_rows - pc.sum(on_time).as_py()
+    if late:
+        payments = payments.filter(on_time)
+        buckets = buckets.filter(pc.greater_equal(buckets["bucket"], cutoff))
+    copy_arrow(conn, f"{schema.name}.payments", payments, PAYMENT_COLUMNS)
     conn.execute(
-        "INSERT INTO meta (key, value) VALUES (?, ?) ON CONFLICT(key) DO UPDATE SET value = excluded.value",
-        (key, value),
+        """
+        CREATE TEMPORARY TABLE batch_buckets (
+            account text COLLATE "C", bucket timestamptz, direction text, counterparty text COLLATE "C",
+            currency text COLLATE "C", payments bigint, total numeric, near bigint
+        ) ON COMMIT DROP
+        """
     )
+    copy_arrow(conn, "batch_buckets", buckets, BUCKET_COLUMNS)
+    conn.execute(
+        sql.SQL(
+            """
+            INSERT INTO {buckets} AS b SELECT * FROM batch_buckets
+            ON CONFLICT (account, bucket, direction, counterparty, currency) DO UPDATE SET
+                payments = b.payments + excluded.payments,
+                total = b.total + excluded.total,
+                near = b.near + excluded.near
+            """
+        ).format(buckets=sql.Identifier(schema.name, "buckets"))
+    )
+    updates = {"max_event_ts": iso_text(new_max)}
+    if late:
+        updates["late_dropped"] = str(int(meta.get("late_dropped", "0")) + late)
+    write_meta(conn, schema, updates)
+    prune = floor_bucket(new_max - HORIZON - PRUNE_SLACK)
+    if stored_max is not None and prune > floor_bucket(stored_max - HORIZON - PRUNE_SLACK):
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE ts < %s").format(sql.Identifier(schema.name, "payments")), (prune,)
+        )
+        conn.execute(
+            sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "buckets")),
+            (prune,),
+        )
+    return late
 
 
-UNITS = 10_000  # stored amounts have at most four decimal places
+# --- the query ------------------------------------------------------------------------------------
+
+# For each (account, at) and window: `lo` = at - w (excluded) and `hi` = at (included); the buckets that
+# start at or after `fa` and before `fb` lie wholly inside the window; the payments in the head (lo,
+# head_end) and the tail [tail_start, hi] are its partial minutes (when no bucket fits, the head is the
+# whole window and the tail is empty). Each range is its own index scan on (payer, ts) or (payee, ts).
+_WINDOWS = """
+WITH q AS (
+    SELECT * FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
+), bounds AS (
+    SELECT q.i, q.account COLLATE "C" AS account, v.name, q.at - v.width AS lo, q.at AS hi,
+        date_bin(%(bucket)s, q.at - v.width, 'epoch') + %(bucket)s AS fa,
+        date_bin(%(bucket)s, q.at + interval '1 microsecond', 'epoch') AS fb
+    FROM q CROSS JOIN (VALUES ('1h', interval '1 hour'), ('24h', interval '24 hours'),
+                              ('7d', interval '7 days')) AS v(name, width)
+), w AS (
+    SELECT *, least(fa, hi + interval '1 microsecond') AS head_end, greatest(fa, fb) AS tail_start
+    FROM bounds
+), rows AS (
+    SELECT w.i, w.name, b.direction, b.counterparty, b.currency, b.payments, b.total, b.near
+    FROM w JOIN {buckets} b ON b.account = w.account AND b.bucket >= w.fa AND b.bucket < w.fb
+    UNION ALL
+    SELECT w.i, w.name, 'out', p.payee, p.currency, 1, p.amount, {near}
+    FROM w JOIN {payments} p ON p.payer = w.account AND p.ts > w.lo AND p.ts < w.head_end
+    UNION ALL
+    SELECT w.i, w.name, 'out', p.payee, p.currency, 1, p.amount, {near}
+    FROM w JOIN {payments} p ON p.payer = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+    UNION ALL
+    SELECT w.i, w.name, 'in', p.payer, p.currency, 1, p.amount, 0
+    FROM w JOIN {payments} p ON p.payee = w.account AND p.ts > w.lo AND p.ts < w.head_end
+    UNION ALL
+    SELECT w.i, w.name, 'in', p.payer, p.currency, 1, p.amount, 0
+    FROM w JOIN {payments} p ON p.payee = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+)
+SELECT i, name, direction, currency, sum(payments)::bigint, sum(total), sum(near)::bigint,
+    count(DISTINCT counterparty), grouping(direction, currency)
+FROM rows GROUP BY GROUPING SETS ((i, name, direction, currency), (i, name, direction), (i, name))
+"""
+_NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
 
 
-def to_units(amount: str) -> int:
-    """Stored money text ("12.50", "0.0001") as an exact integer number of 0.0001 units."""
-    whole, _, fraction = amount.partition(".")
-    return int(whole) * UNITS + int((fraction + "0000")[:4])
-
-
-def units_text(units: int) -> str:
-    """The canonical money text (as `money_text`) of a number of 0.0001 units."""
-    whole, fraction = divmod(units, UNITS)
-    return f"{whole}.{f'{fraction:04d}'.rstrip('0').ljust(2, '0')}"
-
-
-class _Window:
-    """Counts, exact per-currency sums (0.0001 units) and counterparties of one window, row by row."""
-
-    __slots__ = ("counts", "parties", "sums")
-
-    def __init__(self) -> None:
-        self.counts = {"out": 0, "in": 0}
-        self.sums: dict[str, dict[str, int]] = {"out": {}, "in": {}}
-        self.parties: dict[str, set[str]] = {"out": set(), "in": set()}
-
-    def add(self, direction: str, counterparty: str, units: int, currency: str) -> None:
-        self.counts[direction] += 1
-        sums = self.sums[direction]
-        sums[currency] = sums.get(currency, 0) + units
-        self.parties[direction].add(counterparty)
-
-    def as_json(self) -> dict[str, Any]:
-        sums = {d: {c: units_text(self.sums[d][c]) for c in sorted(self.sums[d])} for d in ("out", "in")}
-        out, into = self.parties["out"], self.parties["in"]
-        return {
-            "sent_count": self.counts["out"],
-            "sent": sums["out"],
-            "received_count": self.counts["in"],
-            "received": sums["in"],
-            "counterparties": len(out | into),
-            "sent_counterparties": len(out),
-            "received_counterparties": len(into),
-        }
-
-
-def _empty_window() -> dict[str, Any]:
+def empty_window() -> dict[str, Any]:
     return {
         "sent_count": 0,
         "sent": {},
@@ -179,179 +214,66 @@ def _empty_window() -> dict[str, Any]:
     }
 
 
-class AggregatesStore:
-    """Service C's SQLite store. Writes go through one lazily opened writer connection (`apply`); every
-    query opens its own read-only connection, so the API can run while another process writes, and
-    answers empty until the file exists."""
+async def aggregates_many(
+    cur: Any,
+    schema: Schema | None,
+    queries: Sequence[tuple[str, datetime]],
+    as_of: Mapping[int, int],
+    meta: Mapping[str, str],
+    defaults: tuple[Decimal, Decimal],
+) -> list[dict[str, Any]]:
+    """Answers for several (account, at), inside the caller's read snapshot (cursor `cur`).
 
-    def __init__(self, path: str, reporting_threshold: Decimal, threshold_band: Decimal) -> None:
-        self.path = path
-        self.reporting_threshold = money(reporting_threshold)
-        self.threshold_band = money(threshold_band)
-        if self.reporting_threshold <= 0 or not 0 <= self.threshold_band < 1:
-            raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
-        # threshold * (1 - band) <= amount < threshold is "near the threshold".
-        self.near_low = DECIMAL.multiply(self.reporting_threshold, DECIMAL.subtract(1, self.threshold_band))
-        # The same bounds in 0.0001 units (Decimals: an int compares with them exactly).
-        self.near_low_units = DECIMAL.multiply(self.near_low, UNITS)
-        self.threshold_units = DECIMAL.multiply(self.reporting_threshold, UNITS)
-        self._writer = Writer(path, SCHEMA)
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def __enter__(self) -> AggregatesStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def apply(self, rows: Iterable[PaymentRow], covered: Mapping[int, tuple[int, int]]) -> None:
-        """Store the batch's payments (minus too-late ones) and advance the covered offsets, in one
-        transaction. Raises StaleBatch, or ValueError for a malformed or duplicate row; either way nothing
-        changes."""
-        spans = validate_covered(covered)
-        prepared = []
-        for row in rows:
-            ts, amount = _check(row, spans)
-            prepared.append(
-                (row.partition, row.offset, row.payment_id, row.payer, row.payee, amount, row.currency, ts)
-            )
-        self.apply_prepared(prepared, spans)
-
-    def apply_prepared(self, rows: Sequence[PreparedPayment], covered: Mapping[int, tuple[int, int]]) -> None:
-        """`apply` for rows already in stored form, as the pipeline's parser makes them on the executors.
-
-        A row is (partition, offset, payment_id, payer, payee, amount as canonical money text, currency,
-        ts in microseconds). The contract was checked by the parser; this only checks that each row lies
-        inside the covered offsets and appears once, so the driver does no per-row conversion.
-        """
-        spans = validate_covered(covered)
-        with self._writer.transaction() as conn:
-            claim_offsets(conn, spans)
-            stored_max = _meta(conn, "max_event_ts")
-            new_max = max(
-                [row[7] for row in rows] + ([] if stored_max is None else [stored_max]), default=None
-            )
-            if new_max is None:
-                return
-            cutoff = new_max - _HORIZON_US
-            late = 0
-            seen: set[tuple[int, int]] = set()
-            inserts = []
-            for partition, offset, payment_id, payer, payee, amount, currency, ts in rows:
-                span = spans.get(partition)
-                if span is None or not span[0] <= offset < span[1]:
-                    raise ValueError(
-                        f"PaymentRow at partition {partition} offset {offset} is outside the covered offsets"
-                    )
-                if (partition, offset) in seen:
-                    raise ValueError(f"PaymentRow at partition {partition} offset {offset} is given twice")
-                seen.add((partition, offset))
-                if ts <= cutoff:
-                    late += 1
-                    continue
-                inserts.append((partition, offset, "out", payer, payee, payment_id, amount, currency, ts))
-                inserts.append((partition, offset, "in", payee, payer, payment_id, amount, currency, ts))
-            try:
-                conn.executemany(_INSERT, inserts)  # one statement for the batch: the per-row cost is the row
-            except sqlite3.IntegrityError as exc:
-                raise ValueError(f"a PaymentRow of this batch is already stored: {exc}") from exc
-            if late:
-                _set_meta(conn, "late_dropped", (_meta(conn, "late_dropped") or 0) + late)
-            if stored_max is None or new_max > stored_max:
-                _set_meta(conn, "max_event_ts", new_max)
-                conn.execute("DELETE FROM sides WHERE ts <= ?", (new_max - _PRUNE_US,))
-
-    def applied_offsets(self) -> dict[int, int]:
-        """partition -> next offset applied ({} before the first apply)."""
-        return read_snapshot(self.path, read_offsets)
-
-    def status(self) -> dict[str, Any]:
-        """store_exists, as_of, late_dropped and max_event_ts (ISO text or None), from one snapshot."""
-
-        def query(conn: sqlite3.Connection | None) -> dict[str, Any]:
-            late, high = self._counters(conn)
-            return {
-                "store_exists": conn is not None,
-                "as_of": as_of_json(read_offsets(conn)),
-                "late_dropped": late,
-                "max_event_ts": None if high is None else iso_text(high),
-            }
-
-        return read_snapshot(self.path, query)
-
-    @staticmethod
-    def _counters(conn: sqlite3.Connection | None) -> tuple[int, int | None]:
-        if conn is None or not has_table(conn, "meta"):
-            return 0, None
-        return _meta(conn, "late_dropped") or 0, _meta(conn, "max_event_ts")
-
-    def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
-        """The answer for one account at instant `at`."""
-        return self.aggregates_many([(account, at)])[0]
-
-    def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
-        """Answers for several (account, at), all from ONE read snapshot: one `as_of` proves all of them.
-
-        A detector asks about a payer and a payee, for a batch of payments at once: one connection, one
-        transaction and one round trip instead of one per question.
-        """
-        instants = [(account, to_micros(at)) for account, at in queries]
-
-        def query(conn: sqlite3.Connection | None) -> list[dict[str, Any]]:
-            late, _ = self._counters(conn)
-            as_of = as_of_json(read_offsets(conn))
-            stored = conn is not None and has_table(conn, "sides")
-            return [
-                self._answer(conn if stored else None, account, at_us, as_of, late)
-                for account, at_us in instants
-            ]
-
-        return read_snapshot(self.path, query)
-
-    def _answer(
-        self, conn: sqlite3.Connection | None, account: str, at_us: int, as_of: dict[str, int], late: int
-    ) -> dict[str, Any]:
-        answer: dict[str, Any] = {
+    `meta` is the store's meta read in the same snapshot; `defaults` (threshold, band) are reported by a
+    store that has none yet. `schema` None: the store has no tables, every answer is empty.
+    """
+    threshold = Decimal(meta.get("reporting_threshold", defaults[0]))
+    band = Decimal(meta.get("threshold_band", defaults[1]))
+    answers = [
+        {
             "account": account,
-            "at": iso_text(at_us),
-            "as_of": as_of,
-            "windows": {name: _empty_window() for name in WINDOWS},
+            "at": iso_text(at),
+            "as_of": as_of_json(as_of),
+            "windows": {name: empty_window() for name in WINDOWS},
             "near_threshold_24h": 0,
-            "reporting_threshold": format(self.reporting_threshold, "f"),
-            "threshold_band": format(self.threshold_band, "f"),
-            "late_dropped": late,
+            "reporting_threshold": format(threshold, "f"),
+            "threshold_band": format(band, "f"),
+            "late_dropped": int(meta.get("late_dropped", "0")),
         }
-        if conn is None:
-            return answer
-        windows, near = self._windows(conn, account, at_us)
-        answer["windows"] = {name: w.as_json() for name, w in zip(WINDOWS, windows, strict=True)}
-        answer["near_threshold_24h"] = near
-        return answer
-
-    def _windows(self, conn: sqlite3.Connection, account: str, at_us: int) -> tuple[list[_Window], int]:
-        """The windows and the near-threshold count, in one pass over the account's rows of the last 7 d.
-
-        Sums are exact integers of 0.0001 units (stored amounts have at most four decimal places); the
-        windows are nested, so a row counts in its smallest window and every larger one. (Decimal
-        arithmetic per row and window cost most of a query.)
-        """
-        rows = conn.execute(
-            "SELECT direction, counterparty, amount, currency, ts FROM sides "
-            "WHERE account = ? AND ts > ? AND ts <= ?",
-            (account, at_us - _HORIZON_US, at_us),
-        ).fetchall()
-        bounds = [at_us - length // MICROSECOND for length in WINDOWS.values()]
-        windows = [_Window() for _ in WINDOWS]
-        near = 0
-        for direction, counterparty, amount, currency, ts in rows:
-            units = to_units(amount)
-            for k in range(len(windows)):
-                if ts > bounds[k]:
-                    for window in windows[k:]:
-                        window.add(direction, counterparty, units, currency)
-                    break
-            if direction == "out" and ts > bounds[1] and self.near_low_units <= units < self.threshold_units:
-                near += 1
-        return windows, near
+        for account, at in queries
+    ]
+    if schema is None or not queries:
+        return answers
+    low, high = near_bounds(threshold, band)
+    await cur.execute(
+        sql.SQL(_WINDOWS).format(
+            buckets=sql.Identifier(schema.name, "buckets"),
+            payments=sql.Identifier(schema.name, "payments"),
+            near=sql.SQL(_NEAR),
+        ),
+        {
+            "accounts": [a for a, _ in queries],
+            "ats": [at for _, at in queries],
+            "bucket": BUCKET,
+            "near_low": low,
+            "near_high": high,
+        },
+    )
+    for i, name, direction, currency, payments, total, near, parties, level in await cur.fetchall():
+        answer = answers[i - 1]
+        window = answer["windows"][name]
+        side = "sent" if direction == "out" else "received"
+        if level == 0:
+            window[side][currency] = money_text(total)
+        elif level == 1:
+            window[f"{side}_count"] = payments
+            window[f"{side}_counterparties"] = parties
+            if name == "24h" and direction == "out":
+                answer["near_threshold_24h"] = near
+        else:
+            window["counterparties"] = parties
+    for answer in answers:
+        for window in answer["windows"].values():
+            for side in ("sent", "received"):
+                window[side] = dict(sorted(window[side].items()))
+    return answers

@@ -1,4 +1,4 @@
-"""HTTP APIs of services B (relations) and C (aggregates), on aiohttp.
+"""HTTP APIs of services B (relations) and C (aggregates), on aiohttp, reading PostgreSQL only.
 
 Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence>"}):
 - relations:  GET /relations/{account}?hops=2   hops is a whole number 1..3 (default 2); `parts=out,cycle`
@@ -9,36 +9,45 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               POST /aggregates {"queries": [{"account": "a", "at": "ISO"}, ...]}
               -> {"answers": [...]} in the order asked, every answer as its GET would give it, all from
               ONE read snapshot (one as_of); at most MAX_BATCH queries
-- both:       GET /health
+- both:       GET /health   200 when the store answers and is not behind its consumer group, else 503
 
-Account ids are path segments (percent-encode '/', '%', '?', '#'), at most 128 characters. Store reads
-are blocking SQLite, run in a worker thread with a fresh read-only connection per request, so they
-never block the event loop or the pipeline that writes the file. The service starts without the store
-file and answers empty (as_of {}) until the pipeline creates it.
+Account ids are path segments (percent-encode '/', '%', '?', '#'), at most 128 characters.
+
+An API keeps no state of its own: every answer is read from the store in one REPEATABLE READ snapshot
+together with its `as_of`, so any number of replicas on any hosts give the same answers. The service
+starts without the store's tables and answers empty (as_of {}) until the pipeline creates them. Every
+few seconds it checks the store against its consumer group's committed offsets (the store-loss guard,
+`aml_app.services.guard`); a store found behind makes /health and every query answer 503 with the
+sentence that says what to do, rather than serve answers the gate would trust.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
-import sqlite3
+import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
+import psycopg
+import psycopg_pool
 from aiohttp import web
 
 from aml_app.contract import MAX_ID_LENGTH
-from aml_app.services.aggregates import AggregatesStore
-from aml_app.services.relations import MAX_HOPS, PARTS, RelationsStore
+from aml_app.services import aggregates, relations
+from aml_app.services.guard import behind
+from aml_app.services.relations import MAX_HOPS, PARTS
+from aml_app.services.store import Reader, redacted
 
 log = logging.getLogger(__name__)
 
 KINDS = ("relations", "aggregates")
 DEFAULT_HOPS = 2
 MAX_BATCH = 1000
-RELATIONS_STORE = web.AppKey("relations_store", RelationsStore)
-AGGREGATES_STORE = web.AppKey("aggregates_store", AggregatesStore)
+CHECK_EVERY = 2.0  # seconds between two checks of the store against its consumer group
 SERVICE = web.AppKey("service", str)
 ROUTES = web.AppKey("routes", list)
 # "...T10:00:00 01:00": a '+01:00' offset whose '+' the query string decoded to a space.
@@ -47,6 +56,10 @@ _DECODED_PLUS = re.compile(r"^(.*T[0-9:.,]+) ([0-9]{2}(:?[0-9]{2})?)$")
 
 class BadRequest(ValueError):
     """A request a person has to fix; the message is the 400 answer."""
+
+
+class StoreBehind(RuntimeError):
+    """The store is behind its consumer group (the guard's sentence): answers would lack history."""
 
 
 def _error(status: int, message: str) -> web.Response:
@@ -67,9 +80,11 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return _error(405, f"Method {request.method} is not allowed here; use {allowed}.")
     except web.HTTPException as exc:
         return _error(exc.status, exc.reason)
-    except sqlite3.Error as exc:
+    except StoreBehind as exc:
+        return _error(503, f"{str(exc)[0].upper()}{str(exc)[1:]}")
+    except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         log.warning("store read failed for %s: %s", request.path, exc)
-        return _error(503, f"The store could not be read right now ({exc}); try again shortly.")
+        return _error(503, "The store could not be read right now; try again shortly.")
     except Exception:
         log.exception("unexpected error for %s", request.path)
         return _error(500, "Internal error while answering this request; see the service log.")
@@ -163,87 +178,189 @@ def parse_at(raw: str | None) -> datetime:
         raise BadRequest(f"at is out of range: {raw[:60]!r}.") from None
 
 
-def _app(service: str, routes: list[str]) -> web.Application:
+class StoreCheck:
+    """Compares the store with its consumer group's committed offsets, now and every CHECK_EVERY seconds.
+
+    `state` is "unknown" until the first comparison, then "ok" or "behind" (with `problem`, the guard's
+    sentence). While Kafka cannot be read, the last verdict stands and `error` says why.
+    """
+
+    def __init__(self, reader: Reader, service: str, settings: Any) -> None:
+        from aml_app.gate.offsets import DependencyOffsets
+
+        self.reader = reader
+        self.service = service
+        self.group = settings.relations_group if service == "relations" else settings.aggregates_group
+        self.offsets = DependencyOffsets(
+            settings.bootstrap_servers,
+            settings.payments_topic,
+            [self.group],
+            security=settings.kafka_security,
+        )
+        self.state = "unknown"
+        self.problem: str | None = None
+        self.error: str | None = None
+        self.checked_at: float | None = None
+
+    async def check(self) -> None:
+        from aml_app.gate.offsets import OffsetReadError
+
+        try:
+            _partitions, committed = await self.offsets.read()
+            # Committed first, then the store: see guard.behind.
+            async with self.reader.snapshot() as snap:
+                applied = snap.as_of
+        except (OffsetReadError, psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
+            self.error = str(exc) or type(exc).__name__
+            return
+        self.error = None
+        self.problem = behind(self.service, self.group, applied, committed[self.group])
+        if self.problem and self.state != "behind":
+            log.error("%s", self.problem)
+        self.state = "behind" if self.problem else "ok"
+        self.checked_at = time.time()
+
+    def refuse_if_behind(self) -> None:
+        if self.problem is not None:
+            raise StoreBehind(self.problem)
+
+    async def run(self) -> None:
+        while True:
+            await self.check()
+            await asyncio.sleep(CHECK_EVERY)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"state": self.state, "group": self.group, "problem": self.problem, "error": self.error}
+
+    async def close(self) -> None:
+        await self.offsets.close()
+
+
+def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | None) -> web.Application:
+    """The parts both APIs share: errors as JSON, the store's pool and the check, opened and closed with
+    the application."""
     app = web.Application(middlewares=[_json_errors])
     app[SERVICE] = service
     app[ROUTES] = ["GET /health", *routes]
+
+    async def lifetime(app: web.Application) -> AsyncIterator[None]:
+        await reader.open()
+        task = asyncio.create_task(check.run()) if check is not None else None
+        yield
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await check.close()
+        await reader.close()
+
+    app.cleanup_ctx.append(lifetime)
+
+    async def health(request: web.Request) -> web.Response:
+        async with reader.snapshot() as snap:
+            meta = snap.meta
+            body = {
+                "status": "ok",
+                "service": service,
+                "store": redacted(reader.url),
+                "store_exists": snap.schema is not None,
+                "as_of": {str(p): o for p, o in sorted(snap.as_of.items())},
+            }
+        if service == "aggregates":
+            body["late_dropped"] = int(meta.get("late_dropped", "0"))
+            body["max_event_ts"] = meta.get("max_event_ts")
+        if check is not None:
+            body["store_check"] = check.as_json()
+            if check.state == "behind":
+                body["status"] = "behind"
+                return web.json_response(body, status=503)
+        return web.json_response(body)
+
+    app.router.add_get("/health", health)
     return app
 
 
-def relations_app(store: RelationsStore) -> web.Application:
+def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Application:
     app = _app(
         "relations",
         ["GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle", "POST /relations"],
+        reader,
+        check,
     )
-    app[RELATIONS_STORE] = store
 
-    async def relations(request: web.Request) -> web.Response:
+    async def answer(queries: list[tuple[str, int, tuple[str, ...]]]) -> list[dict[str, Any]]:
+        if check is not None:
+            check.refuse_if_behind()
+        async with reader.snapshot() as snap:
+            return await relations.relations_many(snap.cur, snap.schema, queries, snap.as_of)
+
+    async def single(request: web.Request) -> web.Response:
         account = _account(request)
         hops = parse_hops(_single(request, "hops"))
         parts = parse_parts(_single(request, "parts"))
-        return web.json_response(await asyncio.to_thread(store.relations, account, hops, parts))
+        return web.json_response((await answer([(account, hops, parts)]))[0])
 
-    async def health(request: web.Request) -> web.Response:
-        status = await asyncio.to_thread(store.status)
-        return web.json_response({"status": "ok", "service": "relations", "store": store.path, **status})
-
-    async def relations_batch(request: web.Request) -> web.Response:
+    async def batch(request: web.Request) -> web.Response:
         queries = []
         for i, q in enumerate(await _queries(request)):
             hops = parse_hops(_text_or_none(q, "hops", i))
             queries.append((_batch_account(q, i), hops, parse_parts(_text_or_none(q, "parts", i))))
-        return web.json_response({"answers": await asyncio.to_thread(store.relations_many, queries)})
+        return web.json_response({"answers": await answer(queries)})
 
-    app.router.add_get("/relations/{account}", relations)
-    app.router.add_post("/relations", relations_batch)
-    app.router.add_get("/health", health)
+    app.router.add_get("/relations/{account}", single)
+    app.router.add_post("/relations", batch)
     return app
 
 
-def aggregates_app(store: AggregatesStore) -> web.Application:
-    app = _app("aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"])
-    app[AGGREGATES_STORE] = store
+def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = None) -> web.Application:
+    """`settings` gives the near-threshold definition a store without one reports (the pipeline's)."""
+    app = _app("aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"], reader, check)
+    defaults = (settings.reporting_threshold, settings.threshold_band)
 
-    async def aggregates(request: web.Request) -> web.Response:
+    async def answer(queries: list[tuple[str, datetime]]) -> list[dict[str, Any]]:
+        if check is not None:
+            check.refuse_if_behind()
+        async with reader.snapshot() as snap:
+            return await aggregates.aggregates_many(
+                snap.cur, snap.schema, queries, snap.as_of, snap.meta, defaults
+            )
+
+    async def single(request: web.Request) -> web.Response:
         account = _account(request)
         at = parse_at(_single(request, "at"))
-        return web.json_response(await asyncio.to_thread(store.aggregates, account, at))
+        return web.json_response((await answer([(account, at)]))[0])
 
-    async def health(request: web.Request) -> web.Response:
-        status = await asyncio.to_thread(store.status)
-        return web.json_response({"status": "ok", "service": "aggregates", "store": store.path, **status})
-
-    async def aggregates_batch(request: web.Request) -> web.Response:
+    async def batch(request: web.Request) -> web.Response:
         queries = [
             (_batch_account(q, i), parse_at(_text_or_none(q, "at", i)))
             for i, q in enumerate(await _queries(request))
         ]
-        return web.json_response({"answers": await asyncio.to_thread(store.aggregates_many, queries)})
+        return web.json_response({"answers": await answer(queries)})
 
-    app.router.add_get("/aggregates/{account}", aggregates)
-    app.router.add_post("/aggregates", aggregates_batch)
-    app.router.add_get("/health", health)
+    app.router.add_get("/aggregates/{account}", single)
+    app.router.add_post("/aggregates", batch)
     return app
 
 
-def build_app(kind: str, settings: Any) -> web.Application:
-    """The application for `kind` ('relations' or 'aggregates'), its store built from `settings`.
-
-    Building does not create the store file; the pipeline does.
-    """
+def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
+    """The application for `kind` ('relations' or 'aggregates') on the store `settings` names, with the
+    store check against the consumer group (unless `check` is False: tests of the queries alone)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown service {kind!r}; expected one of {', '.join(KINDS)}")
+    schema = relations.SCHEMA if kind == "relations" else aggregates.SCHEMA
+    reader = Reader(settings.store_url, schema)
+    guard = StoreCheck(reader, kind, settings) if check else None
     if kind == "relations":
-        return relations_app(RelationsStore(settings.relations_db))
-    if kind == "aggregates":
-        return aggregates_app(
-            AggregatesStore(settings.aggregates_db, settings.reporting_threshold, settings.threshold_band)
-        )
-    raise ValueError(f"unknown service {kind!r}; expected one of {', '.join(KINDS)}")
+        return relations_app(reader, guard)
+    return aggregates_app(reader, settings, guard)
 
 
 def serve(kind: str, settings: Any) -> None:
     """Run the service's HTTP API until interrupted (blocks)."""
     app = build_app(kind, settings)
     port = settings.relations_port if kind == "relations" else settings.aggregates_port
-    store = app[RELATIONS_STORE] if kind == "relations" else app[AGGREGATES_STORE]
-    print(f"{kind} service: http://{settings.services_host}:{port} (store {store.path})", flush=True)
+    print(
+        f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.store_url)})",
+        flush=True,
+    )
     web.run_app(app, host=settings.services_host, port=port, print=None)

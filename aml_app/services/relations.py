@@ -1,152 +1,177 @@
-"""Service B's store: directed payment edges between accounts, and the relations query.
+"""Service B's store: directed payment edges between accounts, and the relations query, on PostgreSQL.
 
-An edge is keyed (payer, payee, currency) and holds count, exact total (TEXT, added with `dec_add`),
-first_seen (min) and last_seen (max), as microseconds since the epoch. Spark pre-aggregates each
-micro-batch into `EdgeDelta`s (several may hit the same edge); `apply` adds them and advances the
-applied offsets in one transaction (see `aml_app.services.store`).
+An edge is keyed (payer, payee, currency) and holds the number of payments, their exact total, and the
+first and last event time. Spark aggregates each micro-batch into one row per edge (`aml_app.pipeline.
+transforms.edges`); `apply` adds those rows to the stored edges and advances the applied offsets in one
+transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled by COPY).
 
-`relations(account, hops)` answers from one read snapshot:
+`relations_many` answers, from one REPEATABLE READ snapshot and in a few statements for a whole batch:
 - `out` / `in`: the account's direct counterparties, merged over currencies, sorted by counterparty;
 - `neighbourhood`: accounts within `hops` edges ignoring direction (excluding the account itself), with
   their shortest distance, sorted by (hops, account);
 - `cycle`: the shortest directed cycle from the account back to itself with at most `hops` edges (a
-  self-payment is a 1-hop cycle); among equally short ones the lexicographically smallest path.
+  self-payment is a 1-hop cycle); among equally short ones the smallest path (code-point order). With at
+  most 3 hops a cycle is one join per length, which PostgreSQL answers from the primary key.
+
+Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python compares strings.
 """
 
 from __future__ import annotations
 
-import sqlite3
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
-from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from aml_app.services.store import (
-    DECIMAL,
-    Writer,
-    as_of_json,
-    claim_offsets,
-    has_table,
-    iso_text,
-    money,
-    money_text,
-    read_offsets,
-    read_snapshot,
-    to_micros,
-    validate_covered,
-)
+import psycopg
+from psycopg import sql
+
+from aml_app.services.copy import copy_arrow
+from aml_app.services.store import Schema, as_of_json, iso_text, money_text
 
 MAX_HOPS = 3
 PARTS = ("out", "in", "neighbourhood", "cycle")
-_CHUNK = 500  # accounts per IN (...) list
 
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS edges (
-    payer TEXT NOT NULL,
-    payee TEXT NOT NULL,
-    currency TEXT NOT NULL,
-    count INTEGER NOT NULL,
-    total TEXT NOT NULL,
-    first_seen INTEGER NOT NULL,
-    last_seen INTEGER NOT NULL,
-    PRIMARY KEY (payer, payee, currency)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS edges_by_payee ON edges (payee, payer)
+SCHEMA = Schema(
+    "relations",
+    [
+        """
+        CREATE TABLE {schema}.edges (
+            payer text COLLATE "C" NOT NULL,
+            payee text COLLATE "C" NOT NULL,
+            currency text COLLATE "C" NOT NULL,
+            payments bigint NOT NULL,
+            total numeric NOT NULL,
+            first_seen timestamptz NOT NULL,
+            last_seen timestamptz NOT NULL,
+            PRIMARY KEY (payer, payee, currency)
+        );
+        CREATE INDEX edges_by_payee ON {schema}.edges (payee, payer)
+        """
+    ],
+)
+
+#: The columns of a batch's edge rows, as Spark makes them.
+EDGE_COLUMNS = ("payer", "payee", "currency", "payments", "total", "first_seen", "last_seen")
+
+
+def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
+    """Add a batch's edge rows (an Arrow table, one row per edge) to the stored edges."""
+    if edges.num_rows == 0:
+        return
+    conn.execute(
+        """
+        CREATE TEMPORARY TABLE batch_edges (
+            payer text COLLATE "C", payee text COLLATE "C", currency text COLLATE "C",
+            payments bigint, total numeric, first_seen timestamptz, last_seen timestamptz
+        ) ON COMMIT DROP
+        """
+    )
+    copy_arrow(conn, "batch_edges", edges, EDGE_COLUMNS)
+    conn.execute(
+        sql.SQL(
+            """
+            INSERT INTO {edges} AS e SELECT * FROM batch_edges
+            ON CONFLICT (payer, payee, currency) DO UPDATE SET
+                payments = e.payments + excluded.payments,
+                total = e.total + excluded.total,
+                first_seen = least(e.first_seen, excluded.first_seen),
+                last_seen = greatest(e.last_seen, excluded.last_seen)
+            """
+        ).format(edges=sql.Identifier(schema.name, "edges"))
+    )
+
+
+# --- queries --------------------------------------------------------------------------------------
+
+
+def check_query(hops: int, parts: Iterable[str]) -> None:
+    if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
+        raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
+    if not set(parts) <= set(PARTS):
+        raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(parts)}")
+
+
+def _sides(rows: Iterable[tuple]) -> dict[int, list[dict[str, Any]]]:
+    """Per query index, the counterparties merged over currencies, sorted by counterparty."""
+    merged: dict[int, dict[str, dict[str, Any]]] = {}
+    for i, counterparty, currency, payments, total, first, last in rows:
+        entry = merged.setdefault(i, {}).setdefault(
+            counterparty, {"count": 0, "totals": {}, "first_seen": first, "last_seen": last}
+        )
+        entry["count"] += payments
+        entry["totals"][currency] = entry["totals"].get(currency, Decimal(0)) + total
+        entry["first_seen"] = min(entry["first_seen"], first)
+        entry["last_seen"] = max(entry["last_seen"], last)
+    return {
+        i: [
+            {
+                "counterparty": name,
+                "count": e["count"],
+                "totals": {c: money_text(e["totals"][c]) for c in sorted(e["totals"])},
+                "first_seen": iso_text(e["first_seen"]),
+                "last_seen": iso_text(e["last_seen"]),
+            }
+            for name, e in sorted(by_name.items())
+        ]
+        for i, by_name in merged.items()
+    }
+
+
+_SIDE = """
+SELECT q.i, e.{other}, e.currency, e.payments, e.total, e.first_seen, e.last_seen
+FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+JOIN {edges} e ON e.{own} = q.account COLLATE "C"
 """
 
-_UPSERT = """
-INSERT INTO edges (payer, payee, currency, count, total, first_seen, last_seen)
-VALUES (?, ?, ?, ?, ?, ?, ?)
-ON CONFLICT (payer, payee, currency) DO UPDATE SET
-    count = count + excluded.count,
-    total = dec_add(total, excluded.total),
-    first_seen = min(first_seen, excluded.first_seen),
-    last_seen = max(last_seen, excluded.last_seen)
+# The shortest cycle through each account, for every length up to 3 (NULL where there is none): the
+# smallest path of each length, in code-point order. Each length is a join along out-edges that ends with
+# a primary-key lookup of the edge back to the account.
+_CYCLES = """
+SELECT q.i,
+    EXISTS (SELECT 1 FROM {edges} e WHERE e.payer = q.account AND e.payee = q.account) AS one,
+    (SELECT min(e1.payee) FROM {edges} e1
+        JOIN {edges} e2 ON e2.payer = e1.payee AND e2.payee = q.account
+        WHERE e1.payer = q.account AND %(hops)s >= 2) AS two,
+    (SELECT ARRAY[e1.payee, e2.payee] FROM {edges} e1
+        JOIN {edges} e2 ON e2.payer = e1.payee
+        JOIN {edges} e3 ON e3.payer = e2.payee AND e3.payee = q.account
+        WHERE e1.payer = q.account AND %(hops)s >= 3
+        ORDER BY e1.payee, e2.payee LIMIT 1) AS three
+FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+"""
+
+_NEIGHBOURS = """
+SELECT payee FROM {edges} WHERE payer = ANY(%(frontier)s::text[])
+UNION
+SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
 """
 
 
-#: (payer, payee, currency, count, total text, first seen us, last seen us)
-PreparedEdge = tuple[str, str, str, int, str, int, int]
-
-
-@dataclass(frozen=True)
-class EdgeDelta:
-    """What one micro-batch adds to one edge: `count` payments totalling `total` (datetimes UTC-aware)."""
-
-    payer: str
-    payee: str
-    currency: str
-    count: int
-    total: Decimal
-    first_seen: datetime
-    last_seen: datetime
-
-
-def _delta_row(delta: EdgeDelta) -> tuple[str, str, str, int, str, int, int]:
-    for name in ("payer", "payee", "currency"):
-        value = getattr(delta, name)
-        if not isinstance(value, str) or not value:
-            raise ValueError(f"EdgeDelta.{name} must be a non-empty string, got {value!r}")
-    if isinstance(delta.count, bool) or not isinstance(delta.count, int) or delta.count < 1:
-        raise ValueError(f"EdgeDelta.count must be a positive integer, got {delta.count!r}")
-    total = money(delta.total)
-    first, last = to_micros(delta.first_seen), to_micros(delta.last_seen)
-    if first > last:
-        raise ValueError(f"EdgeDelta first_seen {delta.first_seen} is after last_seen {delta.last_seen}")
-    return (delta.payer, delta.payee, delta.currency, delta.count, money_text(total), first, last)
-
-
-def _chunks(items: list[str]) -> Iterable[list[str]]:
-    for i in range(0, len(items), _CHUNK):
-        yield items[i : i + _CHUNK]
-
-
-def _neighbours(conn: sqlite3.Connection, accounts: list[str], column: str, other: str) -> set[str]:
-    """Distinct `other` values of edges whose `column` is one of `accounts` (column/other are fixed names)."""
-    found: set[str] = set()
-    for chunk in _chunks(accounts):
-        marks = ",".join("?" * len(chunk))
-        rows = conn.execute(f"SELECT DISTINCT {other} FROM edges WHERE {column} IN ({marks})", chunk)
-        found.update(r[0] for r in rows)
+async def _cycles(cur: Any, edges: sql.Composable, accounts: list[str], hops: int) -> dict[int, dict]:
+    await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "hops": hops})
+    found = {}
+    for i, one, two, three in await cur.fetchall():
+        account = accounts[i - 1]
+        if one:
+            path = [account, account]
+        elif two is not None:
+            path = [account, two, account]
+        elif three is not None:
+            path = [account, *three, account]
+        else:
+            path = []
+        found[i] = {"found": bool(path), "path": path}
     return found
 
 
-def _side(conn: sqlite3.Connection, account: str, column: str, other: str) -> list[dict[str, Any]]:
-    merged: dict[str, dict[str, Any]] = {}
-    rows = conn.execute(
-        f"SELECT {other}, currency, count, total, first_seen, last_seen FROM edges WHERE {column} = ?",
-        (account,),
-    )
-    for counterparty, currency, count, total, first, last in rows:
-        entry = merged.setdefault(
-            counterparty, {"count": 0, "totals": {}, "first_seen": first, "last_seen": last}
-        )
-        entry["count"] += count
-        entry["totals"][currency] = DECIMAL.add(entry["totals"].get(currency, Decimal(0)), Decimal(total))
-        entry["first_seen"] = min(entry["first_seen"], first)
-        entry["last_seen"] = max(entry["last_seen"], last)
-    return [
-        {
-            "counterparty": name,
-            "count": entry["count"],
-            "totals": {c: money_text(entry["totals"][c]) for c in sorted(entry["totals"])},
-            "first_seen": iso_text(entry["first_seen"]),
-            "last_seen": iso_text(entry["last_seen"]),
-        }
-        for name, entry in sorted(merged.items())
-    ]
-
-
-def _neighbourhood(conn: sqlite3.Connection, account: str, hops: int) -> list[dict[str, Any]]:
+async def _neighbourhood(cur: Any, edges: sql.Composable, account: str, hops: int) -> list[dict[str, Any]]:
     distance = {account: 0}
     frontier = [account]
     for step in range(1, hops + 1):
         if not frontier:
             break
-        outgoing = _neighbours(conn, frontier, "payer", "payee")
-        incoming = _neighbours(conn, frontier, "payee", "payer")
-        frontier = sorted(a for a in outgoing | incoming if a not in distance)
+        await cur.execute(sql.SQL(_NEIGHBOURS).format(edges=edges), {"frontier": frontier})
+        frontier = sorted(a for (a,) in await cur.fetchall() if a not in distance)
         for name in frontier:
             distance[name] = step
     del distance[account]
@@ -155,122 +180,45 @@ def _neighbourhood(conn: sqlite3.Connection, account: str, hops: int) -> list[di
     ]
 
 
-def _cycle(conn: sqlite3.Connection, account: str, hops: int) -> dict[str, Any]:
-    # Directed distance from every account to `account` (walking in-edges backwards), up to hops - 1.
-    to_start = {account: 0}
-    frontier = [account]
-    for step in range(1, hops):
-        frontier = sorted(a for a in _neighbours(conn, frontier, "payee", "payer") if a not in to_start)
-        for name in frontier:
-            to_start[name] = step
-    firsts = _neighbours(conn, [account], "payer", "payee")
-    lengths = [1 + to_start[v] for v in firsts if v in to_start]
-    if not lengths:
-        return {"found": False, "path": []}
-    # The shortest closed walk from `account` is a simple cycle. Walk it greedily: at each step take the
-    # smallest successor that is exactly the remaining distance from the start; equal lengths make the
-    # greedy choice the lexicographically smallest path. Only a successor at exactly that distance can be
-    # on a shortest cycle (one closer would give a shorter cycle).
-    remaining = min(lengths)
-    path = [account]
-    here = account
-    while remaining > 0:
-        candidates = [
-            v for v in _neighbours(conn, [here], "payer", "payee") if to_start.get(v) == remaining - 1
-        ]
-        here = min(candidates)
-        path.append(here)
-        remaining -= 1
-    return {"found": True, "path": path}
+async def relations_many(
+    cur: Any, schema: Schema, queries: Sequence[tuple[str, int, Sequence[str]]], as_of: Mapping[int, int]
+) -> list[dict[str, Any]]:
+    """Answers for several (account, hops, parts), inside the caller's read snapshot (cursor `cur`).
 
-
-class RelationsStore:
-    """Service B's SQLite store. Writes go through one lazily opened writer connection (`apply`); every
-    query opens its own read-only connection, so the API can run while another process writes, and
-    answers empty until the file exists."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-        self._writer = Writer(path, SCHEMA)
-
-    def close(self) -> None:
-        self._writer.close()
-
-    def __enter__(self) -> RelationsStore:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def apply(self, rows: Iterable[EdgeDelta], covered: Mapping[int, tuple[int, int]]) -> None:
-        """Add the deltas and advance the covered partitions' offsets in one transaction.
-
-        Raises StaleBatch (and changes nothing) if a covered range does not start at the stored next
-        offset; raises ValueError (and changes nothing) for a malformed delta or range.
-        """
-        self.apply_prepared([_delta_row(delta) for delta in rows], covered)
-
-    def apply_prepared(self, rows: Sequence[PreparedEdge], covered: Mapping[int, tuple[int, int]]) -> None:
-        """`apply` for deltas already in stored form, as the pipeline's tasks make them on the executors:
-        (payer, payee, currency, count, total as canonical money text, first and last seen in
-        microseconds). The driver then does no per-row conversion."""
-        spans = validate_covered(covered)
-        if rows and not any(start < end for start, end in spans.values()):
-            raise ValueError("apply: rows were given without any covered offsets to store them with")
-        with self._writer.transaction() as conn:
-            claim_offsets(conn, spans)
-            conn.executemany(_UPSERT, rows)
-
-    def applied_offsets(self) -> dict[int, int]:
-        """partition -> next offset applied ({} before the first apply)."""
-        return read_snapshot(self.path, read_offsets)
-
-    def status(self) -> dict[str, Any]:
-        """store_exists and as_of, from one snapshot."""
-        return read_snapshot(
-            self.path,
-            lambda conn: {"store_exists": conn is not None, "as_of": as_of_json(read_offsets(conn))},
-        )
-
-    def relations(self, account: str, hops: int, parts: Iterable[str] = PARTS) -> dict[str, Any]:
-        """The answer for `account`, with only the `parts` asked for (all by default).
-
-        A caller that needs the cycle but not the neighbourhood says so: a 3-hop neighbourhood of an account
-        that paid a busy merchant is most of the graph, and the detectors ask once per payment.
-        """
-        return self.relations_many([(account, hops, tuple(parts))])[0]
-
-    def relations_many(self, queries: Sequence[tuple[str, int, Sequence[str]]]) -> list[dict[str, Any]]:
-        """Answers for several (account, hops, parts), all from ONE read snapshot (one `as_of`)."""
-        for _account, hops, parts in queries:
-            if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
-                raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
-            if not set(parts) <= set(PARTS):
-                raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(parts)}")
-
-        def query(conn: sqlite3.Connection | None) -> list[dict[str, Any]]:
-            as_of = as_of_json(read_offsets(conn))
-            stored = conn if conn is not None and has_table(conn, "edges") else None
-            return [_answer(stored, account, hops, set(parts), as_of) for account, hops, parts in queries]
-
-        return read_snapshot(self.path, query)
-
-
-def _empty(part: str) -> Any:
-    return {"found": False, "path": []} if part == "cycle" else []
-
-
-def _answer(
-    conn: sqlite3.Connection | None, account: str, hops: int, wanted: set[str], as_of: dict[str, int]
-) -> dict[str, Any]:
-    compute = {
-        "out": lambda c: _side(c, account, "payer", "payee"),
-        "in": lambda c: _side(c, account, "payee", "payer"),
-        "neighbourhood": lambda c: _neighbourhood(c, account, hops),
-        "cycle": lambda c: _cycle(c, account, hops),
-    }
-    answer: dict[str, Any] = {"account": account, "hops": hops, "as_of": as_of}
-    for part in PARTS:
-        if part in wanted:
-            answer[part] = compute[part](conn) if conn is not None else _empty(part)
-    return answer
+    `as_of` is the store's applied offsets read in the same snapshot; a store without tables answers every
+    query empty (the caller passes `schema` None then).
+    """
+    for _account, hops, parts in queries:
+        check_query(hops, parts)
+    answers = []
+    for account, hops, parts in queries:
+        answer: dict[str, Any] = {"account": account, "hops": hops, "as_of": as_of_json(as_of)}
+        for part in PARTS:
+            if part in parts:
+                answer[part] = {"found": False, "path": []} if part == "cycle" else []
+        answers.append(answer)
+    if schema is None or not queries:
+        return answers
+    edges = sql.Identifier(schema.name, "edges")
+    for part, own, other in (("out", "payer", "payee"), ("in", "payee", "payer")):
+        wanted = [(i, q[0]) for i, q in enumerate(queries) if part in q[2]]
+        if wanted:
+            await cur.execute(
+                sql.SQL(_SIDE).format(edges=edges, own=sql.Identifier(own), other=sql.Identifier(other)),
+                {"accounts": [a for _, a in wanted]},
+            )
+            sides = _sides(await cur.fetchall())
+            for k, (i, _account) in enumerate(wanted, start=1):
+                answers[i][part] = sides.get(k, [])
+    by_hops: dict[int, list[int]] = {}
+    for i, (_account, hops, parts) in enumerate(queries):
+        if "cycle" in parts:
+            by_hops.setdefault(hops, []).append(i)
+    for hops, indexes in by_hops.items():
+        cycles = await _cycles(cur, edges, [queries[i][0] for i in indexes], hops)
+        for k, i in enumerate(indexes, start=1):
+            answers[i]["cycle"] = cycles[k]
+    for i, (account, hops, parts) in enumerate(queries):
+        if "neighbourhood" in parts:
+            answers[i]["neighbourhood"] = await _neighbourhood(cur, edges, account, hops)
+    return answers

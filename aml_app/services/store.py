@@ -1,272 +1,81 @@
-"""SQLite basics shared by the relations and aggregates stores.
+"""PostgreSQL basics shared by the stores of Services B (relations) and C (aggregates).
 
-Idempotency is "store the offsets with the results": every apply runs in ONE write transaction that also
-checks and advances `applied_offsets(partition, next_offset)`. A batch says which offsets it covers,
-`covered[p] = (start, end)` (start inclusive, end exclusive). It is accepted only if, for every partition,
-the stored next offset equals `start` (or the partition has no row yet: the first batch may start at the
-group's committed offset or at the log start). Otherwise it raises `StaleBatch` and changes nothing, so
-a replayed batch can never be counted twice and a gap can never be papered over.
+Each service keeps its tables in a schema of its own (`relations`, `aggregates`) of the database that
+`AML_STORE_URL` names, next to three tables that every store has:
 
-The writer connection uses WAL with synchronous=FULL: when the caller commits Kafka offsets after an
-apply, the data and the offsets it claims are on disk. Readers open the file read-only (`mode=ro`) and
-read inside an explicit transaction, so a query sees one snapshot and never blocks the writer.
+- `schema_version`: which of the service's migrations are applied. The pipeline applies the missing ones at
+  start-up, under an advisory lock, so two starting pipelines cannot race; the APIs never change a schema.
+- `applied_offsets(partition, next_offset)`: per Kafka partition, the next offset the store has applied.
+  A micro-batch's results and these offsets are written in ONE transaction ("store the offsets with the
+  results"), so the store says exactly which payments it holds: that is the `as_of` of every answer.
+- `meta(key, value)`: facts about the store, e.g. the topic it was built from.
 
-Timestamps are stored as integer microseconds since the Unix epoch (UTC) and shown as
-`2026-01-02T03:04:05.123456Z` (always six fractional digits). Money is exact `Decimal`, stored as TEXT,
-and shown by `money_text`: at least two decimal places, more only when needed ("12.50", "0.0001", "100.00").
+Writes (the pipeline, on the Spark driver) use a plain connection; reads (the APIs) use asyncio
+connections in REPEATABLE READ, READ ONLY transactions, so an answer and its `as_of` come from one
+snapshot. Instants are `timestamptz` (microseconds, shown as `2026-01-02T03:04:05.123456Z`); money is
+`numeric`, exact, shown by `money_text` ("12.50", "0.0001").
 """
 
 from __future__ import annotations
 
-import os
-import sqlite3
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from datetime import UTC, datetime, timedelta
-from decimal import Context, Decimal, Inexact, InvalidOperation, Overflow
-from pathlib import Path
-from typing import TypeVar
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
 
-BUSY_TIMEOUT_MS = 10_000
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-MICROSECOND = timedelta(microseconds=1)
-# Sums of amounts (< 1e15, 4 decimal places) stay far inside 60 digits; rounding raises, never silent.
-DECIMAL = Context(prec=60, traps=[Inexact, InvalidOperation, Overflow])
+import psycopg
+from psycopg import sql
+
+log = logging.getLogger("aml_app.store")
+
 _CENT = Decimal("0.01")
+CONNECT_TIMEOUT = 5
+# How long a write waits for the database to come back before giving up (the pipeline then fails).
+UNAVAILABLE_PATIENCE = 600.0
 
-T = TypeVar("T")
-
-_OFFSETS_SCHEMA = """
-CREATE TABLE IF NOT EXISTS applied_offsets (
-    partition INTEGER PRIMARY KEY,
-    next_offset INTEGER NOT NULL
+COMMON_TABLES = """
+CREATE TABLE IF NOT EXISTS {schema}.applied_offsets (
+    partition integer PRIMARY KEY,
+    next_offset bigint NOT NULL CHECK (next_offset >= 0)
+);
+CREATE TABLE IF NOT EXISTS {schema}.meta (
+    key text PRIMARY KEY,
+    value text NOT NULL
 )
 """
 
 
-class StaleBatch(RuntimeError):
+class StoreError(RuntimeError):
+    """A store problem a person has to act on; the message says what to do."""
+
+
+class StaleBatch(StoreError):
     """A batch whose covered offsets do not start where the store left off (a replay or a gap)."""
 
 
 # --- values ---------------------------------------------------------------------------------------
 
 
-def to_micros(when: datetime) -> int:
-    """Microseconds since the epoch for a timezone-aware datetime; a naive one is a caller bug."""
-    if not isinstance(when, datetime) or when.tzinfo is None or when.utcoffset() is None:
-        raise ValueError(f"timestamp must be a timezone-aware datetime, got {when!r}")
-    return (when - EPOCH) // MICROSECOND
-
-
-def from_micros(micros: int) -> datetime:
-    return EPOCH + timedelta(microseconds=micros)
-
-
-def iso_text(micros: int) -> str:
-    """`2026-01-02T03:04:05.123456Z`: UTC, always six fractional digits."""
-    return from_micros(micros).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
-
-
-def money(value: object) -> Decimal:
-    """An exact, finite Decimal from a Decimal or a decimal string (never from a float)."""
-    if isinstance(value, float) or isinstance(value, bool):
-        raise ValueError(f"money must be a Decimal or a decimal string, not {type(value).__name__}")
-    try:
-        result = value if isinstance(value, Decimal) else Decimal(str(value))
-    except InvalidOperation:
-        raise ValueError(f"not a decimal number: {value!r}") from None
-    if not result.is_finite():
-        raise ValueError(f"not a finite decimal number: {value!r}")
-    return result
-
-
 def money_text(value: Decimal) -> str:
     """Canonical text for an amount: no exponent, at least two decimal places, trailing zeros beyond removed.
 
-    The same number always gives the same text, whatever scale it was computed with
     ("12.5", "12.50" and "12.5000" all give "12.50"; "0.0001" stays "0.0001").
     """
-    reduced = DECIMAL.plus(value).normalize(DECIMAL)
+    reduced = value.normalize()
     exponent = reduced.as_tuple().exponent
     if isinstance(exponent, int) and exponent > -2:
-        reduced = reduced.quantize(_CENT, context=DECIMAL)
+        reduced = reduced.quantize(_CENT)
     text = format(reduced, "f")
     return "0.00" if text in {"-0.00", "-0"} else text
 
 
-def dec_add(a: str | None, b: str | None) -> str | None:
-    """SQL function `dec_add(a, b)`: exact decimal addition of two TEXT amounts."""
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return money_text(DECIMAL.add(Decimal(a), Decimal(b)))
-
-
-# --- connections and transactions -----------------------------------------------------------------
-
-
-def connect(path: str, readonly: bool = False) -> sqlite3.Connection:
-    """Open the store file.
-
-    Writer (default): creates the parent folder and the file, WAL journal, synchronous=FULL, and the
-    `dec_add` function. Reader (`readonly=True`): opens an existing file with `mode=ro`; it never creates
-    the file (raises sqlite3.OperationalError if there is none). Both use `isolation_level=None`: every
-    transaction is an explicit BEGIN ... COMMIT (see `write_transaction` and `read_transaction`).
-    """
-    if readonly:
-        uri = Path(path).resolve().as_uri() + "?mode=ro"
-        conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
-    else:
-        parent = os.path.dirname(os.path.abspath(path))
-        os.makedirs(parent, exist_ok=True)
-        conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
-    try:
-        conn.execute(f"PRAGMA busy_timeout = {BUSY_TIMEOUT_MS}")
-        if not readonly:
-            mode = conn.execute("PRAGMA journal_mode = WAL").fetchone()[0]
-            if str(mode).lower() != "wal":
-                raise sqlite3.OperationalError(f"could not switch {path} to WAL journal mode (got {mode})")
-            conn.execute("PRAGMA synchronous = FULL")
-        conn.create_function("dec_add", 2, dec_add, deterministic=True)
-    except BaseException:
-        conn.close()
-        raise
-    return conn
-
-
-@contextmanager
-def write_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """BEGIN IMMEDIATE ... COMMIT; any exception (also from COMMIT) rolls everything back and propagates."""
-    conn.execute("BEGIN IMMEDIATE")
-    try:
-        yield conn
-        conn.execute("COMMIT")
-    except BaseException:
-        if conn.in_transaction:  # SQLite may already have rolled back (e.g. disk full)
-            conn.execute("ROLLBACK")
-        raise
-
-
-@contextmanager
-def read_transaction(conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
-    """BEGIN ... ROLLBACK (nothing to keep): every SELECT inside sees the same snapshot."""
-    conn.execute("BEGIN")
-    try:
-        yield conn
-    finally:
-        if conn.in_transaction:
-            conn.execute("ROLLBACK")
-
-
-_readers = threading.local()
-
-
-def _reader(path: str) -> sqlite3.Connection | None:
-    """This thread's read-only connection to `path`, opened once and kept while the file stays the same.
-
-    Opening a connection (and its pragmas and functions) cost more than a typical query; the APIs answer
-    from a small pool of threads, so one kept connection per thread and file is enough. A file that was
-    replaced (another inode) gets a fresh connection; a missing file gets None.
-    """
-    try:
-        inode = os.stat(path).st_ino
-    except FileNotFoundError:
-        return None
-    cache: dict[str, tuple[int, sqlite3.Connection]] = _readers.__dict__.setdefault("connections", {})
-    kept = cache.get(path)
-    if kept is not None and kept[0] == inode:
-        return kept[1]
-    if kept is not None:
-        kept[1].close()
-    try:
-        conn = connect(path, readonly=True)
-    except sqlite3.OperationalError:
-        if not os.path.exists(path):  # removed between the check and the open
-            return None
-        raise
-    cache[path] = (inode, conn)
-    return conn
-
-
-def read_snapshot(path: str, query: Callable[[sqlite3.Connection | None], T]) -> T:
-    """Run `query(conn)` in one read transaction on this thread's read-only connection.
-
-    If the store file does not exist yet, `query(None)` is called instead: the caller answers "empty".
-    """
-    conn = _reader(path)
-    if conn is None:
-        return query(None)
-    try:
-        with read_transaction(conn):
-            return query(conn)
-    except sqlite3.Error:
-        # A broken connection is not kept: the next read opens a fresh one.
-        _readers.__dict__.get("connections", {}).pop(path, None)
-        conn.close()
-        raise
-
-
-def has_table(conn: sqlite3.Connection, name: str) -> bool:
-    row = conn.execute("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = ?", (name,)).fetchone()
-    return row is not None
-
-
-class Writer:
-    """One lazily opened writer connection, shared by threads under a lock (Spark calls from any thread)."""
-
-    def __init__(self, path: str, schema: str) -> None:
-        self.path = path
-        self._schema = schema
-        self._conn: sqlite3.Connection | None = None
-        self.lock = threading.Lock()
-
-    @contextmanager
-    def transaction(self) -> Iterator[sqlite3.Connection]:
-        """One write transaction on the shared connection, under the lock. After an SQLite error the
-        connection is closed, and the next transaction opens a fresh one."""
-        with self.lock:
-            conn = self._connection()
-            try:
-                with write_transaction(conn):
-                    yield conn
-            except sqlite3.Error:
-                self._conn = None
-                conn.close()
-                raise
-
-    def _connection(self) -> sqlite3.Connection:
-        if self._conn is None:
-            conn = connect(self.path)
-            try:
-                with write_transaction(conn):
-                    conn.execute(_OFFSETS_SCHEMA)
-                    for statement in self._schema.split(";"):
-                        if statement.strip():
-                            conn.execute(statement)
-            except BaseException:
-                conn.close()
-                raise
-            self._conn = conn
-        return self._conn
-
-    def close(self) -> None:
-        with self.lock:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
-
-
-# --- applied offsets ------------------------------------------------------------------------------
-
-
-def read_offsets(conn: sqlite3.Connection | None) -> dict[int, int]:
-    """partition -> next offset applied; {} when the store (or its table) does not exist yet."""
-    if conn is None or not has_table(conn, "applied_offsets"):
-        return {}
-    rows = conn.execute("SELECT partition, next_offset FROM applied_offsets ORDER BY partition")
-    return {int(p): int(o) for p, o in rows}
+def iso_text(when: datetime) -> str:
+    """`2026-01-02T03:04:05.123456Z`: UTC, always six fractional digits."""
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 def as_of_json(offsets: Mapping[int, int]) -> dict[str, int]:
@@ -274,50 +83,325 @@ def as_of_json(offsets: Mapping[int, int]) -> dict[str, int]:
     return {str(p): offsets[p] for p in sorted(offsets)}
 
 
-def validate_covered(covered: Mapping[int, tuple[int, int]]) -> dict[int, tuple[int, int]]:
-    checked: dict[int, tuple[int, int]] = {}
-    for partition, span in covered.items():
-        if isinstance(partition, bool) or not isinstance(partition, int) or partition < 0:
-            raise ValueError(f"covered: partition must be a non-negative integer, got {partition!r}")
-        start, end = span
-        for name, value in (("start", start), ("end", end)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"covered[{partition}]: {name} offset must be a non-negative integer")
-        if start > end:
-            raise ValueError(f"covered[{partition}] = ({start}, {end}): start is after end")
-        checked[partition] = (start, end)
-    return checked
+# --- schema ---------------------------------------------------------------------------------------
 
 
-def claim_offsets(conn: sqlite3.Connection, covered: Mapping[int, tuple[int, int]]) -> None:
-    """The optimistic check and the advance, inside the caller's write transaction.
+@dataclass(frozen=True)
+class Schema:
+    """A service's tables: its PostgreSQL schema name and its migrations, in order (version = index + 1).
 
-    Raises StaleBatch (the caller's transaction then rolls back) unless every partition's stored next
-    offset equals the batch's start; a partition without a row accepts any start. Then sets
-    next_offset = end for every covered partition, including ones whose range held no rows.
+    A migration is SQL with `{schema}` where the schema name goes; applied migrations are never edited,
+    a change is a new migration at the end.
     """
-    problems = []
-    for partition, (start, end) in sorted(covered.items()):
-        row = conn.execute(
-            "SELECT next_offset FROM applied_offsets WHERE partition = ?", (partition,)
-        ).fetchone()
-        if row is None or row[0] == start:
-            continue
-        stored = row[0]
-        if stored > start:
-            problems.append(
-                f"partition {partition}: batch covers offsets {start}..{end - 1} but offsets up to "
-                f"{stored - 1} are already applied (replay)"
+
+    name: str
+    migrations: Sequence[str]
+
+    @property
+    def version(self) -> int:
+        return len(self.migrations)
+
+    def statements(self, migration: str) -> list[sql.Composable]:
+        text = migration.replace("{schema}", "{}")
+        return [
+            sql.SQL(part.strip()).format(*[sql.Identifier(self.name)] * part.count("{}"))
+            for part in text.split(";")
+            if part.strip()
+        ]
+
+
+def migrate(conn: psycopg.Connection, schema: Schema) -> int:
+    """Create the schema or bring it to the newest version; returns the version it had before (0: new).
+
+    Runs in one transaction under an advisory lock named after the schema: concurrent starts wait for
+    each other, and a failed migration leaves nothing half-done. A store newer than this code refuses.
+    """
+    with conn.transaction():
+        conn.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (f"aml-schema:{schema.name}",))
+        conn.execute(sql.SQL("CREATE SCHEMA IF NOT EXISTS {}").format(sql.Identifier(schema.name)))
+        conn.execute(
+            sql.SQL("CREATE TABLE IF NOT EXISTS {}.schema_version (version integer NOT NULL)").format(
+                sql.Identifier(schema.name)
             )
+        )
+        row = conn.execute(
+            sql.SQL("SELECT max(version) FROM {}.schema_version").format(sql.Identifier(schema.name))
+        ).fetchone()
+        before = int(row[0]) if row and row[0] is not None else 0
+        if before > schema.version:
+            raise StoreError(
+                f"the {schema.name} store has schema version {before}, newer than this program's "
+                f"{schema.version}: run the newer version of aml-app, or rebuild the store"
+            )
+        if before == 0:
+            for statement in Schema(schema.name, [COMMON_TABLES]).statements(COMMON_TABLES):
+                conn.execute(statement)
+        for version in range(before + 1, schema.version + 1):
+            for statement in schema.statements(schema.migrations[version - 1]):
+                conn.execute(statement)
+            conn.execute(
+                sql.SQL("INSERT INTO {}.schema_version (version) VALUES (%s)").format(
+                    sql.Identifier(schema.name)
+                ),
+                (version,),
+            )
+        if before < schema.version:
+            log.info("%s store: schema version %d -> %d", schema.name, before, schema.version)
+    return before
+
+
+def drop(conn: psycopg.Connection, schema: Schema) -> None:
+    """Remove the service's schema and everything in it (a rebuild starts from here)."""
+    with conn.transaction():
+        conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema.name)))
+
+
+def exists(conn: psycopg.Connection, schema: Schema) -> bool:
+    """Whether the service's tables are there (at any version)."""
+    row = conn.execute("SELECT to_regclass(%s)", (f'"{schema.name}".schema_version',)).fetchone()
+    return bool(row and row[0] is not None)
+
+
+# --- offsets --------------------------------------------------------------------------------------
+
+
+def read_offsets(conn: psycopg.Connection, schema: Schema) -> dict[int, int]:
+    """partition -> next offset applied; {} for a store without tables."""
+    if not exists(conn, schema):
+        return {}
+    rows = conn.execute(
+        sql.SQL("SELECT partition, next_offset FROM {}.applied_offsets").format(sql.Identifier(schema.name))
+    ).fetchall()
+    return {int(p): int(o) for p, o in rows}
+
+
+def claim_offsets(conn: psycopg.Connection, schema: Schema, covered: Mapping[int, tuple[int, int]]) -> None:
+    """The optimistic check and the advance, inside the caller's transaction.
+
+    Locks the partitions' rows, then raises StaleBatch (the caller's transaction rolls back) unless every
+    partition's stored next offset equals the batch's start; a partition without a row accepts any start.
+    Then sets next_offset = end for every covered partition.
+    """
+    table = sql.SQL("{}.applied_offsets").format(sql.Identifier(schema.name))
+    partitions = sorted(covered)
+    stored = dict(
+        conn.execute(
+            sql.SQL("SELECT partition, next_offset FROM {} WHERE partition = ANY(%s) FOR UPDATE").format(
+                table
+            ),
+            (partitions,),
+        ).fetchall()
+    )
+    problems = []
+    for p in partitions:
+        start, end = covered[p]
+        if not 0 <= start <= end:
+            raise ValueError(f"covered[{p}] = ({start}, {end}) is not a range of offsets")
+        have = stored.get(p)
+        if have is None or have == start:
+            continue
+        if have > start:
+            problems.append(f"partition {p}: offsets {start}..{end - 1} are already applied up to {have - 1}")
         else:
             problems.append(
-                f"partition {partition}: batch starts at offset {start} but the store has applied only up "
-                f"to {stored - 1}; offsets {stored}..{start - 1} would be skipped (gap)"
+                f"partition {p}: the batch starts at {start} but the store holds only up to {have - 1}"
             )
     if problems:
-        raise StaleBatch("stale batch, nothing applied: " + "; ".join(problems))
-    conn.executemany(
-        "INSERT INTO applied_offsets (partition, next_offset) VALUES (?, ?) "
-        "ON CONFLICT(partition) DO UPDATE SET next_offset = excluded.next_offset",
-        [(partition, end) for partition, (_, end) in sorted(covered.items())],
-    )
+        raise StaleBatch(f"{schema.name}: stale batch, nothing applied: " + "; ".join(problems))
+    with conn.cursor() as cur:
+        cur.executemany(
+            sql.SQL(
+                "INSERT INTO {} (partition, next_offset) VALUES (%s, %s) "
+                "ON CONFLICT (partition) DO UPDATE SET next_offset = excluded.next_offset"
+            ).format(table),
+            [(p, covered[p][1]) for p in partitions],
+        )
+
+
+def read_meta(conn: Any, schema: Schema) -> dict[str, str]:
+    rows = conn.execute(
+        sql.SQL("SELECT key, value FROM {}.meta").format(sql.Identifier(schema.name))
+    ).fetchall()
+    return dict(rows)
+
+
+def write_meta(conn: psycopg.Connection, schema: Schema, values: Mapping[str, str]) -> None:
+    with conn.cursor() as cur:
+        cur.executemany(
+            sql.SQL(
+                "INSERT INTO {}.meta (key, value) VALUES (%s, %s) "
+                "ON CONFLICT (key) DO UPDATE SET value = excluded.value"
+            ).format(sql.Identifier(schema.name)),
+            list(values.items()),
+        )
+
+
+# --- the writer -----------------------------------------------------------------------------------
+
+
+class Writer:
+    """The pipeline's connection to one service's store: applies batches, waits out outages.
+
+    One connection, opened lazily and reopened after a failure. A batch is applied in one transaction
+    with its offsets (`apply`); if the server is unreachable, `apply` waits and tries again until the
+    server is back (nothing is committed to Kafka meanwhile, and the Spark query simply pauses).
+    """
+
+    def __init__(self, url: str, schema: Schema, patience: float = UNAVAILABLE_PATIENCE) -> None:
+        self.url = url
+        self.schema = schema
+        self.patience = patience
+        self._conn: psycopg.Connection | None = None
+        self.outages = 0
+
+    def connection(self) -> psycopg.Connection:
+        if self._conn is None or self._conn.closed or self._conn.broken:
+            self._conn = psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT)
+        return self._conn
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def patiently(self, what: str, action: Callable[[psycopg.Connection], Any]) -> Any:
+        """Run `action(conn)`; while the database is unavailable, reconnect and retry with backoff."""
+        deadline = time.monotonic() + self.patience
+        delay = 0.2
+        while True:
+            try:
+                return action(self.connection())
+            except (psycopg.OperationalError, psycopg.errors.AdminShutdown) as exc:
+                self.close()
+                if time.monotonic() + delay > deadline:
+                    raise StoreError(
+                        f"the {self.schema.name} store at {redacted(self.url)} has been unavailable for "
+                        f"{self.patience:.0f} s ({exc}); giving up"
+                    ) from exc
+                self.outages += 1
+                log.warning(
+                    "%s store unavailable while %s (%s); retrying in %.1f s",
+                    self.schema.name,
+                    what,
+                    exc,
+                    delay,
+                )
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def migrate(self) -> int:
+        return self.patiently("migrating", lambda conn: migrate(conn, self.schema))
+
+    def applied_offsets(self) -> dict[int, int]:
+        def read(conn: psycopg.Connection) -> dict[int, int]:
+            with conn.transaction():
+                return read_offsets(conn, self.schema)
+
+        return self.patiently("reading offsets", read)
+
+    def apply(
+        self, covered: Mapping[int, tuple[int, int]], write: Callable[[psycopg.Connection], None]
+    ) -> None:
+        """`write(conn)` and the offsets claim in one transaction; retried while the server is away.
+
+        When the connection breaks during COMMIT, whether it committed is unknown: the retry then finds
+        the store's offsets already at the batch's ends, which means it did, and stops there.
+        """
+
+        def attempt(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                stored = dict(
+                    conn.execute(
+                        sql.SQL("SELECT partition, next_offset FROM {}.applied_offsets").format(
+                            sql.Identifier(self.schema.name)
+                        )
+                    ).fetchall()
+                )
+                if covered and all(stored.get(p) == end != start for p, (start, end) in covered.items()):
+                    log.info(
+                        "%s: this batch is already applied (its commit succeeded before a failure)",
+                        self.schema.name,
+                    )
+                    return
+                claim_offsets(conn, self.schema, covered)
+                write(conn)
+
+        self.patiently("applying a batch", attempt)
+
+
+def redacted(url: str) -> str:
+    """The URL without its password, for messages."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        parts = conninfo_to_dict(url)
+    except psycopg.ProgrammingError:
+        return "(unparsable store URL)"
+    if "password" in parts:
+        parts["password"] = "***"
+    return make_conninfo(**parts)
+
+
+# --- the readers ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """One read transaction: a cursor, and what every answer needs from the same snapshot."""
+
+    cur: Any
+    #: The service's tables, or None while the store has none (every answer is then empty).
+    schema: Schema | None
+    as_of: dict[int, int]
+    meta: dict[str, str]
+
+
+class Reader:
+    """An API's pool of connections to one service's store; every read is one REPEATABLE READ snapshot.
+
+    The pool opens lazily and keeps trying in the background, so an API starts (and answers 503 with a
+    sentence) while the database is away, and serves again as soon as it is back.
+    """
+
+    def __init__(self, url: str, schema: Schema, max_connections: int = 8, timeout: float = 5.0) -> None:
+        from psycopg_pool import AsyncConnectionPool
+
+        self.url = url
+        self.schema = schema
+        self.pool = AsyncConnectionPool(
+            url,
+            min_size=1,
+            max_size=max_connections,
+            timeout=timeout,
+            open=False,
+            configure=self._configure,
+            kwargs={"connect_timeout": CONNECT_TIMEOUT},
+        )
+
+    @staticmethod
+    async def _configure(conn: Any) -> None:
+        from psycopg import IsolationLevel
+
+        await conn.set_isolation_level(IsolationLevel.REPEATABLE_READ)
+        await conn.set_read_only(True)
+
+    async def open(self) -> None:
+        await self.pool.open(wait=False)
+
+    async def close(self) -> None:
+        await self.pool.close()
+
+    @asynccontextmanager
+    async def snapshot(self) -> AsyncIterator[Snapshot]:
+        async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+            await cur.execute("SELECT to_regclass(%s)", (f'"{self.schema.name}".schema_version',))
+            row = await cur.fetchone()
+            if row is None or row[0] is None:
+                yield Snapshot(cur, None, {}, {})
+                return
+            name = sql.Identifier(self.schema.name)
+            await cur.execute(sql.SQL("SELECT partition, next_offset FROM {}.applied_offsets").format(name))
+            as_of = {int(p): int(o) for p, o in await cur.fetchall()}
+            await cur.execute(sql.SQL("SELECT key, value FROM {}.meta").format(name))
+            meta = dict(await cur.fetchall())
+            yield Snapshot(cur, self.schema, as_of, meta)

@@ -1,0 +1,198 @@
+"""The embedded development PostgreSQL server: the store of Services B and C when nothing else is given.
+
+It is Debian's PostgreSQL (`postgresql` package, installed by `.ci/system-deps`), run as a private
+cluster in a folder of ours, the way `aml_app.broker` runs the embedded Kafka broker: `make demo` and
+`make test` need nothing set up by hand. Nothing else in the code knows about it: the pipeline and the
+APIs connect to `AML_STORE_URL`, so an existing server (managed, replicated, with TLS and passwords)
+works unchanged.
+
+PostgreSQL refuses to run as root. Started by root, the server runs as an unprivileged system user
+(`postgres`, which Debian's package creates, else `nobody`) that owns the data folder; started by anyone
+else, it runs as that user. It listens on 127.0.0.1 only and trusts local connections (a development
+server, like the embedded broker, which has no authentication either).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import os
+import pwd
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+from aml_app.broker import port_open
+
+SUPERUSER = "aml"
+DEFAULT_PORT = 5433
+START_TIMEOUT = 60.0
+
+
+class PostgresError(RuntimeError):
+    """The embedded PostgreSQL server could not be set up or started; the message says what to do."""
+
+
+def server_binaries() -> Path:
+    """The folder with initdb, pg_ctl and postgres: $AML_PG_BIN, else PATH, else Debian's layout."""
+    explicit = os.environ.get("AML_PG_BIN")
+    candidates = [Path(explicit)] if explicit else []
+    on_path = shutil.which("pg_ctl")
+    if on_path:
+        candidates.append(Path(os.path.realpath(on_path)).parent)
+    debian = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]), reverse=True)
+    candidates += [Path(p) for p in debian]
+    for folder in candidates:
+        if all((folder / tool).exists() for tool in ("initdb", "pg_ctl", "postgres")):
+            return folder
+    raise PostgresError(
+        "no PostgreSQL server programs found (initdb, pg_ctl): install Debian's postgresql package "
+        "(`make test` and `make demo` do), set AML_PG_BIN to their folder, or point AML_STORE_URL at "
+        "an existing PostgreSQL server"
+    )
+
+
+def server_user() -> str | None:
+    """The system user the server runs as when we are root (None: run as ourselves)."""
+    if os.geteuid() != 0:
+        return None
+    for name in ("postgres", "nobody"):
+        with contextlib.suppress(KeyError):
+            pwd.getpwnam(name)
+            return name
+    raise PostgresError(
+        "running as root, and neither a 'postgres' nor a 'nobody' user exists to run PostgreSQL"
+    )
+
+
+class EmbeddedPostgres:
+    """A private PostgreSQL cluster in `folder` (created on first start), on 127.0.0.1:`port`."""
+
+    def __init__(self, folder: Path | str, port: int = DEFAULT_PORT, host: str = "127.0.0.1") -> None:
+        self.folder = Path(folder).resolve()
+        self.data = self.folder / "data"
+        self.log_path = self.folder / "postgres.log"
+        self.port = port
+        self.host = host
+        self.bin = server_binaries()
+        self.user = server_user()
+
+    def url(self, database: str = "aml") -> str:
+        return f"postgresql://{SUPERUSER}@{self.host}:{self.port}/{database}"
+
+    def _run(
+        self, *args: str, check: bool = True, timeout: float = START_TIMEOUT
+    ) -> subprocess.CompletedProcess:
+        command = [str(self.bin / args[0]), *args[1:]]
+        if self.user is not None:
+            command = ["runuser", "-u", self.user, "--", *command]
+        return subprocess.run(command, capture_output=True, text=True, check=check, timeout=timeout)
+
+    def _prepare_folder(self) -> None:
+        """Create the folder; as root, hand it to the server's user and check that it can reach it."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if self.user is None:
+            return
+        account = pwd.getpwnam(self.user)
+        os.chown(self.folder, account.pw_uid, account.pw_gid)
+        if not self.log_path.exists():
+            self.log_path.touch()
+        os.chown(self.log_path, account.pw_uid, account.pw_gid)
+        probe = subprocess.run(
+            ["runuser", "-u", self.user, "--", "test", "-w", str(self.folder)], check=False
+        )
+        if probe.returncode != 0:
+            raise PostgresError(
+                f"the user {self.user!r} that runs PostgreSQL cannot write {self.folder}: a parent folder is "
+                "closed to other users (mode 700?); choose a folder under one that others may enter"
+            )
+
+    def start(self) -> EmbeddedPostgres:
+        """Initialise the cluster if needed, start it, and wait until it accepts connections."""
+        if port_open(self.host, self.port):
+            raise PostgresError(
+                f"port {self.port} on {self.host} is already in use; choose another port, or point "
+                "AML_STORE_URL at the PostgreSQL server that is running there"
+            )
+        self._prepare_folder()
+        if not (self.data / "PG_VERSION").exists():
+            init = self._run(
+                "initdb",
+                "-D",
+                str(self.data),
+                "-U",
+                SUPERUSER,
+                "--auth=trust",
+                "--encoding=UTF8",
+                "--locale=C.UTF-8",
+                check=False,
+            )
+            if init.returncode != 0:
+                raise PostgresError(
+                    f"initdb failed for {self.data}: {init.stderr.strip() or init.stdout.strip()}"
+                )
+        options = " ".join(
+            [
+                f"-p {self.port}",
+                f"-c listen_addresses={self.host}",
+                f"-k {self.data}",  # the Unix socket stays inside our folder
+                "-c max_connections=200",
+                "-c shared_buffers=128MB",
+            ]
+        )
+        started = self._run(
+            "pg_ctl",
+            "-D",
+            str(self.data),
+            "-l",
+            str(self.log_path),
+            "-o",
+            options,
+            "-w",
+            "-t",
+            "60",
+            "start",
+            check=False,
+        )
+        if started.returncode != 0:
+            raise PostgresError(
+                f"PostgreSQL did not start in {self.data}: {started.stdout.strip()} (log: {self.log_path})"
+            )
+        self._wait_ready()
+        self.create_database("aml")
+        return self
+
+    def _wait_ready(self) -> None:
+        import psycopg
+
+        deadline = time.monotonic() + START_TIMEOUT
+        while True:
+            try:
+                with psycopg.connect(self.url("postgres"), connect_timeout=2):
+                    return
+            except psycopg.OperationalError as exc:
+                if time.monotonic() > deadline:
+                    raise PostgresError(
+                        f"PostgreSQL on port {self.port} does not accept connections: {exc}"
+                    ) from exc
+                time.sleep(0.1)
+
+    def create_database(self, name: str) -> str:
+        """Create database `name` unless it exists; its URL."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
+            if exists is None:
+                conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+        return self.url(name)
+
+    def running(self) -> bool:
+        return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
+
+    def stop(self, mode: str = "fast") -> None:
+        """Stop the server: `fast` rolls back open transactions and shuts down, `immediate` is a crash."""
+        if (self.data / "postmaster.pid").exists():
+            self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop", check=False)
