@@ -1,16 +1,17 @@
-"""The HTTP APIs of services B and C over real HTTP on loopback (aiohttp's TestServer and TestClient),
-on real SQLite files. Also one smoke test of `serve` in a child process."""
+"""The HTTP APIs of services B and C over real HTTP on loopback (aiohttp's TestServer and TestClient), on
+a real PostgreSQL server, with stores built by the pipeline's own Spark transforms; the store check
+against a real broker's committed offsets; and one smoke test of `serve` in a child process."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
@@ -19,23 +20,43 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from aml_app.broker import free_port
-from aml_app.services.aggregates import AggregatesStore, PaymentRow
+from aml_app.broker import EmbeddedBroker, free_port
+from aml_app.pipeline.progress import GroupProgress
+from aml_app.pipeline.runner import spark_session
+from aml_app.services import aggregates, relations
 from aml_app.services.api import aggregates_app, build_app, relations_app
-from aml_app.services.relations import RelationsStore
+from aml_app.services.store import Reader, redacted
 from aml_app.settings import Settings
+from tests.harness import Names
+from tests.payments import PaymentRow
 from tests.reference import reference_aggregates, reference_relations
-from tests.unit.test_relations_store import edge_deltas, without_as_of
+from tests.stores import apply_payments, apply_records, without_as_of
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 THRESHOLD = Decimal("10000")
 BAND = Decimal("0.1")
+SETTINGS = Settings()
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    session = spark_session("local[2]")
+    yield session
+    session.stop()
 
 
 @asynccontextmanager
 async def client_for(app: web.Application) -> AsyncIterator[TestClient]:
     async with TestClient(TestServer(app, host="127.0.0.1")) as client:
         yield client
+
+
+def relations_api(url: str) -> web.Application:
+    return relations_app(Reader(url, relations.SCHEMA))
+
+
+def aggregates_api(url: str, settings: Settings = SETTINGS) -> web.Application:
+    return aggregates_app(Reader(url, aggregates.SCHEMA), settings)
 
 
 async def get(client: TestClient, path: str, status: int = 200) -> dict[str, Any]:
@@ -61,16 +82,19 @@ def payments() -> list[PaymentRow]:
     ]
 
 
-COVERED = {0: (0, 2), 1: (0, 2)}
+@pytest.fixture
+def stores(spark: Any, store_url: str) -> str:
+    """Both stores holding `payments()` (offsets 0 and 1 of partitions 0 and 1)."""
+    apply_payments(spark, store_url, "relations", payments())
+    apply_payments(spark, store_url, "aggregates", payments())
+    return store_url
 
 
 # --- relations -----------------------------------------------------------------------------------
 
 
-async def test_relations_answers(tmp_path: Path) -> None:
-    store = RelationsStore(str(tmp_path / "relations.sqlite"))
-    store.apply(edge_deltas(payments()), COVERED)
-    async with client_for(relations_app(store)) as client:
+async def test_relations_answers(stores: str) -> None:
+    async with client_for(relations_api(stores)) as client:
         body = await get(client, "/relations/A?hops=3")
         assert body["as_of"] == {"0": 2, "1": 2}
         assert without_as_of(body) == reference_relations(payments(), "A", 3)
@@ -95,10 +119,8 @@ async def test_relations_answers(tmp_path: Path) -> None:
         assert set(nothing_stored) == {"account", "hops", "as_of", "neighbourhood"}
 
 
-async def test_relations_unknown_account_is_a_well_formed_empty_answer(tmp_path: Path) -> None:
-    store = RelationsStore(str(tmp_path / "relations.sqlite"))
-    store.apply(edge_deltas(payments()), COVERED)
-    async with client_for(relations_app(store)) as client:
+async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: str) -> None:
+    async with client_for(relations_api(stores)) as client:
         assert await get(client, "/relations/nobody?hops=1") == {
             "account": "nobody",
             "hops": 1,
@@ -125,14 +147,14 @@ async def test_relations_unknown_account_is_a_well_formed_empty_answer(tmp_path:
         ("parts=out&parts=in", "given 2 times"),
     ],
 )
-async def test_relations_bad_parameters(tmp_path: Path, query: str, words: str) -> None:
-    async with client_for(relations_app(RelationsStore(str(tmp_path / "r.sqlite")))) as client:
+async def test_relations_bad_parameters(store_url: str, query: str, words: str) -> None:
+    async with client_for(relations_api(store_url)) as client:
         body = await get(client, f"/relations/A?{query}", status=400)
         assert words in body["error"]
 
 
-async def test_errors_are_json_sentences(tmp_path: Path) -> None:
-    async with client_for(relations_app(RelationsStore(str(tmp_path / "r.sqlite")))) as client:
+async def test_errors_are_json_sentences(store_url: str) -> None:
+    async with client_for(relations_api(store_url)) as client:
         too_long = await get(client, "/relations/" + "x" * 129, status=400)
         assert "129 characters" in too_long["error"] and "128" in too_long["error"]
         blank = await get(client, "/relations/%20%20", status=400)
@@ -143,57 +165,59 @@ async def test_errors_are_json_sentences(tmp_path: Path) -> None:
         assert response.status == 405 and "use GET" in (await response.json())["error"]
 
 
-async def test_health_and_as_of_follow_the_applies(tmp_path: Path) -> None:
-    path = tmp_path / "later" / "relations.sqlite"
-    settings = Settings(store_dir=str(path.parent))
-    async with client_for(build_app("relations", settings)) as client:
+async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -> None:
+    settings = replace(SETTINGS, store_url=store_url)
+    async with client_for(build_app("relations", settings, check=False)) as client:
         health = await get(client, "/health")
         assert health == {
             "status": "ok",
             "service": "relations",
-            "store": str(path),
+            "store": redacted(store_url),
             "store_exists": False,
             "as_of": {},
         }
         assert (await get(client, "/relations/A"))["as_of"] == {}
-        assert not path.exists(), "the API must not create the store file"
-        # The pipeline (another store object, as in another process) creates the file and writes.
-        with RelationsStore(settings.relations_db) as writer:
-            writer.apply([], {0: (5, 5)})
-            health = await get(client, "/health")
-            assert health["store_exists"] is True and health["as_of"] == {"0": 5}
-            writer.apply(edge_deltas(payments()[:1]), {0: (5, 6), 3: (0, 9)})
-            body = await get(client, "/relations/A?hops=1")
-            assert body["as_of"] == {"0": 6, "3": 9}
-            assert [e["counterparty"] for e in body["out"]] == ["B"]
-            assert (await get(client, "/health"))["as_of"] == {"0": 6, "3": 9}
+        # The pipeline (another process in production) creates the tables and writes.
+        apply_records(spark, store_url, "relations", [(0, 5, b"A", b"not json")])
+        health = await get(client, "/health")
+        assert health["store_exists"] is True and health["as_of"] == {"0": 6}
+        apply_payments(spark, store_url, "relations", [replace(payments()[0], offset=6)])
+        apply_records(spark, store_url, "relations", [(3, 8, b"A", b"not json")])
+        body = await get(client, "/relations/A?hops=1")
+        assert body["as_of"] == {"0": 7, "3": 9}
+        assert [e["counterparty"] for e in body["out"]] == ["B"]
 
 
-async def test_reads_run_concurrently_with_a_writer(tmp_path: Path) -> None:
-    store = RelationsStore(str(tmp_path / "relations.sqlite"))
-    async with client_for(relations_app(store)) as client:
+async def test_reads_run_concurrently_with_a_writer(spark: Any, store_url: str) -> None:
+    async with client_for(relations_api(store_url)) as client:
+
+        writes = asyncio.Event()
 
         async def write() -> None:
-            for i in range(30):
-                deltas = edge_deltas([PaymentRow(0, i, "p", "A", f"N{i:02}", Decimal("1"), "EUR", T0)])
-                await asyncio.to_thread(store.apply, deltas, {0: (i, i + 1)})
+            for i in range(12):
+                row = PaymentRow(0, i, "p", "A", f"N{i:02}", Decimal("1"), "EUR", T0)
+                await asyncio.to_thread(apply_payments, spark, store_url, "relations", [row])
+            writes.set()
 
         async def read() -> list[dict[str, Any]]:
-            return [await get(client, "/relations/A?hops=1") for _ in range(30)]
+            answers = []
+            while not writes.is_set():
+                answers.append(await get(client, "/relations/A?hops=1"))
+                await asyncio.sleep(0.02)
+            return answers
 
         _, answers = await asyncio.gather(write(), read())
         for body in answers:  # every answer is one snapshot: as many edges as offsets applied
             assert len(body["out"]) == body["as_of"].get("0", 0)
-        assert len((await get(client, "/relations/A?hops=1"))["out"]) == 30
+        assert len({len(body["out"]) for body in answers}) > 2, "the reads saw the writes progress"
+        assert len((await get(client, "/relations/A?hops=1"))["out"]) == 12
 
 
 # --- aggregates ----------------------------------------------------------------------------------
 
 
-async def test_aggregates_answers(tmp_path: Path) -> None:
-    store = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
-    store.apply(payments(), COVERED)
-    async with client_for(aggregates_app(store)) as client:
+async def test_aggregates_answers(stores: str) -> None:
+    async with client_for(aggregates_api(stores)) as client:
         body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
         assert body["as_of"] == {"0": 2, "1": 2}
         assert without_as_of(body) == reference_aggregates([payments()], "A", T0, THRESHOLD, BAND)
@@ -229,9 +253,8 @@ async def test_aggregates_answers(tmp_path: Path) -> None:
         assert unknown["near_threshold_24h"] == 0 and unknown["as_of"] == {"0": 2, "1": 2}
 
 
-async def test_aggregates_at_defaults_to_now(tmp_path: Path) -> None:
-    store = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
-    async with client_for(aggregates_app(store)) as client:
+async def test_aggregates_at_defaults_to_now(store_url: str) -> None:
+    async with client_for(aggregates_api(store_url)) as client:
         before = datetime.now(UTC)
         body = await get(client, "/aggregates/A")
         at = datetime.fromisoformat(body["at"])
@@ -251,9 +274,8 @@ async def test_aggregates_at_defaults_to_now(tmp_path: Path) -> None:
         ("at=0001-01-01T00:00:00%2B01:00", "out of range"),
     ],
 )
-async def test_aggregates_bad_at(tmp_path: Path, query: str, words: str) -> None:
-    store = AggregatesStore(str(tmp_path / "a.sqlite"), THRESHOLD, BAND)
-    async with client_for(aggregates_app(store)) as client:
+async def test_aggregates_bad_at(store_url: str, query: str, words: str) -> None:
+    async with client_for(aggregates_api(store_url)) as client:
         body = await get(client, f"/aggregates/A?{query}", status=400)
         assert words in body["error"]
         assert (await get(client, "/aggregates/" + "y" * 129, status=400))["error"].startswith(
@@ -261,27 +283,17 @@ async def test_aggregates_bad_at(tmp_path: Path, query: str, words: str) -> None
         )
 
 
-async def test_aggregates_health_without_then_with_a_store(tmp_path: Path) -> None:
-    settings = Settings(store_dir=str(tmp_path / "services"), reporting_threshold=Decimal("5000"))
-    async with client_for(build_app("aggregates", settings)) as client:
-        assert await get(client, "/health") == {
-            "status": "ok",
-            "service": "aggregates",
-            "store": settings.aggregates_db,
-            "store_exists": False,
-            "as_of": {},
-            "late_dropped": 0,
-            "max_event_ts": None,
-        }
+async def test_aggregates_health_without_then_with_a_store(spark: Any, store_url: str) -> None:
+    settings = replace(SETTINGS, store_url=store_url, reporting_threshold=Decimal("5000"))
+    async with client_for(build_app("aggregates", settings, check=False)) as client:
+        health = await get(client, "/health")
+        assert health["store_exists"] is False and health["as_of"] == {}
+        assert health["late_dropped"] == 0 and health["max_event_ts"] is None
         empty = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
         assert empty["as_of"] == {} and empty["reporting_threshold"] == "5000"
-        assert not Path(settings.aggregates_db).exists()  # noqa: ASYNC240
-        with AggregatesStore(
-            settings.aggregates_db, settings.reporting_threshold, settings.threshold_band
-        ) as w:
-            w.apply(payments(), COVERED)
-            late = PaymentRow(0, 2, "old", "A", "B", Decimal("1"), "EUR", T0 - timedelta(days=8))
-            w.apply([late], {0: (2, 3)})
+        apply_payments(spark, store_url, "aggregates", payments(), settings=settings)
+        late = PaymentRow(0, 2, "old", "A", "B", Decimal("1"), "EUR", T0 - timedelta(days=8))
+        apply_payments(spark, store_url, "aggregates", [late], settings=settings)
         health = await get(client, "/health")
         assert health["store_exists"] is True
         assert health["as_of"] == {"0": 3, "1": 2}
@@ -292,20 +304,21 @@ async def test_aggregates_health_without_then_with_a_store(tmp_path: Path) -> No
         assert body["near_threshold_24h"] == 0  # 9500 is not near a 5000 threshold
 
 
-def test_build_app_refuses_an_unknown_kind(tmp_path: Path) -> None:
+def test_build_app_refuses_an_unknown_kind() -> None:
     with pytest.raises(ValueError, match="unknown service 'ledger'"):
-        build_app("ledger", Settings(store_dir=str(tmp_path)))
+        build_app("ledger", SETTINGS)
 
 
 # --- serve ---------------------------------------------------------------------------------------
 
 
-async def test_serve_runs_the_service_until_stopped(tmp_path: Path) -> None:
+async def test_serve_runs_the_service_until_stopped(store_url: str, broker: EmbeddedBroker) -> None:
     port = free_port()
+    settings = f"store_url={store_url!r}, aggregates_port={port}, bootstrap_servers=({broker.bootstrap!r},)"
     code = (
         "from aml_app.services.api import serve\n"
         "from aml_app.settings import Settings\n"
-        f"serve('aggregates', Settings(store_dir={str(tmp_path)!r}, aggregates_port={port}))\n"
+        f"serve('aggregates', Settings({settings}))\n"
     )
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -349,12 +362,8 @@ async def post(client: TestClient, path: str, body: Any, status: int = 200) -> d
     return answer
 
 
-async def test_batches_answer_like_the_single_queries_from_one_snapshot(tmp_path: Path) -> None:
-    relations = RelationsStore(str(tmp_path / "relations.sqlite"))
-    relations.apply(edge_deltas(payments()), COVERED)
-    aggregates = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
-    aggregates.apply(payments(), COVERED)
-    async with client_for(relations_app(relations)) as r, client_for(aggregates_app(aggregates)) as a:
+async def test_batches_answer_like_the_single_queries_from_one_snapshot(stores: str) -> None:
+    async with client_for(relations_api(stores)) as r, client_for(aggregates_api(stores)) as a:
         queries = [
             {"account": "A", "hops": 3, "parts": "out,cycle"},
             {"account": "a/b ü", "hops": "1"},
@@ -392,12 +401,90 @@ async def test_batches_answer_like_the_single_queries_from_one_snapshot(tmp_path
         ("/relations", {"queries": [{"account": "x" * 129}]}, "at most 128 characters"),
     ],
 )
-async def test_bad_batches_get_a_400_sentence(tmp_path: Path, path: str, body: Any, words: str) -> None:
-    app = (
-        relations_app(RelationsStore(str(tmp_path / "r.sqlite")))
-        if path == "/relations"
-        else aggregates_app(AggregatesStore(str(tmp_path / "a.sqlite"), THRESHOLD, BAND))
-    )
+async def test_bad_batches_get_a_400_sentence(store_url: str, path: str, body: Any, words: str) -> None:
+    app = relations_api(store_url) if path == "/relations" else aggregates_api(store_url)
     async with client_for(app) as client:
         answer = await post(client, path, body, status=400)
         assert words in answer["error"] and answer["error"].endswith(".")
+
+
+# --- the store check and outages -----------------------------------------------------------------
+
+
+async def test_a_store_behind_its_group_is_unhealthy_and_answers_nothing(
+    stores: str, broker: EmbeddedBroker, names: Names
+) -> None:
+    """The group says offsets up to 2 of partition 0 are processed; a store that holds them is healthy,
+    one that lost them (here: a group far ahead, as after a lost disk) answers 503 with what to do."""
+    group = names.deps[0]
+    settings = replace(
+        SETTINGS, store_url=stores, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
+        relations_group=group,
+    )  # fmt: skip
+    progress = GroupProgress({"bootstrap.servers": broker.bootstrap}, names.payments, group)
+    try:
+        progress.commit({0: 2, 1: 1})
+        async with client_for(build_app("relations", settings)) as client:
+            await wait_for_check(client, "ok")
+            assert (await get(client, "/relations/A"))["as_of"] == {"0": 2, "1": 2}
+            progress.commit({0: 500})
+            health = await wait_for_check(client, "behind")
+            assert health["status"] == "behind"
+            problem = health["store_check"]["problem"]
+            assert "partition 0: group" in problem and "committed offset 500" in problem
+            assert "aml-app rebuild relations" in problem
+            refused = await get(client, "/relations/A", status=503)
+            assert "behind its consumer group" in refused["error"]
+            response = await client.post("/relations", json={"queries": [{"account": "A"}]})
+            assert response.status == 503
+    finally:
+        progress.close()
+
+
+async def wait_for_check(client: TestClient, state: str, timeout: float = 30) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while True:
+        response = await client.get("/health")
+        body = await response.json()
+        if body.get("store_check", {}).get("state") == state:
+            assert response.status == (200 if state == "ok" else 503), body
+            return body
+        assert time.monotonic() < deadline, f"the store check did not become {state!r}: {body}"
+        await asyncio.sleep(0.2)
+
+
+@pytest.fixture
+def own_postgres() -> Iterator[Any]:
+    """A PostgreSQL server of this test's own, to stop and start."""
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from aml_app.embedded_postgres import EmbeddedPostgres
+
+    folder = Path(tempfile.mkdtemp(prefix="aml-test-own-postgres-"))
+    folder.chmod(0o755)
+    server = EmbeddedPostgres(folder / "server", free_port()).start()
+    yield server
+    server.stop("immediate")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+async def test_the_api_answers_503_while_the_database_is_away_and_recovers(
+    spark: Any, own_postgres: Any
+) -> None:
+    """The database stopped and started under the API: no crash, a 503 sentence, then answers again."""
+    url = own_postgres.url()
+    apply_payments(spark, url, "relations", payments())
+    async with client_for(relations_api(url)) as client:
+        assert (await get(client, "/relations/A"))["as_of"] == {"0": 2, "1": 2}
+        await asyncio.to_thread(own_postgres.stop)
+        away = await get(client, "/relations/A", status=503)
+        assert "could not be read right now" in away["error"]
+        assert (await client.get("/health")).status == 503
+        await asyncio.to_thread(own_postgres.start)
+        deadline = time.monotonic() + 30
+        while (await client.get("/relations/A")).status != 200:
+            assert time.monotonic() < deadline, "the API did not recover after the database came back"
+            await asyncio.sleep(0.2)
+        assert (await get(client, "/relations/A"))["as_of"] == {"0": 2, "1": 2}

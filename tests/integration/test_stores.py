@@ -1,0 +1,559 @@
+"""The stores of Services B and C on a real PostgreSQL server, fed by the pipeline's own Spark transforms,
+against the naive reference (tests/reference.py); idempotency (offsets stored with the results), snapshot
+reads, migrations and the store's recorded definitions.
+
+Every batch goes through `aml_app.pipeline.transforms.batch_outputs` on a real SparkSession (one for the
+module) and the store write the pipeline uses, in one transaction with its offsets; only Kafka is left
+out (tests/stores.py). Each test, and each generated example, gets a fresh database.
+"""
+
+from __future__ import annotations
+
+import itertools
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import psycopg
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+
+from aml_app.embedded_postgres import EmbeddedPostgres
+from aml_app.pipeline.runner import spark_session
+from aml_app.services import aggregates, relations
+from aml_app.services.store import StaleBatch, StoreError, Writer, migrate, money_text
+from aml_app.settings import Settings
+from tests.payments import PaymentRow
+from tests.reference import exact_from, reference_aggregates, reference_relations
+from tests.reference import money_text as reference_money_text
+from tests.stores import (
+    aggregates_answers,
+    apply_payments,
+    apply_records,
+    payment_records,
+    relations_answers,
+    without_as_of,
+)
+
+ACCOUNTS = ["A", "B", "C", "D", "Ä"]  # few, so edges repeat and cycles occur; "Ä" sorts after "D"
+CURRENCIES = ["EUR", "USD", "JPY"]
+T0 = datetime(2026, 3, 1, tzinfo=UTC)
+HALF_HOUR = timedelta(minutes=30)
+SETTINGS = Settings()
+THRESHOLD, BAND = SETTINGS.reporting_threshold, SETTINGS.threshold_band
+MALFORMED = b'{"payment_id": "broken"'
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    session = spark_session("local[2]")
+    yield session
+    session.stop()
+
+
+# --- generated batches ---------------------------------------------------------------------------
+
+
+@dataclass
+class Batch:
+    rows: list[PaymentRow]
+    records: list[tuple[int, int, bytes | None, bytes | None]]
+
+
+@dataclass
+class Scenario:
+    batches: list[Batch] = field(default_factory=list)
+
+    @property
+    def payments(self) -> list[PaymentRow]:
+        return [row for batch in self.batches for row in batch.rows]
+
+    @property
+    def final_offsets(self) -> dict[int, int]:
+        offsets: dict[int, int] = {}
+        for batch in self.batches:
+            for p, o, _k, _v in batch.records:
+                offsets[p] = max(offsets.get(p, 0), o + 1)
+        return offsets
+
+
+amounts = st.one_of(
+    st.tuples(st.integers(1, 300_000_000), st.integers(0, 4)).map(lambda t: Decimal(t[0]).scaleb(-t[1])),
+    st.sampled_from(["9000", "9000.00", "10000", "8999.9999", "9999.9999", "0.0001", "0.1", "0.20"]).map(
+        Decimal
+    ),
+)
+# Coarse half-hour steps make exact window and minute boundaries between payments common; odd microseconds
+# too; and a spread over ten days, so that some payments are too late and some are pruned.
+timestamps = st.one_of(
+    st.integers(0, 480).map(lambda k: T0 + k * HALF_HOUR),
+    st.integers(0, 10 * 86400 * 10**6).map(lambda us: T0 + timedelta(microseconds=us)),
+)
+
+
+@st.composite
+def scenarios(draw: st.DrawFn, max_records: int = 40) -> Scenario:
+    partitions = draw(st.integers(2, 3))
+    next_offset = {p: draw(st.sampled_from([0, 0, 7, 1000])) for p in range(partitions)}
+    records = draw(
+        st.lists(
+            st.tuples(
+                st.integers(0, partitions - 1),
+                st.sampled_from(ACCOUNTS),
+                st.sampled_from(ACCOUNTS),
+                st.sampled_from(CURRENCIES),
+                amounts,
+                timestamps,
+                st.integers(0, 9).map(lambda n: n > 0),  # 1 in 10 records breaks the contract
+            ),
+            min_size=1,
+            max_size=max_records,
+        )
+    )
+    cuts = sorted({0, len(records), *draw(st.lists(st.integers(1, len(records)), max_size=3))})
+    scenario = Scenario()
+    for lo, hi in itertools.pairwise(cuts):
+        batch = Batch([], [])
+        for partition, payer, payee, currency, amount, ts, valid in records[lo:hi]:
+            offset = next_offset[partition]
+            next_offset[partition] += 1
+            if not valid:
+                batch.records.append((partition, offset, payer.encode(), MALFORMED))
+                continue
+            row = PaymentRow(
+                partition, offset, f"pay-{partition}-{offset}", payer, payee, amount, currency, ts
+            )
+            batch.rows.append(row)
+            batch.records.extend(payment_records([row]))
+        scenario.batches.append(batch)
+    return scenario
+
+
+# Each example runs Spark jobs and a database of its own: few examples, and no shrinking (a failing example
+# is reported as drawn).
+EXAMPLES = settings(
+    max_examples=12,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    phases=[Phase.explicit, Phase.reuse, Phase.generate],
+)
+
+
+@EXAMPLES
+@given(scenario=scenarios())
+def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, scenario: Scenario) -> None:
+    url = postgres.create_database(f"example_{uuid.uuid4().hex[:12]}")
+    try:
+        for batch in scenario.batches:
+            apply_records(spark, url, "relations", batch.records)
+        expected_as_of = {str(p): o for p, o in sorted(scenario.final_offsets.items())}
+        for hops in (1, 2, 3):
+            answers = run(relations_answers(url, [(a, hops, relations.PARTS) for a in [*ACCOUNTS, "nobody"]]))
+            for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
+                assert answer["as_of"] == expected_as_of
+                assert without_as_of(answer) == reference_relations(scenario.payments, account, hops)
+        # Any batch applied again changes nothing: the last one is recognised as done, others are refused.
+        before = run(relations_answers(url, [(a, 3, relations.PARTS) for a in ACCOUNTS]))
+        for batch in scenario.batches:
+            again = covered_by(batch)
+            if any(o > again[p][1] for p, o in scenario.final_offsets.items() if p in again):
+                with pytest.raises(StaleBatch):
+                    apply_records(spark, url, "relations", batch.records, covered=again)
+            else:
+                apply_records(spark, url, "relations", batch.records, covered=again)
+        assert run(relations_answers(url, [(a, 3, relations.PARTS) for a in ACCOUNTS])) == before
+    finally:
+        drop_database(postgres, url)
+
+
+@EXAMPLES
+@given(scenario=scenarios(), data=st.data())
+def test_aggregates_match_the_reference(
+    spark: Any, postgres: EmbeddedPostgres, scenario: Scenario, data: st.DataObject
+) -> None:
+    url = postgres.create_database(f"example_{uuid.uuid4().hex[:12]}")
+    try:
+        for batch in scenario.batches:
+            apply_records(spark, url, "aggregates", batch.records)
+        batches = [b.rows for b in scenario.batches]
+        start = exact_from(batches)
+        if start is None:
+            return
+        # Instants from where the answers must be exact, on and around payments, minutes and windows.
+        stamps = [p.ts for p in scenario.payments]
+        candidates = [
+            start,
+            *stamps,
+            *(t + d for t in stamps for d in (timedelta(hours=1), timedelta(days=1))),
+        ]
+        wiggle = st.sampled_from([timedelta(0), timedelta(microseconds=1), -timedelta(microseconds=1)])
+        instants = [
+            at + data.draw(wiggle) for at in data.draw(st.lists(st.sampled_from(candidates), max_size=6))
+        ]
+        instants = [at for at in [start, *instants] if at >= start]
+        queries = [(a, at) for at in instants for a in [*ACCOUNTS, "nobody"]]
+        answers = run(aggregates_answers(url, queries, SETTINGS))
+        for (account, at), answer in zip(queries, answers, strict=True):
+            assert without_as_of(answer) == reference_aggregates(batches, account, at, THRESHOLD, BAND), (
+                account,
+                at,
+            )
+    finally:
+        drop_database(postgres, url)
+
+
+def covered_by(batch: Batch) -> dict[int, tuple[int, int]]:
+    spans: dict[int, tuple[int, int]] = {}
+    for p, o, _k, _v in batch.records:
+        first, last = spans.get(p, (o, o))
+        spans[p] = (min(first, o), max(last, o))
+    return {p: (first, last + 1) for p, (first, last) in spans.items()}
+
+
+def run(coroutine: Any) -> Any:
+    import asyncio
+
+    return asyncio.run(coroutine)
+
+
+def drop_database(postgres: EmbeddedPostgres, url: str) -> None:
+    name = url.rsplit("/", 1)[1]
+    with psycopg.connect(postgres.url("postgres"), autocommit=True) as conn:
+        conn.execute(
+            psycopg.sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(psycopg.sql.Identifier(name))
+        )
+
+
+# --- worked examples: relations ------------------------------------------------------------------
+
+
+def row(
+    payer: str,
+    payee: str,
+    amount: str,
+    ts: datetime,
+    currency: str = "EUR",
+    offset: int = 0,
+    partition: int = 0,
+) -> PaymentRow:
+    return PaymentRow(
+        partition, offset, f"pay-{partition}-{offset}", payer, payee, Decimal(amount), currency, ts
+    )
+
+
+def rows(*specs: tuple, start: int = 0) -> list[PaymentRow]:
+    return [row(*spec, offset=start + i) for i, spec in enumerate(specs)]
+
+
+async def one_relation(url: str, account: str, hops: int) -> dict[str, Any]:
+    return (await relations_answers(url, [(account, hops, relations.PARTS)]))[0]
+
+
+async def test_out_in_totals_and_seen_times(spark: Any, store_url: str) -> None:
+    t = T0 + timedelta(microseconds=123456)
+    payments = rows(
+        ("A", "B", "0.1", t),
+        ("A", "B", "0.2", t + timedelta(hours=2)),
+        ("A", "B", "5", t - timedelta(hours=1), "USD"),
+        ("C", "A", "1.2345", t),
+    )
+    apply_payments(spark, store_url, "relations", payments)
+    answer = await one_relation(store_url, "A", 1)
+    assert answer["out"] == [
+        {
+            "counterparty": "B",
+            "count": 3,
+            "totals": {"EUR": "0.30", "USD": "5.00"},
+            "first_seen": "2026-02-28T23:00:00.123456Z",
+            "last_seen": "2026-03-01T02:00:00.123456Z",
+        }
+    ]
+    assert answer["in"] == [
+        {
+            "counterparty": "C",
+            "count": 1,
+            "totals": {"EUR": "1.2345"},
+            "first_seen": "2026-03-01T00:00:00.123456Z",
+            "last_seen": "2026-03-01T00:00:00.123456Z",
+        }
+    ]
+    assert answer["neighbourhood"] == [{"account": "B", "hops": 1}, {"account": "C", "hops": 1}]
+    assert answer["as_of"] == {"0": 4}
+
+
+async def test_totals_are_exact_for_large_sums(spark: Any, store_url: str) -> None:
+    big = "999999999999999.9999"
+    for i in range(3):
+        apply_payments(spark, store_url, "relations", [row("A", "B", big, T0, offset=i)])
+    assert (await one_relation(store_url, "A", 1))["out"][0]["totals"] == {"EUR": "2999999999999999.9997"}
+
+
+async def test_neighbourhood_ignores_direction_and_keeps_shortest_distance(
+    spark: Any, store_url: str
+) -> None:
+    # A -> B -> C, D -> C, D -> A (so D is 1 hop, not 3), E -> D
+    edges = [("A", "B"), ("B", "C"), ("D", "C"), ("D", "A"), ("E", "D")]
+    apply_payments(spark, store_url, "relations", rows(*[(payer, payee, "1", T0) for payer, payee in edges]))
+    assert (await one_relation(store_url, "A", 1))["neighbourhood"] == [
+        {"account": "B", "hops": 1},
+        {"account": "D", "hops": 1},
+    ]
+    assert (await one_relation(store_url, "A", 3))["neighbourhood"] == [
+        {"account": "B", "hops": 1},
+        {"account": "D", "hops": 1},
+        {"account": "C", "hops": 2},
+        {"account": "E", "hops": 2},
+    ]
+
+
+async def test_cycles(spark: Any, store_url: str) -> None:
+    payments = rows(
+        ("A", "C", "1", T0),
+        ("C", "A", "1", T0),  # A C A
+        ("A", "B", "1", T0),
+        ("B", "A", "1", T0),  # A B A: same length, smaller
+        ("X", "Y", "1", T0),
+        ("Y", "Z", "1", T0),
+        ("Z", "X", "1", T0),  # 3-cycle
+        ("X", "Ä", "1", T0),
+        ("Ä", "X", "1", T0, "USD"),  # X Ä X: a 2-cycle in another currency
+        ("S", "S", "1", T0),  # self-payment
+        ("P", "Q", "1", T0),
+        ("Q", "R", "1", T0),
+        ("R", "P", "1", T0),
+        ("P", "Ä", "1", T0),
+        ("Ä", "Ö", "1", T0),
+        ("Ö", "P", "1", T0),  # two 3-cycles through P: P Q R P is the smaller path
+    )
+    apply_payments(spark, store_url, "relations", payments)
+    cycle = {
+        (a, h): (await one_relation(store_url, a, h))["cycle"]
+        for a, h in [("A", 2), ("A", 1), ("X", 3), ("S", 1)]
+    }
+    assert cycle[("A", 2)] == {"found": True, "path": ["A", "B", "A"]}
+    assert cycle[("A", 1)] == {"found": False, "path": []}
+    assert cycle[("X", 3)] == {"found": True, "path": ["X", "Ä", "X"]}
+    assert cycle[("S", 1)] == {"found": True, "path": ["S", "S"]}
+    assert (await one_relation(store_url, "P", 2))["cycle"] == {"found": False, "path": []}
+    assert (await one_relation(store_url, "P", 3))["cycle"] == {"found": True, "path": ["P", "Q", "R", "P"]}
+    assert (await one_relation(store_url, "Y", 3))["cycle"] == {"found": True, "path": ["Y", "Z", "X", "Y"]}
+    assert (await one_relation(store_url, "S", 1))["neighbourhood"] == []
+    for account in ("A", "X", "S", "P", "Ä", "nobody"):
+        for hops in (1, 2, 3):
+            assert without_as_of(await one_relation(store_url, account, hops)) == reference_relations(
+                payments, account, hops
+            )
+
+
+async def test_unknown_account_and_a_store_without_tables(spark: Any, store_url: str) -> None:
+    empty = {"out": [], "in": [], "neighbourhood": [], "cycle": {"found": False, "path": []}}
+    assert await one_relation(store_url, "A", 2) == {"account": "A", "hops": 2, "as_of": {}, **empty}
+    with psycopg.connect(store_url) as conn:
+        assert conn.execute("SELECT to_regnamespace('relations')").fetchone() == (None,), (
+            "reading made tables"
+        )
+    apply_records(spark, store_url, "relations", [(3, 5, b"A", MALFORMED)])
+    assert await one_relation(store_url, "nobody", 3) == {
+        "account": "nobody",
+        "hops": 3,
+        "as_of": {"3": 6},
+        **empty,
+    }
+    with pytest.raises(ValueError):
+        await relations_answers(store_url, [("A", 4, relations.PARTS)])
+
+
+# --- worked examples: aggregates -----------------------------------------------------------------
+
+
+async def one_aggregate(url: str, account: str, at: datetime) -> dict[str, Any]:
+    return (await aggregates_answers(url, [(account, at)], SETTINGS))[0]
+
+
+async def test_window_edges_inside_and_across_minutes(spark: Any, store_url: str) -> None:
+    """(at - w, at]: a payment exactly at `at` counts, one exactly w before does not; bucket-served
+    minutes and partial minutes add up to the same."""
+    at = T0 + timedelta(days=3, seconds=30, microseconds=7)
+    specs = [
+        ("A", "B", "1", at),
+        ("A", "B", "2", at - timedelta(hours=1)),  # excluded from 1h
+        ("A", "C", "4", at - timedelta(hours=1) + timedelta(microseconds=1)),
+        ("A", "B", "8", at - timedelta(minutes=30)),  # a whole minute inside 1h: from a bucket
+        ("D", "A", "16", at - timedelta(hours=24)),  # excluded from 24h
+        ("D", "A", "32", at - timedelta(days=7) + timedelta(microseconds=1)),
+        ("A", "B", "64", at + timedelta(microseconds=1)),  # after at
+    ]
+    payments = rows(*specs)
+    apply_payments(spark, store_url, "aggregates", payments)
+    answer = await one_aggregate(store_url, "A", at)
+    assert answer["windows"]["1h"]["sent"] == {"EUR": "13.00"}
+    assert answer["windows"]["1h"]["sent_counterparties"] == 2
+    assert answer["windows"]["24h"]["sent_count"] == 4
+    assert answer["windows"]["7d"]["received"] == {"EUR": "48.00"}
+    assert answer["windows"]["7d"]["counterparties"] == 3
+    for when in [
+        at,
+        at - timedelta(minutes=1),
+        at + timedelta(seconds=30),
+        at - timedelta(hours=1, seconds=30),
+    ]:
+        for account in ("A", "B", "C", "D"):
+            expected = reference_aggregates([payments], account, when, THRESHOLD, BAND)
+            assert without_as_of(await one_aggregate(store_url, account, when)) == expected
+
+
+async def test_threshold_band_edges(spark: Any, store_url: str) -> None:
+    t = T0 + timedelta(days=1)
+    amounts = ["8999.9999", "9000", "9000.0001", "9999.9999", "10000", "10000.01"]
+    payments = rows(*[("A", "B", a, t - timedelta(minutes=i)) for i, a in enumerate(amounts)])
+    apply_payments(spark, store_url, "aggregates", payments)
+    answer = await one_aggregate(store_url, "A", t)
+    assert answer["near_threshold_24h"] == 3  # 9000, 9000.0001, 9999.9999
+    assert answer["reporting_threshold"] == "10000" and answer["threshold_band"] == "0.1"
+    assert (await one_aggregate(store_url, "B", t))["near_threshold_24h"] == 0, "only payments sent count"
+
+
+async def test_too_late_across_batches_and_inside_one(spark: Any, store_url: str) -> None:
+    newest = T0 + timedelta(days=9, seconds=45)
+    minute_start = (newest - timedelta(days=7)).replace(second=0, microsecond=0)
+    first = rows(("A", "B", "1", newest))
+    second = rows(
+        ("A", "B", "2", minute_start),  # its minute starts at the cutoff: on time
+        ("A", "B", "4", minute_start - timedelta(microseconds=1)),  # the minute before: too late
+        start=1,
+    )
+    third = rows(  # inside one batch the order does not matter: the batch's own newest payment counts
+        ("A", "C", "8", newest + timedelta(days=1) - timedelta(days=7, minutes=2)),
+        ("A", "C", "16", newest + timedelta(days=1)),
+        start=3,
+    )
+    for batch in (first, second, third):
+        apply_payments(spark, store_url, "aggregates", batch)
+    answer = await one_aggregate(store_url, "A", newest + timedelta(days=1))
+    assert answer["late_dropped"] == 2
+    batches = [first, second, third]
+    assert without_as_of(answer) == reference_aggregates(
+        batches, "A", newest + timedelta(days=1), THRESHOLD, BAND
+    )
+
+
+async def test_pruning_keeps_answers_exact_from_the_newest_minus_one_hour(spark: Any, store_url: str) -> None:
+    old = rows(*[("A", "B", "1", T0 + timedelta(hours=h)) for h in range(0, 48, 6)])
+    new = rows(("A", "B", "2", T0 + timedelta(days=8, hours=3)), start=len(old))
+    apply_payments(spark, store_url, "aggregates", old)
+    apply_payments(spark, store_url, "aggregates", new)
+    with psycopg.connect(store_url) as conn:
+        kept = conn.execute("SELECT count(*) FROM aggregates.payments").fetchone()[0]
+    assert kept < len(old) + 1, "old payments were pruned"
+    start = exact_from([old, new])
+    assert start is not None
+    for when in [start, start + timedelta(minutes=30), start + timedelta(hours=2)]:
+        expected = reference_aggregates([old, new], "A", when, THRESHOLD, BAND)
+        assert without_as_of(await one_aggregate(store_url, "A", when)) == expected
+
+
+async def test_a_store_counted_with_other_thresholds_is_refused(spark: Any, store_url: str) -> None:
+    apply_payments(spark, store_url, "aggregates", rows(("A", "B", "9500", T0)))
+    other = Settings(reporting_threshold=Decimal("5000"))
+    with pytest.raises(StoreError, match="AML_REPORTING_THRESHOLD=10000"):
+        apply_payments(spark, store_url, "aggregates", rows(("A", "B", "1", T0), start=1), settings=other)
+    # The API reports the store's definition, whatever its own settings say.
+    answer = (await aggregates_answers(store_url, [("A", T0)], other))[0]
+    assert answer["reporting_threshold"] == "10000" and answer["near_threshold_24h"] == 1
+
+
+# --- idempotency, atomicity, snapshots -----------------------------------------------------------
+
+
+async def snapshot(url: str) -> list[dict[str, Any]]:
+    return await relations_answers(url, [(a, 3, relations.PARTS) for a in ("A", "B", "C")])
+
+
+async def test_same_batch_twice_is_refused_and_gaps_too(spark: Any, store_url: str) -> None:
+    records = payment_records(rows(("A", "B", "1", T0), ("B", "C", "2", T0)))
+    apply_records(spark, store_url, "relations", records, covered={0: (0, 2), 1: (40, 41)})
+    before = await snapshot(store_url)
+    with pytest.raises(StaleBatch, match=r"partition 0: offsets 1\.\.2 are already applied up to 1"):
+        apply_records(spark, store_url, "relations", records, covered={0: (1, 3)})
+    with pytest.raises(StaleBatch, match="starts at 5 but the store holds only up to 1"):
+        apply_records(spark, store_url, "relations", records, covered={0: (5, 7)})
+    # One stale partition spoils the whole batch, including its fresh partitions.
+    with pytest.raises(StaleBatch):
+        apply_records(spark, store_url, "relations", records, covered={0: (2, 4), 1: (39, 42)})
+    assert await snapshot(store_url) == before
+    writer = Writer(store_url, relations.SCHEMA)
+    assert writer.applied_offsets() == {0: 2, 1: 41}
+    writer.close()
+
+
+async def test_a_batch_applied_before_a_lost_commit_is_recognised(spark: Any, store_url: str) -> None:
+    """The retry after a connection lost during COMMIT finds the batch's ends stored: done, not stale."""
+    records = payment_records(rows(("A", "B", "1", T0), ("A", "B", "2", T0)))
+    apply_records(spark, store_url, "relations", records)
+    before = await snapshot(store_url)
+    apply_records(spark, store_url, "relations", records, covered={0: (0, 2)})
+    assert await snapshot(store_url) == before
+
+
+async def test_a_failure_midway_leaves_nothing_half_applied(spark: Any, store_url: str) -> None:
+    apply_payments(spark, store_url, "relations", rows(("A", "B", "1", T0)))
+    before = await snapshot(store_url)
+    writer = Writer(store_url, relations.SCHEMA)
+
+    def write_then_fail(conn: psycopg.Connection) -> None:
+        conn.execute("UPDATE relations.edges SET payments = payments + 100, total = total + 100")
+        raise RuntimeError("the batch broke after its first statement")
+
+    with pytest.raises(RuntimeError, match="broke"):
+        writer.apply({0: (1, 5)}, write_then_fail)
+    assert await snapshot(store_url) == before
+    assert writer.applied_offsets() == {0: 1}
+    writer.close()
+
+
+async def test_readers_see_one_snapshot_while_a_writer_is_mid_transaction(spark: Any, store_url: str) -> None:
+    apply_payments(spark, store_url, "relations", rows(("A", "B", "1", T0)))
+    with psycopg.connect(store_url) as other:  # a second writer holds its transaction open
+        other.execute("UPDATE relations.applied_offsets SET next_offset = 99")
+        other.execute("UPDATE relations.edges SET payments = 50")
+        answer = await one_relation(store_url, "A", 1)  # must neither block nor see uncommitted data
+        assert answer["as_of"] == {"0": 1} and answer["out"][0]["count"] == 1
+        other.rollback()
+
+
+def test_migrations_are_versioned_idempotent_and_refuse_a_newer_store(store_url: str) -> None:
+    with psycopg.connect(store_url) as conn:
+        assert migrate(conn, relations.SCHEMA) == 0
+        assert migrate(conn, relations.SCHEMA) == relations.SCHEMA.version
+        versions = conn.execute("SELECT version FROM relations.schema_version ORDER BY version").fetchall()
+        assert versions == [(v,) for v in range(1, relations.SCHEMA.version + 1)]
+        conn.execute("INSERT INTO relations.schema_version VALUES (%s)", (relations.SCHEMA.version + 1,))
+        conn.commit()
+        with pytest.raises(StoreError, match="newer than this program"):
+            migrate(conn, relations.SCHEMA)
+
+
+def test_every_store_keeps_its_tables_in_its_own_schema(store_url: str) -> None:
+    with psycopg.connect(store_url) as conn:
+        migrate(conn, relations.SCHEMA)
+        migrate(conn, aggregates.SCHEMA)
+        tables = conn.execute(
+            "SELECT table_schema, table_name FROM information_schema.tables "
+            "WHERE table_schema IN ('relations', 'aggregates') ORDER BY 1, 2"
+        ).fetchall()
+    assert {("relations", "edges"), ("aggregates", "payments"), ("aggregates", "buckets")} <= set(tables)
+    assert ("relations", "applied_offsets") in tables and ("aggregates", "applied_offsets") in tables
+
+
+@pytest.mark.parametrize(
+    ("value", "text"),
+    [("12.5", "12.50"), ("12.5000", "12.50"), ("0.0001", "0.0001"), ("100", "100.00"), ("1E+3", "1000.00"),
+     ("0", "0.00"), ("7.1230", "7.123")],
+)  # fmt: skip
+def test_money_text_is_canonical(value: str, text: str) -> None:
+    assert money_text(Decimal(value)) == text
+    assert reference_money_text(Decimal(value)) == text
