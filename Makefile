@@ -21,6 +21,7 @@ demo: system-deps $(STAMP)
 test: system-deps $(STAMP)
 	@java -version 2>&1 | head -1
 	@chromium --version 2>/dev/null | tail -1 || true
+	@ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1 || true
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/pytest

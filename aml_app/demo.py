@@ -41,7 +41,9 @@ from aiokafka.errors import KafkaError
 
 from aml_app.broker import BrokerError
 from aml_app.dependency_services import COMMIT_POLL_EVERY
+from aml_app.embedded_postgres import PostgresError
 from aml_app.kafka_tools import payment_json
+from aml_app.services.store import redacted
 from aml_app.settings import Settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
 from aml_app.simulation.score import TypologyScore, format_scores, score
@@ -228,11 +230,13 @@ class Demo:
         *,
         suffix: str = "",
         bootstrap: Sequence[str] = (),
+        store_url: str = "",
         script: Callable[[Demo], Awaitable[None]] | None = None,
         worker_env: Mapping[str, str] | None = None,
     ) -> None:
-        """`suffix` and `bootstrap` let tests share a broker; `script` runs alongside the traffic (a test
-        kills a worker or stops an API from it, timed with `elapsed`); `worker_env` goes to every worker."""
+        """`suffix`, `bootstrap` and `store_url` let tests share a broker and a database server; `script`
+        runs alongside the traffic (a test kills a worker or stops an API from it, timed with `elapsed`);
+        `worker_env` goes to every worker."""
         self.options = options
         self.controls = Controls()
         layout = Layout(
@@ -241,6 +245,7 @@ class Demo:
             triggers=dict(options.triggers),
             suffix=suffix,
             bootstrap=tuple(bootstrap),
+            store_url=store_url,
             worker_env=dict(worker_env or {}),
         )
         self.system = System(settings, options.folder, layout, say=say, stop=self.controls.stop)
@@ -306,10 +311,10 @@ class Demo:
         say(
             f"  Services B, C `aml-app pipeline` (Spark {s.spark_master}, trigger {s.trigger_interval:g} s"
             + (f"; {triggers}" if triggers else "")
-            + f"), stores in {s.store_dir}"
+            + f"), stores in {redacted(system.settings.store_url)}"
         )
-        for api in system.apis.values():
-            say(f"                {api.kind:<11}{api.url}/health")
+        for name, api in system.apis.items():
+            say(f"                {name:<13}{api.url}/health")
         say(f"  gated on      {', '.join(s.depends_on)} (committed consumer-group offsets)")
         for service, workers in system.workers.items():
             for w in workers:
@@ -506,7 +511,7 @@ class Demo:
         """Ask B and C about a few payments: their as_of covers it, B lists the payee, C counts it."""
         if self.controls.hurry.is_set() or not self.ledger.valid:
             return
-        relations, aggregates = self.system.apis["relations"], self.system.apis["aggregates"]
+        relations, aggregates = (self.system.live_api(kind) for kind in ("relations", "aggregates"))
         chosen = random.sample(sorted(self.ledger.valid.items()), min(SPOT_CHECKS, len(self.ledger.valid)))
         for (p, o), pay in sorted(chosen):
             rel, agg = await asyncio.gather(
@@ -671,7 +676,7 @@ def run_demo(settings: Settings, options: Options) -> int:
 async def _run(settings: Settings, options: Options) -> Verdict | None:
     try:
         return await Demo(settings, options).run()
-    except (SystemFailure, BrokerError, KafkaError, OSError) as exc:
+    except (SystemFailure, BrokerError, PostgresError, KafkaError, OSError) as exc:
         say(f"demo failed: {exc}")
         raise SystemExit(1) from None
 

@@ -1,9 +1,14 @@
 """The detectors' HTTP client for Services B (relations) and C (aggregates).
 
 One pooled `aiohttp.ClientSession` per worker, shared by every partition lane: keep-alive connections,
-no per-payment connection set-up. Each request has a timeout. A dependency that is down, slow or answers
-5xx raises `DependencyUnavailable`; the caller waits and asks again (a payment is never skipped because a
-dependency was away). A 4xx means our request is wrong, which retrying cannot fix: `DependencyRequestError`.
+no per-payment connection set-up. Each request has a timeout.
+
+Each service may run several replicas (stateless APIs over one store: any replica gives the same answer).
+Requests take turns over them; a replica that does not answer usefully (down, timeout, 5xx) is skipped
+for a few seconds and the request goes to the next one at once, so one replica going down costs no
+decision. Only when every replica failed does the request raise `DependencyUnavailable`; the caller waits
+and asks again (a payment is never skipped because a dependency was away). A 4xx means our request is
+wrong, which retrying cannot fix: `DependencyRequestError`.
 
 Every answer carries `as_of` = {partition: next offset applied}; `includes` says whether an answer proves
 that it already contains payment (p, o).
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -51,14 +56,48 @@ class ClientStats:
     by_dependency: dict[str, int] = field(default_factory=dict)
 
 
+#: How long a replica that failed is left out before it is tried again.
+RESTING = 5.0
+
+
+class Replicas:
+    """The base URLs of one service's API replicas, in turn, leaving out for a while those that failed."""
+
+    def __init__(self, urls: str | Sequence[str]) -> None:
+        listed = [urls] if isinstance(urls, str) else list(urls)
+        if not listed:
+            raise ValueError("a dependency needs at least one URL")
+        self.urls = [URL(u) for u in listed]
+        self._next = 0
+        self._resting: dict[int, float] = {}
+
+    def order(self) -> list[URL]:
+        """Every replica once, starting with the next in turn; resting ones last."""
+        start = self._next
+        self._next = (self._next + 1) % len(self.urls)
+        turn = [(start + k) % len(self.urls) for k in range(len(self.urls))]
+        now = time.monotonic()
+        awake = [i for i in turn if self._resting.get(i, 0) <= now]
+        return [self.urls[i] for i in awake + [i for i in turn if i not in awake]]
+
+    def failed(self, url: URL) -> None:
+        self._resting[self.urls.index(url)] = time.monotonic() + RESTING
+
+    def answered(self, url: URL) -> None:
+        self._resting.pop(self.urls.index(url), None)
+
+
 class DependencyClient:
-    """GET /aggregates and /relations with pooling and timeouts; one instance per worker process."""
+    """GET /aggregates and /relations with pooling, timeouts and replicas; one instance per worker process."""
 
     def __init__(
-        self, relations_url: str, aggregates_url: str, timeout: float = 5.0, max_connections: int = 64
+        self,
+        relations_urls: str | Sequence[str],
+        aggregates_urls: str | Sequence[str],
+        timeout: float = 5.0,
+        max_connections: int = 64,
     ) -> None:
-        self.relations_url = URL(relations_url)
-        self.aggregates_url = URL(aggregates_url)
+        self.replicas = {"relations": Replicas(relations_urls), "aggregates": Replicas(aggregates_urls)}
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.max_connections = max_connections
         self.stats = ClientStats()
@@ -76,17 +115,23 @@ class DependencyClient:
             self._session = None
 
     async def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
-        url = _resource(self.aggregates_url, "aggregates", account)
-        return await self._get("aggregates", url.with_query(at=at.isoformat()))
+        return await self._send(
+            "aggregates",
+            lambda base: _resource(base, "aggregates", account).with_query(at=at.isoformat()),
+            None,
+        )
 
     async def relations(self, account: str, hops: int = CYCLE_HOPS, parts: str = RELATIONS_PARTS) -> dict:
-        url = _resource(self.relations_url, "relations", account)
-        return await self._get("relations", url.with_query(hops=str(hops), parts=parts))
+        return await self._send(
+            "relations",
+            lambda base: _resource(base, "relations", account).with_query(hops=str(hops), parts=parts),
+            None,
+        )
 
     async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
         """One POST /aggregates for several (account, at): one snapshot of C answers them all."""
         body = {"queries": [{"account": a, "at": at.isoformat()} for a, at in queries]}
-        answer = await self._send("aggregates", self.aggregates_url / "aggregates", body)
+        answer = await self._send("aggregates", lambda base: base / "aggregates", body)
         return _answers(answer, len(queries), "aggregates")
 
     async def relations_many(
@@ -94,13 +139,27 @@ class DependencyClient:
     ) -> list[dict[str, Any]]:
         """One POST /relations for several accounts: one snapshot of B answers them all."""
         body = {"queries": [{"account": a, "hops": hops, "parts": parts} for a in accounts]}
-        answer = await self._send("relations", self.relations_url / "relations", body)
+        answer = await self._send("relations", lambda base: base / "relations", body)
         return _answers(answer, len(accounts), "relations")
 
-    async def _get(self, dependency: str, url: URL) -> dict[str, Any]:
-        return await self._send(dependency, url, None)
+    async def _send(self, dependency: str, where: Callable[[URL], URL], body: Any) -> dict[str, Any]:
+        """The request on each replica in turn until one answers usefully; its JSON object."""
+        replicas = self.replicas[dependency]
+        failures = []
+        for base in replicas.order():
+            try:
+                answer = await self._send_to(dependency, where(base), body)
+            except DependencyUnavailable as exc:
+                replicas.failed(base)
+                failures.append(str(exc))
+                continue
+            replicas.answered(base)
+            return answer
+        if len(failures) == 1:
+            raise DependencyUnavailable(failures[0])
+        raise DependencyUnavailable(f"every replica of {dependency} failed: {'; '.join(failures)}")
 
-    async def _send(self, dependency: str, url: URL, body: Any) -> dict[str, Any]:
+    async def _send_to(self, dependency: str, url: URL, body: Any) -> dict[str, Any]:
         """GET `url` (no body) or POST `body` as JSON; the answer's JSON object."""
         started = time.monotonic()
         self.stats.requests += 1

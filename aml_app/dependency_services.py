@@ -38,8 +38,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         **settings_env(settings),
         "AML_RELATIONS_GROUP": settings.relations_group,
         "AML_AGGREGATES_GROUP": settings.aggregates_group,
-        "AML_STORE_DIR": settings.store_dir,
-        "AML_CHECKPOINT_DIR": settings.checkpoint_dir,
+        "AML_STORE_URL": settings.store_url,
         "AML_SERVICES_HOST": settings.services_host,
         "AML_RELATIONS_PORT": str(settings.relations_port),
         "AML_AGGREGATES_PORT": str(settings.aggregates_port),
@@ -90,6 +89,14 @@ class ServiceProcess:
         kept = [line for line in self.log_text().splitlines() if not line.lstrip().startswith("at ")]
         return "\n".join(kept[-lines:])
 
+    def kill(self) -> None:
+        """kill -9 the process and its group, on purpose (a crash test): not taken for a failure."""
+        self.stopped = True
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.process.pid, signal.SIGKILL)
+            self._wait(10)
+
     def stop(self, grace: float = 30) -> bool:
         """SIGTERM the process itself, SIGKILL its group after `grace` seconds; False if it had to be killed.
 
@@ -126,9 +133,10 @@ class ServiceProcess:
 class ApiProcess(ServiceProcess):
     """`aml-app serve relations|aggregates` on the port its settings name."""
 
-    def __init__(self, kind: str, settings: Settings, log_path: Path, **env: str) -> None:
-        super().__init__(f"{kind} API", ["serve", kind], settings, log_path, **env)
+    def __init__(self, kind: str, settings: Settings, log_path: Path, name: str = "", **env: str) -> None:
+        super().__init__(name or f"{kind} API", ["serve", kind], settings, log_path, **env)
         self.kind = kind
+        self.settings = settings
         port = settings.relations_port if kind == "relations" else settings.aggregates_port
         self.url = f"http://{settings.services_host}:{port}"
 
@@ -149,7 +157,7 @@ class ApiProcess(ServiceProcess):
 
 
 def pipeline_process(settings: Settings, log_path: Path) -> ServiceProcess:
-    """Both streaming queries in one `aml-app pipeline` (store and checkpoint dirs from `settings`)."""
+    """Both streaming queries in one `aml-app pipeline` (the store from `settings`)."""
     return ServiceProcess("pipeline", ["pipeline"], settings, log_path)
 
 

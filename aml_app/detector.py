@@ -260,7 +260,7 @@ def detecting_service(service: str, rules: Rules) -> Detector:
     """Build the detector of this worker's service and register its gated agent."""
     from aml_app.service import gated_service
 
-    client = DependencyClient(settings.relations_url, settings.aggregates_url, settings.http_timeout)
+    client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
     detector = Detector(service, rules, client)
     gated_service(batch_handler=detector, max_batch=settings.max_batch)
 

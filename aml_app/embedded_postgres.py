@@ -189,6 +189,14 @@ class EmbeddedPostgres:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
+    def drop_database(self, name: str) -> None:
+        """Drop database `name` if it exists (its connections are closed first)."""
+        import psycopg
+        from psycopg import sql
+
+        with psycopg.connect(self.url("postgres"), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
+
     def running(self) -> bool:
         return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
 

@@ -91,8 +91,9 @@ class Settings:
     services_host: str = "127.0.0.1"
     relations_port: int = 8081
     aggregates_port: int = 8082
-    relations_api: str = ""  # AML_RELATIONS_URL; empty: http://services_host:relations_port
-    aggregates_api: str = ""  # AML_AGGREGATES_URL; likewise
+    #: AML_RELATIONS_URL: the replicas of Service B's API, comma-separated; empty: http://services_host:port.
+    relations_api: tuple[str, ...] = ()
+    aggregates_api: tuple[str, ...] = ()  # AML_AGGREGATES_URL; likewise
     http_timeout: float = 5.0
     max_batch: int = 100
     aml_thresholds: Any = field(default_factory=_default_aml_thresholds)
@@ -119,12 +120,12 @@ class Settings:
         return [f"kafka://{server}" for server in self.bootstrap_servers]
 
     @property
-    def relations_url(self) -> str:
-        return self.relations_api or f"http://{self.services_host}:{self.relations_port}"
+    def relations_urls(self) -> tuple[str, ...]:
+        return self.relations_api or (f"http://{self.services_host}:{self.relations_port}",)
 
     @property
-    def aggregates_url(self) -> str:
-        return self.aggregates_api or f"http://{self.services_host}:{self.aggregates_port}"
+    def aggregates_urls(self) -> tuple[str, ...]:
+        return self.aggregates_api or (f"http://{self.services_host}:{self.aggregates_port}",)
 
     @property
     def worker_data_dir(self) -> str:
@@ -206,11 +207,18 @@ def _name(env: Mapping[str, str], var: str, default: str, pattern: re.Pattern[st
     return value
 
 
-def _url(env: Mapping[str, str], name: str) -> str:
-    value = _text(env, name, "")
-    if value and not re.match(r"^https?://[^/\s]+", value):
-        raise ConfigError(f"{name}={value!r} is not an http(s) URL such as http://relations:8081.")
-    return value.rstrip("/")
+def _urls(env: Mapping[str, str], name: str) -> tuple[str, ...]:
+    """Comma-separated http(s) URLs: the replicas of one API."""
+    urls = tuple(u.strip().rstrip("/") for u in _text(env, name, "").split(",") if u.strip())
+    for url in urls:
+        if not re.match(r"^https?://[^/\s]+", url):
+            raise ConfigError(
+                f"{name}: {url!r} is not an http(s) URL; expected one or more, comma-separated, such as "
+                "http://relations-1:8081,http://relations-2:8081."
+            )
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"{name} names a URL twice.")
+    return urls
 
 
 def _store_url(env: Mapping[str, str], name: str, default: str) -> str:
@@ -317,8 +325,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
         relations_port=_int(env, "AML_RELATIONS_PORT", defaults.relations_port, 1, 65535),
         aggregates_port=_int(env, "AML_AGGREGATES_PORT", defaults.aggregates_port, 1, 65535),
-        relations_api=_url(env, "AML_RELATIONS_URL"),
-        aggregates_api=_url(env, "AML_AGGREGATES_URL"),
+        relations_api=_urls(env, "AML_RELATIONS_URL"),
+        aggregates_api=_urls(env, "AML_AGGREGATES_URL"),
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
         aml_thresholds=_thresholds(env, "aml"),

@@ -1,9 +1,11 @@
-"""The whole system as real processes: broker, Spark pipeline (B and C), their APIs, gated workers.
+"""The whole system as real processes: broker, PostgreSQL, Spark pipeline (B and C), their APIs (two
+replicas each), gated workers.
 
-`System` starts what a user would start, each as its own process (`aml-app broker` is replaced by an
-embedded broker object, or `KAFKA_BOOTSTRAP_SERVERS` names a cluster), watches it, reads what it writes
-(`aml_app.tails`) and stops everything, each step bounded, whatever happened. The demo, the end-to-end
-tests and the benchmarks share it, so each of them runs the system exactly as the others do.
+`System` starts what a user would start, each as its own process (`aml-app broker` and `aml-app postgres`
+are replaced by embedded server objects, or `KAFKA_BOOTSTRAP_SERVERS` and `AML_STORE_URL` name a cluster
+and a database), watches it, reads what it writes (`aml_app.tails`) and stops everything, each step
+bounded, whatever happened. The demo, the end-to-end tests and the benchmarks share it, so each of them
+runs the system exactly as the others do.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 
 from aml_app.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
 from aml_app.dependency_services import ApiProcess, CommitWatch, ServiceProcess
+from aml_app.embedded_postgres import EmbeddedPostgres
 from aml_app.settings import Settings
 from aml_app.tails import DeadLetterTail, RecordTail
 from aml_app.topics import service_topics, topic_specs
@@ -74,6 +77,11 @@ class Layout:
     suffix: str = ""
     #: An existing broker to use (tests); else KAFKA_BOOTSTRAP_SERVERS, else an embedded one.
     bootstrap: tuple[str, ...] = ()
+    #: An existing, empty database for the stores (tests); else, with KAFKA_BOOTSTRAP_SERVERS,
+    #: AML_STORE_URL; else an embedded PostgreSQL server of our own with a fresh database.
+    store_url: str = ""
+    #: Replicas of each API; the workers spread their requests over them.
+    api_replicas: int = 2
 
 
 class System:
@@ -91,12 +99,9 @@ class System:
         self.folder = folder.resolve()
         self.say = say
         self.stop_requested = stop or asyncio.Event()
-        self.settings = replace(
-            settings,
-            store_dir=str(self.folder / "services"),
-            checkpoint_dir=str(self.folder / "checkpoints"),
-        )
+        self.settings = settings
         self.broker: EmbeddedBroker | None = None
+        self.postgres: EmbeddedPostgres | None = None
         self.bootstrap: list[str] = []
         self.pipeline: ServiceProcess | None = None
         self.apis: dict[str, ApiProcess] = {}
@@ -127,6 +132,7 @@ class System:
         if self.stop_requested.is_set():
             raise Interrupted
         self.settings = replace(self.settings, bootstrap_servers=tuple(self.bootstrap))
+        await self.start_store()
         await create_topics(self.bootstrap, topic_specs(self.settings, self.layout.suffix))
         self.start_services()
         self.start_workers()
@@ -153,6 +159,24 @@ class System:
             self.bootstrap = [self.broker.bootstrap]
         await wait_until_answering(self.bootstrap)
 
+    async def start_store(self) -> None:
+        """The layout's database, else AML_STORE_URL with a cluster of the user's, else a fresh database on
+        an embedded PostgreSQL server of our own (an embedded broker starts empty: so must the stores)."""
+        if self.layout.store_url:
+            self.settings = replace(self.settings, store_url=self.layout.store_url)
+        elif self.broker is None and os.environ.get("AML_STORE_URL", "").strip():
+            self.say("using the PostgreSQL database at AML_STORE_URL")
+        else:
+            from psycopg.conninfo import conninfo_to_dict
+
+            wanted = int(conninfo_to_dict(self.settings.store_url).get("port") or 5433)
+            port = self.free("AML_STORE_URL's port", "the embedded PostgreSQL server", wanted)
+            self.postgres = EmbeddedPostgres(self.folder / "postgres", port)
+            await asyncio.to_thread(self.postgres.start)
+            await asyncio.to_thread(self.postgres.drop_database, "aml")
+            url = await asyncio.to_thread(self.postgres.create_database, "aml")
+            self.settings = replace(self.settings, store_url=url)
+
     def free(self, variable: str, who: str, port: int) -> int:
         """`port`, or a free one when it is taken (said out loud)."""
         if not port_open("127.0.0.1", port):
@@ -162,21 +186,36 @@ class System:
         return chosen
 
     def start_services(self) -> None:
-        """The pipeline (fresh stores and checkpoints: the groups are the only progress it resumes from)
-        and the two APIs reading its stores."""
+        """The pipeline and the replicas of the two APIs reading its stores."""
         s = self.settings
-        for folder in (s.store_dir, s.checkpoint_dir):
-            shutil.rmtree(folder, ignore_errors=True)
-            os.makedirs(folder)
-        s = self.settings = replace(
-            s,
-            relations_port=self.free("AML_RELATIONS_PORT", "the relations API", s.relations_port),
-            aggregates_port=self.free("AML_AGGREGATES_PORT", "the aggregates API", s.aggregates_port),
-        )
         args = ["pipeline"] + [f"--trigger={svc}={sec:g}" for svc, sec in self.layout.triggers.items()]
         self.pipeline = ServiceProcess("pipeline", args, s, self.folder / "pipeline.log").start()
         for kind in ("relations", "aggregates"):
-            self.apis[kind] = ApiProcess(kind, s, self.folder / f"{kind}-api.log").start()
+            first = s.relations_port if kind == "relations" else s.aggregates_port
+            for replica in range(1, self.layout.api_replicas + 1):
+                name = kind if replica == 1 else f"{kind}-{replica}"
+                port = (
+                    self.free(f"the port of {name}", f"the {name} API", first)
+                    if replica == 1
+                    else free_port()
+                )
+                own = (
+                    replace(s, relations_port=port)
+                    if kind == "relations"
+                    else replace(s, aggregates_port=port)
+                )
+                self.apis[name] = ApiProcess(
+                    kind, own, self.folder / f"{name}-api.log", name=f"{name} API"
+                ).start()
+
+    def live_api(self, kind: str) -> ApiProcess:
+        """A running replica of `kind` (the first one, when none runs)."""
+        replicas = [api for api in self.apis.values() if api.kind == kind]
+        return next((api for api in replicas if api.alive()), replicas[0])
+
+    def api_urls(self, kind: str) -> str:
+        """AML_RELATIONS_URL / AML_AGGREGATES_URL for the workers: every replica of `kind`."""
+        return ",".join(api.url for api in self.apis.values() if api.kind == kind)
 
     def start_workers(self) -> None:
         port = self.settings.web_port
@@ -199,8 +238,8 @@ class System:
             AML_SESSION_TIMEOUT=WORKER_SESSION_TIMEOUT,
             AML_REBALANCE_TIMEOUT=WORKER_SESSION_TIMEOUT,
             AML_GATE="on" if self.layout.gate else "off",
-            AML_RELATIONS_URL=self.apis["relations"].url,
-            AML_AGGREGATES_URL=self.apis["aggregates"].url,
+            AML_RELATIONS_URL=self.api_urls("relations"),
+            AML_AGGREGATES_URL=self.api_urls("aggregates"),
             **self.layout.worker_env,
         )
         running.append(worker.start())
@@ -252,7 +291,7 @@ class System:
             self.say(f"  {what} ready after {time.monotonic() - started:.1f} s")
 
         for api in self.apis.values():
-            await until(f"the {api.kind} API", lambda a=api: self._answers(a), API_DEADLINE, api)
+            await until(f"the {api.name}", lambda a=api: self._answers(a), API_DEADLINE, api)
         for w in self.all_workers:
             await until(f"worker {w.worker_id}", lambda w=w: self.recovered(w), WORKER_DEADLINE, w)
         pipeline = self.pipeline
@@ -284,7 +323,7 @@ class System:
             raise SystemFailure(failure("the pipeline", self.pipeline, f"exited with code {code}", 40))
         for api in self.apis.values():
             if not api.alive() and not api.stopped:
-                raise SystemFailure(failure(f"the {api.kind} API", api, f"exited with code {api.returncode}"))
+                raise SystemFailure(failure(f"the {api.name}", api, f"exited with code {api.returncode}"))
 
     def check_health(self, extra: Mapping[str, asyncio.Task[Any]] | None = None) -> None:
         """Processes alive, and no reader or helper task crashed."""
@@ -293,13 +332,14 @@ class System:
             if task.done() and not task.cancelled() and task.exception() is not None:
                 raise SystemFailure(f"the {name} failed: {task.exception()!r}")
 
-    def restart_api(self, kind: str) -> ApiProcess:
-        """Start a stopped API again on the same port (an outage test)."""
-        old = self.apis[kind]
+    def restart_api(self, name: str) -> ApiProcess:
+        """Start a stopped API replica again on the same port (an outage test)."""
+        old = self.apis[name]
         if old.alive():
-            raise RuntimeError(f"the {kind} API is still running")
-        self.apis[kind] = ApiProcess(kind, self.settings, old.log_path.with_suffix(".restarted.log")).start()
-        return self.apis[kind]
+            raise RuntimeError(f"the {name} API is still running")
+        log_path = old.log_path.with_suffix(".restarted.log")
+        self.apis[name] = ApiProcess(old.kind, old.settings, log_path, name=old.name).start()
+        return self.apis[name]
 
     def kill_worker(self, worker: WorkerProcess) -> None:
         """kill -9 a worker on purpose (a crash test): the health check then leaves it alone."""
@@ -336,7 +376,7 @@ class System:
         stops: list[tuple[str, Any, float]] = [
             (f"worker {w.worker_id}", w, WORKER_STOP_GRACE) for w in self.all_workers
         ]
-        stops += [(f"the {a.kind} API", a, SERVICE_STOP_GRACE) for a in self.apis.values()]
+        stops += [(f"the {name} API", a, SERVICE_STOP_GRACE) for name, a in self.apis.items()]
         if self.pipeline is not None:
             stops.append(("the pipeline", self.pipeline, SERVICE_STOP_GRACE))
         if stops:
@@ -352,3 +392,6 @@ class System:
         if self.broker is not None:
             self.say("stopping the embedded broker")
             await asyncio.to_thread(self.broker.stop)
+        if self.postgres is not None:
+            self.say("stopping the embedded PostgreSQL server")
+            await asyncio.to_thread(self.postgres.stop)

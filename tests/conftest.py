@@ -42,6 +42,17 @@ def postgres() -> Iterator[EmbeddedPostgres]:
 
 
 @pytest.fixture
+def own_postgres() -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL server of this test's own, for tests that stop and start it."""
+    folder = Path(tempfile.mkdtemp(prefix="aml-test-own-postgres-"))
+    folder.chmod(0o755)
+    server = EmbeddedPostgres(folder / "server", free_port()).start()
+    yield server
+    server.stop("immediate")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture
 def store_url(postgres: EmbeddedPostgres) -> str:
     """A fresh, empty database for this test's stores."""
     return postgres.create_database(f"test_{uuid.uuid4().hex[:12]}")

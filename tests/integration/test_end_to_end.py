@@ -66,7 +66,7 @@ def assert_every_promise(verdict: Verdict | None) -> Verdict:
 
 
 async def run(
-    broker: EmbeddedBroker, tmp_path: Path, script, worker_env=None, **options
+    broker: EmbeddedBroker, store_url: str, tmp_path: Path, script, worker_env=None, **options
 ) -> tuple[Demo, Verdict]:  # type: ignore[no-untyped-def]
     suffix = uuid.uuid4().hex[:8]
     demo = Demo(
@@ -74,6 +74,7 @@ async def run(
         Options(folder=tmp_path / "system", **options),
         suffix=f"-{suffix}",
         bootstrap=[broker.bootstrap],
+        store_url=store_url,
         script=script,
         worker_env=worker_env,
     )
@@ -82,17 +83,23 @@ async def run(
 
 
 @pytest.mark.timeout(TIMEOUT)
-async def test_kill_9_of_an_aml_worker_loses_nothing_and_alerts_nothing_twice(
-    broker: EmbeddedBroker, tmp_path: Path
+async def test_kill_9_of_an_aml_worker_and_of_api_replicas_loses_nothing_and_alerts_nothing_twice(
+    broker: EmbeddedBroker, store_url: str, tmp_path: Path
 ) -> None:
     killed: dict[str, object] = {}
 
     async def kill_right_after_an_uncommitted_alert(demo: Demo) -> None:
-        """Kill the AML worker just after an alert whose payment its group has not committed past, so the
-        next owner processes that payment again and must not alert on it twice."""
+        """First kill -9 one replica of each API while the detectors query them; then kill the AML worker
+        just after an alert whose payment its group has not committed past, so the next owner processes
+        that payment again and must not alert on it twice."""
         system = demo.system
         aml = system.workers["aml"][0]
         group, topic = f"aml{system.layout.suffix}", demo.settings.payments_topic
+        await wait_until(lambda: demo.elapsed() >= 4, 60, "payments flowing")
+        decided = len(system.decisions["aml"].records)
+        for replica in ("relations", "aggregates-2"):
+            system.apis[replica].kill()
+        killed["replicas"] = decided
         await wait_until(lambda: demo.elapsed() >= 8, 60, "payments flowing")
         seen = len(system.alerts["aml"].records)
         while "alert" not in killed:
@@ -110,6 +117,7 @@ async def test_kill_9_of_an_aml_worker_loses_nothing_and_alerts_nothing_twice(
     # Commits every 30 s: the alerted payment is re-processed after the kill (checked below).
     demo, verdict = await run(
         broker,
+        store_url,
         tmp_path,
         kill_right_after_an_uncommitted_alert,
         worker_env={"AML_COMMIT_INTERVAL": "30"},
@@ -119,6 +127,9 @@ async def test_kill_9_of_an_aml_worker_loses_nothing_and_alerts_nothing_twice(
     )
     alert = killed["alert"]
     assert isinstance(alert, dict)
+    aml_decided = len(demo.system.decisions["aml"].of_run(demo.ledger.ids()))
+    assert aml_decided > int(killed["replicas"]), "decisions went on with one replica of each API killed"
+    assert not demo.system.apis["relations"].alive() and demo.system.apis["relations-2"].alive()
     new_log = demo.system.workers["aml"][1].log_path.read_text(errors="replace")
     assert f"payment {alert['payment_id']} was alerted on before" in new_log, "the dedupe was not exercised"
     aml = demo.system.decisions["aml"].of_run(demo.ledger.ids())
@@ -132,7 +143,7 @@ async def test_kill_9_of_an_aml_worker_loses_nothing_and_alerts_nothing_twice(
 
 @pytest.mark.timeout(TIMEOUT)
 async def test_an_api_outage_pauses_decisions_and_skips_nothing(
-    broker: EmbeddedBroker, tmp_path: Path
+    broker: EmbeddedBroker, store_url: str, tmp_path: Path
 ) -> None:
     outage: dict[str, float] = {}
 
@@ -142,17 +153,17 @@ async def test_an_api_outage_pauses_decisions_and_skips_nothing(
         await wait_until(
             lambda: len(system.decisions["aml"].records) >= 100, 120, "decisions before the outage"
         )
-        api = system.apis["aggregates"]
-        await asyncio.to_thread(api.stop)
+        replicas = [name for name, api in system.apis.items() if api.kind == "aggregates"]
+        await asyncio.gather(*(asyncio.to_thread(system.apis[name].stop) for name in replicas))
         outage["down"] = time.time()
         down_since = time.monotonic()
         await wait_until(lambda: time.monotonic() - down_since >= 8, 30, "eight seconds of outage")
         outage["up"] = time.time()
-        restarted = system.restart_api("aggregates")
+        restarted = system.restart_api(replicas[0])
         await wait_until(restarted.health, 60, "the aggregates API to answer again")
 
     demo, _verdict = await run(
-        broker, tmp_path, take_the_aggregates_api_away, duration=25, rate=40, instances=1
+        broker, store_url, tmp_path, take_the_aggregates_api_away, duration=25, rate=40, instances=1
     )
     assert set(outage) == {"down", "up"}
     for service in ("aml", "fraud"):

@@ -190,7 +190,6 @@ async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -
 
 async def test_reads_run_concurrently_with_a_writer(spark: Any, store_url: str) -> None:
     async with client_for(relations_api(store_url)) as client:
-
         writes = asyncio.Event()
 
         async def write() -> None:
@@ -451,23 +450,6 @@ async def wait_for_check(client: TestClient, state: str, timeout: float = 30) ->
             return body
         assert time.monotonic() < deadline, f"the store check did not become {state!r}: {body}"
         await asyncio.sleep(0.2)
-
-
-@pytest.fixture
-def own_postgres() -> Iterator[Any]:
-    """A PostgreSQL server of this test's own, to stop and start."""
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    from aml_app.embedded_postgres import EmbeddedPostgres
-
-    folder = Path(tempfile.mkdtemp(prefix="aml-test-own-postgres-"))
-    folder.chmod(0o755)
-    server = EmbeddedPostgres(folder / "server", free_port()).start()
-    yield server
-    server.stop("immediate")
-    shutil.rmtree(folder, ignore_errors=True)
 
 
 async def test_the_api_answers_503_while_the_database_is_away_and_recovers(

@@ -1,4 +1,5 @@
-"""The detectors' client for Services B and C, against the real APIs over real HTTP on loopback."""
+"""The detectors' client for Services B and C, against the real APIs (on PostgreSQL) over real HTTP on
+loopback, with replicas."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
-from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -20,11 +21,9 @@ from aml_app.dependency_client import (
     evidence_for,
     includes,
 )
-from aml_app.services.aggregates import AggregatesStore
-from aml_app.services.api import aggregates_app, relations_app
-from aml_app.services.relations import RelationsStore
-from tests.unit.test_relations_store import edge_deltas
-from tests.unit.test_services_api import BAND, COVERED, T0, THRESHOLD, payments
+from tests.integration.test_services_api import T0, aggregates_api, relations_api, spark, stores
+
+__all__ = ["spark", "stores"]  # fixtures
 
 
 async def gather_answers(client: DependencyClient, payer: str, payee: str, at: datetime) -> tuple:
@@ -47,12 +46,8 @@ async def served(app: web.Application) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def services(tmp_path: Path) -> AsyncIterator[DependencyClient]:
-    relations = RelationsStore(str(tmp_path / "relations.sqlite"))
-    relations.apply(edge_deltas(payments()), COVERED)
-    aggregates = AggregatesStore(str(tmp_path / "aggregates.sqlite"), THRESHOLD, BAND)
-    aggregates.apply(payments(), COVERED)
-    async with served(relations_app(relations)) as r_url, served(aggregates_app(aggregates)) as a_url:
+async def services(url: str) -> AsyncIterator[DependencyClient]:
+    async with served(relations_api(url)) as r_url, served(aggregates_api(url)) as a_url:
         client = DependencyClient(r_url, a_url, timeout=5)
         try:
             yield client
@@ -60,8 +55,8 @@ async def services(tmp_path: Path) -> AsyncIterator[DependencyClient]:
             await client.close()
 
 
-async def test_answers_for_a_payment_with_one_pooled_session(tmp_path: Path) -> None:
-    async with services(tmp_path) as client:
+async def test_answers_for_a_payment_with_one_pooled_session(stores: str) -> None:
+    async with services(stores) as client:
         payer_agg, payee_agg, payer_rel = await gather_answers(client, "A", "a/b ü", T0)
         assert payer_agg["account"] == "A" and payer_agg["at"] == "2026-03-01T12:00:00.000000Z"
         assert payer_agg["windows"]["1h"]["sent_count"] == 2
@@ -77,8 +72,8 @@ async def test_answers_for_a_payment_with_one_pooled_session(tmp_path: Path) -> 
         assert client.stats.requests == 18 and client.stats.failures == 0
 
 
-async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_answers(tmp_path: Path) -> None:
-    async with services(tmp_path) as client:
+async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_answers(stores: str) -> None:
+    async with services(stores) as client:
         payments = [("A", "a/b ü", T0), ("B", "C", T0), ("A", "B", T0)]
         batch = await evidence_for(client, payments)
         assert client.stats.requests == 2, "one POST to B and one to C, whatever the batch size"
@@ -87,8 +82,8 @@ async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_ans
         assert await evidence_for(client, []) == []
 
 
-async def test_as_of_proves_inclusion_of_a_payment(tmp_path: Path) -> None:
-    async with services(tmp_path) as client:
+async def test_as_of_proves_inclusion_of_a_payment(stores: str) -> None:
+    async with services(stores) as client:
         answer = await client.aggregates("A", T0)
         assert answer["as_of"] == {"0": 2, "1": 2}
         assert includes(answer, 0, 1) and not includes(answer, 0, 2)
@@ -106,14 +101,14 @@ async def test_a_dependency_that_is_down_is_unavailable_not_an_answer() -> None:
         await client.close()
 
 
-async def test_a_5xx_is_unavailable_and_a_4xx_is_our_bug(tmp_path: Path) -> None:
+async def test_a_5xx_is_unavailable_and_a_4xx_is_our_bug(stores: str) -> None:
     async def broken(request: web.Request) -> web.Response:
         return web.json_response({"error": "The store could not be read right now."}, status=503)
 
     app = web.Application()
     app.router.add_get("/aggregates/{account}", broken)
-    async with served(app) as url, services(tmp_path) as working:
-        client = DependencyClient(working.relations_url.human_repr(), url, timeout=2)
+    async with served(app) as url, served(relations_api(stores)) as working:
+        client = DependencyClient(working, url, timeout=2)
         try:
             with pytest.raises(DependencyUnavailable, match="503"):
                 await client.aggregates("A", T0)
@@ -121,3 +116,48 @@ async def test_a_5xx_is_unavailable_and_a_4xx_is_our_bug(tmp_path: Path) -> None
                 await client.relations("A", hops=4)
         finally:
             await client.close()
+
+
+def counted(app: web.Application) -> Any:
+    """Counts the requests `app` answers; returns the counter."""
+    answered = [0]
+
+    async def count(request: web.Request, response: web.StreamResponse) -> None:
+        answered[0] += 1
+
+    app.on_response_prepare.append(count)
+    return lambda: answered[0]
+
+
+async def test_requests_take_turns_over_the_replicas_and_survive_one_going_down(stores: str) -> None:
+    """Two replicas of each API on one store: both serve; with one gone, every request is still answered
+    (the next replica at once), and the gone one is left out for a while instead of costing each request."""
+    apps = [relations_api(stores), relations_api(stores), aggregates_api(stores), aggregates_api(stores)]
+    served_by = [counted(app) for app in apps]
+    async with served(apps[0]) as r1, served(apps[1]) as r2, served(apps[2]) as a1, served(apps[3]) as a2:
+        client = DependencyClient([r1, r2], [a1, a2], timeout=2)
+        try:
+            for _ in range(4):
+                answers = await evidence_for(client, [("A", "B", T0)])
+                assert answers[0][2]["cycle"]["found"] is True
+            assert client.stats.requests == 8 and client.stats.failures == 0
+        finally:
+            await client.close()
+    assert [count() for count in served_by] == [2, 2, 2, 2], "every replica took its turn"
+    gone = f"http://127.0.0.1:{free_port()}"
+    async with served(relations_api(stores)) as alive, served(aggregates_api(stores)) as a_alive:
+        client = DependencyClient([gone, alive], [a_alive], timeout=2)
+        try:
+            for _ in range(6):
+                answer = await client.relations("A")
+                assert answer["as_of"] == {"0": 2, "1": 2}
+            assert client.stats.failures == 1, "the replica that is down was tried once, then rested"
+            assert client.stats.requests == 7
+        finally:
+            await client.close()
+        everyone_gone = DependencyClient([gone, f"http://127.0.0.1:{free_port()}"], [a_alive], timeout=2)
+        try:
+            with pytest.raises(DependencyUnavailable, match="every replica of relations failed"):
+                await everyone_gone.relations("A")
+        finally:
+            await everyone_gone.close()
