@@ -188,6 +188,18 @@ def probe_consumer(config: Mapping[str, Any]) -> Any:
     )
 
 
+def log_bounds(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, int]]:
+    """(log start, log end) of every partition, the end as fetch responses report it (see
+    `fetched_high_watermarks`), with a short-lived client."""
+    probe = probe_consumer(config)
+    try:
+        marks = topic_watermarks(config, topic, probe)
+        fetched = fetched_high_watermarks(probe, topic, {p: low for p, (low, _high) in marks.items()})
+        return {p: (low, max(high, fetched.get(p, high))) for p, (low, high) in marks.items()}
+    finally:
+        probe.close()
+
+
 def committed_offsets(config: Mapping[str, Any], topic: str, group: str, partitions: list[int]) -> dict:
     """The group's committed offsets (None where it has none), read without joining the group."""
     from confluent_kafka import Consumer, TopicPartition

@@ -83,7 +83,7 @@ class Pipeline:
             try:
                 query.stop()
             except Exception as exc:
-                log.warning("stopping %s: %s", query.name, exc)
+                log.warning("stopping a query: %s", exc)
         for close in self.closers:
             close()
 
@@ -100,12 +100,20 @@ def schema_of(service: str) -> Schema:
     return relations.SCHEMA if service == "relations" else aggregates.SCHEMA
 
 
-def open_store(settings: Settings, service: str, progress: GroupProgress, rebuild: bool = False) -> Writer:
+def open_store(
+    settings: Settings,
+    service: str,
+    progress: GroupProgress,
+    bounds: Mapping[int, tuple[int, int]],
+    rebuild: bool = False,
+) -> Writer:
     """The service's store, migrated and checked before anything is read from Kafka.
 
     Refuses (StoreRefused) a store built from another topic, one counted with other near-threshold
-    settings, and one behind its consumer group (the store-loss guard, `aml_app.services.guard`). With
-    `rebuild`, the store is dropped and created empty first, and being behind is expected.
+    settings, one behind its consumer group (the store-loss guard, `aml_app.services.guard`), and one
+    ahead of the topic's log end (`bounds`: partition -> (start, end); the topic was re-created, or the
+    store belongs to another cluster). With `rebuild`, the store is dropped and created empty first, and
+    being behind is expected.
     """
     from aml_app.services import aggregates, store
     from aml_app.services.guard import behind
@@ -140,53 +148,54 @@ def open_store(settings: Settings, service: str, progress: GroupProgress, rebuil
     committed = dict(progress.floor)
     applied = writer.applied_offsets()
     problem = None if rebuild else behind(service, progress.group, applied, committed)
+    ahead = [(p, o, bounds[p][1]) for p, o in sorted(applied.items()) if p in bounds and o > bounds[p][1]]
+    if ahead and problem is None:
+        p, o, end = ahead[0]
+        problem = (
+            f"the {service} store holds offsets up to {o - 1} of partition {p}, but the topic "
+            f"{settings.payments_topic} ends at {end}: the topic was deleted and re-created, or the store "
+            f"belongs to another cluster. Point AML_STORE_URL at this topic's store, or rebuild it "
+            f"(aml-app rebuild {service})."
+        )
+    for p, o in sorted(applied.items()):
+        if p in bounds and o < bounds[p][0]:
+            log_start = bounds[p][0]
+            log.warning(
+                "%s: partition %d: the store is at offset %d but the topic keeps only offsets from %d: "
+                "payments %d..%d were deleted by retention before they were processed",
+                service, p, o, log_start, o, log_start - 1,
+            )  # fmt: skip
     if problem is not None:
         writer.close()
         raise StoreRefused(problem)
     return writer
 
 
-def start_pipeline(
-    spark: Any,
+def prepare(
     settings: Settings,
     services: Sequence[str] = SERVICES,
     on_batch: Callable[[Any], None] | None = None,
-    triggers: Mapping[str, float] | None = None,
     rebuild: bool = False,
 ) -> Pipeline:
-    """Start one streaming query per service; returns at once (the queries run in Spark's threads).
+    """Each service's store opened and checked, its progress published, its batch handler made: all that
+    needs Kafka and the database but not Spark, so a refused store (StoreRefused) stops us in a second.
 
-    Each query starts where its store left off: the store's applied offsets are the query's starting
-    offsets (a partition the store has not seen starts at the log start), and Spark's checkpoint is a
-    throw-away folder, so nothing but the store says what was processed, on any host. Before that, the
-    store's progress is published to the group (a crash between the store's commit and the group's).
-
-    `triggers` overrides the trigger interval (seconds) of some services, e.g. {"relations": 10} to play a
-    lagging dependency in the gate-on/gate-off comparison. `rebuild` starts the services' stores afresh
-    (see `aml-app rebuild`).
+    The store's progress is published to the group first (a crash between the store's commit and the
+    group's leaves the store ahead). `rebuild` starts the services' stores afresh (`aml-app rebuild`).
     """
-    import json
-
     from aml_app.pipeline.jobs import ServiceBatches
-    from aml_app.pipeline.kafka_source import topic_watermarks
+    from aml_app.pipeline.kafka_source import log_bounds
     from aml_app.pipeline.progress import DeadLetters
 
     config = kafka_config(settings)
-    # Hadoop's FileContext renames a local file by forking `readlink` (a process per metadata write,
-    # two writes per micro-batch); the FileSystem API renames in-process. Measured: the offset and
-    # commit log writes went from about 150 to about 50 ms per batch. Same atomic rename on a local disk.
-    spark.conf.set(
-        "spark.sql.streaming.checkpointFileManagerClass",
-        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
-    )
-    partitions = sorted(topic_watermarks(config, settings.payments_topic))
-    pipeline = Pipeline(spark, [], [])
+    bounds = log_bounds(config, settings.payments_topic)
+    pipeline = Pipeline(None, [], [])
     try:
         for service in services:
             group = group_of(settings, service)
-            progress = GroupProgress(config, settings.payments_topic, group, partitions)
+            progress = GroupProgress(config, settings.payments_topic, group, sorted(bounds))
             pipeline.closers.append(progress.close)
-            writer = open_store(settings, service, progress, rebuild)
+            writer = open_store(settings, service, progress, bounds, rebuild)
             pipeline.closers.append(writer.close)
             dead_letters = DeadLetters(config, settings.dlq_topic, settings.payments_topic, group)
             pipeline.closers.append(dead_letters.close)
@@ -202,7 +211,38 @@ def start_pipeline(
             )
             pipeline.handlers.append(handler)
             progress.commit(handler.applied)
-            checkpoint = tempfile.mkdtemp(prefix=f"aml-{service}-checkpoint-")
+    except BaseException:
+        pipeline.stop()
+        raise
+    return pipeline
+
+
+def start_queries(
+    spark: Any, settings: Settings, pipeline: Pipeline, triggers: Mapping[str, float] | None = None
+) -> Pipeline:
+    """Start one streaming query per prepared service; returns at once (the queries run in Spark's threads).
+
+    Each query starts where its store left off: the store's applied offsets are the query's starting
+    offsets (a partition the store has not seen starts at the log start), and Spark's checkpoint is a
+    throw-away folder, so nothing but the store says what was processed, on any host.
+
+    `triggers` overrides the trigger interval (seconds) of some services, e.g. {"relations": 10} to play a
+    lagging dependency in the gate-on/gate-off comparison.
+    """
+    import json
+
+    config = kafka_config(settings)
+    # Hadoop's FileContext renames a local file by forking `readlink` (a process per metadata write,
+    # two writes per micro-batch); the FileSystem API renames in-process. Measured: the offset and
+    # commit log writes went from about 150 to about 50 ms per batch. Same atomic rename on a local disk.
+    spark.conf.set(
+        "spark.sql.streaming.checkpointFileManagerClass",
+        "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+    )
+    pipeline.spark = spark
+    try:
+        for handler in pipeline.handlers:
+            checkpoint = tempfile.mkdtemp(prefix=f"aml-{handler.service}-checkpoint-")
             pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))
             reader = spark.readStream.format("aml-kafka").option("subscribe", settings.payments_topic)
             for key, value in config.items():
@@ -214,9 +254,9 @@ def start_pipeline(
                 .option("maxTasks", str(spark.sparkContext.defaultParallelism))
                 .load()
             )
-            interval = (triggers or {}).get(service, settings.trigger_interval)
+            interval = (triggers or {}).get(handler.service, settings.trigger_interval)
             query = (
-                stream.writeStream.queryName(service)
+                stream.writeStream.queryName(handler.service)
                 .foreachBatch(handler)
                 .option("checkpointLocation", checkpoint)
                 .trigger(processingTime=f"{int(1000 * interval)} milliseconds")
@@ -229,6 +269,18 @@ def start_pipeline(
     return pipeline
 
 
+def start_pipeline(
+    spark: Any,
+    settings: Settings,
+    services: Sequence[str] = SERVICES,
+    on_batch: Callable[[Any], None] | None = None,
+    triggers: Mapping[str, float] | None = None,
+    rebuild: bool = False,
+) -> Pipeline:
+    """`prepare` and `start_queries` in one go (tests and benchmarks with a SparkSession of their own)."""
+    return start_queries(spark, settings, prepare(settings, services, on_batch, rebuild), triggers)
+
+
 def run_pipeline(
     settings: Settings,
     master: str,
@@ -237,14 +289,14 @@ def run_pipeline(
 ) -> int:
     """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0); a refused store exits 2."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    spark = spark_session(master)
     try:
-        pipeline = start_pipeline(spark, settings, services, triggers=triggers)
+        prepared = prepare(settings, services)
     except StoreRefused as exc:
         log.error("%s", exc)
         print(f"aml-app pipeline: {exc}", file=sys.stderr, flush=True)
-        spark.stop()
         return 2
+    spark = spark_session(master)
+    pipeline = start_queries(spark, settings, prepared, triggers)
     log.info(
         "pipeline running: %s on %s, topic %s, store %s",
         ", ".join(services),
@@ -263,20 +315,20 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
     watermarks; the API reports the store behind until the replay has passed them.
     """
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    spark = spark_session(master)
     try:
-        pipeline = start_pipeline(spark, settings, [service], rebuild=True)
+        prepared = prepare(settings, [service], rebuild=True)
     except StoreRefused as exc:
         print(f"aml-app rebuild: {exc}", file=sys.stderr, flush=True)
-        spark.stop()
         return 2
-    handler = pipeline.handlers[0]
+    handler = prepared.handlers[0]
     target = dict(handler.progress.floor)
     print(
         f"rebuilding the {service} store at {redacted(settings.store_url)} from the start of "
         f"{settings.payments_topic}, up to what group {handler.progress.group} has committed: {target}",
         flush=True,
     )
+    spark = spark_session(master)
+    pipeline = start_queries(spark, settings, prepared)
     last_report = [0.0]
 
     def caught_up() -> bool:
