@@ -19,6 +19,7 @@ from datetime import UTC, datetime
 
 from aml_app.app import decisions_topic, settings
 from aml_app.gate import Admission
+from aml_app.gate.consumer import Pending
 from aml_app.models import Decision, Payment
 from aml_app.service import gated_service
 
@@ -45,7 +46,7 @@ async def pay_cost(ms: float, kind: str) -> None:
         await asyncio.sleep(ms / 1000)
 
 
-async def record(payment: Payment, admission: Admission) -> None:
+async def record(payment: Payment, admission: Admission) -> Pending:
     await pay_cost(settings.probe_cost_ms, settings.probe_cost_kind)
     decision = Decision(
         payment_id=payment.payment_id,
@@ -63,8 +64,9 @@ async def record(payment: Payment, admission: Admission) -> None:
         worker=settings.worker_id,
         gated=admission.gated,
     )
-    # Wait for the broker's acknowledgement: the payment is acked (and later committed) only after.
-    await (await decisions_topic.send(key=payment.payment_id, value=decision))
+    # The broker's acknowledgement of the decision: the lane acks the payment (and Faust commits it) only
+    # once it completes, and goes on with the next payments meanwhile.
+    return await decisions_topic.send(key=payment.payment_id, value=decision)
 
 
 gated = gated_service(record)

@@ -72,6 +72,8 @@ class Settings:
     refresh_interval: float = 1.0
     fast_refresh_interval: float = 0.1
     max_pending_per_partition: int = 1000
+    #: Payments per partition whose decision is sent and not yet acknowledged by the broker (pipelined).
+    max_in_flight: int = 1000
     max_payment_bytes: int = 65536
     session_timeout: float = 10.0
     rebalance_timeout: float = 10.0
@@ -289,6 +291,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         refresh_interval=slow,
         fast_refresh_interval=fast,
         max_pending_per_partition=_int(env, "AML_MAX_PENDING", 1000, 1, 1_000_000),
+        max_in_flight=_int(env, "AML_MAX_IN_FLIGHT", 1000, 1, 1_000_000),
         max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", 65536, 256, 10_000_000),
         session_timeout=session,
         rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),

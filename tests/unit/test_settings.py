@@ -27,6 +27,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert s.refresh_interval == 1.0
     assert s.fast_refresh_interval == 0.1
     assert s.max_pending_per_partition == 1000
+    assert s.max_in_flight == 1000
     assert s.max_payment_bytes == 65536
     assert s.session_timeout == 10.0
     assert s.rebalance_timeout == 10.0
@@ -148,6 +149,7 @@ def test_app_id_listed_in_depends_on() -> None:
         "AML_PARTITIONS",
         "AML_REPLICATION_FACTOR",
         "AML_MAX_PENDING",
+        "AML_MAX_IN_FLIGHT",
         "AML_MAX_PAYMENT_BYTES",
         "AML_WEB_PORT",
         "AML_BROKER_PORT",
