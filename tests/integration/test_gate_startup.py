@@ -11,10 +11,12 @@ once and none early.
 
 from __future__ import annotations
 
+import asyncio
 import random
+from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from confluent_kafka import Producer
 
 from aml_app.broker import create_topics
 from aml_app.kafka_tools import end_offsets, produce
@@ -116,20 +118,10 @@ async def test_transactional_payments_leave_gaps_and_are_decided_once_none_early
     have gaps the lane must cross (and not mistake for records Faust skipped)."""
     worker = new_worker()
     await wait_until(lambda: _recovered(worker), 60, "the worker to be up")
-    txn = AIOKafkaProducer(bootstrap_servers=broker.bootstrap, transactional_id=f"payments-{names.suffix}")
-    await txn.start()
     rng = random.Random(11)
-    records = payments_for(names.partitions, 12, "t")
-    placed: list[tuple[int, int]] = []
-    try:
-        while records:
-            size = rng.randint(1, 5)
-            chunk, records = records[:size], records[size:]
-            async with txn.transaction():
-                futures = [await txn.send(names.payments, value=v, key=k, partition=p) for p, k, v in chunk]
-            placed += [((m := await f).partition, m.offset) for f in futures]
-    finally:
-        await txn.stop()
+    placed = await asyncio.to_thread(
+        produce_in_transactions, broker.bootstrap, names, payments_for(names.partitions, 12, "t"), rng
+    )
     ends = await end_offsets([broker.bootstrap], names.payments, range(names.partitions))
     assert any(ends[p] > ends_of(placed)[p] for p in ends), "commit markers take offsets"
     await held_and_publishing(worker, names.partitions)
@@ -151,6 +143,33 @@ async def test_transactional_payments_leave_gaps_and_are_decided_once_none_early
     state = await worker.state()
     assert state["gaps_accepted"] >= 1, "the lanes crossed the markers as gaps in the log"
     assert state["holes_refetched"] == 0
+
+
+def produce_in_transactions(bootstrap: str, names, records, rng: random.Random) -> list[tuple[int, int]]:
+    """Send the records in committed transactions of 1 to 5 records (with librdkafka: aiokafka's
+    InitProducerId fails on Tansu); return their (partition, offset) in order."""
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"payments-{names.suffix}"})
+    producer.init_transactions(30)
+    delivered: list[tuple[int, int] | None] = [None] * len(records)
+
+    def on_delivery(n: int):
+        def done(err: Any, msg: Any) -> None:
+            assert err is None, err
+            delivered[n] = (msg.partition(), msg.offset())
+
+        return done
+
+    n = 0
+    while n < len(records):
+        size = rng.randint(1, 5)
+        producer.begin_transaction()
+        for p, key, value in records[n : n + size]:
+            producer.produce(names.payments, value=value, key=key, partition=p, on_delivery=on_delivery(n))
+            n += 1
+        producer.commit_transaction(30)
+    producer.flush(30)
+    assert all(d is not None for d in delivered)
+    return [d for d in delivered if d is not None]
 
 
 async def _recovered(worker) -> bool:

@@ -325,3 +325,10 @@ def test_probe_cost_is_off_by_default_and_read_when_set() -> None:
 )
 def test_bad_probe_cost(name: str, raw: str, says: str) -> None:
     assert says in _fails({name: raw}, name)
+
+
+def test_probe_failures_are_off_by_default_and_read_when_set() -> None:
+    assert load_settings({}).probe_fail == {}
+    assert load_settings({"AML_PROBE_FAIL": "p-0-1:3, a:b:7"}).probe_fail == {"p-0-1": 3, "a:b": 7}
+    for raw in ("p-0-1", "p-0-1:x", ":3", "p:0"):
+        assert "PAYMENT_ID:ATTEMPTS" in _fails({"AML_PROBE_FAIL": raw}, "AML_PROBE_FAIL")
