@@ -5,14 +5,11 @@ from __future__ import annotations
 import socket
 from pathlib import Path
 
-import faust
-from faust.types import TransportT
-
+from aml_app.faust_internals import FetchWaitApp
 from aml_app.kafka_security import faust_credentials
 from aml_app.models import Alert, Decision
 from aml_app.scaling import watch_assignments
 from aml_app.settings import load_settings
-from aml_app.transport import transport_with_fetch_wait
 
 settings = load_settings()
 #: The URL other workers know this one by; Faust also names group members by it, and
@@ -20,10 +17,9 @@ settings = load_settings()
 canonical_host = socket.gethostname() if settings.web_host in ("0.0.0.0", "::", "") else settings.web_host
 
 
-class AmlApp(faust.App):
-    def _new_transport(self) -> TransportT:
-        transport = transport_with_fetch_wait(settings.fetch_max_wait_ms)
-        return transport(self.conf.broker_consumer, self)
+class AmlApp(FetchWaitApp):
+    #: Faust hard-codes 1500 ms (aml_app.faust_internals); AML_FETCH_MAX_WAIT_MS.
+    fetch_max_wait_ms = settings.fetch_max_wait_ms
 
     async def on_first_start(self) -> None:
         # Faust creates the worker's own directory but not its parents; only workers need it.

@@ -206,6 +206,11 @@ def main() -> None:
     except ConfigError as exc:
         click.echo(f"aml-app: configuration error: {exc}", err=True)
         sys.exit(2)
+    except ImportError as exc:
+        if not getattr(exc, "one_line", False):  # aml_app.faust_internals.IncompatibleFaust
+            raise
+        click.echo(str(exc), err=True)  # "aml-app was built for faust-streaming ..."
+        sys.exit(2)
     from faust.cli.faust import cli
 
     from aml_app.simulation.command import simulate_command

@@ -36,6 +36,7 @@ from aml_app.dependency_client import (
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
+from aml_app.gate.consumer import Pending
 from aml_app.models import Alert, Decision, Payment
 from tables.alerts import alerts_sent
 
@@ -80,8 +81,9 @@ class Detector:
         self.client = client
         self.stats = DetectorStats()
 
-    async def __call__(self, items: list[tuple[Payment, Admission]]) -> None:
-        """Decide a batch of admitted payments of one partition (the lane acks them after this)."""
+    async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
+        """Decide a batch of admitted payments of one partition; return the broker's acknowledgement of
+        their decisions, which the lane waits for before acking them."""
         started = time.perf_counter()
         evidence = await self.fresh_evidence(items)
         started = self.stats.lap("evidence", started)
@@ -110,10 +112,11 @@ class Detector:
         for payment, admission, hits, answers, stale_reads in decided:
             decision = self.decision(payment, admission, hits, answers, stale_reads, decided_at)
             sends.append(await decisions_topic.send(key=payment.payment_id, value=decision))
-        # The payments are acked (and later committed) only after the broker has every decision.
-        await asyncio.gather(*sends)
         self.stats.lap("decision", started)
         self.stats.decisions += len(decided)
+        # The payments are acked (and later committed) only after the broker has every decision; the
+        # lane goes on with its next batch meanwhile.
+        return asyncio.gather(*sends)
 
     def decision(
         self,

@@ -114,6 +114,15 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
     admin_error = _gauge("aml_admin_error", "1 while the last watermark refresh failed.")
     admin_error.add_metric([], 1 if gate.get("admin_error") else 0)
 
+    retrying = _gauge(
+        "aml_payment_retrying",
+        "Failed attempts so far of a payment a lane keeps retrying (its handler or its decision's send "
+        "fails), by partition, offset, worker and last error; absent when nothing fails.",
+        ["partition", "offset", "worker", "error"],
+    )
+    for r in snap.get("retrying") or []:
+        retrying.add_metric([str(r["partition"]), str(r["offset"]), r["worker"], r["error"]], r["attempts"])
+
     refresh = snap["refresh"]
     detector = snap.get("detector")
     counters = [
@@ -127,6 +136,11 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         ("aml_payments_handled", "Payments this worker's handler finished.", handled_total),
         ("aml_dead_lettered", "Payments this worker sent to the dead-letter topic.", snap["dead_lettered"]),
         ("aml_rebalances", "Partition rebalances this worker went through.", snap["rebalances"]),
+        (
+            "aml_handler_failures",
+            "Failed attempts of this worker's handler (or of a decision's send); each is retried.",
+            snap.get("handler_failures", 0),
+        ),
     ]
     if detector:
         counters += [
@@ -138,7 +152,7 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
             ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
-    out += [status, stalled, advanced, blocked, age, admin_error]
+    out += [status, stalled, advanced, blocked, age, admin_error, retrying]
     for name, doc, value in counters:
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], value)

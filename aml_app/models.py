@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
+from typing import Any
 
 import faust
 
@@ -51,6 +53,15 @@ class Decision(faust.Record, serializer="json", include_metadata=False):
     fresh: bool = True
     stale_reads: int = 0
     evidence_as_of: dict[str, int] = {}
+
+
+DECISION_DEFAULTS = {"fresh": True, "stale_reads": 0, "evidence_as_of": {}}
+
+
+def decision_json(**fields: Any) -> bytes:
+    """The bytes `Decision(**fields).dumps()` gives, without building the record (the probe's hot path;
+    unit-tested against the record)."""
+    return json.dumps({**fields, **{k: v for k, v in DECISION_DEFAULTS.items() if k not in fields}}).encode()
 
 
 class Alert(faust.Record, serializer="json", include_metadata=False):

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aml_app.app import app, dlq_topic, payments_topic, settings
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
-from tables.watermarks import gate
+from tables.watermarks import gate, publisher
 
 #: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
 running: list[GatedConsumer] = []
@@ -37,6 +37,7 @@ def gated_service(
         max_pending=settings.max_pending_per_partition,
         max_payment_bytes=settings.max_payment_bytes,
         worker_id=settings.worker_id,
+        max_in_flight=settings.max_in_flight,
     )
     gated.attach(
         bootstrap_servers=settings.bootstrap_servers,
@@ -49,5 +50,7 @@ def gated_service(
         await gated.consume(stream)
 
     app.agent(payments_topic, name=settings.service)(consume)
+    # Every worker's page shows the lanes that keep failing, through the demand table.
+    publisher.retrying = gated.retrying_json
     running.append(gated)
     return gated

@@ -72,6 +72,8 @@ class Settings:
     refresh_interval: float = 1.0
     fast_refresh_interval: float = 0.1
     max_pending_per_partition: int = 1000
+    #: Payments per partition whose decision is sent and not yet acknowledged by the broker (pipelined).
+    max_in_flight: int = 1000
     max_payment_bytes: int = 65536
     session_timeout: float = 10.0
     rebalance_timeout: float = 10.0
@@ -114,6 +116,9 @@ class Settings:
     #: CPU, like a synchronous client call) or "wait" (an asyncio sleep, like an awaited call).
     probe_cost_ms: float = 0.0
     probe_cost_kind: str = "cpu"
+    #: Testing knob of the probe service only: payment id -> how many attempts at it fail (a handler
+    #: that keeps failing, like a 4xx from B or C or a rule bug: shown as `retrying`).
+    probe_fail: dict[str, int] = field(default_factory=dict)
 
     @property
     def faust_brokers(self) -> list[str]:
@@ -244,6 +249,21 @@ def _security(env: Mapping[str, str]) -> Any:
     return load_security(env)
 
 
+def _failures(env: Mapping[str, str], name: str) -> dict[str, int]:
+    """`id1:3,id2:10` -> {"id1": 3, "id2": 10}."""
+    out: dict[str, int] = {}
+    for item in _text(env, name, "").split(","):
+        if not item.strip():
+            continue
+        payment_id, _, count = item.strip().rpartition(":")
+        if not payment_id or not count.isdigit() or not 1 <= int(count) <= 1_000_000:
+            raise ConfigError(
+                f"{name}={env.get(name)!r}: expected PAYMENT_ID:ATTEMPTS[,...] with 1..1000000 attempts."
+            )
+        out[payment_id] = int(count)
+    return out
+
+
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     value = _text(env, name, default).lower()
     if value not in choices:
@@ -306,6 +326,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         refresh_interval=slow,
         fast_refresh_interval=fast,
         max_pending_per_partition=_int(env, "AML_MAX_PENDING", 1000, 1, 1_000_000),
+        max_in_flight=_int(env, "AML_MAX_IN_FLIGHT", 1000, 1, 1_000_000),
         max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", 65536, 256, 10_000_000),
         session_timeout=session,
         rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
@@ -346,6 +367,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
         kafka_security=_security(env),
         probe_cost_ms=_float(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000, "milliseconds"),
+        probe_fail=_failures(env, "AML_PROBE_FAIL"),
         probe_cost_kind=_choice(
             env, "AML_PROBE_COST_KIND", defaults.probe_cost_kind, ("cpu", "block", "wait")
         ),

@@ -3,7 +3,8 @@
 Two sources. By default straight from the broker with the admin API (log ends, this service's group and
 every dependency group's committed offsets per partition, lag, watermark): no worker needed, so it also
 answers when every worker is down. Or `--worker URL`: a running worker's `/watermarks.json`, which adds
-what only the workers know (who waits where and since when, in-flight offsets, stalls). `--json` prints
+what only the workers know (who waits where and since when, in-flight offsets, stalls, payments that
+keep failing and are retried). `--json` prints
 the document instead of the table, for scripts.
 """
 
@@ -213,6 +214,27 @@ def render(doc: Mapping[str, Any]) -> str:
     lines += _table(["DEPENDENCY", "STATUS", "LAG", "LAST-ADVANCE", "DETAIL"], deps)
     if gate.get("admin_error"):
         lines += ["", f"last offset refresh failed: {gate['admin_error']}"]
+    retrying = doc.get("retrying") or []
+    if retrying:
+        lines += [
+            "",
+            "retrying (a payment whose handler or decision keeps failing; nothing behind it is acked):",
+        ]
+        lines += _table(
+            ["PARTITION", "OFFSET", "PAYMENTS", "ATTEMPTS", "SINCE", "WORKER", "ERROR"],
+            [
+                [
+                    _cell(r["partition"]),
+                    _cell(r["offset"]),
+                    _cell(r["payments"]),
+                    _cell(r["attempts"]),
+                    _ago(r["since"], now),
+                    r["worker"],
+                    r["error"],
+                ]
+                for r in retrying
+            ],
+        )
     return "\n".join(lines)
 
 

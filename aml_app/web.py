@@ -24,7 +24,16 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from aml_app import detector, metrics, service
 from aml_app.app import app, settings
 from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
-from tables.watermarks import gate, offsets, operator_view, status, watermarks
+from tables.watermarks import (
+    gate,
+    offsets,
+    operator_view,
+    publisher,
+    refresh_errors,
+    retrying_everywhere,
+    status,
+    watermarks,
+)
 
 # The service's agent module registers its gated consumer; make sure it exists before hooking into it.
 importlib.import_module(f"agents.{settings.service}")
@@ -95,6 +104,13 @@ def snapshot() -> dict[str, Any]:
             "admin_requests": offsets.requests,
         },
         "detector": detector.stats_json(detector.running[0]) if detector.running else None,
+        "retrying": retrying_everywhere(now),
+        "handler_failures": gated.handler_failures,
+        "opened_by_recheck": gate.opened_by_recheck,
+        "table_writes": {
+            "demand": publisher.stats(),
+            "watermarks": {"errors": refresh_errors.count, "last_error": refresh_errors.last},
+        },
         **view,
         "generated_at": now,
     }

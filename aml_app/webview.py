@@ -126,6 +126,15 @@ PAGE = """<!doctype html>
 <main>
   <div class="banner info" id="banner" role="status" aria-live="polite">Loading the watermark table…</div>
   <div id="tables">
+    <section id="retrying-section" class="hidden">
+      <h2>Retrying<span class="hint">payments whose handler or decision keeps failing: retried with
+        backoff, never skipped; nothing behind them on their partition is committed</span></h2>
+      <table id="retrying">
+        <thead><tr><th>Partition</th><th>Offset</th><th>Payments</th><th>Attempts</th>
+          <th>Since</th><th class="l">Worker</th><th class="l">Last error</th></tr></thead>
+        <tbody></tbody>
+      </table>
+    </section>
     <section>
       <h2>Dependencies<span class="hint">the consumer groups whose commits open the gate</span></h2>
       <table id="deps">
@@ -285,6 +294,24 @@ function renderParts(data) {
   $("parts").tBodies[0].replaceChildren(...rows);
 }
 
+function renderRetrying(data) {
+  const items = data.retrying || [];
+  $("retrying-section").classList.toggle("hidden", items.length === 0);
+  const now = data.generated_at;
+  const rows = items.map((r) => {
+    const tr = el("tr", { "data-partition": String(r.partition) });
+    tr.append(el("td", { "data-field": "partition" }, r.partition));
+    tr.append(el("td", { "data-field": "offset" }, r.offset));
+    tr.append(el("td", { "data-field": "payments" }, r.payments));
+    tr.append(el("td", { "data-field": "attempts" }, r.attempts));
+    tr.append(el("td", { "data-field": "since", title: clock(r.since) }, ago(r.since, now)));
+    tr.append(el("td", { class: "l", "data-field": "worker" }, r.worker));
+    tr.append(el("td", { class: "detail", "data-field": "error" }, r.error));
+    return tr;
+  });
+  $("retrying").tBodies[0].replaceChildren(...rows);
+}
+
 function renderGate(data) {
   const g = data.gate;
   const set = (f, v) => { document.querySelector('#gate [data-field="' + f + '"]').textContent = v; };
@@ -307,11 +334,18 @@ function render(data) {
     return;
   }
   $("tables").classList.remove("hidden");
+  renderRetrying(data);
   renderDeps(data);
   renderParts(data);
   renderGate(data);
   const [kind, message] = summary(data);
-  setBanner(kind, message);
+  const retrying = data.retrying || [];
+  if (retrying.length) {
+    const where = retrying.map((r) => r.partition + ":" + r.offset).join(", ");
+    setBanner("bad", "Retrying a failing payment at " + where + " (" + retrying[0].error + "). " + message);
+  } else {
+    setBanner(kind, message);
+  }
 }
 
 async function tick() {

@@ -17,41 +17,19 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import faust
-from faust.types import EventT
 
 from aml_app import metrics
 from aml_app.app import app, settings
+from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
 from aml_app.gate import DependencyOffsets, FreshnessGate, OffsetReadError
 from aml_app.gate.health import Limits, StallWatch, describe
 from aml_app.gate.watermark import Row, build_rows, live_blocked_since, live_demand, refresh_due, row_changed
 
 log = logging.getLogger(__name__)
-
-
-class WatchedGlobalTable(faust.GlobalTable):
-    """A GlobalTable that reports changed keys, whether written here or applied from its changelog."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.watchers: list[Any] = []
-
-    def _changed(self, keys: Iterable[Any]) -> None:
-        keys = list(keys)
-        for watcher in self.watchers:
-            watcher(keys)
-
-    def on_key_set(self, key: Any, value: Any) -> None:
-        super().on_key_set(key, value)
-        self._changed([key])
-
-    def apply_changelog_batch(self, batch: Iterable[EventT]) -> None:
-        batch = list(batch)
-        super().apply_changelog_batch(batch)
-        self._changed(self._to_key(event.key) for event in batch)
 
 
 def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
@@ -69,9 +47,8 @@ def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
         # Written from timers, not from a stream; also makes every worker read every partition.
         use_partitioner=True,
         # Derived state, recomputed by the next refresh: kept in memory, rebuilt from the changelog.
-        # (Faust's RocksDB store also refuses writes made outside an event, as these are.) The host
-        # part matters: Faust ignores a bare "memory://" (an empty yarl URL is falsy).
-        store="memory://localhost/",
+        # (Faust's RocksDB store also refuses writes made outside an event, as these are.)
+        store=MEMORY_STORE,
         help=help,
     )
     return app.tables.add(table)
@@ -80,7 +57,8 @@ def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
 watermarks = _global_table("watermarks", int, "Per payments partition: W(p) and the offsets behind it.")
 demand = _global_table("gate-demand", str, "Per worker: the partitions it waits on, and since when.")
 
-gate = FreshnessGate(lookup=lambda p: watermarks.get(p))
+#: Waiters re-check every refresh interval too, in case the table hook below stops firing.
+gate = FreshnessGate(lookup=lambda p: watermarks.get(p), recheck_every=settings.refresh_interval)
 watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
 
 
@@ -159,6 +137,46 @@ async def refresh_once(now: float) -> None:
     _write_rows(rows)
 
 
+class ChangelogsKnown:
+    """No table write before the producer knows the changelog topic (issue 11): waited for once."""
+
+    def __init__(self) -> None:
+        self.known = False
+
+    async def wait(self) -> None:
+        if not self.known:
+            for table in (watermarks, demand):
+                await wait_for_topic(app, table.changelog_topic.get_topic_name())
+            self.known = True
+
+
+changelogs = ChangelogsKnown()
+
+
+class WriteErrors:
+    """A timer's failed table writes: counted, logged once per distinct error, retried next tick."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0
+        self.last: str | None = None
+
+    def failed(self, exc: BaseException) -> None:
+        self.count += 1
+        message = f"{type(exc).__name__}: {exc}"
+        if message != self.last:
+            log.warning("%s failed, retrying on the next tick: %s", self.what, message, exc_info=exc)
+        self.last = message
+
+    def succeeded(self) -> None:
+        if self.last is not None:
+            log.info("%s works again after: %s", self.what, self.last)
+        self.last = None
+
+
+refresh_errors = WriteErrors("writing the watermark table")
+
+
 @app.timer(settings.fast_refresh_interval, on_leader=True)
 async def refresh_watermarks() -> None:
     """Leader only: read the dependencies' committed offsets when due and publish W(p) for every p."""
@@ -167,23 +185,39 @@ async def refresh_watermarks() -> None:
     last = status.last_refresh if status.last_error is None else status.last_attempt
     rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
     if refresh_due(now, last, waiting, rows, settings.refresh_interval, settings.fast_refresh_interval):
-        await refresh_once(now)
+        try:
+            await changelogs.wait()
+            await refresh_once(now)
+        except Exception as exc:  # a timer that raises stops the worker: never for a table write
+            refresh_errors.failed(exc)
+        else:
+            refresh_errors.succeeded()
 
 
 class DemandPublisher:
-    """Publishes this worker's waiting partitions when they change, and re-asserts them while waiting."""
+    """Publishes this worker's waiting partitions (and its lanes that retry a failing payment) when
+    they change, and re-asserts them while there are any."""
 
     def __init__(self) -> None:
-        self.published: dict[str, int] | None = None
+        self.published: dict[str, Any] | None = None
         self.published_at = 0.0
+        self.writes = 0
+        self.errors = WriteErrors("publishing this worker's gate demand")
+        #: Called at each tick for the lanes that keep failing: partition (str) -> what they retry.
+        self.retrying: Callable[[], dict[str, Any]] = dict
 
     def tick(self, now: float) -> None:
-        current = {str(p): o for p, o in gate.waiting.items()}
-        stale = bool(current) and now - self.published_at >= settings.refresh_interval / 2
+        current = {"waiting": {str(p): o for p, o in gate.waiting.items()}, "retrying": self.retrying()}
+        busy = bool(current["waiting"] or current["retrying"])
+        stale = busy and now - self.published_at >= settings.refresh_interval / 2
         if current != self.published or stale:
             since = {str(p): t for p, t in gate.blocked_since.items()}
-            demand[settings.worker_id] = {"waiting": current, "since": since, "at": now}
+            demand[settings.worker_id] = {**current, "since": since, "at": now}
             self.published, self.published_at = current, now
+            self.writes += 1
+
+    def stats(self) -> dict[str, Any]:
+        return {"writes": self.writes, "errors": self.errors.count, "last_error": self.errors.last}
 
 
 publisher = DemandPublisher()
@@ -191,7 +225,14 @@ publisher = DemandPublisher()
 
 @app.timer(settings.fast_refresh_interval)
 async def publish_demand() -> None:
-    publisher.tick(time.time())
+    """Never lets a failure out: a timer that raises stops the worker (issue 11)."""
+    try:
+        await changelogs.wait()
+        publisher.tick(time.time())
+    except Exception as exc:
+        publisher.errors.failed(exc)
+    else:
+        publisher.errors.succeeded()
 
 
 limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn)
@@ -213,6 +254,23 @@ def waiting_everywhere(now: float) -> tuple[dict[int, int], dict[int, float]]:
     for p, started in gate.blocked_since.items():
         since[p] = min(since.get(p, started), started)
     return waiting, since
+
+
+def retrying_everywhere(now: float) -> list[dict[str, Any]]:
+    """The lanes that keep failing on a payment, on every worker (from the demand table), with this
+    worker's own merged in at once; one entry per partition, with the worker that retries it."""
+    found: dict[int, dict[str, Any]] = {}
+    for worker, entry in list(demand.items()):
+        if now - float(entry.get("at", 0)) > DEMAND_MAX_AGE:
+            continue
+        for p, doc in (entry.get("retrying") or {}).items():
+            found[int(p)] = {**doc, "worker": worker}
+    for p, doc in publisher.retrying().items():
+        found[int(p)] = {**doc, "worker": settings.worker_id}
+    for p in [p for p, doc in found.items() if doc["worker"] == settings.worker_id]:
+        if str(p) not in publisher.retrying():
+            del found[p]  # our demand entry is older than our lane's success
+    return [{**found[p], "retrying_for_s": round(now - found[p]["since"], 3)} for p in sorted(found)]
 
 
 def operator_view(

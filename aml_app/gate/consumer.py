@@ -27,27 +27,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
-import weakref
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from faust.streams import _current_event
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
+from aml_app.faust_internals import partition_flags, set_current_event
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.holes import first_offset_from
 from aml_app.gate.offsets import DependencyOffsets
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
 log = logging.getLogger(__name__)
-
-
-def set_current_event(event: EventT) -> None:
-    """Make `event` Faust's current event in this task (each lane is a task with its own context)."""
-    _current_event.set(weakref.ref(event))
 
 
 @dataclass(frozen=True)
@@ -62,11 +57,24 @@ class Admission:
     gated: bool
 
 
-Handler = Callable[[Payment, Admission], Awaitable[None]]
+#: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
+#: of a decision it sent (a future); None when it finished everything itself. The lane goes on with the
+#: next payments meanwhile and acks, in offset order, once this completes (issue 11: pipelined sends).
+Pending = Awaitable[Any] | None
+Handler = Callable[[Payment, Admission], Awaitable[Pending]]
 Admitted = tuple[Payment, Admission]
 #: Handles several admitted payments of one partition at once (in offset order); must be idempotent per
 #: payment, since a failure retries the whole batch.
-BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[None]]
+BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[Pending]]
+
+
+def jittered(delay: float) -> float:
+    """A backoff delay with jitter in [delay/2, delay): failing lanes do not retry in lockstep."""
+    return delay * (0.5 + 0.5 * random.random())
+
+
+#: Called after each failed attempt with (attempt, exception, seconds until the next one).
+OnFailure = Callable[[int, BaseException, float], None]
 
 
 async def retry_forever(
@@ -74,8 +82,11 @@ async def retry_forever(
     action: Callable[[], Awaitable[Any]],
     first_delay: float = 0.1,
     max_delay: float = 5.0,
+    *,
+    on_failure: OnFailure | None = None,
+    jitter: Callable[[float], float] = jittered,
 ) -> Any:
-    """Run `action` until it succeeds, backing off exponentially; log each failure."""
+    """Run `action` until it succeeds, backing off exponentially with jitter; log each failure."""
     delay = first_delay
     attempt = 1
     while True:
@@ -84,10 +95,52 @@ async def retry_forever(
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            log.warning("%s failed (attempt %d, retrying in %.1fs): %r", what, attempt, delay, exc)
-            await asyncio.sleep(delay)
+            wait = jitter(delay)
+            log.warning("%s failed (attempt %d, retrying in %.2fs): %r", what, attempt, wait, exc)
+            if on_failure is not None:
+                on_failure(attempt, exc, wait)
+            await asyncio.sleep(wait)
             delay = min(delay * 2, max_delay)
             attempt += 1
+
+
+@dataclass
+class Retrying:
+    """A lane that keeps failing on a payment (or a batch starting there): shown to the operators."""
+
+    partition: int
+    offset: int
+    payments: int
+    since: float
+    attempts: int = 0
+    error: str = ""
+    next_retry_at: float = 0.0
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        return {
+            "partition": self.partition,
+            "offset": self.offset,
+            "payments": self.payments,
+            "attempts": self.attempts,
+            "error": self.error,
+            "since": self.since,
+            "retrying_for_s": round(now - self.since, 3),
+            "next_retry_in_s": round(max(self.next_retry_at - now, 0.0), 3),
+        }
+
+
+def describe_error(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+@dataclass
+class InFlight:
+    """Payments whose handler ran and whose `pending` work (a decision's send) has not completed."""
+
+    events: list[EventT]
+    admitted: list[tuple[EventT, Admitted]]
+    pending: Awaitable[Any]
 
 
 @dataclass
@@ -97,8 +150,15 @@ class Lane:
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     paused: bool = False
-    #: The events taken from the queue and not acked yet (the batch in flight), in offset order.
+    #: The events taken from the queue and not handed to the acks yet (the batch being handled).
     current: list[EventT] = field(default_factory=list)
+    #: Handled batches whose pending work has not completed, in offset order: acked from the front.
+    inflight: deque[InFlight] = field(default_factory=deque)
+    inflight_payments: int = 0
+    #: Set when `inflight` gains an entry (wakes the acker) and when it has room again (wakes the lane).
+    more_inflight: asyncio.Event = field(default_factory=asyncio.Event)
+    room: asyncio.Event = field(default_factory=asyncio.Event)
+    acker: asyncio.Task[None] | None = None
     #: When each queued offset reached this worker (monotonic), for the decision's waited_ms.
     arrived: dict[int, float] = field(default_factory=dict)
     done: int = 0
@@ -113,12 +173,23 @@ class Lane:
 
     @property
     def in_flight(self) -> int | None:
-        """The lowest offset being processed (the head of the batch in flight)."""
+        """The lowest offset being processed and not acked yet."""
+        if self.inflight:
+            return self.inflight[0].events[0].message.offset
         return self.current[0].message.offset if self.current else None
 
     def pending(self) -> list[EventT]:
         """The unacked events, in offset order: the ones in flight first."""
-        return [*self.current, *self.queue]
+        return [*(e for entry in self.inflight for e in entry.events), *self.current, *self.queue]
+
+    def tasks(self) -> list[asyncio.Task[None]]:
+        return [t for t in (self.task, self.acker) if t is not None]
+
+
+def _done() -> asyncio.Future[None]:
+    fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    fut.set_result(None)
+    return fut
 
 
 class GatedConsumer:
@@ -137,13 +208,19 @@ class GatedConsumer:
         max_pending: int = 1000,
         max_payment_bytes: int = 65536,
         worker_id: str = "",
+        max_in_flight: int = 1000,
     ) -> None:
         """Give `handler` (one payment at a time) or `batch_handler` (up to `max_batch` payments of one
-        partition at a time, every one of them already admitted by the gate)."""
+        partition at a time, every one of them already admitted by the gate). Either may return what is
+        left to complete (`Pending`); up to `max_in_flight` payments per partition wait for that while
+        the lane goes on."""
         if (handler is None) == (batch_handler is None):
             raise ValueError("give either a handler or a batch_handler")
         if max_batch < 1 or (handler is not None and max_batch != 1):
             raise ValueError("max_batch must be at least 1, and 1 with a per-payment handler")
+        if max_in_flight < 1:
+            raise ValueError("max_in_flight must be at least 1")
+        self.max_in_flight = max_in_flight
         self.app = app
         self.gate = gate
         self.handler = handler
@@ -166,8 +243,12 @@ class GatedConsumer:
         self.dead_lettered = 0
         self.rebalances = 0
         self.refetches = 0
-        #: Called with the admission of each payment the handler finished (metrics); never fails a lane.
+        #: Called with the admission of each payment once it is done (its handler and whatever the handler
+        #: left pending completed), before its ack (metrics); never fails a lane.
         self.observers: list[Callable[[Admission], None]] = []
+        #: Lanes that keep failing on a payment, by partition (see `Retrying`).
+        self.retrying: dict[int, Retrying] = {}
+        self.handler_failures = 0
         self._stream: StreamT | None = None
         self._background: set[asyncio.Future[None]] = set()
         #: The offset of the first record at or after an offset of a partition, read from the log
@@ -235,7 +316,9 @@ class GatedConsumer:
         if lane is None:
             lane = self.lanes[partition] = Lane(partition)
             lane.task = asyncio.ensure_future(self._run_lane(lane))
-            lane.task.add_done_callback(self._lane_ended)
+            lane.acker = asyncio.ensure_future(self._run_acker(lane))
+            for task in lane.tasks():
+                task.add_done_callback(self._lane_ended)
             parked = self.parked.pop(partition, [])
             if parked:
                 lane.next_offset = parked[0].message.offset  # kept from before: contiguous from there
@@ -325,9 +408,10 @@ class GatedConsumer:
         self.assigned = False
         self.early = {}
         lanes, self.lanes = self.lanes, {}
+        self.retrying = {}
         for lane in lanes.values():
-            if lane.task is not None:
-                lane.task.cancel()
+            for task in lane.tasks():
+                task.cancel()
             pending = lane.pending()
             if pending:
                 self.parked[lane.partition] = pending
@@ -347,10 +431,12 @@ class GatedConsumer:
             else:
                 self._lane(p)
         for p, lane in list(self.lanes.items()):
-            if p not in starts and lane.task is not None:
+            if p not in starts:
                 # Only an event from before the assignment could have made this lane: never ours.
-                lane.task.cancel()
+                for task in lane.tasks():
+                    task.cancel()
                 del self.lanes[p]
+                self.retrying.pop(p, None)
         early, self.early = self.early, {}
         for p, events in early.items():
             if p in starts:
@@ -392,17 +478,25 @@ class GatedConsumer:
             await consumer.seek(tp, expected)
             self.refetches += 1
 
+    def retrying_json(self) -> dict[str, Any]:
+        """The lanes that keep failing, partition (str) -> `Retrying.as_json` (stable between attempts
+        but for `attempts`, so the demand publisher re-publishes only when something changed)."""
+        now = time.time()
+        out = {}
+        for p, r in sorted(self.retrying.items()):
+            doc = r.as_json(now)
+            del doc["retrying_for_s"], doc["next_retry_in_s"]
+            out[str(p)] = doc
+        return out
+
     def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:
         """Per owned partition, what the delivery check looks at: where this generation started, the next
         offset the lane expects, how long it has had nothing, and whether Faust fetches it at all."""
-        consumer = self.app.consumer
-        paused = getattr(consumer, "_paused_partitions", set())
-        active = getattr(consumer, "_active_partitions", None)
         now = time.monotonic()
         state = {}
         for p in sorted(set(self.starts) | set(self.lanes)):
             lane = self.lanes.get(p)
-            tp = TP(topic, p)
+            paused_in_faust, fetched_by_faust = partition_flags(self.app, TP(topic, p))
             state[p] = {
                 "start": self.starts.get(p),
                 "next_offset": lane.next_offset if lane else None,
@@ -410,8 +504,8 @@ class GatedConsumer:
                 "quiet_s": round(now - (lane.last_dispatch if lane else self.assigned_at), 3),
                 "paused_by_lane": bool(lane and lane.paused),
                 "hole": list(lane.hole) if lane and lane.hole else None,
-                "paused_in_faust": tp in paused,
-                "fetched_by_faust": None if active is None else tp in active,
+                "paused_in_faust": paused_in_faust,
+                "fetched_by_faust": fetched_by_faust,
             }
         return state
 
@@ -423,17 +517,91 @@ class GatedConsumer:
             self.app.add_future(self.app.crash(exc))
 
     async def _run_lane(self, lane: Lane) -> None:
-        assert self._stream is not None
+        """Take, admit and handle the lane's payments in offset order; hand them to the acks."""
         while True:
             while not lane.queue:
                 lane.ready.clear()
                 await lane.ready.wait()
+            while lane.inflight_payments >= self.max_in_flight:
+                lane.room.clear()
+                await lane.room.wait()
             batch = await self._take(lane)
-            await self._handle(batch)
-            for event, _ in batch:
-                await self._stream.ack(event)
-                lane.done += 1
-            lane.current = []
+            admitted = [(event, a) for event, a in batch if a is not None]
+            pending = await self._handle(admitted) if admitted else None
+            events, lane.current = lane.current, []
+            if pending is None and not lane.inflight:
+                await self._settle(lane, events, admitted)  # nothing to wait for: ack at once
+            else:
+                lane.inflight.append(InFlight(events, admitted, pending or _done()))
+                lane.inflight_payments += len(events)
+                lane.more_inflight.set()
+
+    async def _run_acker(self, lane: Lane) -> None:
+        """Ack the lane's handled batches in offset order as their pending work completes.
+
+        A pending send that fails is not skipped: its payments are handled again (handlers are
+        idempotent per payment) until their work completes; the batches behind it wait for that.
+        """
+        while True:
+            while not lane.inflight:
+                lane.more_inflight.clear()
+                await lane.more_inflight.wait()
+            entry = lane.inflight[0]
+            try:
+                pending = entry.pending
+                if isinstance(pending, asyncio.Future) and pending.done():
+                    pending.result()  # the common case under load: already acknowledged
+                else:
+                    # Shielded: a revoke cancels this task, not the send (Faust completes it anyway).
+                    await asyncio.shield(pending)
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # this lane stops (a revoke)
+                self._failed(entry.admitted, 1, exc, 0.0)  # the send itself was cancelled
+                await self._redo(entry)
+            except Exception as exc:
+                self._failed(entry.admitted, 1, exc, 0.0)
+                await self._redo(entry)
+            # Settled while still at the front: the lane queues behind it rather than acking ahead.
+            await self._settle(lane, entry.events, entry.admitted)
+            lane.inflight.popleft()
+            lane.inflight_payments -= len(entry.events)
+            lane.room.set()
+
+    async def _redo(self, entry: InFlight) -> None:
+        first = entry.admitted[0][1][1]
+
+        async def again() -> None:
+            pending = await self._call_handler(entry.admitted)
+            if pending is not None:
+                await pending
+
+        await retry_forever(
+            f"processing {len(entry.admitted)} payment(s) again at {first.partition}:{first.offset} "
+            "(their pending work failed)",
+            again,
+            on_failure=lambda attempt, exc, wait: self._failed(entry.admitted, attempt, exc, wait),
+        )
+
+    async def _settle(
+        self, lane: Lane, events: list[EventT], admitted: list[tuple[EventT, Admitted]]
+    ) -> None:
+        """The payments are done: tell the observers, then ack every event in offset order."""
+        retrying = self.retrying.get(lane.partition)
+        if retrying is not None and events[0].message.offset <= retrying.offset <= events[-1].message.offset:
+            del self.retrying[lane.partition]
+        for _, (_, admission) in admitted:
+            for observe in self.observers:
+                try:
+                    observe(admission)
+                except Exception:  # an observer is for telemetry; it must never stop a lane
+                    log.exception("an admission observer failed")
+        assert self._stream is not None
+        ack = self._stream.ack
+        for event in events:
+            await ack(event)
+        lane.done += len(events)
 
     async def _take(self, lane: Lane) -> list[tuple[EventT, Admitted | None]]:
         """The next events of the lane, in offset order, each admitted (or dead-lettered: None).
@@ -472,7 +640,11 @@ class GatedConsumer:
             payment = parse_payment(message.key, message.value, self.max_payment_bytes)
         except InvalidPayment as exc:
             reason = str(exc)
-            await retry_forever(f"dead-lettering {p}:{offset}", lambda: self._dead_letter(event, reason))
+            await retry_forever(
+                f"dead-lettering {p}:{offset}",
+                lambda: self._dead_letter(event, reason),
+                on_failure=lambda attempt, exc, wait: self._failed_at(p, offset, 1, attempt, exc, wait),
+            )
             return None
         if self.gate_enabled:
             row = await self.gate.wait_open(p, offset)
@@ -490,37 +662,48 @@ class GatedConsumer:
         )
         return payment, admission
 
-    async def _handle(self, batch: list[tuple[EventT, Admitted | None]]) -> None:
-        admitted = [(event, a) for event, a in batch if a is not None]
-        if not admitted:
-            return
+    async def _handle(self, admitted: list[tuple[EventT, Admitted]]) -> Pending:
+        """Run the handler until it succeeds (retrying with backoff, shown in `retrying`)."""
+        first, last = admitted[0][1][1], admitted[-1][1][1]
+        if len(admitted) == 1:
+            what = f"processing payment {admitted[0][1][0].payment_id} at {first.partition}:{first.offset}"
+        else:
+            what = f"processing {len(admitted)} payments at {first.partition}:{first.offset}..{last.offset}"
+        return await retry_forever(
+            what,
+            lambda: self._call_handler(admitted),
+            on_failure=lambda attempt, exc, wait: self._failed(admitted, attempt, exc, wait),
+        )
+
+    async def _call_handler(self, admitted: list[tuple[EventT, Admitted]]) -> Pending:
         # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
         # partitioned tables like any agent: their reads and writes go to the event's partition, which
         # every event of a lane's batch shares.
         set_current_event(admitted[0][0])
-        first, last = admitted[0][1][1], admitted[-1][1][1]
         if self.batch_handler is not None:
-            handle_batch = self.batch_handler
-            items = [a for _, a in admitted]
-            await retry_forever(
-                f"processing {len(items)} payment(s) at {first.partition}:{first.offset}..{last.offset}",
-                lambda: handle_batch(items),
-            )
-        else:
-            assert self.handler is not None
-            handle = self.handler
-            for event, (payment, admission) in admitted:
-                set_current_event(event)
-                await retry_forever(
-                    f"processing payment {payment.payment_id} at {admission.partition}:{admission.offset}",
-                    lambda payment=payment, admission=admission: handle(payment, admission),
-                )
-        for _, (_, admission) in admitted:
-            for observe in self.observers:
-                try:
-                    observe(admission)
-                except Exception:  # an observer is for telemetry; it must never stop a lane
-                    log.exception("an admission observer failed")
+            return await self.batch_handler([a for _, a in admitted])
+        assert self.handler is not None and len(admitted) == 1
+        payment, admission = admitted[0][1]
+        return await self.handler(payment, admission)
+
+    def _failed(
+        self, admitted: list[tuple[EventT, Admitted]], attempt: int, exc: BaseException, wait: float
+    ) -> None:
+        first = admitted[0][1][1]
+        self._failed_at(first.partition, first.offset, len(admitted), attempt, exc, wait)
+
+    def _failed_at(
+        self, partition: int, offset: int, payments: int, attempt: int, exc: BaseException, wait: float
+    ) -> None:
+        """Record a failed attempt where the operators see it (`retrying`)."""
+        now = time.time()
+        current = self.retrying.get(partition)
+        if current is None or current.offset != offset:
+            current = self.retrying[partition] = Retrying(partition, offset, payments, since=now)
+        current.attempts = max(current.attempts + 1, attempt)
+        current.error = describe_error(exc)
+        current.next_retry_at = now + wait
+        self.handler_failures += 1
 
     async def _dead_letter(self, event: EventT, reason: str) -> None:
         """Original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""

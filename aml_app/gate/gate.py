@@ -2,7 +2,10 @@
 
 Each partition has its own condition, so a payment waiting on partition p never holds up another
 partition. Whoever updates the table (the leader's refresh, or the changelog applying it on the other
-workers) calls `notify(p)`, and the waiters re-check `offset < W(p)`.
+workers) calls `notify(p)`, and the waiters re-check `offset < W(p)`. The waiters also re-check on a
+timer (`recheck_every`): the notification comes from a hook into Faust's table internals, and a hook
+that stops firing after an upgrade must slow the gate down, not hang it (`opened_by_recheck` counts
+the payments that only the timer let through).
 """
 
 from __future__ import annotations
@@ -17,8 +20,10 @@ Lookup = Callable[[int], Row | None]
 
 
 class FreshnessGate:
-    def __init__(self, lookup: Lookup) -> None:
+    def __init__(self, lookup: Lookup, recheck_every: float = 1.0) -> None:
         self._lookup = lookup
+        self.recheck_every = recheck_every
+        self.opened_by_recheck = 0
         self._conditions: dict[int, asyncio.Condition] = {}
         self._notifications: set[asyncio.Task[None]] = set()
         #: partition -> (offset, since) of every waiter; one per lane, but any number is safe.
@@ -51,6 +56,9 @@ class FreshnessGate:
 
         Cancellation (a rebalance revoking the partition) leaves the payment unprocessed and uncommitted.
         """
+        row = self._lookup(partition)
+        if row is not None and offset < row["watermark"]:
+            return row  # open: the common case costs one lookup, no lock
         cond = self._condition(partition)
         async with cond:
             if not self.is_open(partition, offset):
@@ -58,7 +66,12 @@ class FreshnessGate:
                 waiters = self._waiters.setdefault(partition, [])
                 waiters.append(waiter)
                 try:
-                    await cond.wait_for(lambda: self.is_open(partition, offset))
+                    while not self.is_open(partition, offset):
+                        try:
+                            await asyncio.wait_for(cond.wait(), self.recheck_every)
+                        except TimeoutError:
+                            if self.is_open(partition, offset):
+                                self.opened_by_recheck += 1
                 finally:
                     waiters.remove(waiter)
                     if not waiters and self._waiters.get(partition) is waiters:

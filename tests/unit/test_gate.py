@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from aml_app.gate.consumer import retry_forever
+from aml_app.gate.consumer import jittered, retry_forever
 from aml_app.gate.gate import FreshnessGate
 
 DEADLINE = 2.0  # generous upper bound for things that should happen at once
@@ -227,7 +227,45 @@ async def test_retry_forever_backs_off_exponentially_up_to_the_cap(
         return calls
 
     monkeypatch.setattr("aml_app.gate.consumer.asyncio.sleep", recording_sleep)
-    result = await asyncio.wait_for(retry_forever("test", action, first_delay=0.5, max_delay=2.0), DEADLINE)
+    failures: list[tuple[int, str, float]] = []
+    result = await asyncio.wait_for(
+        retry_forever(
+            "test",
+            action,
+            first_delay=0.5,
+            max_delay=2.0,
+            on_failure=lambda attempt, exc, wait: failures.append((attempt, str(exc), wait)),
+        ),
+        DEADLINE,
+    )
+    calls = 0
+    exact = await asyncio.wait_for(
+        retry_forever("test", action, first_delay=0.5, max_delay=2.0, jitter=lambda d: d), DEADLINE
+    )
     monkeypatch.undo()
-    assert result == 6
-    assert delays == [0.5, 1.0, 2.0, 2.0, 2.0]
+    assert result == exact == 6
+    caps = [0.5, 1.0, 2.0, 2.0, 2.0]
+    jittered, unjittered = delays[:5], delays[5:]
+    assert unjittered == caps
+    # Jitter: each wait in [cap/2, cap), so failing lanes do not retry in lockstep.
+    assert all(cap / 2 <= d < cap for d, cap in zip(jittered, caps, strict=True))
+    assert failures == [(i + 1, "down", d) for i, d in enumerate(jittered)]
+
+
+def test_jitter_spreads_within_its_bounds() -> None:
+    waits = [jittered(1.0) for _ in range(2000)]
+    assert all(0.5 <= w < 1.0 for w in waits)
+    assert max(waits) - min(waits) > 0.4, "the waits are spread, not constant"
+
+
+async def test_a_waiter_rechecks_the_table_on_a_timer_when_no_notification_comes() -> None:
+    """A table hook that stops firing (say, after a Faust upgrade) slows the gate; it never hangs it."""
+    rows: dict[int, dict[str, Any]] = {}
+    gate = FreshnessGate(rows.get, recheck_every=0.02)
+    waiter = await start_waiting(gate, 0, 3)
+    rows[0] = row(0, 3)  # not past offset 3: the timer's re-check keeps it waiting
+    await assert_still_blocked(waiter)
+    rows[0] = row(0, 4)  # the watermark moves, and nobody calls notify()
+    assert await asyncio.wait_for(waiter, DEADLINE) is rows[0]
+    assert gate.opened_by_recheck == 1
+    assert gate.waiting == {}

@@ -639,3 +639,142 @@ async def test_the_first_payment_of_an_assignment_past_its_start_is_a_hole(
     h.dispatch(event(0, 29), *(event(0, o) for o in range(30, 35)))  # 29: before the start, dropped
     await until(lambda: len(h.acks) == 5, "offsets 30..34 acked")
     assert h.handled == [(0, o) for o in range(30, 35)] and h.violations == []
+
+
+# --- pipelined sends (issue 11) ------------------------------------------------------------------
+
+
+class Sends:
+    """A handler that, like the probe, sends a decision and returns the broker's acknowledgement
+    without waiting for it; the test resolves (or fails) each acknowledgement when it wants."""
+
+    def __init__(self, h: Harness) -> None:
+        self.h = h
+        self.futures: dict[tuple[int, int], list[asyncio.Future[None]]] = {}
+        self.calls: list[tuple[int, int]] = []
+
+    async def handle(self, payment: Payment, admission: Admission) -> asyncio.Future[None]:
+        key = (admission.partition, admission.offset)
+        self.calls.append(key)
+        if self.h.failures.get(key, 0) > 0:
+            self.h.failures[key] -= 1
+            raise RuntimeError(f"handler failure at {key}")
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.futures.setdefault(key, []).append(fut)
+        self.h.handled.append(key)
+        return fut
+
+    def resolve(self, key: tuple[int, int], error: Exception | None = None) -> None:
+        fut = self.futures[key][-1]
+        if error is None:
+            fut.set_result(None)
+        else:
+            fut.set_exception(error)
+
+
+def pipelined(make: Callable[..., Harness], **kwargs: Any) -> tuple[Harness, Sends]:
+    h = make()
+    sends = Sends(h)
+    h.gated = GatedConsumer(
+        h.app,  # type: ignore[arg-type]
+        h.gate,
+        sends.handle,
+        h.dlq,  # type: ignore[arg-type]
+        worker_id="w-test",
+        **kwargs,
+    )
+    h.gated._stream = h.stream  # type: ignore[assignment]
+    return h, sends
+
+
+def check_acks_after_sends(h: Harness, sends: Sends) -> None:
+    """Every ack came after the acknowledgement of its payment's decision completed."""
+    for key in h.acks:
+        assert sends.futures[key][-1].done() and sends.futures[key][-1].exception() is None, key
+
+
+async def test_decisions_are_pipelined_and_acked_only_in_offset_order_after_their_send(
+    make: Callable[..., Harness],
+) -> None:
+    h, sends = pipelined(make, max_in_flight=4)
+    h.open(0, 100)
+    h.dispatch(*(event(0, o) for o in range(6)))
+
+    # Four sends in flight at once, none acknowledged: nothing acked, and the fifth waits for room.
+    await until(lambda: len(sends.calls) == 4, "four decisions sent without waiting")
+    await quiet()
+    assert sends.calls == [(0, o) for o in range(4)] and h.acks == []
+    assert h.gated.lanes[0].in_flight == 0
+
+    sends.resolve((0, 2))
+    sends.resolve((0, 1))  # acknowledged out of order: offset 0 still holds the acks back
+    await quiet()
+    assert h.acks == [] and len(sends.calls) == 4
+
+    sends.resolve((0, 0))
+    await until(lambda: h.acks == [(0, 0), (0, 1), (0, 2)], "0..2 acked in order")
+    await until(lambda: len(sends.calls) == 6, "room again: offsets 4 and 5 sent")
+    for o in (3, 4, 5):
+        sends.resolve((0, o))
+    await until(lambda: len(h.acks) == 6, "everything acked")
+    assert h.acks == [(0, o) for o in range(6)]
+    check_acks_after_sends(h, sends)
+    assert h.gated.lanes[0].done == 6 and h.gated.lanes[0].in_flight is None
+
+
+async def test_a_failed_send_is_handled_again_and_nothing_behind_it_is_acked_before(
+    make: Callable[..., Harness],
+) -> None:
+    h, sends = pipelined(make)
+    h.open(0, 100)
+    h.dispatch(*(event(0, o) for o in range(3)))
+    await until(lambda: len(sends.calls) == 3, "three decisions sent")
+    sends.resolve((0, 2))
+    sends.resolve((0, 1))
+    sends.resolve((0, 0), OSError("broker said no"))
+    await until(lambda: sends.calls.count((0, 0)) == 2, "offset 0 handled again")
+    await quiet()
+    assert h.acks == []
+    retrying = h.gated.retrying[0]
+    assert (retrying.offset, retrying.attempts) == (0, 1) and "broker said no" in retrying.error
+    sends.resolve((0, 0))
+    await until(lambda: len(h.acks) == 3, "all acked")
+    assert h.acks == [(0, 0), (0, 1), (0, 2)]
+    check_acks_after_sends(h, sends)
+    assert h.gated.retrying == {}
+
+
+async def test_a_payment_that_keeps_failing_shows_as_retrying_with_its_error(
+    make: Callable[..., Harness],
+) -> None:
+    h = make()
+    h.open(0, 100)
+    h.failures[(0, 1)] = 3
+    h.dispatch(*(event(0, o) for o in range(3)))
+    await until(lambda: 0 in h.gated.retrying and h.gated.retrying[0].attempts >= 2, "two failed attempts")
+    shown = h.gated.retrying_json()["0"]
+    assert (shown["partition"], shown["offset"], shown["payments"]) == (0, 1, 1)
+    assert shown["error"] == "RuntimeError: handler failure at (0, 1)"
+    assert shown["attempts"] >= 2 and shown["since"] <= time.time()
+    assert h.gated.handler_failures >= 2
+    await until(lambda: len(h.acks) == 3, "acked after the retries")
+    assert h.gated.retrying == {} and h.gated.retrying_json() == {}
+    assert h.violations == []
+
+
+async def test_a_rebalance_keeps_the_payments_in_flight_with_the_queued_ones(
+    make: Callable[..., Harness],
+) -> None:
+    h, sends = pipelined(make)
+    h.open(0, 100)
+    h.dispatch(*(event(0, o) for o in range(3)))
+    await until(lambda: len(sends.calls) == 3, "three decisions sent")
+    sends.resolve((0, 0))
+    await until(lambda: h.acks == [(0, 0)], "offset 0 acked")
+    tasks = h.gated.lanes[0].tasks()
+    h.gated.on_revoked()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE)
+    assert [po(e) for e in h.gated.parked[0]] == [(0, 1), (0, 2)]  # unacked: decided again if kept
+    sends.resolve((0, 1))
+    await quiet()
+    assert h.acks == [(0, 0)], "nothing acked after the revoke"

@@ -287,3 +287,27 @@ def test_huge_json_integer_is_rejected_as_invalid() -> None:
     value = b"1" * 5000
     with pytest.raises(InvalidPayment):
         parse_payment(KEY, value, MAX)
+
+
+def test_the_probes_decision_bytes_are_the_decision_records_json() -> None:
+    import json
+
+    from aml_app.models import Decision, decision_json
+
+    fields = {
+        "payment_id": "p-1",
+        "partition": 2,
+        "offset": 7,
+        "service": "probe",
+        "verdict": "clear",
+        "rules": [],
+        "typologies": [],
+        "note": "n",
+        "watermark": 9,
+        "dependencies": {"relations": 9, "aggregates": 12},
+        "waited_ms": 1.5,
+        "decided_at": "2026-11-20T10:15:00.000001+00:00",
+        "worker": "w1",
+        "gated": True,
+    }
+    assert json.loads(decision_json(**fields)) == json.loads(Decision(**fields).dumps())

@@ -100,6 +100,45 @@ def test_metric_families_parse_with_their_values() -> None:
     assert "aml_alerts" not in fams and "aml_freshness_violations" not in fams  # no detector, no lie
 
 
+RETRYING = {
+    "partition": 1,
+    "offset": 7,
+    "payments": 1,
+    "attempts": 4,
+    "error": "ClientResponseError: 404, message='Not Found'",
+    "since": NOW - 90,
+    "retrying_for_s": 90.0,
+    "worker": "w2",
+}
+
+
+def test_a_payment_that_keeps_failing_is_a_metric_with_its_partition_offset_and_error() -> None:
+    fams = parse({**snapshot(), "retrying": [RETRYING], "handler_failures": 4})
+    labels = {"partition": "1", "offset": "7", "worker": "w2", "error": RETRYING["error"]}
+    assert value(fams, "aml_payment_retrying", **labels) == 4
+    assert value(fams, "aml_handler_failures_total") == 4
+    assert parse(snapshot())["aml_payment_retrying"].samples == []  # nothing fails: no sample
+
+
+def test_status_shows_the_retrying_payments() -> None:
+    lines = render({**snapshot(), "source": "worker", "retrying": [RETRYING]}).splitlines()
+    at = next(i for i, line in enumerate(lines) if line.startswith("retrying"))
+    assert lines[at + 1].split() == [
+        "PARTITION",
+        "OFFSET",
+        "PAYMENTS",
+        "ATTEMPTS",
+        "SINCE",
+        "WORKER",
+        "ERROR",
+    ]
+    assert lines[at + 2].split()[:7] == ["1", "7", "1", "4", "90s", "ago", "w2"]
+    assert lines[at + 2].endswith(RETRYING["error"])
+    assert not any(
+        line.startswith("retrying") for line in render({**snapshot(), "source": "worker"}).splitlines()
+    )
+
+
 def test_detector_counters_when_a_detector_runs() -> None:
     fams = parse(snapshot(detector={"decisions": 11, "alerts": 3, "freshness_violations": 1}))
     assert value(fams, "aml_decisions_total") == 11

@@ -27,6 +27,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert s.refresh_interval == 1.0
     assert s.fast_refresh_interval == 0.1
     assert s.max_pending_per_partition == 1000
+    assert s.max_in_flight == 1000
     assert s.max_payment_bytes == 65536
     assert s.session_timeout == 10.0
     assert s.rebalance_timeout == 10.0
@@ -148,6 +149,7 @@ def test_app_id_listed_in_depends_on() -> None:
         "AML_PARTITIONS",
         "AML_REPLICATION_FACTOR",
         "AML_MAX_PENDING",
+        "AML_MAX_IN_FLIGHT",
         "AML_MAX_PAYMENT_BYTES",
         "AML_WEB_PORT",
         "AML_BROKER_PORT",
@@ -323,3 +325,10 @@ def test_probe_cost_is_off_by_default_and_read_when_set() -> None:
 )
 def test_bad_probe_cost(name: str, raw: str, says: str) -> None:
     assert says in _fails({name: raw}, name)
+
+
+def test_probe_failures_are_off_by_default_and_read_when_set() -> None:
+    assert load_settings({}).probe_fail == {}
+    assert load_settings({"AML_PROBE_FAIL": "p-0-1:3, a:b:7"}).probe_fail == {"p-0-1": 3, "a:b": 7}
+    for raw in ("p-0-1", "p-0-1:x", ":3", "p:0"):
+        assert "PAYMENT_ID:ATTEMPTS" in _fails({"AML_PROBE_FAIL": raw}, "AML_PROBE_FAIL")

@@ -1,0 +1,219 @@
+"""Every use of a Faust or aiokafka private name, in one place, checked when this module is imported.
+
+The gate leans on a few things Faust does not expose. Each is here, with the reason and the test that
+found it; nothing else in the project touches a private name of either library:
+
+- `transport_with_fetch_wait`: Faust hard-codes its worker consumer's fetch wait (1.5 s), which a broker
+  that holds fetches (Tansu) adds to every hop (`AML_FETCH_MAX_WAIT_MS`, BENCHMARKS.md).
+- `set_current_event`: a lane is a task of its own; a handler that writes a partitioned table needs
+  Faust's "current event" there (`faust.streams._current_event`).
+- `WatchedGlobalTable`: the global tables report changed keys (written here or applied from the
+  changelog) so the gate's waiters wake at once; they use a single changelog partition and write it
+  explicitly, so Faust never picks a partition from producer metadata it has not fetched (issue 11:
+  `Producer.key_partition` crashed a worker whose producer did not know the changelog topic).
+- `MEMORY_STORE`: Faust ignores a bare "memory://" store URL (an empty yarl URL is falsy).
+- `partition_flags`: the delivery repairs' view of whether Faust pauses or fetches a partition.
+- `wait_for_topic`: waits until the producer has a topic's metadata (and keeps it in its metadata).
+
+Importing this module checks that each name still exists and raises `IncompatibleFaust`, one sentence
+naming the versions it was built for, so an upgrade fails at start-up instead of in the middle of the
+night. `missing_names()` is what the check and its unit test use.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from typing import Any
+
+import aiokafka
+import faust
+import faust.streams
+from faust.tables.base import Collection
+from faust.transport import consumer as faust_consumer
+from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.types import TP, AppT, EventT, TransportT
+
+BUILT_FOR = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
+
+#: (owner, name, how to look): "attr" = an attribute of the module or class; "annotation" = declared
+#: on the class (an instance attribute); "source:<function>" = assigned or read in that function.
+REQUIRED: list[tuple[Any, str, str]] = [
+    (faust.streams, "_current_event", "attr"),
+    (faust.App, "_new_transport", "attr"),
+    (faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", "attr"),
+    (faust_aiokafka.Consumer, "_new_consumer_thread", "attr"),
+    (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:__init__"),
+    (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:start"),
+    (Collection, "_to_key", "attr"),
+    (faust_consumer.Consumer, "_paused_partitions", "annotation"),
+    (faust_consumer.Consumer, "_active_partitions", "annotation"),
+    (faust_aiokafka.Producer, "_ensure_producer", "attr"),
+]
+
+
+class IncompatibleFaust(ImportError):
+    """The installed Faust or aiokafka lacks a private name this project relies on."""
+
+    #: The CLI prints this error as one line instead of a traceback.
+    one_line = True
+
+
+def _present(owner: Any, name: str, how: str) -> bool:
+    if how == "attr":
+        return hasattr(owner, name)
+    if how == "annotation":
+        return any(name in getattr(cls, "__annotations__", {}) for cls in inspect.getmro(owner))
+    function = getattr(owner, how.removeprefix("source:"), None)
+    try:
+        return function is not None and f"self.{name}" in inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+
+
+def _label(owner: Any, name: str) -> str:
+    if inspect.ismodule(owner):
+        return f"{owner.__name__}.{name}"
+    return f"{owner.__module__}.{owner.__qualname__}.{name}"
+
+
+def missing_names(required: Iterable[tuple[Any, str, str]] = REQUIRED) -> list[str]:
+    """The private names that are not where this module expects them."""
+    missing = []
+    for owner, name, how in required:
+        if not _present(owner, name, how):
+            label = _label(owner, name)
+            if label not in missing:
+                missing.append(label)
+    return missing
+
+
+def _version(package: str) -> str:
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def incompatibility(missing: list[str]) -> str:
+    """The one sentence an operator sees."""
+    built = " and ".join(f"{p} {v}" for p, v in BUILT_FOR.items())
+    installed = " and ".join(f"{p} {_version(p)}" for p in BUILT_FOR)
+    return (
+        f"aml-app was built for {built}, but the installed {installed} lacks {', '.join(missing)}: "
+        f"install the versions pinned in pyproject.toml, or port aml_app/faust_internals.py"
+    )
+
+
+def check(required: Iterable[tuple[Any, str, str]] = REQUIRED) -> None:
+    missing = missing_names(required)
+    if missing:
+        raise IncompatibleFaust(incompatibility(missing))
+
+
+check()
+
+
+# --- the consumer's fetch wait -------------------------------------------------------------------
+
+
+def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Transport]:
+    """Faust's aiokafka transport whose worker consumer waits at most `fetch_max_wait_ms` per fetch."""
+
+    class TunedConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+        def _create_worker_consumer(self, transport: Any) -> aiokafka.AIOKafkaConsumer:
+            consumer = super()._create_worker_consumer(transport)
+            # aiokafka reads this when the consumer starts, which is after this call.
+            consumer._fetch_max_wait_ms = fetch_max_wait_ms
+            return consumer
+
+    class TunedConsumer(faust_aiokafka.Consumer):
+        def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
+            return TunedConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    class TunedTransport(faust_aiokafka.Transport):
+        Consumer = TunedConsumer
+
+    return TunedTransport
+
+
+class FetchWaitApp(faust.App):
+    """A Faust app whose transport is `transport_with_fetch_wait(fetch_max_wait_ms)`."""
+
+    fetch_max_wait_ms = 1500
+
+    def _new_transport(self) -> TransportT:
+        transport = transport_with_fetch_wait(self.fetch_max_wait_ms)
+        return transport(self.conf.broker_consumer, self)
+
+
+# --- the current event of a lane -----------------------------------------------------------------
+
+
+def set_current_event(event: EventT) -> None:
+    """Make `event` Faust's current event in this task (each lane is a task with its own context)."""
+    faust.streams._current_event.set(weakref.ref(event))
+
+
+# --- global tables -------------------------------------------------------------------------------
+
+#: An in-memory table store; Faust ignores a bare "memory://" (an empty yarl URL is falsy).
+MEMORY_STORE = "memory://localhost/"
+
+
+class WatchedGlobalTable(faust.GlobalTable):
+    """A single-partition GlobalTable that reports changed keys, written here or applied from its
+    changelog, and writes its changelog's one partition explicitly."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if self.partitions != 1:
+            raise ValueError("a WatchedGlobalTable has exactly one changelog partition")
+        self.watchers: list[Callable[[list[Any]], None]] = []
+
+    def partition_for_key(self, key: Any) -> int | None:
+        # With None, Faust asks the producer's metadata for the partition synchronously
+        # (`Producer.key_partition`), which crashes while the producer does not know the topic yet.
+        # Partition 0 goes through aiokafka's send, which awaits the topic's metadata.
+        return 0
+
+    def _changed(self, keys: Iterable[Any]) -> None:
+        keys = list(keys)
+        for watcher in self.watchers:
+            watcher(keys)
+
+    def on_key_set(self, key: Any, value: Any) -> None:
+        super().on_key_set(key, value)
+        self._changed([key])
+
+    def apply_changelog_batch(self, batch: Iterable[EventT]) -> None:
+        batch = list(batch)
+        super().apply_changelog_batch(batch)
+        self._changed(self._to_key(event.key) for event in batch)
+
+
+# --- producer metadata ---------------------------------------------------------------------------
+
+
+async def wait_for_topic(app: AppT, topic: str) -> None:
+    """Return once the app's producer has `topic`'s metadata, and keep the topic in its metadata.
+
+    aiokafka refreshes only the topics it tracks once it tracks any; a topic it knew from a full
+    refresh silently drops out of its metadata after the first send to a topic it did not know.
+    """
+    producer = app.producer._ensure_producer()  # type: ignore[attr-defined]
+    producer.client.add_topic(topic)
+    await producer.partitions_for(topic)
+
+
+# --- the delivery repairs ------------------------------------------------------------------------
+
+
+def partition_flags(app: AppT, tp: TP) -> tuple[bool, bool | None]:
+    """(paused in Faust, fetched by Faust; None when unknown) for the delivery checks' view."""
+    consumer = app.consumer
+    paused = tp in getattr(consumer, "_paused_partitions", set())
+    active = getattr(consumer, "_active_partitions", None)
+    return paused, None if active is None else tp in active
