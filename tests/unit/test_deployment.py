@@ -31,6 +31,7 @@ DOCKERFILE = ROOT / "docker" / "Dockerfile"
 CONSTRAINTS = ROOT / "docker" / "constraints.txt"
 PROCFILE = ROOT / "Procfile"
 OUR_VARIABLE = re.compile(r"^(AML|KAFKA)_[A-Z0-9_]+$")
+API_REPLICAS = ("relations-1", "relations-2", "aggregates-1", "aggregates-2")
 
 
 # ---- our CLI, as `aml-app` builds it
@@ -194,10 +195,10 @@ def test_our_topics_get_replication_factor_three(compose: dict[str, Any]) -> Non
 
 def test_every_app_service_runs_a_command_our_cli_accepts(compose: dict[str, Any], cli: click.Group) -> None:
     services = app_services(compose)
-    assert {"topics", "pipeline", "relations", "aggregates", "aml", "fraud"} <= set(services)
+    assert {"topics", "pipeline", *API_REPLICAS, "aml", "fraud"} <= set(services)
     ran = {name: parse(cli, service["command"]) for name, service in services.items()}
     assert ran["pipeline"] == "pipeline"
-    assert ran["relations"] == ran["aggregates"] == "serve"
+    assert {ran[name] for name in API_REPLICAS} == {"serve"}
     assert ran["aml"] == ran["fraud"] == "worker"
     assert ran["simulator"] == "simulate"
 
@@ -212,18 +213,26 @@ def test_every_variable_the_compose_sets_is_a_setting_with_a_valid_value(compose
     assert sorted(bootstrap.split(",")) == [f"{node}:9092" for node in sorted(kafka_nodes(compose))]
 
 
-def test_the_pipeline_and_the_apis_share_the_store_volume(compose: dict[str, Any]) -> None:
+def test_the_pipeline_and_every_api_replica_use_the_one_postgres_store(compose: dict[str, Any]) -> None:
     services = app_services(compose)
-    mounts = {}
-    for name in ("pipeline", "relations", "aggregates"):
-        env = {**image_env(), **env_of(services[name])}
-        store_dir = load_settings(env).store_dir
-        volume = next(
-            v for v in services[name]["volumes"] if store_dir.startswith(v.split(":")[1].rstrip("/") + "/")
-        )
-        mounts[name] = volume.split(":")[0]
-        assert volume.split(":")[0] in compose["volumes"], "a named volume, not a container path"
-    assert len(set(mounts.values())) == 1, mounts
+    urls = {
+        name: load_settings({**image_env(), **env_of(services[name])}).store_url
+        for name in ("pipeline", *API_REPLICAS)
+    }
+    assert len(set(urls.values())) == 1, urls
+    host = re.match(r"postgresql://[^@]+@([^:/]+)", next(iter(urls.values())))
+    assert host and host.group(1) in compose["services"], "the store is the compose file's own server"
+    postgres = compose["services"][host.group(1)]
+    assert postgres["image"].startswith("postgres:15") and "healthcheck" in postgres
+    for name in ("pipeline", *API_REPLICAS):
+        assert services[name]["depends_on"][host.group(1)]["condition"] == "service_healthy", name
+        assert "volumes" not in services[name], f"{name} keeps nothing on a volume of its own"
+
+
+def parse_cli_kind(service: dict[str, Any]) -> str:
+    """The API a `serve` service runs."""
+    assert service["command"][0] == "serve"
+    return str(service["command"][1])
 
 
 def test_workers_bind_every_address_and_find_the_apis(compose: dict[str, Any]) -> None:
@@ -235,11 +244,15 @@ def test_workers_bind_every_address_and_find_the_apis(compose: dict[str, Any]) -
         assert settings.web_host == "0.0.0.0"
         assert settings.service == name and name in available_services()
         assert service["deploy"]["replicas"] >= 2
-        for api, url in (("relations", settings.relations_url), ("aggregates", settings.aggregates_url)):
-            api_settings = load_settings({**image_env(), **env_of(services[api])})
-            port = api_settings.relations_port if api == "relations" else api_settings.aggregates_port
-            assert url == f"http://{api}:{port}"
-            assert api_settings.services_host == "0.0.0.0"
+        for kind, urls in (("relations", settings.relations_urls), ("aggregates", settings.aggregates_urls)):
+            replicas = [r for r in API_REPLICAS if r.startswith(kind)]
+            assert len(urls) == len(replicas) >= 2, "the workers know every replica"
+            for replica, url in zip(replicas, urls, strict=True):
+                api_settings = load_settings({**image_env(), **env_of(services[replica])})
+                assert parse_cli_kind(services[replica]) == kind
+                port = api_settings.relations_port if kind == "relations" else api_settings.aggregates_port
+                assert url == f"http://{replica}:{port}"
+                assert api_settings.services_host == "0.0.0.0"
         # One host port per replica: the range holds every replica.
         published = service["ports"][0].split(":")
         low, high = (int(p) for p in published[0].split("-"))
@@ -324,22 +337,33 @@ def port_of(expression: str, port: int) -> int:
 
 def test_every_procfile_process_is_an_aml_app_command(cli: click.Group) -> None:
     processes = procfile()
-    assert set(processes) == {"broker", "pipeline", "relations", "aggregates", "aml", "fraud", "simulator"}
+    apis = {"relations_1", "relations_2", "aggregates_1", "aggregates_2"}
+    assert set(processes) == {"broker", "postgres", "pipeline", *apis, "aml", "fraud", "simulator"}
     ran = {name: parse(cli, split_command(line)[1]) for name, line in processes.items()}
     assert ran == {
         "broker": "broker",
+        "postgres": "postgres",
         "pipeline": "pipeline",
-        "relations": "serve",
-        "aggregates": "serve",
+        **dict.fromkeys(apis, "serve"),
         "aml": "worker",
         "fraud": "worker",
         "simulator": "simulate",
     }
+    api_urls = {"relations": [], "aggregates": []}
+    for name in sorted(apis):
+        assignments, args = split_command(processes[name])
+        settings = load_settings(assignments)
+        port = settings.relations_port if args[1] == "relations" else settings.aggregates_port
+        api_urls[args[1]].append(f"http://{settings.services_host}:{port}")
+    assert len({u for urls in api_urls.values() for u in urls}) == 4, "every replica on a port of its own"
     for name in ("aml", "fraud"):
         assignments, _ = split_command(processes[name])
         assert "PORT" in assignments["AML_WEB_PORT"], f"{name} must take its web port from honcho's $PORT"
         env = {k: str(port_of(v, 5000)) if k == "AML_WEB_PORT" else v for k, v in assignments.items()}
-        assert load_settings(env).service == name
+        settings = load_settings(env)
+        assert settings.service == name
+        assert list(settings.relations_urls) == api_urls["relations"], "the workers know every replica"
+        assert list(settings.aggregates_urls) == api_urls["aggregates"]
 
 
 def worker_ports(types: Sequence[str], counts: Mapping[str, int], base: int) -> list[int]:
