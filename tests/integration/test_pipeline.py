@@ -11,9 +11,7 @@ uncommitted).
 from __future__ import annotations
 
 import asyncio
-import threading
 from collections.abc import Iterator
-from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
@@ -23,19 +21,15 @@ from aiohttp.test_utils import TestServer
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from aml_app.broker import EmbeddedBroker
-from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.progress import GroupProgress
-from aml_app.pipeline.runner import Pipeline, kafka_config, spark_session, start_pipeline
+from aml_app.pipeline.runner import kafka_config, spark_session
 from aml_app.services import aggregates, relations
 from aml_app.services.api import aggregates_app, relations_app
 from aml_app.services.store import Reader
-from aml_app.settings import Settings
 from tests.harness import Names, wait_until
-from tests.payments import Produced, produce_payments
-from tests.reference import exact_from, reference_aggregates, reference_relations
-from tests.stores import aggregates_answers, relations_answers, without_as_of
-
-CATCH_UP = 120.0  # seconds for a pipeline to catch up with a few thousand payments on 2 busy cores
+from tests.payments import produce_payments
+from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
+from tests.stores import relations_answers
 
 
 @pytest.fixture(scope="module")
@@ -43,67 +37,6 @@ def spark() -> Iterator[Any]:
     session = spark_session("local[2]")
     yield session
     session.stop()
-
-
-def pipeline_settings(broker: EmbeddedBroker, names: Names, store_url: str, **overrides: Any) -> Settings:
-    relations_group, aggregates_group = names.deps
-    return replace(
-        Settings(),
-        bootstrap_servers=(broker.bootstrap,),
-        payments_topic=names.payments,
-        dlq_topic=names.dlq,
-        relations_group=relations_group,
-        aggregates_group=aggregates_group,
-        store_url=store_url,
-        trigger_interval=0.2,
-        **overrides,
-    )
-
-
-class Running:
-    """A started pipeline plus what a test needs to watch it."""
-
-    def __init__(self, spark: Any, settings: Settings) -> None:
-        self.settings = settings
-        self.reports: list[BatchReport] = []
-        self.lock = threading.Lock()
-        self.stopped = False
-        self.pipeline: Pipeline = start_pipeline(spark, settings, on_batch=self._record)
-        config = kafka_config(settings)
-        self.progress = {
-            g: GroupProgress(config, settings.payments_topic, g)
-            for g in (settings.relations_group, settings.aggregates_group)
-        }
-
-    def _record(self, report: BatchReport) -> None:
-        with self.lock:
-            self.reports.append(report)
-
-    def failure(self) -> str | None:
-        for query in self.pipeline.queries:
-            if not query.isActive:
-                return f"query {query.name} stopped: {query.exception()}"
-        return None
-
-    async def committed(self, partitions: range) -> dict[str, dict[int, int]]:
-        return {g: await asyncio.to_thread(p.committed, partitions) for g, p in self.progress.items()}
-
-    async def caught_up(self, ends: dict[int, int], timeout: float = CATCH_UP) -> None:
-        async def done() -> bool:
-            failure = self.failure()
-            assert failure is None, failure
-            committed = await self.committed(range(len(ends)))
-            return all(c == ends for c in committed.values())
-
-        await wait_until(done, timeout, f"both groups to commit up to the log end {ends}", interval=0.2)
-
-    def stop(self) -> None:
-        if self.stopped:
-            return
-        self.stopped = True
-        self.pipeline.stop()
-        for progress in self.progress.values():
-            progress.close()
 
 
 @pytest.fixture
@@ -118,43 +51,6 @@ def run_pipeline(spark: Any, broker: EmbeddedBroker, names: Names, store_url: st
     yield start
     for running in started:
         running.stop()
-
-
-def log_ends(produced: Produced, partitions: int) -> dict[int, int]:
-    ends = dict.fromkeys(range(partitions), 0)
-    for p, o in [(r.partition, r.offset) for r in produced.valid] + [
-        (p, o) for p, o, _ in produced.malformed
-    ]:
-        ends[p] = max(ends[p], o + 1)
-    return ends
-
-
-def merge(*batches: Produced) -> Produced:
-    return Produced([r for b in batches for r in b.valid], [m for b in batches for m in b.malformed])
-
-
-async def check_against_reference(settings: Settings, produced: Produced, batches: list[list[Any]]) -> None:
-    """Every account's answers from both stores equal the naive reference, at instants across the windows."""
-    start = exact_from(batches)
-    assert start is not None
-    instants = [start + timedelta(hours=h) for h in (0, 0.5, 1, 23.9, 24, 30)] + [
-        r.ts for r in produced.valid[:20] if r.ts >= start
-    ]
-    accounts = [*produced.accounts, "acct-unknown"]
-    for hops in (1, 2, 3):
-        answers = await relations_answers(settings.store_url, [(a, hops, relations.PARTS) for a in accounts])
-        for account, answer in zip(accounts, answers, strict=True):
-            assert without_as_of(answer) == reference_relations(produced.valid, account, hops), (
-                account,
-                hops,
-            )
-    for at in instants:
-        answers = await aggregates_answers(settings.store_url, [(a, at) for a in accounts], settings)
-        for account, answer in zip(accounts, answers, strict=True):
-            expected = reference_aggregates(
-                batches, account, at, settings.reporting_threshold, settings.threshold_band
-            )
-            assert without_as_of(answer) == expected, (account, at)
 
 
 async def dead_letters(broker: EmbeddedBroker, topic: str, expected: int) -> list[Any]:

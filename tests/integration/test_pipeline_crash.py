@@ -10,11 +10,8 @@ started under a running pipeline: it waits, commits nothing meanwhile, and resum
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
 import random
 import signal
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -23,96 +20,17 @@ from aiokafka import AIOKafkaProducer
 
 from aml_app.broker import EmbeddedBroker
 from aml_app.embedded_postgres import EmbeddedPostgres
-from aml_app.pipeline.progress import GroupProgress
-from aml_app.services.store import Writer
-from aml_app.settings import Settings
-from aml_app.workers import aml_app_executable
 from tests.harness import Names, wait_until
-from tests.integration.test_pipeline import check_against_reference, log_ends, merge, pipeline_settings
 from tests.payments import produce_payments
-from tests.stores import schema_of
-
-
-class PipelineProcess:
-    def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.env, self.log_path = env, log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> PipelineProcess:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [aml_app_executable(), "pipeline"],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    def signal(self, sig: int, wait: float = 30) -> None:
-        if self.alive():
-            assert self.process is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-            self.process.wait(wait)
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
-
-
-def pipeline_env(broker: EmbeddedBroker, names: Names, settings: Settings) -> dict[str, str]:
-    return {
-        **os.environ,
-        "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap,
-        "AML_PAYMENTS_TOPIC": names.payments,
-        "AML_DLQ_TOPIC": names.dlq,
-        "AML_RELATIONS_GROUP": settings.relations_group,
-        "AML_AGGREGATES_GROUP": settings.aggregates_group,
-        "AML_STORE_URL": settings.store_url,
-        "AML_TRIGGER_INTERVAL": "0.2",
-        "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
-    }
-
-
-class Watch:
-    """Samples each group's committed offsets, then its store's applied offsets (which only grow), and
-    records every sample where a group was ahead of its store."""
-
-    def __init__(self, broker: EmbeddedBroker, names: Names, settings: Settings) -> None:
-        config = {"bootstrap.servers": broker.bootstrap}
-        self.partitions = range(names.partitions)
-        self.progress = {g: GroupProgress(config, names.payments, g) for g in names.deps}
-        services = {settings.relations_group: "relations", settings.aggregates_group: "aggregates"}
-        self.stores = {g: Writer(settings.store_url, schema_of(services[g]), patience=5) for g in names.deps}
-        self.ahead: list[tuple[str, dict[int, int], dict[int, int]]] = []
-        self.samples = 0
-
-    async def committed(self, group: str) -> dict[int, int]:
-        return await asyncio.to_thread(self.progress[group].committed, self.partitions)
-
-    async def sample(self) -> dict[str, int]:
-        applied_total = {}
-        for group, store in self.stores.items():
-            committed = await self.committed(group)
-            applied = await asyncio.to_thread(store.applied_offsets)
-            self.samples += 1
-            if any(o > applied.get(p, 0) for p, o in committed.items()):
-                self.ahead.append((group, committed, applied))
-            applied_total[group] = sum(applied.values())
-        return applied_total
-
-    async def caught_up(self, ends: dict[int, int]) -> bool:
-        await self.sample()
-        return all([await self.committed(g) == ends for g in self.progress])
-
-    def close(self) -> None:
-        for progress in self.progress.values():
-            progress.close()
-        for store in self.stores.values():
-            store.close()
+from tests.pipelines import (
+    PipelineProcess,
+    Watch,
+    check_against_reference,
+    log_ends,
+    merge,
+    pipeline_env,
+    pipeline_settings,
+)
 
 
 async def test_kill_minus_nine_mid_batch_then_restart_from_the_store(

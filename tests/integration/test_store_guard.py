@@ -27,9 +27,9 @@ from aml_app.services.api import build_app
 from aml_app.settings import Settings
 from aml_app.workers import aml_app_executable
 from tests.harness import Names
-from tests.integration.test_pipeline import Running, check_against_reference, log_ends, pipeline_settings
 from tests.integration.test_services_api import wait_for_check
 from tests.payments import produce_payments
+from tests.pipelines import Running, check_against_reference, log_ends, pipeline_settings
 
 
 @pytest.fixture(scope="module")
