@@ -7,19 +7,20 @@ a. raw consume: one confluent-kafka Consumer assigned to every partition reads a
    each key and value; best of 3 (after one unmeasured warm-up read, alternating with b).
 b. source read: the same client through the source's `read_range` (Arrow batches), one partition after the
    other as one Spark task slot would; best of 3.
-c. pipeline: `start_pipeline` with both services on fresh stores, checkpoints and groups. Throughput = N /
-   time until both groups' committed offsets reach the log end: from before the SparkSession is created
-   ("cold") and from after ("warm"). The steady-state rate leaves out each service's first batch (Python
-   worker start-up, first-time planning) and runs from the end of that batch to the end of the last one.
+c. pipeline: `start_pipeline` with both services on fresh stores (a database of their own on an embedded
+   PostgreSQL server) and fresh groups. Throughput = N / time until both groups' committed offsets reach
+   the log end: from before the SparkSession is created ("cold") and from after ("warm"). The steady-state
+   rate leaves out each service's first batch (Python worker start-up, first-time planning) and runs from
+   the end of that batch to the end of the last one.
 d. latency: with the pipeline caught up, records are produced at a fixed rate R for D seconds; a thread
    polls both groups' committed offsets every 20 ms. A record's latency = the first poll that saw both
    groups past its offset minus the moment it was handed to the producer, so it includes the producer's
    linger (5 ms) and reads up to one poll interval (+ one OffsetFetch round trip) late.
 e. where the time goes: Spark's own per-trigger durations (latestOffset = our planner, planning, addBatch =
    our handler, WAL and offset commits), the handler's phases per batch (`BatchReport.phases`: the Spark
-   job that reads, parses and shapes the batch, the collect on the driver, dead letters, store, commit),
-   and standalone per-record costs of `read_range`, the parser, each service's task function, the rows
-   conversion on the driver and the stores' apply.
+   jobs that read, check and aggregate the batch, dead letters, the store transaction, the group commit),
+   and, per service and phase, a least-squares fit of seconds = fixed + per-record x records over every
+   batch of c. (large) and d. (small): the fixed cost of a micro-batch and the cost of each record.
 
     .venv/bin/python -m bench.pipeline_throughput [--payments 200000] [--rate 2000] [--duration 20]
         [--max-records-per-trigger 50000] [--trigger-interval 0.5]
@@ -42,11 +43,11 @@ from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 from aml_app.broker import EmbeddedBroker, free_port, wait_until_answering
+from aml_app.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka_tools import payment_json
 from aml_app.verify import percentile
 from bench.common import machine, markdown_table, write_results
@@ -56,7 +57,6 @@ PARTITIONS = 4
 ACCOUNTS = 5000
 MAX_PAYMENT_BYTES = 65536
 POLL_INTERVAL = 0.02
-STEPS = ("task", "to_rows", "store_apply")
 INVALID = (
     b"not json",
     b'{"payment_id": "x"}',
@@ -172,62 +172,30 @@ def source_read(bootstrap: str, topic: str, ends: dict[int, int]) -> tuple[float
     return seconds, batches
 
 
-# --- e: standalone per-record costs ---------------------------------------------------------------
+# --- e: fixed and per-record costs ---------------------------------------------------------------
 
 
-def standalone_costs(batches: dict[int, list[Any]], chunk: int, workdir: Path) -> dict[str, Any]:
-    """The pipeline's steps timed alone, in one process, on the source's batches (µs per record).
-
-    Executor side: the payment parser alone, and the whole task function of each service (`batch_task`:
-    parse, spans, rejects, and rows or per-task edge deltas). Driver side: the task output turned into the
-    stores' rows, and the stores' apply, in chunks of `chunk` records of one partition.
-    """
-    import pyarrow as pa
-
-    from aml_app.pipeline import jobs
-    from aml_app.pipeline.parse import batch_task, payment_parser
-    from aml_app.services.aggregates import AggregatesStore
-    from aml_app.services.relations import RelationsStore
-
-    n = sum(b.num_rows for bs in batches.values() for b in bs)
-    parse = payment_parser(MAX_PAYMENT_BYTES)
-    started = time.monotonic()
-    for bs in batches.values():
-        for _ in parse(iter(bs)):
-            pass
-    costs: dict[str, Any] = {"records": n, "chunk": chunk}
-    costs["parse_us_per_record"] = (time.monotonic() - started) / n * 1e6
-
-    stores = {
-        "aggregates": AggregatesStore(str(workdir / "alone-agg.sqlite"), Decimal("10000"), Decimal("0.1")),
-        "relations": RelationsStore(str(workdir / "alone-rel.sqlite")),
+def fit(points: list[tuple[float, float]]) -> dict[str, float]:
+    """Least squares seconds = fixed + per_record * records over (records, seconds) points."""
+    n = len(points)
+    if n < 2 or len({x for x, _ in points}) < 2:
+        return {"points": n}
+    mean_x = sum(x for x, _ in points) / n
+    mean_y = sum(y for _, y in points) / n
+    slope = sum((x - mean_x) * (y - mean_y) for x, y in points) / sum((x - mean_x) ** 2 for x, _ in points)
+    return {
+        "points": n,
+        "fixed_ms": (mean_y - slope * mean_x) * 1000,
+        "per_record_us": slope * 1e6,
     }
-    shapes = {"aggregates": ("payments", jobs.aggregates_rows), "relations": ("edges", jobs.relations_rows)}
-    try:
-        for service, (shape, to_rows) in shapes.items():
-            task = batch_task(MAX_PAYMENT_BYTES, shape)
-            seconds = defaultdict(float)
-            for p, bs in sorted(batches.items()):
-                table = pa.Table.from_batches(bs)
-                for first in range(0, table.num_rows, chunk):
-                    piece = table.slice(first, chunk).to_batches()
-                    t0 = time.monotonic()
-                    out = pa.Table.from_batches(list(task(iter(piece))))
-                    t1 = time.monotonic()
-                    rows = to_rows(out)
-                    t2 = time.monotonic()
-                    offsets = pa.Table.from_batches(piece).column("offset")
-                    stores[service].apply_prepared(rows, {p: (offsets[0].as_py(), offsets[-1].as_py() + 1)})
-                    t3 = time.monotonic()
-                    seconds["task"] += t1 - t0
-                    seconds["to_rows"] += t2 - t1
-                    seconds["store_apply"] += t3 - t2
-            for step, total in seconds.items():
-                costs[f"{service}_{step}_us_per_record"] = total / n * 1e6
-    finally:
-        for store in stores.values():
-            store.close()
-    return costs
+
+
+def costs(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per phase of the handler and for the whole handler: the fixed cost of a batch and each record's."""
+    steps = sorted({k for r in reports for k in r["phases"]})
+    out = {step: fit([(r["records"], r["phases"].get(step, 0.0)) for r in reports]) for step in steps}
+    out["handler_total"] = fit([(r["records"], r["seconds"]) for r in reports])
+    return out
 
 
 # --- c, d: the pipeline ---------------------------------------------------------------------------
@@ -473,6 +441,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         },
     }
     workdir = Path(tempfile.mkdtemp(prefix="aml-bench-pipeline-"))
+    workdir.chmod(0o755)  # a root run hands the PostgreSQL folder inside it to an unprivileged user
     broker = EmbeddedBroker(free_port(), log_path=workdir / "broker.log").start()
     suffix = uuid.uuid4().hex[:8]
     topic, dlq = f"payments-{suffix}", f"dlq-{suffix}"
@@ -508,12 +477,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         }
         print(f"b. read_range:  {n / min(reads):,.0f} records/s (best of {args.runs}: {min(reads):.2f} s)")
 
-        costs = standalone_costs(batches, args.max_records_per_trigger // PARTITIONS, workdir)
-        costs["read_range_us_per_record"] = doc["source_read"]["us_per_record"]
-        costs["raw_consume_us_per_record"] = min(raw) / n * 1e6
-        doc["standalone_costs"] = costs
         del batches
-
+        server = EmbeddedPostgres(workdir / "postgres", free_port()).start()
         groups = [f"relations-{suffix}", f"aggregates-{suffix}"]
         settings = Settings(
             bootstrap_servers=(broker.bootstrap,),
@@ -521,14 +486,12 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             dlq_topic=dlq,
             relations_group=groups[0],
             aggregates_group=groups[1],
-            store_dir=str(workdir / "stores"),
-            checkpoint_dir=str(workdir / "checkpoints"),
+            store_url=server.url(),
             spark_master=args.master,
             trigger_interval=args.trigger_interval,
             max_records_per_trigger=args.max_records_per_trigger,
             max_payment_bytes=MAX_PAYMENT_BYTES,
         )
-        os.makedirs(settings.store_dir, exist_ok=True)
         poller = CommitPoller(broker.bootstrap, topic, groups, POLL_INTERVAL).start()
         reports = Batches()
         spark = pipeline = None
@@ -536,9 +499,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             t_cold = time.monotonic()
             spark = spark_session(args.master, app_name="bench-pipeline")
             t_warm = time.monotonic()
-            pipeline = start_pipeline(
-                spark, settings, checkpoint_dir=settings.checkpoint_dir, on_batch=reports
-            )
+            pipeline = start_pipeline(spark, settings, on_batch=reports)
             t_done = wait_committed(poller, ends, args.timeout, pipeline)
             reports.wait_for(n, {})
             steady = {s: steady_state(reports, s) for s in ("relations", "aggregates")}
@@ -594,6 +555,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 },
                 "spark_progress": settled_progress(pipeline, len(placed), batch_ids),
             }
+            doc["costs"] = {s: costs(reports.of(s)) for s in ("relations", "aggregates")}
             latency = doc["latency"]
             print(
                 f"d. latency at {args.rate:.0f}/s for {args.duration:.0f} s: p50 {latency['p50_ms']:.0f} ms, "
@@ -605,14 +567,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             if spark is not None:
                 spark.stop()
             poller.stop()
+            server.stop()
         raw_rate = doc["raw_consume"]["records_per_s"]
-        # Both services' per-record work done alone, back to back: what 2 perfectly used cores could reach
-        # if Spark, the JVM, the broker and the GIL cost nothing.
-        c = doc["standalone_costs"]
-        work_us = sum(
-            c["read_range_us_per_record"] + sum(c.get(f"{svc}_{step}_us_per_record", 0.0) for step in STEPS)
-            for svc in ("relations", "aggregates")
-        )
         doc["summary"] = {
             "raw_consume_per_s": raw_rate,
             "read_range_per_s": doc["source_read"]["records_per_s"],
@@ -623,11 +579,9 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "ratio_cold_to_raw": doc["pipeline"]["records_per_s_cold"] / raw_rate,
             "ratio_warm_to_raw": doc["pipeline"]["records_per_s_warm"] / raw_rate,
             "ratio_steady_to_raw": doc["pipeline"]["steady_records_per_s"] / raw_rate,
-            "standalone_us_per_payment_both_services": work_us,
-            "standalone_bound_per_s_on_2_cores": 2e6 / work_us,
-            "ratio_bound_to_raw": 2e6 / work_us / raw_rate,
-            "goal": "pipeline (warm) / raw consume >= 0.3 at local[2]",
-            "goal_met": doc["pipeline"]["records_per_s_warm"] / raw_rate >= 0.3,
+            "goal": "pipeline (warm) / raw consume >= 0.10 at local[2]; latency p99 < 1.5 s at 2,000/s",
+            "goal_met": doc["pipeline"]["records_per_s_warm"] / raw_rate >= 0.10,
+            "latency_goal_met": doc["latency"]["p99_ms"] < 1500,
             "latency_p50_ms": doc["latency"]["p50_ms"],
             "latency_p99_ms": doc["latency"]["p99_ms"],
         }
@@ -642,7 +596,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(doc: dict[str, Any]) -> str:
-    s, p, c = doc["summary"], doc["pipeline"], doc["standalone_costs"]
+    s, p = doc["summary"], doc["pipeline"]
     rates = markdown_table(
         ["measure", "records/s", "÷ raw consume"],
         [
@@ -658,11 +612,6 @@ def report(doc: dict[str, Any]) -> str:
                 "c. pipeline, steady (after 1st batch)",
                 round(s["pipeline_steady_per_s"]),
                 s["ratio_steady_to_raw"],
-            ),
-            (
-                "e. bound: standalone steps of both services on 2 ideal cores",
-                round(s["standalone_bound_per_s_on_2_cores"]),
-                s["ratio_bound_to_raw"],
             ),
         ],
     )
@@ -714,17 +663,17 @@ def report(doc: dict[str, Any]) -> str:
         [(k, *(ph.get(k, 0.0) for ph in handler_phases.values())) for k in names],
     )
     per_record = markdown_table(
-        ["standalone step", "µs/record"],
+        ["service", "phase", "batches", "fixed ms per batch", "µs per record"],
         [
-            ("raw consume", c["raw_consume_us_per_record"]),
-            ("read_range (consume + Arrow)", c["read_range_us_per_record"]),
-            ("payment_parser alone", c["parse_us_per_record"]),
-            *(
-                (f"{service}: {step.replace('_', ' ')}", c[f"{service}_{step}_us_per_record"])
-                for service in ("relations", "aggregates")
-                for step in STEPS
-                if f"{service}_{step}_us_per_record" in c
-            ),
+            (
+                service,
+                step,
+                f.get("points", 0),
+                f.get("fixed_ms", float("nan")),
+                f.get("per_record_us", float("nan")),
+            )
+            for service, steps in doc["costs"].items()
+            for step, f in steps.items()
         ],
     )
     lat = doc["latency"]
@@ -743,7 +692,9 @@ def report(doc: dict[str, Any]) -> str:
         ],
     )
     goal = "met" if s["goal_met"] else "NOT met"
-    return "\n\n".join([rates, f"goal {s['goal']}: {goal}", services, spark, handler, per_record, latency])
+    latency_goal = "met" if s["latency_goal_met"] else "NOT met"
+    verdict = f"goal {s['goal']}: throughput {goal}, latency {latency_goal}"
+    return "\n\n".join([rates, verdict, services, spark, handler, per_record, latency])
 
 
 def cli() -> None:
