@@ -4,27 +4,135 @@ Payments arrive as raw bytes and are validated here, not by a deserializer: a de
 the consumer (and Faust would ack, i.e. skip, the record). `validate_payment` turns every fault into an
 `InvalidPayment` with a reason, which the caller sends to the dead-letter topic. Spark executors import this
 module for every micro-batch, so it stays free of Faust and other heavy imports.
+
+The contract is meant to be implemented twice and agree exactly: here (the worker, and the DLQ reasons) and as
+Spark SQL expressions (`aml_app.pipeline.validation`, checked against this module record by record by
+`tests/unit/test_validation_sql.py`). So it says nothing that depends on one library's behaviour: JSON that
+two parsers could read differently (duplicate keys, NaN, lone surrogates) is refused, every size is bounded
+here below the limits of Python's and Jackson's parsers, and `ts` is one fixed RFC 3339 profile rather than
+whatever `datetime.fromisoformat` of this Python version accepts.
 """
 
 from __future__ import annotations
 
+import calendar
 import json
 import re
-from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
+from typing import Any
 
 from aml_app.currencies import ISO_4217
 
 REQUIRED = ("payment_id", "payer", "payee", "amount", "currency", "ts")
 OPTIONAL = ("channel", "country")
 MAX_ID_LENGTH = 128
+MAX_OPTIONAL_LENGTH = 64
 MAX_AMOUNT = Decimal("1e15")
+# Portable JSON: bounds below every parser's own limit (Python: recursion limit, 4300-digit integers;
+# Jackson, which Spark uses: depth 1000, 1000-digit numbers, 50000-character names), so that no record is
+# refused by one implementation and accepted by the other. Depth counts the top-level object as 1.
+MAX_JSON_DEPTH = 64
+MAX_NUMBER_LENGTH = 100  # characters of a number as written, sign and exponent included
+MAX_NAME_LENGTH = 1000  # characters (code points) of an object key, after unescaping
 # ASCII digits only: Decimal() would also take "1_000", "1E+3", " 5 " or Arabic-Indic digits.
 _DECIMAL = re.compile(r"-?[0-9]+(\.[0-9]+)?")
+# `ts`, one RFC 3339 profile: YYYY-MM-DDTHH:MM:SS, optionally 1 to 6 fraction digits, then Z or +00:00;
+# year 0001-9999, hours 00-23, seconds 00-59 (no leap second), and a day that exists in its month.
+TIMESTAMP_FORMAT = "YYYY-MM-DDTHH:MM:SS[.ffffff]Z"
+_TIMESTAMP = re.compile(
+    r"(?!0000)[0-9]{4}-(0[1-9]|1[0-2])-(0[1-9]|[12][0-9]|3[01])"
+    r"T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|\+00:00)"
+)
+# Only to say why a timestamp was refused: the shape, whatever the ranges, with any offset or none.
+_TIMESTAMP_SHAPE = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}T[0-9]{2}:[0-9]{2}:[0-9]{2}(?:\.[0-9]{1,6})?(.*)")
+_SURROGATE = re.compile("[\ud800-\udfff]")
+# A lone surrogate can only come from a \uD800-\uDFFF escape (UTF-8 cannot encode one); this also matches
+# escapes of U+D000-U+D7FF and an escaped backslash before "ud", which only costs a walk.
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD]")
 
 
 class InvalidPayment(ValueError):
     """A record on the payments topic that breaks the contract; the message is the DLQ reason."""
+
+
+# --- JSON ---------------------------------------------------------------------------------------------------
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    doc = dict(pairs)
+    if len(doc) != len(pairs):
+        seen: set[str] = set()
+        for name, _ in pairs:
+            if name in seen:
+                raise InvalidPayment(f"value has the key {name[:40]!r} twice in one JSON object")
+            seen.add(name)
+    return doc
+
+
+def _constant(name: str) -> Any:
+    raise InvalidPayment(f"value contains {name}, which is not a JSON number")
+
+
+def _number(text: str) -> str:
+    if len(text) > MAX_NUMBER_LENGTH:
+        raise InvalidPayment(f"value has a number longer than {MAX_NUMBER_LENGTH} characters")
+    return text
+
+
+# Numbers in extra fields are checked for length and then converted as json would; strings and the hot path
+# (a flat object of strings) pay only for the duplicate-key check.
+_JSON = json.JSONDecoder(
+    object_pairs_hook=_object,
+    parse_constant=_constant,
+    parse_int=lambda text: int(_number(text)),
+    parse_float=lambda text: float(_number(text)),
+)
+
+
+def _check_tree(node: dict[str, Any] | list[Any], depth: int) -> None:
+    """Depth, key lengths and lone surrogates of a parsed document (only called when the bytes allow them)."""
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidPayment(f"value nests JSON objects and arrays more than {MAX_JSON_DEPTH} levels deep")
+    if isinstance(node, dict):
+        for name in node:
+            if len(name) > MAX_NAME_LENGTH:
+                raise InvalidPayment(f"value has a JSON key longer than {MAX_NAME_LENGTH} characters")
+            if _SURROGATE.search(name):
+                raise InvalidPayment("value has a JSON key with an unpaired UTF-16 surrogate escape")
+        items = node.values()
+    else:
+        items = node
+    for item in items:
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                raise InvalidPayment("value has a JSON string with an unpaired UTF-16 surrogate escape")
+        elif isinstance(item, (dict, list)):
+            _check_tree(item, depth + 1)
+
+
+def _document(value: bytes) -> Any:
+    try:
+        doc = _JSON.decode(value.decode("utf-8"))
+    except UnicodeDecodeError:
+        raise InvalidPayment("key or value is not UTF-8 text") from None
+    except json.JSONDecodeError as exc:
+        raise InvalidPayment(f"value is not JSON: {exc.msg} at position {exc.pos}") from None
+    except RecursionError:
+        raise InvalidPayment(
+            f"value nests JSON objects and arrays more than {MAX_JSON_DEPTH} levels deep"
+        ) from None
+    # Cheap tests on the bytes decide whether the document can break a rule that needs a walk over it: a
+    # long key needs a long value, a lone surrogate an escape, depth brackets.
+    if isinstance(doc, (dict, list)) and (
+        len(value) > MAX_NAME_LENGTH
+        or _SURROGATE_ESCAPE.search(value)
+        or value.count(b"{") + value.count(b"[") > MAX_JSON_DEPTH
+    ):
+        _check_tree(doc, 1)
+    return doc
+
+
+# --- fields -------------------------------------------------------------------------------------------------
 
 
 def _text_field(doc: dict, name: str, max_length: int = MAX_ID_LENGTH) -> str:
@@ -66,12 +174,17 @@ def _amount(doc: dict) -> str:
 
 def _timestamp(doc: dict) -> str:
     raw = _text_field(doc, "ts", 40)
-    try:
-        when = datetime.fromisoformat(raw)
-    except ValueError:
-        raise InvalidPayment(f"field 'ts' is not an ISO-8601 timestamp: {raw!r}") from None
-    if when.tzinfo is None or when.utcoffset() != UTC.utcoffset(None):
-        raise InvalidPayment(f"field 'ts' must be in UTC (Z or +00:00): {raw!r}")
+    match = _TIMESTAMP.fullmatch(raw)
+    if match is None:
+        shape = _TIMESTAMP_SHAPE.fullmatch(raw)
+        if shape is None:
+            raise InvalidPayment(f"field 'ts' is not an RFC 3339 timestamp {TIMESTAMP_FORMAT}: {raw!r}")
+        if shape[1] not in ("Z", "+00:00"):
+            raise InvalidPayment(f"field 'ts' must be in UTC (Z or +00:00): {raw!r}")
+        raise InvalidPayment(f"field 'ts' is not a real date and time: {raw!r}")
+    month, day = match.group(1, 2)
+    if day > "28" and int(day) > calendar.monthrange(int(raw[:4]), int(month))[1]:
+        raise InvalidPayment(f"field 'ts' is not a real date: {raw!r}")
     return raw
 
 
@@ -85,14 +198,9 @@ def validate_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> 
         raise InvalidPayment("key is missing (null); the key must be the payer account id")
     try:
         key_text = key.decode("utf-8")
-        doc = json.loads(value.decode("utf-8"))
     except UnicodeDecodeError:
         raise InvalidPayment("key or value is not UTF-8 text") from None
-    except json.JSONDecodeError as exc:
-        raise InvalidPayment(f"value is not JSON: {exc.msg} at position {exc.pos}") from None
-    except (ValueError, RecursionError) as exc:
-        # Nesting too deep, or an integer longer than Python converts: hostile input, not a crash.
-        raise InvalidPayment(f"value is not acceptable JSON: {type(exc).__name__}") from None
+    doc = _document(value)
     if not isinstance(doc, dict):
         raise InvalidPayment(f"value must be a JSON object, got {type(doc).__name__}")
     missing = [name for name in REQUIRED if name not in doc]
@@ -107,7 +215,7 @@ def validate_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> 
     optional = {}
     for name in OPTIONAL:
         if doc.get(name) is not None:
-            optional[name] = _text_field(doc, name, 64)
+            optional[name] = _text_field(doc, name, MAX_OPTIONAL_LENGTH)
     return {
         "payment_id": _text_field(doc, "payment_id"),
         "payer": payer,

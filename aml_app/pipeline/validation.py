@@ -1,29 +1,284 @@
-"""STAND-IN (replaced by the Spark SQL contract): validation through the Python contract in mapInArrow."""
+"""The payment contract as Spark SQL expressions: raw Kafka records in, a verdict and typed fields out, all in
+the JVM (no Python UDF, no Arrow round trip).
+
+`validated(records, max_bytes)` marks each record `valid` exactly when `aml_app.contract.validate_payment`
+would accept it, and carries the fields the contract returns, typed. It says nothing about *why* a record is
+invalid: the pipeline asks the Python contract for the reason of the (rare) rejected records on the driver,
+so a dead letter carries the same sentence whichever service refused it. `tests/unit/test_validation_sql.py`
+holds the two implementations to the same verdict, record by record, over a corpus of hostile input.
+
+How each rule is checked here (Spark 4 runs with ANSI on, so only `try_` casts are used):
+
+- UTF-8: `is_valid_utf8` on the key and the value (overlong forms, encoded surrogates, >U+10FFFF refused,
+  as by Python's decoder).
+- JSON: `try_parse_json` (Jackson into a VARIANT) refuses duplicate keys at any depth, NaN/Infinity and
+  unpaired surrogate escapes, as the contract does. It ignores whatever follows the first JSON value, so the
+  value is parsed wrapped as `[value,0]`, and the result must be exactly the two elements [object, 0]. When
+  the value holds no `]` that proves there is nothing after the object: the array can only close at the
+  `]` we appended, so all of it was parsed. Otherwise the junk could close the array itself
+  (`{...},0] junk`), so it is parsed again as `[value,1]`: junk after the object would be the same second
+  element in both parses, and it cannot be both 0 and 1.
+- Depth, number and key-length bounds (`MAX_JSON_DEPTH`, `MAX_NUMBER_LENGTH`, `MAX_NAME_LENGTH`) are below
+  Jackson's own limits, so Jackson parses every document that might break them and the bounds are checked
+  here on the text, only for the records whose size or characters allow a breach: string literals are
+  matched left to right with one pattern (in valid JSON no quote lies between two literals), which gives
+  the text outside strings (numbers are its runs of number characters; depth is the bracket nesting,
+  counted by removing innermost pairs) and the keys (literals followed by a colon, decoded by Jackson).
+- Fields: `variant_get` with a check of the JSON type (`schema_of_variant`: a number is not a string);
+  lengths in code points (`length`); "blank" is a class of exactly the characters Python's `str.isspace`
+  accepts, generated from Python; `ts` by one regular expression of the RFC 3339 profile and
+  `try_make_timestamp` for the calendar (Feb 30 is null).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import itertools
+from functools import cache
 
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from aml_app.pipeline.parse import PARSED_SCHEMA, payment_parser
+from aml_app.contract import (
+    MAX_ID_LENGTH,
+    MAX_JSON_DEPTH,
+    MAX_NAME_LENGTH,
+    MAX_NUMBER_LENGTH,
+    MAX_OPTIONAL_LENGTH,
+    OPTIONAL,
+    REQUIRED,
+)
+from aml_app.currencies import ISO_4217
+
+AMOUNT_TYPE = "decimal(19,4)"  # < 10^15 with 4 decimal places: 15 + 4 digits
+VALIDATED_SCHEMA = (
+    "partition INT, offset BIGINT, key BINARY, value BINARY, valid BOOLEAN, payment_id STRING, payer STRING, "
+    f"payee STRING, amount {AMOUNT_TYPE.upper()}, currency STRING, ts TIMESTAMP"
+)
+
+# Java regular expressions (java.util.regex), anchored with \A and \z (`$` would accept a final newline).
+AMOUNT_PATTERN = r"\A-?[0-9]+(?:\.[0-9]{1,4})?\z"
+TIMESTAMP_PATTERN = (
+    r"\A(?!0000)[0-9]{4}-(?:0[1-9]|1[0-2])-(?:0[1-9]|[12][0-9]|3[01])"
+    r"T(?:[01][0-9]|2[0-3]):[0-5][0-9]:[0-5][0-9](?:\.[0-9]{1,6})?(?:Z|\+00:00)\z"
+)
+# One JSON string literal, for text already known to be valid JSON. Possessive quantifiers: Java matches
+# them in a loop, not by recursion, so a literal of millions of escapes cannot overflow the stack.
+STRING_LITERAL = r'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+# Every literal, so that matches follow each other literal by literal; group 1 is set only for a literal
+# followed by a colon (a key) whose text, escapes included, is longer than MAX_NAME_LENGTH characters (a
+# shorter text cannot decode to a longer key).
+_NAME_PATTERN = (
+    rf'"(?:[^"\\]|\\.){{0,{MAX_NAME_LENGTH}}}+"'
+    rf"|({STRING_LITERAL})(?=[ \t\n\r]*+:)"
+    rf"|{STRING_LITERAL}"
+)
+_NUMBER_RUN = rf"[-+.0-9eE]{{{MAX_NUMBER_LENGTH + 1}}}"
+# The contract's fields of the top-level object, as text and as VARIANTs (for their JSON types).
+FIELDS = (*REQUIRED, *OPTIONAL)
+_AS_TEXT = "struct<" + ", ".join(f"{name}: string" for name in FIELDS) + ">"
+_AS_VARIANTS = "struct<" + ", ".join(f"{name}: variant" for name in FIELDS) + ">"
+
+
+def accepted_types() -> list[str]:
+    """`schema_of_variant` of the fields of a valid payment: every required field a JSON string, each
+    optional one a string or VOID (null or missing). Spark lists an object's keys sorted."""
+    accepted = []
+    for optional in itertools.product(("STRING", "VOID"), repeat=len(OPTIONAL)):
+        types = {**dict.fromkeys(REQUIRED, "STRING"), **dict(zip(OPTIONAL, optional, strict=True))}
+        accepted.append("OBJECT<" + ", ".join(f"{name}: {types[name]}" for name in sorted(types)) + ">")
+    return accepted
+
+
+@cache
+def blank_pattern() -> str:
+    """A Java regex matching a string that Python's `str.strip()` empties: only `str.isspace()` characters.
+
+    Java's `\\s` is a different set (it lacks U+0085, U+00A0, U+2000.., and has no U+001C..U+001F), so the
+    class is generated from Python's own table.
+    """
+    spaces = "".join(f"\\x{{{code:X}}}" for code in range(0x110000) if chr(code).isspace())
+    return rf"\A[{spaces}]*\z"
+
+
+def _not_blank(text: Column, max_length: int) -> Column:
+    """The rest of `_text_field` once the type is known to be a string: not blank, at most `max_length`
+    code points."""
+    return ~text.rlike(blank_pattern()) & (F.length(text) <= max_length)
+
+
+def _nothing_after_the_object(text: Column, wrapped: Column) -> Column:
+    """`wrapped` (the parse of `[text,0]`) holds exactly [first value, 0] and no data followed the first
+    value (see the module's docstring)."""
+    return (
+        (F.try_variant_get(wrapped, "$[1]", "int") == 0)
+        & F.variant_get(wrapped, "$[2]", "variant").isNull()
+        & (
+            (F.instr(text, "]") == 0)
+            | (
+                F.try_variant_get(F.try_parse_json(F.concat(F.lit("["), text, F.lit(",1]"))), "$[1]", "int")
+                == 1
+            )
+        )
+    )
+
+
+def _outside_strings(text: Column) -> Column:
+    """The text with every string literal emptied (`""`): what is left of valid JSON is structure, numbers and
+    the literals true, false and null."""
+    return F.regexp_replace(text, STRING_LITERAL, '""')
+
+
+def _depth_ok(text: Column) -> Column:
+    """No more than MAX_JSON_DEPTH nested objects and arrays (counted only when there are that many
+    brackets at all). Each pass removes every innermost pair, so nesting d deep is gone after d passes."""
+    brackets = F.regexp_replace(_outside_strings(text), r"[^\[\]{}]", "")
+    flattened = F.aggregate(
+        F.sequence(F.lit(1), F.lit(MAX_JSON_DEPTH)),
+        brackets,
+        lambda rest, _: F.regexp_replace(rest, r"\[\]|\{\}", ""),
+    )
+    opening = F.octet_length(text) - F.octet_length(
+        F.replace(F.replace(text, F.lit("["), F.lit("")), F.lit("{"), F.lit(""))
+    )
+    return F.when(opening > MAX_JSON_DEPTH, flattened == "").otherwise(True)
+
+
+def _numbers_ok(text: Column) -> Column:
+    """No number longer than MAX_NUMBER_LENGTH characters: outside strings, a run of number characters is
+    exactly one number (checked only when the text has such a run at all, strings included)."""
+    return F.when(text.rlike(_NUMBER_RUN), ~_outside_strings(text).rlike(_NUMBER_RUN)).otherwise(True)
+
+
+def _names_ok(text: Column) -> Column:
+    """No key longer than MAX_NAME_LENGTH code points once unescaped (checked only for texts long enough to
+    hold one): the keys whose text is longer are unescaped by parsing them as JSON strings."""
+    long_keys = F.filter(F.regexp_extract_all(text, F.lit(_NAME_PATTERN), 1), lambda name: name != "")
+    too_long = F.exists(
+        long_keys,
+        lambda name: F.length(F.variant_get(F.try_parse_json(name), "$", "string")) > MAX_NAME_LENGTH,
+    )
+    return F.when(F.octet_length(text) > MAX_NAME_LENGTH, ~too_long).otherwise(True)
+
+
+def _within_json_bounds(text: Column) -> Column:
+    """Depth, number lengths and key lengths of a text that parsed as JSON; most payments are decided by
+    the cheap tests in front of each check."""
+    return _depth_ok(text) & _numbers_ok(text) & _names_ok(text)
+
+
+# The session settings the contract relies on (the defaults); `validated` refuses to run under others.
+REQUIRED_SETTINGS = {
+    "spark.sql.variant.allowDuplicateKeys": "false",
+    "spark.sql.variant.validateUnicodeInJsonParsing": "true",
+}
+
+
+def _check_session(records: DataFrame) -> None:
+    conf = records.sparkSession.conf
+    wrong = {k: conf.get(k) for k, v in REQUIRED_SETTINGS.items() if conf.get(k).lower() != v}
+    if wrong:
+        raise ValueError(f"payment validation needs {REQUIRED_SETTINGS}; this session has {wrong}")
 
 
 def validated(records: DataFrame, max_bytes: int) -> DataFrame:
-    parsed = records.mapInArrow(payment_parser(max_bytes), PARSED_SCHEMA)
-    raw = records.select("partition", "offset", "key", "value")
-    joined: Any = parsed.drop("key", "value").join(raw, ["partition", "offset"])
-    return joined.select(
-        "partition",
-        "offset",
-        "key",
-        "value",
-        F.col("error").isNull().alias("valid"),
-        "payment_id",
-        "payer",
-        "payee",
-        F.col("amount").cast("decimal(19,4)").alias("amount"),
-        "currency",
-        "ts",
+    """Kafka records (`partition, offset, timestamp, key, value`) -> `VALIDATED_SCHEMA`.
+
+    `valid` is true exactly when `validate_payment(key, value, max_bytes)` returns; the typed fields are
+    those it returns (null when not valid). Key and value are kept for the dead letters.
+    """
+    _check_session(records)
+    frame = records
+    for stage in _stages(records.sparkSession.sparkContext, max_bytes):
+        frame = frame.select(*stage)
+    return frame
+
+
+_built: dict[tuple[int, int], list[list[Column | str]]] = {}
+
+
+def _stages(context: object, max_bytes: int) -> list[list[Column | str]]:
+    """The column expressions of `validated`, built once per Spark context and size limit.
+
+    Building them costs hundreds of calls into the JVM (about a second per micro-batch on this machine);
+    the expressions name columns only, so the same ones serve every batch.
+    """
+    key = (id(context), max_bytes)
+    if key not in _built:
+        _built.clear()  # a new session (tests): the old expressions belong to a stopped context
+        _built[key] = _build_stages(max_bytes)
+    return _built[key]
+
+
+def _build_stages(max_bytes: int) -> list[list[Column | str]]:
+    value, key = F.col("value"), F.col("key")
+    text = value.cast("string")
+    readable = (
+        value.isNotNull()
+        & (F.octet_length(value) <= max_bytes)
+        & key.isNotNull()
+        & F.is_valid_utf8(key)
+        & F.is_valid_utf8(value)
     )
+    kept: list[Column | str] = ["partition", "offset", "key", "value"]
+    # 1. One JSON parse per record (a second one, and the bounds, only where needed).
+    parsed = [
+        *kept,
+        F.when(readable, F.try_parse_json(F.concat(F.lit("["), text, F.lit(",0]")))).alias("_json"),
+    ]
+    # 2. The contract's fields as text, and their JSON types (missing and null are both VOID; a path into
+    # anything but an object gives null, as Python's `name in doc` would fail).
+    json_ok = F.coalesce(
+        F.col("_json").isNotNull()
+        & _nothing_after_the_object(text, F.col("_json"))
+        & _within_json_bounds(text),
+        F.lit(False),
+    )
+    fields = [
+        *kept,
+        json_ok.alias("_json_ok"),
+        F.try_variant_get("_json", "$[0]", _AS_TEXT).alias("_f"),
+        F.schema_of_variant(F.to_variant_object(F.try_variant_get("_json", "$[0]", _AS_VARIANTS))).alias(
+            "_types"
+        ),
+    ]
+
+    def field(name: str) -> Column:
+        return F.col("_f").getField(name)
+
+    # 3. Amount and instant, each computed once. The pattern fixes the timestamp's form (Z or +00:00 only),
+    # so the cast only has the calendar left to judge (Feb 30 is null).
+    typed = [
+        "*",
+        F.when(field("amount").rlike(AMOUNT_PATTERN), field("amount").try_cast(AMOUNT_TYPE)).alias("_amount"),
+        F.when(field("ts").rlike(TIMESTAMP_PATTERN), field("ts").try_cast("timestamp")).alias("_ts"),
+    ]
+    checks = [
+        F.col("_json_ok"),
+        F.col("_types").isin(accepted_types()),
+        _not_blank(field("payer"), MAX_ID_LENGTH),
+        key.cast("string") == field("payer"),
+        field("currency").isin(sorted(ISO_4217)),
+        *(field(name).isNull() | _not_blank(field(name), MAX_OPTIONAL_LENGTH) for name in OPTIONAL),
+        _not_blank(field("payment_id"), MAX_ID_LENGTH),
+        _not_blank(field("payee"), MAX_ID_LENGTH),
+        F.col("_amount") > 0,
+        F.col("_ts").isNotNull(),
+    ]
+    valid = checks[0]
+    for check in checks[1:]:
+        valid = valid & check
+    checked = ["*", F.coalesce(valid, F.lit(False)).alias("valid")]
+
+    # 4. The verdict, and the typed fields of valid records.
+    def when_valid(column: Column, name: str) -> Column:
+        return F.when(F.col("valid"), column).alias(name)
+
+    verdict = [
+        *kept,
+        "valid",
+        *(when_valid(field(name), name) for name in ("payment_id", "payer", "payee")),
+        when_valid(F.col("_amount"), "amount"),
+        when_valid(field("currency"), "currency"),
+        when_valid(F.col("_ts"), "ts"),
+    ]
+    return [parsed, fields, typed, checked, verdict]

@@ -35,7 +35,7 @@ MALFORMED = [
     (b"acct-1", bad(amount=5), "must be a decimal string"),
     (b"acct-1", bad(amount="-3.00"), "greater than zero"),
     (b"acct-1", bad(currency="XXQ"), "ISO 4217"),
-    (b"acct-1", bad(ts="yesterday"), "ISO-8601"),
+    (b"acct-1", bad(ts="yesterday"), "RFC 3339"),
     (b"acct-1", b'{"payload": "' + b"A" * 200_000 + b'"}', "over the limit"),
     (b"acct-1", os.urandom(64) + b"\xff\xfe", "not UTF-8"),
     (None, payment_json("nokey", "acct-1", "acct-2", "5.00", "2026-11-20T10:15:00Z"), "key is missing"),

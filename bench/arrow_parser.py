@@ -1,4 +1,6 @@
-"""Validating raw Kafka records into typed payment columns on the executors (Arrow in, Arrow out).
+"""The pipeline's former validation, kept as the benchmark's "before": the Python contract per record in
+`mapInArrow` (Python workers, Arrow transfer). The pipeline now validates in Spark SQL
+(`aml_app.pipeline.validation`).
 
 The same contract as the gate (`aml_app.contract`): a record that breaks it keeps its original bytes and
 gets the reason in `error`, so the service can dead-letter it; valid rows carry typed fields and no bytes.
