@@ -9,21 +9,28 @@ works unchanged.
 PostgreSQL refuses to run as root. Started by root, the server runs as an unprivileged system user
 (`postgres`, which Debian's package creates, else `nobody`) that owns the data folder; started by anyone
 else, it runs as that user. It listens on 127.0.0.1 only and trusts local connections (a development
-server, like the embedded broker, which has no authentication either).
+server, like the embedded broker, which has no authentication either). As root, a folder that the
+server's user cannot reach (under a home folder of mode 700, say) is replaced by one of its own under the
+system's temporary folder, named after the requested one, and the log says so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
+import logging
 import os
 import pwd
 import shutil
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
 from aml_app.broker import port_open
+
+log = logging.getLogger(__name__)
 
 SUPERUSER = "aml"
 DEFAULT_PORT = 5433
@@ -70,13 +77,16 @@ class EmbeddedPostgres:
     """A private PostgreSQL cluster in `folder` (created on first start), on 127.0.0.1:`port`."""
 
     def __init__(self, folder: Path | str, port: int = DEFAULT_PORT, host: str = "127.0.0.1") -> None:
-        self.folder = Path(folder).resolve()
-        self.data = self.folder / "data"
-        self.log_path = self.folder / "postgres.log"
         self.port = port
         self.host = host
         self.bin = server_binaries()
         self.user = server_user()
+        self._place(Path(folder).resolve())
+
+    def _place(self, folder: Path) -> None:
+        self.folder = folder
+        self.data = folder / "data"
+        self.log_path = folder / "postgres.log"
 
     def url(self, database: str = "aml") -> str:
         return f"postgresql://{SUPERUSER}@{self.host}:{self.port}/{database}"
@@ -89,24 +99,39 @@ class EmbeddedPostgres:
             command = ["runuser", "-u", self.user, "--", *command]
         return subprocess.run(command, capture_output=True, text=True, check=check, timeout=timeout)
 
+    def _reachable(self, folder: Path) -> bool:
+        assert self.user is not None
+        probe = ["runuser", "-u", self.user, "--", "test", "-w", str(folder)]
+        return subprocess.run(probe, check=False).returncode == 0
+
     def _prepare_folder(self) -> None:
-        """Create the folder; as root, hand it to the server's user and check that it can reach it."""
+        """Create the folder; as root, hand it to the server's user (or use another it can reach)."""
         self.folder.mkdir(parents=True, exist_ok=True)
         if self.user is None:
             return
         account = pwd.getpwnam(self.user)
         os.chown(self.folder, account.pw_uid, account.pw_gid)
+        if not self._reachable(self.folder):
+            wanted = self.folder
+            digest = hashlib.sha1(str(wanted).encode()).hexdigest()[:12]
+            self._place(Path(tempfile.gettempdir()) / f"aml-postgres-{digest}")
+            self.folder.mkdir(mode=0o700, exist_ok=True)
+            os.chown(self.folder, account.pw_uid, account.pw_gid)
+            log.warning(
+                "the user %r that runs PostgreSQL cannot enter %s (a parent folder is closed to "
+                "other users); the server's data is in %s instead",
+                self.user,
+                wanted,
+                self.folder,
+            )
+            if not self._reachable(self.folder):
+                raise PostgresError(
+                    f"the user {self.user!r} that runs PostgreSQL can write neither {wanted} nor "
+                    f"{self.folder}; choose a folder under one that others may enter"
+                )
         if not self.log_path.exists():
             self.log_path.touch()
         os.chown(self.log_path, account.pw_uid, account.pw_gid)
-        probe = subprocess.run(
-            ["runuser", "-u", self.user, "--", "test", "-w", str(self.folder)], check=False
-        )
-        if probe.returncode != 0:
-            raise PostgresError(
-                f"the user {self.user!r} that runs PostgreSQL cannot write {self.folder}: a parent folder is "
-                "closed to other users (mode 700?); choose a folder under one that others may enter"
-            )
 
     def start(self) -> EmbeddedPostgres:
         """Initialise the cluster if needed, start it, and wait until it accepts connections."""
