@@ -101,6 +101,7 @@ async def test_kill_9_of_an_aml_worker_and_of_api_replicas_loses_nothing_and_ale
             system.apis[replica].kill()
         killed["replicas"] = decided
         await wait_until(lambda: demo.elapsed() >= 8, 60, "payments flowing")
+        killed["alive"] = sorted(name for name, api in system.apis.items() if api.alive())
         seen = len(system.alerts["aml"].records)
         while "alert" not in killed:
             await wait_until(lambda n=seen: len(system.alerts["aml"].records) > n, 120, "a new AML alert")
