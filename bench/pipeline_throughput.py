@@ -309,13 +309,15 @@ def wait_committed(poller: CommitPoller, ends: dict[int, int], timeout: float, p
 
 
 def spark_progress(pipeline: Any, since_batch: dict[str, int]) -> dict[str, Any]:
-    """Spark's per-trigger durations (ms) summed over the triggers that read records."""
+    """Spark's per-trigger durations (ms) summed over the triggers that read records (a query named
+    "relations+aggregates" serves both services; `since_batch` is per service)."""
     out: dict[str, Any] = {}
     for query in pipeline.queries:
         sums: dict[str, float] = defaultdict(float)
         triggers = rows = 0
+        since = min(since_batch.get(service, 0) for service in query.name.split("+"))
         for progress in query.recentProgress:
-            if progress.numInputRows <= 0 or progress.batchId < since_batch.get(query.name, 0):
+            if progress.numInputRows <= 0 or progress.batchId < since:
                 continue
             triggers += 1
             rows += progress.numInputRows

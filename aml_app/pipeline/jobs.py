@@ -1,9 +1,13 @@
-"""The two streaming queries' batch handler: Service-B (relations) and Service-C (aggregates).
+"""The streaming query's batch handler: Service-B (relations) and Service-C (aggregates).
 
-Each micro-batch follows the same steps, in this order, on the driver:
+Both services usually share one query (`QueryBatches`): Kafka is read and the contract checked once per
+micro-batch, and the validated batch, kept in memory, feeds each service in turn (Spark's "write to
+multiple locations" idiom with `foreachBatch`). Each service keeps its own store, group and dead letters,
+and skips the records its store already holds (after a crash between the two services' writes, or a
+rebuild of one of them). For each service, in this order, on the driver:
 
-1. Spark computes the batch's outputs (`transforms.batch_outputs`): parsing, the contract, aggregation,
-   all in the JVM; they arrive as Arrow tables.
+1. Spark computes the service's outputs (`transforms.service_outputs`): the contract, aggregation, all
+   in the JVM; they arrive as Arrow tables.
 2. Dead-letter the records that break the payment contract (original bytes, the reason in headers). The
    reason is the worker's own (`aml_app.contract`), computed here for the rejected records only.
 3. Apply the results to the store in ONE PostgreSQL transaction together with the per-partition offsets
@@ -24,10 +28,12 @@ from decimal import Decimal
 
 import psycopg
 from pyspark.sql import DataFrame
+from pyspark.sql import functions as F
 
 from aml_app.contract import InvalidPayment, validate_payment
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
-from aml_app.pipeline.transforms import BatchOutputs, batch_outputs
+from aml_app.pipeline.transforms import BatchOutputs, kept, service_outputs
+from aml_app.pipeline.validation import validated
 from aml_app.services import aggregates, relations
 from aml_app.services.store import Writer
 
@@ -96,7 +102,7 @@ def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int
 
 
 class ServiceBatches:
-    """The `foreachBatch` function of one service: compute, dead-letter, apply with offsets, commit."""
+    """One service's part of a micro-batch: compute, dead-letter, apply with offsets, commit."""
 
     def __init__(
         self,
@@ -119,13 +125,26 @@ class ServiceBatches:
         self.applied = store.applied_offsets()
 
     def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        """The `foreachBatch` function of a query of this service alone."""
+        QueryBatches([self])(batch, batch_id)
+
+    def not_applied(self, checked: DataFrame) -> DataFrame:
+        """The records of `checked` at or past this store's offsets (all of them, normally)."""
+        if not self.applied:
+            return checked
+        pairs = [F.lit(x) for p, o in sorted(self.applied.items()) for x in (p, o)]
+        start = F.coalesce(F.element_at(F.create_map(*pairs), F.col("partition")), F.lit(0))
+        return checked.where(F.col("offset") >= start)
+
+    def process(self, checked: DataFrame, batch_id: int) -> BatchReport:
+        """This service's steps for a validated micro-batch (see the module docstring)."""
         started = time.monotonic()
         phases: dict[str, float] = {}
 
         def lap(name: str) -> None:
             phases[name] = time.monotonic() - started - sum(phases.values())
 
-        outputs = batch_outputs(batch, self.service, self.max_payment_bytes, self.threshold, self.band)
+        outputs = service_outputs(self.not_applied(checked), self.service, self.threshold, self.band)
         lap("spark")
         covered = outputs.covered(self.applied)
         rejected = rejected_records(outputs, self.max_payment_bytes)
@@ -169,3 +188,26 @@ class ServiceBatches:
             )
         if self.on_batch is not None:
             self.on_batch(report)
+        return report
+
+
+class QueryBatches:
+    """The `foreachBatch` function of a query that feeds one or more services: the batch is validated
+    once, kept in memory, and handed to each service in turn."""
+
+    def __init__(self, services: list[ServiceBatches]) -> None:
+        if not services:
+            raise ValueError("a query needs at least one service")
+        self.services = services
+        self.max_payment_bytes = services[0].max_payment_bytes
+
+    @property
+    def start(self) -> dict[int, int]:
+        """Where the query starts: per partition, the earliest offset a service still needs."""
+        partitions = {p for service in self.services for p in service.applied}
+        return {p: min(service.applied.get(p, 0) for service in self.services) for p in partitions}
+
+    def __call__(self, batch: DataFrame, batch_id: int) -> None:
+        with kept(validated(batch, self.max_payment_bytes)) as checked:
+            for service in self.services:
+                service.process(checked, batch_id)

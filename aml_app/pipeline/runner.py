@@ -1,8 +1,10 @@
-"""`aml-app pipeline`: both Spark streaming queries (relations, aggregates) in one SparkSession.
+"""`aml-app pipeline`: Services B (relations) and C (aggregates) as Spark streaming in one SparkSession.
 
-Local mode (`local[2]`) by default; `--master` points it at a cluster. Each query has its own consumer
+Local mode (`local[2]`) by default; `--master` points it at a cluster. Each service has its own consumer
 group and its own store in PostgreSQL (`AML_STORE_URL`); the store, not a Spark checkpoint, says where a
-query resumes, so the driver keeps nothing that matters on its disk.
+service resumes, so the driver keeps nothing that matters on its disk. Services with the same trigger
+interval share one query (normally both: one read of Kafka per micro-batch); a service given its own
+interval (`--trigger relations=5`, for comparisons) gets its own query.
 """
 
 from __future__ import annotations
@@ -220,11 +222,12 @@ def prepare(
 def start_queries(
     spark: Any, settings: Settings, pipeline: Pipeline, triggers: Mapping[str, float] | None = None
 ) -> Pipeline:
-    """Start one streaming query per prepared service; returns at once (the queries run in Spark's threads).
+    """Start the streaming queries of the prepared services; returns at once (they run in Spark's threads).
 
-    Each query starts where its store left off: the store's applied offsets are the query's starting
-    offsets (a partition the store has not seen starts at the log start), and Spark's checkpoint is a
-    throw-away folder, so nothing but the store says what was processed, on any host.
+    Each query starts where its stores left off: per partition, the earliest of its services' applied
+    offsets (a partition a store has not seen starts at the log start), each service skipping what its
+    store already holds; Spark's checkpoint is a throw-away folder, so nothing but the stores says what
+    was processed, on any host.
 
     `triggers` overrides the trigger interval (seconds) of some services, e.g. {"relations": 10} to play a
     lagging dependency in the gate-on/gate-off comparison.
@@ -240,24 +243,32 @@ def start_queries(
         "org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
     )
     pipeline.spark = spark
+    from aml_app.pipeline.jobs import QueryBatches
+
+    # Services with the same trigger interval share one query: Kafka read and contract checked once.
+    by_interval: dict[float, list[Any]] = {}
+    for handler in pipeline.handlers:
+        interval = (triggers or {}).get(handler.service, settings.trigger_interval)
+        by_interval.setdefault(interval, []).append(handler)
     try:
-        for handler in pipeline.handlers:
-            checkpoint = tempfile.mkdtemp(prefix=f"aml-{handler.service}-checkpoint-")
+        for interval, handlers in by_interval.items():
+            batches = QueryBatches(handlers)
+            name = "+".join(handler.service for handler in handlers)
+            checkpoint = tempfile.mkdtemp(prefix=f"aml-{name}-checkpoint-")
             pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))
             reader = spark.readStream.format("aml-kafka").option("subscribe", settings.payments_topic)
             for key, value in config.items():
                 reader = reader.option(f"kafka.{key}", value)
             stream = (
-                reader.option("startingOffsets", json.dumps({str(p): o for p, o in handler.applied.items()}))
+                reader.option("startingOffsets", json.dumps({str(p): o for p, o in batches.start.items()}))
                 .option("maxRecordsPerTrigger", str(settings.max_records_per_trigger))
                 # One wave of tasks per micro-batch, however many partitions the topic has.
                 .option("maxTasks", str(spark.sparkContext.defaultParallelism))
                 .load()
             )
-            interval = (triggers or {}).get(handler.service, settings.trigger_interval)
             query = (
-                stream.writeStream.queryName(handler.service)
-                .foreachBatch(handler)
+                stream.writeStream.queryName(name)
+                .foreachBatch(batches)
                 .option("checkpointLocation", checkpoint)
                 .trigger(processingTime=f"{int(1000 * interval)} milliseconds")
                 .start()

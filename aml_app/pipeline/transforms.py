@@ -9,8 +9,8 @@ checks them with Spark SQL, and the results leave Spark already aggregated, as A
 - aggregates: `payments`, one narrow row per valid payment, and `buckets`, one row per (account, minute,
   direction, counterparty, currency) with counts, exact totals and near-threshold counts.
 
-The batch is parsed once and kept in memory while its two jobs run (`persist`), so Kafka is read once per
-batch.
+The batch is parsed once and kept in memory while the services' jobs run (`persist`), so Kafka is read
+and the contract checked once per batch, whatever the number of services and outputs.
 """
 
 from __future__ import annotations
@@ -114,32 +114,40 @@ def kept(frame: DataFrame) -> Iterator[DataFrame]:
 def batch_outputs(
     records: DataFrame, service: str, max_bytes: int, threshold: Decimal, band: Decimal
 ) -> BatchOutputs:
-    """Everything `service` needs from one micro-batch of Kafka records, collected to the driver.
+    """Everything `service` needs from one micro-batch of Kafka records, collected to the driver."""
+    with kept(validated(records, max_bytes)) as checked:
+        return service_outputs(checked, service, threshold, band)
 
-    Two Spark jobs per batch, because each job costs a fixed scheduling price that dominates small
-    batches: one narrow collect of what is per record anyway (offsets, the rejected records' bytes, and for
-    Service C the payments), from which the driver takes the spans and the rejects with Arrow, and one
-    aggregation (edges or buckets).
+
+def service_outputs(checked: DataFrame, service: str, threshold: Decimal, band: Decimal) -> BatchOutputs:
+    """`service`'s outputs from a validated batch (`validation.validated`, best kept in memory).
+
+    Two Spark jobs, because each job costs a fixed scheduling price that dominates small batches: one
+    narrow collect of what is per record anyway (offsets, the rejected records' bytes, and for Service C
+    the payments), from which the driver takes the spans and the rejects with Arrow, and one aggregation
+    (edges or buckets).
     """
     if service not in SERVICES:
         raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    with kept(validated(records, max_bytes)) as checked:
-        rejected = ~F.col("valid")
-        per_record = [
-            "partition",
-            "offset",
-            "valid",
-            F.when(rejected, F.col("key")).alias("key"),
-            F.when(rejected, F.col("value")).alias("value"),
-        ]
-        if service == "aggregates":
-            per_record += list(PAYMENT_COLUMNS)
-        rows = checked.select(*per_record).toArrow()
-        valid = checked.where("valid")
-        aggregated = edges(valid) if service == "relations" else buckets(valid, threshold, band)
-        tables = {"edges" if service == "relations" else "buckets": aggregated.toArrow()}
+    rejected = ~F.col("valid")
+    per_record: list[Column | str] = [
+        "partition",
+        "offset",
+        "valid",
+        F.when(rejected, F.col("key")).alias("key"),
+        F.when(rejected, F.col("value")).alias("value"),
+    ]
     if service == "aggregates":
-        tables["payments"] = rows.filter(rows["valid"]).select(list(PAYMENT_COLUMNS))
+        per_record += list(PAYMENT_COLUMNS)
+    rows = checked.select(*per_record).toArrow()
+    valid = checked.where("valid")
+    if service == "relations":
+        tables = {"edges": edges(valid).toArrow()}
+    else:
+        tables = {
+            "buckets": buckets(valid, threshold, band).toArrow(),
+            "payments": rows.filter(rows["valid"]).select(list(PAYMENT_COLUMNS)),
+        }
     return BatchOutputs(arrow_spans(rows), arrow_rejects(rows), tables)
 
 
