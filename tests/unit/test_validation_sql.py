@@ -877,6 +877,7 @@ def test_the_comparison_catches_a_weakened_rule(
 ) -> None:
     name, replacement = WEAKENED[weakening]
     monkeypatch.setattr(validation, name, replacement)
+    monkeypatch.setattr(validation, "_built", {})  # the expressions are built once per session: anew here
     assert disagreements(records, spark_rows(frame)), f"{weakening}: no record told the difference"
 
 
