@@ -29,27 +29,27 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]
     embedded.stop()
 
 
-@pytest.fixture(scope="session")
-def postgres() -> Iterator[EmbeddedPostgres]:
-    """The session's PostgreSQL server. Its folder is outside pytest's (mode 700) temporary folders, since
-    a root test run hands it to an unprivileged user that must be able to enter it."""
-    folder = Path(tempfile.mkdtemp(prefix="aml-test-postgres-"))
+def private_postgres(prefix: str) -> Iterator[EmbeddedPostgres]:
+    """A PostgreSQL server in a folder outside pytest's (mode 700) temporary folders, since a root test run
+    hands it to an unprivileged user that must be able to enter it."""
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
     folder.chmod(0o755)
     server = EmbeddedPostgres(folder / "server", free_port()).start()
     yield server
     server.stop("immediate")
     shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[EmbeddedPostgres]:
+    """The session's PostgreSQL server."""
+    yield from private_postgres("aml-test-postgres-")
 
 
 @pytest.fixture
 def own_postgres() -> Iterator[EmbeddedPostgres]:
     """A PostgreSQL server of this test's own, for tests that stop and start it."""
-    folder = Path(tempfile.mkdtemp(prefix="aml-test-own-postgres-"))
-    folder.chmod(0o755)
-    server = EmbeddedPostgres(folder / "server", free_port()).start()
-    yield server
-    server.stop("immediate")
-    shutil.rmtree(folder, ignore_errors=True)
+    yield from private_postgres("aml-test-own-postgres-")
 
 
 @pytest.fixture

@@ -124,10 +124,6 @@ class ServiceBatches:
         #: The store's offsets: read once, then advanced by every apply (the store has one writer, us).
         self.applied = store.applied_offsets()
 
-    def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        """The `foreachBatch` function of a query of this service alone."""
-        QueryBatches([self])(batch, batch_id)
-
     def not_applied(self, checked: DataFrame) -> DataFrame:
         """The records of `checked` at or past this store's offsets (all of them, normally)."""
         if not self.applied:
