@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import statistics
 import sys
@@ -103,21 +102,10 @@ def python_rate(records: list[tuple[bytes, bytes]], repeats: int) -> tuple[float
 
 
 def spark_session() -> Any:
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
-    from pyspark.sql import SparkSession
+    """The pipeline's own session (`runner.spark_session`), with room for the cached input."""
+    from aml_app.pipeline.runner import spark_session as pipeline_session
 
-    spark = (
-        SparkSession.builder.master("local[2]")
-        .appName("bench-validation-rate")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.driver.memory", "2g")
-        .getOrCreate()
-    )
-    spark.sparkContext.setLogLevel("WARN")
-    return spark
+    return pipeline_session("local[2]", "bench-validation-rate", {"spark.driver.memory": "2g"})
 
 
 def timed_noop(frame: Any) -> float:

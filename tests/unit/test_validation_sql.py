@@ -712,18 +712,9 @@ def python_verdict(record: Record) -> Verdict:
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    from pyspark.sql import SparkSession
+    from aml_app.pipeline.runner import spark_session
 
-    session = (
-        SparkSession.builder.master("local[2]")
-        .appName("test-validation-sql")
-        .config("spark.ui.enabled", "false")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .getOrCreate()
-    )
-    session.sparkContext.setLogLevel("ERROR")
+    session = spark_session("local[2]", "test-validation-sql")  # the pipeline's own settings
     yield session
     session.stop()
 
