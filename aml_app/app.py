@@ -69,8 +69,17 @@ payments_topic = app.topic(
 decisions_topic = app.topic(
     settings.decisions_topic, key_type=str, value_type=Decision, partitions=settings.partitions
 )
+#: Also the changelog of the `alerts-sent` table (tables/alerts.py): one record is both the alert and the
+#: memory that it was sent. Compacted, keyed by payment id (raw UTF-8), partitioned like `payments`.
 alerts_topic = app.topic(
-    settings.alerts_topic, key_type=str, value_type=Alert, partitions=settings.partitions
+    settings.alerts_topic,
+    key_type=str,
+    value_type=Alert,
+    key_serializer="raw",
+    value_serializer="json",
+    partitions=settings.partitions,
+    compacting=True,
+    acks=False,  # as Faust's own changelog topics: the worker writes it, it never consumes it as a stream
 )
 dlq_topic = app.topic(
     settings.dlq_topic,

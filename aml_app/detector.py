@@ -8,9 +8,9 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
    so no decision is ever made on evidence that lacks it. With the gate off (the comparison mode) the
    violation is counted and the service decides on what it saw, as an ungated consumer would;
 3. run the service's rules (pure functions of the evidence);
-4. send the alert, once: `alerts-sent` (RocksDB table) remembers alerted payments, so a payment processed
-   again after a crash or a rebalance does not alert twice; alerts are keyed by payment id, so a
-   compacted topic agrees downstream;
+4. send the alert, once: the alert record is also the changelog entry of `alerts-sent` (RocksDB table),
+   so a payment processed again after a crash or a rebalance finds it and does not alert twice; alerts
+   are keyed by payment id, so a compacted topic agrees downstream;
 5. send the decisions (every payment, keyed by payment id); the lane acks the batch once the broker has
    them all.
 """
@@ -38,7 +38,7 @@ from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
 from aml_app.gate.consumer import Pending
 from aml_app.models import Alert, Decision, Payment
-from tables.alerts import alerts_sent
+from tables.alerts import alert_key, alerts_sent
 
 log = logging.getLogger(__name__)
 
@@ -212,7 +212,7 @@ class Detector:
         self, payment: Payment, admission: Admission, hits: list[Hit], decided_at: str
     ) -> None:
         """Send the alert unless this payment was alerted on before (a re-processing)."""
-        if alerts_sent.get(payment.payment_id) is not None:
+        if alerts_sent.get(alert_key(payment.payment_id)) is not None:
             self.stats.duplicates_suppressed += 1
             log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
             return
@@ -231,11 +231,11 @@ class Detector:
             decided_at=decided_at,
             worker=settings.worker_id,
         )
-        await (await alerts_topic.send(key=payment.payment_id, value=alert))
-        alerts_sent[payment.payment_id] = {"at": decided_at, "worker": settings.worker_id}
-        # Make the record durable now rather than at the next commit: the window in which a crash could
-        # still repeat this alert shrinks to this one round trip.
-        await app.producer.flush()
+        # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
+        # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is written.
+        await (await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition))
+        # The local store only: a table write would send a second record.
+        alerts_sent.data[alert_key(payment.payment_id)] = alert.asdict()
         self.stats.alerts += 1
 
 
