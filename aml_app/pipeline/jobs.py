@@ -6,8 +6,8 @@ multiple locations" idiom with `foreachBatch`). Each service keeps its own store
 and skips the records its store already holds (after a crash between the two services' writes, or a
 rebuild of one of them). For each service, in this order, on the driver:
 
-1. Spark computes the service's outputs (`transforms.service_outputs`): the contract, aggregation, all
-   in the JVM; they arrive as Arrow tables.
+1. Spark computes the services' outputs (`transforms.outputs_by_service`): the contract (applied by the
+   query itself), aggregation, all in the JVM; they arrive as Arrow tables.
 2. Dead-letter the records that break the payment contract (original bytes, the reason in headers). The
    reason is the worker's own (`aml_app.contract`), computed here for the rejected records only.
 3. Apply the results to the store in ONE PostgreSQL transaction together with the per-partition offsets
@@ -28,12 +28,10 @@ from decimal import Decimal
 
 import psycopg
 from pyspark.sql import DataFrame
-from pyspark.sql import functions as F
 
 from aml_app.contract import InvalidPayment, validate_payment
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
-from aml_app.pipeline.transforms import BatchOutputs, kept, service_outputs
-from aml_app.pipeline.validation import validated
+from aml_app.pipeline.transforms import BatchOutputs, kept, outputs_by_service
 from aml_app.services import aggregates, relations
 from aml_app.services.store import Writer
 
@@ -124,24 +122,17 @@ class ServiceBatches:
         #: The store's offsets: read once, then advanced by every apply (the store has one writer, us).
         self.applied = store.applied_offsets()
 
-    def not_applied(self, checked: DataFrame) -> DataFrame:
-        """The records of `checked` at or past this store's offsets (all of them, normally)."""
-        if not self.applied:
-            return checked
-        pairs = [F.lit(x) for p, o in sorted(self.applied.items()) for x in (p, o)]
-        start = F.coalesce(F.element_at(F.create_map(*pairs), F.col("partition")), F.lit(0))
-        return checked.where(F.col("offset") >= start)
+    def process(self, outputs: BatchOutputs, batch_id: int, spark_seconds: float = 0.0) -> BatchReport:
+        """This service's steps for its outputs of a micro-batch (see the module docstring).
 
-    def process(self, checked: DataFrame, batch_id: int) -> BatchReport:
-        """This service's steps for a validated micro-batch (see the module docstring)."""
-        started = time.monotonic()
-        phases: dict[str, float] = {}
+        `spark_seconds`: what computing the outputs took, reported as this service's `spark` phase.
+        """
+        started = time.monotonic() - spark_seconds
+        phases: dict[str, float] = {"spark": spark_seconds}
 
         def lap(name: str) -> None:
             phases[name] = time.monotonic() - started - sum(phases.values())
 
-        outputs = service_outputs(self.not_applied(checked), self.service, self.threshold, self.band)
-        lap("spark")
         covered = outputs.covered(self.applied)
         rejected = rejected_records(outputs, self.max_payment_bytes)
         # What the group has already committed was dead-lettered when it was first processed (a rebuild).
@@ -188,14 +179,16 @@ class ServiceBatches:
 
 
 class QueryBatches:
-    """The `foreachBatch` function of a query that feeds one or more services: the batch is validated
-    once, kept in memory, and handed to each service in turn."""
+    """The `foreachBatch` function of a query that feeds one or more services: the batch (validated by the
+    query) is kept in memory, the services' outputs computed from it together, and handed to each service
+    in turn."""
 
     def __init__(self, services: list[ServiceBatches]) -> None:
         if not services:
             raise ValueError("a query needs at least one service")
         self.services = services
         self.max_payment_bytes = services[0].max_payment_bytes
+        self.threshold, self.band = services[0].threshold, services[0].band
 
     @property
     def start(self) -> dict[int, int]:
@@ -203,7 +196,14 @@ class QueryBatches:
         partitions = {p for service in self.services for p in service.applied}
         return {p: min(service.applied.get(p, 0) for service in self.services) for p in partitions}
 
-    def __call__(self, batch: DataFrame, batch_id: int) -> None:
-        with kept(validated(batch, self.max_payment_bytes)) as checked:
-            for service in self.services:
-                service.process(checked, batch_id)
+    def __call__(self, checked: DataFrame, batch_id: int) -> None:
+        """One micro-batch, already checked against the contract by the query (`validation.validated`)."""
+        started = time.monotonic()
+        with kept(checked) as batch:
+            applied = {service.service: dict(service.applied) for service in self.services}
+            outputs = outputs_by_service(batch, applied, self.threshold, self.band)
+        spark = time.monotonic() - started
+        for service in self.services:
+            # The Spark time is the query's, shared: reported once, with the first service.
+            first = service is self.services[0]
+            service.process(outputs[service.service], batch_id, spark if first else 0.0)

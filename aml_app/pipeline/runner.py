@@ -244,6 +244,7 @@ def start_queries(
     )
     pipeline.spark = spark
     from aml_app.pipeline.jobs import QueryBatches
+    from aml_app.pipeline.validation import validated
 
     # Services with the same trigger interval share one query: Kafka read and contract checked once.
     by_interval: dict[float, list[Any]] = {}
@@ -266,8 +267,10 @@ def start_queries(
                 .option("maxTasks", str(spark.sparkContext.defaultParallelism))
                 .load()
             )
+            # The contract's plan is large: built and analysed once here, not once per micro-batch.
+            checked = validated(stream, batches.max_payment_bytes)
             query = (
-                stream.writeStream.queryName(name)
+                checked.writeStream.queryName(name)
                 .foreachBatch(batches)
                 .option("checkpointLocation", checkpoint)
                 .trigger(processingTime=f"{int(1000 * interval)} milliseconds")

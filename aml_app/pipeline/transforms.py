@@ -10,18 +10,21 @@ checks them with Spark SQL, and the results leave Spark already aggregated, as A
   direction, counterparty, currency) with counts, exact totals and near-threshold counts.
 
 The batch is parsed once and kept in memory while the services' jobs run (`persist`), so Kafka is read
-and the contract checked once per batch, whatever the number of services and outputs.
+and the contract checked once per batch, whatever the number of services and outputs; the streaming
+query itself applies `validated` (`runner.start_queries`), so the contract's large plan is built once
+per query rather than once per batch.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from decimal import Decimal
+from functools import partial
 from typing import Any
 
-from pyspark import StorageLevel
+from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
@@ -111,24 +114,49 @@ def kept(frame: DataFrame) -> Iterator[DataFrame]:
         cached.unpersist()
 
 
+def not_applied(frame: DataFrame, applied: Mapping[int, int]) -> DataFrame:
+    """The records of `frame` at or past a store's offsets (all of them, normally)."""
+    if not applied:
+        return frame
+    pairs = [F.lit(x) for p, o in sorted(applied.items()) for x in (p, o)]
+    start = F.coalesce(F.element_at(F.create_map(*pairs), F.col("partition")), F.lit(0))
+    return frame.where(F.col("offset") >= start)
+
+
+def arrow_not_applied(rows: Any, applied: Mapping[int, int]) -> Any:
+    """`not_applied` for the per-record Arrow rows on the driver."""
+    if not applied or rows.num_rows == 0:
+        return rows
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    highest = max(pc.max(rows["partition"]).as_py(), *applied)
+    starts = pa.array([applied.get(p, 0) for p in range(highest + 1)], pa.int64())
+    return rows.filter(pc.greater_equal(rows["offset"], pc.take(starts, rows["partition"])))
+
+
 def batch_outputs(
     records: DataFrame, service: str, max_bytes: int, threshold: Decimal, band: Decimal
 ) -> BatchOutputs:
     """Everything `service` needs from one micro-batch of Kafka records, collected to the driver."""
     with kept(validated(records, max_bytes)) as checked:
-        return service_outputs(checked, service, threshold, band)
+        return outputs_by_service(checked, {service: {}}, threshold, band)[service]
 
 
-def service_outputs(checked: DataFrame, service: str, threshold: Decimal, band: Decimal) -> BatchOutputs:
-    """`service`'s outputs from a validated batch (`validation.validated`, best kept in memory).
+def outputs_by_service(
+    checked: DataFrame, applied: Mapping[str, Mapping[int, int]], threshold: Decimal, band: Decimal
+) -> dict[str, BatchOutputs]:
+    """Each service's outputs from one validated batch (`validation.validated`, best kept in memory),
+    skipping for each service the records its store already holds (`applied`: service -> its offsets).
 
-    Two Spark jobs, because each job costs a fixed scheduling price that dominates small batches: one
-    narrow collect of what is per record anyway (offsets, the rejected records' bytes, and for Service C
-    the payments), from which the driver takes the spans and the rejects with Arrow, and one aggregation
-    (edges or buckets).
+    One Spark job per output, because each job costs a fixed price that dominates small batches (most of
+    it driver time: planning, scheduling): one narrow collect shared by the services (offsets, the
+    rejected records' bytes, and for Service C the payments), from which the driver takes each service's
+    spans and rejects with Arrow; then the services' aggregations (edges, buckets), run concurrently.
     """
-    if service not in SERVICES:
-        raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
+    unknown = sorted(set(applied) - set(SERVICES))
+    if unknown or not applied:
+        raise ValueError(f"unknown service(s) {unknown}; expected some of {', '.join(SERVICES)}")
     rejected = ~F.col("valid")
     per_record: list[Column | str] = [
         "partition",
@@ -137,18 +165,57 @@ def service_outputs(checked: DataFrame, service: str, threshold: Decimal, band: 
         F.when(rejected, F.col("key")).alias("key"),
         F.when(rejected, F.col("value")).alias("value"),
     ]
-    if service == "aggregates":
+    if "aggregates" in applied:
         per_record += list(PAYMENT_COLUMNS)
-    rows = checked.select(*per_record).toArrow()
     valid = checked.where("valid")
+    aggregations = {
+        service: partial(aggregation, service, not_applied(valid, offsets), threshold, band)
+        for service, offsets in applied.items()
+    }
+    aggregated = concurrently(aggregations, lambda: checked.select(*per_record).toArrow())
+    rows = aggregated.pop(None)
+    outputs = {}
+    for service, offsets in applied.items():
+        mine = arrow_not_applied(rows, offsets)
+        if service == "relations":
+            tables = {"edges": aggregated[service]}
+        else:
+            payments = mine.filter(mine["valid"]).select(list(PAYMENT_COLUMNS))
+            tables = {"buckets": aggregated[service], "payments": payments}
+        outputs[service] = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), tables)
+    return outputs
+
+
+def aggregation(service: str, valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
+    """The service's aggregated output of a batch's valid payments, as an Arrow table."""
     if service == "relations":
-        tables = {"edges": edges(valid).toArrow()}
-    else:
-        tables = {
-            "buckets": buckets(valid, threshold, band).toArrow(),
-            "payments": rows.filter(rows["valid"]).select(list(PAYMENT_COLUMNS)),
-        }
-    return BatchOutputs(arrow_spans(rows), arrow_rejects(rows), tables)
+        return edges(valid).toArrow()
+    return buckets(valid, threshold, band).toArrow()
+
+
+def concurrently(jobs: Mapping[str, Callable[[], Any]], here: Callable[[], Any]) -> dict[str | None, Any]:
+    """Run `jobs` in threads of their own and `here` in this thread; their results by name (`here`'s
+    under None). Spark runs jobs submitted from several threads side by side, so the fixed costs of
+    small jobs overlap; `InheritableThread` carries this thread's Spark properties (job group, scheduler
+    pool) to the others. The first error is raised once all are done."""
+    results: dict[str | None, Any] = {}
+    errors: list[BaseException] = []
+
+    def run(name: str | None, job: Callable[[], Any]) -> None:
+        try:
+            results[name] = job()
+        except BaseException as exc:  # re-raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [InheritableThread(target=run, args=(name, job), daemon=True) for name, job in jobs.items()]
+    for thread in threads:
+        thread.start()
+    run(None, here)
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    return results
 
 
 def arrow_spans(rows: Any) -> Any:
