@@ -3,7 +3,7 @@
 - `/watermarks/`: the page an on-call engineer opens first (`aml_app.webview.PAGE`); `/watermarks`
   redirects there.
 - `/watermarks.json`: this worker's view of the shared watermark table plus its own gate state; every
-  field is documented in README "Operating it", and the older field names are kept as they were.
+  field is documented in docs/operating.md, and the older field names are kept as they were.
 - `/metrics`: Prometheus text format (`aml_app.metrics`).
 
 Only GET; no secrets and no payment contents (offsets, group names and counts only). Faust's web server

@@ -3,7 +3,7 @@
 Why a parsing layer: the rules should compare Decimals and datetimes, not poke at dicts of strings, and a
 malformed or mismatched answer (wrong account, wrong instant, a missing field) must stop the decision with
 a clear ValueError instead of silently reading as "nothing suspicious". Parsing checks the shape the
-services document (README, "Services B and C") and nothing more; an unknown account's answer (all
+services document (docs/pipeline.md) and nothing more; an unknown account's answer (all
 zeros, empty lists) is valid and parses to empty values.
 
 No Faust here: Service-A and Service-A1 build `Evidence` from plain payment fields.

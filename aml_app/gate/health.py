@@ -57,7 +57,7 @@ def partition_view(
     local: bool = False,
     highwater: int | None = None,
 ) -> dict[str, Any]:
-    """One partition as the operator views show it (see README "Operating it" for every field)."""
+    """One partition as the operator views show it (docs/operating.md has every field)."""
     listed = row.get("log_end")
     known = [x for x in (listed, highwater) if x is not None]
     log_end = max(known) if known else None

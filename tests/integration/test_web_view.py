@@ -1,5 +1,5 @@
-"""The operator views of a real worker: the JSON contract against README, stalls, /metrics, 400s, and
-the page in headless Chromium.
+"""The operator views of a real worker: the JSON contract against docs/operating.md, stalls, /metrics,
+400s, and the page in headless Chromium.
 
 Each test plays the dependency groups itself: `relations` commits everything, `aggregates` stops at 2 on
 partition 0, so payment (0, 2) waits on `aggregates` while every other payment is decided.
@@ -23,19 +23,20 @@ from tests.harness import ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+OPERATING = Path(__file__).resolve().parents[2] / "docs" / "operating.md"
 PER_PARTITION = 5
 HELD_AT = 2  # aggregates stops here on partition 0
 
 
 def documented_fields() -> dict[str, dict[str, str]]:
-    """The field tables of README's `/watermarks.json` section: object -> field -> type."""
-    text = README.read_text()
+    """The field tables of docs/operating.md's `/watermarks.json` section: object -> field -> type."""
+    text = OPERATING.read_text()
     tables: dict[str, dict[str, str]] = {}
     for name, body in re.findall(r"<!-- json: (\w+) -->\n((?:\|.*\n)+)", text):
         rows = [line.split("|")[1:-1] for line in body.splitlines()[2:]]
         tables[name] = {cells[0].strip().strip("`"): cells[1].strip() for cells in rows}
-    assert set(tables) == {"top", "partitions", "dependencies", "gate"}, "README lost a field table"
+    expected = {"top", "partitions", "dependencies", "gate"}
+    assert set(tables) == expected, "docs/operating.md lost a field table"
     return tables
 
 
@@ -64,7 +65,7 @@ def check_contract(doc: dict[str, Any]) -> None:
         objects.append(("gate", doc["gate"]))
     for name, obj in objects:
         assert set(obj) == set(fields[name]), (
-            f"{name}: fields differ from README: {set(obj) ^ set(fields[name])}"
+            f"{name}: fields differ from docs/operating.md: {set(obj) ^ set(fields[name])}"
         )
         for field, documented in fields[name].items():
             assert has_type(obj[field], documented), f"{name}.{field} = {obj[field]!r} is not {documented}"
