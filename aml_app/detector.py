@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -113,10 +113,9 @@ class Detector:
             decision = self.decision(payment, admission, hits, answers, stale_reads, decided_at)
             sends.append(await decisions_topic.send(key=payment.payment_id, value=decision))
         self.stats.lap("decision", started)
-        self.stats.decisions += len(decided)
         # The payments are acked (and later committed) only after the broker has every decision; the
-        # lane goes on with its next batch meanwhile.
-        return asyncio.gather(*sends)
+        # lane goes on with its next batch meanwhile. A decision counts once the broker has it.
+        return asyncio.ensure_future(self.acknowledged(sends))
 
     def decision(
         self,
@@ -207,6 +206,12 @@ class Detector:
                 await asyncio.sleep(stale_delay)
                 stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
         return [results[i] for i in range(len(items))]
+
+    async def acknowledged(self, sends: list[Awaitable[Any]]) -> list[Any]:
+        """The broker's acknowledgements of a batch's decisions, counted once all are in."""
+        acks = await asyncio.gather(*sends)
+        self.stats.decisions += len(acks)
+        return acks
 
     async def alert_once(
         self, payment: Payment, admission: Admission, hits: list[Hit], decided_at: str
