@@ -6,10 +6,10 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean system-deps
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml docker/constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet -c docker/constraints.txt -e '.[dev]'
 	touch $(STAMP)
 
 system-deps:

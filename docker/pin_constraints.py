@@ -1,6 +1,7 @@
-"""Writes docker/constraints.txt: every runtime requirement of aml-app (pyproject.toml), recursively,
-at the version installed in this environment (the one the tests ran with). Run it after changing a
-dependency:
+"""Writes docker/constraints.txt, the project's one lock file: every requirement of aml-app and of its
+`dev` extra (pyproject.toml), recursively, at the version installed in this environment (the one the
+tests ran with). `make` and the Docker image both install with it (`pip install -c`); a constraint
+only pins, it installs nothing, so the image gets no test tools. Run it after changing a dependency:
 
     .venv/bin/python docker/pin_constraints.py
 """
@@ -15,8 +16,9 @@ from pathlib import Path
 from packaging.requirements import Requirement
 
 HEADER = """\
-# Runtime dependencies of aml-app, pinned to the versions the tests and benchmarks ran with (the
-# project's .venv); the image installs with `pip install -c docker/constraints.txt .`.
+# The lock file of aml-app: its dependencies and those of its dev extra, pinned to the versions the tests
+# and benchmarks ran with. `make` installs with `pip install -c docker/constraints.txt -e '.[dev]'`, the
+# image with `pip install -c docker/constraints.txt .` (constraints pin, they install nothing).
 # Written by docker/pin_constraints.py: run it again after changing a dependency in pyproject.toml.
 """
 
@@ -41,7 +43,8 @@ def closure(name: str, found: dict[str, str]) -> dict[str, str]:
 def main() -> None:
     root = Path(__file__).resolve().parent.parent
     pins: dict[str, str] = {}
-    for raw in tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]:
+    project = tomllib.loads((root / "pyproject.toml").read_text())["project"]
+    for raw in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
         closure(Requirement(raw).name, pins)
     path = Path(__file__).with_name("constraints.txt")
     path.write_text(HEADER + "".join(f"{name}=={version}\n" for name, version in sorted(pins.items())))

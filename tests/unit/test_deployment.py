@@ -289,14 +289,16 @@ def test_the_image_is_slim_pinned_non_root_with_java_and_aml_app_as_entrypoint()
     load_settings(image_env())  # the image's own settings load
 
 
-def test_every_dependency_is_pinned_for_the_image() -> None:
+def test_one_lock_file_pins_every_dependency_for_make_and_the_image() -> None:
+    makefile = (ROOT / "Makefile").read_text()
+    assert "pip install --quiet -c docker/constraints.txt -e '.[dev]'" in makefile
     pins = {}
     for line in CONSTRAINTS.read_text().splitlines():
         if line.strip() and not line.startswith("#"):
             name, _, version = line.partition("==")
             pins[re.sub(r"[-_.]+", "-", name).lower()] = version
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for requirement in project["dependencies"]:
+    for requirement in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
         name = re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0]
         key = re.sub(r"[-_.]+", "-", name).lower()
         assert key in pins, f"{name} is not pinned in docker/constraints.txt (run docker/pin_constraints.py)"
