@@ -14,18 +14,18 @@ import asyncio
 import contextlib
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import aiohttp
 
+from aml_app.child_process import AmlAppProcess
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.settings import Settings
 from aml_app.verify import CommitTimeline
-from aml_app.workers import aml_app_executable, settings_env
+from aml_app.workers import settings_env
 
 # Spark draws progress bars on stderr with carriage returns: noise in a log file.
 SPARK_SUBMIT_ARGS = "--conf spark.ui.showConsoleProgress=false pyspark-shell"
@@ -51,43 +51,15 @@ def services_env(settings: Settings) -> dict[str, str]:
     }
 
 
-class ServiceProcess:
+class ServiceProcess(AmlAppProcess):
     """`aml-app <args>` in its own process group, stdout and stderr in `log_path` (emptied on start)."""
 
     def __init__(self, name: str, args: list[str], settings: Settings, log_path: Path, **env: str) -> None:
+        environment = {**os.environ, **services_env(settings), **env}
+        environment.setdefault("PYSPARK_SUBMIT_ARGS", SPARK_SUBMIT_ARGS)
+        super().__init__(args, environment, log_path)
         self.name = name
-        self.args = args
-        self.log_path = log_path
-        self.env = {**os.environ, **services_env(settings), **env}
-        self.env.setdefault("PYSPARK_SUBMIT_ARGS", SPARK_SUBMIT_ARGS)
-        self.process: subprocess.Popen[bytes] | None = None
         self.stopped = False  # a stop was asked for: the exit that follows is no crash
-
-    def start(self) -> Self:
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [aml_app_executable(), *self.args],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
-
-    @property
-    def returncode(self) -> int | None:
-        return None if self.process is None else self.process.poll()
-
-    def log_text(self) -> str:
-        return self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
-
-    def log_tail(self, lines: int = 40) -> str:
-        """The last lines of the log, without Java stack frames (the exception line above them stays)."""
-        kept = [line for line in self.log_text().splitlines() if not line.lstrip().startswith("at ")]
-        return "\n".join(kept[-lines:])
 
     def kill(self) -> None:
         """kill -9 the process and its group, on purpose (a crash test): not taken for a failure."""
@@ -95,7 +67,7 @@ class ServiceProcess:
         if self.process is not None:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(self.process.pid, signal.SIGKILL)
-            self._wait(10)
+            self.wait(10)
 
     def stop(self, grace: float = 30) -> bool:
         """SIGTERM the process itself, SIGKILL its group after `grace` seconds; False if it had to be killed.
@@ -111,23 +83,14 @@ class ServiceProcess:
         if self.alive():
             with contextlib.suppress(ProcessLookupError):
                 self.process.send_signal(signal.SIGTERM)
-        stopped = self._wait(grace)
+        stopped = self.wait(grace)
         # The process when it did not stop, else what of its group outlived it, right away and once: a
         # group id is not handed out again while a member lives, and an empty group answers ESRCH.
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
         if not stopped:
-            self._wait(10)
+            self.wait(10)
         return stopped
-
-    def _wait(self, timeout: float) -> bool:
-        if self.process is None:
-            return True
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True
 
 
 class ApiProcess(ServiceProcess):

@@ -7,29 +7,15 @@ configured, started, observed (`/watermarks.json`) and stopped exactly like a wo
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
-import subprocess
-import sys
 from pathlib import Path
-from typing import Any, Self
+from typing import Any
 
 import aiohttp
 
+from aml_app.child_process import AmlAppProcess
 from aml_app.settings import Settings
-
-
-def aml_app_executable() -> str:
-    """`aml-app` next to this interpreter (the venv), else the one on PATH."""
-    beside = Path(sys.executable).with_name("aml-app")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("aml-app")
-    if found is None:
-        raise FileNotFoundError(f"no aml-app executable next to {sys.executable} or on PATH")
-    return found
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -51,7 +37,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     }
 
 
-class WorkerProcess:
+class WorkerProcess(AmlAppProcess):
     """One `aml-app worker` process with its own web port, id, data directory and log file.
 
     It runs in a process group of its own: a Ctrl-C in the caller's terminal does not reach it, and
@@ -70,11 +56,7 @@ class WorkerProcess:
         **env: str,
     ) -> None:
         """`env` overrides any of the worker's environment variables (AML_GATE="off", ...)."""
-        self.port = port
-        self.worker_id = worker_id
-        self.log_path = log_path
-        self.cwd = cwd
-        self.env = {
+        environment = {
             **os.environ,
             **settings_env(settings),
             "AML_WEB_PORT": str(port),
@@ -82,7 +64,9 @@ class WorkerProcess:
             "AML_WORKER_ID": worker_id,
             **env,
         }
-        self.process: subprocess.Popen[bytes] | None = None
+        super().__init__(["worker", "-l", "info"], environment, log_path, cwd)
+        self.port = port
+        self.worker_id = worker_id
 
     @property
     def url(self) -> str:
@@ -91,22 +75,6 @@ class WorkerProcess:
     @property
     def state_url(self) -> str:
         return f"{self.url}/watermarks.json"
-
-    def start(self) -> Self:
-        """Start the process; its log file starts empty (the child keeps its own handle on it)."""
-        with open(self.log_path, "wb") as log:
-            self.process = subprocess.Popen(
-                [aml_app_executable(), "worker", "-l", "info"],
-                env=self.env,
-                cwd=self.cwd,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
 
     async def state(self, timeout: float = 2) -> dict[str, Any] | None:
         """The worker's /watermarks.json, or None while it does not answer."""
@@ -119,37 +87,12 @@ class WorkerProcess:
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return None
 
-    def kill(self) -> None:
-        """SIGKILL the process group, as a crash would."""
-        self._signal(signal.SIGKILL)
-        self._wait(10)
-
     def stop(self, grace: float = 30) -> bool:
         """SIGTERM the process group, then SIGKILL it after `grace` seconds; False if it had to be killed."""
         if not self.alive():
             return True
-        self._signal(signal.SIGTERM)
-        if self._wait(grace):
+        self.signal_group(signal.SIGTERM)
+        if self.wait(grace):
             return True
         self.kill()
         return False
-
-    def log_tail(self, lines: int = 60) -> str:
-        text = self.log_path.read_bytes().decode(errors="replace") if self.log_path.exists() else ""
-        return "\n".join(text.splitlines()[-lines:])
-
-    def _signal(self, sig: int) -> None:
-        if self.alive():  # once reaped, its pid (and group id) may belong to someone else
-            assert self.process is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
-
-    def _wait(self, timeout: float) -> bool:
-        """Whether the process has ended within `timeout` seconds."""
-        if self.process is None:
-            return True
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            return False
-        return True

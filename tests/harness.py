@@ -14,8 +14,9 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.broker import free_port
+from aml_app.child_process import aml_app_executable
 from aml_app.settings import Settings
-from aml_app.workers import WorkerProcess, aml_app_executable
+from aml_app.workers import WorkerProcess
 
 AML_APP = aml_app_executable()
 

@@ -5,9 +5,7 @@ stores against the naive reference."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
-import subprocess
 import threading
 from dataclasses import replace
 from datetime import timedelta
@@ -15,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from aml_app.broker import EmbeddedBroker
+from aml_app.child_process import AmlAppProcess
 from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import Pipeline, kafka_config, start_pipeline
 from aml_app.services import relations
 from aml_app.services.store import Writer
 from aml_app.settings import Settings
-from aml_app.workers import aml_app_executable
 from tests.harness import Names, wait_until
 from tests.payments import Produced
 from tests.reference import exact_from, reference_aggregates, reference_relations
@@ -128,34 +126,17 @@ async def check_against_reference(settings: Settings, produced: Produced, batche
             assert without_as_of(answer) == expected, (account, at)
 
 
-class PipelineProcess:
+class PipelineProcess(AmlAppProcess):
+    """`aml-app pipeline` run as a user runs it; its log keeps the lines of earlier runs."""
+
     def __init__(self, env: dict[str, str], log_path: Path) -> None:
-        self.env, self.log_path = env, log_path
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> PipelineProcess:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [aml_app_executable(), "pipeline"],
-                env=self.env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.poll() is None
+        super().__init__(["pipeline"], env, log_path, append=True)
 
     def signal(self, sig: int, wait: float = 30) -> None:
-        if self.alive():
-            assert self.process is not None
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.process.pid, sig)
+        """`sig` to its process group, then wait for it to end."""
+        self.signal_group(sig)
+        if self.process is not None:
             self.process.wait(wait)
-
-    def log_tail(self) -> str:
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-40:])
 
 
 def pipeline_env(broker: EmbeddedBroker, names: Names, settings: Settings) -> dict[str, str]:

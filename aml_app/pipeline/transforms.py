@@ -154,9 +154,8 @@ def outputs_by_service(
     rejected records' bytes, and for Service C the payments), from which the driver takes each service's
     spans and rejects with Arrow; then the services' aggregations (edges, buckets), run concurrently.
     """
-    unknown = sorted(set(applied) - set(SERVICES))
-    if unknown or not applied:
-        raise ValueError(f"unknown service(s) {unknown}; expected some of {', '.join(SERVICES)}")
+    if not applied or not set(applied) <= set(SERVICES):
+        raise ValueError(f"services must be some of {', '.join(SERVICES)}, got {sorted(applied)}")
     rejected = ~F.col("valid")
     per_record: list[Column | str] = [
         "partition",

@@ -11,7 +11,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.broker import free_port
-from aml_app.workers import aml_app_executable
+from aml_app.child_process import aml_app_executable
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.integration

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from aml_app.broker import free_port
+from aml_app.child_process import aml_app_executable
 from aml_app.kafka_tools import GroupCommitter, produce
-from aml_app.workers import aml_app_executable, settings_env
+from aml_app.workers import settings_env
 from tests.harness import ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration

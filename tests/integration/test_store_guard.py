@@ -22,10 +22,10 @@ from aiohttp.test_utils import TestClient, TestServer
 from aiokafka import AIOKafkaProducer
 
 from aml_app.broker import EmbeddedBroker
+from aml_app.child_process import aml_app_executable
 from aml_app.pipeline.runner import spark_session
 from aml_app.services.api import build_app
 from aml_app.settings import Settings
-from aml_app.workers import aml_app_executable
 from tests.harness import Names
 from tests.integration.test_services_api import wait_for_check
 from tests.payments import produce_payments

@@ -11,7 +11,7 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.broker import EmbeddedBroker
-from aml_app.workers import aml_app_executable
+from aml_app.child_process import aml_app_executable
 
 pytestmark = pytest.mark.integration
 
