@@ -199,9 +199,43 @@ def serve_command(service: str) -> None:
     serve(service, load_settings())
 
 
+def own_command(name: str) -> click.Command:
+    """One of this project's commands, importing only what it needs (the rest of `aml-app` is Faust's:
+    `worker`, `agents`, ...)."""
+    if name == "simulate":
+        from aml_app.simulation.command import simulate_command
+
+        return simulate_command
+    if name == "status":
+        from aml_app.status import status_command
+
+        return status_command
+    if name == "topics":
+        from aml_app.topics_command import topics_command
+
+        return topics_command
+    return {
+        "broker": broker_command,
+        "demo": demo_command,
+        "pipeline": pipeline_command,
+        "postgres": postgres_command,
+        "rebuild": rebuild_command,
+        "serve": serve_command,
+    }[name]
+
+
+OWN_COMMANDS = ("broker", "demo", "pipeline", "postgres", "rebuild", "serve", "simulate", "status", "topics")
+
+
 def main() -> None:
+    """`aml-app`: our own commands run without building the Faust app (the pipeline, the APIs and the
+    tools import neither Faust nor the worker's modules); everything else is Faust's command line."""
     try:
         load_settings()
+        if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
+            own = click.Group("aml-app", commands=[own_command(sys.argv[1])])
+            own.main(prog_name="aml-app")
+            return
         from aml_app.app import app
     except ConfigError as exc:
         click.echo(f"aml-app: configuration error: {exc}", err=True)
@@ -213,19 +247,8 @@ def main() -> None:
         sys.exit(2)
     from faust.cli.faust import cli
 
-    from aml_app.simulation.command import simulate_command
-    from aml_app.status import status_command
-    from aml_app.topics_command import topics_command
-
-    cli.add_command(broker_command)
-    cli.add_command(demo_command)
-    cli.add_command(pipeline_command)
-    cli.add_command(postgres_command)
-    cli.add_command(rebuild_command)
-    cli.add_command(serve_command)
-    cli.add_command(simulate_command)
-    cli.add_command(status_command)
-    cli.add_command(topics_command)
+    for name in OWN_COMMANDS:
+        cli.add_command(own_command(name))
     app.main()
 
 
