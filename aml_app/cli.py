@@ -6,6 +6,7 @@ Configuration is validated before anything starts, so a bad setting is one reada
 from __future__ import annotations
 
 import asyncio
+import importlib
 import signal
 import sys
 import threading
@@ -199,32 +200,25 @@ def serve_command(service: str) -> None:
     serve(service, load_settings())
 
 
+#: This project's commands and where each lives (the rest of `aml-app` is Faust's: `worker`, `agents`, ...).
+OWN_COMMANDS = {
+    "broker": "aml_app.cli:broker_command",
+    "demo": "aml_app.cli:demo_command",
+    "pipeline": "aml_app.cli:pipeline_command",
+    "postgres": "aml_app.cli:postgres_command",
+    "rebuild": "aml_app.cli:rebuild_command",
+    "serve": "aml_app.cli:serve_command",
+    "simulate": "aml_app.simulation.command:simulate_command",
+    "status": "aml_app.status:status_command",
+    "topics": "aml_app.topics_command:topics_command",
+}
+
+
 def own_command(name: str) -> click.Command:
-    """One of this project's commands, importing only what it needs (the rest of `aml-app` is Faust's:
-    `worker`, `agents`, ...)."""
-    if name == "simulate":
-        from aml_app.simulation.command import simulate_command
-
-        return simulate_command
-    if name == "status":
-        from aml_app.status import status_command
-
-        return status_command
-    if name == "topics":
-        from aml_app.topics_command import topics_command
-
-        return topics_command
-    return {
-        "broker": broker_command,
-        "demo": demo_command,
-        "pipeline": pipeline_command,
-        "postgres": postgres_command,
-        "rebuild": rebuild_command,
-        "serve": serve_command,
-    }[name]
-
-
-OWN_COMMANDS = ("broker", "demo", "pipeline", "postgres", "rebuild", "serve", "simulate", "status", "topics")
+    """One of this project's commands, importing only its own module."""
+    module, _, attribute = OWN_COMMANDS[name].partition(":")
+    command: click.Command = getattr(importlib.import_module(module), attribute)
+    return command
 
 
 def main() -> None:
