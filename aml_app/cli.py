@@ -204,6 +204,7 @@ def serve_command(service: str) -> None:
 OWN_COMMANDS = {
     "broker": "aml_app.cli:broker_command",
     "demo": "aml_app.cli:demo_command",
+    "import-amlworld": "aml_app.simulation.amlworld_command:import_amlworld_command",
     "pipeline": "aml_app.cli:pipeline_command",
     "postgres": "aml_app.cli:postgres_command",
     "rebuild": "aml_app.cli:rebuild_command",

@@ -34,6 +34,7 @@ def faust_side(modules: set[str]) -> list[str]:
         "aml_app.pipeline.runner aml_app.pipeline.jobs aml_app.pipeline.transforms",
         "aml_app.services.api aml_app.services.store aml_app.services.guard",
         "aml_app.embedded_postgres aml_app.broker aml_app.topics aml_app.simulation.command",
+        "aml_app.simulation.amlworld aml_app.simulation.amlworld_command",
     ],
 )
 def test_the_pipeline_the_apis_and_the_tools_do_not_load_faust(modules: str) -> None:
@@ -41,7 +42,7 @@ def test_the_pipeline_the_apis_and_the_tools_do_not_load_faust(modules: str) -> 
     assert faust_side(loaded_after(code)) == []
 
 
-@pytest.mark.parametrize("command", ["pipeline", "serve", "rebuild", "postgres", "topics"])
+@pytest.mark.parametrize("command", ["pipeline", "serve", "rebuild", "postgres", "topics", "import-amlworld"])
 def test_own_commands_run_without_the_faust_app(command: str) -> None:
     """`aml-app <command> --help` goes through our command line only (the command's body imports the
     same modules as above)."""

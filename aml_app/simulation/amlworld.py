@@ -1,0 +1,238 @@
+"""IBM AMLworld's published transactions (Altman et al. 2023) as payments of our contract, plus their labels.
+
+Pure parsing, no Kafka: `read_amlworld(path)` reads a whole `*_Trans.csv` (or its first `limit` rows)
+before anything can be sent, so a file with one bad row sends nothing. Every fault is a `ValueError` of one
+sentence naming the file and the line. What it maps and why: docs/amlworld.md.
+
+The header repeats the column name "Account" (sender, then receiver), so columns are read by position.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import json
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from pathlib import Path
+
+from aml_app.contract import InvalidPayment, validate_payment
+from aml_app.kafka_tools import payment_json
+
+HEADER = (
+    "Timestamp",
+    "From Bank",
+    "Account",
+    "To Bank",
+    "Account",
+    "Amount Received",
+    "Receiving Currency",
+    "Amount Paid",
+    "Payment Currency",
+    "Payment Format",
+    "Is Laundering",
+)
+TIMESTAMP, FROM_BANK, FROM_ACCOUNT, TO_BANK, TO_ACCOUNT = 0, 1, 2, 3, 4
+AMOUNT_PAID, PAYMENT_CURRENCY, PAYMENT_FORMAT, IS_LAUNDERING = 7, 8, 9, 10
+
+#: AMLworld's currency names -> ISO 4217 codes.
+CURRENCIES = {
+    "US Dollar": "USD",
+    "Euro": "EUR",
+    "Yuan": "CNY",
+    "Yen": "JPY",
+    "UK Pound": "GBP",
+    "Rupee": "INR",
+    "Ruble": "RUB",
+    "Canadian Dollar": "CAD",
+    "Australian Dollar": "AUD",
+    "Swiss Franc": "CHF",
+    "Mexican Peso": "MXN",
+    "Brazil Real": "BRL",
+    "Saudi Riyal": "SAR",
+    "Shekel": "ILS",
+}
+#: Currency names with no ISO 4217 code, which our contract refuses: such rows are skipped and counted.
+UNMAPPABLE = frozenset({"Bitcoin"})
+DEFAULT_PREFIX = "amlworld"
+# The contract's own rules would refuse these too; checked here first so the message can say which column.
+_AMOUNT = re.compile(r"[0-9]+(\.[0-9]+)?")
+_TIMESTAMP = re.compile(r"[0-9]{4}/[0-9]{2}/[0-9]{2} [0-9]{2}:[0-9]{2}")
+# Far above any real payment, so the value always fits the contract's smallest allowed record size.
+_MAX_VALUE_BYTES = 65536
+
+
+@dataclass(frozen=True, slots=True)
+class AmlworldPayment:
+    """One row as a payment of our contract (slots: a real file has five million of them in memory)."""
+
+    payment_id: str
+    payer: str
+    payee: str
+    amount: str
+    currency: str
+    ts: str
+    channel: str
+    is_laundering: bool
+
+    @property
+    def key(self) -> bytes:
+        """The topic is keyed by payer."""
+        return self.payer.encode()
+
+    def value(self) -> bytes:
+        return payment_json(
+            self.payment_id,
+            self.payer,
+            self.payee,
+            self.amount,
+            self.ts,
+            currency=self.currency,
+            channel=self.channel,
+        )
+
+
+@dataclass
+class AmlworldImport:
+    """A parsed file: its payments in event-time order, what was skipped, and the ground truth."""
+
+    path: str
+    rows_read: int
+    payments: list[AmlworldPayment]
+    skipped: Counter[str] = field(default_factory=Counter)  # currency name -> rows skipped
+    skipped_laundering: int = 0  # laundering rows among the skipped ones (not in `laundering`)
+
+    @property
+    def laundering(self) -> frozenset[str]:
+        """Payment ids labelled Is Laundering = 1 (AMLworld labels payments, not pattern instances)."""
+        return frozenset(p.payment_id for p in self.payments if p.is_laundering)
+
+    def write_ground_truth(self, path: str | Path) -> None:
+        """JSON Lines, one `{"payment_id": ..., "is_laundering": true}` per laundering payment, in event time;
+        a payment not listed was labelled 0."""
+        with open(path, "w", encoding="utf-8") as out:
+            for payment in self.payments:
+                if payment.is_laundering:
+                    out.write(json.dumps({"payment_id": payment.payment_id, "is_laundering": True}) + "\n")
+
+
+def read_amlworld(
+    path: str | Path, *, limit: int | None = None, prefix: str = DEFAULT_PREFIX
+) -> AmlworldImport:
+    """Parse the file (its first `limit` data rows if given) into payments sorted by event time.
+
+    Each payment's id is `<prefix>-<line>`, the row's line in the file (the header is line 1), seven digits
+    or more. The sort is stable, so payments of the same minute keep the file's order; our services expect
+    each payer's payments in event-time order. Raises ValueError naming the file and line of the first fault.
+    """
+    if limit is not None and limit < 0:
+        raise ValueError(f"limit must be 0 or more, got {limit}")
+    name = str(path)
+    payments: list[AmlworldPayment] = []
+    skipped: Counter[str] = Counter()
+    skipped_laundering = 0
+    rows = 0
+    # Interned: a real file repeats a few hundred thousand accounts and minutes over millions of rows.
+    accounts: dict[str, str] = {}
+    times: dict[str, str] = {}
+    line = 0
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as source:
+            reader = csv.reader(source, strict=True)
+            header = next(reader, None)
+            line = reader.line_num
+            if header is None:
+                raise ValueError(f"{name} is empty; expected the AMLworld header {','.join(HEADER)}.")
+            if tuple(header) != HEADER:
+                raise ValueError(
+                    f"{name} line {line}: the header is {','.join(header)[:200]!r}, "
+                    f"expected {','.join(HEADER)}."
+                )
+            for row in reader:
+                if limit is not None and rows >= limit:
+                    break
+                line = reader.line_num
+                rows += 1
+                payment = _payment(row, name, line, prefix, accounts, times)
+                if payment is None:
+                    skipped[row[PAYMENT_CURRENCY]] += 1
+                    skipped_laundering += row[IS_LAUNDERING] == "1"
+                else:
+                    payments.append(payment)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} line {line + 1}: not UTF-8 text ({exc.reason}).") from None
+    except csv.Error as exc:
+        raise ValueError(f"{name} line {line + 1}: not readable as CSV ({exc}).") from None
+    payments.sort(key=lambda p: p.ts)
+    return AmlworldImport(name, rows, payments, skipped, skipped_laundering)
+
+
+def _payment(
+    row: list[str],
+    name: str,
+    line: int,
+    prefix: str,
+    accounts: dict[str, str],
+    times: dict[str, str],
+) -> AmlworldPayment | None:
+    """The row's payment, or None for a row paid in a currency without an ISO 4217 code. Such a row is
+    checked like any other (a broken file is broken whatever its currency)."""
+    where = f"{name} line {line}"
+    if len(row) != len(HEADER):
+        raise ValueError(f"{where}: {len(row)} column(s), expected {len(HEADER)}.")
+    for index in (FROM_BANK, FROM_ACCOUNT, TO_BANK, TO_ACCOUNT, PAYMENT_FORMAT):
+        if not row[index].strip():
+            raise ValueError(f"{where}: {HEADER[index]} (column {index + 1}) is empty.")
+    ts = _timestamp(row[TIMESTAMP], where, times)
+    amount = row[AMOUNT_PAID]
+    if not _AMOUNT.fullmatch(amount) or Decimal(amount) <= 0:
+        raise ValueError(f"{where}: Amount Paid must be a decimal number above 0, got {amount[:40]!r}.")
+    laundering = row[IS_LAUNDERING]
+    if laundering not in ("0", "1"):
+        raise ValueError(f"{where}: Is Laundering must be 0 or 1, got {laundering[:40]!r}.")
+    currency = CURRENCIES.get(row[PAYMENT_CURRENCY])
+    if currency is None:
+        if row[PAYMENT_CURRENCY] in UNMAPPABLE:
+            return None
+        raise ValueError(f"{where}: unknown Payment Currency {row[PAYMENT_CURRENCY][:40]!r}.")
+    payer = f"{row[FROM_BANK]}:{row[FROM_ACCOUNT]}"
+    payee = f"{row[TO_BANK]}:{row[TO_ACCOUNT]}"
+    payment = AmlworldPayment(
+        payment_id=f"{prefix}-{line:07d}",
+        payer=accounts.setdefault(payer, payer),
+        payee=accounts.setdefault(payee, payee),
+        amount=amount,
+        currency=currency,
+        ts=ts,
+        channel=_channel(row[PAYMENT_FORMAT]),
+        is_laundering=laundering == "1",
+    )
+    try:  # the contract's remaining rules: at most 4 decimals, below 1e15, lengths of ids
+        validate_payment(payment.key, payment.value(), _MAX_VALUE_BYTES)
+    except InvalidPayment as exc:
+        raise ValueError(f"{where}: the payment would break our contract: {exc}.") from None
+    return payment
+
+
+@functools.cache
+def _channel(payment_format: str) -> str:
+    """`Credit Card` -> `credit_card` (cached: one string per format, not per row)."""
+    return payment_format.strip().lower().replace(" ", "_")
+
+
+def _timestamp(raw: str, where: str, times: dict[str, str]) -> str:
+    """`2022/09/01 00:20` -> `2022-09-01T00:20:00Z`; AMLworld declares no timezone, we read it as UTC."""
+    known = times.get(raw)
+    if known is not None:
+        return known
+    try:
+        if not _TIMESTAMP.fullmatch(raw):
+            raise ValueError
+        when = datetime.strptime(raw, "%Y/%m/%d %H:%M")
+    except ValueError:
+        raise ValueError(f"{where}: Timestamp must be YYYY/MM/DD HH:MM, got {raw[:40]!r}.") from None
+    times[raw] = when.strftime("%Y-%m-%dT%H:%M:00Z")
+    return times[raw]

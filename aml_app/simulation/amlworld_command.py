@@ -1,0 +1,138 @@
+"""`aml-app import-amlworld FILE`: send IBM AMLworld's transactions to the payments topic (docs/amlworld.md).
+
+The whole file is parsed first (`aml_app.simulation.amlworld`), so a bad row sends nothing; then payments
+go out in event-time order, keyed by payer, with the simulator's producer settings (acks=all, the
+project's Kafka servers and TLS/SASL). Every fault is one sentence and a non-zero exit, as for `simulate`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+
+import click
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
+
+from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka_tools import produce
+from aml_app.settings import ConfigError, load_settings
+from aml_app.simulation.amlworld import DEFAULT_PREFIX, AmlworldImport, AmlworldPayment, read_amlworld
+
+CHUNK = 5000  # payments per produce() call; each chunk's acknowledgements are awaited before the next
+
+
+async def send_payments(
+    bootstrap: Sequence[str],
+    topic: str,
+    payments: Sequence[AmlworldPayment],
+    *,
+    security: KafkaSecurity | None = None,
+    progress: Callable[[str], None] | None = None,
+    progress_interval: float = 5.0,
+) -> int:
+    """Send `payments` in their order (key = payer) and return how many the broker acknowledged.
+
+    Chunks are sent one after the other and each is acknowledged before the next, so a payer's payments
+    reach its partition in the order given. `security` (TLS/SASL): None means the process's settings.
+    """
+    producer = AIOKafkaProducer(
+        bootstrap_servers=list(bootstrap),
+        acks="all",
+        linger_ms=5,
+        client_id="aml-amlworld-import",
+        **aiokafka_kwargs(security),
+    )
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()  # a failed start leaves connections and tasks behind otherwise
+        raise
+    sent = 0
+    started = time.monotonic()
+    next_progress = started + progress_interval
+    try:
+        for first in range(0, len(payments), CHUNK):
+            chunk = payments[first : first + CHUNK]
+            await produce(producer, topic, [(None, p.key, p.value()) for p in chunk])
+            sent += len(chunk)
+            if progress is not None and sent < len(payments) and time.monotonic() >= next_progress:
+                next_progress += progress_interval
+                progress(f"amlworld: {sent}/{len(payments)} payments sent, event time now {chunk[-1].ts}")
+    finally:
+        await producer.stop()
+    return sent
+
+
+@click.command("import-amlworld")
+@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--limit",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Import only the first N data rows of the file (the real files have millions).",
+)
+@click.option(
+    "--prefix", default=DEFAULT_PREFIX, show_default=True, help="Payment ids are <prefix>-<line of the row>."
+)
+@click.option(
+    "--truth",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help='Write the laundering payments here before sending: JSON Lines {"payment_id": ..., '
+    '"is_laundering": true}.',
+)
+def import_amlworld_command(file: str, limit: int | None, prefix: str, truth: str | None) -> None:
+    """Send an IBM AMLworld transactions CSV (*_Trans.csv) to the payments topic, in event-time order."""
+    if not prefix.strip() or len(prefix) > 64:
+        raise click.BadParameter("must be 1 to 64 characters.", param_hint="--prefix")
+    try:
+        settings = load_settings()
+    except ConfigError as exc:
+        raise click.ClickException(f"configuration error: {exc}") from None
+    try:
+        imported = read_amlworld(file, limit=limit, prefix=prefix)
+        if truth is not None:
+            imported.write_ground_truth(truth)
+    except ValueError as exc:
+        raise click.ClickException(f"{str(exc).rstrip('.')}; nothing was sent.") from None
+    except OSError as exc:
+        raise click.ClickException(f"could not read or write {exc.filename}: {exc.strerror}.") from None
+    servers = ",".join(settings.bootstrap_servers)
+    click.echo(
+        f"amlworld: {len(imported.payments)} payments from {file} to {settings.payments_topic} via {servers}"
+    )
+    started = time.monotonic()
+    try:
+        sent = asyncio.run(
+            send_payments(
+                settings.bootstrap_servers,
+                settings.payments_topic,
+                imported.payments,
+                security=settings.kafka_security,
+                progress=click.echo,
+            )
+        )
+    except (KafkaError, OSError) as exc:
+        raise click.ClickException(f"could not send to Kafka at {servers}: {exc}") from None
+    _summary(imported, sent, settings.payments_topic, time.monotonic() - started, truth)
+
+
+def _summary(imported: AmlworldImport, sent: int, topic: str, elapsed: float, truth: str | None) -> None:
+    click.echo(
+        f"amlworld import done: {imported.rows_read} row(s) read from {imported.path}, "
+        f"{sent} payment(s) sent to {topic} in {elapsed:.1f} s"
+    )
+    for currency, rows in sorted(imported.skipped.items()):
+        click.echo(f"  skipped: {rows} row(s) paid in {currency} (no ISO 4217 code, our contract refuses it)")
+    if imported.skipped_laundering:
+        click.echo(
+            f"  skipped rows labelled laundering: {imported.skipped_laundering} "
+            "(not sent, not in the ground truth)"
+        )
+    click.echo(f"  laundering: {len(imported.laundering)} payment(s) sent with Is Laundering = 1")
+    if imported.payments:
+        click.echo(f"  event time {imported.payments[0].ts} .. {imported.payments[-1].ts}")
+    if truth is not None:
+        click.echo(f"ground truth: {truth}")
