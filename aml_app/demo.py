@@ -3,7 +3,7 @@
 The demo starts (or reuses) a broker, Services B and C as a user runs them (`aml-app pipeline`, the Spark
 streaming queries of both, and `aml-app serve relations|aggregates`, their APIs), the gated workers of
 Service-A (AML) and Service-A1 (fraud), then the payment simulator (`aml_app.simulation`: background
-traffic with injected structuring, fan-in, fan-out, cycles and pass-through, and its ground truth), plus a
+traffic with injected instances of ten laundering typologies, and its ground truth), plus a
 few malformed records for the dead-letter topic. It prints progress every two seconds.
 
 At the end it checks what the gate promises and what detection achieved:
@@ -46,7 +46,14 @@ from aml_app.kafka_tools import payment_json
 from aml_app.services.store import redacted
 from aml_app.settings import Settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
-from aml_app.simulation.score import TypologyScore, format_scores, score
+from aml_app.simulation.score import (
+    PaymentScore,
+    TypologyScore,
+    format_payment_score,
+    format_scores,
+    payment_score,
+    score,
+)
 from aml_app.simulation.traffic import SimPayment
 from aml_app.system import Interrupted, Layout, System, SystemFailure
 from aml_app.tails import partitions_of
@@ -205,6 +212,7 @@ class Verdict:
     behind: dict[str, int]  # group -> records it has not committed past
     spot_failures: int
     scores: dict[str, TypologyScore]
+    payments: PaymentScore
 
     @property
     def ok(self) -> bool:
@@ -573,6 +581,8 @@ class Demo:
         aml_alerts = system.alerts["aml"].of_run(ids) if "aml" in system.alerts else []
         instances = self.report.simulation.instances if self.report else ()
         sent_ids = set(self.report.placements) if self.report else set()
+        typed_alerts = [(a["payment_id"], t) for a in aml_alerts for t in a.get("typologies", [])]
+        complete = [i for i in instances if set(i.payment_ids) <= sent_ids]
         return Verdict(
             gated=self.options.gate,
             valid=len(ids),
@@ -583,10 +593,8 @@ class Demo:
             behind={g: system.watch.behind(g, ledger.ends) for g in system.groups},
             spot_failures=self.spot_failures,
             # Only instances whose every payment was sent (Ctrl-C may cut the run short).
-            scores=score(
-                [(a["payment_id"], t) for a in aml_alerts for t in a.get("typologies", [])],
-                [i for i in instances if set(i.payment_ids) <= sent_ids],
-            ),
+            scores=score(typed_alerts, complete),
+            payments=payment_score(typed_alerts, complete),
         )
 
     def print_summary(self, v: Verdict) -> None:
@@ -644,6 +652,7 @@ class Demo:
         say()
         say(f"AML detection against the ground truth ({self.ground_truth.name}):")
         say(format_scores(v.scores))
+        say(format_payment_score(v.payments))
 
 
 async def _stop_clients(demo: Demo) -> None:

@@ -21,14 +21,18 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 from urllib.parse import quote
 
 import aiohttp
 from yarl import URL
 
-#: Service B parts the detectors use: the neighbourhood is never needed and can be most of the graph.
+#: Service B parts the detectors use, about the payer and about the payee: the neighbourhood is never
+#: needed and can be most of the graph.
 RELATIONS_PARTS = "out,cycle"
+PAYER_PARTS = "out,cycle,chain"
+PAYEE_PARTS = "sources,co_payees"
 CYCLE_HOPS = 3
 
 
@@ -121,11 +125,16 @@ class DependencyClient:
             None,
         )
 
-    async def relations(self, account: str, hops: int = CYCLE_HOPS, parts: str = RELATIONS_PARTS) -> dict:
+    async def relations(
+        self,
+        account: str,
+        hops: int = CYCLE_HOPS,
+        parts: str = RELATIONS_PARTS,
+        min_average: Decimal = Decimal(0),
+    ) -> dict:
+        query = {"hops": str(hops), "parts": parts, "min_average": format(min_average, "f")}
         return await self._send(
-            "relations",
-            lambda base: _resource(base, "relations", account).with_query(hops=str(hops), parts=parts),
-            None,
+            "relations", lambda base: _resource(base, "relations", account).with_query(query), None
         )
 
     async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
@@ -135,10 +144,21 @@ class DependencyClient:
         return _answers(answer, len(queries), "aggregates")
 
     async def relations_many(
-        self, accounts: Sequence[str], hops: int = CYCLE_HOPS, parts: str = RELATIONS_PARTS
+        self,
+        accounts: Sequence[str],
+        hops: int = CYCLE_HOPS,
+        parts: str | Sequence[str] = RELATIONS_PARTS,
+        min_average: Decimal = Decimal(0),
     ) -> list[dict[str, Any]]:
-        """One POST /relations for several accounts: one snapshot of B answers them all."""
-        body = {"queries": [{"account": a, "hops": hops, "parts": parts} for a in accounts]}
+        """One POST /relations for several accounts: one snapshot of B answers them all. `parts` is one
+        list for every account, or one per account."""
+        each = [parts] * len(accounts) if isinstance(parts, str) else list(parts)
+        body = {
+            "queries": [
+                {"account": a, "hops": hops, "parts": p, "min_average": format(min_average, "f")}
+                for a, p in zip(accounts, each, strict=True)
+            ]
+        }
         answer = await self._send("relations", lambda base: base / "relations", body)
         return _answers(answer, len(accounts), "relations")
 
@@ -212,14 +232,22 @@ def _answers(answer: dict[str, Any], expected: int, dependency: str) -> list[dic
 
 
 async def evidence_for(
-    client: DependencyClient, payments: Sequence[tuple[str, str, datetime]]
-) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
-    """(payer aggregates, payee aggregates, payer relations) for each (payer, payee, at): two requests in
-    all, asked concurrently, whatever the number of payments."""
+    client: DependencyClient, payments: Sequence[tuple[str, str, datetime]], min_average: Decimal = Decimal(0)
+) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """(payer aggregates, payee aggregates, payer relations, payee relations) for each (payer, payee, at):
+    two requests in all, asked concurrently, whatever the number of payments. `min_average` is what a
+    heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`)."""
     if not payments:
         return []
     aggregates, relations = await asyncio.gather(
         client.aggregates_many([q for payer, payee, at in payments for q in ((payer, at), (payee, at))]),
-        client.relations_many([payer for payer, _, _ in payments]),
+        client.relations_many(
+            [account for payer, payee, _ in payments for account in (payer, payee)],
+            parts=[parts for _ in payments for parts in (PAYER_PARTS, PAYEE_PARTS)],
+            min_average=min_average,
+        ),
     )
-    return [(aggregates[2 * i], aggregates[2 * i + 1], relations[i]) for i in range(len(payments))]
+    return [
+        (aggregates[2 * i], aggregates[2 * i + 1], relations[2 * i], relations[2 * i + 1])
+        for i in range(len(payments))
+    ]

@@ -43,7 +43,7 @@ from tables.alerts import alert_key, alerts_sent
 log = logging.getLogger(__name__)
 
 Rules = Callable[[Evidence], list[Hit]]
-ANSWERS = ("payer aggregates", "payee aggregates", "payer relations")
+ANSWERS = ("payer aggregates", "payee aggregates", "payer relations", "payee relations")
 #: Waits between asking again: a dependency that is away, and evidence that is not fresh yet.
 UNAVAILABLE_DELAYS = (0.1, 5.0)
 STALE_DELAYS = (0.05, 1.0)
@@ -75,10 +75,13 @@ class DetectorStats:
 class Detector:
     """A gated service's handler; one per worker, shared by every partition lane."""
 
-    def __init__(self, service: str, rules: Rules, client: DependencyClient) -> None:
+    def __init__(
+        self, service: str, rules: Rules, client: DependencyClient, min_average: Decimal = Decimal(0)
+    ) -> None:
         self.service = service
         self.rules = rules
         self.client = client
+        self.min_average = min_average  # what a heavy edge is, for B's layering parts
         self.stats = DetectorStats()
 
     async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
@@ -89,7 +92,7 @@ class Detector:
         started = self.stats.lap("evidence", started)
         decided: list[tuple[Payment, Admission, list[Hit], list[dict], int]] = []
         for (payment, admission), (answers, stale_reads) in zip(items, evidence, strict=True):
-            payer_aggregates, payee_aggregates, payer_relations = answers
+            payer_aggregates, payee_aggregates, payer_relations, payee_relations = answers
             facts = Evidence.parse(
                 payment_id=payment.payment_id,
                 payer=payment.payer,
@@ -100,6 +103,7 @@ class Detector:
                 payer_aggregates=payer_aggregates,
                 payee_aggregates=payee_aggregates,
                 payer_relations=payer_relations,
+                payee_relations=payee_relations,
             )
             decided.append((payment, admission, self.rules(facts), answers, stale_reads))
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
@@ -167,7 +171,7 @@ class Detector:
                 for i in todo
             ]
             try:
-                answers = await evidence_for(self.client, questions)
+                answers = await evidence_for(self.client, questions, self.min_average)
             except DependencyUnavailable as exc:
                 self.stats.unavailable += 1
                 first = items[todo[0]][1]
@@ -178,11 +182,11 @@ class Detector:
                 unavailable_delay = min(unavailable_delay * 2, UNAVAILABLE_DELAYS[1])
                 continue
             again = []
-            for i, triple in zip(todo, answers, strict=True):
+            for i, four in zip(todo, answers, strict=True):
                 admission = items[i][1]
                 stale = [
                     n
-                    for n, a in zip(ANSWERS, triple, strict=True)
+                    for n, a in zip(ANSWERS, four, strict=True)
                     if not includes(a, admission.partition, admission.offset)
                 ]
                 if stale:
@@ -200,7 +204,7 @@ class Detector:
                     continue
                 if stale:
                     self.stats.decided_on_stale += 1
-                results[i] = (list(triple), stale_reads[i])
+                results[i] = (list(four), stale_reads[i])
             todo = again
             if todo:
                 await asyncio.sleep(stale_delay)
@@ -269,7 +273,7 @@ def detecting_service(service: str, rules: Rules) -> Detector:
     from aml_app.service import gated_service
 
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
-    detector = Detector(service, rules, client)
+    detector = Detector(service, rules, client, settings.aml_thresholds.graph_min_average)
     gated_service(batch_handler=detector, max_batch=settings.max_batch)
 
     @app.on_before_shutdown.connect

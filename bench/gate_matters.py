@@ -5,8 +5,9 @@ worker) on the same seed and rate, with Service B's query triggered only every `
 B is behind most of the time. Gate on: the AML worker waits for both groups to commit past a payment.
 Gate off (`--no-gate` in the demo): it decides at once on whatever B and C answer, as a plain consumer
 would. Per run: freshness violations (answers of B or C that did not include the payment), decisions made
-on such answers, decisions made before both groups committed past their payment, and recall and
-precision per typology against the simulator's ground truth.
+on such answers, decisions made before both groups committed past their payment, recall and precision
+per typology against the simulator's ground truth, and the minority-class precision, recall and F1 over
+payments.
 
     .venv/bin/python -m bench.gate_matters [--duration 40] [--rate 40] [--lag 5] [--seed 11]
 """
@@ -51,6 +52,14 @@ def summary(verdict: Verdict) -> dict[str, Any]:
                 "precision": s.precision,
             }
             for t, s in verdict.scores.items()
+        },
+        "payments": {
+            "laundering": verdict.payments.laundering,
+            "flagged": verdict.payments.flagged,
+            "true_flags": verdict.payments.true_flags,
+            "precision": verdict.payments.precision,
+            "recall": verdict.payments.recall,
+            "f1": verdict.payments.f1,
         },
     }
 
@@ -99,6 +108,16 @@ def report(doc: dict[str, Any]) -> str:
                 f"{ratio_text(s_off['precision'])}",
             )
         )
+    payments = [on["payments"], off["payments"]]
+    rows.append(
+        (
+            "payments (minority class): precision, recall, F1",
+            *(
+                f"{ratio_text(x['precision'])}, {ratio_text(x['recall'])}, {ratio_text(x['f1'])}"
+                for x in payments
+            ),
+        )
+    )
     return markdown_table(["same seed, relations lagging", "gate on", "gate off"], rows)
 
 

@@ -27,6 +27,7 @@ from decimal import Decimal, localcontext
 from typing import Any
 
 HORIZON = timedelta(days=7)
+LISTED = 10  # sources and co_payees: the strongest ten (aml_app/services/relations.py)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 WINDOWS = (("1h", timedelta(hours=1)), ("24h", timedelta(hours=24)), ("7d", timedelta(days=7)))
 
@@ -89,8 +90,65 @@ def _walks(payments: list[Any], start: str, length: int) -> list[list[str]]:
     return walks
 
 
-def reference_relations(payments: Iterable[Any], account: str, hops: int) -> dict[str, Any]:
-    """Service B's answer for `account`, without `as_of`."""
+def _heavy_edges(payments: list[Any], min_average: Decimal) -> set[tuple[str, str]]:
+    """(payer, payee) pairs with at least one currency whose payments average >= min_average."""
+    rows: dict[tuple[str, str, str], list[Decimal]] = {}
+    for p in payments:
+        rows.setdefault((p.payer, p.payee, p.currency), []).append(amount_of(p))
+    return {(u, v) for (u, v, _), amounts in rows.items() if _total(amounts) >= min_average * len(amounts)}
+
+
+def _chain(heavy: set[tuple[str, str]], account: str, hops: int) -> list[str]:
+    """The longest simple heavy path ending at `account` (at most `hops` edges), the smallest of those."""
+    paths = [[account]]
+    best: list[str] = []
+    for _ in range(hops):
+        paths = [[u, *path] for path in paths for (u, v) in heavy if v == path[0] and u not in path]
+        if not paths:
+            break
+        best = min(paths)
+    return best
+
+
+def _sources(heavy: set[tuple[str, str]], account: str) -> list[dict[str, Any]]:
+    via: dict[str, set[str]] = {}
+    for m, v in heavy:
+        if v != account or m == account:
+            continue
+        for s, m2 in heavy:
+            if m2 == m and s not in (account, m):
+                via.setdefault(s, set()).add(m)
+    found = [{"source": s, "via": sorted(ms)} for s, ms in via.items() if len(ms) >= 2]
+    return sorted(found, key=lambda f: (-len(f["via"]), f["source"]))[:LISTED]
+
+
+def _co_payees(heavy: set[tuple[str, str]], account: str) -> list[dict[str, Any]]:
+    payers = {u for u, v in heavy if v == account}
+    shared: dict[str, int] = {}
+    for other in {v for u, v in heavy if v != account}:
+        count = len(payers & {u for u, v in heavy if v == other})
+        if count >= 2:
+            shared[other] = count
+    found = [{"account": a, "shared": n} for a, n in shared.items()]
+    return sorted(found, key=lambda f: (-f["shared"], f["account"]))[:LISTED]
+
+
+def reference_layering(
+    payments: Iterable[Any], account: str, hops: int, min_average: Decimal = Decimal(0)
+) -> dict[str, Any]:
+    """Service B's layering parts (chain, sources, co_payees) for `account`."""
+    heavy = _heavy_edges(list(payments), min_average)
+    return {
+        "chain": _chain(heavy, account, hops),
+        "sources": _sources(heavy, account),
+        "co_payees": _co_payees(heavy, account),
+    }
+
+
+def reference_relations(
+    payments: Iterable[Any], account: str, hops: int, min_average: Decimal = Decimal(0)
+) -> dict[str, Any]:
+    """Service B's answer for `account`, every part, without `as_of`."""
     payments = list(payments)
     payees = sorted({p.payee for p in payments if p.payer == account})
     payers = sorted({p.payer for p in payments if p.payee == account})
@@ -120,6 +178,7 @@ def reference_relations(payments: Iterable[Any], account: str, hops: int) -> dic
         "in": [_summary(payments, account, c, outgoing=False) for c in payers],
         "neighbourhood": neighbourhood,
         "cycle": cycle,
+        **reference_layering(payments, account, hops, min_average),
     }
 
 

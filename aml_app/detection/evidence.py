@@ -199,7 +199,14 @@ class Cycle:
 
 @dataclass(frozen=True)
 class Relations:
-    """Service B's answer for one account (`GET /relations/{account}?hops=k`)."""
+    """Service B's answer for one account (`GET /relations/{account}?hops=k`).
+
+    The layering parts (chain, sources, co_payees) count heavy edges only, as the request's `min_average`
+    defined them: `chain` is the longest heavy path ending at the account (accounts in order, the account
+    last; empty when none), `sources` maps a source to the intermediates through which it reaches the
+    account in two heavy steps, `co_payees` maps an account to the number of heavy payers it shares with
+    this one.
+    """
 
     account: str
     hops: int
@@ -208,6 +215,9 @@ class Relations:
     neighbourhood: Mapping[str, int]
     cycle: Cycle
     as_of: Mapping[int, int] = field(default_factory=dict)
+    chain: tuple[str, ...] = ()
+    sources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    co_payees: Mapping[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, doc: Any) -> Relations:
@@ -241,7 +251,40 @@ class Relations:
             neighbourhood=neighbourhood,
             cycle=_cycle(doc.get("cycle", {"found": False, "path": []}), account, hops, where),
             as_of=_as_of(doc, where),
+            chain=_chain(doc.get("chain", []), account, hops, where),
+            sources=_listed(doc, "sources", "source", "via", where),
+            co_payees=_listed(doc, "co_payees", "account", "shared", where),
         )
+
+
+def _chain(doc: Any, account: str, hops: int, where: str) -> tuple[str, ...]:
+    if not isinstance(doc, list):
+        raise ValueError(f"{where}.chain must be a list, got {type(doc).__name__}")
+    path = tuple(_text(a, f"{where}.chain") for a in doc)
+    if path and (len(path) < 2 or path[-1] != account or len(path) - 1 > hops or len(set(path)) < len(path)):
+        raise ValueError(
+            f"{where}.chain must end at {account!r} with 1..{hops} edges, no account twice, got {list(path)}"
+        )
+    return path
+
+
+def _listed(answer: Mapping[str, Any], part: str, key: str, value: str, where: str) -> dict[str, Any]:
+    """`sources` ({source, via: [accounts]}) or `co_payees` ({account, shared: n}) as a dict by key."""
+    items = answer.get(part, [])
+    where = f"{where}.{part}"
+    if not isinstance(items, list):
+        raise ValueError(f"{where} must be a list, got {type(items).__name__}")
+    found: dict[str, Any] = {}
+    for item in items:
+        name = _text(_need(item, key, where), f"{where}.{key}")
+        raw = _need(item, value, f"{where}[{name!r}]")
+        if value == "via":
+            if not isinstance(raw, list) or len(raw) < 2:
+                raise ValueError(f"{where}[{name!r}].via must list at least 2 accounts, got {raw!r}")
+            found[name] = tuple(_text(a, f"{where}[{name!r}].via") for a in raw)
+        else:
+            found[name] = _count(raw, f"{where}[{name!r}].{value}")
+    return found
 
 
 def _cycle(doc: Any, account: str, hops: int, where: str) -> Cycle:
@@ -276,6 +319,7 @@ class Evidence:
     payer_aggregates: Aggregates
     payee_aggregates: Aggregates
     payer_relations: Relations
+    payee_relations: Relations
 
     def __post_init__(self) -> None:
         for name in ("payment_id", "payer", "payee", "currency"):
@@ -289,6 +333,7 @@ class Evidence:
             ("payer aggregates", self.payer_aggregates, self.payer),
             ("payee aggregates", self.payee_aggregates, self.payee),
             ("payer relations", self.payer_relations, self.payer),
+            ("payee relations", self.payee_relations, self.payee),
         ):
             if answer.account != account:
                 raise ValueError(f"{role} are for {answer.account!r}, not for {account!r}")
@@ -312,8 +357,9 @@ class Evidence:
         payer_aggregates: Any,
         payee_aggregates: Any,
         payer_relations: Any,
+        payee_relations: Any,
     ) -> Evidence:
-        """Evidence from the payment's fields and the three parsed JSON answers; ValueError if malformed."""
+        """Evidence from the payment's fields and the four parsed JSON answers; ValueError if malformed."""
         return cls(
             payment_id=payment_id,
             payer=payer,
@@ -324,4 +370,5 @@ class Evidence:
             payer_aggregates=Aggregates.from_json(payer_aggregates),
             payee_aggregates=Aggregates.from_json(payee_aggregates),
             payer_relations=Relations.from_json(payer_relations),
+            payee_relations=Relations.from_json(payee_relations),
         )

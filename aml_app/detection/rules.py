@@ -13,7 +13,15 @@ Conventions shared by every rule:
   which is [threshold * (1 - band), threshold): exactly at the reporting threshold is reported anyway.
 - Averages are compared by multiplication (sum >= minimum * count): exact, and no division by zero.
 
-Typologies (names are part of the decision record): structuring, fan_in, fan_out, cycle, pass_through.
+- The layering rules (gather_scatter's intake, scatter_gather, bipartite, stack, random) count only
+  *heavy* flows: an edge whose average payment is at least `graph_min_average` (Service B filters its
+  graph answers with it). Everyday payments (shops, friends) never make such a structure.
+
+Typologies (names are part of the decision record): the eight patterns IBM's AMLworld data set labels
+(fan_in, fan_out, gather_scatter, scatter_gather, cycle, random, bipartite, stack) and two classic ones
+(structuring, pass_through). Each rule fires only on a payment that is part of its pattern. A stack is
+two bipartite layers: its second layer is reported as stack (not as bipartite or scatter_gather); its
+first layer cannot be told from a bipartite block when it is paid, and is reported as bipartite.
 """
 
 from __future__ import annotations
@@ -26,7 +34,18 @@ from typing import Any
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
 
-TYPOLOGIES = ("structuring", "fan_in", "fan_out", "cycle", "pass_through")
+TYPOLOGIES = (
+    "structuring",
+    "fan_in",
+    "fan_out",
+    "gather_scatter",
+    "scatter_gather",
+    "cycle",
+    "random",
+    "bipartite",
+    "stack",
+    "pass_through",
+)
 FAN_WINDOW = "24h"  # fan-in/fan-out look at one day of activity
 PASS_THROUGH_WINDOW = "1h"  # money that leaves within the hour it arrived
 
@@ -203,11 +222,159 @@ def pass_through(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     )
 
 
+def gather_scatter(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
+    """The payer collected substantial amounts from many payers and spreads money over many payees in the
+    same day: a hub between two fans. Fires on the scatter side (the hub's payments)."""
+    window = evidence.payer_aggregates.window(FAN_WINDOW)
+    minimum = thresholds.gather_scatter_min_counterparties
+    received = window.received_in(evidence.currency)
+    if window.received_counterparties < minimum or window.sent_counterparties < minimum:
+        return None
+    if window.received_count == 0 or received < thresholds.graph_min_average * window.received_count:
+        return None
+    return Hit(
+        rule="aml.gather_scatter",
+        typology="gather_scatter",
+        reason=(
+            f"{evidence.payer} received from {window.received_counterparties} distinct payers "
+            f"({money(average(received, window.received_count))} {evidence.currency} on average) and sent to "
+            f"{window.sent_counterparties} distinct payees in {FAN_WINDOW}."
+        ),
+        figures={
+            "payers": window.received_counterparties,
+            "payees": window.sent_counterparties,
+            "min_counterparties": minimum,
+            "received": money(received),
+            "received_count": window.received_count,
+            "min_average": money(thresholds.graph_min_average),
+            "currency": evidence.currency,
+            "window": FAN_WINDOW,
+        },
+    )
+
+
+def _layered_sources(evidence: Evidence) -> dict[str, tuple[str, ...]]:
+    """The sources that reach the payee in two heavy steps, this payment's payer among their
+    intermediates (so the payment is one of the flow's second steps)."""
+    return {s: via for s, via in evidence.payee_relations.sources.items() if evidence.payer in via}
+
+
+def _stacked(evidence: Evidence, thresholds: AmlThresholds) -> bool:
+    return len(_layered_sources(evidence)) >= thresholds.stack_min_sources
+
+
+def stack(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
+    """Several sources reach the payee through the same layer of intermediates, the payer among them: two
+    bipartite layers stacked (sources -> intermediates -> destinations)."""
+    layered = _layered_sources(evidence)
+    if len(layered) < thresholds.stack_min_sources:
+        return None
+    intermediates = sorted({m for via in layered.values() for m in via})
+    return Hit(
+        rule="aml.stack",
+        typology="stack",
+        reason=(
+            f"{len(layered)} sources reach {evidence.payee} through the same intermediates "
+            f"({', '.join(intermediates)}), {evidence.payer} among them."
+        ),
+        figures={
+            "sources": len(layered),
+            "min_sources": thresholds.stack_min_sources,
+            "intermediates": len(intermediates),
+            "min_average": money(thresholds.graph_min_average),
+        },
+        path=(min(layered), evidence.payer, evidence.payee),
+    )
+
+
+def scatter_gather(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
+    """One source split money over several intermediates, which pass it on to the payee: the payee
+    gathers what one source scattered. Not reported when the layers are a stack."""
+    layered = _layered_sources(evidence)
+    if not layered or _stacked(evidence, thresholds):
+        return None
+    source = min(layered, key=lambda s: (-len(layered[s]), s))
+    via = layered[source]
+    if len(via) < thresholds.scatter_gather_min_intermediates:
+        return None
+    return Hit(
+        rule="aml.scatter_gather",
+        typology="scatter_gather",
+        reason=(
+            f"{source} reaches {evidence.payee} through {len(via)} intermediates ({', '.join(via)}), "
+            f"{evidence.payer} among them."
+        ),
+        figures={
+            "source": source,
+            "intermediates": len(via),
+            "min_intermediates": thresholds.scatter_gather_min_intermediates,
+            "min_average": money(thresholds.graph_min_average),
+        },
+        path=(source, evidence.payer, evidence.payee),
+    )
+
+
+def bipartite(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
+    """The payee belongs to a block of payees that share the same heavy payers, and the payer pays into
+    that block: a many-to-many (bipartite) transfer between two groups. A stacked block is a stack."""
+    if _stacked(evidence, thresholds):
+        return None
+    paid = evidence.payer_relations.out
+    block = sorted(
+        account
+        for account, shared in evidence.payee_relations.co_payees.items()
+        if shared >= thresholds.bipartite_min_sources and account in paid
+    )
+    if len(block) + 1 < thresholds.bipartite_min_destinations:
+        return None
+    return Hit(
+        rule="aml.bipartite",
+        typology="bipartite",
+        reason=(
+            f"{evidence.payee} and {', '.join(block)} share {thresholds.bipartite_min_sources} or more heavy "
+            f"payers, {evidence.payer} among them."
+        ),
+        figures={
+            "destinations": len(block) + 1,
+            "min_destinations": thresholds.bipartite_min_destinations,
+            "min_sources": thresholds.bipartite_min_sources,
+            "min_average": money(thresholds.graph_min_average),
+        },
+    )
+
+
+def random_walk(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
+    """The payment continues a chain of heavy payments through distinct accounts (a layering walk that
+    does not come back; a cycle is the cycle rule's)."""
+    chain = evidence.payer_relations.chain
+    hops = len(chain)  # the chain's edges (len - 1) plus this payment
+    if not chain or evidence.payee in chain or hops < thresholds.random_min_hops:
+        return None
+    if evidence.amount < thresholds.graph_min_average:
+        return None
+    return Hit(
+        rule="aml.random",
+        typology="random",
+        reason=f"Heavy payments make {hops} hops in a row: {' -> '.join((*chain, evidence.payee))}.",
+        figures={
+            "hops": hops,
+            "min_hops": thresholds.random_min_hops,
+            "min_average": money(thresholds.graph_min_average),
+        },
+        path=(*chain, evidence.payee),
+    )
+
+
 AML_RULES: tuple[Callable[[Evidence, AmlThresholds], Hit | None], ...] = (
     structuring,
     fan_in,
     fan_out,
+    gather_scatter,
+    scatter_gather,
     cycle,
+    random_walk,
+    bipartite,
+    stack,
     pass_through,
 )
 

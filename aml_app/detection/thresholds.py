@@ -40,6 +40,13 @@ class AmlThresholds:
     cycle_max_hops: int = 3
     pass_through_min_received: Decimal = Decimal("5000")
     pass_through_min_ratio: Decimal = Decimal("0.8")
+    graph_min_average: Decimal = Decimal("1000")
+    gather_scatter_min_counterparties: int = 4
+    scatter_gather_min_intermediates: int = 3
+    bipartite_min_sources: int = 2
+    bipartite_min_destinations: int = 2
+    stack_min_sources: int = 2
+    random_min_hops: int = 3
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -83,6 +90,13 @@ LIMITS: dict[str, tuple[Any, Any, str]] = {
     "cycle_max_hops": (1, 3, "longest cycle that counts; Service B looks at most 3 hops deep"),
     "pass_through_min_received": (Decimal("0.01"), Decimal("1e12"), "amount received by the payer in 1h"),
     "pass_through_min_ratio": (Decimal("0.01"), Decimal(1), "share of the 1h receipts sent on in that hour"),
+    "graph_min_average": (Decimal(0), Decimal("1e12"), "average payment of an edge the layering rules count"),
+    "gather_scatter_min_counterparties": (2, 100_000, "distinct payers and payees of the hub in 24h"),
+    "scatter_gather_min_intermediates": (2, 100_000, "intermediates between one source and the payee"),
+    "bipartite_min_sources": (2, 100_000, "heavy payers the payee shares with other payees"),
+    "bipartite_min_destinations": (2, 11, "payees in the block, this one included (B lists 10 others)"),
+    "stack_min_sources": (2, 10, "sources reaching the payee through 2 or more intermediates (B lists 10)"),
+    "random_min_hops": (2, 4, "edges of a heavy chain ending with this payment (B looks 3 back)"),
     "large_new_counterparty_min_amount": (Decimal("0.01"), Decimal("1e12"), "first payment to a payee"),
     "velocity_min_count": (1, 1_000_000, "payments sent by the payer in 1h"),
     "velocity_multiple": (Decimal(1), Decimal(10000), "1h count over the payer's 7-day hourly average"),

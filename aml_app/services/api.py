@@ -2,10 +2,13 @@
 
 Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence>"}):
 - relations:  GET /relations/{account}?hops=2   hops is a whole number 1..3 (default 2); `parts=out,cycle`
-              answers only those parts (of out, in, neighbourhood, cycle; default all)
+              answers only those parts (of out, in, neighbourhood, cycle, chain, sources, co_payees;
+              default all); `min_average=1000` is the average payment of a heavy edge (default 0), which
+              chain, sources and co_payees look at
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back
-- batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle"}, ...]}
+- batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle",
+                                "min_average": "1000"}, ...]}
               POST /aggregates {"queries": [{"account": "a", "at": "ISO"}, ...]}
               -> {"answers": [...]} in the order asked, every answer as its GET would give it, all from
               ONE read snapshot (one as_of); at most MAX_BATCH queries
@@ -30,6 +33,7 @@ import re
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 import psycopg
@@ -145,6 +149,20 @@ def _text_or_none(query: dict[str, Any], name: str, i: int) -> str | None:
     if name == "hops" and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     raise BadRequest(f"queries[{i}].{name} must be a string, got {type(value).__name__}.")
+
+
+def parse_min_average(raw: str | None) -> Decimal:
+    """The average payment from which an edge counts as heavy: a plain decimal >= 0 (default 0)."""
+    if raw is None:
+        return Decimal(0)
+    text = raw.strip()
+    try:
+        value = Decimal(text) if re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) else None
+    except InvalidOperation:
+        value = None
+    if value is None or len(text) > 40:
+        raise BadRequest(f"min_average must be a plain decimal number >= 0 such as 1000, got {raw[:40]!r}.")
+    return value
 
 
 def parse_parts(raw: str | None) -> tuple[str, ...]:
@@ -283,28 +301,41 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
 def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Application:
     app = _app(
         "relations",
-        ["GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle", "POST /relations"],
+        [
+            "GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle,chain,sources,co_payees"
+            "&min_average=0",
+            "POST /relations",
+        ],
         reader,
         check,
     )
 
-    async def answer(queries: list[tuple[str, int, tuple[str, ...]]]) -> list[dict[str, Any]]:
+    async def answer(queries: list[relations.Query]) -> list[dict[str, Any]]:
         if check is not None:
             check.refuse_if_behind()
         async with reader.snapshot() as snap:
             return await relations.relations_many(snap.cur, snap.schema, queries, snap.as_of)
 
     async def single(request: web.Request) -> web.Response:
-        account = _account(request)
-        hops = parse_hops(_single(request, "hops"))
-        parts = parse_parts(_single(request, "parts"))
-        return web.json_response((await answer([(account, hops, parts)]))[0])
+        query = relations.Query(
+            _account(request),
+            parse_hops(_single(request, "hops")),
+            parse_parts(_single(request, "parts")),
+            parse_min_average(_single(request, "min_average")),
+        )
+        return web.json_response((await answer([query]))[0])
 
     async def batch(request: web.Request) -> web.Response:
         queries = []
         for i, q in enumerate(await _queries(request)):
-            hops = parse_hops(_text_or_none(q, "hops", i))
-            queries.append((_batch_account(q, i), hops, parse_parts(_text_or_none(q, "parts", i))))
+            queries.append(
+                relations.Query(
+                    _batch_account(q, i),
+                    parse_hops(_text_or_none(q, "hops", i)),
+                    parse_parts(_text_or_none(q, "parts", i)),
+                    parse_min_average(_text_or_none(q, "min_average", i)),
+                )
+            )
         return web.json_response({"answers": await answer(queries)})
 
     app.router.add_get("/relations/{account}", single)

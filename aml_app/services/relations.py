@@ -13,6 +13,19 @@ transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled
   self-payment is a 1-hop cycle); among equally short ones the smallest path (code-point order). With at
   most 3 hops a cycle is one join per length, which PostgreSQL answers from the primary key.
 
+The layering parts look only at *heavy* edges: an edge row (one currency) whose average payment is at
+least the query's `min_average` (default 0: every edge). Laundering moves large sums through few hands;
+the heavy filter keeps the everyday graph of small payments (shops, friends) out of these answers:
+- `chain`: the longest simple directed path of heavy edges that ends at the account, with at most `hops`
+  edges (all accounts distinct); among equally long ones the smallest path; `[]` when none comes in;
+- `sources`: the two-step heavy flows into the account: every source s with at least 2 distinct
+  intermediates m (s -> m -> account, s, m and the account all distinct), as {"source", "via"}, the most
+  intermediates first, then by source; at most LISTED of them;
+- `co_payees`: the accounts that share at least 2 distinct heavy payers with the account (a bipartite
+  block), as {"account", "shared"}, the most shared first, then by account; at most LISTED of them.
+An expression index on (payee, average payment) finds the heavy edges into an account without reading
+its light ones (a busy shop has thousands).
+
 Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python compares strings.
 """
 
@@ -20,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 import psycopg
 from psycopg import sql
@@ -29,7 +42,19 @@ from aml_app.services.copy import copy_arrow
 from aml_app.services.store import Schema, as_of_json, iso_text, money_text
 
 MAX_HOPS = 3
-PARTS = ("out", "in", "neighbourhood", "cycle")
+PARTS = ("out", "in", "neighbourhood", "cycle", "chain", "sources", "co_payees")
+#: At most this many `sources` and `co_payees` in an answer, the strongest first.
+LISTED = 10
+
+
+class Query(NamedTuple):
+    """One question to Service B: an account, how far to look, which parts, and what counts as heavy."""
+
+    account: str
+    hops: int
+    parts: Sequence[str]
+    min_average: Decimal = Decimal(0)
+
 
 SCHEMA = Schema(
     "relations",
@@ -46,7 +71,11 @@ SCHEMA = Schema(
             PRIMARY KEY (payer, payee, currency)
         );
         CREATE INDEX edges_by_payee ON {schema}.edges (payee, payer)
+        """,
+        # 2: the heavy edges into an account, without reading its light ones (see `_HEAVY`).
         """
+        CREATE INDEX edges_by_payee_average ON {schema}.edges (payee, (total / payments))
+        """,
     ],
 )
 
@@ -84,11 +113,13 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
 # --- queries --------------------------------------------------------------------------------------
 
 
-def check_query(hops: int, parts: Iterable[str]) -> None:
+def check_query(hops: int, parts: Iterable[str], min_average: Decimal = Decimal(0)) -> None:
     if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
         raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
     if not set(parts) <= set(PARTS):
         raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(parts)}")
+    if not isinstance(min_average, Decimal) or not min_average.is_finite() or min_average < 0:
+        raise ValueError(f"min_average must be a finite Decimal >= 0, got {min_average!r}")
 
 
 def _sides(rows: Iterable[tuple]) -> dict[int, list[dict[str, Any]]]:
@@ -146,6 +177,92 @@ UNION
 SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
 """
 
+# A heavy edge row `e`: average payment >= %(min)s. The first test can use the expression index
+# edges_by_payee_average; the second is the exact one (numeric division rounds, multiplication does not).
+_HEAVY = "({e}.total / {e}.payments) >= %(min)s AND {e}.total >= %(min)s * {e}.payments"
+
+
+def _heavy(*aliases: str) -> str:
+    return " AND ".join(_HEAVY.format(e=a) for a in aliases)
+
+
+# The longest simple heavy path into each account, for each length up to 3 (NULL where there is none):
+# the smallest of each length, as the accounts before the asked one.
+_CHAINS = f"""
+SELECT q.i,
+    (SELECT min(e3.payer) FROM {{edges}} e3
+        WHERE e3.payee = q.account AND e3.payer <> q.account AND {_heavy("e3")}) AS one,
+    (SELECT ARRAY[e2.payer, e3.payer] FROM {{edges}} e3
+        JOIN {{edges}} e2 ON e2.payee = e3.payer
+        WHERE e3.payee = q.account AND %(hops)s >= 2 AND {_heavy("e3", "e2")}
+            AND e3.payer <> q.account AND e2.payer <> q.account AND e2.payer <> e3.payer
+        ORDER BY e2.payer, e3.payer LIMIT 1) AS two,
+    (SELECT ARRAY[e1.payer, e2.payer, e3.payer] FROM {{edges}} e3
+        JOIN {{edges}} e2 ON e2.payee = e3.payer
+        JOIN {{edges}} e1 ON e1.payee = e2.payer
+        WHERE e3.payee = q.account AND %(hops)s >= 3 AND {_heavy("e3", "e2", "e1")}
+            AND e3.payer <> q.account AND e2.payer <> q.account AND e1.payer <> q.account
+            AND e2.payer <> e3.payer AND e1.payer <> e3.payer AND e1.payer <> e2.payer
+        ORDER BY e1.payer, e2.payer, e3.payer LIMIT 1) AS three
+FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+"""
+
+_SOURCES = f"""
+SELECT q.i, s.source, s.via
+FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+CROSS JOIN LATERAL (
+    SELECT e1.payer AS source, array_agg(DISTINCT e2.payer ORDER BY e2.payer) AS via
+    FROM {{edges}} e2
+    JOIN {{edges}} e1 ON e1.payee = e2.payer
+    WHERE e2.payee = q.account AND {_heavy("e2", "e1")}
+        AND e2.payer <> q.account AND e1.payer <> q.account AND e1.payer <> e2.payer
+    GROUP BY e1.payer
+    HAVING count(DISTINCT e2.payer) >= 2
+    ORDER BY count(DISTINCT e2.payer) DESC, e1.payer
+    LIMIT {LISTED}
+) s
+ORDER BY q.i, cardinality(s.via) DESC, s.source
+"""
+
+_CO_PAYEES = f"""
+SELECT q.i, c.account, c.shared
+FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+CROSS JOIN LATERAL (
+    SELECT e2.payee AS account, count(DISTINCT e1.payer) AS shared
+    FROM {{edges}} e1
+    JOIN {{edges}} e2 ON e2.payer = e1.payer
+    WHERE e1.payee = q.account AND e2.payee <> q.account AND {_heavy("e1", "e2")}
+    GROUP BY e2.payee
+    HAVING count(DISTINCT e1.payer) >= 2
+    ORDER BY count(DISTINCT e1.payer) DESC, e2.payee
+    LIMIT {LISTED}
+) c
+ORDER BY q.i, c.shared DESC, c.account
+"""
+
+
+async def _chains(
+    cur: Any, edges: sql.Composable, accounts: list[str], hops: int, min_average: Decimal
+) -> dict[int, list[str]]:
+    await cur.execute(
+        sql.SQL(_CHAINS).format(edges=edges), {"accounts": accounts, "hops": hops, "min": min_average}
+    )
+    found = {}
+    for i, one, two, three in await cur.fetchall():
+        before = three or two or ([one] if one is not None else [])
+        found[i] = [*before, accounts[i - 1]] if before else []
+    return found
+
+
+async def _listed(
+    cur: Any, query: str, edges: sql.Composable, accounts: list[str], min_average: Decimal
+) -> dict[int, list[tuple[Any, Any]]]:
+    await cur.execute(sql.SQL(query).format(edges=edges), {"accounts": accounts, "min": min_average})
+    found: dict[int, list[tuple[Any, Any]]] = {}
+    for i, name, value in await cur.fetchall():
+        found.setdefault(i, []).append((name, value))
+    return found
+
 
 async def _cycles(cur: Any, edges: sql.Composable, accounts: list[str], hops: int) -> dict[int, dict]:
     await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "hops": hops})
@@ -181,27 +298,29 @@ async def _neighbourhood(cur: Any, edges: sql.Composable, account: str, hops: in
 
 
 async def relations_many(
-    cur: Any, schema: Schema, queries: Sequence[tuple[str, int, Sequence[str]]], as_of: Mapping[int, int]
+    cur: Any, schema: Schema | None, queries: Sequence[Sequence[Any]], as_of: Mapping[int, int]
 ) -> list[dict[str, Any]]:
-    """Answers for several (account, hops, parts), inside the caller's read snapshot (cursor `cur`).
+    """Answers for several queries (`Query`, or (account, hops, parts) tuples), inside the caller's read
+    snapshot (cursor `cur`).
 
     `as_of` is the store's applied offsets read in the same snapshot; a store without tables answers every
     query empty (the caller passes `schema` None then).
     """
-    for _account, hops, parts in queries:
-        check_query(hops, parts)
+    asked = [Query(*q) for q in queries]
+    for q in asked:
+        check_query(q.hops, q.parts, q.min_average)
     answers = []
-    for account, hops, parts in queries:
-        answer: dict[str, Any] = {"account": account, "hops": hops, "as_of": as_of_json(as_of)}
+    for q in asked:
+        answer: dict[str, Any] = {"account": q.account, "hops": q.hops, "as_of": as_of_json(as_of)}
         for part in PARTS:
-            if part in parts:
+            if part in q.parts:
                 answer[part] = {"found": False, "path": []} if part == "cycle" else []
         answers.append(answer)
-    if schema is None or not queries:
+    if schema is None or not asked:
         return answers
     edges = sql.Identifier(schema.name, "edges")
     for part, own, other in (("out", "payer", "payee"), ("in", "payee", "payer")):
-        wanted = [(i, q[0]) for i, q in enumerate(queries) if part in q[2]]
+        wanted = [(i, q.account) for i, q in enumerate(asked) if part in q.parts]
         if wanted:
             await cur.execute(
                 sql.SQL(_SIDE).format(edges=edges, own=sql.Identifier(own), other=sql.Identifier(other)),
@@ -210,15 +329,35 @@ async def relations_many(
             sides = _sides(await cur.fetchall())
             for k, (i, _account) in enumerate(wanted, start=1):
                 answers[i][part] = sides.get(k, [])
-    by_hops: dict[int, list[int]] = {}
-    for i, (_account, hops, parts) in enumerate(queries):
-        if "cycle" in parts:
-            by_hops.setdefault(hops, []).append(i)
-    for hops, indexes in by_hops.items():
-        cycles = await _cycles(cur, edges, [queries[i][0] for i in indexes], hops)
+    for (hops, _min), indexes in _grouped(asked, "cycle", lambda q: (q.hops, None)).items():
+        cycles = await _cycles(cur, edges, [asked[i].account for i in indexes], hops)
         for k, i in enumerate(indexes, start=1):
             answers[i]["cycle"] = cycles[k]
-    for i, (account, hops, parts) in enumerate(queries):
-        if "neighbourhood" in parts:
-            answers[i]["neighbourhood"] = await _neighbourhood(cur, edges, account, hops)
+    for (hops, min_average), indexes in _grouped(asked, "chain", lambda q: (q.hops, q.min_average)).items():
+        chains = await _chains(cur, edges, [asked[i].account for i in indexes], hops, min_average)
+        for k, i in enumerate(indexes, start=1):
+            answers[i]["chain"] = chains[k]
+    for part, query, fields in (
+        ("sources", _SOURCES, ("source", "via")),
+        ("co_payees", _CO_PAYEES, ("account", "shared")),
+    ):
+        for (_hops, min_average), indexes in _grouped(asked, part, lambda q: (None, q.min_average)).items():
+            listed = await _listed(cur, query, edges, [asked[i].account for i in indexes], min_average)
+            for k, i in enumerate(indexes, start=1):
+                answers[i][part] = [
+                    {fields[0]: name, fields[1]: list(value) if isinstance(value, list) else int(value)}
+                    for name, value in listed.get(k, [])
+                ]
+    for i, q in enumerate(asked):
+        if "neighbourhood" in q.parts:
+            answers[i]["neighbourhood"] = await _neighbourhood(cur, edges, q.account, q.hops)
     return answers
+
+
+def _grouped(asked: Sequence[Query], part: str, key: Any) -> dict[Any, list[int]]:
+    """The indexes of the queries that ask for `part`, grouped by what one statement can share."""
+    groups: dict[Any, list[int]] = {}
+    for i, q in enumerate(asked):
+        if part in q.parts:
+            groups.setdefault(key(q), []).append(i)
+    return groups

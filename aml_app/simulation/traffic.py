@@ -16,16 +16,19 @@ Background model (all accounts are named `<prefix>-p…`, `-m…`, `-s…` and n
   5 % GBP) - about 70 % of the traffic;
 - persons pay persons modest amounts (10 to 800), only from person i to a person among i+1..i+5: the
   person graph is a DAG and nobody has more than 5 distinct person payers;
-- merchants settle with suppliers, merchant m only with suppliers m, m+1, m+2 (mod the supplier count),
-  paying at most half of what they took in that currency in the last hour.
+- merchants settle with their own suppliers (merchant m with suppliers 3m, 3m+1, 3m+2 only), paying at
+  most half of what they took in that currency in the last hour.
 Persons never receive from merchants and suppliers never pay, so the whole background graph is a DAG
 (no cycle ever). Invariants that keep it clear of every typology under the default thresholds:
 no background amount is in the structuring band [threshold * (1 - band), threshold) (an amount that would
 be is scaled below it); a person's average payment is at most 800 and a merchant has at most 3 payees
 (no fan-out); merchants receive at most 250 a payment, persons from at most 5 persons and suppliers
-from at most 3 merchants (no fan-in); an account that received 2000 or more in a currency in the last
-hour never sends on more than half of it within that hour (no pass-through). The population grows with
-the hourly volume (rate * 3600 / speedup), so per-account activity stays the same at any rate.
+from one merchant (no fan-in); an account that received 2000 or more in a currency in the last
+hour never sends on more than half of it within that hour (no pass-through). The only edges whose average
+payment can reach `graph_min_average` (1000) are merchant -> own supplier: heavy flows form stars of depth
+one, so no heavy chain, two-step flow, shared payer or gather-scatter hub exists (no random, stack,
+scatter-gather, bipartite, gather-scatter). The population grows with the hourly volume
+(rate * 3600 / speedup), so per-account activity stays the same at any rate.
 
 Injected typologies (each instance on fresh accounts `<prefix>-<typology>-<n>-…`, in EUR, sized from the
 `AmlThresholds` given, spread evenly over the run, its payments in their natural order in event time):
@@ -40,6 +43,25 @@ Injected typologies (each instance on fresh accounts `<prefix>-<typology>-<n>-�
 - pass_through: a source pays a mule 2..6 times the pass-through minimum; within 1 to 10 minutes the mule
   sends min_ratio + 30..90 % of the rest on to 2 or 3 exits, minutes apart; completes at the first
   onward payment that brings the forwarded share to min_ratio.
+- gather_scatter: G..G+2 payers (G = gather_scatter_min_counterparties) each pay a hub 1.5..3.5 times
+  graph_min_average, 10 s to 3 min apart; 1 to 10 minutes later the hub sends 50-85 % of min_ratio of
+  the gathered sum on to G..G+2 payees, 10 s to 3 min apart; completes at the hub's G-th payment.
+- scatter_gather: a source pays M..M+2 intermediates (M = scatter_gather_min_intermediates) 1.2..2.5
+  times graph_min_average each, 10 s to 3 min apart; 1 to 10 minutes later each intermediate passes on
+  90-98 % of it to one sink, minutes apart; completes at the sink's M-th payment.
+- random: a walk of H..H+2 heavy hops (H = random_min_hops) through fresh accounts that never comes back,
+  1 to 10 minutes apart, each hop passing on 95-99 % (1.5..4 times graph_min_average at the start, below
+  the pass-through minimum); completes at the H-th hop.
+- bipartite: S..S+1 sources each pay every one of D..D+2 destinations (S, D = bipartite_min_sources,
+  _destinations) 1.1..1.6 times graph_min_average, source after source, 30 s to 5 min apart; completes at
+  source S's D-th payment.
+- stack: two bipartite layers: K..K+1 sources (K = stack_min_sources) pay each of 2..3 intermediates,
+  then the intermediates pay each of 2..3 destinations, destination after destination; 1.1..1.6 times
+  graph_min_average a payment, 30 s to 5 min apart; completes at the second payment into the first
+  destination. Its first layer is a bipartite block: the bipartite rule sees it first (rules.py).
+Amounts of the layering patterns stay below the pass-through minimum per receiving account, and degrees
+below the fan minimums, so that each instance shows its own typology (and a stack's first layer a
+bipartite block).
 A run too short for an instance's natural duration compresses that instance's gaps to fit.
 """
 
@@ -390,14 +412,100 @@ def _pass_through(rng: random.Random, name: str, t: AmlThresholds, band: _Band) 
     return _Shape("pass_through", name, steps, [source, mule, *exits], completes)
 
 
+def _heavy(rng: random.Random, t: AmlThresholds, low: str, high: str, cap: Decimal | None = None) -> Decimal:
+    """A layering amount: `low`..`high` times graph_min_average (at least 100), at most `cap`."""
+    base = max(t.graph_min_average, Decimal(100))
+    top = base * Decimal(high) if cap is None else min(base * Decimal(high), cap)
+    return _between(rng, base * Decimal(low), max(top, base * Decimal(low)))
+
+
+def _gather_scatter(rng: random.Random, name: str, t: AmlThresholds, band: _Band) -> _Shape:
+    hub = f"{name}-hub"
+    minimum = t.gather_scatter_min_counterparties
+    payers = [f"{name}-payer-{i:02d}" for i in range(1, minimum + rng.randint(0, 2) + 1)]
+    payees = [f"{name}-payee-{i:02d}" for i in range(1, minimum + rng.randint(0, 2) + 1)]
+    steps = [
+        _Step(at, payer, hub, band.avoid(_heavy(rng, t, "1.5", "3.5")), "web")
+        for at, payer in zip(_gaps(rng, len(payers), 10, 180), payers, strict=True)
+    ]
+    gathered = sum((step.amount for step in steps), Decimal(0))
+    share = t.pass_through_min_ratio * Decimal(rng.randint(50, 85)) / 100
+    each = max(_cents(gathered * share / len(payees)), CENT)
+    later = steps[-1].offset + rng.uniform(60, 600)
+    for at, payee in zip(_gaps(rng, len(payees), 10, 180), payees, strict=True):
+        steps.append(_Step(later + at, hub, payee, band.avoid(each), "web"))
+    return _Shape("gather_scatter", name, steps, [hub, *payers, *payees], len(payers) + minimum - 1)
+
+
+def _scatter_gather(rng: random.Random, name: str, t: AmlThresholds, band: _Band) -> _Shape:
+    source, sink = f"{name}-source", f"{name}-sink"
+    minimum = t.scatter_gather_min_intermediates
+    middle = [f"{name}-via-{i:02d}" for i in range(1, minimum + rng.randint(0, 2) + 1)]
+    cap = t.pass_through_min_received * Decimal("0.9")
+    steps = [
+        _Step(at, source, via, band.avoid(_heavy(rng, t, "1.2", "2.5", cap)), "transfer")
+        for at, via in zip(_gaps(rng, len(middle), 10, 180), middle, strict=True)
+    ]
+    later = steps[-1].offset + rng.uniform(60, 600)
+    for at, first in zip(_gaps(rng, len(middle), 60, 600), list(steps), strict=True):
+        onward = band.avoid(_cents(first.amount * Decimal(rng.randint(90, 98)) / 100))
+        steps.append(_Step(later + at, first.payee, sink, onward, "transfer"))
+    return _Shape("scatter_gather", name, steps, [source, *middle, sink], len(middle) + minimum - 1)
+
+
+def _random_walk(rng: random.Random, name: str, t: AmlThresholds, band: _Band) -> _Shape:
+    hops = t.random_min_hops + rng.randint(0, 2)
+    walk = [f"{name}-{i}" for i in range(hops + 1)]
+    amount = band.avoid(_heavy(rng, t, "1.5", "4", t.pass_through_min_received * Decimal("0.9")))
+    steps = []
+    for i, at in enumerate(_gaps(rng, hops, 60, 600)):
+        steps.append(_Step(at, walk[i], walk[i + 1], amount, "transfer"))
+        amount = band.avoid(_cents(amount * Decimal(rng.randint(95, 99)) / 100))
+    return _Shape("random", name, steps, walk, t.random_min_hops - 1)
+
+
+def _blocks(
+    rng: random.Random, t: AmlThresholds, band: _Band, pairs: list[tuple[str, str]], start: float
+) -> list[_Step]:
+    """One heavy payment per (payer, payee) pair, in the order given, 30 s to 5 min apart."""
+    return [
+        _Step(start + at, payer, payee, band.avoid(_heavy(rng, t, "1.1", "1.6")), "transfer")
+        for at, (payer, payee) in zip(_gaps(rng, len(pairs), 30, 300), pairs, strict=True)
+    ]
+
+
+def _bipartite(rng: random.Random, name: str, t: AmlThresholds, band: _Band) -> _Shape:
+    sources = [f"{name}-source-{i}" for i in range(1, t.bipartite_min_sources + rng.randint(0, 1) + 1)]
+    targets = [f"{name}-target-{i}" for i in range(1, t.bipartite_min_destinations + rng.randint(0, 2) + 1)]
+    steps = _blocks(rng, t, band, [(s, d) for s in sources for d in targets], 0.0)
+    completes = (t.bipartite_min_sources - 1) * len(targets) + t.bipartite_min_destinations - 1
+    return _Shape("bipartite", name, steps, [*sources, *targets], completes)
+
+
+def _stack(rng: random.Random, name: str, t: AmlThresholds, band: _Band) -> _Shape:
+    sources = [f"{name}-source-{i}" for i in range(1, t.stack_min_sources + rng.randint(0, 1) + 1)]
+    middle = [f"{name}-via-{i}" for i in range(1, 2 + rng.randint(0, 1) + 1)]
+    targets = [f"{name}-target-{i}" for i in range(1, 2 + rng.randint(0, 1) + 1)]
+    steps = _blocks(rng, t, band, [(s, m) for s in sources for m in middle], 0.0)
+    later = steps[-1].offset + rng.uniform(60, 600)
+    steps += _blocks(rng, t, band, [(m, d) for d in targets for m in middle], later)
+    return _Shape("stack", name, steps, [*sources, *middle, *targets], len(sources) * len(middle) + 1)
+
+
 def _shape(rng: random.Random, typology: str, name: str, t: AmlThresholds, band: _Band) -> _Shape:
-    if typology == "structuring":
-        return _structuring(rng, name, t, band)
-    if typology in ("fan_in", "fan_out"):
-        return _fan(rng, name, typology, t, band)
-    if typology == "cycle":
-        return _cycle(rng, name, t, band)
-    return _pass_through(rng, name, t, band)
+    build = {
+        "structuring": _structuring,
+        "fan_in": lambda r, n, th, b: _fan(r, n, "fan_in", th, b),
+        "fan_out": lambda r, n, th, b: _fan(r, n, "fan_out", th, b),
+        "gather_scatter": _gather_scatter,
+        "scatter_gather": _scatter_gather,
+        "cycle": _cycle,
+        "random": _random_walk,
+        "bipartite": _bipartite,
+        "stack": _stack,
+        "pass_through": _pass_through,
+    }
+    return build[typology](rng, name, t, band)
 
 
 # --------------------------------------------------------------------------- background
@@ -430,7 +538,7 @@ class _Background:
         return f"{self.prefix}-m{m:04d}"
 
     def supplier(self, s: int) -> str:
-        return f"{self.prefix}-s{s:04d}"
+        return f"{self.prefix}-s{s:05d}"
 
     def _may_send(self, account: str, currency: str, amount: Decimal, now: datetime) -> bool:
         """The pass-through guard: after receiving _FORWARD_GUARD or more in the last hour, at most half
@@ -480,7 +588,7 @@ class _Background:
 
     def _settlement(self, now: datetime) -> tuple[str, str, Decimal, str, str, str] | None:
         m = self._merchant()
-        s = (m + self.rng.randrange(_SUPPLIERS_PER_MERCHANT)) % self.merchants
+        s = m * _SUPPLIERS_PER_MERCHANT + self.rng.randrange(_SUPPLIERS_PER_MERCHANT)
         payer = self.merchant(m)
         budgets = [
             (self.flows.total(payer, "in", c, now) / 2 - self.flows.total(payer, "out", c, now), c)

@@ -7,6 +7,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -15,6 +16,8 @@ from aiohttp.test_utils import TestServer
 
 from aml_app.broker import free_port
 from aml_app.dependency_client import (
+    PAYEE_PARTS,
+    PAYER_PARTS,
     DependencyClient,
     DependencyRequestError,
     DependencyUnavailable,
@@ -27,10 +30,13 @@ __all__ = ["spark", "stores"]  # fixtures
 
 
 async def gather_answers(client: DependencyClient, payer: str, payee: str, at: datetime) -> tuple:
-    """The three single GETs a payment's evidence is made of."""
+    """The four single GETs a payment's evidence is made of."""
     return tuple(
         await asyncio.gather(
-            client.aggregates(payer, at), client.aggregates(payee, at), client.relations(payer)
+            client.aggregates(payer, at),
+            client.aggregates(payee, at),
+            client.relations(payer, parts=PAYER_PARTS),
+            client.relations(payee, parts=PAYEE_PARTS),
         )
     )
 
@@ -57,19 +63,20 @@ async def services(url: str) -> AsyncIterator[DependencyClient]:
 
 async def test_answers_for_a_payment_with_one_pooled_session(stores: str) -> None:
     async with services(stores) as client:
-        payer_agg, payee_agg, payer_rel = await gather_answers(client, "A", "a/b ü", T0)
+        payer_agg, payee_agg, payer_rel, payee_rel = await gather_answers(client, "A", "a/b ü", T0)
         assert payer_agg["account"] == "A" and payer_agg["at"] == "2026-03-01T12:00:00.000000Z"
         assert payer_agg["windows"]["1h"]["sent_count"] == 2
         # An account id with '/' and non-ASCII characters is one path segment.
         assert payee_agg["account"] == "a/b ü" and payee_agg["windows"]["1h"]["received_count"] == 1
-        # Only the parts the detectors use: out and the cycle (hops 3), no neighbourhood.
-        assert set(payer_rel) == {"account", "hops", "as_of", "out", "cycle"}
+        # Only the parts the detectors use (hops 3): no neighbourhood.
+        assert set(payer_rel) == {"account", "hops", "as_of", "out", "cycle", "chain"}
+        assert set(payee_rel) == {"account", "hops", "as_of", "sources", "co_payees"}
         assert payer_rel["hops"] == 3 and payer_rel["cycle"] == {"found": True, "path": ["A", "B", "C", "A"]}
         session = client._client()
         for _ in range(5):
             await gather_answers(client, "A", "B", T0)
         assert client._client() is session, "a new session (and connections) per request"
-        assert client.stats.requests == 18 and client.stats.failures == 0
+        assert client.stats.requests == 24 and client.stats.failures == 0
 
 
 async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_answers(stores: str) -> None:
@@ -80,6 +87,9 @@ async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_ans
         singles = [await gather_answers(client, payer, payee, at) for payer, payee, at in payments]
         assert batch == singles
         assert await evidence_for(client, []) == []
+        # min_average reaches B: no edge averages a billion, so no heavy chain comes into A.
+        assert batch[0][2]["chain"] != []
+        assert (await evidence_for(client, payments, Decimal("1000000000")))[0][2]["chain"] == []
 
 
 async def test_as_of_proves_inclusion_of_a_payment(stores: str) -> None:

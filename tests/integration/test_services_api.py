@@ -129,6 +129,9 @@ async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: s
             "in": [],
             "neighbourhood": [],
             "cycle": {"found": False, "path": []},
+            "chain": [],
+            "sources": [],
+            "co_payees": [],
         }
 
 

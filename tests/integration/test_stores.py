@@ -151,11 +151,13 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
         for batch in scenario.batches:
             apply_records(spark, url, "relations", batch.records)
         expected_as_of = {str(p): o for p, o in sorted(scenario.final_offsets.items())}
-        for hops in (1, 2, 3):
-            answers = run(relations_answers(url, [(a, hops, relations.PARTS) for a in [*ACCOUNTS, "nobody"]]))
+        # min_average: every edge, a threshold amid the amounts drawn, and exactly at a sampled amount.
+        for hops, heavy in ((1, Decimal(0)), (2, Decimal("9000")), (3, Decimal(0)), (3, Decimal("5000"))):
+            queries = [relations.Query(a, hops, relations.PARTS, heavy) for a in [*ACCOUNTS, "nobody"]]
+            answers = run(relations_answers(url, queries))
             for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
                 assert answer["as_of"] == expected_as_of
-                assert without_as_of(answer) == reference_relations(scenario.payments, account, hops)
+                assert without_as_of(answer) == reference_relations(scenario.payments, account, hops, heavy)
         # Any batch applied again changes nothing: the last one is recognised as done, others are refused.
         before = run(relations_answers(url, [(a, 3, relations.PARTS) for a in ACCOUNTS]))
         for batch in scenario.batches:
@@ -351,6 +353,7 @@ async def test_cycles(spark: Any, store_url: str) -> None:
 
 async def test_unknown_account_and_a_store_without_tables(spark: Any, store_url: str) -> None:
     empty = {"out": [], "in": [], "neighbourhood": [], "cycle": {"found": False, "path": []}}
+    empty |= {"chain": [], "sources": [], "co_payees": []}
     assert await one_relation(store_url, "A", 2) == {"account": "A", "hops": 2, "as_of": {}, **empty}
     with psycopg.connect(store_url) as conn:
         assert conn.execute("SELECT to_regnamespace('relations')").fetchone() == (None,), (

@@ -17,10 +17,15 @@ from aml_app.detection.rules import (
     TYPOLOGIES,
     Hit,
     aml_rules,
+    bipartite,
     cycle,
     fan_in,
     fan_out,
+    gather_scatter,
     pass_through,
+    random_walk,
+    scatter_gather,
+    stack,
     structuring,
 )
 from aml_app.detection.thresholds import LIMITS, AmlThresholds, FraudThresholds, variable
@@ -81,7 +86,14 @@ def edge(counterparty: str, count: int = 1, totals: dict[str, str] | None = None
     }
 
 
-def relations(account: str, out: list[dict[str, Any]] | None = None, path: list[str] | None = None) -> dict:
+def relations(
+    account: str,
+    out: list[dict[str, Any]] | None = None,
+    path: list[str] | None = None,
+    chain: list[str] | None = None,
+    sources: dict[str, list[str]] | None = None,
+    co_payees: dict[str, int] | None = None,
+) -> dict:
     return {
         "account": account,
         "hops": 3,
@@ -90,6 +102,9 @@ def relations(account: str, out: list[dict[str, Any]] | None = None, path: list[
         "in": [],
         "neighbourhood": [],
         "cycle": {"found": path is not None, "path": path or []},
+        "chain": chain or [],
+        "sources": [{"source": s, "via": via} for s, via in (sources or {}).items()],
+        "co_payees": [{"account": a, "shared": n} for a, n in (co_payees or {}).items()],
     }
 
 
@@ -101,6 +116,7 @@ def evidence(
     payer_aggregates: dict[str, Any] | None = None,
     payee_aggregates: dict[str, Any] | None = None,
     payer_relations: dict[str, Any] | None = None,
+    payee_relations: dict[str, Any] | None = None,
 ) -> Evidence:
     return Evidence.parse(
         payment_id="p-1",
@@ -112,6 +128,7 @@ def evidence(
         payer_aggregates=payer_aggregates or aggregates(payer),
         payee_aggregates=payee_aggregates or aggregates(payee),
         payer_relations=payer_relations or relations(payer),
+        payee_relations=payee_relations or relations(payee),
     )
 
 
@@ -281,6 +298,141 @@ def test_pass_through_looks_at_one_hour_only_and_at_the_payer() -> None:
     assert pass_through(evidence(payer_aggregates=aggregates("a", h1=day)), AML) is not None
 
 
+# --------------------------------------------------------------------------- the layering patterns
+
+
+@pytest.mark.parametrize(
+    ("payers", "payees", "received", "count", "fires"),
+    [
+        (4, 4, {"EUR": "4000.00"}, 4, True),  # 4 and 4 distinct, average exactly graph_min_average
+        (3, 4, {"EUR": "9000.00"}, 4, False),
+        (4, 3, {"EUR": "9000.00"}, 4, False),
+        (4, 4, {"EUR": "3999.99"}, 4, False),  # one cent short of the average
+        (4, 4, {"USD": "9000.00"}, 4, False),  # gathered in another currency
+        (6, 6, {"EUR": "6000.00"}, 5, True),
+    ],
+)
+def test_gather_scatter_boundaries(
+    payers: int, payees: int, received: dict[str, str], count: int, fires: bool
+) -> None:
+    day = window(
+        sent_count=payees,
+        sent={"EUR": "100.00"},
+        sent_counterparties=payees,
+        received_count=count,
+        received=received,
+        received_counterparties=payers,
+    )
+    hit = gather_scatter(evidence(payer_aggregates=aggregates("a", h24=day)), AML)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.figures["payers"], hit.figures["payees"]) == (payers, payees)
+    # The hub is the payer: the same figures on the payee are not this payment's pattern.
+    assert gather_scatter(evidence(payee_aggregates=aggregates("b", h24=day)), AML) is None
+
+
+@pytest.mark.parametrize(
+    ("sources", "fires"),
+    [
+        ({"s": ["a", "m", "n"]}, True),  # three intermediates, the payer one of them
+        ({"s": ["m", "n", "o"]}, False),  # this payment is not a step of the flow
+        ({"s": ["a", "m"]}, False),  # two intermediates
+        ({"s": ["a", "m", "n"], "t": ["a", "o"]}, False),  # two sources through the payer: a stack
+        ({"s": ["a", "m", "n"], "t": ["m", "o"]}, True),  # another source, not through the payer
+    ],
+)
+def test_scatter_gather(sources: dict[str, list[str]], fires: bool) -> None:
+    hit = scatter_gather(evidence(payee_relations=relations("b", sources=sources)), AML)
+    assert (hit is not None) is fires
+    if hit:
+        assert hit.path == ("s", "a", "b") and hit.figures["intermediates"] == 3
+
+
+@pytest.mark.parametrize(
+    ("sources", "thresholds", "fires"),
+    [
+        ({"s": ["a", "m"], "t": ["a", "m"]}, AML, True),
+        ({"s": ["a", "m"], "t": ["m", "n"]}, AML, False),  # the payer reaches b from one source only
+        ({"s": ["a", "m"]}, AML, False),
+        ({"s": ["a", "m"], "t": ["a", "m"]}, AmlThresholds(stack_min_sources=3), False),
+        ({"s": ["a", "m"], "t": ["a", "m"], "u": ["a", "n"]}, AmlThresholds(stack_min_sources=3), True),
+    ],
+)
+def test_stack(sources: dict[str, list[str]], thresholds: AmlThresholds, fires: bool) -> None:
+    hit = stack(evidence(payee_relations=relations("b", sources=sources)), thresholds)
+    assert (hit is not None) is fires
+    if hit:
+        assert hit.path == ("s", "a", "b")
+
+
+@pytest.mark.parametrize(
+    ("co_payees", "paid", "thresholds", "fires"),
+    [
+        ({"c": 2}, ["b", "c"], AML, True),  # b and c share 2 heavy payers, a pays both
+        ({"c": 1}, ["b", "c"], AML, False),  # only one shared payer
+        ({"c": 2}, ["b"], AML, False),  # the payer is not in c's block
+        ({"c": 2}, ["b", "c"], AmlThresholds(bipartite_min_destinations=3), False),
+        ({"c": 2, "d": 3}, ["b", "c", "d"], AmlThresholds(bipartite_min_destinations=3), True),
+        ({"c": 2, "d": 2}, ["b", "c", "d"], AmlThresholds(bipartite_min_sources=3), False),
+    ],
+)
+def test_bipartite(
+    co_payees: dict[str, int], paid: list[str], thresholds: AmlThresholds, fires: bool
+) -> None:
+    facts = evidence(
+        payer_relations=relations("a", out=[edge(x) for x in paid]),
+        payee_relations=relations("b", co_payees=co_payees),
+    )
+    hit = bipartite(facts, thresholds)
+    assert (hit is not None) is fires
+    stacked = dataclasses.replace(
+        facts,
+        payee_relations=Relations.from_json(
+            relations("b", co_payees=co_payees, sources={"s": ["a", "m"], "t": ["a", "m"]})
+        ),
+    )
+    assert bipartite(stacked, thresholds) is None  # a stacked block is a stack
+
+
+@pytest.mark.parametrize(
+    ("chain", "amount", "payee", "thresholds", "fires"),
+    [
+        (["x", "y", "a"], "1000.00", "b", AML, True),  # 2 edges in, this payment the 3rd, heavy
+        (["x", "y", "a"], "999.99", "b", AML, False),  # this payment is not heavy
+        (["y", "a"], "5000.00", "b", AML, False),  # 2 hops in all
+        (["b", "y", "a"], "5000.00", "b", AML, False),  # back to an account of the chain: a cycle
+        (["w", "x", "y", "a"], "5000.00", "b", AmlThresholds(random_min_hops=4), True),
+        (["x", "y", "a"], "5000.00", "b", AmlThresholds(random_min_hops=4), False),
+        ([], "5000.00", "b", AML, False),
+    ],
+)
+def test_random_walk(
+    chain: list[str], amount: str, payee: str, thresholds: AmlThresholds, fires: bool
+) -> None:
+    hit = random_walk(evidence(amount, payee=payee, payer_relations=relations("a", chain=chain)), thresholds)
+    assert (hit is not None) is fires
+    if hit:
+        assert hit.path == (*chain, payee) and hit.figures["hops"] == len(chain)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"chain": ["x", "y"]}, "chain must end at 'a'"),
+        ({"chain": ["a", "x", "a"]}, "no account twice"),
+        ({"chain": ["w", "x", "y", "z", "a"]}, "with 1..3 edges"),
+        ({"chain": "x"}, "chain must be a list"),
+        ({"sources": [{"source": "s", "via": ["m"]}]}, "via must list at least 2 accounts"),
+        ({"sources": [{"via": ["m", "n"]}]}, "lacks the field 'source'"),
+        ({"co_payees": [{"account": "c", "shared": -1}]}, "must be a whole number >= 0"),
+        ({"co_payees": {"c": 2}}, "co_payees must be a list"),
+    ],
+)
+def test_malformed_layering_parts_raise_a_clear_value_error(change: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Relations.from_json({**relations("a"), **change})
+
+
 # --------------------------------------------------------------------------- all rules together
 
 
@@ -293,17 +445,33 @@ def test_empty_answers_produce_no_hit_even_for_a_suspicious_looking_payment() ->
 
 def test_aml_rules_returns_every_hit_in_typology_order() -> None:
     hour = window(sent_count=9, sent={"EUR": "85500.00"}, received_count=1, received={"EUR": "90000.00"})
-    day = window(sent_count=9, sent={"EUR": "85500.00"}, sent_counterparties=9)
+    day = window(
+        sent_count=9,
+        sent={"EUR": "85500.00"},
+        sent_counterparties=9,
+        received_count=4,
+        received={"EUR": "90000.00"},
+        received_counterparties=4,
+    )
     payee_day = window(received_count=8, received={"EUR": "80000.00"}, received_counterparties=8)
     everything = evidence(
         "9500.00",
         payer_aggregates=aggregates("a", near=9, h1=hour, h24=day),
         payee_aggregates=aggregates("b", h24=payee_day),
-        payer_relations=relations("a", path=["a", "b", "a"]),
+        payer_relations=relations(
+            "a", out=[edge("b"), edge("c")], path=["a", "b", "a"], chain=["x", "y", "a"]
+        ),
+        payee_relations=relations("b", sources={"s": ["a", "m", "n"]}, co_payees={"c": 2}),
     )
     hits = aml_rules(everything, AML)
-    assert [h.typology for h in hits] == list(TYPOLOGIES)
+    # Every typology but stack, which excludes scatter_gather and bipartite (tested below).
+    assert [h.typology for h in hits] == [t for t in TYPOLOGIES if t != "stack"]
     assert all(h.rule == f"aml.{h.typology}" for h in hits)
+    stacked = dataclasses.replace(
+        everything,
+        payee_relations=Relations.from_json(relations("b", sources={"s": ["a", "m"], "t": ["a", "n"]})),
+    )
+    assert "stack" in [h.typology for h in aml_rules(stacked, AML)]
 
 
 def test_hit_as_json_is_plain_json() -> None:
@@ -461,6 +629,7 @@ def test_relations_asked_for_some_parts_only_read_the_others_as_empty() -> None:
         ({"payer_aggregates": aggregates("someone-else")}, "payer aggregates are for 'someone-else'"),
         ({"payee_aggregates": aggregates("a")}, "payee aggregates are for 'a'"),
         ({"payer_relations": relations("b")}, "payer relations are for 'b'"),
+        ({"payee_relations": relations("a")}, "payee relations are for 'a'"),
         ({"payer_aggregates": {**aggregates("a"), "at": "2026-03-02T12:00:01Z"}}, "not at the payment's ts"),
         ({"amount": "0"}, "amount must be"),
     ],

@@ -18,7 +18,7 @@ from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.command import simulate_command
 from aml_app.simulation.producer import payment_count
-from aml_app.simulation.score import format_scores, score
+from aml_app.simulation.score import format_payment_score, format_scores, payment_score, score
 from aml_app.simulation.traffic import Instance, SimPayment, Simulation, read_ground_truth, simulate
 
 START = datetime(2026, 3, 1, 9, tzinfo=UTC)
@@ -228,7 +228,7 @@ def test_instance_shapes(run: Simulation) -> None:
             assert [p.payee for p in payments[:-1]] == [p.payer for p in payments[1:]]
             assert payments[-1].payee == payments[0].payer
             assert all(p.decimal_amount < AML.pass_through_min_received for p in payments)
-        else:
+        elif instance.typology == "pass_through":
             deposit, onward = payments[0], payments[1:]
             assert {p.payer for p in onward} == {deposit.payee} and span < timedelta(hours=1)
             forwarded = sum(p.decimal_amount for p in onward[:done])
@@ -238,6 +238,72 @@ def test_instance_shapes(run: Simulation) -> None:
                 < AML.pass_through_min_ratio * deposit.decimal_amount
             )
             assert deposit.decimal_amount >= AML.pass_through_min_received
+        else:
+            assert_layering_shape(instance.typology, payments, done)
+
+
+def assert_layering_shape(typology: str, payments: list[SimPayment], done: int) -> None:
+    """The AMLworld layering patterns: their structure, heavy amounts, and the payment that completes them."""
+    heavy = [p for p in payments if p.decimal_amount >= AML.graph_min_average]
+    received: dict[str, Decimal] = defaultdict(Decimal)
+    for p in payments:
+        received[p.payee] += p.decimal_amount
+    if typology == "gather_scatter":
+        hub = payments[done].payer
+        gather = [p for p in payments if p.payee == hub]
+        scatter = [p for p in payments if p.payer == hub]
+        assert len(gather) + len(scatter) == len(payments)
+        assert 4 <= len({p.payer for p in gather}) <= 6 and 4 <= len({p.payee for p in scatter}) <= 6
+        assert payments[: len(gather)] == gather and done == len(gather) + 3
+        assert all(p.decimal_amount >= 1500 for p in gather)
+        assert sum(p.decimal_amount for p in scatter) < AML.pass_through_min_ratio * received[hub]
+        return
+    assert heavy == payments  # every layering payment is heavy
+    if typology == "scatter_gather":
+        k = len(payments) // 2
+        source, sink = payments[0].payer, payments[-1].payee
+        assert {p.payer for p in payments[:k]} == {source} and {p.payee for p in payments[k:]} == {sink}
+        assert [p.payee for p in payments[:k]] == [p.payer for p in payments[k:]] and 3 <= k <= 5
+        assert done == k + 2
+    elif typology == "random":
+        assert [p.payee for p in payments[:-1]] == [p.payer for p in payments[1:]]
+        walk = [payments[0].payer, *(p.payee for p in payments)]
+        assert len(set(walk)) == len(walk) and 3 <= len(payments) <= 5 and done == 2
+    elif typology == "bipartite":
+        sources, targets = {p.payer for p in payments}, {p.payee for p in payments}
+        assert {(p.payer, p.payee) for p in payments} == {(s, d) for s in sources for d in targets}
+        assert len(payments) == len(sources) * len(targets) and not sources & targets
+        assert done == len(targets) + 1
+    else:
+        assert typology == "stack"
+        middle = {p.payee for p in payments} & {p.payer for p in payments}
+        sources = {p.payer for p in payments} - middle
+        targets = {p.payee for p in payments} - middle
+        assert 2 <= len(middle) <= 3 and 2 <= len(sources) <= 3 and 2 <= len(targets) <= 3
+        assert {(p.payer, p.payee) for p in payments} == {(s, m) for s in sources for m in middle} | {
+            (m, d) for m in middle for d in targets
+        }
+        assert done == len(sources) * len(middle) + 1
+    # No receiving account reaches the pass-through minimum, so that rule stays out of these patterns.
+    assert max(received.values()) < AML.pass_through_min_received or typology == "scatter_gather"
+
+
+def test_heavy_background_flows_are_stars_of_depth_one(run: Simulation) -> None:
+    """Only edges whose average payment reaches graph_min_average count for the layering rules: in the
+    background they must form no chain, no shared payee, no two-step flow. Every edge averaging more than
+    the largest person-to-person payment (800, below any default-like threshold) is a settlement, and the
+    settlements (whatever their amounts) are stars: each supplier paid by one merchant, and never paying."""
+    assert Decimal(800) < AML.graph_min_average
+    totals: dict[tuple[str, str, str], list[Decimal]] = defaultdict(list)
+    for p in background(run):
+        totals[(p.payer, p.payee, p.currency)].append(p.decimal_amount)
+    settlements = {(u, v) for u, v, _ in totals if "-s" in v}
+    assert len(settlements) > 10 and all("-m" in u for u, _ in settlements)
+    heavy = {(u, v) for (u, v, _), a in totals.items() if sum(a) > 800 * len(a)}
+    assert heavy <= settlements
+    suppliers = [v for _, v in settlements]
+    assert len(suppliers) == len(set(suppliers))  # one payer each: no block, no gathering
+    assert not set(suppliers) & {u for u, _, _ in totals}  # suppliers never pay: no chain
 
 
 def test_instances_are_spread_over_the_run(run: Simulation) -> None:
@@ -408,3 +474,16 @@ def test_score_zero_denominators_are_none_and_shown_as_n_a() -> None:
 def test_score_keeps_typologies_it_does_not_know() -> None:
     scores = score([("x", "velocity_spike")], [])
     assert scores["velocity_spike"].alerts == 1 and scores["velocity_spike"].precision == 0.0
+
+
+def test_payment_score_is_minority_class_f1_over_payments() -> None:
+    # TRUTH labels p1..p7 laundering; bg-1 is background. Flag p3 twice (two typologies), p4, and bg-1.
+    alerts = [("p3", "cycle"), ("p3", "random"), ("p4", "fan_in"), ("bg-1", "cycle")]
+    result = payment_score(alerts, TRUTH)
+    assert (result.flagged, result.laundering, result.true_flags) == (3, 7, 2)
+    assert result.precision == pytest.approx(2 / 3) and result.recall == pytest.approx(2 / 7)
+    assert result.f1 == pytest.approx(2 * (2 / 3) * (2 / 7) / (2 / 3 + 2 / 7))
+    assert "F1 0.400" in format_payment_score(result)
+    quiet = payment_score([], TRUTH)
+    assert (quiet.precision, quiet.recall, quiet.f1) == (None, 0.0, 0.0)
+    assert payment_score([], []).f1 is None
