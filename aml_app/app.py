@@ -33,7 +33,7 @@ app = AmlApp(
     store=settings.table_store,
     datadir=settings.worker_data_dir,
     # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
-    autodiscover=[f"agents.{settings.service}", "tables", "aml_app.web"],
+    autodiscover=[f"aml_app.agents.{settings.service}", "aml_app.tables", "aml_app.web"],
     origin="aml_app",
     topic_partitions=settings.partitions,
     topic_replication_factor=settings.replication_factor,

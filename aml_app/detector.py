@@ -38,7 +38,7 @@ from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
 from aml_app.gate.consumer import Pending
 from aml_app.models import Alert, Decision, Payment
-from tables.alerts import alert_key, alerts_sent
+from aml_app.tables.alerts import alert_key, alerts_sent
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from aml_app.app import app, dlq_topic, payments_topic, settings
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
-from tables.watermarks import gate, publisher
+from aml_app.tables.watermarks import gate, publisher
 
 #: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
 running: list[GatedConsumer] = []

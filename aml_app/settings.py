@@ -47,8 +47,8 @@ def _default_kafka_security() -> KafkaSecurity:
 
 
 def available_services() -> list[str]:
-    """The gated services a worker can run: one module each in the `agents` package."""
-    spec = importlib.util.find_spec("agents")
+    """The gated services a worker can run: one module each in the `agents` folder (`aml_app.agents`)."""
+    spec = importlib.util.find_spec("aml_app.agents")
     if spec is None or not spec.submodule_search_locations:
         return []
     folder = Path(next(iter(spec.submodule_search_locations)))

@@ -23,8 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app import detector, metrics, service
 from aml_app.app import app, settings
-from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
-from tables.watermarks import (
+from aml_app.tables.watermarks import (
     gate,
     offsets,
     operator_view,
@@ -34,9 +33,10 @@ from tables.watermarks import (
     status,
     watermarks,
 )
+from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
 
 # The service's agent module registers its gated consumer; make sure it exists before hooking into it.
-importlib.import_module(f"agents.{settings.service}")
+importlib.import_module(f"aml_app.agents.{settings.service}")
 service.running[0].observers.append(metrics.observe_admission)
 
 

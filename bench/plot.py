@@ -155,7 +155,7 @@ def plot_gate_matters(doc: dict[str, Any]) -> Path:
     """Recall per typology, gate on and off, on the same seeded traffic with a lagging dependency."""
     runs = doc["runs"]
     typologies = list(runs["gate on"]["scores"])
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(10, 4))
     width = 0.38
     for i, (name, colour) in enumerate((("gate on", "tab:blue"), ("gate off", "tab:red"))):
         run = runs[name]
@@ -164,7 +164,7 @@ def plot_gate_matters(doc: dict[str, Any]) -> Path:
         ax.bar(
             [x + (i - 0.5) * width for x in range(len(typologies))], recalls, width, color=colour, label=label
         )
-    ax.set_xticks(range(len(typologies)), typologies)
+    ax.set_xticks(range(len(typologies)), [t.replace("_", "\n") for t in typologies], fontsize=8)
     ax.set_ylabel("recall")
     ax.set_ylim(0, 1.35)
     ax.set_title("Why the gate matters: Service B lagging, same seed")

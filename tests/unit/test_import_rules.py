@@ -9,10 +9,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
-FAUST_SIDE = ("aml_app.app", "faust", "agents", "tables")
+FAUST_SIDE = ("aml_app.app", "faust", "aml_app.agents", "aml_app.tables")
 
 
 def loaded_after(code: str) -> set[str]:
@@ -64,3 +65,22 @@ def test_the_worker_command_still_builds_the_faust_app() -> None:
         "try:\n    cli.main()\nexcept SystemExit:\n    pass"
     )
     assert "aml_app.app" in faust_side(loaded_after(code))
+
+
+def test_the_installed_package_puts_no_bare_agents_or_tables_module_on_the_path(tmp_path: Path) -> None:
+    """The design's `agents/` and `tables/` folders install as `aml_app.agents` and `aml_app.tables`: a
+    bare `tables` would shadow PyTables for everyone who installs us. Run from elsewhere, so that the
+    repository's root is not on the path (as for a user of the installed package)."""
+    probe = (
+        "import importlib.util as u, json; import aml_app.agents, aml_app.tables; "
+        "print(json.dumps([u.find_spec('agents') is None, u.find_spec('tables') is None, "
+        "list(aml_app.agents.__path__), list(aml_app.tables.__path__)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path
+    )
+    no_agents, no_tables, agents_path, tables_path = json.loads(out.stdout.strip().splitlines()[-1])
+    assert no_agents and no_tables
+    root = Path(__file__).resolve().parents[2]
+    assert [Path(p).resolve() for p in agents_path] == [root / "agents"]
+    assert [Path(p).resolve() for p in tables_path] == [root / "tables"]
