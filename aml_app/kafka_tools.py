@@ -8,6 +8,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+
 
 class GroupCommitter:
     """Commits offsets for one consumer group, as a dependency service does after its work is durable."""
@@ -52,6 +54,27 @@ def payment_json(payment_id: str, payer: str, payee: str, amount: str, ts: str, 
         **extra,
     }
     return json.dumps(doc).encode()
+
+
+async def started_producer(
+    bootstrap: Sequence[str], client_id: str, security: KafkaSecurity | None = None
+) -> AIOKafkaProducer:
+    """A started producer for payments (acks=all, a short linger), with the settings' TLS/SASL when
+    `security` is None. A failed start is stopped before it raises: it leaves connections and tasks
+    behind otherwise."""
+    producer = AIOKafkaProducer(
+        bootstrap_servers=list(bootstrap),
+        acks="all",
+        linger_ms=5,
+        client_id=client_id,
+        **aiokafka_kwargs(security),
+    )
+    try:
+        await producer.start()
+    except BaseException:
+        await producer.stop()
+        raise
+    return producer
 
 
 async def produce(

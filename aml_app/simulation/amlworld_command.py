@@ -12,11 +12,10 @@ import time
 from collections.abc import Callable, Sequence
 
 import click
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
-from aml_app.kafka_tools import produce
+from aml_app.kafka_security import KafkaSecurity
+from aml_app.kafka_tools import produce, started_producer
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import DEFAULT_PREFIX, AmlworldImport, AmlworldPayment, read_amlworld
 
@@ -37,18 +36,7 @@ async def send_payments(
     Chunks are sent one after the other and each is acknowledged before the next, so a payer's payments
     reach its partition in the order given. `security` (TLS/SASL): None means the process's settings.
     """
-    producer = AIOKafkaProducer(
-        bootstrap_servers=list(bootstrap),
-        acks="all",
-        linger_ms=5,
-        client_id="aml-amlworld-import",
-        **aiokafka_kwargs(security),
-    )
-    try:
-        await producer.start()
-    except BaseException:
-        await producer.stop()  # a failed start leaves connections and tasks behind otherwise
-        raise
+    producer = await started_producer(bootstrap, "aml-amlworld-import", security)
     sent = 0
     started = time.monotonic()
     next_progress = started + progress_interval

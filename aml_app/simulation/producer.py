@@ -22,7 +22,8 @@ from aiokafka import AIOKafkaProducer
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka_security import KafkaSecurity
+from aml_app.kafka_tools import started_producer
 from aml_app.simulation.traffic import (
     DEFAULT_BAND,
     DEFAULT_SPEEDUP,
@@ -121,18 +122,7 @@ async def run_simulator(
     )
     owned = producer is None
     if producer is None:
-        producer = AIOKafkaProducer(
-            bootstrap_servers=list(bootstrap),
-            acks="all",
-            linger_ms=5,
-            client_id="aml-simulator",
-            **aiokafka_kwargs(security),
-        )
-        try:
-            await producer.start()
-        except BaseException:
-            await producer.stop()  # a failed start leaves connections and tasks behind otherwise
-            raise
+        producer = await started_producer(bootstrap, "aml-simulator", security)
     try:
         await _send_paced(producer, report, rate, stop, progress, progress_interval, on_sent)
     finally:
