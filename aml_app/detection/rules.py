@@ -259,15 +259,16 @@ def _layered_sources(evidence: Evidence) -> dict[str, tuple[str, ...]]:
     return {s: via for s, via in evidence.payee_relations.sources.items() if evidence.payer in via}
 
 
-def _stacked(evidence: Evidence, thresholds: AmlThresholds) -> bool:
-    return len(_layered_sources(evidence)) >= thresholds.stack_min_sources
+def _stacked(layered: dict[str, tuple[str, ...]], thresholds: AmlThresholds) -> bool:
+    """Enough layered sources (`_layered_sources`) for the payment to be a stack's second layer."""
+    return len(layered) >= thresholds.stack_min_sources
 
 
 def stack(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     """Several sources reach the payee through the same layer of intermediates, the payer among them: two
     bipartite layers stacked (sources -> intermediates -> destinations)."""
     layered = _layered_sources(evidence)
-    if len(layered) < thresholds.stack_min_sources:
+    if not _stacked(layered, thresholds):
         return None
     intermediates = sorted({m for via in layered.values() for m in via})
     return Hit(
@@ -291,7 +292,7 @@ def scatter_gather(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     """One source split money over several intermediates, which pass it on to the payee: the payee
     gathers what one source scattered. Not reported when the layers are a stack."""
     layered = _layered_sources(evidence)
-    if not layered or _stacked(evidence, thresholds):
+    if not layered or _stacked(layered, thresholds):
         return None
     source = min(layered, key=lambda s: (-len(layered[s]), s))
     via = layered[source]
@@ -317,7 +318,7 @@ def scatter_gather(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
 def bipartite(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     """The payee belongs to a block of payees that share the same heavy payers, and the payer pays into
     that block: a many-to-many (bipartite) transfer between two groups. A stacked block is a stack."""
-    if _stacked(evidence, thresholds):
+    if _stacked(_layered_sources(evidence), thresholds):
         return None
     paid = evidence.payer_relations.out
     block = sorted(
