@@ -61,7 +61,8 @@ async def record(payment: Payment, admission: Admission) -> Pending:
     if planned is not None and failed.get(payment.payment_id, 0) < planned:
         failed[payment.payment_id] = failed.get(payment.payment_id, 0) + 1
         raise ProbeFailure(f"AML_PROBE_FAIL: attempt {failed[payment.payment_id]} of {planned} fails")
-    await pay_cost(settings.probe_cost_ms, settings.probe_cost_kind)
+    if settings.probe_cost_ms > 0:
+        await pay_cost(settings.probe_cost_ms, settings.probe_cost_kind)
     value = decision_json(
         payment_id=payment.payment_id,
         partition=admission.partition,

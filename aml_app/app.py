@@ -42,6 +42,8 @@ app = AmlApp(
     broker_heartbeat_interval=max(settings.session_timeout / 5, 0.5),
     broker_rebalance_timeout=settings.rebalance_timeout,
     broker_commit_interval=settings.commit_interval,
+    # Decisions batch for a few ms instead of one produce request each (BENCHMARKS.md).
+    producer_linger=settings.producer_linger_ms / 1000,
     # A lane waiting on the gate holds unacked events; Faust must not wait for them on a rebalance.
     stream_wait_empty=False,
     # Faust reads a changelog's highwater, then the offset this worker has applied, and crashes if the

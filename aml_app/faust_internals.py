@@ -5,6 +5,11 @@ found it; nothing else in the project touches a private name of either library:
 
 - `transport_with_fetch_wait`: Faust hard-codes its worker consumer's fetch wait (1.5 s), which a broker
   that holds fetches (Tansu) adds to every hop (`AML_FETCH_MAX_WAIT_MS`, BENCHMARKS.md).
+- `lean_drain_messages`: Faust's consumer loop hands every record to the streams through
+  `Service.wait_first`, four new tasks and an `asyncio.wait` per record, which is more than half of a
+  bare Faust agent's CPU per event (BENCHMARKS.md). The same loop awaits the hand-over directly while the
+  flow runs and keeps `wait_first` while it is suspended (a rebalance). It is checked against a digest of
+  the Faust loop it was adapted from, so a Faust upgrade that changes that loop fails at start-up.
 - `set_current_event`: a lane is a task of its own; a handler that writes a partitioned table needs
   Faust's "current event" there (`faust.streams._current_event`).
 - `WatchedGlobalTable`: the global tables report changed keys (written here or applied from the
@@ -22,6 +27,8 @@ night. `missing_names()` is what the check and its unit test use.
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 import inspect
 import weakref
 from collections.abc import Callable, Iterable
@@ -51,7 +58,17 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust_consumer.Consumer, "_paused_partitions", "annotation"),
     (faust_consumer.Consumer, "_active_partitions", "annotation"),
     (faust_aiokafka.Producer, "_ensure_producer", "attr"),
+    (faust_consumer, "CONSUMER_FETCHING", "attr"),
+    (faust_consumer.Consumer, "_drain_messages", "attr"),
+    (faust_consumer.Consumer, "_read_offset", "annotation"),
+    (faust_consumer.Consumer, "suspend_flow", "annotation"),
+    (faust_consumer.Consumer, "_commit_every", "source:__init__"),
+    (faust_consumer.Consumer, "_n_acked", "annotation"),
+    (faust_consumer.Consumer, "_add_gap", "attr"),
 ]
+
+#: sha256 of the source of Faust's `Consumer._drain_messages` that `lean_drain_messages` adapts.
+DRAIN_MESSAGES_DIGEST = "44a2500309e83c630493f6828af50166ec8d96a0b3e4fb2bab735f704ae93417"
 
 
 class IncompatibleFaust(ImportError):
@@ -79,9 +96,18 @@ def _label(owner: Any, name: str) -> str:
     return f"{owner.__module__}.{owner.__qualname__}.{name}"
 
 
-def missing_names(required: Iterable[tuple[Any, str, str]] = REQUIRED) -> list[str]:
-    """The private names that are not where this module expects them."""
+def source_digest(function: Any) -> str:
+    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()
+
+
+def missing_names(
+    required: Iterable[tuple[Any, str, str]] = REQUIRED, drain_digest: str = DRAIN_MESSAGES_DIGEST
+) -> list[str]:
+    """The private names that are not where this module expects them (or changed under us)."""
     missing = []
+    drain = getattr(faust_consumer.Consumer, "_drain_messages", None)
+    if drain is not None and source_digest(drain) != drain_digest:
+        missing.append("the Consumer._drain_messages loop that lean_drain_messages adapts (it changed)")
     for owner, name, how in required:
         if not _present(owner, name, how):
             label = _label(owner, name)
@@ -133,10 +159,75 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
         def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
             return TunedConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
+        _drain_messages = lean_drain_messages
+
     class TunedTransport(faust_aiokafka.Transport):
         Consumer = TunedConsumer
 
     return TunedTransport
+
+
+async def lean_drain_messages(self: Any, fetcher: Any) -> None:
+    """Faust's `Consumer._drain_messages` (faust-streaming 0.15.3), handing each record over with a
+    plain `await` while the flow runs instead of `wait_first` (four tasks and an `asyncio.wait` per
+    record). While the flow is suspended (a rebalance) it waits as Faust does, so a hand-over that blocks
+    then is abandoned as before. A hand-over blocks only on a full stream buffer or while Faust re-indexes
+    its subscriptions; the gated agent empties its buffer without waiting (aml_app.gate.consumer), and a
+    stopping fetcher cancels this loop either way."""
+    callback = self.callback
+    getmany = self.getmany
+    consumer_should_stop = self._stopped.is_set
+    fetcher_should_stop = fetcher._stopped.is_set
+    get_read_offset = self._read_offset.__getitem__
+    set_read_offset = self._read_offset.__setitem__
+    flag_consumer_fetching = faust_consumer.CONSUMER_FETCHING
+    set_flag = self.diag.set_flag
+    unset_flag = self.diag.unset_flag
+    commit_every = self._commit_every
+    acks_enabled_for = self.app.topics.acks_enabled_for
+    flow_suspended = self.suspend_flow.is_set
+    yield_every = 100
+    num_since_yield = 0
+    sleep = asyncio.sleep
+    try:
+        while not (consumer_should_stop() or fetcher_should_stop()):
+            set_flag(flag_consumer_fetching)
+            ait = getmany(timeout=1.0)
+            await self.sleep(0)  # as Faust: getmany can return at once, in a loop
+            if not self.should_stop:
+                async for tp, message in ait:
+                    num_since_yield += 1
+                    if num_since_yield > yield_every:
+                        await sleep(0)
+                        num_since_yield = 0
+                    offset = message.offset
+                    r_offset = get_read_offset(tp)
+                    if r_offset is None or offset >= r_offset:
+                        gap = offset - (r_offset or 0)
+                        if gap > 1 and r_offset and acks_enabled_for(message.topic):
+                            await self._add_gap(tp, r_offset + 1, offset)
+                        if commit_every is not None and self._n_acked >= commit_every:
+                            self._n_acked = 0
+                            await self.commit()
+                        if flow_suspended():
+                            await self.wait_first(callback(message), self.suspend_flow.wait())
+                        else:
+                            await callback(message)
+                        set_read_offset(tp, offset)
+                unset_flag(flag_consumer_fetching)
+    except self.consumer_stopped_errors:
+        if self.transport.app.should_stop:
+            return  # already stopping
+        raise
+    except asyncio.CancelledError:
+        if self.transport.app.should_stop:
+            return
+        raise
+    except Exception as exc:
+        self.log.exception("Drain messages raised: %r", exc)
+        raise
+    finally:
+        unset_flag(flag_consumer_fetching)
 
 
 class FetchWaitApp(faust.App):

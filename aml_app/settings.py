@@ -79,6 +79,7 @@ class Settings:
     rebalance_timeout: float = 10.0
     commit_interval: float = 1.0
     fetch_max_wait_ms: int = 100
+    producer_linger_ms: int = 5
     web_host: str = "127.0.0.1"
     web_port: int = 6066
     data_dir: str = "var/aml"
@@ -332,6 +333,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
         commit_interval=_float(env, "AML_COMMIT_INTERVAL", defaults.commit_interval, 0.1, 60),
         fetch_max_wait_ms=_int(env, "AML_FETCH_MAX_WAIT_MS", defaults.fetch_max_wait_ms, 1, 30000),
+        producer_linger_ms=_int(env, "AML_PRODUCER_LINGER_MS", defaults.producer_linger_ms, 0, 1000),
         web_host=_text(env, "AML_WEB_HOST", defaults.web_host),
         web_port=_int(env, "AML_WEB_PORT", defaults.web_port, 1, 65535),
         data_dir=_text(env, "AML_DATA_DIR", defaults.data_dir),

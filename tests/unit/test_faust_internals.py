@@ -2,14 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import subprocess
 import sys
 import types
+from typing import Any
 
 import pytest
 
 from aml_app import faust_internals
-from aml_app.faust_internals import IncompatibleFaust, check, incompatibility, missing_names
+from aml_app.faust_internals import (
+    IncompatibleFaust,
+    check,
+    incompatibility,
+    lean_drain_messages,
+    missing_names,
+)
 
 
 def test_every_private_name_is_there_in_the_pinned_versions() -> None:
@@ -64,3 +73,70 @@ def test_the_worker_refuses_to_start_with_one_line_when_a_name_is_gone() -> None
     assert len(lines) == 1, done.stderr
     assert lines[0].startswith("aml-app was built for faust-streaming 0.15.3")
     assert "faust.streams._current_event" in lines[0]
+
+
+def test_a_changed_drain_loop_in_faust_is_reported() -> None:
+    """`lean_drain_messages` adapts one version of Faust's loop; another version must not run silently."""
+    assert faust_internals.transport_with_fetch_wait(100).Consumer._drain_messages is lean_drain_messages
+    assert missing_names([], drain_digest="0" * 64) == [
+        "the Consumer._drain_messages loop that lean_drain_messages adapts (it changed)"
+    ]
+
+
+class FakeFlag:
+    def __init__(self, value: bool = False) -> None:
+        self.value = value
+
+    def is_set(self) -> bool:
+        return self.value
+
+    async def wait(self) -> None:
+        await asyncio.Event().wait()
+
+
+class FakeConsumer:
+    """Just what the drain loop reads of Faust's consumer, fetching `batches` then stopping."""
+
+    consumer_stopped_errors = ()
+
+    def __init__(self, batches: list[list[tuple[str, int]]], suspended: bool) -> None:
+        self.batches = batches
+        self.handed: list[tuple[str, int]] = []
+        self.waited_first = 0
+        self._stopped = FakeFlag()
+        self.suspend_flow = FakeFlag(suspended)
+        self._read_offset: dict[str, int | None] = collections.defaultdict(lambda: None)
+        self.diag = types.SimpleNamespace(set_flag=lambda flag: None, unset_flag=lambda flag: None)
+        self._commit_every = None
+        self.app = types.SimpleNamespace(topics=types.SimpleNamespace(acks_enabled_for=lambda topic: False))
+        self.should_stop = False
+
+    async def callback(self, message: types.SimpleNamespace) -> None:
+        self.handed.append((message.topic, message.offset))
+
+    async def getmany(self, timeout: float):  # type: ignore[no-untyped-def]
+        batch = self.batches.pop(0)
+        if not self.batches:
+            self._stopped.value = True
+        for topic, offset in batch:
+            yield topic, types.SimpleNamespace(topic=topic, offset=offset)
+
+    async def sleep(self, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+
+    async def wait_first(self, *coros: Any) -> None:
+        self.waited_first += 1
+        await coros[0]
+        coros[1].close()
+
+
+@pytest.mark.parametrize("suspended", [False, True])
+async def test_the_lean_drain_loop_hands_over_every_new_record_once_in_order(suspended: bool) -> None:
+    """Every fetched record at or past the last read offset of its partition is handed over, in order
+    (an older one fetched again is dropped, as in Faust); `wait_first` only while the flow is suspended."""
+    consumer = FakeConsumer([[("t", 0), ("t", 1)], [("t", 0), ("t", 2), ("u", 0)]], suspended)
+    fetcher = types.SimpleNamespace(_stopped=FakeFlag())
+    await asyncio.wait_for(lean_drain_messages(consumer, fetcher), 5)
+    assert consumer.handed == [("t", 0), ("t", 1), ("t", 2), ("u", 0)]
+    assert consumer._read_offset == {"t": 2, "u": 0}
+    assert consumer.waited_first == (4 if suspended else 0)
