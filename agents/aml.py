@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from aml_app.app import settings
+from aml_app.detection.detector import detecting_service
 from aml_app.detection.rules import aml_rules
-from aml_app.detector import detecting_service
 
 detector = detecting_service("aml", lambda evidence: aml_rules(evidence, settings.aml_thresholds))

@@ -6,14 +6,14 @@ import socket
 from pathlib import Path
 
 from aml_app.faust_internals import FetchWaitApp
-from aml_app.kafka_security import faust_credentials
+from aml_app.gate.assignments import watch_assignments
+from aml_app.kafka.security import faust_credentials
 from aml_app.models import Alert, Decision
-from aml_app.scaling import watch_assignments
 from aml_app.settings import load_settings
 
 settings = load_settings()
 #: The URL other workers know this one by; Faust also names group members by it, and
-#: `aml_app.scaling` counts members by it: with a wildcard bind (containers) use the host's name.
+#: `aml_app.gate.assignments` counts members by it: with a wildcard bind (containers) use the host's name.
 canonical_host = socket.gethostname() if settings.web_host in ("0.0.0.0", "::", "") else settings.web_host
 
 
@@ -33,7 +33,7 @@ app = AmlApp(
     store=settings.table_store,
     datadir=settings.worker_data_dir,
     # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
-    autodiscover=[f"aml_app.agents.{settings.service}", "aml_app.tables", "aml_app.web"],
+    autodiscover=[f"aml_app.agents.{settings.service}", "aml_app.tables", "aml_app.views.web"],
     origin="aml_app",
     topic_partitions=settings.partitions,
     topic_replication_factor=settings.replication_factor,
@@ -57,7 +57,7 @@ app = AmlApp(
     # TLS/SASL from KAFKA_SECURITY_PROTOCOL etc. (None: plaintext); Faust passes it to all its clients.
     broker_credentials=faust_credentials(settings.kafka_security),
 )
-#: Warns at each assignment that leaves this worker without a payments partition (aml_app.scaling).
+#: Warns at each assignment that leaves this worker without a payments partition (aml_app.gate.assignments).
 assignment_watch = watch_assignments(app, settings.payments_topic, settings.app_id, settings.worker_id)
 
 payments_topic = app.topic(

@@ -20,8 +20,8 @@ from aml_app.settings import ConfigError, load_settings
 @click.option("--port", type=int, default=None, help="Port on 127.0.0.1 (default AML_BROKER_PORT, 9092).")
 def broker_command(port: int | None) -> None:
     """Run the embedded Kafka-compatible broker (Tansu, in memory) and create the topics."""
-    from aml_app.broker import EmbeddedBroker, create_topics, wait_until_answering
-    from aml_app.topics import topic_specs
+    from aml_app.kafka.broker import EmbeddedBroker, create_topics, wait_until_answering
+    from aml_app.kafka.topics import topic_specs
 
     settings = load_settings()
     broker = EmbeddedBroker(port or settings.broker_port).start()
@@ -71,7 +71,7 @@ def demo_command(
     triggers: tuple[str, ...],
 ) -> None:
     """Run the whole system on the embedded broker with simulated laundering, and check it."""
-    from aml_app.demo import Options, run_demo
+    from aml_app.harness.demo import Options, run_demo
 
     options = Options(
         duration=duration,
@@ -94,7 +94,7 @@ def postgres_command(port: int | None, folder: str) -> None:
     """Run the embedded PostgreSQL server (the store of Services B and C) until Ctrl-C."""
     from psycopg.conninfo import conninfo_to_dict
 
-    from aml_app.embedded_postgres import EmbeddedPostgres, PostgresError
+    from aml_app.harness.embedded_postgres import EmbeddedPostgres, PostgresError
 
     settings = load_settings()
     port = port or int(conninfo_to_dict(settings.store_url).get("port") or 5433)
@@ -160,8 +160,8 @@ def rebuild_command(service: str, master: str | None, yes: bool) -> None:
     database): the pipeline refuses to start on it and the API reports it unhealthy until this has run.
     Stop the pipeline first. Payments no longer retained by the topic cannot be replayed.
     """
+    from aml_app.dependencies.store import redacted
     from aml_app.pipeline.runner import run_rebuild
-    from aml_app.services.store import redacted
 
     settings = load_settings()
     if not yes:
@@ -195,7 +195,7 @@ def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
 @click.argument("service", type=click.Choice(["relations", "aggregates"]))
 def serve_command(service: str) -> None:
     """Run the HTTP API of Service-B (relations) or Service-C (aggregates)."""
-    from aml_app.services.api import serve
+    from aml_app.dependencies.api import serve
 
     serve(service, load_settings())
 
@@ -210,8 +210,8 @@ OWN_COMMANDS = {
     "rebuild": "aml_app.cli:rebuild_command",
     "serve": "aml_app.cli:serve_command",
     "simulate": "aml_app.simulation.command:simulate_command",
-    "status": "aml_app.status:status_command",
-    "topics": "aml_app.topics_command:topics_command",
+    "status": "aml_app.views.status:status_command",
+    "topics": "aml_app.kafka.topics_command:topics_command",
 }
 
 

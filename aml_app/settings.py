@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
-    from aml_app.kafka_security import KafkaSecurity
+    from aml_app.kafka.security import KafkaSecurity
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -41,7 +41,7 @@ def _default_fraud_thresholds() -> FraudThresholds:
 
 
 def _default_kafka_security() -> KafkaSecurity:
-    from aml_app.kafka_security import KafkaSecurity
+    from aml_app.kafka.security import KafkaSecurity
 
     return KafkaSecurity()
 
@@ -109,7 +109,7 @@ class Settings:
     # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
     stall_after: float = 30.0
     lag_warn: int = 1000
-    #: TLS and SASL for every Kafka client (aml_app.kafka_security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
+    #: TLS and SASL for every Kafka client (aml_app.kafka.security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
     #: KAFKA_SSL_*. Its repr leaves the password out.
     kafka_security: Any = field(default_factory=_default_kafka_security)
     #: Benchmarking knob of the probe service only (agents/probe.py): a cost per payment, in ms, and
@@ -245,7 +245,7 @@ def _store_url(env: Mapping[str, str], name: str, default: str) -> str:
 
 
 def _security(env: Mapping[str, str]) -> Any:
-    from aml_app.kafka_security import load_security
+    from aml_app.kafka.security import load_security
 
     return load_security(env)
 

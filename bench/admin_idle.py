@@ -11,7 +11,7 @@ import asyncio
 import time
 from typing import Any
 
-from aml_app.kafka_tools import produce
+from aml_app.kafka.tools import produce
 from bench.common import (
     admin_requests,
     bench_env,

@@ -63,13 +63,13 @@ from typing import Any
 
 import aiohttp
 
-from aml_app.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
-from aml_app.dependency_services import ApiProcess
-from aml_app.embedded_postgres import EmbeddedPostgres
-from aml_app.services import aggregates, relations
-from aml_app.services.store import Writer
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.store import Writer
+from aml_app.harness.dependencies import ApiProcess
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.verify import percentile
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.settings import Settings
-from aml_app.verify import percentile
 from bench.common import CLK_TCK, RESULTS, cpu_seconds, machine, markdown_table, write_results
 
 NAME = "api_latency"

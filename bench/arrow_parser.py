@@ -113,7 +113,7 @@ def _arrow_schema() -> Any:
 
 
 def money_texts(amounts: Any) -> Any:
-    """Canonical money text (`aml_app.services.store.money_text`) of an Arrow decimal array, vectorized.
+    """Canonical money text (`aml_app.dependencies.store.money_text`) of an Arrow decimal array, vectorized.
 
     A decimal cast to string keeps its scale ("12.5000"); the canonical form keeps at least two decimal
     places and drops the trailing zeros beyond ("12.50", "12.345", "0.0001", "100.00").

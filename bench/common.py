@@ -3,7 +3,7 @@
 Everything runs on a broker of our own on a free port, so a benchmark neither disturbs nor is
 disturbed by topics of other people's test runs (the CPU is shared all the same: expect noise).
 Workers are started through `tests.harness.Worker`, exactly as the integration tests start them; the
-premature-decision check and `percentile` come from `aml_app.verify`.
+premature-decision check and `percentile` come from `aml_app.harness.verify`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from aml_app.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
-from aml_app.kafka_tools import GroupCommitter
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
+from aml_app.kafka.tools import GroupCommitter
 from tests.harness import Names, Worker, wait_until
 
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -1,10 +1,10 @@
 """End to end: the AML service's throughput against its slowest dependency's, in the same run.
 
-The whole system runs as in the demo (`aml_app.demo.Demo` on `aml_app.system.System` with its default
-`Layout`: an embedded broker, an embedded PostgreSQL server with a fresh database for the stores, the Spark
-pipeline of Services B and C writing to it, two replicas of each API reading it, and one gated AML worker
-spreading its requests over the replicas) and the simulator sends N payments as fast as it can (plus the
-demo's malformed records, nominally one per hundred). Then, from the same run:
+The whole system runs as in the demo (`aml_app.harness.demo.Demo` on `aml_app.harness.system.System` with
+its default `Layout`: an embedded broker, an embedded PostgreSQL server with a fresh database for the
+stores, the Spark pipeline of Services B and C writing to it, two replicas of each API reading it, and one
+gated AML worker spreading its requests over the replicas) and the simulator sends N payments as fast as
+it can (plus the demo's malformed records, nominally one per hundred). Then, from the same run:
 
 - each dependency's throughput = records / (when its group's commits covered the last record - first
   send), dated by the demo's commit watch (polls every 50 ms);
@@ -32,9 +32,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from aml_app.demo import Demo, Options
+from aml_app.harness.demo import Demo, Options
+from aml_app.harness.verify import decided_at
 from aml_app.settings import load_settings
-from aml_app.verify import decided_at
 from bench.common import CLK_TCK, machine, markdown_table, write_results
 from tests.harness import wait_until
 

@@ -36,8 +36,8 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from aml_app.kafka_tools import GroupCommitter, payment_json
-from aml_app.verify import CommitTimeline, decided_at, percentile
+from aml_app.harness.verify import CommitTimeline, decided_at, percentile
+from aml_app.kafka.tools import GroupCommitter, payment_json
 from bench.common import (
     BenchEnv,
     admin_requests,

@@ -1,12 +1,12 @@
 """Why the gate matters: the same seeded traffic with a lagging dependency, gate on and gate off.
 
-Two demo runs (`aml_app.demo.Demo`: embedded broker, the Spark pipeline of B and C, their APIs, the AML
-worker) on the same seed and rate, with Service B's query triggered only every `--lag` seconds, so that
-B is behind most of the time. Gate on: the AML worker waits for both groups to commit past a payment.
+Two demo runs (`aml_app.harness.demo.Demo`: embedded broker, the Spark pipeline of B and C, their APIs,
+the AML worker) on the same seed and rate, with Service B's query triggered only every `--lag` seconds, so
+that B is behind most of the time. Gate on: the AML worker waits for both groups to commit past a payment.
 Gate off (`--no-gate` in the demo): it decides at once on whatever B and C answer, as a plain consumer
 would. Per run: freshness violations (answers of B or C that did not include the payment), decisions made
-on such answers, decisions made before both groups committed past their payment, recall and precision
-per typology against the simulator's ground truth, and the minority-class precision, recall and F1 over
+on such answers, decisions made before both groups committed past their payment, recall and precision per
+typology against the simulator's ground truth, and the minority-class precision, recall and F1 over
 payments.
 
     .venv/bin/python -m bench.gate_matters [--duration 40] [--rate 40] [--lag 5] [--seed 11]
@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from aml_app.demo import Demo, Options, Verdict
+from aml_app.harness.demo import Demo, Options, Verdict
 from aml_app.settings import load_settings
 from aml_app.simulation.score import ratio_text
 from bench.common import machine, markdown_table, write_results

@@ -18,8 +18,8 @@ import asyncio
 import time
 from typing import Any
 
-from aml_app.kafka_tools import produce
-from aml_app.verify import decided_at, percentile
+from aml_app.harness.verify import decided_at, percentile
+from aml_app.kafka.tools import produce
 from bench.common import (
     BenchEnv,
     DecisionCounter,

@@ -46,10 +46,10 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from aml_app.broker import EmbeddedBroker, free_port, wait_until_answering
-from aml_app.embedded_postgres import EmbeddedPostgres
-from aml_app.kafka_tools import payment_json
-from aml_app.verify import percentile
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.verify import percentile
+from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
+from aml_app.kafka.tools import payment_json
 from bench.common import machine, markdown_table, write_results
 
 NAME = "pipeline_throughput"

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from aml_app.contract import InvalidPayment, validate_payment
-from aml_app.kafka_tools import payment_json
+from aml_app.kafka.tools import payment_json
 from bench.common import machine, markdown_table, write_results
 
 NAME = "validation_rate"

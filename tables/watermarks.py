@@ -22,12 +22,12 @@ from typing import Any
 
 import faust
 
-from aml_app import metrics
 from aml_app.app import app, settings
 from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
 from aml_app.gate import DependencyOffsets, FreshnessGate, OffsetReadError
 from aml_app.gate.health import Limits, StallWatch, describe
 from aml_app.gate.watermark import Row, build_rows, live_blocked_since, live_demand, refresh_due, row_changed
+from aml_app.views import metrics
 
 log = logging.getLogger(__name__)
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from aml_app.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
-from aml_app.embedded_postgres import EmbeddedPostgres
-from aml_app.kafka_tools import GroupCommitter
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
+from aml_app.kafka.tools import GroupCommitter
 from tests.harness import DecisionLog, Names, Worker
 
 

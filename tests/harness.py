@@ -13,10 +13,10 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from aml_app.broker import free_port
-from aml_app.child_process import aml_app_executable
+from aml_app.harness.child_process import aml_app_executable
+from aml_app.harness.workers import WorkerProcess
+from aml_app.kafka.broker import free_port
 from aml_app.settings import Settings
-from aml_app.workers import WorkerProcess
 
 AML_APP = aml_app_executable()
 
@@ -183,7 +183,7 @@ class DecisionLog(TopicReader):
 
 def payments_for(partitions: int, per_partition: int, tag: str) -> list[tuple[int, bytes, bytes]]:
     """Valid payments, `per_partition` on each partition, interleaved across partitions."""
-    from aml_app.kafka_tools import payment_json
+    from aml_app.kafka.tools import payment_json
 
     records = []
     for i in range(per_partition):

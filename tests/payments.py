@@ -12,7 +12,7 @@ from decimal import Decimal
 
 from aiokafka import AIOKafkaProducer
 
-from aml_app.kafka_tools import produce
+from aml_app.kafka.tools import produce
 
 BASE = datetime(2026, 3, 1, tzinfo=UTC)
 MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"")

@@ -12,13 +12,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from aml_app.broker import EmbeddedBroker
-from aml_app.child_process import AmlAppProcess
+from aml_app.dependencies import relations
+from aml_app.dependencies.store import Writer
+from aml_app.harness.child_process import AmlAppProcess
+from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import Pipeline, kafka_config, start_pipeline
-from aml_app.services import relations
-from aml_app.services.store import Writer
 from aml_app.settings import Settings
 from tests.harness import Names, wait_until
 from tests.payments import Produced

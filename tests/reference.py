@@ -5,13 +5,13 @@ every answer loops over all payments again. Used by the store tests and by the S
 
 Payments are "payment-like": any objects with `payer`, `payee`, `amount` (Decimal or decimal string),
 `currency` and `ts` (aware datetime or ISO-8601 string) attributes, e.g. `aml_app.models.Payment` or
-`aml_app.services.aggregates.PaymentRow`. Only valid payments belong in the lists.
+`aml_app.dependencies.aggregates.PaymentRow`. Only valid payments belong in the lists.
 
-Conventions shared with the stores (aml_app/services/store.py):
+Conventions shared with the stores (aml_app/dependencies/store.py):
 - money as text: no exponent, at least two decimal places, more only when needed ("12.50", "0.0001");
 - instants as text: UTC, six fractional digits, 'Z' ("2026-01-02T03:04:05.000000Z").
 
-Too-late rule (as in aml_app/services/aggregates.py): `reference_aggregates` takes the payments as the
+Too-late rule (as in aml_app/dependencies/aggregates.py): `reference_aggregates` takes the payments as the
 list of batches in apply order. For each batch, max_ts becomes the largest ts over all earlier batches
 AND this batch; then each payment of the batch whose minute starts before max_ts - 7 days (ts < the
 start of that minute, minutes counted from the epoch) is dropped and counted in `late_dropped`. The
@@ -27,7 +27,7 @@ from decimal import Decimal, localcontext
 from typing import Any
 
 HORIZON = timedelta(days=7)
-LISTED = 10  # sources and co_payees: the strongest ten (aml_app/services/relations.py)
+LISTED = 10  # sources and co_payees: the strongest ten (aml_app/dependencies/relations.py)
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 WINDOWS = (("1h", timedelta(hours=1)), ("24h", timedelta(hours=24)), ("7d", timedelta(days=7)))
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import pyspark
 
-from aml_app.broker import free_port, port_open
+from aml_app.kafka.broker import free_port, port_open
 
 SPARK_HOME = Path(pyspark.__file__).parent
 

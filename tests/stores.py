@@ -12,10 +12,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.store import Reader, Schema, Writer
 from aml_app.pipeline.jobs import writer_for
 from aml_app.pipeline.transforms import BatchOutputs, batch_outputs
-from aml_app.services import aggregates, relations
-from aml_app.services.store import Reader, Schema, Writer
 from aml_app.settings import Settings
 from tests.payments import PaymentRow
 

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 
 async def first_offset_from(

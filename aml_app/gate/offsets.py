@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 log = logging.getLogger(__name__)
 

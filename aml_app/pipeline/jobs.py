@@ -30,10 +30,10 @@ import psycopg
 from pyspark.sql import DataFrame
 
 from aml_app.contract import InvalidPayment, validate_payment
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.store import Writer
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
 from aml_app.pipeline.transforms import BatchOutputs, kept, outputs_by_service
-from aml_app.services import aggregates, relations
-from aml_app.services.store import Writer
 
 log = logging.getLogger("aml_app.pipeline")
 

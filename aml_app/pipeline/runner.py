@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from aml_app.dependencies.store import Schema, Writer, redacted
 from aml_app.pipeline.progress import GroupProgress
-from aml_app.services.store import Schema, Writer, redacted
 from aml_app.settings import Settings
 
 log = logging.getLogger("aml_app.pipeline")
@@ -59,9 +59,9 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
 
 def kafka_config(settings: Settings) -> dict[str, str]:
     """Client settings for confluent-kafka (librdkafka names): the servers and, for a secured cluster,
-    TLS/SASL (`aml_app.kafka_security`). The Spark source gets them as `kafka.*` options; Spark redacts
+    TLS/SASL (`aml_app.kafka.security`). The Spark source gets them as `kafka.*` options; Spark redacts
     option values whose key matches `spark.redaction.regex` (the password's does)."""
-    from aml_app.kafka_security import librdkafka_config
+    from aml_app.kafka.security import librdkafka_config
 
     return {
         "bootstrap.servers": ",".join(settings.bootstrap_servers),
@@ -97,7 +97,7 @@ def group_of(settings: Settings, service: str) -> str:
 
 
 def schema_of(service: str) -> Schema:
-    from aml_app.services import aggregates, relations
+    from aml_app.dependencies import aggregates, relations
 
     return relations.SCHEMA if service == "relations" else aggregates.SCHEMA
 
@@ -112,13 +112,13 @@ def open_store(
     """The service's store, migrated and checked before anything is read from Kafka.
 
     Refuses (StoreRefused) a store built from another topic, one counted with other near-threshold
-    settings, one behind its consumer group (the store-loss guard, `aml_app.services.guard`), and one
+    settings, one behind its consumer group (the store-loss guard, `aml_app.dependencies.guard`), and one
     ahead of the topic's log end (`bounds`: partition -> (start, end); the topic was re-created, or the
     store belongs to another cluster). With `rebuild`, the store is dropped and created empty first, and
     being behind is expected.
     """
-    from aml_app.services import aggregates, store
-    from aml_app.services.guard import behind
+    from aml_app.dependencies import aggregates, store
+    from aml_app.dependencies.guard import behind
 
     writer = Writer(settings.store_url, schema_of(service))
     if rebuild:

@@ -28,8 +28,8 @@ from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from aml_app.dependencies.aggregates import PAYMENT_COLUMNS  # every valid payment, as its windows need it
 from aml_app.pipeline.validation import validated
-from aml_app.services.aggregates import PAYMENT_COLUMNS  # every valid payment, as its windows need it
 
 SERVICES = ("relations", "aggregates")
 

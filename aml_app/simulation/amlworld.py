@@ -20,7 +20,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from aml_app.contract import InvalidPayment, validate_payment
-from aml_app.kafka_tools import payment_json
+from aml_app.kafka.tools import payment_json
 
 HEADER = (
     "Timestamp",

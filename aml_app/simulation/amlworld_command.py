@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 import click
 from aiokafka.errors import KafkaError
 
-from aml_app.kafka_security import KafkaSecurity
-from aml_app.kafka_tools import produce, started_producer
+from aml_app.kafka.security import KafkaSecurity
+from aml_app.kafka.tools import produce, started_producer
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import DEFAULT_PREFIX, AmlworldImport, AmlworldPayment, read_amlworld
 

@@ -22,8 +22,8 @@ from aiokafka import AIOKafkaProducer
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.kafka_security import KafkaSecurity
-from aml_app.kafka_tools import started_producer
+from aml_app.kafka.security import KafkaSecurity
+from aml_app.kafka.tools import started_producer
 from aml_app.simulation.traffic import (
     DEFAULT_BAND,
     DEFAULT_SPEEDUP,

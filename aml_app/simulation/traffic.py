@@ -83,7 +83,7 @@ from typing import Any
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.kafka_tools import payment_json
+from aml_app.kafka.tools import payment_json
 
 DEFAULT_SPEEDUP = 60.0
 DEFAULT_THRESHOLD = Decimal("10000")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from aml_app.broker import EmbeddedBroker, create_topics
-from aml_app.child_process import aml_app_executable
-from aml_app.kafka_tools import end_offsets
+from aml_app.harness.child_process import aml_app_executable
+from aml_app.kafka.broker import EmbeddedBroker, create_topics
+from aml_app.kafka.tools import end_offsets
 from aml_app.simulation.amlworld import read_amlworld
 from tests.harness import TopicReader, wait_until
 from tests.unit.test_amlworld import HEADER, ROWS

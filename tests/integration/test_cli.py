@@ -10,8 +10,8 @@ import subprocess
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.broker import free_port
-from aml_app.child_process import aml_app_executable
+from aml_app.harness.child_process import aml_app_executable
+from aml_app.kafka.broker import free_port
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.integration

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from aml_app.broker import EmbeddedBroker
+from aml_app.kafka.broker import EmbeddedBroker
 from tests.harness import Names, wait_until
 from tests.payments import produce_payments
 from tests.pipelines import (

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from aml_app.kafka_tools import payment_json, produce
-from aml_app.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.tools import payment_json, produce
 from tests.harness import TopicReader, ends_of, wait_until
 
 pytestmark = pytest.mark.integration

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from aml_app.broker import free_port
+from aml_app.kafka.broker import free_port
 from tests.harness import AML_APP
 
 pytestmark = pytest.mark.integration

@@ -14,8 +14,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from aml_app.broker import free_port
-from aml_app.dependency_client import (
+from aml_app.dependencies.client import (
     PAYEE_PARTS,
     PAYER_PARTS,
     DependencyClient,
@@ -24,6 +23,7 @@ from aml_app.dependency_client import (
     evidence_for,
     includes,
 )
+from aml_app.kafka.broker import free_port
 from tests.integration.test_services_api import T0, aggregates_api, relations_api, spark, stores
 
 __all__ = ["spark", "stores"]  # fixtures

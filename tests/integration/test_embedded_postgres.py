@@ -11,8 +11,8 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from aml_app.broker import free_port
-from aml_app.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.kafka.broker import free_port
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="only root hands the server to another user")

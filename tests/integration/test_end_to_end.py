@@ -1,9 +1,9 @@
 """The whole system end to end: simulator -> Spark services B and C -> gated AML and fraud workers.
 
 Real processes on the session's broker: `aml-app pipeline` (Spark, both queries), `aml-app serve` for both
-APIs, `aml-app worker` for AML and fraud. Each test is one demo run (`aml_app.demo.Demo`) with a script
-that breaks something while payments flow: a `kill -9` of the AML worker, or Service C's API going away.
-The verdict is computed from what the system wrote (decisions, alerts, dead letters) and from the
+APIs, `aml-app worker` for AML and fraud. Each test is one demo run (`aml_app.harness.demo.Demo`) with a
+script that breaks something while payments flow: a `kill -9` of the AML worker, or Service C's API going
+away. The verdict is computed from what the system wrote (decisions, alerts, dead letters) and from the
 dependencies' commits, dated from the broker.
 """
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from aml_app.broker import EmbeddedBroker
-from aml_app.demo import Demo, Options, Verdict
+from aml_app.harness.demo import Demo, Options, Verdict
+from aml_app.harness.verify import decided_at
+from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings
-from aml_app.verify import decided_at
 from tests.harness import committed_offsets, wait_until
 
 pytestmark = pytest.mark.integration

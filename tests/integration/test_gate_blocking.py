@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from aml_app.kafka_tools import produce
-from aml_app.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.tools import produce
 from tests.harness import committed_offsets, ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration

@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from aml_app.kafka_tools import produce
-from aml_app.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.tools import produce
 from tests.harness import ends_of, payments_for
 
 pytestmark = pytest.mark.integration

@@ -8,8 +8,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aml_app.kafka_tools import produce
-from aml_app.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.tools import produce
 from tests.harness import committed_offsets, ends_of, payments_for, wait_until
 from tests.integration.test_status import status, table
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from aml_app.kafka_tools import produce
-from aml_app.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.tools import produce
 from tests.harness import ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 from confluent_kafka import Producer
 
-from aml_app.broker import create_topics
-from aml_app.kafka_tools import end_offsets, produce
-from aml_app.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.broker import create_topics
+from aml_app.kafka.tools import end_offsets, produce
 from tests.harness import DecisionLog, TopicReader, ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration

@@ -21,7 +21,7 @@ from confluent_kafka import Producer
 from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
-from aml_app.broker import EmbeddedBroker
+from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.pipeline.kafka_source import (
     KafkaStreamReader,
     KafkaTask,

@@ -20,12 +20,12 @@ from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from aml_app.broker import EmbeddedBroker
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.api import aggregates_app, relations_app
+from aml_app.dependencies.store import Reader
+from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config, spark_session
-from aml_app.services import aggregates, relations
-from aml_app.services.api import aggregates_app, relations_app
-from aml_app.services.store import Reader
 from tests.harness import Names, wait_until
 from tests.payments import produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings

@@ -18,8 +18,8 @@ from typing import Any
 
 from aiokafka import AIOKafkaProducer
 
-from aml_app.broker import EmbeddedBroker
-from aml_app.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.kafka.broker import EmbeddedBroker
 from tests.harness import Names, wait_until
 from tests.payments import produce_payments
 from tests.pipelines import (

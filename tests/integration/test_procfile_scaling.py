@@ -29,10 +29,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from aml_app.broker import EmbeddedBroker, create_topics
-from aml_app.kafka_tools import GroupCommitter
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.broker import EmbeddedBroker, create_topics
+from aml_app.kafka.tools import GroupCommitter
 from aml_app.simulation.producer import run_simulator
-from aml_app.verify import CommitTimeline, premature
 from tests.harness import TEST_ENV, DecisionLog, Names, committed_offsets, wait_until
 
 pytestmark = pytest.mark.integration

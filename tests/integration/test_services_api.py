@@ -20,12 +20,12 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from aml_app.broker import EmbeddedBroker, free_port
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.api import aggregates_app, build_app, relations_app
+from aml_app.dependencies.store import Reader, redacted
+from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import spark_session
-from aml_app.services import aggregates, relations
-from aml_app.services.api import aggregates_app, build_app, relations_app
-from aml_app.services.store import Reader, redacted
 from aml_app.settings import Settings
 from tests.harness import Names
 from tests.payments import PaymentRow
@@ -318,7 +318,7 @@ async def test_serve_runs_the_service_until_stopped(store_url: str, broker: Embe
     port = free_port()
     settings = f"store_url={store_url!r}, aggregates_port={port}, bootstrap_servers=({broker.bootstrap!r},)"
     code = (
-        "from aml_app.services.api import serve\n"
+        "from aml_app.dependencies.api import serve\n"
         "from aml_app.settings import Settings\n"
         f"serve('aggregates', Settings({settings}))\n"
     )

@@ -11,10 +11,10 @@ from typing import Any
 
 import pytest
 
-from aml_app.broker import free_port
-from aml_app.child_process import aml_app_executable
-from aml_app.kafka_tools import GroupCommitter, produce
-from aml_app.workers import settings_env
+from aml_app.harness.child_process import aml_app_executable
+from aml_app.harness.workers import settings_env
+from aml_app.kafka.broker import free_port
+from aml_app.kafka.tools import GroupCommitter, produce
 from tests.harness import ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration

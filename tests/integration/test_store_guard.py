@@ -21,10 +21,10 @@ import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from aiokafka import AIOKafkaProducer
 
-from aml_app.broker import EmbeddedBroker
-from aml_app.child_process import aml_app_executable
+from aml_app.dependencies.api import build_app
+from aml_app.harness.child_process import aml_app_executable
+from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.pipeline.runner import spark_session
-from aml_app.services.api import build_app
 from aml_app.settings import Settings
 from tests.harness import Names
 from tests.integration.test_services_api import wait_for_check

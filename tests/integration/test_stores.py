@@ -22,10 +22,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from aml_app.embedded_postgres import EmbeddedPostgres
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.store import StaleBatch, StoreError, Writer, migrate, money_text
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.pipeline.runner import spark_session
-from aml_app.services import aggregates, relations
-from aml_app.services.store import StaleBatch, StoreError, Writer, migrate, money_text
 from aml_app.settings import Settings
 from tests.payments import PaymentRow
 from tests.reference import exact_from, reference_aggregates, reference_relations

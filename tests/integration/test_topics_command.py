@@ -10,8 +10,8 @@ import uuid
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.broker import EmbeddedBroker
-from aml_app.child_process import aml_app_executable
+from aml_app.harness.child_process import aml_app_executable
+from aml_app.kafka.broker import EmbeddedBroker
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,7 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from aml_app.kafka_tools import produce
+from aml_app.kafka.tools import produce
 from tests.chromium import Chromium
 from tests.harness import ends_of, payments_for, wait_until
 

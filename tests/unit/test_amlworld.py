@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aml_app.broker import free_port
 from aml_app.contract import validate_payment
+from aml_app.kafka.broker import free_port
 from aml_app.simulation.amlworld import CURRENCIES, read_amlworld
 from aml_app.simulation.amlworld_command import import_amlworld_command
 

@@ -10,7 +10,7 @@ import pytest
 
 
 def detector() -> Any:
-    from aml_app.detector import Detector
+    from aml_app.detection.detector import Detector
 
     return Detector("aml", rules=None, client=None)  # type: ignore[arg-type]  # neither is used here
 

@@ -6,6 +6,7 @@ Each check runs in a fresh interpreter, so what an earlier test imported cannot 
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -33,8 +34,9 @@ def faust_side(modules: set[str]) -> list[str]:
     "modules",
     [
         "aml_app.pipeline.runner aml_app.pipeline.jobs aml_app.pipeline.transforms",
-        "aml_app.services.api aml_app.services.store aml_app.services.guard",
-        "aml_app.embedded_postgres aml_app.broker aml_app.topics aml_app.simulation.command",
+        "aml_app.dependencies.api aml_app.dependencies.store aml_app.dependencies.guard",
+        "aml_app.harness.embedded_postgres aml_app.kafka.broker aml_app.kafka.topics",
+        "aml_app.simulation.command",
         "aml_app.simulation.amlworld aml_app.simulation.amlworld_command",
     ],
 )
@@ -84,3 +86,93 @@ def test_the_installed_package_puts_no_bare_agents_or_tables_module_on_the_path(
     root = Path(__file__).resolve().parents[2]
     assert [Path(p).resolve() for p in agents_path] == [root / "agents"]
     assert [Path(p).resolve() for p in tables_path] == [root / "tables"]
+
+
+# --- imports flow one way (read from the source, so a lazy import counts too) ----------------------
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Lowest first: a room may import its own modules and those of the rooms before it, never after.
+#: `harness` (the whole system as local processes) and `cli` sit on top; nothing below imports them.
+LAYERS = [
+    ("aml_app.currencies", "aml_app.contract"),
+    ("aml_app.kafka.security", "aml_app.settings", "aml_app.detection.thresholds", "aml_app.models"),
+    ("aml_app.faust_internals", "aml_app.kafka"),
+    ("aml_app.detection.rules", "aml_app.detection.evidence", "aml_app.detection.fraud_rules"),
+    ("aml_app.gate.offsets", "aml_app.gate.watermark", "aml_app.gate.holes"),
+    ("aml_app.dependencies", "aml_app.pipeline", "aml_app.simulation"),
+    ("aml_app.gate.consumer", "aml_app.gate.gate", "aml_app.gate.health"),
+    ("aml_app.gate",),
+    ("aml_app.app", "aml_app.tables", "aml_app.gate.agent", "aml_app.detection", "aml_app.views"),
+    ("aml_app.agents",),
+    ("aml_app.harness", "aml_app.cli"),
+]
+
+
+def module_name(path: Path) -> str:
+    relative = path.relative_to(ROOT).with_suffix("")
+    parts = list(relative.parts)
+    if parts[0] in ("agents", "tables"):
+        parts.insert(0, "aml_app")  # installed as aml_app.agents / aml_app.tables (pyproject.toml)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return {n for n in names if n.split(".")[0] in ("aml_app", "tests", "bench")}
+
+
+def layer_of(module: str) -> int:
+    """The layer of the most specific prefix that names the module."""
+    best, depth = -1, -1
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and prefix.count(".") > depth:
+                best, depth = index, prefix.count(".")
+    return best
+
+
+def our_modules() -> dict[str, Path]:
+    paths = [*ROOT.joinpath("aml_app").rglob("*.py"), *ROOT.joinpath("agents").glob("*.py")]
+    paths += ROOT.joinpath("tables").glob("*.py")
+    return {module_name(p): p for p in paths}
+
+
+def test_every_module_has_a_layer() -> None:
+    modules = our_modules()
+    assert len(modules) > 40
+    assert [m for m in modules if m != "aml_app" and layer_of(m) < 0] == []
+
+
+def test_imports_flow_one_way() -> None:
+    """No module imports one of a higher layer (the harness and the command line are on top), and nothing
+    in the package imports the tests or the benchmarks."""
+    modules = our_modules()
+    wrong: set[str] = set()
+    for module, path in sorted(modules.items()):
+        if module == "aml_app":
+            continue
+        mine = layer_of(module)
+        for name in sorted(imported(path)):
+            if name.split(".")[0] in ("tests", "bench"):
+                wrong.add(f"{module} imports {name}")
+                continue
+            target = next((n for n in (name, name.rsplit(".", 1)[0]) if n in modules), None)
+            if target is not None and layer_of(target) > mine:
+                wrong.add(f"{module} (layer {mine}) imports {target} (layer {layer_of(target)})")
+    assert sorted(wrong) == []
+
+
+def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
+    """The negative control: a lower module importing the harness is reported."""
+    fake = tmp_path / "x.py"
+    fake.write_text("def f():\n    from aml_app.harness.demo import run_demo\n")
+    assert "aml_app.harness.demo" in imported(fake)
+    assert layer_of("aml_app.harness.demo") > layer_of("aml_app.gate.consumer")

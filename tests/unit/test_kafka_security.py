@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
-from aml_app.kafka_security import (
+from aml_app.kafka.security import (
     VARIABLES,
     KafkaSecurity,
     aiokafka_kwargs,

@@ -15,12 +15,12 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from aml_app import metrics
 from aml_app.gate.consumer import Admission
 from aml_app.gate.health import Limits, describe
 from aml_app.gate.watermark import build_rows
-from aml_app.status import render, worker_json_url
-from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
+from aml_app.views import metrics
+from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
+from aml_app.views.status import render, worker_json_url
 from tests.unit.test_lanes import Harness, event, until
 
 NOW = 5000.0

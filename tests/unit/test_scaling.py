@@ -6,7 +6,7 @@ import logging
 
 import pytest
 
-from aml_app.scaling import AssignmentWatch, group_view, idle_message
+from aml_app.gate.assignments import AssignmentWatch, group_view, idle_message
 
 TOPIC = "payments"
 
@@ -47,7 +47,7 @@ def test_an_empty_share_with_enough_partitions_is_only_information() -> None:
 
 def test_the_watch_logs_once_per_change(caplog: pytest.LogCaptureFixture) -> None:
     watch = AssignmentWatch(TOPIC, "aml", "w3")
-    with caplog.at_level(logging.INFO, logger="aml_app.scaling"):
+    with caplog.at_level(logging.INFO, logger="aml_app.gate.assignments"):
         watch.on_assignment(distribution([0], [1], []), [])
         watch.on_assignment(distribution([0], [1], []), [])  # same again: said already
         assert [r.levelno for r in caplog.records] == [logging.WARNING]

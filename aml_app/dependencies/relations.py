@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 import psycopg
 from psycopg import sql
 
-from aml_app.services.copy import copy_arrow
-from aml_app.services.store import Schema, as_of_json, iso_text, money_text
+from aml_app.dependencies.copy import copy_arrow
+from aml_app.dependencies.store import Schema, as_of_json, iso_text, money_text
 
 MAX_HOPS = 3
 PARTS = ("out", "in", "neighbourhood", "cycle", "chain", "sources", "co_payees")

@@ -8,7 +8,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from aml_app.kafka_security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 
 class GroupCommitter:

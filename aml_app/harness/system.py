@@ -3,7 +3,7 @@ replicas each), gated workers.
 
 `System` starts what a user would start, each as its own process (`aml-app broker` and `aml-app postgres`
 are replaced by embedded server objects, or `KAFKA_BOOTSTRAP_SERVERS` and `AML_STORE_URL` name a cluster
-and a database), watches it, reads what it writes (`aml_app.tails`) and stops everything, each step
+and a database), watches it, reads what it writes (`aml_app.harness.tails`) and stops everything, each step
 bounded, whatever happened. The demo, the end-to-end tests and the benchmarks share it, so each of them
 runs the system exactly as the others do.
 """
@@ -20,13 +20,13 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aml_app.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
-from aml_app.dependency_services import ApiProcess, CommitWatch, ServiceProcess
-from aml_app.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.dependencies import ApiProcess, CommitWatch, ServiceProcess
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.tails import DeadLetterTail, RecordTail
+from aml_app.harness.workers import WorkerProcess
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
+from aml_app.kafka.topics import service_topics, topic_specs
 from aml_app.settings import Settings
-from aml_app.tails import DeadLetterTail, RecordTail
-from aml_app.topics import service_topics, topic_specs
-from aml_app.workers import WorkerProcess
 
 API_DEADLINE = 60.0
 WORKER_DEADLINE = 90.0

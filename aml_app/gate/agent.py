@@ -2,7 +2,7 @@
 
 Every gated service (AML, fraud, the probe) is the same machinery with a different handler: the agent only
 dispatches, per-partition lanes wait on the gate, the handler runs, acks go in offset order
-(`aml_app.gate.GatedConsumer`). The module in `agents/` that `AML_SERVICE` names calls `gated_service` once.
+(`aml_app.gate.GatedConsumer`). The module in `agents/` that `AML_SERVICE` names calls `gated_agent` once.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from aml_app.tables.watermarks import gate, publisher
 running: list[GatedConsumer] = []
 
 
-def gated_service(
+def gated_agent(
     handler: Handler | None = None, *, batch_handler: BatchHandler | None = None, max_batch: int = 1
 ) -> GatedConsumer:
     """Register the agent of this worker's service and return its gated consumer.
@@ -25,7 +25,7 @@ def gated_service(
     partition at once (one round trip to each dependency for all of them).
     """
     if running:
-        raise RuntimeError("a worker runs one gated service; gated_service was called twice")
+        raise RuntimeError("a worker runs one gated service; gated_agent was called twice")
     gated = GatedConsumer(
         app,
         gate,

@@ -1,10 +1,10 @@
 """Read-only views served by every worker on Faust's web server (bound to AML_WEB_HOST, 127.0.0.1).
 
-- `/watermarks/`: the page an on-call engineer opens first (`aml_app.webview.PAGE`); `/watermarks`
+- `/watermarks/`: the page an on-call engineer opens first (`aml_app.views.page.PAGE`); `/watermarks`
   redirects there.
 - `/watermarks.json`: this worker's view of the shared watermark table plus its own gate state; every
   field is documented in docs/operating.md, and the older field names are kept as they were.
-- `/metrics`: Prometheus text format (`aml_app.metrics`).
+- `/metrics`: Prometheus text format (`aml_app.views.metrics`).
 
 Only GET; no secrets and no payment contents (offsets, group names and counts only). Faust's web server
 starts before the tables are recovered, so while they recover the operator fields stay empty and
@@ -21,8 +21,9 @@ from faust.types import TP
 from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from aml_app import detector, metrics, service
 from aml_app.app import app, settings
+from aml_app.detection import detector
+from aml_app.gate import agent
 from aml_app.tables.watermarks import (
     gate,
     offsets,
@@ -33,11 +34,12 @@ from aml_app.tables.watermarks import (
     status,
     watermarks,
 )
-from aml_app.webview import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
+from aml_app.views import metrics
+from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
 
 # The service's agent module registers its gated consumer; make sure it exists before hooking into it.
 importlib.import_module(f"aml_app.agents.{settings.service}")
-service.running[0].observers.append(metrics.observe_admission)
+agent.running[0].observers.append(metrics.observe_admission)
 
 
 def _recovering() -> bool:
@@ -63,7 +65,7 @@ def _highwaters(partitions: list[int]) -> dict[int, int | None]:
 
 def snapshot() -> dict[str, Any]:
     now = time.time()
-    gated = service.running[0]
+    gated = agent.running[0]
     assigned = _assigned()
     recovering = _recovering()
     rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}

@@ -7,7 +7,7 @@ traffic with injected instances of ten laundering typologies, and its ground tru
 few malformed records for the dead-letter topic. It prints progress every two seconds.
 
 At the end it checks what the gate promises and what detection achieved:
-- no decision before every dependency group committed past its payment (`aml_app.verify`; the commit
+- no decision before every dependency group committed past its payment (`aml_app.harness.verify`; the commit
   watch dates each commit conservatively, so a decision it calls premature is premature for certain);
 - every valid payment decided by each service, no alert twice, no freshness violation (an answer of B or
   C that did not include the payment) while the gate is on;
@@ -39,11 +39,14 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from aml_app.broker import BrokerError
-from aml_app.dependency_services import COMMIT_POLL_EVERY
-from aml_app.embedded_postgres import PostgresError
-from aml_app.kafka_tools import payment_json
-from aml_app.services.store import redacted
+from aml_app.dependencies.store import redacted
+from aml_app.harness.dependencies import COMMIT_POLL_EVERY
+from aml_app.harness.embedded_postgres import PostgresError
+from aml_app.harness.system import Interrupted, Layout, System, SystemFailure
+from aml_app.harness.tails import partitions_of
+from aml_app.harness.verify import Premature, decided_at, percentile, premature
+from aml_app.kafka.broker import BrokerError
+from aml_app.kafka.tools import payment_json
 from aml_app.settings import Settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
 from aml_app.simulation.score import (
@@ -55,9 +58,6 @@ from aml_app.simulation.score import (
     score,
 )
 from aml_app.simulation.traffic import SimPayment
-from aml_app.system import Interrupted, Layout, System, SystemFailure
-from aml_app.tails import partitions_of
-from aml_app.verify import Premature, decided_at, percentile, premature
 
 DEMO_DIR = Path("var/demo")
 MALFORMED_EVERY = 100  # one malformed record per hundred payments, so the DLQ shows up

@@ -1,11 +1,11 @@
 """The dependency services B and C seen from the outside: their processes, and their progress.
 
 `ServiceProcess`/`ApiProcess` run them as a user does (`aml-app pipeline`, `aml-app serve
-relations|aggregates`), like `aml_app.workers` runs AML workers: each in a process group of its own (a
+relations|aggregates`), like `aml_app.harness.workers` runs AML workers: each in a process group of its own (a
 Ctrl-C in the caller's terminal does not reach it; `stop` reaches it and the JVM it started), with its own
 log file, configured from a `Settings` spelled out in its environment rather than from whatever the
 caller's environment says. `CommitWatch` follows their consumer groups' committed offsets on the broker,
-the progress the gate reads, and dates it for the premature-decision check (`aml_app.verify`).
+the progress the gate reads, and dates it for the premature-decision check (`aml_app.harness.verify`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from typing import Any
 
 import aiohttp
 
-from aml_app.child_process import AmlAppProcess
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+from aml_app.harness.child_process import AmlAppProcess
+from aml_app.harness.verify import CommitTimeline
+from aml_app.harness.workers import settings_env
 from aml_app.settings import Settings
-from aml_app.verify import CommitTimeline
-from aml_app.workers import settings_env
 
 # Spark draws progress bars on stderr with carriage returns: noise in a log file.
 SPARK_SUBMIT_ARGS = "--conf spark.ui.showConsoleProgress=false pyspark-shell"

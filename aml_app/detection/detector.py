@@ -1,7 +1,7 @@
 """The handler of a detecting service (AML, fraud): fresh evidence from B and C, rules, decision, alert.
 
 For each batch of payments of one partition that the gate let through (`AML_MAX_BATCH` at most):
-1. ask B and C about them, one request to each for the whole batch (`aml_app.dependency_client`),
+1. ask B and C about them, one request to each for the whole batch (`aml_app.dependencies.client`),
    waiting and asking again while one is away;
 2. check freshness: every answer's `as_of` must include the payment. The gate makes this true; if it is
    not, that is a freshness violation: counted, and with the gate on the payment waits and asks again,
@@ -27,7 +27,7 @@ from decimal import Decimal
 from typing import Any
 
 from aml_app.app import alerts_topic, app, decisions_topic, settings
-from aml_app.dependency_client import (
+from aml_app.dependencies.client import (
     DependencyClient,
     DependencyUnavailable,
     evidence_for,
@@ -270,11 +270,11 @@ def stats_json(detector: Detector) -> dict[str, Any]:
 
 def detecting_service(service: str, rules: Rules) -> Detector:
     """Build the detector of this worker's service and register its gated agent."""
-    from aml_app.service import gated_service
+    from aml_app.gate.agent import gated_agent
 
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
     detector = Detector(service, rules, client, settings.aml_thresholds.graph_min_average)
-    gated_service(batch_handler=detector, max_batch=settings.max_batch)
+    gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 
     @app.on_before_shutdown.connect
     async def close_client(app: Any, **kwargs: Any) -> None:

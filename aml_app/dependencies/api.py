@@ -20,7 +20,7 @@ An API keeps no state of its own: every answer is read from the store in one REP
 together with its `as_of`, so any number of replicas on any hosts give the same answers. The service
 starts without the store's tables and answers empty (as_of {}) until the pipeline creates them. Every
 few seconds it checks the store against its consumer group's committed offsets (the store-loss guard,
-`aml_app.services.guard`); a store found behind makes /health and every query answer 503 with the
+`aml_app.dependencies.guard`); a store found behind makes /health and every query answer 503 with the
 sentence that says what to do, rather than serve answers the gate would trust.
 """
 
@@ -41,10 +41,10 @@ import psycopg_pool
 from aiohttp import web
 
 from aml_app.contract import MAX_ID_LENGTH
-from aml_app.services import aggregates, relations
-from aml_app.services.guard import behind
-from aml_app.services.relations import MAX_HOPS, PARTS
-from aml_app.services.store import Reader, redacted
+from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.guard import behind
+from aml_app.dependencies.relations import MAX_HOPS, PARTS
+from aml_app.dependencies.store import Reader, redacted
 
 log = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import IO
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from aml_app.topics import TopicSpec
+from aml_app.kafka.topics import TopicSpec
 
 
 class BrokerError(RuntimeError):

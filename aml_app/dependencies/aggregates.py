@@ -36,8 +36,16 @@ from typing import Any
 import psycopg
 from psycopg import sql
 
-from aml_app.services.copy import copy_arrow
-from aml_app.services.store import Schema, StoreError, as_of_json, iso_text, money_text, read_meta, write_meta
+from aml_app.dependencies.copy import copy_arrow
+from aml_app.dependencies.store import (
+    Schema,
+    StoreError,
+    as_of_json,
+    iso_text,
+    money_text,
+    read_meta,
+    write_meta,
+)
 
 HORIZON = timedelta(days=7)
 PRUNE_SLACK = timedelta(hours=1)

@@ -1,7 +1,7 @@
 """The embedded development PostgreSQL server: the store of Services B and C when nothing else is given.
 
 It is Debian's PostgreSQL (`postgresql` package, installed by `.ci/system-deps`), run as a private
-cluster in a folder of ours, the way `aml_app.broker` runs the embedded Kafka broker: `make demo` and
+cluster in a folder of ours, the way `aml_app.kafka.broker` runs the embedded Kafka broker: `make demo` and
 `make test` need nothing set up by hand. Nothing else in the code knows about it: the pipeline and the
 APIs connect to `AML_STORE_URL`, so an existing server (managed, replicated, with TLS and passwords)
 works unchanged.
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from aml_app.broker import port_open
+from aml_app.kafka.broker import port_open
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import aiohttp
 
-from aml_app.child_process import AmlAppProcess
+from aml_app.harness.child_process import AmlAppProcess
 from aml_app.settings import Settings
 
 
