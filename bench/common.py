@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,3 +254,11 @@ def write_results(name: str, doc: dict[str, Any]) -> Path:
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return path
+
+
+def finish(name: str, doc: dict[str, Any], report: Callable[[dict[str, Any]], str]) -> None:
+    """The end of every benchmark's command: write the results, print the report and where they are."""
+    path = write_results(name, doc)
+    print()
+    print(report(doc))
+    print(f"\nresults: {path}")

@@ -35,7 +35,7 @@ from typing import Any
 from aml_app.harness.demo import Demo, Options
 from aml_app.harness.verify import decided_at
 from aml_app.settings import load_settings
-from bench.common import CLK_TCK, machine, markdown_table, write_results
+from bench.common import CLK_TCK, finish, machine, markdown_table
 from tests.harness import wait_until
 
 NAME = "end_to_end"
@@ -213,10 +213,7 @@ def cli() -> None:
     parser.add_argument("--timeout", type=float, default=600, help="seconds to catch up after sending")
     args = parser.parse_args()
     doc = asyncio.run(measure(args))
-    path = write_results(NAME, doc)
-    print()
-    print(report(doc))
-    print(f"\nresults: {path}")
+    finish(NAME, doc, report)
 
 
 if __name__ == "__main__":

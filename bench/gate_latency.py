@@ -42,11 +42,11 @@ from bench.common import (
     BenchEnv,
     admin_requests,
     bench_env,
+    finish,
     machine,
     markdown_table,
     read_decisions,
     wait_owned,
-    write_results,
 )
 from tests.harness import Names
 
@@ -351,10 +351,7 @@ def cli() -> None:
     args = parser.parse_args()
     config = Config(args.partitions, args.rate, args.duration, args.warmup, args.commit_min, args.commit_max)
     doc = asyncio.run(main(args.workers, args.dep_delays, config, args.keep))
-    path = write_results(NAME, doc)
-    print()
-    print(report(doc))
-    print(f"\nresults: {path}")
+    finish(NAME, doc, report)
 
 
 if __name__ == "__main__":

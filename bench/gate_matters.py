@@ -20,10 +20,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from aml_app.harness.demo import Demo, Options, Verdict
+from aml_app.harness.demo import Demo, Options
+from aml_app.harness.verdict import Verdict
 from aml_app.settings import load_settings
 from aml_app.simulation.score import ratio_text
-from bench.common import machine, markdown_table, write_results
+from bench.common import finish, machine, markdown_table
 
 NAME = "gate_matters"
 
@@ -132,10 +133,7 @@ def cli() -> None:
     doc: dict[str, Any] = {"benchmark": NAME, "machine": machine(), "params": vars(args), "runs": {}}
     for gate in (True, False):
         doc["runs"]["gate on" if gate else "gate off"] = asyncio.run(run(args, gate))
-    path = write_results(NAME, doc)
-    print()
-    print(report(doc))
-    print(f"\nresults: {path}")
+    finish(NAME, doc, report)
 
 
 if __name__ == "__main__":

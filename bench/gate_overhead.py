@@ -25,11 +25,11 @@ from bench.common import (
     DecisionCounter,
     bench_env,
     cpu_seconds,
+    finish,
     machine,
     markdown_table,
     median,
     read_decisions,
-    write_results,
 )
 from tests.harness import ends_of, payments_for
 
@@ -205,10 +205,7 @@ def cli() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the worker and broker logs")
     args = parser.parse_args()
     doc = asyncio.run(main(args.payments, args.partitions, args.runs, args.max_pending, args.keep))
-    path = write_results(NAME, doc)
-    print()
-    print(report(doc))
-    print(f"\nresults: {path}")
+    finish(NAME, doc, report)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
 from aml_app.kafka.tools import payment_json
-from bench.common import machine, markdown_table, write_results
+from bench.common import finish, machine, markdown_table
 
 NAME = "pipeline_throughput"
 PARTITIONS = 4
@@ -715,10 +715,7 @@ def cli() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the broker log, stores and checkpoints")
     args = parser.parse_args()
     doc = main(args)
-    path = write_results(NAME, doc)
-    print()
-    print(report(doc))
-    print(f"\nresults: {path}")
+    finish(NAME, doc, report)
 
 
 if __name__ == "__main__":

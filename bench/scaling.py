@@ -43,12 +43,12 @@ from bench.common import (
     admin_requests,
     bench_env,
     cpu_seconds,
+    finish,
     machine,
     markdown_table,
     read_decisions,
     states,
     wait_owned,
-    write_results,
 )
 from tests.harness import Names, wait_until
 
@@ -298,10 +298,7 @@ def cli() -> None:
         parser.error("--workers must include 1: ratios are to one worker")
     config = Config(args.partitions, args.payments, args.cost_ms, args.held_window)
     doc = asyncio.run(main(args.kinds, args.workers, args.rounds, config, args.keep))
-    path = write_results(NAME, doc)
-    print()
-    print(report(doc))
-    print(f"\nresults: {path}")
+    finish(NAME, doc, report)
 
 
 if __name__ == "__main__":

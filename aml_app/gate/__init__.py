@@ -1,8 +1,9 @@
 """The reusable freshness gate: watermarks from committed offsets, per-partition waiting, lanes."""
 
-from aml_app.gate.consumer import Admission, GatedConsumer, retry_forever
+from aml_app.gate.consumer import Admission, GatedConsumer
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+from aml_app.gate.retry import retry_forever
 
 __all__ = [
     "Admission",

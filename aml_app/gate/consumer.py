@@ -14,20 +14,13 @@ the lane stays on that payment: nothing is skipped (Faust would ack a crashed ev
 rebalance every lane stops at once, waiting or not; its unacked payments are re-read by the next owner
 (or resumed here, if the partition stays).
 
-A lane never runs past a hole. Faust can skip records of a partition (seen about once in ten runs of
-three workers joining at once: a range of offsets never reached the stream, later ones did) and then
-commits over the range it counts as a gap once a later offset is acked. So when an offset arrives past
-the one a lane expects, the lane holds it and reads the log directly: if records exist in between, the
-partition is fetched again from the expected offset; if not (transaction markers, compaction), the held
-events go on. The expected offset of a partition's first event is where the generation starts (the
-group's committed offset), so events wait until this worker has read that after an assignment.
+Faust's delivery has gaps the lanes repair (`aml_app.gate.delivery`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
@@ -36,10 +29,10 @@ from typing import Any
 
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
-from aml_app.faust_internals import partition_flags, set_current_event
+from aml_app.faust_internals import set_current_event
+from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
 from aml_app.gate.gate import FreshnessGate
-from aml_app.gate.holes import first_offset_from
-from aml_app.gate.offsets import DependencyOffsets
+from aml_app.gate.retry import retry_forever
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
 log = logging.getLogger(__name__)
@@ -66,42 +59,6 @@ Admitted = tuple[Payment, Admission]
 #: Handles several admitted payments of one partition at once (in offset order); must be idempotent per
 #: payment, since a failure retries the whole batch.
 BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[Pending]]
-
-
-def jittered(delay: float) -> float:
-    """A backoff delay with jitter in [delay/2, delay): failing lanes do not retry in lockstep."""
-    return delay * (0.5 + 0.5 * random.random())
-
-
-#: Called after each failed attempt with (attempt, exception, seconds until the next one).
-OnFailure = Callable[[int, BaseException, float], None]
-
-
-async def retry_forever(
-    what: str,
-    action: Callable[[], Awaitable[Any]],
-    first_delay: float = 0.1,
-    max_delay: float = 5.0,
-    *,
-    on_failure: OnFailure | None = None,
-    jitter: Callable[[float], float] = jittered,
-) -> Any:
-    """Run `action` until it succeeds, backing off exponentially with jitter; log each failure."""
-    delay = first_delay
-    attempt = 1
-    while True:
-        try:
-            return await action()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            wait = jitter(delay)
-            log.warning("%s failed (attempt %d, retrying in %.2fs): %r", what, attempt, wait, exc)
-            if on_failure is not None:
-                on_failure(attempt, exc, wait)
-            await asyncio.sleep(wait)
-            delay = min(delay * 2, max_delay)
-            attempt += 1
 
 
 @dataclass
@@ -192,7 +149,7 @@ def _done() -> asyncio.Future[None]:
     return fut
 
 
-class GatedConsumer:
+class GatedConsumer(DeliveryRepairs):
     """Bridges one Faust agent stream to per-partition lanes guarded by a FreshnessGate."""
 
     def __init__(
@@ -290,21 +247,6 @@ class GatedConsumer:
         self.app.on_partitions_assigned.connect(resume_lanes)
         self.app.timer(check_every)(check_delivery)
 
-    async def _starts(self, bootstrap_servers: Sequence[str], group: str, tps: list[TP]) -> dict[int, int]:
-        """Where each partition starts in this generation: the group's committed offset, or the log start."""
-        reader = DependencyOffsets(bootstrap_servers, tps[0].topic, [group])
-        try:
-            _, committed = await retry_forever("reading our committed offsets", reader.read)
-        finally:
-            await reader.close()
-        # Until this returns, this generation's events wait (see `early`): a failure must be retried.
-        consumer = self.app.consumer
-        earliest = await retry_forever(
-            "reading the log start offsets", lambda: consumer.earliest_offsets(*tps)
-        )
-        ours = committed[group]
-        return {tp.partition: max(ours.get(tp.partition) or 0, earliest.get(tp) or 0) for tp in tps}
-
     async def consume(self, stream: StreamT) -> None:
         """The agent body: dispatch, never wait."""
         self._stream = manual = stream.noack()
@@ -363,39 +305,6 @@ class GatedConsumer:
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _check_hole(self, lane: Lane, tp: TP) -> None:
-        """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
-        holds no record there (the gap in offsets is real)."""
-        assert lane.hole is not None and self.first_offset is not None
-        hole = expected, received = lane.hole
-        first_offset = self.first_offset
-        first = await retry_forever(
-            f"reading {tp.topic}:{tp.partition} at {expected} from the log",
-            lambda: first_offset(tp.partition, expected),
-        )
-        if lane.hole != hole or self.lanes.get(lane.partition) is not lane:
-            return  # filled meanwhile, or the partition moved on
-        if first is not None and first >= received:
-            log.info(
-                "%s: no records at offsets %d..%d (a gap in the log); going on", tp, expected, received - 1
-            )
-            held, lane.hole, lane.held = lane.held, None, []
-            lane.next_offset = received
-            self.gaps_accepted += 1
-            for event in held:
-                self._enqueue(lane, event)
-            return
-        log.warning(
-            "%s: the consumer skipped offsets %d..%d (delivered %d next); fetching them again",
-            tp,
-            expected,
-            received - 1,
-            received,
-        )
-        lane.held = []  # they come again after the missing ones
-        await self.app.consumer.seek(tp, expected)
-        self.holes_refetched += 1
-
     def on_revoked(self) -> None:
         """Stop every lane; keep its unacked events aside until we know who owns the partition.
 
@@ -443,41 +352,6 @@ class GatedConsumer:
                 for event in events:
                     self._dispatch(event)
 
-    async def check_delivery(self, topic: str, quiet: float) -> None:
-        """Fetch again what an owned partition should have delivered to its lane and did not.
-
-        Right after an assignment Faust can skip freshly fetched records and then, for a partition
-        without a committed offset, not seek back (seen under CPU load: a new owner received nothing,
-        with nothing logged): the consumer's position is past what the lane has had. A hole whose
-        refetch did not take looks the same. Once the lane has had nothing new for `quiet` seconds, the
-        partition is seeked to the first offset the lane still needs; the lane drops any duplicate.
-        """
-        now = time.monotonic()
-        consumer = self.app.consumer
-        for p, start in list(self.starts.items()):
-            lane = self.lanes.get(p)
-            last = lane.last_dispatch if lane else self.assigned_at
-            if now - last < quiet or (lane is not None and lane.paused):
-                continue
-            expected = lane.next_offset if lane and lane.next_offset is not None else start
-            tp = TP(topic, p)
-            if tp not in consumer.assignment():
-                continue
-            try:
-                position = await asyncio.wait_for(consumer.position(tp), quiet)
-            except TimeoutError:
-                continue  # no valid position yet: the consumer is still resetting it
-            if position is None or position <= expected:
-                continue
-            log.warning(
-                "%s: offsets %d..%d were fetched but never delivered; fetching them again",
-                tp,
-                expected,
-                position - 1,
-            )
-            await consumer.seek(tp, expected)
-            self.refetches += 1
-
     def retrying_json(self) -> dict[str, Any]:
         """The lanes that keep failing, partition (str) -> `Retrying.as_json` (stable between attempts
         but for `attempts`, so the demand publisher re-publishes only when something changed)."""
@@ -488,26 +362,6 @@ class GatedConsumer:
             del doc["retrying_for_s"], doc["next_retry_in_s"]
             out[str(p)] = doc
         return out
-
-    def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:
-        """Per owned partition, what the delivery check looks at: where this generation started, the next
-        offset the lane expects, how long it has had nothing, and whether Faust fetches it at all."""
-        now = time.monotonic()
-        state = {}
-        for p in sorted(set(self.starts) | set(self.lanes)):
-            lane = self.lanes.get(p)
-            paused_in_faust, fetched_by_faust = partition_flags(self.app, TP(topic, p))
-            state[p] = {
-                "start": self.starts.get(p),
-                "next_offset": lane.next_offset if lane else None,
-                "queued": len(lane.queue) if lane else 0,
-                "quiet_s": round(now - (lane.last_dispatch if lane else self.assigned_at), 3),
-                "paused_by_lane": bool(lane and lane.paused),
-                "hole": list(lane.hole) if lane and lane.hole else None,
-                "paused_in_faust": paused_in_faust,
-                "fetched_by_faust": fetched_by_faust,
-            }
-        return state
 
     def _lane_ended(self, task: asyncio.Task[None]) -> None:
         """A lane ends only when cancelled. Anything else is a bug: stop loudly, never stall silently."""

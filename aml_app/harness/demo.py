@@ -24,12 +24,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import math
 import random
 import signal
 import time
 import uuid
-from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -40,24 +38,16 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from aml_app.dependencies.store import redacted
-from aml_app.harness.dependencies import COMMIT_POLL_EVERY
 from aml_app.harness.embedded_postgres import PostgresError
+from aml_app.harness.report import fmt_ms, print_summary, say
 from aml_app.harness.system import Interrupted, Layout, System, SystemFailure
 from aml_app.harness.tails import partitions_of
-from aml_app.harness.verify import Premature, decided_at, percentile, premature
+from aml_app.harness.verdict import Ledger, Sent, Verdict, judge
+from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import BrokerError
 from aml_app.kafka.tools import payment_json
 from aml_app.settings import Settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
-from aml_app.simulation.score import (
-    PaymentScore,
-    TypologyScore,
-    format_payment_score,
-    format_scores,
-    payment_score,
-    score,
-)
-from aml_app.simulation.traffic import SimPayment
 
 DEMO_DIR = Path("var/demo")
 MALFORMED_EVERY = 100  # one malformed record per hundred payments, so the DLQ shows up
@@ -68,16 +58,8 @@ CLIENT_STOP_DEADLINE = 10.0
 SPOT_CHECKS = 5
 
 
-def say(line: str = "") -> None:
-    print(line, flush=True)
-
-
 def utc_now_z() -> str:
     return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
-
-
-def fmt_ms(value: float) -> str:
-    return "n/a" if math.isnan(value) else f"{value:.0f} ms"
 
 
 async def sleep_unless(event: asyncio.Event, seconds: float) -> None:
@@ -125,107 +107,6 @@ class Controls:
         else:
             say("stop requested: finishing up (press Ctrl-C again to skip the drain)")
             self.stop.set()
-
-
-@dataclass(frozen=True)
-class Sent:
-    payment_id: str
-    payer: str
-    payee: str
-    ts: str
-
-
-@dataclass
-class Ledger:
-    """Every record this run produced and where it landed: the reference for the final checks."""
-
-    valid: dict[tuple[int, int], Sent] = field(default_factory=dict)
-    sent_at: dict[str, float] = field(default_factory=dict)
-    malformed: set[tuple[int, int]] = field(default_factory=set)
-    ends: dict[int, int] = field(default_factory=dict)
-    warm_up: set[str] = field(default_factory=set)
-    _ids: set[str] = field(default_factory=set)
-
-    @property
-    def produced(self) -> int:
-        return len(self.valid) + len(self.malformed)
-
-    def ids(self) -> set[str]:
-        """The valid payments' ids (kept as they are placed: the progress loop polls this)."""
-        return self._ids
-
-    def place(self, partition: int, offset: int, payment: Sent | None, sent_at: float) -> None:
-        if payment is None:
-            self.malformed.add((partition, offset))
-        else:
-            self.valid[(partition, offset)] = payment
-            self._ids.add(payment.payment_id)
-            self.sent_at[payment.payment_id] = sent_at
-        self.ends[partition] = max(self.ends.get(partition, 0), offset + 1)
-
-    def on_sent(self, payment: SimPayment, partition: int, offset: int, sent_at: float) -> None:
-        """The simulator's callback for each payment the broker acknowledged."""
-        self.place(
-            partition, offset, Sent(payment.payment_id, payment.payer, payment.payee, payment.ts), sent_at
-        )
-
-
-@dataclass
-class ServiceVerdict:
-    """What one gated service did with this run's payments."""
-
-    service: str
-    decided: int
-    records: int
-    missing: int
-    alerts: int
-    alert_records: int
-    premature: list[Premature]
-    freshness_violations: int
-    decided_on_stale: int
-    wait_p50: float
-    wait_p99: float
-    latency_p50: float
-    latency_p99: float
-    dead_lettered: int
-
-    @property
-    def duplicate_alerts(self) -> int:
-        return self.alert_records - self.alerts
-
-    @property
-    def premature_decisions(self) -> int:
-        """Distinct decisions made too early (one may be early for several dependencies)."""
-        return len({(p, o) for p, o, *_ in self.premature})
-
-
-@dataclass
-class Verdict:
-    """The final check, from what was produced, committed, decided, alerted and answered."""
-
-    gated: bool
-    valid: int
-    malformed: int
-    services: dict[str, ServiceVerdict]
-    dead_lettered: dict[str, int]  # dependency group -> malformed records it dead-lettered
-    reasons: Counter[str]
-    behind: dict[str, int]  # group -> records it has not committed past
-    spot_failures: int
-    scores: dict[str, TypologyScore]
-    payments: PaymentScore
-
-    @property
-    def ok(self) -> bool:
-        """Every promise kept: with the gate off, premature decisions and stale evidence are expected."""
-        gate_kept = all(not v.premature and not v.freshness_violations for v in self.services.values())
-        return (
-            (gate_kept or not self.gated)
-            and all(not v.missing and not v.duplicate_alerts for v in self.services.values())
-            and all(v.dead_lettered == self.malformed for v in self.services.values())
-            and all(n == self.malformed for n in self.dead_lettered.values())
-            and not any(self.behind.values())
-            and not self.spot_failures
-        )
 
 
 class Demo:
@@ -286,8 +167,15 @@ class Demo:
             await self.spot_check()
             assert self.system.watch is not None
             await self.system.watch.settle()  # a decision already read must not find its commit undated
-            verdict = self.verdict()
-            self.print_summary(verdict)
+            verdict = judge(
+                self.system,
+                self.ledger,
+                self.settings,
+                gated=self.options.gate,
+                report=self.report,
+                spot_failures=self.spot_failures,
+            )
+            print_summary(verdict, self.system, self.ledger, self.spot_lines, self.ground_truth)
             return verdict
         finally:
             await _stop_clients(self)
@@ -547,112 +435,6 @@ class Demo:
                 f"C as_of p{p}={agg_upto}, 1h sent_count {sent}  "
                 + ("OK" if not problems else "PROBLEM: " + "; ".join(problems))
             )
-
-    def verdict(self) -> Verdict:
-        system, ledger = self.system, self.ledger
-        assert system.watch is not None and system.dead_letters is not None
-        ids = ledger.ids()
-        services = {}
-        for service, tail in system.decisions.items():
-            decided = tail.of_run(ids)
-            alerts = system.alerts[service].of_run(ids)
-            # Waits and latencies leave out the warm-up payments, which waited for Spark's first batch.
-            steady = [d for d in decided if d["payment_id"] not in ledger.warm_up]
-            waits = [float(d.get("waited_ms", 0)) for d in steady]
-            latencies = [(decided_at(d) - ledger.sent_at[d["payment_id"]]) * 1000 for d in steady]
-            services[service] = ServiceVerdict(
-                service=service,
-                decided=len(tail.distinct(ids)),
-                records=len(decided),
-                missing=len(ids - tail.distinct(ids)),
-                alerts=len({a["payment_id"] for a in alerts}),
-                alert_records=len(alerts),
-                premature=premature(decided, self.settings.depends_on, system.watch.timeline),
-                freshness_violations=sum(int(d.get("stale_reads", 0)) for d in decided),
-                decided_on_stale=sum(1 for d in decided if d.get("fresh") is False),
-                wait_p50=percentile(waits, 50),
-                wait_p99=percentile(waits, 99),
-                latency_p50=percentile(latencies, 50),
-                latency_p99=percentile(latencies, 99),
-                dead_lettered=len(system.dead_letters.of_run(service, ledger.malformed)),
-            )
-        groups = (self.settings.relations_group, self.settings.aggregates_group)
-        dead = system.dead_letters.of_run(groups[0], ledger.malformed)
-        aml_alerts = system.alerts["aml"].of_run(ids) if "aml" in system.alerts else []
-        instances = self.report.simulation.instances if self.report else ()
-        sent_ids = set(self.report.placements) if self.report else set()
-        typed_alerts = [(a["payment_id"], t) for a in aml_alerts for t in a.get("typologies", [])]
-        complete = [i for i in instances if set(i.payment_ids) <= sent_ids]
-        return Verdict(
-            gated=self.options.gate,
-            valid=len(ids),
-            malformed=len(ledger.malformed),
-            services=services,
-            dead_lettered={g: len(system.dead_letters.of_run(g, ledger.malformed)) for g in groups},
-            reasons=Counter(reason.split(":")[0].split(", got")[0] for reason in dead.values()),
-            behind={g: system.watch.behind(g, ledger.ends) for g in system.groups},
-            spot_failures=self.spot_failures,
-            # Only instances whose every payment was sent (Ctrl-C may cut the run short).
-            scores=score(typed_alerts, complete),
-            payments=payment_score(typed_alerts, complete),
-        )
-
-    def print_summary(self, v: Verdict) -> None:
-        system = self.system
-        assert system.watch is not None
-        end = sum(self.ledger.ends.values())
-        rows = [("payments produced", f"{v.valid + v.malformed} (valid {v.valid}, malformed {v.malformed})")]
-        for s in v.services.values():
-            rows += [
-                (
-                    f"{s.service} decisions",
-                    f"{s.decided} payments ({s.records} records, {s.missing} missing)",
-                ),
-                (f"{s.service} alerts", f"{s.alerts} payments ({s.duplicate_alerts} alerted twice)"),
-                (f"{s.service} premature", f"{s.premature_decisions} decisions before their dependencies"),
-                (
-                    f"{s.service} freshness",
-                    f"{s.freshness_violations} violations, {s.decided_on_stale} decided on stale evidence",
-                ),
-                (
-                    f"{s.service} gate wait",
-                    f"p50 {fmt_ms(s.wait_p50)}, p99 {fmt_ms(s.wait_p99)} (after warm-up)",
-                ),
-                (f"{s.service} end-to-end", f"p50 {fmt_ms(s.latency_p50)}, p99 {fmt_ms(s.latency_p99)}"),
-            ]
-        reasons = ", ".join(f"{reason} {n}" for reason, n in v.reasons.most_common())
-        by = ", ".join(f"{s.dead_lettered} by {s.service}" for s in v.services.values())
-        by += "".join(f", {n} by {g}" for g, n in v.dead_lettered.items())
-        rows.append(("dead-lettered", by + (f" ({reasons})" if reasons else "")))
-        for group, behind in v.behind.items():
-            done = sum(system.watch.committed(group).values())
-            state = "reached the log end" if not behind else f"{behind} records short of the log end"
-            rows.append((f"{group}", f"committed {done} of {end} offsets: {state}"))
-        polls = f"{system.watch.polls} polls every {COMMIT_POLL_EVERY * 1000:.0f} ms"
-        rows.append(("commit watch", f"{polls}, {system.watch.advances} advances seen"))
-        checked = len(self.spot_lines)
-        rows.append(("API spot check", f"{checked - v.spot_failures} of {checked} payments OK"))
-        rows += [(f"web view {w.worker_id}", f"{w.url}/watermarks/") for w in system.all_workers]
-        rows.append(("result", "OK" if v.ok else "PROBLEM"))
-        if self.spot_lines:
-            say()
-            say("spot check: B GET /relations/{payer}?hops=1&parts=out, C GET /aggregates/{payer}?at={ts}")
-            for line in self.spot_lines:
-                say(line)
-        say()
-        say("summary")
-        say("-" * 78)
-        for name, value in rows:
-            say(f"  {name:<22}{value}")
-        say("-" * 78)
-        for s in v.services.values():
-            for p, o, group, covered, decided in s.premature[:5]:
-                when = "never" if covered is None else f"{covered - decided:+.3f} s after the decision"
-                say(f"  {s.service} premature: {p}:{o} decided before {group} committed past it ({when})")
-        say()
-        say(f"AML detection against the ground truth ({self.ground_truth.name}):")
-        say(format_scores(v.scores))
-        say(format_payment_score(v.payments))
 
 
 async def _stop_clients(demo: Demo) -> None:

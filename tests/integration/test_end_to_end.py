@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from aml_app.harness.demo import Demo, Options, Verdict
+from aml_app.harness.demo import Demo, Options
+from aml_app.harness.verdict import Verdict
 from aml_app.harness.verify import decided_at
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from aml_app.gate.consumer import jittered, retry_forever
 from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.retry import jittered, retry_forever
 
 DEADLINE = 2.0  # generous upper bound for things that should happen at once
 QUIET = 0.05  # how long a waiter must stay blocked to count as "not woken"
