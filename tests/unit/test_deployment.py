@@ -342,6 +342,11 @@ def test_every_procfile_process_is_an_aml_app_command(cli: click.Group) -> None:
     apis = {"relations_1", "relations_2", "aggregates_1", "aggregates_2"}
     assert set(processes) == {"broker", "postgres", "pipeline", *apis, "aml", "fraud", "simulator"}
     ran = {name: parse(cli, split_command(line)[1]) for name, line in processes.items()}
+    for name, line in processes.items():
+        assignments, _ = split_command(line)
+        env = {k: str(port_of(v, 5000)) if k == "AML_WEB_PORT" else v for k, v in assignments.items()}
+        unknown = {k for k in env if OUR_VARIABLE.match(k)} - settings_variables(env)
+        assert not unknown, f"Procfile {name} sets variables that aml_app/settings.py never reads: {unknown}"
     assert ran == {
         "broker": "broker",
         "postgres": "postgres",

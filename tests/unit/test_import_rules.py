@@ -176,3 +176,28 @@ def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
     fake.write_text("def f():\n    from aml_app.harness.demo import run_demo\n")
     assert "aml_app.harness.demo" in imported(fake)
     assert layer_of("aml_app.harness.demo") > layer_of("aml_app.gate.consumer")
+
+
+#: The modules that make up the Faust app (importing them builds and registers it, as Faust requires),
+#: and the two that plug a handler into it.
+FAUST_APP_MODULES = ("aml_app.app", "aml_app.agents", "aml_app.tables", "aml_app.views.web")
+PLUG_INS = ("aml_app.gate.agent", "aml_app.detection.detector")
+
+
+def test_importing_anything_outside_the_faust_app_has_no_side_effects(tmp_path: Path) -> None:
+    """Every other module, the harness and the command line included, imports without building the app,
+    starting a thread or writing a file."""
+    app_side = FAUST_APP_MODULES + PLUG_INS
+    modules = sorted(m for m in our_modules() if not m.startswith(tuple(f"{n}." for n in app_side)))
+    modules = [m for m in modules if m not in app_side]
+    probe = (
+        "import importlib, json, os, sys, threading\n"
+        f"for m in {modules!r}:\n    importlib.import_module(m)\n"
+        "print(json.dumps([threading.active_count(), os.listdir('.'), 'aml_app.app' in sys.modules]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path
+    )
+    threads, files, app_built = json.loads(out.stdout.strip().splitlines()[-1])
+    assert len(modules) > 30
+    assert (threads, files, app_built) == (1, [], False)
