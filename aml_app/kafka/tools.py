@@ -43,6 +43,37 @@ async def end_offsets(bootstrap: Sequence[str], topic: str, partitions: Iterable
         await consumer.stop()
 
 
+class PaymentRecord:
+    """What a payment dataclass becomes on `payments`: keyed by payer, so each payer's payments stay in
+    one partition in order, and the contract's JSON as the value (optional fields only when set)."""
+
+    __slots__ = ()
+    payment_id: str
+    payer: str
+    payee: str
+    amount: str
+    currency: str
+    ts: str
+    channel: str | None
+    country: str | None
+
+    @property
+    def key(self) -> bytes:
+        return self.payer.encode()
+
+    def value(self) -> bytes:
+        optional = {name: getattr(self, name, None) for name in ("channel", "country")}
+        return payment_json(
+            self.payment_id,
+            self.payer,
+            self.payee,
+            self.amount,
+            self.ts,
+            currency=self.currency,
+            **{name: value for name, value in optional.items() if value is not None},
+        )
+
+
 def payment_json(payment_id: str, payer: str, payee: str, amount: str, ts: str, **extra: Any) -> bytes:
     doc = {
         "payment_id": payment_id,

@@ -20,7 +20,7 @@ from decimal import Decimal
 from pathlib import Path
 
 from aml_app.contract import InvalidPayment, validate_payment
-from aml_app.kafka.tools import payment_json
+from aml_app.kafka.tools import PaymentRecord
 
 HEADER = (
     "Timestamp",
@@ -66,7 +66,7 @@ _MAX_VALUE_BYTES = 65536
 
 
 @dataclass(frozen=True, slots=True)
-class AmlworldPayment:
+class AmlworldPayment(PaymentRecord):
     """One row as a payment of our contract (slots: a real file has five million of them in memory)."""
 
     payment_id: str
@@ -77,22 +77,6 @@ class AmlworldPayment:
     ts: str
     channel: str
     is_laundering: bool
-
-    @property
-    def key(self) -> bytes:
-        """The topic is keyed by payer."""
-        return self.payer.encode()
-
-    def value(self) -> bytes:
-        return payment_json(
-            self.payment_id,
-            self.payer,
-            self.payee,
-            self.amount,
-            self.ts,
-            currency=self.currency,
-            channel=self.channel,
-        )
 
 
 @dataclass

@@ -83,7 +83,7 @@ from typing import Any
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.kafka.tools import payment_json
+from aml_app.kafka.tools import PaymentRecord
 
 DEFAULT_SPEEDUP = 60.0
 DEFAULT_THRESHOLD = Decimal("10000")
@@ -103,7 +103,7 @@ _KINDS = (("shop", 70), ("p2p", 22), ("settle", 8))
 
 
 @dataclass(frozen=True)
-class SimPayment:
+class SimPayment(PaymentRecord):
     """One simulated payment, exactly as the contract puts it on the topic (amount and ts as text)."""
 
     payment_id: str
@@ -116,23 +116,6 @@ class SimPayment:
     country: str
     typology: str | None = None
     instance_id: str | None = None
-
-    @property
-    def key(self) -> bytes:
-        """The record key: the payer, so each payer's payments stay in one partition, in order."""
-        return self.payer.encode()
-
-    def value(self) -> bytes:
-        return payment_json(
-            self.payment_id,
-            self.payer,
-            self.payee,
-            self.amount,
-            self.ts,
-            currency=self.currency,
-            channel=self.channel,
-            country=self.country,
-        )
 
     @property
     def when(self) -> datetime:
