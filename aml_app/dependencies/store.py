@@ -238,6 +238,15 @@ def write_meta(conn: psycopg.Connection, schema: Schema, values: Mapping[str, st
 
 # --- the writer -----------------------------------------------------------------------------------
 
+#: The planner's statistics must follow the tables as the pipeline fills them. Autovacuum analyzes a table
+#: at most once a minute and only after 10 % of it changed, so a fresh store is read for its first minutes
+#: with no statistics at all: B's chain query then took 1.7 s for 100 accounts instead of 2 ms (a plan of
+#: sequential scans; BENCHMARKS.md, "End to end"). So the writer analyzes its tables after a batch once the
+#: records applied since its last ANALYZE reach ANALYZE_GROWTH of what the store held then (and at least
+#: ANALYZE_MIN), and after the first batch of its run.
+ANALYZE_MIN = 1000
+ANALYZE_GROWTH = 0.5
+
 
 class Writer:
     """The pipeline's connection to one service's store: applies batches, waits out outages.
@@ -253,6 +262,9 @@ class Writer:
         self.patience = patience
         self._conn: psycopg.Connection | None = None
         self.outages = 0
+        #: Records (offsets) the store held at this run's last ANALYZE; None before the first.
+        self._analyzed_at: int | None = None
+        self.analyzes = 0
 
     def connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -325,8 +337,30 @@ class Writer:
                     return
                 claim_offsets(conn, self.schema, covered)
                 write(conn)
+                held.append(sum({**stored, **{p: end for p, (_, end) in covered.items()}}.values()))
 
+        held: list[int] = []
         self.patiently("applying a batch", attempt)
+        if held:
+            self._analyze_if_grown(held[-1])
+
+    def _analyze_if_grown(self, held: int) -> None:
+        last = self._analyzed_at
+        if last is not None and held - last < max(ANALYZE_MIN, ANALYZE_GROWTH * last):
+            return
+
+        def analyze(conn: psycopg.Connection) -> None:
+            with conn.transaction():
+                tables = conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = %s ORDER BY tablename",
+                    (self.schema.name,),
+                ).fetchall()
+                for (table,) in tables:
+                    conn.execute(sql.SQL("ANALYZE {}").format(sql.Identifier(self.schema.name, table)))
+
+        self.patiently("analyzing the tables", analyze)
+        self._analyzed_at = held
+        self.analyzes += 1
 
 
 def redacted(url: str) -> str:

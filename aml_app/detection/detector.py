@@ -37,7 +37,7 @@ from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
 from aml_app.gate.consumer import Pending
-from aml_app.models import Alert, Decision, Payment
+from aml_app.models import Alert, Payment, decision_json
 from aml_app.tables.alerts import alert_key, alerts_sent
 
 log = logging.getLogger(__name__)
@@ -108,14 +108,16 @@ class Detector:
             decided.append((payment, admission, self.rules(facts), answers, stale_reads))
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
         started = self.stats.lap("rules", started)
-        for payment, admission, hits, _, _ in decided:
-            if hits:
-                await self.alert_once(payment, admission, hits, decided_at)
+        await self.alert_once([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
         started = self.stats.lap("alert", started)
         sends = []
+        send, topic = app.producer.send, decisions_topic.get_topic_name()
         for payment, admission, hits, answers, stale_reads in decided:
             decision = self.decision(payment, admission, hits, answers, stale_reads, decided_at)
-            sends.append(await decisions_topic.send(key=payment.payment_id, value=decision))
+            # Straight to Faust's producer: the `Decision` record's JSON without the model's per-message
+            # work (`decision_json`, unit-tested against the record; BENCHMARKS.md).
+            key = payment.payment_id.encode()
+            sends.append(await send(topic, key, decision, partition=None, timestamp=None, headers=None))
         self.stats.lap("decision", started)
         # The payments are acked (and later committed) only after the broker has every decision; the
         # lane goes on with its next batch meanwhile. A decision counts once the broker has it.
@@ -129,9 +131,10 @@ class Detector:
         answers: list[dict],
         stale_reads: int,
         decided_at: str,
-    ) -> Decision:
+    ) -> bytes:
+        """The decision record's JSON (the fields of `aml_app.models.Decision`)."""
         fresh = all(includes(a, admission.partition, admission.offset) for a in answers)
-        return Decision(
+        return decision_json(
             payment_id=payment.payment_id,
             partition=admission.partition,
             offset=admission.offset,
@@ -217,35 +220,49 @@ class Detector:
         self.stats.decisions += len(acks)
         return acks
 
-    async def alert_once(
-        self, payment: Payment, admission: Admission, hits: list[Hit], decided_at: str
-    ) -> None:
-        """Send the alert unless this payment was alerted on before (a re-processing)."""
-        if alerts_sent.get(alert_key(payment.payment_id)) is not None:
-            self.stats.duplicates_suppressed += 1
-            log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
-            return
-        alert = Alert(
-            payment_id=payment.payment_id,
-            partition=admission.partition,
-            offset=admission.offset,
-            service=self.service,
-            payer=payment.payer,
-            payee=payment.payee,
-            amount=payment.amount,
-            currency=payment.currency,
-            ts=payment.ts,
-            typologies=sorted({hit.typology for hit in hits}),
-            hits=[hit.as_json() for hit in hits],
-            decided_at=decided_at,
-            worker=settings.worker_id,
-        )
-        # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
-        # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is written.
-        await (await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition))
-        # The local store only: a table write would send a second record.
-        alerts_sent.data[alert_key(payment.payment_id)] = alert.asdict()
-        self.stats.alerts += 1
+    async def alert_once(self, flagged: list[tuple[Payment, Admission, list[Hit]]], decided_at: str) -> None:
+        """Send the alerts of a batch's flagged payments, except those alerted on before (a re-processing).
+
+        The alerts are sent together and their acknowledgements awaited together (one producer linger
+        for the batch, not one per alert). Each one the broker acknowledged is remembered, even when
+        another failed; the failure is raised after, and the retry sends only what was not remembered.
+        """
+        pending = []
+        for payment, admission, hits in flagged:
+            if alerts_sent.get(alert_key(payment.payment_id)) is not None:
+                self.stats.duplicates_suppressed += 1
+                log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
+                continue
+            alert = Alert(
+                payment_id=payment.payment_id,
+                partition=admission.partition,
+                offset=admission.offset,
+                service=self.service,
+                payer=payment.payer,
+                payee=payment.payee,
+                amount=payment.amount,
+                currency=payment.currency,
+                ts=payment.ts,
+                typologies=sorted({hit.typology for hit in hits}),
+                hits=[hit.as_json() for hit in hits],
+                decided_at=decided_at,
+                worker=settings.worker_id,
+            )
+            # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
+            # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is written.
+            sent = await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition)
+            pending.append((payment.payment_id, alert, sent))
+        acks = await asyncio.gather(*(sent for _, _, sent in pending), return_exceptions=True)
+        failure = None
+        for (payment_id, alert, _), ack in zip(pending, acks, strict=True):
+            if isinstance(ack, BaseException):
+                failure = failure or ack
+                continue
+            # The local store only: a table write would send a second record.
+            alerts_sent.data[alert_key(payment_id)] = alert.asdict()
+            self.stats.alerts += 1
+        if failure is not None:
+            raise failure
 
 
 def stats_json(detector: Detector) -> dict[str, Any]:
