@@ -11,8 +11,9 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
 4. send the alert, once: the alert record is also the changelog entry of `alerts-sent` (RocksDB table),
    so a payment processed again after a crash or a rebalance finds it and does not alert twice; alerts
    are keyed by payment id, so a compacted topic agrees downstream;
-5. send the decisions (every payment, keyed by payment id); the lane acks the batch once the broker has
-   them all.
+5. send the decisions (every payment, keyed by payment id, as JSON straight to the producer); the lane
+   goes on with its next batch and acks this one once the broker has every alert (then remembered in the
+   table's local store) and every decision.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from aml_app.app import alerts_topic, app, decisions_topic, settings
 from aml_app.dependencies.client import (
@@ -44,6 +45,16 @@ log = logging.getLogger(__name__)
 
 Rules = Callable[[Evidence], list[Hit]]
 ANSWERS = ("payer aggregates", "payee aggregates", "payer relations", "payee relations")
+
+
+class SentAlert(NamedTuple):
+    """An alert handed to the producer, and the broker's acknowledgement of it to come."""
+
+    payment_id: str
+    alert: Alert
+    ack: Awaitable[Any]
+
+
 #: Waits between asking again: a dependency that is away, and evidence that is not fresh yet.
 UNAVAILABLE_DELAYS = (0.1, 5.0)
 STALE_DELAYS = (0.05, 1.0)
@@ -108,7 +119,7 @@ class Detector:
             decided.append((payment, admission, self.rules(facts), answers, stale_reads))
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
         started = self.stats.lap("rules", started)
-        await self.alert_once([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
+        alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
         started = self.stats.lap("alert", started)
         sends = []
         send, topic = app.producer.send, decisions_topic.get_topic_name()
@@ -119,9 +130,9 @@ class Detector:
             key = payment.payment_id.encode()
             sends.append(await send(topic, key, decision, partition=None, timestamp=None, headers=None))
         self.stats.lap("decision", started)
-        # The payments are acked (and later committed) only after the broker has every decision; the
-        # lane goes on with its next batch meanwhile. A decision counts once the broker has it.
-        return asyncio.ensure_future(self.acknowledged(sends))
+        # The payments are acked (and later committed) only after the broker has every alert and every
+        # decision; the lane goes on with its next batch meanwhile. A decision counts once the broker has it.
+        return asyncio.ensure_future(self.acknowledged(alerts, sends))
 
     def decision(
         self,
@@ -214,20 +225,20 @@ class Detector:
                 stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
         return [results[i] for i in range(len(items))]
 
-    async def acknowledged(self, sends: list[Awaitable[Any]]) -> list[Any]:
-        """The broker's acknowledgements of a batch's decisions, counted once all are in."""
+    async def acknowledged(self, alerts: list[SentAlert], sends: list[Awaitable[Any]]) -> list[Any]:
+        """The broker's acknowledgements of a batch's alerts (then remembered) and decisions, the
+        decisions counted once all are in."""
+        await self.remember_alerts(alerts)
         acks = await asyncio.gather(*sends)
         self.stats.decisions += len(acks)
         return acks
 
-    async def alert_once(self, flagged: list[tuple[Payment, Admission, list[Hit]]], decided_at: str) -> None:
-        """Send the alerts of a batch's flagged payments, except those alerted on before (a re-processing).
-
-        The alerts are sent together and their acknowledgements awaited together (one producer linger
-        for the batch, not one per alert). Each one the broker acknowledged is remembered, even when
-        another failed; the failure is raised after, and the retry sends only what was not remembered.
-        """
-        pending = []
+    async def send_alerts(
+        self, flagged: list[tuple[Payment, Admission, list[Hit]]], decided_at: str
+    ) -> list[SentAlert]:
+        """Send the alerts of a batch's flagged payments, except those alerted on before (a re-processing);
+        `remember_alerts` awaits their acknowledgements."""
+        sent = []
         for payment, admission, hits in flagged:
             if alerts_sent.get(alert_key(payment.payment_id)) is not None:
                 self.stats.duplicates_suppressed += 1
@@ -250,19 +261,27 @@ class Detector:
             )
             # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
             # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is written.
-            sent = await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition)
-            pending.append((payment.payment_id, alert, sent))
-        acks = await asyncio.gather(*(sent for _, _, sent in pending), return_exceptions=True)
+            ack = await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition)
+            sent.append(SentAlert(payment.payment_id, alert, ack))
+        return sent
+
+    async def remember_alerts(self, alerts: list[SentAlert]) -> None:
+        """Remember every alert the broker acknowledged, even when another one failed; then raise that
+        failure, so that the batch is handled again and sends only what was not remembered."""
+        acks = await asyncio.gather(*(a.ack for a in alerts), return_exceptions=True)
         failure = None
-        for (payment_id, alert, _), ack in zip(pending, acks, strict=True):
+        for alert, ack in zip(alerts, acks, strict=True):
             if isinstance(ack, BaseException):
                 failure = failure or ack
                 continue
-            # The local store only: a table write would send a second record.
-            alerts_sent.data[alert_key(payment_id)] = alert.asdict()
+            self.remember(alert)
             self.stats.alerts += 1
         if failure is not None:
             raise failure
+
+    def remember(self, alert: SentAlert) -> None:
+        """The local store only: a table write would send a second record."""
+        alerts_sent.data[alert_key(alert.payment_id)] = alert.alert.asdict()
 
 
 def stats_json(detector: Detector) -> dict[str, Any]:
