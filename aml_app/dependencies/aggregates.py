@@ -174,7 +174,9 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, buckets
 # For each (account, at) and window: `lo` = at - w (excluded) and `hi` = at (included); the buckets that
 # start at or after `fa` and before `fb` lie wholly inside the window; the payments in the head (lo,
 # head_end) and the tail [tail_start, hi] are its partial minutes (when no bucket fits, the head is the
-# whole window and the tail is empty). Each range is its own index scan on (payer, ts) or (payee, ts).
+# whole window and the tail is empty). Each range is its own index scan on (payer, ts) or (payee, ts),
+# per window (LATERAL): a join of all windows at once let the planner hash whole tables on every call
+# (1.5x slower at 20,000 payments, and growing with the store; BENCHMARKS.md, "End to end").
 _WINDOWS = """
 WITH q AS (
     SELECT * FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
@@ -188,20 +190,23 @@ WITH q AS (
     SELECT *, least(fa, hi + interval '1 microsecond') AS head_end, greatest(fa, fb) AS tail_start
     FROM bounds
 ), rows AS (
-    SELECT w.i, w.name, b.direction, b.counterparty, b.currency, b.payments, b.total, b.near
-    FROM w JOIN {buckets} b ON b.account = w.account AND b.bucket >= w.fa AND b.bucket < w.fb
-    UNION ALL
-    SELECT w.i, w.name, 'out', p.payee, p.currency, 1, p.amount, {near}
-    FROM w JOIN {payments} p ON p.payer = w.account AND p.ts > w.lo AND p.ts < w.head_end
-    UNION ALL
-    SELECT w.i, w.name, 'out', p.payee, p.currency, 1, p.amount, {near}
-    FROM w JOIN {payments} p ON p.payer = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
-    UNION ALL
-    SELECT w.i, w.name, 'in', p.payer, p.currency, 1, p.amount, 0
-    FROM w JOIN {payments} p ON p.payee = w.account AND p.ts > w.lo AND p.ts < w.head_end
-    UNION ALL
-    SELECT w.i, w.name, 'in', p.payer, p.currency, 1, p.amount, 0
-    FROM w JOIN {payments} p ON p.payee = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+    SELECT w.i, w.name, r.direction, r.counterparty, r.currency, r.payments, r.total, r.near
+    FROM w CROSS JOIN LATERAL (
+        SELECT b.direction, b.counterparty, b.currency, b.payments, b.total, b.near
+        FROM {buckets} b WHERE b.account = w.account AND b.bucket >= w.fa AND b.bucket < w.fb
+        UNION ALL
+        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}
+        FROM {payments} p WHERE p.payer = w.account AND p.ts > w.lo AND p.ts < w.head_end
+        UNION ALL
+        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}
+        FROM {payments} p WHERE p.payer = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+        UNION ALL
+        SELECT 'in', p.payer, p.currency, 1, p.amount, 0
+        FROM {payments} p WHERE p.payee = w.account AND p.ts > w.lo AND p.ts < w.head_end
+        UNION ALL
+        SELECT 'in', p.payer, p.currency, 1, p.amount, 0
+        FROM {payments} p WHERE p.payee = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+    ) r
 )
 SELECT i, name, direction, currency, sum(payments)::bigint, sum(total), sum(near)::bigint,
     count(DISTINCT counterparty), grouping(direction, currency)
