@@ -320,7 +320,7 @@ class Writer:
         the store's offsets already at the batch's ends, which means it did, and stops there.
         """
 
-        def attempt(conn: psycopg.Connection) -> None:
+        def attempt(conn: psycopg.Connection) -> int | None:
             with conn.transaction():
                 stored = dict(
                     conn.execute(
@@ -334,15 +334,15 @@ class Writer:
                         "%s: this batch is already applied (its commit succeeded before a failure)",
                         self.schema.name,
                     )
-                    return
+                    return None
                 claim_offsets(conn, self.schema, covered)
                 write(conn)
-                held.append(sum({**stored, **{p: end for p, (_, end) in covered.items()}}.values()))
+                # What the store holds now, in records (offsets): what the statistics must follow.
+                return sum({**stored, **{p: end for p, (_, end) in covered.items()}}.values())
 
-        held: list[int] = []
-        self.patiently("applying a batch", attempt)
-        if held:
-            self._analyze_if_grown(held[-1])
+        held = self.patiently("applying a batch", attempt)
+        if held is not None:
+            self._analyze_if_grown(held)
 
     def _analyze_if_grown(self, held: int) -> None:
         last = self._analyzed_at
