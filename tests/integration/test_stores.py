@@ -581,7 +581,8 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
     def edges(first: int, count: int) -> Any:
         def write(conn: psycopg.Connection) -> None:
             conn.execute(
-                "INSERT INTO relations.edges SELECT 'p' || i, 'q' || (i %% 5000), 'EUR', 1, 2000, now(), now()"
+                "INSERT INTO relations.edges"
+                " SELECT 'p' || i, 'q' || (i %% 5000), 'EUR', 1, 2000, now(), now()"
                 " FROM generate_series(%s::int, %s::int) AS i",
                 (first, first + count - 1),
             )
