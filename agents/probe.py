@@ -19,7 +19,7 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
-from aml_app.app import app, settings
+from aml_app.app import send_decision, settings
 from aml_app.gate import Admission
 from aml_app.gate.agent import gated_agent
 from aml_app.gate.consumer import Pending
@@ -37,9 +37,8 @@ def burn_cpu(seconds: float) -> None:
 
 
 async def pay_cost(ms: float, kind: str) -> None:
-    """The benchmarking cost of one payment (see the module docstring)."""
-    if ms <= 0:
-        return
+    """The benchmarking cost of one payment, `ms` > 0 (see the module docstring); the caller skips the
+    call when there is none, so the hot path does not create a coroutine per payment for nothing."""
     if kind == "cpu":
         burn_cpu(ms / 1000)
     elif kind == "block":
@@ -79,18 +78,9 @@ async def record(payment: Payment, admission: Admission) -> Pending:
         worker=settings.worker_id,
         gated=admission.gated,
     )
-    # Straight to Faust's producer: the same JSON as a `Decision` record, without the per-message work of
-    # the model and of `Topic.send` (a quarter of the probe's time in a profile, BENCHMARKS.md). The
-    # broker's acknowledgement is returned: the lane acks the payment (and Faust commits it) only once it
-    # completes, and goes on with the next payments meanwhile.
-    return await app.producer.send(
-        settings.decisions_topic,
-        payment.payment_id.encode(),
-        value,
-        partition=None,
-        timestamp=None,
-        headers=None,
-    )
+    # The lane acks the payment (and Faust commits it) only once the broker has the decision, and goes
+    # on with the next payments meanwhile.
+    return await send_decision(payment.payment_id, value)
 
 
 gated = gated_agent(record)

@@ -27,7 +27,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, NamedTuple
 
-from aml_app.app import alerts_topic, app, decisions_topic, settings
+from aml_app.app import alerts_topic, app, send_decision, settings
 from aml_app.dependencies.client import (
     DependencyClient,
     DependencyUnavailable,
@@ -97,7 +97,7 @@ class Detector:
 
     async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
         """Decide a batch of admitted payments of one partition; return the broker's acknowledgement of
-        their decisions, which the lane waits for before acking them."""
+        their alerts and decisions, which the lane waits for before acking them."""
         started = time.perf_counter()
         evidence = await self.fresh_evidence(items)
         started = self.stats.lap("evidence", started)
@@ -122,13 +122,9 @@ class Detector:
         alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
         started = self.stats.lap("alert", started)
         sends = []
-        send, topic = app.producer.send, decisions_topic.get_topic_name()
         for payment, admission, hits, answers, stale_reads in decided:
             decision = self.decision(payment, admission, hits, answers, stale_reads, decided_at)
-            # Straight to Faust's producer: the `Decision` record's JSON without the model's per-message
-            # work (`decision_json`, unit-tested against the record; BENCHMARKS.md).
-            key = payment.payment_id.encode()
-            sends.append(await send(topic, key, decision, partition=None, timestamp=None, headers=None))
+            sends.append(await send_decision(payment.payment_id, decision))
         self.stats.lap("decision", started)
         # The payments are acked (and later committed) only after the broker has every alert and every
         # decision; the lane goes on with its next batch meanwhile. A decision counts once the broker has it.
