@@ -63,10 +63,7 @@ class Running:
             self.reports.append(report)
 
     def failure(self) -> str | None:
-        for query in self.pipeline.queries:
-            if not query.isActive:
-                return f"query {query.name} stopped: {query.exception()}"
-        return None
+        return self.pipeline.failure()
 
     async def committed(self, partitions: range) -> dict[str, dict[int, int]]:
         return {g: await asyncio.to_thread(p.committed, partitions) for g, p in self.progress.items()}

@@ -73,12 +73,29 @@ class StoreRefused(RuntimeError):
     """The pipeline must not start on this store; the message says why and what to do."""
 
 
+#: How long a stop waits for the last micro-batch's store writes (Kubernetes gives a pod 30 s in all).
+DRAIN_TIMEOUT = 20.0
+
+
 @dataclass
 class Pipeline:
     spark: Any
     queries: list[Any]
     closers: list[Callable[[], None]]
     handlers: list[Any] = field(default_factory=list)
+    batches: list[Any] = field(default_factory=list)  # each query's QueryBatches
+
+    def failure(self) -> str | None:
+        """Why the pipeline can no longer go on: a query stopped, or a store write failed while the topic
+        was idle (no micro-batch has raised it yet); None while it runs."""
+        for query in self.queries:
+            if not query.isActive:
+                return f"query {query.name} stopped: {query.exception() or 'stopped'}"
+        for batches in self.batches:
+            error = batches.failure()
+            if error is not None:
+                return f"a store write failed: {error}"
+        return None
 
     def stop(self) -> None:
         for query in self.queries:
@@ -86,6 +103,8 @@ class Pipeline:
                 query.stop()
             except Exception as exc:
                 log.warning("stopping a query: %s", exc)
+        for batches in self.batches:
+            batches.drain(DRAIN_TIMEOUT)
         for close in self.closers:
             close()
 
@@ -254,6 +273,7 @@ def start_queries(
     try:
         for interval, handlers in by_interval.items():
             batches = QueryBatches(handlers)
+            pipeline.batches.append(batches)
             name = "+".join(handler.service for handler in handlers)
             checkpoint = tempfile.mkdtemp(prefix=f"aml-{name}-checkpoint-")
             pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))
@@ -369,10 +389,9 @@ def _run_until_stopped(spark: Any, pipeline: Pipeline, done: Callable[[], bool] 
     signal.signal(signal.SIGINT, stop)
     failed = None
     while not stopping.is_set():
-        for query in pipeline.queries:
-            if not query.isActive:
-                failed = query.exception() or RuntimeError(f"query {query.name} stopped")
-                stopping.set()
+        failed = pipeline.failure()
+        if failed is not None:
+            break
         if done is not None and done():
             break
         stopping.wait(0.5)

@@ -152,7 +152,8 @@ def outputs_by_service(
     One Spark job per output, because each job costs a fixed price that dominates small batches (most of
     it driver time: planning, scheduling): one narrow collect shared by the services (offsets, the
     rejected records' bytes, and for Service C the payments), from which the driver takes each service's
-    spans and rejects with Arrow; then the services' aggregations (edges, buckets), run concurrently.
+    spans and rejects with Arrow; then the services' aggregations (edges, buckets), run concurrently,
+    each in one task without a shuffle (`in_one_task`).
     """
     if not applied or not set(applied) <= set(SERVICES):
         raise ValueError(f"services must be some of {', '.join(SERVICES)}, got {sorted(applied)}")
@@ -166,7 +167,7 @@ def outputs_by_service(
     ]
     if "aggregates" in applied:
         per_record += list(PAYMENT_COLUMNS)
-    valid = checked.where("valid")
+    valid = in_one_task(checked.where("valid"))
     aggregations = {
         service: partial(aggregation, service, not_applied(valid, offsets), threshold, band)
         for service, offsets in applied.items()
@@ -183,6 +184,18 @@ def outputs_by_service(
             tables = {"buckets": aggregated[service], "payments": payments}
         outputs[service] = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), tables)
     return outputs
+
+
+def in_one_task(frame: DataFrame) -> DataFrame:
+    """`frame` as one partition, so that grouping it needs no shuffle.
+
+    A micro-batch is at most `maxRecordsPerTrigger` records (50,000 by default), which one task hashes in
+    tens of milliseconds; a shuffle costs a second stage, files and a scheduling round of its own, about
+    100 ms per aggregation on local[2] whatever the batch's size (measured: 1,300-record batches 487 ->
+    397 ms per micro-batch, 20,000-record batches no slower). The batch is still read and checked in
+    parallel: only the aggregation's input is gathered, from the kept batch.
+    """
+    return frame.coalesce(1)
 
 
 def aggregation(service: str, valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:

@@ -602,3 +602,25 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
         params = {"accounts": accounts, "hops": 3, "min": Decimal(1000)}
         plan = conn.execute(f"EXPLAIN {text}", params).fetchall()
     assert not any("Seq Scan" in line for (line,) in plan), "\n".join(line for (line,) in plan)
+
+
+def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
+    """Each service's aggregation of a kept batch runs in one task: a shuffle would cost a stage, files
+    and a scheduling round per aggregation, about 100 ms per micro-batch (BENCHMARKS.md)."""
+    from aml_app.pipeline.transforms import buckets, edges, in_one_task, kept
+    from aml_app.pipeline.validation import validated
+    from tests.stores import records_frame
+
+    rows = [PaymentRow(p % 2, p, f"id-{p}", "A", "B", Decimal("10.00"), "EUR", T0) for p in range(20)]
+    records = records_frame(spark, payment_records(rows))
+    assert records.rdd.getNumPartitions() > 1  # read in parallel, as the source's tasks read a batch
+
+    def plan(frame: Any) -> str:
+        return frame._jdf.queryExecution().executedPlan().toString()
+
+    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
+        valid = batch.where("valid")
+        for aggregated in (edges(in_one_task(valid)), buckets(in_one_task(valid), THRESHOLD, BAND)):
+            assert "Exchange" not in plan(aggregated), plan(aggregated)
+            assert aggregated.count() >= 1
+        assert "Exchange" in plan(edges(valid))  # the check sees a shuffle where there is one
