@@ -4,8 +4,8 @@ Both services usually share one query (`QueryBatches`): Kafka is read and the co
 micro-batch, and the validated batch, kept in memory, feeds each service in turn (Spark's "write to
 multiple locations" idiom with `foreachBatch`). Each service keeps its own store, group and dead letters,
 and skips the records its store already holds (after a crash between the two services' writes, or a
-rebuild of one of them). Steps 2-4 run in a thread per service, side by side, while Spark computes the
-next micro-batch (`QueryBatches`). For each service, in this order, on the driver:
+rebuild of one of them). Steps 2-4 run in a thread per service, side by side (`QueryBatches`). For each
+service, in this order, on the driver:
 
 1. Spark computes the services' outputs (`transforms.outputs_by_service`): the contract (applied by the
    query itself), aggregation, all in the JVM; they arrive as Arrow tables.
@@ -186,16 +186,13 @@ class ServiceBatches:
 
 class QueryBatches:
     """The `foreachBatch` function of a query that feeds one or more services: the batch (validated by the
-    query) is kept in memory, the services' outputs computed from it together, and handed to the services.
+    query) is kept in memory, the services' outputs computed from it together, and handed to the services,
+    which write their stores side by side, each in a thread of its own (PostgreSQL runs each transaction
+    in a process of its own, so the two take the time of the slower one, not the sum).
 
-    The services write their stores side by side, each in a thread of its own, and those writes overlap
-    Spark's work on the next micro-batch: a batch's Spark jobs (both cores) and its store transactions
-    (PostgreSQL's processes) no longer wait for each other. At most one batch is being written while the
-    next is computed: before handing over batch N+1, the call waits for batch N's writes (so batches reach
-    each store in order) and raises their error, which fails the query. Nothing of the promise changes:
-    a group is still committed only after its store's transaction, and Spark's own checkpoint was never
-    what says where a service resumes (the stores do). The writes of the last batch may end after Spark
-    considers it done; `failure` and `drain` see to them.
+    The call returns once every service has written and committed the batch, and raises the first error,
+    which fails the query. Overlapping those writes with Spark's work on the next micro-batch was tried
+    and dropped: on two cores the two slowed each other down, and latency rose (BENCHMARKS.md).
     """
 
     def __init__(self, services: list[ServiceBatches]) -> None:
@@ -204,7 +201,6 @@ class QueryBatches:
         self.services = services
         self.max_payment_bytes = services[0].max_payment_bytes
         self.threshold, self.band = services[0].threshold, services[0].band
-        self._writing: list[Future[BatchReport]] = []
 
     @property
     def start(self) -> dict[int, int]:
@@ -216,16 +212,16 @@ class QueryBatches:
         """One micro-batch, already checked against the contract by the query (`validation.validated`)."""
         started = time.monotonic()
         with kept(checked) as batch:
-            # The stores' offsets may not yet include the batch being written: a lower bound is all the
-            # skipping needs, since this batch's records all come after that one's.
             applied = {service.service: dict(service.applied) for service in self.services}
             outputs = outputs_by_service(batch, applied, self.threshold, self.band)
-        self.hand_over(outputs, batch_id, time.monotonic() - started)
+        self.write(outputs, batch_id, time.monotonic() - started)
 
-    def hand_over(self, outputs: dict[str, BatchOutputs], batch_id: int, spark_seconds: float) -> None:
-        """Wait for the previous batch's writes (raising their error), then start this one's."""
-        self.wait()
-        self._writing = [
+    def write(
+        self, outputs: dict[str, BatchOutputs], batch_id: int, spark_seconds: float
+    ) -> list[BatchReport]:
+        """Every service's steps for the batch, side by side; their reports, or the first error once all
+        are done."""
+        writing = [
             # The Spark time is the query's, shared: reported once, with the first service.
             in_background(
                 f"aml-{service.service}-batch-{batch_id}",
@@ -236,35 +232,8 @@ class QueryBatches:
             )
             for service in self.services
         ]
-
-    def wait(self, timeout: float | None = None) -> list[BatchReport]:
-        """The reports of the batch being written, once every service has written it; raises the first
-        error (TimeoutError if `timeout` passes first)."""
-        writing, self._writing = self._writing, []
-        _done, not_done = futures.wait(writing, timeout)
-        if not_done:
-            self._writing = writing
-            raise TimeoutError(f"{len(not_done)} store writes still running after {timeout} s")
+        futures.wait(writing)
         return [future.result() for future in writing]
-
-    def failure(self) -> BaseException | None:
-        """The error of a finished store write that no micro-batch has raised yet (the topic went idle)."""
-        for future in self._writing:
-            if future.done() and future.exception() is not None:
-                return future.exception()
-        return None
-
-    def drain(self, timeout: float) -> None:
-        """Let the last batch's writes finish (a stop): what is not written by then is redone at the next
-        start, since neither its store nor its group moved."""
-        try:
-            self.wait(timeout)
-        except TimeoutError:
-            log.warning(
-                "stopping: a store write was still running after %.0f s; the next start redoes it", timeout
-            )
-        except Exception as exc:
-            log.warning("stopping: the last store write failed (%s); the next start redoes it", exc)
 
 
 def in_background(name: str, function: Callable[..., T], *args: Any) -> Future[T]:
