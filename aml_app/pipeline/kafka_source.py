@@ -12,6 +12,7 @@ record batches. Usage:
         .option("groupId", "relations")          # start from this group's committed offsets
         .option("maxRecordsPerTrigger", "50000")  # back-pressure: records per micro-batch
         .option("maxTasks", "2")                  # pack a batch's partitions into at most 2 tasks
+        .option("minRecordsPerTask", "5000")      # and a smaller batch into fewer (the default)
         .load()
 
 Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY. Options starting with
@@ -44,6 +45,9 @@ from aml_app.pipeline.ranges import (
 
 SCHEMA = "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY"
 ARROW_BATCH_ROWS = 10_000
+#: A micro-batch gets one reading task per this many records (at most maxTasks): a task costs tens of
+#: milliseconds of its own, more than reading and checking a few thousand records in parallel saves.
+MIN_RECORDS_PER_TASK = 5_000
 METADATA_TIMEOUT = 10.0
 # A task that gets no record for this long fails (Spark retries it) instead of hanging the batch.
 READ_STALL_TIMEOUT = 60.0
@@ -311,6 +315,13 @@ class KafkaStreamReader(DataSourceStreamReader):
             raise SourceConfigError(f"maxTasks={raw_tasks!r} is not a whole number") from None
         if self.max_tasks is not None and self.max_tasks < 1:
             raise SourceConfigError(f"maxTasks={raw_tasks} must be at least 1")
+        raw_min = options.get("minRecordsPerTask")
+        try:
+            self.min_records_per_task = int(raw_min) if raw_min else MIN_RECORDS_PER_TASK
+        except ValueError:
+            raise SourceConfigError(f"minRecordsPerTask={raw_min!r} is not a whole number") from None
+        if self.min_records_per_task < 1:
+            raise SourceConfigError(f"minRecordsPerTask={raw_min} must be at least 1")
         self._probe: Any = None  # lives in the planning process only; never pickled
 
     def __getstate__(self) -> dict[str, Any]:
@@ -353,7 +364,7 @@ class KafkaStreamReader(DataSourceStreamReader):
 
     def partitions(self, start: SparkOffset, end: SparkOffset) -> list[KafkaTask]:
         ranges = planned_ranges(from_spark(start), from_spark(end))
-        return [KafkaTask(task) for task in pack_ranges(ranges, self.max_tasks)]
+        return [KafkaTask(task) for task in pack_ranges(ranges, self.max_tasks, self.min_records_per_task)]
 
     def read(self, partition: KafkaTask) -> Iterator[Any]:  # type: ignore[override]
         yield from read_ranges(self.config, self.topic, partition.ranges)

@@ -73,23 +73,41 @@ def planned_ranges(start: Mapping[int, int], end: Mapping[int, int]) -> list[tup
 Range = tuple[int, int, int]  # (partition, start, end)
 
 
-def pack_ranges(ranges: list[Range], max_tasks: int | None) -> list[tuple[Range, ...]]:
-    """Group a batch's ranges into at most `max_tasks` Spark tasks of about equal record counts.
+def task_count(ranges: list[Range], max_tasks: int | None, min_records_per_task: int | None = None) -> int:
+    """How many tasks read a batch: one per range, at most `max_tasks`, and no more than one per
+    `min_records_per_task` records (but at least one)."""
+    count = len(ranges) if max_tasks is None else min(max_tasks, len(ranges))
+    if min_records_per_task is not None and ranges:
+        records = sum(end - start for _p, start, end in ranges)
+        count = min(count, max(1, -(-records // min_records_per_task)))
+    return count
+
+
+def pack_ranges(
+    ranges: list[Range], max_tasks: int | None, min_records_per_task: int | None = None
+) -> list[tuple[Range, ...]]:
+    """Group a batch's ranges into at most `max_tasks` Spark tasks of about equal record counts, and a
+    small batch into fewer (`task_count`).
 
     One task per Kafka partition (Spark's own connector does that) runs in waves when partitions outnumber
     cores, and a small micro-batch then pays the per-task cost (a Python worker round trip, a client) once
-    per wave. Packing into as many tasks as there are cores makes every batch one wave. Greedy
-    longest-first onto the least-loaded task: the largest task holds at most the ideal share plus one
-    range. Each task's ranges are in partition order; tasks are ordered by their first partition.
+    per wave. Packing into as many tasks as there are cores makes every batch one wave. A batch of a few
+    thousand records is read and checked faster by one task than its per-task cost (measured: 1,300-record
+    micro-batches took 311 ms in one task, 362 ms in two). Greedy longest-first onto the least-loaded
+    task: the largest task holds at most the ideal share plus one range. Each task's ranges are in
+    partition order; tasks are ordered by their first partition.
     """
-    if max_tasks is None or len(ranges) <= max_tasks:
-        return [(r,) for r in ranges]
-    if max_tasks < 1:
+    if max_tasks is not None and max_tasks < 1:
         raise ValueError(f"max_tasks must be at least 1, got {max_tasks}")
-    tasks: list[list[Range]] = [[] for _ in range(max_tasks)]
-    loads = [0] * max_tasks
+    if min_records_per_task is not None and min_records_per_task < 1:
+        raise ValueError(f"min_records_per_task must be at least 1, got {min_records_per_task}")
+    count = task_count(ranges, max_tasks, min_records_per_task)
+    if count >= len(ranges):
+        return [(r,) for r in ranges]
+    tasks: list[list[Range]] = [[] for _ in range(count)]
+    loads = [0] * count
     for r in sorted(ranges, key=lambda r: (-(r[2] - r[1]), r[0])):
-        i = min(range(max_tasks), key=lambda t: (loads[t], t))
+        i = min(range(count), key=lambda t: (loads[t], t))
         tasks[i].append(r)
         loads[i] += r[2] - r[1]
     packed = [tuple(sorted(task)) for task in tasks if task]

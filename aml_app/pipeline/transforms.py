@@ -189,16 +189,21 @@ def outputs_by_service(
     """
     if not applied or not set(applied) <= set(SERVICES):
         raise ValueError(f"services must be some of {', '.join(SERVICES)}, got {sorted(applied)}")
-    rejected = ~F.col("valid")
-    per_record: list[Column | str] = [
-        "partition",
-        "offset",
-        "valid",
-        F.when(rejected, F.col("key")).alias("key"),
-        F.when(rejected, F.col("value")).alias("value"),
-    ]
-    if "aggregates" in applied:
-        per_record += list(PAYMENT_COLUMNS)
+    if len({tuple(sorted(offsets.items())) for offsets in applied.values()}) == 1:
+        # Every service holds the same offsets: the query started there and reads on, so no store holds
+        # a record of this batch, and building the skip (about 20 ms per service and batch) is wasted.
+        applied = {service: {} for service in applied}
+
+    def record_columns() -> tuple[Column | str, ...]:
+        rejected = ~F.col("valid")
+        kept_bytes = (
+            F.when(rejected, F.col("key")).alias("key"),
+            F.when(rejected, F.col("value")).alias("value"),
+        )
+        payments = PAYMENT_COLUMNS if "aggregates" in applied else ()
+        return ("partition", "offset", "valid", *kept_bytes, *payments)
+
+    per_record = expressions(checked, ("per record", "aggregates" in applied), record_columns)
     valid = in_one_task(checked.where("valid"))
     aggregations = {
         service: partial(aggregation, service, not_applied(valid, offsets), threshold, band)

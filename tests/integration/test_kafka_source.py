@@ -334,7 +334,8 @@ def test_partition_unknown_to_the_previous_plan_is_read_from_its_start(broker: E
         start = {"0": 100}
         end = reader.latestOffset(start, ReadAllAvailable())
         assert end == {"0": 100, "1": 400, "2": 5}
-        assert [task.ranges for task in reader.partitions(start, end)] == [((1, 0, 400),), ((2, 0, 5),)]
+        # 405 records: one task (MIN_RECORDS_PER_TASK) reads both new partitions from their start.
+        assert [task.ranges for task in reader.partitions(start, end)] == [((1, 0, 400), (2, 0, 5))]
         got = read_planned(reader, start, end)
         assert sorted(got, key=lambda r: (r.partition, r.offset)) == placed[100:]
 
@@ -356,6 +357,11 @@ def test_a_task_reads_several_partitions_with_one_client(broker: EmbeddedBroker)
     with stream_reader(options(broker.bootstrap, topic, maxTasks="2")) as reader:
         start = {"0": 0, "1": 0, "2": 0, "3": 0}
         end = reader.latestOffset(start, ReadAllAvailable())
+        # 601 records: by default one task reads them all (MIN_RECORDS_PER_TASK).
+        assert [task.ranges for task in reader.partitions(start, end)] == [
+            ((0, 0, 300), (1, 0, 40), (2, 0, 260), (3, 0, 1))
+        ]
+    with stream_reader(options(broker.bootstrap, topic, maxTasks="2", minRecordsPerTask="300")) as reader:
         tasks = reader.partitions(start, end)
         # Longest first onto the least-loaded task: 300 | 260, 40 onto the 260, then 1 onto the first.
         assert [task.ranges for task in tasks] == [((0, 0, 300), (3, 0, 1)), ((1, 0, 40), (2, 0, 260))]
@@ -408,6 +414,14 @@ def test_reader_pickles_after_latest_offset_made_its_probe(broker: EmbeddedBroke
         (
             {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "maxTasks": "2.5"},
             "maxTasks='2.5' is not a whole",
+        ),
+        (
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "minRecordsPerTask": "0"},
+            "minRecordsPerTask=0 must be at least 1",
+        ),
+        (
+            {"kafka.bootstrap.servers": "h:1", "subscribe": "t", "minRecordsPerTask": "many"},
+            "minRecordsPerTask='many' is not a whole",
         ),
         ({"kafka.bootstrap.servers": "h:1"}, "needs the option subscribe"),
         ({"kafka.bootstrap.servers": "h:1", "subscribe": ""}, "needs the option subscribe"),

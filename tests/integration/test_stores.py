@@ -624,3 +624,23 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
             assert "Exchange" not in plan(aggregated), plan(aggregated)
             assert aggregated.count() >= 1
         assert "Exchange" in plan(edges(valid))  # the check sees a shuffle where there is one
+
+
+def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
+    """After a crash between the two services' writes one store is ahead: the shared batch feeds each
+    service only the records its store does not hold yet, in the aggregations and on the driver."""
+    from aml_app.pipeline.transforms import kept, outputs_by_service
+    from aml_app.pipeline.validation import validated
+    from tests.stores import records_frame
+
+    rows = [PaymentRow(0, o, f"id-{o}", "A", "B", Decimal("10.00"), "EUR", T0) for o in range(10)]
+    records = records_frame(spark, payment_records(rows))
+    applied = {"relations": {0: 6}, "aggregates": {0: 0}}
+    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
+        outputs = outputs_by_service(batch, applied, THRESHOLD, BAND)
+    relations_out, aggregates_out = outputs["relations"], outputs["aggregates"]
+    assert relations_out.tables["edges"].column("payments").to_pylist() == [4]
+    assert relations_out.spans.to_pylist() == [{"partition": 0, "first": 6, "last": 9, "records": 4}]
+    assert aggregates_out.tables["payments"].num_rows == 10
+    assert sum(aggregates_out.tables["buckets"].column("payments").to_pylist()) == 20  # both sides
+    assert aggregates_out.spans.to_pylist() == [{"partition": 0, "first": 0, "last": 9, "records": 10}]

@@ -328,3 +328,24 @@ def test_four_partitions_on_two_cores_make_two_equal_tasks() -> None:
 def test_packing_refuses_a_task_limit_below_one() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         pack_ranges([(0, 0, 1), (1, 0, 1)], 0)
+
+
+@settings(max_examples=400)
+@given(range_lists, st.none() | st.integers(1, 8), st.integers(1, 20000))
+def test_a_small_batch_is_read_by_fewer_tasks(ranges, max_tasks, min_records) -> None:
+    tasks = pack_ranges(ranges, max_tasks, min_records)
+    assert sorted(r for task in tasks for r in task) == ranges, "a range was lost, split or duplicated"
+    records = sum(e - s for _, s, e in ranges)
+    if ranges:
+        assert 1 <= len(tasks) <= max(1, -(-records // min_records))
+        assert len(tasks) == min(len(ranges), max_tasks or len(ranges), max(1, -(-records // min_records)))
+
+
+def test_two_thousand_records_on_four_partitions_make_one_task_and_fifty_thousand_two() -> None:
+    small = [(p, 0, 500) for p in range(4)]
+    assert pack_ranges(small, 2, 5000) == [tuple(small)]
+    large = [(p, 0, 12500) for p in range(4)]
+    assert pack_ranges(large, 2, 5000) == pack_ranges(large, 2)
+    assert len(pack_ranges(large, 2, 5000)) == 2
+    with pytest.raises(ValueError, match="at least 1"):
+        pack_ranges(small, 2, 0)
