@@ -214,9 +214,9 @@ class QueryBatches:
         with kept(checked) as batch:
             applied = {service.service: dict(service.applied) for service in self.services}
             outputs = outputs_by_service(batch, applied, self.threshold, self.band)
-        self.write(outputs, batch_id, time.monotonic() - started)
+        self.hand_to_services(outputs, batch_id, time.monotonic() - started)
 
-    def write(
+    def hand_to_services(
         self, outputs: dict[str, BatchOutputs], batch_id: int, spark_seconds: float
     ) -> list[BatchReport]:
         """Every service's steps for the batch, side by side; their reports, or the first error once all

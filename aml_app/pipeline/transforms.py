@@ -107,24 +107,20 @@ def buckets(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
 
     def sides() -> tuple[Column | str, ...]:
         minute = F.date_trunc("minute", "ts")
-        sent = F.struct(
-            F.col("payer").alias("account"),
-            minute.alias("bucket"),
-            F.lit("out").alias("direction"),
-            F.col("payee").alias("counterparty"),
-            "currency",
-            "amount",
-            near_threshold(F.col("amount"), threshold, band).alias("near"),
-        )
-        received = F.struct(
-            F.col("payee").alias("account"),
-            minute.alias("bucket"),
-            F.lit("in").alias("direction"),
-            F.col("payer").alias("counterparty"),
-            "currency",
-            "amount",
-            F.lit(0).alias("near"),
-        )
+
+        def side(account: str, direction: str, counterparty: str, near: Column) -> Column:
+            return F.struct(
+                F.col(account).alias("account"),
+                minute.alias("bucket"),
+                F.lit(direction).alias("direction"),
+                F.col(counterparty).alias("counterparty"),
+                "currency",
+                "amount",
+                near.alias("near"),
+            )
+
+        sent = side("payer", "out", "payee", near_threshold(F.col("amount"), threshold, band))
+        received = side("payee", "in", "payer", F.lit(0))
         return (F.inline(F.array(sent, received)),)
 
     totals = expressions(

@@ -1,5 +1,5 @@
-"""How a query hands a micro-batch to the services' store writes (`QueryBatches.write`): the services
-write side by side, the call returns only once every service is done, and a failed write is raised
+"""How a query hands a micro-batch to the services' store writes (`QueryBatches.hand_to_services`): the
+services write side by side, the call returns only once every service is done, and a failed write is raised
 (which fails the query) only after the other service finished. Fake services stand in for the store
 writes; Spark is not involved."""
 
@@ -57,7 +57,7 @@ def test_the_services_write_one_batch_side_by_side() -> None:
     barrier = threading.Barrier(2)
     for service in services:
         service.barrier = barrier
-    assert batches.write(outputs(), 0, 0.0) == ["relations-0", "aggregates-0"]
+    assert batches.hand_to_services(outputs(), 0, 0.0) == ["relations-0", "aggregates-0"]
 
 
 def test_the_call_returns_only_once_every_service_wrote_the_batch() -> None:
@@ -65,7 +65,7 @@ def test_the_call_returns_only_once_every_service_wrote_the_batch() -> None:
     gate = threading.Event()
     services[1].gate = gate  # aggregates is slow
     threading.Timer(0.2, gate.set).start()
-    batches.write(outputs(), 0, 0.0)
+    batches.hand_to_services(outputs(), 0, 0.0)
     assert ("relations", 0, "end") in log and ("aggregates", 0, "end") in log
 
 
@@ -76,5 +76,5 @@ def test_a_failed_write_is_raised_once_the_other_service_is_done() -> None:
     services[1].gate = gate
     threading.Timer(0.2, gate.set).start()
     with pytest.raises(RuntimeError, match="refused"):
-        batches.write(outputs(), 0, 0.0)
+        batches.hand_to_services(outputs(), 0, 0.0)
     assert ("aggregates", 0, "end") in log  # not abandoned halfway
