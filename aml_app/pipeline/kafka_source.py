@@ -293,6 +293,20 @@ def read_ranges(
         consumer.close()
 
 
+def count_option(options: Mapping[str, str], name: str) -> int | None:
+    """A whole-number option of at least 1, or None when it is not given."""
+    raw = options.get(name)
+    if not raw:
+        return None
+    try:
+        value = int(raw)
+    except ValueError:
+        raise SourceConfigError(f"{name}={raw!r} is not a whole number") from None
+    if value < 1:
+        raise SourceConfigError(f"{name}={raw} must be at least 1")
+    return value
+
+
 class KafkaStreamReader(DataSourceStreamReader):
     def __init__(self, options: Mapping[str, str]) -> None:
         self.config = client_config(options)
@@ -301,27 +315,9 @@ class KafkaStreamReader(DataSourceStreamReader):
             raise SourceConfigError("the aml-kafka source needs the option subscribe (one topic name)")
         self.group = options.get("groupId") or None
         self.starting = parse_starting_offsets(options.get("startingOffsets"))
-        raw_limit = options.get("maxRecordsPerTrigger")
-        try:
-            self.max_records = int(raw_limit) if raw_limit else None
-        except ValueError:
-            raise SourceConfigError(f"maxRecordsPerTrigger={raw_limit!r} is not a whole number") from None
-        if self.max_records is not None and self.max_records < 1:
-            raise SourceConfigError(f"maxRecordsPerTrigger={raw_limit} must be at least 1")
-        raw_tasks = options.get("maxTasks")
-        try:
-            self.max_tasks = int(raw_tasks) if raw_tasks else None
-        except ValueError:
-            raise SourceConfigError(f"maxTasks={raw_tasks!r} is not a whole number") from None
-        if self.max_tasks is not None and self.max_tasks < 1:
-            raise SourceConfigError(f"maxTasks={raw_tasks} must be at least 1")
-        raw_min = options.get("minRecordsPerTask")
-        try:
-            self.min_records_per_task = int(raw_min) if raw_min else MIN_RECORDS_PER_TASK
-        except ValueError:
-            raise SourceConfigError(f"minRecordsPerTask={raw_min!r} is not a whole number") from None
-        if self.min_records_per_task < 1:
-            raise SourceConfigError(f"minRecordsPerTask={raw_min} must be at least 1")
+        self.max_records = count_option(options, "maxRecordsPerTrigger")
+        self.max_tasks = count_option(options, "maxTasks")
+        self.min_records_per_task = count_option(options, "minRecordsPerTask") or MIN_RECORDS_PER_TASK
         self._probe: Any = None  # lives in the planning process only; never pickled
 
     def __getstate__(self) -> dict[str, Any]:
