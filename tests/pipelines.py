@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import threading
 from dataclasses import replace
 from datetime import timedelta
@@ -134,6 +135,14 @@ class PipelineProcess(AmlAppProcess):
         self.signal_group(sig)
         if self.process is not None:
             self.process.wait(wait)
+
+    def stop(self, wait: float) -> int:
+        """SIGTERM to its process group, as honcho or a shell stops it; its exit code, which must come
+        within `wait` seconds."""
+        self.signal_group(signal.SIGTERM)
+        assert self.wait(wait), f"still running {wait:.0f} s after SIGTERM:\n{self.log_tail()}"
+        assert self.returncode is not None
+        return self.returncode
 
 
 def pipeline_env(broker: EmbeddedBroker, names: Names, settings: Settings) -> dict[str, str]:

@@ -19,6 +19,7 @@ snapshot. Instants are `timestamptz` (microseconds, shown as `2026-01-02T03:04:0
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
@@ -253,7 +254,8 @@ class Writer:
 
     One connection, opened lazily and reopened after a failure. A batch is applied in one transaction
     with its offsets (`apply`); if the server is unreachable, `apply` waits and tries again until the
-    server is back (nothing is committed to Kafka meanwhile, and the Spark query simply pauses).
+    server is back (nothing is committed to Kafka meanwhile, and the Spark query simply pauses), unless
+    the pipeline is stopping (`give_up`): a SIGTERM must not wait out an outage.
     """
 
     def __init__(self, url: str, schema: Schema, patience: float = UNAVAILABLE_PATIENCE) -> None:
@@ -265,6 +267,12 @@ class Writer:
         #: Records (offsets) the store held at this run's last ANALYZE; None before the first.
         self._analyzed_at: int | None = None
         self.analyzes = 0
+        self._giving_up = threading.Event()
+
+    def give_up(self) -> None:
+        """Stop waiting for an unavailable server: the wait under way, and any later one, raises StoreError
+        (the batch is then not applied, and nothing of it is committed to Kafka)."""
+        self._giving_up.set()
 
     def connection(self) -> psycopg.Connection:
         if self._conn is None or self._conn.closed or self._conn.broken:
@@ -285,6 +293,11 @@ class Writer:
                 return action(self.connection())
             except (psycopg.OperationalError, psycopg.errors.AdminShutdown) as exc:
                 self.close()
+                if self._giving_up.is_set():
+                    raise StoreError(
+                        f"the {self.schema.name} store at {redacted(self.url)} is unavailable ({exc}), and "
+                        "the pipeline is stopping; the batch was not applied"
+                    ) from exc
                 if time.monotonic() + delay > deadline:
                     raise StoreError(
                         f"the {self.schema.name} store at {redacted(self.url)} has been unavailable for "
@@ -298,7 +311,7 @@ class Writer:
                     exc,
                     delay,
                 )
-                time.sleep(delay)
+                self._giving_up.wait(delay)
                 delay = min(delay * 2, 5.0)
 
     def migrate(self) -> int:

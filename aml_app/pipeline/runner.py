@@ -34,27 +34,47 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
     # Executors must run the same interpreter (and see the same packages) as the driver.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark import SparkConf
     from pyspark.sql import SparkSession
 
     from aml_app.pipeline.kafka_source import KafkaSource
 
-    builder = (
-        SparkSession.builder.master(master)
-        .appName(app_name)
-        .config("spark.ui.enabled", os.environ.get("AML_SPARK_UI", "false"))
-        .config("spark.sql.shuffle.partitions", "2")
-        .config("spark.sql.session.timeZone", "UTC")
-        .config("spark.sql.execution.arrow.pyspark.enabled", "true")
-        .config("spark.python.worker.reuse", "true")
-        .config("spark.ui.showConsoleProgress", "false")
-        .config("spark.driver.extraJavaOptions", "-Dlog4j.rootLogger=WARN")
+    conf = SparkConf().setAll(
+        {
+            "spark.master": master,
+            "spark.app.name": app_name,
+            "spark.ui.enabled": os.environ.get("AML_SPARK_UI", "false"),
+            "spark.sql.shuffle.partitions": "2",
+            "spark.sql.session.timeZone": "UTC",
+            "spark.sql.execution.arrow.pyspark.enabled": "true",
+            "spark.python.worker.reuse": "true",
+            "spark.ui.showConsoleProgress": "false",
+            "spark.driver.extraJavaOptions": "-Dlog4j.rootLogger=WARN",
+            **(extra or {}),
+        }.items()
     )
-    for key, value in (extra or {}).items():
-        builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    _start_driver_jvm_apart(conf)
+    spark = SparkSession.builder.config(conf=conf).getOrCreate()
     spark.sparkContext.setLogLevel("WARN")
     spark.dataSource.register(KafkaSource)
     return spark
+
+
+def _start_driver_jvm_apart(conf: Any) -> None:
+    """Start Spark's driver JVM in a session of its own, unless this process already has one (or runs
+    under spark-submit, which started the JVM first).
+
+    A supervisor that stops a process group (honcho for the Procfile, a shell, the tests) would otherwise
+    SIGTERM the JVM at the same moment as us: its shutdown hook stops the SparkContext under the running
+    queries, so the orderly stop (`_run_until_stopped`) fails half-way or hangs. PySpark keeps SIGINT from
+    the JVM for the same reason. The JVM still dies with us: it exits when its stdin (our pipe) closes.
+    """
+    from pyspark import SparkContext
+    from pyspark.java_gateway import launch_gateway
+
+    if "PYSPARK_GATEWAY_PORT" in os.environ or getattr(SparkContext, "_gateway", None) is not None:
+        return
+    SparkContext(conf=conf, gateway=launch_gateway(conf, popen_kwargs={"start_new_session": True}))
 
 
 def kafka_config(settings: Settings) -> dict[str, str]:
@@ -88,6 +108,10 @@ class Pipeline:
         return None
 
     def stop(self) -> None:
+        """Stop the queries, then close what they used. A batch waiting for an unavailable store gives up
+        first (nothing of it is committed), so a stop never waits out a database outage."""
+        for handler in self.handlers:
+            handler.store.give_up()
         for query in self.queries:
             try:
                 query.stop()
@@ -383,7 +407,10 @@ def _run_until_stopped(spark: Any, pipeline: Pipeline, done: Callable[[], bool] 
             break
         stopping.wait(0.5)
     pipeline.stop()
-    spark.stop()
+    try:
+        spark.stop()
+    except Exception as exc:  # the JVM went first (it got the signal too): nothing is left to stop
+        log.warning("stopping Spark: %s", exc)
     if failed is not None:
         log.error("pipeline failed: %s", failed)
         return 1

@@ -10,6 +10,8 @@ out (tests/stores.py). Each test, and each generated example, gets a fresh datab
 from __future__ import annotations
 
 import itertools
+import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -644,3 +646,27 @@ def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
     assert aggregates_out.tables["payments"].num_rows == 10
     assert sum(aggregates_out.tables["buckets"].column("payments").to_pylist()) == 20  # both sides
     assert aggregates_out.spans.to_pylist() == [{"partition": 0, "first": 0, "last": 9, "records": 10}]
+
+
+def test_a_writer_waiting_out_an_outage_gives_up_when_told() -> None:
+    """A stop during an outage (`Pipeline.stop`) must not wait out the writer's patience (ten minutes)."""
+    writer = Writer("postgresql://aml@127.0.0.1:1/none?connect_timeout=1", relations.SCHEMA, patience=600)
+    failure: list[BaseException] = []
+
+    def read() -> None:
+        try:
+            writer.applied_offsets()
+        except BaseException as exc:
+            failure.append(exc)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    deadline = time.monotonic() + 30
+    while writer.outages == 0 and reader.is_alive():
+        assert time.monotonic() < deadline, "the writer never saw the server unavailable"
+        time.sleep(0.05)
+    writer.give_up()
+    reader.join(30)
+    assert not reader.is_alive(), "the writer still waits for the server after give_up"
+    assert len(failure) == 1 and isinstance(failure[0], StoreError), failure
+    assert "the pipeline is stopping" in str(failure[0])
