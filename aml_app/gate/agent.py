@@ -7,7 +7,8 @@ dispatches, per-partition lanes wait on the gate, the handler runs, acks go in o
 
 from __future__ import annotations
 
-from aml_app.app import app, dlq_topic, payments_topic, settings
+from aml_app.app import alerts_topic, app, decisions_topic, dlq_topic, payments_topic, settings
+from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
 from aml_app.tables.watermarks import gate, publisher
@@ -47,6 +48,8 @@ def gated_agent(
     )
 
     async def consume(stream):  # type: ignore[no-untyped-def]
+        # Before the first send: every topic this worker writes stays in its producer's metadata.
+        keep_in_metadata(app, [t.get_topic_name() for t in (decisions_topic, alerts_topic, dlq_topic)])
         await gated.consume(stream)
 
     app.agent(payments_topic, name=settings.service)(consume)

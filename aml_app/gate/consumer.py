@@ -29,7 +29,7 @@ from typing import Any
 
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
-from aml_app.faust_internals import set_current_event
+from aml_app.faust_internals import dispatch_events, set_current_event
 from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.retry import retry_forever
@@ -250,8 +250,7 @@ class GatedConsumer(DeliveryRepairs):
     async def consume(self, stream: StreamT) -> None:
         """The agent body: dispatch, never wait."""
         self._stream = manual = stream.noack()
-        async for event in manual.events():
-            self._dispatch(event)
+        await dispatch_events(manual, self._dispatch)
 
     def _lane(self, partition: int) -> Lane:
         lane = self.lanes.get(partition)

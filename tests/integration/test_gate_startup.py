@@ -111,6 +111,19 @@ async def test_a_topic_the_producer_learns_late_does_not_stop_the_table_writes(
         await dlq.stop()
 
 
+async def test_every_topic_the_worker_writes_stays_in_its_producers_metadata(
+    names, producer, new_worker, decision_log
+):
+    """aiokafka drops a topic it does not track from its metadata once it tracks another one (the first
+    table write tracks the changelogs); the decisions topic's partitions then had no leader, every send
+    to it hung, and an ungated worker stopped after about 400 decisions of a backlog, every time."""
+    placed = await produce(producer, names.payments, payments_for(names.partitions, 1000, "m"))
+    new_worker(AML_GATE="off", AML_MAX_PENDING="2000")
+    await decision_log.wait_for(set(placed), timeout=120)
+    ids = [d["payment_id"] for d in decision_log.decisions()]
+    assert len(ids) == len(set(ids)) == len(placed), "each payment decided exactly once"
+
+
 async def test_transactional_payments_leave_gaps_and_are_decided_once_none_early(
     broker, names, new_worker, deps, decision_log
 ):

@@ -15,6 +15,7 @@ from aml_app import faust_internals
 from aml_app.faust_internals import (
     IncompatibleFaust,
     check,
+    dispatch_events,
     incompatibility,
     lean_drain_messages,
     missing_names,
@@ -83,6 +84,13 @@ def test_a_changed_drain_loop_in_faust_is_reported() -> None:
     ]
 
 
+def test_a_changed_stream_iteration_in_faust_is_reported() -> None:
+    """`dispatch_events` stands in for one version of Faust's stream iteration; not for another."""
+    assert missing_names([], iteration_digests=("0" * 64, "0" * 64)) == [
+        "the Stream iteration that dispatch_events stands in for (it changed)"
+    ]
+
+
 class FakeFlag:
     def __init__(self, value: bool = False) -> None:
         self.value = value
@@ -140,3 +148,93 @@ async def test_the_lean_drain_loop_hands_over_every_new_record_once_in_order(sus
     assert consumer.handed == [("t", 0), ("t", 1), ("t", 2), ("u", 0)]
     assert consumer._read_offset == {"t": 2, "u": 0}
     assert consumer.waited_first == (4 if suspended else 0)
+
+
+class FakeQueue(collections.deque):  # type: ignore[type-arg]
+    def empty(self) -> bool:
+        return not self
+
+    def get_nowait(self) -> Any:
+        return self.popleft()
+
+
+class FakeStream:
+    """Just what `dispatch_events` reads of a Faust stream over a topic's channel; `stop_flow_once` makes
+    the flow look stopped for the next event only (a rebalance that began and ended)."""
+
+    def __init__(self, events: list[Any], generation: int) -> None:
+        self.should_stop = False
+        self.events_total = 0
+        self.stopped_iteration = False
+        self.stop_flow_once = False
+        self.unacked: list[Any] = []
+        self.sensed: list[int] = []
+        self.channel = types.SimpleNamespace(queue=FakeQueue(events), __anext__=self._past_the_end)
+        self.app = types.SimpleNamespace(
+            flow_control=types.SimpleNamespace(is_active=self._flow_active),
+            topics=types.SimpleNamespace(acking_topics={"payments"}),
+            consumer=types.SimpleNamespace(unacked=types.SimpleNamespace(add=self.unacked.append)),
+            consumer_generation_id=generation,
+        )
+        self._on_message_in = lambda tp, offset, message: None
+        self._on_stream_event_in = lambda tp, offset, stream, event: self.sensed.append(offset)
+
+    def _flow_active(self) -> bool:
+        stopped, self.stop_flow_once = self.stop_flow_once, False
+        return not stopped
+
+    async def _past_the_end(self) -> Any:
+        raise AssertionError("read past the queued events")
+
+    async def maybe_start(self) -> bool:
+        return False
+
+    def _channel_stop_iteration(self, channel: Any) -> None:
+        self.stopped_iteration = True
+
+
+def fake_event(offset: int, generation: int) -> Any:
+    message = types.SimpleNamespace(
+        topic="payments", tp=("payments", 0), offset=offset, generation_id=generation, tracked=False
+    )
+    return types.SimpleNamespace(message=message)
+
+
+async def test_dispatch_events_hands_over_this_generations_events_in_order_and_tracks_them() -> None:
+    """An event of an earlier generation, or one read while the flow is stopped, is dropped, untracked;
+    every other is tracked as unacked (Faust commits no further than the acks), sensed and dispatched,
+    in order; a long drain lets other tasks run."""
+    events = [fake_event(0, 1)] + [fake_event(o, 2) for o in range(1, 301)]
+    stream = FakeStream(events, generation=2)
+    dispatched: list[int] = []
+    turns = 0
+
+    turns_while_draining = 0
+
+    def dispatch(event: Any) -> None:
+        nonlocal turns, turns_while_draining
+        dispatched.append(event.message.offset)
+        if event.message.offset == 1:
+            turns = 0
+        elif event.message.offset == 150:
+            stream.stop_flow_once = True
+        elif event.message.offset == 300:
+            turns_while_draining = turns
+            stream.should_stop = True
+
+    async def other_task() -> None:
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.ensure_future(other_task())
+    await asyncio.wait_for(dispatch_events(stream, dispatch, yield_every=100), 5)  # type: ignore[arg-type]
+    other.cancel()
+    kept = [o for o in range(1, 301) if o != 151]
+    assert dispatched == kept
+    assert stream.sensed == kept and stream.events_total == len(kept)
+    assert sorted(m.offset for m in stream.unacked) == kept
+    assert not events[0].message.tracked and not events[151].message.tracked
+    assert turns_while_draining >= 2, "the drain did not let other tasks run"
+    assert stream.stopped_iteration

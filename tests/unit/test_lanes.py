@@ -8,8 +8,10 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -47,6 +49,8 @@ class FakeMessage:
     offset: int
     key: bytes | None
     value: bytes | None
+    generation_id: int = 1
+    tracked: bool = False
 
     @property
     def tp(self) -> TP:
@@ -98,22 +102,46 @@ class FakeApp:
         self.consumer = FakeConsumer()
 
 
+class FakeQueue(deque):  # type: ignore[type-arg]
+    def empty(self) -> bool:
+        return not self
+
+    def get_nowait(self) -> FakeEvent:
+        return self.popleft()
+
+
 class FakeStream:
-    """Manual-ack stream: `noack()` is itself, `events()` yields the given events."""
+    """Manual-ack stream: `noack()` is itself; its channel holds the given events, then ends (what
+    `dispatch_events` reads of a Faust stream)."""
 
     def __init__(self, on_ack: Callable[[FakeEvent], None], events: Iterable[FakeEvent] = ()) -> None:
         self.acks: list[tuple[int, int]] = []
         self._on_ack = on_ack
-        self._events = list(events)
         self.manual = False
+        self.should_stop = False
+        self.events_total = 0
+        self.tracked: list[FakeMessage] = []
+        self.channel = SimpleNamespace(queue=FakeQueue(events), __anext__=self._end)
+        self.app = SimpleNamespace(
+            flow_control=SimpleNamespace(is_active=lambda: True),
+            topics=SimpleNamespace(acking_topics={TOPIC}),
+            consumer=SimpleNamespace(unacked=SimpleNamespace(add=self.tracked.append)),
+            consumer_generation_id=1,
+        )
+        self._on_message_in = self._on_stream_event_in = lambda *args: None
 
     def noack(self) -> FakeStream:
         self.manual = True
         return self
 
-    async def events(self) -> AsyncIterator[FakeEvent]:
-        for e in self._events:  # one batch: every event is dispatched before any lane runs
-            yield e
+    async def _end(self) -> FakeEvent:
+        raise StopAsyncIteration  # one batch: every event is dispatched before any lane runs
+
+    async def maybe_start(self) -> bool:
+        return False
+
+    def _channel_stop_iteration(self, channel: Any) -> None:
+        pass
 
     async def ack(self, e: FakeEvent) -> bool:
         self._on_ack(e)
