@@ -7,7 +7,7 @@ payments (default 100k) over A accounts (default 10k), payer and payee each draw
 counterparties and the median account with a handful; event times spread over the last 6.5 days; 4
 partitions. They are applied in micro-batches of 5,000 the way the pipeline applies its batches: each batch
 becomes the Arrow tables that `aml_app.pipeline.transforms.batch_outputs` hands the driver (`edges` for B,
-`payments` and `buckets` for C: same columns, types and grouping, computed here with Arrow's group-by
+`payments` and `flows` for C: same columns, types and grouping, computed here with Arrow's group-by
 instead of Spark's), and `aml_app.pipeline.jobs.writer_for(service)` (`relations.write_edges`,
 `aggregates.write_batch`) writes them with `Writer.apply`, in one transaction with the covered offsets.
 Then `VACUUM (ANALYZE)` on both schemas, as autovacuum would have done by then on a long-running store
@@ -178,32 +178,13 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
             "last_seen": edges["ts_max"],
         }
     )
-    minute = pc.floor_temporal(valid["ts"], unit="minute")
-    sides = []
-    for direction, account, counterparty, near in (
-        ("out", "payer", "payee", valid["near"]),
-        ("in", "payee", "payer", pa.array([0] * valid.num_rows, pa.int64())),
-    ):
-        sides.append(
-            pa.table(
-                {
-                    "account": valid[account],
-                    "bucket": minute,
-                    "direction": pa.array([direction] * valid.num_rows, pa.string()),
-                    "counterparty": valid[counterparty],
-                    "currency": valid["currency"],
-                    "amount": valid["amount"],
-                    "near": near,
-                }
-            )
-        )
-    keys = ["account", "bucket", "direction", "counterparty", "currency"]
+    keys = ["payer", "bucket", "payee", "currency"]
     grouped = (
-        pa.concat_tables(sides)
+        valid.append_column("bucket", pc.floor_temporal(valid["ts"], unit="minute"))
         .group_by(keys, use_threads=False)
         .aggregate([("amount", "count"), ("amount", "sum"), ("near", "sum")])
     )
-    buckets = pa.table(
+    flows = pa.table(
         {
             **{k: grouped[k] for k in keys},
             "payments": grouped["amount_count"],
@@ -215,7 +196,7 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
     return BatchOutputs(
         spans,
         rejects,
-        {"edges": edges, "payments": valid.select(list(aggregates.PAYMENT_COLUMNS)), "buckets": buckets},
+        {"edges": edges, "payments": valid.select(list(aggregates.PAYMENT_COLUMNS)), "flows": flows},
     )
 
 
@@ -270,7 +251,7 @@ def build_stores(settings: Settings, rows: list[tuple], vacuum: bool) -> dict[st
     if vacuum:
         with psycopg.connect(settings.store_url, autocommit=True) as conn:
             for schema in (relations.SCHEMA, aggregates.SCHEMA):
-                for table in ("edges",) if schema is relations.SCHEMA else ("payments", "buckets"):
+                for table in ("edges",) if schema is relations.SCHEMA else ("payments", "flows"):
                     conn.execute(f'VACUUM (ANALYZE) "{schema.name}"."{table}"')
     out_degree: dict[str, set[str]] = defaultdict(set)
     for row in rows:

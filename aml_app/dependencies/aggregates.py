@@ -1,28 +1,29 @@
-"""Service C's store: payments over event time, per-minute buckets, and the windowed aggregates query.
+"""Service C's store: payments over event time, per-minute flows, and the windowed aggregates query.
 
-Windows at an instant come from pre-aggregated buckets plus the exact payments at the window's edges (the
-idea of TimescaleDB's real-time continuous aggregates):
+Windows at an instant come from pre-aggregated per-minute buckets (the flows) plus the exact payments at
+the window's edges (the idea of TimescaleDB's real-time continuous aggregates):
 
-- `buckets(account, bucket, direction, counterparty, currency)`: per account and minute of event time,
-  per direction ('out': the account paid, 'in': it was paid), counterparty and currency, the number of
-  payments, their exact total, and how many were sent near the reporting threshold. Spark builds one row
-  per key for each micro-batch (`aml_app.pipeline.transforms.buckets`); the store adds them up.
+- `flows(payer, bucket, payee, currency)`: per minute of event time, the payments from payer to payee in
+  one currency: how many, their exact total, and how many were near the reporting threshold. Spark builds
+  one row per key for each micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them up. A
+  payment is one row, read from the payer's side through the primary key and from the payee's side
+  through `flows_by_payee` (schema version 1 kept one row per side, `buckets`: twice the rows to write).
 - `payments(payer, payee, currency, amount, ts)`: every payment, once, for the edges of a window.
 
-A window (at - w, at] is the buckets that lie wholly inside it plus the payments in the two partial
-minutes at its ends, so an answer reads at most two minutes of payments per account and direction, and
-one row per (minute, counterparty, currency) for the rest: exact, and equal to a computation over every
-payment (tests/reference.py), without scanning every payment of a busy account.
+A window (at - w, at] is the flows that lie wholly inside it plus the payments in the two partial minutes
+at its ends, so an answer reads at most two minutes of payments per account and direction, and one row
+per (minute, counterparty, currency) for the rest: exact, and equal to a computation over every payment
+(tests/reference.py), without scanning every payment of a busy account.
 
 Too-late rule: the store keeps `max_event_ts`, the largest ts applied so far. When a batch is applied,
 max_event_ts first rises to include the whole batch; then every payment of the batch whose minute starts
 before `max_event_ts - 7 days` (its ts < the start of that minute) is too late: not stored, counted in
 `late_dropped`. Late payments inside the horizon are stored and do count. Whenever that minute boundary
-moves, payments and buckets before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are
+moves, payments and flows before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are
 exact for every `at >= max_event_ts - 1 h`.
 
 Near the threshold: `threshold * (1 - band) <= amount < threshold`, counted over payments sent in 24 h.
-Both numbers are part of the store (`meta`): the buckets were counted with them, so a pipeline started
+Both numbers are part of the store (`meta`): the flows were counted with them, so a pipeline started
 with other values refuses until the store is rebuilt, and the API reports the store's values.
 """
 
@@ -79,13 +80,33 @@ SCHEMA = Schema(
             PRIMARY KEY (account, bucket, direction, counterparty, currency)
         );
         CREATE INDEX buckets_by_bucket ON {schema}.buckets USING brin (bucket)
+        """,
+        # 2: one row per payment's (payer, minute, payee, currency) instead of one per side; a bucket's
+        # 'out' rows hold every payment once (and its near-threshold count), so they are the flows.
         """
+        CREATE TABLE {schema}.flows (
+            payer text COLLATE "C" NOT NULL,
+            bucket timestamptz NOT NULL,
+            payee text COLLATE "C" NOT NULL,
+            currency text COLLATE "C" NOT NULL,
+            payments bigint NOT NULL,
+            total numeric NOT NULL,
+            near bigint NOT NULL,
+            PRIMARY KEY (payer, bucket, payee, currency)
+        );
+        CREATE INDEX flows_by_payee ON {schema}.flows (payee, bucket);
+        CREATE INDEX flows_by_bucket ON {schema}.flows USING brin (bucket);
+        INSERT INTO {schema}.flows
+            SELECT account, bucket, counterparty, currency, payments, total, near
+            FROM {schema}.buckets WHERE direction = 'out';
+        DROP TABLE {schema}.buckets
+        """,
     ],
 )
 
-#: The columns of a batch's payment and bucket rows, as Spark makes them.
+#: The columns of a batch's payment and flow rows, as Spark makes them.
 PAYMENT_COLUMNS = ("payer", "payee", "currency", "amount", "ts")
-BUCKET_COLUMNS = ("account", "bucket", "direction", "counterparty", "currency", "payments", "total", "near")
+FLOW_COLUMNS = ("payer", "bucket", "payee", "currency", "payments", "total", "near")
 
 
 def floor_bucket(when: datetime) -> datetime:
@@ -113,8 +134,8 @@ def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decima
         )
 
 
-def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, buckets: Any) -> int:
-    """Store a batch's payments and add its bucket rows (Arrow tables), minus too-late ones; prune.
+def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, flows: Any) -> int:
+    """Store a batch's payments and add its flow rows (Arrow tables), minus too-late ones; prune.
 
     Returns how many payments were too late. Runs inside the caller's transaction.
     """
@@ -131,27 +152,27 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, buckets
     late = payments.num_rows - pc.sum(on_time).as_py()
     if late:
         payments = payments.filter(on_time)
-        buckets = buckets.filter(pc.greater_equal(buckets["bucket"], cutoff))
+        flows = flows.filter(pc.greater_equal(flows["bucket"], cutoff))
     copy_arrow(conn, f"{schema.name}.payments", payments, PAYMENT_COLUMNS)
     conn.execute(
         """
-        CREATE TEMPORARY TABLE batch_buckets (
-            account text COLLATE "C", bucket timestamptz, direction text, counterparty text COLLATE "C",
-            currency text COLLATE "C", payments bigint, total numeric, near bigint
+        CREATE TEMPORARY TABLE batch_flows (
+            payer text COLLATE "C", bucket timestamptz, payee text COLLATE "C", currency text COLLATE "C",
+            payments bigint, total numeric, near bigint
         ) ON COMMIT DROP
         """
     )
-    copy_arrow(conn, "batch_buckets", buckets, BUCKET_COLUMNS)
+    copy_arrow(conn, "batch_flows", flows, FLOW_COLUMNS)
     conn.execute(
         sql.SQL(
             """
-            INSERT INTO {buckets} AS b SELECT * FROM batch_buckets
-            ON CONFLICT (account, bucket, direction, counterparty, currency) DO UPDATE SET
-                payments = b.payments + excluded.payments,
-                total = b.total + excluded.total,
-                near = b.near + excluded.near
+            INSERT INTO {flows} AS f SELECT * FROM batch_flows
+            ON CONFLICT (payer, bucket, payee, currency) DO UPDATE SET
+                payments = f.payments + excluded.payments,
+                total = f.total + excluded.total,
+                near = f.near + excluded.near
             """
-        ).format(buckets=sql.Identifier(schema.name, "buckets"))
+        ).format(flows=sql.Identifier(schema.name, "flows"))
     )
     updates = {"max_event_ts": iso_text(new_max)}
     if late:
@@ -163,7 +184,7 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, buckets
             sql.SQL("DELETE FROM {} WHERE ts < %s").format(sql.Identifier(schema.name, "payments")), (prune,)
         )
         conn.execute(
-            sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "buckets")),
+            sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "flows")),
             (prune,),
         )
     return late
@@ -171,8 +192,9 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, buckets
 
 # --- the query ------------------------------------------------------------------------------------
 
-# For each (account, at) and window: `lo` = at - w (excluded) and `hi` = at (included); the buckets that
-# start at or after `fa` and before `fb` lie wholly inside the window; the payments in the head (lo,
+# For each (account, at) and window: `lo` = at - w (excluded) and `hi` = at (included); the flows whose
+# minute starts at or after `fa` and before `fb` lie wholly inside the window (read from the payer's side
+# through the primary key, from the payee's side through flows_by_payee); the payments in the head (lo,
 # head_end) and the tail [tail_start, hi] are its partial minutes (when no bucket fits, the head is the
 # whole window and the tail is empty). Each range is its own index scan on (payer, ts) or (payee, ts),
 # per window (LATERAL): a join of all windows at once let the planner hash whole tables on every call
@@ -192,8 +214,11 @@ WITH q AS (
 ), rows AS (
     SELECT w.i, w.name, r.direction, r.counterparty, r.currency, r.payments, r.total, r.near
     FROM w CROSS JOIN LATERAL (
-        SELECT b.direction, b.counterparty, b.currency, b.payments, b.total, b.near
-        FROM {buckets} b WHERE b.account = w.account AND b.bucket >= w.fa AND b.bucket < w.fb
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near
+        FROM {flows} f WHERE f.payer = w.account AND f.bucket >= w.fa AND f.bucket < w.fb
+        UNION ALL
+        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0
+        FROM {flows} f WHERE f.payee = w.account AND f.bucket >= w.fa AND f.bucket < w.fb
         UNION ALL
         SELECT 'out', p.payee, p.currency, 1, p.amount, {near}
         FROM {payments} p WHERE p.payer = w.account AND p.ts > w.lo AND p.ts < w.head_end
@@ -260,7 +285,7 @@ async def aggregates_many(
     low, high = near_bounds(threshold, band)
     await cur.execute(
         sql.SQL(_WINDOWS).format(
-            buckets=sql.Identifier(schema.name, "buckets"),
+            flows=sql.Identifier(schema.name, "flows"),
             payments=sql.Identifier(schema.name, "payments"),
             near=sql.SQL(_NEAR),
         ),

@@ -99,7 +99,7 @@ def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int
 
     def write_aggregates(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
         payments = outputs.tables["payments"]
-        late = aggregates.write_batch(conn, aggregates.SCHEMA, payments, outputs.tables["buckets"])
+        late = aggregates.write_batch(conn, aggregates.SCHEMA, payments, outputs.tables["flows"])
         return payments.num_rows - late
 
     return write_aggregates

@@ -543,6 +543,59 @@ def test_migrations_are_versioned_idempotent_and_refuse_a_newer_store(store_url:
             migrate(conn, relations.SCHEMA)
 
 
+async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: Any, store_url: str) -> None:
+    """Schema version 2 of C's store keeps one row per payment's (payer, minute, payee, currency) instead of
+    one per side: a store written by version 1 (bucket rows for both sides, as its pipeline wrote them)
+    migrates in place and answers exactly as before, then takes new batches."""
+    at = T0 + timedelta(days=1, seconds=30)
+    payments = rows(
+        ("A", "B", "9500", at - timedelta(minutes=30)),  # near the threshold, in a whole minute
+        ("A", "B", "1", at - timedelta(minutes=30, seconds=1)),  # the same minute and pair: one row
+        ("B", "A", "2", at - timedelta(hours=2), "USD"),
+        ("C", "A", "4", at),  # in the partial minute at the end
+        ("A", "A", "8", at - timedelta(hours=3)),  # to itself: sent and received
+    )
+    version_1 = aggregates.Schema("aggregates", aggregates.SCHEMA.migrations[:1])
+    with psycopg.connect(store_url) as conn:
+        migrate(conn, version_1)
+        aggregates.check_thresholds(conn, version_1, THRESHOLD, BAND)
+        low, high = aggregates.near_bounds(THRESHOLD, BAND)
+        for p in payments:
+            conn.execute(
+                "INSERT INTO aggregates.payments VALUES (%s, %s, %s, %s, %s)",
+                (p.payer, p.payee, p.currency, p.amount, p.ts),
+            )
+            minute = aggregates.floor_bucket(p.ts)
+            near = int(low <= p.amount < high)
+            for account, direction, other, counted in (
+                (p.payer, "out", p.payee, near),
+                (p.payee, "in", p.payer, 0),
+            ):
+                conn.execute(
+                    "INSERT INTO aggregates.buckets VALUES (%s, %s, %s, %s, %s, 1, %s, %s) "
+                    "ON CONFLICT (account, bucket, direction, counterparty, currency) DO UPDATE SET "
+                    "payments = buckets.payments + 1, total = buckets.total + excluded.total, "
+                    "near = buckets.near + excluded.near",
+                    (account, minute, direction, other, p.currency, p.amount, counted),
+                )
+        aggregates.write_meta(conn, version_1, {"max_event_ts": at.isoformat()})
+        conn.execute("INSERT INTO aggregates.applied_offsets VALUES (0, %s)", (len(payments),))
+        conn.commit()
+        assert migrate(conn, aggregates.SCHEMA) == 1
+        flows = conn.execute("SELECT count(*), sum(payments), sum(near) FROM aggregates.flows").fetchone()
+        assert flows == (4, 5, 1)
+        assert conn.execute("SELECT to_regclass('aggregates.buckets')").fetchone() == (None,)
+    instants = [at, at - timedelta(minutes=30), at + timedelta(hours=2, minutes=59)]
+    for when in instants:
+        for account in ("A", "B", "C"):
+            expected = reference_aggregates([payments], account, when, THRESHOLD, BAND)
+            assert without_as_of(await one_aggregate(store_url, account, when)) == expected, (account, when)
+    later = rows(("C", "A", "16", at + timedelta(minutes=1)), start=len(payments))
+    apply_payments(spark, store_url, "aggregates", later)
+    expected = reference_aggregates([payments, later], "A", at + timedelta(minutes=2), THRESHOLD, BAND)
+    assert without_as_of(await one_aggregate(store_url, "A", at + timedelta(minutes=2))) == expected
+
+
 def test_every_store_keeps_its_tables_in_its_own_schema(store_url: str) -> None:
     with psycopg.connect(store_url) as conn:
         migrate(conn, relations.SCHEMA)
@@ -551,7 +604,7 @@ def test_every_store_keeps_its_tables_in_its_own_schema(store_url: str) -> None:
             "SELECT table_schema, table_name FROM information_schema.tables "
             "WHERE table_schema IN ('relations', 'aggregates') ORDER BY 1, 2"
         ).fetchall()
-    assert {("relations", "edges"), ("aggregates", "payments"), ("aggregates", "buckets")} <= set(tables)
+    assert {("relations", "edges"), ("aggregates", "payments"), ("aggregates", "flows")} <= set(tables)
     assert ("relations", "applied_offsets") in tables and ("aggregates", "applied_offsets") in tables
 
 
@@ -609,7 +662,7 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
 def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
     """Each service's aggregation of a kept batch runs in one task: a shuffle would cost a stage, files
     and a scheduling round per aggregation, about 100 ms per micro-batch (BENCHMARKS.md)."""
-    from aml_app.pipeline.transforms import buckets, edges, in_one_task, kept
+    from aml_app.pipeline.transforms import edges, flows, in_one_task, kept
     from aml_app.pipeline.validation import validated
     from tests.stores import records_frame
 
@@ -622,7 +675,7 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
 
     with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
         valid = batch.where("valid")
-        for aggregated in (edges(in_one_task(valid)), buckets(in_one_task(valid), THRESHOLD, BAND)):
+        for aggregated in (edges(in_one_task(valid)), flows(in_one_task(valid), THRESHOLD, BAND)):
             assert "Exchange" not in plan(aggregated), plan(aggregated)
             assert aggregated.count() >= 1
         assert "Exchange" in plan(edges(valid))  # the check sees a shuffle where there is one
@@ -644,7 +697,7 @@ def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
     assert relations_out.tables["edges"].column("payments").to_pylist() == [4]
     assert relations_out.spans.to_pylist() == [{"partition": 0, "first": 6, "last": 9, "records": 4}]
     assert aggregates_out.tables["payments"].num_rows == 10
-    assert sum(aggregates_out.tables["buckets"].column("payments").to_pylist()) == 20  # both sides
+    assert sum(aggregates_out.tables["flows"].column("payments").to_pylist()) == 10  # one row per payment
     assert aggregates_out.spans.to_pylist() == [{"partition": 0, "first": 0, "last": 9, "records": 10}]
 
 
