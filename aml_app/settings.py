@@ -105,7 +105,7 @@ class Settings:
     threshold_band: Decimal = Decimal("0.1")
     spark_master: str = "local[2]"
     trigger_interval: float = 0.5
-    max_records_per_trigger: int = 50000
+    max_records_per_trigger: int = 100_000
     # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
     stall_after: float = 30.0
     lag_warn: int = 1000

@@ -37,6 +37,19 @@ DEFAULT_PORT = 5433
 START_TIMEOUT = 60.0
 
 
+#: Server settings for the stores' write load (docs/deployment.md recommends the same for a server of your
+#: own). With PostgreSQL's defaults (max_wal_size 1GB, shared_buffers 128MB) the pipeline's catch-up
+#: forced a checkpoint every 20-odd seconds ("checkpoints are occurring too frequently" in the server's
+#: log), and each checkpoint makes the next change of every page write the whole page to the WAL again
+#: (full-page writes): over 1.5 kB of WAL per payment. Measured: about a tenth more payments per second
+#: through both services (BENCHMARKS.md, "Pipeline throughput").
+INGEST_SETTINGS = {
+    "shared_buffers": "512MB",
+    "max_wal_size": "4GB",
+    "checkpoint_timeout": "15min",
+}
+
+
 class PostgresError(RuntimeError):
     """The embedded PostgreSQL server could not be set up or started; the message says what to do."""
 
@@ -163,7 +176,7 @@ class EmbeddedPostgres:
                 f"-c listen_addresses={self.host}",
                 f"-k {self.data}",  # the Unix socket stays inside our folder
                 "-c max_connections=200",
-                "-c shared_buffers=128MB",
+                *(f"-c {name}={value}" for name, value in INGEST_SETTINGS.items()),
             ]
         )
         started = self._run(

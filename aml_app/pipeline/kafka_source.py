@@ -10,7 +10,7 @@ record batches. Usage:
         .option("subscribe", "payments")
         .option("startingOffsets", '{"0": 42}')  # where a new query starts (else the log start), or
         .option("groupId", "relations")          # start from this group's committed offsets
-        .option("maxRecordsPerTrigger", "50000")  # back-pressure: records per micro-batch
+        .option("maxRecordsPerTrigger", "100000")  # back-pressure: records per micro-batch
         .option("maxTasks", "2")                  # pack a batch's partitions into at most 2 tasks
         .option("minRecordsPerTask", "5000")      # and a smaller batch into fewer (the default)
         .load()
