@@ -21,9 +21,17 @@ e. where the time goes: Spark's own per-trigger durations (latestOffset = our pl
    jobs that read, check and aggregate the batch, dead letters, the store transaction, the group commit),
    and, per service and phase, a least-squares fit of seconds = fixed + per-record x records over every
    batch of c. (large) and d. (small): the fixed cost of a micro-batch and the cost of each record.
+f. warm JVM: the queries stop, N more payments are produced, and the queries start again on the same
+   SparkSession (as a restarted job on a long-running cluster would); time from the restart until both
+   groups committed them. c. includes the JVM compiling Spark's and the contract's code (its JIT compilers
+   used more CPU than the work itself, measured with Java Flight Recorder); f. does not.
+   For c. and f., the CPU seconds of every process on the machine by kind (the JVM, PostgreSQL, the broker,
+   Python: this process, which is also Spark's driver and polls the groups, and Spark's Python workers,
+   which read Kafka), per record; the CPU-bound limit is the rate at which that CPU would fill every core.
+   Run it on an otherwise idle machine.
 
     .venv/bin/python -m bench.pipeline_throughput [--payments 200000] [--rate 2000] [--duration 20]
-        [--max-records-per-trigger 50000] [--trigger-interval 0.5]
+        [--max-records-per-trigger 100000] [--trigger-interval 0.5]
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
 from aml_app.kafka.tools import payment_json
+from aml_app.settings import Settings
 from bench.common import finish, machine, markdown_table
 
 NAME = "pipeline_throughput"
@@ -92,8 +101,11 @@ def create_topics(bootstrap: str, topics: list[str], partitions: int) -> None:
         future.result(30)
 
 
-def produce_all(bootstrap: str, topic: str, n: int, invalid_every: int) -> dict[str, Any]:
-    """Produce the benchmark's payments; return the true log end per partition (from delivery reports)."""
+def produce_all(
+    bootstrap: str, topic: str, n: int, invalid_every: int, seed: int = 1, held: int = 0
+) -> dict[str, Any]:
+    """Produce the benchmark's payments to a topic holding `held` records; return the true log end per
+    partition (from delivery reports)."""
     from confluent_kafka import Producer
 
     ends: dict[int, int] = defaultdict(int)
@@ -108,7 +120,7 @@ def produce_all(bootstrap: str, topic: str, n: int, invalid_every: int) -> dict[
 
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 50, "batch.num.messages": 10000})
     started = time.monotonic()
-    for key, value, valid in payments(n, invalid_every, seed=1, tag="p"):
+    for key, value, valid in payments(n, invalid_every, seed=seed, tag=f"p{seed}"):
         invalid += not valid
         while True:
             try:
@@ -120,8 +132,8 @@ def produce_all(bootstrap: str, topic: str, n: int, invalid_every: int) -> dict[
     remaining = producer.flush(60)
     if remaining or errors:
         raise RuntimeError(f"{remaining} payments undelivered, errors: {errors[:3]}")
-    if sum(ends.values()) != n:
-        raise RuntimeError(f"the log holds {sum(ends.values())} records, expected {n} (topic not fresh?)")
+    if sum(ends.values()) != held + n:
+        raise RuntimeError(f"the log holds {sum(ends.values())} records, expected {held + n}")
     return {"ends": dict(ends), "invalid": invalid, "seconds": time.monotonic() - started}
 
 
@@ -170,6 +182,49 @@ def source_read(bootstrap: str, topic: str, ends: dict[int, int]) -> tuple[float
     if rows != sum(ends.values()):
         raise RuntimeError(f"read_range gave {rows} records, expected {sum(ends.values())}")
     return seconds, batches
+
+
+# --- CPU per process ------------------------------------------------------------------------------
+
+PROCESS_KINDS = {
+    "java": "Spark (JVM)",
+    "postgres": "PostgreSQL",
+    "tansu": "broker (Tansu)",
+    "python": "Python",
+}
+
+
+def cpu_seconds() -> dict[str, float]:
+    """CPU seconds (user + system) used so far by the processes of each kind (`PROCESS_KINDS`), from
+    /proc: the JVM, PostgreSQL's processes, the broker, and Python (this process, which is also Spark's
+    driver and polls the groups' offsets, and Spark's Python workers, which read Kafka)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    used: dict[str, float] = defaultdict(float)
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue  # the process ended meanwhile
+        comm, rest = text[text.index("(") + 1 : text.rindex(")")], text[text.rindex(")") + 2 :].split()
+        kind = next((k for prefix, k in PROCESS_KINDS.items() if comm.startswith(prefix)), None)
+        if kind is not None:
+            used[kind] += (int(rest[11]) + int(rest[12])) / tick
+    return dict(used)
+
+
+def cpu_since(before: dict[str, float], records: int, seconds: float) -> dict[str, Any]:
+    """CPU used per kind of process since `before`: seconds, µs per record, and in all."""
+    now = cpu_seconds()
+    used = {kind: now.get(kind, 0.0) - before.get(kind, 0.0) for kind in PROCESS_KINDS.values()}
+    total = sum(used.values())
+    return {
+        "seconds": {k: round(v, 2) for k, v in used.items()},
+        "us_per_record": {k: round(v / records * 1e6, 1) for k, v in used.items()},
+        "total_s": round(total, 2),
+        "total_us_per_record": round(total / records * 1e6, 1),
+        "cores_busy": round(total / seconds, 2),
+        "cpu_bound_records_per_s": round(records / (total / (os.cpu_count() or 1))),
+    }
 
 
 # --- e: fixed and per-record costs ---------------------------------------------------------------
@@ -421,7 +476,6 @@ def latencies(
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     from aml_app.pipeline.runner import spark_session, start_pipeline
-    from aml_app.settings import Settings
 
     os.environ["PYSPARK_PYTHON"] = sys.executable
     os.environ["PYSPARK_DRIVER_PYTHON"] = sys.executable
@@ -501,8 +555,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             t_cold = time.monotonic()
             spark = spark_session(args.master, app_name="bench-pipeline")
             t_warm = time.monotonic()
+            cpu_before = cpu_seconds()
             pipeline = start_pipeline(spark, settings, on_batch=reports)
             t_done = wait_committed(poller, ends, args.timeout, pipeline)
+            cpu_catch_up = cpu_since(cpu_before, n, t_done - t_warm)
             reports.wait_for(n, {})
             steady = {s: steady_state(reports, s) for s in ("relations", "aggregates")}
             dead = {s: sum(r["dead_lettered"] for r in reports.of(s)) for s in ("relations", "aggregates")}
@@ -517,6 +573,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "dead_lettered": dead,
                 "handler_phases_s": {s: phases(reports.of(s)) for s in ("relations", "aggregates")},
                 "spark_progress": settled_progress(pipeline, n, {}),
+                "cpu": cpu_catch_up,
             }
             if any(d != produced["invalid"] for d in dead.values()):
                 raise RuntimeError(f"dead letters {dead}, expected {produced['invalid']} per service")
@@ -558,6 +615,25 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "spark_progress": settled_progress(pipeline, len(placed), batch_ids),
             }
             doc["costs"] = {s: costs(reports.of(s)) for s in ("relations", "aggregates")}
+
+            # f. the catch-up again with the JVM's code already compiled: the queries stop, N more payments
+            # arrive, the queries start again on the same SparkSession (as after a restart of the job on a
+            # long-running cluster). c. includes the JIT's compiling, which took more CPU than the work.
+            pipeline.stop()
+            pipeline = None
+            held = sum(late_ends.values())
+            more = produce_all(broker.bootstrap, topic, n, invalid_every, seed=3, held=held)
+            warm_ends = {p: max(late_ends.get(p, 0), end) for p, end in more["ends"].items()}
+            cpu_before, started = cpu_seconds(), time.monotonic()
+            pipeline = start_pipeline(spark, settings, on_batch=reports)
+            t_again = wait_committed(poller, warm_ends, args.timeout, pipeline)
+            doc["warm_jvm"] = {
+                "records": n,
+                "seconds": t_again - started,
+                "records_per_s": n / (t_again - started),
+                "cpu": cpu_since(cpu_before, n, t_again - started),
+            }
+            print(f"f. pipeline on a warm JVM: {n / (t_again - started):,.0f} records/s")
             latency = doc["latency"]
             print(
                 f"d. latency at {args.rate:.0f}/s for {args.duration:.0f} s: p50 {latency['p50_ms']:.0f} ms, "
@@ -577,6 +653,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             "pipeline_cold_per_s": doc["pipeline"]["records_per_s_cold"],
             "pipeline_warm_per_s": doc["pipeline"]["records_per_s_warm"],
             "pipeline_steady_per_s": doc["pipeline"]["steady_records_per_s"],
+            "pipeline_warm_jvm_per_s": doc["warm_jvm"]["records_per_s"],
+            "ratio_warm_jvm_to_raw": doc["warm_jvm"]["records_per_s"] / raw_rate,
             "ratio_read_range_to_raw": doc["source_read"]["records_per_s"] / raw_rate,
             "ratio_cold_to_raw": doc["pipeline"]["records_per_s_cold"] / raw_rate,
             "ratio_warm_to_raw": doc["pipeline"]["records_per_s_warm"] / raw_rate,
@@ -615,6 +693,26 @@ def report(doc: dict[str, Any]) -> str:
                 round(s["pipeline_steady_per_s"]),
                 s["ratio_steady_to_raw"],
             ),
+            (
+                "f. pipeline, warm JVM (queries restarted)",
+                round(s["pipeline_warm_jvm_per_s"]),
+                s["ratio_warm_jvm_to_raw"],
+            ),
+        ],
+    )
+    cpu = {"c. catch-up": p["cpu"], "f. warm JVM": doc["warm_jvm"]["cpu"]}
+    kinds = list(PROCESS_KINDS.values())
+    cpu_table = markdown_table(
+        ["CPU µs per record", *kinds, "in all", "cores busy", "CPU-bound limit, records/s"],
+        [
+            (
+                phase,
+                *(c["us_per_record"][k] for k in kinds),
+                c["total_us_per_record"],
+                c["cores_busy"],
+                c["cpu_bound_records_per_s"],
+            )
+            for phase, c in cpu.items()
         ],
     )
     services = markdown_table(
@@ -696,7 +794,7 @@ def report(doc: dict[str, Any]) -> str:
     goal = "met" if s["goal_met"] else "NOT met"
     latency_goal = "met" if s["latency_goal_met"] else "NOT met"
     verdict = f"goal {s['goal']}: throughput {goal}, latency {latency_goal}"
-    return "\n\n".join([rates, verdict, services, spark, handler, per_record, latency])
+    return "\n\n".join([rates, verdict, cpu_table, services, spark, handler, per_record, latency])
 
 
 def cli() -> None:
@@ -704,7 +802,12 @@ def cli() -> None:
     parser.add_argument("--payments", type=int, default=200_000, help="N, produced before the measurements")
     parser.add_argument("--rate", type=float, default=2000, help="records/s for the latency phase")
     parser.add_argument("--duration", type=float, default=20, help="seconds of the latency phase")
-    parser.add_argument("--max-records-per-trigger", type=int, default=50_000, help="as Settings")
+    parser.add_argument(
+        "--max-records-per-trigger",
+        type=int,
+        default=Settings().max_records_per_trigger,
+        help="the pipeline's default (AML_MAX_RECORDS_PER_TRIGGER)",
+    )
     parser.add_argument("--trigger-interval", type=float, default=0.5, help="seconds between micro-batches")
     parser.add_argument("--invalid-fraction", type=float, default=0.01)
     parser.add_argument("--runs", type=int, default=3, help="runs of a. and b. (the best counts)")
