@@ -21,7 +21,8 @@ together with its `as_of`, so any number of replicas on any hosts give the same 
 starts without the store's tables and answers empty (as_of {}) until the pipeline creates them. Every
 few seconds it checks the store against its consumer group's committed offsets (the store-loss guard,
 `aml_app.dependencies.guard`); a store found behind makes /health and every query answer 503 with the
-sentence that says what to do, rather than serve answers the gate would trust.
+sentence that says what to do, rather than serve answers the gate would trust. So does a store at
+another schema version than this program's (during an upgrade, until the new pipeline migrated it).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from aml_app.contract import MAX_ID_LENGTH
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import MAX_HOPS, PARTS
-from aml_app.dependencies.store import Reader, redacted
+from aml_app.dependencies.store import Reader, StoreVersionMismatch, redacted
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,7 @@ async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse
         return _error(405, f"Method {request.method} is not allowed here; use {allowed}.")
     except web.HTTPException as exc:
         return _error(exc.status, exc.reason)
-    except StoreBehind as exc:
+    except (StoreBehind, StoreVersionMismatch) as exc:
         return _error(503, f"{str(exc)[0].upper()}{str(exc)[1:]}")
     except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
         log.warning("store read failed for %s: %s", request.path, exc)
@@ -223,12 +224,18 @@ class StoreCheck:
     async def check(self) -> None:
         from aml_app.gate.offsets import OffsetReadError
 
+        unreadable = (
+            OffsetReadError,
+            StoreVersionMismatch,
+            psycopg.OperationalError,
+            psycopg_pool.PoolTimeout,
+        )
         try:
             _partitions, committed = await self.offsets.read()
             # Committed first, then the store: see guard.behind.
             async with self.reader.snapshot() as snap:
                 applied = snap.as_of
-        except (OffsetReadError, psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
+        except unreadable as exc:
             self.error = str(exc) or type(exc).__name__
             return
         self.error = None

@@ -54,6 +54,11 @@ class StoreError(RuntimeError):
     """A store problem a person has to act on; the message says what to do."""
 
 
+class StoreVersionMismatch(StoreError):
+    """The store's schema is at another version than this program's (an upgrade in progress): reading
+    it would fail or answer wrongly, so the APIs refuse with this sentence until the versions agree."""
+
+
 class StaleBatch(StoreError):
     """A batch whose covered offsets do not start where the store left off (a replay or a gap)."""
 
@@ -391,6 +396,9 @@ def redacted(url: str) -> str:
 
 # --- the readers ----------------------------------------------------------------------------------
 
+#: The pseudo meta key under which a snapshot reads the schema's version (no real key has this name).
+_VERSION_KEY = "schema_version"
+
 
 @dataclass
 class Snapshot:
@@ -449,6 +457,30 @@ class Reader:
             name = sql.Identifier(self.schema.name)
             await cur.execute(sql.SQL("SELECT partition, next_offset FROM {}.applied_offsets").format(name))
             as_of = {int(p): int(o) for p, o in await cur.fetchall()}
-            await cur.execute(sql.SQL("SELECT key, value FROM {}.meta").format(name))
+            # The schema's version comes with the meta rows (no extra round trip), from the same snapshot
+            # as the tables the answer reads: a store seen at this program's version has its tables.
+            await cur.execute(
+                sql.SQL(
+                    "SELECT key, value FROM {0}.meta"
+                    " UNION ALL SELECT %s, max(version)::text FROM {0}.schema_version"
+                ).format(name),
+                (_VERSION_KEY,),
+            )
             meta = dict(await cur.fetchall())
+            self.refuse_other_version(int(meta.pop(_VERSION_KEY) or 0))
             yield Snapshot(cur, self.schema, as_of, meta)
+
+    def refuse_other_version(self, version: int) -> None:
+        """Raise `StoreVersionMismatch` unless the store is at this program's schema version."""
+        name, ours = self.schema.name, self.schema.version
+        if version < ours:
+            raise StoreVersionMismatch(
+                f"the {name} store has schema version {version} and this program reads version {ours}: "
+                "the pipeline of this version migrates the store when it starts (aml-app pipeline); "
+                "until then this API answers nothing."
+            )
+        if version > ours:
+            raise StoreVersionMismatch(
+                f"the {name} store has schema version {version}, newer than this program's {ours}: "
+                "run the newer version of aml-app."
+            )

@@ -16,13 +16,14 @@ from typing import Any
 from urllib.parse import quote
 
 import aiohttp
+import psycopg
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, build_app, relations_app
-from aml_app.dependencies.store import Reader, redacted
+from aml_app.dependencies.store import Reader, migrate, redacted
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import spark_session
@@ -441,6 +442,37 @@ async def test_a_store_behind_its_group_is_unhealthy_and_answers_nothing(
             assert response.status == 503
     finally:
         progress.close()
+
+
+async def test_an_api_refuses_a_store_at_another_schema_version_until_it_is_migrated(
+    store_url: str, broker: EmbeddedBroker, names: Names
+) -> None:
+    """During an upgrade the API can be newer than its store (the new pipeline has not migrated it yet)
+    or older: every answer, /health included, is a 503 sentence saying what to do, never a 500 from a
+    missing table; the store check keeps running, and answers resume once the store is migrated."""
+    schema, ours = aggregates.SCHEMA, aggregates.SCHEMA.version
+    with psycopg.connect(store_url) as conn:
+        migrate(conn, aggregates.Schema(schema.name, schema.migrations[: ours - 1]))
+    settings = replace(
+        SETTINGS, store_url=store_url, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
+        aggregates_group=names.deps[1],
+    )  # fmt: skip
+    async with client_for(build_app("aggregates", settings)) as client:
+        for path in ("/health", "/aggregates/A?at=2026-03-01T12:00:00Z"):
+            refused = await get(client, path, status=503)
+            assert f"schema version {ours - 1} and this program reads version {ours}" in refused["error"]
+            assert "migrates the store when it starts (aml-app pipeline)" in refused["error"]
+        response = await client.post("/aggregates", json={"queries": [{"account": "A"}]})
+        assert response.status == 503
+        with psycopg.connect(store_url) as conn:
+            migrate(conn, schema)
+        await wait_for_check(client, "ok")
+        assert (await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z"))["as_of"] == {}
+        with psycopg.connect(store_url) as conn:
+            conn.execute("INSERT INTO aggregates.schema_version (version) VALUES (%s)", (ours + 1,))
+            conn.commit()
+        refused = await get(client, "/health", status=503)
+        assert f"schema version {ours + 1}, newer than this program's {ours}" in refused["error"]
 
 
 async def wait_for_check(client: TestClient, state: str, timeout: float = 30) -> dict[str, Any]:
