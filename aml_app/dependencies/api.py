@@ -250,8 +250,19 @@ class StoreCheck:
             raise StoreBehind(self.problem)
 
     async def run(self) -> None:
+        """Check every CHECK_EVERY seconds for the application's lifetime: a check that fails in a way
+        `check` does not expect (a table dropped by hand, a bug) is logged once and retried, because a
+        dead loop would leave the last verdict standing for good and the store-loss guard silently off."""
         while True:
-            await self.check()
+            try:
+                await self.check()
+            except Exception as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                if error != self.error:
+                    log.exception(
+                        "the %s store check failed; trying again every %.0f s", self.service, CHECK_EVERY
+                    )
+                self.error = error
             await asyncio.sleep(CHECK_EVERY)
 
     def as_json(self) -> dict[str, Any]:

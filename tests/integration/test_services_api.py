@@ -475,6 +475,36 @@ async def test_an_api_refuses_a_store_at_another_schema_version_until_it_is_migr
         assert f"schema version {ours + 1}, newer than this program's {ours}" in refused["error"]
 
 
+async def test_the_store_check_outlives_a_failure_it_does_not_expect(
+    stores: str, broker: EmbeddedBroker, names: Names, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A check that fails in a way it does not handle (here the offsets table renamed by hand: a
+    missing table, not an outage) is logged and retried; the guard still sees the group run ahead once
+    the table is back, instead of leaving its last verdict, "ok", standing for good."""
+    group = names.deps[0]
+    settings = replace(
+        SETTINGS, store_url=stores, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
+        relations_group=group,
+    )  # fmt: skip
+    progress = GroupProgress({"bootstrap.servers": broker.bootstrap}, names.payments, group)
+    try:
+        progress.commit({0: 2, 1: 1})
+        async with client_for(build_app("relations", settings)) as client:
+            await wait_for_check(client, "ok")
+            with psycopg.connect(stores, autocommit=True) as conn:
+                conn.execute("ALTER TABLE relations.applied_offsets RENAME TO applied_offsets_away")
+                deadline = time.monotonic() + 30
+                while "the relations store check failed" not in caplog.text:
+                    assert time.monotonic() < deadline, "the store check never ran into the missing table"
+                    await asyncio.sleep(0.1)
+                progress.commit({0: 500})
+                conn.execute("ALTER TABLE relations.applied_offsets_away RENAME TO applied_offsets")
+            health = await wait_for_check(client, "behind")
+            assert "committed offset 500" in health["store_check"]["problem"]
+    finally:
+        progress.close()
+
+
 async def wait_for_check(client: TestClient, state: str, timeout: float = 30) -> dict[str, Any]:
     deadline = time.monotonic() + timeout
     while True:
