@@ -8,7 +8,7 @@ import asyncio
 import sys
 import time
 from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -414,20 +414,32 @@ async def test_bad_batches_get_a_400_sentence(store_url: str, path: str, body: A
 # --- the store check and outages -----------------------------------------------------------------
 
 
+def checked(store_url: str, broker: EmbeddedBroker, names: Names) -> Settings:
+    """Settings for an API whose store check watches `names.deps[0]` as the relations group."""
+    return replace(
+        SETTINGS, store_url=store_url, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
+        relations_group=names.deps[0],
+    )  # fmt: skip
+
+
+@contextmanager
+def relations_group(names: Names, broker: EmbeddedBroker) -> Iterator[GroupProgress]:
+    """The relations group of `checked`, for a test to commit offsets as the pipeline would."""
+    progress = GroupProgress({"bootstrap.servers": broker.bootstrap}, names.payments, names.deps[0])
+    try:
+        yield progress
+    finally:
+        progress.close()
+
+
 async def test_a_store_behind_its_group_is_unhealthy_and_answers_nothing(
     stores: str, broker: EmbeddedBroker, names: Names
 ) -> None:
     """The group says offsets up to 2 of partition 0 are processed; a store that holds them is healthy,
     one that lost them (here: a group far ahead, as after a lost disk) answers 503 with what to do."""
-    group = names.deps[0]
-    settings = replace(
-        SETTINGS, store_url=stores, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
-        relations_group=group,
-    )  # fmt: skip
-    progress = GroupProgress({"bootstrap.servers": broker.bootstrap}, names.payments, group)
-    try:
+    with relations_group(names, broker) as progress:
         progress.commit({0: 2, 1: 1})
-        async with client_for(build_app("relations", settings)) as client:
+        async with client_for(build_app("relations", checked(stores, broker, names))) as client:
             await wait_for_check(client, "ok")
             assert (await get(client, "/relations/A"))["as_of"] == {"0": 2, "1": 2}
             progress.commit({0: 500})
@@ -440,8 +452,6 @@ async def test_a_store_behind_its_group_is_unhealthy_and_answers_nothing(
             assert "behind its consumer group" in refused["error"]
             response = await client.post("/relations", json={"queries": [{"account": "A"}]})
             assert response.status == 503
-    finally:
-        progress.close()
 
 
 async def test_an_api_refuses_a_store_at_another_schema_version_until_it_is_migrated(
@@ -481,15 +491,9 @@ async def test_the_store_check_outlives_a_failure_it_does_not_expect(
     """A check that fails in a way it does not handle (here the offsets table renamed by hand: a
     missing table, not an outage) is logged and retried; the guard still sees the group run ahead once
     the table is back, instead of leaving its last verdict, "ok", standing for good."""
-    group = names.deps[0]
-    settings = replace(
-        SETTINGS, store_url=stores, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
-        relations_group=group,
-    )  # fmt: skip
-    progress = GroupProgress({"bootstrap.servers": broker.bootstrap}, names.payments, group)
-    try:
+    with relations_group(names, broker) as progress:
         progress.commit({0: 2, 1: 1})
-        async with client_for(build_app("relations", settings)) as client:
+        async with client_for(build_app("relations", checked(stores, broker, names))) as client:
             await wait_for_check(client, "ok")
             with psycopg.connect(stores, autocommit=True) as conn:
                 conn.execute("ALTER TABLE relations.applied_offsets RENAME TO applied_offsets_away")
@@ -501,8 +505,6 @@ async def test_the_store_check_outlives_a_failure_it_does_not_expect(
                 conn.execute("ALTER TABLE relations.applied_offsets_away RENAME TO applied_offsets")
             health = await wait_for_check(client, "behind")
             assert "committed offset 500" in health["store_check"]["problem"]
-    finally:
-        progress.close()
 
 
 async def wait_for_check(client: TestClient, state: str, timeout: float = 30) -> dict[str, Any]:
