@@ -116,6 +116,15 @@ class Schema:
         ]
 
 
+def newer_than_program(schema: Schema, version: int) -> str:
+    """What to do about a store at `version`, newer than this program's schema (the pipeline and the APIs
+    alike refuse it)."""
+    return (
+        f"the {schema.name} store has schema version {version}, newer than this program's "
+        f"{schema.version}: run the newer version of aml-app, or rebuild the store"
+    )
+
+
 def migrate(conn: psycopg.Connection, schema: Schema) -> int:
     """Create the schema or bring it to the newest version; returns the version it had before (0: new).
 
@@ -135,10 +144,7 @@ def migrate(conn: psycopg.Connection, schema: Schema) -> int:
         ).fetchone()
         before = int(row[0]) if row and row[0] is not None else 0
         if before > schema.version:
-            raise StoreError(
-                f"the {schema.name} store has schema version {before}, newer than this program's "
-                f"{schema.version}: run the newer version of aml-app, or rebuild the store"
-            )
+            raise StoreError(newer_than_program(schema, before))
         if before == 0:
             for statement in Schema(schema.name, [COMMON_TABLES]).statements(COMMON_TABLES):
                 conn.execute(statement)
@@ -480,7 +486,4 @@ class Reader:
                 "until then this API answers nothing."
             )
         if version > ours:
-            raise StoreVersionMismatch(
-                f"the {name} store has schema version {version}, newer than this program's {ours}: "
-                "run the newer version of aml-app."
-            )
+            raise StoreVersionMismatch(f"{newer_than_program(self.schema, version)}.")
