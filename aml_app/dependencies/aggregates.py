@@ -51,6 +51,8 @@ from aml_app.dependencies.store import (
 HORIZON = timedelta(days=7)
 PRUNE_SLACK = timedelta(hours=1)
 BUCKET = timedelta(minutes=1)
+#: The windows of an answer. The window query (`_WINDOWS`) spells out these three, in this order; each
+#: is longer than a minute, so that its first whole minute comes before the minute that holds `at`.
 WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -192,50 +194,86 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, flows: 
 
 # --- the query ------------------------------------------------------------------------------------
 
-# For each (account, at) and window: `lo` = at - w (excluded) and `hi` = at (included); the flows whose
-# minute starts at or after `fa` and before `fb` lie wholly inside the window (read from the payer's side
-# through the primary key, from the payee's side through flows_by_payee); the payments in the head (lo,
-# head_end) and the tail [tail_start, hi] are its partial minutes (when no bucket fits, the head is the
-# whole window and the tail is empty). Each range is its own index scan on (payer, ts) or (payee, ts),
-# per window (LATERAL): a join of all windows at once let the planner hash whole tables on every call
-# (1.5x slower at 20,000 payments, and growing with the store; BENCHMARKS.md, "End to end").
+# One pass per (account, at) serves all three windows, which nest: (at - 7 d, at] holds (at - 24 h, at],
+# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded) and `fa_w` = the first minute that
+# lies wholly inside it; `fb` = the minute that holds `at`, the same for every window. The rows read, each
+# flagged with the windows it counts in (in_1h, in_24h, in_7d):
+# - the flows of the minutes [fa_7d, fb): in window w when the minute starts at or after fa_w (read from
+#   the payer's side through the primary key, from the payee's side through flows_by_payee);
+# - the tail, the payments in [fb, at]: in every window;
+# - each window's head, the payments of its partial first minute (lo_w, fa_w): in that window only (the
+#   wider windows count that minute through its flow rows).
+# Each range is an index scan of its own on (payer, ts) or (payee, ts), per query (LATERAL): a join of
+# all queries at once let the planner hash whole tables on every call (BENCHMARKS.md, "End to end").
+# The answers then come from hash aggregates with a FILTER per window: the totals per (direction,
+# currency), the payments per direction, and the distinct counterparties per direction and overall,
+# counted over rows first made unique per counterparty (DISTINCT aggregates would sort every group for
+# every window: twice the CPU).
 _WINDOWS = """
 WITH q AS (
-    SELECT * FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
-), bounds AS (
-    SELECT q.i, q.account COLLATE "C" AS account, v.name, q.at - v.width AS lo, q.at AS hi,
-        date_bin(%(bucket)s, q.at - v.width, 'epoch') + %(bucket)s AS fa,
-        date_bin(%(bucket)s, q.at + interval '1 microsecond', 'epoch') AS fb
-    FROM q CROSS JOIN (VALUES ('1h', interval '1 hour'), ('24h', interval '24 hours'),
-                              ('7d', interval '7 days')) AS v(name, width)
-), w AS (
-    SELECT *, least(fa, hi + interval '1 microsecond') AS head_end, greatest(fa, fb) AS tail_start
-    FROM bounds
-), rows AS (
-    SELECT w.i, w.name, r.direction, r.counterparty, r.currency, r.payments, r.total, r.near
-    FROM w CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near
-        FROM {flows} f WHERE f.payer = w.account AND f.bucket >= w.fa AND f.bucket < w.fb
+    SELECT i, account COLLATE "C" AS account, at,
+        at - %(1h)s AS lo_1h, date_bin(%(bucket)s, at - %(1h)s, 'epoch') + %(bucket)s AS fa_1h,
+        at - %(24h)s AS lo_24h, date_bin(%(bucket)s, at - %(24h)s, 'epoch') + %(bucket)s AS fa_24h,
+        at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at - %(7d)s, 'epoch') + %(bucket)s AS fa_7d,
+        date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS fb
+    FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
+), rows AS MATERIALIZED (
+    SELECT q.i, r.* FROM q CROSS JOIN LATERAL (
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
+            f.bucket >= q.fa_1h AS in_1h, f.bucket >= q.fa_24h AS in_24h, true AS in_7d
+        FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.fa_7d AND f.bucket < q.fb
         UNION ALL
-        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0
-        FROM {flows} f WHERE f.payee = w.account AND f.bucket >= w.fa AND f.bucket < w.fb
+        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0,
+            f.bucket >= q.fa_1h, f.bucket >= q.fa_24h, true
+        FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.fa_7d AND f.bucket < q.fb
         UNION ALL
-        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}
-        FROM {payments} p WHERE p.payer = w.account AND p.ts > w.lo AND p.ts < w.head_end
+        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, true, true, true
+        FROM {payments} p WHERE p.payer = q.account AND p.ts >= q.fb AND p.ts <= q.at
         UNION ALL
-        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}
-        FROM {payments} p WHERE p.payer = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, true, true, true
+        FROM {payments} p WHERE p.payee = q.account AND p.ts >= q.fb AND p.ts <= q.at
         UNION ALL
-        SELECT 'in', p.payer, p.currency, 1, p.amount, 0
-        FROM {payments} p WHERE p.payee = w.account AND p.ts > w.lo AND p.ts < w.head_end
+        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, true, false, false
+        FROM {payments} p WHERE p.payer = q.account AND p.ts > q.lo_1h AND p.ts < q.fa_1h
         UNION ALL
-        SELECT 'in', p.payer, p.currency, 1, p.amount, 0
-        FROM {payments} p WHERE p.payee = w.account AND p.ts >= w.tail_start AND p.ts <= w.hi
+        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, true, false, false
+        FROM {payments} p WHERE p.payee = q.account AND p.ts > q.lo_1h AND p.ts < q.fa_1h
+        UNION ALL
+        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, false, true, false
+        FROM {payments} p WHERE p.payer = q.account AND p.ts > q.lo_24h AND p.ts < q.fa_24h
+        UNION ALL
+        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, false, true, false
+        FROM {payments} p WHERE p.payee = q.account AND p.ts > q.lo_24h AND p.ts < q.fa_24h
+        UNION ALL
+        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, false, false, true
+        FROM {payments} p WHERE p.payer = q.account AND p.ts > q.lo_7d AND p.ts < q.fa_7d
+        UNION ALL
+        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, false, false, true
+        FROM {payments} p WHERE p.payee = q.account AND p.ts > q.lo_7d AND p.ts < q.fa_7d
     ) r
+), sides AS (
+    SELECT i, direction, counterparty,
+        bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d
+    FROM rows GROUP BY i, direction, counterparty
 )
-SELECT i, name, direction, currency, sum(payments)::bigint, sum(total), sum(near)::bigint,
-    count(DISTINCT counterparty), grouping(direction, currency)
-FROM rows GROUP BY GROUPING SETS ((i, name, direction, currency), (i, name, direction), (i, name))
+SELECT i, 'total' AS kind, direction, currency, sum(total) FILTER (WHERE in_1h),
+    sum(total) FILTER (WHERE in_24h), sum(total) FILTER (WHERE in_7d), NULL::numeric AS near_24h
+FROM rows GROUP BY i, direction, currency
+UNION ALL
+SELECT i, 'count', direction, NULL, sum(payments) FILTER (WHERE in_1h),
+    sum(payments) FILTER (WHERE in_24h), sum(payments) FILTER (WHERE in_7d), sum(near) FILTER (WHERE in_24h)
+FROM rows GROUP BY i, direction
+UNION ALL
+SELECT i, 'counterparties', direction, NULL, count(*) FILTER (WHERE in_1h),
+    count(*) FILTER (WHERE in_24h), count(*) FILTER (WHERE in_7d), NULL
+FROM sides GROUP BY i, direction
+UNION ALL
+SELECT i, 'all counterparties', NULL, NULL, count(*) FILTER (WHERE in_1h),
+    count(*) FILTER (WHERE in_24h), count(*) FILTER (WHERE in_7d), NULL
+FROM (
+    SELECT i, counterparty, bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d
+    FROM sides GROUP BY i, counterparty
+) AS everyone GROUP BY i
 """
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
 
@@ -295,21 +333,26 @@ async def aggregates_many(
             "bucket": BUCKET,
             "near_low": low,
             "near_high": high,
+            **WINDOWS,
         },
     )
-    for i, name, direction, currency, payments, total, near, parties, level in await cur.fetchall():
+    for i, kind, direction, currency, *per_window, near_24h in await cur.fetchall():
         answer = answers[i - 1]
-        window = answer["windows"][name]
         side = "sent" if direction == "out" else "received"
-        if level == 0:
-            window[side][currency] = money_text(total)
-        elif level == 1:
-            window[f"{side}_count"] = payments
-            window[f"{side}_counterparties"] = parties
-            if name == "24h" and direction == "out":
-                answer["near_threshold_24h"] = near
-        else:
-            window["counterparties"] = parties
+        for name, value in zip(WINDOWS, per_window, strict=True):
+            if value is None:  # no row in this window
+                continue
+            window = answer["windows"][name]
+            if kind == "total":
+                window[side][currency] = money_text(value)
+            elif kind == "count":  # the rest are counts, numeric like the totals in the same column
+                window[f"{side}_count"] = int(value)
+            elif kind == "counterparties":
+                window[f"{side}_counterparties"] = int(value)
+            else:
+                window["counterparties"] = int(value)
+        if kind == "count" and direction == "out" and near_24h is not None:
+            answer["near_threshold_24h"] = int(near_24h)
     for answer in answers:
         for window in answer["windows"].values():
             for side in ("sent", "received"):

@@ -412,6 +412,36 @@ async def test_window_edges_inside_and_across_minutes(spark: Any, store_url: str
             assert without_as_of(await one_aggregate(store_url, account, when)) == expected
 
 
+async def test_each_window_counts_its_partial_first_minute_once(spark: Any, store_url: str) -> None:
+    """The windows nest, and one pass over the flows serves all three: a payment in a window's partial
+    first minute is read for that window alone, and counted by the wider windows through its minute's
+    flow row, never twice."""
+    at = T0 + timedelta(days=3, seconds=30, microseconds=7)
+    head = timedelta(seconds=10)  # 10 s after at - w: inside the minute that (at - w, at] cuts in two
+    payments = rows(
+        ("A", "B", "1", at - timedelta(hours=1) + head),
+        ("A", "C", "2", at - timedelta(hours=24) + head),
+        ("A", "G", "4", at - timedelta(days=7) + head),
+        ("D", "A", "8", at - timedelta(hours=1) + head),
+        ("E", "A", "16", at - timedelta(hours=24) + head),
+        ("F", "A", "32", at - timedelta(days=7) + head),
+    )
+    apply_payments(spark, store_url, "aggregates", payments)
+    windows = (await one_aggregate(store_url, "A", at))["windows"]
+    assert [windows[w]["sent"] for w in ("1h", "24h", "7d")] == [
+        {"EUR": "1.00"},
+        {"EUR": "3.00"},
+        {"EUR": "7.00"},
+    ]
+    assert [windows[w]["received"]["EUR"] for w in ("1h", "24h", "7d")] == ["8.00", "24.00", "56.00"]
+    assert [windows[w]["received_count"] for w in ("1h", "24h", "7d")] == [1, 2, 3]
+    assert [windows[w]["counterparties"] for w in ("1h", "24h", "7d")] == [2, 4, 6]
+    for when in [at, at + head, at + timedelta(minutes=1)]:
+        for account in ("A", "B", "E", "F"):
+            expected = reference_aggregates([payments], account, when, THRESHOLD, BAND)
+            assert without_as_of(await one_aggregate(store_url, account, when)) == expected
+
+
 async def test_threshold_band_edges(spark: Any, store_url: str) -> None:
     t = T0 + timedelta(days=1)
     amounts = ["8999.9999", "9000", "9000.0001", "9999.9999", "10000", "10000.01"]
