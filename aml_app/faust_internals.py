@@ -20,6 +20,9 @@ found it; nothing else in the project touches a private name of either library:
   changelog) so the gate's waiters wake at once; they use a single changelog partition and write it
   explicitly, so Faust never picks a partition from producer metadata it has not fetched (issue 11:
   `Producer.key_partition` crashed a worker whose producer did not know the changelog topic).
+- `seek_in_consumer_thread`: Faust seeks aiokafka's consumer from the caller's thread while the consumer
+  runs in a thread of its own; the gate's delivery repairs seek, and a seek that raced the consumer
+  thread's iteration over fetched records crashed a worker.
 - `MEMORY_STORE`: Faust ignores a bare "memory://" store URL (an empty yarl URL is falsy).
 - `partition_flags`: the delivery repairs' view of whether Faust pauses or fetches a partition.
 - `keep_in_metadata`, `wait_for_topic`: keep the topics the worker writes in its producer's metadata
@@ -65,6 +68,9 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust_aiokafka.Producer, "_ensure_producer", "attr"),
     (faust_consumer, "CONSUMER_FETCHING", "attr"),
     (faust_consumer.Consumer, "_drain_messages", "attr"),
+    (faust_consumer.ThreadDelegateConsumer, "_seek", "attr"),
+    (faust_consumer.ThreadDelegateConsumer, "_thread", "annotation"),
+    (faust_consumer.Consumer, "_seek", "source:seek"),
     (faust_consumer.Consumer, "_read_offset", "annotation"),
     (faust_consumer.Consumer, "suspend_flow", "annotation"),
     (faust_consumer.Consumer, "_commit_every", "source:__init__"),
@@ -179,6 +185,7 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
             return TunedConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
         _drain_messages = lean_drain_messages
+        _seek = seek_in_consumer_thread
 
     class TunedTransport(faust_aiokafka.Transport):
         Consumer = TunedConsumer
@@ -247,6 +254,16 @@ async def lean_drain_messages(self: Any, fetcher: Any) -> None:
         raise
     finally:
         unset_flag(flag_consumer_fetching)
+
+
+async def seek_in_consumer_thread(self: Any, partition: TP, offset: int) -> None:
+    """Faust's `Consumer._seek`, run in the consumer's own thread like its other calls to aiokafka.
+
+    Faust runs aiokafka's consumer in a thread of its own but seeks from the caller's: aiokafka's fetcher
+    then drops a partition's fetched records while that thread iterates over them, and the worker dies
+    of a KeyError in `Fetcher.fetched_records` (seen in the end-to-end benchmark, right after the gate
+    fetched a hole again). Faust's `Consumer.seek` calls this, then moves its read offset as before."""
+    await self._thread.call_thread(self._thread.seek, partition, offset)
 
 
 class FetchWaitApp(faust.App):

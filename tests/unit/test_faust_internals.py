@@ -6,6 +6,7 @@ import asyncio
 import collections
 import subprocess
 import sys
+import threading
 import types
 from typing import Any
 
@@ -19,6 +20,8 @@ from aml_app.faust_internals import (
     incompatibility,
     lean_drain_messages,
     missing_names,
+    seek_in_consumer_thread,
+    transport_with_fetch_wait,
 )
 
 
@@ -238,3 +241,40 @@ async def test_dispatch_events_hands_over_this_generations_events_in_order_and_t
     assert not events[0].message.tracked and not events[151].message.tracked
     assert turns_while_draining >= 2, "the drain did not let other tasks run"
     assert stream.stopped_iteration
+
+
+class FakeConsumerThread:
+    """Like Faust's consumer thread: an event loop in a thread of its own, where `call_thread` runs."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.seeks: list[tuple[str, int, int]] = []
+
+    async def call_thread(self, method: Any, *args: Any) -> Any:
+        async def call() -> Any:
+            return method(*args)
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), self.loop))
+
+    def seek(self, partition: str, offset: int) -> None:
+        self.seeks.append((partition, offset, threading.get_ident()))
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(5)
+
+
+async def test_the_worker_consumer_seeks_in_the_consumer_thread() -> None:
+    """aiokafka's consumer is not thread-safe: a seek from the event loop's thread raced the consumer
+    thread's iteration over fetched records and crashed a worker (KeyError in `fetched_records`)."""
+    consumer_class = transport_with_fetch_wait(100).Consumer
+    assert consumer_class._seek is seek_in_consumer_thread
+    thread = FakeConsumerThread()
+    try:
+        await asyncio.wait_for(seek_in_consumer_thread(types.SimpleNamespace(_thread=thread), "tp", 7), 5)
+    finally:
+        thread.stop()
+    assert thread.seeks == [("tp", 7, thread.thread.ident)]
+    assert thread.thread.ident != threading.get_ident()
