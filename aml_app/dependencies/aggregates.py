@@ -1,26 +1,29 @@
-"""Service C's store: payments over event time, per-minute flows, and the windowed aggregates query.
+"""Service C's store: per-minute flows of payments over event time, and the windowed aggregates query.
 
 Windows at an instant come from pre-aggregated per-minute buckets (the flows) plus the exact payments at
 the window's edges (the idea of TimescaleDB's real-time continuous aggregates):
 
 - `flows(payer, bucket, payee, currency)`: per minute of event time, the payments from payer to payee in
-  one currency: how many, their exact total, and how many were near the reporting threshold. Spark builds
-  one row per key for each micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them up. A
-  payment is one row, read from the payer's side through the primary key and from the payee's side
-  through `flows_by_payee` (schema version 1 kept one row per side, `buckets`: twice the rows to write).
-- `payments(payer, payee, currency, amount, ts)`: every payment, once, for the edges of a window.
+  one currency: how many, their exact total, how many were near the reporting threshold, and the
+  payments themselves (`times` and `amounts`, in the same order). Spark builds one row per key for each
+  micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them up. A payment is in one row, read
+  from the payer's side through the primary key and from the payee's side through `flows_by_payee`.
+  Schema version 1 kept one row per side (`buckets`: twice the rows to write), version 2 every payment
+  once more in a table of its own with two indexes of its own (`payments`: three index entries more per
+  payment to write, for what the flow rows of two minutes already hold).
 
-A window (at - w, at] is the flows that lie wholly inside it plus the payments in the two partial minutes
-at its ends, so an answer reads at most two minutes of payments per account and direction, and one row
-per (minute, counterparty, currency) for the rest: exact, and equal to a computation over every payment
-(tests/reference.py), without scanning every payment of a busy account.
+A window (at - w, at] is the flows that lie wholly inside it plus the payments of the two partial minutes
+at its ends, read from those minutes' flow rows, so an answer reads one range of flow rows per account and
+direction and unpacks the payments of at most four minutes (the tail and each window's first): exact, and
+equal to a computation over every payment (tests/reference.py), without scanning every payment of a busy
+account.
 
 Too-late rule: the store keeps `max_event_ts`, the largest ts applied so far. When a batch is applied,
 max_event_ts first rises to include the whole batch; then every payment of the batch whose minute starts
 before `max_event_ts - 7 days` (its ts < the start of that minute) is too late: not stored, counted in
 `late_dropped`. Late payments inside the horizon are stored and do count. Whenever that minute boundary
-moves, payments and flows before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are
-exact for every `at >= max_event_ts - 1 h`.
+moves, flows before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are exact for every
+`at >= max_event_ts - 1 h`.
 
 Near the threshold: `threshold * (1 - band) <= amount < threshold`, counted over payments sent in 24 h.
 Both numbers are part of the store (`meta`): the flows were counted with them, so a pipeline started
@@ -103,12 +106,25 @@ SCHEMA = Schema(
             FROM {schema}.buckets WHERE direction = 'out';
         DROP TABLE {schema}.buckets
         """,
+        # 3: each flow row holds its payments (times and amounts), for the partial minutes of a window,
+        # instead of a payments table with two indexes of its own (a third of the store's index entries).
+        """
+        ALTER TABLE {schema}.flows ADD COLUMN times timestamptz[], ADD COLUMN amounts numeric[];
+        UPDATE {schema}.flows AS f SET times = p.times, amounts = p.amounts
+        FROM (
+            SELECT payer, date_bin('1 minute', ts, 'epoch') AS bucket, payee, currency,
+                array_agg(ts ORDER BY ts, amount) AS times, array_agg(amount ORDER BY ts, amount) AS amounts
+            FROM {schema}.payments GROUP BY 1, 2, 3, 4
+        ) AS p
+        WHERE (f.payer, f.bucket, f.payee, f.currency) = (p.payer, p.bucket, p.payee, p.currency);
+        ALTER TABLE {schema}.flows ALTER COLUMN times SET NOT NULL, ALTER COLUMN amounts SET NOT NULL;
+        DROP TABLE {schema}.payments
+        """,
     ],
 )
 
-#: The columns of a batch's payment and flow rows, as Spark makes them.
-PAYMENT_COLUMNS = ("payer", "payee", "currency", "amount", "ts")
-FLOW_COLUMNS = ("payer", "bucket", "payee", "currency", "payments", "total", "near")
+#: The columns of a batch's flow rows, as Spark makes them (`times` and `amounts`: Arrow lists).
+FLOW_COLUMNS = ("payer", "bucket", "payee", "currency", "payments", "total", "near", "times", "amounts")
 
 
 def floor_bucket(when: datetime) -> datetime:
@@ -136,31 +152,31 @@ def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decima
         )
 
 
-def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, flows: Any) -> int:
-    """Store a batch's payments and add its flow rows (Arrow tables), minus too-late ones; prune.
+def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[int, int]:
+    """Add a batch's flow rows (an Arrow table, sorted by the primary key), minus too-late ones; prune.
 
-    Returns how many payments were too late. Runs inside the caller's transaction.
+    Returns (payments stored, payments too late). Runs inside the caller's transaction.
     """
     import pyarrow.compute as pc
 
-    if payments.num_rows == 0:
-        return 0
+    if flows.num_rows == 0:
+        return 0, 0
     meta = read_meta(conn, schema)
     stored_max = datetime.fromisoformat(meta["max_event_ts"]) if "max_event_ts" in meta else None
-    batch_max = pc.max(payments["ts"]).as_py()
+    batch_max = pc.max(pc.list_flatten(flows["times"])).as_py()
     new_max = batch_max if stored_max is None else max(stored_max, batch_max)
     cutoff = floor_bucket(new_max - HORIZON)
-    on_time = pc.greater_equal(payments["ts"], cutoff)
-    late = payments.num_rows - pc.sum(on_time).as_py()
+    # A payment is too late when its minute is: the cutoff is a minute's start.
+    on_time = pc.greater_equal(flows["bucket"], cutoff)
+    payments = pc.sum(flows["payments"]).as_py()
+    late = payments - (pc.sum(pc.filter(flows["payments"], on_time)).as_py() or 0)
     if late:
-        payments = payments.filter(on_time)
-        flows = flows.filter(pc.greater_equal(flows["bucket"], cutoff))
-    copy_arrow(conn, f"{schema.name}.payments", payments, PAYMENT_COLUMNS)
+        flows = flows.filter(on_time)
     conn.execute(
         """
         CREATE TEMPORARY TABLE batch_flows (
             payer text COLLATE "C", bucket timestamptz, payee text COLLATE "C", currency text COLLATE "C",
-            payments bigint, total numeric, near bigint
+            payments bigint, total numeric, near bigint, times timestamptz[], amounts numeric[]
         ) ON COMMIT DROP
         """
     )
@@ -172,7 +188,9 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, flows: 
             ON CONFLICT (payer, bucket, payee, currency) DO UPDATE SET
                 payments = f.payments + excluded.payments,
                 total = f.total + excluded.total,
-                near = f.near + excluded.near
+                near = f.near + excluded.near,
+                times = f.times || excluded.times,
+                amounts = f.amounts || excluded.amounts
             """
         ).format(flows=sql.Identifier(schema.name, "flows"))
     )
@@ -183,28 +201,27 @@ def write_batch(conn: psycopg.Connection, schema: Schema, payments: Any, flows: 
     prune = floor_bucket(new_max - HORIZON - PRUNE_SLACK)
     if stored_max is not None and prune > floor_bucket(stored_max - HORIZON - PRUNE_SLACK):
         conn.execute(
-            sql.SQL("DELETE FROM {} WHERE ts < %s").format(sql.Identifier(schema.name, "payments")), (prune,)
-        )
-        conn.execute(
             sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "flows")),
             (prune,),
         )
-    return late
+    return payments - late, late
 
 
 # --- the query ------------------------------------------------------------------------------------
 
 # One pass per (account, at) serves all three windows, which nest: (at - 7 d, at] holds (at - 24 h, at],
 # which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded) and `fa_w` = the first minute that
-# lies wholly inside it; `fb` = the minute that holds `at`, the same for every window. The rows read, each
-# flagged with the windows it counts in (in_1h, in_24h, in_7d):
-# - the flows of the minutes [fa_7d, fb): in window w when the minute starts at or after fa_w (read from
-#   the payer's side through the primary key, from the payee's side through flows_by_payee);
-# - the tail, the payments in [fb, at]: in every window;
-# - each window's head, the payments of its partial first minute (lo_w, fa_w): in that window only (the
-#   wider windows count that minute through its flow rows).
-# Each range is an index scan of its own on (payer, ts) or (payee, ts), per query (LATERAL): a join of
-# all queries at once let the planner hash whole tables on every call (BENCHMARKS.md, "End to end").
+# lies wholly inside it, so its partial first minute is `fa_w - 1 minute`; `fb` = the minute that holds
+# `at`, the same for every window. `flow` reads, per account and side, one index range of flow rows: the
+# minutes [fa_7d - 1 minute, fb] (from the payer's side through the primary key, from the payee's side
+# through flows_by_payee). Each row of `rows` is flagged with the windows it counts in (in_1h, in_24h,
+# in_7d):
+# - a flow row of the minutes [fa_7d, fb), whole: in window w when its minute starts at or after fa_w;
+# - each payment of the rows of a partial minute, unpacked: in every window when it is in the tail
+#   minute fb at or before `at`; in window w alone when it is in w's first minute after lo_w (the wider
+#   windows count that minute whole, through its flow row).
+# Each range is an index scan of its own, per query (LATERAL): a join of all queries at once let the
+# planner hash whole tables on every call (BENCHMARKS.md, "End to end").
 # The answers then come from hash aggregates with a FILTER per window: the totals per (direction,
 # currency), the payments per direction, and the distinct counterparties per direction and overall,
 # counted over rows first made unique per counterparty (DISTINCT aggregates would sort every group for
@@ -217,40 +234,29 @@ WITH q AS (
         at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at - %(7d)s, 'epoch') + %(bucket)s AS fa_7d,
         date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS fb
     FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
-), rows AS MATERIALIZED (
-    SELECT q.i, r.* FROM q CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
-            f.bucket >= q.fa_1h AS in_1h, f.bucket >= q.fa_24h AS in_24h, true AS in_7d
-        FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.fa_7d AND f.bucket < q.fb
+), flow AS MATERIALIZED (
+    SELECT q.*, r.* FROM q CROSS JOIN LATERAL (
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.bucket, f.payments, f.total,
+            f.near, f.times, f.amounts
+        FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.fa_7d - %(bucket)s AND f.bucket <= q.fb
         UNION ALL
-        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0,
-            f.bucket >= q.fa_1h, f.bucket >= q.fa_24h, true
-        FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.fa_7d AND f.bucket < q.fb
-        UNION ALL
-        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, true, true, true
-        FROM {payments} p WHERE p.payer = q.account AND p.ts >= q.fb AND p.ts <= q.at
-        UNION ALL
-        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, true, true, true
-        FROM {payments} p WHERE p.payee = q.account AND p.ts >= q.fb AND p.ts <= q.at
-        UNION ALL
-        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, true, false, false
-        FROM {payments} p WHERE p.payer = q.account AND p.ts > q.lo_1h AND p.ts < q.fa_1h
-        UNION ALL
-        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, true, false, false
-        FROM {payments} p WHERE p.payee = q.account AND p.ts > q.lo_1h AND p.ts < q.fa_1h
-        UNION ALL
-        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, false, true, false
-        FROM {payments} p WHERE p.payer = q.account AND p.ts > q.lo_24h AND p.ts < q.fa_24h
-        UNION ALL
-        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, false, true, false
-        FROM {payments} p WHERE p.payee = q.account AND p.ts > q.lo_24h AND p.ts < q.fa_24h
-        UNION ALL
-        SELECT 'out', p.payee, p.currency, 1, p.amount, {near}, false, false, true
-        FROM {payments} p WHERE p.payer = q.account AND p.ts > q.lo_7d AND p.ts < q.fa_7d
-        UNION ALL
-        SELECT 'in', p.payer, p.currency, 1, p.amount, 0, false, false, true
-        FROM {payments} p WHERE p.payee = q.account AND p.ts > q.lo_7d AND p.ts < q.fa_7d
+        SELECT 'in', f.payer, f.currency, f.bucket, f.payments, f.total, 0, f.times, f.amounts
+        FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.fa_7d - %(bucket)s AND f.bucket <= q.fb
     ) r
+), rows AS MATERIALIZED (
+    SELECT i, direction, counterparty, currency, payments, total, near,
+        bucket >= fa_1h AS in_1h, bucket >= fa_24h AS in_24h, true AS in_7d
+    FROM flow WHERE bucket >= fa_7d AND bucket < fb
+    UNION ALL
+    SELECT * FROM (
+        SELECT i, direction, counterparty, currency, 1, p.amount,
+            CASE WHEN direction = 'out' THEN {near} ELSE 0 END,
+            bucket = fb AND p.ts <= at OR bucket = fa_1h - %(bucket)s AND p.ts > lo_1h AS in_1h,
+            bucket = fb AND p.ts <= at OR bucket = fa_24h - %(bucket)s AND p.ts > lo_24h AS in_24h,
+            bucket = fb AND p.ts <= at OR bucket = fa_7d - %(bucket)s AND p.ts > lo_7d AS in_7d
+        FROM flow CROSS JOIN LATERAL unnest(times, amounts) AS p(ts, amount)
+        WHERE bucket IN (fb, fa_1h - %(bucket)s, fa_24h - %(bucket)s, fa_7d - %(bucket)s)
+    ) AS partial WHERE in_1h OR in_24h OR in_7d
 ), sides AS (
     SELECT i, direction, counterparty,
         bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d
@@ -324,7 +330,6 @@ async def aggregates_many(
     await cur.execute(
         sql.SQL(_WINDOWS).format(
             flows=sql.Identifier(schema.name, "flows"),
-            payments=sql.Identifier(schema.name, "payments"),
             near=sql.SQL(_NEAR),
         ),
         {

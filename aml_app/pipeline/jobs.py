@@ -98,9 +98,8 @@ def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int
         return write_relations
 
     def write_aggregates(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
-        payments = outputs.tables["payments"]
-        late = aggregates.write_batch(conn, aggregates.SCHEMA, payments, outputs.tables["flows"])
-        return payments.num_rows - late
+        stored, _late = aggregates.write_batch(conn, aggregates.SCHEMA, outputs.tables["flows"])
+        return stored
 
     return write_aggregates
 

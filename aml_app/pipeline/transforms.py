@@ -6,8 +6,12 @@ checks them with Spark SQL, and the results leave Spark already aggregated, as A
 - `spans`: per partition, the first and last offset and the number of records (what the batch covers);
 - `rejects`: the records that break the payment contract, with their original bytes (for the DLQ);
 - relations: `edges`, one row per (payer, payee, currency) of the batch;
-- aggregates: `payments`, one narrow row per valid payment, and `flows`, one row per (payer, minute, payee,
-  currency) with counts, exact totals and near-threshold counts.
+- aggregates: `flows`, one row per (payer, minute, payee, currency) with counts, exact totals,
+  near-threshold counts and the payments' times and amounts.
+
+Both aggregations leave Spark sorted by their store's primary key: PostgreSQL's index inserts then walk
+the index in order instead of jumping about it (less PostgreSQL CPU per payment, measured in
+BENCHMARKS.md).
 
 The batch is parsed once and kept in memory while the services' jobs run (`persist`), so Kafka is read
 and the contract checked once per batch, whatever the number of services and outputs; the streaming
@@ -28,7 +32,6 @@ from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from aml_app.dependencies.aggregates import PAYMENT_COLUMNS  # every valid payment, as its windows need it
 from aml_app.pipeline.validation import validated
 
 SERVICES = ("relations", "aggregates")
@@ -92,7 +95,8 @@ def edges(valid: DataFrame) -> DataFrame:
             F.max("ts").alias("last_seen"),
         ),
     )
-    return valid.groupBy("payer", "payee", "currency").agg(*totals)
+    keys = ("payer", "payee", "currency")
+    return valid.groupBy(*keys).agg(*totals).sortWithinPartitions(*keys)
 
 
 def near_threshold(amount: Column, threshold: Decimal, band: Decimal) -> Column:
@@ -103,7 +107,9 @@ def near_threshold(amount: Column, threshold: Decimal, band: Decimal) -> Column:
 
 
 def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
-    """Service C: per payer, minute of event time, payee and currency, the payments between them."""
+    """Service C: per payer, minute of event time, payee and currency, the payments between them: their
+    number, exact total, near-threshold count, and each payment's time and amount (in the same order),
+    for the partial minutes at a window's edges."""
     keys = expressions(
         valid,
         "flow keys",
@@ -116,9 +122,30 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
             F.count("*").alias("payments"),
             F.sum("amount").alias("total"),
             F.sum(near_threshold(F.col("amount"), threshold, band)).alias("near"),
+            F.collect_list(F.struct("ts", "amount")).alias("paid"),
         ),
     )
-    return valid.groupBy(*keys).agg(*totals)
+    columns = expressions(
+        valid,
+        "flow columns",
+        lambda: (
+            "payer",
+            "bucket",
+            "payee",
+            "currency",
+            "payments",
+            "total",
+            "near",
+            F.col("paid.ts").alias("times"),
+            F.col("paid.amount").alias("amounts"),
+        ),
+    )
+    return (
+        valid.groupBy(*keys)
+        .agg(*totals)
+        .select(*columns)
+        .sortWithinPartitions("payer", "bucket", "payee", "currency")
+    )
 
 
 @contextmanager
@@ -167,10 +194,10 @@ def outputs_by_service(
     skipping for each service the records its store already holds (`applied`: service -> its offsets).
 
     One Spark job per output, because each job costs a fixed price that dominates small batches (most of
-    it driver time: planning, scheduling): one narrow collect shared by the services (offsets, the
-    rejected records' bytes, and for Service C the payments), from which the driver takes each service's
-    spans and rejects with Arrow; then the services' aggregations (edges, flows), run concurrently,
-    each in one task without a shuffle (`in_one_task`).
+    it driver time: planning, scheduling): one narrow collect shared by the services (offsets and the
+    rejected records' bytes), from which the driver takes each service's spans and rejects with Arrow;
+    then the services' aggregations (edges, flows), run concurrently, each in one task without a
+    shuffle (`in_one_task`).
     """
     if not applied or not set(applied) <= set(SERVICES):
         raise ValueError(f"services must be some of {', '.join(SERVICES)}, got {sorted(applied)}")
@@ -185,10 +212,9 @@ def outputs_by_service(
             F.when(rejected, F.col("key")).alias("key"),
             F.when(rejected, F.col("value")).alias("value"),
         )
-        payments = PAYMENT_COLUMNS if "aggregates" in applied else ()
-        return ("partition", "offset", "valid", *kept_bytes, *payments)
+        return ("partition", "offset", "valid", *kept_bytes)
 
-    per_record = expressions(checked, ("per record", "aggregates" in applied), record_columns)
+    per_record = expressions(checked, "per record", record_columns)
     valid = in_one_task(checked.where("valid"))
     aggregations = {
         service: partial(aggregation, service, not_applied(valid, offsets), threshold, band)
@@ -199,12 +225,8 @@ def outputs_by_service(
     outputs = {}
     for service, offsets in applied.items():
         mine = arrow_not_applied(rows, offsets)
-        if service == "relations":
-            tables = {"edges": aggregated[service]}
-        else:
-            payments = mine.filter(mine["valid"]).select(list(PAYMENT_COLUMNS))
-            tables = {"flows": aggregated[service], "payments": payments}
-        outputs[service] = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), tables)
+        table = "edges" if service == "relations" else "flows"
+        outputs[service] = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), {table: aggregated[service]})
     return outputs
 
 

@@ -442,6 +442,46 @@ async def test_each_window_counts_its_partial_first_minute_once(spark: Any, stor
             assert without_as_of(await one_aggregate(store_url, account, when)) == expected
 
 
+async def test_a_minute_filled_by_several_batches_is_cut_exactly_at_a_windows_edge(
+    spark: Any, store_url: str
+) -> None:
+    """A flow row gathers its minute's payments from every batch (its times and amounts grow with its
+    counts); a window that cuts the minute in two, at its end (`at`) or its start (`at - w`), counts
+    exactly the payments on its side of the cut, whichever batch brought them."""
+    minute = T0 + timedelta(days=2, minutes=5)
+    first = rows(
+        ("A", "B", "1", minute + timedelta(seconds=10)), ("A", "B", "2", minute + timedelta(seconds=40))
+    )
+    second = rows(
+        ("A", "B", "4", minute + timedelta(seconds=20)),
+        ("A", "B", "8", minute + timedelta(seconds=50), "USD"),
+        ("A", "B", "16", minute + timedelta(seconds=50)),
+        start=2,
+    )
+    apply_payments(spark, store_url, "aggregates", first)
+    apply_payments(spark, store_url, "aggregates", second)
+    with psycopg.connect(store_url) as conn:
+        stored = conn.execute(
+            "SELECT currency, payments, total, cardinality(times), cardinality(amounts)"
+            " FROM aggregates.flows ORDER BY currency"
+        ).fetchall()
+    assert stored == [("EUR", 4, Decimal("23"), 4, 4), ("USD", 1, Decimal("8"), 1, 1)]
+    cut = minute + timedelta(seconds=20)
+    assert (await one_aggregate(store_url, "A", cut))["windows"]["1h"]["sent"] == {"EUR": "5.00"}
+    after_cut = (await one_aggregate(store_url, "A", cut + timedelta(hours=1)))["windows"]
+    assert after_cut["1h"]["sent"] == {"EUR": "18.00", "USD": "8.00"}  # (cut, ...]: 16 + 2, and 8
+    assert after_cut["24h"]["sent"] == {"EUR": "23.00", "USD": "8.00"}
+    for seconds in (0, 10, 15, 20, 45, 50, 59):
+        for span in (timedelta(0), timedelta(hours=1), timedelta(hours=24), timedelta(days=7)):
+            when = minute + timedelta(seconds=seconds) + span
+            for account in ("A", "B"):
+                expected = reference_aggregates([first, second], account, when, THRESHOLD, BAND)
+                assert without_as_of(await one_aggregate(store_url, account, when)) == expected, (
+                    account,
+                    when,
+                )
+
+
 async def test_threshold_band_edges(spark: Any, store_url: str) -> None:
     t = T0 + timedelta(days=1)
     amounts = ["8999.9999", "9000", "9000.0001", "9999.9999", "10000", "10000.01"]
@@ -483,7 +523,7 @@ async def test_pruning_keeps_answers_exact_from_the_newest_minus_one_hour(spark:
     apply_payments(spark, store_url, "aggregates", old)
     apply_payments(spark, store_url, "aggregates", new)
     with psycopg.connect(store_url) as conn:
-        kept = conn.execute("SELECT count(*) FROM aggregates.payments").fetchone()[0]
+        kept = conn.execute("SELECT sum(cardinality(times)) FROM aggregates.flows").fetchone()[0]
     assert kept < len(old) + 1, "old payments were pruned"
     start = exact_from([old, new])
     assert start is not None
@@ -575,8 +615,9 @@ def test_migrations_are_versioned_idempotent_and_refuse_a_newer_store(store_url:
 
 async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: Any, store_url: str) -> None:
     """Schema version 2 of C's store keeps one row per payment's (payer, minute, payee, currency) instead of
-    one per side: a store written by version 1 (bucket rows for both sides, as its pipeline wrote them)
-    migrates in place and answers exactly as before, then takes new batches."""
+    one per side, and version 3 keeps the payments in those rows instead of a table of their own: a store
+    written by version 1 (bucket rows for both sides and every payment, as its pipeline wrote them)
+    migrates in place through both and answers exactly as before, then takes new batches."""
     at = T0 + timedelta(days=1, seconds=30)
     payments = rows(
         ("A", "B", "9500", at - timedelta(minutes=30)),  # near the threshold, in a whole minute
@@ -612,9 +653,13 @@ async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: 
         conn.execute("INSERT INTO aggregates.applied_offsets VALUES (0, %s)", (len(payments),))
         conn.commit()
         assert migrate(conn, aggregates.SCHEMA) == 1
-        flows = conn.execute("SELECT count(*), sum(payments), sum(near) FROM aggregates.flows").fetchone()
-        assert flows == (4, 5, 1)
-        assert conn.execute("SELECT to_regclass('aggregates.buckets')").fetchone() == (None,)
+        flows = conn.execute(
+            "SELECT count(*), sum(payments), sum(near), sum(cardinality(times)), sum(cardinality(amounts)),"
+            " bool_and(total = (SELECT sum(a) FROM unnest(amounts) AS a)) FROM aggregates.flows"
+        ).fetchone()
+        assert flows == (4, 5, 1, 5, 5, True)
+        for table in ("buckets", "payments"):
+            assert conn.execute("SELECT to_regclass(%s)", (f"aggregates.{table}",)).fetchone() == (None,)
     instants = [at, at - timedelta(minutes=30), at + timedelta(hours=2, minutes=59)]
     for when in instants:
         for account in ("A", "B", "C"):
@@ -634,7 +679,7 @@ def test_every_store_keeps_its_tables_in_its_own_schema(store_url: str) -> None:
             "SELECT table_schema, table_name FROM information_schema.tables "
             "WHERE table_schema IN ('relations', 'aggregates') ORDER BY 1, 2"
         ).fetchall()
-    assert {("relations", "edges"), ("aggregates", "payments"), ("aggregates", "flows")} <= set(tables)
+    assert {("relations", "edges"), ("aggregates", "flows")} <= set(tables)
     assert ("relations", "applied_offsets") in tables and ("aggregates", "applied_offsets") in tables
 
 
@@ -726,9 +771,40 @@ def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
     relations_out, aggregates_out = outputs["relations"], outputs["aggregates"]
     assert relations_out.tables["edges"].column("payments").to_pylist() == [4]
     assert relations_out.spans.to_pylist() == [{"partition": 0, "first": 6, "last": 9, "records": 4}]
-    assert aggregates_out.tables["payments"].num_rows == 10
-    assert sum(aggregates_out.tables["flows"].column("payments").to_pylist()) == 10  # one row per payment
+    flows = aggregates_out.tables["flows"]
+    assert sum(flows.column("payments").to_pylist()) == 10
+    assert sum(len(times) for times in flows.column("times").to_pylist()) == 10
     assert aggregates_out.spans.to_pylist() == [{"partition": 0, "first": 0, "last": 9, "records": 10}]
+
+
+def test_the_aggregations_leave_spark_in_their_stores_key_order(spark: Any) -> None:
+    """Edges and flows arrive sorted by their tables' primary keys, so PostgreSQL's index inserts walk each
+    index in order (less PostgreSQL CPU per payment than rows in hash order, BENCHMARKS.md)."""
+    from aml_app.pipeline.transforms import kept, outputs_by_service
+    from aml_app.pipeline.validation import validated
+    from tests.stores import records_frame
+
+    payments = [
+        PaymentRow(
+            0,
+            o,
+            f"id-{o}",
+            f"P{o * 7 % 13}",
+            f"Q{o * 5 % 11}",
+            Decimal(1),
+            "EUR",
+            T0 + timedelta(minutes=o % 3),
+        )
+        for o in range(120)
+    ]
+    records = records_frame(spark, payment_records(payments))
+    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
+        outputs = outputs_by_service(batch, {"relations": {}, "aggregates": {}}, THRESHOLD, BAND)
+    edges = outputs["relations"].tables["edges"].select(["payer", "payee", "currency"]).to_pylist()
+    flows = outputs["aggregates"].tables["flows"].select(["payer", "bucket", "payee", "currency"]).to_pylist()
+    for found in (edges, flows):
+        keys = [tuple(row.values()) for row in found]
+        assert len(keys) > 30 and keys == sorted(keys)
 
 
 def test_a_writer_waiting_out_an_outage_gives_up_when_told() -> None:
