@@ -109,11 +109,13 @@ def _not_blank(text: Column, max_length: int) -> Column:
 def _nothing_after_the_object(text: Column, wrapped: Column) -> Column:
     """`wrapped` (the parse of `[text,0]`) holds exactly [first value, 0] and no data followed the first
     value (see the module's docstring)."""
+    # `contains`, not `instr`: Spark's instr compares at every byte through a general array comparison,
+    # contains looks for the first byte first (instr was 2-3 % of a warm batch's JVM samples).
     return (
         (F.try_variant_get(wrapped, "$[1]", "int") == 0)
         & F.variant_get(wrapped, "$[2]", "variant").isNull()
         & (
-            (F.instr(text, "]") == 0)
+            ~text.contains("]")
             | (
                 F.try_variant_get(F.try_parse_json(F.concat(F.lit("["), text, F.lit(",1]"))), "$[1]", "int")
                 == 1
