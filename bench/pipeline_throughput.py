@@ -300,24 +300,31 @@ class Batches:
                 }
             )
 
-    def of(self, service: str, first_batch: int = 0) -> list[dict[str, Any]]:
-        """The service's batches with records, from batch id `first_batch` on."""
+    def of(self, service: str, first_batch: int = 0, since: int = 0) -> list[dict[str, Any]]:
+        """The service's batches with records, from batch id `first_batch` on, among the reports from the
+        `since`-th on (a restarted query numbers its batches from 0 again)."""
         with self.lock:
             return [
                 r
-                for r in self.reports
+                for r in self.reports[since:]
                 if r["service"] == service and r["records"] and r["batch_id"] >= first_batch
             ]
+
+    def count(self) -> int:
+        with self.lock:
+            return len(self.reports)
 
     def next_batch(self, service: str) -> int:
         with self.lock:
             return 1 + max((r["batch_id"] for r in self.reports if r["service"] == service), default=-1)
 
-    def wait_for(self, records: int, first_batch: dict[str, int], timeout: float = 30) -> None:
+    def wait_for(
+        self, records: int, first_batch: dict[str, int], timeout: float = 30, since: int = 0
+    ) -> None:
         """Until each service reported `records` (a handler reports after it committed the group)."""
         deadline = time.monotonic() + timeout
         for service in ("relations", "aggregates"):
-            while sum(r["records"] for r in self.of(service, first_batch.get(service, 0))) < records:
+            while sum(r["records"] for r in self.of(service, first_batch.get(service, 0), since)) < records:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{service} reported fewer than {records} records in its batches")
                 time.sleep(0.01)
@@ -650,15 +657,22 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                     broker.bootstrap, topic, n, invalid_every, seed=3 + run, held=sum(ends_now.values())
                 )
                 ends_now = {p: max(ends_now.get(p, 0), end) for p, end in more["ends"].items()}
-                cpu_before, started = cpu_seconds(), time.monotonic()
+                cpu_before, started, reported = cpu_seconds(), time.monotonic(), reports.count()
                 pipeline = start_pipeline(spark, settings, on_batch=reports)
                 t_again = wait_committed(poller, ends_now, args.timeout, pipeline)
+                cpu = cpu_since(cpu_before, n, t_again - started)
+                reports.wait_for(n, {}, since=reported)
                 runs.append(
                     {
                         "records": n,
                         "seconds": t_again - started,
                         "records_per_s": n / (t_again - started),
-                        "cpu": cpu_since(cpu_before, n, t_again - started),
+                        "cpu": cpu,
+                        "handler_phases_s": {
+                            s: phases(reports.of(s, since=reported)) for s in ("relations", "aggregates")
+                        },
+                        # The restarted query numbers its batches from 0: all its triggers are this run's.
+                        "spark_progress": settled_progress(pipeline, n, {}),
                     }
                 )
                 print(f"f. pipeline on a warm JVM, run {run + 1}: {n / (t_again - started):,.0f} records/s")
@@ -766,37 +780,34 @@ def report(doc: dict[str, Any]) -> str:
             for name, st in p["steady_state"].items()
         ],
     )
-    spark_rows = []
-    for name, sp in p["spark_progress"].items():
-        d = sp["duration_ms"]
-        spark_rows.append(
-            (
-                name,
-                sp["triggers_with_data"],
-                d.get("triggerExecution", 0) / 1000,
-                d.get("latestOffset", 0) / 1000,
-                d.get("queryPlanning", 0) / 1000,
-                d.get("addBatch", 0) / 1000,
-                (d.get("walCommit", 0) + d.get("commitOffsets", 0)) / 1000,
-            )
-        )
+    phases_of = {"catch-up": p, f"f. run {len(doc['warm_jvm']['runs'])}": doc["warm_jvm"]}
     spark = markdown_table(
+        ["query", "triggers", "trigger s", "latestOffset s", "planning s", "addBatch s", "WAL+commit s"],
         [
-            "query (catch-up)",
-            "triggers",
-            "trigger s",
-            "latestOffset s",
-            "planning s",
-            "addBatch s",
-            "WAL+commit s",
+            (
+                f"{name} ({phase})",
+                sp["triggers_with_data"],
+                sp["duration_ms"].get("triggerExecution", 0) / 1000,
+                sp["duration_ms"].get("latestOffset", 0) / 1000,
+                sp["duration_ms"].get("queryPlanning", 0) / 1000,
+                sp["duration_ms"].get("addBatch", 0) / 1000,
+                (sp["duration_ms"].get("walCommit", 0) + sp["duration_ms"].get("commitOffsets", 0)) / 1000,
+            )
+            for phase, measured in phases_of.items()
+            for name, sp in measured["spark_progress"].items()
         ],
-        spark_rows,
     )
-    handler_phases = p["handler_phases_s"]
-    names = sorted({k for ph in handler_phases.values() for k in ph}, key=lambda k: (k == "handler_total", k))
+    columns = [(phase, service) for phase, m in phases_of.items() for service in m["handler_phases_s"]]
+    names = sorted(
+        {k for m in phases_of.values() for ph in m["handler_phases_s"].values() for k in ph},
+        key=lambda k: (k == "handler_total", k),
+    )
     handler = markdown_table(
-        ["handler phase, catch-up (s)", *handler_phases],
-        [(k, *(ph.get(k, 0.0) for ph in handler_phases.values())) for k in names],
+        ["handler phase (s)", *(f"{service} ({phase})" for phase, service in columns)],
+        [
+            (k, *(phases_of[phase]["handler_phases_s"][service].get(k, 0.0) for phase, service in columns))
+            for k in names
+        ],
     )
     per_record = markdown_table(
         ["service", "phase", "batches", "fixed ms per batch", "µs per record"],
