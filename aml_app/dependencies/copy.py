@@ -2,11 +2,12 @@
 
 Arrow's CSV writer (C++) renders the batch; PostgreSQL's COPY parses it. Strings are always quoted by
 Arrow and nulls are left empty and unquoted, which is exactly how COPY's CSV format tells NULL from ''.
-Timestamps come out as `2026-01-02 03:04:05.123456Z`, decimals as plain digits: both parse exactly. A list
-column (Arrow's CSV writer has none) is rendered first, with Arrow's compute functions, as the text of a
-PostgreSQL array of its elements (`{2026-01-02 03:04:05.123456Z,2026-01-02 03:04:06.000000Z}`): the
-elements must not need quoting in an array (no commas, braces, quotes, backslashes or empty strings),
-which holds for numbers and instants.
+Decimals come out as plain digits, instants as `2026-01-02 03:04:05.123456Z`: both parse exactly. Arrow
+formats an instant of a time zone (even UTC) 15 times slower than a zoneless one (1.1 against 0.07 µs,
+measured), so instants are rendered first as their UTC wall-clock text with a `Z`. A list column (Arrow's
+CSV writer has none) is rendered first too, as the text of a PostgreSQL array of its elements
+(`{2026-01-02 03:04:05.123456Z,2026-01-02 03:04:06.000000Z}`): the elements must not need quoting in an
+array (no commas, braces, quotes, backslashes or empty strings), which holds for numbers and instants.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ def copy_arrow(conn: psycopg.Connection, table: str, rows: Any, columns: Sequenc
     for i, field in enumerate(selected.schema):
         if pa.types.is_list(field.type):
             selected = selected.set_column(i, field.name, array_text(selected.column(i)))
+        elif pa.types.is_timestamp(field.type) and field.type.tz is not None:
+            selected = selected.set_column(
+                i, field.name, pa.chunked_array(map(text, selected.column(i).chunks))
+            )
     buffer = io.BytesIO()
     pa_csv.write_csv(selected, buffer, pa_csv.WriteOptions(include_header=False))
     statement = sql.SQL("COPY {} ({}) FROM STDIN (FORMAT csv)").format(
@@ -44,7 +49,17 @@ def array_text(lists: Any) -> Any:
 
     chunks = []
     for chunk in lists.chunks:
-        elements = pc.cast(chunk.values, pa.string())
-        joined = pc.binary_join(pa.ListArray.from_arrays(chunk.offsets, elements), ",")
+        joined = pc.binary_join(pa.ListArray.from_arrays(chunk.offsets, text(chunk.values)), ",")
         chunks.append(pc.binary_join_element_wise("{", joined, "}", ""))
     return pa.chunked_array(chunks, pa.string())
+
+
+def text(values: Any) -> Any:
+    """An Arrow array as the text COPY reads: an instant of any time zone as its UTC time with a `Z`."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if pa.types.is_timestamp(values.type) and values.type.tz is not None:
+        utc = values.cast(pa.timestamp(values.type.unit))  # the same instants, as UTC wall-clock times
+        return pc.binary_join_element_wise(pc.cast(utc, pa.string()), "Z", "")
+    return pc.cast(values, pa.string())
