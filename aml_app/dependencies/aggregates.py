@@ -153,7 +153,7 @@ def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decima
 
 
 def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[int, int]:
-    """Add a batch's flow rows (an Arrow table, sorted by the primary key), minus too-late ones; prune.
+    """Add a batch's flow rows (an Arrow table, one row per key), minus too-late ones; prune.
 
     Returns (payments stored, payments too late). Runs inside the caller's transaction.
     """
@@ -180,7 +180,7 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
         ) ON COMMIT DROP
         """
     )
-    copy_arrow(conn, "batch_flows", flows, FLOW_COLUMNS)
+    copy_arrow(conn, "batch_flows", flows, FLOW_COLUMNS, key=FLOW_COLUMNS[:4])
     conn.execute(
         sql.SQL(
             """

@@ -101,7 +101,7 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
         ) ON COMMIT DROP
         """
     )
-    copy_arrow(conn, "batch_edges", edges, EDGE_COLUMNS)
+    copy_arrow(conn, "batch_edges", edges, EDGE_COLUMNS, key=EDGE_COLUMNS[:3])
     conn.execute(
         sql.SQL(
             """

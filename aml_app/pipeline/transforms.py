@@ -9,10 +9,6 @@ checks them with Spark SQL, and the results leave Spark already aggregated, as A
 - aggregates: `flows`, one row per (payer, minute, payee, currency) with counts, exact totals,
   near-threshold counts and the payments' times and amounts.
 
-Both aggregations leave Spark sorted by their store's primary key: PostgreSQL's index inserts then walk
-the index in order instead of jumping about it (less PostgreSQL CPU per payment, measured in
-BENCHMARKS.md).
-
 The batch is parsed once and kept in memory while the services' jobs run (`persist`), so Kafka is read
 and the contract checked once per batch, whatever the number of services and outputs; the streaming
 query itself applies `validated` (`runner.start_queries`), so the contract's large plan is built once
@@ -95,8 +91,7 @@ def edges(valid: DataFrame) -> DataFrame:
             F.max("ts").alias("last_seen"),
         ),
     )
-    keys = ("payer", "payee", "currency")
-    return valid.groupBy(*keys).agg(*totals).sortWithinPartitions(*keys)
+    return valid.groupBy("payer", "payee", "currency").agg(*totals)
 
 
 def near_threshold(amount: Column, threshold: Decimal, band: Decimal) -> Column:
@@ -140,12 +135,7 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
             F.col("paid.amount").alias("amounts"),
         ),
     )
-    return (
-        valid.groupBy(*keys)
-        .agg(*totals)
-        .select(*columns)
-        .sortWithinPartitions("payer", "bucket", "payee", "currency")
-    )
+    return valid.groupBy(*keys).agg(*totals).select(*columns)
 
 
 def kept_columns() -> tuple[Column | str, ...]:

@@ -777,13 +777,10 @@ def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
     assert aggregates_out.spans.to_pylist() == [{"partition": 0, "first": 0, "last": 9, "records": 10}]
 
 
-def test_the_aggregations_leave_spark_in_their_stores_key_order(spark: Any) -> None:
-    """Edges and flows arrive sorted by their tables' primary keys, so PostgreSQL's index inserts walk each
-    index in order (less PostgreSQL CPU per payment than rows in hash order, BENCHMARKS.md)."""
-    from aml_app.pipeline.transforms import kept, outputs_by_service
-    from aml_app.pipeline.validation import validated
-    from tests.stores import records_frame
-
+def test_the_stores_take_a_batch_in_their_primary_keys_order(spark: Any, store_url: str) -> None:
+    """Edges and flows go into their tables sorted by the primary key, so PostgreSQL's index inserts walk
+    each index in order (less PostgreSQL CPU per payment than rows in Spark's hash order, BENCHMARKS.md):
+    a fresh table's rows lie in the order they were inserted."""
     payments = [
         PaymentRow(
             0,
@@ -797,14 +794,15 @@ def test_the_aggregations_leave_spark_in_their_stores_key_order(spark: Any) -> N
         )
         for o in range(120)
     ]
-    records = records_frame(spark, payment_records(payments))
-    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
-        outputs = outputs_by_service(batch, {"relations": {}, "aggregates": {}}, THRESHOLD, BAND)
-    edges = outputs["relations"].tables["edges"].select(["payer", "payee", "currency"]).to_pylist()
-    flows = outputs["aggregates"].tables["flows"].select(["payer", "bucket", "payee", "currency"]).to_pylist()
-    for found in (edges, flows):
-        keys = [tuple(row.values()) for row in found]
-        assert len(keys) > 30 and keys == sorted(keys)
+    apply_payments(spark, store_url, "relations", payments)
+    apply_payments(spark, store_url, "aggregates", payments)
+    with psycopg.connect(store_url) as conn:
+        edges = conn.execute("SELECT payer, payee, currency FROM relations.edges ORDER BY ctid").fetchall()
+        flows = conn.execute(
+            "SELECT payer, bucket, payee, currency FROM aggregates.flows ORDER BY ctid"
+        ).fetchall()
+    for stored in (edges, flows):
+        assert len(stored) > 30 and stored == sorted(stored)
 
 
 def test_the_kept_batch_holds_no_bytes_of_valid_records(spark: Any) -> None:
