@@ -4,8 +4,8 @@ Both services usually share one query (`QueryBatches`): Kafka is read and the co
 micro-batch, and the validated batch, kept in memory, feeds each service in turn (Spark's "write to
 multiple locations" idiom with `foreachBatch`). Each service keeps its own store, group and dead letters,
 and skips the records its store already holds (after a crash between the two services' writes, or a
-rebuild of one of them). Steps 2-4 run in a thread per service, side by side (`QueryBatches`). For each
-service, in this order, on the driver:
+rebuild of one of them). Steps 2-4 run in a thread per service, side by side, and for a large batch while
+Spark computes the next one (`QueryBatches`). For each service, in this order, on the driver:
 
 1. Spark computes the services' outputs (`transforms.outputs_by_service`): the contract (applied by the
    query itself), aggregation, all in the JVM; they arrive as Arrow tables.
@@ -183,15 +183,26 @@ class ServiceBatches:
         return report
 
 
+#: A batch of at least this many records is being caught up on: its store writes go on while Spark
+#: computes the next batch. A smaller one is written before the call returns (latency first).
+OVERLAP_FROM_RECORDS = 10_000
+
+
 class QueryBatches:
     """The `foreachBatch` function of a query that feeds one or more services: the batch (validated by the
     query) is kept in memory, the services' outputs computed from it together, and handed to the services,
     which write their stores side by side, each in a thread of its own (PostgreSQL runs each transaction
     in a process of its own, so the two take the time of the slower one, not the sum).
 
-    The call returns once every service has written and committed the batch, and raises the first error,
-    which fails the query. Overlapping those writes with Spark's work on the next micro-batch was tried
-    and dropped: on two cores the two slowed each other down, and latency rose (BENCHMARKS.md).
+    Large batches (a catch-up, at least OVERLAP_FROM_RECORDS records) are written while Spark computes the
+    next micro-batch, so Spark's work and the stores' (PostgreSQL and the driver's CSV rendering) fill
+    both cores together: at most one batch is being written, and before handing over the next one the
+    call waits for it (so batches reach each store in order) and raises its error, which fails the query.
+    A small batch is written before the call returns: at 2,000 payments/s a batch holds about a thousand
+    records, and overlapping them slowed Spark and PostgreSQL both and raised latency (BENCHMARKS.md).
+    Nothing of the promise changes: a group is committed only after its store's transaction, and Spark's
+    own checkpoint is not what says where a service resumes (the stores do). The writes of the last
+    batch may end after Spark considers it done: `failure` and `drain` see to them.
     """
 
     def __init__(self, services: list[ServiceBatches]) -> None:
@@ -200,6 +211,7 @@ class QueryBatches:
         self.services = services
         self.max_payment_bytes = services[0].max_payment_bytes
         self.threshold, self.band = services[0].threshold, services[0].band
+        self._writing: list[Future[BatchReport]] = []
 
     @property
     def start(self) -> dict[int, int]:
@@ -211,16 +223,20 @@ class QueryBatches:
         """One micro-batch, already checked against the contract by the query (`validation.validated`)."""
         started = time.monotonic()
         with kept(checked) as batch:
+            # The stores' offsets may not yet include a batch still being written: a lower bound is all
+            # the skipping needs, since this batch's records all come after that one's.
             applied = {service.service: dict(service.applied) for service in self.services}
             outputs = outputs_by_service(batch, applied, self.threshold, self.band)
         self.hand_to_services(outputs, batch_id, time.monotonic() - started)
 
     def hand_to_services(
         self, outputs: dict[str, BatchOutputs], batch_id: int, spark_seconds: float
-    ) -> list[BatchReport]:
-        """Every service's steps for the batch, side by side; their reports, or the first error once all
-        are done."""
-        writing = [
+    ) -> list[BatchReport] | None:
+        """Wait for the previous batch's writes (raising their error), then start this one's, every service
+        side by side; a small batch's reports (or first error) once all are done, None for a large one,
+        whose writes go on."""
+        self.wait()
+        self._writing = [
             # The Spark time is the query's, shared: reported once, with the first service.
             in_background(
                 f"aml-{service.service}-batch-{batch_id}",
@@ -231,8 +247,38 @@ class QueryBatches:
             )
             for service in self.services
         ]
-        futures.wait(writing)
+        if max(output.records for output in outputs.values()) >= OVERLAP_FROM_RECORDS:
+            return None
+        return self.wait()
+
+    def wait(self, timeout: float | None = None) -> list[BatchReport]:
+        """The reports of the batch being written, once every service has written it; raises the first
+        error (TimeoutError if `timeout` passes first)."""
+        writing, self._writing = self._writing, []
+        _done, not_done = futures.wait(writing, timeout)
+        if not_done:
+            self._writing = writing
+            raise TimeoutError(f"{len(not_done)} store writes still running after {timeout} s")
         return [future.result() for future in writing]
+
+    def failure(self) -> BaseException | None:
+        """The error of a finished store write that no micro-batch has raised yet (the topic went idle)."""
+        for future in self._writing:
+            if future.done() and future.exception() is not None:
+                return future.exception()
+        return None
+
+    def drain(self, timeout: float) -> None:
+        """Let the last batch's writes finish (a stop): what is not written by then is redone at the next
+        start, since neither its store nor its group moved."""
+        try:
+            self.wait(timeout)
+        except TimeoutError:
+            log.warning(
+                "stopping: a store write was still running after %.0f s; the next start redoes it", timeout
+            )
+        except Exception as exc:
+            log.warning("stopping: the last store write failed (%s); the next start redoes it", exc)
 
 
 def in_background(name: str, function: Callable[..., T], *args: Any) -> Future[T]:

@@ -93,18 +93,28 @@ class StoreRefused(RuntimeError):
     """The pipeline must not start on this store; the message says why and what to do."""
 
 
+#: How long a stop waits for the last micro-batch's store writes (Kubernetes gives a pod 30 s in all).
+DRAIN_TIMEOUT = 20.0
+
+
 @dataclass
 class Pipeline:
     spark: Any
     queries: list[Any]
     closers: list[Callable[[], None]]
     handlers: list[Any] = field(default_factory=list)
+    batches: list[Any] = field(default_factory=list)  # each query's QueryBatches
 
     def failure(self) -> str | None:
-        """Why the pipeline can no longer go on (a query stopped); None while it runs."""
+        """Why the pipeline can no longer go on: a query stopped, or a store write failed while the topic
+        was idle (no micro-batch has raised it yet); None while it runs."""
         for query in self.queries:
             if not query.isActive:
                 return f"query {query.name} stopped: {query.exception() or 'stopped'}"
+        for batches in self.batches:
+            error = batches.failure()
+            if error is not None:
+                return f"a store write failed: {error}"
         return None
 
     def stop(self) -> None:
@@ -117,6 +127,8 @@ class Pipeline:
                 query.stop()
             except Exception as exc:
                 log.warning("stopping a query: %s", exc)
+        for batches in self.batches:
+            batches.drain(DRAIN_TIMEOUT)
         for close in self.closers:
             close()
 
@@ -285,6 +297,7 @@ def start_queries(
     try:
         for interval, handlers in by_interval.items():
             batches = QueryBatches(handlers)
+            pipeline.batches.append(batches)
             name = "+".join(handler.service for handler in handlers)
             checkpoint = tempfile.mkdtemp(prefix=f"aml-{name}-checkpoint-")
             pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))

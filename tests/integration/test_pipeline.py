@@ -24,6 +24,7 @@ from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, relations_app
 from aml_app.dependencies.store import Reader
 from aml_app.kafka.broker import EmbeddedBroker
+from aml_app.pipeline import jobs
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config, spark_session
 from tests.harness import Names, wait_until
@@ -70,8 +71,17 @@ async def dead_letters(broker: EmbeddedBroker, topic: str, expected: int) -> lis
     return records
 
 
+@pytest.fixture(params=["written in turn", "overlapped"])
+def overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every batch is written before the next is computed (small batches), or every batch's writes
+    overlap the next batch's Spark work (as a catch-up's large batches do)."""
+    if request.param == "overlapped":
+        monkeypatch.setattr(jobs, "OVERLAP_FROM_RECORDS", 1)
+    return request.param
+
+
 async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
-    run_pipeline: Any, names: Names, producer: AIOKafkaProducer, broker: EmbeddedBroker
+    run_pipeline: Any, names: Names, producer: AIOKafkaProducer, broker: EmbeddedBroker, overlap: str
 ) -> None:
     """Two waves with out-of-order event times and malformed records, under a read limit."""
     running = run_pipeline(max_records_per_trigger=400)
@@ -131,7 +141,7 @@ async def test_a_restart_resumes_from_the_store_not_from_the_group(
 
 
 async def test_commits_are_never_ahead_of_the_api_and_reach_the_log_end_when_idle(
-    run_pipeline: Any, names: Names, producer: AIOKafkaProducer
+    run_pipeline: Any, names: Names, producer: AIOKafkaProducer, overlap: str
 ) -> None:
     running = run_pipeline(max_records_per_trigger=300)
     settings = running.settings

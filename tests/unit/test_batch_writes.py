@@ -1,16 +1,20 @@
 """How a query hands a micro-batch to the services' store writes (`QueryBatches.hand_to_services`): the
-services write side by side, the call returns only once every service is done, and a failed write is raised
-(which fails the query) only after the other service finished. Fake services stand in for the store
-writes; Spark is not involved."""
+services write side by side; for a small batch the call returns only once every service is done, and a
+failed write is raised (which fails the query) only after the other service finished; a large batch's
+writes go on while the next batch is computed, which is handed over only once every service wrote the
+last, a failed write fails the next batch (or shows in `failure` while the topic is idle), and a stop
+lets the last writes finish. Fake services stand in for the store writes; Spark is not involved."""
 
 from __future__ import annotations
 
 import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from aml_app.pipeline.jobs import QueryBatches
+from aml_app.pipeline.jobs import OVERLAP_FROM_RECORDS, QueryBatches
 
 DEADLINE = 10.0
 
@@ -48,8 +52,19 @@ def query(*names: str) -> tuple[QueryBatches, list[FakeService], list[tuple[str,
     return QueryBatches(services), services, log  # type: ignore[arg-type]
 
 
-def outputs(names: tuple[str, ...] = ("relations", "aggregates")) -> dict[str, Any]:
-    return {name: object() for name in names}
+def outputs(names: tuple[str, ...] = ("relations", "aggregates"), records: int = 1000) -> dict[str, Any]:
+    return {name: SimpleNamespace(records=records) for name in names}
+
+
+def large(names: tuple[str, ...] = ("relations", "aggregates")) -> dict[str, Any]:
+    return outputs(names, OVERLAP_FROM_RECORDS)
+
+
+def wait_until(condition: Any) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
 
 
 def test_the_services_write_one_batch_side_by_side() -> None:
@@ -78,3 +93,65 @@ def test_a_failed_write_is_raised_once_the_other_service_is_done() -> None:
     with pytest.raises(RuntimeError, match="refused"):
         batches.hand_to_services(outputs(), 0, 0.0)
     assert ("aggregates", 0, "end") in log  # not abandoned halfway
+
+
+def test_a_small_batch_just_under_the_bound_is_written_before_the_call_returns() -> None:
+    batches, services, log = query("relations")
+    gate = threading.Event()
+    services[0].gate = gate
+    threading.Timer(0.2, gate.set).start()
+    assert batches.hand_to_services(outputs(("relations",), OVERLAP_FROM_RECORDS - 1), 0, 0.0) == [
+        "relations-0"
+    ]
+    assert ("relations", 0, "end") in log
+
+
+def test_a_large_batch_is_written_while_the_next_is_computed_and_handed_over_in_order() -> None:
+    batches, services, log = query("relations", "aggregates")
+    gate = threading.Event()
+    services[1].gate = gate  # aggregates holds batch 0
+    assert batches.hand_to_services(large(), 0, 0.0) is None  # returns while batch 0 is being written
+    wait_until(lambda: ("relations", 0, "end") in log)
+    assert ("aggregates", 0, "end") not in log
+    second = threading.Thread(target=batches.hand_to_services, args=(large(), 1, 0.0))
+    second.start()
+    time.sleep(0.1)
+    assert second.is_alive()  # waiting for aggregates' batch 0
+    assert not any(batch == 1 for _, batch, _ in log)
+    services[1].gate = None
+    gate.set()
+    second.join(DEADLINE)
+    assert batches.wait(DEADLINE) == ["relations-1", "aggregates-1"]
+    for name in ("relations", "aggregates"):
+        for other in ("relations", "aggregates"):
+            assert log.index((name, 0, "end")) < log.index((other, 1, "start"))
+
+
+def test_a_failed_large_write_fails_the_next_batch_and_shows_while_idle() -> None:
+    batches, services, log = query("relations", "aggregates")
+    services[0].error = RuntimeError("the store refused the batch")
+    batches.hand_to_services(large(), 0, 0.0)
+    wait_until(lambda: batches.failure() is not None)
+    assert "refused" in str(batches.failure())
+    with pytest.raises(RuntimeError, match="refused"):
+        batches.hand_to_services(outputs(), 1, 0.0)
+    assert not any(batch == 1 for _, batch, _ in log)  # batch 1 never reached a store
+
+
+def test_a_stop_lets_the_last_writes_finish_and_does_not_hang_on_one_that_cannot() -> None:
+    batches, services, log = query("relations")
+    gate = threading.Event()
+    services[0].gate = gate
+    batches.hand_to_services(large(("relations",)), 0, 0.0)
+    threading.Timer(0.2, gate.set).start()
+    batches.drain(DEADLINE)
+    assert ("relations", 0, "end") in log
+
+    stuck = threading.Event()  # never set: a write waiting for a database that is away
+    services[0].gate = stuck
+    batches.hand_to_services(large(("relations",)), 1, 0.0)
+    started = time.monotonic()
+    batches.drain(0.2)
+    assert time.monotonic() - started < DEADLINE
+    assert ("relations", 1, "end") not in log
+    stuck.set()
