@@ -24,8 +24,7 @@ the heavy filter keeps the everyday graph of small payments (shops, friends) out
 - `co_payees`: the accounts that share at least 2 distinct heavy payers with the account (a bipartite
   block), as {"account", "shared"}, the most shared first, then by account; at most LISTED of them.
 An expression index on (payee, average payment) finds the heavy edges into an account without reading
-its light ones (a busy shop has thousands), and every edge into an account: the primary key and it are
-the table's only indexes, each a write per edge.
+its light ones (a busy shop has thousands).
 
 Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python compares strings.
 """
@@ -76,11 +75,6 @@ SCHEMA = Schema(
         # 2: the heavy edges into an account, without reading its light ones (see `_HEAVY`).
         """
         CREATE INDEX edges_by_payee_average ON {schema}.edges (payee, (total / payments))
-        """,
-        # 3: every edge into an account is found through edges_by_payee_average too (its first column):
-        # one index entry less to write per edge.
-        """
-        DROP INDEX {schema}.edges_by_payee
         """,
     ],
 )

@@ -821,34 +821,6 @@ def test_the_kept_batch_holds_no_bytes_of_valid_records(spark: Any) -> None:
     assert bytes(rows[5]["value"]) == b"not json" and rows[4]["payer"] == "A"
 
 
-def test_an_accounts_edges_in_are_read_through_the_payee_index(store_url: str) -> None:
-    """The edge table has two indexes, each a write per edge: the primary key and (payee, average
-    payment), through which an account's incoming edges are read, light ones included."""
-    with psycopg.connect(store_url) as conn:
-        migrate(conn, relations.SCHEMA)
-        indexes = conn.execute("SELECT indexname FROM pg_indexes WHERE schemaname = 'relations'").fetchall()
-        assert sorted(name for (name,) in indexes) == [
-            "applied_offsets_pkey",
-            "edges_by_payee_average",
-            "edges_pkey",
-            "meta_pkey",
-        ]
-        conn.execute(
-            "INSERT INTO relations.edges"
-            " SELECT 'p' || i, 'q' || (i % 500), 'EUR', 1 + i % 3, i, now(), now()"
-            " FROM generate_series(1, 20000) AS i"
-        )
-        conn.execute("ANALYZE relations.edges")
-        side = sql.SQL(relations._SIDE).format(
-            edges=sql.Identifier("relations", "edges"),
-            own=sql.Identifier("payee"),
-            other=sql.Identifier("payer"),
-        )
-        plan = conn.execute(sql.SQL("EXPLAIN ") + side, {"accounts": ["q7", "q8"]}).fetchall()
-    text = "\n".join(line for (line,) in plan)
-    assert "edges_by_payee_average" in text and "Seq Scan" not in text, text
-
-
 def test_a_writer_waiting_out_an_outage_gives_up_when_told() -> None:
     """A stop during an outage (`Pipeline.stop`) must not wait out the writer's patience (ten minutes)."""
     writer = Writer("postgresql://aml@127.0.0.1:1/none?connect_timeout=1", relations.SCHEMA, patience=600)
