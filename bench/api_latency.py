@@ -7,9 +7,9 @@ payments (default 100k) over A accounts (default 10k), payer and payee each draw
 counterparties and the median account with a handful; event times spread over the last 6.5 days; 4
 partitions. They are applied in micro-batches of 5,000 the way the pipeline applies its batches: each batch
 becomes the Arrow tables that `aml_app.pipeline.transforms.batch_outputs` hands the driver (`edges` for B,
-`payments` and `flows` for C: same columns, types and grouping, computed here with Arrow's group-by
-instead of Spark's), and `aml_app.pipeline.jobs.writer_for(service)` (`relations.write_edges`,
-`aggregates.write_batch`) writes them with `Writer.apply`, in one transaction with the covered offsets.
+`flows` for C: same columns, types and grouping, computed here with Arrow's group-by instead of Spark's),
+and `aml_app.pipeline.jobs.writer_for(service)` (`relations.write_edges`, `aggregates.write_batch`) writes
+them with `Writer.apply`, in one transaction with the covered offsets.
 Then `VACUUM (ANALYZE)` on both schemas, as autovacuum would have done by then on a long-running store
 (`--no-vacuum` skips it: planner statistics and visibility map as right after a bulk load).
 
@@ -182,7 +182,9 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
     grouped = (
         valid.append_column("bucket", pc.floor_temporal(valid["ts"], unit="minute"))
         .group_by(keys, use_threads=False)
-        .aggregate([("amount", "count"), ("amount", "sum"), ("near", "sum")])
+        .aggregate(
+            [("amount", "count"), ("amount", "sum"), ("near", "sum"), ("ts", "list"), ("amount", "list")]
+        )
     )
     flows = pa.table(
         {
@@ -190,14 +192,12 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
             "payments": grouped["amount_count"],
             "total": grouped["amount_sum"].cast(total),
             "near": grouped["near_sum"],
+            "times": grouped["ts_list"],
+            "amounts": grouped["amount_list"],
         }
     )
     rejects = pa.table({"partition": pa.array([], pa.int32()), "offset": pa.array([], pa.int64())})
-    return BatchOutputs(
-        spans,
-        rejects,
-        {"edges": edges, "payments": valid.select(list(aggregates.PAYMENT_COLUMNS)), "flows": flows},
-    )
+    return BatchOutputs(spans, rejects, {"edges": edges, "flows": flows})
 
 
 def schema_mb(url: str, schema: str) -> float:
@@ -251,7 +251,7 @@ def build_stores(settings: Settings, rows: list[tuple], vacuum: bool) -> dict[st
     if vacuum:
         with psycopg.connect(settings.store_url, autocommit=True) as conn:
             for schema in (relations.SCHEMA, aggregates.SCHEMA):
-                for table in ("edges",) if schema is relations.SCHEMA else ("payments", "flows"):
+                for table in ("edges",) if schema is relations.SCHEMA else ("flows",):
                     conn.execute(f'VACUUM (ANALYZE) "{schema.name}"."{table}"')
     out_degree: dict[str, set[str]] = defaultdict(set)
     for row in rows:
