@@ -210,53 +210,57 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
 # --- the query ------------------------------------------------------------------------------------
 
 # One pass per (account, at) serves all three windows, which nest: (at - 7 d, at] holds (at - 24 h, at],
-# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded) and `fa_w` = the first minute that
-# lies wholly inside it, so its partial first minute is `fa_w - 1 minute`; `fb` = the minute that holds
-# `at`, the same for every window. `flow` reads, per account and side, one index range of flow rows: the
-# minutes [fa_7d - 1 minute, fb] (from the payer's side through the primary key, from the payee's side
-# through flows_by_payee). Each row of `rows` is flagged with the windows it counts in (in_1h, in_24h,
-# in_7d):
-# - a flow row of the minutes [fa_7d, fb), whole: in window w when its minute starts at or after fa_w;
-# - each payment of the rows of a partial minute, unpacked: in every window when it is in the tail
-#   minute fb at or before `at`; in window w alone when it is in w's first minute after lo_w (the wider
-#   windows count that minute whole, through its flow row).
-# Each range is an index scan of its own, per query (LATERAL): a join of all queries at once let the
-# planner hash whole tables on every call (BENCHMARKS.md, "End to end").
+# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded) and `h_w` = the minute that holds
+# lo_w, the window's partial first minute (the minutes after it lie wholly inside); `fb` = the minute that
+# holds `at`, the same for every window. The rows read, each flagged with the windows it counts in
+# (in_1h, in_24h, in_7d):
+# - the flow rows of the minutes after h_7d and before fb, whole (one index range per account and side:
+#   from the payer's side through the primary key, from the payee's side through flows_by_payee): in
+#   window w when the minute comes after h_w;
+# - the payments of the flow rows of the partial minutes (fb and each window's first: one index lookup
+#   of four minutes per account and side), unpacked: in every window when in fb at or before `at`; in
+#   window w alone when in w's first minute after lo_w (the wider windows count that minute whole).
+# Each scan is an index scan of its own, per query (LATERAL): a join of all queries at once let the
+# planner hash whole tables on every call (BENCHMARKS.md, "End to end"); reading the widest range once
+# into a CTE and splitting it after cost more than the second lookup (the CTE's wide rows spilled).
 # The answers then come from hash aggregates with a FILTER per window: the totals per (direction,
 # currency), the payments per direction, and the distinct counterparties per direction and overall,
 # counted over rows first made unique per counterparty (DISTINCT aggregates would sort every group for
 # every window: twice the CPU).
 _WINDOWS = """
-WITH q AS (
-    SELECT i, account COLLATE "C" AS account, at,
-        at - %(1h)s AS lo_1h, date_bin(%(bucket)s, at - %(1h)s, 'epoch') + %(bucket)s AS fa_1h,
-        at - %(24h)s AS lo_24h, date_bin(%(bucket)s, at - %(24h)s, 'epoch') + %(bucket)s AS fa_24h,
-        at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at - %(7d)s, 'epoch') + %(bucket)s AS fa_7d,
-        date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS fb
-    FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
-), flow AS MATERIALIZED (
-    SELECT q.*, r.* FROM q CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.bucket, f.payments, f.total,
-            f.near, f.times, f.amounts
-        FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.fa_7d - %(bucket)s AND f.bucket <= q.fb
-        UNION ALL
-        SELECT 'in', f.payer, f.currency, f.bucket, f.payments, f.total, 0, f.times, f.amounts
-        FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.fa_7d - %(bucket)s AND f.bucket <= q.fb
-    ) r
+WITH h AS (
+    SELECT i, account COLLATE "C" AS account, at, at - %(1h)s AS lo_1h, at - %(24h)s AS lo_24h,
+        at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS fb
+    FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS h(account, at, i)
+), q AS (
+    SELECT h.*, date_bin(%(bucket)s, lo_1h, 'epoch') AS h_1h, date_bin(%(bucket)s, lo_24h, 'epoch') AS h_24h,
+        date_bin(%(bucket)s, lo_7d, 'epoch') AS h_7d
+    FROM h
 ), rows AS MATERIALIZED (
-    SELECT i, direction, counterparty, currency, payments, total, near,
-        bucket >= fa_1h AS in_1h, bucket >= fa_24h AS in_24h, true AS in_7d
-    FROM flow WHERE bucket >= fa_7d AND bucket < fb
-    UNION ALL
-    SELECT * FROM (
-        SELECT i, direction, counterparty, currency, 1, p.amount,
-            CASE WHEN direction = 'out' THEN {near} ELSE 0 END,
-            bucket = fb AND p.ts <= at OR bucket = fa_1h - %(bucket)s AND p.ts > lo_1h AS in_1h,
-            bucket = fb AND p.ts <= at OR bucket = fa_24h - %(bucket)s AND p.ts > lo_24h AS in_24h,
-            bucket = fb AND p.ts <= at OR bucket = fa_7d - %(bucket)s AND p.ts > lo_7d AS in_7d
-        FROM flow CROSS JOIN LATERAL unnest(times, amounts) AS p(ts, amount)
-        WHERE bucket IN (fb, fa_1h - %(bucket)s, fa_24h - %(bucket)s, fa_7d - %(bucket)s)
-    ) AS partial WHERE in_1h OR in_24h OR in_7d
+    SELECT q.i, r.* FROM q CROSS JOIN LATERAL (
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
+            f.bucket > q.h_1h AS in_1h, f.bucket > q.h_24h AS in_24h, true AS in_7d
+        FROM {flows} f WHERE f.payer = q.account AND f.bucket > q.h_7d AND f.bucket < q.fb
+        UNION ALL
+        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.bucket > q.h_1h, f.bucket > q.h_24h, true
+        FROM {flows} f WHERE f.payee = q.account AND f.bucket > q.h_7d AND f.bucket < q.fb
+        UNION ALL
+        SELECT * FROM (
+            SELECT 'out', f.payee, f.currency, 1, p.amount, {near},
+                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_1h AND p.ts > q.lo_1h AS in_1h,
+                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_24h AND p.ts > q.lo_24h AS in_24h,
+                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_7d AND p.ts > q.lo_7d AS in_7d
+            FROM {flows} f CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
+            WHERE f.payer = q.account AND f.bucket = ANY (ARRAY[q.fb, q.h_1h, q.h_24h, q.h_7d])
+            UNION ALL
+            SELECT 'in', f.payer, f.currency, 1, p.amount, 0,
+                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_1h AND p.ts > q.lo_1h,
+                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_24h AND p.ts > q.lo_24h,
+                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_7d AND p.ts > q.lo_7d
+            FROM {flows} f CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
+            WHERE f.payee = q.account AND f.bucket = ANY (ARRAY[q.fb, q.h_1h, q.h_24h, q.h_7d])
+        ) AS partial WHERE in_1h OR in_24h OR in_7d
+    ) r
 ), sides AS (
     SELECT i, direction, counterparty,
         bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d
