@@ -183,7 +183,10 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
         valid.append_column("bucket", pc.floor_temporal(valid["ts"], unit="minute"))
         .group_by(keys, use_threads=False)
         .aggregate(
-            [("amount", "count"), ("amount", "sum"), ("near", "sum"), ("ts", "list"), ("amount", "list")]
+            [
+                *(("amount", "count"), ("amount", "sum"), ("near", "sum")),
+                *(("ts", "list"), ("amount", "list"), ("ts", "min"), ("ts", "max")),
+            ]
         )
     )
     flows = pa.table(
@@ -194,6 +197,8 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
             "near": grouped["near_sum"],
             "times": grouped["ts_list"],
             "amounts": grouped["amount_list"],
+            "first_ts": grouped["ts_min"],
+            "last_ts": grouped["ts_max"],
         }
     )
     rejects = pa.table({"partition": pa.array([], pa.int32()), "offset": pa.array([], pa.int64())})

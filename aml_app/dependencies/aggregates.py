@@ -4,19 +4,18 @@ Windows at an instant come from pre-aggregated per-minute buckets (the flows) pl
 the window's edges (the idea of TimescaleDB's real-time continuous aggregates):
 
 - `flows(payer, bucket, payee, currency)`: per minute of event time, the payments from payer to payee in
-  one currency: how many, their exact total, how many were near the reporting threshold, and the
-  payments themselves (`times` and `amounts`, in the same order). Spark builds one row per key for each
-  micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them up. A payment is in one row, read
-  from the payer's side through the primary key and from the payee's side through `flows_by_payee`.
-  Schema version 1 kept one row per side (`buckets`: twice the rows to write), version 2 every payment
-  once more in a table of its own with two indexes of its own (`payments`: three index entries more per
-  payment to write, for what the flow rows of two minutes already hold).
+  one currency: how many, their exact total, how many were near the reporting threshold, the payments
+  themselves (`times` and `amounts`, in the same order) and the first and last of those times. Spark
+  builds one row per key for each micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them
+  up. A payment is in one row, read from the payer's side through the primary key and from the payee's
+  side through `flows_by_payee`. Schema version 1 kept one row per side (`buckets`: twice the rows to
+  write), version 2 every payment once more in a table of its own with two indexes of its own
+  (`payments`: three index entries more per payment to write, for what the flow rows already hold).
 
 A window (at - w, at] is the flows that lie wholly inside it plus the payments of the two partial minutes
 at its ends, read from those minutes' flow rows, so an answer reads one range of flow rows per account and
-direction and unpacks the payments of at most four minutes (the tail and each window's first): exact, and
-equal to a computation over every payment (tests/reference.py), without scanning every payment of a busy
-account.
+direction and unpacks only the rows that a window's edge cuts in two: exact, and equal to a computation
+over every payment (tests/reference.py), without scanning every payment of a busy account.
 
 Too-late rule: the store keeps `max_event_ts`, the largest ts applied so far. When a batch is applied,
 max_event_ts first rises to include the whole batch; then every payment of the batch whose minute starts
@@ -106,25 +105,33 @@ SCHEMA = Schema(
             FROM {schema}.buckets WHERE direction = 'out';
         DROP TABLE {schema}.buckets
         """,
-        # 3: each flow row holds its payments (times and amounts), for the partial minutes of a window,
-        # instead of a payments table with two indexes of its own (a third of the store's index entries).
+        # 3: each flow row holds its payments (times and amounts) and its first and last time, for the
+        # partial minutes of a window, instead of a payments table with two indexes of its own (a third of
+        # the store's index entries).
         """
-        ALTER TABLE {schema}.flows ADD COLUMN times timestamptz[], ADD COLUMN amounts numeric[];
-        UPDATE {schema}.flows AS f SET times = p.times, amounts = p.amounts
+        ALTER TABLE {schema}.flows ADD COLUMN times timestamptz[], ADD COLUMN amounts numeric[],
+            ADD COLUMN first_ts timestamptz, ADD COLUMN last_ts timestamptz;
+        UPDATE {schema}.flows AS f
+        SET times = p.times, amounts = p.amounts, first_ts = p.first_ts, last_ts = p.last_ts
         FROM (
             SELECT payer, date_bin('1 minute', ts, 'epoch') AS bucket, payee, currency,
-                array_agg(ts ORDER BY ts, amount) AS times, array_agg(amount ORDER BY ts, amount) AS amounts
+                array_agg(ts ORDER BY ts, amount) AS times, array_agg(amount ORDER BY ts, amount) AS amounts,
+                min(ts) AS first_ts, max(ts) AS last_ts
             FROM {schema}.payments GROUP BY 1, 2, 3, 4
         ) AS p
         WHERE (f.payer, f.bucket, f.payee, f.currency) = (p.payer, p.bucket, p.payee, p.currency);
-        ALTER TABLE {schema}.flows ALTER COLUMN times SET NOT NULL, ALTER COLUMN amounts SET NOT NULL;
+        ALTER TABLE {schema}.flows ALTER COLUMN times SET NOT NULL, ALTER COLUMN amounts SET NOT NULL,
+            ALTER COLUMN first_ts SET NOT NULL, ALTER COLUMN last_ts SET NOT NULL;
         DROP TABLE {schema}.payments
         """,
     ],
 )
 
 #: The columns of a batch's flow rows, as Spark makes them (`times` and `amounts`: Arrow lists).
-FLOW_COLUMNS = ("payer", "bucket", "payee", "currency", "payments", "total", "near", "times", "amounts")
+FLOW_COLUMNS = (
+    *("payer", "bucket", "payee", "currency", "payments", "total", "near"),
+    *("times", "amounts", "first_ts", "last_ts"),
+)
 
 
 def floor_bucket(when: datetime) -> datetime:
@@ -163,7 +170,7 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
         return 0, 0
     meta = read_meta(conn, schema)
     stored_max = datetime.fromisoformat(meta["max_event_ts"]) if "max_event_ts" in meta else None
-    batch_max = pc.max(pc.list_flatten(flows["times"])).as_py()
+    batch_max = pc.max(flows["last_ts"]).as_py()
     new_max = batch_max if stored_max is None else max(stored_max, batch_max)
     cutoff = floor_bucket(new_max - HORIZON)
     # A payment is too late when its minute is: the cutoff is a minute's start.
@@ -176,7 +183,8 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
         """
         CREATE TEMPORARY TABLE batch_flows (
             payer text COLLATE "C", bucket timestamptz, payee text COLLATE "C", currency text COLLATE "C",
-            payments bigint, total numeric, near bigint, times timestamptz[], amounts numeric[]
+            payments bigint, total numeric, near bigint, times timestamptz[], amounts numeric[],
+            first_ts timestamptz, last_ts timestamptz
         ) ON COMMIT DROP
         """
     )
@@ -190,7 +198,9 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
                 total = f.total + excluded.total,
                 near = f.near + excluded.near,
                 times = f.times || excluded.times,
-                amounts = f.amounts || excluded.amounts
+                amounts = f.amounts || excluded.amounts,
+                first_ts = least(f.first_ts, excluded.first_ts),
+                last_ts = greatest(f.last_ts, excluded.last_ts)
             """
         ).format(flows=sql.Identifier(schema.name, "flows"))
     )
@@ -212,17 +222,15 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
 # One pass per (account, at) serves all three windows, which nest: (at - 7 d, at] holds (at - 24 h, at],
 # which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded) and `h_w` = the minute that holds
 # lo_w, the window's partial first minute (the minutes after it lie wholly inside); `fb` = the minute that
-# holds `at`, the same for every window. The rows read, each flagged with the windows it counts in
-# (in_1h, in_24h, in_7d):
-# - the flow rows of the minutes after h_7d and before fb, whole (one index range per account and side:
-#   from the payer's side through the primary key, from the payee's side through flows_by_payee): in
-#   window w when the minute comes after h_w;
-# - the payments of the flow rows of the partial minutes (fb and each window's first: one index lookup
-#   of four minutes per account and side), unpacked: in every window when in fb at or before `at`; in
-#   window w alone when in w's first minute after lo_w (the wider windows count that minute whole).
-# Each scan is an index scan of its own, per query (LATERAL): a join of all queries at once let the
-# planner hash whole tables on every call (BENCHMARKS.md, "End to end"); reading the widest range once
-# into a CTE and splitting it after cost more than the second lookup (the CTE's wide rows spilled).
+# holds `at`, the same for every window. `flow` reads, per account and side, one index range of flow rows
+# (from the payer's side through the primary key, from the payee's side through flows_by_payee): the
+# minutes h_7d to fb. Each row is flagged with the windows it counts in (in_1h, in_24h, in_7d): a minute
+# after h_w and before fb counts whole in w; so does a row of fb whose last payment is at or before `at`,
+# and a row of h_w whose first payment is after lo_w. A row of fb or h_w whose payments lie on both sides
+# of the cut (its first and last time tell, without reading them) is `cut`: `rows` counts its payments one
+# by one, unpacked from its arrays, instead of the row. Most rows hold one payment and are never cut.
+# Each range is an index scan of its own, per query (LATERAL): a join of all queries at once let the
+# planner hash whole tables on every call (BENCHMARKS.md, "End to end").
 # The answers then come from hash aggregates with a FILTER per window: the totals per (direction,
 # currency), the payments per direction, and the distinct counterparties per direction and overall,
 # counted over rows first made unique per counterparty (DISTINCT aggregates would sort every group for
@@ -236,31 +244,47 @@ WITH h AS (
     SELECT h.*, date_bin(%(bucket)s, lo_1h, 'epoch') AS h_1h, date_bin(%(bucket)s, lo_24h, 'epoch') AS h_24h,
         date_bin(%(bucket)s, lo_7d, 'epoch') AS h_7d
     FROM h
-), rows AS MATERIALIZED (
-    SELECT q.i, r.* FROM q CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
-            f.bucket > q.h_1h AS in_1h, f.bucket > q.h_24h AS in_24h, true AS in_7d
-        FROM {flows} f WHERE f.payer = q.account AND f.bucket > q.h_7d AND f.bucket < q.fb
-        UNION ALL
-        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.bucket > q.h_1h, f.bucket > q.h_24h, true
-        FROM {flows} f WHERE f.payee = q.account AND f.bucket > q.h_7d AND f.bucket < q.fb
-        UNION ALL
-        SELECT * FROM (
-            SELECT 'out', f.payee, f.currency, 1, p.amount, {near},
-                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_1h AND p.ts > q.lo_1h AS in_1h,
-                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_24h AND p.ts > q.lo_24h AS in_24h,
-                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_7d AND p.ts > q.lo_7d AS in_7d
-            FROM {flows} f CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
-            WHERE f.payer = q.account AND f.bucket = ANY (ARRAY[q.fb, q.h_1h, q.h_24h, q.h_7d])
+), flow AS MATERIALIZED (
+    SELECT q.i, r.direction, r.counterparty, r.currency, r.bucket, r.payments, r.total, r.near, r.cut,
+        CASE WHEN r.cut THEN r.times END AS times, CASE WHEN r.cut THEN r.amounts END AS amounts,
+        r.tail OR r.bucket > q.h_1h AND r.bucket < q.fb OR r.bucket = q.h_1h AND r.first_ts > q.lo_1h
+            AS in_1h,
+        r.tail OR r.bucket > q.h_24h AND r.bucket < q.fb OR r.bucket = q.h_24h AND r.first_ts > q.lo_24h
+            AS in_24h,
+        r.tail OR r.bucket > q.h_7d AND r.bucket < q.fb OR r.bucket = q.h_7d AND r.first_ts > q.lo_7d
+            AS in_7d
+    FROM q CROSS JOIN LATERAL (
+        SELECT s.*, s.bucket = q.fb AND s.last_ts <= q.at AS tail,
+            s.bucket = q.fb AND s.first_ts <= q.at AND s.last_ts > q.at
+                OR s.bucket = q.h_1h AND s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
+                OR s.bucket = q.h_24h AND s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h
+                OR s.bucket = q.h_7d AND s.first_ts <= q.lo_7d AND s.last_ts > q.lo_7d AS cut
+        FROM (
+            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.bucket, f.payments, f.total,
+                f.near, f.times, f.amounts, f.first_ts, f.last_ts
+            FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.h_7d AND f.bucket <= q.fb
             UNION ALL
-            SELECT 'in', f.payer, f.currency, 1, p.amount, 0,
-                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_1h AND p.ts > q.lo_1h,
-                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_24h AND p.ts > q.lo_24h,
-                f.bucket = q.fb AND p.ts <= q.at OR f.bucket = q.h_7d AND p.ts > q.lo_7d
-            FROM {flows} f CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
-            WHERE f.payee = q.account AND f.bucket = ANY (ARRAY[q.fb, q.h_1h, q.h_24h, q.h_7d])
-        ) AS partial WHERE in_1h OR in_24h OR in_7d
+            SELECT 'in', f.payer, f.currency, f.bucket, f.payments, f.total, 0, f.times, f.amounts,
+                f.first_ts, f.last_ts
+            FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.h_7d AND f.bucket <= q.fb
+        ) s
     ) r
+), rows AS MATERIALIZED (
+    SELECT i, direction, counterparty, currency, payments, total, near, in_1h, in_24h, in_7d
+    FROM flow WHERE NOT cut AND (in_1h OR in_24h OR in_7d)
+    UNION ALL
+    SELECT * FROM (
+        SELECT f.i, f.direction, f.counterparty, f.currency, 1, p.amount,
+            CASE WHEN f.direction = 'out' THEN {near} ELSE 0 END,
+            f.bucket > q.h_1h AND f.bucket < q.fb OR f.bucket = q.h_1h AND p.ts > q.lo_1h
+                OR f.bucket = q.fb AND p.ts <= q.at AS in_1h,
+            f.bucket > q.h_24h AND f.bucket < q.fb OR f.bucket = q.h_24h AND p.ts > q.lo_24h
+                OR f.bucket = q.fb AND p.ts <= q.at AS in_24h,
+            f.bucket > q.h_7d AND f.bucket < q.fb OR f.bucket = q.h_7d AND p.ts > q.lo_7d
+                OR f.bucket = q.fb AND p.ts <= q.at AS in_7d
+        FROM flow f JOIN q ON q.i = f.i CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
+        WHERE f.cut
+    ) AS unpacked WHERE in_1h OR in_24h OR in_7d
 ), sides AS (
     SELECT i, direction, counterparty,
         bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d

@@ -7,7 +7,7 @@ checks them with Spark SQL, and the results leave Spark already aggregated, as A
 - `rejects`: the records that break the payment contract, with their original bytes (for the DLQ);
 - relations: `edges`, one row per (payer, payee, currency) of the batch;
 - aggregates: `flows`, one row per (payer, minute, payee, currency) with counts, exact totals,
-  near-threshold counts and the payments' times and amounts.
+  near-threshold counts, the payments' times and amounts, and the first and last time.
 
 The batch is parsed once and kept in memory while the services' jobs run (`persist`), so Kafka is read
 and the contract checked once per batch, whatever the number of services and outputs; the streaming
@@ -118,6 +118,8 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
             F.sum("amount").alias("total"),
             F.sum(near_threshold(F.col("amount"), threshold, band)).alias("near"),
             F.collect_list(F.struct("ts", "amount")).alias("paid"),
+            F.min("ts").alias("first_ts"),
+            F.max("ts").alias("last_ts"),
         ),
     )
     columns = expressions(
@@ -133,6 +135,8 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
             "near",
             F.col("paid.ts").alias("times"),
             F.col("paid.amount").alias("amounts"),
+            "first_ts",
+            "last_ts",
         ),
     )
     return valid.groupBy(*keys).agg(*totals).select(*columns)

@@ -655,9 +655,12 @@ async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: 
         assert migrate(conn, aggregates.SCHEMA) == 1
         flows = conn.execute(
             "SELECT count(*), sum(payments), sum(near), sum(cardinality(times)), sum(cardinality(amounts)),"
-            " bool_and(total = (SELECT sum(a) FROM unnest(amounts) AS a)) FROM aggregates.flows"
+            " bool_and(total = (SELECT sum(a) FROM unnest(amounts) AS a)),"
+            " bool_and(first_ts = (SELECT min(t) FROM unnest(times) AS t)"
+            " AND last_ts = (SELECT max(t) FROM unnest(times) AS t))"
+            " FROM aggregates.flows"
         ).fetchone()
-        assert flows == (4, 5, 1, 5, 5, True)
+        assert flows == (4, 5, 1, 5, 5, True, True)
         for table in ("buckets", "payments"):
             assert conn.execute("SELECT to_regclass(%s)", (f"aggregates.{table}",)).fetchone() == (None,)
     instants = [at, at - timedelta(minutes=30), at + timedelta(hours=2, minutes=59)]
