@@ -287,6 +287,7 @@ def start_queries(
     )
     pipeline.spark = spark
     from aml_app.pipeline.jobs import QueryBatches
+    from aml_app.pipeline.transforms import trimmed
     from aml_app.pipeline.validation import validated
 
     # Services with the same trigger interval share one query: Kafka read and contract checked once.
@@ -311,8 +312,9 @@ def start_queries(
                 .option("maxTasks", str(spark.sparkContext.defaultParallelism))
                 .load()
             )
-            # The contract's plan is large: built and analysed once here, not once per micro-batch.
-            checked = validated(stream, batches.max_payment_bytes)
+            # The contract's plan is large: built and analysed once here, not once per micro-batch; so is
+            # the projection of what the services read.
+            checked = trimmed(validated(stream, batches.max_payment_bytes))
             query = (
                 checked.writeStream.queryName(name)
                 .foreachBatch(batches)

@@ -142,31 +142,36 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
     return valid.groupBy(*keys).agg(*totals).select(*columns)
 
 
-def kept_columns() -> tuple[Column | str, ...]:
+def trimmed(checked: DataFrame) -> DataFrame:
     """What the outputs read of a validated batch: the offsets, the verdict, a rejected record's bytes (for
     its dead letter) and a valid payment's fields. Not the valid records' bytes nor the payment ids, which
-    no output reads: caching them cost the JVM about a third of the cache's size to copy, and its
-    compression statistics a hash lookup per string."""
-    rejected = ~F.col("valid")
-    return (
-        "partition",
-        "offset",
-        "valid",
-        F.when(rejected, F.col("key")).alias("key"),
-        F.when(rejected, F.col("value")).alias("value"),
-        "payer",
-        "payee",
-        "amount",
-        "currency",
-        "ts",
-    )
+    no output reads: keeping them cost the JVM about a third of the cache's size to copy, and its
+    compression statistics a hash lookup per string. The streaming query applies it once, with the
+    contract (`runner.start_queries`): a projection built per micro-batch over the contract's large plan
+    would be analysed again every batch."""
+
+    def columns() -> tuple[Column | str, ...]:
+        rejected = ~F.col("valid")
+        return (
+            "partition",
+            "offset",
+            "valid",
+            F.when(rejected, F.col("key")).alias("key"),
+            F.when(rejected, F.col("value")).alias("value"),
+            "payer",
+            "payee",
+            "amount",
+            "currency",
+            "ts",
+        )
+
+    return checked.select(*expressions(checked, "trimmed", columns))
 
 
 @contextmanager
-def kept(checked: DataFrame) -> Iterator[DataFrame]:
-    """What the outputs read of a validated batch (`kept_columns`), cached in memory for the block (the
-    batch's outputs read it once each)."""
-    cached = checked.select(*expressions(checked, "kept", kept_columns)).persist(StorageLevel.MEMORY_ONLY)
+def kept(batch: DataFrame) -> Iterator[DataFrame]:
+    """A batch (`trimmed`) cached in memory for the block (the batch's outputs read it once each)."""
+    cached = batch.persist(StorageLevel.MEMORY_ONLY)
     try:
         yield cached
     finally:
@@ -198,14 +203,14 @@ def batch_outputs(
     records: DataFrame, service: str, max_bytes: int, threshold: Decimal, band: Decimal
 ) -> BatchOutputs:
     """Everything `service` needs from one micro-batch of Kafka records, collected to the driver."""
-    with kept(validated(records, max_bytes)) as checked:
+    with kept(trimmed(validated(records, max_bytes))) as checked:
         return outputs_by_service(checked, {service: {}}, threshold, band)[service]
 
 
 def outputs_by_service(
     checked: DataFrame, applied: Mapping[str, Mapping[int, int]], threshold: Decimal, band: Decimal
 ) -> dict[str, BatchOutputs]:
-    """Each service's outputs from one validated batch, as `kept` keeps it (`validation.validated`),
+    """Each service's outputs from one validated batch (`validation.validated`, then `trimmed`, best kept),
     skipping for each service the records its store already holds (`applied`: service -> its offsets).
 
     One Spark job per output, because each job costs a fixed price that dominates small batches (most of

@@ -740,7 +740,7 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
 def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
     """Each service's aggregation of a kept batch runs in one task: a shuffle would cost a stage, files
     and a scheduling round per aggregation, about 100 ms per micro-batch (BENCHMARKS.md)."""
-    from aml_app.pipeline.transforms import edges, flows, in_one_task, kept
+    from aml_app.pipeline.transforms import edges, flows, in_one_task, kept, trimmed
     from aml_app.pipeline.validation import validated
     from tests.stores import records_frame
 
@@ -751,7 +751,7 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
     def plan(frame: Any) -> str:
         return frame._jdf.queryExecution().executedPlan().toString()
 
-    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
+    with kept(trimmed(validated(records, SETTINGS.max_payment_bytes))) as batch:
         valid = batch.where("valid")
         for aggregated in (edges(in_one_task(valid)), flows(in_one_task(valid), THRESHOLD, BAND)):
             assert "Exchange" not in plan(aggregated), plan(aggregated)
@@ -762,14 +762,14 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
 def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
     """After a crash between the two services' writes one store is ahead: the shared batch feeds each
     service only the records its store does not hold yet, in the aggregations and on the driver."""
-    from aml_app.pipeline.transforms import kept, outputs_by_service
+    from aml_app.pipeline.transforms import kept, outputs_by_service, trimmed
     from aml_app.pipeline.validation import validated
     from tests.stores import records_frame
 
     rows = [PaymentRow(0, o, f"id-{o}", "A", "B", Decimal("10.00"), "EUR", T0) for o in range(10)]
     records = records_frame(spark, payment_records(rows))
     applied = {"relations": {0: 6}, "aggregates": {0: 0}}
-    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
+    with kept(trimmed(validated(records, SETTINGS.max_payment_bytes))) as batch:
         outputs = outputs_by_service(batch, applied, THRESHOLD, BAND)
     relations_out, aggregates_out = outputs["relations"], outputs["aggregates"]
     assert relations_out.tables["edges"].column("payments").to_pylist() == [4]
@@ -810,14 +810,15 @@ def test_the_stores_take_a_batch_in_their_primary_keys_order(spark: Any, store_u
 
 def test_the_kept_batch_holds_no_bytes_of_valid_records(spark: Any) -> None:
     """The cached batch keeps a record's bytes only when it is rejected (for its dead letter): the valid
-    ones' bytes and payment ids are read by no output, and caching them cost CPU per record."""
-    from aml_app.pipeline.transforms import kept
+    ones' bytes and payment ids are read by no output, and caching them cost CPU per record. The query
+    trims the batch once (`start_queries`), not per micro-batch."""
+    from aml_app.pipeline.transforms import kept, trimmed
     from aml_app.pipeline.validation import validated
     from tests.stores import records_frame
 
     payments = [PaymentRow(0, o, f"id-{o}", "A", "B", Decimal(1), "EUR", T0) for o in range(5)]
     records = records_frame(spark, [*payment_records(payments), (0, 5, b"A", b"not json")])
-    with kept(validated(records, SETTINGS.max_payment_bytes)) as batch:
+    with kept(trimmed(validated(records, SETTINGS.max_payment_bytes))) as batch:
         assert "payment_id" not in batch.columns
         rows = {r["offset"]: r for r in batch.collect()}
     assert [o for o, r in rows.items() if r["key"] is not None or r["value"] is not None] == [5]
