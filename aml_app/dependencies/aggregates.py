@@ -159,15 +159,16 @@ def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decima
         )
 
 
-def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[int, int]:
+def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> int:
     """Add a batch's flow rows (an Arrow table, one row per key), minus too-late ones; prune.
 
-    Returns (payments stored, payments too late). Runs inside the caller's transaction.
+    Returns how many payments were stored (the too-late ones are counted in `late_dropped`). Runs inside
+    the caller's transaction.
     """
     import pyarrow.compute as pc
 
     if flows.num_rows == 0:
-        return 0, 0
+        return 0
     meta = read_meta(conn, schema)
     stored_max = datetime.fromisoformat(meta["max_event_ts"]) if "max_event_ts" in meta else None
     batch_max = pc.max(flows["last_ts"]).as_py()
@@ -214,7 +215,7 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> tuple[i
             sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "flows")),
             (prune,),
         )
-    return payments - late, late
+    return payments - late
 
 
 # --- the query ------------------------------------------------------------------------------------

@@ -98,8 +98,7 @@ def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int
         return write_relations
 
     def write_aggregates(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
-        stored, _late = aggregates.write_batch(conn, aggregates.SCHEMA, outputs.tables["flows"])
-        return stored
+        return aggregates.write_batch(conn, aggregates.SCHEMA, outputs.tables["flows"])
 
     return write_aggregates
 
