@@ -240,9 +240,12 @@ def _comm_and_cpu(stat: Path) -> tuple[str, float]:
 
 def cpu_since(before: dict[str, float], records: int, seconds: float) -> dict[str, Any]:
     """CPU used per kind of process since `before`: seconds, µs per record, and in all."""
-    now = cpu_seconds()
-    used = {kind: now.get(kind, 0.0) - before.get(kind, 0.0) for kind in (*PROCESS_KINDS.values(), JIT)}
-    return cpu_report(used, records, seconds)
+    return cpu_report(cpu_used(before, cpu_seconds()), records, seconds)
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """CPU seconds per kind of process between two `cpu_seconds()` readings."""
+    return {kind: after.get(kind, 0.0) - before.get(kind, 0.0) for kind in (*PROCESS_KINDS.values(), JIT)}
 
 
 def cpu_report(used: dict[str, float], records: int, seconds: float) -> dict[str, Any]:
@@ -286,11 +289,7 @@ class CpuSampler:
         """`cpu_since` from the last sample at or before `start` to the first at or after `end`."""
         before = max((s for s in self.samples if s[0] <= start), default=self.samples[0], key=lambda s: s[0])
         after = min((s for s in self.samples if s[0] >= end), default=self.samples[-1], key=lambda s: s[0])
-        used = {
-            kind: after[1].get(kind, 0.0) - before[1].get(kind, 0.0)
-            for kind in (*PROCESS_KINDS.values(), JIT)
-        }
-        return cpu_report(used, records, after[0] - before[0])
+        return cpu_report(cpu_used(before[1], after[1]), records, after[0] - before[0])
 
 
 def first_trigger_with_data(pipeline: Any) -> float:
