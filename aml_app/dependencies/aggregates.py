@@ -232,10 +232,13 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> int:
 # by one, unpacked from its arrays, instead of the row. Most rows hold one payment and are never cut.
 # Each range is an index scan of its own, per query (LATERAL): a join of all queries at once let the
 # planner hash whole tables on every call (BENCHMARKS.md, "End to end").
-# The answers then come from hash aggregates with a FILTER per window: the totals per (direction,
-# currency), the payments per direction, and the distinct counterparties per direction and overall,
-# counted over rows first made unique per counterparty (DISTINCT aggregates would sort every group for
-# every window: twice the CPU).
+# The answers then come from two hash aggregates over those rows, with a FILTER per window: per
+# (direction, currency) the totals, payments and near-threshold payments (a direction's payments are the
+# sum over its currencies, added up in Python), and per counterparty whether it was paid, paid the
+# account, or either, in each window, counted per account in one more aggregate: the distinct
+# counterparties without DISTINCT aggregates (which would sort every group for every window: twice the
+# CPU). Three aggregates over the rows and two over their counterparties, as before, cost a fifth more
+# of PostgreSQL's CPU on the end-to-end benchmark's traffic (BENCHMARKS.md, "End to end").
 _WINDOWS = """
 WITH h AS (
     SELECT i, account COLLATE "C" AS account, at, at - %(1h)s AS lo_1h, at - %(24h)s AS lo_24h,
@@ -286,29 +289,28 @@ WITH h AS (
         FROM flow f JOIN q ON q.i = f.i CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
         WHERE f.cut
     ) AS unpacked WHERE in_1h OR in_24h OR in_7d
-), sides AS (
-    SELECT i, direction, counterparty,
-        bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d
-    FROM rows GROUP BY i, direction, counterparty
+), parties AS (
+    SELECT i,
+        bool_or(in_1h) FILTER (WHERE direction = 'out') AS out_1h,
+        bool_or(in_24h) FILTER (WHERE direction = 'out') AS out_24h,
+        bool_or(in_7d) FILTER (WHERE direction = 'out') AS out_7d,
+        bool_or(in_1h) FILTER (WHERE direction = 'in') AS in_1h,
+        bool_or(in_24h) FILTER (WHERE direction = 'in') AS in_24h,
+        bool_or(in_7d) FILTER (WHERE direction = 'in') AS in_7d,
+        bool_or(in_1h) AS any_1h, bool_or(in_24h) AS any_24h, bool_or(in_7d) AS any_7d
+    FROM rows GROUP BY i, counterparty
 )
-SELECT i, 'total' AS kind, direction, currency, sum(total) FILTER (WHERE in_1h),
-    sum(total) FILTER (WHERE in_24h), sum(total) FILTER (WHERE in_7d), NULL::numeric AS near_24h
+SELECT i, 'totals' AS kind, direction, currency,
+    sum(total) FILTER (WHERE in_1h), sum(total) FILTER (WHERE in_24h), sum(total) FILTER (WHERE in_7d),
+    sum(payments) FILTER (WHERE in_1h), sum(payments) FILTER (WHERE in_24h),
+    sum(payments) FILTER (WHERE in_7d), sum(near) FILTER (WHERE in_24h), NULL, NULL
 FROM rows GROUP BY i, direction, currency
 UNION ALL
-SELECT i, 'count', direction, NULL, sum(payments) FILTER (WHERE in_1h),
-    sum(payments) FILTER (WHERE in_24h), sum(payments) FILTER (WHERE in_7d), sum(near) FILTER (WHERE in_24h)
-FROM rows GROUP BY i, direction
-UNION ALL
-SELECT i, 'counterparties', direction, NULL, count(*) FILTER (WHERE in_1h),
-    count(*) FILTER (WHERE in_24h), count(*) FILTER (WHERE in_7d), NULL
-FROM sides GROUP BY i, direction
-UNION ALL
-SELECT i, 'all counterparties', NULL, NULL, count(*) FILTER (WHERE in_1h),
-    count(*) FILTER (WHERE in_24h), count(*) FILTER (WHERE in_7d), NULL
-FROM (
-    SELECT i, counterparty, bool_or(in_1h) AS in_1h, bool_or(in_24h) AS in_24h, bool_or(in_7d) AS in_7d
-    FROM sides GROUP BY i, counterparty
-) AS everyone GROUP BY i
+SELECT i, 'counterparties', NULL, NULL,
+    count(*) FILTER (WHERE out_1h), count(*) FILTER (WHERE out_24h), count(*) FILTER (WHERE out_7d),
+    count(*) FILTER (WHERE in_1h), count(*) FILTER (WHERE in_24h), count(*) FILTER (WHERE in_7d),
+    count(*) FILTER (WHERE any_1h), count(*) FILTER (WHERE any_24h), count(*) FILTER (WHERE any_7d)
+FROM parties GROUP BY i
 """
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
 
@@ -370,23 +372,25 @@ async def aggregates_many(
             **WINDOWS,
         },
     )
-    for i, kind, direction, currency, *per_window, near_24h in await cur.fetchall():
-        answer = answers[i - 1]
-        side = "sent" if direction == "out" else "received"
-        for name, value in zip(WINDOWS, per_window, strict=True):
-            if value is None:  # no row in this window
-                continue
-            window = answer["windows"][name]
-            if kind == "total":
-                window[side][currency] = money_text(value)
-            elif kind == "count":  # the rest are counts, numeric like the totals in the same column
-                window[f"{side}_count"] = int(value)
-            elif kind == "counterparties":
-                window[f"{side}_counterparties"] = int(value)
-            else:
-                window["counterparties"] = int(value)
-        if kind == "count" and direction == "out" and near_24h is not None:
-            answer["near_threshold_24h"] = int(near_24h)
+    for i, kind, direction, currency, *values in await cur.fetchall():
+        windows = answers[i - 1]["windows"]
+        if kind == "totals":  # one direction and currency: totals, payments, near-threshold (24 h only)
+            side = "sent" if direction == "out" else "received"
+            totals, payments, (near_24h, _, _) = values[0:3], values[3:6], values[6:9]
+            for name, total, count in zip(WINDOWS, totals, payments, strict=True):
+                if total is not None:  # no payment in this window
+                    windows[name][side][currency] = money_text(total)
+                    windows[name][f"{side}_count"] += int(count)
+            if direction == "out" and near_24h is not None:
+                answers[i - 1]["near_threshold_24h"] += int(near_24h)
+        else:  # distinct counterparties: sent to, received from, either
+            for key, counts in zip(
+                ("sent_counterparties", "received_counterparties", "counterparties"),
+                (values[0:3], values[3:6], values[6:9]),
+                strict=True,
+            ):
+                for name, count in zip(WINDOWS, counts, strict=True):
+                    windows[name][key] = int(count)  # numeric, like the totals in its column
     for answer in answers:
         for window in answer["windows"].values():
             for side in ("sent", "received"):
