@@ -32,8 +32,8 @@ How each rule is checked here (Spark 4 runs with ANSI on, so only `try_` casts a
 
 from __future__ import annotations
 
-import itertools
-from functools import cache
+import operator
+from functools import cache, reduce
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -79,14 +79,10 @@ _AS_TEXT = "struct<" + ", ".join(f"{name}: string" for name in FIELDS) + ">"
 _AS_VARIANTS = "struct<" + ", ".join(f"{name}: variant" for name in FIELDS) + ">"
 
 
-def accepted_types() -> list[str]:
-    """`schema_of_variant` of the fields of a valid payment: every required field a JSON string, each
-    optional one a string or VOID (null or missing). Spark lists an object's keys sorted."""
-    accepted = []
-    for optional in itertools.product(("STRING", "VOID"), repeat=len(OPTIONAL)):
-        types = {**dict.fromkeys(REQUIRED, "STRING"), **dict(zip(OPTIONAL, optional, strict=True))}
-        accepted.append("OBJECT<" + ", ".join(f"{name}: {types[name]}" for name in sorted(types)) + ">")
-    return accepted
+def accepted_types() -> dict[str, tuple[str, ...]]:
+    """Per field of a valid payment, the JSON types (`schema_of_variant`) it may have: a required field a
+    string, an optional one a string or VOID (null or missing)."""
+    return {**dict.fromkeys(REQUIRED, ("STRING",)), **dict.fromkeys(OPTIONAL, ("STRING", "VOID"))}
 
 
 @cache
@@ -211,6 +207,18 @@ def _stages(context: object, max_bytes: int) -> list[list[Column | str]]:
     return _built[key]
 
 
+def _types_ok(variants: Column) -> Column:
+    """Whether each field of `variants` (the contract's fields as VARIANTs, null when the document is no
+    object) has a JSON type it may have. Field by field: the type of an object built of them all
+    (`to_variant_object`) cost a third of the validation's time, for the same verdict."""
+    accepted = accepted_types()
+    checks = [
+        F.coalesce(F.schema_of_variant(variants.getField(name)), F.lit("VOID")).isin(*accepted[name])
+        for name in FIELDS  # a missing field is SQL null: VOID, as a JSON null
+    ]
+    return reduce(operator.and_, checks)
+
+
 def _build_stages(max_bytes: int) -> list[list[Column | str]]:
     value, key = F.col("value"), F.col("key")
     text = value.cast("string")
@@ -239,9 +247,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
         *kept,
         json_ok.alias("_json_ok"),
         F.try_variant_get("_json", "$[0]", _AS_TEXT).alias("_f"),
-        F.schema_of_variant(F.to_variant_object(F.try_variant_get("_json", "$[0]", _AS_VARIANTS))).alias(
-            "_types"
-        ),
+        _types_ok(F.try_variant_get("_json", "$[0]", _AS_VARIANTS)).alias("_types_ok"),
     ]
 
     def field(name: str) -> Column:
@@ -256,7 +262,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
     ]
     checks = [
         F.col("_json_ok"),
-        F.col("_types").isin(accepted_types()),
+        F.col("_types_ok"),
         _not_blank(field("payer"), MAX_ID_LENGTH),
         key.cast("string") == field("payer"),
         field("currency").isin(sorted(ISO_4217)),

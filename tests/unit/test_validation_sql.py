@@ -841,8 +841,8 @@ def _unchecked(text: Any) -> Any:
     return F.lit(True)
 
 
-def _numbers_as_text() -> list[str]:
-    return [*ACCEPTED_TYPES, *(t.replace("payee: STRING", "payee: BIGINT") for t in ACCEPTED_TYPES)]
+def _numbers_as_text() -> dict[str, tuple[str, ...]]:
+    return {**ACCEPTED_TYPES, "payee": ("STRING", "BIGINT")}
 
 
 ACCEPTED_TYPES = validation.accepted_types()
