@@ -189,14 +189,20 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
             ]
         )
     )
+    several = pc.greater(grouped["amount_count"], 1)  # a row of one payment lists none, as Spark's
+
+    def listed(name: str) -> Any:
+        column = grouped[name].combine_chunks()
+        return pc.if_else(several, column, pa.nulls(len(column), column.type))
+
     flows = pa.table(
         {
             **{k: grouped[k] for k in keys},
             "payments": grouped["amount_count"],
             "total": grouped["amount_sum"].cast(total),
             "near": grouped["near_sum"],
-            "times": grouped["ts_list"],
-            "amounts": grouped["amount_list"],
+            "times": listed("ts_list"),
+            "amounts": listed("amount_list"),
             "first_ts": grouped["ts_min"],
             "last_ts": grouped["ts_max"],
         }

@@ -53,14 +53,21 @@ def copy_arrow(
 
 
 def array_text(lists: Any) -> Any:
-    """A chunked Arrow list column as PostgreSQL array literals, one string per list (no null lists)."""
+    """A chunked Arrow list column as PostgreSQL array literals, one string per list (null for a null
+    list: COPY reads NULL)."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
     chunks = []
     for chunk in lists.chunks:
         joined = pc.binary_join(pa.ListArray.from_arrays(chunk.offsets, text(chunk.values)), ",")
-        chunks.append(pc.binary_join_element_wise("{", joined, "}", ""))
+        literals = pc.binary_join_element_wise("{", joined, "}", "")
+        # The offsets alone lose which lists were null (they read as empty): put the nulls back.
+        chunks.append(
+            pc.if_else(chunk.is_null(), pa.scalar(None, pa.string()), literals)
+            if chunk.null_count
+            else literals
+        )
     return pa.chunked_array(chunks, pa.string())
 
 

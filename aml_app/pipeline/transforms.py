@@ -104,7 +104,7 @@ def near_threshold(amount: Column, threshold: Decimal, band: Decimal) -> Column:
 def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
     """Service C: per payer, minute of event time, payee and currency, the payments between them: their
     number, exact total, near-threshold count, and each payment's time and amount (in the same order),
-    for the partial minutes at a window's edges."""
+    for the partial minutes at a window's edges, when there are several (one is first_ts and total)."""
     keys = expressions(
         valid,
         "flow keys",
@@ -133,8 +133,8 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
             "payments",
             "total",
             "near",
-            F.col("paid.ts").alias("times"),
-            F.col("paid.amount").alias("amounts"),
+            F.when(F.col("payments") > 1, F.col("paid.ts")).alias("times"),  # one: first_ts and total
+            F.when(F.col("payments") > 1, F.col("paid.amount")).alias("amounts"),
             "first_ts",
             "last_ts",
         ),

@@ -67,3 +67,19 @@ def test_a_sliced_table_loads_its_own_rows_only(store_url: str) -> None:
         conn.execute("CREATE TEMPORARY TABLE loaded (times timestamptz[])")
         copy_arrow(conn, "loaded", rows, ("times",))
         assert conn.execute("SELECT times FROM loaded").fetchall() == [([INSTANTS[1], INSTANTS[2]],)]
+
+
+def test_a_null_list_arrives_as_null_and_an_empty_one_as_an_empty_array(store_url: str) -> None:
+    """C's flow rows of one payment carry no lists (null), and null must not become an empty array."""
+    rows = pa.table(
+        {
+            "k": [1, 2, 3],
+            "times": pa.array([None, [], [INSTANTS[0]]], pa.list_(pa.timestamp("us", "UTC"))),
+            "amounts": pa.array([None, [], [Decimal("3")]], pa.list_(pa.decimal128(19, 4))),
+        }
+    )
+    with psycopg.connect(store_url) as conn:
+        conn.execute("CREATE TEMPORARY TABLE loaded (k int, times timestamptz[], amounts numeric[])")
+        copy_arrow(conn, "loaded", rows, ("k", "times", "amounts"))
+        found = conn.execute("SELECT k, times, amounts FROM loaded ORDER BY k").fetchall()
+    assert found == [(1, None, None), (2, [], []), (3, [INSTANTS[0]], [Decimal("3.0000")])]
