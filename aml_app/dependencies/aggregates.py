@@ -304,12 +304,12 @@ WITH h AS (
     ) AS unpacked WHERE in_1h OR in_24h OR in_7d
 ), parties AS (
     SELECT i,
-        bool_or(in_1h) FILTER (WHERE direction = 'out') AS out_1h,
-        bool_or(in_24h) FILTER (WHERE direction = 'out') AS out_24h,
-        bool_or(in_7d) FILTER (WHERE direction = 'out') AS out_7d,
-        bool_or(in_1h) FILTER (WHERE direction = 'in') AS in_1h,
-        bool_or(in_24h) FILTER (WHERE direction = 'in') AS in_24h,
-        bool_or(in_7d) FILTER (WHERE direction = 'in') AS in_7d,
+        bool_or(in_1h) FILTER (WHERE direction = 'out') AS sent_1h,
+        bool_or(in_24h) FILTER (WHERE direction = 'out') AS sent_24h,
+        bool_or(in_7d) FILTER (WHERE direction = 'out') AS sent_7d,
+        bool_or(in_1h) FILTER (WHERE direction = 'in') AS received_1h,
+        bool_or(in_24h) FILTER (WHERE direction = 'in') AS received_24h,
+        bool_or(in_7d) FILTER (WHERE direction = 'in') AS received_7d,
         bool_or(in_1h) AS any_1h, bool_or(in_24h) AS any_24h, bool_or(in_7d) AS any_7d
     FROM rows GROUP BY i, counterparty
 )
@@ -320,8 +320,9 @@ SELECT i, 'totals' AS kind, direction, currency,
 FROM rows GROUP BY i, direction, currency
 UNION ALL
 SELECT i, 'counterparties', NULL, NULL,
-    count(*) FILTER (WHERE out_1h), count(*) FILTER (WHERE out_24h), count(*) FILTER (WHERE out_7d),
-    count(*) FILTER (WHERE in_1h), count(*) FILTER (WHERE in_24h), count(*) FILTER (WHERE in_7d),
+    count(*) FILTER (WHERE sent_1h), count(*) FILTER (WHERE sent_24h), count(*) FILTER (WHERE sent_7d),
+    count(*) FILTER (WHERE received_1h), count(*) FILTER (WHERE received_24h),
+    count(*) FILTER (WHERE received_7d),
     count(*) FILTER (WHERE any_1h), count(*) FILTER (WHERE any_24h), count(*) FILTER (WHERE any_7d)
 FROM parties GROUP BY i
 """
