@@ -621,9 +621,10 @@ def test_migrations_are_versioned_idempotent_and_refuse_a_newer_store(store_url:
 
 async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: Any, store_url: str) -> None:
     """Schema version 2 of C's store keeps one row per payment's (payer, minute, payee, currency) instead of
-    one per side, and version 3 keeps the payments in those rows instead of a table of their own: a store
-    written by version 1 (bucket rows for both sides and every payment, as its pipeline wrote them)
-    migrates in place through both and answers exactly as before, then takes new batches."""
+    one per side, version 3 keeps the payments in those rows instead of a table of their own, and version 4
+    lists none in a new row of one payment: a store written by version 1 (bucket rows for both sides and
+    every payment, as its pipeline wrote them) migrates in place through all three and answers exactly as
+    before, then takes new batches."""
     at = T0 + timedelta(days=1, seconds=30)
     payments = rows(
         ("A", "B", "9500", at - timedelta(minutes=30)),  # near the threshold, in a whole minute
@@ -674,10 +675,27 @@ async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: 
         for account in ("A", "B", "C"):
             expected = reference_aggregates([payments], account, when, THRESHOLD, BAND)
             assert without_as_of(await one_aggregate(store_url, account, when)) == expected, (account, when)
-    later = rows(("C", "A", "16", at + timedelta(minutes=1)), start=len(payments))
+    # A payment into the minute of a migrated row of one payment (which kept its list) joins that list;
+    # a window whose edge falls between the two counts each on its side.
+    usd = at - timedelta(hours=2)
+    later = rows(
+        ("C", "A", "16", at + timedelta(minutes=1)),
+        ("B", "A", "3", usd + timedelta(seconds=1), "USD"),
+        start=len(payments),
+    )
     apply_payments(spark, store_url, "aggregates", later)
-    expected = reference_aggregates([payments, later], "A", at + timedelta(minutes=2), THRESHOLD, BAND)
-    assert without_as_of(await one_aggregate(store_url, "A", at + timedelta(minutes=2))) == expected
+    with psycopg.connect(store_url) as conn:
+        joined = conn.execute(
+            "SELECT payments, times, amounts FROM aggregates.flows WHERE currency = 'USD'"
+        ).fetchall()
+    assert joined == [(2, [usd, usd + timedelta(seconds=1)], [Decimal("2"), Decimal("3")])]
+    for account, when in [
+        ("A", at + timedelta(minutes=2)),
+        ("A", usd + timedelta(hours=1)),
+        ("B", usd + timedelta(hours=1)),
+    ]:
+        expected = reference_aggregates([payments, later], account, when, THRESHOLD, BAND)
+        assert without_as_of(await one_aggregate(store_url, account, when)) == expected, (account, when)
 
 
 def test_every_store_keeps_its_tables_in_its_own_schema(store_url: str) -> None:
