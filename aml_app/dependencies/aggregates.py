@@ -6,12 +6,12 @@ the window's edges (the idea of TimescaleDB's real-time continuous aggregates):
 - `flows(payer, bucket, payee, currency)`: per minute of event time, the payments from payer to payee in
   one currency: how many, their exact total, how many were near the reporting threshold, the payments
   themselves (`times` and `amounts`, in the same order; none in a row of one payment, which is its
-  `first_ts` and `total`) and the first and last of those times. Spark
-  builds one row per key for each micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them
-  up. A payment is in one row, read from the payer's side through the primary key and from the payee's
-  side through `flows_by_payee`. Schema version 1 kept one row per side (`buckets`: twice the rows to
-  write), version 2 every payment once more in a table of its own with two indexes of its own
-  (`payments`: three index entries more per payment to write, for what the flow rows already hold).
+  `first_ts` and `total`) and the first and last of those times. Spark builds one row per key for each
+  micro-batch (`aml_app.pipeline.transforms.flows`); the store adds them up. A payment is in one row,
+  read from the payer's side through the primary key and from the payee's side through `flows_by_payee`.
+  Schema version 1 kept one row per side (`buckets`: twice the rows to write), version 2 every payment
+  once more in a table of its own with two indexes of its own (`payments`: three index entries more per
+  payment to write, for what the flow rows already hold).
 
 A window (at - w, at] is the flows that lie wholly inside it plus the payments of the two partial minutes
 at its ends, read from those minutes' flow rows, so an answer reads one range of flow rows per account and

@@ -7,7 +7,8 @@ checks them with Spark SQL, and the results leave Spark already aggregated, as A
 - `rejects`: the records that break the payment contract, with their original bytes (for the DLQ);
 - relations: `edges`, one row per (payer, payee, currency) of the batch;
 - aggregates: `flows`, one row per (payer, minute, payee, currency) with counts, exact totals,
-  near-threshold counts, the payments' times and amounts, and the first and last time.
+  near-threshold counts, the payments' times and amounts (when there are several), and the first and
+  last time.
 
 The batch is parsed once and kept in memory while the services' jobs run (`persist`), so Kafka is read
 and the contract checked once per batch, whatever the number of services and outputs; the streaming
