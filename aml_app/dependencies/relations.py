@@ -24,7 +24,8 @@ the heavy filter keeps the everyday graph of small payments (shops, friends) out
 - `co_payees`: the accounts that share at least 2 distinct heavy payers with the account (a bipartite
   block), as {"account", "shared"}, the most shared first, then by account; at most LISTED of them.
 An expression index on (payee, average payment) finds the heavy edges into an account without reading
-its light ones (a busy shop has thousands).
+its light ones (a busy shop has thousands), and serves every other lookup by payee too: an index per
+lookup would cost each batch's write more than the queries gain.
 
 Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python compares strings.
 """
@@ -75,6 +76,14 @@ SCHEMA = Schema(
         # 2: the heavy edges into an account, without reading its light ones (see `_HEAVY`).
         """
         CREATE INDEX edges_by_payee_average ON {schema}.edges (payee, (total / payments))
+        """,
+        # 3: one index by payee instead of two: the one by average, carrying the payer for the lookups
+        # that read nothing else. Two cost a quarter of a batch write's PostgreSQL CPU (3.7 of 14.3 µs
+        # per payment, measured).
+        """
+        DROP INDEX {schema}.edges_by_payee;
+        DROP INDEX {schema}.edges_by_payee_average;
+        CREATE INDEX edges_by_payee ON {schema}.edges (payee, (total / payments)) INCLUDE (payer)
         """,
     ],
 )

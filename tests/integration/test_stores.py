@@ -29,6 +29,7 @@ from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.store import ANALYZE_GROWTH, StaleBatch, StoreError, Writer, migrate, money_text
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.pipeline.runner import spark_session
+from aml_app.pipeline.transforms import batch_outputs
 from aml_app.settings import Settings
 from tests.payments import PaymentRow
 from tests.reference import exact_from, reference_aggregates, reference_relations
@@ -38,6 +39,7 @@ from tests.stores import (
     apply_payments,
     apply_records,
     payment_records,
+    records_frame,
     relations_answers,
     without_as_of,
 )
@@ -617,6 +619,55 @@ def test_migrations_are_versioned_idempotent_and_refuse_a_newer_store(store_url:
         conn.commit()
         with pytest.raises(StoreError, match="newer than this program"):
             migrate(conn, relations.SCHEMA)
+
+
+async def test_a_version_2_relations_store_migrates_to_one_index_by_payee(spark: Any, store_url: str) -> None:
+    """Version 3 of B's store keeps one index by payee (by average payment, carrying the payer) instead of
+    two: a store written at version 2 migrates in place, answers every part as the reference, heavy
+    parts included, and takes new batches."""
+    payments = rows(
+        ("A", "B", "9500", T0),
+        ("B", "C", "9800", T0),
+        ("C", "A", "12", T0),  # a light edge closes the cycle
+        ("D", "B", "9700", T0),
+        ("D", "C", "9900", T0, "USD"),
+        ("A", "A", "3", T0),
+    )
+    version_2 = relations.Schema("relations", relations.SCHEMA.migrations[:2])
+    outputs = batch_outputs(
+        records_frame(spark, payment_records(payments)),
+        "relations",
+        SETTINGS.max_payment_bytes,
+        THRESHOLD,
+        BAND,
+    )
+    writer = Writer(store_url, version_2)
+    try:
+        writer.migrate()
+        writer.apply(
+            outputs.covered(writer.applied_offsets()),
+            lambda conn: relations.write_edges(conn, version_2, outputs.tables["edges"]),
+        )
+    finally:
+        writer.close()
+    with psycopg.connect(store_url) as conn:
+        assert migrate(conn, relations.SCHEMA) == 2  # the version it found
+        indexes = conn.execute(
+            "SELECT indexname, indexdef FROM pg_indexes"
+            " WHERE schemaname = 'relations' AND tablename = 'edges' ORDER BY indexname"
+        ).fetchall()
+    assert [name for name, _ in indexes] == ["edges_by_payee", "edges_pkey"]
+    assert "(payee, ((total / (payments)::numeric))) INCLUDE (payer)" in indexes[0][1]
+    later = rows(("C", "D", "9600", T0), ("B", "A", "1", T0), start=len(payments))
+    for batch in ([], later):
+        if batch:
+            apply_payments(spark, store_url, "relations", batch)
+        for heavy in (Decimal(0), Decimal("9000")):
+            accounts = ["A", "B", "C", "D", "nobody"]
+            queries = [relations.Query(a, 3, relations.PARTS, heavy) for a in accounts]
+            for account, answer in zip(accounts, await relations_answers(store_url, queries), strict=True):
+                expected = reference_relations([*payments, *batch], account, 3, heavy)
+                assert without_as_of(answer) == expected, (account, heavy, len(batch))
 
 
 async def test_a_version_1_store_migrates_to_flows_with_the_same_answers(spark: Any, store_url: str) -> None:
