@@ -187,7 +187,7 @@ SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
 """
 
 # A heavy edge row `e`: average payment >= %(min)s. The first test can use the expression index
-# edges_by_payee_average; the second is the exact one (numeric division rounds, multiplication does not).
+# edges_by_payee; the second is the exact one (numeric division rounds, multiplication does not).
 _HEAVY = "({e}.total / {e}.payments) >= %(min)s AND {e}.total >= %(min)s * {e}.payments"
 
 
