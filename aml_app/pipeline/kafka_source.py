@@ -148,7 +148,7 @@ def fetched_high_watermarks(
     (Tansu, our embedded broker, does: 1 for a 1000-record batch), which would leave a batch's tail unread
     until the next write. A fetch response always carries the real high watermark, so the planner takes the
     larger of the two. The fetch is bounded to one small batch per partition; callers start it at the
-    ListOffsets answer (`listed_ends`): Kafka then answers at once with the end of the partition, and a
+    ListOffsets answer (`log_ends`): Kafka then answers at once with the end of the partition, and a
     lagging answer costs a fetch of the last batch only. A fetch deep in the log took Tansu about 40 ms
     per partition, one partition after the other (90-120 ms for four, against 2-23 ms at the listed end:
     measured), and the planner asks once per micro-batch, before any of its work.
@@ -174,9 +174,11 @@ def fetched_high_watermarks(
     return ends
 
 
-def listed_ends(marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
-    """Where `fetched_high_watermarks` starts: each partition's high watermark as ListOffsets gave it."""
-    return {p: high for p, (_low, high) in marks.items()}
+def log_ends(probe: Any, topic: str, marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+    """Each partition's log end: the larger of ListOffsets' answer (`marks`, from `topic_watermarks`) and
+    the high watermark of a fetch started there (`fetched_high_watermarks`), with a `probe_consumer`."""
+    fetched = fetched_high_watermarks(probe, topic, {p: high for p, (_low, high) in marks.items()})
+    return {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
 
 
 def probe_consumer(config: Mapping[str, Any]) -> Any:
@@ -207,8 +209,8 @@ def log_bounds(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, in
     probe = probe_consumer(config)
     try:
         marks = topic_watermarks(config, topic, probe)
-        fetched = fetched_high_watermarks(probe, topic, listed_ends(marks))
-        return {p: (low, max(high, fetched.get(p, high))) for p, (low, high) in marks.items()}
+        ends = log_ends(probe, topic, marks)
+        return {p: (low, ends[p]) for p, (low, _high) in marks.items()}
     finally:
         probe.close()
 
@@ -338,15 +340,11 @@ class KafkaStreamReader(DataSourceStreamReader):
             self._probe = probe_consumer(self.config)
         return self._probe
 
-    def _log_ends(self, marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
-        fetched = fetched_high_watermarks(self.probe, self.topic, listed_ends(marks))
-        return {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
-
     def initialOffset(self) -> SparkOffset:
         marks = topic_watermarks(self.config, self.topic, self.probe)
         # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
-        ends = self._log_ends(marks)
+        ends = log_ends(self.probe, self.topic, marks)
         marks = {p: (low, ends[p]) for p, (low, _high) in marks.items()}
         if self.starting is not None:
             chosen: dict[int, int | None] = dict(self.starting)
@@ -365,7 +363,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         for p, (low, _high) in marks.items():
             begin.setdefault(p, low)  # a partition added since the last batch starts at its log start
         max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return to_spark(plan_end(begin, self._log_ends(marks), max_records))
+        return to_spark(plan_end(begin, log_ends(self.probe, self.topic, marks), max_records))
 
     def partitions(self, start: SparkOffset, end: SparkOffset) -> list[KafkaTask]:
         ranges = planned_ranges(from_spark(start), from_spark(end))
