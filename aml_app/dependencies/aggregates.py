@@ -245,13 +245,15 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> int:
 # by one, unpacked from its arrays, instead of the row. Most rows hold one payment and are never cut.
 # Each range is an index scan of its own, per query (LATERAL): a join of all queries at once let the
 # planner hash whole tables on every call (BENCHMARKS.md, "End to end").
-# The answers then come from two hash aggregates over those rows, with a FILTER per window: per
-# (direction, currency) the totals, payments and near-threshold payments (a direction's payments are the
-# sum over its currencies, added up in Python), and per counterparty whether it was paid, paid the
-# account, or either, in each window, counted per account in one more aggregate: the distinct
-# counterparties without DISTINCT aggregates (which would sort every group for every window: twice the
-# CPU). Three aggregates over the rows and two over their counterparties, as before, cost a fifth more
-# of PostgreSQL's CPU on the end-to-end benchmark's traffic (BENCHMARKS.md, "End to end").
+# The windows nest, so each row counts in every window from the smallest one that holds it (`w`: 1 for
+# 1 h, 2 for 24 h, 3 for 7 d) on. The answers come from two hash aggregates over the rows: per
+# (direction, currency, w) the totals, payments and near-threshold payments, added up window by window
+# (and a direction's payments over its currencies) in Python; and per counterparty the smallest window
+# in which it was paid, paid the account, or either, counted per account in one more aggregate: the
+# distinct counterparties without DISTINCT aggregates (which would sort every group for every window:
+# twice the CPU). A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's
+# CPU on the end-to-end benchmark's traffic, three aggregates over the rows and two over their
+# counterparties a fifth more again (BENCHMARKS.md, "End to end").
 _WINDOWS = """
 WITH h AS (
     SELECT i, account COLLATE "C" AS account, at, at - %(1h)s AS lo_1h, at - %(24h)s AS lo_24h,
@@ -287,12 +289,15 @@ WITH h AS (
         ) s
     ) r
 ), rows AS MATERIALIZED (
-    SELECT i, direction, counterparty, currency, payments, total, near, in_1h, in_24h, in_7d
-    FROM flow WHERE NOT cut AND (in_1h OR in_24h OR in_7d)
+    SELECT i, direction, counterparty, currency, payments, total, near,
+        CASE WHEN in_1h THEN 1 WHEN in_24h THEN 2 ELSE 3 END AS w
+    FROM flow WHERE NOT cut AND in_7d
     UNION ALL
-    SELECT * FROM (
-        SELECT f.i, f.direction, f.counterparty, f.currency, 1, p.amount,
-            CASE WHEN f.direction = 'out' THEN {near} ELSE 0 END,
+    SELECT i, direction, counterparty, currency, 1, amount, near,
+        CASE WHEN in_1h THEN 1 WHEN in_24h THEN 2 ELSE 3 END
+    FROM (
+        SELECT f.i, f.direction, f.counterparty, f.currency, p.amount,
+            CASE WHEN f.direction = 'out' THEN {near} ELSE 0 END AS near,
             f.bucket > q.h_1h AND f.bucket < q.fb OR f.bucket = q.h_1h AND p.ts > q.lo_1h
                 OR f.bucket = q.fb AND p.ts <= q.at AS in_1h,
             f.bucket > q.h_24h AND f.bucket < q.fb OR f.bucket = q.h_24h AND p.ts > q.lo_24h
@@ -301,29 +306,21 @@ WITH h AS (
                 OR f.bucket = q.fb AND p.ts <= q.at AS in_7d
         FROM flow f JOIN q ON q.i = f.i CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
         WHERE f.cut
-    ) AS unpacked WHERE in_1h OR in_24h OR in_7d
+    ) AS unpacked WHERE in_7d
 ), parties AS (
-    SELECT i,
-        bool_or(in_1h) FILTER (WHERE direction = 'out') AS sent_1h,
-        bool_or(in_24h) FILTER (WHERE direction = 'out') AS sent_24h,
-        bool_or(in_7d) FILTER (WHERE direction = 'out') AS sent_7d,
-        bool_or(in_1h) FILTER (WHERE direction = 'in') AS received_1h,
-        bool_or(in_24h) FILTER (WHERE direction = 'in') AS received_24h,
-        bool_or(in_7d) FILTER (WHERE direction = 'in') AS received_7d,
-        bool_or(in_1h) AS any_1h, bool_or(in_24h) AS any_24h, bool_or(in_7d) AS any_7d
+    SELECT i, min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
+        AS received, min(w) AS seen
     FROM rows GROUP BY i, counterparty
 )
-SELECT i, 'totals' AS kind, direction, currency,
-    sum(total) FILTER (WHERE in_1h), sum(total) FILTER (WHERE in_24h), sum(total) FILTER (WHERE in_7d),
-    sum(payments) FILTER (WHERE in_1h), sum(payments) FILTER (WHERE in_24h),
-    sum(payments) FILTER (WHERE in_7d), sum(near) FILTER (WHERE in_24h), NULL, NULL
-FROM rows GROUP BY i, direction, currency
+SELECT i, 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
+    NULL, NULL, NULL, NULL, NULL, NULL
+FROM rows GROUP BY i, direction, currency, w
 UNION ALL
-SELECT i, 'counterparties', NULL, NULL,
-    count(*) FILTER (WHERE sent_1h), count(*) FILTER (WHERE sent_24h), count(*) FILTER (WHERE sent_7d),
-    count(*) FILTER (WHERE received_1h), count(*) FILTER (WHERE received_24h),
-    count(*) FILTER (WHERE received_7d),
-    count(*) FILTER (WHERE any_1h), count(*) FILTER (WHERE any_24h), count(*) FILTER (WHERE any_7d)
+SELECT i, 'counterparties', NULL, NULL, NULL,
+    count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2), count(*) FILTER (WHERE sent <= 3),
+    count(*) FILTER (WHERE received <= 1), count(*) FILTER (WHERE received <= 2),
+    count(*) FILTER (WHERE received <= 3),
+    count(*) FILTER (WHERE seen <= 1), count(*) FILTER (WHERE seen <= 2), count(*) FILTER (WHERE seen <= 3)
 FROM parties GROUP BY i
 """
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
@@ -386,17 +383,17 @@ async def aggregates_many(
             **WINDOWS,
         },
     )
-    for i, kind, direction, currency, *values in await cur.fetchall():
+    for i, kind, direction, currency, smallest, *values in await cur.fetchall():
         windows = answers[i - 1]["windows"]
-        if kind == "totals":  # one direction and currency: totals, payments, near-threshold (24 h only)
+        if kind == "totals":  # one direction, currency and smallest window: total, payments, near-threshold
             side = "sent" if direction == "out" else "received"
-            totals, payments, (near_24h, _, _) = values[0:3], values[3:6], values[6:9]
-            for name, total, count in zip(WINDOWS, totals, payments, strict=True):
-                if total is not None:  # no payment in this window
-                    windows[name][side][currency] = money_text(total)
-                    windows[name][f"{side}_count"] += int(count)
-            if direction == "out" and near_24h is not None:
-                answers[i - 1]["near_threshold_24h"] += int(near_24h)
+            total, count, near = values[0:3]
+            for rank, window in enumerate(windows.values(), start=1):  # 1 h, 24 h, 7 d: they nest
+                if smallest <= rank:
+                    window[side][currency] = window[side].get(currency, 0) + total
+                    window[f"{side}_count"] += int(count)
+            if direction == "out" and smallest <= 2:  # near-threshold payments count over 24 h
+                answers[i - 1]["near_threshold_24h"] += int(near)
         else:  # distinct counterparties: sent to, received from, either
             for key, counts in zip(
                 ("sent_counterparties", "received_counterparties", "counterparties"),
@@ -408,5 +405,7 @@ async def aggregates_many(
     for answer in answers:
         for window in answer["windows"].values():
             for side in ("sent", "received"):
-                window[side] = dict(sorted(window[side].items()))
+                window[side] = {
+                    currency: money_text(total) for currency, total in sorted(window[side].items())
+                }
     return answers
