@@ -388,12 +388,12 @@ async def aggregates_many(
         if kind == "totals":  # one direction, currency and smallest window: total, payments, near-threshold
             side = "sent" if direction == "out" else "received"
             total, count, near = values[0:3]
-            for rank, window in enumerate(windows.values(), start=1):  # 1 h, 24 h, 7 d: they nest
+            for rank, (name, window) in enumerate(windows.items(), start=1):  # 1 h, 24 h, 7 d: they nest
                 if smallest <= rank:
                     window[side][currency] = window[side].get(currency, 0) + total
                     window[f"{side}_count"] += int(count)
-            if direction == "out" and smallest <= 2:  # near-threshold payments count over 24 h
-                answers[i - 1]["near_threshold_24h"] += int(near)
+                    if name == "24h" and direction == "out":  # near-threshold payments count over 24 h
+                        answers[i - 1]["near_threshold_24h"] += int(near)
         else:  # distinct counterparties: sent to, received from, either
             for key, counts in zip(
                 ("sent_counterparties", "received_counterparties", "counterparties"),
