@@ -1,1 +1,1 @@
-"""Services B (relations) and C (aggregates): SQLite stores written by Spark, read by HTTP APIs."""
+"""Services B (relations) and C (aggregates): PostgreSQL stores written by Spark, read by HTTP APIs."""
