@@ -9,7 +9,9 @@ source trusting it would stop short of a batch's tail (see `fetched_high_waterma
 from __future__ import annotations
 
 import contextlib
+import logging
 import pickle
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -188,6 +190,53 @@ def test_read_range_splits_into_arrow_batches_of_bounded_size(broker: EmbeddedBr
     assert len(batches) > 1
     assert all(0 < b.num_rows < 2 * 128 for b in batches)
     assert as_placed(pa.Table.from_batches(batches)) == placed[10:990]
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def queue_full_backoffs(bootstrap: str, topic: str, end: int, **extra: object) -> tuple[list[int], pa.Table]:
+    """The backoffs (ms) librdkafka's fetch log shows for a full local queue while `read_range` reads
+    offsets 0..end, and what it read. The queue is full at one record and each fetch brings a few kB, so
+    a read makes many fetch decisions with records still queued."""
+    handler = _Lines()
+    logger = logging.getLogger(fresh("rdkafka"))
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    config = {
+        "bootstrap.servers": bootstrap,
+        "queued.min.messages": 1,
+        "max.partition.fetch.bytes": 4096,
+        "debug": "fetch",
+        "logger": logger,
+    }
+    table = pa.Table.from_batches(list(read_range({**config, **extra}, topic, 0, 0, end)))
+    found = (re.search(r"Fetch backoff for (\d+)ms: Local: Queue full", line) for line in handler.lines)
+    return [int(m.group(1)) for m in found if m], table
+
+
+def test_read_range_never_idles_in_librdkafkas_fetch_queue_backoff(broker: EmbeddedBroker) -> None:
+    # librdkafka stops fetching a partition whose local queue holds queued.min.messages, and by default
+    # fetches it again only a second later: a task's range longer than that queue idled a second per queue
+    # (BENCHMARKS.md). Here the queue is full at one record; the fetch log shows every backoff, with no
+    # timing in the test.
+    topic = new_topic(broker.bootstrap, 1)
+    placed = produce(broker.bootstrap, topic, {0: 2000})
+    ours, table = queue_full_backoffs(broker.bootstrap, topic, 2000)
+    assert as_placed(table) == placed
+    assert ours, "the queue never filled: the test no longer provokes the backoff"
+    assert max(ours) <= 10, f"backoffs of {sorted(set(ours))} ms"
+    # Negative control: librdkafka's default, given explicitly (a kafka.* option wins over ours).
+    default, table = queue_full_backoffs(broker.bootstrap, topic, 2000, **{"fetch.queue.backoff.ms": 1000})
+    assert as_placed(table) == placed
+    assert default and max(default) >= 1000, default
 
 
 # --- initialOffset ------------------------------------------------------------------------------
