@@ -17,27 +17,16 @@ import argparse
 import asyncio
 import shutil
 import tempfile
-import time
 import uuid
 from pathlib import Path
 from typing import Any
 
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
-from aml_app.pipeline.kafka_source import read_range
 from bench.common import finish, machine, markdown_table
-from bench.pipeline_throughput import UNIDLE, create_topics, produce_all, raw_consume
+from bench.pipeline_throughput import UNIDLE, create_topics, produce_all, raw_consume, source_read
 
 NAME = "fetch_backoff"
 LIBRDKAFKA_DEFAULT = {"fetch.queue.backoff.ms": 1000}
-
-
-def source_read(bootstrap: str, topic: str, end: int, extra: dict[str, Any]) -> float:
-    """Seconds for `read_range` to read offsets 0..end of partition 0 as one range (one Spark task)."""
-    started = time.monotonic()
-    rows = sum(b.num_rows for b in read_range({"bootstrap.servers": bootstrap, **extra}, topic, 0, 0, end))
-    if rows != end:
-        raise RuntimeError(f"read_range gave {rows} records, expected {end}")
-    return time.monotonic() - started
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -51,7 +40,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         ends = produce_all(broker.bootstrap, topic, args.payments, invalid_every=0)["ends"]
         readers = {
             "plain consumer": lambda extra: raw_consume(broker.bootstrap, topic, ends, extra),
-            "source read_range": lambda extra: source_read(broker.bootstrap, topic, ends[0], extra),
+            "source read_range": lambda extra: source_read(broker.bootstrap, topic, ends, extra)[0],
         }
         settings = {"librdkafka's default (1,000 ms)": LIBRDKAFKA_DEFAULT, "10 ms (ours)": UNIDLE}
         runs: dict[str, dict[str, list[float]]] = {r: {s: [] for s in settings} for r in readers}

@@ -188,11 +188,14 @@ def raw_consume(
         consumer.close()
 
 
-def source_read(bootstrap: str, topic: str, ends: dict[int, int]) -> tuple[float, dict[int, list[Any]]]:
-    """Seconds for `read_range` to read every partition in turn, and the Arrow batches it made."""
+def source_read(
+    bootstrap: str, topic: str, ends: dict[int, int], extra: dict[str, Any] | None = None
+) -> tuple[float, dict[int, list[Any]]]:
+    """Seconds for `read_range` (client options `extra` added) to read every partition in turn, each as one
+    range, and the Arrow batches it made."""
     from aml_app.pipeline.kafka_source import read_range
 
-    config = {"bootstrap.servers": bootstrap}
+    config = {"bootstrap.servers": bootstrap, **(extra or {})}
     started = time.monotonic()
     batches = {p: list(read_range(config, topic, p, 0, end)) for p, end in sorted(ends.items())}
     seconds = time.monotonic() - started

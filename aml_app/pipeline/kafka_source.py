@@ -108,7 +108,7 @@ def _consumer(config: Mapping[str, Any]) -> Any:
             # librdkafka stops fetching a partition whose local queue holds queued.min.messages (100,000)
             # and fetches it again only after this backoff, 1 s by default (librdkafka issue 2879): a task
             # reading a range of more than that idled a second per 100,000 records or so (one 600,000-record
-            # range: 3.3-3.5 s instead of 0.65-0.70 s; bench/fetch_backoff.py). The queue drains far faster.
+            # range: 3.3-3.6 s instead of 0.65-0.82 s; bench/fetch_backoff.py). The queue drains far faster.
             "fetch.queue.backoff.ms": 10,
             **config,
             "enable.auto.commit": False,
