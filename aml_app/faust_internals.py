@@ -9,7 +9,8 @@ found it; nothing else in the project touches a private name of either library:
   `Service.wait_first`, four new tasks and an `asyncio.wait` per record, which is more than half of a
   bare Faust agent's CPU per event (BENCHMARKS.md). The same loop awaits the hand-over directly while the
   flow runs and keeps `wait_first` while it is suspended (a rebalance). It is checked against a digest of
-  the Faust loop it was adapted from, so a Faust upgrade that changes that loop fails at start-up.
+  the Faust loop it was adapted from, so a Faust upgrade that changes that loop fails at start-up. It
+  records no gaps in the commit bookkeeping: the lanes do, once the log confirms them (`record_gap`).
 - `dispatch_events`: Faust's stream iteration awaits `sleep(0)` before every event and hands each one
   through two async generators; the gated agent only dispatches events to its lanes, so it takes them
   from the stream's channel itself, keeping what the iteration does for the commit and the sensors.
@@ -20,6 +21,8 @@ found it; nothing else in the project touches a private name of either library:
   changelog) so the gate's waiters wake at once; they use a single changelog partition and write it
   explicitly, so Faust never picks a partition from producer metadata it has not fetched (issue 11:
   `Producer.key_partition` crashed a worker whose producer did not know the changelog topic).
+- `record_gap`: the lanes tell Faust's commit bookkeeping about offsets the log confirms hold no record
+  (Faust's own loop records every jump in delivered offsets as such a gap; see `lean_drain_messages`).
 - `seek_in_consumer_thread`: Faust seeks aiokafka's consumer from the caller's thread while the consumer
   runs in a thread of its own; the gate's delivery repairs seek, and a seek that raced the consumer
   thread's iteration over fetched records crashed a worker.
@@ -194,12 +197,21 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
 
 
 async def lean_drain_messages(self: Any, fetcher: Any) -> None:
-    """Faust's `Consumer._drain_messages` (faust-streaming 0.15.3), handing each record over with a
-    plain `await` while the flow runs instead of `wait_first` (four tasks and an `asyncio.wait` per
-    record). While the flow is suspended (a rebalance) it waits as Faust does, so a hand-over that blocks
-    then is abandoned as before. A hand-over blocks only on a full stream buffer or while Faust re-indexes
-    its subscriptions; the gated agent empties its buffer without waiting (aml_app.gate.consumer), and a
-    stopping fetcher cancels this loop either way."""
+    """Faust's `Consumer._drain_messages` (faust-streaming 0.15.3) with two changes.
+
+    It hands each record over with a plain `await` while the flow runs instead of `wait_first` (four
+    tasks and an `asyncio.wait` per record). While the flow is suspended (a rebalance) it waits as Faust
+    does, so a hand-over that blocks then is abandoned as before. A hand-over blocks only on a full stream
+    buffer or while Faust re-indexes its subscriptions; the gated agent empties its buffer without waiting
+    (aml_app.gate.consumer), and a stopping fetcher cancels this loop either way.
+
+    It records no gaps. Faust records every jump in delivered offsets as a gap it may commit over, the
+    offset that jumped included, although the offsets in between may exist and come later (a seek back,
+    a hole the lanes fetch again). Those offsets are then acked as well, and Faust's commit, which takes
+    the first run of consecutive offsets of a sorted list that now holds them twice, advances about one
+    offset per commit: a worker's committed offset fell thousands behind after a rebalance, and without
+    the doubles it would commit over payments not yet processed. The lanes record a gap only when the
+    log confirms that no record lies in it (`record_gap`)."""
     callback = self.callback
     getmany = self.getmany
     consumer_should_stop = self._stopped.is_set
@@ -210,7 +222,6 @@ async def lean_drain_messages(self: Any, fetcher: Any) -> None:
     set_flag = self.diag.set_flag
     unset_flag = self.diag.unset_flag
     commit_every = self._commit_every
-    acks_enabled_for = self.app.topics.acks_enabled_for
     flow_suspended = self.suspend_flow.is_set
     yield_every = 100
     num_since_yield = 0
@@ -229,9 +240,6 @@ async def lean_drain_messages(self: Any, fetcher: Any) -> None:
                     offset = message.offset
                     r_offset = get_read_offset(tp)
                     if r_offset is None or offset >= r_offset:
-                        gap = offset - (r_offset or 0)
-                        if gap > 1 and r_offset and acks_enabled_for(message.topic):
-                            await self._add_gap(tp, r_offset + 1, offset)
                         if commit_every is not None and self._n_acked >= commit_every:
                             self._n_acked = 0
                             await self.commit()
@@ -254,6 +262,14 @@ async def lean_drain_messages(self: Any, fetcher: Any) -> None:
         raise
     finally:
         unset_flag(flag_consumer_fetching)
+
+
+async def record_gap(app: AppT, tp: TP, first: int, last: int) -> None:
+    """Tell Faust's commit bookkeeping that offsets `first`..`last` of `tp` hold no record (transaction
+    markers, compaction, retention), so it may commit over them once the offset after them is acked.
+
+    Only for offsets the log confirms are empty: Faust counts a gap's offsets as processed."""
+    await app.consumer._add_gap(tp, first, last)  # type: ignore[attr-defined]
 
 
 async def seek_in_consumer_thread(self: Any, partition: TP, offset: int) -> None:

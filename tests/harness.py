@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from confluent_kafka import Producer
 
 from aml_app.harness.child_process import aml_app_executable
 from aml_app.harness.workers import WorkerProcess
@@ -212,3 +214,32 @@ async def committed_offsets(bootstrap: str, group: str, topic: str, partitions: 
     finally:
         await reader.close()
     return {p: (-1 if o is None else o) for p, o in committed[group].items() if p < partitions}
+
+
+def produce_in_transactions(
+    bootstrap: str, names: Names, records: list[tuple[int, bytes, bytes]], rng: random.Random
+) -> list[tuple[int, int]]:
+    """Send the records in committed transactions of 1 to 5 records (with librdkafka: aiokafka's
+    InitProducerId fails on Tansu); return their (partition, offset) in order."""
+    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"payments-{names.suffix}"})
+    producer.init_transactions(30)
+    delivered: list[tuple[int, int] | None] = [None] * len(records)
+
+    def on_delivery(n: int):
+        def done(err: Any, msg: Any) -> None:
+            assert err is None, err
+            delivered[n] = (msg.partition(), msg.offset())
+
+        return done
+
+    n = 0
+    while n < len(records):
+        size = rng.randint(1, 5)
+        producer.begin_transaction()
+        for p, key, value in records[n : n + size]:
+            producer.produce(names.payments, value=value, key=key, partition=p, on_delivery=on_delivery(n))
+            n += 1
+        producer.commit_transaction(30)
+    producer.flush(30)
+    assert all(d is not None for d in delivered)
+    return [d for d in delivered if d is not None]

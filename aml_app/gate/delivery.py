@@ -26,13 +26,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.types import TP, AppT, EventT
 
-from aml_app.faust_internals import partition_flags
+from aml_app.faust_internals import partition_flags, record_gap
 from aml_app.gate.offsets import DependencyOffsets
 from aml_app.gate.retry import retry_forever
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
@@ -73,6 +73,25 @@ async def first_offset_from(
         await consumer.stop()
 
 
+def generation_starts(
+    tps: Sequence[TP], committed: Mapping[int, int | None], earliest: Mapping[TP, int | None]
+) -> tuple[dict[int, int], list[tuple[TP, int, int]]]:
+    """Where each partition starts in a generation, and the offsets retention deleted past our commit.
+
+    A partition starts at the group's committed offset, or at the log start when retention deleted
+    records the group never committed past (the consumer resets to the log start there): those offsets
+    are returned as (tp, first, last) gaps, since no record of them will ever be acked.
+    """
+    starts: dict[int, int] = {}
+    deleted: list[tuple[TP, int, int]] = []
+    for tp in tps:
+        own, first = committed.get(tp.partition), earliest.get(tp) or 0
+        if own is not None and own < first:
+            deleted.append((tp, own, first - 1))
+        starts[tp.partition] = max(own or 0, first)
+    return starts, deleted
+
+
 class DeliveryRepairs:
     """Where each partition starts in a generation, holes in delivery, and records fetched but never
     delivered; mixed into `GatedConsumer`, whose lanes and consumer these read."""
@@ -100,8 +119,11 @@ class DeliveryRepairs:
         earliest = await retry_forever(
             "reading the log start offsets", lambda: consumer.earliest_offsets(*tps)
         )
-        ours = committed[group]
-        return {tp.partition: max(ours.get(tp.partition) or 0, earliest.get(tp) or 0) for tp in tps}
+        starts, deleted = generation_starts(tps, committed[group], earliest)
+        for tp, first, last in deleted:
+            # Nothing will ever ack these offsets: without the gap, Faust would never commit again.
+            await record_gap(self.app, tp, first, last)
+        return starts
 
     async def _check_hole(self, lane: Lane, tp: TP) -> None:
         """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
@@ -113,6 +135,10 @@ class DeliveryRepairs:
             f"reading {tp.topic}:{tp.partition} at {expected} from the log",
             lambda: first_offset(tp.partition, expected),
         )
+        if first is not None and first >= received:
+            # Faust commits over a gap only once it knows of it. True of the log whatever the lane does
+            # meanwhile, so recorded before the lane's state is looked at again.
+            await record_gap(self.app, tp, expected, received - 1)
         if lane.hole != hole or self.lanes.get(lane.partition) is not lane:
             return  # filled meanwhile, or the partition moved on
         if first is not None and first >= received:

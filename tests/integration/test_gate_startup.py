@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
 
 import pytest
-from confluent_kafka import Producer
 
 from aml_app.harness.verify import CommitTimeline, premature
 from aml_app.kafka.broker import create_topics
 from aml_app.kafka.tools import end_offsets, produce
-from tests.harness import DecisionLog, TopicReader, ends_of, payments_for, wait_until
+from tests.harness import DecisionLog, TopicReader, ends_of, payments_for, produce_in_transactions, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -156,33 +154,6 @@ async def test_transactional_payments_leave_gaps_and_are_decided_once_none_early
     state = await worker.state()
     assert state["gaps_accepted"] >= 1, "the lanes crossed the markers as gaps in the log"
     assert state["holes_refetched"] == 0
-
-
-def produce_in_transactions(bootstrap: str, names, records, rng: random.Random) -> list[tuple[int, int]]:
-    """Send the records in committed transactions of 1 to 5 records (with librdkafka: aiokafka's
-    InitProducerId fails on Tansu); return their (partition, offset) in order."""
-    producer = Producer({"bootstrap.servers": bootstrap, "transactional.id": f"payments-{names.suffix}"})
-    producer.init_transactions(30)
-    delivered: list[tuple[int, int] | None] = [None] * len(records)
-
-    def on_delivery(n: int):
-        def done(err: Any, msg: Any) -> None:
-            assert err is None, err
-            delivered[n] = (msg.partition(), msg.offset())
-
-        return done
-
-    n = 0
-    while n < len(records):
-        size = rng.randint(1, 5)
-        producer.begin_transaction()
-        for p, key, value in records[n : n + size]:
-            producer.produce(names.payments, value=value, key=key, partition=p, on_delivery=on_delivery(n))
-            n += 1
-        producer.commit_transaction(30)
-    producer.flush(30)
-    assert all(d is not None for d in delivered)
-    return [d for d in delivered if d is not None]
 
 
 async def _recovered(worker) -> bool:

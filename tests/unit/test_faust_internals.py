@@ -11,6 +11,9 @@ import types
 from typing import Any
 
 import pytest
+from faust.transport.consumer import Consumer as FaustConsumer
+from faust.types import TP
+from intervaltree import IntervalTree
 
 from aml_app import faust_internals
 from aml_app.faust_internals import (
@@ -23,6 +26,7 @@ from aml_app.faust_internals import (
     seek_in_consumer_thread,
     transport_with_fetch_wait,
 )
+from aml_app.gate.delivery import generation_starts
 
 
 def test_every_private_name_is_there_in_the_pinned_versions() -> None:
@@ -151,6 +155,71 @@ async def test_the_lean_drain_loop_hands_over_every_new_record_once_in_order(sus
     assert consumer.handed == [("t", 0), ("t", 1), ("t", 2), ("u", 0)]
     assert consumer._read_offset == {"t": 2, "u": 0}
     assert consumer.waited_first == (4 if suspended else 0)
+
+
+class BookkeepingConsumer(FakeConsumer):
+    """The drain loop's view of a consumer on an acked topic, with Faust's own commit bookkeeping
+    (`_add_gap`, `_new_offset`) bound to it; `seek_before` maps a batch index to a seek done first."""
+
+    def __init__(self, batches: list[list[tuple[str, int]]], seek_before: dict[int, int]) -> None:
+        super().__init__(batches, suspended=False)
+        self.app = types.SimpleNamespace(topics=types.SimpleNamespace(acks_enabled_for=lambda topic: True))
+        self._gap: dict[str, IntervalTree] = collections.defaultdict(IntervalTree)
+        self._acked: dict[str, list[int]] = collections.defaultdict(list)
+        self._acked_index: dict[str, set[int]] = collections.defaultdict(set)
+        self._committed_offset: dict[str, int | None] = collections.defaultdict(lambda: None)
+        self.seek_before = seek_before
+        self.fetched = 0
+
+    _add_gap = FaustConsumer._add_gap
+    _new_offset = FaustConsumer._new_offset
+
+    async def getmany(self, timeout: float):  # type: ignore[no-untyped-def]
+        if self.fetched in self.seek_before:
+            self._read_offset["t"] = self.seek_before[self.fetched]  # what Faust's `seek` sets
+        self.fetched += 1
+        async for item in super().getmany(timeout):
+            yield item
+
+    def ack_in_order(self, tp: str) -> None:
+        """What Faust's `ack` records for each handed-over offset (the lanes ack in offset order)."""
+        for _, offset in self.handed:
+            if offset not in self._acked_index[tp]:
+                self._acked_index[tp].add(offset)
+                self._acked[tp].append(offset)
+
+
+async def test_a_jump_in_delivered_offsets_that_is_fetched_again_commits_in_one_step() -> None:
+    """Offsets 10..19 are skipped (20 is delivered after 9), fetched again after a seek back to 10, and
+    every offset up to 25 is acked in order: one commit reaches 26. Faust's own loop records 10..20 as a
+    gap on the jump; with those offsets acked as well, each commit advanced one offset (11, 12, ...)."""
+    batches = [[("t", o) for o in range(10)] + [("t", 20)], [("t", o) for o in range(10, 26)]]
+    consumer = BookkeepingConsumer(batches, seek_before={1: 10})
+    await asyncio.wait_for(lean_drain_messages(consumer, types.SimpleNamespace(_stopped=FakeFlag())), 5)
+    assert [o for _, o in consumer.handed] == [*range(10), 20, *range(10, 26)]
+    consumer.ack_in_order("t")
+    assert consumer._new_offset("t") == 26
+    assert not consumer._gap["t"], "no gap recorded: offsets 10..19 exist"
+
+
+async def test_records_deleted_by_retention_past_our_commit_do_not_stop_our_commits() -> None:
+    """Our group committed 5 on partition 0, and retention moved the log start to 12: the consumer starts
+    at 12 and 5..11 are never acked. They are a gap of the generation, and the first commit after 12..15
+    are acked reaches 16; without the gap Faust's bookkeeping never commits again (it waits for 5)."""
+    tps = [TP("t", 0), TP("t", 1), TP("t", 2)]
+    starts, deleted = generation_starts(
+        tps, committed={0: 5, 1: None, 2: 20}, earliest={tps[0]: 12, tps[1]: 3, tps[2]: 10}
+    )
+    assert starts == {0: 12, 1: 3, 2: 20}
+    assert deleted == [(tps[0], 5, 11)]
+
+    consumer = BookkeepingConsumer([], seek_before={})
+    consumer._committed_offset["t"] = 5
+    for _, first, last in deleted:
+        await consumer._add_gap("t", first, last)
+    consumer.handed = [("t", o) for o in range(12, 16)]
+    consumer.ack_in_order("t")
+    assert consumer._new_offset("t") == 16
 
 
 class FakeQueue(collections.deque):  # type: ignore[type-arg]

@@ -78,6 +78,8 @@ class FakeConsumer:
         self.seeks: list[tuple[TP, int]] = []
         self.assigned: set[TP] = set()
         self.positions: dict[TP, int | None] = {}
+        #: The gaps recorded in Faust's commit bookkeeping: (tp, first, last).
+        self.gaps: list[tuple[TP, int, int]] = []
         #: Called at each pause/resume; its result is recorded with the call.
         self.probe: Callable[[], Any] = lambda: None
 
@@ -95,6 +97,9 @@ class FakeConsumer:
 
     async def seek(self, tp: TP, offset: int) -> None:
         self.seeks.append((tp, offset))
+
+    async def _add_gap(self, tp: TP, first: int, last: int) -> None:
+        self.gaps.append((tp, first, last))
 
 
 class FakeApp:
@@ -632,6 +637,8 @@ async def test_a_lane_never_runs_past_records_the_consumer_skipped(make: Callabl
     assert h.handled == [(0, o) for o in range(8)]
     assert h.acks == [(0, o) for o in range(8)]
     assert h.violations == [] and h.gated.lanes[0].hole is None
+    # Records exist there: telling Faust it may commit over them would lose them at the next crash.
+    assert h.app.consumer.gaps == []
 
 
 async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_order(
@@ -652,6 +659,7 @@ async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_orde
     await until(lambda: len(h.acks) == 5, "all five acked")
     assert h.handled == [(0, 0), (0, 1), (0, 5), (0, 6), (0, 7)]
     assert h.app.consumer.seeks == [] and h.gated.gaps_accepted == 1 and h.violations == []
+    assert h.app.consumer.gaps == [(TP(TOPIC, 0), 2, 4)], "Faust commits over the gap only if told"
 
 
 async def test_the_first_payment_of_an_assignment_past_its_start_is_a_hole(
