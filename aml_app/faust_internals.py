@@ -21,6 +21,9 @@ found it; nothing else in the project touches a private name of either library:
   changelog) so the gate's waiters wake at once; they use a single changelog partition and write it
   explicitly, so Faust never picks a partition from producer metadata it has not fetched (issue 11:
   `Producer.key_partition` crashed a worker whose producer did not know the changelog topic).
+- `highwaters_from_fetches`: Faust's table recovery reads each changelog up to the end ListOffsets
+  reports, which some brokers (Tansu) put at the start of the last record batch + 1; the worker's
+  consumer reads the end from a fetch's high watermark instead, so a recovered table lacks nothing.
 - `record_gap`: the lanes tell Faust's commit bookkeeping about offsets the log confirms hold no record
   (Faust's own loop records every jump in delivered offsets as such a gap; see `lean_drain_messages`).
 - `seek_in_consumer_thread`: Faust seeks aiokafka's consumer from the caller's thread while the consumer
@@ -42,7 +45,7 @@ import asyncio
 import hashlib
 import inspect
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
 from typing import Any
 
@@ -54,6 +57,8 @@ from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP, AppT, EventT, StreamT, TransportT
 
+from aml_app.kafka.log_ends import fetched_log_ends
+
 BUILT_FOR = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
 
 #: (owner, name, how to look): "attr" = an attribute of the module or class; "annotation" = declared
@@ -63,6 +68,7 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust.App, "_new_transport", "attr"),
     (faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", "attr"),
     (faust_aiokafka.Consumer, "_new_consumer_thread", "attr"),
+    (faust_aiokafka.AIOKafkaConsumerThread, "_highwaters", "attr"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:__init__"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:start"),
     (Collection, "_to_key", "attr"),
@@ -183,6 +189,9 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
             consumer._fetch_max_wait_ms = fetch_max_wait_ms
             return consumer
 
+        async def _highwaters(self, partitions: list[TP]) -> Mapping[TP, int]:
+            return await highwaters_from_fetches(self, await super()._highwaters(partitions))
+
     class TunedConsumer(faust_aiokafka.Consumer):
         def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
             return TunedConsumerThread(self, loop=self.loop, beacon=self.beacon)
@@ -194,6 +203,24 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
         Consumer = TunedConsumer
 
     return TunedTransport
+
+
+async def highwaters_from_fetches(thread: Any, reported: Mapping[TP, int]) -> Mapping[TP, int]:
+    """The changelog ends Faust's table recovery reads up to, as fetches report them.
+
+    Faust asks ListOffsets, which some brokers answer with the start of a partition's last record batch
+    + 1 (Tansu: nine records, end 7): a recovered table then lacked its changelog's newest records, and
+    `alerts-sent` so forgot alerts sent just before a rebalance, which the next owner sent again. Inside
+    a transaction Faust reads last stable offsets, which are kept as they are."""
+    if thread.consumer.in_transaction:
+        return reported
+    conf = thread.app.conf
+    client = {
+        "bootstrap_servers": faust_aiokafka.server_list(thread.transport.url, thread.transport.default_port),
+        "request_timeout_ms": int(conf.broker_request_timeout * 1000),
+        **faust_aiokafka.credentials_to_aiokafka_auth(conf.broker_credentials, conf.ssl_context),
+    }
+    return await fetched_log_ends(client, reported)
 
 
 async def lean_drain_messages(self: Any, fetcher: Any) -> None:

@@ -9,13 +9,26 @@ store (`alerts_sent.data`), because a table write would send a second copy.
 
 A partitioned table on the RocksDB store (`rocksdb://`, rocksdict), co-partitioned with the payments
 topic: the worker that owns payments partition p owns table partition p, recovered from the alerts
-topic's partition p before the partition's first payment is processed. Keyed by the payment id's UTF-8
-bytes; the value is the alert.
+topic's partition p before the partition's first payment is processed. Recovery reads to the end a
+fetch reports (`aml_app.faust_internals.highwaters_from_fetches`), never to a ListOffsets answer alone.
+Keyed by the payment id's UTF-8 bytes; the value is the alert.
+
+Faust's check that a recovered store is not ahead of its changelog is off for the whole app (the
+watermark table trips it routinely), so `check_store_against_changelog` keeps it for this table: a
+store that has applied offsets its changelog does not hold (the topic was recreated, or the data
+directory came from another cluster) would hide alerts of the new log, and stops the worker.
 """
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
+from faust.types import TP
+
 from aml_app.app import alerts_topic, app, settings
+
+log = logging.getLogger(__name__)
 
 alerts_sent = app.Table(
     "alerts-sent",
@@ -32,3 +45,48 @@ alerts_sent = app.Table(
 def alert_key(payment_id: str) -> bytes:
     """The table's key of a payment: the alerts topic's key bytes."""
     return payment_id.encode()
+
+
+class StoreAheadOfChangelog(RuntimeError):
+    """The local `alerts-sent` store has applied offsets its changelog does not hold."""
+
+
+def recovered_to() -> dict[int, dict[str, int | None]]:
+    """Per alerts partition this worker owns: the offset after the last changelog record its store has
+    applied (None: none) and the changelog's end as recovery read it (None: not read yet)."""
+    recovery = app.tables.recovery
+    out = {}
+    for tp in sorted(recovery.actives_for_table.get(alerts_sent, set())):
+        applied = alerts_sent.persisted_offset(tp)
+        last = recovery.active_highwaters.get(tp)
+        out[tp.partition] = {
+            "applied_to": None if applied is None else applied + 1,
+            "log_end": None if last is None else last + 1,
+        }
+    return out
+
+
+def store_ahead(tp: TP, applied: int | None, last: int | None) -> str | None:
+    """The sentence an operator sees when the store has applied `applied`, past the changelog's `last`
+    record (-1: empty), or None when they agree."""
+    if applied is None or last is None or applied <= last:
+        return None
+    return (
+        f"the {alerts_sent.name} store of {tp.topic} partition {tp.partition} has applied offset {applied}, "
+        f"but that partition ends at {last + 1}: the store belongs to another log (the topic was recreated, "
+        f"or the data directory {app.conf.datadir} comes from another cluster); move that directory away "
+        f"and start the worker again to rebuild the store from the topic"
+    )
+
+
+@app.on_rebalance_complete.connect
+async def check_store_against_changelog(sender: Any, **kwargs: Any) -> None:
+    """After each recovery, before any payment of the new assignment is processed."""
+    recovery = app.tables.recovery
+    for tp in sorted(recovery.actives_for_table.get(alerts_sent, set())):
+        problem = store_ahead(tp, alerts_sent.persisted_offset(tp), recovery.active_highwaters.get(tp))
+        if problem is not None:
+            log.error("%s", problem)
+            error = StoreAheadOfChangelog(problem)
+            app.add_future(app.crash(error))
+            raise error  # and the recovery stops here: no payment of this assignment is processed

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from aml_app.app import app, settings
 from aml_app.detection import detector
 from aml_app.gate import agent
+from aml_app.tables.alerts import recovered_to
 from aml_app.tables.watermarks import (
     gate,
     offsets,
@@ -106,6 +107,7 @@ def snapshot() -> dict[str, Any]:
             "admin_requests": offsets.requests,
         },
         "detector": detector.stats_json(detector.running[0]) if detector.running else None,
+        "alerts_sent": {str(p): state for p, state in recovered_to().items()},
         "retrying": retrying_everywhere(now),
         "handler_failures": gated.handler_failures,
         "opened_by_recheck": gate.opened_by_recheck,
