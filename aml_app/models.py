@@ -33,7 +33,7 @@ class Decision(faust.Record, serializer="json", include_metadata=False):
 
     `fresh` says whether every dependency's answer included the payment (`evidence_as_of[dep] > offset`);
     with the gate on a decision is only made on fresh evidence, so it is false only in the ungated
-    comparison mode. `stale_reads` counts the answers that did not include the payment.
+    comparison mode. `stale_reads` counts the rounds of answers that did not include the payment.
     """
 
     payment_id: str

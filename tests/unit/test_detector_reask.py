@@ -1,0 +1,277 @@
+"""The detector's freshness check (`Detector.fresh_evidence`, and `Detector.__call__` around it): an
+answer of B or C whose `as_of` lacks a payment is a freshness violation; with the gate on the detector
+waits and asks again about the stale payments only, until every answer includes them, and decides each
+payment on the first answers that do; with the gate off it decides on what it saw and says so. A
+dependency that is away is waited out. B and C are played by a fake at the seam `evidence_for` uses
+(`aggregates_many`, `relations_many`); no Kafka, no HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from aml_app.dependencies.client import DependencyUnavailable
+from aml_app.detection import detector as detector_module
+from aml_app.detection.detector import Detector
+from aml_app.detection.evidence import Evidence
+from aml_app.gate import Admission
+from aml_app.models import Payment
+
+TS = "2026-03-02T12:00:00Z"
+PARTITION = 3
+#: Small waits, so that a dozen rounds take milliseconds; the backoff's shape stays the detector's.
+STALE_DELAYS = (0.02, 0.03)
+UNAVAILABLE_DELAYS = (0.01, 0.02)
+#: Asleep-at-least checks allow for the event loop's clock resolution.
+SLACK = 0.002
+
+
+def window() -> dict[str, Any]:
+    return {
+        "sent_count": 0,
+        "sent": {},
+        "received_count": 0,
+        "received": {},
+        "counterparties": 0,
+        "sent_counterparties": 0,
+        "received_counterparties": 0,
+    }
+
+
+class FakeDependencies:
+    """B and C as `evidence_for` calls them: one batch call each per round, every answer of a call from
+    one snapshot (one `as_of`, as the APIs answer). The n-th call of a dependency answers with its
+    schedule's n-th `as_of` (the last one from then on), or raises DependencyUnavailable when n is in
+    its `away` rounds. Every answer carries `round`, the call that produced it (ignored by parsing)."""
+
+    def __init__(
+        self,
+        relations: Sequence[int],
+        aggregates: Sequence[int],
+        away: dict[str, set[int]] | None = None,
+    ) -> None:
+        self.schedule = {"relations": list(relations), "aggregates": list(aggregates)}
+        self.away = away or {}
+        self.calls: dict[str, list[list[str]]] = {"relations": [], "aggregates": []}
+        self.called_at: list[float] = []
+
+    def _round(self, dependency: str, accounts: list[str]) -> tuple[int, dict[str, int]]:
+        n = len(self.calls[dependency])
+        self.calls[dependency].append(accounts)
+        if dependency == "aggregates":
+            self.called_at.append(time.monotonic())
+        if n in self.away.get(dependency, set()):
+            raise DependencyUnavailable(f"{dependency} at http://127.0.0.1:1 is unavailable: round {n}")
+        schedule = self.schedule[dependency]
+        return n, {str(PARTITION): schedule[min(n, len(schedule) - 1)]}
+
+    async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
+        n, as_of = self._round("aggregates", [account for account, _ in queries])
+        return [
+            {
+                "account": account,
+                "at": at.isoformat(),
+                "as_of": as_of,
+                "round": n,
+                "windows": {name: window() for name in ("1h", "24h", "7d")},
+                "near_threshold_24h": 0,
+                "reporting_threshold": "10000",
+                "threshold_band": "0.1",
+                "late_dropped": 0,
+            }
+            for account, at in queries
+        ]
+
+    async def relations_many(
+        self,
+        accounts: Sequence[str],
+        hops: int = 3,
+        parts: str | Sequence[str] = "out,cycle",
+        min_average: Decimal = Decimal(0),
+    ) -> list[dict[str, Any]]:
+        n, as_of = self._round("relations", list(accounts))
+        return [
+            {
+                "account": account,
+                "hops": hops,
+                "as_of": as_of,
+                "round": n,
+                "out": [],
+                "cycle": {"found": False, "path": []},
+                "chain": [],
+            }
+            for account in accounts
+        ]
+
+
+@pytest.fixture(autouse=True)
+def short_waits(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(detector_module, "STALE_DELAYS", STALE_DELAYS)
+    monkeypatch.setattr(detector_module, "UNAVAILABLE_DELAYS", UNAVAILABLE_DELAYS)
+
+
+def batch(gated: bool, offsets: Sequence[int] = (10, 11)) -> list[tuple[Payment, Admission]]:
+    """Payments of one partition as the gate admits them: payment `p<o>` from `payer<o>` to `payee<o>`."""
+    return [
+        (
+            Payment(
+                payment_id=f"p{o}",
+                payer=f"payer{o}",
+                payee=f"payee{o}",
+                amount="10.00",
+                currency="EUR",
+                ts=TS,
+            ),
+            Admission(PARTITION, o, 12, {"relations": 12, "aggregates": 12}, waited_ms=0.0, gated=gated),
+        )
+        for o in offsets
+    ]
+
+
+def accounts(*offsets: int) -> list[str]:
+    """The accounts one round asks about for these payments, in `evidence_for`'s order."""
+    return [account for o in offsets for account in (f"payer{o}", f"payee{o}")]
+
+
+def rounds(answers: list[dict[str, Any]]) -> set[int]:
+    return {answer["round"] for answer in answers}
+
+
+def detector(fake: FakeDependencies, rules: Any = None) -> Detector:
+    return Detector("aml", rules or (lambda evidence: []), fake)  # type: ignore[arg-type]
+
+
+async def test_gate_on_asks_again_about_the_stale_payment_only_until_its_answers_include_it() -> None:
+    """Offset 10 is in every answer at once; offset 11 only from the third round on."""
+    fake = FakeDependencies(relations=[11, 11, 12], aggregates=[11, 11, 12])
+    d = detector(fake)
+    evidence = await d.fresh_evidence(batch(gated=True))
+    assert fake.calls["aggregates"] == [accounts(10, 11), accounts(11), accounts(11)]
+    assert fake.calls["relations"] == fake.calls["aggregates"]
+    (fresh, fresh_stale_reads), (lagging, lagging_stale_reads) = evidence
+    assert rounds(fresh) == {0} and fresh_stale_reads == 0, "a fresh payment is decided on its first answers"
+    assert rounds(lagging) == {2} and lagging_stale_reads == 2, "the first answers that include it, after 2"
+    assert [a["account"] for a in lagging] == ["payer11", "payee11", "payer11", "payee11"]
+    assert d.stats.freshness_violations == 2
+    assert d.stats.decided_on_stale == 0 and d.stats.unavailable == 0
+    # It waited before each question again, longer the second time (up to STALE_DELAYS[1]).
+    gaps = [b - a for a, b in zip(fake.called_at, fake.called_at[1:], strict=False)]
+    assert gaps[0] >= STALE_DELAYS[0] - SLACK and gaps[1] >= STALE_DELAYS[1] - SLACK, gaps
+
+
+@pytest.mark.parametrize(
+    ("relations", "aggregates", "fresh_from"),
+    [
+        ([12], [11, 11, 11, 12], 3),  # C alone lags: its stale answers are enough to ask again
+        ([11, 12], [12], 1),  # B alone lags, one round
+        ([11, 11, 12], [11, 12], 2),  # both lag, B the longer: the payment waits for the later one
+    ],
+)
+async def test_one_stale_answer_is_enough_to_ask_both_again(
+    relations: list[int], aggregates: list[int], fresh_from: int
+) -> None:
+    fake = FakeDependencies(relations, aggregates)
+    d = detector(fake)
+    [(answers, stale_reads)] = await d.fresh_evidence(batch(gated=True, offsets=(11,)))
+    assert len(fake.calls["relations"]) == len(fake.calls["aggregates"]) == fresh_from + 1
+    assert rounds(answers) == {fresh_from}
+    assert all(int(a["as_of"][str(PARTITION)]) > 11 for a in answers)
+    assert stale_reads == d.stats.freshness_violations == fresh_from
+    assert d.stats.decided_on_stale == 0
+
+
+async def test_gate_off_keeps_the_first_answers_and_counts_the_stale_decision() -> None:
+    fake = FakeDependencies(relations=[11, 11, 12], aggregates=[11, 11, 12])
+    d = detector(fake)
+    (fresh, fresh_stale_reads), (lagging, lagging_stale_reads) = await d.fresh_evidence(batch(gated=False))
+    assert fake.calls["aggregates"] == [accounts(10, 11)], "asked once, nothing again"
+    assert fake.calls["relations"] == [accounts(10, 11)]
+    assert rounds(fresh) == rounds(lagging) == {0}
+    assert (fresh_stale_reads, lagging_stale_reads) == (0, 1)
+    assert d.stats.freshness_violations == 1 and d.stats.decided_on_stale == 1
+
+
+async def test_a_dependency_that_is_away_is_waited_out_and_the_whole_batch_asked_again() -> None:
+    fake = FakeDependencies(relations=[12], aggregates=[12], away={"aggregates": {0, 1}})
+    d = detector(fake)
+    evidence = await d.fresh_evidence(batch(gated=True))
+    assert fake.calls["aggregates"] == [accounts(10, 11)] * 3
+    assert [rounds(answers) for answers, _ in evidence] == [{2}, {2}]
+    assert [stale_reads for _, stale_reads in evidence] == [0, 0]
+    assert d.stats.unavailable == 2
+    assert d.stats.freshness_violations == 0 and d.stats.decided_on_stale == 0
+    gaps = [b - a for a, b in zip(fake.called_at, fake.called_at[1:], strict=False)]
+    assert gaps[0] >= UNAVAILABLE_DELAYS[0] - SLACK and gaps[1] >= UNAVAILABLE_DELAYS[1] - SLACK, gaps
+
+
+async def test_an_outage_between_two_stale_rounds_asks_again_about_the_stale_payment_only() -> None:
+    """Round 0: offset 11 is stale; round 1: C is away; round 2: fresh. Offset 10 is kept from round 0."""
+    fake = FakeDependencies(relations=[11, 12], aggregates=[11, 12], away={"aggregates": {1}})
+    d = detector(fake)
+    (fresh, fresh_stale_reads), (lagging, lagging_stale_reads) = await d.fresh_evidence(batch(gated=True))
+    assert fake.calls["aggregates"] == [accounts(10, 11), accounts(11), accounts(11)]
+    assert rounds(fresh) == {0} and fresh_stale_reads == 0
+    # B answered in round 1 while C was away: that round is dropped whole, both are asked again.
+    assert fake.calls["relations"] == fake.calls["aggregates"]
+    assert rounds(lagging) == {2} and lagging_stale_reads == 1
+    assert d.stats.unavailable == 1 and d.stats.freshness_violations == 1 and d.stats.decided_on_stale == 0
+
+
+class Sent:
+    """Stands in for `send_decision`: keeps each decision and acknowledges it at once."""
+
+    def __init__(self) -> None:
+        self.decisions: dict[str, dict[str, Any]] = {}
+
+    async def __call__(self, payment_id: str, value: bytes) -> asyncio.Future[Any]:
+        self.decisions[payment_id] = json.loads(value)
+        acked = asyncio.get_running_loop().create_future()
+        acked.set_result(payment_id)
+        return acked
+
+
+@pytest.mark.parametrize("gated", [True, False])
+async def test_a_batch_is_decided_on_the_evidence_it_waited_for(
+    monkeypatch: pytest.MonkeyPatch, gated: bool
+) -> None:
+    """`__call__` end to end without a producer: the rules see, and the decision records, the answers
+    the freshness check chose; with the gate off the decision says it was made on stale evidence."""
+    sent = Sent()
+    monkeypatch.setattr(detector_module, "send_decision", sent)
+    seen: dict[str, list[int]] = {}
+
+    def rules(evidence: Evidence) -> list[Any]:
+        answers = (
+            evidence.payer_aggregates,
+            evidence.payee_aggregates,
+            evidence.payer_relations,
+            evidence.payee_relations,
+        )
+        seen[evidence.payment_id] = [answer.as_of[PARTITION] for answer in answers]
+        return []
+
+    d = detector(FakeDependencies(relations=[11, 11, 12], aggregates=[11, 11, 12]), rules)
+    await asyncio.wait_for(await d(batch(gated)), 5)  # type: ignore[arg-type]
+    assert d.stats.decisions == 2
+    first, second = sent.decisions["p10"], sent.decisions["p11"]
+    assert seen["p10"] == [11] * 4 and first["evidence_as_of"] == dict.fromkeys(detector_module.ANSWERS, 11)
+    assert first["fresh"] is True and first["stale_reads"] == 0 and first["note"] == ""
+    assert second["offset"] == 11 and second["gated"] is gated
+    if gated:
+        assert seen["p11"] == [12] * 4, "the rules ran on the answers that include the payment"
+        assert second["evidence_as_of"] == dict.fromkeys(detector_module.ANSWERS, 12)
+        assert second["fresh"] is True and second["stale_reads"] == 2 and second["note"] == ""
+        assert d.stats.decided_on_stale == 0
+    else:
+        assert seen["p11"] == [11] * 4
+        assert second["evidence_as_of"] == dict.fromkeys(detector_module.ANSWERS, 11)
+        assert second["fresh"] is False and second["stale_reads"] == 1
+        assert "did not include this payment" in second["note"]
+        assert d.stats.decided_on_stale == 1
