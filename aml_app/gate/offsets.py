@@ -171,17 +171,27 @@ class DependencyOffsets:
                     admin.find_coordinator(group), self.request_timeout
                 )
             self.requests += 1
+            answer_from = self._coordinators[group]
             answer = await asyncio.wait_for(
-                admin.list_consumer_group_offsets(
-                    group, group_coordinator_id=self._coordinators[group], partitions=tps
-                ),
+                admin.list_consumer_group_offsets(group, group_coordinator_id=answer_from, partitions=tps),
                 self.request_timeout,
             )
-            result[group] = {
+            offsets = {
                 tp.partition: (meta.offset if meta.offset >= 0 else None)
                 for tp, meta in answer.items()
                 if tp.topic == self.topic
             }
+            missing = sorted(set(partitions) - set(offsets))
+            if missing:
+                # aiokafka returns an OffsetFetch answered with a top-level error (NOT_COORDINATOR,
+                # COORDINATOR_LOAD_IN_PROGRESS: the coordinator moved or is loading) as an empty answer,
+                # which would read as "nothing committed" and close every partition.
+                del self._coordinators[group]
+                raise OffsetReadError(
+                    f"group {group!r}'s coordinator (broker {answer_from}) answered without partitions "
+                    f"{_ranges(missing)} of {self.topic!r} (moved, or still loading); asking again"
+                )
+            result[group] = offsets
         return result
 
     async def _reset(self) -> None:
@@ -189,3 +199,14 @@ class DependencyOffsets:
             await self.close()
         except Exception:  # closing a broken client must not hide the original error
             log.debug("closing the admin client failed", exc_info=True)
+
+
+def _ranges(partitions: Sequence[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2, 5": short enough for a log line whatever the partition count."""
+    spans: list[list[int]] = []
+    for p in partitions:
+        if spans and p == spans[-1][1] + 1:
+            spans[-1][1] = p
+        else:
+            spans.append([p, p])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)

@@ -1,0 +1,84 @@
+"""The reader of the dependency groups' committed offsets, against a fake admin client: the condition a
+real cluster produces when a group's coordinator moves (a broker restart), which the embedded broker
+(one node) cannot."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+from aiokafka import TopicPartition
+from aiokafka.structs import OffsetAndMetadata
+
+from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+
+TOPIC = "payments"
+GROUPS = ("relations", "aggregates")
+Answer = Callable[[Sequence[TopicPartition]], dict[TopicPartition, OffsetAndMetadata]]
+
+
+def committed(offset: int) -> Answer:
+    return lambda tps: {tp: OffsetAndMetadata(offset, "") for tp in tps}
+
+
+def top_level_error(tps: Sequence[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
+    """What aiokafka returns for an OffsetFetch answered with NOT_COORDINATOR or
+    COORDINATOR_LOAD_IN_PROGRESS: the response's error code is not read, and it has no partitions."""
+    return {}
+
+
+def without_partition_3(tps: Sequence[TopicPartition]) -> dict[TopicPartition, OffsetAndMetadata]:
+    return {tp: OffsetAndMetadata(7, "") for tp in tps if tp.partition != 3}
+
+
+class FakeAdmin:
+    """Just what the reader asks of aiokafka's admin client; each coordinator lookup names a new broker."""
+
+    def __init__(self, answers: list[Answer]) -> None:
+        self.answers = answers
+        self.lookups = 0
+        self.asked: list[tuple[str, int]] = []
+
+    async def describe_topics(self, topics: list[str]) -> list[dict]:
+        return [{"topic": TOPIC, "error_code": 0, "partitions": [{"partition": p} for p in range(4)]}]
+
+    async def find_coordinator(self, group: str) -> int:
+        self.lookups += 1
+        return 100 + self.lookups
+
+    async def list_consumer_group_offsets(
+        self, group: str, group_coordinator_id: int, partitions: list[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        self.asked.append((group, group_coordinator_id))
+        return self.answers.pop(0)(partitions)
+
+
+def reader_with(admin: FakeAdmin) -> DependencyOffsets:
+    reader = DependencyOffsets(["127.0.0.1:9"], TOPIC, GROUPS)
+    reader._client = admin  # type: ignore[assignment]  # the seam: the admin client it would open
+    return reader
+
+
+@pytest.mark.parametrize(
+    "answer", [top_level_error, without_partition_3], ids=["no-partitions", "one-missing"]
+)
+async def test_an_answer_lacking_partitions_is_an_error_and_the_coordinator_is_looked_up_again(
+    answer: Answer,
+) -> None:
+    admin = FakeAdmin([committed(5), answer, committed(9), committed(9)])
+    reader = reader_with(admin)
+
+    with pytest.raises(OffsetReadError, match=r"group 'aggregates'.*answered without partitions"):
+        await reader.read()
+    # Asked again, aggregates' coordinator is looked up anew; relations' is kept.
+    partitions, offsets = await reader.read()
+    assert partitions == [0, 1, 2, 3]
+    assert offsets == {"relations": dict.fromkeys(range(4), 9), "aggregates": dict.fromkeys(range(4), 9)}
+    assert admin.asked == [("relations", 101), ("aggregates", 102), ("relations", 101), ("aggregates", 103)]
+
+
+async def test_a_group_that_never_committed_is_read_as_nothing_committed() -> None:
+    """Every requested partition answered with -1 is a real answer: the group has committed nothing."""
+    admin = FakeAdmin([committed(-1), committed(4)])
+    _, offsets = await reader_with(admin).read()
+    assert offsets == {"relations": dict.fromkeys(range(4)), "aggregates": dict.fromkeys(range(4), 4)}
