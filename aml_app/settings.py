@@ -71,6 +71,9 @@ class Settings:
     gate_enabled: bool = True
     refresh_interval: float = 1.0
     fast_refresh_interval: float = 0.1
+    #: How old a watermark row may be and still open the gate (AML_WATERMARK_MAX_AGE; by default five
+    #: refresh intervals): a leader that stops refreshing closes the gate instead of leaving it open.
+    watermark_max_age: float = 5.0
     max_pending_per_partition: int = 1000
     #: Payments per partition whose decision is sent and not yet acknowledged by the broker (pipelined).
     max_in_flight: int = 1000
@@ -311,6 +314,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"AML_FAST_REFRESH_INTERVAL={fast} is longer than AML_REFRESH_INTERVAL={slow}; "
             "the on-demand refresh must be at least as frequent as the background one."
         )
+    max_age = _float(env, "AML_WATERMARK_MAX_AGE", 5 * slow, 0.1, 86400)
+    if max_age < 2 * slow:
+        raise ConfigError(
+            f"AML_WATERMARK_MAX_AGE={max_age} is less than twice AML_REFRESH_INTERVAL={slow}; "
+            "rows would go stale between two refreshes and the gate would close for no reason."
+        )
     session = _float(env, "AML_SESSION_TIMEOUT", defaults.session_timeout, 1, 300)
     settings = Settings(
         bootstrap_servers=_servers(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
@@ -326,6 +335,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         gate_enabled=_bool(env, "AML_GATE", True),
         refresh_interval=slow,
         fast_refresh_interval=fast,
+        watermark_max_age=max_age,
         max_pending_per_partition=_int(env, "AML_MAX_PENDING", 1000, 1, 1_000_000),
         max_in_flight=_int(env, "AML_MAX_IN_FLIGHT", 1000, 1, 1_000_000),
         max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", 65536, 256, 10_000_000),

@@ -26,7 +26,15 @@ from aml_app.app import app, settings
 from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
 from aml_app.gate import DependencyOffsets, FreshnessGate, OffsetReadError
 from aml_app.gate.health import Limits, StallWatch, describe
-from aml_app.gate.watermark import Row, build_rows, live_blocked_since, live_demand, refresh_due, row_changed
+from aml_app.gate.watermark import (
+    Row,
+    build_rows,
+    distrust,
+    live_blocked_since,
+    live_demand,
+    refresh_due,
+    row_changed,
+)
 from aml_app.views import metrics
 
 log = logging.getLogger(__name__)
@@ -57,8 +65,16 @@ def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
 watermarks = _global_table("watermarks", int, "Per payments partition: W(p) and the offsets behind it.")
 demand = _global_table("gate-demand", str, "Per worker: the partitions it waits on, and since when.")
 
-#: Waiters re-check every refresh interval too, in case the table hook below stops firing.
-gate = FreshnessGate(lookup=lambda p: watermarks.get(p), recheck_every=settings.refresh_interval)
+
+def distrusted(row: Row) -> str | None:
+    """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
+    return distrust(row, time.time(), settings.watermark_max_age, app.consumer_generation_id)
+
+
+#: Waiters re-check every refresh interval too, in case the table hook below stops firing (and rows age).
+gate = FreshnessGate(
+    lookup=lambda p: watermarks.get(p), recheck_every=settings.refresh_interval, distrust=distrusted
+)
 watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
 
 
@@ -133,6 +149,7 @@ async def refresh_once(now: float) -> None:
         log_ends=status.log_ends,
         service_committed=status.service_committed,
         previous={p: watermarks.get(p) for p in reading.partitions},
+        generation=app.consumer_generation_id,
     )
     _write_rows(rows)
 
@@ -184,7 +201,8 @@ async def refresh_watermarks() -> None:
     waiting = live_demand(demand.values(), time.time(), max_age=3 * settings.refresh_interval)
     last = status.last_refresh if status.last_error is None else status.last_attempt
     rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
-    if refresh_due(now, last, waiting, rows, settings.refresh_interval, settings.fast_refresh_interval):
+    intervals = settings.refresh_interval, settings.fast_refresh_interval
+    if refresh_due(now, last, waiting, rows, *intervals, generation=app.consumer_generation_id):
         try:
             await changelogs.wait()
             await refresh_once(now)
@@ -293,6 +311,7 @@ def operator_view(
         in_flight=in_flight,
         local=set(local),
         highwaters=highwaters,
+        untrusted={p: distrusted(row) for p, row in rows.items()},
     )
 
 

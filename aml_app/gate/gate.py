@@ -17,11 +17,16 @@ from collections.abc import Callable, Iterable
 from aml_app.gate.watermark import Row, is_open
 
 Lookup = Callable[[int], Row | None]
+#: Why a row may not be trusted (None: it may); see `aml_app.gate.watermark.distrust`.
+Distrust = Callable[[Row], str | None]
 
 
 class FreshnessGate:
-    def __init__(self, lookup: Lookup, recheck_every: float = 1.0) -> None:
+    def __init__(self, lookup: Lookup, recheck_every: float = 1.0, distrust: Distrust | None = None) -> None:
+        """`distrust` keeps the gate closed on rows it names a reason for (too old, or replayed from
+        before this worker's consumer generation); by default every row counts."""
         self._lookup = lookup
+        self._distrust = distrust
         self.recheck_every = recheck_every
         self.opened_by_recheck = 0
         self._conditions: dict[int, asyncio.Condition] = {}
@@ -42,8 +47,22 @@ class FreshnessGate:
     def row(self, partition: int) -> Row | None:
         return self._lookup(partition)
 
+    def _open_row(self, partition: int, offset: int) -> Row | None:
+        """The partition's row if it lets `offset` through, else None."""
+        row = self._lookup(partition)
+        if row is None or not is_open(offset, row):
+            return None
+        if self._distrust is not None and self._distrust(row) is not None:
+            return None
+        return row
+
     def is_open(self, partition: int, offset: int) -> bool:
-        return is_open(offset, self._lookup(partition))
+        return self._open_row(partition, offset) is not None
+
+    def distrusted(self, partition: int) -> str | None:
+        """Why this partition's row keeps the gate closed whatever its watermark (None: it does not)."""
+        row = self._lookup(partition)
+        return None if row is None or self._distrust is None else self._distrust(row)
 
     def _condition(self, partition: int) -> asyncio.Condition:
         cond = self._conditions.get(partition)
@@ -56,8 +75,8 @@ class FreshnessGate:
 
         Cancellation (a rebalance revoking the partition) leaves the payment unprocessed and uncommitted.
         """
-        row = self._lookup(partition)
-        if row is not None and offset < row["watermark"]:
+        row = self._open_row(partition, offset)
+        if row is not None:
             return row  # open: the common case costs one lookup, no lock
         cond = self._condition(partition)
         async with cond:
@@ -76,8 +95,8 @@ class FreshnessGate:
                     waiters.remove(waiter)
                     if not waiters and self._waiters.get(partition) is waiters:
                         del self._waiters[partition]
-            row = self._lookup(partition)
-            assert row is not None and offset < row["watermark"]
+            row = self._open_row(partition, offset)
+            assert row is not None
             return row
 
     def notify(self, partitions: Iterable[int]) -> None:

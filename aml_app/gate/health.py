@@ -56,6 +56,7 @@ def partition_view(
     in_flight: int | None = None,
     local: bool = False,
     highwater: int | None = None,
+    untrusted: str | None = None,
 ) -> dict[str, Any]:
     """One partition as the operator views show it (docs/operating.md has every field)."""
     listed = row.get("log_end")
@@ -79,6 +80,8 @@ def partition_view(
         "blocked_since": blocked_since,
         "bottleneck": bottleneck(deps),
         "refreshed_at": row.get("refreshed_at"),
+        "generation": row.get("generation"),
+        "untrusted": untrusted,
         "error": row.get("error"),
     }
 
@@ -158,10 +161,12 @@ def describe(
     in_flight: Mapping[int, int | None] | None = None,
     local: Collection[int] = (),
     highwaters: Mapping[int, int | None] | None = None,
+    untrusted: Mapping[int, str | None] | None = None,
 ) -> dict[str, Any]:
-    """The operator view of the whole table: `partitions`, `dependencies` and `gate`."""
+    """The operator view of the whole table: `partitions`, `dependencies` and `gate`. `untrusted` says
+    why a partition's row keeps this worker's gate closed whatever its watermark."""
     waiting, blocked_since = waiting or {}, blocked_since or {}
-    in_flight, highwaters = in_flight or {}, highwaters or {}
+    in_flight, highwaters, untrusted = in_flight or {}, highwaters or {}, untrusted or {}
     parts = [
         partition_view(
             rows[p],
@@ -170,6 +175,7 @@ def describe(
             in_flight=in_flight.get(p),
             local=p in local,
             highwater=highwaters.get(p),
+            untrusted=untrusted.get(p),
         )
         for p in sorted(rows)
     ]
@@ -185,6 +191,7 @@ def describe(
             "admin_error": error,
             "admin_error_at": error_at,
             "blocked_partitions": sorted(p["partition"] for p in parts if p["waiting_offset"] is not None),
+            "untrusted_partitions": sorted(p["partition"] for p in parts if p["untrusted"]),
             "payments_waiting": None if any(w is None for w in waits) else sum(waits),  # type: ignore[arg-type]
             "stall_after_s": limits.stall_after,
             "lag_warn": limits.lag_warn,

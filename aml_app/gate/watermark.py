@@ -26,6 +26,27 @@ def is_open(offset: int, row: Row | None) -> bool:
     return row is not None and offset < row["watermark"]
 
 
+def distrust(row: Row, now: float, max_age: float, generation: int | None) -> str | None:
+    """Why a worker may not admit payments on `row` (None: it may).
+
+    A row is a reading of the dependencies' committed offsets, and committed offsets can move back (a
+    group reset or deleted). So a row counts only while it is recent (`refreshed_at`, the leader's
+    clock, at most `max_age` seconds ago by this worker's: clocks kept in step, as NTP does) and written
+    in this worker's consumer generation or later: a restarted worker, or one after a rebalance, waits
+    for the current leader's first refresh instead of trusting rows its changelog replayed.
+    """
+    age = now - row["refreshed_at"]
+    if age > max_age:
+        return f"the row is {age:.1f} s old (more than {max_age:g} s): the leader has not refreshed it"
+    written = row.get("generation")
+    if generation is not None and (written is None or written < generation):
+        return (
+            f"the row was written in consumer generation {written}, before this worker's "
+            f"{generation}: waiting for the leader's first refresh"
+        )
+    return None
+
+
 def build_rows(
     partitions: Iterable[int],
     committed_by_group: Mapping[str, Mapping[int, int | None]],
@@ -34,13 +55,15 @@ def build_rows(
     log_ends: Mapping[int, int] | None = None,
     service_committed: Mapping[int, int | None] | None = None,
     previous: Mapping[int, Row | None] | None = None,
+    generation: int | None = None,
 ) -> dict[int, Row]:
     """One table row per partition: the watermark and the offsets it was computed from.
 
     Besides W(p) and the dependencies' offsets, a row carries what an operator needs to see why a
     partition waits: the log end (`log_ends`, ListOffsets latest), this service's own committed offset
     (`service_committed`), the groups that never committed on it, and per group when its committed offset
-    last moved (`advanced_at`), carried over from the `previous` row while the offset stays put.
+    last moved (`advanced_at`), carried over from the `previous` row while the offset stays put, and the
+    consumer `generation` the leader wrote it in (see `distrust`).
 
     The log end is never below an offset some group committed: a committed offset is proof that the log
     reaches that far, and some brokers (Tansu) answer ListOffsets with a record batch's base offset + 1.
@@ -68,6 +91,7 @@ def build_rows(
             "service_committed": own,
             "never_committed": sorted(g for g, offset in raw.items() if offset is None or offset < 0),
             "advanced_at": advanced_at,
+            "generation": generation,
         }
     return rows
 
@@ -76,7 +100,7 @@ def row_changed(old: Row | None, new: Row) -> bool:
     """Whether `new` says something `old` did not (an error row always counts as changed)."""
     if old is None or old.get("error"):
         return True
-    keys = ("watermark", "dependencies", "log_end", "service_committed", "never_committed")
+    keys = ("watermark", "dependencies", "log_end", "service_committed", "never_committed", "generation")
     return any(old.get(k) != new.get(k) for k in keys)
 
 
@@ -113,8 +137,10 @@ def refresh_due(
     rows: Mapping[int, Row],
     slow_interval: float,
     fast_interval: float,
+    generation: int | None = None,
 ) -> bool:
-    """The leader refreshes on the slow interval, or on the fast one while some payment is blocked.
+    """The leader refreshes on the slow interval, or on the fast one while some payment is blocked: by
+    the watermark, or by a row written before the current consumer `generation` (see `distrust`).
 
     This keeps admin load at one set of calls per slow interval when nothing waits, and unblocks a
     waiting partition within about one fast interval of its dependencies committing.
@@ -124,5 +150,12 @@ def refresh_due(
     age = now - last_refresh
     if age >= slow_interval:
         return True
-    blocked = any(not is_open(offset, rows.get(p)) for p, offset in waiting.items())
-    return blocked and age >= fast_interval
+
+    def blocked(p: int, offset: int) -> bool:
+        row = rows.get(p)
+        if row is None or not is_open(offset, row):
+            return True
+        written = row.get("generation")
+        return generation is not None and (written is None or written < generation)
+
+    return any(blocked(p, offset) for p, offset in waiting.items()) and age >= fast_interval

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 
 import pytest
 
-from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.harness.verify import CommitTimeline, decided_at, premature
 from aml_app.kafka.tools import produce
 from tests.harness import ends_of, payments_for, wait_until
 
@@ -98,3 +99,49 @@ async def test_broker_unreachable_gate_holds_then_recovers(
         return state if ok and not any(r.get("error") for r in state["watermarks"].values()) else None
 
     await wait_until(healthy, 30, "the refresh error to clear")
+
+
+async def test_a_restarted_worker_waits_for_its_leaders_refresh_not_rows_replayed_from_before(
+    names, producer, new_worker, deps, decision_log
+):
+    """The watermark table outlives its workers: a restarted worker replays rows an earlier leader wrote.
+    Here they say W = 10, but the dependency groups have since been moved back to 2 (a reset), so
+    payments 2.. must wait. The new worker's leader refreshes only every 15 s: until its first refresh
+    the replayed rows are all it has, and it must not admit anything on them."""
+    partitions = range(names.partitions)
+    first_payments = await produce(producer, names.payments, payments_for(names.partitions, 2, "r"))
+    timeline = CommitTimeline()
+    await timeline.commit(deps, dict.fromkeys(partitions, 10))
+    first = new_worker()
+    await decision_log.wait_for(set(first_payments), timeout=60)
+
+    async def rows_at_ten() -> bool:
+        state = await first.state()
+        rows = (state or {}).get("watermarks", {}).values()
+        return len(rows) == names.partitions and all(r["watermark"] == 10 for r in rows)
+
+    await wait_until(rows_at_ten, 30, "the first worker's rows to say W = 10")
+    assert first.stop(grace=30)
+
+    await timeline.commit(deps, dict.fromkeys(partitions, 2))
+    later = await produce(producer, names.payments, payments_for(names.partitions, 4, "s"))
+    second = new_worker(AML_REFRESH_INTERVAL="15", AML_FAST_REFRESH_INTERVAL="15")
+
+    async def held_at_two() -> dict | None:
+        state = await second.state()
+        if not state or state["recovering"] or state["waiting"] != {str(p): 2 for p in partitions}:
+            return None
+        return state
+
+    state = await wait_until(held_at_two, 60, "the restarted worker to hold every partition at offset 2")
+    await decision_log.poll(0.2)
+    assert not decision_log.decided() & set(later), "decided on rows replayed from the earlier leader"
+    reasons = {row["partition"]: row["untrusted"] for row in state["partitions"]}
+    if any(reasons.values()):  # before the first refresh: the page says why the gate is closed
+        assert all("before this worker's" in (reason or "") for reason in reasons.values()), reasons
+
+    opened_at = time.time()
+    await timeline.commit(deps, dict.fromkeys(partitions, 6))
+    await decision_log.wait_for(set(later), timeout=60)
+    made = [d for d in decision_log.decisions() if (d["partition"], d["offset"]) in set(later)]
+    assert all(decided_at(d) >= opened_at for d in made), "a payment was decided before it was covered"

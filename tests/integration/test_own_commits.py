@@ -37,7 +37,9 @@ async def test_own_commits_reach_the_last_decision_across_transaction_markers(
     await decision_log.wait_for(set(placed), timeout=120)
 
     async def followed() -> bool:
-        return await committed_offsets(broker.bootstrap, names.app_id, names.payments, names.partitions) == last
+        return (
+            await committed_offsets(broker.bootstrap, names.app_id, names.payments, names.partitions) == last
+        )
 
     await wait_until(followed, COMMITS_FOLLOW_WITHIN, "the group's commits to reach the last decisions")
     state = await worker.state()

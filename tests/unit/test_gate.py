@@ -269,3 +269,23 @@ async def test_a_waiter_rechecks_the_table_on_a_timer_when_no_notification_comes
     assert await asyncio.wait_for(waiter, DEADLINE) is rows[0]
     assert gate.opened_by_recheck == 1
     assert gate.waiting == {}
+
+
+async def test_a_distrusted_row_keeps_the_gate_closed_whatever_its_watermark() -> None:
+    """A row the worker may not trust (too old, or replayed from before its consumer generation) admits
+    nothing; the leader's next write of a trusted row lets the waiter through."""
+    rows = {0: {**row(0, 10), "generation": 1}}
+    generation = 2
+    gate = FreshnessGate(
+        rows.get,
+        distrust=lambda r: None if r["generation"] >= generation else "written before this generation",
+    )
+    assert gate.is_open(0, 4) is False
+    assert gate.distrusted(0) == "written before this generation"
+    task = await start_waiting(gate, 0, 4)
+    await assert_still_blocked(task)
+
+    rows[0] = {**row(0, 10), "generation": 2}
+    gate.notify([0])
+    result = await asyncio.wait_for(task, DEADLINE)
+    assert result["generation"] == 2 and gate.distrusted(0) is None

@@ -190,8 +190,10 @@ def test_describe_gate_and_partitions() -> None:
         in_flight={1: None, 0: 4},
         local={0},
         highwaters={0: 11},
+        untrusted={1: "the row is 9.0 s old (more than 5 s): the leader has not refreshed it"},
     )
     p0, p1 = view["partitions"]
+    assert p0["untrusted"] is None and p1["untrusted"].startswith("the row is 9.0 s old")
     assert (p0["partition"], p0["log_end"], p0["watermark"], p0["payments_waiting"]) == (0, 11, 4, 7)
     assert (p0["waiting_offset"], p0["blocked_since"], p0["in_flight"], p0["local"]) == (4, NOW - 2, 4, True)
     assert p0["bottleneck"] == ["r"] and p1["bottleneck"] == ["r", "a"]
@@ -201,6 +203,7 @@ def test_describe_gate_and_partitions() -> None:
         "admin_error": None,
         "admin_error_at": None,
         "blocked_partitions": [0],
+        "untrusted_partitions": [1],
         "payments_waiting": 7,
         "stall_after_s": 30.0,
         "lag_warn": 100,

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from aml_app.gate.watermark import (
     build_rows,
+    distrust,
     is_open,
     live_blocked_since,
     live_demand,
@@ -73,7 +74,7 @@ def test_build_rows() -> None:
         "relations": {0: 10, 1: None, 2: 5, 3: 8},
         "aggregates": {0: 7, 2: -1, 3: 9},
     }
-    rows = build_rows([0, 1, 2, 3], committed, refreshed_at=123.5)
+    rows = build_rows([0, 1, 2, 3], committed, refreshed_at=123.5, generation=7)
     assert set(rows) == {0, 1, 2, 3}
     assert rows[0] == {
         "partition": 0,
@@ -85,6 +86,7 @@ def test_build_rows() -> None:
         "service_committed": None,
         "never_committed": [],
         "advanced_at": {"relations": 123.5, "aggregates": 123.5},
+        "generation": 7,
     }
     # None and a missing partition both count as 0
     assert rows[1]["dependencies"] == {"relations": 0, "aggregates": 0}
@@ -272,3 +274,38 @@ def test_open_iff_every_group_committed_past_the_offset(
     assert is_open(offset, {"watermark": watermark(committed)}) == expected
     row = build_rows([0], {g: {0: c} for g, c in committed.items()}, 0.0)[0]
     assert is_open(offset, row) == expected
+
+
+# --- distrust ------------------------------------------------------------------------------------
+
+
+def test_a_recent_row_of_this_generation_is_trusted() -> None:
+    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 3}
+    assert distrust(row, now=104.0, max_age=5.0, generation=3) is None
+    assert distrust(row, now=105.0, max_age=5.0, generation=3) is None  # exactly max_age old
+    assert distrust(row, now=104.0, max_age=5.0, generation=2) is None  # a newer generation's row
+
+
+def test_a_row_older_than_the_max_age_is_not_trusted() -> None:
+    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 3}
+    reason = distrust(row, now=105.5, max_age=5.0, generation=3)
+    assert reason == "the row is 5.5 s old (more than 5 s): the leader has not refreshed it"
+
+
+def test_a_row_of_an_earlier_generation_is_not_trusted() -> None:
+    """Replayed from the changelog at a restart, or written before the last rebalance (the generation
+    counts from 0, so 0 is a generation like any other)."""
+    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 0}
+    assert "written in consumer generation 0, before this worker's 1" in distrust(row, 100.0, 5.0, 1)
+    assert distrust(row, 100.0, 5.0, 0) is None
+    unstamped = {"watermark": 5, "refreshed_at": 100.0}
+    assert "generation None" in distrust(unstamped, 100.0, 5.0, 0)
+    assert distrust(unstamped, 100.0, 5.0, None) is None  # no generation to compare with
+
+
+def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generation() -> None:
+    """The row is open by its watermark, but this worker cannot trust it: the next refresh stamps it."""
+    rows = {0: {"watermark": 10, "generation": 2}}
+    assert refresh_due(10.3, 10.0, {0: 4}, rows, 1.0, 0.1, generation=3) is True
+    assert refresh_due(10.3, 10.0, {0: 4}, rows, 1.0, 0.1, generation=2) is False
+    assert refresh_due(10.05, 10.0, {0: 4}, rows, 1.0, 0.1, generation=3) is False  # not yet
