@@ -36,7 +36,9 @@ app = AmlApp(
     datadir=settings.worker_data_dir,
     # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
     autodiscover=[f"aml_app.agents.{settings.service}", "aml_app.tables", "aml_app.views.web"],
-    origin="aml_app",
+    # Faust scans its origin too: the module that defines the app, not the package, whose scan would
+    # import every service's agent module where the package is installed (agents/ is aml_app/agents/).
+    origin="aml_app.app",
     topic_partitions=settings.partitions,
     topic_replication_factor=settings.replication_factor,
     consumer_auto_offset_reset="earliest",

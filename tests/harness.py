@@ -102,7 +102,10 @@ TEST_ENV = {
 class Worker(WorkerProcess):
     """A worker for one test: a free web port it is named after, its log and data in the test's folder."""
 
-    def __init__(self, bootstrap: str, names: Names, workdir: Path, **env: str) -> None:
+    def __init__(
+        self, bootstrap: str, names: Names, workdir: Path, *, executable: str | None = None, **env: str
+    ) -> None:
+        """`executable`: the `aml-app` to run (default: the one beside this interpreter)."""
         port = free_port()
         super().__init__(
             names.settings(bootstrap),
@@ -111,6 +114,7 @@ class Worker(WorkerProcess):
             data_dir=workdir / "data",
             log_path=workdir / f"worker-{port}.log",
             cwd=workdir,
+            executable=executable,
             **{**TEST_ENV, **env},
         )
 

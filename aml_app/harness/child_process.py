@@ -32,6 +32,7 @@ class AmlAppProcess:
     """`aml-app <args>` in its own process group, stdout and stderr in `log_path`.
 
     The log is emptied on start unless `append` (a restart that keeps the earlier run's lines).
+    `executable` is the `aml-app` to run (default: `aml_app_executable()`), e.g. one installed elsewhere.
     """
 
     def __init__(
@@ -41,14 +42,16 @@ class AmlAppProcess:
         log_path: Path,
         cwd: Path | None = None,
         append: bool = False,
+        executable: str | None = None,
     ) -> None:
         self.args, self.env, self.log_path, self.cwd, self.append = args, env, log_path, cwd, append
+        self.executable = executable
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Self:
         with open(self.log_path, "ab" if self.append else "wb") as log:
             self.process = subprocess.Popen(
-                [aml_app_executable(), *self.args],
+                [self.executable or aml_app_executable(), *self.args],
                 env=self.env,
                 cwd=self.cwd,
                 stdout=log,

@@ -53,9 +53,11 @@ class WorkerProcess(AmlAppProcess):
         data_dir: Path,
         log_path: Path,
         cwd: Path | None = None,
+        executable: str | None = None,
         **env: str,
     ) -> None:
-        """`env` overrides any of the worker's environment variables (AML_GATE="off", ...)."""
+        """`env` overrides any of the worker's environment variables (AML_GATE="off", ...); `executable`
+        is the `aml-app` to run (default: the one beside this interpreter, see `aml_app_executable`)."""
         environment = {
             **os.environ,
             **settings_env(settings),
@@ -64,7 +66,7 @@ class WorkerProcess(AmlAppProcess):
             "AML_WORKER_ID": worker_id,
             **env,
         }
-        super().__init__(["worker", "-l", "info"], environment, log_path, cwd)
+        super().__init__(["worker", "-l", "info"], environment, log_path, cwd, executable=executable)
         self.port = port
         self.worker_id = worker_id
 

@@ -1,4 +1,5 @@
-"""The deployment files (Procfile, docker/compose.yaml, docker/Dockerfile) against the code they run.
+"""The deployment files (Procfile, docker/compose.yaml, docker/Dockerfile, pyproject's package list)
+against the code they run.
 
 No Docker engine here, so the compose file is checked for structure: a 3-node KRaft quorum, replication
 factor 3 for our topics, every command one our CLI accepts (parsed by our click CLI, nothing started),
@@ -306,6 +307,55 @@ def test_one_lock_file_pins_every_dependency_for_make_and_the_image() -> None:
             assert requirement.split("==")[1].strip() == pins[key], (
                 f"{name}: pyproject and constraints differ"
             )
+
+
+# ---- pyproject.toml: the packages a wheel (and so the image's `pip install .`) holds
+
+#: Top-level folders that install as subpackages of aml_app (pyproject's package-dir).
+MAPPED_FOLDERS = {"aml_app.agents": "agents", "aml_app.tables": "tables"}
+
+
+def packages_on_disk() -> set[str]:
+    """Every package the source tree has, by the name it installs as: the folders with an `__init__.py`
+    under aml_app/, and under the mapped folders."""
+    roots = {"aml_app": ROOT / "aml_app", **{name: ROOT / folder for name, folder in MAPPED_FOLDERS.items()}}
+    return {
+        ".".join((name, *init.parent.relative_to(folder).parts))
+        for name, folder in roots.items()
+        for init in folder.rglob("__init__.py")
+    }
+
+
+def packaging_problems(setuptools: Mapping[str, Any]) -> list[str]:
+    """What is wrong with pyproject's `[tool.setuptools]` table against the source tree; empty if nothing.
+
+    The package list is written by hand, and an editable install (`make`) finds every folder anyway, so
+    a package left out of it is missing only from a wheel: a container that fails on its first import.
+    """
+    problems = []
+    listed = list(setuptools.get("packages", []))
+    if len(listed) != len(set(listed)):
+        problems.append(f"listed twice: {sorted({p for p in listed if listed.count(p) > 1})}")
+    on_disk = packages_on_disk()
+    if missing := on_disk - set(listed):
+        problems.append(f"packages on disk that a wheel leaves out: {sorted(missing)}")
+    if extra := set(listed) - on_disk:
+        problems.append(f"listed packages with no folder (or no __init__.py): {sorted(extra)}")
+    if dict(setuptools.get("package-dir", {})) != MAPPED_FOLDERS:
+        problems.append(f"package-dir is {setuptools.get('package-dir')}, expected {MAPPED_FOLDERS}")
+    return problems
+
+
+def test_pyproject_lists_exactly_the_packages_on_disk() -> None:
+    setuptools = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    assert packaging_problems(setuptools) == []
+
+
+def test_every_folder_with_python_modules_is_a_package() -> None:
+    # A folder without `__init__.py` would be found by an editable install but not listed as a package.
+    for folder in ("aml_app", *MAPPED_FOLDERS.values()):
+        for module in (ROOT / folder).rglob("*.py"):
+            assert (module.parent / "__init__.py").is_file(), f"{module.parent} has no __init__.py"
 
 
 # ---- Procfile
