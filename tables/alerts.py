@@ -47,6 +47,27 @@ def alert_key(payment_id: str) -> bytes:
     return payment_id.encode()
 
 
+def copartitioning_problem() -> str | None:
+    """The sentence that stops a worker whose payments and alerts topics differ in partition count (None
+    when they agree, or before the consumer knows both).
+
+    The alerts topic is the changelog of `alerts-sent`, partitioned like the payments: Faust assigns
+    topics of different partition counts separately, so after partitions are added to one of them alone
+    the worker deciding payments partition p need not hold `alerts-sent` partition p, and an alert on a
+    new partition has nowhere to go. Nothing is processed under such an assignment.
+    """
+    payments = app.consumer.topic_partitions(settings.payments_topic)
+    alerts = app.consumer.topic_partitions(settings.alerts_topic)
+    if payments is None or alerts is None or payments == alerts:
+        return None
+    return (
+        f"{settings.payments_topic} has {payments} partitions but {settings.alerts_topic} has {alerts}: the "
+        f"alerts topic is the changelog of {alerts_sent.name} and needs as many, or an alert could be sent "
+        f"twice; grow the smaller with `AML_PARTITIONS={max(payments, alerts)} aml-app topics --create` "
+        "and start the workers again"
+    )
+
+
 class StoreAheadOfChangelog(RuntimeError):
     """The local `alerts-sent` store has applied offsets its changelog does not hold."""
 

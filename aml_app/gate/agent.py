@@ -11,6 +11,7 @@ from aml_app.app import alerts_topic, app, decisions_topic, dlq_topic, payments_
 from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
+from aml_app.tables.alerts import copartitioning_problem
 from aml_app.tables.watermarks import gate, publisher
 
 #: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
@@ -45,6 +46,7 @@ def gated_agent(
         topic=settings.payments_topic,
         group=settings.app_id,
         check_every=settings.refresh_interval,
+        refuse=copartitioning_problem,
     )
 
     async def consume(stream):  # type: ignore[no-untyped-def]

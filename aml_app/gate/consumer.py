@@ -38,6 +38,10 @@ from aml_app.models import InvalidPayment, Payment, parse_payment
 log = logging.getLogger(__name__)
 
 
+class AssignmentRefused(RuntimeError):
+    """An assignment under which nothing may be processed (the sentence says why and what to do)."""
+
+
 @dataclass(frozen=True)
 class Admission:
     """What the gate saw when it let a payment through; recorded in the decision."""
@@ -214,17 +218,32 @@ class GatedConsumer(DeliveryRepairs):
         self.holes_refetched = 0
         self.gaps_accepted = 0
 
-    def attach(self, *, bootstrap_servers: Sequence[str], topic: str, group: str, check_every: float) -> None:
+    def attach(
+        self,
+        *,
+        bootstrap_servers: Sequence[str],
+        topic: str,
+        group: str,
+        check_every: float,
+        refuse: Callable[[], str | None] = lambda: None,
+    ) -> None:
         """Wire this consumer to the app's rebalances and run the delivery check every `check_every` s.
 
         Any gated service calls this once next to its agent: the lanes stop on revoke, resume (or drop
-        their kept events) on assignment, and fetched-but-undelivered records are fetched again.
+        their kept events) on assignment, and fetched-but-undelivered records are fetched again. At each
+        assignment `refuse` may name a reason not to process anything under it: the worker then stops
+        with that sentence, and no event of the assignment reaches a lane.
         """
 
         async def stop_lanes(sender: Any, revoked: Any, **kwargs: Any) -> None:
             self.on_revoked()
 
         async def learn_starts(mine: list[TP], generation: int) -> None:
+            problem = refuse()
+            if problem is not None:
+                log.error("%s", problem)
+                self.app.add_future(self.app.crash(AssignmentRefused(problem)))
+                return  # this generation's events stay in `early`: none is processed
             starts = await self._starts(bootstrap_servers, group, mine) if mine else {}
             if self.rebalances == generation:  # a newer rebalance began: its own task takes over
                 self.on_assigned(starts)

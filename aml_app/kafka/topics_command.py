@@ -2,9 +2,10 @@
 
 Without options it prints the specs (name, partitions, replication, config, purpose): the reference for
 whoever provisions a cluster. `--create` creates the missing ones on `KAFKA_BOOTSTRAP_SERVERS` with
-their configs, through the same TLS/SASL settings as every other client; existing topics are left as
-they are (a partition count that differs from the spec is reported, never changed). The compose file
-runs it once as an init service before anything else starts.
+their configs, through the same TLS/SASL settings as every other client, and grows existing topics
+with fewer partitions than `AML_PARTITIONS`, the payments topic last (its alerts topics are the
+changelogs of tables partitioned like it); a topic with more is reported and left as it is. The
+compose file runs it once as an init service before anything else starts.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import click
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import for_code
 
 from aml_app.kafka.security import aiokafka_kwargs
@@ -34,6 +35,15 @@ class TopicsError(RuntimeError):
 class Outcome:
     created: list[str] = field(default_factory=list)
     existing: dict[str, int] = field(default_factory=dict)  # name -> its partition count
+    grown: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (partitions before, after)
+
+
+def growth_order(specs: Sequence[TopicSpec], existing: dict[str, int], payments: str) -> list[TopicSpec]:
+    """The existing topics with fewer partitions than their spec, in the order to grow them: the payments
+    topic last, so it never has more partitions than an alerts topic (the changelog of a table that is
+    partitioned like the payments), which workers refuse to run on."""
+    short = [spec for spec in specs if 0 < existing.get(spec.name, 0) < spec.partitions]
+    return sorted(short, key=lambda spec: spec.name == payments)
 
 
 def spec_table(specs: Sequence[TopicSpec]) -> str:
@@ -115,6 +125,18 @@ async def create_missing(settings: Settings, specs: Sequence[TopicSpec], timeout
                     refused.append(f"{name} ({detail})")
             if refused:
                 raise TopicsError(f"the cluster refused to create {', '.join(refused)}.")
+        for spec in growth_order(specs, outcome.existing, settings.payments_topic):
+            before = outcome.existing[spec.name]
+            try:
+                await admin.create_partitions({spec.name: NewPartitions(total_count=spec.partitions)})
+            except Exception as exc:
+                name, text = type(exc).__name__, str(exc)
+                reason = text if text.startswith(name) else f"{name}: {text}".rstrip(": ")
+                raise TopicsError(
+                    f"the cluster refused to add partitions to {spec.name} ({before} -> {spec.partitions}): "
+                    f"{reason}"
+                ) from exc
+            outcome.grown[spec.name] = (before, spec.partitions)
         return outcome
     finally:
         await admin.close()
@@ -124,7 +146,8 @@ async def create_missing(settings: Settings, specs: Sequence[TopicSpec], timeout
 @click.option(
     "--create",
     is_flag=True,
-    help="Create the missing topics on KAFKA_BOOTSTRAP_SERVERS with their configs (existing ones are kept).",
+    help="Create the missing topics on KAFKA_BOOTSTRAP_SERVERS with their configs, and grow existing ones "
+    "with fewer partitions than AML_PARTITIONS.",
 )
 @click.option(
     "--timeout",
@@ -152,6 +175,9 @@ def topics_command(create: bool, timeout: float) -> None:
     for spec in specs:
         if spec.name in outcome.created:
             click.echo(f"  created  {spec.name}")
+        elif spec.name in outcome.grown:
+            before, after = outcome.grown[spec.name]
+            click.echo(f"  grown    {spec.name} from {before} to {after} partitions")
         else:
             count = outcome.existing.get(spec.name, -1)
             note = (

@@ -24,6 +24,7 @@ import yaml
 from honcho.environ import expand_processes, parse_procfile
 
 from aml_app.kafka.topics import topic_specs
+from aml_app.kafka.topics_command import growth_order
 from aml_app.settings import available_services, load_settings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -454,3 +455,15 @@ def test_aml_and_fraud_workers_never_share_a_port(aml: int, fraud: int) -> None:
     # Two separate honcho runs on the same base port: `honcho start aml` and `honcho start fraud`.
     apart = worker_ports(["aml"], counts, 5000) + worker_ports(["fraud"], counts, 5000)
     assert len(set(apart)) == aml + fraud
+
+
+def test_topics_create_grows_the_short_topics_with_the_payments_topic_last() -> None:
+    """Workers refuse a payments topic with more partitions than its alerts topics, so while
+    `aml-app topics --create` grows them one by one, the payments topic goes last."""
+    specs = topic_specs(load_settings({"AML_PARTITIONS": "6"}))
+    names = [spec.name for spec in specs]
+    existing = dict.fromkeys(names, 4) | {"aml.alerts": 6, "payments.dlq": 8}
+    order = [spec.name for spec in growth_order(specs, existing, "payments")]
+    assert order[-1] == "payments"
+    assert set(order) == set(names) - {"aml.alerts", "payments.dlq"}, "only the short ones grow"
+    assert growth_order(specs, dict.fromkeys(names, 6), "payments") == []
