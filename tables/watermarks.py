@@ -68,7 +68,7 @@ demand = _global_table("gate-demand", str, "Per worker: the partitions it waits 
 
 def distrusted(row: Row) -> str | None:
     """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
-    return distrust(row, time.time(), settings.watermark_max_age, app.consumer_generation_id)
+    return distrust(row, time.time(), settings.watermark_max_age, app.consumer_generation_id, gate.log)
 
 
 #: Waiters re-check every refresh interval too, in case the table hook below stops firing (and rows age).
@@ -150,6 +150,7 @@ async def refresh_once(now: float) -> None:
         service_committed=status.service_committed,
         previous={p: watermarks.get(p) for p in reading.partitions},
         generation=app.consumer_generation_id,
+        log=reading.log,
     )
     _write_rows(rows)
 

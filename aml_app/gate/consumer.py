@@ -52,6 +52,8 @@ class Admission:
     dependencies: dict[str, int]
     waited_ms: float
     gated: bool
+    #: Which log the offsets are of, as the row that admitted it says (`aml_app.kafka.identity`).
+    log: str | None = None
 
 
 #: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
@@ -244,9 +246,22 @@ class GatedConsumer(DeliveryRepairs):
                 log.error("%s", problem)
                 self.app.add_future(self.app.crash(AssignmentRefused(problem)))
                 return  # this generation's events stay in `early`: none is processed
-            starts = await self._starts(bootstrap_servers, group, mine) if mine else {}
-            if self.rebalances == generation:  # a newer rebalance began: its own task takes over
-                self.on_assigned(starts)
+            starts, read_from = await self._starts(bootstrap_servers, group, mine) if mine else ({}, None)
+            if self.rebalances != generation:
+                return  # a newer rebalance began: its own task takes over
+            if read_from is not None and self.gate.log not in (None, read_from):
+                # The lanes' offsets and kept events are of the old log: only a fresh start is right.
+                refused = (
+                    f"{topic} is now log {read_from}, not log {self.gate.log} as when this worker started "
+                    "(it was deleted and created again, or the cluster changed): this worker stops so "
+                    "that it starts again on the new log with nothing of the old one"
+                )
+                log.error("%s", refused)
+                self.app.add_future(self.app.crash(AssignmentRefused(refused)))
+                return
+            if read_from is not None:
+                self.gate.log = read_from
+            self.on_assigned(starts)
 
         async def resume_lanes(sender: Any, assigned: Any, **kwargs: Any) -> None:
             # Reading offsets takes round trips to the broker: do it beside the rebalance, not inside
@@ -543,6 +558,7 @@ class GatedConsumer(DeliveryRepairs):
             # by the gate on itself or on an earlier payment of its partition.
             waited_ms=round((time.monotonic() - arrived) * 1000, 3),
             gated=self.gate_enabled,
+            log=row.get("log"),
         )
         return payment, admission
 

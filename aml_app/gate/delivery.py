@@ -107,13 +107,19 @@ class DeliveryRepairs:
 
     _enqueue: Callable[[Lane, EventT], None]
 
-    async def _starts(self, bootstrap_servers: Sequence[str], group: str, tps: list[TP]) -> dict[int, int]:
-        """Where each partition starts in this generation: the group's committed offset, or the log start."""
+    async def _starts(
+        self, bootstrap_servers: Sequence[str], group: str, tps: list[TP]
+    ) -> tuple[dict[int, int], str | None]:
+        """Where each partition starts in this generation (the group's committed offset, or the log
+        start), and which log those offsets are of (`aml_app.kafka.identity`)."""
         reader = DependencyOffsets(bootstrap_servers, tps[0].topic, [group])
         try:
-            _, committed = await retry_forever("reading our committed offsets", reader.read)
+            reading = await retry_forever(
+                "reading our committed offsets", lambda: reader.read_all("", operator_fields=False)
+            )
         finally:
             await reader.close()
+        committed = reading.committed
         # Until this returns, this generation's events wait (see `early`): a failure must be retried.
         consumer = self.app.consumer
         earliest = await retry_forever(
@@ -123,7 +129,7 @@ class DeliveryRepairs:
         for tp, first, last in deleted:
             # Nothing will ever ack these offsets: without the gap, Faust would never commit again.
             await record_gap(self.app, tp, first, last)
-        return starts
+        return starts, reading.log
 
     async def _check_hole(self, lane: Lane, tp: TP) -> None:
         """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log

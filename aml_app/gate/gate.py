@@ -28,6 +28,9 @@ class FreshnessGate:
         self._lookup = lookup
         self._distrust = distrust
         self.recheck_every = recheck_every
+        #: Which log this worker's payments come from (`aml_app.kafka.identity`), learnt at each
+        #: assignment; rows of another log are not trusted (see `aml_app.gate.watermark.distrust`).
+        self.log: str | None = None
         self.opened_by_recheck = 0
         self._conditions: dict[int, asyncio.Condition] = {}
         self._notifications: set[asyncio.Task[None]] = set()

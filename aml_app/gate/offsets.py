@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka.identity import LogIdentities
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs, librdkafka_config, load_security
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +38,8 @@ class Reading:
     #: ListOffsets(latest) per partition: the log end as the partition leader reports it; None when this
     #: reading did not include it.
     log_ends: dict[int, int] | None = None
+    #: Which log the offsets are of (`aml_app.kafka.identity`), read with the partitions.
+    log: str | None = None
 
 
 class DependencyOffsets:
@@ -66,6 +69,11 @@ class DependencyOffsets:
         self._consumer: AIOKafkaConsumer | None = None
         self._coordinators: dict[str, int] = {}
         self._partitions: list[int] = []
+        self._identities: LogIdentities | None = None
+        self._librdkafka = {
+            "bootstrap.servers": ",".join(self.bootstrap_servers),
+            **librdkafka_config(security or load_security()),
+        }
 
     async def _admin(self) -> AIOKafkaAdminClient:
         if self._client is None:
@@ -96,6 +104,7 @@ class DependencyOffsets:
     async def close(self) -> None:
         client, self._client = self._client, None
         consumer, self._consumer = self._consumer, None
+        self._identities = None
         self._coordinators.clear()
         if client is not None:
             await client.close()
@@ -123,15 +132,18 @@ class DependencyOffsets:
         """
         try:
             admin = await self._admin()
-            if refresh_partitions or not self._partitions:
+            recheck = refresh_partitions or not self._partitions
+            if recheck:
                 self._partitions = await self._read_partitions(admin)
             partitions = self._partitions
             if not operator_fields:
-                return Reading(partitions, await self._read_committed(admin, partitions, self.groups))
+                committed = await self._read_committed(admin, partitions, self.groups)
+                return Reading(partitions, committed, log=await self._read_log(recheck))
             groups = list(dict.fromkeys([*self.groups, service_group]))
             committed = await self._read_committed(admin, partitions, groups)
             own = committed[service_group] if service_group in self.groups else committed.pop(service_group)
-            return Reading(partitions, committed, own, await self._read_log_ends(partitions))
+            ends = await self._read_log_ends(partitions)
+            return Reading(partitions, committed, own, ends, await self._read_log(recheck))
         except OffsetReadError:
             raise
         except Exception as exc:
@@ -150,6 +162,15 @@ class DependencyOffsets:
             consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions]), self.request_timeout
         )
         return {tp.partition: offset for tp, offset in ends.items()}
+
+    async def _read_log(self, cluster_too: bool) -> str:
+        """The identity of the topic's log, read after the offsets: if the topic was deleted and created
+        again before they were read, this sees the new log, so offsets of the new log never go out under
+        the old one's name. The cluster's id is read again with the partitions."""
+        if self._identities is None:
+            self._identities = LogIdentities(self._librdkafka, self.request_timeout)
+        self.requests += 2 if cluster_too else 1
+        return await asyncio.to_thread(self._identities.read, self.topic, cluster_too)
 
     async def _read_partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
         self.requests += 1

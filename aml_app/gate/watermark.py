@@ -26,15 +26,25 @@ def is_open(offset: int, row: Row | None) -> bool:
     return row is not None and offset < row["watermark"]
 
 
-def distrust(row: Row, now: float, max_age: float, generation: int | None) -> str | None:
+def distrust(
+    row: Row, now: float, max_age: float, generation: int | None, log: str | None = None
+) -> str | None:
     """Why a worker may not admit payments on `row` (None: it may).
 
     A row is a reading of the dependencies' committed offsets, and committed offsets can move back (a
     group reset or deleted). So a row counts only while it is recent (`refreshed_at`, the leader's
     clock, at most `max_age` seconds ago by this worker's: clocks kept in step, as NTP does) and written
     in this worker's consumer generation or later: a restarted worker, or one after a rebalance, waits
-    for the current leader's first refresh instead of trusting rows its changelog replayed.
+    for the current leader's first refresh instead of trusting rows its changelog replayed. And its
+    offsets must be of the `log` this worker reads (`aml_app.kafka.identity`): after the topic is
+    deleted and created again, or the cluster changes, offsets of two logs are never compared.
     """
+    if log is not None and row.get("log") != log:
+        return (
+            f"the row's offsets are of log {row.get('log')}, but this worker reads log {log} (the payments "
+            "topic was deleted and created again, or the cluster changed): offsets of two logs are not "
+            "compared; the workers read the current log at their next assignment (restart them)"
+        )
     age = now - row["refreshed_at"]
     if age > max_age:
         return f"the row is {age:.1f} s old (more than {max_age:g} s): the leader has not refreshed it"
@@ -56,6 +66,7 @@ def build_rows(
     service_committed: Mapping[int, int | None] | None = None,
     previous: Mapping[int, Row | None] | None = None,
     generation: int | None = None,
+    log: str | None = None,
 ) -> dict[int, Row]:
     """One table row per partition: the watermark and the offsets it was computed from.
 
@@ -63,7 +74,7 @@ def build_rows(
     partition waits: the log end (`log_ends`, ListOffsets latest), this service's own committed offset
     (`service_committed`), the groups that never committed on it, and per group when its committed offset
     last moved (`advanced_at`), carried over from the `previous` row while the offset stays put, and the
-    consumer `generation` the leader wrote it in (see `distrust`).
+    consumer `generation` the leader wrote it in and the `log` the offsets are of (see `distrust`).
 
     The log end is never below an offset some group committed: a committed offset is proof that the log
     reaches that far, and some brokers (Tansu) answer ListOffsets with a record batch's base offset + 1.
@@ -92,6 +103,7 @@ def build_rows(
             "never_committed": sorted(g for g, offset in raw.items() if offset is None or offset < 0),
             "advanced_at": advanced_at,
             "generation": generation,
+            "log": log,
         }
     return rows
 
@@ -100,7 +112,15 @@ def row_changed(old: Row | None, new: Row) -> bool:
     """Whether `new` says something `old` did not (an error row always counts as changed)."""
     if old is None or old.get("error"):
         return True
-    keys = ("watermark", "dependencies", "log_end", "service_committed", "never_committed", "generation")
+    keys = (
+        "watermark",
+        "dependencies",
+        "log_end",
+        "service_committed",
+        "never_committed",
+        "generation",
+        "log",
+    )
     return any(old.get(k) != new.get(k) for k in keys)
 
 

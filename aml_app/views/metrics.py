@@ -108,6 +108,12 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
     gate = snap["gate"] or {}
     blocked = _gauge("aml_blocked_partitions", "Partitions where a payment waits at the gate (any worker).")
     blocked.add_metric([], len(gate.get("blocked_partitions") or []))
+    untrusted = _gauge(
+        "aml_untrusted_partitions",
+        "Partitions whose watermark row this worker does not trust (too old, from before its consumer "
+        "generation, or of another log): its gate stays closed there whatever the watermark.",
+    )
+    untrusted.add_metric([], len(gate.get("untrusted_partitions") or []))
     age = _gauge("aml_refresh_age_seconds", "Age of the newest watermark row.")
     if gate.get("refresh_age_s") is not None:
         age.add_metric([], gate["refresh_age_s"])
@@ -152,7 +158,7 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
             ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
-    out += [status, stalled, advanced, blocked, age, admin_error, retrying]
+    out += [status, stalled, advanced, blocked, untrusted, age, admin_error, retrying]
     for name, doc, value in counters:
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], value)

@@ -109,6 +109,7 @@ async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
         refreshed_at=now,
         log_ends=reading.log_ends,
         service_committed=reading.service_committed,
+        log=reading.log,
     )
     for row in rows.values():  # one reading cannot tell when an offset last moved
         row["advanced_at"] = {g: None for g in row["advanced_at"]}

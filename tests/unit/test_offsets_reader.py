@@ -56,6 +56,11 @@ class FakeAdmin:
 def reader_with(admin: FakeAdmin) -> DependencyOffsets:
     reader = DependencyOffsets(["127.0.0.1:9"], TOPIC, GROUPS)
     reader._client = admin  # type: ignore[assignment]  # the seam: the admin client it would open
+
+    async def log(cluster_too: bool) -> str:
+        return "cluster:topic-id"
+
+    reader._read_log = log  # type: ignore[method-assign]  # and the log identity it would ask for
     return reader
 
 

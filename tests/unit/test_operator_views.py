@@ -34,7 +34,15 @@ def snapshot(*, detector: dict[str, Any] | None = None, recovering: bool = False
         log_ends={0: 10, 1: 8},
         service_committed={0: 3, 1: 0},
     )
-    view = describe(rows, ["rel", "agg"], NOW, Limits(30, 1000), waiting={0: 3}, blocked_since={0: NOW - 35})
+    view = describe(
+        rows,
+        ["rel", "agg"],
+        NOW,
+        Limits(30, 1000),
+        waiting={0: 3},
+        blocked_since={0: NOW - 35},
+        untrusted={1: "the row is 40.0 s old (more than 5 s): the leader has not refreshed it"},
+    )
     if recovering:
         view = {"partitions": [], "dependencies": [], "gate": None}
     return {
@@ -88,6 +96,7 @@ def test_metric_families_parse_with_their_values() -> None:
     assert value(fams, "aml_dependency_status", dependency="agg", status="lagging") == 1  # 8 behind on 1
     assert value(fams, "aml_dependency_last_advance_timestamp_seconds", dependency="rel") == NOW - 40
     assert value(fams, "aml_blocked_partitions") == 1
+    assert value(fams, "aml_untrusted_partitions") == 1
     assert value(fams, "aml_refresh_age_seconds") == 40
     assert value(fams, "aml_admin_error") == 0
     assert value(fams, "aml_recovering") == 0 and value(fams, "aml_is_leader") == 1

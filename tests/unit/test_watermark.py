@@ -74,7 +74,7 @@ def test_build_rows() -> None:
         "relations": {0: 10, 1: None, 2: 5, 3: 8},
         "aggregates": {0: 7, 2: -1, 3: 9},
     }
-    rows = build_rows([0, 1, 2, 3], committed, refreshed_at=123.5, generation=7)
+    rows = build_rows([0, 1, 2, 3], committed, refreshed_at=123.5, generation=7, log="c:t1")
     assert set(rows) == {0, 1, 2, 3}
     assert rows[0] == {
         "partition": 0,
@@ -87,6 +87,7 @@ def test_build_rows() -> None:
         "never_committed": [],
         "advanced_at": {"relations": 123.5, "aggregates": 123.5},
         "generation": 7,
+        "log": "c:t1",
     }
     # None and a missing partition both count as 0
     assert rows[1]["dependencies"] == {"relations": 0, "aggregates": 0}
@@ -301,6 +302,16 @@ def test_a_row_of_an_earlier_generation_is_not_trusted() -> None:
     unstamped = {"watermark": 5, "refreshed_at": 100.0}
     assert "generation None" in distrust(unstamped, 100.0, 5.0, 0)
     assert distrust(unstamped, 100.0, 5.0, None) is None  # no generation to compare with
+
+
+def test_a_row_of_another_log_is_not_trusted() -> None:
+    """The payments topic deleted and created again (or another cluster): offsets of two logs."""
+    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 3, "log": "c:old"}
+    assert distrust(row, 100.0, 5.0, 3, log="c:old") is None
+    reason = distrust(row, 100.0, 5.0, 3, log="c:new")
+    assert reason is not None and reason.startswith("the row's offsets are of log c:old, but this worker")
+    assert distrust({**row, "log": None}, 100.0, 5.0, 3, log="c:new") is not None
+    assert distrust(row, 100.0, 5.0, 3, log=None) is None  # the worker has not read its log yet
 
 
 def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generation() -> None:
