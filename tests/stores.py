@@ -85,7 +85,9 @@ async def relations_answers(
     await reader.open()
     try:
         async with reader.snapshot() as snap:
-            return await relations.relations_many(snap.cur, snap.schema, queries, snap.as_of)
+            return await relations.relations_many(
+                snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log")
+            )
     finally:
         await reader.close()
 
@@ -111,4 +113,5 @@ async def aggregates_answers(
 
 
 def without_as_of(answer: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in answer.items() if k != "as_of"}
+    """An answer without what says which offsets of which log it holds (`as_of`, `log`)."""
+    return {k: v for k, v in answer.items() if k not in ("as_of", "log")}

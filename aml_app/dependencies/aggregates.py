@@ -348,8 +348,9 @@ async def aggregates_many(
 ) -> list[dict[str, Any]]:
     """Answers for several (account, at), inside the caller's read snapshot (cursor `cur`).
 
-    `meta` is the store's meta read in the same snapshot; `defaults` (threshold, band) are reported by a
-    store that has none yet. `schema` None: the store has no tables, every answer is empty.
+    `meta` is the store's meta read in the same snapshot (`log` in it: the log `as_of` is of, None for a
+    store that records none); `defaults` (threshold, band) are reported by a store that has none yet.
+    `schema` None: the store has no tables, every answer is empty.
     """
     threshold = Decimal(meta.get("reporting_threshold", defaults[0]))
     band = Decimal(meta.get("threshold_band", defaults[1]))
@@ -358,6 +359,7 @@ async def aggregates_many(
             "account": account,
             "at": iso_text(at),
             "as_of": as_of_json(as_of),
+            "log": meta.get("log"),
             "windows": {name: empty_window() for name in WINDOWS},
             "near_threshold_24h": 0,
             "reporting_threshold": format(threshold, "f"),

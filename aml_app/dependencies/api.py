@@ -17,7 +17,9 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
 Account ids are path segments (percent-encode '/', '%', '?', '#'), at most 128 characters.
 
 An API keeps no state of its own: every answer is read from the store in one REPEATABLE READ snapshot
-together with its `as_of`, so any number of replicas on any hosts give the same answers. The service
+together with its `as_of` and `log` (the identity of the Kafka log those offsets are of, as the store
+recorded it, `aml_app.kafka.identity`; null for a store that records none), so any number of replicas on
+any hosts give the same answers; /health reports both too. The service
 starts without the store's tables and answers empty (as_of {}) until the pipeline creates them. Every
 few seconds it checks the store against its consumer group's committed offsets (the store-loss guard,
 `aml_app.dependencies.guard`); a store found behind makes /health and every query answer 503 with the
@@ -301,6 +303,7 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
                 "store": redacted(reader.url),
                 "store_exists": snap.schema is not None,
                 "as_of": {str(p): o for p, o in sorted(snap.as_of.items())},
+                "log": meta.get("log"),
             }
         if service == "aggregates":
             body["late_dropped"] = int(meta.get("late_dropped", "0"))
@@ -332,7 +335,9 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
         if check is not None:
             check.refuse_if_behind()
         async with reader.snapshot() as snap:
-            return await relations.relations_many(snap.cur, snap.schema, queries, snap.as_of)
+            return await relations.relations_many(
+                snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log")
+            )
 
     async def single(request: web.Request) -> web.Response:
         query = relations.Query(

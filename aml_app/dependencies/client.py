@@ -10,8 +10,8 @@ decision. Only when every replica failed does the request raise `DependencyUnava
 and asks again (a payment is never skipped because a dependency was away). A 4xx means our request is
 wrong, which retrying cannot fix: `DependencyRequestError`.
 
-Every answer carries `as_of` = {partition: next offset applied}; `includes` says whether an answer proves
-that it already contains payment (p, o).
+Every answer carries `as_of` = {partition: next offset applied} and `log`, the identity of the log those
+offsets are of; `includes` says whether an answer proves that it already contains payment (p, o).
 """
 
 from __future__ import annotations
@@ -44,8 +44,14 @@ class DependencyRequestError(RuntimeError):
     """A dependency refused the request itself (4xx): a bug on our side, reported loudly."""
 
 
-def includes(answer: Mapping[str, Any], partition: int, offset: int) -> bool:
-    """Whether an answer's `as_of` proves it includes payment (partition, offset)."""
+def includes(answer: Mapping[str, Any], partition: int, offset: int, log: str | None = None) -> bool:
+    """Whether an answer's `as_of` proves it includes payment (partition, offset) of the log `log`.
+
+    Offsets mean something only within one log (`aml_app.kafka.identity`): when the caller knows which
+    log the payment is from, an answer built from another one (the topic deleted and created again, a
+    store of another cluster) proves nothing, whatever its offsets."""
+    if log is not None and answer.get("log") != log:
+        return False
     return int(answer.get("as_of", {}).get(str(partition), 0)) > offset
 
 

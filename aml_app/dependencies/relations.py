@@ -307,20 +307,30 @@ async def _neighbourhood(cur: Any, edges: sql.Composable, account: str, hops: in
 
 
 async def relations_many(
-    cur: Any, schema: Schema | None, queries: Sequence[Sequence[Any]], as_of: Mapping[int, int]
+    cur: Any,
+    schema: Schema | None,
+    queries: Sequence[Sequence[Any]],
+    as_of: Mapping[int, int],
+    log: str | None = None,
 ) -> list[dict[str, Any]]:
     """Answers for several queries (`Query`, or (account, hops, parts) tuples), inside the caller's read
     snapshot (cursor `cur`).
 
-    `as_of` is the store's applied offsets read in the same snapshot; a store without tables answers every
-    query empty (the caller passes `schema` None then).
+    `as_of` is the store's applied offsets and `log` the log they are of (its meta `log`; None for a store
+    that records none), both read in the same snapshot; a store without tables answers every query empty
+    (the caller passes `schema` None then).
     """
     asked = [Query(*q) for q in queries]
     for q in asked:
         check_query(q.hops, q.parts, q.min_average)
     answers = []
     for q in asked:
-        answer: dict[str, Any] = {"account": q.account, "hops": q.hops, "as_of": as_of_json(as_of)}
+        answer: dict[str, Any] = {
+            "account": q.account,
+            "hops": q.hops,
+            "as_of": as_of_json(as_of),
+            "log": log,
+        }
         for part in PARTS:
             if part in q.parts:
                 answer[part] = {"found": False, "path": []} if part == "cycle" else []

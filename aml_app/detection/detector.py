@@ -3,7 +3,8 @@
 For each batch of payments of one partition that the gate let through (`AML_MAX_BATCH` at most):
 1. ask B and C about them, one request to each for the whole batch (`aml_app.dependencies.client`),
    waiting and asking again while one is away;
-2. check freshness: every answer's `as_of` must include the payment. The gate makes this true; if it is
+2. check freshness: every answer's `as_of` must include the payment, and be of the payment's log (the
+   identity the admitting row carries, `aml_app.kafka.identity`). The gate makes this true; if it is
    not, that is a freshness violation: counted, and with the gate on the payment waits and asks again,
    so no decision is ever made on evidence that lacks it. With the gate off (the comparison mode) the
    violation is counted and the service decides on what it saw, as an ungated consumer would;
@@ -140,7 +141,7 @@ class Detector:
         decided_at: str,
     ) -> bytes:
         """The decision record's JSON (the fields of `aml_app.models.Decision`)."""
-        fresh = all(includes(a, admission.partition, admission.offset) for a in answers)
+        fresh = all(includes(a, admission.partition, admission.offset, admission.log) for a in answers)
         return decision_json(
             payment_id=payment.payment_id,
             partition=admission.partition,
@@ -197,18 +198,22 @@ class Detector:
                 stale = [
                     n
                     for n, a in zip(ANSWERS, four, strict=True)
-                    if not includes(a, admission.partition, admission.offset)
+                    if not includes(a, admission.partition, admission.offset, admission.log)
                 ]
                 if stale:
                     stale_reads[i] += 1
                     self.stats.freshness_violations += 1
                 if stale and admission.gated:
+                    other = sorted({str(a.get("log")) for a in four if a.get("log") != admission.log})
                     log.warning(
-                        "freshness violation: %s about payment %s at %d:%d lacks it; asking again",
+                        "freshness violation: %s about payment %s at %d:%d lacks it%s; asking again",
                         ", ".join(stale),
                         items[i][0].payment_id,
                         admission.partition,
                         admission.offset,
+                        f" (answered from log {', '.join(other)}, not {admission.log})"
+                        if admission.log is not None and other
+                        else "",
                     )
                     again.append(i)
                     continue

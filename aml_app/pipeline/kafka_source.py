@@ -13,6 +13,7 @@ record batches. Usage:
         .option("maxRecordsPerTrigger", "100000")  # back-pressure: records per micro-batch
         .option("maxTasks", "2")                  # pack a batch's partitions into at most 2 tasks
         .option("minRecordsPerTask", "5000")      # and a smaller batch into fewer (the default)
+        .option("log", "cluster:topic-id")        # the log the query's results are of (else its first)
         .load()
 
 Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY. Options starting with
@@ -20,6 +21,9 @@ Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BI
 
 The source does not commit the group's offsets itself: Spark calls `commit(end)` one batch late and never
 while the topic is idle, so the service commits after its own store write instead (see `progress.py`).
+
+Offsets mean something only within one log (`aml_app.kafka.identity`): the planner stops the query
+(`LogChanged`) when the topic's log is no longer the one given as `log` (see `KafkaStreamReader`).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
+from aml_app.kafka.identity import log_identity
 from aml_app.pipeline.ranges import (
     Range,
     SparkOffset,
@@ -51,10 +56,35 @@ MIN_RECORDS_PER_TASK = 5_000
 METADATA_TIMEOUT = 10.0
 # A task that gets no record for this long fails (Spark retries it) instead of hanging the batch.
 READ_STALL_TIMEOUT = 60.0
+#: The planner asks which log the topic is at most this often (seconds): a topic deleted and created again
+#: is noticed within about this long, at the price of one admin request per interval.
+LOG_CHECK_INTERVAL = 10.0
 
 
 class SourceConfigError(ValueError):
     """An option of the source is missing or wrong."""
+
+
+class LogChanged(RuntimeError):
+    """The topic is now another log than the one the query's results are of; the message says what to do."""
+
+
+def log_changed(services: Sequence[str], store: str, topic: str, old: str, new: str) -> str:
+    """The sentence that refuses stores built from log `old` of `topic` now that it is log `new`.
+
+    The pipeline refuses such a store at start-up, and the planner stops a running query with it."""
+    cause = "(the topic was deleted and created again, or the cluster changed)"
+    if not services:
+        return f"topic {topic} was log {old} when this query started, but is now log {new} {cause}"
+    if len(services) == 1:
+        built, them, stores = f"the {services[0]} store at {store} was", "it", "store"
+    else:
+        built, them, stores = f"the {' and '.join(services)} stores at {store} were", "them", "stores"
+    rebuild = ", ".join(f"aml-app rebuild {service}" for service in services)
+    return (
+        f"{built} built from log {old} of topic {topic}, but {topic} is now log {new} {cause}: rebuild "
+        f"{them} ({rebuild}), or point AML_STORE_URL at this log's {stores}"
+    )
 
 
 def client_config(options: Mapping[str, str]) -> dict[str, Any]:
@@ -324,6 +354,26 @@ def count_option(options: Mapping[str, str], name: str) -> int | None:
 
 
 class KafkaStreamReader(DataSourceStreamReader):
+    """The planner (driver side) and the readers (executors) of the `aml-kafka` source.
+
+    The planner also watches which log the topic is, because it is where a new log's offsets would enter
+    the query: a topic deleted and created again starts at offset 0, and once its records pass the
+    offsets the query stands at, they would be read and written as if they continued the old log. Every
+    plan looks at the clock, and asks the cluster (`log_identity`, one admin request) only when
+    LOG_CHECK_INTERVAL has passed since it last did, or at once when a partition ends below where the
+    query stands or has gone (what a new log looks like). A log other than `log` (the identity the
+    stores recorded, given by the pipeline; else the one seen at the first plan) raises `LogChanged`:
+    Spark stops the query with its sentence before any record of the new log is planned, and the
+    pipeline exits with it. The planner, rather than the batch handler, because it runs even while the
+    topic is idle (the change is noticed before the first new record arrives) and it already holds the
+    Kafka settings; the batch handler would see a new log's records only once they are read.
+    """
+
+    #: Which log a topic is (module-level function; a test gives the reader a fake one).
+    read_log = staticmethod(log_identity)
+    #: The planner's clock (a test gives the reader a fake one).
+    clock = staticmethod(time.monotonic)
+
     def __init__(self, options: Mapping[str, str]) -> None:
         self.config = client_config(options)
         self.topic = options.get("subscribe", "")
@@ -334,6 +384,11 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.max_records = count_option(options, "maxRecordsPerTrigger")
         self.max_tasks = count_option(options, "maxTasks")
         self.min_records_per_task = count_option(options, "minRecordsPerTask") or MIN_RECORDS_PER_TASK
+        #: The log the query's results are of; what the stores built from it are, for LogChanged's sentence.
+        self.log: str | None = options.get("log") or None
+        self.log_services = tuple(s for s in options.get("services", "").split(",") if s)
+        self.log_store = options.get("store", "")
+        self._log_checked_at: float | None = None
         self._probe: Any = None  # lives in the planning process only; never pickled
 
     def __getstate__(self) -> dict[str, Any]:
@@ -345,7 +400,21 @@ class KafkaStreamReader(DataSourceStreamReader):
             self._probe = probe_consumer(self.config)
         return self._probe
 
+    def check_log(self, now: bool = False) -> None:
+        """Raise LogChanged if the topic is no longer log `self.log` (see the class docstring); asks the
+        cluster only when `now`, or when LOG_CHECK_INTERVAL has passed since the last answer."""
+        checked = self._log_checked_at
+        if not now and checked is not None and self.clock() - checked < LOG_CHECK_INTERVAL:
+            return
+        current = self.read_log(self.config, self.topic)
+        self._log_checked_at = self.clock()
+        if self.log is None:
+            self.log = current
+        elif current != self.log:
+            raise LogChanged(log_changed(self.log_services, self.log_store, self.topic, self.log, current))
+
     def initialOffset(self) -> SparkOffset:
+        self.check_log(now=True)
         marks = topic_watermarks(self.config, self.topic, self.probe)
         # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
@@ -367,8 +436,10 @@ class KafkaStreamReader(DataSourceStreamReader):
         begin = from_spark(start)
         for p, (low, _high) in marks.items():
             begin.setdefault(p, low)  # a partition added since the last batch starts at its log start
+        ends = log_ends(self.probe, self.topic, marks)
+        self.check_log(now=any(ends.get(p, -1) < o for p, o in begin.items()))
         max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
-        return to_spark(plan_end(begin, log_ends(self.probe, self.topic, marks), max_records))
+        return to_spark(plan_end(begin, ends, max_records))
 
     def partitions(self, start: SparkOffset, end: SparkOffset) -> list[KafkaTask]:
         ranges = planned_ranges(from_spark(start), from_spark(end))

@@ -104,13 +104,18 @@ class Pipeline:
     closers: list[Callable[[], None]]
     handlers: list[Any] = field(default_factory=list)
     batches: list[Any] = field(default_factory=list)  # each query's QueryBatches
+    #: The identity of the topic's log (`aml_app.kafka.identity`) that the stores are of.
+    log: str | None = None
 
     def failure(self) -> str | None:
         """Why the pipeline can no longer go on: a query stopped, or a store write failed while the topic
-        was idle (no micro-batch has raised it yet); None while it runs."""
+        was idle (no micro-batch has raised it yet); None while it runs. A query the planner stopped
+        because the topic's log changed gives the planner's sentence alone, without Spark's wrapping."""
         for query in self.queries:
             if not query.isActive:
-                return f"query {query.name} stopped: {query.exception() or 'stopped'}"
+                error = query.exception()
+                changed = _log_changed_in(str(error)) if error is not None else None
+                return changed or f"query {query.name} stopped: {error or 'stopped'}"
         for batches in self.batches:
             error = batches.failure()
             if error is not None:
@@ -133,6 +138,18 @@ class Pipeline:
             close()
 
 
+def _log_changed_in(text: str) -> str | None:
+    """The LogChanged sentence in the text of a query's exception (a Python traceback inside Spark's
+    message), if there is one."""
+    from aml_app.pipeline.kafka_source import LogChanged
+
+    marker = f"{LogChanged.__name__}: "
+    for line in text.splitlines():
+        if marker in line:
+            return line.split(marker, 1)[1].strip()
+    return None
+
+
 def group_of(settings: Settings, service: str) -> str:
     if service not in SERVICES:
         raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
@@ -151,42 +168,56 @@ def open_store(
     progress: GroupProgress,
     bounds: Mapping[int, tuple[int, int]],
     rebuild: bool = False,
+    *,
+    log_id: str,
 ) -> Writer:
     """The service's store, migrated and checked before anything is read from Kafka.
 
-    Refuses (StoreRefused) a store built from another topic, one counted with other near-threshold
-    settings, one behind its consumer group (the store-loss guard, `aml_app.dependencies.guard`), and one
-    ahead of the topic's log end (`bounds`: partition -> (start, end); the topic was re-created, or the
-    store belongs to another cluster). With `rebuild`, the store is dropped and created empty first, and
-    being behind is expected.
+    Refuses (StoreRefused) a store built from another topic, one built from another log of the topic
+    (`log_id`, the topic's log now: its meta `log` differs; the topic was deleted and created again, or
+    the cluster changed), one counted with other near-threshold settings, one behind its consumer group
+    (the store-loss guard, `aml_app.dependencies.guard`), and one ahead of the topic's log end (`bounds`:
+    partition -> (start, end); a store from before logs were recorded, of a re-created topic or of
+    another cluster). A store that records no log yet (new, or built before logs were recorded) is taken
+    as built from `log_id` once it passes every check. With `rebuild`, the store is dropped and created
+    empty first (so it records `log_id`), and being behind is expected.
     """
     from aml_app.dependencies import aggregates, store
     from aml_app.dependencies.guard import behind
+    from aml_app.pipeline.kafka_source import log_changed
+
+    where = store.redacted(settings.store_url)
+    topic_name = settings.payments_topic
 
     writer = Writer(settings.store_url, schema_of(service))
     if rebuild:
         writer.patiently("dropping the store", lambda conn: store.drop(conn, writer.schema))
     writer.migrate()
 
-    def check_meta(conn: Any) -> None:
+    def check_meta(conn: Any) -> bool:
+        """Checks the topic, the log and the thresholds; whether the store records no log yet."""
         with conn.transaction():
             meta = store.read_meta(conn, writer.schema)
             topic = meta.get("topic")
             if topic is None:
-                store.write_meta(conn, writer.schema, {"topic": settings.payments_topic})
-            elif topic != settings.payments_topic:
+                store.write_meta(conn, writer.schema, {"topic": topic_name})
+            elif topic != topic_name:
                 raise StoreRefused(
-                    f"the {service} store at {store.redacted(settings.store_url)} was built from topic "
-                    f"{topic!r}, not {settings.payments_topic!r}: point AML_STORE_URL at the store of "
-                    f"this topic, or rebuild it (aml-app rebuild {service})"
+                    f"the {service} store at {where} was built from topic {topic!r}, not "
+                    f"{topic_name!r}: point AML_STORE_URL at the store of this topic, or rebuild it "
+                    f"(aml-app rebuild {service})"
                 )
+            recorded = meta.get("log")
+            if recorded is not None and recorded != log_id:
+                raise StoreRefused(log_changed([service], where, topic_name, recorded, log_id))
             if service == "aggregates":
                 aggregates.check_thresholds(
                     conn, writer.schema, settings.reporting_threshold, settings.threshold_band
                 )
+            return recorded is None
 
     try:
-        writer.patiently("checking the store", check_meta)
+        adopt_log = writer.patiently("checking the store", check_meta)
     except store.StoreError as exc:
         raise StoreRefused(str(exc)) from None
     # Committed first, then the store's offsets: see guard.behind.
@@ -213,6 +244,13 @@ def open_store(
     if problem is not None:
         writer.close()
         raise StoreRefused(problem)
+    if adopt_log:
+
+        def record_log(conn: Any) -> None:
+            with conn.transaction():
+                store.write_meta(conn, writer.schema, {"log": log_id})
+
+        writer.patiently("recording the log", record_log)
     return writer
 
 
@@ -227,20 +265,24 @@ def prepare(
 
     The store's progress is published to the group first (a crash between the store's commit and the
     group's leaves the store ahead). `rebuild` starts the services' stores afresh (`aml-app rebuild`).
+    The topic's log identity is read once, here: every store must be of that log, and the queries stop
+    if the topic becomes another one (`kafka_source.KafkaStreamReader`).
     """
+    from aml_app.kafka.identity import log_identity
     from aml_app.pipeline.jobs import ServiceBatches
     from aml_app.pipeline.kafka_source import log_bounds
     from aml_app.pipeline.progress import DeadLetters
 
     config = kafka_config(settings)
+    log_id = log_identity(config, settings.payments_topic)
     bounds = log_bounds(config, settings.payments_topic)
-    pipeline = Pipeline(None, [], [])
+    pipeline = Pipeline(None, [], [], log=log_id)
     try:
         for service in services:
             group = group_of(settings, service)
             progress = GroupProgress(config, settings.payments_topic, group, sorted(bounds))
             pipeline.closers.append(progress.close)
-            writer = open_store(settings, service, progress, bounds, rebuild)
+            writer = open_store(settings, service, progress, bounds, rebuild, log_id=log_id)
             pipeline.closers.append(writer.close)
             dead_letters = DeadLetters(config, settings.dlq_topic, settings.payments_topic, group)
             pipeline.closers.append(dead_letters.close)
@@ -302,7 +344,14 @@ def start_queries(
             name = "+".join(handler.service for handler in handlers)
             checkpoint = tempfile.mkdtemp(prefix=f"aml-{name}-checkpoint-")
             pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))
-            reader = spark.readStream.format("aml-kafka").option("subscribe", settings.payments_topic)
+            reader = (
+                spark.readStream.format("aml-kafka")
+                .option("subscribe", settings.payments_topic)
+                # The planner stops the query if the topic stops being the log the stores are of.
+                .option("log", pipeline.log or "")
+                .option("services", ",".join(handler.service for handler in handlers))
+                .option("store", redacted(settings.store_url))
+            )
             for key, value in config.items():
                 reader = reader.option(f"kafka.{key}", value)
             stream = (

@@ -69,8 +69,8 @@ async def test_answers_for_a_payment_with_one_pooled_session(stores: str) -> Non
         # An account id with '/' and non-ASCII characters is one path segment.
         assert payee_agg["account"] == "a/b ü" and payee_agg["windows"]["1h"]["received_count"] == 1
         # Only the parts the detectors use (hops 3): no neighbourhood.
-        assert set(payer_rel) == {"account", "hops", "as_of", "out", "cycle", "chain"}
-        assert set(payee_rel) == {"account", "hops", "as_of", "sources", "co_payees"}
+        assert set(payer_rel) == {"account", "hops", "as_of", "log", "out", "cycle", "chain"}
+        assert set(payee_rel) == {"account", "hops", "as_of", "log", "sources", "co_payees"}
         assert payer_rel["hops"] == 3 and payer_rel["cycle"] == {"found": True, "path": ["A", "B", "C", "A"]}
         session = client._client()
         for _ in range(5):

@@ -30,9 +30,10 @@ import pyarrow as pa
 import pytest
 
 from aml_app.dependencies import aggregates
-from aml_app.dependencies.store import Writer
+from aml_app.dependencies.store import Writer, write_meta
 from aml_app.harness.dependencies import ApiProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
+from aml_app.kafka.identity import log_identity
 from aml_app.kafka.tools import GroupCommitter, payment_json, produce
 from aml_app.pipeline.jobs import writer_for
 from aml_app.pipeline.transforms import BatchOutputs
@@ -110,9 +111,9 @@ def flows(payments: Sequence[Paid], settings: Settings) -> pa.Table:
     )
 
 
-def apply(url: str, service: str, payments: Sequence[Paid], settings: Settings) -> None:
+def apply(url: str, service: str, payments: Sequence[Paid], settings: Settings, log: str) -> None:
     """Payments into `service`'s store as the pipeline applies a micro-batch: its rows and the offsets
-    they cover, in one transaction."""
+    they cover, in one transaction; the store records the log they are of, as the pipeline's does."""
     table = edges(payments) if service == "relations" else flows(payments, settings)
     outputs = BatchOutputs(
         spans=None, rejects=None, tables={"edges" if service == "relations" else "flows": table}
@@ -122,6 +123,8 @@ def apply(url: str, service: str, payments: Sequence[Paid], settings: Settings) 
     writer = Writer(url, schema_of(service))
     try:
         writer.migrate()
+        with writer.connection().transaction():
+            write_meta(writer.connection(), writer.schema, {"log": log})
         if service == "aggregates":
             with writer.connection().transaction():
                 aggregates.check_thresholds(
@@ -135,12 +138,13 @@ def apply(url: str, service: str, payments: Sequence[Paid], settings: Settings) 
 class Pipeline:
     """Plays the stores' pipeline: applies payments to a store, then commits them to its own group."""
 
-    def __init__(self, committers: dict[str, GroupCommitter], settings: Settings) -> None:
+    def __init__(self, committers: dict[str, GroupCommitter], settings: Settings, log: str) -> None:
         self.committers = committers
         self.settings = settings
+        self.log = log
 
     async def apply(self, service: str, payments: Sequence[Paid]) -> None:
-        await asyncio.to_thread(apply, self.settings.store_url, service, payments, self.settings)
+        await asyncio.to_thread(apply, self.settings.store_url, service, payments, self.settings, self.log)
         await self.committers[service].commit({PARTITION: payments[-1].offset + 1})
 
 
@@ -217,7 +221,8 @@ async def test_a_gate_opened_past_the_stores_is_waited_out_and_the_payment_decid
     first, second, third = paid
 
     # B holds all three; C holds the first two only.
-    pipeline = Pipeline(store_groups, replace(Settings(), store_url=store_url))
+    log = await asyncio.to_thread(log_identity, {"bootstrap.servers": broker.bootstrap}, names.payments)
+    pipeline = Pipeline(store_groups, replace(Settings(), store_url=store_url), log)
     await pipeline.apply("relations", paid)
     await pipeline.apply("aggregates", [first, second])
     for api in apis.values():

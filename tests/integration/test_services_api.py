@@ -115,9 +115,9 @@ async def test_relations_answers(stores: str) -> None:
         assert (await get(client, "/relations/" + "x" * 128))["out"] == []
         # Only the parts asked for, each equal to the full answer's.
         some = await get(client, "/relations/A?hops=3&parts=cycle,out")
-        assert some == {k: body[k] for k in ("account", "hops", "as_of", "out", "cycle")}
+        assert some == {k: body[k] for k in ("account", "hops", "as_of", "log", "out", "cycle")}
         nothing_stored = await get(client, "/relations/nobody?parts=neighbourhood")
-        assert set(nothing_stored) == {"account", "hops", "as_of", "neighbourhood"}
+        assert set(nothing_stored) == {"account", "hops", "as_of", "log", "neighbourhood"}
 
 
 async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: str) -> None:
@@ -126,6 +126,7 @@ async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: s
             "account": "nobody",
             "hops": 1,
             "as_of": {"0": 2, "1": 2},
+            "log": None,
             "out": [],
             "in": [],
             "neighbourhood": [],
@@ -179,6 +180,7 @@ async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -
             "store": redacted(store_url),
             "store_exists": False,
             "as_of": {},
+            "log": None,
         }
         assert (await get(client, "/relations/A"))["as_of"] == {}
         # The pipeline (another process in production) creates the tables and writes.

@@ -359,7 +359,13 @@ async def test_cycles(spark: Any, store_url: str) -> None:
 async def test_unknown_account_and_a_store_without_tables(spark: Any, store_url: str) -> None:
     empty = {"out": [], "in": [], "neighbourhood": [], "cycle": {"found": False, "path": []}}
     empty |= {"chain": [], "sources": [], "co_payees": []}
-    assert await one_relation(store_url, "A", 2) == {"account": "A", "hops": 2, "as_of": {}, **empty}
+    assert await one_relation(store_url, "A", 2) == {
+        "account": "A",
+        "hops": 2,
+        "as_of": {},
+        "log": None,
+        **empty,
+    }
     with psycopg.connect(store_url) as conn:
         assert conn.execute("SELECT to_regnamespace('relations')").fetchone() == (None,), (
             "reading made tables"
@@ -369,6 +375,7 @@ async def test_unknown_account_and_a_store_without_tables(spark: Any, store_url:
         "account": "nobody",
         "hops": 3,
         "as_of": {"3": 6},
+        "log": None,
         **empty,
     }
     with pytest.raises(ValueError):

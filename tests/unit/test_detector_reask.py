@@ -56,9 +56,12 @@ class FakeDependencies:
         relations: Sequence[int],
         aggregates: Sequence[int],
         away: dict[str, set[int]] | None = None,
+        logs: Sequence[str] = ("c:topic",),
     ) -> None:
         self.schedule = {"relations": list(relations), "aggregates": list(aggregates)}
         self.away = away or {}
+        #: The log identity of each round's answers (the last one from then on), for both dependencies.
+        self.logs = list(logs)
         self.calls: dict[str, list[list[str]]] = {"relations": [], "aggregates": []}
         self.called_at: list[float] = []
 
@@ -72,6 +75,9 @@ class FakeDependencies:
         schedule = self.schedule[dependency]
         return n, {str(PARTITION): schedule[min(n, len(schedule) - 1)]}
 
+    def log(self, n: int) -> str:
+        return self.logs[min(n, len(self.logs) - 1)]
+
     async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
         n, as_of = self._round("aggregates", [account for account, _ in queries])
         return [
@@ -79,6 +85,7 @@ class FakeDependencies:
                 "account": account,
                 "at": at.isoformat(),
                 "as_of": as_of,
+                "log": self.log(n),
                 "round": n,
                 "windows": {name: window() for name in ("1h", "24h", "7d")},
                 "near_threshold_24h": 0,
@@ -102,6 +109,7 @@ class FakeDependencies:
                 "account": account,
                 "hops": hops,
                 "as_of": as_of,
+                "log": self.log(n),
                 "round": n,
                 "out": [],
                 "cycle": {"found": False, "path": []},
@@ -117,7 +125,9 @@ def short_waits(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(detector_module, "UNAVAILABLE_DELAYS", UNAVAILABLE_DELAYS)
 
 
-def batch(gated: bool, offsets: Sequence[int] = (10, 11)) -> list[tuple[Payment, Admission]]:
+def batch(
+    gated: bool, offsets: Sequence[int] = (10, 11), log: str | None = None
+) -> list[tuple[Payment, Admission]]:
     """Payments of one partition as the gate admits them: payment `p<o>` from `payer<o>` to `payee<o>`."""
     return [
         (
@@ -129,7 +139,9 @@ def batch(gated: bool, offsets: Sequence[int] = (10, 11)) -> list[tuple[Payment,
                 currency="EUR",
                 ts=TS,
             ),
-            Admission(PARTITION, o, 12, {"relations": 12, "aggregates": 12}, waited_ms=0.0, gated=gated),
+            Admission(
+                PARTITION, o, 12, {"relations": 12, "aggregates": 12}, waited_ms=0.0, gated=gated, log=log
+            ),
         )
         for o in offsets
     ]
@@ -185,6 +197,16 @@ async def test_one_stale_answer_is_enough_to_ask_both_again(
     assert all(int(a["as_of"][str(PARTITION)]) > 11 for a in answers)
     assert stale_reads == d.stats.freshness_violations == fresh_from
     assert d.stats.decided_on_stale == 0
+
+
+async def test_answers_of_another_log_are_stale_whatever_their_offsets() -> None:
+    """The payments topic was deleted and created again: the stores' offsets cover offset 10 of the old
+    log, which is another payment. The payment waits until the answers are of its own log."""
+    fake = FakeDependencies(relations=[50], aggregates=[50], logs=["c:old", "c:old", "c:new"])
+    found = await detector(fake).fresh_evidence(batch(gated=True, offsets=[10], log="c:new"))
+    [(answers, stale_reads)] = found
+    assert stale_reads == 2 and rounds(answers) == {2}
+    assert {answer["log"] for answer in answers} == {"c:new"}
 
 
 async def test_gate_off_keeps_the_first_answers_and_counts_the_stale_decision() -> None:
