@@ -237,8 +237,13 @@ class GatedConsumer(DeliveryRepairs):
         with that sentence, and no event of the assignment reaches a lane.
         """
 
-        async def stop_lanes(sender: Any, revoked: Any, **kwargs: Any) -> None:
+        async def stop_lanes(sender: Any, *revoked: Any, **kwargs: Any) -> None:
+            """On a revoke, and before the worker leaves its group when it stops: the lanes stop, then
+            every send they handed to the producer (an alert, a decision) reaches the broker before the
+            next owner of their partitions recovers `alerts-sent` from the alerts topic, so it finds an
+            alert sent here just before, and does not send it again."""
             self.on_revoked()
+            await self.app.producer.flush()
 
         async def learn_starts(mine: list[TP], generation: int) -> None:
             problem = refuse()
@@ -278,6 +283,7 @@ class GatedConsumer(DeliveryRepairs):
         self.first_offset = first_offset
 
         self.app.on_partitions_revoked.connect(stop_lanes)
+        self.app.on_before_shutdown.connect(stop_lanes)
         self.app.on_partitions_assigned.connect(resume_lanes)
         self.app.timer(check_every)(check_delivery)
 

@@ -19,30 +19,34 @@ from tests.harness import TEST_ENV, wait_until
 pytestmark = pytest.mark.integration
 
 
+def alert(payment_id: str, partition: int, offset: int) -> Alert:
+    """An alert as the detector sends it (the record is also `alerts-sent`'s entry for the payment)."""
+    return Alert(
+        payment_id=payment_id,
+        partition=partition,
+        offset=offset,
+        service="aml",
+        payer="acct-1",
+        payee="acct-2",
+        amount="9500.00",
+        currency="USD",
+        ts="2026-11-20T10:15:00+00:00",
+        typologies=["structuring"],
+        hits=[],
+        decided_at="2026-11-20T10:15:01+00:00",
+        worker="w0",
+    )
+
+
 def alert_records(bootstrap: str, topic: str, partition: int, ids: list[str]) -> None:
     """Alert records as the detector writes them (payment id -> JSON), all in one record batch."""
     producer = Producer({"bootstrap.servers": bootstrap, "linger.ms": 200, "batch.num.messages": 1000})
     failures: list[str] = []
     for n, payment_id in enumerate(ids):
-        alert = Alert(
-            payment_id=payment_id,
-            partition=partition,
-            offset=n,
-            service="aml",
-            payer="acct-1",
-            payee="acct-2",
-            amount="9500.00",
-            currency="USD",
-            ts="2026-11-20T10:15:00+00:00",
-            typologies=["structuring"],
-            hits=[],
-            decided_at="2026-11-20T10:15:01+00:00",
-            worker="w0",
-        )
         producer.produce(
             topic,
             key=payment_id.encode(),
-            value=alert.dumps(),
+            value=alert(payment_id, partition, n).dumps(),
             partition=partition,
             on_delivery=lambda err, msg: failures.append(str(err)) if err else None,
         )
@@ -123,3 +127,31 @@ async def test_a_store_ahead_of_its_alerts_topic_stops_the_worker_with_one_sente
 
 async def _gone(admin: AIOKafkaAdminClient, topic: str) -> bool:
     return topic not in await admin.list_topics()
+
+
+async def test_alerts_written_while_a_worker_recovers_do_not_look_like_a_store_ahead(
+    broker, names, producer, workers, tmp_path
+):
+    """The previous owner of a partition can still be writing alerts while its next owner recovers: the
+    store then applies records past the end recovery read when it began. That is no store ahead of its
+    topic, and the worker goes on (the end it checks against is read after recovery)."""
+    stop = asyncio.Event()
+
+    async def previous_owner() -> int:
+        n = 0
+        while not stop.is_set():
+            value = alert(f"late-{n}", 0, n).dumps()
+            await producer.send_and_wait(names.alerts, value, key=f"late-{n}".encode(), partition=0)
+            n += 1
+        return n
+
+    writing = asyncio.create_task(previous_owner())
+    try:
+        worker = start_worker(broker, names, tmp_path, free_port())
+        workers.append(worker)
+        store = await wait_until(lambda: recovered(worker, 0), 90, "the worker to recover alerts-sent")
+    finally:
+        stop.set()
+        written = await writing
+    assert worker.alive(), worker.log_tail(50)
+    assert store["applied_to"] and written >= store["applied_to"]
