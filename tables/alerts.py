@@ -63,8 +63,8 @@ def copartitioning_problem() -> str | None:
     return (
         f"{settings.payments_topic} has {payments} partitions but {settings.alerts_topic} has {alerts}: the "
         f"alerts topic is the changelog of {alerts_sent.name} and needs as many, or an alert could be sent "
-        f"twice; grow the smaller with `AML_PARTITIONS={max(payments, alerts)} aml-app topics --create` "
-        "and start the workers again"
+        f"twice; grow the smaller with `AML_PARTITIONS={max(payments, alerts)} aml-app topics --create "
+        "--grow` and start the workers again"
     )
 
 

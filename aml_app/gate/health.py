@@ -81,6 +81,7 @@ def partition_view(
         "bottleneck": bottleneck(deps),
         "refreshed_at": row.get("refreshed_at"),
         "generation": row.get("generation"),
+        "log": row.get("log"),
         "untrusted": untrusted,
         "error": row.get("error"),
     }

@@ -2,10 +2,11 @@
 
 Without options it prints the specs (name, partitions, replication, config, purpose): the reference for
 whoever provisions a cluster. `--create` creates the missing ones on `KAFKA_BOOTSTRAP_SERVERS` with
-their configs, through the same TLS/SASL settings as every other client, and grows existing topics
-with fewer partitions than `AML_PARTITIONS`, the payments topic last (its alerts topics are the
-changelogs of tables partitioned like it); a topic with more is reported and left as it is. The
-compose file runs it once as an init service before anything else starts.
+their configs, through the same TLS/SASL settings as every other client; an existing topic whose
+partition count differs from `AML_PARTITIONS` is reported and left as it is, unless `--grow` adds
+partitions to those with fewer, the payments topic last (its alerts topics are the changelogs of
+tables partitioned like it). The compose file runs it once as an init service before anything else
+starts.
 """
 
 from __future__ import annotations
@@ -83,8 +84,11 @@ async def _connect(settings: Settings, timeout: float) -> AIOKafkaAdminClient:
     raise TopicsError(f"the Kafka cluster at {servers} did not answer within {timeout:g} s: {last!r}")
 
 
-async def create_missing(settings: Settings, specs: Sequence[TopicSpec], timeout: float) -> Outcome:
-    """Create the topics of `specs` that do not exist; report the others with their partition count."""
+async def create_missing(
+    settings: Settings, specs: Sequence[TopicSpec], timeout: float, grow: bool = False
+) -> Outcome:
+    """Create the topics of `specs` that do not exist; report the others with their partition count, and
+    with `grow` add partitions to those with fewer than their spec (`growth_order`)."""
     admin = await _connect(settings, timeout)
     try:
         brokers = len((await admin.describe_cluster())["brokers"])
@@ -125,7 +129,7 @@ async def create_missing(settings: Settings, specs: Sequence[TopicSpec], timeout
                     refused.append(f"{name} ({detail})")
             if refused:
                 raise TopicsError(f"the cluster refused to create {', '.join(refused)}.")
-        for spec in growth_order(specs, outcome.existing, settings.payments_topic):
+        for spec in growth_order(specs, outcome.existing, settings.payments_topic) if grow else []:
             before = outcome.existing[spec.name]
             try:
                 await admin.create_partitions({spec.name: NewPartitions(total_count=spec.partitions)})
@@ -150,14 +154,21 @@ async def create_missing(settings: Settings, specs: Sequence[TopicSpec], timeout
     "with fewer partitions than AML_PARTITIONS.",
 )
 @click.option(
+    "--grow",
+    is_flag=True,
+    help="With --create, add partitions to existing topics with fewer than AML_PARTITIONS, the payments "
+    "topic last (a topic never loses partitions, and a key's partition changes for new records).",
+)
+@click.option(
     "--timeout",
     type=click.FloatRange(min=1, max=600),
     default=60.0,
     show_default=True,
     help="Seconds to wait for the cluster to answer (with --create).",
 )
-def topics_command(create: bool, timeout: float) -> None:
-    """Print every topic of the system with its configuration; --create creates the missing ones."""
+def topics_command(create: bool, grow: bool, timeout: float) -> None:
+    """Print every topic of the system with its configuration; --create creates the missing ones (and
+    --grow adds partitions to the short ones)."""
     try:
         settings = load_settings()
     except ConfigError as exc:
@@ -169,7 +180,7 @@ def topics_command(create: bool, timeout: float) -> None:
     servers = ",".join(settings.bootstrap_servers)
     click.echo(f"\ncreating on {servers} ({settings.kafka_security.describe()})")
     try:
-        outcome = asyncio.run(create_missing(settings, specs, timeout))
+        outcome = asyncio.run(create_missing(settings, specs, timeout, grow))
     except TopicsError as exc:
         raise click.ClickException(str(exc)) from None
     for spec in specs:
@@ -180,9 +191,8 @@ def topics_command(create: bool, timeout: float) -> None:
             click.echo(f"  grown    {spec.name} from {before} to {after} partitions")
         else:
             count = outcome.existing.get(spec.name, -1)
-            note = (
-                f" with {count} partitions, not {spec.partitions}; left as it is"
-                if count not in (-1, spec.partitions)
-                else ""
-            )
+            note = ""
+            if count not in (-1, spec.partitions):
+                how = " (--grow adds the missing ones)" if count < spec.partitions else ""
+                note = f" with {count} partitions, not {spec.partitions}; left as it is{how}"
             click.echo(f"  exists   {spec.name}{note}")

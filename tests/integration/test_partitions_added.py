@@ -3,7 +3,7 @@
 The embedded broker cannot add partitions to a topic (it does not implement CreatePartitions), so the
 state after partitions were added to `payments` alone is set up directly: `payments` with 6 partitions,
 its alerts topic with 4. The worker refuses it with one sentence before it processes anything, and
-`aml-app topics --create`, the documented way to grow them together, says in one sentence that this
+`aml-app topics --create --grow`, the documented way to grow them together, says in one sentence that this
 broker refuses to.
 """
 
@@ -38,7 +38,7 @@ async def test_a_worker_refuses_payments_with_more_partitions_than_its_alerts_to
         sentence = (
             f"{names.payments} has 6 partitions but {names.alerts} has 4: the alerts topic is the changelog "
             "of alerts-sent and needs as many, or an alert could be sent twice; grow the smaller with "
-            "`AML_PARTITIONS=6 aml-app topics --create` and start the workers again"
+            "`AML_PARTITIONS=6 aml-app topics --create --grow` and start the workers again"
         )
         assert sentence in log, log
         await decisions.poll(0.5)
@@ -49,7 +49,7 @@ async def test_a_worker_refuses_payments_with_more_partitions_than_its_alerts_to
 
 
 async def test_topics_create_grows_nothing_the_broker_cannot_and_says_so(broker, names):
-    """`AML_PARTITIONS=6 aml-app topics --create` over topics of 4 partitions grows them, the payments
+    """`AML_PARTITIONS=6 aml-app topics --create --grow` over topics of 4 partitions grows them, the payments
     topic last; the embedded broker refuses, and the command says so in one sentence (exit 1)."""
     env = {
         **os.environ,
@@ -62,6 +62,7 @@ async def test_topics_create_grows_nothing_the_broker_cannot_and_says_so(broker,
         aml_app_executable(),
         "topics",
         "--create",
+        "--grow",
         "--timeout",
         "30",
         env=env,
