@@ -1,0 +1,1499 @@
+"""Chaos soak: the whole system under a seeded schedule of crashes and outages, judged from the outside.
+
+One run starts what a user starts (an embedded broker and PostgreSQL server of its own, `aml-app topics
+--create`, `aml-app pipeline`, two replicas of each API, two AML workers; the processes through
+`aml_app.harness.system.System`), sends `aml-app simulate` traffic at `--rate` payments/s plus one
+malformed record per hundred of its own, and injects faults 15-20 s apart in an order drawn from
+`--seed`: kill -9 of each AML worker (one started again each time), kill -9 of the pipeline (restarted),
+kill -9 of an API replica (restarted), PostgreSQL stopped hard for 5-10 s, the broker frozen with SIGSTOP
+for 5 s, and the workers scaled 2 -> 3 -> 2. Adding partitions is not injected: Tansu does not implement
+CreatePartitions.
+
+The verdict comes from clients of this module's own, which share no code with the demo's verdict: readers
+of the payments, decisions, alerts and dead-letter topics that note when each record arrived here, a
+poller of the groups' committed offsets (explicit partitions, as Tansu needs) keeping a timeline, and log
+ends from a fetch's high watermark (Tansu's ListOffsets answers the start of the last batch + 1). A
+decision is premature when its payment's offset is at or past a dependency group's committed offset in
+the first poll that started after the decision arrived: the commits were not there even then.
+
+    .venv/bin/python -m bench.chaos_soak --seed 7 --duration 180 [--rate 100]
+        [--faults kill-worker,kill-worker,kill-pipeline,kill-api,postgres-stop,broker-freeze,scale]
+        [--gap 15,20] [--catch-up 300] [--commit-grace 10] [--sample 50] [--results PATH] [--keep]
+        [--no-gate] [--live-code]
+
+Every process of a run imports a copy of `aml_app`, `agents` and `tables` taken when the run starts (first
+on PYTHONPATH), so a process restarted by a fault runs the same code as the others while people edit the
+checkout; `--live-code` runs the checkout as it is. `--no-gate` runs the workers ungated: a negative
+control, whose premature decisions the verdict must report.
+
+Exit code 0 when every promise held, 1 when one did not (premature, lost, alerted twice, stores that
+disagree with the payments, a group short of the log end, a malformed record not dead-lettered by all
+three consumers or decided, a process that died on its own, a fault not injected), 2 when the system
+could not be started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import contextlib
+import hashlib
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from decimal import Decimal, InvalidOperation
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from aml_app.harness.child_process import AmlAppProcess, aml_app_executable
+from aml_app.harness.dependencies import ServiceProcess, services_env
+from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.system import Layout, System, service_settings
+from aml_app.harness.workers import WorkerProcess
+from aml_app.kafka.broker import EmbeddedBroker, free_port
+from aml_app.settings import Settings
+from bench.common import PROJECT, RESULTS, code_version, machine
+
+NAME = "chaos_soak"
+PARTITIONS = 4
+MALFORMED_EVERY = 100  # one malformed record per this many payments
+FULL_SCHEDULE = (
+    "kill-worker",
+    "kill-worker",
+    "kill-pipeline",
+    "kill-api",
+    "postgres-stop",
+    "broker-freeze",
+    "scale",  # 2 -> 3, then 3 -> 2 one gap later
+)
+FAULT_KINDS = frozenset(FULL_SCHEDULE)
+NOT_INJECTED = {
+    "add-partitions": "the embedded broker (Tansu) does not implement CreatePartitions, so a topic "
+    "cannot grow partitions",
+}
+API_REPLICAS = ("relations", "relations-2", "aggregates", "aggregates-2")  # System's replica names
+FIRST_FAULT = 10.0  # seconds of traffic before the first fault
+LAST_FAULT_MARGIN = 10.0  # the last fault starts at least this long before the traffic ends
+POSTGRES_OUTAGE = (5.0, 10.0)
+FREEZE_SECONDS = 5.0
+POLL_EVERY = 0.2
+REQUEST_TIMEOUT = 5.0
+PROGRESS_EVERY = 10.0
+WARM_UP_DEADLINE = 240.0  # Spark compiles its first micro-batch in 10-30 s, more on a busy machine
+SIMULATOR_SLACK = 180.0  # beyond --duration: sends held up by a frozen broker or a busy machine
+FAULTS_DEADLINE = 180.0
+STOP_DEADLINE = 15.0
+HTTP_TIMEOUT = 15.0
+COMMIT_PATIENCE = 30.0  # after the grace, how much longer to watch a group that has not reached the end
+
+
+class SoakError(RuntimeError):
+    """The soak itself could not go on (a reader died, the system did not start)."""
+
+
+@dataclass
+class Options:
+    seed: int = 7
+    duration: float = 180.0
+    rate: float = 100.0
+    faults: tuple[str, ...] = FULL_SCHEDULE
+    gap: tuple[float, float] = (15.0, 20.0)
+    catch_up: float = 300.0
+    commit_grace: float = 10.0
+    sample: int = 50
+    results: Path | None = None  # default: bench/results/chaos_soak_seed<seed>_<duration>s.json
+    keep: bool = False  # keep the PostgreSQL data folder (the logs are always kept)
+    gate: bool = True  # off: the negative control, whose premature decisions the verdict must catch
+    live_code: bool = False  # run the checkout as it is, not a copy taken at the start
+
+
+@dataclass
+class Fault:
+    """One planned fault, and what happened when it was injected."""
+
+    kind: str  # kill-worker, kill-pipeline, kill-api, postgres-stop, broker-freeze, scale-up, scale-down
+    at: float  # planned, seconds after the traffic started
+    seconds: float = 0.0  # how long the outage lasts (postgres-stop, broker-freeze)
+    target: str = ""  # the API replica of kill-api; the worker of the others, once chosen
+    started: float | None = None  # wall clock
+    ended: float | None = None
+    what: str = ""
+    error: str = ""
+
+
+def plan(options: Options) -> tuple[list[Fault], list[str]]:
+    """The seeded schedule: the faults in a drawn order, a drawn gap apart; what did not fit is skipped."""
+    rng = random.Random(options.seed)
+    kinds = list(options.faults)
+    rng.shuffle(kinds)
+    faults: list[Fault] = []
+    skipped: list[str] = []
+    at = FIRST_FAULT
+    for kind in kinds:
+        steps = ["scale-up", "scale-down"] if kind == "scale" else [kind]
+        if at + (len(steps) - 1) * options.gap[1] > options.duration - LAST_FAULT_MARGIN:
+            skipped.append(kind)
+            continue
+        for step in steps:
+            fault = Fault(step, round(at, 1))
+            if step == "kill-api":
+                fault.target = rng.choice(API_REPLICAS)
+            elif step == "postgres-stop":
+                fault.seconds = round(rng.uniform(*POSTGRES_OUTAGE), 1)
+            elif step == "broker-freeze":
+                fault.seconds = FREEZE_SECONDS
+            faults.append(fault)
+            at += rng.uniform(*options.gap)
+    return faults, skipped
+
+
+def snapshot_code(folder: Path) -> tuple[Path, str]:
+    """A copy of the service's code as it is now, laid out as installed (`agents` and `tables` inside
+    `aml_app`), and its digest. Put first on PYTHONPATH, it is what every process of the run imports,
+    restarted ones included, however the shared checkout changes meanwhile."""
+    target = folder / "code"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(PROJECT / "aml_app", target / "aml_app", ignore=skip)
+    for name in ("agents", "tables"):
+        shutil.copytree(PROJECT / name, target / "aml_app" / name, ignore=skip)
+    # Digested as bench.common.code_version digests the checkout, so equal code gives an equal digest.
+    copied = target / "aml_app"
+    digest = hashlib.sha256()
+    for package, folder in (
+        ("aml_app", copied),
+        ("agents", copied / "agents"),
+        ("tables", copied / "tables"),
+    ):
+        for path in sorted(folder.rglob("*.py")):
+            inner = path.relative_to(folder)
+            if package == "aml_app" and inner.parts[0] in ("agents", "tables"):
+                continue
+            digest.update(str(Path(package) / inner).encode())
+            digest.update(path.read_bytes())
+    return target, digest.hexdigest()[:12]
+
+
+# ---- our own clients of the broker
+
+
+@dataclass(frozen=True)
+class Seen:
+    """A record as read here, with the wall-clock time it arrived."""
+
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: tuple[tuple[str, bytes], ...]
+    arrived: float
+
+
+class TopicReader:
+    """Reads a whole topic from offset 0 without a group, keeping every record (duplicates too)."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+        self.topic = topic
+        self.tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap,
+            enable_auto_commit=False,
+            fetch_max_wait_ms=200,
+            max_partition_fetch_bytes=4_000_000,
+        )
+        self.records: list[Seen] = []
+        self.errors = 0
+
+    async def start(self) -> TopicReader:
+        await self.consumer.start()
+        self.consumer.assign(self.tps)
+        for tp in self.tps:
+            self.consumer.seek(tp, 0)
+        return self
+
+    async def run(self, closing: asyncio.Event) -> None:
+        while not closing.is_set():
+            try:
+                batch = await self.consumer.getmany(timeout_ms=200)
+            except Exception:  # a frozen broker: keep reading once it is back
+                self.errors += 1
+                await asyncio.sleep(0.5)
+                continue
+            now = time.time()
+            for records in batch.values():
+                for r in records:
+                    headers = tuple((k, bytes(v or b"")) for k, v in (r.headers or ()))
+                    self.records.append(Seen(r.partition, r.offset, r.key, r.value, headers, now))
+
+    def highwater(self) -> dict[int, int]:
+        """The latest fetch's high watermark per partition (those fetched so far)."""
+        found = {tp.partition: self.consumer.highwater(tp) for tp in self.tps}
+        return {p: hw for p, hw in found.items() if hw is not None}
+
+    async def stop(self) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.consumer.stop(), STOP_DEADLINE)
+
+
+@dataclass(frozen=True)
+class Poll:
+    """The committed offsets of every followed group, read by one poll that started at `started`."""
+
+    started: float
+    committed: dict[str, dict[int, int]]  # group -> partition -> next offset to read (nothing: 0)
+
+
+class CommitPoller:
+    """Polls the groups' committed offsets with aiokafka's admin client, keeping the whole timeline."""
+
+    def __init__(self, bootstrap: str, topic: str, partitions: int, groups: Sequence[str]) -> None:
+        self.bootstrap = bootstrap
+        self.tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self.groups = tuple(groups)
+        self.admin: AIOKafkaAdminClient | None = None
+        self.coordinators: dict[str, int] = {}
+        self.polls: list[Poll] = []
+        self.starts: list[float] = []
+        self.failures = 0
+        self.last_error = ""
+
+    async def poll_once(self) -> Poll:
+        if self.admin is None:
+            admin = AIOKafkaAdminClient(
+                bootstrap_servers=self.bootstrap, request_timeout_ms=int(REQUEST_TIMEOUT * 1000)
+            )
+            await asyncio.wait_for(admin.start(), REQUEST_TIMEOUT)
+            self.admin = admin
+        started = time.time()
+        committed: dict[str, dict[int, int]] = {}
+        for group in self.groups:
+            if group not in self.coordinators:
+                self.coordinators[group] = await asyncio.wait_for(
+                    self.admin.find_coordinator(group), REQUEST_TIMEOUT
+                )
+            answer = await asyncio.wait_for(
+                self.admin.list_consumer_group_offsets(group, self.coordinators[group], partitions=self.tps),
+                REQUEST_TIMEOUT,
+            )
+            offsets = {tp.partition: max(meta.offset, 0) for tp, meta in answer.items()}
+            committed[group] = {tp.partition: offsets.get(tp.partition, 0) for tp in self.tps}
+        poll = Poll(started, committed)
+        self.polls.append(poll)
+        self.starts.append(started)
+        return poll
+
+    async def reset(self) -> None:
+        admin, self.admin = self.admin, None
+        self.coordinators.clear()
+        if admin is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(admin.close(), REQUEST_TIMEOUT)
+
+    async def run(self, closing: asyncio.Event) -> None:
+        while not closing.is_set():
+            try:
+                await self.poll_once()
+            except Exception as exc:  # a frozen broker times out: start over with a fresh client
+                self.failures += 1
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                await self.reset()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(closing.wait(), POLL_EVERY)
+
+    def latest(self) -> Poll | None:
+        return self.polls[-1] if self.polls else None
+
+    def first_after(self, when: float) -> Poll | None:
+        """The first poll that started at or after `when`."""
+        i = bisect.bisect_left(self.starts, when)
+        return self.polls[i] if i < len(self.polls) else None
+
+    def last_before(self, when: float) -> Poll | None:
+        i = bisect.bisect_left(self.starts, when)
+        return self.polls[i - 1] if i > 0 else None
+
+    def regressions(self) -> list[dict[str, Any]]:
+        """Every time a group's committed offset was seen lower than in the poll before."""
+        found = []
+        for before, after in zip(self.polls, self.polls[1:], strict=False):
+            for group, offsets in after.committed.items():
+                for p, o in offsets.items():
+                    if o < before.committed[group][p]:
+                        found.append(
+                            {"group": group, "partition": p, "from": before.committed[group][p], "to": o}
+                        )
+        return found
+
+    async def stop(self) -> None:
+        await self.reset()
+
+
+async def log_ends(bootstrap: str, topic: str, partitions: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(each partition's end from a fetch's high watermark, the end ListOffsets reports).
+
+    A consumer made now, after every producer stopped, reads from near each partition's end so that
+    the fetch answers quickly; its high watermark is the true end on Tansu and on Apache Kafka alike.
+    """
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, fetch_max_wait_ms=100)
+    await consumer.start()
+    try:
+        tps = [TopicPartition(topic, p) for p in range(partitions)]
+        listed = await consumer.end_offsets(tps)
+        consumer.assign(tps)
+        for tp in tps:
+            consumer.seek(tp, max(listed[tp] - 1, 0))
+        deadline = time.monotonic() + 60
+        while any(consumer.highwater(tp) is None for tp in tps):
+            if time.monotonic() > deadline:
+                raise SoakError(f"no fetch of {topic} answered within 60 s")
+            await consumer.getmany(timeout_ms=200)
+        fetched = {tp.partition: int(consumer.highwater(tp) or 0) for tp in tps}
+        return fetched, {tp.partition: offset for tp, offset in listed.items()}
+    finally:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(consumer.stop(), STOP_DEADLINE)
+
+
+def payment_bytes(payment_id: str, payer: str, payee: str, amount: str, ts: str) -> bytes:
+    doc = {"payment_id": payment_id, "payer": payer, "payee": payee, "amount": amount, "currency": "EUR"}
+    return json.dumps({**doc, "ts": ts}).encode()
+
+
+def malformed_record(n: int) -> tuple[bytes, bytes]:
+    """(key, value) of the n-th malformed record: four ways of breaking the contract, in turn."""
+    payer = f"chaos-bad-{n}"
+    value = payment_bytes(f"chaos-bad-{n}", payer, "acct-x", "10.00", utc_now())
+    kind = n % 4
+    if kind == 0:
+        value = value[:-9]  # cut short: not JSON
+    elif kind == 1:
+        value = value.replace(b'"10.00"', b'"-10.00"')  # a negative amount
+    elif kind == 2:
+        doc = json.loads(value)
+        del doc["payee"]
+        value = json.dumps(doc).encode()
+    else:
+        value = b"\xff\xfe not a payment"  # not UTF-8
+    return payer.encode(), value
+
+
+def utc_now() -> str:
+    return datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def is_malformed(record: Seen) -> bool:
+    return (record.key or b"").startswith(b"chaos-bad-")
+
+
+# ---- what was read, made sense of
+
+
+@dataclass(frozen=True)
+class Payment:
+    payment_id: str
+    payer: str
+    amount: Decimal
+    currency: str
+    ts: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    partition: int
+    offset: int
+    payment_id: str
+    worker: str
+    decided_at: float
+    arrived: float
+
+
+@dataclass
+class Findings:
+    """What the readers saw, parsed as it arrives (`update` takes what is new)."""
+
+    valid: dict[tuple[int, int], Payment] = field(default_factory=dict)
+    malformed: set[tuple[int, int]] = field(default_factory=set)
+    unreadable_payments: list[tuple[int, int]] = field(default_factory=list)
+    decisions: list[Decision] = field(default_factory=list)
+    decided: set[tuple[int, int]] = field(default_factory=set)
+    unreadable_decisions: int = 0
+    alerts: Counter[str] = field(default_factory=Counter)
+    dead: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)  # source -> origin -> reason
+    dead_arrived: dict[str, float] = field(default_factory=dict)  # source -> last arrival
+    read: dict[str, int] = field(default_factory=dict)  # topic -> records parsed so far
+
+    def take(self, name: str, records: list[Seen]) -> list[Seen]:
+        start = self.read.get(name, 0)
+        self.read[name] = len(records)
+        return records[start:]
+
+    def payments(self, records: list[Seen]) -> None:
+        for r in self.take("payments", records):
+            if is_malformed(r):
+                self.malformed.add((r.partition, r.offset))
+                continue
+            try:
+                doc = json.loads(r.value or b"")
+                payment = Payment(
+                    doc["payment_id"], doc["payer"], Decimal(doc["amount"]), doc["currency"], doc["ts"]
+                )
+            except (ValueError, KeyError, TypeError, InvalidOperation):
+                self.unreadable_payments.append((r.partition, r.offset))
+                continue
+            self.valid[(r.partition, r.offset)] = payment
+
+    def decisions_from(self, records: list[Seen]) -> None:
+        for r in self.take("decisions", records):
+            try:
+                doc = json.loads(r.value or b"")
+                when = datetime.fromisoformat(doc["decided_at"]).timestamp()
+                d = Decision(
+                    int(doc["partition"]),
+                    int(doc["offset"]),
+                    str(doc["payment_id"]),
+                    str(doc.get("worker", "")),
+                    when,
+                    r.arrived,
+                )
+            except (ValueError, KeyError, TypeError):
+                self.unreadable_decisions += 1
+                continue
+            self.decisions.append(d)
+            self.decided.add((d.partition, d.offset))
+
+    def alerts_from(self, records: list[Seen]) -> None:
+        for r in self.take("alerts", records):
+            try:
+                payment_id = str(json.loads(r.value or b"")["payment_id"])
+            except (ValueError, KeyError, TypeError):
+                payment_id = (r.key or b"").decode(errors="replace")
+            self.alerts[payment_id] += 1
+
+    def dead_letters(self, records: list[Seen], source_of: Callable[[str], str]) -> None:
+        for r in self.take("dlq", records):
+            headers = {k: v.decode(errors="replace") for k, v in r.headers}
+            source = source_of(headers.get("dlq.worker", ""))
+            try:
+                origin = (int(headers["dlq.partition"]), int(headers["dlq.offset"]))
+            except (KeyError, ValueError):
+                origin = (-1, -1)
+            self.dead.setdefault(source, {})[origin] = headers.get("dlq.reason", "?")
+            self.dead_arrived[source] = max(self.dead_arrived.get(source, 0.0), r.arrived)
+
+
+# ---- the run
+
+
+class Soak:
+    """One soak run: start, warm up, traffic with faults, catch-up, judge, clean up."""
+
+    def __init__(self, options: Options, say: Callable[[str], None] | None = None) -> None:
+        self.options = options
+        self.began = time.monotonic()
+        self._say = say
+        self.folder = Path(tempfile.mkdtemp(prefix="aml-chaos-"))
+        self.folder.chmod(0o755)  # a root run hands the PostgreSQL folder inside it to another user
+        self.faults, self.skipped = plan(options)
+        self.broker: EmbeddedBroker | None = None
+        self.postgres: EmbeddedPostgres | None = None
+        self.system: System | None = None
+        self.simulator: AmlAppProcess | None = None
+        self.producer: AIOKafkaProducer | None = None
+        self.readers: dict[str, TopicReader] = {}
+        self.poller: CommitPoller | None = None
+        self.closing = asyncio.Event()
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.findings = Findings()
+        self.unexpected: list[dict[str, Any]] = []
+        self.notes: list[str] = []
+        self.frozen = False
+        self.pipeline_starts = 0
+        self.t0 = 0.0  # monotonic start of the traffic
+        self.t0_wall = 0.0
+        self.next_progress = 0.0
+        self.timings: dict[str, float] = {}
+        self.ends: dict[int, int] = {}
+        self.listed_ends: dict[int, int] = {}
+        self.caught_up_at: float | None = None
+        self.code = "the checkout as it is (--live-code)"
+        self.pythonpath: str | None = None  # PYTHONPATH before the run, restored at the end
+
+    def say(self, text: str) -> None:
+        line = f"[{time.monotonic() - self.began:7.1f}s] {text}"
+        if self._say is not None:
+            self._say(line)
+        else:
+            print(line, flush=True)
+
+    # -- names
+
+    @property
+    def settings(self) -> Settings:
+        assert self.system is not None
+        return self.system.settings
+
+    @property
+    def aml_group(self) -> str:
+        return service_settings(self.settings, "aml").app_id
+
+    @property
+    def dependency_groups(self) -> tuple[str, str]:
+        return (self.settings.relations_group, self.settings.aggregates_group)
+
+    def source_of(self, worker: str) -> str:
+        """Who dead-lettered: B and C write their group's name, an AML worker its worker id."""
+        if worker in (self.settings.relations_group, "relations"):
+            return "relations"
+        if worker in (self.settings.aggregates_group, "aggregates"):
+            return "aggregates"
+        assert self.system is not None
+        if any(w.worker_id == worker for w in self.system.all_workers):
+            return "aml"
+        return f"other:{worker}"
+
+    # -- the whole run
+
+    async def run(self) -> dict[str, Any]:
+        """The result document; `ok` says whether every promise held."""
+        info = machine()
+        error = ""
+        try:
+            started = time.monotonic()
+            await self.start()
+            self.timings["start_s"] = time.monotonic() - started
+            started = time.monotonic()
+            await self.warm_up()
+            self.timings["warm_up_s"] = time.monotonic() - started
+            started = time.monotonic()
+            await self.traffic()
+            self.timings["traffic_s"] = time.monotonic() - started
+            started = time.monotonic()
+            await self.catch_up()
+            self.timings["catch_up_s"] = time.monotonic() - started
+            aml = await self.aml_commit_check()
+            stores = await self.check_stores()
+            doc = self.judge(aml, stores)
+        except Exception as exc:  # SystemFailure, SoakError, a broker or server that did not start
+            error = f"{type(exc).__name__}: {exc}"
+            self.say(f"the soak could not run: {error}")
+            traceback.print_exc()
+            doc = {"ok": False, "failures": [f"the soak could not run: {error}"]}
+        finally:
+            await self.cleanup()
+        self.timings["total_s"] = time.monotonic() - self.began
+        info["loadavg_at_end"] = os.getloadavg()
+        info["code_at_end"] = code_version()
+        doc = {
+            "benchmark": NAME,
+            "machine": info,
+            "params": {
+                "seed": self.options.seed,
+                "duration": self.options.duration,
+                "rate": self.options.rate,
+                "faults": list(self.options.faults),
+                "gap": list(self.options.gap),
+                "catch_up": self.options.catch_up,
+                "commit_grace": self.options.commit_grace,
+                "sample": self.options.sample,
+                "partitions": PARTITIONS,
+                "gate": self.options.gate,
+                "live_code": self.options.live_code,
+            },
+            "folder": str(self.folder),
+            "code": self.code,
+            "error": error,
+            "timings": {k: round(v, 1) for k, v in self.timings.items()},
+            **doc,
+        }
+        return doc
+
+    async def start(self) -> None:
+        """Broker and PostgreSQL of our own, the topics through the CLI, then the processes."""
+        self.say(f"work folder {self.folder}")
+        if not self.options.live_code:
+            code, self.code = snapshot_code(self.folder)
+            self.pythonpath = os.environ.get("PYTHONPATH", "")
+            os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(code), self.pythonpath]))
+            self.say(f"every process runs a copy of the code taken now ({self.code}): {code}")
+        self.broker = EmbeddedBroker(free_port(), log_path=self.folder / "broker.log")
+        await asyncio.to_thread(self.broker.start)
+        self.postgres = EmbeddedPostgres(self.folder / "postgres", free_port())
+        await asyncio.to_thread(self.postgres.start)
+        settings = replace(
+            Settings(),
+            partitions=PARTITIONS,
+            relations_port=free_port(),
+            aggregates_port=free_port(),
+            web_port=free_port(),
+        )
+        layout = Layout(
+            workers={"aml": 2},
+            api_replicas=2,
+            bootstrap=(self.broker.bootstrap,),
+            store_url=self.postgres.url("aml"),
+            gate=self.options.gate,
+        )
+        self.system = System(settings, self.folder / "system", layout, say=self.say)
+        self.system.folder.mkdir(parents=True, exist_ok=True)
+        await self.system.start_broker()
+        self.system.settings = replace(self.system.settings, bootstrap_servers=tuple(self.system.bootstrap))
+        await self.system.start_store()
+        await self.create_topics()
+        await self.start_clients()
+        self.system.start_services()
+        for _ in range(2):  # each on a free port of its own: consecutive ports may be taken meanwhile
+            self.system.add_worker("aml")
+        self.say(f"broker {self.broker.bootstrap}, PostgreSQL {self.postgres.url('aml')}")
+        await self.system.wait_ready()
+
+    async def create_topics(self) -> None:
+        """`aml-app topics --create`, as a user provisions a cluster."""
+        env = {**os.environ, **services_env(self.settings)}
+        done = await asyncio.to_thread(
+            subprocess.run,
+            [aml_app_executable(), "topics", "--create"],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+        )
+        (self.folder / "topics.log").write_text(done.stdout + done.stderr)
+        if done.returncode != 0:
+            raise SoakError(f"aml-app topics --create failed: {(done.stderr or done.stdout).strip()[-500:]}")
+        self.say(f"aml-app topics --create: {done.stdout.count('created')} topics created")
+
+    async def start_clients(self) -> None:
+        s = self.settings
+        aml = service_settings(s, "aml")
+        bootstrap = self.system.bootstrap[0] if self.system else ""
+        topics = {
+            "payments": s.payments_topic,
+            "decisions": aml.decisions_topic,
+            "alerts": aml.alerts_topic,
+            "dlq": s.dlq_topic,
+        }
+        for name, topic in topics.items():
+            self.readers[name] = await TopicReader(bootstrap, topic, PARTITIONS).start()
+            self.tasks[f"{name} reader"] = asyncio.create_task(self.readers[name].run(self.closing))
+        self.poller = CommitPoller(
+            bootstrap, s.payments_topic, PARTITIONS, (*self.dependency_groups, self.aml_group)
+        )
+        self.tasks["commit poller"] = asyncio.create_task(self.poller.run(self.closing))
+        self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+        await self.producer.start()
+
+    async def warm_up(self) -> None:
+        """One payment per partition, until both dependencies committed past it (Spark's first batch)."""
+        assert self.producer is not None and self.poller is not None
+        placed: dict[int, int] = {}
+        for p in range(PARTITIONS):
+            payer = f"chaos-warm-{p}"
+            value = payment_bytes(
+                f"chaos-warm-{self.options.seed}-{p}", payer, "chaos-warm-sink", "1.00", utc_now()
+            )
+            meta = await (await self.producer.send(self.settings.payments_topic, value, payer.encode(), p))
+            placed[meta.partition] = meta.offset
+        self.say(f"warm-up: waiting up to {WARM_UP_DEADLINE:.0f} s for the pipeline's first batch")
+
+        def passed() -> bool:
+            poll = self.poller.latest() if self.poller else None
+            return poll is not None and all(
+                poll.committed[g][p] > o for g in self.dependency_groups for p, o in placed.items()
+            )
+
+        if not await self.wait_for(passed, WARM_UP_DEADLINE, "the dependencies to commit past the warm-up"):
+            raise SoakError(f"the pipeline did not commit its first batch within {WARM_UP_DEADLINE:.0f} s")
+
+    async def wait_for(self, condition: Callable[[], bool], deadline: float, what: str) -> bool:
+        """Poll `condition` while watching the processes; False (said out loud) after `deadline` s."""
+        until = time.monotonic() + deadline
+        while not condition():
+            if time.monotonic() > until:
+                self.say(f"gave up waiting for {what} after {deadline:.0f} s")
+                return False
+            await self.tick()
+            await asyncio.sleep(0.25)
+        return True
+
+    # -- traffic and faults
+
+    async def traffic(self) -> None:
+        o = self.options
+        env = {**os.environ, **services_env(self.settings)}
+        args = ["simulate", "--rate", f"{o.rate:g}", "--duration", f"{o.duration:g}", "--seed", str(o.seed)]
+        self.simulator = AmlAppProcess(
+            [*args, "--prefix", f"chaos{o.seed}"], env, self.folder / "simulator.log"
+        ).start()
+        self.t0, self.t0_wall = time.monotonic(), time.time()
+        self.next_progress = self.t0 + PROGRESS_EVERY
+        self.say(f"aml-app {' '.join(args)}; {len(self.faults)} faults planned")
+        for kind, why in NOT_INJECTED.items():
+            self.say(f"  skipped: {kind} ({why})")
+        for kind in self.skipped:
+            self.say(
+                f"  skipped: {kind} (does not fit in {o.duration:g} s at gaps of {o.gap[0]:g}-{o.gap[1]:g} s)"
+            )
+        stop_malformed = asyncio.Event()
+        faults = asyncio.create_task(self.run_faults())
+        malformed = asyncio.create_task(self.send_malformed(stop_malformed))
+        deadline = self.t0 + o.duration + SIMULATOR_SLACK
+        while self.simulator.alive():
+            if time.monotonic() > deadline:
+                self.notes.append(f"the simulator was still sending {SIMULATOR_SLACK:.0f} s after --duration")
+                self.simulator.signal_group(signal.SIGTERM)
+                await asyncio.to_thread(self.simulator.wait, 15)
+                break
+            if faults.done() and faults.exception() is not None:
+                raise SoakError(f"the fault schedule failed: {faults.exception()!r}")
+            await self.tick()
+            await asyncio.sleep(0.5)
+        stop_malformed.set()
+        self.say(f"the simulator exited with code {self.simulator.returncode}")
+        if self.simulator.returncode != 0:
+            self.notes.append(f"the simulator exited with code {self.simulator.returncode}")
+        try:
+            await asyncio.wait_for(malformed, 60)
+        except TimeoutError:
+            self.notes.append("the malformed records' sender did not stop within 60 s")
+        try:
+            await asyncio.wait_for(asyncio.shield(faults), FAULTS_DEADLINE)
+        except TimeoutError:
+            faults.cancel()
+            self.notes.append(f"the fault schedule was not done {FAULTS_DEADLINE:.0f} s after the traffic")
+
+    async def send_malformed(self, stop: asyncio.Event) -> None:
+        """One malformed record per MALFORMED_EVERY payments, paced against the traffic's start."""
+        assert self.producer is not None
+        interval = MALFORMED_EVERY / self.options.rate
+        n = 0
+        while not stop.is_set() and (n + 1) * interval < self.options.duration:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(self.t0 + (n + 1) * interval - time.monotonic(), 0))
+            if stop.is_set():
+                break
+            key, value = malformed_record(n)
+            n += 1
+            try:
+                await asyncio.wait_for(
+                    await self.producer.send(self.settings.payments_topic, value, key), FAULTS_DEADLINE
+                )
+            except Exception as exc:  # counted from the topic anyway: a record that did not land is no case
+                self.notes.append(f"malformed record {n - 1} not acknowledged: {exc!r}")
+
+    async def run_faults(self) -> None:
+        for fault in self.faults:
+            await asyncio.sleep(max(self.t0 + fault.at - time.monotonic(), 0))
+            fault.started = time.time()
+            try:
+                await self.inject(fault)
+            except Exception as exc:  # reported: a fault that could not be injected fails the run
+                fault.error = f"{type(exc).__name__}: {exc}"
+            fault.ended = time.time()
+            took = fault.ended - fault.started
+            self.say(
+                f"fault at +{fault.started - self.t0_wall:.1f}s: {fault.kind}: {fault.what}"
+                + (f" FAILED: {fault.error}" if fault.error else "")
+                + f" ({took:.1f} s)"
+            )
+
+    def live_workers(self) -> list[WorkerProcess]:
+        assert self.system is not None
+        return [w for w in self.system.all_workers if w.alive() and w.worker_id not in self.system.killed]
+
+    async def inject(self, fault: Fault) -> None:
+        system, broker, postgres = self.system, self.broker, self.postgres
+        assert system is not None and broker is not None and postgres is not None
+        if fault.kind == "kill-worker":
+            victim = self.live_workers()[0]  # the oldest: every original worker gets its turn
+            fault.target = victim.worker_id
+            await asyncio.to_thread(system.kill_worker, victim)
+            fault.what = f"kill -9 {victim.worker_id}; started {system.add_worker('aml').worker_id}"
+        elif fault.kind == "kill-pipeline":
+            assert system.pipeline is not None
+            await asyncio.to_thread(system.pipeline.kill)
+            self.restart_pipeline()
+            fault.what = "kill -9 of the pipeline's process group; started it again"
+        elif fault.kind == "kill-api":
+            await asyncio.to_thread(system.apis[fault.target].kill)
+            system.restart_api(fault.target)
+            fault.what = f"kill -9 of the {fault.target} API; started it again"
+        elif fault.kind == "postgres-stop":
+            await asyncio.to_thread(postgres.stop, "immediate")
+            await asyncio.sleep(fault.seconds)
+            await asyncio.to_thread(postgres.start)
+            fault.what = f"PostgreSQL stopped (immediate) for {fault.seconds:g} s, then started"
+        elif fault.kind == "broker-freeze":
+            broker.pause()
+            self.frozen = True
+            try:
+                await asyncio.sleep(fault.seconds)
+            finally:
+                broker.resume()
+                self.frozen = False
+            fault.what = f"broker SIGSTOP for {fault.seconds:g} s, then SIGCONT"
+        elif fault.kind == "scale-up":
+            before = len(self.live_workers())
+            fault.target = system.add_worker("aml").worker_id
+            fault.what = f"workers {before} -> {before + 1} (started {fault.target})"
+        elif fault.kind == "scale-down":
+            live = self.live_workers()
+            victim = live[-1]
+            fault.target = victim.worker_id
+            system.killed.add(victim.worker_id)  # a stop on purpose, not a crash
+            stopped = await asyncio.to_thread(victim.stop, 30)
+            fault.what = f"workers {len(live)} -> {len(live) - 1} (SIGTERM {victim.worker_id}" + (
+                ")" if stopped else ", killed after 30 s)"
+            )
+        else:
+            raise ValueError(f"unknown fault {fault.kind!r}")
+
+    def restart_pipeline(self) -> None:
+        assert self.system is not None
+        self.pipeline_starts += 1
+        log_path = self.system.folder / f"pipeline.restart-{self.pipeline_starts}.log"
+        self.system.pipeline = ServiceProcess("pipeline", ["pipeline"], self.settings, log_path).start()
+
+    def reap(self) -> None:
+        """A process that died on its own is reported (with the end of its log) and started again."""
+        system = self.system
+        if system is None:
+            return
+        for worker in list(system.all_workers):
+            if worker.process is not None and not worker.alive() and worker.worker_id not in system.killed:
+                self.record_exit(
+                    f"worker {worker.worker_id}", worker.returncode, crash_lines(worker.log_text())
+                )
+                system.killed.add(worker.worker_id)
+                system.add_worker("aml")
+        pipeline = system.pipeline
+        if pipeline is not None and not pipeline.alive() and not pipeline.stopped:
+            self.record_exit("the pipeline", pipeline.returncode, crash_lines(pipeline.log_text()))
+            pipeline.stopped = True
+            self.restart_pipeline()
+        for name, api in list(system.apis.items()):
+            if not api.alive() and not api.stopped:
+                self.record_exit(f"the {name} API", api.returncode, crash_lines(api.log_text()))
+                api.stopped = True
+                system.restart_api(name)
+
+    def record_exit(self, who: str, code: int | None, tail: str) -> None:
+        at = time.time() - self.t0_wall if self.t0_wall else None
+        worker = who.removeprefix("worker ") if who.startswith("worker ") else None
+        self.unexpected.append({"process": who, "worker": worker, "code": code, "at": at, "log_tail": tail})
+        self.say(f"UNEXPECTED: {who} exited with code {code}; started it again. End of its log:\n{tail}")
+
+    async def tick(self) -> None:
+        """Reap, check our own clients, parse what arrived, and say how far things got now and then."""
+        self.reap()
+        for name, task in self.tasks.items():
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise SoakError(f"the {name} failed: {task.exception()!r}")
+        self.update()
+        if self.t0 and time.monotonic() >= self.next_progress:
+            self.next_progress += PROGRESS_EVERY
+            self.progress()
+
+    def update(self) -> None:
+        f = self.findings
+        f.payments(self.readers["payments"].records)
+        f.decisions_from(self.readers["decisions"].records)
+        f.alerts_from(self.readers["alerts"].records)
+        f.dead_letters(self.readers["dlq"].records, self.source_of)
+
+    def progress(self) -> None:
+        f, poll = self.findings, self.poller.latest() if self.poller else None
+        ends = self.readers["payments"].highwater()
+        lag = ""
+        if poll is not None:
+            lag = " ".join(
+                f"{g} {sum(max(end - poll.committed[g].get(p, 0), 0) for p, end in ends.items())}"
+                for g in poll.committed
+            )
+        dead = "/".join(str(len(f.dead.get(s, {}))) for s in ("relations", "aggregates", "aml"))
+        workers = ",".join(w.worker_id for w in self.live_workers())
+        self.say(
+            f"+{time.monotonic() - self.t0:.0f}s  payments {len(f.valid)} (+{len(f.malformed)} malformed)  "
+            f"decided {len(f.decided & set(f.valid))}  dead-lettered r/a/aml {dead}  lag {lag}  "
+            f"workers {workers}  polls {len(self.poller.polls) if self.poller else 0} "
+            f"(failed {self.poller.failures if self.poller else 0})"
+        )
+
+    # -- catch-up and the checks
+
+    def caught_up(self) -> bool:
+        poll = self.poller.latest() if self.poller else None
+        if poll is None or not self.ends:
+            return False
+        if any(poll.committed[g][p] < end for g in self.dependency_groups for p, end in self.ends.items()):
+            return False
+        f = self.findings
+        if not set(f.valid) <= f.decided:
+            return False
+        return all(f.malformed <= set(f.dead.get(s, {})) for s in ("relations", "aggregates", "aml"))
+
+    async def catch_up(self) -> None:
+        """Every producer stopped: the log ends are final; wait until everything was handled."""
+        assert self.broker is not None
+        self.ends, self.listed_ends = await log_ends(
+            self.broker.bootstrap, self.settings.payments_topic, PARTITIONS
+        )
+        self.say(
+            f"log ends (fetch high watermark) {self.ends}; ListOffsets says {self.listed_ends}; "
+            f"waiting up to {self.options.catch_up:.0f} s for the catch-up"
+        )
+        if await self.wait_for(self.caught_up, self.options.catch_up, "the catch-up"):
+            self.caught_up_at = time.time()
+            self.say("caught up: dependencies at the log end, every payment decided and dead-lettered")
+        self.progress()
+
+    def reached(self, group: str) -> Poll | None:
+        """The first poll that saw `group` at the log end on every partition."""
+        assert self.poller is not None
+        for poll in self.poller.polls:
+            if all(poll.committed[group][p] >= end for p, end in self.ends.items()):
+                return poll
+        return None
+
+    async def aml_commit_check(self) -> dict[str, Any]:
+        """The AML group's committed offsets must reach the log end within a few commit intervals of its
+        last decision (or dead letter); watched a while longer to say how far it got."""
+        self.update()
+        f, group = self.findings, self.aml_group
+        last = max([d.arrived for d in f.decisions] + [f.dead_arrived.get("aml", 0.0)], default=time.time())
+        grace = self.options.commit_grace
+        await self.wait_for(
+            lambda: self.reached(group) is not None, max(last + grace - time.time(), 1), group
+        )
+        poll = self.reached(group)
+        within = poll is not None and poll.started - last <= grace
+        if not within:
+            await self.wait_for(lambda: self.reached(group) is not None, COMMIT_PATIENCE, f"{group}, longer")
+        poll = self.reached(group)
+        latest = self.poller.latest() if self.poller else None
+        behind = (
+            sum(max(end - latest.committed[group][p], 0) for p, end in self.ends.items()) if latest else None
+        )
+        return {
+            "group": group,
+            "last_activity_to_end_s": None if poll is None else round(poll.started - last, 2),
+            "within_grace": within,
+            "grace_s": grace,
+            "behind_at_end_of_check": behind,
+            "committed": latest.committed[group] if latest else None,
+        }
+
+    async def check_stores(self) -> dict[str, Any]:
+        """For sampled payers, every API replica's count and sums against the payments read here."""
+        assert self.system is not None
+        totals: dict[str, tuple[int, dict[str, Decimal]]] = {}
+        latest = datetime.fromtimestamp(0, UTC)
+        for payment in self.findings.valid.values():
+            count, sums = totals.get(payment.payer, (0, {}))
+            sums[payment.currency] = sums.get(payment.currency, Decimal(0)) + payment.amount
+            totals[payment.payer] = (count + 1, sums)
+            latest = max(latest, datetime.fromisoformat(payment.ts))
+        at = latest.astimezone(UTC).isoformat().replace("+00:00", "Z")
+        rng = random.Random(self.options.seed)
+        payers = rng.sample(sorted(totals), min(self.options.sample, len(totals)))
+        disagreements: list[dict[str, Any]] = []
+        asked = 0
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=HTTP_TIMEOUT)) as http:
+            for name, api in sorted(self.system.apis.items()):
+                for payer in payers:
+                    asked += 1
+                    expected = totals[payer]
+                    got = await self.ask(http, api.url, api.kind, payer, at)
+                    if got != expected:
+                        disagreements.append(
+                            {"payer": payer, "replica": name, "expected": show(expected), "got": show(got)}
+                        )
+        return {
+            "payers": len(payers),
+            "replicas": sorted(self.system.apis),
+            "asked": asked,
+            "at": at,
+            "disagreements": len(disagreements),
+            "examples": disagreements[:10],
+            "agree": not disagreements and asked > 0,
+        }
+
+    @staticmethod
+    async def ask(
+        http: aiohttp.ClientSession, url: str, kind: str, payer: str, at: str
+    ) -> tuple[int, dict[str, Decimal]] | str:
+        """(count, sum per currency) of `payer`'s payments as one replica answers it, or what went wrong."""
+        account = quote(payer, safe="")
+        if kind == "relations":
+            path, params = f"/relations/{account}", {"hops": "1", "parts": "out"}
+        else:
+            path, params = f"/aggregates/{account}", {"at": at}
+        try:
+            async with http.get(url + path, params=params) as response:
+                if response.status != 200:
+                    return f"HTTP {response.status}: {(await response.text())[:200]}"
+                body = await response.json()
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        sums: dict[str, Decimal] = {}
+        if kind == "relations":
+            count = 0
+            for edge in body.get("out", []):
+                count += int(edge["count"])
+                for currency, total in edge["totals"].items():
+                    sums[currency] = sums.get(currency, Decimal(0)) + Decimal(total)
+            return count, sums
+        week = body["windows"]["7d"]
+        return int(week["sent_count"]), {c: Decimal(t) for c, t in week["sent"].items()}
+
+    # -- the verdict
+
+    def judge(self, aml: dict[str, Any], stores: dict[str, Any]) -> dict[str, Any]:
+        self.update()
+        f = self.findings
+        assert self.poller is not None
+        premature = []
+        unpolled = 0
+        for d in f.decisions:
+            poll = self.poller.first_after(d.arrived)
+            if poll is None:
+                unpolled += 1
+                continue
+            for group in self.dependency_groups:
+                committed = poll.committed[group].get(d.partition, 0)
+                if d.offset >= committed:
+                    premature.append((d, group, committed, poll.started))
+        premature_ids = {(d.partition, d.offset) for d, *_ in premature}
+        lost = sorted(set(f.valid) - f.decided)
+        alerted_twice = {pid: n for pid, n in f.alerts.items() if n > 1}
+        sources = ("relations", "aggregates", "aml")
+        dead = {s: len(f.malformed & set(f.dead.get(s, {}))) for s in sources}
+        malformed_decided = f.malformed & f.decided
+        valid_dead = {s: len(set(f.valid) & set(f.dead.get(s, {}))) for s in f.dead}
+        latest = self.poller.latest()
+        groups: dict[str, Any] = {}
+        for group in self.dependency_groups:
+            committed = latest.committed[group] if latest else {}
+            behind = sum(max(end - committed.get(p, 0), 0) for p, end in self.ends.items())
+            groups[group] = {"committed": committed, "behind": behind, "at_end": behind == 0}
+        groups[self.aml_group] = {**aml, "at_end": aml["within_grace"]}
+        faults = [
+            {
+                "kind": x.kind,
+                "planned_at_s": x.at,
+                "started_at_s": None if x.started is None else round(x.started - self.t0_wall, 1),
+                "took_s": None if x.started is None or x.ended is None else round(x.ended - x.started, 1),
+                "target": x.target,
+                "seconds": x.seconds,
+                "what": x.what,
+                "error": x.error,
+            }
+            for x in self.faults
+        ]
+        again = self.redecided()
+        doc: dict[str, Any] = {
+            "faults": faults,
+            "skipped": [{"fault": k, "why": why} for k, why in NOT_INJECTED.items()]
+            + [{"fault": k, "why": "did not fit in the run"} for k in self.skipped],
+            "unexpected_exits": self.unexpected,
+            "notes": self.notes,
+            "produced": {
+                "valid": len(f.valid),
+                "malformed": len(f.malformed),
+                "unreadable_unmarked": len(f.unreadable_payments),
+                "log_ends_fetch": self.ends,
+                "log_ends_list_offsets": self.listed_ends,
+                "payment_ids_twice_on_the_topic": sum(
+                    1 for n in Counter(p.payment_id for p in f.valid.values()).values() if n > 1
+                ),
+            },
+            "decision_records": len(f.decisions),
+            "unreadable_decisions": f.unreadable_decisions,
+            "premature": {
+                "decisions": len(premature_ids),
+                "undated": unpolled,
+                "examples": [
+                    {
+                        "partition": d.partition,
+                        "offset": d.offset,
+                        "payment_id": d.payment_id,
+                        "worker": d.worker,
+                        "group": group,
+                        "committed_in_the_next_poll": committed,
+                        "arrived": d.arrived,
+                        "poll_started": started,
+                    }
+                    for d, group, committed, started in premature[:10]
+                ],
+            },
+            "lost": {
+                "payments": len(lost),
+                "examples": [
+                    {"partition": p, "offset": o, "payment_id": f.valid[(p, o)].payment_id}
+                    for p, o in lost[:10]
+                ],
+            },
+            "malformed": {
+                "produced": len(f.malformed),
+                "dead_lettered": dead,
+                "decided": len(malformed_decided),
+                "valid_payments_dead_lettered": valid_dead,
+            },
+            "alerts": {
+                "payments": len(f.alerts),
+                "records": sum(f.alerts.values()),
+                "alerted_twice": len(alerted_twice),
+                "examples": dict(list(alerted_twice.items())[:10]),
+            },
+            "decided_twice": again,
+            "aml_behind_dependencies": self.aml_lag(),
+            "stores": stores,
+            "groups": groups,
+            "caught_up": self.caught_up_at is not None,
+            "poller": {
+                "polls": len(self.poller.polls),
+                "failures": self.poller.failures,
+                "last_error": self.poller.last_error,
+                "regressions": self.poller.regressions()[:20],
+            },
+            "readers": {
+                name: {"records": len(r.records), "errors": r.errors} for name, r in self.readers.items()
+            },
+        }
+        failures = []
+        if premature_ids:
+            failures.append(f"{len(premature_ids)} premature decisions")
+        if lost:
+            failures.append(f"{len(lost)} payments lost (never decided)")
+        if alerted_twice:
+            failures.append(f"{len(alerted_twice)} payments alerted twice")
+        if not stores["agree"]:
+            failures.append(f"stores disagree with the payments ({stores['disagreements']} answers)")
+        for group, state in groups.items():
+            if not state["at_end"]:
+                failures.append(f"group {group} not at the log end after the catch-up")
+        missing = {s: len(f.malformed) - n for s, n in dead.items() if n < len(f.malformed)}
+        if missing:
+            failures.append(f"malformed records not dead-lettered: {missing}")
+        if malformed_decided:
+            failures.append(f"{len(malformed_decided)} malformed records decided")
+        if again["beyond_in_flight"]:
+            failures.append(
+                f"{again['beyond_in_flight']} decisions made again beyond what was in flight at the faults"
+            )
+        if self.unexpected:
+            failures.append(f"{len(self.unexpected)} process(es) died on their own")
+        errors = [x for x in self.faults if x.error]
+        if errors:
+            failures.append(f"{len(errors)} faults could not be injected")
+        doc["failures"] = failures
+        doc["ok"] = not failures
+        return doc
+
+    def redecided(self) -> dict[str, Any]:
+        """Decision records beyond a payment's first, set against what was in flight at the faults.
+
+        A worker that dies, or loses partitions in a rebalance, leaves the payments it decided since its
+        group's last commit to be decided again. Committing every interval, a worker never owes more than
+        it decided in the last `commit_grace` seconds. So the repeats after an AML fault (up to the next
+        one) may number at most the most first decisions made in any `commit_grace` seconds from that
+        fault to the next one, by the worker it stopped, or by every worker for a fault whose rebalance
+        comes later (a worker joining, the broker frozen). More means committed offsets lagged behind.
+        """
+        grace = self.options.commit_grace
+        first: dict[str, Decision] = {}
+        again: list[Decision] = []
+        for d in sorted(self.findings.decisions, key=lambda d: d.decided_at):
+            if d.payment_id in first:
+                again.append(d)
+            else:
+                first[d.payment_id] = d
+        events: list[tuple[float, str, str | None]] = []  # when, what, the worker it stopped (None: all)
+        for x in self.faults:
+            if x.started is not None and x.kind in ("kill-worker", "scale-down"):
+                events.append((x.started, f"{x.kind} {x.target}", x.target))
+            elif x.started is not None and x.kind in ("scale-up", "broker-freeze"):
+                events.append((x.started, x.kind, None))
+        for e in self.unexpected:
+            if e.get("worker"):
+                events.append((self.t0_wall + e["at"], f"unexpected exit of {e['worker']}", e["worker"]))
+        events.sort()
+        rows = []
+        for i, (at, what, worker) in enumerate(events):
+            until = events[i + 1][0] if i + 1 < len(events) else float("inf")
+            times = [d.decided_at for d in first.values() if worker is None or d.worker == worker]
+            repeats = sum(1 for d in again if at <= d.decided_at < until)
+            in_flight = busiest(times, at, until, grace)
+            rows.append(
+                {
+                    "fault": what,
+                    "at_s": round(at - self.t0_wall, 1),
+                    "decided_again": repeats,
+                    "in_flight": in_flight,
+                    "beyond": max(repeats - in_flight, 0),
+                }
+            )
+        before = sum(1 for d in again if not events or d.decided_at < events[0][0])
+        return {
+            "payment_ids": len({d.payment_id for d in again}),
+            "extra_records": len(again),
+            "before_any_fault": before,
+            "per_fault": rows,
+            "beyond_in_flight": before + sum(r["beyond"] for r in rows),
+        }
+
+    def aml_lag(self) -> dict[str, Any]:
+        """How far the AML group's committed offsets trailed its dependencies' during the run, with the
+        worst moment and a sample every five seconds (seconds after the traffic started, records). For
+        information: the trail is long while the service decides a backlog its dependencies just
+        released, and one that keeps growing while they keep up means decisions its group does not
+        commit."""
+        assert self.poller is not None
+        worst, when, series, next_sample = 0, None, [], 0.0
+        for poll in self.poller.polls:
+            lag = sum(
+                max(min(poll.committed[g][p] for g in self.dependency_groups) - o, 0)
+                for p, o in poll.committed[self.aml_group].items()
+            )
+            if lag > worst:
+                worst, when = lag, poll.started
+            if poll.started >= self.t0_wall and poll.started >= next_sample:
+                series.append((round(poll.started - self.t0_wall, 1), lag))
+                next_sample = poll.started + 5
+        return {
+            "max_records": worst,
+            "at_s": None if when is None else round(when - self.t0_wall, 1),
+            "every_5s": series,
+        }
+
+    # -- the end
+
+    async def cleanup(self) -> None:
+        """Stop everything we started, each step bounded, whatever happened."""
+        if self.broker is not None and self.frozen:
+            self.broker.resume()
+        if self.simulator is not None and self.simulator.alive():
+            self.simulator.signal_group(signal.SIGTERM)
+            if not await asyncio.to_thread(self.simulator.wait, 10):
+                self.simulator.kill()
+        self.closing.set()
+        if self.tasks:
+            await asyncio.wait(self.tasks.values(), timeout=STOP_DEADLINE)
+        for task in self.tasks.values():
+            task.cancel()
+        for reader in self.readers.values():
+            await reader.stop()
+        if self.poller is not None:
+            await self.poller.stop()
+        if self.producer is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.producer.stop(), STOP_DEADLINE)
+        if self.system is not None:
+            await self.system.cleanup()
+        if self.broker is not None:
+            await asyncio.to_thread(self.broker.stop)
+        if self.postgres is not None:
+            await asyncio.to_thread(self.postgres.stop, "immediate")
+            if not self.options.keep:
+                shutil.rmtree(self.postgres.data, ignore_errors=True)
+        if self.pythonpath is not None:
+            if self.pythonpath:
+                os.environ["PYTHONPATH"] = self.pythonpath
+            else:
+                os.environ.pop("PYTHONPATH", None)
+        self.say(f"logs in {self.folder}")
+
+
+def crash_lines(log: str, keep: int = 8) -> str:
+    """The lines of a log that say why a process died: its last errors and exceptions, else its end."""
+    lines = log.splitlines()
+    marks = ("ERROR", "CRITICAL", "Error:", "Exception:", "Traceback")
+    found = [line[:400] for line in lines if any(mark in line for mark in marks)]
+    return "\n".join(found[-keep:] or lines[-keep:])
+
+
+def busiest(times: Sequence[float], start: float, until: float, width: float) -> int:
+    """The most of `times` (sorted) in any window (t - width, t] with start <= t < until."""
+    ends = [start, *(t for t in times if start <= t < until)]
+    return max(bisect.bisect_right(times, t) - bisect.bisect_right(times, t - width) for t in ends)
+
+
+def show(value: tuple[int, dict[str, Decimal]] | str) -> Any:
+    if isinstance(value, str):
+        return value
+    return {"count": value[0], "sums": {c: str(t) for c, t in sorted(value[1].items())}}
+
+
+# ---- the report
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """The human reading of a result document."""
+    params = doc["params"]
+    lines = [
+        f"chaos soak, seed {params['seed']}: {params['duration']:g} s at {params['rate']:g} payments/s, "
+        f"{params['partitions']} partitions, 2 AML workers, 2 replicas per API"
+        + ("" if params["gate"] else ", GATE OFF (negative control)")
+        + f" ({doc['folder']})",
+        f"code: {doc.get('code')}; timings: {doc['timings']}",
+    ]
+    info = doc["machine"]
+    if params.get("live_code") and info.get("code_at_start") != info.get("code_at_end"):
+        lines.append(
+            f"WARNING: the checkout changed during the run ({info.get('code_at_start')} -> "
+            f"{info.get('code_at_end')}): processes started late ran other code"
+        )
+    if doc.get("error"):
+        return "\n".join([*lines, f"FAILED TO RUN: {doc['error']}"])
+    lines.append("faults:")
+    for x in doc["faults"]:
+        at = "not injected" if x["started_at_s"] is None else f"+{x['started_at_s']:.1f}s"
+        lines.append(
+            f"  {at:>8} {x['kind']:<14} {x['what']}" + (f"  FAILED: {x['error']}" if x["error"] else "")
+        )
+    for x in doc["skipped"]:
+        lines.append(f"  skipped  {x['fault']}: {x['why']}")
+    for e in doc["unexpected_exits"]:
+        lines.append(f"  UNEXPECTED EXIT: {e['process']} code {e['code']} at +{(e['at'] or 0):.1f}s")
+    for note in doc["notes"]:
+        lines.append(f"  note: {note}")
+    produced, malformed, again = doc["produced"], doc["malformed"], doc["decided_twice"]
+    lines += [
+        f"payments produced: {produced['valid']} valid, {produced['malformed']} malformed; log ends by fetch "
+        f"{produced['log_ends_fetch']}, by ListOffsets {produced['log_ends_list_offsets']}",
+        f"premature decisions: {doc['premature']['decisions']}"
+        + (f" (undated: {doc['premature']['undated']})" if doc["premature"]["undated"] else ""),
+        f"payments lost (valid, never decided): {doc['lost']['payments']}",
+        f"malformed: {malformed['produced']} produced, dead-lettered by relations/aggregates/aml "
+        f"{'/'.join(str(malformed['dead_lettered'][s]) for s in ('relations', 'aggregates', 'aml'))}, "
+        f"decided {malformed['decided']}",
+        f"alerted twice: {doc['alerts']['alerted_twice']} (of {doc['alerts']['payments']} payments alerted)",
+        f"decided twice: {again['payment_ids']} payment ids, {again['extra_records']} extra records; "
+        f"beyond what was in flight at the AML faults: {again['beyond_in_flight']}",
+        *(
+            f"  after {r['fault']} at +{r['at_s']:.1f}s: {r['decided_again']} decided again, "
+            f"{r['in_flight']} in flight"
+            for r in again["per_fault"]
+        ),
+        f"  before any fault: {again['before_any_fault']}",
+        f"AML group's committed offsets behind its dependencies' during the run: at most "
+        f"{doc['aml_behind_dependencies']['max_records']} records"
+        + (
+            f" (at +{doc['aml_behind_dependencies']['at_s']:.1f}s)"
+            if doc["aml_behind_dependencies"]["at_s"] is not None
+            else ""
+        ),
+        f"stores: {doc['stores']['payers']} payers x {len(doc['stores']['replicas'])} replicas: "
+        + ("agree" if doc["stores"]["agree"] else f"{doc['stores']['disagreements']} answers DISAGREE"),
+    ]
+    for group, state in doc["groups"].items():
+        if "behind" in state:
+            where = "at the log end" if state["at_end"] else f"{state['behind']} records BEHIND"
+        else:
+            delay = state["last_activity_to_end_s"]
+            where = (
+                f"at the log end {delay:.1f} s after its last decision (grace {state['grace_s']:g} s)"
+                if state["at_end"]
+                else (
+                    f"NOT at the log end within {state['grace_s']:g} s of its last decision"
+                    + (f" (reached it after {delay:.1f} s)" if delay is not None else "")
+                    + f"; {state['behind_at_end_of_check']} records behind at the end of the check "
+                    + f"(committed {state['committed']})"
+                )
+            )
+        lines.append(f"group {group}: {where}")
+    poller = doc["poller"]
+    lines.append(
+        f"commit polls: {poller['polls']} ({poller['failures']} failed); "
+        f"committed offsets seen going back: {len(poller['regressions'])}"
+    )
+    lines.append("verdict: " + ("PASS" if doc["ok"] else "FAIL: " + "; ".join(doc["failures"])))
+    return "\n".join(lines)
+
+
+def write(doc: dict[str, Any], path: Path | None) -> Path:
+    params = doc["params"]
+    path = path or RESULTS / f"{NAME}_seed{params['seed']}_{params['duration']:g}s.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return path
+
+
+def parse_args(argv: Sequence[str] | None = None) -> Options:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
+    parser.add_argument("--rate", type=float, default=100.0, help="payments/s")
+    parser.add_argument(
+        "--faults",
+        default=",".join(FULL_SCHEDULE),
+        help=f"comma-separated, in any order (it is drawn from the seed): {', '.join(sorted(FAULT_KINDS))}",
+    )
+    parser.add_argument("--gap", default="15,20", help="seconds between two faults: LOW,HIGH")
+    parser.add_argument("--catch-up", type=float, default=300.0, help="seconds to catch up after the traffic")
+    parser.add_argument(
+        "--commit-grace", type=float, default=10.0, help="seconds the AML group may take to reach the log end"
+    )
+    parser.add_argument("--sample", type=int, default=50, help="payers whose stores are checked")
+    parser.add_argument("--results", type=Path, default=None, help="where to write the JSON result")
+    parser.add_argument("--keep", action="store_true", help="keep PostgreSQL's data folder")
+    parser.add_argument(
+        "--no-gate", action="store_true", help="ungated workers: a negative control the verdict must fail"
+    )
+    parser.add_argument(
+        "--live-code",
+        action="store_true",
+        help="run the checkout as it is (restarted processes then run whatever is on disk by then)",
+    )
+    args = parser.parse_args(argv)
+    faults = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    unknown = [k for k in faults if k not in FAULT_KINDS and k not in NOT_INJECTED]
+    if unknown:
+        parser.error(f"unknown faults {unknown}; known: {', '.join(sorted(FAULT_KINDS))}")
+    low, _, high = args.gap.partition(",")
+    return Options(
+        seed=args.seed,
+        duration=args.duration,
+        rate=args.rate,
+        faults=tuple(k for k in faults if k in FAULT_KINDS),
+        gap=(float(low), float(high or low)),
+        catch_up=args.catch_up,
+        commit_grace=args.commit_grace,
+        sample=args.sample,
+        results=args.results,
+        keep=args.keep,
+        gate=not args.no_gate,
+        live_code=args.live_code,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    options = parse_args(argv)
+    doc = asyncio.run(Soak(options).run())
+    path = write(doc, options.results)
+    print()
+    print(summary(doc))
+    print(f"\nresults: {path}")
+    if doc.get("error"):
+        return 2
+    return 0 if doc["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
