@@ -29,7 +29,7 @@ from typing import Any
 
 from faust.types import TP, AppT, EventT, StreamT, TopicT
 
-from aml_app.faust_internals import dispatch_events, set_current_event
+from aml_app.faust_internals import dispatch_events, record_gap, set_current_event
 from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.retry import retry_forever
@@ -196,6 +196,11 @@ class GatedConsumer(DeliveryRepairs):
         self.worker_id = worker_id
         self.lanes: dict[int, Lane] = {}
         self.parked: dict[int, list[EventT]] = {}
+        #: Per partition revoked from a lane: the first offset it had not acked (everything below was
+        #: handled and acked here); where its lane resumes if the partition stays with this worker.
+        self.resume_at: dict[int, int] = {}
+        #: The payments topic, for the gaps recorded at a resumption (set by attach()).
+        self.topic: str | None = None
         #: Where each assigned partition starts in this generation, and since when it is ours.
         self.starts: dict[int, int] = {}
         #: Whether `starts` is known for the current generation; until then (attached only) events wait
@@ -281,6 +286,7 @@ class GatedConsumer(DeliveryRepairs):
             return await first_offset_from(bootstrap_servers, topic, partition, offset)
 
         self.first_offset = first_offset
+        self.topic = topic
 
         self.app.on_partitions_revoked.connect(stop_lanes)
         self.app.on_before_shutdown.connect(stop_lanes)
@@ -301,11 +307,25 @@ class GatedConsumer(DeliveryRepairs):
             for task in lane.tasks():
                 task.add_done_callback(self._lane_ended)
             parked = self.parked.pop(partition, [])
-            if parked:
-                lane.next_offset = parked[0].message.offset  # kept from before: contiguous from there
+            resume = self.resume_at.pop(partition, None)
+            if resume is not None:
+                start = self.starts.get(partition)
+                lane.next_offset = resume if start is None else max(resume, start)
+                self._acked_before(partition, resume)
             for event in parked:
                 self._enqueue(lane, event)
         return lane
+
+    def _acked_before(self, partition: int, resume: int) -> None:
+        """Offsets from this generation's start up to `resume` were handled and acked here before the
+        rebalance that gave the partition back; Faust forgot those acks at the revoke and now expects
+        them again from the committed offset. Fetched again, the lane drops them as delivered before,
+        so they are a gap of the generation: without it Faust never commits the partition again (the
+        group stood thousands of records behind after a scale-down, and the next owner decided them
+        again)."""
+        start = self.starts.get(partition)
+        if start is not None and start < resume and self.topic is not None:
+            self._spawn(record_gap(self.app, TP(self.topic, partition), start, resume - 1))
 
     def _dispatch(self, event: EventT) -> None:
         if self.first_offset is not None and not self.assigned:
@@ -363,6 +383,9 @@ class GatedConsumer(DeliveryRepairs):
             pending = lane.pending()
             if pending:
                 self.parked[lane.partition] = pending
+            resume = pending[0].message.offset if pending else lane.next_offset
+            if resume is not None:
+                self.resume_at[lane.partition] = resume
 
     def on_assigned(self, starts: dict[int, int]) -> None:
         """Drop the kept events of partitions that went to another worker; resume the others.
@@ -373,9 +396,10 @@ class GatedConsumer(DeliveryRepairs):
         self.starts = dict(starts)
         self.assigned = True
         self.assigned_at = time.monotonic()
-        for p in list(self.parked):
+        for p in sorted(set(self.parked) | set(self.resume_at)):
             if p not in starts:
-                del self.parked[p]
+                self.parked.pop(p, None)
+                self.resume_at.pop(p, None)
             else:
                 self._lane(p)
         for p, lane in list(self.lanes.items()):

@@ -817,3 +817,34 @@ async def test_a_rebalance_keeps_the_payments_in_flight_with_the_queued_ones(
     sends.resolve((0, 1))
     await quiet()
     assert h.acks == [(0, 0)], "nothing acked after the revoke"
+
+
+async def test_a_partition_that_stays_resumes_after_what_it_acked_and_faust_may_commit_over_it(
+    make: Callable[..., Harness],
+) -> None:
+    """Offsets 0..2 of partition 0 and 0..1 of partition 1 are decided and acked, and nothing was
+    committed (the group still says 0) when a rebalance gives both partitions back. Faust forgot those
+    acks at the revoke and fetches from 0 again: the lanes drop the re-deliveries (no payment decided
+    twice), and the acked offsets become gaps of the generation, or Faust's commit would wait for them
+    for ever."""
+    h = make()
+    h.gated.topic = TOPIC
+    h.assign({0: 0, 1: 0})
+    h.open(0, 3)
+    h.open(1, 100)
+    h.dispatch(*(event(0, o) for o in range(5)), *(event(1, o) for o in range(2)))
+    await until(lambda: len(h.acks) == 5, "0:0..2 and 1:0..1 acked")
+    tasks = [t for lane in h.gated.lanes.values() for t in lane.tasks()]
+    h.gated.on_revoked()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE)
+
+    h.assign({0: 0, 1: 0})  # both stay; nothing was committed
+    await until(lambda: len(h.app.consumer.gaps) == 2, "the acked offsets recorded as gaps")
+    assert sorted(h.app.consumer.gaps) == [(TP(TOPIC, 0), 0, 2), (TP(TOPIC, 1), 0, 1)]
+    h.dispatch(*(event(0, o) for o in range(6)), *(event(1, o) for o in range(3)))  # fetched again from 0
+    h.open(0, 100)
+    await until(lambda: len(h.acks) == 9, "the rest acked")
+    await quiet()
+    assert sorted(h.handled) == [*((0, o) for o in range(6)), *((1, o) for o in range(3))]
+    assert len(h.handled) == len(set(h.handled)) == 9, "each payment decided once"
+    assert h.violations == []
