@@ -38,6 +38,10 @@ from aml_app.models import InvalidPayment, Payment, parse_payment
 log = logging.getLogger(__name__)
 
 
+#: Seconds between looks at whether a rebalance still holds the acks (see `GatedConsumer._settle`).
+ACK_HOLD_CHECK = 0.05
+
+
 class AssignmentRefused(RuntimeError):
     """An assignment under which nothing may be processed (the sentence says why and what to do)."""
 
@@ -196,8 +200,8 @@ class GatedConsumer(DeliveryRepairs):
         self.worker_id = worker_id
         self.lanes: dict[int, Lane] = {}
         self.parked: dict[int, list[EventT]] = {}
-        #: Per partition revoked from a lane: the first offset it had not acked (everything below was
-        #: handled and acked here); where its lane resumes if the partition stays with this worker.
+        #: Per partition revoked from a lane: the first offset it had not finished handling (everything
+        #: below was handled here); where its lane resumes if the partition stays with this worker.
         self.resume_at: dict[int, int] = {}
         #: The payments topic, for the gaps recorded at a resumption (set by attach()).
         self.topic: str | None = None
@@ -317,9 +321,10 @@ class GatedConsumer(DeliveryRepairs):
         return lane
 
     def _acked_before(self, partition: int, resume: int) -> None:
-        """Offsets from this generation's start up to `resume` were handled and acked here before the
-        rebalance that gave the partition back; Faust forgot those acks at the revoke and now expects
-        them again from the committed offset. Fetched again, the lane drops them as delivered before,
+        """Offsets from this generation's start up to `resume` were handled here (their decisions
+        acknowledged) before the rebalance that gave the partition back; Faust forgot their acks at the
+        revoke, or never had them (held during the rebalance), and expects them again from the committed
+        offset. Fetched again, the lane drops them as delivered before,
         so they are a gap of the generation: without it Faust never commits the partition again (the
         group stood thousands of records behind after a scale-down, and the next owner decided them
         again)."""
@@ -517,6 +522,13 @@ class GatedConsumer(DeliveryRepairs):
         assert self._stream is not None
         ack = self._stream.ack
         for event in events:
+            # Faust forgets the acks of a revoked partition when its revoke begins, but keeps any made
+            # after that, until the lanes stop: held over into the next generation, they were counted
+            # twice with the offsets a resumed lane records as handled, and Faust's commit crawled. A
+            # held ack is not lost: the lane stops, or the rebalance ends first. The flag is set by
+            # aiokafka's thread before the revoke reaches this loop, which no asyncio.Event could be.
+            while getattr(self.app, "rebalancing", False):  # noqa: ASYNC110
+                await asyncio.sleep(ACK_HOLD_CHECK)
             await ack(event)
         lane.done += len(events)
 

@@ -105,6 +105,8 @@ class FakeConsumer:
 class FakeApp:
     def __init__(self) -> None:
         self.consumer = FakeConsumer()
+        #: Faust's flag, set from the start of a rebalance to the end of its recovery.
+        self.rebalancing = False
 
 
 class FakeQueue(deque):  # type: ignore[type-arg]
@@ -848,3 +850,19 @@ async def test_a_partition_that_stays_resumes_after_what_it_acked_and_faust_may_
     assert sorted(h.handled) == [*((0, o) for o in range(6)), *((1, o) for o in range(3))]
     assert len(h.handled) == len(set(h.handled)) == 9, "each payment decided once"
     assert h.violations == []
+
+
+async def test_no_ack_reaches_faust_while_a_rebalance_runs(make: Callable[..., Harness]) -> None:
+    """Faust forgets a revoked partition's acks when the revoke begins and keeps the ones made after:
+    the lanes hold their acks from the start of a rebalance until they stop (or it ends)."""
+    h = make()
+    h.open(0, 100)
+    h.dispatch(event(0, 0))
+    await until(lambda: h.acks == [(0, 0)], "offset 0 acked")
+    h.app.rebalancing = True
+    h.dispatch(event(0, 1), event(0, 2))
+    await until(lambda: (0, 1) in h.handled, "1 handled")
+    await quiet()
+    assert h.acks == [(0, 0)], "acked while the rebalance ran"
+    h.app.rebalancing = False
+    await until(lambda: h.acks == [(0, 0), (0, 1), (0, 2)], "the held acks made once it ended")
