@@ -41,6 +41,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.end_to_end
 	$(BIN)/python -m bench.gate_matters
 	$(BIN)/python -m bench.scaling
+	$(BIN)/python -m bench.chaos_soak --seed 1 --duration 180
 	$(BIN)/python -m bench.plot
 
 clean:
