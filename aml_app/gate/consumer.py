@@ -255,23 +255,21 @@ class GatedConsumer(DeliveryRepairs):
             await self.app.producer.flush()
 
         async def learn_starts(mine: list[TP], generation: int) -> None:
+            # A refused assignment returns before `on_assigned`: its events stay in `early`, unprocessed.
             problem = refuse()
             if problem is not None:
-                log.error("%s", problem)
-                self.app.add_future(self.app.crash(AssignmentRefused(problem)))
-                return  # this generation's events stay in `early`: none is processed
+                self._refuse(problem)
+                return
             starts, read_from = await self._starts(bootstrap_servers, group, mine) if mine else ({}, None)
             if self.rebalances != generation:
                 return  # a newer rebalance began: its own task takes over
             if read_from is not None and self.gate.log not in (None, read_from):
                 # The lanes' offsets and kept events are of the old log: only a fresh start is right.
-                refused = (
+                self._refuse(
                     f"{topic} is now log {read_from}, not log {self.gate.log} as when this worker started "
                     "(it was deleted and created again, or the cluster changed): this worker stops so "
                     "that it starts again on the new log with nothing of the old one"
                 )
-                log.error("%s", refused)
-                self.app.add_future(self.app.crash(AssignmentRefused(refused)))
                 return
             if read_from is not None:
                 self.gate.log = read_from
@@ -315,19 +313,23 @@ class GatedConsumer(DeliveryRepairs):
             if resume is not None:
                 start = self.starts.get(partition)
                 lane.next_offset = resume if start is None else max(resume, start)
-                self._acked_before(partition, resume)
+                self._handled_before(partition, resume)
             for event in parked:
                 self._enqueue(lane, event)
         return lane
 
-    def _acked_before(self, partition: int, resume: int) -> None:
+    def _refuse(self, sentence: str) -> None:
+        """Stop the worker with `sentence` instead of processing anything under this assignment."""
+        log.error("%s", sentence)
+        self.app.add_future(self.app.crash(AssignmentRefused(sentence)))
+
+    def _handled_before(self, partition: int, resume: int) -> None:
         """Offsets from this generation's start up to `resume` were handled here (their decisions
         acknowledged) before the rebalance that gave the partition back; Faust forgot their acks at the
         revoke, or never had them (held during the rebalance), and expects them again from the committed
-        offset. Fetched again, the lane drops them as delivered before,
-        so they are a gap of the generation: without it Faust never commits the partition again (the
-        group stood thousands of records behind after a scale-down, and the next owner decided them
-        again)."""
+        offset. Fetched again, the lane drops them as delivered before, so they are a gap of the
+        generation: without it Faust never commits the partition again (the group stood thousands of
+        records behind after a scale-down, and the next owner decided them again)."""
         start = self.starts.get(partition)
         if start is not None and start < resume and self.topic is not None:
             self._spawn(record_gap(self.app, TP(self.topic, partition), start, resume - 1))

@@ -38,7 +38,7 @@ class Reading:
     #: ListOffsets(latest) per partition: the log end as the partition leader reports it; None when this
     #: reading did not include it.
     log_ends: dict[int, int] | None = None
-    #: Which log the offsets are of (`aml_app.kafka.identity`), read with the partitions.
+    #: Which log the offsets are of (`aml_app.kafka.identity`), read after them in the same reading.
     log: str | None = None
 
 
