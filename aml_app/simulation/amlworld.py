@@ -201,6 +201,111 @@ def _payment(
     return payment
 
 
+#: A patterns file's typology names -> ours (aml_app.detection.rules.TYPOLOGIES).
+PATTERN_TYPOLOGIES = {
+    "FAN-IN": "fan_in",
+    "FAN-OUT": "fan_out",
+    "CYCLE": "cycle",
+    "GATHER-SCATTER": "gather_scatter",
+    "SCATTER-GATHER": "scatter_gather",
+    "RANDOM": "random",
+    "BIPARTITE": "bipartite",
+    "STACK": "stack",
+}
+BEGIN, END = "BEGIN LAUNDERING ATTEMPT - ", "END LAUNDERING ATTEMPT"
+
+
+@dataclass(frozen=True)
+class PatternAttempt:
+    """One laundering attempt of a patterns file: its typology (ours), the file's own description (`Max
+    16-degree Fan-Out`), and its payments' ids in the file's order."""
+
+    attempt_id: str
+    typology: str
+    detail: str
+    payment_ids: tuple[str, ...]
+    accounts: tuple[str, ...]
+
+
+@dataclass
+class AmlworldPatterns:
+    """A parsed patterns file: every attempt, and all their payments in event-time order."""
+
+    path: str
+    attempts: list[PatternAttempt]
+    payments: list[AmlworldPayment]
+    skipped: Counter[str] = field(default_factory=Counter)  # currency name -> rows skipped
+
+
+def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> AmlworldPatterns:
+    """Parse an AMLworld patterns file (`*_Patterns.txt`): laundering attempts between `BEGIN LAUNDERING
+    ATTEMPT - <TYPOLOGY>[: <detail>]` and `END LAUNDERING ATTEMPT` lines, each payment a row of the
+    transactions layout (no header). Payment ids are `<prefix>-<line>`; every row must be labelled 1.
+    Raises ValueError naming the file and line of the first fault, as `read_amlworld` does."""
+    name = str(path)
+    attempts: list[PatternAttempt] = []
+    payments: list[AmlworldPayment] = []
+    skipped: Counter[str] = Counter()
+    accounts: dict[str, str] = {}
+    times: dict[str, str] = {}
+    current: tuple[str, str, list[str], dict[str, None]] | None = None  # typology, detail, ids, accounts
+    line = 0
+    try:
+        with open(path, encoding="utf-8-sig", newline="") as source:
+            for line, raw in enumerate(source, start=1):
+                text = raw.rstrip("\r\n")
+                if not text.strip():
+                    continue
+                if text.startswith(BEGIN):
+                    if current is not None:
+                        raise ValueError(
+                            f"{name} line {line}: a new attempt begins before the last one ended."
+                        )
+                    kind, _, detail = text[len(BEGIN) :].partition(":")
+                    typology = PATTERN_TYPOLOGIES.get(kind.strip())
+                    if typology is None:
+                        raise ValueError(
+                            f"{name} line {line}: unknown laundering typology {kind.strip()[:40]!r}."
+                        )
+                    current = (typology, detail.strip(), [], {})
+                    continue
+                if text.startswith(END):
+                    if current is None or not current[2]:
+                        raise ValueError(f"{name} line {line}: an attempt ends that has no payment.")
+                    typology, detail, ids, members = current
+                    attempts.append(
+                        PatternAttempt(
+                            f"{prefix}-attempt-{len(attempts) + 1}",
+                            typology,
+                            detail,
+                            tuple(ids),
+                            tuple(members),
+                        )
+                    )
+                    current = None
+                    continue
+                if current is None:
+                    raise ValueError(f"{name} line {line}: a payment outside any laundering attempt.")
+                row = next(csv.reader([text], strict=True))
+                payment = _payment(row, name, line, prefix, accounts, times)
+                if row[IS_LAUNDERING] != "1":
+                    raise ValueError(f"{name} line {line}: a payment of an attempt is labelled 0, not 1.")
+                if payment is None:
+                    skipped[row[PAYMENT_CURRENCY]] += 1
+                    continue
+                current[2].append(payment.payment_id)
+                current[3].update(dict.fromkeys((payment.payer, payment.payee)))
+                payments.append(payment)
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{name} line {line + 1}: not UTF-8 text ({exc.reason}).") from None
+    except csv.Error as exc:
+        raise ValueError(f"{name} line {line}: not readable as CSV ({exc}).") from None
+    if current is not None:
+        raise ValueError(f"{name} ends inside a laundering attempt.")
+    payments.sort(key=lambda p: p.ts)
+    return AmlworldPatterns(name, attempts, payments, skipped)
+
+
 @functools.cache
 def _channel(payment_format: str) -> str:
     """`Credit Card` -> `credit_card` (cached: one string per format, not per row)."""

@@ -4,6 +4,7 @@ one sentence naming the line for each kind of malformed row (aml_app/simulation/
 from __future__ import annotations
 
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ from click.testing import CliRunner
 
 from aml_app.contract import validate_payment
 from aml_app.kafka.broker import free_port
-from aml_app.simulation.amlworld import CURRENCIES, read_amlworld
+from aml_app.simulation.amlworld import CURRENCIES, read_amlworld, read_patterns
 from aml_app.simulation.amlworld_command import import_amlworld_command
 
 HEADER = (
@@ -259,3 +260,50 @@ def test_a_configuration_error_is_one_sentence(tmp_path: Path) -> None:
     assert result.exit_code == 1
     assert result.output.startswith("Error: configuration error: ")
     assert len(result.output.strip().splitlines()) == 1
+
+
+REAL = Path(__file__).resolve().parents[1] / "data" / "amlworld"
+ROW_OK = "2022/09/01 00:29,0110994,80A0ECCF0,0110320,804F34520,311.90,Euro,311.90,Euro,ACH,1"
+
+
+def test_the_real_patterns_file_reads_as_its_attempts() -> None:
+    """LI-Medium's patterns file: 456 attempts of eight typologies; its one Bitcoin row is skipped."""
+    patterns = read_patterns(REAL / "LI-Medium_Patterns.txt")
+    per = Counter(a.typology for a in patterns.attempts)
+    assert per == {
+        "bipartite": 72,
+        "cycle": 46,
+        "fan_in": 47,
+        "fan_out": 69,
+        "gather_scatter": 43,
+        "random": 49,
+        "scatter_gather": 63,
+        "stack": 67,
+    }
+    assert len(patterns.payments) == 3908 and patterns.skipped == {"Bitcoin": 1}
+    assert sum(len(a.payment_ids) for a in patterns.attempts) == 3908
+    assert [p.ts for p in patterns.payments] == sorted(p.ts for p in patterns.payments)
+    first = patterns.attempts[0]
+    assert (first.typology, first.detail, len(first.payment_ids)) == ("scatter_gather", "", 22)
+    fan_out = next(a for a in patterns.attempts if a.typology == "fan_out")
+    assert fan_out.detail.startswith("Max ") and fan_out.detail.endswith("-degree Fan-Out")
+
+
+@pytest.mark.parametrize(
+    "text, fault",
+    [
+        ("BEGIN LAUNDERING ATTEMPT - SMURFING\n", "line 1: unknown laundering typology 'SMURFING'"),
+        (f"{ROW_OK}\n", "line 1: a payment outside any laundering attempt"),
+        (
+            "BEGIN LAUNDERING ATTEMPT - CYCLE:  Max 2 hops\nEND LAUNDERING ATTEMPT\n",
+            "line 2: an attempt ends",
+        ),
+        ("BEGIN LAUNDERING ATTEMPT - CYCLE\n" + ROW_OK.replace(",1", ",0") + "\n", "line 2: a payment of an"),
+        ("BEGIN LAUNDERING ATTEMPT - CYCLE\n" + ROW_OK + "\n", "ends inside a laundering attempt"),
+    ],
+)
+def test_a_malformed_patterns_file_is_one_sentence(tmp_path: Path, text: str, fault: str) -> None:
+    path = tmp_path / "Patterns.txt"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=fault):
+        read_patterns(path)

@@ -3,116 +3,22 @@ Spark): every injected instance is caught, at the payment the ground truth says 
 background raises (almost) nothing. Then the same run with evidence that lags by one payment, as an
 ungated service reading behind its dependencies would see it: cycles go unseen.
 
-The reference (`tests/reference.py`) loops over every payment it is given, which is quadratic over a
-whole run; so each question gets only the payments that can change the part of the answer the rules
-read: for aggregates, the payments touching the account; for relations (`out` and `cycle`), the payments
-sent by the account or by accounts reachable from it in at most 2 directed hops (a cycle of at most 3
-hops uses no other edge); for `chain`, the payments into the account and into the accounts up to 2 steps
-before it; for `sources` and `co_payees`, the payments into the account and into its payers, and those
-its payers sent. `in` and `neighbourhood` are read by no rule and are left empty: exact, they would need
-every payment into the account and the whole undirected 3-hop ball (minutes per run).
+The services are replayed by `tests/replay.py`.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from dataclasses import dataclass
 from datetime import UTC, datetime
-from decimal import Decimal
-from typing import Any
 
 import pytest
 
-from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.score import TypologyScore, format_scores, score
-from aml_app.simulation.traffic import SimPayment, Simulation, simulate
-from tests.reference import reference_aggregates, reference_layering, reference_relations
+from aml_app.simulation.traffic import Simulation, simulate
+from tests.replay import Services
 
-THRESHOLD = Decimal("10000")
-BAND = Decimal("0.1")
 START = datetime(2026, 3, 2, 8, tzinfo=UTC)
-HOPS = 3
-
-
-@dataclass(frozen=True)
-class Row:
-    """A payment-like object for the reference, parsed once (the reference accepts text, but re-parses)."""
-
-    payer: str
-    payee: str
-    amount: Decimal
-    currency: str
-    ts: datetime
-
-
-class Services:
-    """What B and C would answer after the payments fed so far were applied."""
-
-    def __init__(self, thresholds: AmlThresholds) -> None:
-        self.min_average = thresholds.graph_min_average
-        self.touching: dict[str, list[Row]] = defaultdict(list)
-        self.sent_by: dict[str, list[Row]] = defaultdict(list)
-        self.received_by: dict[str, list[Row]] = defaultdict(list)
-
-    def feed(self, sent: SimPayment) -> None:
-        payment = Row(sent.payer, sent.payee, sent.decimal_amount, sent.currency, sent.when)
-        self.touching[payment.payer].append(payment)
-        if payment.payee != payment.payer:
-            self.touching[payment.payee].append(payment)
-        self.sent_by[payment.payer].append(payment)
-        self.received_by[payment.payee].append(payment)
-
-    def payers_of(self, accounts: set[str]) -> set[str]:
-        return {p.payer for a in accounts for p in self.received_by.get(a, [])}
-
-    def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
-        return reference_aggregates([self.touching.get(account, [])], account, at, THRESHOLD, BAND)
-
-    def relations(self, account: str) -> dict[str, Any]:
-        reach, frontier = {account}, {account}
-        for _ in range(HOPS - 1):
-            frontier = {p.payee for a in frontier for p in self.sent_by.get(a, [])} - reach
-            reach |= frontier
-        subset = [p for a in sorted(reach) for p in self.sent_by.get(a, [])]
-        answer = reference_relations(subset, account, HOPS)
-        answer["in"], answer["neighbourhood"] = [], []
-        back, frontier = {account}, {account}
-        for _ in range(HOPS - 1):
-            frontier = self.payers_of(frontier) - back
-            back |= frontier
-        into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
-        answer["chain"] = reference_layering(into, account, HOPS, self.min_average)["chain"]
-        return answer
-
-    def payee_relations(self, account: str) -> dict[str, Any]:
-        payers = sorted(self.payers_of({account}))
-        subset = list(self.received_by.get(account, []))
-        for payer in payers:
-            subset += self.received_by.get(payer, []) + self.sent_by.get(payer, [])
-        layering = reference_layering(subset, account, HOPS, self.min_average)
-        return {
-            "account": account,
-            "hops": HOPS,
-            "sources": layering["sources"],
-            "co_payees": layering["co_payees"],
-        }
-
-    def evidence(self, payment: SimPayment) -> Evidence:
-        at = payment.when
-        return Evidence.parse(
-            payment_id=payment.payment_id,
-            payer=payment.payer,
-            payee=payment.payee,
-            amount=payment.decimal_amount,
-            currency=payment.currency,
-            ts=payment.ts,
-            payer_aggregates=self.aggregates(payment.payer, at),
-            payee_aggregates=self.aggregates(payment.payee, at),
-            payer_relations=self.relations(payment.payer),
-            payee_relations=self.payee_relations(payment.payee),
-        )
 
 
 def detect(simulation: Simulation, gated: bool) -> list[tuple[str, str]]:

@@ -1,0 +1,118 @@
+"""Services B and C replayed with the naive reference (`tests/reference.py`): the evidence a detector would
+see about each payment, without Kafka, Spark or PostgreSQL.
+
+The reference loops over every payment it is given, which is quadratic over a whole run; so each question
+gets only the payments that can change the part of the answer the rules read: for aggregates, the
+payments touching the account; for relations (`out` and `cycle`), the payments sent by the account or by
+accounts reachable from it in at most 2 directed hops (a cycle of at most 3 hops uses no other edge); for
+`chain`, the payments into the account and into the accounts up to 2 steps before it; for `sources` and
+`co_payees`, the payments into the account and into its payers, and those its payers sent. `in` and
+`neighbourhood` are read by no rule and are left empty: exact, they would need every payment into the
+account and the whole undirected 3-hop ball (minutes per run).
+
+Used by the detection tests on simulated traffic and by `bench/amlworld_detection.py` on real data.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+from aml_app.detection.evidence import Evidence
+from aml_app.detection.thresholds import AmlThresholds
+from tests.reference import reference_aggregates, reference_layering, reference_relations
+
+THRESHOLD = Decimal("10000")
+BAND = Decimal("0.1")
+HOPS = 3
+
+
+@dataclass(frozen=True)
+class Row:
+    """A payment-like object for the reference, parsed once (the reference accepts text, but re-parses)."""
+
+    payer: str
+    payee: str
+    amount: Decimal
+    currency: str
+    ts: datetime
+
+
+def row_of(payment: Any) -> Row:
+    amount = payment.amount if isinstance(payment.amount, Decimal) else Decimal(str(payment.amount))
+    ts = payment.ts if isinstance(payment.ts, datetime) else datetime.fromisoformat(payment.ts)
+    return Row(payment.payer, payment.payee, amount, payment.currency, ts.astimezone(UTC))
+
+
+class Services:
+    """What B and C would answer after the payments fed so far were applied."""
+
+    def __init__(self, thresholds: AmlThresholds) -> None:
+        self.min_average = thresholds.graph_min_average
+        self.touching: dict[str, list[Row]] = defaultdict(list)
+        self.sent_by: dict[str, list[Row]] = defaultdict(list)
+        self.received_by: dict[str, list[Row]] = defaultdict(list)
+
+    def feed(self, sent: Any) -> None:
+        """Apply one payment-like object (`payer`, `payee`, `amount`, `currency`, `ts`)."""
+        payment = row_of(sent)
+        self.touching[payment.payer].append(payment)
+        if payment.payee != payment.payer:
+            self.touching[payment.payee].append(payment)
+        self.sent_by[payment.payer].append(payment)
+        self.received_by[payment.payee].append(payment)
+
+    def payers_of(self, accounts: set[str]) -> set[str]:
+        return {p.payer for a in accounts for p in self.received_by.get(a, [])}
+
+    def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
+        return reference_aggregates([self.touching.get(account, [])], account, at, THRESHOLD, BAND)
+
+    def relations(self, account: str) -> dict[str, Any]:
+        reach, frontier = {account}, {account}
+        for _ in range(HOPS - 1):
+            frontier = {p.payee for a in frontier for p in self.sent_by.get(a, [])} - reach
+            reach |= frontier
+        subset = [p for a in sorted(reach) for p in self.sent_by.get(a, [])]
+        answer = reference_relations(subset, account, HOPS)
+        answer["in"], answer["neighbourhood"] = [], []
+        back, frontier = {account}, {account}
+        for _ in range(HOPS - 1):
+            frontier = self.payers_of(frontier) - back
+            back |= frontier
+        into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
+        answer["chain"] = reference_layering(into, account, HOPS, self.min_average)["chain"]
+        return answer
+
+    def payee_relations(self, account: str) -> dict[str, Any]:
+        payers = sorted(self.payers_of({account}))
+        subset = list(self.received_by.get(account, []))
+        for payer in payers:
+            subset += self.received_by.get(payer, []) + self.sent_by.get(payer, [])
+        layering = reference_layering(subset, account, HOPS, self.min_average)
+        return {
+            "account": account,
+            "hops": HOPS,
+            "sources": layering["sources"],
+            "co_payees": layering["co_payees"],
+        }
+
+    def evidence(self, payment: Any) -> Evidence:
+        """The evidence the detector would see about `payment` (it has a `payment_id` too)."""
+        row = row_of(payment)
+        at = row.ts
+        return Evidence.parse(
+            payment_id=payment.payment_id,
+            payer=row.payer,
+            payee=row.payee,
+            amount=row.amount,
+            currency=row.currency,
+            ts=payment.ts if isinstance(payment.ts, str) else row.ts.isoformat(),
+            payer_aggregates=self.aggregates(payment.payer, at),
+            payee_aggregates=self.aggregates(payment.payee, at),
+            payer_relations=self.relations(payment.payer),
+            payee_relations=self.payee_relations(payment.payee),
+        )
