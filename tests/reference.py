@@ -165,8 +165,14 @@ def reference_relations(
     )
 
     cycle: dict[str, Any] = {"found": False, "path": []}
-    for length in range(1, hops + 1):
-        closed = [w for w in _walks(payments, account, length) if w[-1] == account]
+    for length in range(2, hops + 1):
+        # Simple cycles: the accounts in between are distinct and none is the account itself, so a
+        # self-payment (money that stays with its owner) makes no cycle and is part of none.
+        closed = [
+            w
+            for w in _walks(payments, account, length)
+            if w[-1] == account and len(set(w[1:-1])) == length - 1 and account not in w[1:-1]
+        ]
         if closed:
             cycle = {"found": True, "path": min(closed)}
             break
@@ -219,8 +225,9 @@ def reference_aggregates(
     windows: dict[str, Any] = {}
     near = 0
     for name, length in WINDOWS:
-        sent = [p for p in kept if p.payer == account and at - length < ts_of(p) <= at]
-        received = [p for p in kept if p.payee == account and at - length < ts_of(p) <= at]
+        # A self-payment moves no money between parties: it is neither sent nor received.
+        sent = [p for p in kept if p.payer == account != p.payee and at - length < ts_of(p) <= at]
+        received = [p for p in kept if p.payee == account != p.payer and at - length < ts_of(p) <= at]
         windows[name] = {
             "sent_count": len(sent),
             "sent": {

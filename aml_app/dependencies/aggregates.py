@@ -25,6 +25,9 @@ before `max_event_ts - 7 days` (its ts < the start of that minute) is too late: 
 moves, flows before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are exact for every
 `at >= max_event_ts - 1 h`.
 
+A self-payment (payer = payee) moves no money between parties: it is stored (both of its sides are the
+one account) but no window counts it as sent or received.
+
 Near the threshold: `threshold * (1 - band) <= amount < threshold`, counted over payments sent in 24 h.
 Both numbers are part of the store (`meta`): the flows were counted with them, so a pipeline started
 with other values refuses until the store is rebuilt, and the API reports the store's values.
@@ -282,10 +285,12 @@ WITH h AS (
             SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.bucket, f.payments, f.total,
                 f.near, f.times, f.amounts, f.first_ts, f.last_ts
             FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.h_7d AND f.bucket <= q.fb
+                AND f.payee <> q.account
             UNION ALL
             SELECT 'in', f.payer, f.currency, f.bucket, f.payments, f.total, 0, f.times, f.amounts,
                 f.first_ts, f.last_ts
             FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.h_7d AND f.bucket <= q.fb
+                AND f.payer <> q.account
         ) s
     ) r
 ), rows AS MATERIALIZED (

@@ -9,9 +9,10 @@ transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled
 - `out` / `in`: the account's direct counterparties, merged over currencies, sorted by counterparty;
 - `neighbourhood`: accounts within `hops` edges ignoring direction (excluding the account itself), with
   their shortest distance, sorted by (hops, account);
-- `cycle`: the shortest directed cycle from the account back to itself with at most `hops` edges (a
-  self-payment is a 1-hop cycle); among equally short ones the smallest path (code-point order). With at
-  most 3 hops a cycle is one join per length, which PostgreSQL answers from the primary key.
+- `cycle`: the shortest simple directed cycle from the account back to itself with 2 to `hops` edges,
+  through distinct other accounts (a self-payment moves no money between parties: it makes no cycle and
+  is part of none); among equally short ones the smallest path (code-point order). With at most 3 hops a
+  cycle is one join per length, which PostgreSQL answers from the primary key.
 
 The layering parts look only at *heavy* edges: an edge row (one currency) whose average payment is at
 least the query's `min_average` (default 0: every edge). Laundering moves large sums through few hands;
@@ -163,19 +164,20 @@ FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
 JOIN {edges} e ON e.{own} = q.account COLLATE "C"
 """
 
-# The shortest cycle through each account, for every length up to 3 (NULL where there is none): the
-# smallest path of each length, in code-point order. Each length is a join along out-edges that ends with
-# a primary-key lookup of the edge back to the account.
+# The shortest simple cycle through each account, for lengths 2 and 3 (NULL where there is none): the
+# smallest path of each length, in code-point order, through distinct accounts other than the asked one
+# (a self-payment makes no cycle). Each length is a join along out-edges that ends with a primary-key
+# lookup of the edge back to the account.
 _CYCLES = """
 SELECT q.i,
-    EXISTS (SELECT 1 FROM {edges} e WHERE e.payer = q.account AND e.payee = q.account) AS one,
     (SELECT min(e1.payee) FROM {edges} e1
         JOIN {edges} e2 ON e2.payer = e1.payee AND e2.payee = q.account
-        WHERE e1.payer = q.account AND %(hops)s >= 2) AS two,
+        WHERE e1.payer = q.account AND e1.payee <> q.account AND %(hops)s >= 2) AS two,
     (SELECT ARRAY[e1.payee, e2.payee] FROM {edges} e1
         JOIN {edges} e2 ON e2.payer = e1.payee
         JOIN {edges} e3 ON e3.payer = e2.payee AND e3.payee = q.account
         WHERE e1.payer = q.account AND %(hops)s >= 3
+            AND e1.payee <> q.account AND e2.payee <> q.account AND e2.payee <> e1.payee
         ORDER BY e1.payee, e2.payee LIMIT 1) AS three
 FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
 """
@@ -276,11 +278,9 @@ async def _listed(
 async def _cycles(cur: Any, edges: sql.Composable, accounts: list[str], hops: int) -> dict[int, dict]:
     await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "hops": hops})
     found = {}
-    for i, one, two, three in await cur.fetchall():
+    for i, two, three in await cur.fetchall():
         account = accounts[i - 1]
-        if one:
-            path = [account, account]
-        elif two is not None:
+        if two is not None:
             path = [account, two, account]
         elif three is not None:
             path = [account, *three, account]
