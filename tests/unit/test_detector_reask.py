@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from aml_app.dependencies.aggregates import empty_window
 from aml_app.dependencies.client import DependencyUnavailable
 from aml_app.detection import detector as detector_module
 from aml_app.detection.detector import Detector
@@ -31,18 +32,6 @@ STALE_DELAYS = (0.02, 0.03)
 UNAVAILABLE_DELAYS = (0.01, 0.02)
 #: Asleep-at-least checks allow for the event loop's clock resolution.
 SLACK = 0.002
-
-
-def window() -> dict[str, Any]:
-    return {
-        "sent_count": 0,
-        "sent": {},
-        "received_count": 0,
-        "received": {},
-        "counterparties": 0,
-        "sent_counterparties": 0,
-        "received_counterparties": 0,
-    }
 
 
 class FakeDependencies:
@@ -87,7 +76,7 @@ class FakeDependencies:
                 "as_of": as_of,
                 "log": self.log(n),
                 "round": n,
-                "windows": {name: window() for name in ("1h", "24h", "7d")},
+                "windows": {name: empty_window() for name in ("1h", "24h", "7d")},
                 "near_threshold_24h": 0,
                 "reporting_threshold": "10000",
                 "threshold_band": "0.1",
