@@ -12,6 +12,8 @@ applied it and everything before it (the gate on). `--lag` gives each payment on
 Scored as the AMLworld papers report it, per attempt and over payments:
 - an attempt is caught by its own typology when one of its payments got an alert of that typology, and
   by any alert when one of its payments got any alert;
+- a typology's precision is the share of the payments its rule alerted that are laundering (of any
+  attempt: real patterns overlap, a scatter-gather's sink is a fan-in too);
 - the benign alert rate is the share of background payments labelled 0 that got any alert, with the
   rules that fired on them;
 - over payments, minority-class precision, recall and F1 of "any alert" against "laundering" (an
@@ -63,27 +65,30 @@ def ratio(n: int, d: int) -> float | None:
 def judge(patterns: Any, background: Any, fired: dict[str, list[str]]) -> dict[str, Any]:
     """The scores described in the module docstring."""
     typologies = {pid: {rule.split(":")[0] for rule in rules} for pid, rules in fired.items()}
+    attempts = patterns.attempts
+    laundering = {pid for a in attempts for pid in a.payment_ids} | {
+        p.payment_id for p in background.payments if p.is_laundering
+    }
     per_typology: dict[str, dict[str, Any]] = {}
-    for typology in [t for t in TYPOLOGIES if any(a.typology == t for a in patterns.attempts)]:
-        attempts = [a for a in patterns.attempts if a.typology == typology]
-        own = sum(1 for a in attempts if any(typology in typologies.get(p, ()) for p in a.payment_ids))
-        any_alert = sum(1 for a in attempts if any(p in fired for p in a.payment_ids))
+    for typology in TYPOLOGIES:
+        own_attempts = [a for a in attempts if a.typology == typology]
+        own = sum(1 for a in own_attempts if any(typology in typologies.get(p, ()) for p in a.payment_ids))
+        any_alert = sum(1 for a in own_attempts if any(p in fired for p in a.payment_ids))
+        alerted = [pid for pid, found in typologies.items() if typology in found]
         per_typology[typology] = {
-            "attempts": len(attempts),
+            "attempts": len(own_attempts),
             "own_typology": own,
             "any_alert": any_alert,
-            "own_recall": ratio(own, len(attempts)),
-            "any_recall": ratio(any_alert, len(attempts)),
+            "own_recall": ratio(own, len(own_attempts)),
+            "any_recall": ratio(any_alert, len(own_attempts)),
+            "alerted_payments": len(alerted),
+            "precision": ratio(sum(1 for pid in alerted if pid in laundering), len(alerted)),
         }
-    attempts = patterns.attempts
-    own_all = sum(v["own_typology"] for v in per_typology.values())
+    own_all = sum(v["own_typology"] for v in per_typology.values())  # typologies without attempts add 0
     any_all = sum(v["any_alert"] for v in per_typology.values())
     benign = [p for p in background.payments if not p.is_laundering]
     benign_alerted = [p for p in benign if p.payment_id in fired]
     benign_rules = Counter(rule for p in benign_alerted for rule in fired[p.payment_id])
-    laundering = {pid for a in attempts for pid in a.payment_ids} | {
-        p.payment_id for p in background.payments if p.is_laundering
-    }
     flagged = set(fired)
     true_flags = len(flagged & laundering)
     return {
@@ -123,10 +128,12 @@ def main() -> None:
     fired = replay(timeline, lag=args.lag)
     elapsed = time.perf_counter() - started
     doc = judge(patterns, background, fired)
-    rows = [[t, v["attempts"], v["own_recall"], v["any_recall"]] for t, v in doc["per_typology"].items()] + [
-        ["all", doc["all"]["attempts"], doc["all"]["own_recall"], doc["all"]["any_recall"]]
-    ]
-    print(markdown_table(["typology", "attempts", "own-typology recall", "any-alert recall"], rows))
+    rows = [
+        [t, v["attempts"], v["own_recall"], v["any_recall"], v["alerted_payments"], v["precision"]]
+        for t, v in doc["per_typology"].items()
+    ] + [["all", doc["all"]["attempts"], doc["all"]["own_recall"], doc["all"]["any_recall"], "", ""]]
+    headers = ["typology", "attempts", "own-typology recall", "any-alert recall", "alerted", "precision"]
+    print(markdown_table(headers, rows))
     benign, payments = doc["benign"], doc["payments"]
     print(
         f"\nbenign payments alerted: {benign['alerted']} of {benign['payments']} ({benign['rate']}); "

@@ -6,9 +6,10 @@ simulated traffic without Kafka, Spark or HTTP.
 
 Conventions shared by every rule:
 - Windows are Service C's (at - w, at] at the payment's event time and include the payment itself.
-- Amounts are compared in the payment's own currency, with no FX conversion: sums in other currencies
-  are ignored, and an average is "sum in this currency / count of all payments in the window" (payments
-  in other currencies only make it smaller, so they never cause a hit).
+- Amounts are compared in the reporting currency: every per-currency sum of Service C is converted with
+  the configured rates (`thresholds.rates`), and an average is "converted sum / count of all payments in
+  the window". A currency without a rate counts as nothing (it never causes a hit) and is named in the
+  figures.
 - Every comparison with a threshold is inclusive (>=), except Service C's "near the threshold" band,
   which is [threshold * (1 - band), threshold): exactly at the reporting threshold is reported anyway.
 - Averages are compared by multiplication (sum >= minimum * count): exact, and no division by zero.
@@ -46,7 +47,7 @@ TYPOLOGIES = (
     "stack",
     "pass_through",
 )
-FAN_WINDOW = "24h"  # fan-in/fan-out look at one day of activity
+FAN_WINDOW = "7d"  # fans and gathers spread over days: AMLworld's median fan spans about five
 PASS_THROUGH_WINDOW = "1h"  # money that leaves within the hour it arrived
 
 
@@ -79,6 +80,12 @@ def money(value: Decimal) -> str:
 def average(total: Decimal, count: int) -> Decimal:
     """Display value only; rules compare by multiplication."""
     return (total / count).quantize(Decimal("0.01"), rounding=ROUND_HALF_EVEN) if count else Decimal(0)
+
+
+def _unconverted(thresholds: AmlThresholds, *sums: Mapping[str, Decimal]) -> dict[str, str]:
+    """The figure naming the currencies of `sums` that have no rate (and so counted nothing), if any."""
+    missing = sorted({c for amounts in sums for c in thresholds.rates.unconverted(amounts)})
+    return {"unconverted": ", ".join(missing)} if missing else {}
 
 
 def structuring(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
@@ -115,13 +122,17 @@ def _fan(
     account: str,
     counterparties: int,
     count: int,
-    total: Decimal,
+    sums: Mapping[str, Decimal],
     min_counterparties: int,
     min_average: Decimal,
     typology: str,
     activity: str,
+    thresholds: AmlThresholds,
 ) -> Hit | None:
+    currency, total = thresholds.rates.reporting, thresholds.rates.total(sums)
     if counterparties < min_counterparties or count == 0 or total < min_average * count:
+        return None
+    if count > thresholds.fan_max_payments_per_counterparty * counterparties:
         return None
     mean = average(total, count)
     return Hit(
@@ -129,7 +140,7 @@ def _fan(
         typology=typology,
         reason=(
             f"{account} {activity.format(count=count, counterparties=counterparties)} in {FAN_WINDOW}, "
-            f"{money(mean)} {evidence.currency} on average."
+            f"{money(mean)} {currency} on average."
         ),
         figures={
             "account": account,
@@ -139,42 +150,48 @@ def _fan(
             "total": money(total),
             "average": money(mean),
             "min_average": money(min_average),
-            "currency": evidence.currency,
+            "max_payments_per_counterparty": money(thresholds.fan_max_payments_per_counterparty),
+            "currency": currency,
             "window": FAN_WINDOW,
+            **_unconverted(thresholds, sums),
         },
     )
 
 
 def fan_in(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
-    """Many distinct payers paying substantial amounts into the payee (collection account). The average
-    keeps busy merchants, who receive many small payments, out."""
+    """Many distinct payers paying substantial amounts into the payee (collection account), each about
+    once. The average keeps busy merchants, who receive many small payments, out; "about once" keeps out
+    a business whose regular customers pay again and again."""
     window = evidence.payee_aggregates.window(FAN_WINDOW)
     return _fan(
         evidence,
         evidence.payee,
         window.received_counterparties,
         window.received_count,
-        window.received_in(evidence.currency),
+        window.received,
         thresholds.fan_in_min_counterparties,
         thresholds.fan_in_min_average,
         "fan_in",
         "received {count} payments from {counterparties} distinct payers",
+        thresholds,
     )
 
 
 def fan_out(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
-    """The payer spreads substantial amounts over many distinct payees (distribution account)."""
+    """The payer spreads substantial amounts over many distinct payees (distribution account), each about
+    once: a payroll or a supplier run pays the same payees again and again."""
     window = evidence.payer_aggregates.window(FAN_WINDOW)
     return _fan(
         evidence,
         evidence.payer,
         window.sent_counterparties,
         window.sent_count,
-        window.sent_in(evidence.currency),
+        window.sent,
         thresholds.fan_out_min_counterparties,
         thresholds.fan_out_min_average,
         "fan_out",
         "sent {count} payments to {counterparties} distinct payees",
+        thresholds,
     )
 
 
@@ -200,34 +217,37 @@ def cycle(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
 def pass_through(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     """The payer received a large amount and sent most of it on within the same hour (a mule account)."""
     window = evidence.payer_aggregates.window(PASS_THROUGH_WINDOW)
-    received = window.received_in(evidence.currency)
-    sent = window.sent_in(evidence.currency)
+    received = thresholds.rates.total(window.received)
+    sent = thresholds.rates.total(window.sent)
+    currency = thresholds.rates.reporting
     if received < thresholds.pass_through_min_received or sent < thresholds.pass_through_min_ratio * received:
         return None
     return Hit(
         rule="aml.pass_through",
         typology="pass_through",
         reason=(
-            f"{evidence.payer} received {money(received)} {evidence.currency} and sent {money(sent)} on "
+            f"{evidence.payer} received {money(received)} {currency} and sent {money(sent)} on "
             f"within {PASS_THROUGH_WINDOW}."
         ),
         figures={
             "received": money(received),
             "sent": money(sent),
-            "currency": evidence.currency,
+            "currency": currency,
             "min_received": money(thresholds.pass_through_min_received),
             "min_ratio": money(thresholds.pass_through_min_ratio),
             "window": PASS_THROUGH_WINDOW,
+            **_unconverted(thresholds, window.received, window.sent),
         },
     )
 
 
 def gather_scatter(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     """The payer collected substantial amounts from many payers and spreads money over many payees in the
-    same day: a hub between two fans. Fires on the scatter side (the hub's payments)."""
+    same week: a hub between two fans. Fires on the scatter side (the hub's payments)."""
     window = evidence.payer_aggregates.window(FAN_WINDOW)
     minimum = thresholds.gather_scatter_min_counterparties
-    received = window.received_in(evidence.currency)
+    received = thresholds.rates.total(window.received)
+    currency = thresholds.rates.reporting
     if window.received_counterparties < minimum or window.sent_counterparties < minimum:
         return None
     if window.received_count == 0 or received < thresholds.graph_min_average * window.received_count:
@@ -237,7 +257,7 @@ def gather_scatter(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
         typology="gather_scatter",
         reason=(
             f"{evidence.payer} received from {window.received_counterparties} distinct payers "
-            f"({money(average(received, window.received_count))} {evidence.currency} on average) and sent to "
+            f"({money(average(received, window.received_count))} {currency} on average) and sent to "
             f"{window.sent_counterparties} distinct payees in {FAN_WINDOW}."
         ),
         figures={
@@ -247,8 +267,9 @@ def gather_scatter(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
             "received": money(received),
             "received_count": window.received_count,
             "min_average": money(thresholds.graph_min_average),
-            "currency": evidence.currency,
+            "currency": currency,
             "window": FAN_WINDOW,
+            **_unconverted(thresholds, window.received),
         },
     )
 
@@ -381,5 +402,8 @@ AML_RULES: tuple[Callable[[Evidence, AmlThresholds], Hit | None], ...] = (
 
 
 def aml_rules(evidence: Evidence, thresholds: AmlThresholds) -> list[Hit]:
-    """Every AML rule that fires on this payment, in the order of TYPOLOGIES."""
+    """Every AML rule that fires on this payment, in the order of TYPOLOGIES. A self-payment moves no
+    money between parties, so it is part of no pattern and no rule is asked about it."""
+    if evidence.payer == evidence.payee:
+        return []
     return [hit for rule in AML_RULES if (hit := rule(evidence, thresholds)) is not None]

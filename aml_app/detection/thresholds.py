@@ -9,17 +9,19 @@ patterns from the same values the rules use.
 `ConfigError` with one sentence naming the variable, as `aml_app.settings` does. An `AML_RULE_*` variable
 that names no threshold is refused too: a typo must not silently leave a default in force.
 
-Amounts are in the payment's own currency (the rules do no FX conversion).
+Amounts are in the reporting currency: the rules convert every sum with `rates`
+(`aml_app.detection.exchange`, read from `AML_REPORTING_CURRENCY` and `AML_EXCHANGE_RATES`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
+from aml_app.detection.exchange import ExchangeRates
 from aml_app.settings import ConfigError
 
 PREFIX = "AML_RULE_"
@@ -32,21 +34,23 @@ class AmlThresholds:
     """Thresholds of Service-A's AML rules (see `aml_app.detection.rules`)."""
 
     structuring_min_count: int = 3
-    fan_in_min_counterparties: int = 8
+    fan_in_min_counterparties: int = 4
     fan_in_min_average: Decimal = Decimal("1000")
-    fan_out_min_counterparties: int = 8
+    fan_out_min_counterparties: int = 4
     fan_out_min_average: Decimal = Decimal("1000")
+    fan_max_payments_per_counterparty: Decimal = Decimal("1.25")
     cycle_min_hops: int = 2
     cycle_max_hops: int = 3
     pass_through_min_received: Decimal = Decimal("5000")
     pass_through_min_ratio: Decimal = Decimal("0.8")
     graph_min_average: Decimal = Decimal("1000")
-    gather_scatter_min_counterparties: int = 4
+    gather_scatter_min_counterparties: int = 3
     scatter_gather_min_intermediates: int = 3
     bipartite_min_sources: int = 2
     bipartite_min_destinations: int = 2
     stack_min_sources: int = 2
     random_min_hops: int = 3
+    rates: ExchangeRates = field(default_factory=ExchangeRates)
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -59,7 +63,7 @@ class AmlThresholds:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> AmlThresholds:
         """The thresholds with `AML_RULE_*` overrides from `env`; ConfigError names a bad variable."""
-        return _from_env(cls, env)
+        return dataclasses.replace(_from_env(cls, env), rates=ExchangeRates.from_env(env))
 
 
 @dataclass(frozen=True)
@@ -82,16 +86,21 @@ class FraudThresholds:
 # field -> (lowest, highest, what it counts): the allowed range of every threshold, inclusive.
 LIMITS: dict[str, tuple[Any, Any, str]] = {
     "structuring_min_count": (1, 1000, "near-threshold payments sent by the payer in 24h, this one included"),
-    "fan_in_min_counterparties": (2, 100_000, "distinct payers of the payee in 24h"),
-    "fan_in_min_average": (Decimal(0), Decimal("1e12"), "average amount received by the payee in 24h"),
-    "fan_out_min_counterparties": (2, 100_000, "distinct payees of the payer in 24h"),
-    "fan_out_min_average": (Decimal(0), Decimal("1e12"), "average amount sent by the payer in 24h"),
+    "fan_in_min_counterparties": (2, 100_000, "distinct payers of the payee in 7 days"),
+    "fan_in_min_average": (Decimal(0), Decimal("1e12"), "average amount received by the payee in 7 days"),
+    "fan_out_min_counterparties": (2, 100_000, "distinct payees of the payer in 7 days"),
+    "fan_out_min_average": (Decimal(0), Decimal("1e12"), "average amount sent by the payer in 7 days"),
+    "fan_max_payments_per_counterparty": (
+        Decimal(1),
+        Decimal(1000),
+        "a fan's payments over its counterparties in 7 days (1: each exactly once)",
+    ),
     "cycle_min_hops": (1, 3, "shortest cycle that counts; 1 would include self-payments"),
     "cycle_max_hops": (1, 3, "longest cycle that counts; Service B looks at most 3 hops deep"),
     "pass_through_min_received": (Decimal("0.01"), Decimal("1e12"), "amount received by the payer in 1h"),
     "pass_through_min_ratio": (Decimal("0.01"), Decimal(1), "share of the 1h receipts sent on in that hour"),
     "graph_min_average": (Decimal(0), Decimal("1e12"), "average payment of an edge the layering rules count"),
-    "gather_scatter_min_counterparties": (2, 100_000, "distinct payers and payees of the hub in 24h"),
+    "gather_scatter_min_counterparties": (2, 100_000, "distinct payers and payees of the hub in 7 days"),
     "scatter_gather_min_intermediates": (2, 100_000, "intermediates between one source and the payee"),
     "bipartite_min_sources": (2, 100_000, "heavy payers the payee shares with other payees"),
     "bipartite_min_destinations": (2, 11, "payees in the block, this one included (B lists 10 others)"),
@@ -110,14 +119,17 @@ def variable(name: str) -> str:
 
 def known_variables() -> frozenset[str]:
     """Every `AML_RULE_*` variable either rule set reads."""
-    return frozenset(
-        variable(f.name) for cls in (AmlThresholds, FraudThresholds) for f in dataclasses.fields(cls)
-    )
+    return frozenset(variable(f.name) for cls in (AmlThresholds, FraudThresholds) for f in _numbers(cls))
+
+
+def _numbers(thresholds: Any) -> list[dataclasses.Field[Any]]:
+    """The numeric thresholds (every field but the exchange rates, which have variables of their own)."""
+    return [f for f in dataclasses.fields(thresholds) if f.name != "rates"]
 
 
 def _check_ranges(thresholds: Any) -> None:
     """Refuse out-of-range values also when the dataclass is built in code, not only from the environment."""
-    for f in dataclasses.fields(thresholds):
+    for f in _numbers(thresholds):
         value = getattr(thresholds, f.name)
         low, high, meaning = LIMITS[f.name]
         expected = int if isinstance(f.default, int) else Decimal
@@ -165,7 +177,7 @@ def _from_env(cls: type[_T], env: Mapping[str, str]) -> _T:
         known = ", ".join(sorted(known_variables()))
         raise ConfigError(f"{unknown[0]} is not a detection threshold; the known ones are {known}.")
     values: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    for f in _numbers(cls):
         raw = env.get(variable(f.name))
         if raw is not None and raw.strip():
             values[f.name] = _parse(f, raw)

@@ -1,6 +1,6 @@
 """The AML rules on simulated traffic, with Services B and C replaced by the naive reference (no Kafka, no
 Spark): every injected instance is caught, at the payment the ground truth says completes it, and the
-background raises (almost) nothing. Then the same run with evidence that lags by one payment, as an
+background raises nothing. Then the same run with evidence that lags by one payment, as an
 ungated service reading behind its dependencies would see it: cycles go unseen.
 
 The services are replayed by `tests/replay.py`.
@@ -57,10 +57,13 @@ def test_every_instance_is_caught_and_the_background_is_quiet(
         result: TypologyScore = scores[typology]
         assert result.instances == 3, typology
         assert result.recall == 1.0, format_scores(scores)
-        if typology != "bipartite":
-            assert result.precision is not None and result.precision >= 0.9, format_scores(scores)
+    # Patterns overlap as they do in real data (a scatter-gather's sink, a bipartite block's payee and a
+    # gather-scatter's hub all receive from several payers): a rule may fire on another pattern's
+    # payments, never on the background's.
+    laundering = {pid for i in simulation.instances for pid in i.payment_ids}
+    assert {pid for pid, _ in gated_alerts} <= laundering
     # A stack's first layer is a bipartite block when it is paid: those alerts, and only those, are the
-    # bipartite rule's false positives.
+    # bipartite rule's alerts outside its own instances.
     stacks = {pid for i in simulation.instances_of("stack") for pid in i.payment_ids}
     bipartite_own = {pid for i in simulation.instances_of("bipartite") for pid in i.payment_ids}
     wrong = {pid for pid, t in gated_alerts if t == "bipartite" and pid not in bipartite_own}

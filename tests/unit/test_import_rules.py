@@ -95,7 +95,13 @@ ROOT = Path(__file__).resolve().parents[2]
 #: `harness` (the whole system as local processes) and `cli` sit on top; nothing below imports them.
 LAYERS = [
     ("aml_app.currencies", "aml_app.contract"),
-    ("aml_app.kafka.security", "aml_app.settings", "aml_app.detection.thresholds", "aml_app.models"),
+    (
+        "aml_app.kafka.security",
+        "aml_app.settings",
+        "aml_app.detection.thresholds",
+        "aml_app.detection.exchange",
+        "aml_app.models",
+    ),
     ("aml_app.faust_internals", "aml_app.kafka"),
     ("aml_app.detection.rules", "aml_app.detection.evidence", "aml_app.detection.fraud_rules"),
     ("aml_app.gate.offsets", "aml_app.gate.watermark", "aml_app.gate.retry"),

@@ -1,6 +1,8 @@
 """AML and fraud rules on hand-built answers of Services B and C: each threshold's boundary (inclusive
-unless documented), other currencies ignored, empty answers quiet, parsing faults, and the thresholds'
-environment variables."""
+unless documented), other currencies converted (or ignored without a rate), empty answers quiet, parsing
+faults, and the thresholds' environment variables.
+
+The rules here report in EUR with one rate, 2 USD per EUR, so that converted figures stay readable."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 
 from aml_app.detection.evidence import Aggregates, Evidence, Relations
+from aml_app.detection.exchange import ExchangeRates
 from aml_app.detection.fraud_rules import fraud_rules, large_new_counterparty, velocity_spike
 from aml_app.detection.rules import (
     TYPOLOGIES,
@@ -33,7 +36,15 @@ from aml_app.settings import ConfigError
 
 TS = "2026-03-02T12:00:00.000000Z"
 AT = datetime(2026, 3, 2, 12, tzinfo=UTC)
-AML = AmlThresholds()
+RATES = ExchangeRates("EUR", {"EUR": Decimal(1), "USD": Decimal(2)})
+
+
+def aml(**fields: Any) -> AmlThresholds:
+    """Thresholds with the tests' exchange rates, unless given others."""
+    return AmlThresholds(**{"rates": RATES, **fields})
+
+
+AML = aml()
 FRAUD = FraudThresholds()
 
 
@@ -161,11 +172,8 @@ def test_structuring_uses_service_c_threshold_and_band_and_the_configured_count(
     assert structuring(evidence("4000.00", payer_aggregates=answer), AML) is not None
     assert structuring(evidence("3999.99", payer_aggregates=answer), AML) is None
     assert structuring(evidence("9500.00", payer_aggregates=answer), AML) is None
-    assert (
-        structuring(evidence("4500.00", payer_aggregates=answer), AmlThresholds(structuring_min_count=5))
-        is None
-    )
-    assert structuring(evidence("4500.00", payer_aggregates=answer), AmlThresholds(structuring_min_count=4))
+    assert structuring(evidence("4500.00", payer_aggregates=answer), aml(structuring_min_count=5)) is None
+    assert structuring(evidence("4500.00", payer_aggregates=answer), aml(structuring_min_count=4))
 
 
 # --------------------------------------------------------------------------- fan-in / fan-out
@@ -183,7 +191,7 @@ def fan_evidence(
     count_key, sums_key, parties_key = keys
     answer = aggregates(
         "a" if side == "payer" else "b",
-        h24=window(**{count_key: count, sums_key: sums, parties_key: parties}),
+        d7=window(**{count_key: count, sums_key: sums, parties_key: parties}),
     )
     return evidence(**{f"{side}_aggregates": answer}, currency="EUR")
 
@@ -192,12 +200,15 @@ def fan_evidence(
 @pytest.mark.parametrize(
     ("count", "sums", "parties", "fires"),
     [
-        (8, {"EUR": "8000.00"}, 8, True),  # 8 counterparties, average exactly 1000
-        (8, {"EUR": "7999.99"}, 8, False),  # average one cent short
-        (8, {"EUR": "80000.00"}, 7, False),  # one counterparty short
+        (4, {"EUR": "4000.00"}, 4, True),  # 4 counterparties, average exactly 1000
+        (4, {"EUR": "3999.99"}, 4, False),  # average one cent short
+        (4, {"EUR": "40000.00"}, 3, False),  # one counterparty short
         (300, {"EUR": "15000.00"}, 250, False),  # a busy merchant: many, but small on average
-        (8, {"EUR": "100.00", "USD": "100000.00"}, 8, False),  # other currencies are ignored
-        (9, {"EUR": "8000.00", "USD": "1.00"}, 8, False),  # ...but counted in the average's denominator
+        (4, {"EUR": "2000.00", "USD": "4000.00"}, 4, True),  # other currencies are converted...
+        (4, {"EUR": "2000.00", "USD": "3999.98"}, 4, False),  # ...to the cent
+        (4, {"EUR": "3999.99", "GBP": "100000.00"}, 4, False),  # a currency without a rate counts 0
+        (5, {"EUR": "5000.00"}, 4, True),  # 1.25 payments per counterparty
+        (6, {"EUR": "6000.00"}, 4, False),  # the same counterparties again and again: a business
         (0, {}, 0, False),  # unknown account
     ],
 )
@@ -216,32 +227,41 @@ def test_fan_boundaries(
     if hit:
         assert (hit.rule, hit.typology) == (f"aml.{name}", name)
         assert hit.figures["counterparties"] == parties
-        assert hit.figures["average"] == "1000.00"
+        assert (hit.figures["average"], hit.figures["currency"]) == ("1000.00", "EUR")
         assert hit.figures["account"] == ("b" if side == "payee" else "a")
 
 
 @pytest.mark.parametrize(("rule", "name", "side", "keys"), FANS)
-def test_fan_reads_the_right_account_and_the_payment_currency(
+def test_fan_reads_the_right_account_in_the_reporting_currency(
     rule: Any, name: str, side: str, keys: tuple[str, str, str]
 ) -> None:
     other = "payer" if side == "payee" else "payee"
     assert rule(fan_evidence(other, keys, 10, {"EUR": "50000.00"}, 10), AML) is None
     usd = fan_evidence(side, keys, 10, {"EUR": "1.00", "USD": "50000.00"}, 10)
-    assert rule(dataclasses.replace(usd, currency="USD"), AML) is not None
-    assert rule(usd, AML) is None
+    assert rule(usd, AML) is not None
+    hit = rule(dataclasses.replace(usd, currency="USD"), AML)
+    assert hit is not None and hit.figures["total"] == "25001.00" and hit.figures["currency"] == "EUR"
+    assert "unconverted" not in hit.figures
+    assert rule(usd, aml(rates=ExchangeRates("EUR", {"EUR": Decimal(1)}))) is None
+    gbp = fan_evidence(side, keys, 4, {"EUR": "4000.00", "GBP": "1.00"}, 4)
+    assert rule(gbp, AML).figures["unconverted"] == "GBP"
 
 
 @pytest.mark.parametrize(("rule", "name", "side", "keys"), FANS)
 def test_fan_thresholds_are_configurable(rule: Any, name: str, side: str, keys: tuple[str, str, str]) -> None:
     small = fan_evidence(side, keys, 3, {"EUR": "30.00"}, 3)
     assert rule(small, AML) is None
-    loose = AmlThresholds(**{f"{name}_min_counterparties": 3, f"{name}_min_average": Decimal("10")})
+    loose = aml(**{f"{name}_min_counterparties": 3, f"{name}_min_average": Decimal("10")})
     assert rule(small, loose) is not None
+    again = fan_evidence(side, keys, 8, {"EUR": "80000.00"}, 4)
+    assert rule(again, AML) is None
+    assert rule(again, aml(fan_max_payments_per_counterparty=Decimal(2))) is not None
 
 
-def test_fan_ignores_the_other_windows() -> None:
+def test_fan_reads_seven_days() -> None:
     busy = window(received_count=20, received={"EUR": "40000.00"}, received_counterparties=20)
-    assert fan_in(evidence(payee_aggregates=aggregates("b", h1=busy, d7=busy)), AML) is None
+    assert fan_in(evidence(payee_aggregates=aggregates("b", h1=busy, h24=busy)), AML) is None
+    assert fan_in(evidence(payee_aggregates=aggregates("b", d7=busy)), AML) is not None
 
 
 # --------------------------------------------------------------------------- cycle
@@ -253,9 +273,9 @@ def test_fan_ignores_the_other_windows() -> None:
         (["a", "b", "c", "a"], "b", AML, True),
         (["a", "b", "a"], "b", AML, True),
         (["a", "b", "c", "a"], "c", AML, False),  # the account is on a cycle, this payment is not
-        (["a", "b", "c", "a"], "b", AmlThresholds(cycle_max_hops=2), False),
+        (["a", "b", "c", "a"], "b", aml(cycle_max_hops=2), False),
         (["a", "a"], "a", AML, False),  # a self-payment is not laundering by default (min 2 hops)
-        (["a", "a"], "a", AmlThresholds(cycle_min_hops=1), True),
+        (["a", "a"], "a", aml(cycle_min_hops=1), True),
         (None, "b", AML, False),
     ],
 )
@@ -272,23 +292,26 @@ def test_cycle(path: list[str] | None, payee: str, thresholds: AmlThresholds, fi
 
 
 @pytest.mark.parametrize(
-    ("received", "sent", "fires"),
+    ("received", "sent", "figures"),
     [
-        ({"EUR": "5000.00"}, {"EUR": "4000.00"}, True),  # min received, ratio exactly 0.8
-        ({"EUR": "5000.00"}, {"EUR": "3999.99"}, False),
-        ({"EUR": "4999.99"}, {"EUR": "4999.99"}, False),  # received one cent short
-        ({"EUR": "50000.00"}, {"EUR": "60000.00"}, True),
-        ({"EUR": "5000.00"}, {"USD": "5000.00"}, False),  # sent in another currency
-        ({"USD": "5000.00"}, {"EUR": "5000.00"}, False),  # received in another currency
-        ({}, {}, False),
+        ({"EUR": "5000.00"}, {"EUR": "4000.00"}, ("5000.00", "4000.00")),  # min received, ratio 0.8
+        ({"EUR": "5000.00"}, {"EUR": "3999.99"}, None),
+        ({"EUR": "4999.99"}, {"EUR": "4999.99"}, None),  # received one cent short
+        ({"EUR": "50000.00"}, {"EUR": "60000.00"}, ("50000.00", "60000.00")),
+        ({"EUR": "5000.00"}, {"USD": "8000.00"}, ("5000.00", "4000.00")),  # sent in another currency
+        ({"USD": "10000.00"}, {"EUR": "4000.00"}, ("5000.00", "4000.00")),  # received in another
+        ({"GBP": "50000.00"}, {"EUR": "50000.00"}, None),  # no rate: the receipts count nothing
+        ({}, {}, None),
     ],
 )
-def test_pass_through_boundaries(received: dict[str, str], sent: dict[str, str], fires: bool) -> None:
+def test_pass_through_boundaries(
+    received: dict[str, str], sent: dict[str, str], figures: tuple[str, str] | None
+) -> None:
     hour = window(sent_count=1, sent=sent, received_count=1, received=received)
     hit = pass_through(evidence(payer_aggregates=aggregates("a", h1=hour)), AML)
-    assert (hit is not None) is fires
+    assert (hit is not None) is (figures is not None)
     if hit:
-        assert (hit.figures["received"], hit.figures["sent"]) == (received["EUR"], sent["EUR"])
+        assert (hit.figures["received"], hit.figures["sent"], hit.figures["currency"]) == (*figures, "EUR")
 
 
 def test_pass_through_looks_at_one_hour_only_and_at_the_payer() -> None:
@@ -304,11 +327,12 @@ def test_pass_through_looks_at_one_hour_only_and_at_the_payer() -> None:
 @pytest.mark.parametrize(
     ("payers", "payees", "received", "count", "fires"),
     [
-        (4, 4, {"EUR": "4000.00"}, 4, True),  # 4 and 4 distinct, average exactly graph_min_average
-        (3, 4, {"EUR": "9000.00"}, 4, False),
-        (4, 3, {"EUR": "9000.00"}, 4, False),
-        (4, 4, {"EUR": "3999.99"}, 4, False),  # one cent short of the average
-        (4, 4, {"USD": "9000.00"}, 4, False),  # gathered in another currency
+        (3, 3, {"EUR": "3000.00"}, 3, True),  # 3 and 3 distinct, average exactly graph_min_average
+        (2, 3, {"EUR": "9000.00"}, 3, False),
+        (3, 2, {"EUR": "9000.00"}, 3, False),
+        (3, 3, {"EUR": "2999.99"}, 3, False),  # one cent short of the average
+        (3, 3, {"USD": "6000.00"}, 3, True),  # gathered in another currency, converted
+        (3, 3, {"GBP": "9000.00"}, 3, False),  # gathered in a currency without a rate
         (6, 6, {"EUR": "6000.00"}, 5, True),
     ],
 )
@@ -323,12 +347,14 @@ def test_gather_scatter_boundaries(
         received=received,
         received_counterparties=payers,
     )
-    hit = gather_scatter(evidence(payer_aggregates=aggregates("a", h24=day)), AML)
+    hit = gather_scatter(evidence(payer_aggregates=aggregates("a", d7=day)), AML)
     assert (hit is not None) is fires
     if hit:
         assert (hit.figures["payers"], hit.figures["payees"]) == (payers, payees)
     # The hub is the payer: the same figures on the payee are not this payment's pattern.
-    assert gather_scatter(evidence(payee_aggregates=aggregates("b", h24=day)), AML) is None
+    assert gather_scatter(evidence(payee_aggregates=aggregates("b", d7=day)), AML) is None
+    # Seven days: the same figures over one day only are not enough.
+    assert gather_scatter(evidence(payer_aggregates=aggregates("a", h24=day)), AML) is None
 
 
 @pytest.mark.parametrize(
@@ -354,8 +380,8 @@ def test_scatter_gather(sources: dict[str, list[str]], fires: bool) -> None:
         ({"s": ["a", "m"], "t": ["a", "m"]}, AML, True),
         ({"s": ["a", "m"], "t": ["m", "n"]}, AML, False),  # the payer reaches b from one source only
         ({"s": ["a", "m"]}, AML, False),
-        ({"s": ["a", "m"], "t": ["a", "m"]}, AmlThresholds(stack_min_sources=3), False),
-        ({"s": ["a", "m"], "t": ["a", "m"], "u": ["a", "n"]}, AmlThresholds(stack_min_sources=3), True),
+        ({"s": ["a", "m"], "t": ["a", "m"]}, aml(stack_min_sources=3), False),
+        ({"s": ["a", "m"], "t": ["a", "m"], "u": ["a", "n"]}, aml(stack_min_sources=3), True),
     ],
 )
 def test_stack(sources: dict[str, list[str]], thresholds: AmlThresholds, fires: bool) -> None:
@@ -371,9 +397,9 @@ def test_stack(sources: dict[str, list[str]], thresholds: AmlThresholds, fires: 
         ({"c": 2}, ["b", "c"], AML, True),  # b and c share 2 heavy payers, a pays both
         ({"c": 1}, ["b", "c"], AML, False),  # only one shared payer
         ({"c": 2}, ["b"], AML, False),  # the payer is not in c's block
-        ({"c": 2}, ["b", "c"], AmlThresholds(bipartite_min_destinations=3), False),
-        ({"c": 2, "d": 3}, ["b", "c", "d"], AmlThresholds(bipartite_min_destinations=3), True),
-        ({"c": 2, "d": 2}, ["b", "c", "d"], AmlThresholds(bipartite_min_sources=3), False),
+        ({"c": 2}, ["b", "c"], aml(bipartite_min_destinations=3), False),
+        ({"c": 2, "d": 3}, ["b", "c", "d"], aml(bipartite_min_destinations=3), True),
+        ({"c": 2, "d": 2}, ["b", "c", "d"], aml(bipartite_min_sources=3), False),
     ],
 )
 def test_bipartite(
@@ -401,8 +427,8 @@ def test_bipartite(
         (["x", "y", "a"], "999.99", "b", AML, False),  # this payment is not heavy
         (["y", "a"], "5000.00", "b", AML, False),  # 2 hops in all
         (["b", "y", "a"], "5000.00", "b", AML, False),  # back to an account of the chain: a cycle
-        (["w", "x", "y", "a"], "5000.00", "b", AmlThresholds(random_min_hops=4), True),
-        (["x", "y", "a"], "5000.00", "b", AmlThresholds(random_min_hops=4), False),
+        (["w", "x", "y", "a"], "5000.00", "b", aml(random_min_hops=4), True),
+        (["x", "y", "a"], "5000.00", "b", aml(random_min_hops=4), False),
         ([], "5000.00", "b", AML, False),
     ],
 )
@@ -456,8 +482,8 @@ def test_aml_rules_returns_every_hit_in_typology_order() -> None:
     payee_day = window(received_count=8, received={"EUR": "80000.00"}, received_counterparties=8)
     everything = evidence(
         "9500.00",
-        payer_aggregates=aggregates("a", near=9, h1=hour, h24=day),
-        payee_aggregates=aggregates("b", h24=payee_day),
+        payer_aggregates=aggregates("a", near=9, h1=hour, d7=day),
+        payee_aggregates=aggregates("b", d7=payee_day),
         payer_relations=relations(
             "a", out=[edge("b"), edge("c")], path=["a", "b", "a"], chain=["x", "y", "a"]
         ),
@@ -472,6 +498,16 @@ def test_aml_rules_returns_every_hit_in_typology_order() -> None:
         payee_relations=Relations.from_json(relations("b", sources={"s": ["a", "m"], "t": ["a", "n"]})),
     )
     assert "stack" in [h.typology for h in aml_rules(stacked, AML)]
+    # A self-payment is part of no pattern, whatever its account's answers say.
+    self_payment = dataclasses.replace(
+        everything,
+        payee="a",
+        payee_aggregates=everything.payer_aggregates,
+        payee_relations=Relations.from_json(
+            relations("a", sources={"s": ["a", "m", "n"]}, co_payees={"c": 2})
+        ),
+    )
+    assert aml_rules(self_payment, AML) == []
 
 
 def test_hit_as_json_is_plain_json() -> None:
@@ -647,9 +683,10 @@ def test_thresholds_defaults() -> None:
     assert FraudThresholds.from_env({}) == FraudThresholds()
     assert (AML.structuring_min_count, AML.fan_in_min_counterparties, AML.fan_out_min_counterparties) == (
         3,
-        8,
-        8,
+        4,
+        4,
     )
+    assert AML.fan_max_payments_per_counterparty == Decimal("1.25")
     assert (AML.fan_in_min_average, AML.fan_out_min_average) == (Decimal(1000), Decimal(1000))
     assert (AML.cycle_min_hops, AML.cycle_max_hops) == (2, 3)
     assert (AML.pass_through_min_received, AML.pass_through_min_ratio) == (Decimal(5000), Decimal("0.8"))
@@ -675,7 +712,7 @@ def test_thresholds_overrides_and_blank_values() -> None:
 
 @pytest.mark.parametrize("cls", [AmlThresholds, FraudThresholds])
 def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
-    for f in dataclasses.fields(cls):
+    for f in [f for f in dataclasses.fields(cls) if f.name != "rates"]:
         low, high, _ = LIMITS[f.name]
         assert low <= f.default <= high, f.name
         at_the_limit = cls.from_env({variable(f.name): str(high)})
