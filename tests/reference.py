@@ -21,6 +21,7 @@ store prunes old rows, so its answers equal these only for instants `at >= exact
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, localcontext
@@ -186,6 +187,83 @@ def reference_relations(
         "cycle": cycle,
         **reference_layering(payments, account, hops, min_average),
     }
+
+
+def _edge_times(payments: list[Any]) -> dict[tuple[str, str], list[tuple[datetime, datetime]]]:
+    """(payer, payee) -> (first, last) payment time of each of its currencies: what B's edges keep
+    (self-payments included; no loop takes them)."""
+    spans: dict[tuple[str, str, str], tuple[datetime, datetime]] = {}
+    for p in payments:
+        key, ts = (p.payer, p.payee, p.currency), ts_of(p)
+        first, last = spans.get(key, (ts, ts))
+        spans[key] = (min(first, ts), max(last, ts))
+    edges: dict[tuple[str, str], list[tuple[datetime, datetime]]] = {}
+    for (payer, payee, _currency), span in spans.items():
+        edges.setdefault((payer, payee), []).append(span)
+    return edges
+
+
+def reference_loop(
+    payments: Iterable[Any], account: str, closing: str, at: datetime, loop_hops: int, span: timedelta
+) -> dict[str, Any]:
+    """Service B's `loop` about `account` closed by a payment from `closing` at `at`, as {"found", "path"}
+    with one of the shortest paths (B may return another; `is_loop` checks any): every simple path
+    account -> ... ->
+    closing of at most loop_hops - 1 edges, tried one by one, each edge taken at the earliest time one of
+    its currencies allows (first payment, not before the time reached, last payment not before it either,
+    first payment at or before `at`), starting at `at` - span."""
+    edges = _edge_times(list(payments))
+    out: dict[str, set[str]] = {}
+    for payer, payee in edges:
+        out.setdefault(payer, set()).add(payee)
+    return loop_on_edges(edges, out, account, closing, at, loop_hops, span)
+
+
+def loop_on_edges(
+    edges: dict[tuple[str, str], list[tuple[datetime, datetime]]],
+    out: dict[str, set[str]],
+    account: str,
+    closing: str,
+    at: datetime,
+    loop_hops: int,
+    span: timedelta,
+) -> dict[str, Any]:
+    """`reference_loop` over edges kept as `_edge_times` makes them and each payer's payees (for callers
+    that keep both up to date)."""
+    best: tuple[str, ...] | None = None
+
+    def walk(here: str, reached: datetime, seen: tuple[str, ...]) -> None:
+        nonlocal best
+        depth = len(seen) - 1
+        if best is not None and depth + 1 >= len(best) - 1:
+            return
+        for there in sorted(out.get(here, ())):
+            times = [max(reached, f) for f, last in edges[(here, there)] if last >= reached and f <= at]
+            if not times or there in (account, here) or there in seen:
+                continue
+            if there == closing:
+                best = (*seen, there)
+                return
+            if depth + 2 < loop_hops:
+                walk(there, min(times), (*seen, there))
+
+    walk(account, at - span, (account,))
+    return {"found": True, "path": [*best, account]} if best is not None else {"found": False, "path": []}
+
+
+def is_loop(payments: Iterable[Any], path: Sequence[str], at: datetime, span: timedelta) -> bool:
+    """Whether `path` (account, ..., closing, account) is a loop as B defines it: distinct accounts, and
+    money can have gone along its edges in time order before `at`."""
+    edges = _edge_times([p for p in payments if p.payer != p.payee])
+    if len(path) < 3 or path[0] != path[-1] or len(set(path[:-1])) != len(path) - 1:
+        return False
+    reached = at - span
+    for here, there in itertools.pairwise(path[:-1]):
+        times = [max(reached, f) for f, last in edges.get((here, there), []) if last >= reached and f <= at]
+        if not times:
+            return False
+        reached = min(times)
+    return True
 
 
 # --- service C -----------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ gets only the payments that can change the part of the answer the rules read: fo
 payments touching the account; for relations (`out` and `cycle`), the payments sent by the account or by
 accounts reachable from it in at most 2 directed hops (a cycle of at most 3 hops uses no other edge); for
 `chain`, the payments into the account and into the accounts up to 2 steps before it; for `sources` and
-`co_payees`, the payments into the account and into its payers, and those its payers sent. `in` and
+`co_payees`, the payments into the account and into its payers, and those its payers sent; for `loop`,
+the edges' first and last times, kept up as payments are fed (`tests.reference.loop_on_edges`). `in` and
 `neighbourhood` are read by no rule and are left empty: exact, they would need every payment into the
 account and the whole undirected 3-hop ball (minutes per run).
 
@@ -21,9 +22,10 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
+from aml_app.dependencies.relations import LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
-from tests.reference import reference_aggregates, reference_layering, reference_relations
+from tests.reference import loop_on_edges, reference_aggregates, reference_layering, reference_relations
 
 THRESHOLD = Decimal("10000")
 BAND = Decimal("0.1")
@@ -52,6 +54,11 @@ class Services:
 
     def __init__(self, thresholds: AmlThresholds) -> None:
         self.min_average = thresholds.graph_min_average
+        self.loop_hops = thresholds.cycle_max_hops
+        # (payer, payee) -> per currency [first, last] payment time; payer -> payees: B's edges for `loop`
+        self.spans: dict[tuple[str, str], dict[str, tuple[datetime, datetime]]] = defaultdict(dict)
+        self.edges: dict[tuple[str, str], list[tuple[datetime, datetime]]] = {}
+        self.out: dict[str, set[str]] = defaultdict(set)
         self.touching: dict[str, list[Row]] = defaultdict(list)
         self.sent_by: dict[str, list[Row]] = defaultdict(list)
         self.received_by: dict[str, list[Row]] = defaultdict(list)
@@ -64,6 +71,11 @@ class Services:
             self.touching[payment.payee].append(payment)
         self.sent_by[payment.payer].append(payment)
         self.received_by[payment.payee].append(payment)
+        pair = self.spans[(payment.payer, payment.payee)]
+        first, last = pair.get(payment.currency, (payment.ts, payment.ts))
+        pair[payment.currency] = (min(first, payment.ts), max(last, payment.ts))
+        self.edges[(payment.payer, payment.payee)] = list(pair.values())
+        self.out[payment.payer].add(payment.payee)
 
     def payers_of(self, accounts: set[str]) -> set[str]:
         return {p.payer for a in accounts for p in self.received_by.get(a, [])}
@@ -87,7 +99,7 @@ class Services:
         answer["chain"] = reference_layering(into, account, HOPS, self.min_average)["chain"]
         return answer
 
-    def payee_relations(self, account: str) -> dict[str, Any]:
+    def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
         payers = sorted(self.payers_of({account}))
         subset = list(self.received_by.get(account, []))
         for payer in payers:
@@ -98,6 +110,7 @@ class Services:
             "hops": HOPS,
             "sources": layering["sources"],
             "co_payees": layering["co_payees"],
+            "loop": loop_on_edges(self.edges, self.out, account, closing, at, self.loop_hops, LOOP_SPAN),
         }
 
     def evidence(self, payment: Any) -> Evidence:
@@ -114,5 +127,5 @@ class Services:
             payer_aggregates=self.aggregates(payment.payer, at),
             payee_aggregates=self.aggregates(payment.payee, at),
             payer_relations=self.relations(payment.payer),
-            payee_relations=self.payee_relations(payment.payee),
+            payee_relations=self.payee_relations(payment.payee, payment.payer, at),
         )

@@ -3,12 +3,15 @@
 Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence>"}):
 - relations:  GET /relations/{account}?hops=2   hops is a whole number 1..3 (default 2); `parts=out,cycle`
               answers only those parts (of out, in, neighbourhood, cycle, chain, sources, co_payees;
-              default all); `min_average=1000` is the average payment of a heavy edge (default 0), which
-              chain, sources and co_payees look at
+              default all but loop); `min_average=1000` is the average payment of a heavy edge
+              (default 0), which chain, sources and co_payees look at; the part `loop` needs
+              `closing=<payer>` and `at=ISO` (the payment into the account that would close it) and
+              takes `loop_hops=2..16` (default 12)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back
 - batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle",
-                                "min_average": "1000"}, ...]}
+                                "min_average": "1000", "closing": "b", "at": "ISO",
+                                "loop_hops": 12}, ...]}
               POST /aggregates {"queries": [{"account": "a", "at": "ISO"}, ...]}
               -> {"answers": [...]} in the order asked, every answer as its GET would give it, all from
               ONE read snapshot (one as_of); at most MAX_BATCH queries
@@ -34,7 +37,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -46,7 +49,7 @@ from aiohttp import web
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.guard import behind
-from aml_app.dependencies.relations import MAX_HOPS, PARTS
+from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
 from aml_app.dependencies.store import Reader, StoreVersionMismatch, redacted
 
 log = logging.getLogger(__name__)
@@ -149,7 +152,7 @@ def _text_or_none(query: dict[str, Any], name: str, i: int) -> str | None:
     value = query.get(name)
     if value is None or isinstance(value, str):
         return value
-    if name == "hops" and isinstance(value, int) and not isinstance(value, bool):
+    if name in ("hops", "loop_hops") and isinstance(value, int) and not isinstance(value, bool):
         return str(value)
     raise BadRequest(f"queries[{i}].{name} must be a string, got {type(value).__name__}.")
 
@@ -172,10 +175,36 @@ def parse_parts(raw: str | None) -> tuple[str, ...]:
     if raw is None:
         return PARTS
     parts = tuple(p.strip() for p in raw.split(","))
-    unknown = [p for p in parts if p not in PARTS]
+    unknown = [p for p in parts if p not in ALL_PARTS]
     if unknown or not parts:
-        raise BadRequest(f"parts must be a comma-separated list of {', '.join(PARTS)}, got {raw[:60]!r}.")
+        raise BadRequest(f"parts must be a comma-separated list of {', '.join(ALL_PARTS)}, got {raw[:60]!r}.")
     return parts
+
+
+def parse_loop(
+    parts: Sequence[str], closing: str | None, at: str | None, loop_hops: str | None, where: str = ""
+) -> tuple[str | None, datetime | None, int]:
+    """(closing, at, loop_hops) of a query: required with the part `loop`, refused without it."""
+    if "loop" not in parts:
+        if closing is not None or at is not None or loop_hops is not None:
+            raise BadRequest(f"{where}closing, at and loop_hops belong to the part loop, which is not asked.")
+        return None, None, LOOP_HOPS
+    if closing is None or not closing.strip() or len(closing) > MAX_ID_LENGTH:
+        raise BadRequest(
+            f"{where}the part loop needs closing: the payer of the payment into the account, "
+            f"a non-blank id of at most {MAX_ID_LENGTH} characters."
+        )
+    if at is None:
+        raise BadRequest(f"{where}the part loop needs at: the time of the payment that would close it.")
+    hops = LOOP_HOPS
+    if loop_hops is not None:
+        text = loop_hops.strip()
+        if not (text.isascii() and text.isdigit()) or not 2 <= int(text) <= LOOP_MAX_HOPS:
+            raise BadRequest(
+                f"{where}loop_hops must be a whole number from 2 to {LOOP_MAX_HOPS}, got {loop_hops[:40]!r}."
+            )
+        hops = int(text)
+    return closing, parse_at(at), hops
 
 
 def parse_at(raw: str | None) -> datetime:
@@ -325,6 +354,7 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
         [
             "GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle,chain,sources,co_payees"
             "&min_average=0",
+            "GET /relations/{account}?parts=loop&closing=PAYER&at=ISO&loop_hops=2..16",
             "POST /relations",
         ],
         reader,
@@ -340,23 +370,28 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
             )
 
     async def single(request: web.Request) -> web.Response:
+        parts = parse_parts(_single(request, "parts"))
         query = relations.Query(
             _account(request),
             parse_hops(_single(request, "hops")),
-            parse_parts(_single(request, "parts")),
+            parts,
             parse_min_average(_single(request, "min_average")),
+            *parse_loop(parts, *(_single(request, name) for name in ("closing", "at", "loop_hops"))),
         )
         return web.json_response((await answer([query]))[0])
 
     async def batch(request: web.Request) -> web.Response:
         queries = []
         for i, q in enumerate(await _queries(request)):
+            parts = parse_parts(_text_or_none(q, "parts", i))
+            loop = (_text_or_none(q, name, i) for name in ("closing", "at", "loop_hops"))
             queries.append(
                 relations.Query(
                     _batch_account(q, i),
                     parse_hops(_text_or_none(q, "hops", i)),
-                    parse_parts(_text_or_none(q, "parts", i)),
+                    parts,
                     parse_min_average(_text_or_none(q, "min_average", i)),
+                    *parse_loop(parts, *loop, where=f"queries[{i}]: "),
                 )
             )
         return web.json_response({"answers": await answer(queries)})

@@ -28,11 +28,14 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
+from aml_app.dependencies.relations import LOOP_HOPS
+
 #: Service B parts the detectors use, about the payer and about the payee: the neighbourhood is never
 #: needed and can be most of the graph.
 RELATIONS_PARTS = "out,cycle"
-PAYER_PARTS = "out,cycle,chain"
-PAYEE_PARTS = "sources,co_payees"
+PAYER_PARTS = "out,chain"
+#: `loop` asks for the cycle the payment closes: the payee is where money that went around starts.
+PAYEE_PARTS = "sources,co_payees,loop"
 CYCLE_HOPS = 3
 
 
@@ -137,8 +140,12 @@ class DependencyClient:
         hops: int = CYCLE_HOPS,
         parts: str = RELATIONS_PARTS,
         min_average: Decimal = Decimal(0),
+        loop: tuple[str, datetime, int] | None = None,
     ) -> dict:
+        """One GET /relations; `loop` is the closing payer, the time and the longest loop of a `loop` part."""
         query = {"hops": str(hops), "parts": parts, "min_average": format(min_average, "f")}
+        if loop is not None:
+            query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=str(loop[2]))
         return await self._send(
             "relations", lambda base: _resource(base, "relations", account).with_query(query), None
         )
@@ -155,16 +162,25 @@ class DependencyClient:
         hops: int = CYCLE_HOPS,
         parts: str | Sequence[str] = RELATIONS_PARTS,
         min_average: Decimal = Decimal(0),
+        loops: Sequence[tuple[str, datetime, int] | None] | None = None,
     ) -> list[dict[str, Any]]:
         """One POST /relations for several accounts: one snapshot of B answers them all. `parts` is one
-        list for every account, or one per account."""
+        list for every account, or one per account; `loops` gives, per account, the closing payer, the
+        time and the longest loop of a `loop` part (None where no loop is asked)."""
         each = [parts] * len(accounts) if isinstance(parts, str) else list(parts)
-        body = {
-            "queries": [
-                {"account": a, "hops": hops, "parts": p, "min_average": format(min_average, "f")}
-                for a, p in zip(accounts, each, strict=True)
-            ]
-        }
+        closing = [None] * len(accounts) if loops is None else list(loops)
+        queries = []
+        for account, asked, loop in zip(accounts, each, closing, strict=True):
+            query: dict[str, Any] = {
+                "account": account,
+                "hops": hops,
+                "parts": asked,
+                "min_average": format(min_average, "f"),
+            }
+            if loop is not None:
+                query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=loop[2])
+            queries.append(query)
+        body = {"queries": queries}
         answer = await self._send("relations", lambda base: base / "relations", body)
         return _answers(answer, len(accounts), "relations")
 
@@ -238,11 +254,15 @@ def _answers(answer: dict[str, Any], expected: int, dependency: str) -> list[dic
 
 
 async def evidence_for(
-    client: DependencyClient, payments: Sequence[tuple[str, str, datetime]], min_average: Decimal = Decimal(0)
+    client: DependencyClient,
+    payments: Sequence[tuple[str, str, datetime]],
+    min_average: Decimal = Decimal(0),
+    loop_hops: int = LOOP_HOPS,
 ) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(payer aggregates, payee aggregates, payer relations, payee relations) for each (payer, payee, at):
     two requests in all, asked concurrently, whatever the number of payments. `min_average` is what a
-    heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`)."""
+    heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`), `loop_hops` the
+    longest cycle the payment may close (their `cycle_max_hops`)."""
     if not payments:
         return []
     aggregates, relations = await asyncio.gather(
@@ -251,6 +271,7 @@ async def evidence_for(
             [account for payer, payee, _ in payments for account in (payer, payee)],
             parts=[parts for _ in payments for parts in (PAYER_PARTS, PAYEE_PARTS)],
             min_average=min_average,
+            loops=[loop for payer, _, at in payments for loop in (None, (payer, at, loop_hops))],
         ),
     )
     return [

@@ -13,6 +13,16 @@ transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled
   through distinct other accounts (a self-payment moves no money between parties: it makes no cycle and
   is part of none); among equally short ones the smallest path (code-point order). With at most 3 hops a
   cycle is one join per length, which PostgreSQL answers from the primary key.
+- `loop` (answered only when asked, with `closing` and `at`): the shortest cycle that a payment from
+  `closing` into the account at `at` closes, if money can have gone around it in time: a path account ->
+  ... -> closing of at most `loop_hops` - 1 edges through distinct accounts, each edge paid no earlier
+  than the one before and within LOOP_SPAN before `at`. Edges keep only their first and last times, so an
+  edge is taken at max(the time reached, its first payment) if its last payment is not earlier: exact for
+  edges of one payment, and never missing a loop otherwise. Found level by level from the account (one
+  statement per level for the whole batch); an account is taken again at a deeper level only if reached
+  earlier in time, which keeps every level's frontier to distinct accounts. AMLworld's cycles run to 13
+  hops over days; B's `cycle` sees 3. {"found", "path": [account, ..., closing, account], "complete"};
+  `complete` is false when a level reached more than LOOP_FRONTIER accounts and the search stopped.
 
 The layering parts look only at *heavy* edges: an edge row (one currency) whose average payment is at
 least the query's `min_average` (default 0: every edge). Laundering moves large sums through few hands;
@@ -34,6 +44,7 @@ Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python co
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -44,18 +55,31 @@ from aml_app.dependencies.copy import copy_arrow
 from aml_app.dependencies.store import Schema, as_of_json, iso_text, money_text
 
 MAX_HOPS = 3
+#: The parts answered when a query names none.
 PARTS = ("out", "in", "neighbourhood", "cycle", "chain", "sources", "co_payees")
+#: Every part a query may name: `loop` needs the closing payment's payer and time, so it is never a default.
+ALL_PARTS = (*PARTS, "loop")
+LOOP_MAX_HOPS = 16
+LOOP_HOPS = 12
+#: How far back before `at` a loop may start (AMLworld's laundering cycles span up to about a week).
+LOOP_SPAN = timedelta(days=14)
+#: The most accounts one level of a loop search may reach before it stops (`complete` false).
+LOOP_FRONTIER = 5000
 #: At most this many `sources` and `co_payees` in an answer, the strongest first.
 LISTED = 10
 
 
 class Query(NamedTuple):
-    """One question to Service B: an account, how far to look, which parts, and what counts as heavy."""
+    """One question to Service B: an account, how far to look, which parts, and what counts as heavy;
+    for `loop`, the payment that would close it (its payer and time) and the longest loop."""
 
     account: str
     hops: int
     parts: Sequence[str]
     min_average: Decimal = Decimal(0)
+    closing: str | None = None
+    at: datetime | None = None
+    loop_hops: int = LOOP_HOPS
 
 
 SCHEMA = Schema(
@@ -123,11 +147,30 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
 # --- queries --------------------------------------------------------------------------------------
 
 
-def check_query(hops: int, parts: Iterable[str], min_average: Decimal = Decimal(0)) -> None:
+def check_query(
+    hops: int,
+    parts: Iterable[str],
+    min_average: Decimal = Decimal(0),
+    closing: str | None = None,
+    at: datetime | None = None,
+    loop_hops: int = LOOP_HOPS,
+) -> None:
     if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
         raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
-    if not set(parts) <= set(PARTS):
-        raise ValueError(f"parts must be among {', '.join(PARTS)}, got {sorted(parts)}")
+    parts = list(parts)
+    if not set(parts) <= set(ALL_PARTS):
+        raise ValueError(f"parts must be among {', '.join(ALL_PARTS)}, got {sorted(parts)}")
+    if "loop" in parts:
+        if not isinstance(closing, str) or not closing or not isinstance(at, datetime) or at.tzinfo is None:
+            raise ValueError(
+                "the loop part needs `closing` (an account) and `at` (an instant with a timezone)"
+            )
+        if (
+            isinstance(loop_hops, bool)
+            or not isinstance(loop_hops, int)
+            or not 2 <= loop_hops <= LOOP_MAX_HOPS
+        ):
+            raise ValueError(f"loop_hops must be an integer from 2 to {LOOP_MAX_HOPS}, got {loop_hops!r}")
     if not isinstance(min_average, Decimal) or not min_average.is_finite() or min_average < 0:
         raise ValueError(f"min_average must be a finite Decimal >= 0, got {min_average!r}")
 
@@ -290,6 +333,91 @@ async def _cycles(cur: Any, edges: sql.Composable, accounts: list[str], hops: in
     return found
 
 
+# One level of the loop searches of a batch: from each (search, account, time reached) of the frontier,
+# the accounts its out-edges reach in time, with the earliest time each is reached (over the edge's
+# currencies). An edge counts if it was paid at or before `at`, last paid no earlier than the time reached,
+# and leads to another account than the search's start and the payer itself.
+_LOOP_LEVEL = """
+SELECT f.k, f.account, e.payee, min(greatest(f.reached, e.first_seen))
+FROM unnest(%(searches)s::int[], %(accounts)s::text[], %(reached)s::timestamptz[], %(ats)s::timestamptz[],
+    %(starts)s::text[]) AS f(k, account, reached, at, start)
+JOIN {edges} e ON e.payer = f.account COLLATE "C"
+WHERE e.last_seen >= f.reached AND e.first_seen <= f.at AND e.payee <> e.payer AND e.payee <> f.start
+GROUP BY f.k, f.account, e.payee
+"""
+
+#: A search's label of an account: the earliest time money can have reached it, and the path that did.
+Label = tuple[datetime, tuple[str, ...]]
+
+
+def loop_level(
+    frontier: Mapping[str, Label],
+    steps: Iterable[tuple[str, str, datetime]],
+    best: dict[str, datetime],
+    closing: str,
+) -> tuple[list[tuple[str, ...]], dict[str, Label]]:
+    """One level of a loop search, given the steps (from, to, time reached) out of `frontier`: the paths
+    that reach `closing` (the cheapest first: earliest, then smallest path) and the next frontier. `best`
+    (account -> earliest time reached at any level so far) is updated: an account reached no earlier than
+    before is not taken again, since whatever it could reach from there it reached already."""
+    found: list[Label] = []
+    nxt: dict[str, Label] = {}
+    for source, target, reached in steps:
+        path = (*frontier[source][1], target)
+        if target == closing:
+            found.append((reached, path))
+        elif (target not in best or reached < best[target]) and (
+            target not in nxt or (reached, path) < nxt[target]
+        ):
+            nxt[target] = (reached, path)
+    for account, (reached, _path) in nxt.items():
+        best[account] = reached
+    return [path for _reached, path in sorted(found)], nxt
+
+
+async def _loops(cur: Any, edges: sql.Composable, asked: Sequence[Query]) -> list[dict[str, Any]]:
+    """The `loop` part of each query (see the module docstring), all searches one level at a time."""
+    answers = [{"found": False, "path": [], "complete": True} for _ in asked]
+    starts = {k: q.at - LOOP_SPAN for k, q in enumerate(asked) if q.at is not None}
+    frontiers: dict[int, dict[str, Label]] = {
+        k: {asked[k].account: (t, (asked[k].account,))} for k, t in starts.items()
+    }
+    bests: dict[int, dict[str, datetime]] = {k: {asked[k].account: t} for k, t in starts.items()}
+    level = 0
+    while frontiers:
+        level += 1
+        rows = [
+            (k, account, label[0]) for k, frontier in frontiers.items() for account, label in frontier.items()
+        ]
+        await cur.execute(
+            sql.SQL(_LOOP_LEVEL).format(edges=edges),
+            {
+                "searches": [k for k, _, _ in rows],
+                "accounts": [a for _, a, _ in rows],
+                "reached": [t for _, _, t in rows],
+                "ats": [asked[k].at for k, _, _ in rows],
+                "starts": [asked[k].account for k, _, _ in rows],
+            },
+        )
+        steps: dict[int, list[tuple[str, str, datetime]]] = {k: [] for k in frontiers}
+        for k, source, target, reached in await cur.fetchall():
+            steps[k].append((source, target, reached))
+        for k in list(frontiers):
+            q = asked[k]
+            found, nxt = loop_level(frontiers[k], sorted(steps[k]), bests[k], q.closing or "")
+            if found:
+                answers[k] = {"found": True, "path": [*found[0], q.account], "complete": True}
+                del frontiers[k]
+            elif not nxt or level + 1 >= q.loop_hops:
+                del frontiers[k]
+            elif len(nxt) > LOOP_FRONTIER:
+                answers[k]["complete"] = False
+                del frontiers[k]
+            else:
+                frontiers[k] = nxt
+    return answers
+
+
 async def _neighbourhood(cur: Any, edges: sql.Composable, account: str, hops: int) -> list[dict[str, Any]]:
     distance = {account: 0}
     frontier = [account]
@@ -322,7 +450,7 @@ async def relations_many(
     """
     asked = [Query(*q) for q in queries]
     for q in asked:
-        check_query(q.hops, q.parts, q.min_average)
+        check_query(q.hops, q.parts, q.min_average, q.closing, q.at, q.loop_hops)
     answers = []
     for q in asked:
         answer: dict[str, Any] = {
@@ -331,9 +459,11 @@ async def relations_many(
             "as_of": as_of_json(as_of),
             "log": log,
         }
-        for part in PARTS:
+        for part in ALL_PARTS:
             if part in q.parts:
                 answer[part] = {"found": False, "path": []} if part == "cycle" else []
+        if "loop" in q.parts:
+            answer["loop"] = {"found": False, "path": [], "complete": True}
         answers.append(answer)
     if schema is None or not asked:
         return answers
@@ -352,6 +482,11 @@ async def relations_many(
         cycles = await _cycles(cur, edges, [asked[i].account for i in indexes], hops)
         for k, i in enumerate(indexes, start=1):
             answers[i]["cycle"] = cycles[k]
+    looping = [i for i, q in enumerate(asked) if "loop" in q.parts]
+    if looping:
+        loops = await _loops(cur, edges, [asked[i] for i in looping])
+        for i, loop in zip(looping, loops, strict=True):
+            answers[i]["loop"] = loop
     for (hops, min_average), indexes in _grouped(asked, "chain", lambda q: (q.hops, q.min_average)).items():
         chains = await _chains(cur, edges, [asked[i].account for i in indexes], hops, min_average)
         for k, i in enumerate(indexes, start=1):

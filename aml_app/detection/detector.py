@@ -30,6 +30,7 @@ from typing import Any, NamedTuple
 
 from aml_app.app import alerts_topic, app, send_decision, settings
 from aml_app.dependencies.client import (
+    LOOP_HOPS,
     DependencyClient,
     DependencyUnavailable,
     evidence_for,
@@ -88,12 +89,18 @@ class Detector:
     """A gated service's handler; one per worker, shared by every partition lane."""
 
     def __init__(
-        self, service: str, rules: Rules, client: DependencyClient, min_average: Decimal = Decimal(0)
+        self,
+        service: str,
+        rules: Rules,
+        client: DependencyClient,
+        min_average: Decimal = Decimal(0),
+        loop_hops: int = LOOP_HOPS,
     ) -> None:
         self.service = service
         self.rules = rules
         self.client = client
         self.min_average = min_average  # what a heavy edge is, for B's layering parts
+        self.loop_hops = loop_hops  # the longest cycle B looks for
         self.stats = DetectorStats()
 
     async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
@@ -182,7 +189,7 @@ class Detector:
                 for i in todo
             ]
             try:
-                answers = await evidence_for(self.client, questions, self.min_average)
+                answers = await evidence_for(self.client, questions, self.min_average, self.loop_hops)
             except DependencyUnavailable as exc:
                 self.stats.unavailable += 1
                 first = items[todo[0]][1]
@@ -310,7 +317,8 @@ def detecting_service(service: str, rules: Rules) -> Detector:
     from aml_app.gate.agent import gated_agent
 
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
-    detector = Detector(service, rules, client, settings.aml_thresholds.graph_min_average)
+    thresholds = settings.aml_thresholds
+    detector = Detector(service, rules, client, thresholds.graph_min_average, thresholds.cycle_max_hops)
     gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 
     @app.on_before_shutdown.connect

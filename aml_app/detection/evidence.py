@@ -187,10 +187,12 @@ class Edge:
 
 @dataclass(frozen=True)
 class Cycle:
-    """The shortest directed cycle from the account back to itself (path starts and ends there)."""
+    """The shortest directed cycle from the account back to itself (path starts and ends there); for a
+    `loop`, `complete` is false when B stopped searching before it could say there is none."""
 
     found: bool = False
     path: tuple[str, ...] = ()
+    complete: bool = True
 
     @property
     def hops(self) -> int:
@@ -205,7 +207,8 @@ class Relations:
     defined them: `chain` is the longest heavy path ending at the account (accounts in order, the account
     last; empty when none), `sources` maps a source to the intermediates through which it reaches the
     account in two heavy steps, `co_payees` maps an account to the number of heavy payers it shares with
-    this one.
+    this one. `loop` is the cycle that the payment being decided closes (asked about its payee, the
+    cycle's start: path payee, ..., payer, payee), if money can have gone around it in time.
     """
 
     account: str
@@ -218,6 +221,7 @@ class Relations:
     chain: tuple[str, ...] = ()
     sources: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     co_payees: Mapping[str, int] = field(default_factory=dict)
+    loop: Cycle = field(default_factory=Cycle)
 
     @classmethod
     def from_json(cls, doc: Any) -> Relations:
@@ -254,6 +258,7 @@ class Relations:
             chain=_chain(doc.get("chain", []), account, hops, where),
             sources=_listed(doc, "sources", "source", "via", where),
             co_payees=_listed(doc, "co_payees", "account", "shared", where),
+            loop=_loop(doc.get("loop", {"found": False, "path": []}), account, where),
         )
 
 
@@ -287,21 +292,35 @@ def _listed(answer: Mapping[str, Any], part: str, key: str, value: str, where: s
     return found
 
 
-def _cycle(doc: Any, account: str, hops: int, where: str) -> Cycle:
-    found = _need(doc, "found", f"{where}.cycle")
-    raw_path = _need(doc, "path", f"{where}.cycle")
+#: The longest loop Service B looks for (its `loop_hops` limit).
+LOOP_MAX_HOPS = 16
+
+
+def _loop(doc: Any, account: str, where: str) -> Cycle:
+    complete = doc.get("complete", True) if isinstance(doc, Mapping) else True
+    if not isinstance(complete, bool):
+        raise ValueError(f"{where}.loop.complete must be true or false, got {complete!r}")
+    found = _cycle(doc, account, LOOP_MAX_HOPS, where, "loop")
+    if found.found and len(set(found.path[:-1])) < len(found.path) - 1:
+        raise ValueError(f"{where}.loop.path must pass through distinct accounts, got {list(found.path)}")
+    return Cycle(found.found, found.path, complete)
+
+
+def _cycle(doc: Any, account: str, hops: int, where: str, part: str = "cycle") -> Cycle:
+    found = _need(doc, "found", f"{where}.{part}")
+    raw_path = _need(doc, "path", f"{where}.{part}")
     if not isinstance(found, bool):
-        raise ValueError(f"{where}.cycle.found must be true or false, got {found!r}")
+        raise ValueError(f"{where}.{part}.found must be true or false, got {found!r}")
     if not isinstance(raw_path, list):
-        raise ValueError(f"{where}.cycle.path must be a list, got {raw_path!r}")
-    path = tuple(_text(a, f"{where}.cycle.path") for a in raw_path)
+        raise ValueError(f"{where}.{part}.path must be a list, got {raw_path!r}")
+    path = tuple(_text(a, f"{where}.{part}.path") for a in raw_path)
     if not found:
         if path:
-            raise ValueError(f"{where}.cycle has a path but found is false")
+            raise ValueError(f"{where}.{part} has a path but found is false")
         return Cycle()
     if len(path) < 2 or path[0] != account or path[-1] != account or len(path) - 1 > hops:
         raise ValueError(
-            f"{where}.cycle.path must start and end at {account!r} with 1..{hops} edges, got {list(path)}"
+            f"{where}.{part}.path must start and end at {account!r} with 1..{hops} edges, got {list(path)}"
         )
     return Cycle(found=True, path=path)
 

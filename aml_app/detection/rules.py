@@ -196,18 +196,21 @@ def fan_out(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
 
 
 def cycle(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
-    """Money returns to the payer within a few hops, and this payment is the cycle's first edge (so the
-    alert lands on a payment that is part of the loop, not on any payment of an account on a loop)."""
-    found = evidence.payer_relations.cycle
+    """Money that left the payee comes back to it through this payment: Service B's `loop`, a cycle of
+    `cycle_min_hops`..`cycle_max_hops` payments, each paid no earlier than the one before, that this payment
+    closes. Time order keeps out a cycle that money could not have gone around (paid back before it was
+    paid out); AMLworld's cycles run up to 13 payments over days."""
+    found = evidence.payee_relations.loop
     if not found.found or not thresholds.cycle_min_hops <= found.hops <= thresholds.cycle_max_hops:
         return None
-    if found.path[1] != evidence.payee:
+    if found.path[-2] != evidence.payer:
         return None
     return Hit(
         rule="aml.cycle",
         typology="cycle",
         reason=(
-            f"Money from {evidence.payer} comes back to it in {found.hops} hops: {' -> '.join(found.path)}."
+            f"Money from {evidence.payee} comes back to it in {found.hops} payments, each after the one "
+            f"before, this one last: {' -> '.join(found.path)}."
         ),
         figures={"hops": found.hops, "max_hops": thresholds.cycle_max_hops},
         path=found.path,

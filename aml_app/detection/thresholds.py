@@ -40,7 +40,7 @@ class AmlThresholds:
     fan_out_min_average: Decimal = Decimal("1000")
     fan_max_payments_per_counterparty: Decimal = Decimal("1.25")
     cycle_min_hops: int = 2
-    cycle_max_hops: int = 3
+    cycle_max_hops: int = 12
     pass_through_min_received: Decimal = Decimal("5000")
     pass_through_min_ratio: Decimal = Decimal("0.8")
     graph_min_average: Decimal = Decimal("1000")
@@ -95,8 +95,8 @@ LIMITS: dict[str, tuple[Any, Any, str]] = {
         Decimal(1000),
         "a fan's payments over its counterparties in 7 days (1: each exactly once)",
     ),
-    "cycle_min_hops": (1, 3, "shortest cycle that counts; 1 would include self-payments"),
-    "cycle_max_hops": (1, 3, "longest cycle that counts; Service B looks at most 3 hops deep"),
+    "cycle_min_hops": (2, 16, "shortest cycle that counts, in payments (a self-payment is none)"),
+    "cycle_max_hops": (2, 16, "longest cycle that counts, in payments; Service B looks at most 16 deep"),
     "pass_through_min_received": (Decimal("0.01"), Decimal("1e12"), "amount received by the payer in 1h"),
     "pass_through_min_ratio": (Decimal("0.01"), Decimal(1), "share of the 1h receipts sent on in that hour"),
     "graph_min_average": (Decimal(0), Decimal("1e12"), "average payment of an edge the layering rules count"),

@@ -15,6 +15,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from aml_app.dependencies.client import (
+    LOOP_HOPS,
     PAYEE_PARTS,
     PAYER_PARTS,
     DependencyClient,
@@ -36,7 +37,7 @@ async def gather_answers(client: DependencyClient, payer: str, payee: str, at: d
             client.aggregates(payer, at),
             client.aggregates(payee, at),
             client.relations(payer, parts=PAYER_PARTS),
-            client.relations(payee, parts=PAYEE_PARTS),
+            client.relations(payee, parts=PAYEE_PARTS, loop=(payer, at, LOOP_HOPS)),
         )
     )
 
@@ -69,14 +70,17 @@ async def test_answers_for_a_payment_with_one_pooled_session(stores: str) -> Non
         # An account id with '/' and non-ASCII characters is one path segment.
         assert payee_agg["account"] == "a/b ü" and payee_agg["windows"]["1h"]["received_count"] == 1
         # Only the parts the detectors use (hops 3): no neighbourhood.
-        assert set(payer_rel) == {"account", "hops", "as_of", "log", "out", "cycle", "chain"}
-        assert set(payee_rel) == {"account", "hops", "as_of", "log", "sources", "co_payees"}
-        assert payer_rel["hops"] == 3 and payer_rel["cycle"] == {"found": True, "path": ["A", "B", "C", "A"]}
+        assert set(payer_rel) == {"account", "hops", "as_of", "log", "out", "chain"}
+        assert set(payee_rel) == {"account", "hops", "as_of", "log", "sources", "co_payees", "loop"}
+        assert payer_rel["hops"] == 3 and [e["counterparty"] for e in payer_rel["out"]] == ["B", "a/b ü"]
+        # A B C A is no loop: C paid A two days before A paid B.
+        _, _, _, loop = await gather_answers(client, "C", "A", T0)
+        assert loop["loop"] == {"found": False, "path": [], "complete": True}
         session = client._client()
         for _ in range(5):
             await gather_answers(client, "A", "B", T0)
         assert client._client() is session, "a new session (and connections) per request"
-        assert client.stats.requests == 24 and client.stats.failures == 0
+        assert client.stats.requests == 28 and client.stats.failures == 0
 
 
 async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_answers(stores: str) -> None:
@@ -149,7 +153,7 @@ async def test_requests_take_turns_over_the_replicas_and_survive_one_going_down(
         try:
             for _ in range(4):
                 answers = await evidence_for(client, [("A", "B", T0)])
-                assert answers[0][2]["cycle"]["found"] is True
+                assert answers[0][2]["out"] and answers[0][3]["loop"]["complete"] is True
             assert client.stats.requests == 8 and client.stats.failures == 0
         finally:
             await client.close()

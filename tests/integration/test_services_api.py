@@ -118,6 +118,14 @@ async def test_relations_answers(stores: str) -> None:
         assert some == {k: body[k] for k in ("account", "hops", "as_of", "log", "out", "cycle")}
         nothing_stored = await get(client, "/relations/nobody?parts=neighbourhood")
         assert set(nothing_stored) == {"account", "hops", "as_of", "log", "neighbourhood"}
+        # A loop goes forward in time: C paid A, A paid B; B paying C at T0 closes C A B C. The cycle
+        # A B C A of the same edges is no loop closed by C paying A: C paid A first.
+        at = quote("2026-03-01T12:00:00+00:00", safe="")
+        loop = await get(client, f"/relations/C?parts=loop&closing=B&at={at}")
+        assert loop["loop"] == {"found": True, "path": ["C", "A", "B", "C"], "complete": True}
+        assert (await get(client, f"/relations/A?parts=loop&closing=C&at={at}"))["loop"]["found"] is False
+        short = await get(client, f"/relations/C?parts=loop,out&closing=B&at={at}&loop_hops=2")
+        assert short["loop"]["found"] is False and [e["counterparty"] for e in short["out"]] == ["A"]
 
 
 async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: str) -> None:
@@ -150,6 +158,15 @@ async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: s
         ("parts=cycle,edges", "parts must be a comma-separated list of out, in, neighbourhood, cycle"),
         ("parts=", "got ''"),
         ("parts=out&parts=in", "given 2 times"),
+        ("parts=loop&at=2026-03-01T12:00:00Z", "the part loop needs closing"),
+        ("parts=loop&closing=B", "the part loop needs at"),
+        ("parts=loop&closing=B&at=yesterday", "at must be an ISO-8601 instant"),
+        (
+            "parts=loop&closing=B&at=2026-03-01T12:00:00Z&loop_hops=17",
+            "loop_hops must be a whole number from 2",
+        ),
+        ("parts=loop&closing=B&at=2026-03-01T12:00:00Z&loop_hops=1", "from 2 to 16"),
+        ("parts=out&closing=B", "belong to the part loop, which is not asked"),
     ],
 )
 async def test_relations_bad_parameters(store_url: str, query: str, words: str) -> None:
@@ -373,12 +390,14 @@ async def test_batches_answer_like_the_single_queries_from_one_snapshot(stores: 
             {"account": "A", "hops": 3, "parts": "out,cycle"},
             {"account": "a/b ü", "hops": "1"},
             {"account": "nobody"},
+            {"account": "C", "parts": "loop", "closing": "B", "at": "2026-03-01T12:00:00Z", "loop_hops": 3},
         ]
         batch = await post(r, "/relations", {"queries": queries})
         singles = [
             await get(r, "/relations/A?hops=3&parts=out,cycle"),
             await get(r, "/relations/" + quote("a/b ü", safe="") + "?hops=1"),
             await get(r, "/relations/nobody"),
+            await get(r, "/relations/C?parts=loop&closing=B&at=2026-03-01T12:00:00Z&loop_hops=3"),
         ]
         assert batch == {"answers": singles}
         at = "2026-03-01T12:00:00Z"
@@ -404,6 +423,16 @@ async def test_batches_answer_like_the_single_queries_from_one_snapshot(stores: 
         ("/relations", {"queries": [{"account": "A", "hops": 4}]}, "hops must be a whole number from 1 to 3"),
         ("/relations", {"queries": [{"account": "A", "parts": "edges"}]}, "parts must be a comma-separated"),
         ("/relations", {"queries": [{"account": "x" * 129}]}, "at most 128 characters"),
+        (
+            "/relations",
+            {"queries": [{"account": "A", "parts": "loop", "at": "2026-03-01T12:00:00Z"}]},
+            "queries[0]: the part loop needs closing",
+        ),
+        (
+            "/relations",
+            {"queries": [{"account": "A", "parts": "loop", "closing": "B", "at": 5}]},
+            "queries[0].at must be a string",
+        ),
     ],
 )
 async def test_bad_batches_get_a_400_sentence(store_url: str, path: str, body: Any, words: str) -> None:

@@ -32,7 +32,7 @@ from aml_app.pipeline.runner import spark_session
 from aml_app.pipeline.transforms import batch_outputs
 from aml_app.settings import Settings
 from tests.payments import PaymentRow
-from tests.reference import exact_from, reference_aggregates, reference_relations
+from tests.reference import exact_from, is_loop, reference_aggregates, reference_loop, reference_relations
 from tests.reference import money_text as reference_money_text
 from tests.stores import (
     aggregates_answers,
@@ -163,6 +163,31 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
                 assert answer["as_of"] == expected_as_of
                 assert without_as_of(answer) == reference_relations(scenario.payments, account, hops, heavy)
+        # Loops: every (account, closing payer) pair at instants inside and after the drawn ten days, with
+        # the shortest and longest limits and one between.
+        ats = [T0 + timedelta(days=d) for d in (2, 5, 11)] + [p.ts for p in scenario.payments[:2]]
+        loop_queries = [
+            relations.Query(a, 1, ["loop"], Decimal(0), x, at, most)
+            for a in ACCOUNTS
+            for x in ACCOUNTS
+            if x != a
+            for at in ats
+            for most in (2, 3, 16)
+        ]
+        for q, answer in zip(loop_queries, run(relations_answers(url, loop_queries)), strict=True):
+            assert q.closing is not None and q.at is not None
+            expected = reference_loop(
+                scenario.payments, q.account, q.closing, q.at, q.loop_hops, relations.LOOP_SPAN
+            )
+            found = answer["loop"]
+            assert (found["found"], len(found["path"]), found["complete"]) == (
+                expected["found"],
+                len(expected["path"]),
+                True,
+            ), q
+            if found["found"]:
+                assert found["path"][-2] == q.closing
+                assert is_loop(scenario.payments, found["path"], q.at, relations.LOOP_SPAN), q
         # Any batch applied again changes nothing: the last one is recognised as done, others are refused.
         before = run(relations_answers(url, [(a, 3, relations.PARTS) for a in ACCOUNTS]))
         for batch in scenario.batches:
@@ -354,6 +379,42 @@ async def test_cycles(spark: Any, store_url: str) -> None:
             assert without_as_of(await one_relation(store_url, account, hops)) == reference_relations(
                 payments, account, hops
             )
+
+
+async def test_loops_go_forward_in_time_within_the_span_and_stop_at_the_frontier_cap(
+    spark: Any, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    day = timedelta(days=1)
+    payments = rows(
+        ("A", "B", "1", T0),
+        ("B", "C", "1", T0 + day),
+        ("C", "D", "1", T0 + 2 * day),  # A B C D: in time order
+        ("C", "X", "1", T0 - day),  # C X before A paid B: money cannot have gone A B C X
+        ("B", "X", "1", T0 + 3 * day, "USD"),
+        ("B", "X", "1", T0 - 2 * day),  # B X in two currencies, one of them in time
+        ("D", "E", "1", T0 + 20 * day),  # long after: outside the span of a loop closed at day 3
+        ("A", "A", "1", T0),  # a self-payment is part of no loop
+        *[("A", f"F{i:02d}", "1", T0) for i in range(12)],  # a wide first level for the cap
+    )
+    apply_payments(spark, store_url, "relations", payments)
+
+    async def loop(account: str, closing: str, at: datetime, most: int = 12) -> dict[str, Any]:
+        query = relations.Query(account, 1, ["loop"], Decimal(0), closing, at, most)
+        return (await relations_answers(store_url, [query]))[0]["loop"]
+
+    at = T0 + 3 * day
+    assert await loop("A", "D", at) == {"found": True, "path": ["A", "B", "C", "D", "A"], "complete": True}
+    assert (await loop("A", "D", at, most=3))["found"] is False  # 4 payments around
+    assert (await loop("A", "D", T0 + 36 * timedelta(hours=1)))["found"] is False  # C D not paid yet
+    assert await loop("A", "X", at) == {"found": True, "path": ["A", "B", "X", "A"], "complete": True}
+    assert (await loop("A", "E", T0 + 21 * day))["found"] is False  # A B paid 21 days before: past the span
+    assert (await loop("B", "E", T0 + 21 * day))["found"] is False
+    assert (await loop("D", "E", T0 + 21 * day))["found"] is True
+    assert (await loop("A", "A", at))["found"] is False
+    assert is_loop(payments, ["A", "B", "C", "D", "A"], at, relations.LOOP_SPAN)
+    assert not is_loop(payments, ["A", "B", "C", "X", "A"], at, relations.LOOP_SPAN)
+    monkeypatch.setattr(relations, "LOOP_FRONTIER", 10)
+    assert await loop("A", "D", at) == {"found": False, "path": [], "complete": False}
 
 
 async def test_unknown_account_and_a_store_without_tables(spark: Any, store_url: str) -> None:

@@ -91,6 +91,7 @@ class FakeDependencies:
         hops: int = 3,
         parts: str | Sequence[str] = "out,cycle",
         min_average: Decimal = Decimal(0),
+        loops: Sequence[tuple[str, datetime, int] | None] | None = None,
     ) -> list[dict[str, Any]]:
         n, as_of = self._round("relations", list(accounts))
         return [

@@ -104,8 +104,10 @@ def relations(
     chain: list[str] | None = None,
     sources: dict[str, list[str]] | None = None,
     co_payees: dict[str, int] | None = None,
+    loop: list[str] | None = None,
 ) -> dict:
     return {
+        "loop": {"found": loop is not None, "path": loop or [], "complete": True},
         "account": account,
         "hops": 3,
         "as_of": {"0": 12},
@@ -268,24 +270,31 @@ def test_fan_reads_seven_days() -> None:
 
 
 @pytest.mark.parametrize(
-    ("path", "payee", "thresholds", "fires"),
+    ("loop", "payer", "thresholds", "fires"),
     [
-        (["a", "b", "c", "a"], "b", AML, True),
-        (["a", "b", "a"], "b", AML, True),
-        (["a", "b", "c", "a"], "c", AML, False),  # the account is on a cycle, this payment is not
-        (["a", "b", "c", "a"], "b", aml(cycle_max_hops=2), False),
-        (["a", "a"], "a", AML, False),  # a self-payment is not laundering by default (min 2 hops)
-        (["a", "a"], "a", aml(cycle_min_hops=1), True),
-        (None, "b", AML, False),
+        (["b", "c", "a", "b"], "a", AML, True),  # b -> c -> a, then this payment a -> b closes it
+        (["b", "a", "b"], "a", AML, True),
+        (["b", "c", "d", "e", "f", "g", "h", "i", "j", "k", "l", "a", "b"], "a", AML, True),  # 12 payments
+        (["b", "c", "a", "b"], "c", AML, False),  # c is on the loop, but this payment is not its last
+        (["b", "c", "a", "b"], "a", aml(cycle_max_hops=2), False),
+        (["b", "a", "b"], "a", aml(cycle_min_hops=3), False),
+        (None, "a", AML, False),
     ],
 )
-def test_cycle(path: list[str] | None, payee: str, thresholds: AmlThresholds, fires: bool) -> None:
-    hit = cycle(evidence(payee=payee, payer_relations=relations("a", path=path)), thresholds)
+def test_cycle(loop: list[str] | None, payer: str, thresholds: AmlThresholds, fires: bool) -> None:
+    payee_relations = relations("b", loop=loop)
+    hit = cycle(evidence(payer=payer, payee="b", payee_relations=payee_relations), thresholds)
     assert (hit is not None) is fires
     if hit:
-        assert hit.path == tuple(path or ())
-        assert hit.figures["hops"] == len(path or ()) - 1
-        assert " -> ".join(path or ()) in hit.reason
+        assert hit.path == tuple(loop or ())
+        assert hit.figures["hops"] == len(loop or ()) - 1
+        assert " -> ".join(loop or ()) in hit.reason
+
+
+def test_cycle_reads_the_loop_of_the_payee_not_the_shortest_cycle_of_the_payer() -> None:
+    """B's `cycle` of the payer (any shortest cycle, in no time order) is not what the rule reads."""
+    untimed = evidence(payer_relations=relations("a", path=["a", "b", "a"]))
+    assert cycle(untimed, AML) is None
 
 
 # --------------------------------------------------------------------------- pass-through
@@ -484,10 +493,10 @@ def test_aml_rules_returns_every_hit_in_typology_order() -> None:
         "9500.00",
         payer_aggregates=aggregates("a", near=9, h1=hour, d7=day),
         payee_aggregates=aggregates("b", d7=payee_day),
-        payer_relations=relations(
-            "a", out=[edge("b"), edge("c")], path=["a", "b", "a"], chain=["x", "y", "a"]
+        payer_relations=relations("a", out=[edge("b"), edge("c")], chain=["x", "y", "a"]),
+        payee_relations=relations(
+            "b", sources={"s": ["a", "m", "n"]}, co_payees={"c": 2}, loop=["b", "a", "b"]
         ),
-        payee_relations=relations("b", sources={"s": ["a", "m", "n"]}, co_payees={"c": 2}),
     )
     hits = aml_rules(everything, AML)
     # Every typology but stack, which excludes scatter_gather and bipartite (tested below).
@@ -637,6 +646,10 @@ def test_malformed_aggregates_raise_a_clear_value_error(answer: Any, message: st
         (lambda r: r.update(cycle={"found": True, "path": ["a", "b", "c", "d", "a"]}), "1..3 edges"),
         (lambda r: r.update(cycle={"found": False, "path": ["a", "b", "a"]}), "found is false"),
         (lambda r: r.update(cycle={"found": "yes", "path": []}), "true or false"),
+        (lambda r: r.update(loop={"found": True, "path": ["b", "a"]}), "loop.path must start and end at 'a'"),
+        (lambda r: r.update(loop={"found": True, "path": ["a", "b", "a", "b", "a"]}), "distinct accounts"),
+        (lambda r: r.update(loop={"found": True, "path": ["a", *"bcdefghijklmnopq", "a"]}), "1..16 edges"),
+        (lambda r: r.update(loop={"found": False, "path": [], "complete": "no"}), "loop.complete"),
         (lambda r: r.update(out=[{"counterparty": "b", "count": 1}]), "'totals'"),
         (lambda r: r.update(out={"b": 1}), "must be a list"),
         (lambda r: r.update(neighbourhood=[{"account": "b", "hops": -1}]), "hops"),
@@ -688,7 +701,7 @@ def test_thresholds_defaults() -> None:
     )
     assert AML.fan_max_payments_per_counterparty == Decimal("1.25")
     assert (AML.fan_in_min_average, AML.fan_out_min_average) == (Decimal(1000), Decimal(1000))
-    assert (AML.cycle_min_hops, AML.cycle_max_hops) == (2, 3)
+    assert (AML.cycle_min_hops, AML.cycle_max_hops) == (2, 12)
     assert (AML.pass_through_min_received, AML.pass_through_min_ratio) == (Decimal(5000), Decimal("0.8"))
     assert (FRAUD.large_new_counterparty_min_amount, FRAUD.velocity_min_count, FRAUD.velocity_multiple) == (
         Decimal(5000),
@@ -706,7 +719,11 @@ def test_thresholds_overrides_and_blank_values() -> None:
         "AML_GATE": "off",  # other variables are none of its business
     }
     aml = AmlThresholds.from_env(env)
-    assert (aml.fan_in_min_average, aml.structuring_min_count, aml.cycle_max_hops) == (Decimal("250.5"), 4, 3)
+    assert (aml.fan_in_min_average, aml.structuring_min_count, aml.cycle_max_hops) == (
+        Decimal("250.5"),
+        4,
+        12,
+    )
     assert FraudThresholds.from_env(env).velocity_multiple == Decimal("2.5")
 
 
@@ -715,8 +732,10 @@ def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
     for f in [f for f in dataclasses.fields(cls) if f.name != "rates"]:
         low, high, _ = LIMITS[f.name]
         assert low <= f.default <= high, f.name
-        at_the_limit = cls.from_env({variable(f.name): str(high)})
-        if f.name == "cycle_min_hops":
+        at_the_limit = None
+        if f.name != "cycle_min_hops":
+            at_the_limit = cls.from_env({variable(f.name): str(high)})
+        else:
             at_the_limit = cls.from_env({variable(f.name): str(high), "AML_RULE_CYCLE_MAX_HOPS": str(high)})
         assert getattr(at_the_limit, f.name) == high
         with pytest.raises(ConfigError, match=variable(f.name)):
@@ -741,7 +760,7 @@ def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
             r"AML_RULE_PASS_THROUGH_MIN_RATIO='nan' is not a finite",
         ),
         ({"AML_RULE_PASS_THROUGH_MIN_RATIO": "1.5"}, r"AML_RULE_PASS_THROUGH_MIN_RATIO=1.5 is out of range"),
-        ({"AML_RULE_CYCLE_MAX_HOPS": "4"}, r"AML_RULE_CYCLE_MAX_HOPS=4 is out of range; expected 1..3"),
+        ({"AML_RULE_CYCLE_MAX_HOPS": "17"}, r"AML_RULE_CYCLE_MAX_HOPS=17 is out of range; expected 2..16"),
         (
             {"AML_RULE_CYCLE_MIN_HOPS": "3", "AML_RULE_CYCLE_MAX_HOPS": "2"},
             r"AML_RULE_CYCLE_MIN_HOPS=3 is larger",
