@@ -88,6 +88,7 @@ class AmlworldImport:
     payments: list[AmlworldPayment]
     skipped: Counter[str] = field(default_factory=Counter)  # currency name -> rows skipped
     skipped_laundering: int = 0  # laundering rows among the skipped ones (not in `laundering`)
+    attempts: list[PatternAttempt] = field(default_factory=list)  # from a patterns file
 
     @property
     def laundering(self) -> frozenset[str]:
@@ -95,12 +96,30 @@ class AmlworldImport:
         return frozenset(p.payment_id for p in self.payments if p.is_laundering)
 
     def write_ground_truth(self, path: str | Path) -> None:
-        """JSON Lines, one `{"payment_id": ..., "is_laundering": true}` per laundering payment, in event time;
-        a payment not listed was labelled 0."""
+        """JSON Lines, one `{"payment_id": ..., "is_laundering": true}` per laundering payment, in event time,
+        with `"typology"` and `"attempt"` for a payment of a patterns file's attempt; a payment not listed
+        was labelled 0."""
+        attempt_of = {pid: a for a in self.attempts for pid in a.payment_ids}
         with open(path, "w", encoding="utf-8") as out:
             for payment in self.payments:
                 if payment.is_laundering:
-                    out.write(json.dumps({"payment_id": payment.payment_id, "is_laundering": True}) + "\n")
+                    line: dict[str, object] = {"payment_id": payment.payment_id, "is_laundering": True}
+                    attempt = attempt_of.get(payment.payment_id)
+                    if attempt is not None:
+                        line.update(typology=attempt.typology, attempt=attempt.attempt_id)
+                    out.write(json.dumps(line) + "\n")
+
+    def merged(self, other: AmlworldImport) -> AmlworldImport:
+        """This import and `other` as one, in event-time order (a stable sort: each file keeps its order
+        within a minute), e.g. a patterns file's attempts replayed into a transactions file's background."""
+        return AmlworldImport(
+            f"{self.path} + {other.path}",
+            self.rows_read + other.rows_read,
+            sorted([*self.payments, *other.payments], key=lambda p: p.ts),
+            self.skipped + other.skipped,
+            self.skipped_laundering + other.skipped_laundering,
+            [*self.attempts, *other.attempts],
+        )
 
 
 def read_amlworld(
@@ -304,6 +323,26 @@ def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> Amlw
         raise ValueError(f"{name} ends inside a laundering attempt.")
     payments.sort(key=lambda p: p.ts)
     return AmlworldPatterns(name, attempts, payments, skipped)
+
+
+def is_patterns_file(path: str | Path) -> bool:
+    """Whether the file is in the patterns layout (its first non-blank line begins an attempt) rather
+    than the transactions one (a header)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as source:
+        for raw in source:
+            if raw.strip():
+                return raw.startswith(BEGIN)
+    return False
+
+
+def read_patterns_import(path: str | Path, *, prefix: str = "amlworld-pattern") -> AmlworldImport:
+    """A patterns file (`read_patterns`) as an import: its payments, all labelled 1, and its attempts."""
+    patterns = read_patterns(path, prefix=prefix)
+    skipped = sum(patterns.skipped.values())
+    rows = len(patterns.payments) + skipped
+    return AmlworldImport(
+        patterns.path, rows, patterns.payments, patterns.skipped, skipped, patterns.attempts
+    )
 
 
 @functools.cache

@@ -1,8 +1,12 @@
-"""`aml-app import-amlworld FILE`: send IBM AMLworld's transactions to the payments topic (docs/amlworld.md).
+"""`aml-app import-amlworld FILE [FILE]`: send IBM AMLworld's transactions to the payments topic
+(docs/amlworld.md).
 
-The whole file is parsed first (`aml_app.simulation.amlworld`), so a bad row sends nothing; then payments
-go out in event-time order, keyed by payer, with the simulator's producer settings (acks=all, the
-project's Kafka servers and TLS/SASL). Every fault is one sentence and a non-zero exit, as for `simulate`.
+A file is a transactions CSV (`*_Trans.csv`) or a patterns file (`*_Patterns.txt`, its laundering attempts
+only); given one of each, the attempts are replayed into the transactions' background, in one event-time
+order. The files are parsed first (`aml_app.simulation.amlworld`), so a bad row sends nothing; then
+payments go out in event-time order, keyed by payer, with the simulator's producer settings (acks=all,
+the project's Kafka servers and TLS/SASL). Every fault is one sentence and a non-zero exit, as for
+`simulate`.
 """
 
 from __future__ import annotations
@@ -17,7 +21,14 @@ from aiokafka.errors import KafkaError
 from aml_app.kafka.security import KafkaSecurity
 from aml_app.kafka.tools import produce, started_producer
 from aml_app.settings import ConfigError, load_settings
-from aml_app.simulation.amlworld import DEFAULT_PREFIX, AmlworldImport, AmlworldPayment, read_amlworld
+from aml_app.simulation.amlworld import (
+    DEFAULT_PREFIX,
+    AmlworldImport,
+    AmlworldPayment,
+    is_patterns_file,
+    read_amlworld,
+    read_patterns_import,
+)
 
 CHUNK = 5000  # payments per produce() call; each chunk's acknowledgements are awaited before the next
 
@@ -54,25 +65,33 @@ async def send_payments(
 
 
 @click.command("import-amlworld")
-@click.argument("file", type=click.Path(exists=True, dir_okay=False))
+@click.argument(
+    "files", metavar="FILE [FILE]", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False)
+)
 @click.option(
     "--limit",
     type=click.IntRange(min=1),
     default=None,
-    help="Import only the first N data rows of the file (the real files have millions).",
+    help="Import only the first N data rows of the transactions file (the real files have millions).",
 )
 @click.option(
-    "--prefix", default=DEFAULT_PREFIX, show_default=True, help="Payment ids are <prefix>-<line of the row>."
+    "--prefix",
+    default=DEFAULT_PREFIX,
+    show_default=True,
+    help="Payment ids are <prefix>-<line of the row> (<prefix>-pattern-<line> for a patterns file).",
 )
 @click.option(
     "--truth",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
     help='Write the laundering payments here before sending: JSON Lines {"payment_id": ..., '
-    '"is_laundering": true}.',
+    '"is_laundering": true}, with "typology" and "attempt" for a patterns file\'s payments.',
 )
-def import_amlworld_command(file: str, limit: int | None, prefix: str, truth: str | None) -> None:
-    """Send an IBM AMLworld transactions CSV (*_Trans.csv) to the payments topic, in event-time order."""
+def import_amlworld_command(
+    files: tuple[str, ...], limit: int | None, prefix: str, truth: str | None
+) -> None:
+    """Send IBM AMLworld data to the payments topic, in event-time order: a transactions CSV (*_Trans.csv),
+    a patterns file (*_Patterns.txt), or one of each (the attempts replayed into the background)."""
     if not prefix.strip() or len(prefix) > 64:
         raise click.BadParameter("must be 1 to 64 characters.", param_hint="--prefix")
     try:
@@ -80,7 +99,17 @@ def import_amlworld_command(file: str, limit: int | None, prefix: str, truth: st
     except ConfigError as exc:
         raise click.ClickException(f"configuration error: {exc}") from None
     try:
-        imported = read_amlworld(file, limit=limit, prefix=prefix)
+        patterns = [f for f in files if is_patterns_file(f)]
+        transactions = [f for f in files if f not in patterns]
+        if len(patterns) > 1 or len(transactions) > 1:
+            raise ValueError(
+                f"{len(transactions)} transactions and {len(patterns)} patterns files were given; "
+                "give at most one of each"
+            )
+        parts = [read_amlworld(f, limit=limit, prefix=prefix) for f in transactions] + [
+            read_patterns_import(f, prefix=f"{prefix}-pattern") for f in patterns
+        ]
+        imported = parts[0] if len(parts) == 1 else parts[0].merged(parts[1])
         if truth is not None:
             imported.write_ground_truth(truth)
     except ValueError as exc:
@@ -89,7 +118,8 @@ def import_amlworld_command(file: str, limit: int | None, prefix: str, truth: st
         raise click.ClickException(f"could not read or write {exc.filename}: {exc.strerror}.") from None
     servers = ",".join(settings.bootstrap_servers)
     click.echo(
-        f"amlworld: {len(imported.payments)} payments from {file} to {settings.payments_topic} via {servers}"
+        f"amlworld: {len(imported.payments)} payments from {imported.path} to {settings.payments_topic} "
+        f"via {servers}"
     )
     started = time.monotonic()
     try:
@@ -120,6 +150,8 @@ def _summary(imported: AmlworldImport, sent: int, topic: str, elapsed: float, tr
             "(not sent, not in the ground truth)"
         )
     click.echo(f"  laundering: {len(imported.laundering)} payment(s) sent with Is Laundering = 1")
+    if imported.attempts:
+        click.echo(f"  attempts: {len(imported.attempts)} laundering attempt(s) of the patterns file")
     if imported.payments:
         click.echo(f"  event time {imported.payments[0].ts} .. {imported.payments[-1].ts}")
     if truth is not None:

@@ -19,6 +19,7 @@ from tests.unit.test_amlworld import HEADER, ROWS
 
 pytestmark = pytest.mark.integration
 PARTITIONS = 3
+REAL_DATA = Path(__file__).resolve().parents[1] / "data" / "amlworld"
 
 
 def import_amlworld(broker: EmbeddedBroker, topic: str, *args: str) -> subprocess.CompletedProcess[str]:
@@ -100,3 +101,38 @@ async def test_a_bad_row_sends_nothing(broker: EmbeddedBroker, tmp_path: Path) -
     assert await end_offsets([broker.bootstrap], topic, range(PARTITIONS)) == dict.fromkeys(
         range(PARTITIONS), 0
     )
+
+
+async def test_real_attempts_replay_into_real_background(broker: EmbeddedBroker, tmp_path: Path) -> None:
+    """LI-Medium's patterns file and HI-Small's first rows, in one command: every payment arrives once,
+    and the ground truth gives each attempt's payments their typology."""
+    data = REAL_DATA
+    topic = await fresh_topic(broker)
+    truth = tmp_path / "truth.jsonl"
+    result = import_amlworld(
+        broker,
+        topic,
+        str(data / "LI-Medium_Patterns.txt"),
+        str(data / "HI-Small_Trans_rows1-7500.csv"),
+        "--limit",
+        "200",
+        "--truth",
+        str(truth),
+    )
+    assert result.returncode == 0, result.stderr
+    assert "  attempts: 456 laundering attempt(s) of the patterns file" in result.stdout.splitlines()
+    sent = 200 + 3908
+    assert f"{200 + 3909} row(s) read from" in result.stdout and f"{sent} payment(s) sent" in result.stdout
+    lines = truth.read_text().splitlines()
+    assert len(lines) == 3908 and all('"typology": ' in line for line in lines)
+    reader = await TopicReader(broker.bootstrap, topic, PARTITIONS).start()
+    try:
+
+        async def all_read() -> bool:
+            await reader.poll(0.2)
+            return len(reader.records) >= sent
+
+        await wait_until(all_read, 30, f"{sent} payments on {topic}", interval=0)
+    finally:
+        await reader.stop()
+    assert len(reader.records) == sent

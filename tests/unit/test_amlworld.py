@@ -12,7 +12,13 @@ from click.testing import CliRunner
 
 from aml_app.contract import validate_payment
 from aml_app.kafka.broker import free_port
-from aml_app.simulation.amlworld import CURRENCIES, read_amlworld, read_patterns
+from aml_app.simulation.amlworld import (
+    CURRENCIES,
+    is_patterns_file,
+    read_amlworld,
+    read_patterns,
+    read_patterns_import,
+)
 from aml_app.simulation.amlworld_command import import_amlworld_command
 
 HEADER = (
@@ -307,3 +313,44 @@ def test_a_malformed_patterns_file_is_one_sentence(tmp_path: Path, text: str, fa
     path.write_text(text)
     with pytest.raises(ValueError, match=fault):
         read_patterns(path)
+
+
+def test_a_patterns_file_replays_into_a_transactions_file(tmp_path: Path) -> None:
+    """The layouts are told apart by their first line; merged, the attempts' payments take their places in
+    the background's event time, and the ground truth names each one's typology and attempt."""
+    background = tmp_path / "Trans.csv"
+    background.write_text("\n".join([HEADER, *ROWS]) + "\n")
+    patterns = tmp_path / "Patterns.txt"
+    pattern_row = ROW_OK.replace("2022/09/01 00:29", "2022/09/01 00:30")
+    patterns.write_text(
+        f"\nBEGIN LAUNDERING ATTEMPT - CYCLE:  Max 2 hops\n{pattern_row}\nEND LAUNDERING ATTEMPT\n"
+    )
+    assert is_patterns_file(patterns) and not is_patterns_file(background)
+    merged = read_amlworld(background, prefix="t").merged(read_patterns_import(patterns, prefix="t-pattern"))
+    assert [p.ts for p in merged.payments] == sorted(p.ts for p in merged.payments)
+    alone = read_amlworld(background, prefix="t")
+    assert len(merged.payments) == len(alone.payments) + 1 and merged.rows_read == alone.rows_read + 1
+    assert merged.laundering == alone.laundering | {"t-pattern-0000003"}
+    truth = tmp_path / "truth.jsonl"
+    merged.write_ground_truth(truth)
+    lines = [json.loads(line) for line in truth.read_text().splitlines()]
+    assert {
+        "payment_id": "t-pattern-0000003",
+        "is_laundering": True,
+        "typology": "cycle",
+        "attempt": "t-pattern-attempt-1",
+    } in lines
+    assert len(lines) == len(merged.laundering)
+
+
+def test_two_files_of_one_layout_are_refused_before_sending(tmp_path: Path) -> None:
+    path = write(tmp_path, [GOOD])
+    result = CliRunner().invoke(
+        import_amlworld_command,
+        [str(path), str(path)],
+        env={"KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{free_port()}"},
+    )
+    assert result.exit_code == 1
+    assert result.output.strip().splitlines() == [
+        "Error: 2 transactions and 0 patterns files were given; give at most one of each; nothing was sent."
+    ]
