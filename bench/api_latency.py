@@ -20,8 +20,12 @@ connection per client) keeps C requests in flight for a fixed duration, each for
 over all accounts):
 
     relations:  GET /relations/{account}?hops=2                  (every part: the neighbourhood too)
-                GET /relations/{account}?hops=3&parts=out,cycle  (B's detector query, one payment)
-                POST /relations, B queries like the one above    (what a detector asks per batch)
+                GET /relations/{account}?hops=3&parts=out,cycle  (B's detector query before loops)
+                POST /relations, B queries like the one above
+                GET /relations/{account}?parts=loop&closing=<random account>&at=<random instant>
+                                                                 (the cycle a payment closes, 12 deep)
+                POST /relations, B/2 payments as a detector asks about them: the payer's out and
+                    chain, the payee's sources, co_payees and loop (min_average 1000)
     aggregates: GET /aggregates/{account}?at=<random instant inside the data's time range>  (C's window
                 query: the 1 h, 24 h and 7 d windows of one account)
                 POST /aggregates, B such queries
@@ -64,6 +68,7 @@ from typing import Any
 import aiohttp
 
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.client import LOOP_HOPS, PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.store import Writer
 from aml_app.harness.dependencies import ApiProcess
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
@@ -476,6 +481,25 @@ async def main(args: argparse.Namespace) -> None:
         def relations_detector(rng: random.Random) -> Request:
             return f"/relations/{rng.choice(accounts)}", {"hops": "3", "parts": "out,cycle"}, None, 1
 
+        def relations_loop(rng: random.Random) -> Request:
+            closing, at = rng.choice(accounts), instant(rng)
+            return (
+                f"/relations/{rng.choice(accounts)}",
+                {"parts": "loop", "closing": closing, "at": at},
+                None,
+                1,
+            )
+
+        def relations_evidence(rng: random.Random) -> Request:
+            queries = []
+            for _ in range(args.batch // 2):
+                payer, payee = rng.choice(accounts), rng.choice(accounts)
+                common = {"hops": 3, "min_average": "1000"}
+                queries.append({"account": payer, "parts": PAYER_PARTS, **common})
+                loop = {"closing": payer, "at": instant(rng), "loop_hops": LOOP_HOPS}
+                queries.append({"account": payee, "parts": PAYEE_PARTS, **common, **loop})
+            return "/relations", {}, {"queries": queries}, len(queries)
+
         def aggregates_one(rng: random.Random) -> Request:
             return f"/aggregates/{rng.choice(accounts)}", {"at": instant(rng)}, None, 1
 
@@ -504,6 +528,8 @@ async def main(args: argparse.Namespace) -> None:
                 f"POST /relations, {args.batch} queries of hops=3 parts=out,cycle",
                 relations_batch,
             ),
+            ("relations", "GET /relations parts=loop (12 deep)", relations_loop),
+            ("relations", f"POST /relations, {args.batch} queries as a detector asks", relations_evidence),
             ("aggregates", window_label, aggregates_one),
             ("aggregates", f"POST /aggregates, {args.batch} queries", aggregates_batch),
         ]

@@ -80,10 +80,14 @@ def test_demo_on_the_real_services_decides_every_payment_and_none_prematurely(tm
         )
     assert re.search(r"API spot check\s+5 of 5 payments OK", out), context
     assert re.search(r"result\s+OK", out), context
-    # Every injected typology was caught, with no false alert.
+    # Every injected typology was caught, and every alert is on a laundering payment (patterns overlap, so
+    # an alert may name another of them: a bipartite block's payee is a fan-in too).
     for typology in ("structuring", "fan_in", "fan_out", "cycle", "pass_through"):
-        row = re.search(rf"{typology}\s+(\d+)\s+(\d+)\s+1\.000\s+(\d+)\s+1\.000", out)
+        row = re.search(rf"{typology}\s+(\d+)\s+(\d+)\s+1\.000\s+(\d+)\s+", out)
         assert row and int(row.group(1)) >= 1, f"{typology}:\n{context}"
+    assert re.search(
+        r"payments: \d+ laundering, (\d+) flagged, \1 of them laundering; precision 1\.000", out
+    ), context
     ground_truth = folder / "ground-truth.jsonl"
     assert ground_truth.exists() and len(ground_truth.read_text().splitlines()) >= 5
     # The pipeline really ran its batches, and was stopped (not killed) at the end.

@@ -58,14 +58,12 @@ def assert_every_promise(verdict: Verdict | None) -> Verdict:
     assert all(n == verdict.malformed for n in verdict.dead_lettered.values()), verdict.dead_lettered
     assert not any(verdict.behind.values()), verdict.behind
     assert verdict.spot_failures == 0
-    # The documented level: every injected instance caught; precision >= 0.9 promised except for
-    # bipartite, whose rule also fires on a stack's first layer (docs/detection.md); no background
-    # payment alerted at all.
+    # The documented level: every injected instance caught by its own typology, and no background payment
+    # alerted at all (an alert may name another pattern's typology: patterns overlap, docs/detection.md).
     for typology, score in verdict.scores.items():
         assert score.instances >= 1, typology
         assert score.recall == 1.0, f"{typology}: {score}"
         assert score.precision is not None, f"{typology}: {score}"
-        assert score.precision >= 0.9 or typology == "bipartite", f"{typology}: {score}"
     assert verdict.payments.precision == 1.0, verdict.payments
     return verdict
 
