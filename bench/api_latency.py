@@ -25,7 +25,8 @@ over all accounts):
                 GET /relations/{account}?parts=loop&closing=<random account>&at=<random instant>
                                                                  (the cycle a payment closes, 12 deep)
                 POST /relations, B/2 payments as a detector asks about them: the payer's out and
-                    chain, the payee's sources, co_payees and loop (min_average 1000)
+                    chain, the payee's sources, co_payees and loop (min_average 1000); and the same
+                    without the loop
     aggregates: GET /aggregates/{account}?at=<random instant inside the data's time range>  (C's window
                 query: the 1 h, 24 h and 7 d windows of one account)
                 POST /aggregates, B such queries
@@ -490,15 +491,21 @@ async def main(args: argparse.Namespace) -> None:
                 1,
             )
 
-        def relations_evidence(rng: random.Random) -> Request:
+        def relations_evidence(rng: random.Random, loops: bool = True) -> Request:
             queries = []
             for _ in range(args.batch // 2):
                 payer, payee = rng.choice(accounts), rng.choice(accounts)
                 common = {"hops": 3, "min_average": "1000"}
                 queries.append({"account": payer, "parts": PAYER_PARTS, **common})
-                loop = {"closing": payer, "at": instant(rng), "loop_hops": LOOP_HOPS}
-                queries.append({"account": payee, "parts": PAYEE_PARTS, **common, **loop})
+                if loops:
+                    loop = {"closing": payer, "at": instant(rng), "loop_hops": LOOP_HOPS}
+                    queries.append({"account": payee, "parts": PAYEE_PARTS, **common, **loop})
+                else:
+                    queries.append({"account": payee, "parts": "sources,co_payees", **common})
             return "/relations", {}, {"queries": queries}, len(queries)
+
+        def relations_evidence_without_loops(rng: random.Random) -> Request:
+            return relations_evidence(rng, loops=False)
 
         def aggregates_one(rng: random.Random) -> Request:
             return f"/aggregates/{rng.choice(accounts)}", {"at": instant(rng)}, None, 1
@@ -530,6 +537,11 @@ async def main(args: argparse.Namespace) -> None:
             ),
             ("relations", "GET /relations parts=loop (12 deep)", relations_loop),
             ("relations", f"POST /relations, {args.batch} queries as a detector asks", relations_evidence),
+            (
+                "relations",
+                f"POST /relations, {args.batch} queries as a detector asks, no loop",
+                relations_evidence_without_loops,
+            ),
             ("aggregates", window_label, aggregates_one),
             ("aggregates", f"POST /aggregates, {args.batch} queries", aggregates_batch),
         ]

@@ -204,19 +204,26 @@ def _edge_times(payments: list[Any]) -> dict[tuple[str, str], list[tuple[datetim
 
 
 def reference_loop(
-    payments: Iterable[Any], account: str, closing: str, at: datetime, loop_hops: int, span: timedelta
+    payments: Iterable[Any],
+    account: str,
+    closing: str,
+    at: datetime,
+    loop_hops: int,
+    span: timedelta,
+    max_payees: int,
 ) -> dict[str, Any]:
     """Service B's `loop` about `account` closed by a payment from `closing` at `at`, as {"found", "path"}
     with one of the shortest paths (B may return another; `is_loop` checks any): every simple path
     account -> ... ->
     closing of at most loop_hops - 1 edges, tried one by one, each edge taken at the earliest time one of
     its currencies allows (first payment, not before the time reached, last payment not before it either,
-    first payment at or before `at`), starting at `at` - span."""
+    first payment at or before `at`), starting at `at` - span, and never going on from an account in
+    between that paid more than `max_payees` distinct accounts."""
     edges = _edge_times(list(payments))
     out: dict[str, set[str]] = {}
     for payer, payee in edges:
         out.setdefault(payer, set()).add(payee)
-    return loop_on_edges(edges, out, account, closing, at, loop_hops, span)
+    return loop_on_edges(edges, out, account, closing, at, loop_hops, span, max_payees)
 
 
 def loop_on_edges(
@@ -227,6 +234,7 @@ def loop_on_edges(
     at: datetime,
     loop_hops: int,
     span: timedelta,
+    max_payees: int,
 ) -> dict[str, Any]:
     """`reference_loop` over edges kept as `_edge_times` makes them and each payer's payees (for callers
     that keep both up to date)."""
@@ -244,7 +252,7 @@ def loop_on_edges(
             if there == closing:
                 best = (*seen, there)
                 return
-            if depth + 2 < loop_hops:
+            if depth + 2 < loop_hops and len(out.get(there, set()) - {there}) <= max_payees:
                 walk(there, min(times), (*seen, there))
 
     walk(account, at - span, (account,))

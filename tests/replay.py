@@ -22,7 +22,7 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
 
-from aml_app.dependencies.relations import LOOP_SPAN
+from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
 from tests.reference import loop_on_edges, reference_aggregates, reference_layering, reference_relations
@@ -110,7 +110,9 @@ class Services:
             "hops": HOPS,
             "sources": layering["sources"],
             "co_payees": layering["co_payees"],
-            "loop": loop_on_edges(self.edges, self.out, account, closing, at, self.loop_hops, LOOP_SPAN),
+            "loop": loop_on_edges(
+                self.edges, self.out, account, closing, at, self.loop_hops, LOOP_SPAN, LOOP_MAX_PAYEES
+            ),
         }
 
     def evidence(self, payment: Any) -> Evidence:

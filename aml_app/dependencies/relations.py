@@ -18,11 +18,12 @@ transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled
   ... -> closing of at most `loop_hops` - 1 edges through distinct accounts, each edge paid no earlier
   than the one before and within LOOP_SPAN before `at`. Edges keep only their first and last times, so an
   edge is taken at max(the time reached, its first payment) if its last payment is not earlier: exact for
-  edges of one payment, and never missing a loop otherwise. Found level by level from the account (one
-  statement per level for the whole batch); an account is taken again at a deeper level only if reached
-  earlier in time, which keeps every level's frontier to distinct accounts. AMLworld's cycles run to 13
-  hops over days; B's `cycle` sees 3. {"found", "path": [account, ..., closing, account], "complete"};
-  `complete` is false when a level reached more than LOOP_FRONTIER accounts and the search stopped.
+  edges of one payment, and never missing a loop otherwise. Searched from both ends at once (`LoopSearch`:
+  forward from the account, backward from the closing payer, one statement per direction and level for
+  the whole batch), so each side goes about half as deep; an account in between that paid more than
+  LOOP_MAX_PAYEES distinct accounts is not gone through. AMLworld's cycles run to 13 hops over days;
+  B's `cycle` sees 3. {"found", "path": [account, ..., closing, account], "complete"}; `complete` is
+  false when the two frontiers held more than LOOP_FRONTIER accounts and the search stopped.
 
 The layering parts look only at *heavy* edges: an edge row (one currency) whose average payment is at
 least the query's `min_average` (default 0: every edge). Laundering moves large sums through few hands;
@@ -63,6 +64,9 @@ LOOP_MAX_HOPS = 16
 LOOP_HOPS = 12
 #: How far back before `at` a loop may start (AMLworld's laundering cycles span up to about a week).
 LOOP_SPAN = timedelta(days=14)
+#: A loop does not go on through an account that paid more distinct accounts than this: a merchant or a
+#: payment processor connects everyone in time, and laundering loops run through accounts of few payees.
+LOOP_MAX_PAYEES = 100
 #: The most accounts one level of a loop search may reach before it stops (`complete` false).
 LOOP_FRONTIER = 5000
 #: At most this many `sources` and `co_payees` in an answer, the strongest first.
@@ -333,89 +337,174 @@ async def _cycles(cur: Any, edges: sql.Composable, accounts: list[str], hops: in
     return found
 
 
-# One level of the loop searches of a batch: from each (search, account, time reached) of the frontier,
-# the accounts its out-edges reach in time, with the earliest time each is reached (over the edge's
-# currencies). An edge counts if it was paid at or before `at`, last paid no earlier than the time reached,
-# and leads to another account than the search's start and the payer itself.
-_LOOP_LEVEL = """
-SELECT f.k, f.account, e.payee, min(greatest(f.reached, e.first_seen))
-FROM unnest(%(searches)s::int[], %(accounts)s::text[], %(reached)s::timestamptz[], %(ats)s::timestamptz[],
-    %(starts)s::text[]) AS f(k, account, reached, at, start)
-JOIN {edges} e ON e.payer = f.account COLLATE "C"
-WHERE e.last_seen >= f.reached AND e.first_seen <= f.at AND e.payee <> e.payer AND e.payee <> f.start
-GROUP BY f.k, f.account, e.payee
+# The frontier of a round of loop searches: (search, account, time) with each search's payee (where its
+# loop starts) and closing payer. An account in between passes only if it paid at most %(max_payees)s
+# distinct accounts: the DISTINCT walks the primary key in order and stops one past the limit.
+_FRONTIER = """
+WITH f AS (
+    SELECT * FROM unnest(%(searches)s::int[], %(accounts)s::text[], %(times)s::timestamptz[],
+        %(ats)s::timestamptz[], %(payees)s::text[], %(payers)s::text[]) AS f(k, account, t, at, payee, payer)
+)
+"""
+_FEW_PAYEES = """
+(SELECT count(*) FROM (
+    SELECT DISTINCT d.payee FROM {edges} d WHERE d.payer = {account} AND d.payee <> d.payer
+    LIMIT %(max_payees)s + 1) n) <= %(max_payees)s
 """
 
-#: A search's label of an account: the earliest time money can have reached it, and the path that did.
-Label = tuple[datetime, tuple[str, ...]]
+# Forward: from each frontier account (the time money reached it), the accounts its out-edges reach in
+# time, with the earliest time each is reached (over the edge's currencies). An edge counts if it was
+# paid at or before `at`, last paid no earlier than the time reached, and leads to another account than
+# the payee.
+_LOOP_FORWARD = (
+    _FRONTIER
+    + """
+SELECT f.k, f.account, e.payee, min(greatest(f.t, e.first_seen))
+FROM f JOIN {edges} e ON e.payer = f.account COLLATE "C"
+WHERE e.last_seen >= f.t AND e.first_seen <= f.at AND e.payee <> e.payer AND e.payee <> f.payee
+    AND (f.account = f.payee OR """
+    + _FEW_PAYEES.format(edges="{edges}", account="f.account")
+    + """)
+GROUP BY f.k, f.account, e.payee
+"""
+)
+
+# Backward: from each frontier account (the latest time money may be there and still reach the closing
+# payer by `at`), the accounts whose out-edges into it keep that possible, with the latest time each may
+# hold the money (over the edge's currencies). An edge counts if its first payment is no later than that
+# time and its last within the span, and comes from another account than the closing payer.
+_LOOP_BACKWARD = (
+    _FRONTIER
+    + """, steps AS (
+    SELECT f.k, f.account, e.payer AS source, f.payee, max(least(f.t, e.last_seen)) AS latest
+    FROM f JOIN {edges} e ON e.payee = f.account COLLATE "C"
+    WHERE e.first_seen <= f.t AND e.last_seen >= f.at - %(span)s AND e.payer <> e.payee
+        AND e.payer <> f.payer
+    GROUP BY f.k, f.account, e.payer, f.payee
+)
+SELECT s.k, s.account, s.source, s.latest FROM steps s
+WHERE s.source = s.payee OR """
+    + _FEW_PAYEES.format(edges="{edges}", account="s.source")
+)
+
+#: A label of an account in one direction of a search: its level, the time (earliest reached forward,
+#: latest to leave backward), and the path that gives it (from the start, or to the closing payer).
+Label = tuple[int, datetime, tuple[str, ...]]
 
 
-def loop_level(
-    frontier: Mapping[str, Label],
-    steps: Iterable[tuple[str, str, datetime]],
-    best: dict[str, datetime],
-    closing: str,
-) -> tuple[list[tuple[str, ...]], dict[str, Label]]:
-    """One level of a loop search, given the steps (from, to, time reached) out of `frontier`: the paths
-    that reach `closing` (the cheapest first: earliest, then smallest path) and the next frontier. `best`
-    (account -> earliest time reached at any level so far) is updated: an account reached no earlier than
-    before is not taken again, since whatever it could reach from there it reached already."""
-    found: list[Label] = []
-    nxt: dict[str, Label] = {}
-    for source, target, reached in steps:
-        path = (*frontier[source][1], target)
-        if target == closing:
-            found.append((reached, path))
-        elif (target not in best or reached < best[target]) and (
-            target not in nxt or (reached, path) < nxt[target]
+class LoopSearch:
+    """One `loop` question, searched from both ends (the payee forward, the closing payer backward) one
+    level at a time, the side with the smaller frontier first. A label is kept only if it beats, in time,
+    every label of its account at its level or below (a later arrival, or an earlier last departure,
+    reaches nothing the better one does not); a path is found where a forward label arrives no later than
+    a backward label of the same account may leave. Once the two sides' levels add up to the found path's
+    length, no shorter one is left: every shorter path meets at a level already reached. The shortest is
+    simple, since cutting a repeated account out would give a shorter one."""
+
+    def __init__(self, query: Query) -> None:
+        assert query.at is not None and query.closing is not None
+        self.query = query
+        start = query.at - LOOP_SPAN
+        self.labels: dict[str, dict[str, list[Label]]] = {
+            "forward": {query.account: [(0, start, (query.account,))]},
+            "backward": {query.closing: [(0, query.at, (query.closing,))]},
+        }
+        # A side never goes on from the other's start: the payee forward, the closing payer backward.
+        self.ends = {"forward": query.closing, "backward": query.account}
+        self.frontiers = {"forward": [query.account], "backward": [query.closing]}
+        self.levels = {"forward": 0, "backward": 0}
+        self.found: tuple[str, ...] | None = None
+        self.complete = True
+
+    @property
+    def done(self) -> bool:
+        best = len(self.found) - 1 if self.found else self.query.loop_hops - 1
+        return sum(self.levels.values()) >= best or not any(self.frontiers.values())
+
+    def side(self) -> str:
+        """The direction to expand next: the smaller frontier that is not empty."""
+        going = [d for d in ("forward", "backward") if self.frontiers[d]]
+        return min(going, key=lambda d: len(self.frontiers[d]))
+
+    def asked(self, direction: str) -> list[tuple[str, datetime]]:
+        """(account, time) of each frontier account's label at this level, to expand."""
+        labels, level = self.labels[direction], self.levels[direction]
+        return [(a, next(t for n, t, _ in labels[a] if n == level)) for a in self.frontiers[direction]]
+
+    def advance(self, direction: str, steps: Iterable[tuple[str, str, datetime]]) -> None:
+        """Take the steps (from, to, time) out of the frontier as the next level of `direction`."""
+        forward = direction == "forward"
+        mine = self.labels[direction]
+        other = self.labels["backward" if forward else "forward"]
+        level = self.levels[direction]
+
+        def better(a: datetime, b: datetime) -> bool:  # a is at least as good a time as b
+            return a <= b if forward else a >= b
+
+        new: dict[str, Label] = {}
+        for source, target, when in steps:
+            if any(better(t, when) for _, t, _ in mine.get(target, [])):
+                continue
+            path = (*next(p for n, _, p in mine[source] if n == level), target)
+            old = new.get(target)
+            if old is None or (better(when, old[1]) and (when != old[1] or path < old[2])):
+                new[target] = (level + 1, when, path)
+        for target, label in new.items():
+            mine.setdefault(target, []).append(label)
+            for _, t, path in other.get(target, []):
+                arrives, leaves = (label[1], t) if forward else (t, label[1])
+                if arrives <= leaves:
+                    self._meet(*((label[2], path) if forward else (path, label[2])))
+        self.levels[direction] = level + 1
+        self.frontiers[direction] = sorted(a for a in new if a != self.ends[direction])
+        if sum(len(f) for f in self.frontiers.values()) > LOOP_FRONTIER:
+            self.complete = False
+            self.frontiers = {"forward": [], "backward": []}
+
+    def _meet(self, head: tuple[str, ...], tail: tuple[str, ...]) -> None:
+        """A path payee ... m (`head`, forward) joined to m ... closing payer (`tail`, built backward)."""
+        path = (*head, *reversed(tail[:-1]))
+        if len(path) <= self.query.loop_hops and (
+            self.found is None or (len(path), path) < (len(self.found), self.found)
         ):
-            nxt[target] = (reached, path)
-    for account, (reached, _path) in nxt.items():
-        best[account] = reached
-    return [path for _reached, path in sorted(found)], nxt
+            self.found = path
+
+    def answer(self) -> dict[str, Any]:
+        """The `loop` part: the path found (with the payee again at its end), and whether the search ran
+        to its end."""
+        path = [*self.found, self.query.account] if self.found is not None else []
+        return {"found": self.found is not None, "path": path, "complete": self.complete}
 
 
 async def _loops(cur: Any, edges: sql.Composable, asked: Sequence[Query]) -> list[dict[str, Any]]:
-    """The `loop` part of each query (see the module docstring), all searches one level at a time."""
-    answers = [{"found": False, "path": [], "complete": True} for _ in asked]
-    starts = {k: q.at - LOOP_SPAN for k, q in enumerate(asked) if q.at is not None}
-    frontiers: dict[int, dict[str, Label]] = {
-        k: {asked[k].account: (t, (asked[k].account,))} for k, t in starts.items()
-    }
-    bests: dict[int, dict[str, datetime]] = {k: {asked[k].account: t} for k, t in starts.items()}
-    level = 0
-    while frontiers:
-        level += 1
-        rows = [
-            (k, account, label[0]) for k, frontier in frontiers.items() for account, label in frontier.items()
-        ]
-        await cur.execute(
-            sql.SQL(_LOOP_LEVEL).format(edges=edges),
-            {
-                "searches": [k for k, _, _ in rows],
-                "accounts": [a for _, a, _ in rows],
-                "reached": [t for _, _, t in rows],
-                "ats": [asked[k].at for k, _, _ in rows],
-                "starts": [asked[k].account for k, _, _ in rows],
-            },
-        )
-        steps: dict[int, list[tuple[str, str, datetime]]] = {k: [] for k in frontiers}
-        for k, source, target, reached in await cur.fetchall():
-            steps[k].append((source, target, reached))
-        for k in list(frontiers):
-            q = asked[k]
-            found, nxt = loop_level(frontiers[k], sorted(steps[k]), bests[k], q.closing or "")
-            if found:
-                answers[k] = {"found": True, "path": [*found[0], q.account], "complete": True}
-                del frontiers[k]
-            elif not nxt or level + 1 >= q.loop_hops:
-                del frontiers[k]
-            elif len(nxt) > LOOP_FRONTIER:
-                answers[k]["complete"] = False
-                del frontiers[k]
-            else:
-                frontiers[k] = nxt
-    return answers
+    """The `loop` part of each query (see the module docstring): every unfinished search takes one step
+    per round, forward or backward, in one statement per direction for the whole batch."""
+    searches = [LoopSearch(q) for q in asked]
+    while going := [(k, s.side()) for k, s in enumerate(searches) if not s.done]:
+        for direction, statement in (("forward", _LOOP_FORWARD), ("backward", _LOOP_BACKWARD)):
+            moving = [k for k, d in going if d == direction]
+            if not moving:
+                continue
+            rows = [(k, a, t) for k in moving for a, t in searches[k].asked(direction)]
+            await cur.execute(
+                sql.SQL(statement).format(edges=edges),
+                {
+                    "searches": [k for k, _, _ in rows],
+                    "accounts": [a for _, a, _ in rows],
+                    "times": [t for _, _, t in rows],
+                    "ats": [asked[k].at for k, _, _ in rows],
+                    "payees": [asked[k].account for k, _, _ in rows],
+                    "payers": [asked[k].closing for k, _, _ in rows],
+                    "span": LOOP_SPAN,
+                    "max_payees": LOOP_MAX_PAYEES,
+                },
+            )
+            steps: dict[int, list[tuple[str, str, datetime]]] = {k: [] for k in moving}
+            for k, source, target, when in await cur.fetchall():
+                steps[k].append((source, target, when))
+            for k in moving:
+                searches[k].advance(direction, sorted(steps[k]))
+    return [s.answer() for s in searches]
 
 
 async def _neighbourhood(cur: Any, edges: sql.Composable, account: str, hops: int) -> list[dict[str, Any]]:

@@ -164,7 +164,8 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
                 assert answer["as_of"] == expected_as_of
                 assert without_as_of(answer) == reference_relations(scenario.payments, account, hops, heavy)
         # Loops: every (account, closing payer) pair at instants inside and after the drawn ten days, with
-        # the shortest and longest limits and one between.
+        # the shortest and longest limits and one between; with any account allowed in between, and with
+        # those that paid at most two.
         ats = [T0 + timedelta(days=d) for d in (2, 5, 11)] + [p.ts for p in scenario.payments[:2]]
         loop_queries = [
             relations.Query(a, 1, ["loop"], Decimal(0), x, at, most)
@@ -174,20 +175,33 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             for at in ats
             for most in (2, 3, 16)
         ]
-        for q, answer in zip(loop_queries, run(relations_answers(url, loop_queries)), strict=True):
-            assert q.closing is not None and q.at is not None
-            expected = reference_loop(
-                scenario.payments, q.account, q.closing, q.at, q.loop_hops, relations.LOOP_SPAN
-            )
-            found = answer["loop"]
-            assert (found["found"], len(found["path"]), found["complete"]) == (
-                expected["found"],
-                len(expected["path"]),
-                True,
-            ), q
-            if found["found"]:
-                assert found["path"][-2] == q.closing
-                assert is_loop(scenario.payments, found["path"], q.at, relations.LOOP_SPAN), q
+        kept = relations.LOOP_MAX_PAYEES
+        try:
+            for payees in (kept, 2):
+                relations.LOOP_MAX_PAYEES = payees
+                answers = run(relations_answers(url, loop_queries))
+                for q, answer in zip(loop_queries, answers, strict=True):
+                    assert q.closing is not None and q.at is not None
+                    expected = reference_loop(
+                        scenario.payments,
+                        q.account,
+                        q.closing,
+                        q.at,
+                        q.loop_hops,
+                        relations.LOOP_SPAN,
+                        payees,
+                    )
+                    found = answer["loop"]
+                    assert (found["found"], len(found["path"]), found["complete"]) == (
+                        expected["found"],
+                        len(expected["path"]),
+                        True,
+                    ), (q, payees)
+                    if found["found"]:
+                        assert found["path"][-2] == q.closing
+                        assert is_loop(scenario.payments, found["path"], q.at, relations.LOOP_SPAN), q
+        finally:
+            relations.LOOP_MAX_PAYEES = kept
         # Any batch applied again changes nothing: the last one is recognised as done, others are refused.
         before = run(relations_answers(url, [(a, 3, relations.PARTS) for a in ACCOUNTS]))
         for batch in scenario.batches:
@@ -381,7 +395,7 @@ async def test_cycles(spark: Any, store_url: str) -> None:
             )
 
 
-async def test_loops_go_forward_in_time_within_the_span_and_stop_at_the_frontier_cap(
+async def test_loops_go_forward_in_time_within_the_span_past_few_payees_up_to_the_frontier_cap(
     spark: Any, store_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     day = timedelta(days=1)
@@ -413,6 +427,10 @@ async def test_loops_go_forward_in_time_within_the_span_and_stop_at_the_frontier
     assert (await loop("A", "A", at))["found"] is False
     assert is_loop(payments, ["A", "B", "C", "D", "A"], at, relations.LOOP_SPAN)
     assert not is_loop(payments, ["A", "B", "C", "X", "A"], at, relations.LOOP_SPAN)
+    monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", 1)  # B paid C and X: no way through B
+    assert (await loop("A", "D", at))["found"] is False and (await loop("A", "X", at))["found"] is False
+    assert (await loop("D", "E", T0 + 21 * day))["found"] is True  # no account in between
+    monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", 2)
     monkeypatch.setattr(relations, "LOOP_FRONTIER", 10)
     assert await loop("A", "D", at) == {"found": False, "path": [], "complete": False}
 
