@@ -22,7 +22,7 @@ store prunes old rows, so its answers equal these only for instants `at >= exact
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, localcontext
 from typing import Any
@@ -91,12 +91,18 @@ def _walks(payments: list[Any], start: str, length: int) -> list[list[str]]:
     return walks
 
 
-def _heavy_edges(payments: list[Any], min_average: Decimal) -> set[tuple[str, str]]:
-    """(payer, payee) pairs with at least one currency whose payments average >= min_average."""
+def _heavy_edges(payments: list[Any], min_average: Decimal | Mapping[str, Decimal]) -> set[tuple[str, str]]:
+    """(payer, payee) pairs with at least one currency whose payments average >= min_average (one for
+    every currency, or its currency's; a currency without one is never heavy)."""
     rows: dict[tuple[str, str, str], list[Decimal]] = {}
     for p in payments:
         rows.setdefault((p.payer, p.payee, p.currency), []).append(amount_of(p))
-    return {(u, v) for (u, v, _), amounts in rows.items() if _total(amounts) >= min_average * len(amounts)}
+    heavy = set()
+    for (u, v, currency), amounts in rows.items():
+        least = min_average.get(currency) if isinstance(min_average, Mapping) else min_average
+        if least is not None and _total(amounts) >= least * len(amounts):
+            heavy.add((u, v))
+    return heavy
 
 
 def _chain(heavy: set[tuple[str, str]], account: str, hops: int) -> list[str]:
@@ -135,7 +141,10 @@ def _co_payees(heavy: set[tuple[str, str]], account: str) -> list[dict[str, Any]
 
 
 def reference_layering(
-    payments: Iterable[Any], account: str, hops: int, min_average: Decimal = Decimal(0)
+    payments: Iterable[Any],
+    account: str,
+    hops: int,
+    min_average: Decimal | Mapping[str, Decimal] = Decimal(0),
 ) -> dict[str, Any]:
     """Service B's layering parts (chain, sources, co_payees) for `account`."""
     heavy = _heavy_edges(list(payments), min_average)
@@ -147,7 +156,10 @@ def reference_layering(
 
 
 def reference_relations(
-    payments: Iterable[Any], account: str, hops: int, min_average: Decimal = Decimal(0)
+    payments: Iterable[Any],
+    account: str,
+    hops: int,
+    min_average: Decimal | Mapping[str, Decimal] = Decimal(0),
 ) -> dict[str, Any]:
     """Service B's answer for `account`, every part, without `as_of`."""
     payments = list(payments)

@@ -53,7 +53,7 @@ class Services:
     """What B and C would answer after the payments fed so far were applied."""
 
     def __init__(self, thresholds: AmlThresholds) -> None:
-        self.min_average = thresholds.graph_min_average
+        self.min_average = thresholds.rates.in_each(thresholds.graph_min_average)  # as the detector asks
         self.loop_hops = thresholds.cycle_max_hops
         # (payer, payee) -> per currency [first, last] payment time; payer -> payees: B's edges for `loop`
         self.spans: dict[tuple[str, str], dict[str, tuple[datetime, datetime]]] = defaultdict(dict)

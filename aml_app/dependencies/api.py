@@ -4,7 +4,8 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
 - relations:  GET /relations/{account}?hops=2   hops is a whole number 1..3 (default 2); `parts=out,cycle`
               answers only those parts (of out, in, neighbourhood, cycle, chain, sources, co_payees;
               default all but loop); `min_average=1000` is the average payment of a heavy edge
-              (default 0), which chain, sources and co_payees look at; the part `loop` needs
+              (default 0), or one per currency (`USD:1000,EUR:853.4`), which chain, sources and
+              co_payees look at; the part `loop` needs
               `closing=<payer>` and `at=ISO` (the payment into the account that would close it) and
               takes `loop_hops=2..16` (default 12)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
@@ -157,18 +158,35 @@ def _text_or_none(query: dict[str, Any], name: str, i: int) -> str | None:
     raise BadRequest(f"queries[{i}].{name} must be a string, got {type(value).__name__}.")
 
 
-def parse_min_average(raw: str | None) -> Decimal:
-    """The average payment from which an edge counts as heavy: a plain decimal >= 0 (default 0)."""
+def parse_min_average(raw: str | None) -> relations.MinAverage:
+    """The average payment from which an edge counts as heavy: a plain decimal >= 0 for every currency
+    (default 0), or one per currency as `USD:1000,EUR:853.4` (a currency not named is never heavy)."""
     if raw is None:
         return Decimal(0)
+    example = "such as 1000, or one per currency such as USD:1000,EUR:853.4"
+    if ":" not in raw:
+        value = _plain_decimal(raw)
+        if value is None:
+            raise BadRequest(f"min_average must be a plain decimal number >= 0 {example}, got {raw[:40]!r}.")
+        return value
+    per: dict[str, Decimal] = {}
+    for item in raw.split(","):
+        currency, _, text = item.strip().partition(":")
+        value = _plain_decimal(text)
+        if not re.fullmatch(r"[A-Z]{3}", currency) or value is None or currency in per:
+            raise BadRequest(f"min_average must be a plain decimal number >= 0 {example}, got {raw[:60]!r}.")
+        per[currency] = value
+    return per
+
+
+def _plain_decimal(raw: str) -> Decimal | None:
     text = raw.strip()
+    if len(text) > 40 or not re.fullmatch(r"[0-9]+(\.[0-9]+)?", text):
+        return None
     try:
-        value = Decimal(text) if re.fullmatch(r"[0-9]+(\.[0-9]+)?", text) else None
+        return Decimal(text)
     except InvalidOperation:
-        value = None
-    if value is None or len(text) > 40:
-        raise BadRequest(f"min_average must be a plain decimal number >= 0 such as 1000, got {raw[:40]!r}.")
-    return value
+        return None
 
 
 def parse_parts(raw: str | None) -> tuple[str, ...]:

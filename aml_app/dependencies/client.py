@@ -28,7 +28,7 @@ from urllib.parse import quote
 import aiohttp
 from yarl import URL
 
-from aml_app.dependencies.relations import LOOP_HOPS
+from aml_app.dependencies.relations import LOOP_HOPS, MinAverage
 
 #: Service B parts the detectors use, about the payer and about the payee: the neighbourhood is never
 #: needed and can be most of the graph.
@@ -139,11 +139,11 @@ class DependencyClient:
         account: str,
         hops: int = CYCLE_HOPS,
         parts: str = RELATIONS_PARTS,
-        min_average: Decimal = Decimal(0),
+        min_average: MinAverage = Decimal(0),
         loop: tuple[str, datetime, int] | None = None,
     ) -> dict:
         """One GET /relations; `loop` is the closing payer, the time and the longest loop of a `loop` part."""
-        query = {"hops": str(hops), "parts": parts, "min_average": format(min_average, "f")}
+        query = {"hops": str(hops), "parts": parts, "min_average": min_average_text(min_average)}
         if loop is not None:
             query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=str(loop[2]))
         return await self._send(
@@ -161,7 +161,7 @@ class DependencyClient:
         accounts: Sequence[str],
         hops: int = CYCLE_HOPS,
         parts: str | Sequence[str] = RELATIONS_PARTS,
-        min_average: Decimal = Decimal(0),
+        min_average: MinAverage = Decimal(0),
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
     ) -> list[dict[str, Any]]:
         """One POST /relations for several accounts: one snapshot of B answers them all. `parts` is one
@@ -175,7 +175,7 @@ class DependencyClient:
                 "account": account,
                 "hops": hops,
                 "parts": asked,
-                "min_average": format(min_average, "f"),
+                "min_average": min_average_text(min_average),
             }
             if loop is not None:
                 query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=loop[2])
@@ -236,6 +236,13 @@ class DependencyClient:
         self.stats.last_error = message
 
 
+def min_average_text(min_average: MinAverage) -> str:
+    """B's `min_average` parameter: `1000`, or one per currency `EUR:853.4,USD:1000`."""
+    if isinstance(min_average, Mapping):
+        return ",".join(f"{c}:{format(a, 'f')}" for c, a in sorted(min_average.items()))
+    return format(min_average, "f")
+
+
 def _resource(base: URL, kind: str, account: str) -> URL:
     """`base/kind/<account>` with the account id as ONE path segment: a '/' in it is encoded, not a split."""
     path = f"{base.raw_path.rstrip('/')}/{kind}/{quote(account, safe='')}"
@@ -256,12 +263,13 @@ def _answers(answer: dict[str, Any], expected: int, dependency: str) -> list[dic
 async def evidence_for(
     client: DependencyClient,
     payments: Sequence[tuple[str, str, datetime]],
-    min_average: Decimal = Decimal(0),
+    min_average: MinAverage = Decimal(0),
     loop_hops: int = LOOP_HOPS,
 ) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(payer aggregates, payee aggregates, payer relations, payee relations) for each (payer, payee, at):
     two requests in all, asked concurrently, whatever the number of payments. `min_average` is what a
-    heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`), `loop_hops` the
+    heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`, in each
+    currency), `loop_hops` the
     longest cycle the payment may close (their `cycle_max_hops`)."""
     if not payments:
         return []

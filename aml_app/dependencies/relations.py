@@ -26,8 +26,11 @@ transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled
   false when the two frontiers held more than LOOP_FRONTIER accounts and the search stopped.
 
 The layering parts look only at *heavy* edges: an edge row (one currency) whose average payment is at
-least the query's `min_average` (default 0: every edge). Laundering moves large sums through few hands;
-the heavy filter keeps the everyday graph of small payments (shops, friends) out of these answers:
+least the query's `min_average` (default 0: every edge), one amount for every currency or one per
+currency (`{"USD": 1000, "EUR": 853.4}`: the same sum in each; a currency not named is never heavy), so a
+detector that compares amounts in one reporting currency asks B the same question in every currency.
+Laundering moves large sums through few hands; the heavy filter keeps the everyday graph of small
+payments (shops, friends) out of these answers:
 - `chain`: the longest simple directed path of heavy edges that ends at the account, with at most `hops`
   edges (all accounts distinct); among equally long ones the smallest path; `[]` when none comes in;
 - `sources`: the two-step heavy flows into the account: every source s with at least 2 distinct
@@ -73,6 +76,10 @@ LOOP_FRONTIER = 5000
 LISTED = 10
 
 
+#: What a heavy edge is: one minimum average payment for every currency, or one per currency.
+MinAverage = Decimal | Mapping[str, Decimal]
+
+
 class Query(NamedTuple):
     """One question to Service B: an account, how far to look, which parts, and what counts as heavy;
     for `loop`, the payment that would close it (its payer and time) and the longest loop."""
@@ -80,7 +87,7 @@ class Query(NamedTuple):
     account: str
     hops: int
     parts: Sequence[str]
-    min_average: Decimal = Decimal(0)
+    min_average: MinAverage = Decimal(0)
     closing: str | None = None
     at: datetime | None = None
     loop_hops: int = LOOP_HOPS
@@ -154,7 +161,7 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
 def check_query(
     hops: int,
     parts: Iterable[str],
-    min_average: Decimal = Decimal(0),
+    min_average: MinAverage = Decimal(0),
     closing: str | None = None,
     at: datetime | None = None,
     loop_hops: int = LOOP_HOPS,
@@ -175,8 +182,28 @@ def check_query(
             or not 2 <= loop_hops <= LOOP_MAX_HOPS
         ):
             raise ValueError(f"loop_hops must be an integer from 2 to {LOOP_MAX_HOPS}, got {loop_hops!r}")
-    if not isinstance(min_average, Decimal) or not min_average.is_finite() or min_average < 0:
-        raise ValueError(f"min_average must be a finite Decimal >= 0, got {min_average!r}")
+    amounts = list(min_average.values()) if isinstance(min_average, Mapping) else [min_average]
+    if isinstance(min_average, Mapping) and (
+        not min_average or not all(isinstance(c, str) for c in min_average)
+    ):
+        raise ValueError(f"min_average per currency must name at least one currency, got {min_average!r}")
+    if not all(isinstance(a, Decimal) and a.is_finite() and a >= 0 for a in amounts):
+        raise ValueError(f"min_average must be finite Decimals >= 0, got {min_average!r}")
+
+
+def _heavy_params(min_average: MinAverage) -> dict[str, Any]:
+    """The parameters of `_HEAVY`: the lowest minimum (for the index), and the minimum per currency or
+    the one for all."""
+    if isinstance(min_average, Mapping):
+        currencies = sorted(min_average)
+        minimums = [min_average[c] for c in currencies]
+        return {"min": min(minimums), "currencies": currencies, "minimums": minimums, "uniform": None}
+    return {"min": min_average, "currencies": [], "minimums": [], "uniform": min_average}
+
+
+def _heavy_key(min_average: MinAverage) -> Any:
+    """`min_average` as a key for grouping queries that one statement can answer."""
+    return tuple(sorted(min_average.items())) if isinstance(min_average, Mapping) else min_average
 
 
 def _sides(rows: Iterable[tuple]) -> dict[int, list[dict[str, Any]]]:
@@ -235,9 +262,14 @@ UNION
 SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
 """
 
-# A heavy edge row `e`: average payment >= %(min)s. The first test can use the expression index
-# edges_by_payee; the second is the exact one (numeric division rounds, multiplication does not).
-_HEAVY = "({e}.total / {e}.payments) >= %(min)s AND {e}.total >= %(min)s * {e}.payments"
+# A heavy edge row `e`: average payment >= the minimum of its currency (%(uniform)s for every currency,
+# or the one `array_position` finds; none: NULL, never heavy). The first test, against the lowest
+# minimum, can use the expression index edges_by_payee; the second is the exact one (numeric division
+# rounds, multiplication does not).
+_HEAVY = (
+    "({e}.total / {e}.payments) >= %(min)s AND {e}.total >= coalesce((%(minimums)s::numeric[])"
+    "[array_position(%(currencies)s::text[], {e}.currency::text)], %(uniform)s) * {e}.payments"
+)
 
 
 def _heavy(*aliases: str) -> str:
@@ -300,10 +332,11 @@ ORDER BY q.i, c.shared DESC, c.account
 
 
 async def _chains(
-    cur: Any, edges: sql.Composable, accounts: list[str], hops: int, min_average: Decimal
+    cur: Any, edges: sql.Composable, accounts: list[str], hops: int, min_average: MinAverage
 ) -> dict[int, list[str]]:
     await cur.execute(
-        sql.SQL(_CHAINS).format(edges=edges), {"accounts": accounts, "hops": hops, "min": min_average}
+        sql.SQL(_CHAINS).format(edges=edges),
+        {"accounts": accounts, "hops": hops, **_heavy_params(min_average)},
     )
     found = {}
     for i, one, two, three in await cur.fetchall():
@@ -313,9 +346,11 @@ async def _chains(
 
 
 async def _listed(
-    cur: Any, query: str, edges: sql.Composable, accounts: list[str], min_average: Decimal
+    cur: Any, query: str, edges: sql.Composable, accounts: list[str], min_average: MinAverage
 ) -> dict[int, list[tuple[Any, Any]]]:
-    await cur.execute(sql.SQL(query).format(edges=edges), {"accounts": accounts, "min": min_average})
+    await cur.execute(
+        sql.SQL(query).format(edges=edges), {"accounts": accounts, **_heavy_params(min_average)}
+    )
     found: dict[int, list[tuple[Any, Any]]] = {}
     for i, name, value in await cur.fetchall():
         found.setdefault(i, []).append((name, value))
@@ -576,7 +611,10 @@ async def relations_many(
         loops = await _loops(cur, edges, [asked[i] for i in looping])
         for i, loop in zip(looping, loops, strict=True):
             answers[i]["loop"] = loop
-    for (hops, min_average), indexes in _grouped(asked, "chain", lambda q: (q.hops, q.min_average)).items():
+    for (hops, _key), indexes in _grouped(
+        asked, "chain", lambda q: (q.hops, _heavy_key(q.min_average))
+    ).items():
+        min_average = asked[indexes[0]].min_average
         chains = await _chains(cur, edges, [asked[i].account for i in indexes], hops, min_average)
         for k, i in enumerate(indexes, start=1):
             answers[i]["chain"] = chains[k]
@@ -584,7 +622,10 @@ async def relations_many(
         ("sources", _SOURCES, ("source", "via")),
         ("co_payees", _CO_PAYEES, ("account", "shared")),
     ):
-        for (_hops, min_average), indexes in _grouped(asked, part, lambda q: (None, q.min_average)).items():
+        for (_hops, _key), indexes in _grouped(
+            asked, part, lambda q: (None, _heavy_key(q.min_average))
+        ).items():
+            min_average = asked[indexes[0]].min_average
             listed = await _listed(cur, query, edges, [asked[i].account for i in indexes], min_average)
             for k, i in enumerate(indexes, start=1):
                 answers[i][part] = [

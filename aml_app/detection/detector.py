@@ -33,6 +33,7 @@ from aml_app.dependencies.client import (
     LOOP_HOPS,
     DependencyClient,
     DependencyUnavailable,
+    MinAverage,
     evidence_for,
     includes,
 )
@@ -93,7 +94,7 @@ class Detector:
         service: str,
         rules: Rules,
         client: DependencyClient,
-        min_average: Decimal = Decimal(0),
+        min_average: MinAverage = Decimal(0),
         loop_hops: int = LOOP_HOPS,
     ) -> None:
         self.service = service
@@ -318,7 +319,8 @@ def detecting_service(service: str, rules: Rules) -> Detector:
 
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
     thresholds = settings.aml_thresholds
-    detector = Detector(service, rules, client, thresholds.graph_min_average, thresholds.cycle_max_hops)
+    heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # the same sum in every currency
+    detector = Detector(service, rules, client, heavy, thresholds.cycle_max_hops)
     gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 
     @app.on_before_shutdown.connect

@@ -82,6 +82,13 @@ class ExchangeRates:
         exact = sum((amount for amount in converted if amount is not None), Decimal(0))
         return exact.quantize(CENT, rounding=ROUND_HALF_EVEN)
 
+    def in_each(self, amount: Decimal) -> dict[str, Decimal]:
+        """`amount` (in the reporting currency) in every currency with a rate, to the cent: one question
+        asked the same in each currency, as Service B's heavy edges."""
+        return {
+            c: (amount * rate).quantize(CENT, rounding=ROUND_HALF_EVEN) for c, rate in self.per_unit.items()
+        }
+
     def unconverted(self, sums: Mapping[str, Decimal]) -> list[str]:
         """The currencies of `sums` that have no rate, sorted (named in a hit's figures)."""
         return sorted(c for c in sums if c not in self.per_unit)

@@ -375,7 +375,8 @@ def random_walk(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     hops = len(chain)  # the chain's edges (len - 1) plus this payment
     if not chain or evidence.payee in chain or hops < thresholds.random_min_hops:
         return None
-    if evidence.amount < thresholds.graph_min_average:
+    amount = thresholds.rates.convert(evidence.amount, evidence.currency)
+    if amount is None or amount < thresholds.graph_min_average:
         return None
     return Hit(
         rule="aml.random",

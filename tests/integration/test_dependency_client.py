@@ -94,6 +94,11 @@ async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_ans
         # min_average reaches B: no edge averages a billion, so no heavy chain comes into A.
         assert batch[0][2]["chain"] != []
         assert (await evidence_for(client, payments, Decimal("1000000000")))[0][2]["chain"] == []
+        # One minimum per currency: the stored edges are in EUR; a currency not named is never heavy.
+        assert (await evidence_for(client, payments, {"EUR": Decimal(0), "USD": Decimal(5)}))[0][2][
+            "chain"
+        ] != []
+        assert (await evidence_for(client, payments, {"USD": Decimal(0)}))[0][2]["chain"] == []
 
 
 async def test_as_of_proves_inclusion_of_a_payment(stores: str) -> None:

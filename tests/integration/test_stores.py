@@ -27,6 +27,7 @@ from psycopg import sql
 
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.store import ANALYZE_GROWTH, StaleBatch, StoreError, Writer, migrate, money_text
+from aml_app.detection.exchange import ExchangeRates
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.pipeline.runner import spark_session
 from aml_app.pipeline.transforms import batch_outputs
@@ -157,7 +158,15 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             apply_records(spark, url, "relations", batch.records)
         expected_as_of = {str(p): o for p, o in sorted(scenario.final_offsets.items())}
         # min_average: every edge, a threshold amid the amounts drawn, and exactly at a sampled amount.
-        for hops, heavy in ((1, Decimal(0)), (2, Decimal("9000")), (3, Decimal(0)), (3, Decimal("5000"))):
+        # And one per currency (JPY named nowhere: never heavy).
+        per_currency = {"EUR": Decimal("9000"), "USD": Decimal("100")}
+        for hops, heavy in (
+            (1, Decimal(0)),
+            (2, Decimal("9000")),
+            (3, Decimal(0)),
+            (3, Decimal("5000")),
+            (3, per_currency),
+        ):
             queries = [relations.Query(a, hops, relations.PARTS, heavy) for a in [*ACCOUNTS, "nobody"]]
             answers = run(relations_answers(url, queries))
             for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
@@ -918,7 +927,9 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
     with psycopg.connect(store_url) as conn:
         text = sql.SQL(relations._CHAINS).format(edges=sql.Identifier("relations", "edges")).as_string(conn)
         accounts = [f"q{i}" for i in range(100)]
-        params = {"accounts": accounts, "hops": 3, "min": Decimal(1000)}
+        # As the detectors ask: one minimum per currency.
+        heavy = relations._heavy_params(ExchangeRates().in_each(Decimal(1000)))
+        params = {"accounts": accounts, "hops": 3, **heavy}
         plan = conn.execute(f"EXPLAIN {text}", params).fetchall()
     assert not any("Seq Scan" in line for (line,) in plan), "\n".join(line for (line,) in plan)
 

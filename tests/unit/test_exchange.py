@@ -108,3 +108,10 @@ def test_every_default_rate_agrees_with_amlworld_laundering_hops() -> None:
         assert estimate == pytest.approx(float(AMLWORLD_RATES[currency]), rel=0.05), currency
         checked.append(currency)
     assert len(checked) >= 5, checked  # the data speaks for most of the table
+
+
+def test_one_sum_in_every_currency_asks_service_b_the_same_question() -> None:
+    each = ExchangeRates(
+        "EUR", {"EUR": Decimal(1), "USD": Decimal("1.17178"), "JPY": Decimal("123.5")}
+    ).in_each(Decimal(1000))
+    assert each == {"EUR": Decimal("1000.00"), "USD": Decimal("1171.78"), "JPY": Decimal("123500.00")}

@@ -434,6 +434,9 @@ def test_bipartite(
     [
         (["x", "y", "a"], "1000.00", "b", AML, True),  # 2 edges in, this payment the 3rd, heavy
         (["x", "y", "a"], "999.99", "b", AML, False),  # this payment is not heavy
+        (["x", "y", "a"], "2000.00 USD", "b", AML, True),  # heavy in the reporting currency: 1000 EUR
+        (["x", "y", "a"], "1999.98 USD", "b", AML, False),
+        (["x", "y", "a"], "9000.00 GBP", "b", AML, False),  # no rate: it counts as nothing
         (["y", "a"], "5000.00", "b", AML, False),  # 2 hops in all
         (["b", "y", "a"], "5000.00", "b", AML, False),  # back to an account of the chain: a cycle
         (["w", "x", "y", "a"], "5000.00", "b", aml(random_min_hops=4), True),
@@ -444,7 +447,9 @@ def test_bipartite(
 def test_random_walk(
     chain: list[str], amount: str, payee: str, thresholds: AmlThresholds, fires: bool
 ) -> None:
-    hit = random_walk(evidence(amount, payee=payee, payer_relations=relations("a", chain=chain)), thresholds)
+    value, _, currency = amount.partition(" ")
+    paid = evidence(value, currency or "EUR", payee=payee, payer_relations=relations("a", chain=chain))
+    hit = random_walk(paid, thresholds)
     assert (hit is not None) is fires
     if hit:
         assert hit.path == (*chain, payee) and hit.figures["hops"] == len(chain)
