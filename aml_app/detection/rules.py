@@ -218,12 +218,16 @@ def cycle(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
 
 
 def pass_through(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
-    """The payer received a large amount and sent most of it on within the same hour (a mule account)."""
+    """The payer received a large amount and sent about as much on within the same hour (a mule account):
+    at least `pass_through_min_ratio` and at most `pass_through_max_ratio` of it. An account that pays
+    out many times what came in spends its own money; it is not passing money through."""
     window = evidence.payer_aggregates.window(PASS_THROUGH_WINDOW)
     received = thresholds.rates.total(window.received)
     sent = thresholds.rates.total(window.sent)
     currency = thresholds.rates.reporting
     if received < thresholds.pass_through_min_received or sent < thresholds.pass_through_min_ratio * received:
+        return None
+    if sent > thresholds.pass_through_max_ratio * received:
         return None
     return Hit(
         rule="aml.pass_through",
@@ -238,6 +242,7 @@ def pass_through(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
             "currency": currency,
             "min_received": money(thresholds.pass_through_min_received),
             "min_ratio": money(thresholds.pass_through_min_ratio),
+            "max_ratio": money(thresholds.pass_through_max_ratio),
             "window": PASS_THROUGH_WINDOW,
             **_unconverted(thresholds, window.received, window.sent),
         },

@@ -43,6 +43,7 @@ class AmlThresholds:
     cycle_max_hops: int = 12
     pass_through_min_received: Decimal = Decimal("5000")
     pass_through_min_ratio: Decimal = Decimal("0.8")
+    pass_through_max_ratio: Decimal = Decimal("1.2")
     graph_min_average: Decimal = Decimal("1000")
     gather_scatter_min_counterparties: int = 3
     scatter_gather_min_intermediates: int = 3
@@ -99,6 +100,7 @@ LIMITS: dict[str, tuple[Any, Any, str]] = {
     "cycle_max_hops": (2, 16, "longest cycle that counts, in payments; Service B looks at most 16 deep"),
     "pass_through_min_received": (Decimal("0.01"), Decimal("1e12"), "amount received by the payer in 1h"),
     "pass_through_min_ratio": (Decimal("0.01"), Decimal(1), "share of the 1h receipts sent on in that hour"),
+    "pass_through_max_ratio": (Decimal(1), Decimal(1000), "the most sent in that hour per unit received"),
     "graph_min_average": (Decimal(0), Decimal("1e12"), "average payment of an edge the layering rules count"),
     "gather_scatter_min_counterparties": (2, 100_000, "distinct payers and payees of the hub in 7 days"),
     "scatter_gather_min_intermediates": (2, 100_000, "intermediates between one source and the payee"),

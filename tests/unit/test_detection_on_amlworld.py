@@ -47,8 +47,8 @@ def test_the_published_recall_per_typology_holds(gated: dict[str, Any]) -> None:
 def test_at_most_one_benign_payment_in_a_hundred_is_alerted(gated: dict[str, Any]) -> None:
     benign = gated["benign"]
     assert benign["payments"] == 7494
-    assert benign["alerted"] <= 74, benign["by_rule"]
-    assert gated["payments"]["f1"] >= 0.655
+    assert benign["alerted"] <= 53, benign["by_rule"]
+    assert gated["payments"]["f1"] >= 0.66
 
 
 def test_evidence_without_the_payment_catches_less(

@@ -306,7 +306,8 @@ def test_cycle_reads_the_loop_of_the_payee_not_the_shortest_cycle_of_the_payer()
         ({"EUR": "5000.00"}, {"EUR": "4000.00"}, ("5000.00", "4000.00")),  # min received, ratio 0.8
         ({"EUR": "5000.00"}, {"EUR": "3999.99"}, None),
         ({"EUR": "4999.99"}, {"EUR": "4999.99"}, None),  # received one cent short
-        ({"EUR": "50000.00"}, {"EUR": "60000.00"}, ("50000.00", "60000.00")),
+        ({"EUR": "50000.00"}, {"EUR": "60000.00"}, ("50000.00", "60000.00")),  # max ratio, 1.2
+        ({"EUR": "50000.00"}, {"EUR": "60000.01"}, None),  # pays out more than it received: its own money
         ({"EUR": "5000.00"}, {"USD": "8000.00"}, ("5000.00", "4000.00")),  # sent in another currency
         ({"USD": "10000.00"}, {"EUR": "4000.00"}, ("5000.00", "4000.00")),  # received in another
         ({"GBP": "50000.00"}, {"EUR": "50000.00"}, None),  # no rate: the receipts count nothing
@@ -321,6 +322,13 @@ def test_pass_through_boundaries(
     assert (hit is not None) is (figures is not None)
     if hit:
         assert (hit.figures["received"], hit.figures["sent"], hit.figures["currency"]) == (*figures, "EUR")
+
+
+def test_pass_through_max_ratio_is_configurable() -> None:
+    hour = window(sent_count=3, sent={"EUR": "300000.00"}, received_count=1, received={"EUR": "10000.00"})
+    spender = evidence(payer_aggregates=aggregates("a", h1=hour))
+    assert pass_through(spender, AML) is None
+    assert pass_through(spender, aml(pass_through_max_ratio=Decimal(30))) is not None
 
 
 def test_pass_through_looks_at_one_hour_only_and_at_the_payer() -> None:
@@ -708,6 +716,7 @@ def test_thresholds_defaults() -> None:
     assert (AML.fan_in_min_average, AML.fan_out_min_average) == (Decimal(1000), Decimal(1000))
     assert (AML.cycle_min_hops, AML.cycle_max_hops) == (2, 12)
     assert (AML.pass_through_min_received, AML.pass_through_min_ratio) == (Decimal(5000), Decimal("0.8"))
+    assert AML.pass_through_max_ratio == Decimal("1.2")
     assert (FRAUD.large_new_counterparty_min_amount, FRAUD.velocity_min_count, FRAUD.velocity_multiple) == (
         Decimal(5000),
         10,
