@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 
 import click
 from aiokafka.errors import KafkaError
@@ -31,6 +32,9 @@ from aml_app.simulation.amlworld import (
 )
 
 CHUNK = 5000  # payments per produce() call; each chunk's acknowledgements are awaited before the next
+PACE_STEP = 0.5  # seconds of wall time a paced chunk covers
+#: Service C counts a payment only while it is within this much of the newest event time it has seen.
+C_HORIZON_DAYS = 7
 
 
 async def send_payments(
@@ -41,24 +45,42 @@ async def send_payments(
     security: KafkaSecurity | None = None,
     progress: Callable[[str], None] | None = None,
     progress_interval: float = 5.0,
+    days_per_second: float | None = None,
 ) -> int:
     """Send `payments` in their order (key = payer) and return how many the broker acknowledged.
 
     Chunks are sent one after the other and each is acknowledged before the next, so a payer's payments
-    reach its partition in the order given. `security` (TLS/SASL): None means the process's settings.
+    reach its partition in the order given. `days_per_second` paces them by event time (that many days
+    of it per second of wall time; None: as fast as the broker takes them). `security` (TLS/SASL): None
+    means the process's settings.
     """
     producer = await started_producer(bootstrap, "aml-amlworld-import", security)
     sent = 0
     started = time.monotonic()
     next_progress = started + progress_interval
+    first = datetime.fromisoformat(payments[0].ts) if payments else None
+
+    def due(payment: AmlworldPayment) -> float:
+        """Seconds after the start at which the payment goes out."""
+        if days_per_second is None or first is None:
+            return 0.0
+        return (datetime.fromisoformat(payment.ts) - first).total_seconds() / 86400 / days_per_second
+
     try:
-        for first in range(0, len(payments), CHUNK):
-            chunk = payments[first : first + CHUNK]
-            await produce(producer, topic, [(None, p.key, p.value()) for p in chunk])
-            sent += len(chunk)
-            if progress is not None and sent < len(payments) and time.monotonic() >= next_progress:
-                next_progress += progress_interval
-                progress(f"amlworld: {sent}/{len(payments)} payments sent, event time now {chunk[-1].ts}")
+        chunk: list[AmlworldPayment] = []
+        for payment in [*payments, None]:
+            ahead = payment is not None and due(payment) > time.monotonic() - started + PACE_STEP
+            if chunk and (payment is None or len(chunk) >= CHUNK or ahead):
+                await produce(producer, topic, [(None, p.key, p.value()) for p in chunk])
+                sent += len(chunk)
+                if progress is not None and sent < len(payments) and time.monotonic() >= next_progress:
+                    next_progress += progress_interval
+                    progress(f"amlworld: {sent}/{len(payments)} payments sent, event time now {chunk[-1].ts}")
+                chunk = []
+            if payment is not None:
+                if ahead:  # the next step of event time: wait for it
+                    await asyncio.sleep(max(0.0, due(payment) - (time.monotonic() - started)))
+                chunk.append(payment)
     finally:
         await producer.stop()
     return sent
@@ -81,6 +103,14 @@ async def send_payments(
     help="Payment ids are <prefix>-<line of the row> (<prefix>-pattern-<line> for a patterns file).",
 )
 @click.option(
+    "--days-per-second",
+    type=click.FloatRange(min=0, min_open=True),
+    default=None,
+    help="Pace the payments by event time: this many days of it per second (default: as fast as the "
+    "broker takes them). Service C counts a payment only within 7 days of the newest it has seen, so weeks "
+    "of sparse payments sent at once can land in one micro-batch and lose their first weeks.",
+)
+@click.option(
     "--truth",
     type=click.Path(dir_okay=False, writable=True),
     default=None,
@@ -88,7 +118,7 @@ async def send_payments(
     '"is_laundering": true}, with "typology" and "attempt" for a patterns file\'s payments.',
 )
 def import_amlworld_command(
-    files: tuple[str, ...], limit: int | None, prefix: str, truth: str | None
+    files: tuple[str, ...], limit: int | None, prefix: str, days_per_second: float | None, truth: str | None
 ) -> None:
     """Send IBM AMLworld data to the payments topic, in event-time order: a transactions CSV (*_Trans.csv),
     a patterns file (*_Patterns.txt), or one of each (the attempts replayed into the background)."""
@@ -117,6 +147,16 @@ def import_amlworld_command(
     except OSError as exc:
         raise click.ClickException(f"could not read or write {exc.filename}: {exc.strerror}.") from None
     servers = ",".join(settings.bootstrap_servers)
+    if days_per_second is None and imported.payments:
+        span = datetime.fromisoformat(imported.payments[-1].ts) - datetime.fromisoformat(
+            imported.payments[0].ts
+        )
+        if span.days >= C_HORIZON_DAYS and len(imported.payments) < settings.max_records_per_trigger:
+            click.echo(
+                f"amlworld: warning: {span.days} days of event time in {len(imported.payments)} payments, "
+                "sent at once, may reach Service C in one micro-batch, which counts only the last "
+                f"{C_HORIZON_DAYS} days of it; pace them with --days-per-second 1"
+            )
     click.echo(
         f"amlworld: {len(imported.payments)} payments from {imported.path} to {settings.payments_topic} "
         f"via {servers}"
@@ -130,6 +170,7 @@ def import_amlworld_command(
                 imported.payments,
                 security=settings.kafka_security,
                 progress=click.echo,
+                days_per_second=days_per_second,
             )
         )
     except (KafkaError, OSError) as exc:

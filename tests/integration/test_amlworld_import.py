@@ -121,6 +121,7 @@ async def test_real_attempts_replay_into_real_background(broker: EmbeddedBroker,
     )
     assert result.returncode == 0, result.stderr
     assert "  attempts: 456 laundering attempt(s) of the patterns file" in result.stdout.splitlines()
+    assert "amlworld: warning: 26 days of event time in 4108 payments, sent at once" in result.stdout
     sent = 200 + 3908
     assert f"{200 + 3909} row(s) read from" in result.stdout and f"{sent} payment(s) sent" in result.stdout
     lines = truth.read_text().splitlines()

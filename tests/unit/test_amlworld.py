@@ -3,9 +3,11 @@ one sentence naming the line for each kind of malformed row (aml_app/simulation/
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 from click.testing import CliRunner
@@ -14,6 +16,7 @@ from aml_app.contract import validate_payment
 from aml_app.kafka.broker import free_port
 from aml_app.simulation.amlworld import (
     CURRENCIES,
+    AmlworldPayment,
     is_patterns_file,
     read_amlworld,
     read_patterns,
@@ -354,3 +357,42 @@ def test_two_files_of_one_layout_are_refused_before_sending(tmp_path: Path) -> N
     assert result.output.strip().splitlines() == [
         "Error: 2 transactions and 0 patterns files were given; give at most one of each; nothing was sent."
     ]
+
+
+def test_paced_sending_spreads_event_time_over_wall_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --days-per-second, payments go out in steps of event time: a chunk waits until its first
+    payment is due. The producer is replaced at its seam; time is the fake clock the sleeps advance."""
+    from aml_app.simulation import amlworld_command
+
+    clock = [0.0]
+    sent: list[tuple[float, list[str]]] = []
+
+    async def fake_producer(*args: object, **kwargs: object) -> Any:
+        class Producer:
+            async def stop(self) -> None:
+                return None
+
+        return Producer()
+
+    async def fake_produce(producer: object, topic: str, records: list[tuple[Any, Any, Any]]) -> list[Any]:
+        sent.append((clock[0], [json.loads(value)["payment_id"] for _, _, value in records]))
+        return []
+
+    async def fake_sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    monkeypatch.setattr(amlworld_command, "started_producer", fake_producer)
+    monkeypatch.setattr(amlworld_command, "produce", fake_produce)
+    monkeypatch.setattr(amlworld_command.asyncio, "sleep", fake_sleep)
+    monkeypatch.setattr(amlworld_command.time, "monotonic", lambda: clock[0])
+    days = ["2022-09-01T00:00:00Z", "2022-09-01T01:00:00Z", "2022-09-02T00:00:00Z", "2022-09-05T00:00:00Z"]
+    payments = [
+        AmlworldPayment(f"p{i}", "a", "b", "1.00", "USD", ts, "ach", False) for i, ts in enumerate(days)
+    ]
+    asyncio.run(amlworld_command.send_payments(["x"], "t", payments, days_per_second=1.0))
+    # One day of event time per second: p0 and p1 (an hour apart) together at once, p2 at 1 s, p3 at 4 s.
+    assert sent == [(0.0, ["p0", "p1"]), (1.0, ["p2"]), (4.0, ["p3"])]
+    sent.clear()
+    clock[0] = 0.0
+    asyncio.run(amlworld_command.send_payments(["x"], "t", payments))
+    assert sent == [(0.0, ["p0", "p1", "p2", "p3"])]  # unpaced: all at once
