@@ -450,6 +450,8 @@ class LoopSearch:
         self.levels = {"forward": 0, "backward": 0}
         self.found: tuple[str, ...] | None = None
         self.complete = True
+        if query.closing == query.account:  # a self-payment closes no cycle: it moves no money
+            self.frontiers = {"forward": [], "backward": []}
 
     @property
     def done(self) -> bool:

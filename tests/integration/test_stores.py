@@ -179,8 +179,7 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
         loop_queries = [
             relations.Query(a, 1, ["loop"], Decimal(0), x, at, most)
             for a in ACCOUNTS
-            for x in ACCOUNTS
-            if x != a
+            for x in ACCOUNTS  # x == a too: a self-payment closes no loop
             for at in ats
             for most in (2, 3, 16)
         ]
@@ -417,6 +416,8 @@ async def test_loops_go_forward_in_time_within_the_span_past_few_payees_up_to_th
         ("B", "X", "1", T0 - 2 * day),  # B X in two currencies, one of them in time
         ("D", "E", "1", T0 + 20 * day),  # long after: outside the span of a loop closed at day 3
         ("A", "A", "1", T0),  # a self-payment is part of no loop
+        ("G", "H", "1", T0),
+        ("H", "G", "1", T0 + day),
         *[("A", f"F{i:02d}", "1", T0) for i in range(12)],  # a wide first level for the cap
     )
     apply_payments(spark, store_url, "relations", payments)
@@ -434,6 +435,9 @@ async def test_loops_go_forward_in_time_within_the_span_past_few_payees_up_to_th
     assert (await loop("B", "E", T0 + 21 * day))["found"] is False
     assert (await loop("D", "E", T0 + 21 * day))["found"] is True
     assert (await loop("A", "A", at))["found"] is False
+    # G paid H and H paid G: H paying G closes G H G; G paying itself closes nothing.
+    assert await loop("G", "H", at) == {"found": True, "path": ["G", "H", "G"], "complete": True}
+    assert await loop("G", "G", at) == {"found": False, "path": [], "complete": True}
     assert is_loop(payments, ["A", "B", "C", "D", "A"], at, relations.LOOP_SPAN)
     assert not is_loop(payments, ["A", "B", "C", "X", "A"], at, relations.LOOP_SPAN)
     monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", 1)  # B paid C and X: no way through B
