@@ -1213,9 +1213,8 @@ class Soak:
         group's last commit to be decided again. Committing every interval, a worker never owes more than
         it decided in the last `commit_grace` seconds. So the repeats after an AML fault (up to the next
         one) may number at most the most first decisions made in any `commit_grace` seconds from that
-        fault to the next one, by the worker it stopped (scaled down), or by every worker for a fault
-        whose rebalance moves everyone's partitions: a worker joining, the broker frozen, and a kill,
-        whose replacement joins. More means committed offsets lagged behind.
+        fault to the next one, by the worker it stopped, or by every worker for a fault whose rebalance
+        comes later (a worker joining, the broker frozen). More means committed offsets lagged behind.
         """
         grace = self.options.commit_grace
         first: dict[str, Decision] = {}
@@ -1227,10 +1226,10 @@ class Soak:
                 first[d.payment_id] = d
         events: list[tuple[float, str, str | None]] = []  # when, what, the worker it stopped (None: all)
         for x in self.faults:
-            if x.started is not None and x.kind == "scale-down":
+            if x.started is not None and x.kind in ("kill-worker", "scale-down"):
                 events.append((x.started, f"{x.kind} {x.target}", x.target))
-            elif x.started is not None and x.kind in ("kill-worker", "scale-up", "broker-freeze"):
-                events.append((x.started, f"{x.kind} {x.target}" if x.target else x.kind, None))
+            elif x.started is not None and x.kind in ("scale-up", "broker-freeze"):
+                events.append((x.started, x.kind, None))
         for e in self.unexpected:
             if e.get("worker"):
                 events.append((self.t0_wall + e["at"], f"unexpected exit of {e['worker']}", e["worker"]))
