@@ -71,7 +71,7 @@ LOOP_SPAN = timedelta(days=14)
 #: payment processor connects everyone in time, and laundering loops run through accounts of few payees.
 LOOP_MAX_PAYEES = 100
 #: The most accounts one level of a loop search may reach before it stops (`complete` false).
-LOOP_FRONTIER = 5000
+LOOP_FRONTIER = 500
 #: At most this many `sources` and `co_payees` in an answer, the strongest first.
 LISTED = 10
 
