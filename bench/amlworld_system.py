@@ -27,7 +27,7 @@ from aml_app.settings import load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.amlworld_command import send_payments
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge
-from bench.common import finish, machine, markdown_table
+from bench.common import gate_on_and_off, markdown_table
 
 NAME = "amlworld_system"
 
@@ -89,10 +89,7 @@ def cli() -> None:
     parser.add_argument("--days-per-second", type=float, default=0.5, help="event time sent per second")
     parser.add_argument("--deadline", type=float, default=600, help="seconds to decide every payment")
     args = parser.parse_args()
-    doc: dict[str, Any] = {"benchmark": NAME, "machine": machine(), "params": vars(args), "runs": {}}
-    for gate in (True, False):
-        doc["runs"]["gate on" if gate else "gate off"] = asyncio.run(run(args, gate))
-    finish(NAME, doc, report)
+    gate_on_and_off(NAME, args, run, report)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -262,3 +262,16 @@ def finish(name: str, doc: dict[str, Any], report: Callable[[dict[str, Any]], st
     print()
     print(report(doc))
     print(f"\nresults: {path}")
+
+
+def gate_on_and_off(
+    name: str,
+    args: Any,
+    run: Callable[[Any, bool], Awaitable[dict[str, Any]]],
+    report: Callable[[dict[str, Any]], str],
+) -> None:
+    """Run a benchmark's `run(args, gate)` gate on, then gate off, and finish with both in one document."""
+    doc: dict[str, Any] = {"benchmark": name, "machine": machine(), "params": vars(args), "runs": {}}
+    for gate in (True, False):
+        doc["runs"]["gate on" if gate else "gate off"] = asyncio.run(run(args, gate))
+    finish(name, doc, report)

@@ -15,7 +15,6 @@ payments.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -24,7 +23,7 @@ from aml_app.harness.demo import Demo, Options
 from aml_app.harness.verdict import Verdict
 from aml_app.settings import load_settings
 from aml_app.simulation.score import ratio_text
-from bench.common import finish, machine, markdown_table
+from bench.common import gate_on_and_off, markdown_table
 
 NAME = "gate_matters"
 
@@ -130,10 +129,7 @@ def cli() -> None:
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--instances", type=int, default=3, help="instances of each typology")
     args = parser.parse_args()
-    doc: dict[str, Any] = {"benchmark": NAME, "machine": machine(), "params": vars(args), "runs": {}}
-    for gate in (True, False):
-        doc["runs"]["gate on" if gate else "gate off"] = asyncio.run(run(args, gate))
-    finish(NAME, doc, report)
+    gate_on_and_off(NAME, args, run, report)
 
 
 if __name__ == "__main__":

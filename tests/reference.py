@@ -215,6 +215,14 @@ def _edge_times(payments: list[Any]) -> dict[tuple[str, str], list[tuple[datetim
     return edges
 
 
+def _step(spans: Sequence[tuple[datetime, datetime]], reached: datetime, at: datetime) -> datetime | None:
+    """The earliest time money that reached an edge's payer at `reached` can take the edge (one of its
+    currencies' first payment, not before `reached`, its last payment not before it either, its first at
+    or before `at`), or None."""
+    times = [max(reached, first) for first, last in spans if last >= reached and first <= at]
+    return min(times) if times else None
+
+
 def reference_loop(
     payments: Iterable[Any],
     account: str,
@@ -226,10 +234,8 @@ def reference_loop(
 ) -> dict[str, Any]:
     """Service B's `loop` about `account` closed by a payment from `closing` at `at`, as {"found", "path"}
     with one of the shortest paths (B may return another; `is_loop` checks any): every simple path
-    account -> ... ->
-    closing of at most loop_hops - 1 edges, tried one by one, each edge taken at the earliest time one of
-    its currencies allows (first payment, not before the time reached, last payment not before it either,
-    first payment at or before `at`), starting at `at` - span, and never going on from an account in
+    account -> ... -> closing of at most loop_hops - 1 edges, tried one by one, each edge taken at the
+    earliest time it allows (`_step`), starting at `at` - span, and never going on from an account in
     between that paid more than `max_payees` distinct accounts."""
     edges = _edge_times(list(payments))
     out: dict[str, set[str]] = {}
@@ -258,14 +264,14 @@ def loop_on_edges(
         if best is not None and depth + 1 >= len(best) - 1:
             return
         for there in sorted(out.get(here, ())):
-            times = [max(reached, f) for f, last in edges[(here, there)] if last >= reached and f <= at]
-            if not times or there in (account, here) or there in seen:
+            when = _step(edges.get((here, there), []), reached, at)
+            if when is None or there in (account, here) or there in seen:
                 continue
             if there == closing:
                 best = (*seen, there)
                 return
             if depth + 2 < loop_hops and len(out.get(there, set()) - {there}) <= max_payees:
-                walk(there, min(times), (*seen, there))
+                walk(there, when, (*seen, there))
 
     walk(account, at - span, (account,))
     return {"found": True, "path": [*best, account]} if best is not None else {"found": False, "path": []}
@@ -279,10 +285,10 @@ def is_loop(payments: Iterable[Any], path: Sequence[str], at: datetime, span: ti
         return False
     reached = at - span
     for here, there in itertools.pairwise(path[:-1]):
-        times = [max(reached, f) for f, last in edges.get((here, there), []) if last >= reached and f <= at]
-        if not times:
+        when = _step(edges.get((here, there), []), reached, at)
+        if when is None:
             return False
-        reached = min(times)
+        reached = when
     return True
 
 

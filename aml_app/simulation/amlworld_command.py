@@ -19,6 +19,7 @@ from datetime import datetime
 import click
 from aiokafka.errors import KafkaError
 
+from aml_app.dependencies.aggregates import HORIZON
 from aml_app.kafka.security import KafkaSecurity
 from aml_app.kafka.tools import produce, started_producer
 from aml_app.settings import ConfigError, load_settings
@@ -33,8 +34,6 @@ from aml_app.simulation.amlworld import (
 
 CHUNK = 5000  # payments per produce() call; each chunk's acknowledgements are awaited before the next
 PACE_STEP = 0.5  # seconds of wall time a paced chunk covers
-#: Service C counts a payment only while it is within this much of the newest event time it has seen.
-C_HORIZON_DAYS = 7
 
 
 async def send_payments(
@@ -151,11 +150,11 @@ def import_amlworld_command(
         span = datetime.fromisoformat(imported.payments[-1].ts) - datetime.fromisoformat(
             imported.payments[0].ts
         )
-        if span.days >= C_HORIZON_DAYS and len(imported.payments) < settings.max_records_per_trigger:
+        if span >= HORIZON and len(imported.payments) < settings.max_records_per_trigger:
             click.echo(
                 f"amlworld: warning: {span.days} days of event time in {len(imported.payments)} payments, "
                 "sent at once, may reach Service C in one micro-batch, which counts only the last "
-                f"{C_HORIZON_DAYS} days of it; pace them with --days-per-second 1"
+                f"{HORIZON.days} days of it; pace them with --days-per-second 1"
             )
     click.echo(
         f"amlworld: {len(imported.payments)} payments from {imported.path} to {settings.payments_topic} "
