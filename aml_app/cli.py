@@ -210,6 +210,7 @@ OWN_COMMANDS = {
     "rebuild": "aml_app.cli:rebuild_command",
     "serve": "aml_app.cli:serve_command",
     "simulate": "aml_app.simulation.command:simulate_command",
+    "simulate-amlworld": "aml_app.simulation.calibrated_command:simulate_amlworld_command",
     "status": "aml_app.views.status:status_command",
     "topics": "aml_app.kafka.topics_command:topics_command",
 }

@@ -1,0 +1,127 @@
+"""The simulator calibrated to AMLworld (`aml_app.simulation.calibrated`) against the real rows and the
+real patterns file, within the bounds of `aml_app.simulation.calibration`; our own simulator is the
+negative control that shows the bounds can fail."""
+
+from __future__ import annotations
+
+from collections import Counter
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from aml_app.simulation.calibrated import simulate_calibrated
+from aml_app.simulation.calibrated_command import simulate_amlworld_command
+from aml_app.simulation.calibration import (
+    BackgroundMeasures,
+    PatternMeasures,
+    background_gaps,
+    measure,
+    measure_patterns,
+    pattern_gaps,
+)
+from aml_app.simulation.traffic import simulate
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "amlworld"
+TYPOLOGIES = {
+    "fan_in",
+    "fan_out",
+    "gather_scatter",
+    "scatter_gather",
+    "cycle",
+    "random",
+    "bipartite",
+    "stack",
+}
+
+
+@pytest.fixture(scope="module")
+def real_background() -> BackgroundMeasures:
+    return measure(
+        p for p in read_amlworld(DATA / "HI-Small_Trans_rows1-7500.csv").payments if not p.is_laundering
+    )
+
+
+@pytest.fixture(scope="module")
+def real_patterns() -> dict[str, PatternMeasures]:
+    patterns = read_patterns(DATA / "LI-Medium_Patterns.txt")
+    return measure_patterns(patterns.attempts, patterns.payments)
+
+
+def test_the_background_is_the_real_rows_within_bounds(
+    tmp_path: Path, real_background: BackgroundMeasures
+) -> None:
+    # Half an hour at the real rows' rate, among as many accounts as a large AMLworld set has.
+    run = simulate_calibrated(5, days=0.5 / 24, per_hour=15_000, attempts=0, accounts=500_000)
+    transactions, _ = run.write(tmp_path)
+    simulated = measure(read_amlworld(transactions).payments)
+    assert background_gaps(real_background, simulated) == []
+    assert simulated.currencies == {"USD": 1.0}
+
+
+def test_our_own_simulator_is_out_of_the_background_bounds(real_background: BackgroundMeasures) -> None:
+    ours = simulate(seed=11, count=7500, rate=50, start=datetime(2026, 3, 2, tzinfo=UTC), instances=0)
+    gaps = background_gaps(real_background, measure(ours.payments))
+    assert any(gap.startswith("self_share") for gap in gaps)
+    assert any(gap.startswith("amount p50") for gap in gaps)
+
+
+def test_the_attempts_are_the_patterns_file_within_bounds(
+    tmp_path: Path, real_patterns: dict[str, PatternMeasures]
+) -> None:
+    run = simulate_calibrated(5, days=14, per_hour=1, attempts=200)
+    _, patterns_file = run.write(tmp_path)
+    patterns = read_patterns(patterns_file)
+    simulated = measure_patterns(patterns.attempts, patterns.payments)
+    assert set(simulated) == set(real_patterns) == TYPOLOGIES
+    assert pattern_gaps(real_patterns, simulated) == []
+    assert Counter(a.typology for a in patterns.attempts) == {t: 200 for t in TYPOLOGIES}
+
+
+def test_the_pattern_bounds_catch_a_shape_out_of_line(real_patterns: dict[str, PatternMeasures]) -> None:
+    fans = real_patterns["fan_in"]
+    short = {**real_patterns, "fan_in": PatternMeasures(**{**fans.as_json(), "span_hours": 24.0})}
+    assert pattern_gaps(real_patterns, short) == [
+        "fan_in: span_hours is 24.0, real 125.2 (within a factor 1.4)"
+    ]
+    assert pattern_gaps(real_patterns, {}) == [f"{t}: no attempt simulated" for t in real_patterns]
+
+
+def test_a_run_is_reproducible_and_spans_its_days(tmp_path: Path) -> None:
+    one = simulate_calibrated(9, days=13, per_hour=3, attempts=4)
+    assert one == simulate_calibrated(9, days=13, per_hour=3, attempts=4)
+    assert one != simulate_calibrated(10, days=13, per_hour=3, attempts=4)
+    assert max(row.at for a in one.attempts for row in a.rows) <= 13 * 86400
+    short = simulate_calibrated(9, days=1, per_hour=3, attempts=4)  # attempts of up to 12 days, compressed
+    assert max(row.at for a in short.attempts for row in a.rows) <= 86400
+    transactions, patterns = one.write(tmp_path)
+    background = read_amlworld(transactions)
+    assert len(background.payments) == len(one.background) == 13 * 24 * 3 and not background.laundering
+    assert len(read_patterns(patterns).payments) == sum(len(a.rows) for a in one.attempts)
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        ({"days": 0}, "days and per_hour must be positive"),
+        ({"per_hour": float("nan")}, "days and per_hour must be positive"),
+        ({"attempts": -1}, "attempts must be a whole number"),
+        ({"accounts": 10}, "accounts must be at least 100"),
+    ],
+)
+def test_impossible_parameters_are_refused(arguments: dict[str, float], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        simulate_calibrated(1, **arguments)  # type: ignore[arg-type]
+
+
+def test_the_command_writes_both_files(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        simulate_amlworld_command,
+        [str(tmp_path / "run"), "--days", "1", "--per-hour", "10", "--attempts", "2"],
+    )
+    assert result.exit_code == 0, result.output
+    assert "240 background payment(s)" in result.output and "16 attempt(s)" in result.output
+    assert f"aml-app import-amlworld {tmp_path / 'run' / 'Trans.csv'}" in result.output
+    assert len(read_patterns(tmp_path / "run" / "Patterns.txt").attempts) == 16
