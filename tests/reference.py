@@ -23,9 +23,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, localcontext
 from typing import Any
+
+from aml_app.dependencies.relations import FLOW_RATIO
 
 HORIZON = timedelta(days=7)
 LISTED = 10  # sources and co_payees: the strongest ten (aml_app/dependencies/relations.py)
@@ -105,15 +108,66 @@ def _heavy_edges(payments: list[Any], min_average: Decimal | Mapping[str, Decima
     return heavy
 
 
-def _chain(heavy: set[tuple[str, str]], account: str, hops: int) -> list[str]:
-    """The longest simple heavy path ending at `account` (at most `hops` edges), the smallest of those."""
-    paths = [[account]]
+@dataclass(frozen=True)
+class _EdgeRow:
+    """One heavy (payer, payee, currency) row of B's edges; its average in units is total / payments /
+    unit."""
+
+    payer: str
+    payee: str
+    payments: int
+    total: Decimal
+    unit: Decimal
+    first: datetime
+    last: datetime
+
+    def flows_into(self, after: _EdgeRow) -> bool:
+        """Money paid on this row can have gone on along `after` (compared by multiplication, as B does)."""
+        low, high = FLOW_RATIO
+        with localcontext() as ctx:
+            ctx.prec = 80
+            on = after.total * self.payments * self.unit
+            back = self.total * after.payments * after.unit
+            return self.first <= after.last and low * back <= on <= high * back
+
+
+def _heavy_rows(payments: list[Any], min_average: Decimal | Mapping[str, Decimal]) -> list[_EdgeRow]:
+    """The heavy edge rows, with each row's average divided by its currency's minimum (by 1 when one
+    minimum holds for every currency), as B's `chain` compares them."""
+    rows: dict[tuple[str, str, str], list[Any]] = {}
+    for p in payments:
+        rows.setdefault((p.payer, p.payee, p.currency), []).append(p)
+    found = []
+    for (u, v, currency), group in rows.items():
+        least = min_average.get(currency) if isinstance(min_average, Mapping) else min_average
+        total = _total(amount_of(p) for p in group)
+        if least is None or total < least * len(group):
+            continue
+        unit = least if isinstance(min_average, Mapping) else Decimal(1)
+        times = [ts_of(p) for p in group]
+        found.append(_EdgeRow(u, v, len(group), total, unit, min(times), max(times)))
+    return found
+
+
+def _chain(rows: list[_EdgeRow], account: str, hops: int, closing: str | None) -> list[str]:
+    """The longest flow of heavy rows ending at `account` (at most `hops` edges, through distinct
+    accounts, each row's first payment no later than the next row's last and its average FLOW_RATIO times
+    the one before), ending with closing -> account when `closing` is given; the smallest of those."""
+    paths: list[tuple[list[str], _EdgeRow | None]] = [([account], None)]
     best: list[str] = []
-    for _ in range(hops):
-        paths = [[u, *path] for path in paths for (u, v) in heavy if v == path[0] and u not in path]
+    for level in range(hops):
+        paths = [
+            ([row.payer, *path], row)
+            for path, after in paths
+            for row in rows
+            if row.payee == path[0]
+            and row.payer not in path
+            and (level > 0 or closing is None or row.payer == closing)
+            and (after is None or row.flows_into(after))
+        ]
         if not paths:
             break
-        best = min(paths)
+        best = min(path for path, _ in paths)
     return best
 
 
@@ -145,11 +199,13 @@ def reference_layering(
     account: str,
     hops: int,
     min_average: Decimal | Mapping[str, Decimal] = Decimal(0),
+    closing: str | None = None,
 ) -> dict[str, Any]:
-    """Service B's layering parts (chain, sources, co_payees) for `account`."""
-    heavy = _heavy_edges(list(payments), min_average)
+    """Service B's layering parts (chain, sources, co_payees) for `account`; `closing` as B's query."""
+    listed = list(payments)
+    heavy = _heavy_edges(listed, min_average)
     return {
-        "chain": _chain(heavy, account, hops),
+        "chain": _chain(_heavy_rows(listed, min_average), account, hops, closing),
         "sources": _sources(heavy, account),
         "co_payees": _co_payees(heavy, account),
     }

@@ -5,7 +5,8 @@ The reference loops over every payment it is given, which is quadratic over a wh
 gets only the payments that can change the part of the answer the rules read: for aggregates, the
 payments touching the account; for relations (`out` and `cycle`), the payments sent by the account or by
 accounts reachable from it in at most 2 directed hops (a cycle of at most 3 hops uses no other edge); for
-`chain`, the payments into the account and into the accounts up to 2 steps before it; for `sources` and
+the payee's `chain` (through the payer), the payments into the payee and into the accounts up to 2 steps
+before it; for `sources` and
 `co_payees`, the payments into the account and into its payers, and those its payers sent; for `loop`,
 the edges' first and last times, kept up as payments are fed (`tests.reference.loop_on_edges`). `in` and
 `neighbourhood` are read by no rule and are left empty: exact, they would need every payment into the
@@ -90,13 +91,7 @@ class Services:
             reach |= frontier
         subset = [p for a in sorted(reach) for p in self.sent_by.get(a, [])]
         answer = reference_relations(subset, account, HOPS)
-        answer["in"], answer["neighbourhood"] = [], []
-        back, frontier = {account}, {account}
-        for _ in range(HOPS - 1):
-            frontier = self.payers_of(frontier) - back
-            back |= frontier
-        into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
-        answer["chain"] = reference_layering(into, account, HOPS, self.min_average)["chain"]
+        answer["in"], answer["neighbourhood"], answer["chain"] = [], [], []
         return answer
 
     def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
@@ -105,9 +100,15 @@ class Services:
         for payer in payers:
             subset += self.received_by.get(payer, []) + self.sent_by.get(payer, [])
         layering = reference_layering(subset, account, HOPS, self.min_average)
+        back, frontier = {account}, {account}
+        for _ in range(HOPS - 1):
+            frontier = self.payers_of(frontier) - back
+            back |= frontier
+        into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
         return {
             "account": account,
             "hops": HOPS,
+            "chain": reference_layering(into, account, HOPS, self.min_average, closing)["chain"],
             "sources": layering["sources"],
             "co_payees": layering["co_payees"],
             "loop": loop_on_edges(

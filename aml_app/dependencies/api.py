@@ -7,7 +7,7 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               (default 0), or one per currency (`USD:1000,EUR:853.4`), which chain, sources and
               co_payees look at; the part `loop` needs
               `closing=<payer>` and `at=ISO` (the payment into the account that would close it) and
-              takes `loop_hops=2..16` (default 12)
+              takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back
 - batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle",
@@ -202,12 +202,22 @@ def parse_parts(raw: str | None) -> tuple[str, ...]:
 def parse_loop(
     parts: Sequence[str], closing: str | None, at: str | None, loop_hops: str | None, where: str = ""
 ) -> tuple[str | None, datetime | None, int]:
-    """(closing, at, loop_hops) of a query: required with the part `loop`, refused without it."""
+    """(closing, at, loop_hops) of a query: `closing` required with the part `loop` and taken by `chain`,
+    `at` required with `loop`; each refused where no part asked reads it."""
+    if closing is not None and (not closing.strip() or len(closing) > MAX_ID_LENGTH):
+        raise BadRequest(
+            f"{where}closing must be the payer of the payment into the account, "
+            f"a non-blank id of at most {MAX_ID_LENGTH} characters."
+        )
     if "loop" not in parts:
-        if closing is not None or at is not None or loop_hops is not None:
-            raise BadRequest(f"{where}closing, at and loop_hops belong to the part loop, which is not asked.")
-        return None, None, LOOP_HOPS
-    if closing is None or not closing.strip() or len(closing) > MAX_ID_LENGTH:
+        if at is not None or loop_hops is not None:
+            raise BadRequest(f"{where}at and loop_hops belong to the part loop, which is not asked.")
+        if closing is not None and "chain" not in parts:
+            raise BadRequest(
+                f"{where}closing belongs to the parts chain and loop, neither of which is asked."
+            )
+        return closing, None, LOOP_HOPS
+    if closing is None:
         raise BadRequest(
             f"{where}the part loop needs closing: the payer of the payment into the account, "
             f"a non-blank id of at most {MAX_ID_LENGTH} characters."
@@ -373,6 +383,7 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
             "GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle,chain,sources,co_payees"
             "&min_average=0",
             "GET /relations/{account}?parts=loop&closing=PAYER&at=ISO&loop_hops=2..16",
+            "GET /relations/{account}?parts=chain&closing=PAYER",
             "POST /relations",
         ],
         reader,

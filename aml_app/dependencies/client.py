@@ -33,9 +33,10 @@ from aml_app.dependencies.relations import LOOP_HOPS, MinAverage
 #: Service B parts the detectors use, about the payer and about the payee: the neighbourhood is never
 #: needed and can be most of the graph.
 RELATIONS_PARTS = "out,cycle"
-PAYER_PARTS = "out,chain"
-#: `loop` asks for the cycle the payment closes: the payee is where money that went around starts.
-PAYEE_PARTS = "sources,co_payees,loop"
+PAYER_PARTS = "out"
+#: `chain` and `loop` ask about the payment itself (B's `closing` is its payer): the flow it continues,
+#: and the cycle it closes (the payee is where money that went around starts).
+PAYEE_PARTS = "chain,sources,co_payees,loop"
 CYCLE_HOPS = 3
 
 

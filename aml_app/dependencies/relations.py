@@ -31,8 +31,12 @@ currency (`{"USD": 1000, "EUR": 853.4}`: the same sum in each; a currency not na
 detector that compares amounts in one reporting currency asks B the same question in every currency.
 Laundering moves large sums through few hands; the heavy filter keeps the everyday graph of small
 payments (shops, friends) out of these answers:
-- `chain`: the longest simple directed path of heavy edges that ends at the account, with at most `hops`
-  edges (all accounts distinct); among equally long ones the smallest path; `[]` when none comes in;
+- `chain`: the longest flow of heavy edges that ends at the account, with at most `hops` edges: a path
+  through distinct accounts along which money can have gone on, each edge's first payment no later than
+  the next edge's last and each edge's average payment FLOW_RATIO (0.8-1.25) times the one before it
+  (averages in units of the currency's `min_average`, so the same sum in every currency compares equal);
+  with `closing`, only a flow whose last edge is closing -> account (the payment being decided). Among
+  equally long ones the smallest path; `[]` when none comes in;
 - `sources`: the two-step heavy flows into the account: every source s with at least 2 distinct
   intermediates m (s -> m -> account, s, m and the account all distinct), as {"source", "via"}, the most
   intermediates first, then by source; at most LISTED of them;
@@ -74,6 +78,9 @@ LOOP_MAX_PAYEES = 100
 LOOP_FRONTIER = 500
 #: At most this many `sources` and `co_payees` in an answer, the strongest first.
 LISTED = 10
+#: A chain's edge passes money on: its average payment is this many times the edge's before it (AMLworld's
+#: layering hops pass on 0.93-1.07 of what they got; an account's unrelated payments rarely match).
+FLOW_RATIO = (Decimal("0.8"), Decimal("1.25"))
 
 
 #: What a heavy edge is: one minimum average payment for every currency, or one per currency.
@@ -82,7 +89,8 @@ MinAverage = Decimal | Mapping[str, Decimal]
 
 class Query(NamedTuple):
     """One question to Service B: an account, how far to look, which parts, and what counts as heavy;
-    for `loop`, the payment that would close it (its payer and time) and the longest loop."""
+    for `loop`, the payment that would close it (its payer and time) and the longest loop; for `chain`,
+    that payer too, if the chain must end with its edge."""
 
     account: str
     hops: int
@@ -276,25 +284,48 @@ def _heavy(*aliases: str) -> str:
     return " AND ".join(_HEAVY.format(e=a) for a in aliases)
 
 
-# The longest simple heavy path into each account, for each length up to 3 (NULL where there is none):
-# the smallest of each length, as the accounts before the asked one.
+# A heavy edge row's unit: its currency's minimum when each currency has one, else 1 (one minimum for
+# all: averages compare as they are). Averages divided by their units compare across currencies.
+_UNIT = "coalesce((%(minimums)s::numeric[])[array_position(%(currencies)s::text[], {e}.currency::text)], 1)"
+
+
+def _flows(before: str, after: str) -> str:
+    """Money paid on edge row `before` can have gone on along `after`: `before`'s first payment is no
+    later than `after`'s last, and `after`'s average is FLOW_RATIO times `before`'s (in units)."""
+    on, back = (
+        f"{after}.total * {before}.payments * {_UNIT.format(e=before)}",
+        f"{before}.total * {after}.payments * {_UNIT.format(e=after)}",
+    )
+    return (
+        f"{before}.first_seen <= {after}.last_seen AND {on} >= %(low)s * {back} AND {on} <= %(high)s * {back}"
+    )
+
+
+# The longest flow of heavy edge rows into each account, for each length up to 3 (NULL where there is
+# none): a simple path along which money can have gone on (`_flows`), through a query's `closing` last
+# when it names one; the smallest of each length, as the accounts before the asked one.
 _CHAINS = f"""
 SELECT q.i,
     (SELECT min(e3.payer) FROM {{edges}} e3
-        WHERE e3.payee = q.account AND e3.payer <> q.account AND {_heavy("e3")}) AS one,
+        WHERE e3.payee = q.account AND e3.payer <> q.account AND {_heavy("e3")}
+            AND (q.closing IS NULL OR e3.payer = q.closing)) AS one,
     (SELECT ARRAY[e2.payer, e3.payer] FROM {{edges}} e3
         JOIN {{edges}} e2 ON e2.payee = e3.payer
         WHERE e3.payee = q.account AND %(hops)s >= 2 AND {_heavy("e3", "e2")}
+            AND (q.closing IS NULL OR e3.payer = q.closing)
             AND e3.payer <> q.account AND e2.payer <> q.account AND e2.payer <> e3.payer
+            AND {_flows("e2", "e3")}
         ORDER BY e2.payer, e3.payer LIMIT 1) AS two,
     (SELECT ARRAY[e1.payer, e2.payer, e3.payer] FROM {{edges}} e3
         JOIN {{edges}} e2 ON e2.payee = e3.payer
         JOIN {{edges}} e1 ON e1.payee = e2.payer
         WHERE e3.payee = q.account AND %(hops)s >= 3 AND {_heavy("e3", "e2", "e1")}
+            AND (q.closing IS NULL OR e3.payer = q.closing)
             AND e3.payer <> q.account AND e2.payer <> q.account AND e1.payer <> q.account
             AND e2.payer <> e3.payer AND e1.payer <> e3.payer AND e1.payer <> e2.payer
+            AND {_flows("e2", "e3")} AND {_flows("e1", "e2")}
         ORDER BY e1.payer, e2.payer, e3.payer LIMIT 1) AS three
-FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+FROM unnest(%(accounts)s::text[], %(closings)s::text[]) WITH ORDINALITY AS q(account, closing, i)
 """
 
 _SOURCES = f"""
@@ -332,11 +363,24 @@ ORDER BY q.i, c.shared DESC, c.account
 
 
 async def _chains(
-    cur: Any, edges: sql.Composable, accounts: list[str], hops: int, min_average: MinAverage
+    cur: Any,
+    edges: sql.Composable,
+    accounts: list[str],
+    closings: list[str | None],
+    hops: int,
+    min_average: MinAverage,
 ) -> dict[int, list[str]]:
+    low, high = FLOW_RATIO
     await cur.execute(
         sql.SQL(_CHAINS).format(edges=edges),
-        {"accounts": accounts, "hops": hops, **_heavy_params(min_average)},
+        {
+            "accounts": accounts,
+            "closings": closings,
+            "hops": hops,
+            "low": low,
+            "high": high,
+            **_heavy_params(min_average),
+        },
     )
     found = {}
     for i, one, two, three in await cur.fetchall():
@@ -617,7 +661,14 @@ async def relations_many(
         asked, "chain", lambda q: (q.hops, _heavy_key(q.min_average))
     ).items():
         min_average = asked[indexes[0]].min_average
-        chains = await _chains(cur, edges, [asked[i].account for i in indexes], hops, min_average)
+        chains = await _chains(
+            cur,
+            edges,
+            [asked[i].account for i in indexes],
+            [asked[i].closing for i in indexes],
+            hops,
+            min_average,
+        )
         for k, i in enumerate(indexes, start=1):
             answers[i]["chain"] = chains[k]
     for part, query, fields in (

@@ -204,11 +204,12 @@ class Relations:
     """Service B's answer for one account (`GET /relations/{account}?hops=k`).
 
     The layering parts (chain, sources, co_payees) count heavy edges only, as the request's `min_average`
-    defined them: `chain` is the longest heavy path ending at the account (accounts in order, the account
-    last; empty when none), `sources` maps a source to the intermediates through which it reaches the
-    account in two heavy steps, `co_payees` maps an account to the number of heavy payers it shares with
-    this one. `loop` is the cycle that the payment being decided closes (asked about its payee, the
-    cycle's start: path payee, ..., payer, payee), if money can have gone around it in time.
+    defined them: `chain` is the longest heavy flow ending at the account (accounts in order, the account
+    last; empty when none; asked about the payee, its last edge is the payer's), `sources` maps a source
+    to the intermediates through which it reaches the account in two heavy steps, `co_payees` maps an
+    account to the number of heavy payers it shares with this one. `loop` is the cycle that the payment
+    being decided closes (asked about its payee, the cycle's start: path payee, ..., payer, payee), if
+    money can have gone around it in time.
     """
 
     account: str

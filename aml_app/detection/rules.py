@@ -374,11 +374,14 @@ def bipartite(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
 
 
 def random_walk(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
-    """The payment continues a chain of heavy payments through distinct accounts (a layering walk that
-    does not come back; a cycle is the cycle rule's)."""
-    chain = evidence.payer_relations.chain
-    hops = len(chain)  # the chain's edges (len - 1) plus this payment
-    if not chain or evidence.payee in chain or hops < thresholds.random_min_hops:
+    """The payment continues a flow of heavy payments through distinct accounts (a layering walk that
+    does not come back; a cycle is the cycle rule's): Service B's `chain` of the payee through this
+    payer, in which each payment came after the one before and passed on 0.8-1.25 times what it got.
+    Heavy payments between unrelated accounts chain up within days in any real traffic; money that is
+    passed on keeps its amount and its order."""
+    chain = evidence.payee_relations.chain
+    hops = len(chain) - 1
+    if hops < thresholds.random_min_hops or chain[-2] != evidence.payer:
         return None
     amount = thresholds.rates.convert(evidence.amount, evidence.currency)
     if amount is None or amount < thresholds.graph_min_average:
@@ -386,13 +389,13 @@ def random_walk(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     return Hit(
         rule="aml.random",
         typology="random",
-        reason=f"Heavy payments make {hops} hops in a row: {' -> '.join((*chain, evidence.payee))}.",
+        reason=f"Heavy payments pass money on {hops} times in a row: {' -> '.join(chain)}.",
         figures={
             "hops": hops,
             "min_hops": thresholds.random_min_hops,
             "min_average": money(thresholds.graph_min_average),
         },
-        path=(*chain, evidence.payee),
+        path=chain,
     )
 
 

@@ -107,7 +107,7 @@ LIMITS: dict[str, tuple[Any, Any, str]] = {
     "bipartite_min_sources": (2, 100_000, "heavy payers the payee shares with other payees"),
     "bipartite_min_destinations": (2, 11, "payees in the block, this one included (B lists 10 others)"),
     "stack_min_sources": (2, 10, "sources reaching the payee through 2 or more intermediates (B lists 10)"),
-    "random_min_hops": (2, 4, "edges of a heavy chain ending with this payment (B looks 3 back)"),
+    "random_min_hops": (2, 3, "payments of a heavy flow ending with this payment (B looks 3 deep)"),
     "large_new_counterparty_min_amount": (Decimal("0.01"), Decimal("1e12"), "first payment to a payee"),
     "velocity_min_count": (1, 1_000_000, "payments sent by the payer in 1h"),
     "velocity_multiple": (Decimal(1), Decimal(10000), "1h count over the payer's 7-day hourly average"),

@@ -70,8 +70,9 @@ async def test_answers_for_a_payment_with_one_pooled_session(stores: str) -> Non
         # An account id with '/' and non-ASCII characters is one path segment.
         assert payee_agg["account"] == "a/b ü" and payee_agg["windows"]["1h"]["received_count"] == 1
         # Only the parts the detectors use (hops 3): no neighbourhood.
-        assert set(payer_rel) == {"account", "hops", "as_of", "log", "out", "chain"}
-        assert set(payee_rel) == {"account", "hops", "as_of", "log", "sources", "co_payees", "loop"}
+        assert set(payer_rel) == {"account", "hops", "as_of", "log", "out"}
+        assert set(payee_rel) == {"account", "hops", "as_of", "log", "chain", "sources", "co_payees", "loop"}
+        assert payee_rel["chain"] == ["A", "a/b ü"], "the payment's own edge; C -> A paid 10,000 times less"
         assert payer_rel["hops"] == 3 and [e["counterparty"] for e in payer_rel["out"]] == ["B", "a/b ü"]
         # A B C A is no loop: C paid A two days before A paid B.
         _, _, _, loop = await gather_answers(client, "C", "A", T0)
@@ -91,14 +92,14 @@ async def test_a_batch_of_payments_takes_two_requests_and_matches_the_single_ans
         singles = [await gather_answers(client, payer, payee, at) for payer, payee, at in payments]
         assert batch == singles
         assert await evidence_for(client, []) == []
-        # min_average reaches B: no edge averages a billion, so no heavy chain comes into A.
-        assert batch[0][2]["chain"] != []
-        assert (await evidence_for(client, payments, Decimal("1000000000")))[0][2]["chain"] == []
+        # min_average reaches B: no edge averages a billion, so no heavy chain comes into "a/b ü".
+        assert batch[0][3]["chain"] != []
+        assert (await evidence_for(client, payments, Decimal("1000000000")))[0][3]["chain"] == []
         # One minimum per currency: the stored edges are in EUR; a currency not named is never heavy.
-        assert (await evidence_for(client, payments, {"EUR": Decimal(0), "USD": Decimal(5)}))[0][2][
+        assert (await evidence_for(client, payments, {"EUR": Decimal(0), "USD": Decimal(5)}))[0][3][
             "chain"
         ] != []
-        assert (await evidence_for(client, payments, {"USD": Decimal(0)}))[0][2]["chain"] == []
+        assert (await evidence_for(client, payments, {"USD": Decimal(0)}))[0][3]["chain"] == []
 
 
 async def test_as_of_proves_inclusion_of_a_payment(stores: str) -> None:

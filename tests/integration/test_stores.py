@@ -33,7 +33,14 @@ from aml_app.pipeline.runner import spark_session
 from aml_app.pipeline.transforms import batch_outputs
 from aml_app.settings import Settings
 from tests.payments import PaymentRow
-from tests.reference import exact_from, is_loop, reference_aggregates, reference_loop, reference_relations
+from tests.reference import (
+    exact_from,
+    is_loop,
+    reference_aggregates,
+    reference_layering,
+    reference_loop,
+    reference_relations,
+)
 from tests.reference import money_text as reference_money_text
 from tests.stores import (
     aggregates_answers,
@@ -172,6 +179,12 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
                 assert answer["as_of"] == expected_as_of
                 assert without_as_of(answer) == reference_relations(scenario.payments, account, hops, heavy)
+            # Chains ending with one payer's edge (the payment being decided), every account pair.
+            pairs = [(a, x) for a in ACCOUNTS for x in ACCOUNTS]
+            chains = [relations.Query(a, hops, ["chain"], heavy, x) for a, x in pairs]
+            for (a, x), answer in zip(pairs, run(relations_answers(url, chains)), strict=True):
+                expected = reference_layering(scenario.payments, a, hops, heavy, closing=x)["chain"]
+                assert answer["chain"] == expected, (a, x, hops, heavy)
         # Loops: every (account, closing payer) pair at instants inside and after the drawn ten days, with
         # the shortest and longest limits and one between; with any account allowed in between, and with
         # those that paid at most two.
@@ -401,6 +414,41 @@ async def test_cycles(spark: Any, store_url: str) -> None:
             assert without_as_of(await one_relation(store_url, account, hops)) == reference_relations(
                 payments, account, hops
             )
+
+
+async def test_chains_follow_the_money_in_time_and_amount(spark: Any, store_url: str) -> None:
+    hour = timedelta(hours=1)
+    per_currency = {"USD": Decimal("1000"), "EUR": Decimal("800")}
+    payments = rows(
+        ("A", "B", "1250", T0, "USD"),
+        ("B", "C", "1000", T0 + hour, "USD"),  # 0.8 times what B got: flows on
+        ("C", "D", "1250", T0 + 2 * hour, "USD"),  # 1.25 times: flows on
+        ("F", "G", "1000", T0 + 5 * hour, "USD"),
+        ("G", "H", "1000", T0 + hour, "USD"),  # G paid H before F paid G: no flow F -> G -> H
+        ("K", "L", "1300", T0, "USD"),
+        ("L", "M", "1039.99", T0 + hour, "USD"),  # just under 0.8 times: no flow K -> L -> M
+        ("L", "N", "1300", T0 + hour, "USD"),
+        ("N", "M", "1300", T0 + 2 * hour, "USD"),  # K -> L -> N -> M flows
+        ("P", "Q", "800", T0, "EUR"),  # one unit (EUR's minimum)
+        ("Q", "R", "1200", T0 + hour, "USD"),  # 1.2 units: flows on, though 1.5 times the EUR amount
+    )
+    apply_payments(spark, store_url, "relations", payments)
+
+    async def chain(account: str, closing: str | None = None) -> list[str]:
+        query = relations.Query(account, 3, ["chain"], per_currency, closing)
+        return (await relations_answers(store_url, [query]))[0]["chain"]
+
+    assert await chain("D") == ["A", "B", "C", "D"]
+    assert await chain("D", "C") == ["A", "B", "C", "D"]
+    assert await chain("D", "B") == [], "the last edge must be the closing payer's"
+    assert await chain("H") == ["G", "H"]
+    assert await chain("M") == ["K", "L", "N", "M"]
+    assert await chain("M", "L") == ["L", "M"]
+    assert await chain("R") == ["P", "Q", "R"]
+    for account in "DHMR":  # the reference agrees
+        for closing in (None, *"ABCGLNQ"):
+            expected = reference_layering(payments, account, 3, per_currency, closing)["chain"]
+            assert await chain(account, closing) == expected, (account, closing)
 
 
 async def test_loops_go_forward_in_time_within_the_span_past_few_payees_up_to_the_frontier_cap(
@@ -933,7 +981,9 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
         accounts = [f"q{i}" for i in range(100)]
         # As the detectors ask: one minimum per currency.
         heavy = relations._heavy_params(ExchangeRates().in_each(Decimal(1000)))
-        params = {"accounts": accounts, "hops": 3, **heavy}
+        low, high = relations.FLOW_RATIO
+        closings = [f"p{i}" for i in range(100)]  # through the payer, as the detectors ask
+        params = {"accounts": accounts, "closings": closings, "hops": 3, "low": low, "high": high, **heavy}
         plan = conn.execute(f"EXPLAIN {text}", params).fetchall()
     assert not any("Seq Scan" in line for (line,) in plan), "\n".join(line for (line,) in plan)
 

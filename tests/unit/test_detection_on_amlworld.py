@@ -1,16 +1,21 @@
 """The AML rules on real AMLworld data hold the figures the README and docs/detection.md publish: LI-Medium's
 456 laundering attempts replayed into HI-Small's first 7,500 rows (`bench/amlworld_detection.py`, with
 Services B and C as the naive reference). A change that loses an attempt, or alerts more of the real
-background, fails here before a benchmark run would show it."""
+background, fails here before a benchmark run would show it. Half an hour of real background cannot show
+what days of it do, so the simulator calibrated to these files stands in for that."""
 
 from __future__ import annotations
 
+import tempfile
+from decimal import Decimal
 from typing import Any
 
 import pytest
 
+import tests.reference
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, replay
+from aml_app.simulation.calibrated import simulate_calibrated
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, replay, score
 
 #: Own-typology recall per typology, gate on, as published (docs/detection.md).
 PUBLISHED = {
@@ -19,7 +24,7 @@ PUBLISHED = {
     "gather_scatter": 0.605,
     "scatter_gather": 0.746,
     "cycle": 0.870,
-    "random": 0.673,
+    "random": 0.653,
     "bipartite": 0.0,
     "stack": 0.0,
 }
@@ -41,14 +46,14 @@ def gated(data: tuple[Any, Any, list[Any]]) -> dict[str, Any]:
 def test_the_published_recall_per_typology_holds(gated: dict[str, Any]) -> None:
     found = {t: gated["per_typology"][t]["own_recall"] for t in PUBLISHED}
     assert found == pytest.approx(PUBLISHED, abs=0.001)
-    assert gated["all"]["own_recall"] == pytest.approx(0.487, abs=0.001)
+    assert gated["all"]["own_recall"] == pytest.approx(0.485, abs=0.001)
 
 
 def test_at_most_one_benign_payment_in_a_hundred_is_alerted(gated: dict[str, Any]) -> None:
     benign = gated["benign"]
     assert benign["payments"] == 7494
-    assert benign["alerted"] <= 53, benign["by_rule"]
-    assert gated["payments"]["f1"] >= 0.66
+    assert benign["alerted"] <= 47, benign["by_rule"]
+    assert gated["payments"]["f1"] >= 0.655
 
 
 def test_evidence_without_the_payment_catches_less(
@@ -58,3 +63,22 @@ def test_evidence_without_the_payment_catches_less(
     lagging = judge(patterns, background, replay(timeline, lag=True))
     assert lagging["all"]["own_recall"] < gated["all"]["own_recall"]
     assert lagging["per_typology"]["scatter_gather"]["own_recall"] < 0.05
+
+
+def _random_on_calibrated_days() -> dict[str, Any]:
+    run = simulate_calibrated(2, days=14, per_hour=25, attempts=10)
+    with tempfile.TemporaryDirectory() as folder:
+        transactions, patterns = run.write(folder)
+        return score(read_patterns(patterns), read_amlworld(transactions, prefix="background"), lag=False)
+
+
+def test_days_of_background_rarely_make_a_flow(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Heavy payments between unrelated accounts chain up within days; a flow (each payment after the one
+    before, passing on 0.8-1.25 times what came in) rarely does. Without the amount condition, random
+    alerts 5 % of two weeks of calibrated background."""
+    doc = _random_on_calibrated_days()
+    assert doc["benign"]["by_rule"].get("random:aml.random", 0) <= 0.005 * doc["benign"]["payments"]
+    assert doc["per_typology"]["random"]["own_recall"] >= 0.6
+    monkeypatch.setattr(tests.reference, "FLOW_RATIO", (Decimal(0), Decimal(10**30)))
+    loose = _random_on_calibrated_days()
+    assert loose["benign"]["by_rule"]["random:aml.random"] >= 0.02 * loose["benign"]["payments"]

@@ -438,29 +438,26 @@ def test_bipartite(
 
 
 @pytest.mark.parametrize(
-    ("chain", "amount", "payee", "thresholds", "fires"),
+    ("chain", "amount", "thresholds", "fires"),
     [
-        (["x", "y", "a"], "1000.00", "b", AML, True),  # 2 edges in, this payment the 3rd, heavy
-        (["x", "y", "a"], "999.99", "b", AML, False),  # this payment is not heavy
-        (["x", "y", "a"], "2000.00 USD", "b", AML, True),  # heavy in the reporting currency: 1000 EUR
-        (["x", "y", "a"], "1999.98 USD", "b", AML, False),
-        (["x", "y", "a"], "9000.00 GBP", "b", AML, False),  # no rate: it counts as nothing
-        (["y", "a"], "5000.00", "b", AML, False),  # 2 hops in all
-        (["b", "y", "a"], "5000.00", "b", AML, False),  # back to an account of the chain: a cycle
-        (["w", "x", "y", "a"], "5000.00", "b", aml(random_min_hops=4), True),
-        (["x", "y", "a"], "5000.00", "b", aml(random_min_hops=4), False),
-        ([], "5000.00", "b", AML, False),
+        (["x", "y", "a", "b"], "1000.00", AML, True),  # 2 payments flowed in, this one the 3rd, heavy
+        (["x", "y", "a", "b"], "999.99", AML, False),  # this payment is not heavy
+        (["x", "y", "a", "b"], "2000.00 USD", AML, True),  # heavy in the reporting currency: 1000 EUR
+        (["x", "y", "a", "b"], "1999.98 USD", AML, False),
+        (["x", "y", "a", "b"], "9000.00 GBP", AML, False),  # no rate: it counts as nothing
+        (["y", "a", "b"], "5000.00", AML, False),  # 2 hops in all
+        (["y", "a", "b"], "5000.00", aml(random_min_hops=2), True),
+        (["x", "y", "c", "b"], "5000.00", AML, False),  # a flow into the payee, but not through this payer
+        ([], "5000.00", AML, False),
     ],
 )
-def test_random_walk(
-    chain: list[str], amount: str, payee: str, thresholds: AmlThresholds, fires: bool
-) -> None:
+def test_random_walk(chain: list[str], amount: str, thresholds: AmlThresholds, fires: bool) -> None:
     value, _, currency = amount.partition(" ")
-    paid = evidence(value, currency or "EUR", payee=payee, payer_relations=relations("a", chain=chain))
+    paid = evidence(value, currency or "EUR", payee_relations=relations("b", chain=chain))
     hit = random_walk(paid, thresholds)
     assert (hit is not None) is fires
     if hit:
-        assert hit.path == (*chain, payee) and hit.figures["hops"] == len(chain)
+        assert hit.path == tuple(chain) and hit.figures["hops"] == len(chain) - 1
 
 
 @pytest.mark.parametrize(
@@ -506,9 +503,13 @@ def test_aml_rules_returns_every_hit_in_typology_order() -> None:
         "9500.00",
         payer_aggregates=aggregates("a", near=9, h1=hour, d7=day),
         payee_aggregates=aggregates("b", d7=payee_day),
-        payer_relations=relations("a", out=[edge("b"), edge("c")], chain=["x", "y", "a"]),
+        payer_relations=relations("a", out=[edge("b"), edge("c")]),
         payee_relations=relations(
-            "b", sources={"s": ["a", "m", "n"]}, co_payees={"c": 2}, loop=["b", "a", "b"]
+            "b",
+            chain=["x", "y", "a", "b"],
+            sources={"s": ["a", "m", "n"]},
+            co_payees={"c": 2},
+            loop=["b", "a", "b"],
         ),
     )
     hits = aml_rules(everything, AML)
