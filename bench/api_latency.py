@@ -24,9 +24,11 @@ over all accounts):
                 POST /relations, B queries like the one above
                 GET /relations/{account}?parts=loop&closing=<random account>&at=<random instant>
                                                                  (the cycle a payment closes, 12 deep)
-                POST /relations, B/2 payments as a detector asks about them: the payer's out and
-                    chain, the payee's sources, co_payees and loop (min_average 1000); and the same
-                    without the loop
+                GET /relations/{account}?hops=3&parts=chain&closing=<random account>&min_average=1000
+                                                                 (the flow a payment continues, 3 deep)
+                POST /relations, B/2 payments as a detector asks about them: the payer's out, the
+                    payee's chain (through the payer), sources, co_payees and loop (min_average 1000);
+                    and the same without the loop
     aggregates: GET /aggregates/{account}?at=<random instant inside the data's time range>  (C's window
                 query: the 1 h, 24 h and 7 d windows of one account)
                 POST /aggregates, B such queries
@@ -491,6 +493,11 @@ async def main(args: argparse.Namespace) -> None:
                 1,
             )
 
+        def relations_chain(rng: random.Random) -> Request:
+            payer, payee = rng.choice(accounts), rng.choice(accounts)
+            query = {"hops": "3", "parts": "chain", "closing": payer, "min_average": "1000"}
+            return f"/relations/{payee}", query, None, 1
+
         def relations_evidence(rng: random.Random, loops: bool = True) -> Request:
             queries = []
             for _ in range(args.batch // 2):
@@ -501,7 +508,9 @@ async def main(args: argparse.Namespace) -> None:
                     loop = {"closing": payer, "at": instant(rng), "loop_hops": LOOP_HOPS}
                     queries.append({"account": payee, "parts": PAYEE_PARTS, **common, **loop})
                 else:
-                    queries.append({"account": payee, "parts": "sources,co_payees", **common})
+                    queries.append(
+                        {"account": payee, "parts": "chain,sources,co_payees", "closing": payer, **common}
+                    )
             return "/relations", {}, {"queries": queries}, len(queries)
 
         def relations_evidence_without_loops(rng: random.Random) -> Request:
@@ -536,6 +545,7 @@ async def main(args: argparse.Namespace) -> None:
                 relations_batch,
             ),
             ("relations", "GET /relations parts=loop (12 deep)", relations_loop),
+            ("relations", "GET /relations parts=chain through a payer (a flow, 3 deep)", relations_chain),
             ("relations", f"POST /relations, {args.batch} queries as a detector asks", relations_evidence),
             (
                 "relations",
