@@ -294,26 +294,44 @@ def _stacked(layered: dict[str, tuple[str, ...]], thresholds: AmlThresholds) -> 
 
 
 def stack(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
-    """Several sources reach the payee through the same layer of intermediates, the payer among them: two
-    bipartite layers stacked (sources -> intermediates -> destinations)."""
+    """Money goes through two layers of accounts: several sources reach the payee through the same layer
+    of intermediates, the payer among them (two bipartite layers stacked: sources -> intermediates ->
+    destinations); or the payer relays what one heavy payment brought it (Service B's flow through the
+    payer is two payments long, this one the second). AMLworld's stacks are mostly such relays: disjoint
+    two-hop chains, each passing on 0.95-1.05 of what it got within days. A longer flow is a random walk."""
     layered = _layered_sources(evidence)
-    if not _stacked(layered, thresholds):
+    if _stacked(layered, thresholds):
+        intermediates = sorted({m for via in layered.values() for m in via})
+        return Hit(
+            rule="aml.stack",
+            typology="stack",
+            reason=(
+                f"{len(layered)} sources reach {evidence.payee} through the same intermediates "
+                f"({', '.join(intermediates)}), {evidence.payer} among them."
+            ),
+            figures={
+                "sources": len(layered),
+                "min_sources": thresholds.stack_min_sources,
+                "intermediates": len(intermediates),
+                "min_average": money(thresholds.graph_min_average),
+            },
+            path=(min(layered), evidence.payer, evidence.payee),
+        )
+    chain = evidence.payee_relations.chain
+    if not 2 == len(chain) - 1 < thresholds.random_min_hops or chain[-2] != evidence.payer:
         return None
-    intermediates = sorted({m for via in layered.values() for m in via})
+    amount = thresholds.rates.convert(evidence.amount, evidence.currency)
+    if amount is None or amount < thresholds.graph_min_average:
+        return None
     return Hit(
         rule="aml.stack",
         typology="stack",
         reason=(
-            f"{len(layered)} sources reach {evidence.payee} through the same intermediates "
-            f"({', '.join(intermediates)}), {evidence.payer} among them."
+            f"{evidence.payer} passes on to {evidence.payee} about what {chain[0]} paid it before "
+            f"(0.8-1.25 times, heavy): money relayed through two layers, {' -> '.join(chain)}."
         ),
-        figures={
-            "sources": len(layered),
-            "min_sources": thresholds.stack_min_sources,
-            "intermediates": len(intermediates),
-            "min_average": money(thresholds.graph_min_average),
-        },
-        path=(min(layered), evidence.payer, evidence.payee),
+        figures={"relayed_by": evidence.payer, "min_average": money(thresholds.graph_min_average)},
+        path=chain,
     )
 
 

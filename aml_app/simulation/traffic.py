@@ -55,10 +55,12 @@ Injected typologies (each instance on fresh accounts `<prefix>-<typology>-<n>-â€
 - bipartite: S..S+1 sources each pay every one of D..D+2 destinations (S, D = bipartite_min_sources,
   _destinations) 1.1..1.6 times graph_min_average, source after source, 30 s to 5 min apart; completes at
   source S's D-th payment.
-- stack: two bipartite layers: K..K+1 sources (K = stack_min_sources) pay each of 2..3 intermediates,
-  then the intermediates pay each of 2..3 destinations, destination after destination; 1.1..1.6 times
-  graph_min_average a payment, 30 s to 5 min apart; completes at the second payment into the first
-  destination. Its first layer is a bipartite block: the bipartite rule sees it first (rules.py).
+- stack: two bipartite layers: K..K+1 sources (K = stack_min_sources) pay each of 2..3 intermediates
+  1.1..1.6 times graph_min_average a payment, then the intermediates pay each of 2..3 destinations,
+  destination after destination, each relaying 95-99 % of what its first source paid it; 30 s to 5 min
+  apart; completes at the first payment of the second layer (a relay; the second payment into the first
+  destination makes the two stacked layers). Its first layer is a bipartite block: the bipartite rule
+  sees it first (rules.py).
 Amounts of the layering patterns stay below the pass-through minimum per receiving account, and degrees
 below the fan minimums, so that each instance shows its own typology (and a stack's first layer a
 bipartite block).
@@ -471,8 +473,13 @@ def _stack(rng: random.Random, name: str, t: AmlThresholds, band: _Band) -> _Sha
     targets = [f"{name}-target-{i}" for i in range(1, 2 + rng.randint(0, 1) + 1)]
     steps = _blocks(rng, t, band, [(s, m) for s in sources for m in middle], 0.0)
     later = steps[-1].offset + rng.uniform(60, 600)
-    steps += _blocks(rng, t, band, [(m, d) for d in targets for m in middle], later)
-    return _Shape("stack", name, steps, [*sources, *middle, *targets], len(sources) * len(middle) + 1)
+    # Each intermediate relays 95-99 % of what its first source paid it, to every destination.
+    first_in = {m: next(step.amount for step in steps if step.payee == m) for m in middle}
+    pairs = [(m, d) for d in targets for m in middle]
+    for at, (via, target) in zip(_gaps(rng, len(pairs), 30, 300), pairs, strict=True):
+        relayed = band.avoid(_cents(first_in[via] * Decimal(rng.randint(95, 99)) / 100))
+        steps.append(_Step(later + at, via, target, relayed, "transfer"))
+    return _Shape("stack", name, steps, [*sources, *middle, *targets], len(sources) * len(middle))
 
 
 def _shape(rng: random.Random, typology: str, name: str, t: AmlThresholds, band: _Band) -> _Shape:

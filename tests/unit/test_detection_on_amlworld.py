@@ -26,7 +26,7 @@ PUBLISHED = {
     "cycle": 0.870,
     "random": 0.653,
     "bipartite": 0.0,
-    "stack": 0.0,
+    "stack": 0.672,
 }
 
 
@@ -46,14 +46,14 @@ def gated(data: tuple[Any, Any, list[Any]]) -> dict[str, Any]:
 def test_the_published_recall_per_typology_holds(gated: dict[str, Any]) -> None:
     found = {t: gated["per_typology"][t]["own_recall"] for t in PUBLISHED}
     assert found == pytest.approx(PUBLISHED, abs=0.001)
-    assert gated["all"]["own_recall"] == pytest.approx(0.485, abs=0.001)
+    assert gated["all"]["own_recall"] == pytest.approx(0.583, abs=0.001)
 
 
 def test_at_most_one_benign_payment_in_a_hundred_is_alerted(gated: dict[str, Any]) -> None:
     benign = gated["benign"]
     assert benign["payments"] == 7494
-    assert benign["alerted"] <= 47, benign["by_rule"]
-    assert gated["payments"]["f1"] >= 0.655
+    assert benign["alerted"] <= 50, benign["by_rule"]
+    assert gated["payments"]["f1"] >= 0.75
 
 
 def test_evidence_without_the_payment_catches_less(

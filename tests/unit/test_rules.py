@@ -409,6 +409,28 @@ def test_stack(sources: dict[str, list[str]], thresholds: AmlThresholds, fires: 
 
 
 @pytest.mark.parametrize(
+    ("chain", "amount", "thresholds", "fires"),
+    [
+        (["x", "a", "b"], "1000.00", AML, True),  # a relays what x paid it: a flow of two payments
+        (["x", "a", "b"], "999.99", AML, False),  # not heavy
+        (["x", "a", "b"], "2000.00 USD", AML, True),  # heavy in the reporting currency
+        (["w", "x", "a", "b"], "5000.00", AML, False),  # three payments: a random walk, not a relay
+        (["x", "c", "b"], "5000.00", AML, False),  # a flow into the payee, but not through this payer
+        (["x", "a", "b"], "5000.00", aml(random_min_hops=2), False),  # random takes two-payment flows
+        (["a", "b"], "5000.00", AML, False),  # this payment alone
+        ([], "5000.00", AML, False),
+    ],
+)
+def test_stack_relay(chain: list[str], amount: str, thresholds: AmlThresholds, fires: bool) -> None:
+    value, _, currency = amount.partition(" ")
+    hit = stack(evidence(value, currency or "EUR", payee_relations=relations("b", chain=chain)), thresholds)
+    assert (hit is not None) is fires
+    if hit:
+        assert (hit.rule, hit.typology, hit.path) == ("aml.stack", "stack", tuple(chain))
+        assert hit.figures["relayed_by"] == "a" and "x -> a -> b" in hit.reason
+
+
+@pytest.mark.parametrize(
     ("co_payees", "paid", "thresholds", "fires"),
     [
         ({"c": 2}, ["b", "c"], AML, True),  # b and c share 2 heavy payers, a pays both
