@@ -28,7 +28,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal, localcontext
 from typing import Any
 
-from aml_app.dependencies.relations import FLOW_RATIO
+from aml_app.dependencies.relations import FLOW_RATIO, LOOP_SPAN
 
 HORIZON = timedelta(days=7)
 LISTED = 10  # sources and co_payees: the strongest ten (aml_app/dependencies/relations.py)
@@ -149,10 +149,15 @@ def _heavy_rows(payments: list[Any], min_average: Decimal | Mapping[str, Decimal
     return found
 
 
-def _chain(rows: list[_EdgeRow], account: str, hops: int, closing: str | None) -> list[str]:
+def _chain(
+    rows: list[_EdgeRow], account: str, hops: int, closing: str | None, at: datetime | None
+) -> list[str]:
     """The longest flow of heavy rows ending at `account` (at most `hops` edges, through distinct
     accounts, each row's first payment no later than the next row's last and its average FLOW_RATIO times
-    the one before), ending with closing -> account when `closing` is given; the smallest of those."""
+    the one before), ending with closing -> account when `closing` is given, of rows paid within
+    LOOP_SPAN before `at` and not first after it when `at` is given; the smallest of those."""
+    if at is not None:
+        rows = [r for r in rows if r.first <= at and r.last >= at - LOOP_SPAN]
     paths: list[tuple[list[str], _EdgeRow | None]] = [([account], None)]
     best: list[str] = []
     for level in range(hops):
@@ -200,12 +205,14 @@ def reference_layering(
     hops: int,
     min_average: Decimal | Mapping[str, Decimal] = Decimal(0),
     closing: str | None = None,
+    at: datetime | None = None,
 ) -> dict[str, Any]:
-    """Service B's layering parts (chain, sources, co_payees) for `account`; `closing` as B's query."""
+    """Service B's layering parts (chain, sources, co_payees) for `account`; `closing` and `at` as B's
+    query."""
     listed = list(payments)
     heavy = _heavy_edges(listed, min_average)
     return {
-        "chain": _chain(_heavy_rows(listed, min_average), account, hops, closing),
+        "chain": _chain(_heavy_rows(listed, min_average), account, hops, closing, at),
         "sources": _sources(heavy, account),
         "co_payees": _co_payees(heavy, account),
     }

@@ -108,7 +108,7 @@ class Services:
         return {
             "account": account,
             "hops": HOPS,
-            "chain": reference_layering(into, account, HOPS, self.min_average, closing)["chain"],
+            "chain": reference_layering(into, account, HOPS, self.min_average, closing, at)["chain"],
             "sources": layering["sources"],
             "co_payees": layering["co_payees"],
             "loop": loop_on_edges(

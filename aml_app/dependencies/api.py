@@ -7,7 +7,8 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               (default 0), or one per currency (`USD:1000,EUR:853.4`), which chain, sources and
               co_payees look at; the part `loop` needs
               `closing=<payer>` and `at=ISO` (the payment into the account that would close it) and
-              takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge)
+              takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge) and
+              `at` (edges paid before it)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back
 - batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle",
@@ -202,21 +203,21 @@ def parse_parts(raw: str | None) -> tuple[str, ...]:
 def parse_loop(
     parts: Sequence[str], closing: str | None, at: str | None, loop_hops: str | None, where: str = ""
 ) -> tuple[str | None, datetime | None, int]:
-    """(closing, at, loop_hops) of a query: `closing` required with the part `loop` and taken by `chain`,
-    `at` required with `loop`; each refused where no part asked reads it."""
+    """(closing, at, loop_hops) of a query: `closing` and `at` required with the part `loop` and taken by
+    `chain`; each refused where no part asked reads it."""
     if closing is not None and (not closing.strip() or len(closing) > MAX_ID_LENGTH):
         raise BadRequest(
             f"{where}closing must be the payer of the payment into the account, "
             f"a non-blank id of at most {MAX_ID_LENGTH} characters."
         )
     if "loop" not in parts:
-        if at is not None or loop_hops is not None:
-            raise BadRequest(f"{where}at and loop_hops belong to the part loop, which is not asked.")
-        if closing is not None and "chain" not in parts:
+        if loop_hops is not None:
+            raise BadRequest(f"{where}loop_hops belongs to the part loop, which is not asked.")
+        if (closing is not None or at is not None) and "chain" not in parts:
             raise BadRequest(
-                f"{where}closing belongs to the parts chain and loop, neither of which is asked."
+                f"{where}closing and at belong to the parts chain and loop, neither of which is asked."
             )
-        return closing, None, LOOP_HOPS
+        return closing, None if at is None else parse_at(at), LOOP_HOPS
     if closing is None:
         raise BadRequest(
             f"{where}the part loop needs closing: the payer of the payment into the account, "
@@ -383,7 +384,7 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
             "GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle,chain,sources,co_payees"
             "&min_average=0",
             "GET /relations/{account}?parts=loop&closing=PAYER&at=ISO&loop_hops=2..16",
-            "GET /relations/{account}?parts=chain&closing=PAYER",
+            "GET /relations/{account}?parts=chain&closing=PAYER&at=ISO",
             "POST /relations",
         ],
         reader,

@@ -35,8 +35,9 @@ payments (shops, friends) out of these answers:
   through distinct accounts along which money can have gone on, each edge's first payment no later than
   the next edge's last and each edge's average payment FLOW_RATIO (0.8-1.25) times the one before it
   (averages in units of the currency's `min_average`, so the same sum in every currency compares equal);
-  with `closing`, only a flow whose last edge is closing -> account (the payment being decided). Among
-  equally long ones the smallest path; `[]` when none comes in;
+  with `closing`, only a flow whose last edge is closing -> account (the payment being decided); with
+  `at` (its time), only edges paid within LOOP_SPAN before it and not first after it. Among equally long
+  ones the smallest path; `[]` when none comes in;
 - `sources`: the two-step heavy flows into the account: every source s with at least 2 distinct
   intermediates m (s -> m -> account, s, m and the account all distinct), as {"source", "via"}, the most
   intermediates first, then by source; at most LISTED of them;
@@ -90,7 +91,7 @@ MinAverage = Decimal | Mapping[str, Decimal]
 class Query(NamedTuple):
     """One question to Service B: an account, how far to look, which parts, and what counts as heavy;
     for `loop`, the payment that would close it (its payer and time) and the longest loop; for `chain`,
-    that payer too, if the chain must end with its edge."""
+    that payer and time too, if the chain must end with its edge and be paid before it."""
 
     account: str
     hops: int
@@ -190,6 +191,8 @@ def check_query(
             or not 2 <= loop_hops <= LOOP_MAX_HOPS
         ):
             raise ValueError(f"loop_hops must be an integer from 2 to {LOOP_MAX_HOPS}, got {loop_hops!r}")
+    if at is not None and (not isinstance(at, datetime) or at.tzinfo is None):
+        raise ValueError(f"at must be an instant with a timezone, got {at!r}")
     amounts = list(min_average.values()) if isinstance(min_average, Mapping) else [min_average]
     if isinstance(min_average, Mapping) and (
         not min_average or not all(isinstance(c, str) for c in min_average)
@@ -289,6 +292,14 @@ def _heavy(*aliases: str) -> str:
 _UNIT = "coalesce((%(minimums)s::numeric[])[array_position(%(currencies)s::text[], {e}.currency::text)], 1)"
 
 
+def _recent(*aliases: str) -> str:
+    """With the query's `at`, an edge row takes part in a flow only if it was paid within LOOP_SPAN
+    before `at` and not first after it (a later payment cannot have carried this payment's money)."""
+    return " AND ".join(
+        f"(q.at IS NULL OR ({e}.first_seen <= q.at AND {e}.last_seen >= q.at - %(span)s))" for e in aliases
+    )
+
+
 def _flows(before: str, after: str) -> str:
     """Money paid on edge row `before` can have gone on along `after`: `before`'s first payment is no
     later than `after`'s last, and `after`'s average is FLOW_RATIO times `before`'s (in units)."""
@@ -303,15 +314,16 @@ def _flows(before: str, after: str) -> str:
 
 # The longest flow of heavy edge rows into each account, for each length up to 3 (NULL where there is
 # none): a simple path along which money can have gone on (`_flows`), through a query's `closing` last
-# when it names one; the smallest of each length, as the accounts before the asked one.
+# when it names one, of edges paid within LOOP_SPAN before its `at` when it names one (`_recent`); the
+# smallest of each length, as the accounts before the asked one.
 _CHAINS = f"""
 SELECT q.i,
     (SELECT min(e3.payer) FROM {{edges}} e3
-        WHERE e3.payee = q.account AND e3.payer <> q.account AND {_heavy("e3")}
+        WHERE e3.payee = q.account AND e3.payer <> q.account AND {_heavy("e3")} AND {_recent("e3")}
             AND (q.closing IS NULL OR e3.payer = q.closing)) AS one,
     (SELECT ARRAY[e2.payer, e3.payer] FROM {{edges}} e3
         JOIN {{edges}} e2 ON e2.payee = e3.payer
-        WHERE e3.payee = q.account AND %(hops)s >= 2 AND {_heavy("e3", "e2")}
+        WHERE e3.payee = q.account AND %(hops)s >= 2 AND {_heavy("e3", "e2")} AND {_recent("e3", "e2")}
             AND (q.closing IS NULL OR e3.payer = q.closing)
             AND e3.payer <> q.account AND e2.payer <> q.account AND e2.payer <> e3.payer
             AND {_flows("e2", "e3")}
@@ -320,12 +332,13 @@ SELECT q.i,
         JOIN {{edges}} e2 ON e2.payee = e3.payer
         JOIN {{edges}} e1 ON e1.payee = e2.payer
         WHERE e3.payee = q.account AND %(hops)s >= 3 AND {_heavy("e3", "e2", "e1")}
-            AND (q.closing IS NULL OR e3.payer = q.closing)
+            AND {_recent("e3", "e2", "e1")} AND (q.closing IS NULL OR e3.payer = q.closing)
             AND e3.payer <> q.account AND e2.payer <> q.account AND e1.payer <> q.account
             AND e2.payer <> e3.payer AND e1.payer <> e3.payer AND e1.payer <> e2.payer
             AND {_flows("e2", "e3")} AND {_flows("e1", "e2")}
         ORDER BY e1.payer, e2.payer, e3.payer LIMIT 1) AS three
-FROM unnest(%(accounts)s::text[], %(closings)s::text[]) WITH ORDINALITY AS q(account, closing, i)
+FROM unnest(%(accounts)s::text[], %(closings)s::text[], %(ats)s::timestamptz[])
+    WITH ORDINALITY AS q(account, closing, at, i)
 """
 
 _SOURCES = f"""
@@ -367,6 +380,7 @@ async def _chains(
     edges: sql.Composable,
     accounts: list[str],
     closings: list[str | None],
+    ats: list[datetime | None],
     hops: int,
     min_average: MinAverage,
 ) -> dict[int, list[str]]:
@@ -376,6 +390,8 @@ async def _chains(
         {
             "accounts": accounts,
             "closings": closings,
+            "ats": ats,
+            "span": LOOP_SPAN,
             "hops": hops,
             "low": low,
             "high": high,
@@ -666,6 +682,7 @@ async def relations_many(
             edges,
             [asked[i].account for i in indexes],
             [asked[i].closing for i in indexes],
+            [asked[i].at for i in indexes],
             hops,
             min_average,
         )

@@ -170,8 +170,10 @@ async def test_relations_unknown_account_is_a_well_formed_empty_answer(stores: s
             "loop_hops must be a whole number from 2",
         ),
         ("parts=loop&closing=B&at=2026-03-01T12:00:00Z&loop_hops=1", "from 2 to 16"),
-        ("parts=out&closing=B", "closing belongs to the parts chain and loop, neither of which is asked"),
-        ("parts=chain&at=2026-03-01T12:00:00Z", "at and loop_hops belong to the part loop"),
+        ("parts=out&closing=B", "closing and at belong to the parts chain and loop, neither of which"),
+        ("parts=out&at=2026-03-01T12:00:00Z", "closing and at belong to the parts chain and loop"),
+        ("parts=chain&loop_hops=3", "loop_hops belongs to the part loop, which is not asked"),
+        ("parts=chain&at=yesterday", "at must be an ISO-8601 instant"),
         ("parts=chain&closing=%20", "closing must be the payer of the payment"),
     ],
 )

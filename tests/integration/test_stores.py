@@ -179,12 +179,18 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
                 assert answer["as_of"] == expected_as_of
                 assert without_as_of(answer) == reference_relations(scenario.payments, account, hops, heavy)
-            # Chains ending with one payer's edge (the payment being decided), every account pair.
-            pairs = [(a, x) for a in ACCOUNTS for x in ACCOUNTS]
-            chains = [relations.Query(a, hops, ["chain"], heavy, x) for a, x in pairs]
-            for (a, x), answer in zip(pairs, run(relations_answers(url, chains)), strict=True):
-                expected = reference_layering(scenario.payments, a, hops, heavy, closing=x)["chain"]
-                assert answer["chain"] == expected, (a, x, hops, heavy)
+            # Chains ending with one payer's edge (the payment being decided), every account pair, without
+            # a time and at instants inside and after the drawn ten days.
+            asked = [
+                (a, x, at)
+                for a in ACCOUNTS
+                for x in ACCOUNTS
+                for at in (None, T0 + timedelta(days=5), T0 + timedelta(days=11))
+            ]
+            chains = [relations.Query(a, hops, ["chain"], heavy, x, at) for a, x, at in asked]
+            for (a, x, at), answer in zip(asked, run(relations_answers(url, chains)), strict=True):
+                expected = reference_layering(scenario.payments, a, hops, heavy, x, at)["chain"]
+                assert answer["chain"] == expected, (a, x, at, hops, heavy)
         # Loops: every (account, closing payer) pair at instants inside and after the drawn ten days, with
         # the shortest and longest limits and one between; with any account allowed in between, and with
         # those that paid at most two.
@@ -434,8 +440,8 @@ async def test_chains_follow_the_money_in_time_and_amount(spark: Any, store_url:
     )
     apply_payments(spark, store_url, "relations", payments)
 
-    async def chain(account: str, closing: str | None = None) -> list[str]:
-        query = relations.Query(account, 3, ["chain"], per_currency, closing)
+    async def chain(account: str, closing: str | None = None, at: datetime | None = None) -> list[str]:
+        query = relations.Query(account, 3, ["chain"], per_currency, closing, at)
         return (await relations_answers(store_url, [query]))[0]["chain"]
 
     assert await chain("D") == ["A", "B", "C", "D"]
@@ -445,10 +451,17 @@ async def test_chains_follow_the_money_in_time_and_amount(spark: Any, store_url:
     assert await chain("M") == ["K", "L", "N", "M"]
     assert await chain("M", "L") == ["L", "M"]
     assert await chain("R") == ["P", "Q", "R"]
+    # At the time of C's payment to D: every edge paid within the span before it.
+    assert await chain("D", "C", T0 + 2 * hour) == ["A", "B", "C", "D"]
+    # B paid C more than the span before: no flow through it then.
+    late = T0 + hour + relations.LOOP_SPAN + timedelta(microseconds=1)
+    assert await chain("D", "C", late) == ["C", "D"]
+    assert await chain("D", "C", T0 + hour) == [], "C first paid D after that instant"
     for account in "DHMR":  # the reference agrees
         for closing in (None, *"ABCGLNQ"):
-            expected = reference_layering(payments, account, 3, per_currency, closing)["chain"]
-            assert await chain(account, closing) == expected, (account, closing)
+            for at in (None, T0 + 2 * hour, late):
+                expected = reference_layering(payments, account, 3, per_currency, closing, at)["chain"]
+                assert await chain(account, closing, at) == expected, (account, closing, at)
 
 
 async def test_loops_go_forward_in_time_within_the_span_past_few_payees_up_to_the_frontier_cap(
@@ -983,7 +996,17 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
         heavy = relations._heavy_params(ExchangeRates().in_each(Decimal(1000)))
         low, high = relations.FLOW_RATIO
         closings = [f"p{i}" for i in range(100)]  # through the payer, as the detectors ask
-        params = {"accounts": accounts, "closings": closings, "hops": 3, "low": low, "high": high, **heavy}
+        ats = [datetime.now(UTC)] * 100  # at each payment's time, as the detectors ask
+        params = {
+            "accounts": accounts,
+            "closings": closings,
+            "ats": ats,
+            "span": relations.LOOP_SPAN,
+            "hops": 3,
+            "low": low,
+            "high": high,
+            **heavy,
+        }
         plan = conn.execute(f"EXPLAIN {text}", params).fetchall()
     assert not any("Seq Scan" in line for (line,) in plan), "\n".join(line for (line,) in plan)
 
