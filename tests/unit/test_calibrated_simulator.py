@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from aml_app.simulation.amlworld import PATTERN_TYPOLOGIES, read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from aml_app.simulation.calibrated_command import simulate_amlworld_command
 from aml_app.simulation.calibration import (
@@ -25,16 +25,7 @@ from aml_app.simulation.calibration import (
 from aml_app.simulation.traffic import simulate
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "amlworld"
-TYPOLOGIES = {
-    "fan_in",
-    "fan_out",
-    "gather_scatter",
-    "scatter_gather",
-    "cycle",
-    "random",
-    "bipartite",
-    "stack",
-}
+TYPOLOGIES = set(PATTERN_TYPOLOGIES.values())  # AMLworld's eight, in our names
 
 
 @pytest.fixture(scope="module")
