@@ -94,20 +94,6 @@ def _walks(payments: list[Any], start: str, length: int) -> list[list[str]]:
     return walks
 
 
-def _heavy_edges(payments: list[Any], min_average: Decimal | Mapping[str, Decimal]) -> set[tuple[str, str]]:
-    """(payer, payee) pairs with at least one currency whose payments average >= min_average (one for
-    every currency, or its currency's; a currency without one is never heavy)."""
-    rows: dict[tuple[str, str, str], list[Decimal]] = {}
-    for p in payments:
-        rows.setdefault((p.payer, p.payee, p.currency), []).append(amount_of(p))
-    heavy = set()
-    for (u, v, currency), amounts in rows.items():
-        least = min_average.get(currency) if isinstance(min_average, Mapping) else min_average
-        if least is not None and _total(amounts) >= least * len(amounts):
-            heavy.add((u, v))
-    return heavy
-
-
 @dataclass(frozen=True)
 class _EdgeRow:
     """One heavy (payer, payee, currency) row of B's edges; its average in units is total / payments /
@@ -132,8 +118,9 @@ class _EdgeRow:
 
 
 def _heavy_rows(payments: list[Any], min_average: Decimal | Mapping[str, Decimal]) -> list[_EdgeRow]:
-    """The heavy edge rows, with each row's average divided by its currency's minimum (by 1 when one
-    minimum holds for every currency), as B's `chain` compares them."""
+    """The heavy (payer, payee, currency) rows: those whose payments average >= min_average (one for
+    every currency, or its currency's; a currency without one is never heavy), each with its unit (its
+    currency's minimum, or 1 when one minimum holds for every currency), as B's `chain` compares them."""
     rows: dict[tuple[str, str, str], list[Any]] = {}
     for p in payments:
         rows.setdefault((p.payer, p.payee, p.currency), []).append(p)
@@ -209,10 +196,10 @@ def reference_layering(
 ) -> dict[str, Any]:
     """Service B's layering parts (chain, sources, co_payees) for `account`; `closing` and `at` as B's
     query."""
-    listed = list(payments)
-    heavy = _heavy_edges(listed, min_average)
+    rows = _heavy_rows(list(payments), min_average)
+    heavy = {(r.payer, r.payee) for r in rows}
     return {
-        "chain": _chain(_heavy_rows(listed, min_average), account, hops, closing, at),
+        "chain": _chain(rows, account, hops, closing, at),
         "sources": _sources(heavy, account),
         "co_payees": _co_payees(heavy, account),
     }

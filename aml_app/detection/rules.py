@@ -293,6 +293,18 @@ def _stacked(layered: dict[str, tuple[str, ...]], thresholds: AmlThresholds) -> 
     return len(layered) >= thresholds.stack_min_sources
 
 
+def _flow_through_payer(evidence: Evidence, thresholds: AmlThresholds) -> tuple[str, ...]:
+    """Service B's flow into the payee that this payment continues (its last edge the payer's), if the
+    payment is heavy in the reporting currency; else ()."""
+    chain = evidence.payee_relations.chain
+    if len(chain) < 2 or chain[-2] != evidence.payer:
+        return ()
+    amount = thresholds.rates.convert(evidence.amount, evidence.currency)
+    if amount is None or amount < thresholds.graph_min_average:
+        return ()
+    return chain
+
+
 def stack(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     """Money goes through two layers of accounts: several sources reach the payee through the same layer
     of intermediates, the payer among them (two bipartite layers stacked: sources -> intermediates ->
@@ -317,11 +329,8 @@ def stack(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
             },
             path=(min(layered), evidence.payer, evidence.payee),
         )
-    chain = evidence.payee_relations.chain
-    if not 2 == len(chain) - 1 < thresholds.random_min_hops or chain[-2] != evidence.payer:
-        return None
-    amount = thresholds.rates.convert(evidence.amount, evidence.currency)
-    if amount is None or amount < thresholds.graph_min_average:
+    chain = _flow_through_payer(evidence, thresholds)
+    if not 2 == len(chain) - 1 < thresholds.random_min_hops:
         return None
     return Hit(
         rule="aml.stack",
@@ -397,12 +406,9 @@ def random_walk(evidence: Evidence, thresholds: AmlThresholds) -> Hit | None:
     payer, in which each payment came after the one before and passed on 0.8-1.25 times what it got.
     Heavy payments between unrelated accounts chain up within days in any real traffic; money that is
     passed on keeps its amount and its order."""
-    chain = evidence.payee_relations.chain
+    chain = _flow_through_payer(evidence, thresholds)
     hops = len(chain) - 1
-    if hops < thresholds.random_min_hops or chain[-2] != evidence.payer:
-        return None
-    amount = thresholds.rates.convert(evidence.amount, evidence.currency)
-    if amount is None or amount < thresholds.graph_min_average:
+    if hops < thresholds.random_min_hops:
         return None
     return Hit(
         rule="aml.random",

@@ -41,7 +41,7 @@ import csv
 import itertools
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
@@ -49,6 +49,7 @@ from pathlib import Path
 
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.simulation.amlworld import BEGIN, CURRENCIES, END, HEADER
+from aml_app.simulation.traffic import pick
 
 START = datetime(2022, 9, 1, tzinfo=UTC)
 PAYMENTS_PER_ACCOUNT = 10  # HI-Small: 5.08 M payments, 515 k accounts
@@ -174,18 +175,10 @@ def processors(accounts: int) -> int:
 
 
 class _Draw:
-    """Seeded draws shared by the background and the attempts."""
+    """The seeded generator shared by the background and the attempts, and its amounts."""
 
     def __init__(self, seed: int) -> None:
         self.rng = random.Random(seed)
-
-    def weighted(self, table: Sequence[tuple[object, int]]) -> object:
-        roll = self.rng.randrange(sum(w for _, w in table))
-        for item, weight in table:
-            if roll < weight:
-                return item
-            roll -= weight
-        raise AssertionError("unreachable")
 
     def usd(self, kind: str) -> float:
         """An amount in US dollars from the real quantiles of `kind`, log-linear between them."""
@@ -228,21 +221,21 @@ def _background(draw: _Draw, count: int, per_hour: float, accounts: int) -> list
         roll = rng.random()
         if roll < self_event:
             payer = rng.randrange(first, accounts)
-            kind = str(draw.weighted(SELF_FORMATS))
+            kind = pick(rng, SELF_FORMATS)
             amount = _money(draw.usd("Reinvestment"), "USD")
             rows.append(Row(len(rows) * step, payer, payer, amount, "USD", kind))
         elif roll < self_event + (1 - self_event) * processor_event:
             processor = rng.randrange(first)
-            kind = str(draw.weighted(PROCESSOR_FORMATS))
+            kind = pick(rng, PROCESSOR_FORMATS)
             amount = _money(draw.usd(kind), "USD")
             rows.append(Row(len(rows) * step, processor, rng.choice(pools[processor]), amount, "USD", kind))
         else:
             payer = rng.randrange(first, accounts)
             payee = _other(rng, payer, first, accounts)
-            for n in range(int(str(draw.weighted(BURSTS)))):
+            for n in range(pick(rng, BURSTS)):
                 if n and rng.random() < NEW_PAYEE:
                     payee = _other(rng, payer, first, accounts)
-                kind = str(draw.weighted(FORMATS))
+                kind = pick(rng, FORMATS)
                 amount = _money(draw.usd(kind), "USD")
                 rows.append(Row(len(rows) * step, payer, payee, amount, "USD", kind))
     return rows[:count]
@@ -297,8 +290,8 @@ class _Attempts:
 
     def currencies(self, single: bool) -> Callable[[], str]:
         """A function giving each payment's currency: one for the whole attempt, or drawn per payment."""
-        one = str(self.draw.weighted(PATTERN_CURRENCIES))
-        return lambda: one if single else str(self.draw.weighted(PATTERN_CURRENCIES))
+        one = pick(self.rng, PATTERN_CURRENCIES)
+        return lambda: one if single else pick(self.rng, PATTERN_CURRENCIES)
 
     def within(self, n: int, days: float, after: float = 0.0) -> list[float]:
         """`n` hours from `after` on: the first at `after`, the last 70-100 % of `days` later, the others
@@ -312,37 +305,37 @@ class _Attempts:
     def build(self, typology: str) -> tuple[str, list[tuple[float, int, int, float, str]]]:
         """(detail, [(hour, payer, payee, usd, currency)])."""
         rng, size = self.rng, self.size(typology)
-        pick = self.currencies(rng.random() < SINGLE_CURRENCY[typology])
+        currency = self.currencies(rng.random() < SINGLE_CURRENCY[typology])
         usd = lambda: self.draw.usd("laundering")  # noqa: E731
         out: list[tuple[float, int, int, float, str]] = []
         if typology in ("FAN-IN", "FAN-OUT"):
             hub, *others = self.members(size + 1)
             for hour, other in zip(self.within(size, FAN_DAYS), others, strict=True):
                 payer, payee = (other, hub) if typology == "FAN-IN" else (hub, other)
-                out.append((hour, payer, payee, usd(), pick()))
+                out.append((hour, payer, payee, usd(), currency()))
             return f"Max {size}-degree {typology.title()}", out
         if typology == "GATHER-SCATTER":
             scatter = self.size(typology)
             hub, *others = self.members(size + scatter + 1)
             gathered = self.within(size, FAN_DAYS)
             for hour, payer in zip(gathered, others[:size], strict=True):
-                out.append((hour, payer, hub, usd(), pick()))
+                out.append((hour, payer, hub, usd(), currency()))
             for hour, payee in zip(self.within(scatter, FAN_DAYS, gathered[-1]), others[size:], strict=True):
-                out.append((hour, hub, payee, usd(), pick()))
+                out.append((hour, hub, payee, usd(), currency()))
             return f"Max {size}-degree Fan-In", out
         if typology == "SCATTER-GATHER":
             source, sink, *middle = self.members(size + 2)
             for hour, via in zip(self.within(size, 2.0), middle, strict=True):
                 sent = usd()
-                out.append((hour, source, via, sent, pick()))
-                out.append((hour + rng.uniform(48, 96), via, sink, sent * rng.uniform(0.8, 1.2), pick()))
+                out.append((hour, source, via, sent, currency()))
+                out.append((hour + rng.uniform(48, 96), via, sink, sent * rng.uniform(0.8, 1.2), currency()))
             return "", out
         if typology in ("CYCLE", "RANDOM"):
             walk = self.members(size + (0 if typology == "CYCLE" else 1))
             hops = list(zip(walk, walk[1:] + walk[:1], strict=True))[:size]
             sent = usd()
             for hour, (payer, payee) in zip(self.within(size, FAN_DAYS), hops, strict=True):
-                out.append((hour, payer, payee, sent, pick()))
+                out.append((hour, payer, payee, sent, currency()))
                 sent *= rng.uniform(0.93, 1.07)
             return f"Max {size} hops", out
         if typology == "BIPARTITE":
@@ -350,20 +343,24 @@ class _Attempts:
             for hour, payer, payee in zip(
                 self.within(size, BIPARTITE_DAYS), people[::2], people[1::2], strict=True
             ):
-                out.append((hour, payer, payee, usd(), pick()))
+                out.append((hour, payer, payee, usd(), currency()))
             return "", out
         if size == 1 and rng.random() < 0.5:  # STACK: a two-payment cycle
             a, b = self.members(2)
             hour, sent = rng.uniform(0, 72), usd()
-            out.append((hour, a, b, sent, pick()))
-            out.append((hour + rng.uniform(0, STACK_GAP_HOURS), b, a, sent * rng.uniform(0.93, 1.07), pick()))
+            out.append((hour, a, b, sent, currency()))
+            out.append(
+                (hour + rng.uniform(0, STACK_GAP_HOURS), b, a, sent * rng.uniform(0.93, 1.07), currency())
+            )
             return "", out
         people = self.members(3 * size)
         for n in range(size):
             a, b, c = people[3 * n : 3 * n + 3]
             hour, sent = rng.uniform(0, 72), usd()
-            out.append((hour, a, b, sent, pick()))
-            out.append((hour + rng.uniform(0, STACK_GAP_HOURS), b, c, sent * rng.uniform(0.93, 1.07), pick()))
+            out.append((hour, a, b, sent, currency()))
+            out.append(
+                (hour + rng.uniform(0, STACK_GAP_HOURS), b, c, sent * rng.uniform(0.93, 1.07), currency())
+            )
         return "", out
 
 

@@ -81,12 +81,13 @@ from datetime import UTC, datetime, timedelta
 from decimal import ROUND_CEILING, ROUND_DOWN, Decimal
 from fractions import Fraction
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.kafka.tools import PaymentRecord
 
+T = TypeVar("T")
 DEFAULT_SPEEDUP = 60.0
 DEFAULT_THRESHOLD = Decimal("10000")
 DEFAULT_BAND = Decimal("0.1")
@@ -248,7 +249,9 @@ def _scaled(rng: random.Random, base: Decimal, low: str, high: str) -> Decimal:
     return _between(rng, base * Decimal(low), base * Decimal(high))
 
 
-def _pick(rng: random.Random, weighted: Sequence[tuple[Any, int]]) -> Any:
+def pick(rng: random.Random, weighted: Sequence[tuple[T, int]]) -> T:
+    """One item of (item, integer weight) pairs, drawn by weight from integers only (the same on every
+    platform)."""
     roll = rng.randrange(sum(w for _, w in weighted))
     for item, weight in weighted:
         if roll < weight:
@@ -511,7 +514,7 @@ class _Background:
         self.merchants = min(max(int(hourly_volume / 50), 10), 5_000)
         self.prefix = prefix
         homes = [(currency, weight) for currency, weight, _ in _HOME]
-        self.home = [_pick(rng, homes) for _ in range(self.persons)]
+        self.home = [pick(rng, homes) for _ in range(self.persons)]
         countries = {h: c for h, _, c in _HOME}
         self.country = [rng.choice(countries[h]) for h in self.home]
         self.merchant_country = [rng.choice(_MERCHANT_COUNTRIES) for _ in range(self.merchants)]
@@ -544,7 +547,7 @@ class _Background:
 
     def next(self, now: datetime) -> tuple[str, str, Decimal, str, str, str]:
         """(payer, payee, amount, currency, channel, country) of the next background payment."""
-        kind = _pick(self.rng, _KINDS)
+        kind = pick(self.rng, _KINDS)
         if kind == "settle":
             found = self._settlement(now)
             if found is not None:
@@ -597,7 +600,7 @@ class _Background:
 
     def _amount(self, buckets: Sequence[tuple[int, int, int]]) -> Decimal:
         """An amount from one of the (low, high, weight) buckets, kept out of the structuring band."""
-        low, high = _pick(self.rng, [((lo, hi), w) for lo, hi, w in buckets])
+        low, high = pick(self.rng, [((lo, hi), w) for lo, hi, w in buckets])
         return self.band.avoid(_between(self.rng, Decimal(low), Decimal(high)))
 
 
