@@ -25,10 +25,11 @@ import itertools
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal, localcontext
+from decimal import ROUND_HALF_EVEN, Decimal, localcontext
 from typing import Any
 
 from aml_app.dependencies.relations import FLOW_RATIO, LOOP_SPAN
+from aml_app.detection.exchange import ExchangeRates
 
 HORIZON = timedelta(days=7)
 LISTED = 10  # sources and co_payees: the strongest ten (aml_app/dependencies/relations.py)
@@ -370,29 +371,55 @@ def exact_from(batches: Sequence[Sequence[Any]]) -> datetime | None:
     return max(stamps) - timedelta(hours=1) if stamps else None
 
 
+def in_reporting(payments: Sequence[Any], rates: ExchangeRates) -> str:
+    """The payments' amounts converted one currency at a time into the reporting currency, to the cent;
+    amounts in currencies without a rate count nothing."""
+    with localcontext() as ctx:
+        ctx.prec = 80
+        exact = sum(
+            (
+                _total(amount_of(p) for p in payments if p.currency == c) / rates.per_unit[c]
+                for c in {p.currency for p in payments}
+                if c in rates.per_unit
+            ),
+            Decimal(0),
+        )
+    return money_text(exact.quantize(Decimal("0.01"), rounding=ROUND_HALF_EVEN))
+
+
 def reference_aggregates(
-    batches: Sequence[Sequence[Any]], account: str, at: datetime, threshold: Decimal, band: Decimal
+    batches: Sequence[Sequence[Any]],
+    account: str,
+    at: datetime,
+    threshold: Decimal,
+    band: Decimal,
+    rates: ExchangeRates | None = None,
 ) -> dict[str, Any]:
-    """Service C's answer for `account` at instant `at`, without `as_of`."""
+    """Service C's answer for `account` at instant `at`, without `as_of`; `rates` default to AMLworld's."""
+    rates = rates or ExchangeRates()
     kept, dropped = accepted(batches)
     at = at.astimezone(UTC)
     windows: dict[str, Any] = {}
     near = 0
+    unconverted: set[str] = set()
     for name, length in WINDOWS:
         # A self-payment moves no money between parties: it is neither sent nor received.
         sent = [p for p in kept if p.payer == account != p.payee and at - length < ts_of(p) <= at]
         received = [p for p in kept if p.payee == account != p.payer and at - length < ts_of(p) <= at]
+        unconverted |= {p.currency for p in sent + received} - set(rates.per_unit)
         windows[name] = {
             "sent_count": len(sent),
             "sent": {
                 c: money_text(_total(amount_of(p) for p in sent if p.currency == c))
                 for c in sorted({p.currency for p in sent})
             },
+            "sent_total": in_reporting(sent, rates),
             "received_count": len(received),
             "received": {
                 c: money_text(_total(amount_of(p) for p in received if p.currency == c))
                 for c in sorted({p.currency for p in received})
             },
+            "received_total": in_reporting(received, rates),
             "counterparties": len({p.payee for p in sent} | {p.payer for p in received}),
             "sent_counterparties": len({p.payee for p in sent}),
             "received_counterparties": len({p.payer for p in received}),
@@ -410,4 +437,6 @@ def reference_aggregates(
         "reporting_threshold": format(threshold, "f"),
         "threshold_band": format(band, "f"),
         "late_dropped": dropped,
+        "reporting_currency": rates.reporting,
+        "unconverted": sorted(unconverted),
     }

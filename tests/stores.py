@@ -107,6 +107,7 @@ async def aggregates_answers(
                 snap.as_of,
                 snap.meta,
                 (settings.reporting_threshold, settings.threshold_band),
+                settings.aml_thresholds.rates,
             )
     finally:
         await reader.close()

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
@@ -331,12 +331,25 @@ FROM parties GROUP BY i
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
 
 
+class Rates(Protocol):
+    """What an answer needs of the exchange rates (`aml_app.detection.exchange.ExchangeRates`)."""
+
+    @property
+    def reporting(self) -> str: ...
+
+    def total(self, sums: Mapping[str, Decimal]) -> Decimal: ...
+
+    def unconverted(self, sums: Mapping[str, Decimal]) -> list[str]: ...
+
+
 def empty_window() -> dict[str, Any]:
     return {
         "sent_count": 0,
         "sent": {},
+        "sent_total": "0.00",
         "received_count": 0,
         "received": {},
+        "received_total": "0.00",
         "counterparties": 0,
         "sent_counterparties": 0,
         "received_counterparties": 0,
@@ -350,12 +363,15 @@ async def aggregates_many(
     as_of: Mapping[int, int],
     meta: Mapping[str, str],
     defaults: tuple[Decimal, Decimal],
+    rates: Rates,
 ) -> list[dict[str, Any]]:
     """Answers for several (account, at), inside the caller's read snapshot (cursor `cur`).
 
     `meta` is the store's meta read in the same snapshot (`log` in it: the log `as_of` is of, None for a
     store that records none); `defaults` (threshold, band) are reported by a store that has none yet.
-    `schema` None: the store has no tables, every answer is empty.
+    `rates` state each window's sums in one reporting currency too (`sent_total`, `received_total`),
+    for readers that compare amounts across currencies; currencies without a rate count nothing there
+    and are named in `unconverted`. `schema` None: the store has no tables, every answer is empty.
     """
     threshold = Decimal(meta.get("reporting_threshold", defaults[0]))
     band = Decimal(meta.get("threshold_band", defaults[1]))
@@ -370,6 +386,8 @@ async def aggregates_many(
             "reporting_threshold": format(threshold, "f"),
             "threshold_band": format(band, "f"),
             "late_dropped": int(meta.get("late_dropped", "0")),
+            "reporting_currency": rates.reporting,
+            "unconverted": [],
         }
         for account, at in queries
     ]
@@ -410,9 +428,12 @@ async def aggregates_many(
                 for name, count in zip(WINDOWS, counts, strict=True):
                     windows[name][key] = int(count)  # numeric, like the totals in its column
     for answer in answers:
+        seen: dict[str, Decimal] = {}
         for window in answer["windows"].values():
             for side in ("sent", "received"):
-                window[side] = {
-                    currency: money_text(total) for currency, total in sorted(window[side].items())
-                }
+                sums = window[side]
+                seen.update(sums)
+                window[f"{side}_total"] = money_text(rates.total(sums))
+                window[side] = {currency: money_text(total) for currency, total in sorted(sums.items())}
+        answer["unconverted"] = rates.unconverted(seen)
     return answers

@@ -10,7 +10,8 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge) and
               `at` (edges paid before it)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
-              'Z' is accepted, and a '+' that the query string decoded to a space is put back
+              'Z' is accepted, and a '+' that the query string decoded to a space is put back; each
+              window's sums per currency and their totals in the AML rules' reporting currency
 - batches:    POST /relations  {"queries": [{"account": "a", "hops": 3, "parts": "out,cycle",
                                 "min_average": "1000", "closing": "b", "at": "ISO",
                                 "loop_hops": 12}, ...]}
@@ -432,16 +433,19 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
 
 
 def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = None) -> web.Application:
-    """`settings` gives the near-threshold definition a store without one reports (the pipeline's)."""
+    """`settings` gives the near-threshold definition a store without one reports (the pipeline's), and
+    the exchange rates of the AML rules (`AML_REPORTING_CURRENCY`, `AML_EXCHANGE_RATES`), in whose
+    reporting currency every window is stated too."""
     app = _app("aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"], reader, check)
     defaults = (settings.reporting_threshold, settings.threshold_band)
+    rates = settings.aml_thresholds.rates
 
     async def answer(queries: list[tuple[str, datetime]]) -> list[dict[str, Any]]:
         if check is not None:
             check.refuse_if_behind()
         async with reader.snapshot() as snap:
             return await aggregates.aggregates_many(
-                snap.cur, snap.schema, queries, snap.as_of, snap.meta, defaults
+                snap.cur, snap.schema, queries, snap.as_of, snap.meta, defaults, rates
             )
 
     async def single(request: web.Request) -> web.Response:

@@ -24,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, build_app, relations_app
 from aml_app.dependencies.store import Reader, migrate, redacted
+from aml_app.detection.exchange import ExchangeRates
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import spark_session
@@ -256,8 +257,10 @@ async def test_aggregates_answers(stores: str) -> None:
         assert body["windows"]["1h"] == {
             "sent_count": 2,
             "sent": {"EUR": "9501.00"},
+            "sent_total": "11133.11",  # in US dollars at AMLworld's 0.8534 euros to the dollar
             "received_count": 0,
             "received": {},
+            "received_total": "0.00",
             "counterparties": 2,
             "sent_counterparties": 2,
             "received_counterparties": 0,
@@ -270,17 +273,40 @@ async def test_aggregates_answers(stores: str) -> None:
             "2026-03-01T12:00:00.000000+00:00",
         ):
             assert (await get(client, f"/aggregates/A?at={at}")) == body
+        assert body["reporting_currency"] == "USD" and body["unconverted"] == []
         unknown = await get(client, "/aggregates/nobody?at=2026-03-01T12:00:00Z")
         assert unknown["windows"]["24h"] == {
             "sent_count": 0,
             "sent": {},
+            "sent_total": "0.00",
             "received_count": 0,
             "received": {},
+            "received_total": "0.00",
             "counterparties": 0,
             "sent_counterparties": 0,
             "received_counterparties": 0,
         }
         assert unknown["near_threshold_24h"] == 0 and unknown["as_of"] == {"0": 2, "1": 2}
+
+
+async def test_aggregates_answer_in_the_configured_reporting_currency(stores: str) -> None:
+    """C states its sums in the AML rules' reporting currency, read from the same settings; a currency
+    without a rate counts nothing there and is named."""
+    rates = ExchangeRates.from_env({"AML_REPORTING_CURRENCY": "GBP", "AML_EXCHANGE_RATES": "USD=1.25"})
+    settings = replace(SETTINGS, aml_thresholds=replace(SETTINGS.aml_thresholds, rates=rates))
+    async with client_for(aggregates_api(stores, settings)) as client:
+        body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
+    assert body["reporting_currency"] == "GBP" and body["unconverted"] == ["EUR"]
+    assert body["windows"]["1h"]["sent"] == {"EUR": "9501.00"}
+    assert body["windows"]["1h"]["sent_total"] == "0.00"
+    assert without_as_of(body) == reference_aggregates([payments()], "A", T0, THRESHOLD, BAND, rates)
+    rates = ExchangeRates.from_env({"AML_REPORTING_CURRENCY": "EUR"})
+    settings = replace(SETTINGS, aml_thresholds=replace(SETTINGS.aml_thresholds, rates=rates))
+    async with client_for(aggregates_api(stores, settings)) as client:
+        body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
+    assert body["reporting_currency"] == "EUR" and body["unconverted"] == []
+    assert body["windows"]["1h"]["sent_total"] == "9501.00"
+    assert body["windows"]["7d"]["received_total"] == "0.00"  # 0.0001 EUR, to the cent
 
 
 async def test_aggregates_at_defaults_to_now(store_url: str) -> None:

@@ -53,7 +53,7 @@ from tests.stores import (
 )
 
 ACCOUNTS = ["A", "B", "C", "D", "Ä"]  # few, so edges repeat and cycles occur; "Ä" sorts after "D"
-CURRENCIES = ["EUR", "USD", "JPY"]
+CURRENCIES = ["EUR", "USD", "JPY", "NOK"]  # NOK has no AMLworld rate: unconverted
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 HALF_HOUR = timedelta(minutes=30)
 SETTINGS = Settings()
