@@ -7,7 +7,9 @@ what days of it do, so the simulator calibrated to these files stands in for tha
 from __future__ import annotations
 
 import tempfile
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -15,7 +17,7 @@ import pytest
 import tests.reference
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, replay, score
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, replay, score, with_evidence
 
 #: Own-typology recall per typology, gate on, as published (docs/detection.md).
 PUBLISHED = {
@@ -40,7 +42,7 @@ def data() -> tuple[Any, Any, list[Any]]:
 @pytest.fixture(scope="module")
 def gated(data: tuple[Any, Any, list[Any]]) -> dict[str, Any]:
     patterns, background, timeline = data
-    return judge(patterns, background, replay(timeline, lag=False))
+    return judge(patterns, background, replay(timeline, lag=False), with_evidence(timeline))
 
 
 def test_the_published_recall_per_typology_holds(gated: dict[str, Any]) -> None:
@@ -56,11 +58,40 @@ def test_at_most_one_benign_payment_in_a_hundred_is_alerted(gated: dict[str, Any
     assert gated["payments"]["f1"] >= 0.75
 
 
+def test_no_rule_catches_an_attempt_without_evidence(gated: dict[str, Any]) -> None:
+    """Most of AMLworld's bipartite attempts are payments between accounts that have nothing else in
+    the two weeks before: B and C can show only the payment itself, and no rule fires on that alone."""
+    for typology in PUBLISHED:
+        found = gated["per_typology"][typology]
+        assert found["own_recall"] <= found["with_evidence"], typology
+    assert gated["per_typology"]["bipartite"]["with_evidence"] == pytest.approx(0.278, abs=0.001)
+    assert gated["all"]["with_evidence"] == pytest.approx(0.853, abs=0.001)
+
+
+def test_evidence_is_another_payment_of_either_party_in_two_weeks() -> None:
+    t0 = datetime(2022, 9, 1, tzinfo=UTC)
+
+    def paid(pid: str, payer: str, payee: str, days: float) -> SimpleNamespace:
+        ts = (t0 + timedelta(days=days)).isoformat()
+        return SimpleNamespace(payment_id=pid, payer=payer, payee=payee, ts=ts)
+
+    timeline = [
+        paid("first", "A", "B", 0),
+        paid("unrelated", "C", "D", 0),
+        paid("self", "E", "E", 0),
+        paid("after-self", "E", "F", 1),  # a self-payment is no evidence
+        paid("payee-paid-on", "B", "G", 2),
+        paid("payer-again", "C", "H", 13.9),
+        paid("too-late", "A", "I", 14.5),  # A's last payment between parties is 14.5 days old
+    ]
+    assert with_evidence(timeline) == {"payee-paid-on", "payer-again"}
+
+
 def test_evidence_without_the_payment_catches_less(
     data: tuple[Any, Any, list[Any]], gated: dict[str, Any]
 ) -> None:
     patterns, background, timeline = data
-    lagging = judge(patterns, background, replay(timeline, lag=True))
+    lagging = judge(patterns, background, replay(timeline, lag=True), with_evidence(timeline))
     assert lagging["all"]["own_recall"] < gated["all"]["own_recall"]
     assert lagging["per_typology"]["scatter_gather"]["own_recall"] < 0.05
 
