@@ -4,7 +4,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean system-deps
+.PHONY: demo test lint bench model clean system-deps
 
 $(STAMP): pyproject.toml docker/constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -40,9 +40,15 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.api_latency
 	$(BIN)/python -m bench.end_to_end
 	$(BIN)/python -m bench.gate_matters
+	$(BIN)/python -m bench.amlworld_detection
+	$(BIN)/python -m bench.model_vs_rules
 	$(BIN)/python -m bench.scaling
 	$(BIN)/python -m bench.chaos_soak --seed 1 --duration 180
 	$(BIN)/python -m bench.plot
+
+# Train the AML model (AML_MODEL=amlworld) again from the calibrated simulator: the same file, byte for byte.
+model: $(STAMP)
+	$(BIN)/python -m bench.train_model
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache

@@ -227,7 +227,11 @@ def main() -> None:
     """`aml-app`: our own commands run without building the Faust app (the pipeline, the APIs and the
     tools import neither Faust nor the worker's modules); everything else is Faust's command line."""
     try:
-        load_settings()
+        settings = load_settings()
+        if settings.aml_model and settings.service == "aml":
+            from aml_app.detection.model import load
+
+            load(settings.aml_model)  # a model that cannot be read stops the worker here, in one sentence
         if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
             own = click.Group("aml-app", commands=[own_command(sys.argv[1])])
             own.main(prog_name="aml-app")

@@ -104,6 +104,9 @@ class Settings:
     max_batch: int = 100
     aml_thresholds: Any = field(default_factory=_default_aml_thresholds)
     fraud_thresholds: Any = field(default_factory=_default_fraud_thresholds)
+    #: AML_MODEL: the learned AML model beside the rules (aml_app.detection.model): '' (off), 'amlworld'
+    #: (the one shipped with the package) or the path of a model file.
+    aml_model: str = ""
     reporting_threshold: Decimal = Decimal("10000")
     threshold_band: Decimal = Decimal("0.1")
     spark_master: str = "local[2]"
@@ -281,6 +284,17 @@ def _thresholds(env: Mapping[str, str], kind: str) -> Any:
     return (AmlThresholds if kind == "aml" else FraudThresholds).from_env(env)
 
 
+def _aml_model(env: Mapping[str, str]) -> str:
+    """'' (off), 'amlworld' or the path of a file; the file's content is checked when the worker starts
+    (`aml_app.detection.model.load`, from the command line)."""
+    value = env.get("AML_MODEL", "").strip()
+    if value.lower() in ("", "off"):
+        return ""
+    if value != "amlworld" and not Path(value).is_file():
+        raise ConfigError(f"AML_MODEL={value!r} is neither 'amlworld', 'off' nor a model file.")
+    return value
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
     env = os.environ if env is None else env
@@ -364,6 +378,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
         aml_thresholds=_thresholds(env, "aml"),
         fraud_thresholds=_thresholds(env, "fraud"),
+        aml_model=_aml_model(env),
         reporting_threshold=_decimal(
             env, "AML_REPORTING_THRESHOLD", defaults.reporting_threshold, Decimal("0.01"), Decimal("1e12")
         ),

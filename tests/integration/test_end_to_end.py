@@ -180,3 +180,37 @@ async def test_an_api_outage_pauses_decisions_and_skips_nothing(
         assert resumed, f"{service} made no decision after C came back"
     logs = "".join(w.log_path.read_text(errors="replace") for w in demo.system.all_workers)
     assert "aggregates at http://" in logs and "is unavailable" in logs, "the wait was not logged"
+
+
+@pytest.mark.timeout(TIMEOUT)
+async def test_the_learned_model_decides_inside_the_gated_worker(
+    broker: EmbeddedBroker, store_url: str, tmp_path: Path
+) -> None:
+    """`AML_MODEL=amlworld`: the worker decides every payment with the model and the rules it keeps,
+    gated as ever, and each model alert says why. (On our simulator's traffic the model alerts benign
+    payments too: BENCHMARKS.md, "Rules, a model, or both"; so no precision is asserted here.)"""
+    suffix = uuid.uuid4().hex[:8]
+    demo = Demo(
+        settings_for(broker, suffix),
+        Options(folder=tmp_path / "system", duration=15, rate=40, instances=1),
+        suffix=f"-{suffix}",
+        bootstrap=[broker.bootstrap],
+        store_url=store_url,
+        worker_env={"AML_MODEL": "amlworld"},
+    )
+    verdict = await demo.run()
+    assert verdict is not None
+    aml = verdict.services["aml"]
+    assert aml.premature == [] and aml.freshness_violations == 0 and aml.decided_on_stale == 0, aml
+    assert aml.missing == 0 and aml.decided == verdict.valid and aml.duplicate_alerts == 0, aml
+    alerts = demo.system.alerts["aml"].records
+    hits = [hit for alert in alerts for hit in alert["hits"]]
+    model_hits = [hit for hit in hits if hit["rule"] == "aml.model"]
+    assert model_hits, f"no model alert among {len(alerts)} alerts"
+    assert all(
+        "most telling: " in hit["reason"] and "benign_probability" in hit["figures"] for hit in model_hits
+    )
+    kept = {"aml.model", "aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
+    assert {hit["rule"] for hit in hits} <= kept, "a rule the model reads as a feature alerted on its own"
+    fraud = verdict.services["fraud"]
+    assert fraud.missing == 0 and fraud.decided == verdict.valid, fraud

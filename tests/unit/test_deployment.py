@@ -352,6 +352,21 @@ def test_pyproject_lists_exactly_the_packages_on_disk() -> None:
     assert packaging_problems(setuptools) == []
 
 
+def test_every_data_file_of_the_package_is_in_its_wheel() -> None:
+    """A file the code reads from the installed package (the shipped AML model) is declared as package
+    data, or a wheel leaves it out and `AML_MODEL=amlworld` fails only in the image."""
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    data = {
+        path
+        for path in (ROOT / "aml_app").rglob("*")
+        if path.is_file() and path.suffix not in (".py", ".pyc") and "__pycache__" not in path.parts
+    }
+    assert data, "the shipped model is package data"
+    for path in data:
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        assert path.name in declared.get(package, []), f"{path} is not in [tool.setuptools.package-data]"
+
+
 def test_every_folder_with_python_modules_is_a_package() -> None:
     # A folder without `__init__.py` would be found by an editable install but not listed as a package.
     for folder in ("aml_app", *MAPPED_FOLDERS.values()):

@@ -1,0 +1,141 @@
+"""Rules, the learned model, or both: the AML detector chosen by measurement.
+
+    .venv/bin/python -m bench.model_vs_rules [--model FILE]
+
+Scores three detectors on three data sets, side by side, with Services B and C as the naive reference
+(gate on), as `bench.amlworld_detection` scores the rules:
+- `rules`: every AML rule alerts (the default detector, `AML_MODEL` unset);
+- `model`: the model (`--model`, default the shipped `aml_app/detection/amlworld_model.json`, trained
+  by `bench.train_model` on calibrated seeds 2 and 3) with the rules it keeps alerting beside it
+  (`AML_MODEL=amlworld`);
+- `both`: every rule and the model.
+
+The data sets: the real AMLworld files (LI-Medium's attempts in HI-Small's first half hour); another run
+of the calibrated simulator (seed 1, which the model never saw); and our own simulator
+(`aml_app.simulation.traffic`, seed 11), whose traffic is shaped otherwise: a deployment's traffic will
+not be AMLworld's either, and this shows what a model does under such a shift. Also the model's CPU time
+per payment. Results: `bench/results/model_vs_rules.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from datetime import UTC, datetime
+from types import SimpleNamespace
+from typing import Any
+
+from aml_app.detection.model import SHIPPED, Model, load
+from aml_app.detection.rules import Hit
+from aml_app.detection.thresholds import AmlThresholds
+from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from aml_app.simulation.traffic import simulate
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
+from bench.common import code_version, machine, markdown_table, write_results
+from bench.train_model import calibrated_run
+from tests.replay import Services
+
+OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
+
+
+def detectors(patterns: Any, background: Any, model: Model) -> tuple[dict[str, dict[str, list[str]]], float]:
+    """payment id -> hits ("typology:rule") per detector over one timeline; and the model's seconds."""
+    from aml_app.detection.rules import aml_rules
+
+    thresholds = AmlThresholds()
+    services = Services(thresholds)
+    fired: dict[str, dict[str, list[str]]] = {"rules": {}, "model": {}, "both": {}}
+    spent = 0.0
+    for payment in sorted([*background.payments, *patterns.payments], key=lambda p: p.ts):
+        services.feed(payment)
+        evidence = services.evidence(payment)
+        hits = aml_rules(evidence, thresholds)
+        started = time.perf_counter()
+        model_hit = model.hit(evidence, hits, thresholds)
+        spent += time.perf_counter() - started
+        extra: list[Hit] = [model_hit] if model_hit is not None else []
+        kept = [hit for hit in hits if hit.rule in model.alerting_rules]
+        for name, chosen in (("rules", hits), ("model", kept + extra), ("both", hits + extra)):
+            if chosen:
+                fired[name][payment.payment_id] = [f"{hit.typology}:{hit.rule}" for hit in chosen]
+    return fired, spent
+
+
+def ours(seed: int, count: int) -> tuple[Any, Any]:
+    """Our own simulator's run as (patterns, background) in the shape `judge` reads."""
+    run = simulate(seed=seed, count=count, rate=50, start=OURS_START, instances=5)
+    members = {pid for i in run.instances for pid in i.payment_ids}
+    payments = [
+        SimpleNamespace(
+            payment_id=p.payment_id,
+            payer=p.payer,
+            payee=p.payee,
+            amount=p.amount,
+            currency=p.currency,
+            ts=p.ts if isinstance(p.ts, str) else p.ts.isoformat(),
+            is_laundering=False,
+        )
+        for p in run.payments
+    ]
+    attempts = [SimpleNamespace(typology=i.typology, payment_ids=i.payment_ids) for i in run.instances]
+    return (
+        SimpleNamespace(attempts=attempts, payments=[p for p in payments if p.payment_id in members]),
+        SimpleNamespace(payments=[p for p in payments if p.payment_id not in members]),
+    )
+
+
+def summary(doc: dict[str, Any]) -> list[Any]:
+    own = [v["own_recall"] for v in doc["per_typology"].values() if v["own_recall"] is not None]
+    return [
+        doc["all"]["own_recall"],
+        doc["all"]["any_recall"],
+        min(own),
+        doc["benign"]["rate"],
+        doc["payments"]["f1"],
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=SHIPPED, help="a model file, or 'amlworld' for the shipped one")
+    parser.add_argument("--calibrated-seed", type=int, default=1)
+    parser.add_argument("--ours-seed", type=int, default=11)
+    parser.add_argument("--ours-count", type=int, default=6000)
+    args = parser.parse_args()
+    model = load(args.model)
+    assert model is not None
+    sets = {
+        "real": (read_patterns(PATTERNS), read_amlworld(BACKGROUND, prefix="amlworld-background")),
+        f"calibrated seed {args.calibrated_seed}": calibrated_run(args.calibrated_seed, 14.0, 100.0, 40),
+        f"our simulator seed {args.ours_seed}": ours(args.ours_seed, args.ours_count),
+    }
+    headers = ["detector", "own-typology recall", "any-alert recall", "lowest typology", "benign rate", "F1"]
+    results: dict[str, Any] = {}
+    decided, spent = 0, 0.0
+    for name, (patterns, background) in sets.items():
+        timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+        fired, seconds = detectors(patterns, background, model)
+        decided, spent = decided + len(timeline), spent + seconds
+        evidence = with_evidence(timeline)
+        results[name] = {d: judge(patterns, background, f, evidence) for d, f in fired.items()}
+        print(f"## {name}\n")
+        print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
+        print()
+    per_payment = 1e6 * spent / decided
+    print(f"model: {per_payment:.0f} µs of CPU per payment, over {decided} payments ({args.model})")
+    write_results(
+        "model_vs_rules",
+        {
+            "code": code_version(),
+            "machine": machine(),
+            "params": vars(args),
+            "model": {k: v for k, v in model.training.items()},
+            "model_us_per_payment": round(per_payment, 1),
+            **results,
+            "at": time.time(),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""Train the AML model on the simulator calibrated to AMLworld, reproducibly, in one command.
+
+    pip install '.[model]'      # scikit-learn, for training only (inference needs numpy)
+    .venv/bin/python -m bench.train_model [OUT] [--seeds 2,3] [--days 14] [--per-hour 100] [--attempts 40]
+
+OUT defaults to the model shipped with the package (`aml_app/detection/amlworld_model.json`, what
+`AML_MODEL=amlworld` loads). Each seed is one run of `aml_app.simulation.calibrated` (background and
+attempts of the eight AMLworld typologies), replayed through the naive reference of Services B and C
+(`tests/replay.py`, held equal to the real services by the store tests) with the gate on, so each payment's
+features are what the detector would see about it (`aml_app.detection.model.features`).
+
+Scikit-learn's HistGradientBoostingClassifier (fixed random state, no early stopping: the same inputs give
+the same file) learns benign against each typology from the payments between two parties. Then, from the
+same runs:
+- the cut: the probability of benign below which the model alerts, so that 1 % of the runs' benign
+  payments (self-payments counted, never alerted) would be;
+- the rules that alert beside it: those whose alerts on the runs were laundering at least
+  ALERTING_PRECISION of the time; the others are features only;
+- a typical benign payment (the median of each feature), against which each alert is explained.
+
+The runs' seeds differ from the ones `bench.amlworld_detection` and `bench.model_vs_rules` score on, and
+no real file is read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from aml_app.detection.model import BENIGN, FEATURES, SHIPPED_FILE, features
+from aml_app.detection.rules import aml_rules
+from aml_app.detection.thresholds import AmlThresholds
+from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from aml_app.simulation.calibrated import simulate_calibrated
+from bench.common import PROJECT
+from tests.replay import Services
+
+SHIPPED_PATH = PROJECT / "aml_app" / "detection" / SHIPPED_FILE
+BENIGN_RATE = 0.01
+ALERTING_PRECISION = 0.8
+PARAMS = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
+#: The shipped model's training runs: calibrated simulator seeds, days, payments an hour, attempts.
+RUNS = {"seeds": [2, 3], "days": 14.0, "per_hour": 100.0, "attempts": 40}
+
+
+@dataclass
+class Replayed:
+    """One timeline replayed with the gate on: per payment, its features, label and the rules' hits."""
+
+    payments: list[Any] = field(default_factory=list)
+    rows: list[list[float]] = field(default_factory=list)
+    labels: list[str] = field(default_factory=list)
+    rules: list[list[str]] = field(default_factory=list)  # rule names that fired, per payment
+
+
+def replay(patterns: Any, background: Any) -> Replayed:
+    """Every payment of the attempts and the background, in event-time order, through the reference."""
+    thresholds = AmlThresholds()
+    services = Services(thresholds)
+    typology = {pid: a.typology for a in patterns.attempts for pid in a.payment_ids}
+    out = Replayed()
+    for payment in sorted([*background.payments, *patterns.payments], key=lambda p: p.ts):
+        services.feed(payment)
+        evidence = services.evidence(payment)
+        hits = aml_rules(evidence, thresholds)
+        out.payments.append(payment)
+        out.rows.append(features(evidence, hits, thresholds))
+        out.labels.append(typology.get(payment.payment_id, BENIGN))
+        out.rules.append([hit.rule for hit in hits])
+    return out
+
+
+def calibrated_run(seed: int, days: float, per_hour: float, attempts: int) -> tuple[Any, Any]:
+    """(patterns, background) of one calibrated simulator run, read back as AMLworld files are."""
+    run = simulate_calibrated(seed, days=days, per_hour=per_hour, attempts=attempts)
+    with tempfile.TemporaryDirectory() as folder:
+        transactions, patterns = run.write(folder)
+        return read_patterns(patterns), read_amlworld(transactions, prefix=f"calibrated-{seed}")
+
+
+def export(model: Any) -> tuple[list[dict[str, Any]], int]:
+    """The fitted trees as JSON-ready columns, and the deepest leaf's depth."""
+    trees, depth = [], 0
+    for iteration in model._predictors:  # scikit-learn's fitted trees: one per class per iteration
+        for k, predictor in enumerate(iteration):
+            nodes = predictor.nodes
+            if nodes["is_categorical"].any():
+                raise ValueError("categorical splits are not exported")
+            depth = max(depth, int(nodes["depth"].max()))
+            trees.append(
+                {
+                    "class": k,
+                    "feature": [int(v) for v in nodes["feature_idx"]],
+                    "threshold": [float(v) for v in nodes["num_threshold"]],
+                    "missing_left": [bool(v) for v in nodes["missing_go_to_left"]],
+                    "left": [int(v) for v in nodes["left"]],
+                    "right": [int(v) for v in nodes["right"]],
+                    "leaf": [bool(v) for v in nodes["is_leaf"]],
+                    "value": [float(v) for v in nodes["value"]],
+                }
+            )
+    return trees, depth
+
+
+def train(runs: Sequence[Replayed], params: dict[str, Any] = PARAMS) -> tuple[dict[str, Any], Any]:
+    """The model file's document, and the fitted scikit-learn model (for tests that compare the two)."""
+    from sklearn.ensemble import HistGradientBoostingClassifier
+
+    between = [
+        (row, label)
+        for run in runs
+        for payment, row, label in zip(run.payments, run.rows, run.labels, strict=True)
+        if payment.payer != payment.payee
+    ]
+    x = np.array([row for row, _ in between], dtype=float)
+    y = [label for _, label in between]
+    fitted = HistGradientBoostingClassifier(
+        class_weight="balanced", random_state=0, early_stopping=False, **params
+    ).fit(x, y)
+    classes = [str(c) for c in fitted.classes_]
+    benign = classes.index(BENIGN)
+    is_benign = np.array(y) == BENIGN
+    scores = np.sort(fitted.predict_proba(x[is_benign])[:, benign])
+    all_benign = sum(label == BENIGN for run in runs for label in run.labels)
+    allowed = int(BENIGN_RATE * all_benign)
+    cut = float(scores[min(allowed, len(scores) - 1)])
+    fired, right = Counter(), Counter()
+    for run in runs:
+        for rules, label in zip(run.rules, run.labels, strict=True):
+            for rule in set(rules):
+                fired[rule] += 1
+                right[rule] += label != BENIGN
+    precision = {rule: right[rule] / fired[rule] for rule in sorted(fired)}
+    trees, depth = export(fitted)
+    import sklearn
+
+    doc = {
+        "features": list(FEATURES),
+        "classes": classes,
+        "baseline": [float(v) for v in fitted._baseline_prediction.ravel()],
+        "depth": depth,
+        "cut": cut,
+        "alerting_rules": sorted(r for r, p in precision.items() if p >= ALERTING_PRECISION),
+        "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
+        "training": {
+            "params": dict(params),
+            "benign_rate": BENIGN_RATE,
+            "alerting_precision": ALERTING_PRECISION,
+            "rule_precision": {rule: round(p, 4) for rule, p in precision.items()},
+            "payments": len(y),
+            "per_class": dict(sorted(Counter(y).items())),
+            "scikit_learn": sklearn.__version__,
+        },
+        "trees": trees,
+    }
+    return doc, fitted
+
+
+def write(doc: dict[str, Any], out: Path) -> None:
+    out.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out", nargs="?", type=Path, default=SHIPPED_PATH)
+    parser.add_argument(
+        "--seeds", default=",".join(map(str, RUNS["seeds"])), help="calibrated simulator runs to train on"
+    )
+    parser.add_argument("--days", type=float, default=RUNS["days"])
+    parser.add_argument("--per-hour", type=float, default=RUNS["per_hour"])
+    parser.add_argument("--attempts", type=int, default=RUNS["attempts"], help="of each typology, per run")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    runs = [replay(*calibrated_run(seed, args.days, args.per_hour, args.attempts)) for seed in seeds]
+    doc, _ = train(runs)
+    doc["training"]["runs"] = {
+        "seeds": seeds,
+        "days": args.days,
+        "per_hour": args.per_hour,
+        "attempts": args.attempts,
+    }
+    write(doc, args.out)
+    print(
+        f"trained on {doc['training']['payments']} payments of seeds {seeds} in "
+        f"{time.perf_counter() - started:.0f} s; cut {doc['cut']:.4f}; rules that alert beside it: "
+        f"{', '.join(doc['alerting_rules'])}; wrote {args.out} ({args.out.stat().st_size} bytes)"
+    )
+
+
+if __name__ == "__main__":
+    main()

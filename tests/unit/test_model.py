@@ -1,0 +1,171 @@
+"""The learned AML model: its trees walked here as scikit-learn walks them, its training reproducible, the
+shipped file what the training command makes, its figures on real AMLworld data as published, and each
+alert saying why. Services B and C are the naive reference (`tests/replay.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from aml_app.detection.model import FEATURES, Model, load
+from aml_app.detection.rules import aml_rules
+from aml_app.detection.thresholds import AmlThresholds
+from aml_app.settings import ConfigError, load_settings
+from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
+from bench.model_vs_rules import detectors
+from bench.train_model import PARAMS, RUNS, SHIPPED_PATH, Replayed, calibrated_run, replay, train
+from tests.replay import Services
+
+SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
+
+#: The shipped model (`AML_MODEL=amlworld`) on the real data, gate on (docs/detection.md, BENCHMARKS.md).
+PUBLISHED = {"own_recall": 0.719, "any_recall": 0.932, "benign_alerted": 61, "f1": 0.845}
+
+
+@pytest.fixture(scope="module")
+def small_runs() -> list[Replayed]:
+    return [replay(*calibrated_run(seed, days=2, per_hour=50, attempts=4)) for seed in (5, 6)]
+
+
+@pytest.fixture(scope="module")
+def shipped() -> Model:
+    model = load("amlworld")
+    assert model is not None
+    return model
+
+
+@pytest.fixture(scope="module")
+def real() -> tuple[Any, Any, list[Any]]:
+    patterns = read_patterns(PATTERNS)
+    background = read_amlworld(BACKGROUND, prefix="amlworld-background")
+    return patterns, background, sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+
+
+def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list[Replayed]) -> None:
+    doc, fitted = train(small_runs, SMALL)
+    model = Model.from_json(json.loads(json.dumps(doc)))
+    rows = np.array([row for run in small_runs for row in run.rows])
+    assert list(model.classes) == [str(c) for c in fitted.classes_]
+    np.testing.assert_allclose(model.probabilities(rows), fitted.predict_proba(rows), rtol=0, atol=1e-12)
+    with_gaps = rows.copy()
+    with_gaps[::3, 0] = np.nan  # a missing value goes the way the tree learned for it
+    np.testing.assert_allclose(
+        model.probabilities(with_gaps), fitted.predict_proba(with_gaps), rtol=0, atol=1e-12
+    )
+
+
+def test_training_gives_the_same_file_from_the_same_seeds(small_runs: list[Replayed]) -> None:
+    again = [replay(*calibrated_run(seed, days=2, per_hour=50, attempts=4)) for seed in (5, 6)]
+    assert [run.rows for run in again] == [run.rows for run in small_runs]
+    first, _ = train(small_runs, SMALL)
+    second, _ = train(again, SMALL)
+    assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) -> None:
+    """`python -m bench.train_model` with its defaults writes the shipped file (compared byte for byte
+    when it was trained: BENCHMARKS.md); here, that the file records those defaults."""
+    doc = json.loads(SHIPPED_PATH.read_text())
+    assert doc["features"] == list(FEATURES)
+    assert doc["training"]["runs"] == RUNS
+    assert doc["training"]["params"] == PARAMS
+    assert doc["training"]["benign_rate"] == 0.01
+    assert shipped.alerting_rules == {"aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
+
+
+def test_the_shipped_model_on_real_amlworld_holds_the_published_figures(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    patterns, background, timeline = real
+    fired, _ = detectors(patterns, background, shipped)
+    doc = judge(patterns, background, fired["model"], with_evidence(timeline))
+    assert doc["all"]["own_recall"] == pytest.approx(PUBLISHED["own_recall"], abs=0.001)
+    assert doc["all"]["any_recall"] == pytest.approx(PUBLISHED["any_recall"], abs=0.001)
+    assert doc["benign"]["alerted"] <= PUBLISHED["benign_alerted"], doc["benign"]
+    assert doc["payments"]["f1"] >= PUBLISHED["f1"]
+    rules = judge(patterns, background, fired["rules"], with_evidence(timeline))
+    assert doc["all"]["own_recall"] > rules["all"]["own_recall"]
+
+
+def _evidence(timeline: list[Any], wanted: Any) -> Any:
+    """The evidence about the first payment of `timeline` for which `wanted(evidence)` is true."""
+    thresholds = AmlThresholds()
+    services = Services(thresholds)
+    for payment in timeline:
+        services.feed(payment)
+        evidence = services.evidence(payment)
+        if wanted(evidence):
+            return evidence
+    raise AssertionError("no such payment")
+
+
+def test_a_model_alert_says_why(shipped: Model, real: tuple[Any, Any, list[Any]]) -> None:
+    thresholds = AmlThresholds()
+    evidence = _evidence(real[2], lambda e: shipped.hit(e, aml_rules(e, thresholds), thresholds) is not None)
+    hit = shipped.hit(evidence, aml_rules(evidence, thresholds), thresholds)
+    assert hit is not None and hit.rule == "aml.model" and hit.typology in shipped.classes
+    assert float(hit.figures["benign_probability"]) < shipped.cut
+    assert (
+        "below its cut" in hit.reason and "most telling: " in hit.reason and "benign typically" in hit.reason
+    )
+    named = [name for name in hit.figures if name in FEATURES]
+    assert 1 <= len(named) <= 3 and all(name in hit.reason for name in named)
+    strict = dataclasses.replace(shipped, cut=0.0)
+    assert strict.hit(evidence, aml_rules(evidence, thresholds), thresholds) is None
+
+
+def test_a_self_payment_is_never_alerted_by_the_model(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    thresholds = AmlThresholds()
+    evidence = _evidence(real[2], lambda e: e.payer == e.payee)
+    assert dataclasses.replace(shipped, cut=1.01).hit(evidence, [], thresholds) is None
+
+
+def test_only_the_models_alerting_rules_alert_beside_it(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    thresholds = AmlThresholds()
+    evidence = _evidence(real[2], lambda e: any(h.rule == "aml.fan_out" for h in aml_rules(e, thresholds)))
+    rules = aml_rules(evidence, thresholds)
+    quiet = dataclasses.replace(shipped, cut=0.0)  # the model itself never alerts
+    assert quiet.detect(evidence, thresholds) == [h for h in rules if h.rule in shipped.alerting_rules]
+    assert "aml.fan_out" not in {h.rule for h in quiet.detect(evidence, thresholds)}
+    everything = dataclasses.replace(quiet, alerting_rules=frozenset(h.rule for h in rules))
+    assert everything.detect(evidence, thresholds) == rules
+
+
+def test_aml_model_is_off_by_default_and_a_bad_one_fails_at_start_up(tmp_path: Path) -> None:
+    assert load_settings({}).aml_model == "" and load("") is None
+    assert load_settings({"AML_MODEL": "off"}).aml_model == ""
+    assert load_settings({"AML_MODEL": "amlworld"}).aml_model == "amlworld"
+    with pytest.raises(
+        ConfigError, match=r"^AML_MODEL='/no/such/file' is neither 'amlworld', 'off' nor a model"
+    ):
+        load_settings({"AML_MODEL": "/no/such/file"})
+    other = json.loads(SHIPPED_PATH.read_text())
+    other["features"] = other["features"][:-1]
+    (tmp_path / "other.json").write_text(json.dumps(other))
+    with pytest.raises(ConfigError, match="trained on other features"):
+        load(str(tmp_path / "other.json"))
+    # The command line reads the model before anything starts, and stops with the sentence.
+    env = {**os.environ, "AML_MODEL": str(tmp_path / "other.json")}
+    done = subprocess.run(
+        [sys.executable, "-m", "aml_app.cli", "worker", "--help"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2, done
+    assert done.stderr.startswith("aml-app: configuration error: AML_MODEL="), done.stderr
+    assert "trained on other features" in done.stderr
