@@ -101,6 +101,9 @@ class Settings:
     relations_api: tuple[str, ...] = ()
     aggregates_api: tuple[str, ...] = ()  # AML_AGGREGATES_URL; likewise
     http_timeout: float = 5.0
+    #: AML_FRESHNESS_WAIT: how long B and C may wait for their stores to cover a question's payments
+    #: before answering "not yet" (less than the HTTP timeout).
+    freshness_wait: float = 2.0
     max_batch: int = 100
     aml_thresholds: Any = field(default_factory=_default_aml_thresholds)
     fraud_thresholds: Any = field(default_factory=_default_fraud_thresholds)
@@ -375,6 +378,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         relations_api=_urls(env, "AML_RELATIONS_URL"),
         aggregates_api=_urls(env, "AML_AGGREGATES_URL"),
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
+        freshness_wait=_float(env, "AML_FRESHNESS_WAIT", defaults.freshness_wait, 0, 10),
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
         aml_thresholds=_thresholds(env, "aml"),
         fraud_thresholds=_thresholds(env, "fraud"),
@@ -414,4 +418,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         )
     if settings.relations_port == settings.aggregates_port:
         raise ConfigError("AML_RELATIONS_PORT and AML_AGGREGATES_PORT must differ.")
+    if settings.freshness_wait >= settings.http_timeout:
+        raise ConfigError(
+            f"AML_FRESHNESS_WAIT={settings.freshness_wait:g} must be shorter than AML_HTTP_TIMEOUT="
+            f"{settings.http_timeout:g}: a question that waits its whole bound must still be answered."
+        )
     return settings

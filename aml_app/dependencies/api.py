@@ -17,7 +17,10 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
                                 "loop_hops": 12}, ...]}
               POST /aggregates {"queries": [{"account": "a", "at": "ISO"}, ...]}
               -> {"answers": [...]} in the order asked, every answer as its GET would give it, all from
-              ONE read snapshot (one as_of); at most MAX_BATCH queries
+              ONE read snapshot (one as_of); at most MAX_BATCH queries. With
+              "need": {"as_of": {"0": 42}, "log": "...", "wait_ms": 2000} the batch is answered from
+              the first snapshot whose as_of has reached those next offsets (of that log), the service
+              looking again for up to wait_ms; else {"not_yet": true, "as_of", "log", "waited_ms"}
 - both:       GET /health   200 when the store answers and is not behind its consumer group, else 503
 
 Account ids are path segments (percent-encode '/', '%', '?', '#'), at most 128 characters.
@@ -40,7 +43,8 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -53,7 +57,7 @@ from aml_app.contract import MAX_ID_LENGTH
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
-from aml_app.dependencies.store import Reader, StoreVersionMismatch, redacted
+from aml_app.dependencies.store import Reader, Snapshot, StoreVersionMismatch, redacted
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +65,8 @@ KINDS = ("relations", "aggregates")
 DEFAULT_HOPS = 2
 MAX_BATCH = 1000
 CHECK_EVERY = 2.0  # seconds between two checks of the store against its consumer group
+MAX_WAIT_MS = 10_000  # the longest a batch may wait for the store to cover what it needs
+POLL = (0.02, 0.25)  # seconds between two looks at the store while a batch waits: first, longest
 SERVICE = web.AppKey("service", str)
 ROUTES = web.AppKey("routes", list)
 # "...T10:00:00 01:00": a '+01:00' offset whose '+' the query string decoded to a space.
@@ -128,8 +134,45 @@ def parse_hops(raw: str | None) -> int:
     return int(text)
 
 
-async def _queries(request: web.Request) -> list[dict[str, Any]]:
-    """The `queries` list of a batch request body, each an object (checked further by the caller)."""
+@dataclass(frozen=True)
+class Need:
+    """What a batch needs the store to have applied before it is answered: `as_of` at least these next
+    offsets, of the log `log` (None: any), waiting at most `wait` seconds for it."""
+
+    as_of: Mapping[int, int]
+    log: str | None
+    wait: float
+
+    def met(self, as_of: Mapping[int, int], log: str | None) -> bool:
+        if self.log is not None and log != self.log:
+            return False
+        return all(as_of.get(p, 0) >= o for p, o in self.as_of.items())
+
+
+def parse_need(raw: Any) -> Need | None:
+    """A batch's `need`: {"as_of": {"<partition>": <next offset>, ...}, "log": "<identity>" or absent,
+    "wait_ms": 0..MAX_WAIT_MS}; absent: answer at once from whatever the store holds."""
+    if raw is None:
+        return None
+    example = 'such as {"as_of": {"0": 42}, "log": "...", "wait_ms": 2000}'
+    if not isinstance(raw, dict) or not isinstance(raw.get("as_of"), dict):
+        raise BadRequest(f"need must be an object with an as_of object, {example}.")
+    as_of = {}
+    for p, o in raw["as_of"].items():
+        if not (isinstance(p, str) and p.isascii() and p.isdigit()) or not isinstance(o, int) or o < 0:
+            raise BadRequest(f"need.as_of maps partitions to next offsets >= 0, {example}; got {p!r}: {o!r}.")
+        as_of[int(p)] = o
+    log_id, wait_ms = raw.get("log"), raw.get("wait_ms", 0)
+    if log_id is not None and not isinstance(log_id, str):
+        raise BadRequest(f"need.log must be a string, {example}.")
+    if not isinstance(wait_ms, int) or isinstance(wait_ms, bool) or not 0 <= wait_ms <= MAX_WAIT_MS:
+        raise BadRequest(f"need.wait_ms must be a whole number from 0 to {MAX_WAIT_MS}, got {wait_ms!r}.")
+    return Need(as_of, log_id, wait_ms / 1000)
+
+
+async def _body(request: web.Request) -> tuple[list[dict[str, Any]], Need | None]:
+    """The `queries` of a batch request body, each an object (checked further by the caller), and its
+    `need`."""
     try:
         body = await request.json()
     except ValueError:
@@ -139,7 +182,33 @@ async def _queries(request: web.Request) -> list[dict[str, Any]]:
         raise BadRequest('The request body must be {"queries": [...]} with one object per query.')
     if len(queries) > MAX_BATCH:
         raise BadRequest(f"A batch holds at most {MAX_BATCH} queries; this one has {len(queries)}.")
-    return queries
+    return queries, parse_need(body.get("need"))
+
+
+async def answered_when_covered(
+    reader: Reader, need: Need | None, compute: Callable[[Snapshot], Awaitable[list[dict[str, Any]]]]
+) -> dict[str, Any]:
+    """`{"answers": compute(snapshot)}` from the first snapshot that meets `need`, looking again (from
+    POLL[0] to POLL[1] apart) for at most `need.wait` seconds; then `{"not_yet": true, "as_of", "log",
+    "waited_ms"}`: the store has not applied what the question needs, ask again (or another replica)."""
+    started = time.monotonic()
+    delay = POLL[0]
+    while True:
+        async with reader.snapshot() as snap:
+            log_id = snap.meta.get("log")
+            if need is None or need.met(snap.as_of, log_id):
+                return {"answers": await compute(snap)}
+            as_of = snap.as_of
+        left = need.wait - (time.monotonic() - started)
+        if left <= 0:
+            return {
+                "not_yet": True,
+                "as_of": {str(p): o for p, o in sorted(as_of.items())},
+                "log": log_id,
+                "waited_ms": round(1000 * (time.monotonic() - started)),
+            }
+        await asyncio.sleep(min(delay, left))
+        delay = min(delay * 2, POLL[1])
 
 
 def _batch_account(query: dict[str, Any], i: int) -> str:
@@ -392,13 +461,16 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
         check,
     )
 
-    async def answer(queries: list[relations.Query]) -> list[dict[str, Any]]:
+    async def answer(queries: list[relations.Query], need: Need | None = None) -> dict[str, Any]:
         if check is not None:
             check.refuse_if_behind()
-        async with reader.snapshot() as snap:
+
+        async def compute(snap: Snapshot) -> list[dict[str, Any]]:
             return await relations.relations_many(
                 snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log")
             )
+
+        return await answered_when_covered(reader, need, compute)
 
     async def single(request: web.Request) -> web.Response:
         parts = parse_parts(_single(request, "parts"))
@@ -409,11 +481,12 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
             parse_min_average(_single(request, "min_average")),
             *parse_loop(parts, *(_single(request, name) for name in ("closing", "at", "loop_hops"))),
         )
-        return web.json_response((await answer([query]))[0])
+        return web.json_response((await answer([query]))["answers"][0])
 
     async def batch(request: web.Request) -> web.Response:
         queries = []
-        for i, q in enumerate(await _queries(request)):
+        asked, need = await _body(request)
+        for i, q in enumerate(asked):
             parts = parse_parts(_text_or_none(q, "parts", i))
             loop = (_text_or_none(q, name, i) for name in ("closing", "at", "loop_hops"))
             queries.append(
@@ -425,7 +498,7 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
                     *parse_loop(parts, *loop, where=f"queries[{i}]: "),
                 )
             )
-        return web.json_response({"answers": await answer(queries)})
+        return web.json_response(await answer(queries, need))
 
     app.router.add_get("/relations/{account}", single)
     app.router.add_post("/relations", batch)
@@ -440,25 +513,26 @@ def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = Non
     defaults = (settings.reporting_threshold, settings.threshold_band)
     rates = settings.aml_thresholds.rates
 
-    async def answer(queries: list[tuple[str, datetime]]) -> list[dict[str, Any]]:
+    async def answer(queries: list[tuple[str, datetime]], need: Need | None = None) -> dict[str, Any]:
         if check is not None:
             check.refuse_if_behind()
-        async with reader.snapshot() as snap:
+
+        async def compute(snap: Snapshot) -> list[dict[str, Any]]:
             return await aggregates.aggregates_many(
                 snap.cur, snap.schema, queries, snap.as_of, snap.meta, defaults, rates
             )
 
+        return await answered_when_covered(reader, need, compute)
+
     async def single(request: web.Request) -> web.Response:
         account = _account(request)
         at = parse_at(_single(request, "at"))
-        return web.json_response((await answer([(account, at)]))[0])
+        return web.json_response((await answer([(account, at)]))["answers"][0])
 
     async def batch(request: web.Request) -> web.Response:
-        queries = [
-            (_batch_account(q, i), parse_at(_text_or_none(q, "at", i)))
-            for i, q in enumerate(await _queries(request))
-        ]
-        return web.json_response({"answers": await answer(queries)})
+        asked, need = await _body(request)
+        queries = [(_batch_account(q, i), parse_at(_text_or_none(q, "at", i))) for i, q in enumerate(asked)]
+        return web.json_response(await answer(queries, need))
 
     app.router.add_get("/aggregates/{account}", single)
     app.router.add_post("/aggregates", batch)

@@ -12,11 +12,18 @@ wrong, which retrying cannot fix: `DependencyRequestError`.
 
 Every answer carries `as_of` = {partition: next offset applied} and `log`, the identity of the log those
 offsets are of; `includes` says whether an answer proves that it already contains payment (p, o).
+
+A batch may say what it needs (`Need`: next offsets of one log): the service waits a bounded time for its
+store to cover them, or answers "not yet" with its `as_of`; then the next replica is asked, and when
+none has it, `NotYet` tells the caller to ask again later. The client remembers the highest `as_of` each
+service has shown: an answer below it (a replica behind the others, a store restored from a backup) is
+the named event "went back", counted and logged, and the question goes to another replica first.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -48,6 +55,32 @@ class DependencyRequestError(RuntimeError):
     """A dependency refused the request itself (4xx): a bug on our side, reported loudly."""
 
 
+class NotYet(RuntimeError):
+    """No replica's store covered what the question needs within the wait: ask again later."""
+
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Need:
+    """The next offsets (of the log `log`, None: any) a batch's answers must include, and how long the
+    service may wait for its store to get there (`need` of the batch routes, aml_app.dependencies.api)."""
+
+    as_of: Mapping[int, int]
+    log: str | None = None
+    wait: float = 2.0
+
+    def as_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "as_of": {str(p): o for p, o in sorted(self.as_of.items())},
+            "wait_ms": round(1000 * self.wait),
+        }
+        if self.log is not None:
+            doc["log"] = self.log
+        return doc
+
+
 def includes(answer: Mapping[str, Any], partition: int, offset: int, log: str | None = None) -> bool:
     """Whether an answer's `as_of` proves it includes payment (partition, offset) of the log `log`.
 
@@ -65,6 +98,8 @@ class ClientStats:
 
     requests: int = 0
     failures: int = 0
+    not_yet: int = 0  # answers "not yet": the store had not applied what the question needed
+    went_back: int = 0  # answers below an as_of the service had shown before
     seconds: float = 0.0
     last_error: str | None = None
     by_dependency: dict[str, int] = field(default_factory=dict)
@@ -95,6 +130,7 @@ class Replicas:
         return [self.urls[i] for i in awake + [i for i in turn if i not in awake]]
 
     def failed(self, url: URL) -> None:
+        """Asked last for RESTING seconds: down, or behind the others."""
         self._resting[self.urls.index(url)] = time.monotonic() + RESTING
 
     def answered(self, url: URL) -> None:
@@ -116,6 +152,8 @@ class DependencyClient:
         self.max_connections = max_connections
         self.stats = ClientStats()
         self._session: aiohttp.ClientSession | None = None
+        #: Per service, the log and the highest next offset per partition its answers have shown.
+        self.highest: dict[str, tuple[str | None, dict[int, int]]] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
@@ -151,9 +189,13 @@ class DependencyClient:
             "relations", lambda base: _resource(base, "relations", account).with_query(query), None
         )
 
-    async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
+    async def aggregates_many(
+        self, queries: Sequence[tuple[str, datetime]], need: Need | None = None
+    ) -> list[dict[str, Any]]:
         """One POST /aggregates for several (account, at): one snapshot of C answers them all."""
-        body = {"queries": [{"account": a, "at": at.isoformat()} for a, at in queries]}
+        body: dict[str, Any] = {"queries": [{"account": a, "at": at.isoformat()} for a, at in queries]}
+        if need is not None:
+            body["need"] = need.as_json()
         answer = await self._send("aggregates", lambda base: base / "aggregates", body)
         return _answers(answer, len(queries), "aggregates")
 
@@ -164,6 +206,7 @@ class DependencyClient:
         parts: str | Sequence[str] = RELATIONS_PARTS,
         min_average: MinAverage = Decimal(0),
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
+        need: Need | None = None,
     ) -> list[dict[str, Any]]:
         """One POST /relations for several accounts: one snapshot of B answers them all. `parts` is one
         list for every account, or one per account; `loops` gives, per account, the closing payer, the
@@ -181,14 +224,19 @@ class DependencyClient:
             if loop is not None:
                 query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=loop[2])
             queries.append(query)
-        body = {"queries": queries}
+        body: dict[str, Any] = {"queries": queries}
+        if need is not None:
+            body["need"] = need.as_json()
         answer = await self._send("relations", lambda base: base / "relations", body)
         return _answers(answer, len(accounts), "relations")
 
     async def _send(self, dependency: str, where: Callable[[URL], URL], body: Any) -> dict[str, Any]:
-        """The request on each replica in turn until one answers usefully; its JSON object."""
+        """The request on each replica in turn until one answers usefully; its JSON object. An answer
+        that went back, or says "not yet", sends the question on to the next replica; the one that went
+        back is kept in case no other replica answers."""
         replicas = self.replicas[dependency]
-        failures = []
+        failures, behind = [], []
+        fallback: dict[str, Any] | None = None
         for base in replicas.order():
             try:
                 answer = await self._send_to(dependency, where(base), body)
@@ -197,10 +245,59 @@ class DependencyClient:
                 failures.append(str(exc))
                 continue
             replicas.answered(base)
+            if self._went_back(dependency, base, answer):
+                replicas.failed(base)
+                fallback = fallback if fallback is not None or answer.get("not_yet") else answer
+                continue
+            if answer.get("not_yet"):
+                self.stats.not_yet += 1
+                behind.append(f"{base} has as_of {answer.get('as_of')}")
+                continue
+            self._saw(dependency, answer)
             return answer
+        if fallback is not None:  # every replica that answered is below: the service itself went back
+            self.highest.pop(dependency, None)
+            self._saw(dependency, fallback)
+            return fallback
+        if behind:
+            raise NotYet(f"{dependency} has not applied what the question needs yet: {'; '.join(behind)}")
         if len(failures) == 1:
             raise DependencyUnavailable(failures[0])
         raise DependencyUnavailable(f"every replica of {dependency} failed: {'; '.join(failures)}")
+
+    def _went_back(self, dependency: str, base: URL, answer: Mapping[str, Any]) -> bool:
+        """Whether `answer` is below an as_of this service showed before, in the same log (the named
+        event "went back": a replica behind the others, or a store restored); logged and counted."""
+        shown = _progress(answer)
+        if shown is None or dependency not in self.highest:
+            return False
+        log_id, as_of = shown
+        seen_log, seen = self.highest[dependency]
+        if log_id != seen_log:
+            return False
+        lower = {p: (as_of.get(p, 0), o) for p, o in seen.items() if as_of.get(p, 0) < o}
+        if not lower:
+            return False
+        self.stats.went_back += 1
+        log.warning(
+            "%s at %s went back: as_of %s, below what it showed before (%s): a replica behind the "
+            "others or a store restored; asking another replica first",
+            dependency,
+            base,
+            ", ".join(f"{p}:{now}" for p, (now, _) in sorted(lower.items())),
+            ", ".join(f"{p}:{before}" for p, (_, before) in sorted(lower.items())),
+        )
+        return True
+
+    def _saw(self, dependency: str, answer: Mapping[str, Any]) -> None:
+        shown = _progress(answer)
+        if shown is None:
+            return
+        log_id, as_of = shown
+        seen_log, seen = self.highest.get(dependency, (log_id, {}))
+        if log_id != seen_log:  # another log: its offsets start over
+            seen = {}
+        self.highest[dependency] = (log_id, {p: max(o, seen.get(p, 0)) for p, o in {**seen, **as_of}.items()})
 
     async def _send_to(self, dependency: str, url: URL, body: Any) -> dict[str, Any]:
         """GET `url` (no body) or POST `body` as JSON; the answer's JSON object."""
@@ -237,6 +334,20 @@ class DependencyClient:
         self.stats.last_error = message
 
 
+def _progress(answer: Mapping[str, Any]) -> tuple[str | None, dict[int, int]] | None:
+    """(log, as_of) of an answer: a single answer's own, a batch's first answer's, or a "not yet"'s;
+    None for an empty batch."""
+    if "answers" in answer:
+        answers = answer["answers"]
+        if not isinstance(answers, list) or not answers or not isinstance(answers[0], Mapping):
+            return None
+        answer = answers[0]
+    raw = answer.get("as_of")
+    if not isinstance(raw, Mapping):
+        return None
+    return answer.get("log"), {int(p): int(o) for p, o in raw.items()}
+
+
 def min_average_text(min_average: MinAverage) -> str:
     """B's `min_average` parameter: `1000`, or one per currency `EUR:853.4,USD:1000`."""
     if isinstance(min_average, Mapping):
@@ -266,21 +377,25 @@ async def evidence_for(
     payments: Sequence[tuple[str, str, datetime]],
     min_average: MinAverage = Decimal(0),
     loop_hops: int = LOOP_HOPS,
+    need: Need | None = None,
 ) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(payer aggregates, payee aggregates, payer relations, payee relations) for each (payer, payee, at):
     two requests in all, asked concurrently, whatever the number of payments. `min_average` is what a
     heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`, in each
     currency), `loop_hops` the
-    longest cycle the payment may close (their `cycle_max_hops`)."""
+    longest cycle the payment may close (their `cycle_max_hops`); `need`, what both must have applied."""
     if not payments:
         return []
     aggregates, relations = await asyncio.gather(
-        client.aggregates_many([q for payer, payee, at in payments for q in ((payer, at), (payee, at))]),
+        client.aggregates_many(
+            [q for payer, payee, at in payments for q in ((payer, at), (payee, at))], need=need
+        ),
         client.relations_many(
             [account for payer, payee, _ in payments for account in (payer, payee)],
             parts=[parts for _ in payments for parts in (PAYER_PARTS, PAYEE_PARTS)],
             min_average=min_average,
             loops=[loop for payer, _, at in payments for loop in (None, (payer, at, loop_hops))],
+            need=need,
         ),
     )
     return [

@@ -2,7 +2,9 @@
 
 For each batch of payments of one partition that the gate let through (`AML_MAX_BATCH` at most):
 1. ask B and C about them, one request to each for the whole batch (`aml_app.dependencies.client`),
-   waiting and asking again while one is away;
+   saying what the answers must include (the next offset past the batch, of its log): each service waits
+   up to `AML_FRESHNESS_WAIT` for its store to get there or answers "not yet", and the batch waits and
+   asks again, as it does while a service is away;
 2. check freshness: every answer's `as_of` must include the payment, and be of the payment's log (the
    identity the admitting row carries, `aml_app.kafka.identity`). The gate makes this true; if it is
    not, that is a freshness violation: counted, and with the gate on the payment waits and asks again,
@@ -34,6 +36,8 @@ from aml_app.dependencies.client import (
     DependencyClient,
     DependencyUnavailable,
     MinAverage,
+    Need,
+    NotYet,
     evidence_for,
     includes,
 )
@@ -96,12 +100,14 @@ class Detector:
         client: DependencyClient,
         min_average: MinAverage = Decimal(0),
         loop_hops: int = LOOP_HOPS,
+        freshness_wait: float = 2.0,
     ) -> None:
         self.service = service
         self.rules = rules
         self.client = client
         self.min_average = min_average  # what a heavy edge is, for B's layering parts
         self.loop_hops = loop_hops  # the longest cycle B looks for
+        self.freshness_wait = freshness_wait  # how long B and C may wait for their stores, per question
         self.stats = DetectorStats()
 
     async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
@@ -190,7 +196,21 @@ class Detector:
                 for i in todo
             ]
             try:
-                answers = await evidence_for(self.client, questions, self.min_average, self.loop_hops)
+                answers = await evidence_for(
+                    self.client,
+                    questions,
+                    self.min_average,
+                    self.loop_hops,
+                    self.need([items[i] for i in todo]),
+                )
+            except NotYet as exc:  # B or C has not applied these payments yet: ask again shortly
+                self.stats.freshness_violations += len(todo)
+                for i in todo:
+                    stale_reads[i] += 1
+                log.warning("%d payment(s) wait for their dependencies: %s", len(todo), exc)
+                await asyncio.sleep(stale_delay)
+                stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
+                continue
             except DependencyUnavailable as exc:
                 self.stats.unavailable += 1
                 first = items[todo[0]][1]
@@ -233,6 +253,18 @@ class Detector:
                 await asyncio.sleep(stale_delay)
                 stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
         return [results[i] for i in range(len(items))]
+
+    def need(self, items: list[tuple[Payment, Admission]]) -> Need | None:
+        """What B's and C's answers must include: the next offset past each gated payment, of its log.
+        An ungated service (the comparison mode) reads what is there, as an ungated consumer would."""
+        gated = [admission for _, admission in items if admission.gated]
+        if not gated:
+            return None
+        as_of: dict[int, int] = {}
+        for admission in gated:
+            as_of[admission.partition] = max(as_of.get(admission.partition, 0), admission.offset + 1)
+        logs = {admission.log for admission in gated}
+        return Need(as_of, logs.pop() if len(logs) == 1 else None, self.freshness_wait)
 
     async def acknowledged(self, alerts: list[SentAlert], sends: list[Awaitable[Any]]) -> list[Any]:
         """The broker's acknowledgements of a batch's alerts (then remembered) and decisions, the
@@ -303,6 +335,8 @@ def stats_json(detector: Detector) -> dict[str, Any]:
         "freshness_violations": s.freshness_violations,
         "decided_on_stale": s.decided_on_stale,
         "dependency_unavailable": s.unavailable,
+        "dependency_not_yet": c.not_yet,
+        "dependency_went_back": c.went_back,
         "seconds": {step: round(value, 3) for step, value in s.seconds.items()},
         "http": {
             "requests": c.requests,
@@ -320,7 +354,7 @@ def detecting_service(service: str, rules: Rules) -> Detector:
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
     thresholds = settings.aml_thresholds
     heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # the same sum in every currency
-    detector = Detector(service, rules, client, heavy, thresholds.cycle_max_hops)
+    detector = Detector(service, rules, client, heavy, thresholds.cycle_max_hops, settings.freshness_wait)
     gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 
     @app.on_before_shutdown.connect

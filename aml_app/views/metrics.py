@@ -156,6 +156,16 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
                 "Answers from a dependency that did not cover the payment (as_of check).",
                 detector["freshness_violations"],
             ),
+            (
+                "aml_dependency_not_yet",
+                'Answers "not yet" from B or C: their store had not applied what the question needed.',
+                detector.get("dependency_not_yet", 0),
+            ),
+            (
+                "aml_dependency_went_back",
+                "Answers from B or C below an as_of they had shown: a replica behind, or a store restored.",
+                detector.get("dependency_went_back", 0),
+            ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
     out += [status, stalled, advanced, blocked, untrusted, age, admin_error, retrying]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
@@ -23,6 +24,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, build_app, relations_app
+from aml_app.dependencies.client import DependencyClient, Need
 from aml_app.dependencies.store import Reader, migrate, redacted
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.kafka.broker import EmbeddedBroker, free_port
@@ -602,3 +604,76 @@ async def test_the_api_answers_503_while_the_database_is_away_and_recovers(
             assert time.monotonic() < deadline, "the API did not recover after the database came back"
             await asyncio.sleep(0.2)
         assert (await get(client, "/relations/A"))["as_of"] == {"0": 2, "1": 2}
+
+
+# --- what a batch needs: a bounded wait, "not yet", and answers that went back ---------------------
+
+
+def one_more() -> PaymentRow:
+    """Offset 2 of partition 0, after `payments()`."""
+    return PaymentRow(0, 2, "pay-more", "A", "B", Decimal("5"), "EUR", T0)
+
+
+async def test_a_batch_waits_for_what_it_needs_or_answers_not_yet(spark: Any, stores: str) -> None:
+    query = {"queries": [{"account": "A", "at": "2026-03-01T12:00:00Z"}]}
+    async with client_for(aggregates_api(stores)) as client:
+        plain = await post(client, "/aggregates", query)
+        met = await post(client, "/aggregates", {**query, "need": {"as_of": {"0": 2, "1": 2}, "wait_ms": 0}})
+        assert met == plain, "a need the store already meets changes nothing"
+        started = time.monotonic()
+        later = await post(client, "/aggregates", {**query, "need": {"as_of": {"0": 3}, "wait_ms": 300}})
+        assert time.monotonic() - started >= 0.3
+        assert later["not_yet"] is True and later["as_of"] == {"0": 2, "1": 2} and later["waited_ms"] >= 300
+        assert "answers" not in later
+        other_log = await post(
+            client, "/aggregates", {**query, "need": {"as_of": {"0": 1}, "log": "c:other", "wait_ms": 0}}
+        )
+        assert other_log["not_yet"] is True, "offsets of another log prove nothing"
+        for bad, words in (
+            ({"as_of": {"x": 1}}, "need.as_of maps partitions"),
+            ({"as_of": {"0": 1}, "wait_ms": 60_000}, "need.wait_ms must be a whole number from 0 to 10000"),
+            ([1], "need must be an object"),
+        ):
+            body = await post(client, "/aggregates", {**query, "need": bad}, status=400)
+            assert words in body["error"], body
+        # Asked before the store has offset 2 of partition 0, answered once it does, within the bound.
+        waiting = asyncio.ensure_future(
+            post(client, "/aggregates", {**query, "need": {"as_of": {"0": 3}, "wait_ms": 10_000}})
+        )
+        await asyncio.to_thread(apply_payments, spark, stores, "aggregates", [one_more()])
+        fresh = await asyncio.wait_for(waiting, 60)
+        assert fresh["answers"][0]["as_of"] == {"0": 3, "1": 2}
+        assert fresh["answers"][0]["windows"]["1h"]["sent_count"] == 3
+
+
+async def test_the_client_asks_another_replica_when_one_is_behind_or_went_back(
+    spark: Any, postgres: Any, stores: str
+) -> None:
+    """Two replicas of C over two stores, one a payment behind. A question that needs that payment goes
+    on to the replica that has it; an answer below what the service showed before is the named event
+    "went back", and the other replica is asked first; with no other replica, it is taken as the
+    service's progress, once."""
+    ahead = postgres.create_database(f"ahead_{uuid.uuid4().hex[:12]}")
+    await asyncio.to_thread(apply_payments, spark, ahead, "aggregates", [*payments(), one_more()])
+    at = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    async with (
+        TestServer(aggregates_api(stores), host="127.0.0.1") as behind_server,
+        TestServer(aggregates_api(ahead), host="127.0.0.1") as ahead_server,
+    ):
+        behind_url, ahead_url = str(behind_server.make_url("")), str(ahead_server.make_url(""))
+        client = DependencyClient(ahead_url, [behind_url, ahead_url], timeout=5)
+        try:
+            [answer] = await client.aggregates_many([("A", at)], need=Need({0: 3}, None, 0.1))
+            assert answer["as_of"] == {"0": 3, "1": 2} and client.stats.not_yet == 1
+            assert client.stats.went_back == 0
+            # Turns: the replica ahead first, then the one behind, which went back: the other answers.
+            for went_back in (0, 1):
+                [answer] = await client.aggregates_many([("A", at)], need=Need({0: 1}, None, 0.1))
+                assert answer["as_of"] == {"0": 3, "1": 2} and client.stats.went_back == went_back
+            # The replica ahead goes away: the one behind is all there is, and is taken as it is, once.
+            await ahead_server.close()
+            for _ in range(2):
+                [answer] = await client.aggregates_many([("A", at)], need=Need({0: 1}, None, 0.1))
+                assert answer["as_of"] == {"0": 2, "1": 2} and client.stats.went_back == 2
+        finally:
+            await client.close()

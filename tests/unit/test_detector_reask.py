@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from aml_app.dependencies.aggregates import empty_window
-from aml_app.dependencies.client import DependencyUnavailable
+from aml_app.dependencies.client import DependencyUnavailable, Need, NotYet
 from aml_app.detection import detector as detector_module
 from aml_app.detection.detector import Detector
 from aml_app.detection.evidence import Evidence
@@ -53,6 +53,8 @@ class FakeDependencies:
         self.logs = list(logs)
         self.calls: dict[str, list[list[str]]] = {"relations": [], "aggregates": []}
         self.called_at: list[float] = []
+        self.needs: list[Any] = []
+        self.not_yet: dict[str, set[int]] = {}
 
     def _round(self, dependency: str, accounts: list[str]) -> tuple[int, dict[str, int]]:
         n = len(self.calls[dependency])
@@ -61,13 +63,18 @@ class FakeDependencies:
             self.called_at.append(time.monotonic())
         if n in self.away.get(dependency, set()):
             raise DependencyUnavailable(f"{dependency} at http://127.0.0.1:1 is unavailable: round {n}")
+        if n in self.not_yet.get(dependency, set()):
+            raise NotYet(f"{dependency} has not applied what the question needs yet: round {n}")
         schedule = self.schedule[dependency]
         return n, {str(PARTITION): schedule[min(n, len(schedule) - 1)]}
 
     def log(self, n: int) -> str:
         return self.logs[min(n, len(self.logs) - 1)]
 
-    async def aggregates_many(self, queries: Sequence[tuple[str, datetime]]) -> list[dict[str, Any]]:
+    async def aggregates_many(
+        self, queries: Sequence[tuple[str, datetime]], need: Any = None
+    ) -> list[dict[str, Any]]:
+        self.needs.append(need)
         n, as_of = self._round("aggregates", [account for account, _ in queries])
         return [
             {
@@ -92,6 +99,7 @@ class FakeDependencies:
         parts: str | Sequence[str] = "out,cycle",
         min_average: Decimal = Decimal(0),
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
+        need: Any = None,
     ) -> list[dict[str, Any]]:
         n, as_of = self._round("relations", list(accounts))
         return [
@@ -166,6 +174,21 @@ async def test_gate_on_asks_again_about_the_stale_payment_only_until_its_answers
     # It waited before each question again, longer the second time (up to STALE_DELAYS[1]).
     gaps = [b - a for a, b in zip(fake.called_at, fake.called_at[1:], strict=False)]
     assert gaps[0] >= STALE_DELAYS[0] - SLACK and gaps[1] >= STALE_DELAYS[1] - SLACK, gaps
+
+
+async def test_the_questions_say_what_they_need_and_not_yet_asks_again() -> None:
+    """B and C are told the next offset past the batch's payments, of their log; a "not yet" from every
+    replica makes the batch wait and ask again, as a stale answer does. Ungated, nothing is needed."""
+    fake = FakeDependencies(relations=[12], aggregates=[12])
+    fake.not_yet = {"aggregates": {0, 1}}
+    d = detector(fake)
+    d.freshness_wait = 1.5
+    evidence = await d.fresh_evidence(batch(gated=True, log="c:topic"))
+    assert fake.needs[0] == Need({PARTITION: 12}, "c:topic", 1.5)
+    assert len(fake.calls["aggregates"]) == 3 and all(rounds(a) == {2} for a, _ in evidence)
+    assert [stale for _, stale in evidence] == [2, 2] and d.stats.decided_on_stale == 0
+    await d.fresh_evidence(batch(gated=False))
+    assert fake.needs[-1] is None
 
 
 @pytest.mark.parametrize(

@@ -149,7 +149,16 @@ def test_status_shows_the_retrying_payments() -> None:
 
 
 def test_detector_counters_when_a_detector_runs() -> None:
-    fams = parse(snapshot(detector={"decisions": 11, "alerts": 3, "freshness_violations": 1}))
+    detector = {
+        "decisions": 11,
+        "alerts": 3,
+        "freshness_violations": 1,
+        "dependency_not_yet": 4,
+        "dependency_went_back": 2,
+    }
+    fams = parse(snapshot(detector=detector))
+    assert value(fams, "aml_dependency_not_yet_total") == 4
+    assert value(fams, "aml_dependency_went_back_total") == 2
     assert value(fams, "aml_decisions_total") == 11
     assert value(fams, "aml_alerts_total") == 3
     assert value(fams, "aml_freshness_violations_total") == 1

@@ -332,3 +332,10 @@ def test_probe_failures_are_off_by_default_and_read_when_set() -> None:
     assert load_settings({"AML_PROBE_FAIL": "p-0-1:3, a:b:7"}).probe_fail == {"p-0-1": 3, "a:b": 7}
     for raw in ("p-0-1", "p-0-1:x", ":3", "p:0"):
         assert "PAYMENT_ID:ATTEMPTS" in _fails({"AML_PROBE_FAIL": raw}, "AML_PROBE_FAIL")
+
+
+def test_the_freshness_wait_is_shorter_than_the_http_timeout() -> None:
+    """A question that waits its whole bound at B or C must still be answered within the request."""
+    assert load_settings({"AML_FRESHNESS_WAIT": "1.5", "AML_HTTP_TIMEOUT": "2"}).freshness_wait == 1.5
+    with pytest.raises(ConfigError, match=r"^AML_FRESHNESS_WAIT=3 must be shorter than AML_HTTP_TIMEOUT=3"):
+        load_settings({"AML_FRESHNESS_WAIT": "3", "AML_HTTP_TIMEOUT": "3"})
