@@ -296,9 +296,10 @@ def test_latest_offset_reaches_the_true_end_of_big_batches(broker: EmbeddedBroke
         }
 
 
-def test_latest_offset_stays_fast_with_its_reused_probe(broker: EmbeddedBroker) -> None:
-    # Each plan probes the partitions it will read with the same consumer. Without a short
-    # fetch.queue.backoff.ms, librdkafka held every probe after the first back for 1 s, once per batch.
+def test_latest_offset_stays_fast_with_a_probe_per_plan(broker: EmbeddedBroker) -> None:
+    # Each plan probes the partitions it will read with a consumer of its own (one kept across plans
+    # can crash librdkafka when the topic is created again). Without a short fetch.queue.backoff.ms,
+    # librdkafka held a probe's fetches back for 1 s.
     topic = new_topic(broker.bootstrap, 4)
     produce(broker.bootstrap, topic, {p: 2000 for p in range(4)})
     with stream_reader(options(broker.bootstrap, topic)) as reader:
@@ -423,15 +424,13 @@ def test_a_task_reads_several_partitions_with_one_client(broker: EmbeddedBroker)
 # --- pickling -----------------------------------------------------------------------------------
 
 
-def test_reader_pickles_after_latest_offset_made_its_probe(broker: EmbeddedBroker) -> None:
+def test_reader_pickles_after_latest_offset(broker: EmbeddedBroker) -> None:
     topic = new_topic(broker.bootstrap, 2)
     placed = produce(broker.bootstrap, topic, {0: 300, 1: 2})
     with stream_reader(options(broker.bootstrap, topic, groupId=fresh("g"))) as reader:
         start = reader.initialOffset()
         end = reader.latestOffset(start, ReadAllAvailable())
-        assert reader._probe is not None, "latestOffset should keep its probe consumer"
-        copy = pickle.loads(pickle.dumps(reader))
-        assert copy._probe is None
+        copy = pickle.loads(pickle.dumps(reader))  # no client is kept: nothing to leave out
         assert (copy.config, copy.topic, copy.group, copy.max_records) == (
             reader.config,
             reader.topic,
