@@ -1,8 +1,9 @@
 """The detector's second line of defence on the real system: a gate that opens for a payment the stores do
 not hold yet (dependency groups committed past their stores) must not lead to a decision on evidence that
 lacks it. The AML worker (`aml-app worker`) asks B's and C's real APIs (`aml-app serve`, PostgreSQL),
-sees answers whose `as_of` does not include the payment, counts freshness violations and asks again,
-deciding the payment only once the store has caught up, on the answers that include it.
+tells them which offset its answers must include; C, whose store lacks the payment, waits its bound and
+answers "not yet"; the worker counts freshness violations and asks again, deciding the payment only once
+the store has caught up, on the answers that include it.
 
 The stores are written with the pipeline's own store writes (`aml_app.pipeline.jobs.writer_for`, one
 transaction with the offsets they cover) from Arrow rows built here as Spark's transforms build them for
@@ -260,11 +261,11 @@ async def test_a_gate_opened_past_the_stores_is_waited_out_and_the_payment_decid
     assert stats["decided_on_stale"] == 0 and stats["decisions"] == 2, stats
     await decision_log.poll(0.2)
     assert (PARTITION, third.offset) not in decision_log.decided()
-    # Only C's answers lacked it; B's held it.
-    assert (
-        f"freshness violation: payer aggregates, payee aggregates about payment {third.payment_id} "
-        f"at {PARTITION}:{third.offset} lacks it; asking again"
-    ) in worker.log_text()
+    # Only C lacked it: told what the batch needs, it waited its bound and answered "not yet"; B had it.
+    log_text = worker.log_text()
+    assert "wait for their dependencies: aggregates has not applied what the question needs yet" in log_text
+    assert "relations has not applied" not in log_text
+    assert stats["dependency_not_yet"] >= VIOLATIONS_SEEN, stats
 
     # C's store catches up: the next question gets answers that include the payment.
     await pipeline.apply("aggregates", [third])
