@@ -1213,8 +1213,10 @@ class Soak:
         group's last commit to be decided again. Committing every interval, a worker never owes more than
         it decided in the last `commit_grace` seconds. So the repeats after an AML fault (up to the next
         one) may number at most the most first decisions made in any `commit_grace` seconds from that
-        fault to the next one, by the worker it stopped, or by every worker for a fault whose rebalance
-        comes later (a worker joining, the broker frozen). More means committed offsets lagged behind.
+        fault to the next one, by the worker it killed, or by every worker for a fault that rebalances
+        the group while they decide (a worker joining or leaving: every member's partitions are revoked
+        and sought back to their committed offsets; the broker frozen). More means committed offsets
+        lagged behind.
         """
         grace = self.options.commit_grace
         first: dict[str, Decision] = {}
@@ -1226,8 +1228,10 @@ class Soak:
                 first[d.payment_id] = d
         events: list[tuple[float, str, str | None]] = []  # when, what, the worker it stopped (None: all)
         for x in self.faults:
-            if x.started is not None and x.kind in ("kill-worker", "scale-down"):
+            if x.started is not None and x.kind == "kill-worker":
                 events.append((x.started, f"{x.kind} {x.target}", x.target))
+            elif x.started is not None and x.kind == "scale-down":
+                events.append((x.started, f"{x.kind} {x.target}", None))
             elif x.started is not None and x.kind in ("scale-up", "broker-freeze"):
                 events.append((x.started, x.kind, None))
         for e in self.unexpected:
