@@ -43,8 +43,7 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -55,6 +54,7 @@ from aiohttp import web
 
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
 from aml_app.dependencies.store import Reader, Snapshot, StoreVersionMismatch, redacted
@@ -132,21 +132,6 @@ def parse_hops(raw: str | None) -> int:
     if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_HOPS:
         raise BadRequest(f"hops must be a whole number from 1 to {MAX_HOPS}, got {raw[:40]!r}.")
     return int(text)
-
-
-@dataclass(frozen=True)
-class Need:
-    """What a batch needs the store to have applied before it is answered: `as_of` at least these next
-    offsets, of the log `log` (None: any), waiting at most `wait` seconds for it."""
-
-    as_of: Mapping[int, int]
-    log: str | None
-    wait: float
-
-    def met(self, as_of: Mapping[int, int], log: str | None) -> bool:
-        if self.log is not None and log != self.log:
-            return False
-        return all(as_of.get(p, 0) >= o for p, o in self.as_of.items())
 
 
 def parse_need(raw: Any) -> Need | None:

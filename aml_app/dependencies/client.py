@@ -65,11 +65,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True)
 class Need:
     """The next offsets (of the log `log`, None: any) a batch's answers must include, and how long the
-    service may wait for its store to get there (`need` of the batch routes, aml_app.dependencies.api)."""
+    service may wait for its store to get there (`need` of the batch routes, aml_app.dependencies.api,
+    which parses it into this class)."""
 
     as_of: Mapping[int, int]
     log: str | None = None
     wait: float = 2.0
+
+    def met(self, as_of: Mapping[int, int], log: str | None) -> bool:
+        """Whether a store at `as_of`, of the log `log`, has applied what is needed."""
+        if self.log is not None and log != self.log:
+            return False
+        return all(as_of.get(p, 0) >= o for p, o in self.as_of.items())
 
     def as_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
