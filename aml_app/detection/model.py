@@ -107,7 +107,7 @@ class Model:
 
     classes: tuple[str, ...]
     baseline: np.ndarray  # (classes,)
-    tree_class: np.ndarray  # (trees,): the class each tree adds to
+    tree_class: np.ndarray  # (trees, classes): one-hot, the class each tree adds to
     roots: np.ndarray  # (trees,): index of each tree's root in the node arrays
     feature: np.ndarray  # (nodes,)
     threshold: np.ndarray  # (nodes,): go left when the feature is <= it
@@ -148,7 +148,7 @@ class Model:
         return cls(
             classes=classes,
             baseline=np.array(doc["baseline"], dtype=float),
-            tree_class=np.array([t["class"] for t in trees], dtype=int),
+            tree_class=np.eye(len(classes))[[t["class"] for t in trees]],
             roots=np.array(roots, dtype=int),
             feature=np.array(columns["feature"], dtype=int),
             threshold=np.array(columns["threshold"], dtype=float),
@@ -175,8 +175,7 @@ class Model:
             if missing:
                 go_left = np.where(np.isnan(x), self.missing_left[at], go_left)
             at = np.where(go_left, self.left[at], self.right[at])
-        one_hot = np.eye(len(self.classes))[self.tree_class]  # (trees, classes)
-        raw = self.baseline + self.value[at] @ one_hot
+        raw = self.baseline + self.value[at] @ self.tree_class
         raw -= raw.max(axis=1, keepdims=True)
         exp = np.exp(raw)
         return exp / exp.sum(axis=1, keepdims=True)
