@@ -77,6 +77,7 @@ async def record(payment: Payment, admission: Admission) -> Pending:
         decided_at=datetime.now(UTC).isoformat(timespec="microseconds"),
         worker=settings.worker_id,
         gated=admission.gated,
+        cut=admission.cut,
     )
     # The lane acks the payment (and Faust commits it) only once the broker has the decision, and goes
     # on with the next payments meanwhile.

@@ -53,9 +53,12 @@ class Decision(faust.Record, serializer="json", include_metadata=False):
     fresh: bool = True
     stale_reads: int = 0
     evidence_as_of: dict[str, int] = {}
+    #: The event-time gate's cut the payment was decided at: the instant, the frontier and every W(q)
+    #: (aml_app.gate.event_time.decided_at); None under the per-partition gate or with the gate off.
+    cut: dict[str, Any] | None = None
 
 
-DECISION_DEFAULTS = {"fresh": True, "stale_reads": 0, "evidence_as_of": {}}
+DECISION_DEFAULTS = {"fresh": True, "stale_reads": 0, "evidence_as_of": {}, "cut": None}
 
 
 def decision_json(**fields: Any) -> bytes:

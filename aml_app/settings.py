@@ -69,6 +69,13 @@ class Settings:
     partitions: int = 4
     replication_factor: int = 1
     gate_enabled: bool = True
+    #: AML_GATE_MODE: "event-time" (the AML service's default: every partition's dependencies have
+    #: applied what happened up to the payment, aml_app.gate.event_time) or "partition" (B and C have
+    #: applied the payment itself: enough for rules that read the payer's side only; other services' default).
+    gate_mode: str = "event-time"
+    #: AML_ALLOWED_LATENESS, seconds: how far behind the payment's event time the event-time gate lets
+    #: the other partitions' applied evidence be (0: none, decisions replay identically).
+    allowed_lateness: float = 0.0
     refresh_interval: float = 1.0
     fast_refresh_interval: float = 0.1
     #: How old a watermark row may be and still open the gate (AML_WATERMARK_MAX_AGE; by default five
@@ -350,6 +357,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         partitions=_int(env, "AML_PARTITIONS", defaults.partitions, 1, 10000),
         replication_factor=_int(env, "AML_REPLICATION_FACTOR", defaults.replication_factor, 1, 10),
         gate_enabled=_bool(env, "AML_GATE", True),
+        gate_mode=_choice(
+            env,
+            "AML_GATE_MODE",
+            "event-time" if service == "aml" else "partition",
+            ("event-time", "partition"),
+        ),
+        allowed_lateness=_float(env, "AML_ALLOWED_LATENESS", defaults.allowed_lateness, 0, 86400 * 30),
         refresh_interval=slow,
         fast_refresh_interval=fast,
         watermark_max_age=max_age,

@@ -8,6 +8,10 @@ them to the other workers, whose table hook wakes the gate's waiters.
 `demand` (worker id -> partitions it is waiting on) makes the refresh demand-driven: the leader polls
 the admin API on the fast interval only while somebody waits on a partition that is still closed.
 
+With the event-time gate (`AML_GATE_MODE=event-time`, aml_app.gate.event_time), the leader also reads the
+first payment the dependencies have not applied on every partition, in the same refresh, and writes one
+cut row to `gate-cut`: every worker admits a payment when the cut covers its event time.
+
 For the operators, the rows also carry the log end, this service's own committed offset (both read on
 the slow interval only) and when each dependency's offset last moved; every worker derives the
 dependency statuses from the two tables (`operator_view`), and the leader logs stalls (`watch_stalls`).
@@ -25,7 +29,9 @@ import faust
 from aml_app.app import app, settings
 from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
 from aml_app.gate import DependencyOffsets, FreshnessGate, OffsetReadError
+from aml_app.gate.event_time import cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
+from aml_app.gate.unapplied import UnappliedReader
 from aml_app.gate.watermark import (
     Row,
     build_rows,
@@ -64,6 +70,10 @@ def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
 
 watermarks = _global_table("watermarks", int, "Per payments partition: W(p) and the offsets behind it.")
 demand = _global_table("gate-demand", str, "Per worker: the partitions it waits on, and since when.")
+#: The event-time gate's one row (key CUT), written by the leader with the watermarks.
+cuts = _global_table("gate-cut", str, "The event-time gate's cut: every W(q) and the earliest unapplied ts.")
+CUT = "cut"
+EVENT_TIME = settings.gate_mode == "event-time"
 
 
 def distrusted(row: Row) -> str | None:
@@ -73,9 +83,14 @@ def distrusted(row: Row) -> str | None:
 
 #: Waiters re-check every refresh interval too, in case the table hook below stops firing (and rows age).
 gate = FreshnessGate(
-    lookup=lambda p: watermarks.get(p), recheck_every=settings.refresh_interval, distrust=distrusted
+    lookup=lambda p: watermarks.get(p),
+    recheck_every=settings.refresh_interval,
+    distrust=distrusted,
+    cut=(lambda: cuts.get(CUT)) if EVENT_TIME else None,
+    lateness_us=round(settings.allowed_lateness * 1_000_000),
 )
 watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
+cuts.watchers.append(lambda keys: gate.notify_all())
 
 
 class RefreshStatus:
@@ -96,6 +111,7 @@ class RefreshStatus:
 
 
 offsets = DependencyOffsets(settings.bootstrap_servers, settings.payments_topic, settings.depends_on)
+unapplied = UnappliedReader(settings.bootstrap_servers, settings.payments_topic)
 status = RefreshStatus()
 
 
@@ -153,6 +169,42 @@ async def refresh_once(now: float) -> None:
         log=reading.log,
     )
     _write_rows(rows)
+    if EVENT_TIME:
+        await _write_cut(rows, reading.log)
+
+
+async def _write_cut(rows: dict[int, Row], log_id: str | None) -> None:
+    """Read every partition's first unapplied payment after the committed offsets and write the cut
+    row; on a failed read the old row stays and ages out (`distrust`), so the gate closes, never opens."""
+    reached = {p: row["watermark"] for p, row in rows.items()}
+    try:
+        found = await unapplied.read(reached, log_id)
+    except OffsetReadError as exc:
+        status.errors += 1
+        message = str(exc)
+        if message != status.last_error:
+            log.warning("reading the event-time cut failed, keeping the last one: %s", message)
+        status.last_error = message
+        return
+    row = cut_row(reached, found, time.time(), generation=app.consumer_generation_id, log=log_id)
+    old = cuts.get(CUT)
+    same = old is not None and all(old.get(k) == v for k, v in row.items() if k != "refreshed_at")
+    if not same or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval:
+        cuts[CUT] = row
+
+
+def cut_view() -> dict[str, Any] | None:
+    """The cut row as the page shows it: the frontier as an instant too (None: per-partition gate)."""
+    row = cuts.get(CUT) if EVENT_TIME else None
+    if row is None:
+        return None
+    frontier = row.get("frontier")
+    return {
+        **row,
+        "frontier_at": None if frontier is None else instant(frontier),
+        "lateness_s": settings.allowed_lateness,
+        "untrusted": distrusted(row),
+    }
 
 
 class ChangelogsKnown:
@@ -163,7 +215,7 @@ class ChangelogsKnown:
 
     async def wait(self) -> None:
         if not self.known:
-            for table in (watermarks, demand):
+            for table in (watermarks, demand, cuts):
                 await wait_for_topic(app, table.changelog_topic.get_topic_name())
             self.known = True
 
@@ -203,7 +255,9 @@ async def refresh_watermarks() -> None:
     last = status.last_refresh if status.last_error is None else status.last_attempt
     rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
     intervals = settings.refresh_interval, settings.fast_refresh_interval
-    if refresh_due(now, last, waiting, rows, *intervals, generation=app.consumer_generation_id):
+    due = refresh_due(now, last, waiting, rows, *intervals, generation=app.consumer_generation_id)
+    # A payment the event-time gate holds may wait on any partition: refresh fast while anything waits.
+    if due or (EVENT_TIME and waiting and last is not None and now - last >= settings.fast_refresh_interval):
         try:
             await changelogs.wait()
             await refresh_once(now)

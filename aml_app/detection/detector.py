@@ -171,6 +171,7 @@ class Detector:
             decided_at=decided_at,
             worker=settings.worker_id,
             gated=admission.gated,
+            cut=admission.cut,
             fresh=fresh,
             stale_reads=stale_reads,
             evidence_as_of={
@@ -255,7 +256,8 @@ class Detector:
         return [results[i] for i in range(len(items))]
 
     def need(self, items: list[tuple[Payment, Admission]]) -> Need | None:
-        """What B's and C's answers must include: the next offset past each gated payment, of its log.
+        """What B's and C's answers must include: the next offset past each gated payment, and with the
+        event-time gate every partition's W(q) of the cut it was admitted at, of its log.
         An ungated service (the comparison mode) reads what is there, as an ungated consumer would."""
         gated = [admission for _, admission in items if admission.gated]
         if not gated:
@@ -263,6 +265,10 @@ class Detector:
         as_of: dict[int, int] = {}
         for admission in gated:
             as_of[admission.partition] = max(as_of.get(admission.partition, 0), admission.offset + 1)
+            # The event-time gate decided on every partition's evidence up to its cut: a replica must
+            # have that too.
+            for q, w in ((admission.cut or {}).get("watermarks") or {}).items():
+                as_of[int(q)] = max(as_of.get(int(q), 0), w)
         logs = {admission.log for admission in gated}
         return Need(as_of, logs.pop() if len(logs) == 1 else None, self.freshness_wait)
 

@@ -31,6 +31,7 @@ from faust.types import TP, AppT, EventT, StreamT, TopicT
 
 from aml_app.faust_internals import dispatch_events, record_gap, set_current_event
 from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
+from aml_app.gate.event_time import micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.retry import retry_forever
 from aml_app.models import InvalidPayment, Payment, parse_payment
@@ -58,6 +59,9 @@ class Admission:
     gated: bool
     #: Which log the offsets are of, as the row that admitted it says (`aml_app.kafka.identity`).
     log: str | None = None
+    #: The event-time gate's cut it was admitted at (`aml_app.gate.event_time.decided_at`); None for the
+    #: per-partition gate.
+    cut: dict[str, Any] | None = None
 
 
 #: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
@@ -545,10 +549,13 @@ class GatedConsumer(DeliveryRepairs):
         while lane.queue and payments < self.max_batch:
             event = lane.queue[0]
             head = not taken
+            parsed = self._parse(event)
             if (
                 not head
                 and self.gate_enabled
-                and not self.gate.is_open(event.message.partition, event.message.offset)
+                and not self.gate.is_open(
+                    event.message.partition, event.message.offset, self._event_us(parsed)
+                )
             ):
                 break
             lane.queue.popleft()
@@ -556,7 +563,7 @@ class GatedConsumer(DeliveryRepairs):
             if lane.paused and len(lane.queue) <= self.max_pending // 2:
                 await self._resume(lane, TP(*event.message.tp))
             arrived = lane.arrived.pop(event.message.offset, time.monotonic())
-            admitted = await self._admit(event, arrived)
+            admitted = await self._admit(event, arrived, parsed)
             taken.append((event, admitted))
             payments += admitted is not None
         return taken
@@ -575,14 +582,27 @@ class GatedConsumer(DeliveryRepairs):
         self.app.consumer.resume_partitions([tp])
         lane.paused = False
 
-    async def _admit(self, event: EventT, arrived: float) -> Admitted | None:
-        """Parse the payment and wait for the gate; a payment that breaks the contract is dead-lettered."""
+    def _parse(self, event: EventT) -> Payment | InvalidPayment:
+        try:
+            return parse_payment(event.message.key, event.message.value, self.max_payment_bytes)
+        except InvalidPayment as exc:
+            return exc
+
+    def _event_us(self, parsed: Payment | InvalidPayment) -> int | None:
+        """The payment's event time for the event-time gate (None: the per-partition gate, or no payment)."""
+        if not self.gate.event_time or isinstance(parsed, InvalidPayment):
+            return None
+        return micros(parsed.ts)
+
+    async def _admit(
+        self, event: EventT, arrived: float, parsed: Payment | InvalidPayment
+    ) -> Admitted | None:
+        """Wait for the gate; a payment that breaks the contract is dead-lettered."""
         message = event.message
         p, offset = message.tp.partition, message.offset
-        try:
-            payment = parse_payment(message.key, message.value, self.max_payment_bytes)
-        except InvalidPayment as exc:
-            reason = str(exc)
+        payment = parsed
+        if isinstance(payment, InvalidPayment):
+            reason = str(payment)
             await retry_forever(
                 f"dead-lettering {p}:{offset}",
                 lambda: self._dead_letter(event, reason),
@@ -590,7 +610,7 @@ class GatedConsumer(DeliveryRepairs):
             )
             return None
         if self.gate_enabled:
-            row = await self.gate.wait_open(p, offset)
+            row = await self.gate.wait_open(p, offset, self._event_us(payment))
         else:
             row = self.gate.row(p) or {"watermark": -1, "dependencies": {}}
         admission = Admission(
@@ -603,6 +623,7 @@ class GatedConsumer(DeliveryRepairs):
             waited_ms=round((time.monotonic() - arrived) * 1000, 3),
             gated=self.gate_enabled,
             log=row.get("log"),
+            cut=row.get("cut"),
         )
         return payment, admission
 

@@ -6,6 +6,9 @@ workers) calls `notify(p)`, and the waiters re-check `offset < W(p)`. The waiter
 timer (`recheck_every`): the notification comes from a hook into Faust's table internals, and a hook
 that stops firing after an upgrade must slow the gate down, not hang it (`opened_by_recheck` counts
 the payments that only the timer let through).
+
+With a `cut` lookup the gate is the event-time gate across partitions (`aml_app.gate.event_time`): a
+payment also needs the cut row to admit its event time, and a new cut row wakes every waiter.
 """
 
 from __future__ import annotations
@@ -14,19 +17,32 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 
+from aml_app.gate.event_time import admits, decided_at
 from aml_app.gate.watermark import Row, is_open
 
 Lookup = Callable[[int], Row | None]
+CutLookup = Callable[[], Row | None]
 #: Why a row may not be trusted (None: it may); see `aml_app.gate.watermark.distrust`.
 Distrust = Callable[[Row], str | None]
 
 
 class FreshnessGate:
-    def __init__(self, lookup: Lookup, recheck_every: float = 1.0, distrust: Distrust | None = None) -> None:
+    def __init__(
+        self,
+        lookup: Lookup,
+        recheck_every: float = 1.0,
+        distrust: Distrust | None = None,
+        *,
+        cut: CutLookup | None = None,
+        lateness_us: int = 0,
+    ) -> None:
         """`distrust` keeps the gate closed on rows it names a reason for (too old, or replayed from
-        before this worker's consumer generation); by default every row counts."""
+        before this worker's consumer generation); by default every row counts. `cut` makes it the
+        event-time gate, with `lateness_us` the allowed lateness in microseconds."""
         self._lookup = lookup
         self._distrust = distrust
+        self._cut = cut
+        self.lateness_us = lateness_us
         self.recheck_every = recheck_every
         #: Which log this worker's payments come from (`aml_app.kafka.identity`), learnt at each
         #: assignment; rows of another log are not trusted (see `aml_app.gate.watermark.distrust`).
@@ -50,17 +66,33 @@ class FreshnessGate:
     def row(self, partition: int) -> Row | None:
         return self._lookup(partition)
 
-    def _open_row(self, partition: int, offset: int) -> Row | None:
-        """The partition's row if it lets `offset` through, else None."""
+    @property
+    def event_time(self) -> bool:
+        """Whether this is the event-time gate across partitions."""
+        return self._cut is not None
+
+    def cut(self) -> Row | None:
+        return None if self._cut is None else self._cut()
+
+    def _open_row(self, partition: int, offset: int, event_us: int | None = None) -> Row | None:
+        """The partition's row if it lets `offset` through, else None; in event-time mode with the cut
+        the payment was admitted at (`cut`, see `aml_app.gate.event_time.decided_at`)."""
         row = self._lookup(partition)
         if row is None or not is_open(offset, row):
             return None
         if self._distrust is not None and self._distrust(row) is not None:
             return None
-        return row
+        if self._cut is None:
+            return row
+        cut = self._cut()
+        if event_us is None or cut is None or not admits(cut, partition, offset, event_us, self.lateness_us):
+            return None
+        if self._distrust is not None and self._distrust(cut) is not None:
+            return None
+        return {**row, "cut": decided_at(cut, event_us, self.lateness_us)}
 
-    def is_open(self, partition: int, offset: int) -> bool:
-        return self._open_row(partition, offset) is not None
+    def is_open(self, partition: int, offset: int, event_us: int | None = None) -> bool:
+        return self._open_row(partition, offset, event_us) is not None
 
     def distrusted(self, partition: int) -> str | None:
         """Why this partition's row keeps the gate closed whatever its watermark (None: it does not)."""
@@ -73,34 +105,39 @@ class FreshnessGate:
             cond = self._conditions[partition] = asyncio.Condition()
         return cond
 
-    async def wait_open(self, partition: int, offset: int) -> Row:
-        """Return the watermark row once `offset < W(partition)`; wait as long as it takes.
+    async def wait_open(self, partition: int, offset: int, event_us: int | None = None) -> Row:
+        """Return the watermark row once `offset < W(partition)` (and, in event-time mode, the cut admits
+        the payment's event time `event_us`); wait as long as it takes.
 
         Cancellation (a rebalance revoking the partition) leaves the payment unprocessed and uncommitted.
         """
-        row = self._open_row(partition, offset)
+        row = self._open_row(partition, offset, event_us)
         if row is not None:
             return row  # open: the common case costs one lookup, no lock
         cond = self._condition(partition)
         async with cond:
-            if not self.is_open(partition, offset):
+            if not self.is_open(partition, offset, event_us):
                 waiter = (offset, time.time())
                 waiters = self._waiters.setdefault(partition, [])
                 waiters.append(waiter)
                 try:
-                    while not self.is_open(partition, offset):
+                    while not self.is_open(partition, offset, event_us):
                         try:
                             await asyncio.wait_for(cond.wait(), self.recheck_every)
                         except TimeoutError:
-                            if self.is_open(partition, offset):
+                            if self.is_open(partition, offset, event_us):
                                 self.opened_by_recheck += 1
                 finally:
                     waiters.remove(waiter)
                     if not waiters and self._waiters.get(partition) is waiters:
                         del self._waiters[partition]
-            row = self._open_row(partition, offset)
+            row = self._open_row(partition, offset, event_us)
             assert row is not None
             return row
+
+    def notify_all(self) -> None:
+        """Wake every waiter (a new cut row concerns every partition)."""
+        self.notify(list(self._waiters))
 
     def notify(self, partitions: Iterable[int]) -> None:
         """Wake the waiters of these partitions; safe to call from synchronous table hooks."""

@@ -163,6 +163,8 @@ PAGE = """<!doctype html>
           <span class="v" data-field="limits">…</span></div>
         <div><span class="k">This worker: handled / dead-lettered</span>
           <span class="v" data-field="worker_counts">…</span></div>
+        <div><span class="k">Event-time cut (payments before it pass)</span>
+          <span class="v" data-field="cut">…</span></div>
       </div>
     </section>
   </div>
@@ -218,6 +220,13 @@ function summary(data) {
   const held = parts.filter((p) => p.waiting_offset !== null);
   const bad = deps.filter((d) => d.status !== "ok");
   const who = bad.map((d) => d.group + " (" + d.status + ")").join(", ");
+  const cut = data.cut;
+  const onCut = held.filter((p) => p.waiting_offset < p.watermark);
+  if (data.gate_mode === "event-time" && cut && cut.held_by !== null && onCut.length) {
+    return ["warn", "Waiting for partition " + cut.held_by + "'s dependencies to apply payments up to " +
+      cut.frontier_at + " (event-time gate): payments wait on partition" + (onCut.length > 1 ? "s " : " ") +
+      onCut.map((p) => p.partition).join(", ") + "."];
+  }
   if (held.length) {
     const blocking = new Set();
     held.forEach((p) => p.bottleneck.forEach((g) => blocking.add(g)));
@@ -319,6 +328,15 @@ function renderGate(data) {
   set("admin_error", g.admin_error ? g.admin_error + " (" + clock(g.admin_error_at) + ")" : "none");
   set("limits", g.stall_after_s + " s / " + g.lag_warn + " records");
   set("worker_counts", data.payments_handled + " / " + data.dead_lettered);
+  const cut = data.cut;
+  let text = "per-partition gate";
+  if (data.gate_mode === "event-time") {
+    if (!cut) text = "not read yet";
+    else if (cut.untrusted) text = "closed: " + cut.untrusted;
+    else if (cut.frontier_at === null) text = "every partition applied to its end";
+    else text = cut.frontier_at + " (partition " + cut.held_by + ")";
+  }
+  set("cut", text);
 }
 
 function render(data) {

@@ -26,6 +26,7 @@ from aml_app.detection import detector
 from aml_app.gate import agent
 from aml_app.tables.alerts import recovered_to
 from aml_app.tables.watermarks import (
+    cut_view,
     gate,
     offsets,
     operator_view,
@@ -82,6 +83,8 @@ def snapshot() -> dict[str, Any]:
         "topic": settings.payments_topic,
         "depends_on": list(settings.depends_on),
         "gate_enabled": settings.gate_enabled,
+        "gate_mode": settings.gate_mode,
+        "cut": cut_view(),
         "recovering": recovering,
         "is_leader": app.is_leader(),
         "assigned": assigned,

@@ -8,6 +8,7 @@ dependency that is away is waited out. B and C are played by a fake at the seam 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 from collections.abc import Sequence
@@ -189,6 +190,17 @@ async def test_the_questions_say_what_they_need_and_not_yet_asks_again() -> None
     assert [stale for _, stale in evidence] == [2, 2] and d.stats.decided_on_stale == 0
     await d.fresh_evidence(batch(gated=False))
     assert fake.needs[-1] is None
+
+
+def test_the_event_time_gates_cut_is_needed_on_every_partition() -> None:
+    """A payment admitted at a cut was decided on every partition's evidence up to that cut's W(q): the
+    answers must include those offsets too, not only the payment's own."""
+    d = detector(FakeDependencies(relations=[12], aggregates=[12]))
+    items = batch(gated=True, log="c:topic")
+    cut = {"at": TS, "frontier": None, "watermarks": {str(PARTITION): 12, "5": 40, "6": 7}}
+    items[0] = (items[0][0], dataclasses.replace(items[0][1], cut=cut))
+    items[1] = (items[1][0], dataclasses.replace(items[1][1], cut={**cut, "watermarks": {"5": 41}}))
+    assert d.need(items) == Need({PARTITION: 12, 5: 41, 6: 7}, "c:topic", d.freshness_wait)
 
 
 @pytest.mark.parametrize(

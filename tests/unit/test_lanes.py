@@ -395,9 +395,9 @@ async def test_invalid_payments_are_dead_lettered_in_order_without_the_gate(
     consulted: list[tuple[int, int]] = []
     wait_open = h.gate.wait_open
 
-    async def spy(partition: int, offset: int) -> Any:
+    async def spy(partition: int, offset: int, event_us: int | None = None) -> Any:
         consulted.append((partition, offset))
-        return await wait_open(partition, offset)
+        return await wait_open(partition, offset, event_us)
 
     h.gate.wait_open = spy  # type: ignore[method-assign]
     bad_json = b'{"payment_id": "pay-0-0", '

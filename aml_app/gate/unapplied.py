@@ -1,0 +1,142 @@
+"""Reads, per partition, the first payment the dependencies have not applied: the event-time gate's input.
+
+One group-less consumer fetches each asked partition from its watermark W(q) and keeps the first payment
+with a readable `ts`; a partition with nothing there is caught up, and the fetch's high watermark is its
+log end (ListOffsets is not trusted for that: some brokers answer it with a record batch's base offset
++ 1). The payment at an offset never changes within one log, so a partition whose W(q) has not moved is
+not fetched again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Mapping, Sequence
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from aml_app.gate.event_time import Unapplied, micros
+from aml_app.gate.offsets import OffsetReadError
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
+
+#: How long the broker may hold a fetch of partitions that have nothing past W(q).
+FETCH_MAX_WAIT_MS = 20
+
+
+def event_time(value: bytes | None) -> int | None:
+    """The `ts` of a payment's bytes in microseconds; None for bytes that are not a payment with one
+    (dead-lettered, and applied by no dependency: they carry no evidence)."""
+    try:
+        doc = json.loads(value or b"")
+        return micros(doc["ts"]) if isinstance(doc, dict) and isinstance(doc.get("ts"), str) else None
+    except ValueError:
+        return None
+
+
+class UnappliedReader:
+    def __init__(
+        self,
+        bootstrap_servers: Sequence[str],
+        topic: str,
+        request_timeout: float = 5.0,
+        security: KafkaSecurity | None = None,
+    ) -> None:
+        self.bootstrap_servers = list(bootstrap_servers)
+        self.topic = topic
+        self.request_timeout = request_timeout
+        self._security = aiokafka_kwargs(security)
+        self._consumer: AIOKafkaConsumer | None = None
+        #: partition -> (W(q), event time of the first payment at or after it), for one log.
+        self._known: dict[int, tuple[int, int]] = {}
+        self._log: str | None = None
+        self.fetches = 0
+
+    async def _reader(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            consumer = AIOKafkaConsumer(
+                bootstrap_servers=self.bootstrap_servers,
+                client_id="aml-gate-event-time",
+                enable_auto_commit=False,
+                fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
+                request_timeout_ms=int(self.request_timeout * 1000),
+                **self._security,
+            )
+            await asyncio.wait_for(consumer.start(), self.request_timeout)
+            self._consumer = consumer
+        return self._consumer
+
+    async def close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        self._known.clear()
+        if consumer is not None:
+            await consumer.stop()
+
+    async def read(self, watermarks: Mapping[int, int], log: str | None = None) -> dict[int, Unapplied]:
+        """Per partition, the log end and the event time of the first payment at or after W(q)."""
+        if log != self._log:
+            self._known.clear()
+            self._log = log
+        found: dict[int, Unapplied] = {}
+        todo: dict[int, int] = {}
+        for q, w in watermarks.items():
+            known = self._known.get(q)
+            if known is not None and known[0] == w:
+                found[q] = Unapplied(end=w + 1, first_ts=known[1])  # at least: the payment at W(q) exists
+            else:
+                todo[q] = w
+        if todo:
+            try:
+                found.update(await self._fetch(todo))
+            except OffsetReadError:
+                await self.close()
+                raise
+            except Exception as exc:
+                await self.close()
+                raise OffsetReadError(f"reading the first unapplied payments failed: {exc!r}") from exc
+        self._known = {q: (watermarks[q], f.first_ts) for q, f in found.items() if f.first_ts is not None}
+        return found
+
+    async def _fetch(self, todo: Mapping[int, int]) -> dict[int, Unapplied]:
+        consumer = await self._reader()
+        tps = {q: TopicPartition(self.topic, q) for q in todo}
+        consumer.assign(list(tps.values()))
+        for q, tp in tps.items():
+            consumer.seek(tp, todo[q])
+        self.fetches += 1
+        found: dict[int, Unapplied] = {}
+        deadline = time.monotonic() + self.request_timeout
+        try:
+            while len(found) < len(todo):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    missing = sorted(set(todo) - set(found))
+                    raise OffsetReadError(
+                        f"no answer within {self.request_timeout:g} s fetching partitions {missing} of "
+                        f"{self.topic!r} at the dependencies' watermarks"
+                    )
+                pending = [tps[q] for q in todo if q not in found]
+                batch = await consumer.getmany(*pending, timeout_ms=int(min(left, 0.05) * 1000))
+                for tp, records in batch.items():
+                    first = next(
+                        (
+                            ts
+                            for r in records
+                            if r.offset >= todo[tp.partition] and (ts := event_time(r.value)) is not None
+                        ),
+                        None,
+                    )
+                    if first is not None:
+                        end = consumer.highwater(tp)
+                        found[tp.partition] = Unapplied(
+                            end=max(end or 0, records[-1].offset + 1), first_ts=first
+                        )
+                for tp in pending:
+                    if tp.partition in found:
+                        continue
+                    end = consumer.highwater(tp)
+                    if end is not None and end <= await consumer.position(tp):
+                        found[tp.partition] = Unapplied(end=end, first_ts=None)
+        finally:
+            consumer.assign([])
+        return found
