@@ -70,7 +70,9 @@ async def record(payment: Payment, admission: Admission) -> Pending:
         verdict="clear",
         rules=[],
         typologies=[],
-        note=NOTE,
+        note=NOTE
+        if admission.stale is None
+        else f"probe: decided stale after {admission.stale:g} s at the gate",
         watermark=admission.watermark,
         dependencies=admission.dependencies,
         waited_ms=admission.waited_ms,
@@ -78,6 +80,7 @@ async def record(payment: Payment, admission: Admission) -> Pending:
         worker=settings.worker_id,
         gated=admission.gated,
         cut=admission.cut,
+        stale=admission.stale is not None,
     )
     # The lane acks the payment (and Faust commits it) only once the broker has the decision, and goes
     # on with the next payments meanwhile.

@@ -111,3 +111,13 @@ dlq_topic = app.topic(
     value_serializer="raw",
     partitions=settings.partitions,
 )
+#: Payments decided stale (AML_WAIT_POLICY=decide-stale) or parked (AML_MAX_ATTEMPTS, `aml-app park`):
+#: original bytes as the value, why in headers, as on the dead-letter topic.
+review_topic = app.topic(
+    settings.review_topic,
+    key_type=bytes,
+    value_type=bytes,
+    key_serializer="raw",
+    value_serializer="raw",
+    partitions=settings.partitions,
+)

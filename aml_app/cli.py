@@ -205,6 +205,7 @@ OWN_COMMANDS = {
     "broker": "aml_app.cli:broker_command",
     "demo": "aml_app.cli:demo_command",
     "import-amlworld": "aml_app.simulation.amlworld_command:import_amlworld_command",
+    "park": "aml_app.gate.park_command:park_command",
     "pipeline": "aml_app.cli:pipeline_command",
     "postgres": "aml_app.cli:postgres_command",
     "rebuild": "aml_app.cli:rebuild_command",

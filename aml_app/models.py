@@ -56,9 +56,12 @@ class Decision(faust.Record, serializer="json", include_metadata=False):
     #: The event-time gate's cut the payment was decided at: the instant, the frontier and every W(q)
     #: (aml_app.gate.event_time.decided_at); None under the per-partition gate or with the gate off.
     cut: dict[str, Any] | None = None
+    #: Decided on the evidence there was after waiting past AML_MAX_WAIT (AML_WAIT_POLICY=decide-stale);
+    #: the payment is on the review topic too.
+    stale: bool = False
 
 
-DECISION_DEFAULTS = {"fresh": True, "stale_reads": 0, "evidence_as_of": {}, "cut": None}
+DECISION_DEFAULTS = {"fresh": True, "stale_reads": 0, "evidence_as_of": {}, "cut": None, "stale": False}
 
 
 def decision_json(**fields: Any) -> bytes:

@@ -66,6 +66,8 @@ class Settings:
     decisions_topic: str = "aml.decisions"
     alerts_topic: str = "aml.alerts"
     dlq_topic: str = "payments.dlq"
+    #: AML_REVIEW_TOPIC: payments decided stale or parked, with their original bytes and why.
+    review_topic: str = "aml.review"
     partitions: int = 4
     replication_factor: int = 1
     gate_enabled: bool = True
@@ -76,6 +78,15 @@ class Settings:
     #: AML_ALLOWED_LATENESS, seconds: how far behind the payment's event time the event-time gate lets
     #: the other partitions' applied evidence be (0: none, decisions replay identically).
     allowed_lateness: float = 0.0
+    #: AML_MAX_WAIT, seconds: how long a payment may wait at the gate before the wait policy applies.
+    max_wait: float = 300.0
+    #: AML_WAIT_POLICY: past AML_MAX_WAIT, "wait" keeps waiting with the service shown as breached (the
+    #: default); "decide-stale" decides on the evidence there is, marks the decision stale and writes the
+    #: payment to the review topic.
+    wait_policy: str = "wait"
+    #: AML_MAX_ATTEMPTS: failed attempts after which a payment is parked on the review topic and its lane
+    #: moves on; 0 (the default): never, the lane retries until it succeeds.
+    max_attempts: int = 0
     refresh_interval: float = 1.0
     fast_refresh_interval: float = 0.1
     #: How old a watermark row may be and still open the gate (AML_WATERMARK_MAX_AGE; by default five
@@ -354,6 +365,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         decisions_topic=_name(env, "AML_DECISIONS_TOPIC", f"{app_id}.decisions", _TOPIC, "topic"),
         alerts_topic=_name(env, "AML_ALERTS_TOPIC", f"{app_id}.alerts", _TOPIC, "topic"),
         dlq_topic=_name(env, "AML_DLQ_TOPIC", defaults.dlq_topic, _TOPIC, "topic"),
+        review_topic=_name(env, "AML_REVIEW_TOPIC", f"{app_id}.review", _TOPIC, "topic"),
         partitions=_int(env, "AML_PARTITIONS", defaults.partitions, 1, 10000),
         replication_factor=_int(env, "AML_REPLICATION_FACTOR", defaults.replication_factor, 1, 10),
         gate_enabled=_bool(env, "AML_GATE", True),
@@ -364,6 +376,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             ("event-time", "partition"),
         ),
         allowed_lateness=_float(env, "AML_ALLOWED_LATENESS", defaults.allowed_lateness, 0, 86400 * 30),
+        max_wait=_float(env, "AML_MAX_WAIT", defaults.max_wait, 0.1, 86400 * 30),
+        wait_policy=_choice(env, "AML_WAIT_POLICY", defaults.wait_policy, ("wait", "decide-stale")),
+        max_attempts=_int(env, "AML_MAX_ATTEMPTS", defaults.max_attempts, 0, 1_000_000),
         refresh_interval=slow,
         fast_refresh_interval=fast,
         watermark_max_age=max_age,
@@ -421,10 +436,17 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"AML_TABLE_STORE={settings.table_store!r} is not supported; use rocksdb:// or memory://."
         )
-    topics = (settings.payments_topic, settings.decisions_topic, settings.alerts_topic, settings.dlq_topic)
+    topics = (
+        settings.payments_topic,
+        settings.decisions_topic,
+        settings.alerts_topic,
+        settings.dlq_topic,
+        settings.review_topic,
+    )
     if len(set(topics)) != len(topics):
         raise ConfigError(
-            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC and AML_DLQ_TOPIC must differ."
+            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC, AML_DLQ_TOPIC and AML_REVIEW_TOPIC "
+            "must differ."
         )
     if settings.relations_group == settings.aggregates_group:
         raise ConfigError(

@@ -52,7 +52,9 @@ class BenchEnv:
         """New payments/decisions/DLQ topics and group names, so runs never see each other."""
         names = Names(partitions=partitions)
         await create_topics(
-            [self.bootstrap], [names.payments, names.decisions, names.alerts, names.dlq], partitions
+            [self.bootstrap],
+            [names.payments, names.decisions, names.alerts, names.dlq, names.review],
+            partitions,
         )
         return names
 

@@ -73,6 +73,11 @@ demand = _global_table("gate-demand", str, "Per worker: the partitions it waits 
 #: The event-time gate's one row (key CUT), written by the leader with the watermarks.
 cuts = _global_table("gate-cut", str, "The event-time gate's cut: every W(q) and the earliest unapplied ts.")
 CUT = "cut"
+#: Payments an operator asked to park (`aml-app park P:O`): "P:O" -> who, when and why. Written by the
+#: command straight to the table's changelog; a lane parks such a payment when it fails on it.
+park_requests = _global_table(
+    "gate-park", str, "Payments an operator asked to park: 'P:O' -> who, when, why."
+)
 EVENT_TIME = settings.gate_mode == "event-time"
 
 
@@ -308,7 +313,7 @@ async def publish_demand() -> None:
         publisher.errors.succeeded()
 
 
-limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn)
+limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
 #: How old a worker's demand entry may be and still count (it re-asserts it every half interval).
 DEMAND_MAX_AGE = 3 * settings.refresh_interval
 

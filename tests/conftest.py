@@ -62,7 +62,9 @@ def store_url(postgres: EmbeddedPostgres) -> str:
 async def names(broker: EmbeddedBroker) -> Names:
     fresh = Names()
     await create_topics(
-        [broker.bootstrap], [fresh.payments, fresh.decisions, fresh.alerts, fresh.dlq], fresh.partitions
+        [broker.bootstrap],
+        [fresh.payments, fresh.decisions, fresh.alerts, fresh.dlq, fresh.review],
+        fresh.partitions,
     )
     return fresh
 

@@ -70,6 +70,10 @@ class Names:
         return f"dlq-{self.suffix}"
 
     @property
+    def review(self) -> str:
+        return f"review-{self.suffix}"
+
+    @property
     def deps(self) -> tuple[str, str]:
         return (f"relations-{self.suffix}", f"aggregates-{self.suffix}")
 
@@ -85,6 +89,7 @@ class Names:
             decisions_topic=self.decisions,
             alerts_topic=self.alerts,
             dlq_topic=self.dlq,
+            review_topic=self.review,
             partitions=self.partitions,
         )
 

@@ -71,6 +71,16 @@ STALE_DELAYS = (0.05, 1.0)
 running: list[Detector] = []
 
 
+def note(admission: Admission, fresh: bool) -> str:
+    """Why a decision was not made on the gate's guarantee, in words (empty when it was)."""
+    if admission.stale is not None:
+        return (
+            f"decided stale after waiting {admission.stale:g} s at the gate (AML_WAIT_POLICY=decide-stale); "
+            "sent to the review topic"
+        )
+    return "" if fresh else "decided on evidence that did not include this payment (gate off)"
+
+
 @dataclass
 class DetectorStats:
     decisions: int = 0
@@ -164,7 +174,7 @@ class Detector:
             verdict="alert" if hits else "clear",
             rules=[hit.rule for hit in hits],
             typologies=sorted({hit.typology for hit in hits}),
-            note="" if fresh else "decided on evidence that did not include this payment (gate off)",
+            note=note(admission, fresh),
             watermark=admission.watermark,
             dependencies=admission.dependencies,
             waited_ms=admission.waited_ms,
@@ -172,6 +182,7 @@ class Detector:
             worker=settings.worker_id,
             gated=admission.gated,
             cut=admission.cut,
+            stale=admission.stale is not None,
             fresh=fresh,
             stale_reads=stale_reads,
             evidence_as_of={
@@ -232,7 +243,7 @@ class Detector:
                 if stale:
                     stale_reads[i] += 1
                     self.stats.freshness_violations += 1
-                if stale and admission.gated:
+                if stale and admission.wants_fresh:
                     other = sorted({str(a.get("log")) for a in four if a.get("log") != admission.log})
                     log.warning(
                         "freshness violation: %s about payment %s at %d:%d lacks it%s; asking again",
@@ -259,7 +270,7 @@ class Detector:
         """What B's and C's answers must include: the next offset past each gated payment, and with the
         event-time gate every partition's W(q) of the cut it was admitted at, of its log.
         An ungated service (the comparison mode) reads what is there, as an ungated consumer would."""
-        gated = [admission for _, admission in items if admission.gated]
+        gated = [admission for _, admission in items if admission.wants_fresh]
         if not gated:
             return None
         as_of: dict[int, int] = {}

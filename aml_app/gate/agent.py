@@ -7,12 +7,12 @@ dispatches, per-partition lanes wait on the gate, the handler runs, acks go in o
 
 from __future__ import annotations
 
-from aml_app.app import alerts_topic, app, decisions_topic, dlq_topic, payments_topic, settings
+from aml_app.app import alerts_topic, app, decisions_topic, dlq_topic, payments_topic, review_topic, settings
 from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
 from aml_app.tables.alerts import copartitioning_problem
-from aml_app.tables.watermarks import gate, publisher
+from aml_app.tables.watermarks import gate, park_requests, publisher
 
 #: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
 running: list[GatedConsumer] = []
@@ -40,6 +40,10 @@ def gated_agent(
         max_payment_bytes=settings.max_payment_bytes,
         worker_id=settings.worker_id,
         max_in_flight=settings.max_in_flight,
+        review=review_topic,
+        stale_after=settings.max_wait if settings.wait_policy == "decide-stale" else None,
+        max_attempts=settings.max_attempts,
+        park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),
     )
     gated.attach(
         bootstrap_servers=settings.bootstrap_servers,
@@ -51,7 +55,9 @@ def gated_agent(
 
     async def consume(stream):  # type: ignore[no-untyped-def]
         # Before the first send: every topic this worker writes stays in its producer's metadata.
-        keep_in_metadata(app, [t.get_topic_name() for t in (decisions_topic, alerts_topic, dlq_topic)])
+        keep_in_metadata(
+            app, [t.get_topic_name() for t in (decisions_topic, alerts_topic, dlq_topic, review_topic)]
+        )
         await gated.consume(stream)
 
     app.agent(payments_topic, name=settings.service)(consume)

@@ -62,6 +62,14 @@ class Admission:
     #: The event-time gate's cut it was admitted at (`aml_app.gate.event_time.decided_at`); None for the
     #: per-partition gate.
     cut: dict[str, Any] | None = None
+    #: Seconds it waited at the gate before the decide-stale policy admitted it without the gate's
+    #: guarantee (None: admitted by the gate, or the gate is off).
+    stale: float | None = None
+
+    @property
+    def wants_fresh(self) -> bool:
+        """Whether its evidence must include it (gated and not decided stale)."""
+        return self.gated and self.stale is None
 
 
 #: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
@@ -180,11 +188,23 @@ class GatedConsumer(DeliveryRepairs):
         max_payment_bytes: int = 65536,
         worker_id: str = "",
         max_in_flight: int = 1000,
+        review: TopicT | None = None,
+        stale_after: float | None = None,
+        max_attempts: int = 0,
+        park_requested: Callable[[int, int], dict[str, Any] | None] | None = None,
     ) -> None:
         """Give `handler` (one payment at a time) or `batch_handler` (up to `max_batch` payments of one
         partition at a time, every one of them already admitted by the gate). Either may return what is
         left to complete (`Pending`); up to `max_in_flight` payments per partition wait for that while
-        the lane goes on."""
+        the lane goes on.
+
+        `review` is where payments decided stale or parked go. `stale_after` (seconds, the decide-stale
+        wait policy) admits a payment that has waited that long at the gate as stale; `max_attempts`
+        (> 0) parks a payment whose handler failed that many times. By default neither happens.
+        `park_requested(partition, offset)` says whether an operator asked to park a payment (`aml-app
+        park`): it is parked at its next failure."""
+        if (stale_after is not None or max_attempts or park_requested) and review is None:
+            raise ValueError("deciding stale or parking needs a review topic")
         if (handler is None) == (batch_handler is None):
             raise ValueError("give either a handler or a batch_handler")
         if max_batch < 1 or (handler is not None and max_batch != 1):
@@ -232,6 +252,13 @@ class GatedConsumer(DeliveryRepairs):
         self.first_offset: Callable[[int, int], Awaitable[int | None]] | None = None
         self.holes_refetched = 0
         self.gaps_accepted = 0
+        self.review = review
+        self.stale_after = stale_after
+        self.max_attempts = max_attempts
+        self.park_requested = park_requested
+        #: Payments admitted stale (waited past `stale_after`) and payments parked after `max_attempts`.
+        self.decided_stale = 0
+        self.payments_parked = 0
 
     def attach(
         self,
@@ -610,7 +637,12 @@ class GatedConsumer(DeliveryRepairs):
             )
             return None
         if self.gate_enabled:
-            row = await self.gate.wait_open(p, offset, self._event_us(payment))
+            row = await self.gate.wait_open(p, offset, self._event_us(payment), self.stale_after)
+            if row.get("stale") is not None:
+                await self._to_review(
+                    event, "stale", f"decided stale after waiting {row['stale']:g} s at the gate"
+                )
+                self.decided_stale += 1
         else:
             row = self.gate.row(p) or {"watermark": -1, "dependencies": {}}
         admission = Admission(
@@ -624,21 +656,55 @@ class GatedConsumer(DeliveryRepairs):
             gated=self.gate_enabled,
             log=row.get("log"),
             cut=row.get("cut"),
+            stale=row.get("stale"),
         )
         return payment, admission
 
     async def _handle(self, admitted: list[tuple[EventT, Admitted]]) -> Pending:
-        """Run the handler until it succeeds (retrying with backoff, shown in `retrying`)."""
+        """Run the handler until it succeeds (retrying with backoff, shown in `retrying`); with a retry
+        ceiling, a batch that reaches it is handled one payment at a time, and a payment that reaches it
+        alone is parked on the review topic (then it is done: the lane moves on)."""
         first, last = admitted[0][1][1], admitted[-1][1][1]
         if len(admitted) == 1:
             what = f"processing payment {admitted[0][1][0].payment_id} at {first.partition}:{first.offset}"
         else:
             what = f"processing {len(admitted)} payments at {first.partition}:{first.offset}..{last.offset}"
-        return await retry_forever(
-            what,
-            lambda: self._call_handler(admitted),
-            on_failure=lambda attempt, exc, wait: self._failed(admitted, attempt, exc, wait),
-        )
+        attempts = [0]
+
+        def failed(attempt: int, exc: BaseException, wait: float) -> None:
+            attempts[0] = attempt
+            self._failed(admitted, attempt, exc, wait)
+
+        try:
+            return await retry_forever(
+                what,
+                lambda: self._call_handler(admitted),
+                on_failure=failed,
+                attempts=self.max_attempts or None,
+                stop=lambda: any(self._asked_to_park(a) is not None for _, a in admitted),
+            )
+        except Exception as exc:  # a retry ceiling or a park request: retry_forever raises nothing else
+            if len(admitted) > 1:
+                pending = [await self._handle([one]) for one in admitted]
+                waits = [p for p in pending if p is not None]
+                return asyncio.gather(*waits) if waits else None
+            attempts[0] += 1  # the failure retry_forever raised was not reported to `failed`
+            asked = self._asked_to_park(admitted[0][1])
+            if asked is not None and (not self.max_attempts or attempts[0] < self.max_attempts):
+                by, because = asked.get("by", "aml-app park"), asked.get("reason") or "no reason given"
+                why = f"parked by hand ({by}: {because})"
+            else:
+                why = f"parked after {attempts[0]} failed attempts"
+            reason = f"{why}: {describe_error(exc)}"
+            await self._to_review(admitted[0][0], "parked", reason, attempts=attempts[0])
+            self.payments_parked += 1
+            return None
+
+    def _asked_to_park(self, admitted: Admitted) -> dict[str, Any] | None:
+        if self.park_requested is None:
+            return None
+        admission = admitted[1]
+        return self.park_requested(admission.partition, admission.offset)
 
     async def _call_handler(self, admitted: list[tuple[EventT, Admitted]]) -> Pending:
         # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
@@ -669,6 +735,31 @@ class GatedConsumer(DeliveryRepairs):
         current.error = describe_error(exc)
         current.next_retry_at = now + wait
         self.handler_failures += 1
+
+    async def _to_review(self, event: EventT, kind: str, reason: str, attempts: int = 0) -> None:
+        """A payment decided stale or parked: its original bytes, and why in headers (`review.*`), on the
+        review topic, in the payment's partition; retried until the broker has it."""
+        message = event.message
+        headers = [
+            ("review.kind", kind.encode()),
+            ("review.reason", reason.encode()),
+            ("review.attempts", str(attempts).encode()),
+            ("review.topic", message.topic.encode()),
+            ("review.partition", str(message.partition).encode()),
+            ("review.offset", str(message.offset).encode()),
+            ("review.worker", self.worker_id.encode()),
+        ]
+        review = self.review
+        assert review is not None
+
+        async def send() -> None:
+            fut = await review.send(
+                key=message.key, value=message.value, partition=message.partition, headers=headers
+            )
+            await fut
+
+        await retry_forever(f"writing {message.partition}:{message.offset} to the review topic", send)
+        log.warning("%s %s:%d: %s", kind, message.topic, message.offset, reason)
 
     async def _dead_letter(self, event: EventT, reason: str) -> None:
         """Original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""

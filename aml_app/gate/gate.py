@@ -105,9 +105,12 @@ class FreshnessGate:
             cond = self._conditions[partition] = asyncio.Condition()
         return cond
 
-    async def wait_open(self, partition: int, offset: int, event_us: int | None = None) -> Row:
+    async def wait_open(
+        self, partition: int, offset: int, event_us: int | None = None, give_up_after: float | None = None
+    ) -> Row:
         """Return the watermark row once `offset < W(partition)` (and, in event-time mode, the cut admits
-        the payment's event time `event_us`); wait as long as it takes.
+        the payment's event time `event_us`); wait as long as it takes, or `give_up_after` seconds: then
+        the row as it is, with `stale` set to the seconds waited (the caller decides it stale, openly).
 
         Cancellation (a rebalance revoking the partition) leaves the payment unprocessed and uncommitted.
         """
@@ -115,6 +118,7 @@ class FreshnessGate:
         if row is not None:
             return row  # open: the common case costs one lookup, no lock
         cond = self._condition(partition)
+        started = time.monotonic()
         async with cond:
             if not self.is_open(partition, offset, event_us):
                 waiter = (offset, time.time())
@@ -122,8 +126,15 @@ class FreshnessGate:
                 waiters.append(waiter)
                 try:
                     while not self.is_open(partition, offset, event_us):
+                        wait = self.recheck_every
+                        if give_up_after is not None:
+                            left = started + give_up_after - time.monotonic()
+                            if left <= 0:
+                                closed = self._lookup(partition) or {"watermark": -1, "dependencies": {}}
+                                return {**closed, "stale": round(time.monotonic() - started, 3)}
+                            wait = min(wait, left)
                         try:
-                            await asyncio.wait_for(cond.wait(), self.recheck_every)
+                            await asyncio.wait_for(cond.wait(), wait)
                         except TimeoutError:
                             if self.is_open(partition, offset, event_us):
                                 self.opened_by_recheck += 1

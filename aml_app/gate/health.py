@@ -1,5 +1,9 @@
 """What an operator sees: per-partition state, per-dependency status, and the stall watch.
 
+A partition is `breached` while a payment on it has waited at the gate longer than AML_MAX_WAIT: the
+service is then past its bound (shown on the page, by `aml-app status` and as a metric), whatever the
+dependencies' statuses say.
+
 Pure functions over the watermark table's rows (and who waits where), so the web page, `/metrics` and
 `aml-app status` show the same thing and every rule is unit-tested. The rules, in order of precedence:
 
@@ -31,6 +35,8 @@ class Limits:
 
     stall_after: float = 30.0
     lag_warn: int = 1000
+    #: AML_MAX_WAIT: a partition whose payment has waited longer is `breached`.
+    max_wait: float = 300.0
 
 
 def bottleneck(dependencies: Mapping[str, int]) -> list[str]:
@@ -180,6 +186,11 @@ def describe(
         )
         for p in sorted(rows)
     ]
+    for part in parts:
+        since = part["blocked_since"]
+        part["waited_s"] = None if since is None else round(max(0.0, now - since), 3)
+        part["breached"] = part["waited_s"] is not None and part["waited_s"] >= limits.max_wait
+    waited = [part["waited_s"] for part in parts if part["waited_s"] is not None]
     errors = [(r.get("error_at") or 0.0, r["error"]) for r in rows.values() if r.get("error")]
     error_at, error = max(errors) if errors else (None, None)
     newest = max((r["refreshed_at"] for r in rows.values()), default=None)
@@ -196,6 +207,9 @@ def describe(
             "payments_waiting": None if any(w is None for w in waits) else sum(waits),  # type: ignore[arg-type]
             "stall_after_s": limits.stall_after,
             "lag_warn": limits.lag_warn,
+            "max_wait_s": limits.max_wait,
+            "longest_wait_s": max(waited) if waited else None,
+            "breached_partitions": [part["partition"] for part in parts if part["breached"]],
         },
     }
 

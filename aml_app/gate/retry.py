@@ -1,4 +1,5 @@
-"""Retrying forever, with exponential backoff and jitter: a lane never skips a payment it failed on."""
+"""Retrying with exponential backoff and jitter: forever by default, so a lane never skips a payment it
+failed on unless a retry ceiling (AML_MAX_ATTEMPTS) says to park it."""
 
 from __future__ import annotations
 
@@ -28,8 +29,13 @@ async def retry_forever(
     *,
     on_failure: OnFailure | None = None,
     jitter: Callable[[float], float] = jittered,
+    attempts: int | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> Any:
-    """Run `action` until it succeeds, backing off exponentially with jitter; log each failure."""
+    """Run `action` until it succeeds, backing off exponentially with jitter; log each failure.
+
+    With `attempts`, the exception of the last allowed attempt is raised instead (a retry ceiling); so
+    is the last failure once `stop()` says to give up (asked before each new attempt)."""
     delay = first_delay
     attempt = 1
     while True:
@@ -38,6 +44,9 @@ async def retry_forever(
         except asyncio.CancelledError:
             raise
         except Exception as exc:
+            if (attempts is not None and attempt >= attempts) or (stop is not None and stop()):
+                log.warning("%s failed (attempt %d, giving up): %r", what, attempt, exc)
+                raise
             wait = jitter(delay)
             log.warning("%s failed (attempt %d, retrying in %.2fs): %r", what, attempt, wait, exc)
             if on_failure is not None:

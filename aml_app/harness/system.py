@@ -25,7 +25,7 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
-from aml_app.kafka.topics import service_topics, topic_specs
+from aml_app.kafka.topics import review_topic, service_topics, topic_specs
 from aml_app.settings import Settings
 
 API_DEADLINE = 60.0
@@ -61,7 +61,12 @@ def service_settings(settings: Settings, service: str, suffix: str = "") -> Sett
     """
     decisions, alerts = service_topics(service, suffix)
     return replace(
-        settings, service=service, app_id=f"{service}{suffix}", decisions_topic=decisions, alerts_topic=alerts
+        settings,
+        service=service,
+        app_id=f"{service}{suffix}",
+        decisions_topic=decisions,
+        alerts_topic=alerts,
+        review_topic=review_topic(service, suffix),
     )
 
 

@@ -33,6 +33,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "AML_DECISIONS_TOPIC": settings.decisions_topic,
         "AML_ALERTS_TOPIC": settings.alerts_topic,
         "AML_DLQ_TOPIC": settings.dlq_topic,
+        "AML_REVIEW_TOPIC": settings.review_topic,
         "AML_PARTITIONS": str(settings.partitions),
     }
 

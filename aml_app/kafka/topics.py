@@ -31,8 +31,13 @@ def service_topics(service: str, suffix: str = "") -> tuple[str, str]:
     return f"{service}.decisions{suffix}", f"{service}.alerts{suffix}"
 
 
+def review_topic(service: str, suffix: str = "") -> str:
+    """Default review topic of a service: payments decided stale or parked, for a person to look at."""
+    return f"{service}.review{suffix}"
+
+
 def topic_specs(settings: Settings, suffix: str = "") -> list[TopicSpec]:
-    """The payments topic, its dead-letter topic, and decisions and alerts of every detecting service."""
+    """The payments topic, its dead-letter topic, and every detecting service's decisions, alerts, review."""
     n, rf = settings.partitions, settings.replication_factor
     keyed = {"cleanup.policy": "compact", "min.insync.replicas": str(min(2, rf))}
     specs = [
@@ -53,10 +58,20 @@ def topic_specs(settings: Settings, suffix: str = "") -> list[TopicSpec]:
         decisions, alerts = (
             (settings.decisions_topic, settings.alerts_topic) if mine else service_topics(service, suffix)
         )
+        review = settings.review_topic if mine else review_topic(service, suffix)
         specs.append(
             TopicSpec(decisions, n, rf, keyed, f"{service}: one decision per payment, key = payment id")
         )
         specs.append(
             TopicSpec(alerts, n, rf, keyed, f"{service}: flagged payments with evidence, key = payment id")
+        )
+        specs.append(
+            TopicSpec(
+                review,
+                n,
+                rf,
+                {"retention.ms": str(30 * DAY_MS)},
+                f"{service}: payments decided stale or parked: bytes + why",
+            )
         )
     return specs

@@ -114,6 +114,15 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         "generation, or of another log): its gate stays closed there whatever the watermark.",
     )
     untrusted.add_metric([], len(gate.get("untrusted_partitions") or []))
+    breached = _gauge(
+        "aml_wait_breached_partitions",
+        "Partitions where a payment has waited at the gate longer than AML_MAX_WAIT (any worker).",
+    )
+    breached.add_metric([], len(gate.get("breached_partitions") or []))
+    longest = _gauge(
+        "aml_longest_wait_seconds", "How long the longest-waiting payment has waited at the gate."
+    )
+    longest.add_metric([], gate.get("longest_wait_s") or 0.0)
     age = _gauge("aml_refresh_age_seconds", "Age of the newest watermark row.")
     if gate.get("refresh_age_s") is not None:
         age.add_metric([], gate["refresh_age_s"])
@@ -141,6 +150,16 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         ),
         ("aml_payments_handled", "Payments this worker's handler finished.", handled_total),
         ("aml_dead_lettered", "Payments this worker sent to the dead-letter topic.", snap["dead_lettered"]),
+        (
+            "aml_decided_stale",
+            "Payments this worker decided stale after waiting past AML_MAX_WAIT (policy decide-stale).",
+            snap.get("decided_stale", 0),
+        ),
+        (
+            "aml_parked",
+            "Payments this worker parked on the review topic after AML_MAX_ATTEMPTS failed attempts.",
+            snap.get("parked", 0),
+        ),
         ("aml_rebalances", "Partition rebalances this worker went through.", snap["rebalances"]),
         (
             "aml_handler_failures",
@@ -168,7 +187,7 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
             ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
-    out += [status, stalled, advanced, blocked, untrusted, age, admin_error, retrying]
+    out += [status, stalled, advanced, blocked, untrusted, breached, longest, age, admin_error, retrying]
     for name, doc, value in counters:
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], value)

@@ -217,6 +217,11 @@ function summary(data) {
     return ["bad", "Offset refresh failing: " + gate.admin_error +
       ". Watermarks hold their last known values."];
   }
+  if (gate.breached_partitions && gate.breached_partitions.length) {
+    return ["bad", "Breached: payments have waited longer than AML_MAX_WAIT (" + gate.max_wait_s +
+      " s) on partition" + (gate.breached_partitions.length > 1 ? "s " : " ") +
+      gate.breached_partitions.join(", ") + ", the longest " + Math.round(gate.longest_wait_s) + " s."];
+  }
   const held = parts.filter((p) => p.waiting_offset !== null);
   const bad = deps.filter((d) => d.status !== "ok");
   const who = bad.map((d) => d.group + " (" + d.status + ")").join(", ");

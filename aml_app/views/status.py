@@ -166,6 +166,10 @@ def _ago(then: float | None, now: float) -> str:
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
+def _plural(parts: Sequence[int]) -> str:
+    return ("partition " if len(parts) == 1 else "partitions ") + ", ".join(str(p) for p in parts)
+
+
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """Left-aligned columns separated by two spaces, like Kafka's own tools."""
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
@@ -215,6 +219,18 @@ def render(doc: Mapping[str, Any]) -> str:
     lines += _table(["DEPENDENCY", "STATUS", "LAG", "LAST-ADVANCE", "DETAIL"], deps)
     if gate.get("admin_error"):
         lines += ["", f"last offset refresh failed: {gate['admin_error']}"]
+    if gate.get("breached_partitions"):
+        lines += [
+            "",
+            f"breached: payments have waited longer than AML_MAX_WAIT ({gate['max_wait_s']:g} s) on "
+            f"{_plural(gate['breached_partitions'])}, the longest {gate['longest_wait_s']:.0f} s",
+        ]
+    cut = doc.get("cut")
+    if cut and cut.get("held_by") is not None:
+        lines += [
+            "",
+            f"event-time cut: payments before {cut['frontier_at']} pass (held by partition {cut['held_by']})",
+        ]
     retrying = doc.get("retrying") or []
     if retrying:
         lines += [

@@ -289,3 +289,27 @@ async def test_a_distrusted_row_keeps_the_gate_closed_whatever_its_watermark() -
     gate.notify([0])
     result = await asyncio.wait_for(task, DEADLINE)
     assert result["generation"] == 2 and gate.distrusted(0) is None
+
+
+async def test_give_up_after_returns_the_closed_row_marked_stale() -> None:
+    rows = {0: row(0, 3)}
+    gate = FreshnessGate(rows.get, recheck_every=60)
+    started = time.monotonic()
+    result = await asyncio.wait_for(gate.wait_open(0, 5, give_up_after=0.05), DEADLINE)
+    assert time.monotonic() - started >= 0.05
+    assert result["watermark"] == 3 and result["stale"] >= 0.05
+    assert gate.waiting == {}
+    # An open partition is never stale.
+    assert "stale" not in await asyncio.wait_for(gate.wait_open(0, 2, give_up_after=0.05), DEADLINE)
+
+
+async def test_retry_with_a_ceiling_raises_the_last_failure() -> None:
+    calls = []
+
+    async def failing() -> None:
+        calls.append(1)
+        raise ValueError(f"failure {len(calls)}")
+
+    with pytest.raises(ValueError, match="failure 3"):
+        await retry_forever("x", failing, first_delay=0.001, attempts=3)
+    assert len(calls) == 3

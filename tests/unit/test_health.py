@@ -207,10 +207,31 @@ def test_describe_gate_and_partitions() -> None:
         "payments_waiting": 7,
         "stall_after_s": 30.0,
         "lag_warn": 100,
+        "max_wait_s": 300.0,
+        "longest_wait_s": 2.0,
+        "breached_partitions": [],
     }
     r = view["dependencies"][0]
     assert r["committed"] == {"0": 4, "1": 7} and r["last_advance"] == NOW - 5
     assert [d["group"] for d in view["dependencies"]] == ["r", "a"]
+
+
+def test_a_payment_waiting_past_the_bound_marks_its_partition_breached() -> None:
+    rows = rows_for({"r": {0: 4, 1: 7, 2: 3}}, {0: 10, 1: 9, 2: 5}, advanced=NOW - 5, own={0: 4, 1: 7, 2: 3})
+    limits = Limits(stall_after=30.0, lag_warn=100, max_wait=60.0)
+    view = describe(
+        rows,
+        ["r"],
+        NOW,
+        limits,
+        waiting={0: 4, 1: 7, 2: 3},
+        blocked_since={0: NOW - 61, 1: NOW - 59, 2: NOW - 60},
+    )
+    assert [p["breached"] for p in view["partitions"]] == [True, False, True]
+    assert [p["waited_s"] for p in view["partitions"]] == [61.0, 59.0, 60.0]
+    assert view["gate"]["breached_partitions"] == [0, 2] and view["gate"]["longest_wait_s"] == 61.0
+    quiet = describe(rows, ["r"], NOW, limits)
+    assert quiet["gate"]["breached_partitions"] == [] and quiet["gate"]["longest_wait_s"] is None
 
 
 def test_describe_empty_table() -> None:

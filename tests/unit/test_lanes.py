@@ -167,6 +167,15 @@ class FakeDeadLetters:
         return fut
 
 
+class FakeReview(FakeDeadLetters):
+    async def send(  # type: ignore[override]
+        self, *, key: bytes | None, value: bytes | None, partition: int, headers: list
+    ) -> asyncio.Future[None]:
+        return await super().send(
+            key=key, value=value, headers=[*headers, ("partition", str(partition).encode())]
+        )
+
+
 def row(p: int, w: int) -> dict[str, Any]:
     return {"partition": p, "watermark": w, "dependencies": {"relations": w}, "refreshed_at": 0.0}
 
@@ -174,11 +183,20 @@ def row(p: int, w: int) -> dict[str, Any]:
 class Harness:
     """One GatedConsumer over the fakes; the handler records what it processed, in order."""
 
-    def __init__(self, *, gate_enabled: bool = True, max_pending: int = 1000, max_batch: int = 1) -> None:
+    def __init__(
+        self,
+        *,
+        gate_enabled: bool = True,
+        max_pending: int = 1000,
+        max_batch: int = 1,
+        max_attempts: int = 0,
+        stale_after: float | None = None,
+    ) -> None:
         self.rows: dict[int, dict[str, Any]] = {}
         self.gate = FreshnessGate(lookup=self.rows.get)
         self.app = FakeApp()
         self.dlq = FakeDeadLetters()
+        self.review = FakeReview()
         self.calls: list[tuple[int, int]] = []  # every handler call, failed or not
         self.handled: list[tuple[int, int]] = []  # successful handler calls
         self.admissions: dict[tuple[int, int], Admission] = {}
@@ -195,6 +213,9 @@ class Harness:
             gate_enabled=gate_enabled,
             max_pending=max_pending,
             worker_id="w-test",
+            review=self.review,  # type: ignore[arg-type]
+            max_attempts=max_attempts,
+            stale_after=stale_after,
         )
         self.stream = self.new_stream()
         self.gated._stream = self.stream  # type: ignore[assignment]
@@ -216,7 +237,13 @@ class Harness:
             and s["headers"]["dlq.offset"] == str(key[1]).encode()
             for s in self.dlq.sent
         )
-        if key not in self.handled and not dead:
+        parked = any(
+            s["headers"]["review.kind"] == b"parked"
+            and s["headers"]["review.partition"] == str(key[0]).encode()
+            and s["headers"]["review.offset"] == str(key[1]).encode()
+            for s in self.review.sent
+        )
+        if key not in self.handled and not dead and not parked:
             self.violations.append(f"{key} acked before it was handled or dead-lettered")
 
     async def handle(self, payment: Payment, admission: Admission) -> None:
@@ -395,9 +422,9 @@ async def test_invalid_payments_are_dead_lettered_in_order_without_the_gate(
     consulted: list[tuple[int, int]] = []
     wait_open = h.gate.wait_open
 
-    async def spy(partition: int, offset: int, event_us: int | None = None) -> Any:
+    async def spy(partition: int, offset: int, *args: Any) -> Any:
         consulted.append((partition, offset))
-        return await wait_open(partition, offset, event_us)
+        return await wait_open(partition, offset, *args)
 
     h.gate.wait_open = spy  # type: ignore[method-assign]
     bad_json = b'{"payment_id": "pay-0-0", '
@@ -866,3 +893,53 @@ async def test_no_ack_reaches_faust_while_a_rebalance_runs(make: Callable[..., H
     assert h.acks == [(0, 0)], "acked while the rebalance ran"
     h.app.rebalancing = False
     await until(lambda: h.acks == [(0, 0), (0, 1), (0, 2)], "the held acks made once it ended")
+
+
+async def test_a_payment_that_reaches_the_retry_ceiling_is_parked_and_its_lane_moves_on(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_attempts=3)
+    h.open(0, 100)
+    h.failures[(0, 1)] = 100
+    h.dispatch(*(event(0, o) for o in range(3)))
+    await until(lambda: h.of(h.acks, 0) == [0, 1, 2], "the lane past the parked payment")
+    assert h.of(h.calls, 0) == [0, 1, 1, 1, 2] and h.of(h.handled, 0) == [0, 2]
+    (parked,) = h.review.sent
+    assert parked["value"] == payment_value(0, 1) and parked["key"] == b"acct-1"
+    headers = parked["headers"]
+    assert headers["review.kind"] == b"parked" and headers["review.attempts"] == b"3"
+    assert headers["review.offset"] == b"1" and headers["partition"] == b"0"
+    assert b"RuntimeError: handler failure at (0, 1)" in headers["review.reason"]
+    assert h.gated.payments_parked == 1 and h.gated.retrying == {} and h.violations == []
+
+
+async def test_a_batch_at_the_ceiling_is_tried_one_payment_at_a_time_and_only_the_failing_one_parked(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(max_batch=8, max_attempts=2)
+    h.open(2, 100)
+    h.failures[(2, 1)] = 100
+    h.dispatch(*(event(2, o) for o in range(3)))
+    await until(lambda: len(h.acks) == 3, "three acks")
+    whole = [(2, 0), (2, 1), (2, 2)]
+    assert h.batches == [whole, whole, [(2, 0)], [(2, 1)], [(2, 1)], [(2, 2)]]
+    assert h.handled == [(2, 0), (2, 2)] and [s["headers"]["review.offset"] for s in h.review.sent] == [b"1"]
+    assert h.violations == []
+
+
+async def test_decide_stale_admits_a_payment_that_waited_past_the_bound_and_sends_it_for_review(
+    make: Callable[..., Harness],
+) -> None:
+    h = make(stale_after=0.05)  # partition 0 has no row: its gate never opens
+    h.dispatch(event(0, 0))
+    await until(lambda: h.acks == [(0, 0)], "the payment decided stale")
+    admission = h.admissions[(0, 0)]
+    assert admission.stale is not None and admission.stale >= 0.05 and not admission.wants_fresh
+    (sent,) = h.review.sent
+    assert sent["headers"]["review.kind"] == b"stale" and sent["value"] == payment_value(0, 0)
+    assert h.gated.decided_stale == 1
+    # Without the policy the same payment waits.
+    waiting = make()
+    waiting.dispatch(event(0, 0))
+    await asyncio.sleep(0.2)
+    assert waiting.calls == [] and waiting.review.sent == []

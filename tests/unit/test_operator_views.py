@@ -38,7 +38,7 @@ def snapshot(*, detector: dict[str, Any] | None = None, recovering: bool = False
         rows,
         ["rel", "agg"],
         NOW,
-        Limits(30, 1000),
+        Limits(30, 1000, max_wait=30),
         waiting={0: 3},
         blocked_since={0: NOW - 35},
         untrusted={1: "the row is 40.0 s old (more than 5 s): the leader has not refreshed it"},
@@ -97,6 +97,8 @@ def test_metric_families_parse_with_their_values() -> None:
     assert value(fams, "aml_dependency_last_advance_timestamp_seconds", dependency="rel") == NOW - 40
     assert value(fams, "aml_blocked_partitions") == 1
     assert value(fams, "aml_untrusted_partitions") == 1
+    assert value(fams, "aml_wait_breached_partitions") == 1  # waited 35 s, the bound is 30
+    assert value(fams, "aml_longest_wait_seconds") == 35
     assert value(fams, "aml_refresh_age_seconds") == 40
     assert value(fams, "aml_admin_error") == 0
     assert value(fams, "aml_recovering") == 0 and value(fams, "aml_is_leader") == 1

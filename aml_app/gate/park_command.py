@@ -1,0 +1,84 @@
+"""`aml-app park P:O`: an operator's way past a payment that can never succeed, other than stopping its
+partition for good.
+
+The request goes to the service's `gate-park` GlobalTable, written straight to the table's changelog
+topic (`<app id>-gate-park-changelog`, Faust's name for it) with the table's JSON key and value, so
+every worker of the service sees it. The lane that fails on that payment next writes it to the review
+topic with its error and attempts, and moves on; a payment that does not fail is never skipped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import getpass
+import json
+import socket
+import time
+
+import click
+from aiokafka import AIOKafkaProducer
+
+from aml_app.kafka.security import aiokafka_kwargs
+from aml_app.settings import Settings, load_settings
+
+TABLE = "gate-park"
+
+
+def changelog_topic(settings: Settings) -> str:
+    """Faust's changelog topic of the service's `gate-park` table."""
+    return f"{settings.app_id}-{TABLE}-changelog"
+
+
+def parse_where(text: str) -> tuple[int, int]:
+    partition, sep, offset = text.partition(":")
+    if not sep or not partition.isdigit() or not offset.isdigit():
+        raise click.BadParameter(f"{text!r} is not PARTITION:OFFSET, such as 0:1234", param_hint="P:O")
+    return int(partition), int(offset)
+
+
+async def request_park(settings: Settings, partition: int, offset: int, reason: str, timeout: float) -> str:
+    """Write the request; return the topic it went to."""
+    topic = changelog_topic(settings)
+    producer = AIOKafkaProducer(
+        bootstrap_servers=list(settings.bootstrap_servers),
+        request_timeout_ms=int(timeout * 1000),
+        **aiokafka_kwargs(settings.kafka_security),
+    )
+    await asyncio.wait_for(producer.start(), timeout)
+    try:
+        known = await asyncio.wait_for(producer.partitions_for(topic), timeout)
+        if not known:
+            raise click.ClickException(
+                f"topic {topic} does not exist: has a worker of {settings.app_id} run?"
+            )
+        request = {
+            "reason": reason,
+            "by": f"{getpass.getuser()}@{socket.gethostname()}",
+            "at": time.time(),
+        }
+        key = json.dumps(f"{partition}:{offset}").encode()
+        await producer.send_and_wait(topic, json.dumps(request).encode(), key=key, partition=0)
+    except TimeoutError:
+        raise click.ClickException(
+            f"no answer from the Kafka cluster at {','.join(settings.bootstrap_servers)} within "
+            f"{timeout:g} s (is topic {topic} there?)"
+        ) from None
+    finally:
+        await producer.stop()
+    return topic
+
+
+@click.command("park")
+@click.argument("where", metavar="P:O")
+@click.option("--reason", default="", help="Why, for the review topic's record.")
+@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for Kafka.")
+def park_command(where: str, reason: str, timeout: float) -> None:
+    """Park payment P:O of this service (AML_SERVICE): at its next failure its lane writes it to the
+    review topic with its error and moves on."""
+    partition, offset = parse_where(where)
+    settings = load_settings()
+    topic = asyncio.run(request_park(settings, partition, offset, reason, timeout))
+    click.echo(
+        f"asked the {settings.app_id} workers (through {topic}) to park payment {partition}:{offset}: the "
+        f"lane that fails on it next writes it to {settings.review_topic} and moves on"
+    )
