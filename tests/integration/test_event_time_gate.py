@@ -78,3 +78,28 @@ async def test_a_payment_waits_for_every_partitions_past_not_only_its_own(
     cuts = {(d["partition"], d["offset"]): d["cut"] for d in decision_log.decisions()}
     assert cuts[(0, 0)]["at"] == "2026-11-20T10:05:00Z"
     assert cuts[(0, 0)]["watermarks"]["1"] == ends[1]
+
+
+async def test_the_allowed_lateness_lets_a_payment_go_without_the_newest_evidence_of_others(
+    names, producer, new_worker, deps, decision_log
+):
+    # Partition 1's first unapplied payment is at 10:01; partition 0's payments at 10:05 and 10:06.
+    records = [at(1, n, f"2026-11-20T10:0{n}:00Z") for n in range(3)]
+    records += [at(0, n, f"2026-11-20T10:0{n + 5}:00Z") for n in range(2)]
+    placed = await produce(producer, names.payments, records)
+    ends = ends_of(placed)
+    # Five minutes of lateness: 10:05 less 5 min is 10:00, before 10:01; 10:06 less 5 min is not.
+    worker = new_worker(AML_GATE_MODE="event-time", AML_ALLOWED_LATENESS="300")
+    await worker.wait_ready(set(range(names.partitions)))
+    await CommitTimeline().commit(deps, {0: ends[0], 1: 1, 2: 0, 3: 0})
+    await decision_log.wait_for({(1, 0), (0, 0)}, timeout=30)
+
+    async def held() -> dict | None:
+        state = await worker.state()
+        return state if (state or {}).get("waiting", {}).get("0") == 1 else None
+
+    await wait_until(held, 30, "partition 0's second payment waiting")
+    await decision_log.poll(0.5)
+    assert (0, 1) not in decision_log.decided()
+    cut = next(d["cut"] for d in decision_log.decisions() if (d["partition"], d["offset"]) == (0, 0))
+    assert cut["at"] == "2026-11-20T10:00:00Z" and cut["frontier"] == "2026-11-20T10:01:00Z"
