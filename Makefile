@@ -40,6 +40,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.api_latency
 	$(BIN)/python -m bench.end_to_end
 	$(BIN)/python -m bench.gate_matters
+	$(BIN)/python -m bench.partition_skew
 	$(BIN)/python -m bench.amlworld_detection
 	$(BIN)/python -m bench.model_vs_rules
 	$(BIN)/python -m bench.scaling
