@@ -7,6 +7,8 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+from faust.types import TopicT
+
 from aml_app.faust_internals import FetchWaitApp
 from aml_app.gate.assignments import watch_assignments
 from aml_app.kafka.security import faust_credentials
@@ -64,14 +66,20 @@ app = AmlApp(
 #: Warns at each assignment that leaves this worker without a payments partition (aml_app.gate.assignments).
 assignment_watch = watch_assignments(app, settings.payments_topic, settings.app_id, settings.worker_id)
 
-payments_topic = app.topic(
-    settings.payments_topic,
-    key_type=bytes,
-    value_type=bytes,
-    key_serializer="raw",
-    value_serializer="raw",
-    partitions=settings.partitions,
-)
+
+def raw_topic(name: str) -> TopicT:
+    """A topic of raw key and value bytes, partitioned like `payments` (payments, dead letters, review)."""
+    return app.topic(
+        name,
+        key_type=bytes,
+        value_type=bytes,
+        key_serializer="raw",
+        value_serializer="raw",
+        partitions=settings.partitions,
+    )
+
+
+payments_topic = raw_topic(settings.payments_topic)
 decisions_topic = app.topic(
     settings.decisions_topic, key_type=str, value_type=Decision, partitions=settings.partitions
 )
@@ -103,21 +111,7 @@ alerts_topic = app.topic(
     compacting=True,
     acks=False,  # as Faust's own changelog topics: the worker writes it, it never consumes it as a stream
 )
-dlq_topic = app.topic(
-    settings.dlq_topic,
-    key_type=bytes,
-    value_type=bytes,
-    key_serializer="raw",
-    value_serializer="raw",
-    partitions=settings.partitions,
-)
+dlq_topic = raw_topic(settings.dlq_topic)
 #: Payments decided stale (AML_WAIT_POLICY=decide-stale) or parked (AML_MAX_ATTEMPTS, `aml-app park`):
 #: original bytes as the value, why in headers, as on the dead-letter topic.
-review_topic = app.topic(
-    settings.review_topic,
-    key_type=bytes,
-    value_type=bytes,
-    key_serializer="raw",
-    value_serializer="raw",
-    partitions=settings.partitions,
-)
+review_topic = raw_topic(settings.review_topic)

@@ -114,17 +114,28 @@ class RefreshStatus:
         self.log_ends: dict[int, int] = {}
         self.service_committed: dict[int, int | None] = {}
 
+    def failed(self, message: str, holding: str) -> None:
+        """Count a failed read; log it once per distinct error, saying what is held meanwhile."""
+        self.errors += 1
+        if message != self.last_error:
+            log.warning("watermark refresh failed, holding %s: %s", holding, message)
+        self.last_error = message
+
 
 offsets = DependencyOffsets(settings.bootstrap_servers, settings.payments_topic, settings.depends_on)
 unapplied = UnappliedReader(settings.bootstrap_servers, settings.payments_topic)
 status = RefreshStatus()
 
 
-def _write_rows(rows: dict[int, Row]) -> None:
+def _worth_writing(old: Row | None, row: Row, changed: bool) -> bool:
     """Write a row when it changed, or when it is getting old, so readers can trust its age."""
+    return changed or old is None or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval
+
+
+def _write_rows(rows: dict[int, Row]) -> None:
     for p, row in rows.items():
         old = watermarks.get(p)
-        if row_changed(old, row) or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval:
+        if _worth_writing(old, row, row_changed(old, row)):
             watermarks[p] = row
 
 
@@ -146,12 +157,8 @@ async def refresh_once(now: float) -> None:
                 settings.app_id, refresh_partitions=recheck, operator_fields=operator_fields
             )
     except OffsetReadError as exc:
-        status.errors += 1
-        message = str(exc)
-        if message != status.last_error:
-            log.warning("watermark refresh failed, holding the last known watermarks: %s", message)
-        status.last_error = message
-        _mark_error(message)
+        status.failed(str(exc), "the last known watermarks")
+        _mark_error(str(exc))
         return
     if recheck:
         status.partition_check_at = now
@@ -185,16 +192,12 @@ async def _write_cut(rows: dict[int, Row], log_id: str | None) -> None:
     try:
         found = await unapplied.read(reached, log_id)
     except OffsetReadError as exc:
-        status.errors += 1
-        message = str(exc)
-        if message != status.last_error:
-            log.warning("reading the event-time cut failed, keeping the last one: %s", message)
-        status.last_error = message
+        status.failed(str(exc), "the last event-time cut")
         return
     row = cut_row(reached, found, time.time(), generation=app.consumer_generation_id, log=log_id)
     old = cuts.get(CUT)
-    same = old is not None and all(old.get(k) == v for k, v in row.items() if k != "refreshed_at")
-    if not same or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval:
+    changed = old is None or any(old.get(k) != v for k, v in row.items() if k != "refreshed_at")
+    if _worth_writing(old, row, changed):
         cuts[CUT] = row
 
 
@@ -260,9 +263,9 @@ async def refresh_watermarks() -> None:
     last = status.last_refresh if status.last_error is None else status.last_attempt
     rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
     intervals = settings.refresh_interval, settings.fast_refresh_interval
-    due = refresh_due(now, last, waiting, rows, *intervals, generation=app.consumer_generation_id)
-    # A payment the event-time gate holds may wait on any partition: refresh fast while anything waits.
-    if due or (EVENT_TIME and waiting and last is not None and now - last >= settings.fast_refresh_interval):
+    if refresh_due(
+        now, last, waiting, rows, *intervals, generation=app.consumer_generation_id, every_wait=EVENT_TIME
+    ):
         try:
             await changelogs.wait()
             await refresh_once(now)

@@ -577,12 +577,11 @@ class GatedConsumer(DeliveryRepairs):
             event = lane.queue[0]
             head = not taken
             parsed = self._parse(event)
+            event_us = self._event_us(parsed)
             if (
                 not head
                 and self.gate_enabled
-                and not self.gate.is_open(
-                    event.message.partition, event.message.offset, self._event_us(parsed)
-                )
+                and not self.gate.is_open(event.message.partition, event.message.offset, event_us)
             ):
                 break
             lane.queue.popleft()
@@ -590,7 +589,7 @@ class GatedConsumer(DeliveryRepairs):
             if lane.paused and len(lane.queue) <= self.max_pending // 2:
                 await self._resume(lane, TP(*event.message.tp))
             arrived = lane.arrived.pop(event.message.offset, time.monotonic())
-            admitted = await self._admit(event, arrived, parsed)
+            admitted = await self._admit(event, arrived, parsed, event_us)
             taken.append((event, admitted))
             payments += admitted is not None
         return taken
@@ -622,9 +621,10 @@ class GatedConsumer(DeliveryRepairs):
         return micros(parsed.ts)
 
     async def _admit(
-        self, event: EventT, arrived: float, parsed: Payment | InvalidPayment
+        self, event: EventT, arrived: float, parsed: Payment | InvalidPayment, event_us: int | None
     ) -> Admitted | None:
-        """Wait for the gate; a payment that breaks the contract is dead-lettered."""
+        """Wait for the gate (`event_us`: the payment's event time, for the event-time gate); a payment
+        that breaks the contract is dead-lettered."""
         message = event.message
         p, offset = message.tp.partition, message.offset
         payment = parsed
@@ -637,7 +637,7 @@ class GatedConsumer(DeliveryRepairs):
             )
             return None
         if self.gate_enabled:
-            row = await self.gate.wait_open(p, offset, self._event_us(payment), self.stale_after)
+            row = await self.gate.wait_open(p, offset, event_us, self.stale_after)
             if row.get("stale") is not None:
                 await self._to_review(
                     event, "stale", f"decided stale after waiting {row['stale']:g} s at the gate"

@@ -71,28 +71,36 @@ class FreshnessGate:
         """Whether this is the event-time gate across partitions."""
         return self._cut is not None
 
-    def cut(self) -> Row | None:
-        return None if self._cut is None else self._cut()
-
-    def _open_row(self, partition: int, offset: int, event_us: int | None = None) -> Row | None:
-        """The partition's row if it lets `offset` through, else None; in event-time mode with the cut
-        the payment was admitted at (`cut`, see `aml_app.gate.event_time.decided_at`)."""
+    def _opening(self, partition: int, offset: int, event_us: int | None) -> tuple[Row, Row | None] | None:
+        """The partition's row and, in event-time mode, the cut row, if they let the payment through."""
         row = self._lookup(partition)
         if row is None or not is_open(offset, row):
             return None
         if self._distrust is not None and self._distrust(row) is not None:
             return None
         if self._cut is None:
-            return row
+            return row, None
         cut = self._cut()
         if event_us is None or cut is None or not admits(cut, partition, offset, event_us, self.lateness_us):
             return None
         if self._distrust is not None and self._distrust(cut) is not None:
             return None
+        return row, cut
+
+    def _open_row(self, partition: int, offset: int, event_us: int | None = None) -> Row | None:
+        """The partition's row if it lets `offset` through, else None; in event-time mode with the cut
+        the payment was admitted at (`cut`, see `aml_app.gate.event_time.decided_at`)."""
+        opening = self._opening(partition, offset, event_us)
+        if opening is None:
+            return None
+        row, cut = opening
+        if cut is None:
+            return row
+        assert event_us is not None  # a cut admits only a payment with an event time
         return {**row, "cut": decided_at(cut, event_us, self.lateness_us)}
 
     def is_open(self, partition: int, offset: int, event_us: int | None = None) -> bool:
-        return self._open_row(partition, offset, event_us) is not None
+        return self._opening(partition, offset, event_us) is not None
 
     def distrusted(self, partition: int) -> str | None:
         """Why this partition's row keeps the gate closed whatever its watermark (None: it does not)."""

@@ -115,7 +115,8 @@ def _lagging_on(group: str, part: Mapping[str, Any], now: float, limits: Limits)
     return lag > limits.lag_warn or (advanced is not None and now - advanced >= limits.stall_after)
 
 
-def _plural(parts: Sequence[int]) -> str:
+def plural_partitions(parts: Sequence[int]) -> str:
+    """[0] -> 'partition 0', [0, 2] -> 'partitions 0, 2'."""
     return ("partition " if len(parts) == 1 else "partitions ") + ", ".join(str(p) for p in parts)
 
 
@@ -137,10 +138,15 @@ def dependency_view(
         quiet = min(now - p["advanced_at"][group] for p in held)
         waits = ", ".join(f"{p['partition']}:{p['waiting_offset']}" for p in held)
         status = STALLED
-        detail = f"not advanced for {quiet:.0f} s on {_plural(stalled)} while payments wait ({waits})"
+        detail = (
+            f"not advanced for {quiet:.0f} s on {plural_partitions(stalled)} while payments wait ({waits})"
+        )
     elif lagging:
         worst = max(lag for lag in lags if lag is not None)
-        status, detail = LAGGING, f"behind the log end on {_plural(lagging)} (up to {worst} records)"
+        status, detail = (
+            LAGGING,
+            f"behind the log end on {plural_partitions(lagging)} (up to {worst} records)",
+        )
     else:
         status = OK
         detail = "caught up" if all(lag == 0 for lag in lags) else "keeping up"
@@ -232,7 +238,10 @@ class StallWatch:
             if group not in self.stalled:
                 detail = next(d["detail"] for d in dependencies if d["group"] == group)
                 lines.append(
-                    (logging.WARNING, f"dependency group {group!r} stalled on {_plural(parts)}: {detail}")
+                    (
+                        logging.WARNING,
+                        f"dependency group {group!r} stalled on {plural_partitions(parts)}: {detail}",
+                    )
                 )
         for group, parts in self.stalled.items():
             if group not in now_stalled:
@@ -240,7 +249,8 @@ class StallWatch:
                 lines.append(
                     (
                         logging.INFO,
-                        f"dependency group {group!r} no longer stalled on {_plural(parts)} (now {status})",
+                        f"dependency group {group!r} no longer stalled on {plural_partitions(parts)} "
+                        f"(now {status})",
                     )
                 )
         self.stalled = now_stalled

@@ -47,8 +47,8 @@ class UnappliedReader:
         self.request_timeout = request_timeout
         self._security = aiokafka_kwargs(security)
         self._consumer: AIOKafkaConsumer | None = None
-        #: partition -> (W(q), event time of the first payment at or after it), for one log.
-        self._known: dict[int, tuple[int, int]] = {}
+        #: partition -> (W(q), what the last fetch there found), for one log.
+        self._known: dict[int, tuple[int, Unapplied]] = {}
         self._log: str | None = None
         self.fetches = 0
 
@@ -82,7 +82,7 @@ class UnappliedReader:
         for q, w in watermarks.items():
             known = self._known.get(q)
             if known is not None and known[0] == w:
-                found[q] = Unapplied(end=w + 1, first_ts=known[1])  # at least: the payment at W(q) exists
+                found[q] = known[1]  # the payment at W(q) is the same; its end is as that fetch saw it
             else:
                 todo[q] = w
         if todo:
@@ -94,7 +94,7 @@ class UnappliedReader:
             except Exception as exc:
                 await self.close()
                 raise OffsetReadError(f"reading the first unapplied payments failed: {exc!r}") from exc
-        self._known = {q: (watermarks[q], f.first_ts) for q, f in found.items() if f.first_ts is not None}
+        self._known = {q: (watermarks[q], f) for q, f in found.items() if f.first_ts is not None}
         return found
 
     async def _fetch(self, todo: Mapping[int, int]) -> dict[int, Unapplied]:

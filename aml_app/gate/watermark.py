@@ -158,9 +158,12 @@ def refresh_due(
     slow_interval: float,
     fast_interval: float,
     generation: int | None = None,
+    every_wait: bool = False,
 ) -> bool:
     """The leader refreshes on the slow interval, or on the fast one while some payment is blocked: by
-    the watermark, or by a row written before the current consumer `generation` (see `distrust`).
+    the watermark, or by a row written before the current consumer `generation` (see `distrust`). With
+    `every_wait` (the event-time gate, which may hold a payment whose own row is open) any waiting
+    payment counts as blocked.
 
     This keeps admin load at one set of calls per slow interval when nothing waits, and unblocks a
     waiting partition within about one fast interval of its dependencies committing.
@@ -172,6 +175,8 @@ def refresh_due(
         return True
 
     def blocked(p: int, offset: int) -> bool:
+        if every_wait:
+            return True
         row = rows.get(p)
         if row is None or not is_open(offset, row):
             return True

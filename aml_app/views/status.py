@@ -23,7 +23,7 @@ import aiohttp
 import click
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from aml_app.gate.health import Limits, describe
+from aml_app.gate.health import Limits, describe, plural_partitions
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.gate.watermark import build_rows
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
@@ -166,10 +166,6 @@ def _ago(then: float | None, now: float) -> str:
     return f"{seconds:.0f}s ago" if seconds < 120 else f"{seconds / 60:.0f}m ago"
 
 
-def _plural(parts: Sequence[int]) -> str:
-    return ("partition " if len(parts) == 1 else "partitions ") + ", ".join(str(p) for p in parts)
-
-
 def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     """Left-aligned columns separated by two spaces, like Kafka's own tools."""
     widths = [max(len(str(x)) for x in column) for column in zip(header, *rows, strict=True)]
@@ -223,7 +219,7 @@ def render(doc: Mapping[str, Any]) -> str:
         lines += [
             "",
             f"breached: payments have waited longer than AML_MAX_WAIT ({gate['max_wait_s']:g} s) on "
-            f"{_plural(gate['breached_partitions'])}, the longest {gate['longest_wait_s']:.0f} s",
+            f"{plural_partitions(gate['breached_partitions'])}, the longest {gate['longest_wait_s']:.0f} s",
         ]
     cut = doc.get("cut")
     if cut and cut.get("held_by") is not None:

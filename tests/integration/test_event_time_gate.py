@@ -46,19 +46,26 @@ async def test_reader_finds_the_first_unapplied_payment_and_the_true_end(broker,
         await reader.close()
 
 
-async def test_a_payment_waits_for_every_partitions_past_not_only_its_own(
-    names, producer, new_worker, deps, decision_log
-):
-    # Partition 1 holds the earliest payments; partition 0 the latest. The dependencies finish
-    # partition 0 at once and partition 1 only later.
+async def partition_1_behind(names, producer, new_worker, deps, timeline: CommitTimeline, **env: str):
+    """Partition 1 holds payments at 10:00-10:02, partition 0 at 10:05 and 10:06; a worker on the
+    event-time gate starts, and the dependencies commit all of partition 0 but only 10:00 of partition 1.
+    Returns (placed, ends, worker)."""
     records = [at(1, n, f"2026-11-20T10:0{n}:00Z") for n in range(3)]
     records += [at(0, n, f"2026-11-20T10:0{n + 5}:00Z") for n in range(2)]
     placed = await produce(producer, names.payments, records)
     ends = ends_of(placed)
-    worker = new_worker(AML_GATE_MODE="event-time")
+    worker = new_worker(AML_GATE_MODE="event-time", **env)
     await worker.wait_ready(set(range(names.partitions)))
-    timeline = CommitTimeline()
     await timeline.commit(deps, {0: ends[0], 1: 1, 2: 0, 3: 0})
+    return placed, ends, worker
+
+
+async def test_a_payment_waits_for_every_partitions_past_not_only_its_own(
+    names, producer, new_worker, deps, decision_log
+):
+    # The dependencies finish partition 0 at once and partition 1 only later.
+    timeline = CommitTimeline()
+    placed, ends, worker = await partition_1_behind(names, producer, new_worker, deps, timeline)
 
     # Partition 1's first payment (10:00) is applied; its second (10:01) is not, and it came before
     # every payment of partition 0 (10:05 and later): nothing of partition 0 may be decided.
@@ -83,15 +90,11 @@ async def test_a_payment_waits_for_every_partitions_past_not_only_its_own(
 async def test_the_allowed_lateness_lets_a_payment_go_without_the_newest_evidence_of_others(
     names, producer, new_worker, deps, decision_log
 ):
-    # Partition 1's first unapplied payment is at 10:01; partition 0's payments at 10:05 and 10:06.
-    records = [at(1, n, f"2026-11-20T10:0{n}:00Z") for n in range(3)]
-    records += [at(0, n, f"2026-11-20T10:0{n + 5}:00Z") for n in range(2)]
-    placed = await produce(producer, names.payments, records)
-    ends = ends_of(placed)
-    # Five minutes of lateness: 10:05 less 5 min is 10:00, before 10:01; 10:06 less 5 min is not.
-    worker = new_worker(AML_GATE_MODE="event-time", AML_ALLOWED_LATENESS="300")
-    await worker.wait_ready(set(range(names.partitions)))
-    await CommitTimeline().commit(deps, {0: ends[0], 1: 1, 2: 0, 3: 0})
+    # Five minutes of lateness: 10:05 less 5 min is 10:00, before partition 1's first unapplied payment
+    # (10:01); 10:06 less 5 min is not.
+    _, _, worker = await partition_1_behind(
+        names, producer, new_worker, deps, CommitTimeline(), AML_ALLOWED_LATENESS="300"
+    )
     await decision_log.wait_for({(1, 0), (0, 0)}, timeout=30)
 
     async def held() -> dict | None:

@@ -246,6 +246,14 @@ def test_waiting_but_open_partition_waits_for_slow_interval() -> None:
     assert due(0.5, {0: 4}, rows) is False
 
 
+def test_the_event_time_gate_refreshes_fast_while_anything_waits() -> None:
+    """Its payments can wait on the cut while their own row is open."""
+    rows = {0: {"watermark": 5}}
+    assert refresh_due(500.0, 499.5, {0: 4}, rows, SLOW, FAST, every_wait=True) is True
+    assert refresh_due(500.0, 499.95, {0: 4}, rows, SLOW, FAST, every_wait=True) is False
+    assert refresh_due(500.0, 499.5, {}, rows, SLOW, FAST, every_wait=True) is False
+
+
 def test_any_blocked_partition_triggers_fast_refresh() -> None:
     rows = {0: {"watermark": 5}, 1: {"watermark": 2}}
     assert due(0.5, {0: 1, 1: 2}, rows) is True
