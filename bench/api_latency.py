@@ -173,8 +173,17 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
         .rename_columns(["partition", "first", "last", "records"])
     )
     edges = valid.group_by(["payer", "payee", "currency"], use_threads=False).aggregate(
-        [("amount", "count"), ("amount", "sum"), ("ts", "min"), ("ts", "max")]
+        [
+            *(("amount", "count"), ("amount", "sum"), ("ts", "min"), ("ts", "max")),
+            *(("ts", "list"), ("amount", "list")),
+        ]
     )
+    several_paid = pc.greater(edges["amount_count"], 1)  # a row of one payment lists none, as Spark's
+
+    def paid(name: str) -> Any:
+        column = edges[name].combine_chunks()
+        return pc.if_else(several_paid, column, pa.nulls(len(column), column.type))
+
     edges = pa.table(
         {
             "payer": edges["payer"],
@@ -184,6 +193,8 @@ def batch_outputs(batch: list[tuple], threshold: Decimal, band: Decimal) -> Any:
             "total": edges["amount_sum"].cast(total),
             "first_seen": edges["ts_min"],
             "last_seen": edges["ts_max"],
+            "times": paid("ts_list"),
+            "amounts": paid("amount_list"),
         }
     )
     keys = ["payer", "bucket", "payee", "currency"]

@@ -196,8 +196,8 @@ def reference_layering(
     at: datetime | None = None,
 ) -> dict[str, Any]:
     """Service B's layering parts (chain, sources, co_payees) for `account`; `closing` and `at` as B's
-    query."""
-    rows = _heavy_rows(list(payments), min_average)
+    query (`at`: as of then, from the payments made by then)."""
+    rows = _heavy_rows(made_by(payments, at), min_average)
     heavy = {(r.payer, r.payee) for r in rows}
     return {
         "chain": _chain(rows, account, hops, closing, at),
@@ -206,14 +206,20 @@ def reference_layering(
     }
 
 
+def made_by(payments: Iterable[Any], at: datetime | None) -> list[Any]:
+    """The payments made at or before `at` (every one when `at` is None): what B answers from at `at`."""
+    return list(payments) if at is None else [p for p in payments if ts_of(p) <= at]
+
+
 def reference_relations(
     payments: Iterable[Any],
     account: str,
     hops: int,
     min_average: Decimal | Mapping[str, Decimal] = Decimal(0),
+    at: datetime | None = None,
 ) -> dict[str, Any]:
-    """Service B's answer for `account`, every part, without `as_of`."""
-    payments = list(payments)
+    """Service B's answer for `account`, every part, without `as_of`; `at`: as of then."""
+    payments = made_by(payments, at)
     payees = sorted({p.payee for p in payments if p.payer == account})
     payers = sorted({p.payer for p in payments if p.payee == account})
 
@@ -248,7 +254,7 @@ def reference_relations(
         "in": [_summary(payments, account, c, outgoing=False) for c in payers],
         "neighbourhood": neighbourhood,
         "cycle": cycle,
-        **reference_layering(payments, account, hops, min_average),
+        **reference_layering(payments, account, hops, min_average, None, at),
     }
 
 
@@ -288,7 +294,7 @@ def reference_loop(
     account -> ... -> closing of at most loop_hops - 1 edges, tried one by one, each edge taken at the
     earliest time it allows (`_step`), starting at `at` - span, and never going on from an account in
     between that paid more than `max_payees` distinct accounts."""
-    edges = _edge_times(list(payments))
+    edges = _edge_times(made_by(payments, at))
     out: dict[str, set[str]] = {}
     for payer, payee in edges:
         out.setdefault(payer, set()).add(payee)

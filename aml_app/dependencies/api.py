@@ -7,8 +7,8 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               (default 0), or one per currency (`USD:1000,EUR:853.4`), which chain, sources and
               co_payees look at; the part `loop` needs
               `closing=<payer>` and `at=ISO` (the payment into the account that would close it) and
-              takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge) and
-              `at` (edges paid before it)
+              takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge); `at=ISO`
+              answers every part as of that instant, from the payments made by then (default: all)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back; each
               window's sums per currency and their totals in the AML rules' reporting currency
@@ -258,8 +258,9 @@ def parse_parts(raw: str | None) -> tuple[str, ...]:
 def parse_loop(
     parts: Sequence[str], closing: str | None, at: str | None, loop_hops: str | None, where: str = ""
 ) -> tuple[str | None, datetime | None, int]:
-    """(closing, at, loop_hops) of a query: `closing` and `at` required with the part `loop` and taken by
-    `chain`; each refused where no part asked reads it."""
+    """(closing, at, loop_hops) of a query: `closing` and `at` required with the part `loop`; `closing`
+    taken by `chain` and refused where no part asked reads it; `at` (answer as of then) taken by every
+    part."""
     if closing is not None and (not closing.strip() or len(closing) > MAX_ID_LENGTH):
         raise BadRequest(
             f"{where}closing must be the payer of the payment into the account, "
@@ -268,9 +269,9 @@ def parse_loop(
     if "loop" not in parts:
         if loop_hops is not None:
             raise BadRequest(f"{where}loop_hops belongs to the part loop, which is not asked.")
-        if (closing is not None or at is not None) and "chain" not in parts:
+        if closing is not None and "chain" not in parts:
             raise BadRequest(
-                f"{where}closing and at belong to the parts chain and loop, neither of which is asked."
+                f"{where}closing belongs to the parts chain and loop, neither of which is asked."
             )
         return closing, None if at is None else parse_at(at), LOOP_HOPS
     if closing is None:
@@ -437,7 +438,7 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
         "relations",
         [
             "GET /relations/{account}?hops=1..3&parts=out,in,neighbourhood,cycle,chain,sources,co_payees"
-            "&min_average=0",
+            "&min_average=0&at=ISO",
             "GET /relations/{account}?parts=loop&closing=PAYER&at=ISO&loop_hops=2..16",
             "GET /relations/{account}?parts=chain&closing=PAYER&at=ISO",
             "POST /relations",

@@ -187,9 +187,13 @@ class DependencyClient:
         parts: str = RELATIONS_PARTS,
         min_average: MinAverage = Decimal(0),
         loop: tuple[str, datetime, int] | None = None,
+        at: datetime | None = None,
     ) -> dict:
-        """One GET /relations; `loop` is the closing payer, the time and the longest loop of a `loop` part."""
+        """One GET /relations; `loop` is the closing payer, the time and the longest loop of a `loop` part,
+        `at` the instant to answer as of (None: from every payment B holds)."""
         query = {"hops": str(hops), "parts": parts, "min_average": min_average_text(min_average)}
+        if at is not None:
+            query["at"] = at.isoformat()
         if loop is not None:
             query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=str(loop[2]))
         return await self._send(
@@ -214,20 +218,25 @@ class DependencyClient:
         min_average: MinAverage = Decimal(0),
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
         need: Need | None = None,
+        ats: Sequence[datetime | None] | None = None,
     ) -> list[dict[str, Any]]:
         """One POST /relations for several accounts: one snapshot of B answers them all. `parts` is one
         list for every account, or one per account; `loops` gives, per account, the closing payer, the
-        time and the longest loop of a `loop` part (None where no loop is asked)."""
+        time and the longest loop of a `loop` part (None where no loop is asked); `ats`, per account, the
+        instant to answer as of (None: from every payment B holds)."""
         each = [parts] * len(accounts) if isinstance(parts, str) else list(parts)
         closing = [None] * len(accounts) if loops is None else list(loops)
+        instants = [None] * len(accounts) if ats is None else list(ats)
         queries = []
-        for account, asked, loop in zip(accounts, each, closing, strict=True):
+        for account, asked, loop, at in zip(accounts, each, closing, instants, strict=True):
             query: dict[str, Any] = {
                 "account": account,
                 "hops": hops,
                 "parts": asked,
                 "min_average": min_average_text(min_average),
             }
+            if at is not None:
+                query["at"] = at.isoformat()
             if loop is not None:
                 query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=loop[2])
             queries.append(query)
@@ -403,6 +412,8 @@ async def evidence_for(
             min_average=min_average,
             loops=[loop for payer, _, at in payments for loop in (None, (payer, at, loop_hops))],
             need=need,
+            # Every answer as of the payment's time: what B applied later does not change the decision.
+            ats=[at for _, _, at in payments for _ in range(2)],
         ),
     )
     return [

@@ -1,9 +1,14 @@
 """Service B's store: directed payment edges between accounts, and the relations query, on PostgreSQL.
 
-An edge is keyed (payer, payee, currency) and holds the number of payments, their exact total, and the
-first and last event time. Spark aggregates each micro-batch into one row per edge (`aml_app.pipeline.
-transforms.edges`); `apply` adds those rows to the stored edges and advances the applied offsets in one
-transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled by COPY).
+An edge is keyed (payer, payee, currency) and holds the number of payments, their exact total, the
+first and last event time, and, when there are several, each payment's time and amount. Spark aggregates
+each micro-batch into one row per edge (`aml_app.pipeline.transforms.edges`); `apply` adds those rows to
+the stored edges and advances the applied offsets in one transaction (an `INSERT ... ON CONFLICT DO
+UPDATE` from a temporary table filled by COPY).
+
+A query with `at` is answered as of that instant: every part as if only the payments made by then had
+been applied (an edge's count, total, last time and average over those), so the answer about a payment
+at its own time does not depend on how far B has applied since; the detectors ask so.
 
 `relations_many` answers, from one REPEATABLE READ snapshot and in a few statements for a whole batch:
 - `out` / `in`: the account's direct counterparties, merged over currencies, sorted by counterparty;
@@ -16,8 +21,8 @@ transaction (an `INSERT ... ON CONFLICT DO UPDATE` from a temporary table filled
 - `loop` (answered only when asked, with `closing` and `at`): the shortest cycle that a payment from
   `closing` into the account at `at` closes, if money can have gone around it in time: a path account ->
   ... -> closing of at most `loop_hops` - 1 edges through distinct accounts, each edge paid no earlier
-  than the one before and within LOOP_SPAN before `at`. Edges keep only their first and last times, so an
-  edge is taken at max(the time reached, its first payment) if its last payment is not earlier: exact for
+  than the one before and within LOOP_SPAN before `at`. The search reads an edge's first and last times
+  only, so an edge is taken at max(the time reached, its first payment) if its last is not earlier: exact for
   edges of one payment, and never missing a loop otherwise. Searched from both ends at once (`LoopSearch`:
   forward from the account, backward from the closing payer, one statement per direction and level for
   the whole batch), so each side goes about half as deep; an account in between that paid more than
@@ -36,7 +41,7 @@ payments (shops, friends) out of these answers:
   the next edge's last and each edge's average payment FLOW_RATIO (0.8-1.25) times the one before it
   (averages in units of the currency's `min_average`, so the same sum in every currency compares equal);
   with `closing`, only a flow whose last edge is closing -> account (the payment being decided); with
-  `at` (its time), only edges paid within LOOP_SPAN before it and not first after it. Among equally long
+  `at` (its time), only edges paid within LOOP_SPAN before it. Among equally long
   ones the smallest path; `[]` when none comes in;
 - `sources`: the two-step heavy flows into the account: every source s with at least 2 distinct
   intermediates m (s -> m -> account, s, m and the account all distinct), as {"source", "via"}, the most
@@ -130,11 +135,22 @@ SCHEMA = Schema(
         DROP INDEX {schema}.edges_by_payee_average;
         CREATE INDEX edges_by_payee ON {schema}.edges (payee, (total / payments)) INCLUDE (payer)
         """,
+        # 4: each edge of several payments holds them (`times` and `amounts`, in the same order), so that
+        # an answer at an instant counts only the payments made by then (`_whole`). A row of one payment
+        # keeps none: it is its first_seen and its total. A row of several written before keeps none and
+        # is read whole at every instant; `aml-app rebuild relations` gives it its payments.
+        """
+        ALTER TABLE {schema}.edges ADD COLUMN times timestamptz[], ADD COLUMN amounts numeric[]
+        """,
     ],
 )
 
-#: The columns of a batch's edge rows, as Spark makes them.
-EDGE_COLUMNS = ("payer", "payee", "currency", "payments", "total", "first_seen", "last_seen")
+#: The columns of a batch's edge rows, as Spark makes them (`times` and `amounts`: Arrow lists, null in a
+#: row of one payment).
+EDGE_COLUMNS = (
+    *("payer", "payee", "currency", "payments", "total", "first_seen", "last_seen"),
+    *("times", "amounts"),
+)
 
 
 def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
@@ -145,7 +161,8 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
         """
         CREATE TEMPORARY TABLE batch_edges (
             payer text COLLATE "C", payee text COLLATE "C", currency text COLLATE "C",
-            payments bigint, total numeric, first_seen timestamptz, last_seen timestamptz
+            payments bigint, total numeric, first_seen timestamptz, last_seen timestamptz,
+            times timestamptz[], amounts numeric[]
         ) ON COMMIT DROP
         """
     )
@@ -158,7 +175,14 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
                 payments = e.payments + excluded.payments,
                 total = e.total + excluded.total,
                 first_seen = least(e.first_seen, excluded.first_seen),
-                last_seen = greatest(e.last_seen, excluded.last_seen)
+                last_seen = greatest(e.last_seen, excluded.last_seen),
+                times = CASE WHEN e.payments = 1 OR e.times IS NOT NULL THEN
+                    coalesce(e.times, ARRAY[e.first_seen])
+                        || coalesce(excluded.times, ARRAY[excluded.first_seen])
+                    END,
+                amounts = CASE WHEN e.payments = 1 OR e.times IS NOT NULL THEN
+                    coalesce(e.amounts, ARRAY[e.total]) || coalesce(excluded.amounts, ARRAY[excluded.total])
+                    END
             """
         ).format(edges=sql.Identifier(schema.name, "edges"))
     )
@@ -243,48 +267,98 @@ def _sides(rows: Iterable[tuple]) -> dict[int, list[dict[str, Any]]]:
     }
 
 
-_SIDE = """
-SELECT q.i, e.{other}, e.currency, e.payments, e.total, e.first_seen, e.last_seen
-FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
-JOIN {edges} e ON e.{own} = q.account COLLATE "C"
+# --- an edge row as of an instant ------------------------------------------------------------------
+# A query's `at` (NULL: none) cuts every edge row it reads: the row counts only the payments made by then.
+# A row last paid by then (or of one payment) is read whole, straight from its columns; only a row with
+# payments on both sides of `at` unpacks its `times` and `amounts`. An answer at `at` is so the answer over
+# the payments up to `at`, however far the store has gone on: what makes a decision replay identically.
+
+
+def _paid(e: str, at: str = "q.at") -> str:
+    """Edge row `e` has a payment made by `at`."""
+    return f"({at} IS NULL OR {e}.first_seen <= {at})"
+
+
+def _whole(e: str, at: str) -> str:
+    return f"({at} IS NULL OR {e}.last_seen <= {at} OR {e}.times IS NULL)"
+
+
+def _count(e: str, at: str = "q.at") -> str:
+    """The number of payments on `e` made by `at` (of a row that `_paid` holds for)."""
+    return (
+        f"(CASE WHEN {_whole(e, at)} THEN {e}.payments "
+        f"ELSE (SELECT count(*) FROM unnest({e}.times) AS c(t) WHERE c.t <= {at}) END)"
+    )
+
+
+def _sum(e: str, at: str = "q.at") -> str:
+    """Their total."""
+    return (
+        f"(CASE WHEN {_whole(e, at)} THEN {e}.total ELSE (SELECT sum(c.a) FROM unnest({e}.times, "
+        f"{e}.amounts) AS c(t, a) WHERE c.t <= {at}) END)"
+    )
+
+
+def _last(e: str, at: str = "q.at") -> str:
+    """The last of them."""
+    return (
+        f"(CASE WHEN {_whole(e, at)} THEN {e}.last_seen "
+        f"ELSE (SELECT max(c.t) FROM unnest({e}.times) AS c(t) WHERE c.t <= {at}) END)"
+    )
+
+
+_SIDE = f"""
+SELECT q.i, e.{{other}}, e.currency, {_count("e")}, {_sum("e")}, e.first_seen, {_last("e")}
+FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
+JOIN {{edges}} e ON e.{{own}} = q.account COLLATE "C"
+WHERE {_paid("e")}
 """
 
 # The shortest simple cycle through each account, for lengths 2 and 3 (NULL where there is none): the
 # smallest path of each length, in code-point order, through distinct accounts other than the asked one
 # (a self-payment makes no cycle). Each length is a join along out-edges that ends with a primary-key
 # lookup of the edge back to the account.
-_CYCLES = """
+_CYCLES = f"""
 SELECT q.i,
-    (SELECT min(e1.payee) FROM {edges} e1
-        JOIN {edges} e2 ON e2.payer = e1.payee AND e2.payee = q.account
-        WHERE e1.payer = q.account AND e1.payee <> q.account AND %(hops)s >= 2) AS two,
-    (SELECT ARRAY[e1.payee, e2.payee] FROM {edges} e1
-        JOIN {edges} e2 ON e2.payer = e1.payee
-        JOIN {edges} e3 ON e3.payer = e2.payee AND e3.payee = q.account
+    (SELECT min(e1.payee) FROM {{edges}} e1
+        JOIN {{edges}} e2 ON e2.payer = e1.payee AND e2.payee = q.account
+        WHERE e1.payer = q.account AND e1.payee <> q.account AND %(hops)s >= 2
+            AND {_paid("e1")} AND {_paid("e2")}) AS two,
+    (SELECT ARRAY[e1.payee, e2.payee] FROM {{edges}} e1
+        JOIN {{edges}} e2 ON e2.payer = e1.payee
+        JOIN {{edges}} e3 ON e3.payer = e2.payee AND e3.payee = q.account
         WHERE e1.payer = q.account AND %(hops)s >= 3
             AND e1.payee <> q.account AND e2.payee <> q.account AND e2.payee <> e1.payee
+            AND {_paid("e1")} AND {_paid("e2")} AND {_paid("e3")}
         ORDER BY e1.payee, e2.payee LIMIT 1) AS three
-FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
 """
 
 _NEIGHBOURS = """
 SELECT payee FROM {edges} WHERE payer = ANY(%(frontier)s::text[])
+    AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
 UNION
 SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
+    AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
 """
 
-# A heavy edge row `e`: average payment >= the minimum of its currency (%(uniform)s for every currency,
-# or the one `array_position` finds; none: NULL, never heavy). The first test, against the lowest
-# minimum, can use the expression index edges_by_payee; the second is the exact one (numeric division
-# rounds, multiplication does not).
+# A heavy edge row `e` as of the query's `at`: average payment >= the minimum of its currency
+# (%(uniform)s for every currency, or the one `array_position` finds; none: NULL, never heavy). The first
+# test, against the lowest minimum, can use the expression index edges_by_payee for a row read whole (a
+# row cut at `at` has another average); the second is the exact one (numeric division rounds,
+# multiplication does not).
 _HEAVY = (
-    "({e}.total / {e}.payments) >= %(min)s AND {e}.total >= coalesce((%(minimums)s::numeric[])"
-    "[array_position(%(currencies)s::text[], {e}.currency::text)], %(uniform)s) * {e}.payments"
+    "{paid} AND (({e}.total / {e}.payments) >= %(min)s OR NOT {whole}) AND {total} >= coalesce("
+    "(%(minimums)s::numeric[])[array_position(%(currencies)s::text[], {e}.currency::text)], %(uniform)s)"
+    " * {count}"
 )
 
 
 def _heavy(*aliases: str) -> str:
-    return " AND ".join(_HEAVY.format(e=a) for a in aliases)
+    return " AND ".join(
+        _HEAVY.format(e=e, paid=_paid(e), whole=_whole(e, "q.at"), total=_sum(e), count=_count(e))
+        for e in aliases
+    )
 
 
 # A heavy edge row's unit: its currency's minimum when each currency has one, else 1 (one minimum for
@@ -294,22 +368,19 @@ _UNIT = "coalesce((%(minimums)s::numeric[])[array_position(%(currencies)s::text[
 
 def _recent(*aliases: str) -> str:
     """With the query's `at`, an edge row takes part in a flow only if it was paid within LOOP_SPAN
-    before `at` and not first after it (a later payment cannot have carried this payment's money)."""
-    return " AND ".join(
-        f"(q.at IS NULL OR ({e}.first_seen <= q.at AND {e}.last_seen >= q.at - %(span)s))" for e in aliases
-    )
+    before `at` (its payments after `at` are not there: a later payment cannot have carried this
+    payment's money)."""
+    return " AND ".join(f"(q.at IS NULL OR {_last(e)} >= q.at - %(span)s)" for e in aliases)
 
 
 def _flows(before: str, after: str) -> str:
     """Money paid on edge row `before` can have gone on along `after`: `before`'s first payment is no
     later than `after`'s last, and `after`'s average is FLOW_RATIO times `before`'s (in units)."""
     on, back = (
-        f"{after}.total * {before}.payments * {_UNIT.format(e=before)}",
-        f"{before}.total * {after}.payments * {_UNIT.format(e=after)}",
+        f"{_sum(after)} * {_count(before)} * {_UNIT.format(e=before)}",
+        f"{_sum(before)} * {_count(after)} * {_UNIT.format(e=after)}",
     )
-    return (
-        f"{before}.first_seen <= {after}.last_seen AND {on} >= %(low)s * {back} AND {on} <= %(high)s * {back}"
-    )
+    return f"{before}.first_seen <= {_last(after)} AND {on} >= %(low)s * {back} AND {on} <= %(high)s * {back}"
 
 
 # The longest flow of heavy edge rows into each account, for each length up to 3 (NULL where there is
@@ -343,7 +414,7 @@ FROM unnest(%(accounts)s::text[], %(closings)s::text[], %(ats)s::timestamptz[])
 
 _SOURCES = f"""
 SELECT q.i, s.source, s.via
-FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
 CROSS JOIN LATERAL (
     SELECT e1.payer AS source, array_agg(DISTINCT e2.payer ORDER BY e2.payer) AS via
     FROM {{edges}} e2
@@ -360,7 +431,7 @@ ORDER BY q.i, cardinality(s.via) DESC, s.source
 
 _CO_PAYEES = f"""
 SELECT q.i, c.account, c.shared
-FROM unnest(%(accounts)s::text[]) WITH ORDINALITY AS q(account, i)
+FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
 CROSS JOIN LATERAL (
     SELECT e2.payee AS account, count(DISTINCT e1.payer) AS shared
     FROM {{edges}} e1
@@ -406,10 +477,15 @@ async def _chains(
 
 
 async def _listed(
-    cur: Any, query: str, edges: sql.Composable, accounts: list[str], min_average: MinAverage
+    cur: Any,
+    query: str,
+    edges: sql.Composable,
+    accounts: list[str],
+    ats: list[datetime | None],
+    min_average: MinAverage,
 ) -> dict[int, list[tuple[Any, Any]]]:
     await cur.execute(
-        sql.SQL(query).format(edges=edges), {"accounts": accounts, **_heavy_params(min_average)}
+        sql.SQL(query).format(edges=edges), {"accounts": accounts, "ats": ats, **_heavy_params(min_average)}
     )
     found: dict[int, list[tuple[Any, Any]]] = {}
     for i, name, value in await cur.fetchall():
@@ -417,8 +493,10 @@ async def _listed(
     return found
 
 
-async def _cycles(cur: Any, edges: sql.Composable, accounts: list[str], hops: int) -> dict[int, dict]:
-    await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "hops": hops})
+async def _cycles(
+    cur: Any, edges: sql.Composable, accounts: list[str], ats: list[datetime | None], hops: int
+) -> dict[int, dict]:
+    await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "ats": ats, "hops": hops})
     found = {}
     for i, two, three in await cur.fetchall():
         account = accounts[i - 1]
@@ -443,22 +521,23 @@ WITH f AS (
 """
 _FEW_PAYEES = """
 (SELECT count(*) FROM (
-    SELECT DISTINCT d.payee FROM {edges} d WHERE d.payer = {account} AND d.payee <> d.payer
+    SELECT DISTINCT d.payee FROM {edges} d
+    WHERE d.payer = {account} AND d.payee <> d.payer AND d.first_seen <= {at}
     LIMIT %(max_payees)s + 1) n) <= %(max_payees)s
 """
 
 # Forward: from each frontier account (the time money reached it), the accounts its out-edges reach in
 # time, with the earliest time each is reached (over the edge's currencies). An edge counts if it was
-# paid at or before `at`, last paid no earlier than the time reached, and leads to another account than
-# the payee.
+# paid at or before `at`, last paid (by `at`) no earlier than the time reached, and leads to another
+# account than the payee.
 _LOOP_FORWARD = (
     _FRONTIER
-    + """
+    + f"""
 SELECT f.k, f.account, e.payee, min(greatest(f.t, e.first_seen))
-FROM f JOIN {edges} e ON e.payer = f.account COLLATE "C"
-WHERE e.last_seen >= f.t AND e.first_seen <= f.at AND e.payee <> e.payer AND e.payee <> f.payee
+FROM f JOIN {{edges}} e ON e.payer = f.account COLLATE "C"
+WHERE {_last("e", "f.at")} >= f.t AND e.first_seen <= f.at AND e.payee <> e.payer AND e.payee <> f.payee
     AND (f.account = f.payee OR """
-    + _FEW_PAYEES.format(edges="{edges}", account="f.account")
+    + _FEW_PAYEES.format(edges="{edges}", account="f.account", at="f.at")
     + """)
 GROUP BY f.k, f.account, e.payee
 """
@@ -470,16 +549,16 @@ GROUP BY f.k, f.account, e.payee
 # time and its last within the span, and comes from another account than the closing payer.
 _LOOP_BACKWARD = (
     _FRONTIER
-    + """, steps AS (
-    SELECT f.k, f.account, e.payer AS source, f.payee, max(least(f.t, e.last_seen)) AS latest
-    FROM f JOIN {edges} e ON e.payee = f.account COLLATE "C"
-    WHERE e.first_seen <= f.t AND e.last_seen >= f.at - %(span)s AND e.payer <> e.payee
+    + f""", steps AS (
+    SELECT f.k, f.account, e.payer AS source, f.payee, f.at, max(least(f.t, {_last("e", "f.at")})) AS latest
+    FROM f JOIN {{edges}} e ON e.payee = f.account COLLATE "C"
+    WHERE e.first_seen <= f.t AND {_last("e", "f.at")} >= f.at - %(span)s AND e.payer <> e.payee
         AND e.payer <> f.payer
-    GROUP BY f.k, f.account, e.payer, f.payee
+    GROUP BY f.k, f.account, e.payer, f.payee, f.at
 )
 SELECT s.k, s.account, s.source, s.latest FROM steps s
 WHERE s.source = s.payee OR """
-    + _FEW_PAYEES.format(edges="{edges}", account="s.source")
+    + _FEW_PAYEES.format(edges="{edges}", account="s.source", at="s.at")
 )
 
 #: A label of an account in one direction of a search: its level, the time (earliest reached forward,
@@ -604,13 +683,15 @@ async def _loops(cur: Any, edges: sql.Composable, asked: Sequence[Query]) -> lis
     return [s.answer() for s in searches]
 
 
-async def _neighbourhood(cur: Any, edges: sql.Composable, account: str, hops: int) -> list[dict[str, Any]]:
+async def _neighbourhood(
+    cur: Any, edges: sql.Composable, account: str, hops: int, at: datetime | None
+) -> list[dict[str, Any]]:
     distance = {account: 0}
     frontier = [account]
     for step in range(1, hops + 1):
         if not frontier:
             break
-        await cur.execute(sql.SQL(_NEIGHBOURS).format(edges=edges), {"frontier": frontier})
+        await cur.execute(sql.SQL(_NEIGHBOURS).format(edges=edges), {"frontier": frontier, "at": at})
         frontier = sorted(a for (a,) in await cur.fetchall() if a not in distance)
         for name in frontier:
             distance[name] = step
@@ -659,13 +740,15 @@ async def relations_many(
         if wanted:
             await cur.execute(
                 sql.SQL(_SIDE).format(edges=edges, own=sql.Identifier(own), other=sql.Identifier(other)),
-                {"accounts": [a for _, a in wanted]},
+                {"accounts": [a for _, a in wanted], "ats": [asked[i].at for i, _ in wanted]},
             )
             sides = _sides(await cur.fetchall())
             for k, (i, _account) in enumerate(wanted, start=1):
                 answers[i][part] = sides.get(k, [])
     for (hops, _min), indexes in _grouped(asked, "cycle", lambda q: (q.hops, None)).items():
-        cycles = await _cycles(cur, edges, [asked[i].account for i in indexes], hops)
+        cycles = await _cycles(
+            cur, edges, [asked[i].account for i in indexes], [asked[i].at for i in indexes], hops
+        )
         for k, i in enumerate(indexes, start=1):
             answers[i]["cycle"] = cycles[k]
     looping = [i for i, q in enumerate(asked) if "loop" in q.parts]
@@ -696,7 +779,14 @@ async def relations_many(
             asked, part, lambda q: (None, _heavy_key(q.min_average))
         ).items():
             min_average = asked[indexes[0]].min_average
-            listed = await _listed(cur, query, edges, [asked[i].account for i in indexes], min_average)
+            listed = await _listed(
+                cur,
+                query,
+                edges,
+                [asked[i].account for i in indexes],
+                [asked[i].at for i in indexes],
+                min_average,
+            )
             for k, i in enumerate(indexes, start=1):
                 answers[i][part] = [
                     {fields[0]: name, fields[1]: list(value) if isinstance(value, list) else int(value)}
@@ -704,7 +794,7 @@ async def relations_many(
                 ]
     for i, q in enumerate(asked):
         if "neighbourhood" in q.parts:
-            answers[i]["neighbourhood"] = await _neighbourhood(cur, edges, q.account, q.hops)
+            answers[i]["neighbourhood"] = await _neighbourhood(cur, edges, q.account, q.hops, q.at)
     return answers
 
 

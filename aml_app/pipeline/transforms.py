@@ -81,7 +81,9 @@ def expressions(frame: DataFrame, name: Any, build: Callable[[], tuple[Column | 
 
 
 def edges(valid: DataFrame) -> DataFrame:
-    """Service B: the batch's payments summed per directed edge and currency."""
+    """Service B: the batch's payments summed per directed edge and currency, with each payment's time
+    and amount (in the same order) when there are several, so that B can answer as of any instant (one
+    is first_seen and total)."""
     totals = expressions(
         valid,
         "edges",
@@ -90,9 +92,19 @@ def edges(valid: DataFrame) -> DataFrame:
             F.sum("amount").alias("total"),
             F.min("ts").alias("first_seen"),
             F.max("ts").alias("last_seen"),
+            F.collect_list(F.struct("ts", "amount")).alias("paid"),
         ),
     )
-    return valid.groupBy("payer", "payee", "currency").agg(*totals)
+    columns = expressions(
+        valid,
+        "edge columns",
+        lambda: (
+            *("payer", "payee", "currency", "payments", "total", "first_seen", "last_seen"),
+            F.when(F.col("payments") > 1, F.col("paid.ts")).alias("times"),
+            F.when(F.col("payments") > 1, F.col("paid.amount")).alias("amounts"),
+        ),
+    )
+    return valid.groupBy("payer", "payee", "currency").agg(*totals).select(*columns)
 
 
 def near_threshold(amount: Column, threshold: Decimal, band: Decimal) -> Column:

@@ -36,8 +36,8 @@ async def gather_answers(client: DependencyClient, payer: str, payee: str, at: d
         await asyncio.gather(
             client.aggregates(payer, at),
             client.aggregates(payee, at),
-            client.relations(payer, parts=PAYER_PARTS),
-            client.relations(payee, parts=PAYEE_PARTS, loop=(payer, at, LOOP_HOPS)),
+            client.relations(payer, parts=PAYER_PARTS, at=at),
+            client.relations(payee, parts=PAYEE_PARTS, loop=(payer, at, LOOP_HOPS), at=at),
         )
     )
 

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.copy import copy_arrow
 from aml_app.dependencies.store import ANALYZE_GROWTH, StaleBatch, StoreError, Writer, migrate, money_text
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
@@ -179,6 +180,15 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             for account, answer in zip([*ACCOUNTS, "nobody"], answers, strict=True):
                 assert answer["as_of"] == expected_as_of
                 assert without_as_of(answer) == reference_relations(scenario.payments, account, hops, heavy)
+            # As of an instant, every part is the answer over the payments made by then: a day in, mid-way,
+            # exactly at a payment's time (it counts), and after the drawn ten days.
+            instants = [T0 + timedelta(days=d) for d in (1, 5, 11)] + [p.ts for p in scenario.payments[::7]]
+            cut = [
+                relations.Query(a, hops, relations.PARTS, heavy, at=at) for a in ACCOUNTS for at in instants
+            ]
+            for q, answer in zip(cut, run(relations_answers(url, cut)), strict=True):
+                expected = reference_relations(scenario.payments, q.account, hops, heavy, q.at)
+                assert without_as_of(answer) == expected, (q.account, q.at, hops, heavy)
             # Chains ending with one payer's edge (the payment being decided), every account pair, without
             # a time and at instants inside and after the drawn ten days.
             asked = [
@@ -356,6 +366,50 @@ async def test_out_in_totals_and_seen_times(spark: Any, store_url: str) -> None:
     ]
     assert answer["neighbourhood"] == [{"account": "B", "hops": 1}, {"account": "C", "hops": 1}]
     assert answer["as_of"] == {"0": 4}
+
+
+async def test_an_answer_as_of_an_instant_holds_only_the_payments_made_by_then(
+    spark: Any, store_url: str
+) -> None:
+    hour = timedelta(hours=1)
+    first = rows(
+        ("A", "B", "0.10", T0),
+        ("A", "B", "5000", T0 + 2 * hour),
+        ("B", "A", "100", T0 + 3 * hour),  # closes a cycle A -> B -> A, from then on
+        ("A", "D", "4000", T0 + 2 * hour),
+        ("C", "B", "5000", T0 + hour),
+    )
+    # A later batch adds to A -> B a payment made between the two before it: the row's payments are merged.
+    second = rows(("A", "B", "0.20", T0 + hour), ("C", "D", "3000", T0 + 4 * hour), start=len(first))
+    apply_payments(spark, store_url, "relations", first)
+    apply_payments(spark, store_url, "relations", second)
+    payments = [*first, *second]
+
+    async def at(account: str, when: datetime | None, heavy: Decimal = Decimal(0)) -> dict[str, Any]:
+        query = relations.Query(account, 3, relations.PARTS, heavy, at=when)
+        return without_as_of((await relations_answers(store_url, [query]))[0])
+
+    early = await at("A", T0 + hour)
+    assert early["out"] == [
+        {
+            "counterparty": "B",
+            "count": 2,
+            "totals": {"EUR": "0.30"},
+            "first_seen": "2026-03-01T00:00:00.000000Z",
+            "last_seen": "2026-03-01T01:00:00.000000Z",
+        }
+    ]
+    assert early["cycle"] == {"found": False, "path": []}
+    assert (await at("A", T0 + 3 * hour))["cycle"] == {"found": True, "path": ["A", "B", "A"]}
+    # Heavy edges (average >= 1000) as of then: A -> B is light until its 5000 is paid.
+    assert (await at("B", T0 + hour, Decimal(1000)))["co_payees"] == []
+    assert (await at("D", T0 + 4 * hour, Decimal(1000)))["co_payees"] == [{"account": "B", "shared": 2}]
+    assert (await at("B", None))["out"][0]["count"] == 1
+    for account in ("A", "B", "C", "D"):
+        for when in (T0 - hour, T0, T0 + hour, T0 + 2 * hour, T0 + 3 * hour, T0 + 4 * hour, None):
+            for heavy in (Decimal(0), Decimal(1000)):
+                expected = reference_relations(payments, account, 3, heavy, when)
+                assert await at(account, when, heavy) == expected, (account, when, heavy)
 
 
 async def test_totals_are_exact_for_large_sums(spark: Any, store_url: str) -> None:
@@ -831,7 +885,10 @@ async def test_a_version_2_relations_store_migrates_to_one_index_by_payee(spark:
         writer.migrate()
         writer.apply(
             outputs.covered(writer.applied_offsets()),
-            lambda conn: relations.write_edges(conn, version_2, outputs.tables["edges"]),
+            # As version 2 wrote them: one row per edge, without its payments (each key is paid once here).
+            lambda conn: copy_arrow(
+                conn, "relations.edges", outputs.tables["edges"], relations.EDGE_COLUMNS[:7]
+            ),
         )
     finally:
         writer.close()

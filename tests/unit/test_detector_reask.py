@@ -101,6 +101,7 @@ class FakeDependencies:
         min_average: Decimal = Decimal(0),
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
         need: Any = None,
+        ats: Sequence[datetime | None] | None = None,
     ) -> list[dict[str, Any]]:
         n, as_of = self._round("relations", list(accounts))
         return [
