@@ -5,16 +5,17 @@
 
 **Recall** (replayed, real AMLworld data and the calibrated simulator). Payments go to partitions by
 payer, as Kafka's default partitioner puts them (murmur2 of the key). Services B and C are the naive
-reference (`tests/replay.py`); they apply every partition up to the wall-clock instant, except the held
-partition q, which they apply `--lag-hours` behind. Each gate admits each payment at its own instant
-and the rules see what B and C have applied by then:
+reference (`tests/replay.py`), which answers as of the payment's time as the real ones do; they apply
+every partition up to the wall-clock instant, except the held partition q, which they apply
+`--lag-hours` behind. Each gate admits each payment at its own instant and the rules see what B and C
+have applied by then:
 - per-partition gate: a payment of another partition is admitted at its time t, with q's payments
   of (t - lag, t] missing; one of q at t + lag;
 - event-time gate: every payment at t + lag (when q has applied t), with every payment up to t, and
-  other partitions' payments of (t, t + lag] too (B's graph answers are not cut at the payment's time);
+  other partitions' payments of (t, t + lag] applied too;
 - no skew: every payment with everything up to t (the reference for both);
-- all ahead: no skew, but every partition applied up to t + lag when the payment is decided: what B's
-  graph answers, which are not cut at the payment's time, change by including later payments alone.
+- all ahead: no skew, but every partition applied up to t + lag when the payment is decided: a check
+  that payments after t change no answer.
 Each held partition in turn; own-typology recall per typology, the average over held partitions and
 the worst one, and the share of alerted payments whose verdict differs from no skew.
 
@@ -134,7 +135,7 @@ def skew(patterns: Any, background: Any, partitions: int, lag: timedelta) -> dic
     started = time.perf_counter()
     base = replay(timeline, lambda i: True, lambda i, t: (t, t), set())
     runs: dict[str, Any] = {"no skew": {"recall": recall(patterns, base)}}
-    # Every partition applied `lag` past each payment: what B's answers gain from payments after t alone.
+    # Every partition applied `lag` past each payment: answers as of t must not change.
     ahead = replay(timeline, lambda i: True, lambda i, t: (t + lag, t + lag), set())
     runs["all ahead"] = {"recall": recall(patterns, ahead), "changed": changed(base, ahead)}
     per_mode: dict[str, list[dict[str, Any]]] = {"per-partition gate": [], "event-time gate": []}
@@ -190,8 +191,8 @@ def recall_table(doc: dict[str, Any]) -> str:
     )
     ahead = doc["all ahead"]
     changes += (
-        "; with no skew but every partition applied the lag past each payment (B's graph answers then "
-        f"include later payments): {ahead['changed']:.2%}, recall {ahead['recall']['all']}"
+        "; with no skew but every partition applied the lag past each payment: "
+        f"{ahead['changed']:.2%}, recall {ahead['recall']['all']}"
     )
     return markdown_table(headers, rows) + "\n\n" + changes
 

@@ -302,8 +302,8 @@ def reference_loop(
 
 
 def loop_on_edges(
-    edges: dict[tuple[str, str], list[tuple[datetime, datetime]]],
-    out: dict[str, set[str]],
+    edges: Mapping[tuple[str, str], list[tuple[datetime, datetime]]],
+    out: Mapping[str, set[str]],
     account: str,
     closing: str,
     at: datetime,

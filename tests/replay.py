@@ -12,12 +12,17 @@ the edges' first and last times, kept up as payments are fed (`tests.reference.l
 `neighbourhood` are read by no rule and are left empty: exact, they would need every payment into the
 account and the whole undirected 3-hop ball (minutes per run).
 
+Every answer is as of the payment's time, as the real B and C give it to the detectors: only payments made
+by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead).
+
 Used by the detection tests on simulated traffic and by `bench/amlworld_detection.py` on real data.
 """
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -26,7 +31,13 @@ from typing import Any
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
-from tests.reference import loop_on_edges, reference_aggregates, reference_layering, reference_relations
+from tests.reference import (
+    loop_on_edges,
+    made_by,
+    reference_aggregates,
+    reference_layering,
+    reference_relations,
+)
 
 THRESHOLD = Decimal("10000")
 BAND = Decimal("0.1")
@@ -50,15 +61,52 @@ def row_of(payment: Any) -> Row:
     return Row(payment.payer, payment.payee, amount, payment.currency, ts.astimezone(UTC))
 
 
+class EdgesAsOf(Mapping[tuple[str, str], list[tuple[datetime, datetime]]]):
+    """B's edges for `loop` as of an instant: per (payer, payee), each currency's first and last payment
+    time among those made by then (an edge first paid later is not there)."""
+
+    def __init__(self, times: Mapping[tuple[str, str], Mapping[str, list[datetime]]], at: datetime) -> None:
+        self.times, self.at = times, at
+
+    def __getitem__(self, edge: tuple[str, str]) -> list[tuple[datetime, datetime]]:
+        spans = []
+        for paid in self.times.get(edge, {}).values():  # sorted
+            made = bisect.bisect_right(paid, self.at)
+            if made:
+                spans.append((paid[0], paid[made - 1]))
+        return spans
+
+    def __iter__(self) -> Iterator[tuple[str, str]]:
+        return iter(self.times)
+
+    def __len__(self) -> int:
+        return len(self.times)
+
+
+class PayeesAsOf(Mapping[str, set[str]]):
+    """Each payer's payees as of an instant."""
+
+    def __init__(self, edges: EdgesAsOf, out: Mapping[str, set[str]]) -> None:
+        self.edges, self.out = edges, out
+
+    def __getitem__(self, payer: str) -> set[str]:
+        return {payee for payee in self.out.get(payer, ()) if self.edges[(payer, payee)]}
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.out)
+
+    def __len__(self) -> int:
+        return len(self.out)
+
+
 class Services:
     """What B and C would answer after the payments fed so far were applied."""
 
     def __init__(self, thresholds: AmlThresholds) -> None:
         self.min_average = thresholds.rates.in_each(thresholds.graph_min_average)  # as the detector asks
         self.loop_hops = thresholds.cycle_max_hops
-        # (payer, payee) -> per currency [first, last] payment time; payer -> payees: B's edges for `loop`
-        self.spans: dict[tuple[str, str], dict[str, tuple[datetime, datetime]]] = defaultdict(dict)
-        self.edges: dict[tuple[str, str], list[tuple[datetime, datetime]]] = {}
+        # (payer, payee) -> per currency its payment times, sorted; payer -> payees: B's edges for `loop`
+        self.times: dict[tuple[str, str], dict[str, list[datetime]]] = defaultdict(dict)
         self.out: dict[str, set[str]] = defaultdict(set)
         self.touching: dict[str, list[Row]] = defaultdict(list)
         self.sent_by: dict[str, list[Row]] = defaultdict(list)
@@ -72,10 +120,7 @@ class Services:
             self.touching[payment.payee].append(payment)
         self.sent_by[payment.payer].append(payment)
         self.received_by[payment.payee].append(payment)
-        pair = self.spans[(payment.payer, payment.payee)]
-        first, last = pair.get(payment.currency, (payment.ts, payment.ts))
-        pair[payment.currency] = (min(first, payment.ts), max(last, payment.ts))
-        self.edges[(payment.payer, payment.payee)] = list(pair.values())
+        bisect.insort(self.times[(payment.payer, payment.payee)].setdefault(payment.currency, []), payment.ts)
         self.out[payment.payer].add(payment.payee)
 
     def payers_of(self, accounts: set[str]) -> set[str]:
@@ -84,13 +129,13 @@ class Services:
     def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
         return reference_aggregates([self.touching.get(account, [])], account, at, THRESHOLD, BAND)
 
-    def relations(self, account: str) -> dict[str, Any]:
+    def relations(self, account: str, at: datetime) -> dict[str, Any]:
         reach, frontier = {account}, {account}
         for _ in range(HOPS - 1):
-            frontier = {p.payee for a in frontier for p in self.sent_by.get(a, [])} - reach
+            frontier = {p.payee for a in frontier for p in self.sent_by.get(a, []) if p.ts <= at} - reach
             reach |= frontier
         subset = [p for a in sorted(reach) for p in self.sent_by.get(a, [])]
-        answer = reference_relations(subset, account, HOPS)
+        answer = reference_relations(subset, account, HOPS, at=at)
         answer["in"], answer["neighbourhood"], answer["chain"] = [], [], []
         return answer
 
@@ -99,12 +144,13 @@ class Services:
         subset = list(self.received_by.get(account, []))
         for payer in payers:
             subset += self.received_by.get(payer, []) + self.sent_by.get(payer, [])
-        layering = reference_layering(subset, account, HOPS, self.min_average)
+        layering = reference_layering(made_by(subset, at), account, HOPS, self.min_average)
         back, frontier = {account}, {account}
         for _ in range(HOPS - 1):
             frontier = self.payers_of(frontier) - back
             back |= frontier
         into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
+        edges = EdgesAsOf(self.times, at)
         return {
             "account": account,
             "hops": HOPS,
@@ -112,7 +158,14 @@ class Services:
             "sources": layering["sources"],
             "co_payees": layering["co_payees"],
             "loop": loop_on_edges(
-                self.edges, self.out, account, closing, at, self.loop_hops, LOOP_SPAN, LOOP_MAX_PAYEES
+                edges,
+                PayeesAsOf(edges, self.out),
+                account,
+                closing,
+                at,
+                self.loop_hops,
+                LOOP_SPAN,
+                LOOP_MAX_PAYEES,
             ),
         }
 
@@ -129,6 +182,6 @@ class Services:
             ts=payment.ts if isinstance(payment.ts, str) else row.ts.isoformat(),
             payer_aggregates=self.aggregates(payment.payer, at),
             payee_aggregates=self.aggregates(payment.payee, at),
-            payer_relations=self.relations(payment.payer),
+            payer_relations=self.relations(payment.payer, at),
             payee_relations=self.payee_relations(payment.payee, payment.payer, at),
         )
