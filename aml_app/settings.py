@@ -133,6 +133,9 @@ class Settings:
     spark_master: str = "local[2]"
     trigger_interval: float = 0.5
     max_records_per_trigger: int = 100_000
+    #: AML_AGGREGATES_RETENTION: seconds C keeps flows past its longest window (7 days) before its newest
+    #: event time: how far behind its head C answers exactly (a lagging partition, a replay).
+    aggregates_retention: float = 86400.0
     # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
     stall_after: float = 30.0
     lag_warn: int = 1000
@@ -422,6 +425,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         trigger_interval=_float(env, "AML_TRIGGER_INTERVAL", defaults.trigger_interval, 0.05, 600),
         max_records_per_trigger=_int(
             env, "AML_MAX_RECORDS_PER_TRIGGER", defaults.max_records_per_trigger, 1, 100_000_000
+        ),
+        aggregates_retention=_float(
+            env, "AML_AGGREGATES_RETENTION", defaults.aggregates_retention, 0, 86400 * 3650
         ),
         stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
         lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),

@@ -443,6 +443,7 @@ def reference_aggregates(
         "reporting_threshold": format(threshold, "f"),
         "threshold_band": format(band, "f"),
         "late_dropped": dropped,
+        "exact": True,  # compared only where the store answers exactly (`exact_from`)
         "reporting_currency": rates.reporting,
         "unconverted": sorted(unconverted),
     }

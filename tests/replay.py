@@ -13,7 +13,9 @@ the edges' first and last times, kept up as payments are fed (`tests.reference.l
 account and the whole undirected 3-hop ball (minutes per run).
 
 Every answer is as of the payment's time, as the real B and C give it to the detectors: only payments made
-by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead).
+by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead);
+C keeps what it holds only `AML_AGGREGATES_RETENTION` past its week before the newest payment fed, as its
+store prunes.
 
 Used by the detection tests on simulated traffic and by `bench/amlworld_detection.py` on real data.
 """
@@ -24,13 +26,15 @@ import bisect
 from collections import defaultdict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
+from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
+from aml_app.settings import Settings
 from tests.reference import (
     loop_on_edges,
     made_by,
@@ -102,7 +106,10 @@ class PayeesAsOf(Mapping[str, set[str]]):
 class Services:
     """What B and C would answer after the payments fed so far were applied."""
 
-    def __init__(self, thresholds: AmlThresholds) -> None:
+    def __init__(self, thresholds: AmlThresholds, keep: timedelta | None = None) -> None:
+        """`keep`: C's retention past its week (default: AML_AGGREGATES_RETENTION's)."""
+        self.keep = keep if keep is not None else timedelta(seconds=Settings().aggregates_retention)
+        self.newest: datetime | None = None
         self.min_average = thresholds.rates.in_each(thresholds.graph_min_average)  # as the detector asks
         self.loop_hops = thresholds.cycle_max_hops
         # (payer, payee) -> per currency its payment times, sorted; payer -> payees: B's edges for `loop`
@@ -115,6 +122,7 @@ class Services:
     def feed(self, sent: Any) -> None:
         """Apply one payment-like object (`payer`, `payee`, `amount`, `currency`, `ts`)."""
         payment = row_of(sent)
+        self.newest = payment.ts if self.newest is None else max(self.newest, payment.ts)
         self.touching[payment.payer].append(payment)
         if payment.payee != payment.payer:
             self.touching[payment.payee].append(payment)
@@ -127,7 +135,9 @@ class Services:
         return {p.payer for a in accounts for p in self.received_by.get(a, [])}
 
     def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
-        return reference_aggregates([self.touching.get(account, [])], account, at, THRESHOLD, BAND)
+        kept = floor_bucket(self.newest - HORIZON - self.keep) if self.newest is not None else at
+        held = [p for p in self.touching.get(account, []) if p.ts <= at and floor_bucket(p.ts) >= kept]
+        return reference_aggregates([held], account, at, THRESHOLD, BAND)
 
     def relations(self, account: str, at: datetime) -> dict[str, Any]:
         reach, frontier = {account}, {account}

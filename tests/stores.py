@@ -9,7 +9,7 @@ through the APIs' reader, in one snapshot.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from aml_app.dependencies import aggregates, relations
@@ -65,7 +65,7 @@ def apply_records(
                     writer.connection(), writer.schema, settings.reporting_threshold, settings.threshold_band
                 )
         claim = dict(covered) if covered is not None else outputs.covered(writer.applied_offsets())
-        write = writer_for(service)
+        write = writer_for(service, timedelta(seconds=settings.aggregates_retention))
         writer.apply(claim, lambda conn: write(conn, outputs))
     finally:
         writer.close()

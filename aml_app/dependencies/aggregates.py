@@ -22,8 +22,11 @@ Too-late rule: the store keeps `max_event_ts`, the largest ts applied so far. Wh
 max_event_ts first rises to include the whole batch; then every payment of the batch whose minute starts
 before `max_event_ts - 7 days` (its ts < the start of that minute) is too late: not stored, counted in
 `late_dropped`. Late payments inside the horizon are stored and do count. Whenever that minute boundary
-moves, flows before `max_event_ts - 7 d - 1 h` (its minute) are pruned, so answers are exact for every
-`at >= max_event_ts - 1 h`.
+moves, flows before `max_event_ts - 7 d - keep` (its minute; keep: `AML_AGGREGATES_RETENTION`, a day by
+default) are pruned and the store records that minute if it deleted any (`pruned_before`), so answers
+are exact for every `at >= max_event_ts - keep`: a partition of C may lag, or a replay run, that far
+behind without changing an answer. An answer whose week reaches before `pruned_before` says
+`exact: false`.
 
 A self-payment (payer = payee) moves no money between parties: it is stored (both of its sides are the
 one account) but no window counts it as sent or received.
@@ -55,7 +58,9 @@ from aml_app.dependencies.store import (
 )
 
 HORIZON = timedelta(days=7)
-PRUNE_SLACK = timedelta(hours=1)
+#: How long flows are kept past the longest window, before the newest event time (the default of
+#: `AML_AGGREGATES_RETENTION`).
+KEEP = timedelta(days=1)
 BUCKET = timedelta(minutes=1)
 #: The windows of an answer. The window query (`_WINDOWS`) spells out these three, in this order; each
 #: is longer than a minute, so that its first whole minute comes before the minute that holds `at`.
@@ -173,8 +178,9 @@ def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decima
         )
 
 
-def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> int:
-    """Add a batch's flow rows (an Arrow table, one row per key), minus too-late ones; prune.
+def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: timedelta = KEEP) -> int:
+    """Add a batch's flow rows (an Arrow table, one row per key), minus too-late ones; prune what is
+    more than `keep` older than the longest window needs.
 
     Returns how many payments were stored (the too-late ones are counted in `late_dropped`). Runs inside
     the caller's transaction.
@@ -224,13 +230,16 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any) -> int:
     updates = {"max_event_ts": iso_text(new_max)}
     if late:
         updates["late_dropped"] = str(int(meta.get("late_dropped", "0")) + late)
-    write_meta(conn, schema, updates)
-    prune = floor_bucket(new_max - HORIZON - PRUNE_SLACK)
-    if stored_max is not None and prune > floor_bucket(stored_max - HORIZON - PRUNE_SLACK):
-        conn.execute(
+    prune = floor_bucket(new_max - HORIZON - keep)
+    pruned = datetime.fromisoformat(meta["pruned_before"]) if "pruned_before" in meta else None
+    if stored_max is not None and prune > floor_bucket(stored_max - HORIZON - keep):
+        deleted = conn.execute(
             sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "flows")),
             (prune,),
-        )
+        ).rowcount
+        if deleted and (pruned is None or prune > pruned):  # a flow that an answer could need is gone
+            updates["pruned_before"] = iso_text(prune)
+    write_meta(conn, schema, updates)
     return payments - late
 
 
@@ -375,6 +384,7 @@ async def aggregates_many(
     """
     threshold = Decimal(meta.get("reporting_threshold", defaults[0]))
     band = Decimal(meta.get("threshold_band", defaults[1]))
+    pruned = datetime.fromisoformat(meta["pruned_before"]) if "pruned_before" in meta else None
     answers = [
         {
             "account": account,
@@ -386,6 +396,8 @@ async def aggregates_many(
             "reporting_threshold": format(threshold, "f"),
             "threshold_band": format(band, "f"),
             "late_dropped": int(meta.get("late_dropped", "0")),
+            # The week before `at` is all there: its first minute was not pruned.
+            "exact": pruned is None or floor_bucket(at - HORIZON) >= pruned,
             "reporting_currency": rates.reporting,
             "unconverted": [],
         }

@@ -71,14 +71,21 @@ STALE_DELAYS = (0.05, 1.0)
 running: list[Detector] = []
 
 
-def note(admission: Admission, fresh: bool) -> str:
+def note(admission: Admission, fresh: bool, exact: bool = True) -> str:
     """Why a decision was not made on the gate's guarantee, in words (empty when it was)."""
     if admission.stale is not None:
         return (
             f"decided stale after waiting {admission.stale:g} s at the gate (AML_WAIT_POLICY=decide-stale); "
             "sent to the review topic"
         )
-    return "" if fresh else "decided on evidence that did not include this payment (gate off)"
+    if not fresh:
+        return "decided on evidence that did not include this payment (gate off)"
+    if not exact:
+        return (
+            "decided on windows that lack payments C had pruned (the payment is older than C's newest "
+            "event time by more than AML_AGGREGATES_RETENTION)"
+        )
+    return ""
 
 
 @dataclass
@@ -88,6 +95,8 @@ class DetectorStats:
     duplicates_suppressed: int = 0
     freshness_violations: int = 0
     decided_on_stale: int = 0
+    #: Decided on C's windows that lacked payments C had pruned: another decision than a timely one.
+    decided_on_pruned: int = 0
     unavailable: int = 0
     #: Seconds spent per step, summed over payments (where a payment's time goes, for the benchmarks).
     seconds: dict[str, float] = field(
@@ -166,6 +175,9 @@ class Detector:
     ) -> bytes:
         """The decision record's JSON (the fields of `aml_app.models.Decision`)."""
         fresh = all(includes(a, admission.partition, admission.offset, admission.log) for a in answers)
+        exact = all(answer.get("exact", True) for answer in answers[:2])  # C's, payer and payee
+        if not exact:
+            self.stats.decided_on_pruned += 1
         return decision_json(
             payment_id=payment.payment_id,
             partition=admission.partition,
@@ -174,7 +186,7 @@ class Detector:
             verdict="alert" if hits else "clear",
             rules=[hit.rule for hit in hits],
             typologies=sorted({hit.typology for hit in hits}),
-            note=note(admission, fresh),
+            note=note(admission, fresh, exact),
             watermark=admission.watermark,
             dependencies=admission.dependencies,
             waited_ms=admission.waited_ms,
@@ -351,6 +363,7 @@ def stats_json(detector: Detector) -> dict[str, Any]:
         "duplicates_suppressed": s.duplicates_suppressed,
         "freshness_violations": s.freshness_violations,
         "decided_on_stale": s.decided_on_stale,
+        "decided_on_pruned": s.decided_on_pruned,
         "dependency_unavailable": s.unavailable,
         "dependency_not_yet": c.not_yet,
         "dependency_went_back": c.went_back,

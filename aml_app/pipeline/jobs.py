@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent import futures
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any, TypeVar
 
@@ -87,8 +88,11 @@ def rejected_records(outputs: BatchOutputs, max_bytes: int) -> list[Rejected]:
     return rejected
 
 
-def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int]:
-    """The store write of `service`: results of one batch into its tables; returns the rows applied."""
+def writer_for(
+    service: str, keep: timedelta = aggregates.KEEP
+) -> Callable[[psycopg.Connection, BatchOutputs], int]:
+    """The store write of `service`: results of one batch into its tables; returns the rows applied.
+    `keep`: how long C keeps flows past its longest window."""
     if service == "relations":
 
         def write_relations(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
@@ -98,7 +102,7 @@ def writer_for(service: str) -> Callable[[psycopg.Connection, BatchOutputs], int
         return write_relations
 
     def write_aggregates(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
-        return aggregates.write_batch(conn, aggregates.SCHEMA, outputs.tables["flows"])
+        return aggregates.write_batch(conn, aggregates.SCHEMA, outputs.tables["flows"], keep)
 
     return write_aggregates
 
@@ -116,13 +120,14 @@ class ServiceBatches:
         threshold: Decimal,
         band: Decimal,
         on_batch: Callable[[BatchReport], None] | None = None,
+        keep: timedelta = aggregates.KEEP,
     ) -> None:
         self.service, self.store = service, store
         self.progress, self.dead_letters = progress, dead_letters
         self.max_payment_bytes = max_payment_bytes
         self.threshold, self.band = threshold, band
         self.on_batch = on_batch
-        self.write = writer_for(service)
+        self.write = writer_for(service, keep)
         #: The store's offsets: read once, then advanced by every apply (the store has one writer, us).
         self.applied = store.applied_offsets()
 

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from aml_app.dependencies.store import Schema, Writer, redacted
@@ -295,6 +296,7 @@ def prepare(
                 settings.reporting_threshold,
                 settings.threshold_band,
                 on_batch,
+                timedelta(seconds=settings.aggregates_retention),
             )
             pipeline.handlers.append(handler)
             progress.commit(handler.applied)

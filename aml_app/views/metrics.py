@@ -185,6 +185,11 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
                 "Answers from B or C below an as_of they had shown: a replica behind, or a store restored.",
                 detector.get("dependency_went_back", 0),
             ),
+            (
+                "aml_decided_on_pruned",
+                "Decisions on C's windows that lacked payments C had pruned (AML_AGGREGATES_RETENTION).",
+                detector.get("decided_on_pruned", 0),
+            ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
     out += [status, stalled, advanced, blocked, untrusted, breached, longest, age, admin_error, retrying]

@@ -9,6 +9,7 @@ out (tests/stores.py). Each test, and each generated example, gets a fresh datab
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 import time
@@ -767,8 +768,9 @@ async def test_too_late_across_batches_and_inside_one(spark: Any, store_url: str
 async def test_pruning_keeps_answers_exact_from_the_newest_minus_one_hour(spark: Any, store_url: str) -> None:
     old = rows(*[("A", "B", "1", T0 + timedelta(hours=h)) for h in range(0, 48, 6)])
     new = rows(("A", "B", "2", T0 + timedelta(days=8, hours=3)), start=len(old))
-    apply_payments(spark, store_url, "aggregates", old)
-    apply_payments(spark, store_url, "aggregates", new)
+    an_hour = dataclasses.replace(SETTINGS, aggregates_retention=3600)
+    apply_payments(spark, store_url, "aggregates", old, settings=an_hour)
+    apply_payments(spark, store_url, "aggregates", new, settings=an_hour)
     with psycopg.connect(store_url) as conn:
         kept = conn.execute("SELECT sum(payments) FROM aggregates.flows").fetchone()[0]
     assert kept < len(old) + 1, "old payments were pruned"
@@ -777,6 +779,32 @@ async def test_pruning_keeps_answers_exact_from_the_newest_minus_one_hour(spark:
     for when in [start, start + timedelta(minutes=30), start + timedelta(hours=2)]:
         expected = reference_aggregates([old, new], "A", when, THRESHOLD, BAND)
         assert without_as_of(await one_aggregate(store_url, "A", when)) == expected
+    # Two minutes further back, the week reaches before what was pruned: the answer says so.
+    assert (await one_aggregate(store_url, "A", start - timedelta(minutes=2)))["exact"] is False
+
+
+@pytest.mark.parametrize("retention", [timedelta(hours=1), timedelta(days=3)])
+async def test_an_answer_as_of_an_instant_behind_the_newest_is_exact_within_the_retention(
+    spark: Any, store_url: str, retention: timedelta
+) -> None:
+    """C answers as of an instant up to AML_AGGREGATES_RETENTION behind its newest event time as it did
+    when it had just applied that instant (a partition of C lagging, a replay); further back, `exact`
+    says it cannot."""
+    settings = dataclasses.replace(SETTINGS, aggregates_retention=retention.total_seconds())
+    paid = rows(*[("A", "B", "1", T0 + timedelta(hours=h)) for h in range(0, 24 * 10, 5)])
+    when = T0 + timedelta(days=7, hours=12)  # its week reaches back to T0 + 12 h
+    made_by_then = [p for p in paid if p.ts <= when]
+    apply_payments(spark, store_url, "aggregates", made_by_then, settings=settings)
+    timely = await one_aggregate(store_url, "A", when)
+    apply_payments(spark, store_url, "aggregates", paid[len(made_by_then) :], settings=settings)
+    # The store has gone on to T0 + 10 d - 5 h: 2 d 7 h past `when`.
+    later = await one_aggregate(store_url, "A", when)
+    assert timely["exact"] is True
+    if retention > timedelta(days=2, hours=7):
+        assert without_as_of(later) == without_as_of(timely)
+    else:
+        assert later["exact"] is False
+        assert later["windows"]["7d"]["sent_count"] < timely["windows"]["7d"]["sent_count"]
 
 
 async def test_a_store_counted_with_other_thresholds_is_refused(spark: Any, store_url: str) -> None:

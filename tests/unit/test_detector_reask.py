@@ -323,3 +323,16 @@ async def test_a_batch_is_decided_on_the_evidence_it_waited_for(
         assert second["fresh"] is False and second["stale_reads"] == 1
         assert "did not include this payment" in second["note"]
         assert d.stats.decided_on_stale == 1
+
+
+async def test_a_decision_on_windows_c_had_pruned_says_so_and_is_counted() -> None:
+    fake = FakeDependencies(relations=[12], aggregates=[12])
+    d = detector(fake)
+    [(payment, admission)] = batch(gated=True, offsets=(10,))
+    [(answers, stale_reads)] = await d.fresh_evidence([(payment, admission)])
+    timely = json.loads(d.decision(payment, admission, [], answers, stale_reads, TS))
+    assert timely["note"] == "" and d.stats.decided_on_pruned == 0
+    answers[1] = {**answers[1], "exact": False}  # the payee's week reaches before what C kept
+    pruned = json.loads(d.decision(payment, admission, [], answers, stale_reads, TS))
+    assert "C had pruned" in pruned["note"] and "AML_AGGREGATES_RETENTION" in pruned["note"], pruned
+    assert d.stats.decided_on_pruned == 1
