@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import datetime
-from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
@@ -24,41 +23,25 @@ from aml_app.dependencies import aggregates
 from aml_app.dependencies.store import Writer, write_meta
 from aml_app.harness.dependencies import ApiProcess
 from aml_app.kafka.broker import free_port
-from aml_app.kafka.tools import GroupCommitter, payment_json
+from aml_app.kafka.tools import GroupCommitter
 from aml_app.pipeline.jobs import writer_for
 from aml_app.pipeline.transforms import BatchOutputs
 from aml_app.settings import Settings
+from tests.payments import PaymentRow
 from tests.stores import schema_of
 
 SERVICES = ("relations", "aggregates")
-
-
-@dataclass(frozen=True)
-class Paid:
-    """A payment as the test produces it and as the stores apply it."""
-
-    partition: int
-    offset: int
-    payment_id: str
-    payer: str
-    payee: str
-    amount: Decimal
-    ts: datetime
-
-    def value(self) -> bytes:
-        ts = self.ts.isoformat().replace("+00:00", "Z")
-        return payment_json(self.payment_id, self.payer, self.payee, str(self.amount), ts)
 
 
 def utc(values: Sequence[datetime]) -> pa.Array:
     return pa.array(values, pa.timestamp("us", "UTC"))
 
 
-def money(payments: Sequence[Paid]) -> pa.Array:
+def money(payments: Sequence[PaymentRow]) -> pa.Array:
     return pa.array([p.amount for p in payments], pa.decimal128(38, 8))
 
 
-def edges(payments: Sequence[Paid]) -> pa.Table:
+def edges(payments: Sequence[PaymentRow]) -> pa.Table:
     """Service B's rows for payments on distinct edges: one payment each (no times/amounts lists)."""
     assert len({(p.payer, p.payee) for p in payments}) == len(payments), "one payment per edge"
     n = len(payments)
@@ -66,7 +49,7 @@ def edges(payments: Sequence[Paid]) -> pa.Table:
         {
             "payer": [p.payer for p in payments],
             "payee": [p.payee for p in payments],
-            "currency": ["EUR"] * n,
+            "currency": [p.currency for p in payments],
             "payments": pa.array([1] * n, pa.int64()),
             "total": money(payments),
             "first_seen": utc([p.ts for p in payments]),
@@ -77,7 +60,7 @@ def edges(payments: Sequence[Paid]) -> pa.Table:
     )
 
 
-def flows(payments: Sequence[Paid], settings: Settings) -> pa.Table:
+def flows(payments: Sequence[PaymentRow], settings: Settings) -> pa.Table:
     """Service C's rows for payments in distinct (payer, minute, payee) keys: one payment each."""
     minutes = [(p.payer, p.ts.replace(second=0, microsecond=0), p.payee) for p in payments]
     assert len(set(minutes)) == len(payments), "one payment per flow row"
@@ -88,7 +71,7 @@ def flows(payments: Sequence[Paid], settings: Settings) -> pa.Table:
             "payer": [p.payer for p in payments],
             "bucket": utc([m for _, m, _ in minutes]),
             "payee": [p.payee for p in payments],
-            "currency": ["EUR"] * n,
+            "currency": [p.currency for p in payments],
             "payments": pa.array([1] * n, pa.int64()),
             "total": money(payments),
             "near": pa.array(
@@ -102,7 +85,7 @@ def flows(payments: Sequence[Paid], settings: Settings) -> pa.Table:
     )
 
 
-def apply(url: str, service: str, payments: Sequence[Paid], settings: Settings, log: str) -> None:
+def apply(url: str, service: str, payments: Sequence[PaymentRow], settings: Settings, log: str) -> None:
     """Payments of one partition into `service`'s store as the pipeline applies a micro-batch: its rows
     and the offsets they cover, in one transaction; the store records the log they are of."""
     [partition] = {p.partition for p in payments}
@@ -135,14 +118,14 @@ class Pipeline:
         self.settings = settings
         self.log = log
 
-    async def apply(self, service: str, payments: Sequence[Paid]) -> None:
+    async def apply(self, service: str, payments: Sequence[PaymentRow]) -> None:
         """Payments of one partition, in offset order, from the store's next offset on."""
         await asyncio.to_thread(apply, self.settings.store_url, service, payments, self.settings, self.log)
         partition = payments[0].partition
         for committer in self.committers[service]:
             await committer.commit({partition: payments[-1].offset + 1})
 
-    async def apply_both(self, payments: Sequence[Paid]) -> None:
+    async def apply_both(self, payments: Sequence[PaymentRow]) -> None:
         for service in SERVICES:
             await self.apply(service, payments)
 

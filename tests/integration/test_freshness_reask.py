@@ -33,7 +33,8 @@ from aml_app.kafka.identity import log_identity
 from aml_app.kafka.tools import GroupCommitter, produce
 from aml_app.settings import Settings
 from tests.harness import DecisionLog, Names, wait_until
-from tests.played_stores import Paid, Pipeline, api_settings, checked_ok, start_apis, stop_apis
+from tests.payments import PaymentRow
+from tests.played_stores import Pipeline, api_settings, checked_ok, start_apis, stop_apis
 
 pytestmark = pytest.mark.integration
 
@@ -93,10 +94,19 @@ async def test_a_gate_opened_past_the_stores_is_waited_out_and_the_payment_decid
     # Three payments just under the threshold from one payer, a minute apart: the third is structuring,
     # which C's evidence shows only once it holds that third payment.
     paid = [
-        Paid(PARTITION, o, f"s-{names.suffix}-{o}", PAYER, f"payee-{o}", AMOUNT, T0 + timedelta(minutes=o))
+        PaymentRow(
+            PARTITION,
+            o,
+            f"s-{names.suffix}-{o}",
+            PAYER,
+            f"payee-{o}",
+            AMOUNT,
+            "EUR",
+            T0 + timedelta(minutes=o),
+        )
         for o in range(3)
     ]
-    placed = await produce(producer, names.payments, [(PARTITION, PAYER.encode(), p.value()) for p in paid])
+    placed = await produce(producer, names.payments, [(PARTITION, *p.record()) for p in paid])
     assert placed == [(PARTITION, p.offset) for p in paid]
     first, second, third = paid
 

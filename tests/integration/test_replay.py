@@ -39,7 +39,8 @@ from aml_app.kafka.identity import log_identity
 from aml_app.kafka.tools import GroupCommitter, produce
 from aml_app.settings import Settings
 from tests.harness import DecisionLog, Names, wait_until
-from tests.played_stores import Paid, Pipeline, api_settings, checked_ok, start_apis, stop_apis
+from tests.payments import PaymentRow
+from tests.played_stores import Pipeline, api_settings, checked_ok, start_apis, stop_apis
 
 pytestmark = pytest.mark.integration
 
@@ -50,11 +51,11 @@ DEADLINE = 60.0
 RUNNING, HELD = 0, 1
 
 
-def scenario(suffix: str) -> list[Paid]:
+def scenario(suffix: str) -> list[PaymentRow]:
     s1, s2, d1, d2 = (f"{name}-{suffix}" for name in ("S1", "S2", "D1", "D2"))
     legs = [(HELD, 0, s1, d1), (RUNNING, 0, s2, d1), (HELD, 1, s1, d2), (RUNNING, 1, s2, d2)]
     return [
-        Paid(p, o, f"bp-{suffix}-{n}", payer, payee, AMOUNT, T0 + timedelta(hours=n))
+        PaymentRow(p, o, f"bp-{suffix}-{n}", payer, payee, AMOUNT, "EUR", T0 + timedelta(hours=n))
         for n, (p, o, payer, payee) in enumerate(legs)
     ]
 
@@ -104,9 +105,7 @@ async def test_decisions_made_with_one_partition_held_back_replay_identically(
     replays: bool,
 ) -> None:
     paid = scenario(names.suffix)
-    placed = await produce(
-        producer, names.payments, [(p.partition, p.payer.encode(), p.value()) for p in paid]
-    )
+    placed = await produce(producer, names.payments, [(p.partition, *p.record()) for p in paid])
     assert placed == [(p.partition, p.offset) for p in paid]
     t1, t2, t3, t4 = paid
     everything = {(p.partition, p.offset) for p in paid}
