@@ -19,8 +19,8 @@ found it; nothing else in the project touches a private name of either library:
   Faust's "current event" there (`faust.streams._current_event`).
 - `WatchedGlobalTable`: the global tables report changed keys (written here or applied from the
   changelog) so the gate's waiters wake at once; they use a single changelog partition and write it
-  explicitly, so Faust never picks a partition from producer metadata it has not fetched (issue 11:
-  `Producer.key_partition` crashed a worker whose producer did not know the changelog topic).
+  explicitly, so Faust never picks a partition from producer metadata it has not fetched
+  (`Producer.key_partition` crashes a worker whose producer does not know the changelog topic).
 - `highwaters_from_fetches`: Faust's table recovery reads each changelog up to the end ListOffsets
   reports, which some brokers (Tansu) put at the start of the last record batch + 1; the worker's
   consumer reads the end from a fetch's high watermark instead, so a recovered table lacks nothing.
@@ -431,8 +431,8 @@ def keep_in_metadata(app: AppT, topics: Iterable[str]) -> None:
     aiokafka refreshes only the topics it tracks once it tracks any, and a send to a topic it knows from
     its first, full refresh does not track it: after the first send to a topic it did not know (a table's
     changelog), such a topic silently drops out of its metadata. Its partitions then have no leader, the
-    sender waits for a metadata update that never brings them back, and every send to it hangs: a probe
-    worker stopped after about 400 decisions of a backlog, every time (issue 11).
+    sender waits for a metadata update that never brings them back, and every send to it hangs (without
+    this, a probe worker stops after about 400 decisions of a backlog, every time).
     """
     client = app.producer._ensure_producer().client  # type: ignore[attr-defined]
     for topic in topics:

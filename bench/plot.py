@@ -136,7 +136,7 @@ def plot_pipeline(doc: dict[str, Any]) -> Path:
     )
     ax.set_xticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
     ax.set_yscale("log")
-    ax.axhline(0.1 * raw, color="red", ls="--", lw=0.8, label="goal (issue 12): 0.10 x raw")
+    ax.axhline(0.1 * raw, color="red", ls="--", lw=0.8, label="goal: 0.10 x raw")
     for i, (_, v) in enumerate(bars):
         ax.annotate(f"{v:,.0f}/s\n{v / raw:.3f}", (i, v), ha="center", va="bottom", fontsize=7)
     ax.set_ylabel("records/s (log scale)")

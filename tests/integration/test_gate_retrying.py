@@ -1,5 +1,5 @@
 """A payment whose handler keeps failing is retried, never skipped, and visible while it fails: in
-`/watermarks.json`, `/metrics` and `aml-app status` (issue 11). The probe's `AML_PROBE_FAIL` makes the
+`/watermarks.json`, `/metrics` and `aml-app status`. The probe's `AML_PROBE_FAIL` makes the
 first attempts at one payment fail, as a 4xx from a dependency or a bug in a rule would."""
 
 from __future__ import annotations

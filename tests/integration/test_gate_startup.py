@@ -1,4 +1,4 @@
-"""A worker whose very first payments wait (issue 11), on the real broker.
+"""A worker whose very first payments wait, on the real broker.
 
 The dependency groups have never committed, so every payment waits from the worker's first second and
 its first table writes (the demand it publishes, the leader's rows) happen while it waits. Faust's

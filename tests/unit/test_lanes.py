@@ -709,7 +709,7 @@ async def test_the_first_payment_of_an_assignment_past_its_start_is_a_hole(
     assert h.handled == [(0, o) for o in range(30, 35)] and h.violations == []
 
 
-# --- pipelined sends (issue 11) ------------------------------------------------------------------
+# --- pipelined sends ------------------------------------------------------------------------------
 
 
 class Sends:
