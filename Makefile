@@ -3,6 +3,10 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# mypy checks aml_app as it installs ([tool.mypy] in pyproject.toml): var/typecheck/aml_app links the files
+# of aml_app/ and, as setuptools' package-dir does, the folders agents/ and tables/. Made anew each run.
+TYPECHECK_TREE := rm -rf var/typecheck && mkdir -p var/typecheck/aml_app && \
+	ln -s $(CURDIR)/aml_app/* $(CURDIR)/agents $(CURDIR)/tables var/typecheck/aml_app/
 
 .PHONY: demo test lint bench model clean system-deps
 
@@ -24,11 +28,15 @@ test: system-deps $(STAMP)
 	@ls -d /usr/lib/postgresql/*/bin 2>/dev/null | tail -1 || true
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@$(TYPECHECK_TREE)
+	$(BIN)/mypy
 	$(BIN)/pytest
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	@$(TYPECHECK_TREE)
+	$(BIN)/mypy
 
 bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.gate_overhead

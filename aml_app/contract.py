@@ -18,6 +18,7 @@ from __future__ import annotations
 import calendar
 import json
 import re
+from collections.abc import Iterable
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -93,6 +94,7 @@ def _check_tree(node: dict[str, Any] | list[Any], depth: int) -> None:
     """Depth, key lengths and lone surrogates of a parsed document (only called when the bytes allow them)."""
     if depth > MAX_JSON_DEPTH:
         raise InvalidPayment(f"value nests JSON objects and arrays more than {MAX_JSON_DEPTH} levels deep")
+    items: Iterable[Any]
     if isinstance(node, dict):
         for name in node:
             if len(name) > MAX_NAME_LENGTH:

@@ -366,7 +366,7 @@ async def dispatch_events(
                 track(message)
                 on_message_in(message.tp, message.offset, message)
             on_stream_event_in(message.tp, message.offset, stream, event)
-            stream.events_total += 1
+            stream.events_total += 1  # type: ignore[attr-defined]  # a Stream's; StreamT does not declare it
             dispatch(event)
     except StopAsyncIteration:
         return  # as Faust: a stream over a finite iterable has ended

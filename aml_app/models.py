@@ -93,4 +93,5 @@ class Alert(faust.Record, serializer="json", include_metadata=False):
 
 def parse_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> Payment:
     """Validate one raw record against the contract, or raise InvalidPayment saying why."""
-    return Payment(**validate_payment(key, value, max_bytes))
+    # faust.Record types __init__ with a keyword `__strict__: bool`, which mypy matches the str fields to.
+    return Payment(**validate_payment(key, value, max_bytes))  # type: ignore[arg-type]

@@ -22,8 +22,9 @@ directory came from another cluster) would hide alerts of the new log, and stops
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, cast
 
+from faust.tables.manager import TableManager
 from faust.types import TP
 
 from aml_app.app import alerts_topic, app, settings
@@ -75,7 +76,8 @@ class StoreAheadOfChangelog(RuntimeError):
 def recovered_to() -> dict[int, dict[str, int | None]]:
     """Per alerts partition this worker owns: the offset after the last changelog record its store has
     applied (None: none) and the changelog's end as recovery read it (None: not read yet)."""
-    recovery = app.tables.recovery
+    # `recovery` is TableManager's; Faust types app.tables as TableManagerT, which lacks it.
+    recovery = cast(TableManager, app.tables).recovery
     out = {}
     for tp in sorted(recovery.actives_for_table.get(alerts_sent, set())):
         applied = alerts_sent.persisted_offset(tp)
@@ -100,14 +102,15 @@ def store_ahead(tp: TP, applied: int | None, last: int | None) -> str | None:
     )
 
 
-@app.on_rebalance_complete.connect
+# mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).
+@app.on_rebalance_complete.connect  # type: ignore[arg-type]
 async def check_store_against_changelog(sender: Any, **kwargs: Any) -> None:
     """After each recovery, before any payment of the new assignment is processed.
 
     The end is read now, not taken from when recovery began: the previous owner of a partition may still
     have written alerts meanwhile, which recovery then applied (a store ahead of the end recovery read is
     routine then, which is why Faust's own check trips)."""
-    tps = sorted(app.tables.recovery.actives_for_table.get(alerts_sent, set()))
+    tps = sorted(cast(TableManager, app.tables).recovery.actives_for_table.get(alerts_sent, set()))
     ends = await app.consumer.highwaters(*tps) if tps else {}
     for tp in tps:
         end = ends.get(tp)

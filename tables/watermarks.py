@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, cast
 
 import faust
+from faust.tables.manager import TableManager
 
 from aml_app.app import app, settings
 from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
@@ -65,7 +66,7 @@ def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
         store=MEMORY_STORE,
         help=help,
     )
-    return app.tables.add(table)
+    return cast(WatchedGlobalTable, app.tables.add(table))
 
 
 watermarks = _global_table("watermarks", int, "Per payments partition: W(p) and the offsets behind it.")
@@ -255,7 +256,8 @@ class WriteErrors:
 refresh_errors = WriteErrors("writing the watermark table")
 
 
-@app.timer(settings.fast_refresh_interval, on_leader=True)
+# Faust types app.timer as returning a bare Callable, so the timers below ignore untyped-decorator.
+@app.timer(settings.fast_refresh_interval, on_leader=True)  # type: ignore[untyped-decorator]
 async def refresh_watermarks() -> None:
     """Leader only: read the dependencies' committed offsets when due and publish W(p) for every p."""
     now = time.monotonic()
@@ -304,7 +306,7 @@ class DemandPublisher:
 publisher = DemandPublisher()
 
 
-@app.timer(settings.fast_refresh_interval)
+@app.timer(settings.fast_refresh_interval)  # type: ignore[untyped-decorator]
 async def publish_demand() -> None:
     """Never lets a failure out: a timer that raises stops the worker (issue 11)."""
     try:
@@ -381,11 +383,13 @@ def operator_view(
 stall_watch = StallWatch()
 
 
-@app.timer(max(settings.fast_refresh_interval, min(settings.refresh_interval, settings.stall_after / 4)))
+@app.timer(  # type: ignore[untyped-decorator]
+    max(settings.fast_refresh_interval, min(settings.refresh_interval, settings.stall_after / 4))
+)
 async def watch_stalls() -> None:
     """Every worker computes the statuses (its page and metrics show them); the leader logs a stall once
     when it starts and once when it clears."""
-    if app.in_recovery or not app.tables.recovery.completed.is_set():
+    if app.in_recovery or not cast(TableManager, app.tables).recovery.completed.is_set():
         return
     lines = stall_watch.update(operator_view(time.time())["dependencies"])
     if app.is_leader():

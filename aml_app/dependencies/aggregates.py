@@ -196,7 +196,7 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
     cutoff = floor_bucket(new_max - HORIZON)
     # A payment is too late when its minute is: the cutoff is a minute's start.
     on_time = pc.greater_equal(flows["bucket"], cutoff)
-    payments = pc.sum(flows["payments"]).as_py()
+    payments: int = pc.sum(flows["payments"]).as_py()
     late = payments - (pc.sum(pc.filter(flows["payments"], on_time)).as_py() or 0)
     if late:
         flows = flows.filter(on_time)
@@ -385,7 +385,7 @@ async def aggregates_many(
     threshold = Decimal(meta.get("reporting_threshold", defaults[0]))
     band = Decimal(meta.get("threshold_band", defaults[1]))
     pruned = datetime.fromisoformat(meta["pruned_before"]) if "pruned_before" in meta else None
-    answers = [
+    answers: list[dict[str, Any]] = [
         {
             "account": account,
             "at": iso_text(at),

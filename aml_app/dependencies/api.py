@@ -68,7 +68,7 @@ CHECK_EVERY = 2.0  # seconds between two checks of the store against its consume
 MAX_WAIT_MS = 10_000  # the longest a batch may wait for the store to cover what it needs
 POLL = (0.02, 0.25)  # seconds between two looks at the store while a batch waits: first, longest
 SERVICE = web.AppKey("service", str)
-ROUTES = web.AppKey("routes", list)
+ROUTES: web.AppKey[list[str]] = web.AppKey("routes", list)
 # "...T10:00:00 01:00": a '+01:00' offset whose '+' the query string decoded to a space.
 _DECODED_PLUS = re.compile(r"^(.*T[0-9:.,]+) ([0-9]{2}(:?[0-9]{2})?)$")
 
@@ -86,13 +86,16 @@ def _error(status: int, message: str) -> web.Response:
 
 
 @web.middleware
-async def _json_errors(request: web.Request, handler: Any) -> web.StreamResponse:
+async def _json_errors(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
     try:
         return await handler(request)
     except BadRequest as exc:
         return _error(400, str(exc))
     except web.HTTPNotFound:
-        routes = ", ".join(sorted(request.app[ROUTES]))
+        answered: list[str] = request.app[ROUTES]
+        routes = ", ".join(sorted(answered))
         return _error(404, f"There is no resource at {request.path}; this service answers {routes}.")
     except web.HTTPMethodNotAllowed as exc:
         allowed = ", ".join(sorted(exc.allowed_methods))
@@ -400,6 +403,7 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
         task = asyncio.create_task(check.run()) if check is not None else None
         yield
         if task is not None:
+            assert check is not None  # the task runs the check
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
@@ -465,7 +469,9 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
             parse_hops(_single(request, "hops")),
             parts,
             parse_min_average(_single(request, "min_average")),
-            *parse_loop(parts, *(_single(request, name) for name in ("closing", "at", "loop_hops"))),
+            *parse_loop(
+                parts, _single(request, "closing"), _single(request, "at"), _single(request, "loop_hops")
+            ),
         )
         return web.json_response((await answer([query]))["answers"][0])
 
@@ -474,14 +480,19 @@ def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Applic
         asked, need = await _body(request)
         for i, q in enumerate(asked):
             parts = parse_parts(_text_or_none(q, "parts", i))
-            loop = (_text_or_none(q, name, i) for name in ("closing", "at", "loop_hops"))
             queries.append(
                 relations.Query(
                     _batch_account(q, i),
                     parse_hops(_text_or_none(q, "hops", i)),
                     parts,
                     parse_min_average(_text_or_none(q, "min_average", i)),
-                    *parse_loop(parts, *loop, where=f"queries[{i}]: "),
+                    *parse_loop(
+                        parts,
+                        _text_or_none(q, "closing", i),
+                        _text_or_none(q, "at", i),
+                        _text_or_none(q, "loop_hops", i),
+                        where=f"queries[{i}]: ",
+                    ),
                 )
             )
         return web.json_response(await answer(queries, need))

@@ -188,7 +188,7 @@ class DependencyClient:
         min_average: MinAverage = Decimal(0),
         loop: tuple[str, datetime, int] | None = None,
         at: datetime | None = None,
-    ) -> dict:
+    ) -> dict[str, Any]:
         """One GET /relations; `loop` is the closing payer, the time and the longest loop of a `loop` part,
         `at` the instant to answer as of (None: from every payment B holds)."""
         query = {"hops": str(hops), "parts": parts, "min_average": min_average_text(min_average)}

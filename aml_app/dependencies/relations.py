@@ -241,7 +241,7 @@ def _heavy_key(min_average: MinAverage) -> Any:
     return tuple(sorted(min_average.items())) if isinstance(min_average, Mapping) else min_average
 
 
-def _sides(rows: Iterable[tuple]) -> dict[int, list[dict[str, Any]]]:
+def _sides(rows: Iterable[tuple[Any, ...]]) -> dict[int, list[dict[str, Any]]]:
     """Per query index, the counterparties merged over currencies, sorted by counterparty."""
     merged: dict[int, dict[str, dict[str, Any]]] = {}
     for i, counterparty, currency, payments, total, first, last in rows:
@@ -495,7 +495,7 @@ async def _listed(
 
 async def _cycles(
     cur: Any, edges: sql.Composable, accounts: list[str], ats: list[datetime | None], hops: int
-) -> dict[int, dict]:
+) -> dict[int, dict[str, Any]]:
     await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "ats": ats, "hops": hops})
     found = {}
     for i, two, three in await cur.fetchall():

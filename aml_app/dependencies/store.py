@@ -26,12 +26,14 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 from psycopg import sql
 
 log = logging.getLogger("aml_app.store")
+
+T = TypeVar("T")
 
 _CENT = Decimal("0.01")
 CONNECT_TIMEOUT = 5
@@ -107,7 +109,7 @@ class Schema:
     def version(self) -> int:
         return len(self.migrations)
 
-    def statements(self, migration: str) -> list[sql.Composable]:
+    def statements(self, migration: str) -> list[sql.Composed]:
         text = migration.replace("{schema}", "{}")
         return [
             sql.SQL(part.strip()).format(*[sql.Identifier(self.name)] * part.count("{}"))
@@ -196,7 +198,7 @@ def claim_offsets(conn: psycopg.Connection, schema: Schema, covered: Mapping[int
     """
     table = sql.SQL("{}.applied_offsets").format(sql.Identifier(schema.name))
     partitions = sorted(covered)
-    stored = dict(
+    stored: dict[int, int] = dict(
         conn.execute(
             sql.SQL("SELECT partition, next_offset FROM {} WHERE partition = ANY(%s) FOR UPDATE").format(
                 table
@@ -295,7 +297,7 @@ class Writer:
             self._conn.close()
             self._conn = None
 
-    def patiently(self, what: str, action: Callable[[psycopg.Connection], Any]) -> Any:
+    def patiently(self, what: str, action: Callable[[psycopg.Connection], T]) -> T:
         """Run `action(conn)`; while the database is unavailable, reconnect and retry with backoff."""
         deadline = time.monotonic() + self.patience
         delay = 0.2
@@ -346,7 +348,7 @@ class Writer:
 
         def attempt(conn: psycopg.Connection) -> int | None:
             with conn.transaction():
-                stored = dict(
+                stored: dict[int, int] = dict(
                     conn.execute(
                         sql.SQL("SELECT partition, next_offset FROM {}.applied_offsets").format(
                             sql.Identifier(self.schema.name)
@@ -397,7 +399,7 @@ def redacted(url: str) -> str:
         return "(unparsable store URL)"
     if "password" in parts:
         parts["password"] = "***"
-    return make_conninfo(**parts)
+    return make_conninfo("", **parts)
 
 
 # --- the readers ----------------------------------------------------------------------------------

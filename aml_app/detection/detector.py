@@ -32,15 +32,14 @@ from typing import Any, NamedTuple
 
 from aml_app.app import alerts_topic, app, send_decision, settings
 from aml_app.dependencies.client import (
-    LOOP_HOPS,
     DependencyClient,
     DependencyUnavailable,
-    MinAverage,
     Need,
     NotYet,
     evidence_for,
     includes,
 )
+from aml_app.dependencies.relations import LOOP_HOPS, MinAverage
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
@@ -387,7 +386,8 @@ def detecting_service(service: str, rules: Rules) -> Detector:
     detector = Detector(service, rules, client, heavy, thresholds.cycle_max_hops, settings.freshness_wait)
     gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 
-    @app.on_before_shutdown.connect
+    # mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).
+    @app.on_before_shutdown.connect  # type: ignore[arg-type]
     async def close_client(app: Any, **kwargs: Any) -> None:
         await client.close()
 

@@ -27,7 +27,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from faust.types import TP, AppT, EventT, StreamT, TopicT
+import faust
+from faust.types import TP, EventT, StreamT, TopicT
 
 from aml_app.faust_internals import dispatch_events, record_gap, set_current_event
 from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
@@ -117,20 +118,20 @@ def describe_error(exc: BaseException, limit: int = 300) -> str:
 class InFlight:
     """Payments whose handler ran and whose `pending` work (a decision's send) has not completed."""
 
-    events: list[EventT]
-    admitted: list[tuple[EventT, Admitted]]
+    events: list[EventT[Any]]
+    admitted: list[tuple[EventT[Any], Admitted]]
     pending: Awaitable[Any]
 
 
 @dataclass
 class Lane:
     partition: int
-    queue: deque[EventT] = field(default_factory=deque)
+    queue: deque[EventT[Any]] = field(default_factory=deque)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     paused: bool = False
     #: The events taken from the queue and not handed to the acks yet (the batch being handled).
-    current: list[EventT] = field(default_factory=list)
+    current: list[EventT[Any]] = field(default_factory=list)
     #: Handled batches whose pending work has not completed, in offset order: acked from the front.
     inflight: deque[InFlight] = field(default_factory=deque)
     inflight_payments: int = 0
@@ -148,7 +149,7 @@ class Lane:
     #: (expected, received) while a jump past the expected offset is being checked against the log.
     hole: tuple[int, int] | None = None
     #: The events received past the hole meanwhile, in offset order; queued if the hole is no hole.
-    held: list[EventT] = field(default_factory=list)
+    held: list[EventT[Any]] = field(default_factory=list)
 
     @property
     def in_flight(self) -> int | None:
@@ -157,7 +158,7 @@ class Lane:
             return self.inflight[0].events[0].message.offset
         return self.current[0].message.offset if self.current else None
 
-    def pending(self) -> list[EventT]:
+    def pending(self) -> list[EventT[Any]]:
         """The unacked events, in offset order: the ones in flight first."""
         return [*(e for entry in self.inflight for e in entry.events), *self.current, *self.queue]
 
@@ -176,7 +177,7 @@ class GatedConsumer(DeliveryRepairs):
 
     def __init__(
         self,
-        app: AppT,
+        app: faust.App,
         gate: FreshnessGate,
         handler: Handler | None,
         dead_letters: TopicT,
@@ -223,7 +224,7 @@ class GatedConsumer(DeliveryRepairs):
         self.max_payment_bytes = max_payment_bytes
         self.worker_id = worker_id
         self.lanes: dict[int, Lane] = {}
-        self.parked: dict[int, list[EventT]] = {}
+        self.parked: dict[int, list[EventT[Any]]] = {}
         #: Per partition revoked from a lane: the first offset it had not finished handling (everything
         #: below was handled here); where its lane resumes if the partition stays with this worker.
         self.resume_at: dict[int, int] = {}
@@ -234,7 +235,7 @@ class GatedConsumer(DeliveryRepairs):
         #: Whether `starts` is known for the current generation; until then (attached only) events wait
         #: in `early`, so that a jump past the start is seen as the hole it is.
         self.assigned = False
-        self.early: dict[int, list[EventT]] = {}
+        self.early: dict[int, list[EventT[Any]]] = {}
         self.assigned_at = time.monotonic()
         self.dead_lettered = 0
         self.rebalances = 0
@@ -245,7 +246,7 @@ class GatedConsumer(DeliveryRepairs):
         #: Lanes that keep failing on a payment, by partition (see `Retrying`).
         self.retrying: dict[int, Retrying] = {}
         self.handler_failures = 0
-        self._stream: StreamT | None = None
+        self._stream: StreamT[Any] | None = None
         self._background: set[asyncio.Future[None]] = set()
         #: The offset of the first record at or after an offset of a partition, read from the log
         #: (None: unknown); set by attach().
@@ -321,12 +322,13 @@ class GatedConsumer(DeliveryRepairs):
         self.first_offset = first_offset
         self.topic = topic
 
-        self.app.on_partitions_revoked.connect(stop_lanes)
-        self.app.on_before_shutdown.connect(stop_lanes)
-        self.app.on_partitions_assigned.connect(resume_lanes)
+        # mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).
+        self.app.on_partitions_revoked.connect(stop_lanes)  # type: ignore[arg-type]
+        self.app.on_before_shutdown.connect(stop_lanes)  # type: ignore[arg-type]
+        self.app.on_partitions_assigned.connect(resume_lanes)  # type: ignore[arg-type]
         self.app.timer(check_every)(check_delivery)
 
-    async def consume(self, stream: StreamT) -> None:
+    async def consume(self, stream: faust.Stream[Any]) -> None:
         """The agent body: dispatch, never wait."""
         self._stream = manual = stream.noack()
         await dispatch_events(manual, self._dispatch)
@@ -365,7 +367,7 @@ class GatedConsumer(DeliveryRepairs):
         if start is not None and start < resume and self.topic is not None:
             self._spawn(record_gap(self.app, TP(self.topic, partition), start, resume - 1))
 
-    def _dispatch(self, event: EventT) -> None:
+    def _dispatch(self, event: EventT[Any]) -> None:
         if self.first_offset is not None and not self.assigned:
             self.early.setdefault(event.message.partition, []).append(event)
             return
@@ -376,7 +378,7 @@ class GatedConsumer(DeliveryRepairs):
             self.app.consumer.pause_partitions([TP(*event.message.tp)])
             lane.paused = True
 
-    def _enqueue(self, lane: Lane, event: EventT) -> None:
+    def _enqueue(self, lane: Lane, event: EventT[Any]) -> None:
         offset = event.message.offset
         expected = lane.next_offset if lane.next_offset is not None else self.starts.get(lane.partition)
         if expected is not None and offset < expected:
@@ -466,8 +468,7 @@ class GatedConsumer(DeliveryRepairs):
 
     def _lane_ended(self, task: asyncio.Task[None]) -> None:
         """A lane ends only when cancelled. Anything else is a bug: stop loudly, never stall silently."""
-        if not task.cancelled() and task.exception() is not None:
-            exc = task.exception()
+        if not task.cancelled() and (exc := task.exception()) is not None:
             log.error("a partition lane stopped unexpectedly; stopping the worker", exc_info=exc)
             self.app.add_future(self.app.crash(exc))
 
@@ -540,7 +541,7 @@ class GatedConsumer(DeliveryRepairs):
         )
 
     async def _settle(
-        self, lane: Lane, events: list[EventT], admitted: list[tuple[EventT, Admitted]]
+        self, lane: Lane, events: list[EventT[Any]], admitted: list[tuple[EventT[Any], Admitted]]
     ) -> None:
         """The payments are done: tell the observers, then ack every event in offset order."""
         retrying = self.retrying.get(lane.partition)
@@ -565,13 +566,13 @@ class GatedConsumer(DeliveryRepairs):
             await ack(event)
         lane.done += len(events)
 
-    async def _take(self, lane: Lane) -> list[tuple[EventT, Admitted | None]]:
+    async def _take(self, lane: Lane) -> list[tuple[EventT[Any], Admitted | None]]:
         """The next events of the lane, in offset order, each admitted (or dead-lettered: None).
 
         The head waits for the gate. Then, up to `max_batch` payments, the events queued behind it join
         the batch while the gate is already open for them: a batch never waits for a later payment.
         """
-        taken: list[tuple[EventT, Admitted | None]] = []
+        taken: list[tuple[EventT[Any], Admitted | None]] = []
         payments = 0
         while lane.queue and payments < self.max_batch:
             event = lane.queue[0]
@@ -608,7 +609,7 @@ class GatedConsumer(DeliveryRepairs):
         self.app.consumer.resume_partitions([tp])
         lane.paused = False
 
-    def _parse(self, event: EventT) -> Payment | InvalidPayment:
+    def _parse(self, event: EventT[Any]) -> Payment | InvalidPayment:
         try:
             return parse_payment(event.message.key, event.message.value, self.max_payment_bytes)
         except InvalidPayment as exc:
@@ -621,7 +622,7 @@ class GatedConsumer(DeliveryRepairs):
         return micros(parsed.ts)
 
     async def _admit(
-        self, event: EventT, arrived: float, parsed: Payment | InvalidPayment, event_us: int | None
+        self, event: EventT[Any], arrived: float, parsed: Payment | InvalidPayment, event_us: int | None
     ) -> Admitted | None:
         """Wait for the gate (`event_us`: the payment's event time, for the event-time gate); a payment
         that breaks the contract is dead-lettered."""
@@ -660,7 +661,7 @@ class GatedConsumer(DeliveryRepairs):
         )
         return payment, admission
 
-    async def _handle(self, admitted: list[tuple[EventT, Admitted]]) -> Pending:
+    async def _handle(self, admitted: list[tuple[EventT[Any], Admitted]]) -> Pending:
         """Run the handler until it succeeds (retrying with backoff, shown in `retrying`); with a retry
         ceiling, a batch that reaches it is handled one payment at a time, and a payment that reaches it
         alone is parked on the review topic (then it is done: the lane moves on)."""
@@ -706,7 +707,7 @@ class GatedConsumer(DeliveryRepairs):
         admission = admitted[1]
         return self.park_requested(admission.partition, admission.offset)
 
-    async def _call_handler(self, admitted: list[tuple[EventT, Admitted]]) -> Pending:
+    async def _call_handler(self, admitted: list[tuple[EventT[Any], Admitted]]) -> Pending:
         # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
         # partitioned tables like any agent: their reads and writes go to the event's partition, which
         # every event of a lane's batch shares.
@@ -718,7 +719,7 @@ class GatedConsumer(DeliveryRepairs):
         return await self.handler(payment, admission)
 
     def _failed(
-        self, admitted: list[tuple[EventT, Admitted]], attempt: int, exc: BaseException, wait: float
+        self, admitted: list[tuple[EventT[Any], Admitted]], attempt: int, exc: BaseException, wait: float
     ) -> None:
         first = admitted[0][1][1]
         self._failed_at(first.partition, first.offset, len(admitted), attempt, exc, wait)
@@ -736,7 +737,7 @@ class GatedConsumer(DeliveryRepairs):
         current.next_retry_at = now + wait
         self.handler_failures += 1
 
-    async def _to_review(self, event: EventT, kind: str, reason: str, attempts: int = 0) -> None:
+    async def _to_review(self, event: EventT[Any], kind: str, reason: str, attempts: int = 0) -> None:
         """A payment decided stale or parked: its original bytes, and why in headers (`review.*`), on the
         review topic, in the payment's partition; retried until the broker has it."""
         message = event.message
@@ -761,7 +762,7 @@ class GatedConsumer(DeliveryRepairs):
         await retry_forever(f"writing {message.partition}:{message.offset} to the review topic", send)
         log.warning("%s %s:%d: %s", kind, message.topic, message.offset, reason)
 
-    async def _dead_letter(self, event: EventT, reason: str) -> None:
+    async def _dead_letter(self, event: EventT[Any], reason: str) -> None:
         """Original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""
         message = event.message
         headers = [

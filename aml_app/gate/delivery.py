@@ -29,8 +29,9 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from faust.types import TP, AppT, EventT
+from faust.types import TP, EventT
 
 from aml_app.faust_internals import partition_flags, record_gap
 from aml_app.gate.offsets import DependencyOffsets
@@ -96,7 +97,7 @@ class DeliveryRepairs:
     """Where each partition starts in a generation, holes in delivery, and records fetched but never
     delivered; mixed into `GatedConsumer`, whose lanes and consumer these read."""
 
-    app: AppT
+    app: faust.App
     lanes: dict[int, Lane]
     starts: dict[int, int]
     assigned_at: float
@@ -105,7 +106,7 @@ class DeliveryRepairs:
     gaps_accepted: int
     refetches: int
 
-    _enqueue: Callable[[Lane, EventT], None]
+    _enqueue: Callable[[Lane, EventT[Any]], None]
 
     async def _starts(
         self, bootstrap_servers: Sequence[str], group: str, tps: list[TP]

@@ -154,7 +154,7 @@ def dependency_view(
         "group": group,
         "status": status,
         "detail": detail,
-        "lag": None if not lags or any(lag is None for lag in lags) else sum(lags),  # type: ignore[arg-type]
+        "lag": None if not lags or any(lag is None for lag in lags) else sum(lags),
         "last_advance": last_advance,
         "stalled_partitions": stalled,
         "lagging_partitions": lagging,
@@ -210,7 +210,7 @@ def describe(
             "admin_error_at": error_at,
             "blocked_partitions": sorted(p["partition"] for p in parts if p["waiting_offset"] is not None),
             "untrusted_partitions": sorted(p["partition"] for p in parts if p["untrusted"]),
-            "payments_waiting": None if any(w is None for w in waits) else sum(waits),  # type: ignore[arg-type]
+            "payments_waiting": None if any(w is None for w in waits) else sum(waits),
             "stall_after_s": limits.stall_after,
             "lag_warn": limits.lag_warn,
             "max_wait_s": limits.max_wait,

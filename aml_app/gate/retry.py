@@ -7,9 +7,11 @@ import asyncio
 import logging
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TypeVar
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def jittered(delay: float) -> float:
@@ -23,7 +25,7 @@ OnFailure = Callable[[int, BaseException, float], None]
 
 async def retry_forever(
     what: str,
-    action: Callable[[], Awaitable[Any]],
+    action: Callable[[], Awaitable[T]],
     first_delay: float = 0.1,
     max_delay: float = 5.0,
     *,
@@ -31,7 +33,7 @@ async def retry_forever(
     jitter: Callable[[float], float] = jittered,
     attempts: int | None = None,
     stop: Callable[[], bool] | None = None,
-) -> Any:
+) -> T:
     """Run `action` until it succeeds, backing off exponentially with jitter; log each failure.
 
     With `attempts`, the exception of the last allowed attempt is raised instead (a retry ceiling); so

@@ -28,7 +28,7 @@ import random
 import signal
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -120,7 +120,7 @@ class Demo:
         suffix: str = "",
         bootstrap: Sequence[str] = (),
         store_url: str = "",
-        script: Callable[[Demo], Awaitable[None]] | None = None,
+        script: Callable[[Demo], Coroutine[Any, Any, None]] | None = None,
         worker_env: Mapping[str, str] | None = None,
     ) -> None:
         """`suffix`, `bootstrap` and `store_url` let tests share a broker and a database server; `script`

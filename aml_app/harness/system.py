@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import time
@@ -245,7 +246,8 @@ class System:
             AML_GATE="on" if self.layout.gate else "off",
             AML_RELATIONS_URL=self.api_urls("relations"),
             AML_AGGREGATES_URL=self.api_urls("aggregates"),
-            **self.layout.worker_env,
+            # Environment variables only: mypy cannot rule out that the mapping fills cwd or executable.
+            **self.layout.worker_env,  # type: ignore[arg-type]
         )
         running.append(worker.start())
         if self.dead_letters is not None:
@@ -296,9 +298,9 @@ class System:
             self.say(f"  {what} ready after {time.monotonic() - started:.1f} s")
 
         for api in self.apis.values():
-            await until(f"the {api.name}", lambda a=api: self._answers(a), API_DEADLINE, api)
+            await until(f"the {api.name}", functools.partial(self._answers, api), API_DEADLINE, api)
         for w in self.all_workers:
-            await until(f"worker {w.worker_id}", lambda w=w: self.recovered(w), WORKER_DEADLINE, w)
+            await until(f"worker {w.worker_id}", functools.partial(self.recovered, w), WORKER_DEADLINE, w)
         pipeline = self.pipeline
         assert pipeline is not None
         await until("the pipeline", lambda: self._running(pipeline), PIPELINE_DEADLINE, pipeline)

@@ -62,7 +62,7 @@ class RecordTail(TopicTail):
     def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
         super().__init__(bootstrap, topic)
         self.records: list[dict[str, Any]] = []
-        self.ids: set[str] = set()  # every payment id seen, kept as records arrive (cheap to poll)
+        self.ids: set[Any] = set()  # every payment id seen, kept as records arrive (cheap to poll)
 
     def take(self, record: Any) -> None:
         with contextlib.suppress(TypeError, ValueError):

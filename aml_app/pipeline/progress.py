@@ -88,7 +88,7 @@ class DeadLetters:
 
         sent = 0
         for record in records:
-            headers = [
+            headers: list[tuple[str, str | bytes | None]] = [
                 ("dlq.reason", record.reason.encode()),
                 ("dlq.topic", self.source_topic.encode()),
                 ("dlq.partition", str(record.partition).encode()),

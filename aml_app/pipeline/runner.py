@@ -9,6 +9,7 @@ interval (`--trigger relations=5`, for comparisons) gets its own query.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -40,8 +41,9 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
 
     from aml_app.pipeline.kafka_source import KafkaSource
 
+    # pyspark types setAll's pairs as a list; it takes any iterable of them.
     conf = SparkConf().setAll(
-        {
+        {  # type: ignore[arg-type]
             "spark.master": master,
             "spark.app.name": app_name,
             "spark.ui.enabled": os.environ.get("AML_SPARK_UI", "false"),
@@ -345,7 +347,7 @@ def start_queries(
             pipeline.batches.append(batches)
             name = "+".join(handler.service for handler in handlers)
             checkpoint = tempfile.mkdtemp(prefix=f"aml-{name}-checkpoint-")
-            pipeline.closers.append(lambda folder=checkpoint: shutil.rmtree(folder, ignore_errors=True))
+            pipeline.closers.append(functools.partial(shutil.rmtree, checkpoint, ignore_errors=True))
             reader = (
                 spark.readStream.format("aml-kafka")
                 .option("subscribe", settings.payments_topic)

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import operator
 from functools import cache, reduce
+from typing import cast
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
@@ -173,7 +174,8 @@ REQUIRED_SETTINGS = {
 
 def _check_session(records: DataFrame) -> None:
     conf = records.sparkSession.conf
-    wrong = {k: conf.get(k) for k, v in REQUIRED_SETTINGS.items() if conf.get(k).lower() != v}
+    # Every key here has a default in Spark, so get() returns a str (pyspark types it str | None).
+    wrong = {k: conf.get(k) for k, v in REQUIRED_SETTINGS.items() if cast(str, conf.get(k)).lower() != v}
     if wrong:
         raise ValueError(f"payment validation needs {REQUIRED_SETTINGS}; this session has {wrong}")
 
@@ -243,7 +245,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
         & _within_json_bounds(text),
         F.lit(False),
     )
-    fields = [
+    fields: list[Column | str] = [
         *kept,
         json_ok.alias("_json_ok"),
         F.try_variant_get("_json", "$[0]", _AS_TEXT).alias("_f"),
@@ -255,7 +257,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
 
     # 3. Amount and instant, each computed once. The pattern fixes the timestamp's form (Z or +00:00 only),
     # so the cast only has the calendar left to judge (Feb 30 is null).
-    typed = [
+    typed: list[Column | str] = [
         "*",
         F.when(field("amount").rlike(AMOUNT_PATTERN), field("amount").try_cast(AMOUNT_TYPE)).alias("_amount"),
         F.when(field("ts").rlike(TIMESTAMP_PATTERN), field("ts").try_cast("timestamp")).alias("_ts"),
@@ -275,7 +277,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
     valid = checks[0]
     for check in checks[1:]:
         valid = valid & check
-    checked = ["*", F.coalesce(valid, F.lit(False)).alias("valid")]
+    checked: list[Column | str] = ["*", F.coalesce(valid, F.lit(False)).alias("valid")]
 
     # 4. The verdict, and the typed fields of valid records.
     def when_valid(column: Column, name: str) -> Column:

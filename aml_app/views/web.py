@@ -15,8 +15,9 @@ from __future__ import annotations
 
 import importlib
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+from faust.tables.manager import TableManager
 from faust.types import TP
 from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -39,13 +40,17 @@ from aml_app.tables.watermarks import (
 from aml_app.views import metrics
 from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
 
+if TYPE_CHECKING:
+    from multidict import MultiMapping
+
 # The service's agent module registers its gated consumer; make sure it exists before hooking into it.
 importlib.import_module(f"aml_app.agents.{settings.service}")
 agent.running[0].observers.append(metrics.observe_admission)
 
 
 def _recovering() -> bool:
-    return bool(app.in_recovery) or not app.tables.recovery.completed.is_set()
+    # `recovery` is TableManager's; Faust types app.tables as TableManagerT, which lacks it.
+    return bool(app.in_recovery) or not cast(TableManager, app.tables).recovery.completed.is_set()
 
 
 def _assigned() -> list[int]:
@@ -131,7 +136,8 @@ metrics.register_snapshot(snapshot)
 
 
 def _check(request: Request, allowed: tuple[str, ...] = ()) -> None:
-    query = request.query  # type: ignore[attr-defined]
+    # Faust types the query as a Mapping; the web driver's (aiohttp's) is a MultiDictProxy.
+    query = cast("MultiMapping[str]", request.query)
     repeated = sorted(name for name in set(query) if len(query.getall(name)) > 1)
     check_query(query, allowed, repeated)
 
@@ -144,7 +150,7 @@ class WatermarksJson(View):
         try:
             _check(request, ("partition",))
             doc = snapshot()
-            raw = request.query.get("partition")  # type: ignore[attr-defined]
+            raw = request.query.get("partition")
             if raw is not None:
                 chosen = parse_partitions(raw, set(watermarks.keys()))
                 doc["partitions"] = [p for p in doc["partitions"] if p["partition"] in chosen]
