@@ -217,7 +217,8 @@ def cut_view() -> dict[str, Any] | None:
 
 
 class ChangelogsKnown:
-    """No table write before the producer knows the changelog topic (issue 11): waited for once."""
+    """No table write before the producer knows the changelog topic (a send to a topic it does not know
+    crashes the worker in Faust's key_partition): waited for once."""
 
     def __init__(self) -> None:
         self.known = False
@@ -308,7 +309,7 @@ publisher = DemandPublisher()
 
 @app.timer(settings.fast_refresh_interval)  # type: ignore[untyped-decorator]
 async def publish_demand() -> None:
-    """Never lets a failure out: a timer that raises stops the worker (issue 11)."""
+    """Never lets a failure out: a timer that raises stops the worker."""
     try:
         await changelogs.wait()
         publisher.tick(time.time())

@@ -75,7 +75,7 @@ class Admission:
 
 #: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
 #: of a decision it sent (a future); None when it finished everything itself. The lane goes on with the
-#: next payments meanwhile and acks, in offset order, once this completes (issue 11: pipelined sends).
+#: next payments meanwhile and acks, in offset order, once this completes (pipelined sends).
 Pending = Awaitable[Any] | None
 Handler = Callable[[Payment, Admission], Awaitable[Pending]]
 Admitted = tuple[Payment, Admission]
