@@ -123,8 +123,12 @@ class RefreshStatus:
         self.last_error = message
 
 
-offsets = DependencyOffsets(settings.bootstrap_servers, settings.payments_topic, settings.depends_on)
-unapplied = UnappliedReader(settings.bootstrap_servers, settings.payments_topic)
+offsets = DependencyOffsets(
+    settings.bootstrap_servers, settings.payments_topic, settings.depends_on, security=settings.kafka_security
+)
+unapplied = UnappliedReader(
+    settings.bootstrap_servers, settings.payments_topic, security=settings.kafka_security
+)
 status = RefreshStatus()
 
 

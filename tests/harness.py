@@ -18,6 +18,7 @@ from confluent_kafka import Producer
 from aml_app.harness.child_process import aml_app_executable
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import free_port
+from aml_app.kafka.security import PLAINTEXT
 from aml_app.settings import Settings
 
 AML_APP = aml_app_executable()
@@ -217,7 +218,7 @@ async def committed_offsets(bootstrap: str, group: str, topic: str, partitions: 
     """A group's committed offsets on `topic` (-1: nothing committed), read like the gate reads them."""
     from aml_app.gate.offsets import DependencyOffsets
 
-    reader = DependencyOffsets([bootstrap], topic, [group])
+    reader = DependencyOffsets([bootstrap], topic, [group], security=PLAINTEXT)
     try:
         _, committed = await reader.read()
     finally:

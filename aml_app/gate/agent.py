@@ -41,6 +41,7 @@ def gated_agent(
         worker_id=settings.worker_id,
         max_in_flight=settings.max_in_flight,
         review=review_topic,
+        security=settings.kafka_security,
         stale_after=settings.max_wait if settings.wait_policy == "decide-stale" else None,
         max_attempts=settings.max_attempts,
         park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),

@@ -35,6 +35,7 @@ from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
 from aml_app.gate.event_time import micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.retry import retry_forever
+from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
 log = logging.getLogger(__name__)
@@ -193,6 +194,7 @@ class GatedConsumer(DeliveryRepairs):
         stale_after: float | None = None,
         max_attempts: int = 0,
         park_requested: Callable[[int, int], dict[str, Any] | None] | None = None,
+        security: KafkaSecurity = PLAINTEXT,
     ) -> None:
         """Give `handler` (one payment at a time) or `batch_handler` (up to `max_batch` payments of one
         partition at a time, every one of them already admitted by the gate). Either may return what is
@@ -223,6 +225,8 @@ class GatedConsumer(DeliveryRepairs):
         self.max_pending = max_pending
         self.max_payment_bytes = max_payment_bytes
         self.worker_id = worker_id
+        #: The cluster's TLS/SASL, for the clients that read our offsets and refetch a missing payment.
+        self.security = security
         self.lanes: dict[int, Lane] = {}
         self.parked: dict[int, list[EventT[Any]]] = {}
         #: Per partition revoked from a lane: the first offset it had not finished handling (everything
@@ -317,7 +321,9 @@ class GatedConsumer(DeliveryRepairs):
             await self.check_delivery(topic, quiet=2 * check_every)
 
         async def first_offset(partition: int, offset: int) -> int | None:
-            return await first_offset_from(bootstrap_servers, topic, partition, offset)
+            return await first_offset_from(
+                bootstrap_servers, topic, partition, offset, security=self.security
+            )
 
         self.first_offset = first_offset
         self.topic = topic

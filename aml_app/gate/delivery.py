@@ -50,7 +50,8 @@ async def first_offset_from(
     partition: int,
     offset: int,
     timeout: float = 5.0,
-    security: KafkaSecurity | None = None,
+    *,
+    security: KafkaSecurity,
 ) -> int | None:
     """The offset of the first record at or after `offset` in the partition; None if none arrived in
     `timeout` seconds (the caller must then assume the records exist)."""
@@ -102,6 +103,7 @@ class DeliveryRepairs:
     starts: dict[int, int]
     assigned_at: float
     first_offset: Callable[[int, int], Awaitable[int | None]] | None
+    security: KafkaSecurity
     holes_refetched: int
     gaps_accepted: int
     refetches: int
@@ -113,7 +115,7 @@ class DeliveryRepairs:
     ) -> tuple[dict[int, int], str | None]:
         """Where each partition starts in this generation (the group's committed offset, or the log
         start), and which log those offsets are of (`aml_app.kafka.identity`)."""
-        reader = DependencyOffsets(bootstrap_servers, tps[0].topic, [group])
+        reader = DependencyOffsets(bootstrap_servers, tps[0].topic, [group], security=self.security)
         try:
             reading = await retry_forever(
                 "reading our committed offsets", lambda: reader.read_all("", operator_fields=False)

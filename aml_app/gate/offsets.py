@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.kafka.identity import LogIdentities
-from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs, librdkafka_config, load_security
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs, librdkafka_config
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +46,7 @@ class DependencyOffsets:
     """One admin client (and, for log ends, one group-less consumer), reused across refreshes,
     counting the requests it makes.
 
-    `security` is the cluster's TLS/SASL settings; None takes the process's (KAFKA_SECURITY_PROTOCOL etc.
-    from the environment), so every reader in a worker, in `aml-app status` and in the demo's commit
-    watch authenticates like the rest of the process.
+    `security` is the cluster's TLS/SASL settings, as loaded at start-up (`Settings.kafka_security`).
     """
 
     def __init__(
@@ -57,7 +55,8 @@ class DependencyOffsets:
         topic: str,
         groups: Sequence[str],
         request_timeout: float = 5.0,
-        security: KafkaSecurity | None = None,
+        *,
+        security: KafkaSecurity,
     ) -> None:
         self.bootstrap_servers = list(bootstrap_servers)
         self._security = aiokafka_kwargs(security)
@@ -72,7 +71,7 @@ class DependencyOffsets:
         self._identities: LogIdentities | None = None
         self._librdkafka = {
             "bootstrap.servers": ",".join(self.bootstrap_servers),
-            **librdkafka_config(security or load_security()),
+            **librdkafka_config(security),
         }
 
     async def _admin(self) -> AIOKafkaAdminClient:

@@ -40,7 +40,8 @@ class UnappliedReader:
         bootstrap_servers: Sequence[str],
         topic: str,
         request_timeout: float = 5.0,
-        security: KafkaSecurity | None = None,
+        *,
+        security: KafkaSecurity,
     ) -> None:
         self.bootstrap_servers = list(bootstrap_servers)
         self.topic = topic

@@ -25,6 +25,7 @@ from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.harness.verify import CommitTimeline
 from aml_app.harness.workers import settings_env
+from aml_app.kafka.security import KafkaSecurity
 from aml_app.settings import Settings
 
 # Spark draws progress bars on stderr with carriage returns: noise in a log file.
@@ -133,9 +134,11 @@ class CommitWatch:
     before the watch started, at an unknown time: it is dated 0 (the epoch).
     """
 
-    def __init__(self, bootstrap: Sequence[str], topic: str, groups: Sequence[str]) -> None:
+    def __init__(
+        self, bootstrap: Sequence[str], topic: str, groups: Sequence[str], security: KafkaSecurity
+    ) -> None:
         self.groups = tuple(groups)
-        self.offsets = DependencyOffsets(bootstrap, topic, self.groups)
+        self.offsets = DependencyOffsets(bootstrap, topic, self.groups, security=security)
         self.timeline = CommitTimeline()
         self.polls = 0
         self.advances = 0

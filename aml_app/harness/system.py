@@ -143,7 +143,7 @@ class System:
         self.start_services()
         self.start_workers()
         s = self.settings
-        self.watch = CommitWatch(self.bootstrap, s.payments_topic, self.groups)
+        self.watch = CommitWatch(self.bootstrap, s.payments_topic, self.groups, s.kafka_security)
         self.tasks["commit watch"] = asyncio.create_task(self.watch.run())
         await self.start_tails()
 

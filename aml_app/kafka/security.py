@@ -62,6 +62,10 @@ class KafkaSecurity:
         return ", ".join(parts)
 
 
+#: Plaintext without authentication: the embedded broker of the demo, the tests and the benchmarks.
+PLAINTEXT = KafkaSecurity()
+
+
 def _config_error(message: str) -> Exception:
     from aml_app.settings import ConfigError  # settings imports this module lazily: no cycle at import
 
@@ -158,10 +162,10 @@ def ssl_context(security: KafkaSecurity) -> ssl.SSLContext | None:
     return create_ssl_context(cafile=security.cafile, certfile=security.certfile, keyfile=security.keyfile)
 
 
-def aiokafka_kwargs(security: KafkaSecurity | None = None) -> dict[str, Any]:
-    """Keyword arguments for any aiokafka client (producer, consumer, admin); the process's settings
-    (environment) when none are given. Empty for plaintext, so plain clients stay as they were."""
-    security = load_security() if security is None else security
+def aiokafka_kwargs(security: KafkaSecurity) -> dict[str, Any]:
+    """Keyword arguments for any aiokafka client (producer, consumer, admin). Empty for plaintext, so
+    plain clients stay as they were. Every client gets the settings loaded at start-up, passed down: none
+    reads the environment again."""
     if security.protocol == "PLAINTEXT":
         return {}
     kwargs: dict[str, Any] = {"security_protocol": security.protocol}

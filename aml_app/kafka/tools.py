@@ -8,7 +8,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
+from aml_app.kafka.security import PLAINTEXT, KafkaSecurity, aiokafka_kwargs
 
 
 class GroupCommitter:
@@ -88,11 +88,10 @@ def payment_json(payment_id: str, payer: str, payee: str, amount: str, ts: str, 
 
 
 async def started_producer(
-    bootstrap: Sequence[str], client_id: str, security: KafkaSecurity | None = None
+    bootstrap: Sequence[str], client_id: str, security: KafkaSecurity = PLAINTEXT
 ) -> AIOKafkaProducer:
-    """A started producer for payments (acks=all, a short linger), with the settings' TLS/SASL when
-    `security` is None. A failed start is stopped before it raises: it leaves connections and tasks
-    behind otherwise."""
+    """A started producer for payments (acks=all, a short linger) with `security`'s TLS/SASL. A failed
+    start is stopped before it raises: it leaves connections and tasks behind otherwise."""
     producer = AIOKafkaProducer(
         bootstrap_servers=list(bootstrap),
         acks="all",

@@ -20,7 +20,7 @@ import click
 from aiokafka.errors import KafkaError
 
 from aml_app.dependencies.aggregates import HORIZON
-from aml_app.kafka.security import KafkaSecurity
+from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.kafka.tools import produce, started_producer
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import (
@@ -41,7 +41,7 @@ async def send_payments(
     topic: str,
     payments: Sequence[AmlworldPayment],
     *,
-    security: KafkaSecurity | None = None,
+    security: KafkaSecurity = PLAINTEXT,
     progress: Callable[[str], None] | None = None,
     progress_interval: float = 5.0,
     days_per_second: float | None = None,
@@ -50,8 +50,8 @@ async def send_payments(
 
     Chunks are sent one after the other and each is acknowledged before the next, so a payer's payments
     reach its partition in the order given. `days_per_second` paces them by event time (that many days
-    of it per second of wall time; None: as fast as the broker takes them). `security` (TLS/SASL): None
-    means the process's settings.
+    of it per second of wall time; None: as fast as the broker takes them). `security`: the cluster's
+    TLS/SASL.
     """
     producer = await started_producer(bootstrap, "aml-amlworld-import", security)
     sent = 0

@@ -22,7 +22,7 @@ from aiokafka import AIOKafkaProducer
 
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.kafka.security import KafkaSecurity
+from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.kafka.tools import started_producer
 from aml_app.simulation.traffic import (
     DEFAULT_BAND,
@@ -88,7 +88,7 @@ async def run_simulator(
     producer: AIOKafkaProducer | None = None,
     stop: asyncio.Event | None = None,
     on_sent: Callable[[SimPayment, int, int, float], None] | None = None,
-    security: KafkaSecurity | None = None,
+    security: KafkaSecurity = PLAINTEXT,
 ) -> SimulatorReport:
     """Simulate `rate * duration` payments and send them at `rate` per second; see the module docstring.
 
@@ -96,7 +96,7 @@ async def run_simulator(
     is left running; otherwise one is created with acks=all and stopped at the end. Setting `stop` ends
     the run after the current burst (`stopped_early` in the report). `on_sent(payment, partition, offset,
     sent_at)` is called for every acknowledged payment as it goes (sent_at: POSIX time of its burst).
-    `security` (TLS/SASL) is used for the producer created here; None: the process's settings.
+    `security` (TLS/SASL) is used for the producer created here.
     """
     simulation = simulate(
         seed,

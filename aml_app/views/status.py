@@ -39,7 +39,7 @@ async def fetched_high_watermarks(
     topic: str,
     starts: Mapping[int, int],
     timeout: float,
-    security: KafkaSecurity | None = None,
+    security: KafkaSecurity,
 ) -> dict[int, int]:
     """The log ends as fetch responses report them (one small fetch per partition).
 

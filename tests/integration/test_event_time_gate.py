@@ -8,6 +8,7 @@ import pytest
 from aml_app.gate.event_time import micros
 from aml_app.gate.unapplied import UnappliedReader
 from aml_app.harness.verify import CommitTimeline
+from aml_app.kafka.security import PLAINTEXT
 from aml_app.kafka.tools import payment_json, produce
 from tests.harness import ends_of, wait_until
 
@@ -26,7 +27,7 @@ async def test_reader_finds_the_first_unapplied_payment_and_the_true_end(broker,
     records.append((0, b"acct-0", b"not json"))
     records += [at(1, n, f"2026-11-20T11:0{n}:00Z") for n in range(2)]
     ends = ends_of(await produce(producer, names.payments, records))
-    reader = UnappliedReader([broker.bootstrap], names.payments)
+    reader = UnappliedReader([broker.bootstrap], names.payments, security=PLAINTEXT)
     try:
         found = await reader.read({0: 2, 1: 2, 2: 0, 3: 0})
         assert found[0].first_ts == micros("2026-11-20T10:02:00Z")

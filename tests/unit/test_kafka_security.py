@@ -14,6 +14,7 @@ import pytest
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from aml_app.kafka.security import (
+    PLAINTEXT,
     VARIABLES,
     KafkaSecurity,
     aiokafka_kwargs,
@@ -178,16 +179,22 @@ def test_settings_fail_fast_on_a_bad_security_combination() -> None:
         load_settings({"KAFKA_SECURITY_PROTOCOL": "SASL_SSL"})
 
 
-def test_clients_without_explicit_settings_take_the_process_environment(
+def test_clients_take_the_settings_given_and_never_the_environment_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    for name, value in sasl_env("SASL_PLAINTEXT", "SCRAM-SHA-256").items():
-        monkeypatch.setenv(name, value)
-    assert aiokafka_kwargs()["sasl_mechanism"] == "SCRAM-SHA-256"
     from aml_app.gate.offsets import DependencyOffsets
+    from aml_app.gate.unapplied import UnappliedReader
 
-    reader = DependencyOffsets(["kafka:9092"], "payments", ["relations"])
+    settings = load_settings(sasl_env("SASL_PLAINTEXT", "SCRAM-SHA-256"))
+    reader = DependencyOffsets(["kafka:9092"], "payments", ["relations"], security=settings.kafka_security)
     assert reader._security["sasl_plain_password"] == PASSWORD
+    assert reader._librdkafka["sasl.password"] == PASSWORD
+    # The environment says something else after start-up: no client reads it.
+    for name, value in sasl_env("SASL_SSL", "PLAIN").items():
+        monkeypatch.setenv(name, value)
+    again = UnappliedReader(["kafka:9092"], "payments", security=settings.kafka_security)
+    assert again._security["sasl_mechanism"] == "SCRAM-SHA-256"
+    assert aiokafka_kwargs(PLAINTEXT) == {}
 
 
 def test_the_pipeline_config_carries_the_security_settings(tls_files: dict[str, str]) -> None:

@@ -11,6 +11,7 @@ from aiokafka import TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+from aml_app.kafka.security import PLAINTEXT
 
 TOPIC = "payments"
 GROUPS = ("relations", "aggregates")
@@ -54,7 +55,7 @@ class FakeAdmin:
 
 
 def reader_with(admin: FakeAdmin) -> DependencyOffsets:
-    reader = DependencyOffsets(["127.0.0.1:9"], TOPIC, GROUPS)
+    reader = DependencyOffsets(["127.0.0.1:9"], TOPIC, GROUPS, security=PLAINTEXT)
     reader._client = admin  # type: ignore[assignment]  # the seam: the admin client it would open
 
     async def log(cluster_too: bool) -> str:
