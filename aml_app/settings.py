@@ -16,8 +16,6 @@ from decimal import Decimal, InvalidOperation
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from aml_app.dependencies.services import NAMES as DEPENDENCY_SERVICES
-
 if TYPE_CHECKING:
     from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
     from aml_app.kafka.security import KafkaSecurity
@@ -63,8 +61,9 @@ class Settings:
     #: Which gated service this worker runs: the module agents/<service>.py (aml, fraud, ...).
     service: str = "aml"
     app_id: str = "aml"
-    #: The consumer groups the gate waits for: by default those of every dependency service.
-    depends_on: tuple[str, ...] = DEPENDENCY_SERVICES
+    #: The consumer groups the gate waits for: by default those of every dependency service, in the
+    #: registry's order (`aml_app.dependencies.services.NAMES`; settings sit below it, so it is spelt out).
+    depends_on: tuple[str, ...] = ("relations", "aggregates")
     payments_topic: str = "payments"
     decisions_topic: str = "aml.decisions"
     alerts_topic: str = "aml.alerts"
