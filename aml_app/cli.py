@@ -13,6 +13,7 @@ import threading
 
 import click
 
+from aml_app.dependencies.services import NAMES as DEPENDENCY_SERVICES
 from aml_app.settings import ConfigError, load_settings
 
 
@@ -126,7 +127,7 @@ def postgres_command(port: int | None, folder: str) -> None:
     "--service",
     "services",
     multiple=True,
-    type=click.Choice(["relations", "aggregates"]),
+    type=click.Choice(DEPENDENCY_SERVICES),
     help="Run only this service's query (repeatable; default both).",
 )
 @click.option(
@@ -150,7 +151,7 @@ def pipeline_command(master: str | None, services: tuple[str, ...], triggers: tu
 
 
 @click.command("rebuild")
-@click.argument("service", type=click.Choice(["relations", "aggregates"]))
+@click.argument("service", type=click.Choice(DEPENDENCY_SERVICES))
 @click.option("--master", default=None, help="Spark master (default AML_SPARK_MASTER, local[2]).")
 @click.option("--yes", is_flag=True, help="Do not ask before dropping the store.")
 def rebuild_command(service: str, master: str | None, yes: bool) -> None:
@@ -182,9 +183,10 @@ def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
             interval = float(seconds)
         except ValueError:
             interval = -1.0
-        if service not in ("relations", "aggregates") or not 0.05 <= interval <= 3600:
+        if service not in DEPENDENCY_SERVICES or not 0.05 <= interval <= 3600:
+            expected = " or ".join(f"{name}=SECONDS" for name in DEPENDENCY_SERVICES)
             raise click.BadParameter(
-                f"{value!r}: expected relations=SECONDS or aggregates=SECONDS with 0.05..3600 seconds",
+                f"{value!r}: expected {expected} with 0.05..3600 seconds",
                 param_hint="--trigger",
             )
         triggers[service] = interval
@@ -192,7 +194,7 @@ def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
 
 
 @click.command("serve")
-@click.argument("service", type=click.Choice(["relations", "aggregates"]))
+@click.argument("service", type=click.Choice(DEPENDENCY_SERVICES))
 def serve_command(service: str) -> None:
     """Run the HTTP API of Service-B (relations) or Service-C (aggregates)."""
     from aml_app.dependencies.api import serve

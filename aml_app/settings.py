@@ -61,6 +61,8 @@ class Settings:
     #: Which gated service this worker runs: the module agents/<service>.py (aml, fraud, ...).
     service: str = "aml"
     app_id: str = "aml"
+    #: The consumer groups the gate waits for: by default those of every dependency service, in the
+    #: registry's order (`aml_app.dependencies.services.NAMES`; settings sit below it, so it is spelt out).
     depends_on: tuple[str, ...] = ("relations", "aggregates")
     payments_topic: str = "payments"
     decisions_topic: str = "aml.decisions"

@@ -71,6 +71,7 @@ from typing import Any
 import aiohttp
 
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies import services as registry
 from aml_app.dependencies.client import LOOP_HOPS, PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.store import Writer
 from aml_app.harness.dependencies import ApiProcess
@@ -251,10 +252,7 @@ def build_stores(settings: Settings, rows: list[tuple], vacuum: bool) -> dict[st
 
     started = time.monotonic()
     threshold, band = settings.reporting_threshold, settings.threshold_band
-    writers = {
-        "relations": Writer(settings.store_url, relations.SCHEMA),
-        "aggregates": Writer(settings.store_url, aggregates.SCHEMA),
-    }
+    writers = {name: Writer(settings.store_url, dep.schema) for name, dep in registry.SERVICES.items()}
     applied: dict[str, dict[int, int]] = {}
     try:
         for service, writer in writers.items():

@@ -62,6 +62,7 @@ import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from aml_app.dependencies import services as registry
 from aml_app.harness.child_process import AmlAppProcess, aml_app_executable
 from aml_app.harness.dependencies import ServiceProcess, services_env
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
@@ -88,7 +89,7 @@ NOT_INJECTED = {
     "add-partitions": "the embedded broker (Tansu) does not implement CreatePartitions, so a topic "
     "cannot grow partitions",
 }
-API_REPLICAS = ("relations", "relations-2", "aggregates", "aggregates-2")  # System's replica names
+API_REPLICAS = tuple(f"{name}{r}" for name in registry.NAMES for r in ("", "-2"))  # System's replica names
 FIRST_FAULT = 10.0  # seconds of traffic before the first fault
 LAST_FAULT_MARGIN = 10.0  # the last fault starts at least this long before the traffic ends
 POSTGRES_OUTAGE = (5.0, 10.0)
@@ -553,15 +554,14 @@ class Soak:
         return service_settings(self.settings, "aml").app_id
 
     @property
-    def dependency_groups(self) -> tuple[str, str]:
-        return (self.settings.relations_group, self.settings.aggregates_group)
+    def dependency_groups(self) -> tuple[str, ...]:
+        return tuple(dep.group(self.settings) for dep in registry.SERVICES.values())
 
     def source_of(self, worker: str) -> str:
         """Who dead-lettered: B and C write their group's name, an AML worker its worker id."""
-        if worker in (self.settings.relations_group, "relations"):
-            return "relations"
-        if worker in (self.settings.aggregates_group, "aggregates"):
-            return "aggregates"
+        for name, dep in registry.SERVICES.items():
+            if worker in (dep.group(self.settings), name):
+                return name
         assert self.system is not None
         if any(w.worker_id == worker for w in self.system.all_workers):
             return "aml"
@@ -926,7 +926,7 @@ class Soak:
                 f"{g} {sum(max(end - poll.committed[g].get(p, 0), 0) for p, end in ends.items())}"
                 for g in poll.committed
             )
-        dead = "/".join(str(len(f.dead.get(s, {}))) for s in ("relations", "aggregates", "aml"))
+        dead = "/".join(str(len(f.dead.get(s, {}))) for s in (*registry.NAMES, "aml"))
         workers = ",".join(w.worker_id for w in self.live_workers())
         self.say(
             f"+{time.monotonic() - self.t0:.0f}s  payments {len(f.valid)} (+{len(f.malformed)} malformed)  "
@@ -946,7 +946,7 @@ class Soak:
         f = self.findings
         if not set(f.valid) <= f.decided:
             return False
-        return all(f.malformed <= set(f.dead.get(s, {})) for s in ("relations", "aggregates", "aml"))
+        return all(f.malformed <= set(f.dead.get(s, {})) for s in (*registry.NAMES, "aml"))
 
     async def catch_up(self) -> None:
         """Every producer stopped: the log ends are final; wait until everything was handled."""
@@ -1082,7 +1082,7 @@ class Soak:
         premature_ids = {(d.partition, d.offset) for d, *_ in premature}
         lost = sorted(set(f.valid) - f.decided)
         alerted_twice = {pid: n for pid, n in f.alerts.items() if n > 1}
-        sources = ("relations", "aggregates", "aml")
+        sources = (*registry.NAMES, "aml")
         dead = {s: len(f.malformed & set(f.dead.get(s, {}))) for s in sources}
         malformed_decided = f.malformed & f.decided
         valid_dead = {s: len(set(f.valid) & set(f.dead.get(s, {}))) for s in f.dead}

@@ -62,6 +62,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from aml_app.dependencies.services import NAMES as SERVICES
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
@@ -394,7 +395,7 @@ class Batches:
     ) -> None:
         """Until each service reported `records` (a handler reports after it committed the group)."""
         deadline = time.monotonic() + timeout
-        for service in ("relations", "aggregates"):
+        for service in SERVICES:
             while sum(r["records"] for r in self.of(service, first_batch.get(service, 0), since)) < records:
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{service} reported fewer than {records} records in its batches")
@@ -678,8 +679,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             t_done = wait_committed(poller, ends, args.timeout, pipeline)
             cpu_catch_up = cpu_since(cpu_before, n, t_done - t_warm)
             reports.wait_for(n, {})
-            steady = {s: steady_state(reports, s) for s in ("relations", "aggregates")}
-            dead = {s: sum(r["dead_lettered"] for r in reports.of(s)) for s in ("relations", "aggregates")}
+            steady = {s: steady_state(reports, s) for s in SERVICES}
+            dead = {s: sum(r["dead_lettered"] for r in reports.of(s)) for s in SERVICES}
             doc["pipeline"] = {
                 "session_start_s": t_warm - t_cold,
                 "cold_s": t_done - t_cold,
@@ -689,7 +690,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "steady_state": steady,
                 "steady_records_per_s": min(s.get("records_per_s", float("nan")) for s in steady.values()),
                 "dead_lettered": dead,
-                "handler_phases_s": {s: phases(reports.of(s)) for s in ("relations", "aggregates")},
+                "handler_phases_s": {s: phases(reports.of(s)) for s in SERVICES},
                 "spark_progress": settled_progress(pipeline, n, {}),
                 "cpu": cpu_catch_up,
             }
@@ -703,7 +704,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             )
 
             # d. latency at a steady rate, on the same running pipeline.
-            batch_ids = {s: reports.next_batch(s) for s in ("relations", "aggregates")}
+            batch_ids = {s: reports.next_batch(s) for s in SERVICES}
             poller.interval = POLL_INTERVAL
             placed = produce_at_rate(broker.bootstrap, topic, args.rate, args.duration, invalid_every)
             late_ends = dict(ends)
@@ -724,17 +725,14 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                 "max_ms": max(lat_ms),
                 "min_ms": min(lat_ms),
                 "resolution_ms": POLL_INTERVAL * 1000,
-                "batches": {s: len(reports.of(s, batch_ids[s])) for s in ("relations", "aggregates")},
+                "batches": {s: len(reports.of(s, batch_ids[s])) for s in SERVICES},
                 "handler_s_per_batch": {
-                    s: [round(r["seconds"], 3) for r in reports.of(s, batch_ids[s])]
-                    for s in ("relations", "aggregates")
+                    s: [round(r["seconds"], 3) for r in reports.of(s, batch_ids[s])] for s in SERVICES
                 },
-                "handler_phases_s": {
-                    s: phases(reports.of(s, batch_ids[s])) for s in ("relations", "aggregates")
-                },
+                "handler_phases_s": {s: phases(reports.of(s, batch_ids[s])) for s in SERVICES},
                 "spark_progress": settled_progress(pipeline, len(placed), batch_ids),
             }
-            doc["costs"] = {s: costs(reports.of(s)) for s in ("relations", "aggregates")}
+            doc["costs"] = {s: costs(reports.of(s)) for s in SERVICES}
 
             # f. the catch-up again with the JVM's code compiled: the queries stop, N more payments arrive,
             # the queries start again on the same SparkSession (as after a restart of the job on a
@@ -767,9 +765,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
                         "query_start_s": first - started,
                         "records_per_s_from_first_batch": n / (t_again - first),
                         "cpu_from_first_batch": sampler.between(first, t_again, n),
-                        "handler_phases_s": {
-                            s: phases(reports.of(s, since=reported)) for s in ("relations", "aggregates")
-                        },
+                        "handler_phases_s": {s: phases(reports.of(s, since=reported)) for s in SERVICES},
                         # The restarted query numbers its batches from 0: all its triggers are this run's.
                         "spark_progress": settled_progress(pipeline, n, {}),
                     }

@@ -54,6 +54,7 @@ from aiohttp import web
 
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies import services as registry
 from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
@@ -61,7 +62,6 @@ from aml_app.dependencies.store import Reader, Snapshot, StoreVersionMismatch, r
 
 log = logging.getLogger(__name__)
 
-KINDS = ("relations", "aggregates")
 DEFAULT_HOPS = 2
 MAX_BATCH = 1000
 CHECK_EVERY = 2.0  # seconds between two checks of the store against its consumer group
@@ -328,7 +328,7 @@ class StoreCheck:
 
         self.reader = reader
         self.service = service
-        self.group = settings.relations_group if service == "relations" else settings.aggregates_group
+        self.group = registry.service(service).group(settings)
         self.offsets = DependencyOffsets(
             settings.bootstrap_servers,
             settings.payments_topic,
@@ -423,9 +423,7 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
                 "as_of": {str(p): o for p, o in sorted(snap.as_of.items())},
                 "log": meta.get("log"),
             }
-        if service == "aggregates":
-            body["late_dropped"] = int(meta.get("late_dropped", "0"))
-            body["max_event_ts"] = meta.get("max_event_ts")
+        body.update(registry.service(service).health(meta))
         if check is not None:
             body["store_check"] = check.as_json()
             if check.state == "behind":
@@ -539,20 +537,16 @@ def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = Non
 def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     """The application for `kind` ('relations' or 'aggregates') on the store `settings` names, with the
     store check against the consumer group (unless `check` is False: tests of the queries alone)."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown service {kind!r}; expected one of {', '.join(KINDS)}")
-    schema = relations.SCHEMA if kind == "relations" else aggregates.SCHEMA
-    reader = Reader(settings.store_url, schema)
+    registered = registry.service(kind)
+    reader = Reader(settings.store_url, registered.schema)
     guard = StoreCheck(reader, kind, settings) if check else None
-    if kind == "relations":
-        return relations_app(reader, guard)
-    return aggregates_app(reader, settings, guard)
+    return registered.app(reader, settings, guard)
 
 
 def serve(kind: str, settings: Any) -> None:
     """Run the service's HTTP API until interrupted (blocks)."""
     app = build_app(kind, settings)
-    port = settings.relations_port if kind == "relations" else settings.aggregates_port
+    port = registry.service(kind).port(settings)
     print(
         f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.store_url)})",
         flush=True,

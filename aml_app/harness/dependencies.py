@@ -21,6 +21,7 @@ from typing import Any
 
 import aiohttp
 
+from aml_app.dependencies import services as registry
 from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.harness.verify import CommitTimeline
@@ -101,7 +102,7 @@ class ApiProcess(ServiceProcess):
         super().__init__(name or f"{kind} API", ["serve", kind], settings, log_path, **env)
         self.kind = kind
         self.settings = settings
-        port = settings.relations_port if kind == "relations" else settings.aggregates_port
+        port = registry.service(kind).port(settings)
         self.url = f"http://{settings.services_host}:{port}"
 
     async def get(self, path: str, params: dict[str, str] | None = None, timeout: float = 5) -> Any:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from aml_app.dependencies import services as registry
 from aml_app.harness.dependencies import ApiProcess, CommitWatch, ServiceProcess
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail
@@ -196,8 +197,8 @@ class System:
         s = self.settings
         args = ["pipeline"] + [f"--trigger={svc}={sec:g}" for svc, sec in self.layout.triggers.items()]
         self.pipeline = ServiceProcess("pipeline", args, s, self.folder / "pipeline.log").start()
-        for kind in ("relations", "aggregates"):
-            first = s.relations_port if kind == "relations" else s.aggregates_port
+        for kind, service in registry.SERVICES.items():
+            first = service.port(s)
             for replica in range(1, self.layout.api_replicas + 1):
                 name = kind if replica == 1 else f"{kind}-{replica}"
                 port = (
@@ -205,11 +206,7 @@ class System:
                     if replica == 1
                     else free_port()
                 )
-                own = (
-                    replace(s, relations_port=port)
-                    if kind == "relations"
-                    else replace(s, aggregates_port=port)
-                )
+                own = service.with_port(s, port)
                 self.apis[name] = ApiProcess(
                     kind, own, self.folder / f"{name}-api.log", name=f"{name} API"
                 ).start()
@@ -244,9 +241,8 @@ class System:
             AML_SESSION_TIMEOUT=WORKER_SESSION_TIMEOUT,
             AML_REBALANCE_TIMEOUT=WORKER_SESSION_TIMEOUT,
             AML_GATE="on" if self.layout.gate else "off",
-            AML_RELATIONS_URL=self.api_urls("relations"),
-            AML_AGGREGATES_URL=self.api_urls("aggregates"),
-            # Environment variables only: mypy cannot rule out that the mapping fills cwd or executable.
+            # Environment variables only: mypy cannot rule out that the mappings fill cwd or executable.
+            **{dep.urls_env: self.api_urls(kind) for kind, dep in registry.SERVICES.items()},  # type: ignore[arg-type]
             **self.layout.worker_env,  # type: ignore[arg-type]
         )
         running.append(worker.start())

@@ -36,7 +36,8 @@ import psycopg
 from pyspark.sql import DataFrame
 
 from aml_app.contract import InvalidPayment, validate_payment
-from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies import aggregates
+from aml_app.dependencies import services as registry
 from aml_app.dependencies.store import Writer
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
 from aml_app.pipeline.transforms import BatchOutputs, kept, outputs_by_service
@@ -93,18 +94,12 @@ def writer_for(
 ) -> Callable[[psycopg.Connection, BatchOutputs], int]:
     """The store write of `service`: results of one batch into its tables; returns the rows applied.
     `keep`: how long C keeps flows past its longest window."""
-    if service == "relations":
+    registered = registry.service(service)
 
-        def write_relations(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
-            relations.write_edges(conn, relations.SCHEMA, outputs.tables["edges"])
-            return outputs.tables["edges"].num_rows
+    def write(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
+        return registered.write(conn, outputs.tables[registered.table], keep)
 
-        return write_relations
-
-    def write_aggregates(conn: psycopg.Connection, outputs: BatchOutputs) -> int:
-        return aggregates.write_batch(conn, aggregates.SCHEMA, outputs.tables["flows"], keep)
-
-    return write_aggregates
+    return write
 
 
 class ServiceBatches:

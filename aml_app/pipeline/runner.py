@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from aml_app.dependencies import services as registry
 from aml_app.dependencies.store import Schema, Writer, redacted
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.settings import Settings
 
 log = logging.getLogger("aml_app.pipeline")
-SERVICES = ("relations", "aggregates")
+SERVICES = registry.NAMES
 
 
 def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, str] | None = None) -> Any:
@@ -154,15 +155,11 @@ def _log_changed_in(text: str) -> str | None:
 
 
 def group_of(settings: Settings, service: str) -> str:
-    if service not in SERVICES:
-        raise ValueError(f"unknown service {service!r}; expected one of {', '.join(SERVICES)}")
-    return settings.relations_group if service == "relations" else settings.aggregates_group
+    return registry.service(service).group(settings)
 
 
 def schema_of(service: str) -> Schema:
-    from aml_app.dependencies import aggregates, relations
-
-    return relations.SCHEMA if service == "relations" else aggregates.SCHEMA
+    return registry.service(service).schema
 
 
 def open_store(
@@ -185,7 +182,7 @@ def open_store(
     as built from `log_id` once it passes every check. With `rebuild`, the store is dropped and created
     empty first (so it records `log_id`), and being behind is expected.
     """
-    from aml_app.dependencies import aggregates, store
+    from aml_app.dependencies import store
     from aml_app.dependencies.guard import behind
     from aml_app.pipeline.kafka_source import log_changed
 
@@ -213,10 +210,7 @@ def open_store(
             recorded = meta.get("log")
             if recorded is not None and recorded != log_id:
                 raise StoreRefused(log_changed([service], where, topic_name, recorded, log_id))
-            if service == "aggregates":
-                aggregates.check_thresholds(
-                    conn, writer.schema, settings.reporting_threshold, settings.threshold_band
-                )
+            registry.service(service).check_store(conn, writer.schema, settings)
             return recorded is None
 
     try:

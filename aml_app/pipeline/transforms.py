@@ -29,9 +29,10 @@ from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
+from aml_app.dependencies import services as registry
 from aml_app.pipeline.validation import validated
 
-SERVICES = ("relations", "aggregates")
+SERVICES = registry.NAMES
 
 
 @dataclass
@@ -251,7 +252,7 @@ def outputs_by_service(
     outputs = {}
     for service, offsets in applied.items():
         mine = arrow_not_applied(rows, offsets)
-        table = "edges" if service == "relations" else "flows"
+        table = registry.service(service).table
         outputs[service] = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), {table: aggregated[service]})
     return outputs
 
@@ -270,9 +271,7 @@ def in_one_task(frame: DataFrame) -> DataFrame:
 
 def aggregation(service: str, valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
     """The service's aggregated output of a batch's valid payments, as an Arrow table."""
-    if service == "relations":
-        return edges(valid).toArrow()
-    return flows(valid, threshold, band).toArrow()
+    return registry.service(service).transform(valid, threshold, band)
 
 
 def concurrently(jobs: Mapping[str, Callable[[], Any]], here: Callable[[], Any]) -> dict[str | None, Any]:
