@@ -828,7 +828,7 @@ def report(doc: dict[str, Any]) -> str:
         [
             ("a. raw consume (confluent-kafka, best of 3)", round(s["raw_consume_per_s"]), 1.0),
             (
-                "a'. the same, librdkafka's defaults (the baseline before issue 12's tenth session)",
+                "a'. the same, librdkafka's defaults (fetch.queue.backoff.ms at 1,000 ms)",
                 round(s["raw_consume_defaults_per_s"]),
                 s["raw_consume_defaults_per_s"] / s["raw_consume_per_s"],
             ),

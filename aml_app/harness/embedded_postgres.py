@@ -41,8 +41,7 @@ START_TIMEOUT = 60.0
 #: own). With PostgreSQL's defaults (max_wal_size 1GB, shared_buffers 128MB) the pipeline's catch-up
 #: forced a checkpoint every 20-odd seconds ("checkpoints are occurring too frequently" in the server's
 #: log), and each checkpoint makes the next change of every page write the whole page to the WAL again
-#: (full-page writes): over 1.5 kB of WAL per payment. Measured together with the other changes of its
-#: session (BENCHMARKS.md, "Pipeline throughput", issue 12's fifth session).
+#: (full-page writes): over 1.5 kB of WAL per payment (BENCHMARKS.md, "Pipeline throughput").
 INGEST_SETTINGS = {
     "shared_buffers": "512MB",
     "max_wal_size": "4GB",
