@@ -65,7 +65,7 @@ class StandaloneCluster:
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{self.ui_port}/json/", timeout=2) as answer:
                 return json.load(answer)
-        except OSError:
+        except (OSError, ValueError):  # not up yet; while it starts, the UI may answer its HTML page
             return {}
 
     def _wait(self, ready: Any, timeout: float, what: str) -> None:
