@@ -20,6 +20,7 @@ from typing import Any
 import pyarrow as pa
 
 from aml_app.dependencies import aggregates
+from aml_app.dependencies import services as registry
 from aml_app.dependencies.store import Writer, write_meta
 from aml_app.harness.dependencies import ApiProcess
 from aml_app.kafka.broker import free_port
@@ -65,7 +66,7 @@ def flows(payments: Sequence[PaymentRow], settings: Settings) -> pa.Table:
     minutes = [(p.payer, p.ts.replace(second=0, microsecond=0), p.payee) for p in payments]
     assert len(set(minutes)) == len(payments), "one payment per flow row"
     n = len(payments)
-    low = settings.reporting_threshold * (1 - settings.threshold_band)
+    low, high = aggregates.near_bounds(settings.reporting_threshold, settings.threshold_band)
     return pa.table(
         {
             "payer": [p.payer for p in payments],
@@ -74,9 +75,7 @@ def flows(payments: Sequence[PaymentRow], settings: Settings) -> pa.Table:
             "currency": [p.currency for p in payments],
             "payments": pa.array([1] * n, pa.int64()),
             "total": money(payments),
-            "near": pa.array(
-                [1 if low <= p.amount < settings.reporting_threshold else 0 for p in payments], pa.int64()
-            ),
+            "near": pa.array([1 if low <= p.amount < high else 0 for p in payments], pa.int64()),
             "times": pa.array([None] * n, pa.list_(pa.timestamp("us", "UTC"))),
             "amounts": pa.array([None] * n, pa.list_(pa.decimal128(38, 8))),
             "first_ts": utc([p.ts for p in payments]),
@@ -89,10 +88,9 @@ def apply(url: str, service: str, payments: Sequence[PaymentRow], settings: Sett
     """Payments of one partition into `service`'s store as the pipeline applies a micro-batch: its rows
     and the offsets they cover, in one transaction; the store records the log they are of."""
     [partition] = {p.partition for p in payments}
-    table = edges(payments) if service == "relations" else flows(payments, settings)
-    outputs = BatchOutputs(
-        spans=None, rejects=None, tables={"edges" if service == "relations" else "flows": table}
-    )
+    table = registry.service(service).table
+    rows = edges(payments) if table == "edges" else flows(payments, settings)
+    outputs = BatchOutputs(spans=None, rejects=None, tables={table: rows})
     covered = {partition: (payments[0].offset, payments[-1].offset + 1)}
     write = writer_for(service)
     writer = Writer(url, schema_of(service))
@@ -100,11 +98,8 @@ def apply(url: str, service: str, payments: Sequence[PaymentRow], settings: Sett
         writer.migrate()
         with writer.connection().transaction():
             write_meta(writer.connection(), writer.schema, {"log": log})
-        if service == "aggregates":
-            with writer.connection().transaction():
-                aggregates.check_thresholds(
-                    writer.connection(), writer.schema, settings.reporting_threshold, settings.threshold_band
-                )
+        with writer.connection().transaction():
+            registry.service(service).check_store(writer.connection(), writer.schema, settings)
         writer.apply(covered, lambda conn: write(conn, outputs))
     finally:
         writer.close()
