@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from aml_app.app import settings
-from aml_app.detection.detector import detecting_service
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.model import load
 from aml_app.detection.rules import Hit, aml_rules
+from aml_app.worker.detector import detecting_service
 
 model = load(settings.aml_model)
 

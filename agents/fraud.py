@@ -7,7 +7,7 @@ consumer group `fraud` and topics `fraud.decisions` and `fraud.alerts` unless co
 from __future__ import annotations
 
 from aml_app.app import settings
-from aml_app.detection.detector import detecting_service
 from aml_app.detection.fraud_rules import fraud_rules
+from aml_app.worker.detector import detecting_service
 
 detector = detecting_service("fraud", lambda evidence: fraud_rules(evidence, settings.fraud_thresholds))

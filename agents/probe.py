@@ -21,9 +21,9 @@ from datetime import UTC, datetime
 
 from aml_app.app import send_decision, settings
 from aml_app.gate import Admission
-from aml_app.gate.agent import gated_agent
 from aml_app.gate.consumer import Pending
 from aml_app.models import Payment, decision_json
+from aml_app.worker.agent import gated_agent
 
 NOTE = "probe: admitted by the gate; no evidence asked for and no rule run"
 

@@ -22,7 +22,7 @@ from aml_app.settings import ConfigError, load_settings
 def broker_command(port: int | None) -> None:
     """Run the embedded Kafka-compatible broker (Tansu, in memory) and create the topics."""
     from aml_app.kafka.broker import EmbeddedBroker, create_topics, wait_until_answering
-    from aml_app.kafka.topics import topic_specs
+    from aml_app.topics import topic_specs
 
     settings = load_settings()
     broker = EmbeddedBroker(port or settings.broker_port).start()
@@ -215,7 +215,7 @@ OWN_COMMANDS = {
     "simulate": "aml_app.simulation.command:simulate_command",
     "simulate-amlworld": "aml_app.simulation.calibrated_command:simulate_amlworld_command",
     "status": "aml_app.views.status:status_command",
-    "topics": "aml_app.kafka.topics_command:topics_command",
+    "topics": "aml_app.topics_command:topics_command",
 }
 
 

@@ -14,36 +14,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
-    from aml_app.kafka.security import KafkaSecurity
+from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
+from aml_app.errors import ConfigError
+from aml_app.kafka.security import KafkaSecurity, load_security
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
-
-
-class ConfigError(ValueError):
-    """A configuration value a person has to fix before the service can start."""
-
-
-def _default_aml_thresholds() -> AmlThresholds:
-    from aml_app.detection.thresholds import AmlThresholds
-
-    return AmlThresholds()
-
-
-def _default_fraud_thresholds() -> FraudThresholds:
-    from aml_app.detection.thresholds import FraudThresholds
-
-    return FraudThresholds()
-
-
-def _default_kafka_security() -> KafkaSecurity:
-    from aml_app.kafka.security import KafkaSecurity
-
-    return KafkaSecurity()
 
 
 def available_services() -> list[str]:
@@ -125,8 +102,8 @@ class Settings:
     #: before answering "not yet" (less than the HTTP timeout).
     freshness_wait: float = 2.0
     max_batch: int = 100
-    aml_thresholds: Any = field(default_factory=_default_aml_thresholds)
-    fraud_thresholds: Any = field(default_factory=_default_fraud_thresholds)
+    aml_thresholds: AmlThresholds = field(default_factory=AmlThresholds)
+    fraud_thresholds: FraudThresholds = field(default_factory=FraudThresholds)
     #: AML_MODEL: the learned AML model beside the rules (aml_app.detection.model): '' (off), 'amlworld'
     #: (the one shipped with the package) or the path of a model file.
     aml_model: str = ""
@@ -143,7 +120,7 @@ class Settings:
     lag_warn: int = 1000
     #: TLS and SASL for every Kafka client (aml_app.kafka.security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
     #: KAFKA_SSL_*. Its repr leaves the password out.
-    kafka_security: Any = field(default_factory=_default_kafka_security)
+    kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
     #: Benchmarking knob of the probe service only (agents/probe.py): a cost per payment, in ms, and
     #: its kind: "cpu" (busy loop), "block" (a blocking sleep that holds the event loop without using
     #: CPU, like a synchronous client call) or "wait" (an asyncio sleep, like an awaited call).
@@ -276,12 +253,6 @@ def _store_url(env: Mapping[str, str], name: str, default: str) -> str:
     return value
 
 
-def _security(env: Mapping[str, str]) -> Any:
-    from aml_app.kafka.security import load_security
-
-    return load_security(env)
-
-
 def _failures(env: Mapping[str, str], name: str) -> dict[str, int]:
     """`id1:3,id2:10` -> {"id1": 3, "id2": 10}."""
     out: dict[str, int] = {}
@@ -302,12 +273,6 @@ def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str,
     if value not in choices:
         raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}.")
     return value
-
-
-def _thresholds(env: Mapping[str, str], kind: str) -> Any:
-    from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
-
-    return (AmlThresholds if kind == "aml" else FraudThresholds).from_env(env)
 
 
 def _aml_model(env: Mapping[str, str]) -> str:
@@ -414,8 +379,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
         freshness_wait=_float(env, "AML_FRESHNESS_WAIT", defaults.freshness_wait, 0, 10),
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
-        aml_thresholds=_thresholds(env, "aml"),
-        fraud_thresholds=_thresholds(env, "fraud"),
+        aml_thresholds=AmlThresholds.from_env(env),
+        fraud_thresholds=FraudThresholds.from_env(env),
         aml_model=_aml_model(env),
         reporting_threshold=_decimal(
             env, "AML_REPORTING_THRESHOLD", defaults.reporting_threshold, Decimal("0.01"), Decimal("1e12")
@@ -433,7 +398,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         ),
         stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
         lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
-        kafka_security=_security(env),
+        kafka_security=load_security(env),
         probe_cost_ms=_float(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000, "milliseconds"),
         probe_fail=_failures(env, "AML_PROBE_FAIL"),
         probe_cost_kind=_choice(

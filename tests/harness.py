@@ -216,7 +216,7 @@ def ends_of(placed: list[tuple[int, int]]) -> dict[int, int]:
 
 async def committed_offsets(bootstrap: str, group: str, topic: str, partitions: int) -> dict[int, int]:
     """A group's committed offsets on `topic` (-1: nothing committed), read like the gate reads them."""
-    from aml_app.gate.offsets import DependencyOffsets
+    from aml_app.kafka.offsets import DependencyOffsets
 
     reader = DependencyOffsets([bootstrap], topic, [group], security=PLAINTEXT)
     try:

@@ -324,7 +324,7 @@ class StoreCheck:
     """
 
     def __init__(self, reader: Reader, service: str, settings: Any) -> None:
-        from aml_app.gate.offsets import DependencyOffsets
+        from aml_app.kafka.offsets import DependencyOffsets
 
         self.reader = reader
         self.service = service
@@ -341,7 +341,7 @@ class StoreCheck:
         self.checked_at: float | None = None
 
     async def check(self) -> None:
-        from aml_app.gate.offsets import OffsetReadError
+        from aml_app.kafka.offsets import OffsetReadError
 
         unreadable = (
             OffsetReadError,

@@ -14,7 +14,6 @@ import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from decimal import Decimal
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,8 +38,10 @@ class DependencyService:
     module: str
     #: The table the service's Spark job makes of a micro-batch (`BatchOutputs.tables`).
     table: str
-    #: (valid payments, near-threshold threshold, band) -> the table, as Arrow.
-    transform: Callable[[Any, Decimal, Decimal], Any]
+    #: The Spark transform that makes the table, as "module:function": (valid payments, near-threshold
+    #: threshold, band) -> the table, as Arrow. A name, not the function: the pipeline imports the
+    #: registry and loads the transform it names, so this package never imports Spark's side.
+    transform: str
     #: (connection, the batch's table, how long flows are kept) -> the rows applied.
     write: Callable[[psycopg.Connection, Any, timedelta], int]
     #: (reader, settings, store check) -> the aiohttp application with the service's routes.
@@ -76,18 +77,6 @@ class DependencyService:
     def urls(self, settings: Settings) -> tuple[str, ...]:
         """The replicas of the service's API the workers ask."""
         return tuple(getattr(settings, self.urls_setting))
-
-
-def _edges(valid: Any, threshold: Decimal, band: Decimal) -> Any:
-    from aml_app.pipeline.transforms import edges
-
-    return edges(valid).toArrow()
-
-
-def _flows(valid: Any, threshold: Decimal, band: Decimal) -> Any:
-    from aml_app.pipeline.transforms import flows
-
-    return flows(valid, threshold, band).toArrow()
 
 
 def _write_edges(conn: psycopg.Connection, table: Any, keep: timedelta) -> int:
@@ -132,7 +121,7 @@ SERVICES: Mapping[str, DependencyService] = {
             "relations",
             "aml_app.dependencies.relations",
             "edges",
-            _edges,
+            "aml_app.pipeline.transforms:edges_table",
             _write_edges,
             _relations_app,
             "relations_group",
@@ -144,7 +133,7 @@ SERVICES: Mapping[str, DependencyService] = {
             "aggregates",
             "aml_app.dependencies.aggregates",
             "flows",
-            _flows,
+            "aml_app.pipeline.transforms:flows_table",
             _write_flows,
             _aggregates_app,
             "aggregates_group",

@@ -22,7 +22,7 @@ from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
 from types import MappingProxyType
 
 from aml_app.currencies import ISO_4217
-from aml_app.settings import ConfigError
+from aml_app.errors import ConfigError
 
 CENT = Decimal("0.01")
 REPORTING_VARIABLE = "AML_REPORTING_CURRENCY"

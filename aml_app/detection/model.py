@@ -34,7 +34,7 @@ import numpy as np
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import TYPOLOGIES, Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.settings import ConfigError
+from aml_app.errors import ConfigError
 
 MODEL_VARIABLE = "AML_MODEL"
 SHIPPED = "amlworld"

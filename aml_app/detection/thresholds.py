@@ -22,7 +22,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, TypeVar
 
 from aml_app.detection.exchange import ExchangeRates
-from aml_app.settings import ConfigError
+from aml_app.errors import ConfigError
 
 PREFIX = "AML_RULE_"
 

@@ -2,14 +2,11 @@
 
 from aml_app.gate.consumer import Admission, GatedConsumer
 from aml_app.gate.gate import FreshnessGate
-from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.gate.retry import retry_forever
 
 __all__ = [
     "Admission",
-    "DependencyOffsets",
     "FreshnessGate",
     "GatedConsumer",
-    "OffsetReadError",
     "retry_forever",
 ]

@@ -34,8 +34,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.types import TP, EventT
 
 from aml_app.faust_internals import partition_flags, record_gap
-from aml_app.gate.offsets import DependencyOffsets
 from aml_app.gate.retry import retry_forever
+from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 if TYPE_CHECKING:

@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.gate.event_time import Unapplied, micros
-from aml_app.gate.offsets import OffsetReadError
+from aml_app.kafka.offsets import OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 #: How long the broker may hold a fetch of partitions that have nothing past W(q).

@@ -22,10 +22,10 @@ from typing import Any
 import aiohttp
 
 from aml_app.dependencies import services as registry
-from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.harness.verify import CommitTimeline
 from aml_app.harness.workers import settings_env
+from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import KafkaSecurity
 from aml_app.settings import Settings
 

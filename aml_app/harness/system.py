@@ -27,8 +27,8 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
-from aml_app.kafka.topics import review_topic, service_topics, topic_specs
 from aml_app.settings import Settings
+from aml_app.topics import review_topic, service_topics, topic_specs
 
 API_DEADLINE = 60.0
 WORKER_DEADLINE = 90.0

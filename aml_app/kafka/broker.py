@@ -15,13 +15,23 @@ import socket
 import subprocess
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
 
-from aml_app.kafka.topics import TopicSpec
+
+@dataclass(frozen=True)
+class TopicSpec:
+    """A topic to create: its name, partitions, replication and configuration, and what it holds."""
+
+    name: str
+    partitions: int
+    replication_factor: int
+    config: dict[str, str] = field(default_factory=dict)
+    purpose: str = ""
 
 
 class BrokerError(RuntimeError):

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from aml_app.errors import ConfigError
+
 PROTOCOLS = ("PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL")
 MECHANISMS = ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512")
 VARIABLES = (
@@ -66,12 +68,6 @@ class KafkaSecurity:
 PLAINTEXT = KafkaSecurity()
 
 
-def _config_error(message: str) -> Exception:
-    from aml_app.settings import ConfigError  # settings imports this module lazily: no cycle at import
-
-    return ConfigError(message)
-
-
 def _value(env: Mapping[str, str], name: str) -> str | None:
     raw = env.get(name)
     return None if raw is None or raw.strip() == "" else raw.strip()
@@ -87,7 +83,7 @@ def load_security(env: Mapping[str, str] | None = None) -> KafkaSecurity:
     env = os.environ if env is None else env
     protocol = (_value(env, "KAFKA_SECURITY_PROTOCOL") or "PLAINTEXT").upper()
     if protocol not in PROTOCOLS:
-        raise _config_error(
+        raise ConfigError(
             f"KAFKA_SECURITY_PROTOCOL={protocol!r} is not supported; use one of {', '.join(PROTOCOLS)}."
         )
     mechanism = _value(env, "KAFKA_SASL_MECHANISM")
@@ -111,7 +107,7 @@ def load_security(env: Mapping[str, str] | None = None) -> KafkaSecurity:
         if security.sasl_mechanism is None:
             security = replace(security, sasl_mechanism="PLAIN")
         if security.sasl_mechanism not in MECHANISMS:
-            raise _config_error(
+            raise ConfigError(
                 f"KAFKA_SASL_MECHANISM={mechanism!r} is not supported; use one of {', '.join(MECHANISMS)}."
             )
         if username is None or password is None:
@@ -120,7 +116,7 @@ def load_security(env: Mapping[str, str] | None = None) -> KafkaSecurity:
                 for n, v in (("KAFKA_SASL_USERNAME", username), ("KAFKA_SASL_PASSWORD", password))
                 if v is None
             )
-            raise _config_error(f"KAFKA_SECURITY_PROTOCOL={protocol} needs {missing} to authenticate.")
+            raise ConfigError(f"KAFKA_SECURITY_PROTOCOL={protocol} needs {missing} to authenticate.")
     else:
         given = [
             n
@@ -132,24 +128,24 @@ def load_security(env: Mapping[str, str] | None = None) -> KafkaSecurity:
             if v is not None
         ]
         if given:
-            raise _config_error(
+            raise ConfigError(
                 f"{', '.join(given)} set but KAFKA_SECURITY_PROTOCOL={protocol} does not authenticate; "
                 "use SASL_PLAINTEXT or SASL_SSL."
             )
     if not security.uses_ssl:
         given = [n for n, v in files.items() if v is not None]
         if given:
-            raise _config_error(
+            raise ConfigError(
                 f"{', '.join(given)} set but KAFKA_SECURITY_PROTOCOL={protocol} does not use TLS; "
                 "use SSL or SASL_SSL."
             )
     if security.keyfile and not security.certfile:
-        raise _config_error(
+        raise ConfigError(
             "KAFKA_SSL_KEYFILE is set without KAFKA_SSL_CERTFILE; give the client certificate too."
         )
     for name, path in files.items():
         if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
-            raise _config_error(f"{name}={path!r} is not a readable file.")
+            raise ConfigError(f"{name}={path!r} is not a readable file.")
     return security
 
 

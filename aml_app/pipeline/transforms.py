@@ -18,6 +18,7 @@ per query rather than once per batch.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -269,9 +270,22 @@ def in_one_task(frame: DataFrame) -> DataFrame:
     return frame.coalesce(1)
 
 
+def edges_table(valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
+    """B's table of a batch (`edges`), as Arrow."""
+    return edges(valid).toArrow()
+
+
+def flows_table(valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
+    """C's table of a batch (`flows`), as Arrow."""
+    return flows(valid, threshold, band).toArrow()
+
+
 def aggregation(service: str, valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
-    """The service's aggregated output of a batch's valid payments, as an Arrow table."""
-    return registry.service(service).transform(valid, threshold, band)
+    """The service's aggregated output of a batch's valid payments, as an Arrow table: the transform
+    its registry entry names."""
+    module, _, name = registry.service(service).transform.partition(":")
+    transform: Callable[[DataFrame, Decimal, Decimal], Any] = getattr(importlib.import_module(module), name)
+    return transform(valid, threshold, band)
 
 
 def concurrently(jobs: Mapping[str, Callable[[], Any]], here: Callable[[], Any]) -> dict[str | None, Any]:

@@ -24,8 +24,8 @@ import click
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.gate.health import Limits, describe, plural_partitions
-from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
 from aml_app.gate.watermark import build_rows
+from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 from aml_app.settings import Settings
 

@@ -23,8 +23,6 @@ from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app.app import app, settings
-from aml_app.detection import detector
-from aml_app.gate import agent
 from aml_app.tables.alerts import recovered_to
 from aml_app.tables.watermarks import (
     cut_view,
@@ -39,6 +37,7 @@ from aml_app.tables.watermarks import (
 )
 from aml_app.views import metrics
 from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
+from aml_app.worker import agent, detector
 
 if TYPE_CHECKING:
     from multidict import MultiMapping
@@ -46,6 +45,7 @@ if TYPE_CHECKING:
 # The service's agent module registers its gated consumer; make sure it exists before hooking into it.
 importlib.import_module(f"aml_app.agents.{settings.service}")
 agent.running[0].observers.append(metrics.observe_admission)
+status.duration_observers.append(metrics.admin_refresh.observe)
 
 
 def _recovering() -> bool:

@@ -23,9 +23,9 @@ import pytest
 import yaml
 from honcho.environ import expand_processes, parse_procfile
 
-from aml_app.kafka.topics import topic_specs
-from aml_app.kafka.topics_command import growth_order
 from aml_app.settings import available_services, load_settings
+from aml_app.topics import topic_specs
+from aml_app.topics_command import growth_order
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker" / "compose.yaml"

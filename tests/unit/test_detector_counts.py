@@ -10,7 +10,7 @@ import pytest
 
 
 def detector() -> Any:
-    from aml_app.detection.detector import Detector
+    from aml_app.worker.detector import Detector
 
     return Detector("aml", rules=None, client=None)  # type: ignore[arg-type]  # neither is used here
 
@@ -41,7 +41,7 @@ async def test_a_failed_send_counts_nothing() -> None:
 async def test_every_acknowledged_alert_is_remembered_even_when_another_fails() -> None:
     """A failed alert fails the batch (handled again), but the alerts the broker has are remembered
     first, so the retry does not send them twice; no decision counts before the alerts are in."""
-    from aml_app.detection.detector import SentAlert
+    from aml_app.worker.detector import SentAlert
 
     d = detector()
     remembered: list[str] = []

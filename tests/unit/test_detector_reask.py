@@ -20,11 +20,11 @@ import pytest
 
 from aml_app.dependencies.aggregates import empty_window
 from aml_app.dependencies.client import DependencyUnavailable, Need, NotYet
-from aml_app.detection import detector as detector_module
-from aml_app.detection.detector import Detector
 from aml_app.detection.evidence import Evidence
 from aml_app.gate import Admission
 from aml_app.models import Payment
+from aml_app.worker import detector as detector_module
+from aml_app.worker.detector import Detector
 
 TS = "2026-03-02T12:00:00Z"
 PARTITION = 3

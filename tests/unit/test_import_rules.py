@@ -10,6 +10,7 @@ import ast
 import json
 import subprocess
 import sys
+from collections.abc import Iterable
 from pathlib import Path
 
 import pytest
@@ -35,7 +36,7 @@ def faust_side(modules: set[str]) -> list[str]:
     [
         "aml_app.pipeline.runner aml_app.pipeline.jobs aml_app.pipeline.transforms",
         "aml_app.dependencies.api aml_app.dependencies.store aml_app.dependencies.guard",
-        "aml_app.harness.embedded_postgres aml_app.kafka.broker aml_app.kafka.topics",
+        "aml_app.harness.embedded_postgres aml_app.kafka.broker aml_app.topics",
         "aml_app.simulation.command",
         "aml_app.simulation.amlworld aml_app.simulation.amlworld_command",
     ],
@@ -88,30 +89,32 @@ def test_the_installed_package_puts_no_bare_agents_or_tables_module_on_the_path(
     assert [Path(p).resolve() for p in tables_path] == [root / "tables"]
 
 
-# --- imports flow one way (read from the source, so a lazy import counts too) ----------------------
+# --- packages import one way (read from the source, so lazy and type-only imports count too) -------
 
 ROOT = Path(__file__).resolve().parents[2]
-#: Lowest first: a room may import its own modules and those of the rooms before it, never after.
-#: `harness` (the whole system as local processes) and `cli` sit on top; nothing below imports them.
-LAYERS = [
-    ("aml_app.currencies", "aml_app.contract"),
-    (
-        "aml_app.kafka.security",
-        "aml_app.settings",
-        "aml_app.detection.thresholds",
-        "aml_app.detection.exchange",
-        "aml_app.models",
-    ),
-    ("aml_app.faust_internals", "aml_app.kafka"),
-    ("aml_app.detection.rules", "aml_app.detection.evidence", "aml_app.detection.fraud_rules"),
-    ("aml_app.gate.offsets", "aml_app.gate.watermark", "aml_app.gate.retry", "aml_app.gate.event_time"),
-    ("aml_app.gate.unapplied",),
-    ("aml_app.dependencies", "aml_app.pipeline", "aml_app.simulation"),
-    ("aml_app.gate.delivery", "aml_app.gate.consumer", "aml_app.gate.gate", "aml_app.gate.health"),
-    ("aml_app.gate",),
-    ("aml_app.app", "aml_app.tables", "aml_app.gate.agent", "aml_app.detection", "aml_app.views"),
-    ("aml_app.agents",),
-    ("aml_app.harness", "aml_app.cli"),
+#: The rooms of the package, lowest first: a room imports only itself and the rooms before it. A room is
+#: a subpackage of `aml_app` or one of its top-level modules. The Faust app (`app`) and what is built on
+#: it (`tables`, `worker`, `views`, `agents`) sit above everything the pipeline, the APIs and the tools
+#: use; `harness` (the whole system as local processes) and `cli` are on top.
+PACKAGES = [
+    ("errors", "currencies", "contract"),
+    ("models",),
+    ("kafka",),
+    ("faust_internals",),
+    ("detection",),
+    ("settings",),
+    ("gate",),
+    ("dependencies",),
+    ("pipeline",),
+    ("simulation",),
+    ("topics", "topics_command"),
+    ("app",),
+    ("tables",),
+    ("worker",),
+    ("views",),
+    ("agents",),
+    ("harness",),
+    ("cli",),
 ]
 
 
@@ -126,6 +129,7 @@ def module_name(path: Path) -> str:
 
 
 def imported(path: Path) -> set[str]:
+    """Every absolute import of ours in the file, wherever it is (in a function, under TYPE_CHECKING)."""
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
@@ -136,14 +140,10 @@ def imported(path: Path) -> set[str]:
     return {n for n in names if n.split(".")[0] in ("aml_app", "tests", "bench")}
 
 
-def layer_of(module: str) -> int:
-    """The layer of the most specific prefix that names the module."""
-    best, depth = -1, -1
-    for index, prefixes in enumerate(LAYERS):
-        for prefix in prefixes:
-            if (module == prefix or module.startswith(prefix + ".")) and prefix.count(".") > depth:
-                best, depth = index, prefix.count(".")
-    return best
+def package_of(module: str) -> str:
+    """`aml_app.gate.consumer` -> `gate`; `aml_app.settings` -> `settings`."""
+    parts = module.split(".")
+    return parts[1] if parts[0] == "aml_app" and len(parts) > 1 else module
 
 
 def our_modules() -> dict[str, Path]:
@@ -152,43 +152,105 @@ def our_modules() -> dict[str, Path]:
     return {module_name(p): p for p in paths}
 
 
-def test_every_module_has_a_layer() -> None:
-    modules = our_modules()
-    assert len(modules) > 40
-    assert [m for m in modules if m != "aml_app" and layer_of(m) < 0] == []
-
-
-def test_imports_flow_one_way() -> None:
-    """No module imports one of a higher layer (the harness and the command line are on top), and nothing
-    in the package imports the tests or the benchmarks."""
-    modules = our_modules()
-    wrong: set[str] = set()
+def package_imports(modules: dict[str, Path]) -> dict[tuple[str, str], list[str]]:
+    """(importing room, imported room) -> the module imports behind it, for every import across rooms."""
+    edges: dict[tuple[str, str], list[str]] = {}
     for module, path in sorted(modules.items()):
-        if module == "aml_app":
-            continue
-        mine = layer_of(module)
         for name in sorted(imported(path)):
-            if name.split(".")[0] in ("tests", "bench"):
-                wrong.add(f"{module} imports {name}")
-                continue
             target = next((n for n in (name, name.rsplit(".", 1)[0]) if n in modules), None)
-            if target is not None and layer_of(target) > mine:
-                wrong.add(f"{module} (layer {mine}) imports {target} (layer {layer_of(target)})")
-    assert sorted(wrong) == []
+            if module == "aml_app" or target is None or target == "aml_app":
+                continue
+            pair = (package_of(module), package_of(target))
+            how = f"{module} imports {target}"
+            if pair[0] != pair[1] and how not in edges.get(pair, []):
+                edges.setdefault(pair, []).append(how)
+    return edges
 
 
-def test_the_layer_check_sees_an_upward_import(tmp_path: Path) -> None:
-    """The negative control: a lower module importing the harness is reported."""
+def cycles(edges: Iterable[tuple[str, str]]) -> list[list[str]]:
+    """The strongly connected components of more than one room (Tarjan), each sorted."""
+    graph: dict[str, set[str]] = {}
+    for a, b in edges:
+        graph.setdefault(a, set()).add(b)
+        graph.setdefault(b, set())
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in sorted(graph[node]):
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            component = []
+            while True:
+                top = stack.pop()
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def rank(package: str) -> int:
+    return next((i for i, names in enumerate(PACKAGES) if package in names), -1)
+
+
+def test_every_room_has_a_place() -> None:
+    rooms = {package_of(m) for m in our_modules() if m != "aml_app"}
+    assert len(rooms) == sum(len(names) for names in PACKAGES)
+    assert sorted(r for r in rooms if rank(r) < 0) == []
+
+
+def test_no_package_cycle() -> None:
+    assert cycles(package_imports(our_modules())) == []
+
+
+def test_packages_import_one_way() -> None:
+    """No room imports one placed after it, and nothing in the package imports the tests or benchmarks."""
+    modules = our_modules()
+    wrong = [
+        f"{a} -> {b}: {', '.join(how)}"
+        for (a, b), how in sorted(package_imports(modules).items())
+        if rank(b) > rank(a)
+    ]
+    wrong += [
+        f"{module} imports {name}"
+        for module, path in sorted(modules.items())
+        for name in sorted(imported(path))
+        if name.split(".")[0] in ("tests", "bench")
+    ]
+    assert wrong == []
+
+
+def test_the_checks_see_a_lazy_import_that_closes_a_cycle(tmp_path: Path) -> None:
+    """The negative control: a room importing a higher one inside a function (as `tables` imported the
+    web view's metrics, and the settings the detection thresholds) is a cycle and an upward import."""
     fake = tmp_path / "x.py"
-    fake.write_text("def f():\n    from aml_app.harness.demo import run_demo\n")
-    assert "aml_app.harness.demo" in imported(fake)
-    assert layer_of("aml_app.harness.demo") > layer_of("aml_app.gate.consumer")
+    fake.write_text("def f():\n    from aml_app.views.metrics import registry\n")
+    assert "aml_app.views.metrics" in imported(fake)
+    modules = {**our_modules(), "aml_app.tables.x": fake}
+    edges = package_imports(modules)
+    assert edges[("tables", "views")] == ["aml_app.tables.x imports aml_app.views.metrics"]
+    assert ["tables", "views", "worker"] in cycles(edges)
+    assert rank("views") > rank("tables")
 
 
 #: The modules that make up the Faust app (importing them builds and registers it, as Faust requires),
 #: and the two that plug a handler into it.
 FAUST_APP_MODULES = ("aml_app.app", "aml_app.agents", "aml_app.tables", "aml_app.views.web")
-PLUG_INS = ("aml_app.gate.agent", "aml_app.detection.detector")
+PLUG_INS = ("aml_app.worker.agent", "aml_app.worker.detector")
 
 
 def test_importing_anything_outside_the_faust_app_has_no_side_effects(tmp_path: Path) -> None:

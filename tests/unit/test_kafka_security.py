@@ -182,8 +182,8 @@ def test_settings_fail_fast_on_a_bad_security_combination() -> None:
 def test_clients_take_the_settings_given_and_never_the_environment_again(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from aml_app.gate.offsets import DependencyOffsets
     from aml_app.gate.unapplied import UnappliedReader
+    from aml_app.kafka.offsets import DependencyOffsets
 
     settings = load_settings(sasl_env("SASL_PLAINTEXT", "SCRAM-SHA-256"))
     reader = DependencyOffsets(["kafka:9092"], "payments", ["relations"], security=settings.kafka_security)

@@ -10,7 +10,7 @@ import pytest
 from aiokafka import TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
-from aml_app.gate.offsets import DependencyOffsets, OffsetReadError
+from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import PLAINTEXT
 
 TOPIC = "payments"

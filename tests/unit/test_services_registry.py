@@ -84,6 +84,11 @@ def test_the_cli_refuses_an_unknown_service() -> None:
         parse_triggers(("ledger=5",))
 
 
+def ledger_transform(valid: Any, threshold: Decimal, band: Decimal) -> Any:
+    """The test-only service's transform, named by its registry entry."""
+    return [row for row in valid if row > threshold]
+
+
 def ledger_service(written: list[Any]) -> DependencyService:
     """A test-only third service: its batch table, write, group, port and URLs, nothing else."""
 
@@ -91,14 +96,11 @@ def ledger_service(written: list[Any]) -> DependencyService:
         written.append((conn, table, keep))
         return len(table)
 
-    def transform(valid: Any, threshold: Decimal, band: Decimal) -> Any:
-        return [row for row in valid if row > threshold]
-
     return DependencyService(
         "ledger",
         "aml_app.dependencies.relations",
         "entries",
-        transform,
+        f"{__name__}:ledger_transform",
         write,
         lambda reader, settings, check: None,  # type: ignore[arg-type, return-value]
         "app_id",

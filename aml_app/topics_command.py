@@ -1,4 +1,4 @@
-"""`aml-app topics`: the system's topics and their configuration (`aml_app.kafka.topics`), and creating them.
+"""`aml-app topics`: the system's topics and their configuration (`aml_app.topics`), and creating them.
 
 Without options it prints the specs (name, partitions, replication, config, purpose): the reference for
 whoever provisions a cluster. `--create` creates the missing ones on `KAFKA_BOOTSTRAP_SERVERS` with
@@ -21,9 +21,10 @@ import click
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
 from aiokafka.errors import for_code
 
+from aml_app.kafka.broker import TopicSpec
 from aml_app.kafka.security import aiokafka_kwargs
-from aml_app.kafka.topics import TopicSpec, topic_specs
 from aml_app.settings import ConfigError, Settings, load_settings
+from aml_app.topics import topic_specs
 
 TOPIC_ALREADY_EXISTS = 36
 

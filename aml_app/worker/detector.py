@@ -378,7 +378,7 @@ def stats_json(detector: Detector) -> dict[str, Any]:
 
 def detecting_service(service: str, rules: Rules) -> Detector:
     """Build the detector of this worker's service and register its gated agent."""
-    from aml_app.gate.agent import gated_agent
+    from aml_app.worker.agent import gated_agent
 
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
     thresholds = settings.aml_thresholds

@@ -8,22 +8,12 @@ the payments and dead-letter topics keep a time-based retention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from aml_app.kafka.broker import TopicSpec
 from aml_app.settings import Settings, available_services
 
 DAY_MS = 24 * 3600 * 1000
 #: Services that publish decisions and alerts (the probe writes only to topics a test names).
 DETECTING = ("aml", "fraud")
-
-
-@dataclass(frozen=True)
-class TopicSpec:
-    name: str
-    partitions: int
-    replication_factor: int
-    config: dict[str, str] = field(default_factory=dict)
-    purpose: str = ""
 
 
 def service_topics(service: str, suffix: str = "") -> tuple[str, str]:
