@@ -34,6 +34,7 @@ from aml_app.gate.event_time import cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
 from aml_app.gate.unapplied import UnappliedReader
 from aml_app.gate.watermark import (
+    RefreshPolicy,
     Row,
     build_rows,
     distrust,
@@ -80,6 +81,8 @@ park_requests = _global_table(
     "gate-park", str, "Payments an operator asked to park: 'P:O' -> who, when, why."
 )
 EVENT_TIME = settings.gate_mode == "event-time"
+#: Every pace of the refresh, the gate and the delivery check, derived in one place.
+refresh = RefreshPolicy(settings.refresh_interval, settings.fast_refresh_interval, settings.stall_after)
 
 
 def distrusted(row: Row) -> str | None:
@@ -87,10 +90,10 @@ def distrusted(row: Row) -> str | None:
     return distrust(row, time.time(), settings.watermark_max_age, app.consumer_generation_id, gate.log)
 
 
-#: Waiters re-check every refresh interval too, in case the table hook below stops firing (and rows age).
+#: Waiters re-check on a timer too, in case the table hook below stops firing (and rows age).
 gate = FreshnessGate(
     lookup=lambda p: watermarks.get(p),
-    recheck_every=settings.refresh_interval,
+    recheck_every=refresh.gate_recheck,
     distrust=distrusted,
     cut=(lambda: cuts.get(CUT)) if EVENT_TIME else None,
     lateness_us=round(settings.allowed_lateness * 1_000_000),
@@ -136,7 +139,7 @@ status = RefreshStatus()
 
 def _worth_writing(old: Row | None, row: Row, changed: bool) -> bool:
     """Write a row when it changed, or when it is getting old, so readers can trust its age."""
-    return changed or old is None or row["refreshed_at"] - old["refreshed_at"] >= settings.refresh_interval
+    return changed or old is None or row["refreshed_at"] - old["refreshed_at"] >= refresh.row_rewrite
 
 
 def _write_rows(rows: dict[int, Row]) -> None:
@@ -156,8 +159,8 @@ def _mark_error(message: str) -> None:
 
 async def refresh_once(now: float) -> None:
     status.last_attempt = now
-    recheck = now - status.partition_check_at >= 10 * settings.refresh_interval
-    operator_fields = now - status.operator_read_at >= settings.refresh_interval
+    recheck = now - status.partition_check_at >= refresh.partition_recheck
+    operator_fields = now - status.operator_read_at >= refresh.operator_read
     started = time.perf_counter()
     try:
         reading = await offsets.read_all(
@@ -267,14 +270,14 @@ refresh_errors = WriteErrors("writing the watermark table")
 
 
 # Faust types app.timer as returning a bare Callable, so the timers below ignore untyped-decorator.
-@app.timer(settings.fast_refresh_interval, on_leader=True)  # type: ignore[untyped-decorator]
+@app.timer(refresh.fast, on_leader=True)  # type: ignore[untyped-decorator]
 async def refresh_watermarks() -> None:
     """Leader only: read the dependencies' committed offsets when due and publish W(p) for every p."""
     now = time.monotonic()
-    waiting = live_demand(demand.values(), time.time(), max_age=3 * settings.refresh_interval)
+    waiting = live_demand(demand.values(), time.time(), max_age=refresh.demand_max_age)
     last = status.last_refresh if status.last_error is None else status.last_attempt
     rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
-    intervals = settings.refresh_interval, settings.fast_refresh_interval
+    intervals = refresh.interval, refresh.fast
     if refresh_due(
         now, last, waiting, rows, *intervals, generation=app.consumer_generation_id, every_wait=EVENT_TIME
     ):
@@ -302,7 +305,7 @@ class DemandPublisher:
     def tick(self, now: float) -> None:
         current = {"waiting": {str(p): o for p, o in gate.waiting.items()}, "retrying": self.retrying()}
         busy = bool(current["waiting"] or current["retrying"])
-        stale = busy and now - self.published_at >= settings.refresh_interval / 2
+        stale = busy and now - self.published_at >= refresh.demand_republish
         if current != self.published or stale:
             since = {str(p): t for p, t in gate.blocked_since.items()}
             demand[settings.worker_id] = {**current, "since": since, "at": now}
@@ -316,7 +319,7 @@ class DemandPublisher:
 publisher = DemandPublisher()
 
 
-@app.timer(settings.fast_refresh_interval)  # type: ignore[untyped-decorator]
+@app.timer(refresh.fast)  # type: ignore[untyped-decorator]
 async def publish_demand() -> None:
     """Never lets a failure out: a timer that raises stops the worker."""
     try:
@@ -329,8 +332,6 @@ async def publish_demand() -> None:
 
 
 limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
-#: How old a worker's demand entry may be and still count (it re-asserts it every half interval).
-DEMAND_MAX_AGE = 3 * settings.refresh_interval
 
 
 def waiting_everywhere(now: float) -> tuple[dict[int, int], dict[int, float]]:
@@ -340,8 +341,8 @@ def waiting_everywhere(now: float) -> tuple[dict[int, int], dict[int, float]]:
     through the changelog.
     """
     entries = list(demand.values())
-    waiting = live_demand(entries, now, max_age=DEMAND_MAX_AGE)
-    since = live_blocked_since(entries, now, max_age=DEMAND_MAX_AGE)
+    waiting = live_demand(entries, now, max_age=refresh.demand_max_age)
+    since = live_blocked_since(entries, now, max_age=refresh.demand_max_age)
     for p, offset in gate.waiting.items():
         waiting[p] = min(waiting.get(p, offset), offset)
     for p, started in gate.blocked_since.items():
@@ -354,7 +355,7 @@ def retrying_everywhere(now: float) -> list[dict[str, Any]]:
     worker's own merged in at once; one entry per partition, with the worker that retries it."""
     found: dict[int, dict[str, Any]] = {}
     for worker, entry in list(demand.items()):
-        if now - float(entry.get("at", 0)) > DEMAND_MAX_AGE:
+        if now - float(entry.get("at", 0)) > refresh.demand_max_age:
             continue
         for p, doc in (entry.get("retrying") or {}).items():
             found[int(p)] = {**doc, "worker": worker}
@@ -393,9 +394,7 @@ def operator_view(
 stall_watch = StallWatch()
 
 
-@app.timer(  # type: ignore[untyped-decorator]
-    max(settings.fast_refresh_interval, min(settings.refresh_interval, settings.stall_after / 4))
-)
+@app.timer(refresh.stall_check)  # type: ignore[untyped-decorator]
 async def watch_stalls() -> None:
     """Every worker computes the statuses (its page and metrics show them); the leader logs a stall once
     when it starts and once when it clears."""

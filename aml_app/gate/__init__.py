@@ -1,7 +1,7 @@
 """The reusable freshness gate: watermarks from committed offsets, per-partition waiting, lanes."""
 
-from aml_app.gate.consumer import Admission, GatedConsumer
-from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.consumer import GatedConsumer
+from aml_app.gate.gate import Admission, FreshnessGate
 from aml_app.gate.retry import retry_forever
 
 __all__ = [

@@ -14,7 +14,10 @@ the lane stays on that payment: nothing is skipped (Faust would ack a crashed ev
 rebalance every lane stops at once, waiting or not; its unacked payments are re-read by the next owner
 (or resumed here, if the partition stays).
 
-Faust's delivery has gaps the lanes repair (`aml_app.gate.delivery`).
+Each lane's state and its rules for what arrives are in `aml_app.gate.lane`; Faust's delivery has gaps
+the lanes repair, asking the log through `aml_app.gate.delivery`. Every buffer is bounded by
+`max_pending` per partition: a lane's queue with what it holds past a hole, and the events received
+before the assignment's starts are known; reaching it pauses the partition.
 """
 
 from __future__ import annotations
@@ -22,18 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import faust
 from faust.types import TP, EventT, StreamT, TopicT
 
 from aml_app.faust_internals import dispatch_events, record_gap, set_current_event
-from aml_app.gate.delivery import DeliveryRepairs, first_offset_from
+from aml_app.gate.delivery import DeliveryChecker
 from aml_app.gate.event_time import micros
-from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.gate import Admission, Admitted, FreshnessGate
+from aml_app.gate.lane import Arrival, GateStats, InFlight, Lane
 from aml_app.gate.retry import retry_forever
 from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.models import InvalidPayment, Payment, parse_payment
@@ -49,37 +52,11 @@ class AssignmentRefused(RuntimeError):
     """An assignment under which nothing may be processed (the sentence says why and what to do)."""
 
 
-@dataclass(frozen=True)
-class Admission:
-    """What the gate saw when it let a payment through; recorded in the decision."""
-
-    partition: int
-    offset: int
-    watermark: int
-    dependencies: dict[str, int]
-    waited_ms: float
-    gated: bool
-    #: Which log the offsets are of, as the row that admitted it says (`aml_app.kafka.identity`).
-    log: str | None = None
-    #: The event-time gate's cut it was admitted at (`aml_app.gate.event_time.decided_at`); None for the
-    #: per-partition gate.
-    cut: dict[str, Any] | None = None
-    #: Seconds it waited at the gate before the decide-stale policy admitted it without the gate's
-    #: guarantee (None: admitted by the gate, or the gate is off).
-    stale: float | None = None
-
-    @property
-    def wants_fresh(self) -> bool:
-        """Whether its evidence must include it (gated and not decided stale)."""
-        return self.gated and self.stale is None
-
-
 #: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
 #: of a decision it sent (a future); None when it finished everything itself. The lane goes on with the
 #: next payments meanwhile and acks, in offset order, once this completes (pipelined sends).
 Pending = Awaitable[Any] | None
 Handler = Callable[[Payment, Admission], Awaitable[Pending]]
-Admitted = tuple[Payment, Admission]
 #: Handles several admitted payments of one partition at once (in offset order); must be idempotent per
 #: payment, since a failure retries the whole batch.
 BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[Pending]]
@@ -115,65 +92,13 @@ def describe_error(exc: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
-@dataclass
-class InFlight:
-    """Payments whose handler ran and whose `pending` work (a decision's send) has not completed."""
-
-    events: list[EventT[Any]]
-    admitted: list[tuple[EventT[Any], Admitted]]
-    pending: Awaitable[Any]
-
-
-@dataclass
-class Lane:
-    partition: int
-    queue: deque[EventT[Any]] = field(default_factory=deque)
-    ready: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    paused: bool = False
-    #: The events taken from the queue and not handed to the acks yet (the batch being handled).
-    current: list[EventT[Any]] = field(default_factory=list)
-    #: Handled batches whose pending work has not completed, in offset order: acked from the front.
-    inflight: deque[InFlight] = field(default_factory=deque)
-    inflight_payments: int = 0
-    #: Set when `inflight` gains an entry (wakes the acker) and when it has room again (wakes the lane).
-    more_inflight: asyncio.Event = field(default_factory=asyncio.Event)
-    room: asyncio.Event = field(default_factory=asyncio.Event)
-    acker: asyncio.Task[None] | None = None
-    #: When each queued offset reached this worker (monotonic), for the decision's waited_ms.
-    arrived: dict[int, float] = field(default_factory=dict)
-    done: int = 0
-    #: Next offset this lane expects; anything lower was delivered before (a re-delivery).
-    next_offset: int | None = None
-    #: When the lane last received the offset it expected.
-    last_dispatch: float = field(default_factory=time.monotonic)
-    #: (expected, received) while a jump past the expected offset is being checked against the log.
-    hole: tuple[int, int] | None = None
-    #: The events received past the hole meanwhile, in offset order; queued if the hole is no hole.
-    held: list[EventT[Any]] = field(default_factory=list)
-
-    @property
-    def in_flight(self) -> int | None:
-        """The lowest offset being processed and not acked yet."""
-        if self.inflight:
-            return self.inflight[0].events[0].message.offset
-        return self.current[0].message.offset if self.current else None
-
-    def pending(self) -> list[EventT[Any]]:
-        """The unacked events, in offset order: the ones in flight first."""
-        return [*(e for entry in self.inflight for e in entry.events), *self.current, *self.queue]
-
-    def tasks(self) -> list[asyncio.Task[None]]:
-        return [t for t in (self.task, self.acker) if t is not None]
-
-
 def _done() -> asyncio.Future[None]:
     fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
     fut.set_result(None)
     return fut
 
 
-class GatedConsumer(DeliveryRepairs):
+class GatedConsumer:
     """Bridges one Faust agent stream to per-partition lanes guarded by a FreshnessGate."""
 
     def __init__(
@@ -225,8 +150,9 @@ class GatedConsumer(DeliveryRepairs):
         self.max_pending = max_pending
         self.max_payment_bytes = max_payment_bytes
         self.worker_id = worker_id
-        #: The cluster's TLS/SASL, for the clients that read our offsets and refetch a missing payment.
-        self.security = security
+        #: Reads the log and the group's commits for the lanes, with the cluster's TLS/SASL.
+        self.delivery = DeliveryChecker(app, security)
+        self.stats = GateStats()
         self.lanes: dict[int, Lane] = {}
         self.parked: dict[int, list[EventT[Any]]] = {}
         #: Per partition revoked from a lane: the first offset it had not finished handling (everything
@@ -240,30 +166,20 @@ class GatedConsumer(DeliveryRepairs):
         #: in `early`, so that a jump past the start is seen as the hole it is.
         self.assigned = False
         self.early: dict[int, list[EventT[Any]]] = {}
+        #: Partitions paused because `early` holds `max_pending` of their events.
+        self.early_paused: set[int] = set()
         self.assigned_at = time.monotonic()
-        self.dead_lettered = 0
-        self.rebalances = 0
-        self.refetches = 0
         #: Called with the admission of each payment once it is done (its handler and whatever the handler
         #: left pending completed), before its ack (metrics); never fails a lane.
         self.observers: list[Callable[[Admission], None]] = []
         #: Lanes that keep failing on a payment, by partition (see `Retrying`).
         self.retrying: dict[int, Retrying] = {}
-        self.handler_failures = 0
         self._stream: StreamT[Any] | None = None
         self._background: set[asyncio.Future[None]] = set()
-        #: The offset of the first record at or after an offset of a partition, read from the log
-        #: (None: unknown); set by attach().
-        self.first_offset: Callable[[int, int], Awaitable[int | None]] | None = None
-        self.holes_refetched = 0
-        self.gaps_accepted = 0
         self.review = review
         self.stale_after = stale_after
         self.max_attempts = max_attempts
         self.park_requested = park_requested
-        #: Payments admitted stale (waited past `stale_after`) and payments parked after `max_attempts`.
-        self.decided_stale = 0
-        self.payments_parked = 0
 
     def attach(
         self,
@@ -272,9 +188,11 @@ class GatedConsumer(DeliveryRepairs):
         topic: str,
         group: str,
         check_every: float,
+        quiet: float,
         refuse: Callable[[], str | None] = lambda: None,
     ) -> None:
-        """Wire this consumer to the app's rebalances and run the delivery check every `check_every` s.
+        """Wire this consumer to the app's rebalances; every `check_every` s, check the delivery of the
+        lanes quiet for `quiet` s.
 
         Any gated service calls this once next to its agent: the lanes stop on revoke, resume (or drop
         their kept events) on assignment, and fetched-but-undelivered records are fetched again. At each
@@ -296,8 +214,10 @@ class GatedConsumer(DeliveryRepairs):
             if problem is not None:
                 self._refuse(problem)
                 return
-            starts, read_from = await self._starts(bootstrap_servers, group, mine) if mine else ({}, None)
-            if self.rebalances != generation:
+            starts, read_from = (
+                await self.delivery.starts(bootstrap_servers, group, mine) if mine else ({}, None)
+            )
+            if self.stats.rebalances != generation:
                 return  # a newer rebalance began: its own task takes over
             if read_from is not None and self.gate.log not in (None, read_from):
                 # The lanes' offsets and kept events are of the old log: only a fresh start is right.
@@ -315,17 +235,12 @@ class GatedConsumer(DeliveryRepairs):
             # Reading offsets takes round trips to the broker: do it beside the rebalance, not inside
             # Faust's rebalance callback, which holds up the group join while it runs.
             mine = sorted(tp for tp in assigned if tp.topic == topic)
-            self._spawn(learn_starts(mine, self.rebalances))
+            self._spawn(learn_starts(mine, self.stats.rebalances))
 
         async def check_delivery() -> None:
-            await self.check_delivery(topic, quiet=2 * check_every)
+            await self.check_delivery(topic, quiet=quiet)
 
-        async def first_offset(partition: int, offset: int) -> int | None:
-            return await first_offset_from(
-                bootstrap_servers, topic, partition, offset, security=self.security
-            )
-
-        self.first_offset = first_offset
+        self.delivery.attach(bootstrap_servers, topic)
         self.topic = topic
 
         # mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).
@@ -350,8 +265,7 @@ class GatedConsumer(DeliveryRepairs):
             parked = self.parked.pop(partition, [])
             resume = self.resume_at.pop(partition, None)
             if resume is not None:
-                start = self.starts.get(partition)
-                lane.next_offset = resume if start is None else max(resume, start)
+                lane.resume_from(resume, self.starts.get(partition))
                 self._handled_before(partition, resume)
             for event in parked:
                 self._enqueue(lane, event)
@@ -374,36 +288,26 @@ class GatedConsumer(DeliveryRepairs):
             self._spawn(record_gap(self.app, TP(self.topic, partition), start, resume - 1))
 
     def _dispatch(self, event: EventT[Any]) -> None:
-        if self.first_offset is not None and not self.assigned:
-            self.early.setdefault(event.message.partition, []).append(event)
+        partition = event.message.partition
+        if self.delivery.checks_holes and not self.assigned:
+            early = self.early.setdefault(partition, [])
+            early.append(event)
+            if len(early) >= self.max_pending and partition not in self.early_paused:
+                # Bounded like a lane's queue: the rest is fetched again once the assignment is known.
+                self.app.consumer.pause_partitions([TP(*event.message.tp)])
+                self.early_paused.add(partition)
             return
-        lane = self._lane(event.message.partition)
+        lane = self._lane(partition)
         self._enqueue(lane, event)
-        if not lane.paused and len(lane.queue) >= self.max_pending:
+        if not lane.paused and lane.buffered >= self.max_pending:
             # Back-pressure for this partition only: stop fetching it until the lane catches up.
             self.app.consumer.pause_partitions([TP(*event.message.tp)])
             lane.paused = True
 
     def _enqueue(self, lane: Lane, event: EventT[Any]) -> None:
-        offset = event.message.offset
-        expected = lane.next_offset if lane.next_offset is not None else self.starts.get(lane.partition)
-        if expected is not None and offset < expected:
-            return  # delivered before (kept over a rebalance, or fetched again): this is the re-delivery
-        if lane.hole is not None:
-            if offset > expected:  # type: ignore[operator]  # a hole implies an expected offset
-                if not lane.held or offset > lane.held[-1].message.offset:
-                    lane.held.append(event)
-                return
-            lane.hole, lane.held = None, []  # the missing record came after all: the hole is filled
-        elif expected is not None and offset > expected and self.first_offset is not None:
-            lane.hole, lane.held = (expected, offset), [event]
+        start = self.starts.get(lane.partition)
+        if lane.receive(event, start, checks_holes=self.delivery.checks_holes) is Arrival.HOLE:
             self._spawn(self._check_hole(lane, TP(*event.message.tp)))
-            return
-        lane.next_offset = offset + 1
-        lane.last_dispatch = time.monotonic()
-        lane.arrived[offset] = time.monotonic()
-        lane.queue.append(event)
-        lane.ready.set()
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -417,19 +321,18 @@ class GatedConsumer(DeliveryRepairs):
         to this worker, its lane resumes with the kept events: Faust does not always deliver records
         again that it had already delivered before the rebalance (seen under CPU load).
         """
-        self.rebalances += 1
+        self.stats.rebalances += 1
         self.starts = {}  # nothing is ours until the next assignment
         self.assigned = False
-        self.early = {}
+        self.early, self.early_paused = {}, set()  # Faust forgets its pauses of revoked partitions too
         lanes, self.lanes = self.lanes, {}
         self.retrying = {}
         for lane in lanes.values():
-            for task in lane.tasks():
-                task.cancel()
+            lane.stop()
             pending = lane.pending()
             if pending:
                 self.parked[lane.partition] = pending
-            resume = pending[0].message.offset if pending else lane.next_offset
+            resume = lane.resume_offset()
             if resume is not None:
                 self.resume_at[lane.partition] = resume
 
@@ -451,8 +354,7 @@ class GatedConsumer(DeliveryRepairs):
         for p, lane in list(self.lanes.items()):
             if p not in starts:
                 # Only an event from before the assignment could have made this lane: never ours.
-                for task in lane.tasks():
-                    task.cancel()
+                lane.stop()
                 del self.lanes[p]
                 self.retrying.pop(p, None)
         early, self.early = self.early, {}
@@ -460,6 +362,94 @@ class GatedConsumer(DeliveryRepairs):
             if p in starts:
                 for event in events:
                     self._dispatch(event)
+        paused, self.early_paused = self.early_paused, set()
+        for p in sorted(paused & set(starts)):
+            lane = self._lane(p)
+            if not lane.paused:  # else the lane resumes it, as it does its own pauses
+                self._spawn(self._unpause(lane, p, lane.expected(starts[p])))
+
+    async def _unpause(self, lane: Lane, partition: int, offset: int | None) -> None:
+        """Fetch a paused partition again from `offset`: Faust dropped what its fetch held of it."""
+        assert self.topic is not None
+        tp = TP(self.topic, partition)
+        if offset is not None:
+            await self.delivery.seek(tp, offset)
+        self.app.consumer.resume_partitions([tp])
+        lane.paused = False
+
+    async def _check_hole(self, lane: Lane, tp: TP) -> None:
+        """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
+        holds no record there (the gap in offsets is real)."""
+        assert lane.hole is not None
+        hole = expected, received = lane.hole
+        gap = await self.delivery.is_gap(tp, expected, received)
+        if lane.hole != hole or self.lanes.get(lane.partition) is not lane:
+            return  # filled meanwhile, or the partition moved on
+        if gap:
+            log.info(
+                "%s: no records at offsets %d..%d (a gap in the log); going on", tp, expected, received - 1
+            )
+            self.stats.gaps_accepted += 1
+            for event in lane.cross_gap():
+                self._enqueue(lane, event)
+            return
+        log.warning(
+            "%s: the consumer skipped offsets %d..%d (delivered %d next); fetching them again",
+            tp,
+            expected,
+            received - 1,
+            received,
+        )
+        lane.refetching()
+        await self.delivery.seek(tp, expected)
+        self.stats.holes_refetched += 1
+        if lane.paused:  # paused while it held events past the hole: they come again
+            self.app.consumer.resume_partitions([tp])
+            lane.paused = False
+
+    async def check_delivery(self, topic: str, quiet: float) -> None:
+        """Fetch again what an owned partition should have delivered to its lane and did not, once the
+        lane has had nothing new for `quiet` seconds: from the first offset it still needs (it drops any
+        duplicate). See `DeliveryChecker.undelivered`."""
+        now = time.monotonic()
+        for p, start in list(self.starts.items()):
+            lane = self.lanes.get(p)
+            last = lane.last_dispatch if lane else self.assigned_at
+            if now - last < quiet or (lane is not None and lane.paused):
+                continue
+            expected = lane.next_offset if lane and lane.next_offset is not None else start
+            tp = TP(topic, p)
+            position = await self.delivery.undelivered(tp, expected, quiet)
+            if position is None:
+                continue
+            log.warning(
+                "%s: offsets %d..%d were fetched but never delivered; fetching them again",
+                tp,
+                expected,
+                position - 1,
+            )
+            await self.delivery.seek(tp, expected)
+            self.stats.refetches += 1
+
+    def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:
+        """Per owned partition, what the delivery check looks at: where this generation started, the next
+        offset the lane expects, how long it has had nothing, and whether Faust fetches it at all."""
+        now = time.monotonic()
+        state = {}
+        for p in sorted(set(self.starts) | set(self.lanes)):
+            lane = self.lanes.get(p)
+            paused_in_faust, fetched_by_faust = self.delivery.flags(TP(topic, p))
+            state[p] = {
+                "start": self.starts.get(p),
+                "next_offset": lane.next_offset if lane else None,
+                "queued": len(lane.queue) if lane else 0,
+                "quiet_s": round(now - (lane.last_dispatch if lane else self.assigned_at), 3),
+                "paused_by_lane": bool(lane and lane.paused),
+                "hole": list(lane.hole) if lane and lane.hole else None,
+                "paused_in_faust": paused_in_faust,
+                "fetched_by_faust": fetched_by_faust,
+            }
+        return state
 
     def retrying_json(self) -> dict[str, Any]:
         """The lanes that keep failing, partition (str) -> `Retrying.as_json` (stable between attempts
@@ -481,22 +471,15 @@ class GatedConsumer(DeliveryRepairs):
     async def _run_lane(self, lane: Lane) -> None:
         """Take, admit and handle the lane's payments in offset order; hand them to the acks."""
         while True:
-            while not lane.queue:
-                lane.ready.clear()
-                await lane.ready.wait()
-            while lane.inflight_payments >= self.max_in_flight:
-                lane.room.clear()
-                await lane.room.wait()
+            await lane.wait_for_work(self.max_in_flight)
             batch = await self._take(lane)
             admitted = [(event, a) for event, a in batch if a is not None]
             pending = await self._handle(admitted) if admitted else None
-            events, lane.current = lane.current, []
+            events = lane.hand_over()
             if pending is None and not lane.inflight:
                 await self._settle(lane, events, admitted)  # nothing to wait for: ack at once
             else:
-                lane.inflight.append(InFlight(events, admitted, pending or _done()))
-                lane.inflight_payments += len(events)
-                lane.more_inflight.set()
+                lane.add_in_flight(InFlight(events, admitted, pending or _done()))
 
     async def _run_acker(self, lane: Lane) -> None:
         """Ack the lane's handled batches in offset order as their pending work completes.
@@ -505,10 +488,7 @@ class GatedConsumer(DeliveryRepairs):
         idempotent per payment) until their work completes; the batches behind it wait for that.
         """
         while True:
-            while not lane.inflight:
-                lane.more_inflight.clear()
-                await lane.more_inflight.wait()
-            entry = lane.inflight[0]
+            entry = await lane.front()
             try:
                 pending = entry.pending
                 if isinstance(pending, asyncio.Future) and pending.done():
@@ -527,9 +507,7 @@ class GatedConsumer(DeliveryRepairs):
                 await self._redo(entry)
             # Settled while still at the front: the lane queues behind it rather than acking ahead.
             await self._settle(lane, entry.events, entry.admitted)
-            lane.inflight.popleft()
-            lane.inflight_payments -= len(entry.events)
-            lane.room.set()
+            lane.acked_front()
 
     async def _redo(self, entry: InFlight) -> None:
         first = entry.admitted[0][1][1]
@@ -570,7 +548,7 @@ class GatedConsumer(DeliveryRepairs):
             while getattr(self.app, "rebalancing", False):  # noqa: ASYNC110
                 await asyncio.sleep(ACK_HOLD_CHECK)
             await ack(event)
-        lane.done += len(events)
+        lane.settled(len(events))
 
     async def _take(self, lane: Lane) -> list[tuple[EventT[Any], Admitted | None]]:
         """The next events of the lane, in offset order, each admitted (or dead-lettered: None).
@@ -591,11 +569,9 @@ class GatedConsumer(DeliveryRepairs):
                 and not self.gate.is_open(event.message.partition, event.message.offset, event_us)
             ):
                 break
-            lane.queue.popleft()
-            lane.current.append(event)
-            if lane.paused and len(lane.queue) <= self.max_pending // 2:
+            _, arrived = lane.take()
+            if lane.paused and lane.hole is None and len(lane.queue) <= self.max_pending // 2:
                 await self._resume(lane, TP(*event.message.tp))
-            arrived = lane.arrived.pop(event.message.offset, time.monotonic())
             admitted = await self._admit(event, arrived, parsed, event_us)
             taken.append((event, admitted))
             payments += admitted is not None
@@ -611,7 +587,7 @@ class GatedConsumer(DeliveryRepairs):
         in the end-to-end benchmark. `tp` is Faust's own TP type: aiokafka's would crash its checks.
         """
         if lane.next_offset is not None:
-            await self.app.consumer.seek(tp, lane.next_offset)
+            await self.delivery.seek(tp, lane.next_offset)
         self.app.consumer.resume_partitions([tp])
         lane.paused = False
 
@@ -649,7 +625,7 @@ class GatedConsumer(DeliveryRepairs):
                 await self._to_review(
                     event, "stale", f"decided stale after waiting {row['stale']:g} s at the gate"
                 )
-                self.decided_stale += 1
+                self.stats.decided_stale += 1
         else:
             row = self.gate.row(p) or {"watermark": -1, "dependencies": {}}
         admission = Admission(
@@ -704,7 +680,7 @@ class GatedConsumer(DeliveryRepairs):
                 why = f"parked after {attempts[0]} failed attempts"
             reason = f"{why}: {describe_error(exc)}"
             await self._to_review(admitted[0][0], "parked", reason, attempts=attempts[0])
-            self.payments_parked += 1
+            self.stats.payments_parked += 1
             return None
 
     def _asked_to_park(self, admitted: Admitted) -> dict[str, Any] | None:
@@ -741,7 +717,7 @@ class GatedConsumer(DeliveryRepairs):
         current.attempts = max(current.attempts + 1, attempt)
         current.error = describe_error(exc)
         current.next_retry_at = now + wait
-        self.handler_failures += 1
+        self.stats.handler_failures += 1
 
     async def _to_review(self, event: EventT[Any], kind: str, reason: str, attempts: int = 0) -> None:
         """A payment decided stale or parked: its original bytes, and why in headers (`review.*`), on the
@@ -780,5 +756,5 @@ class GatedConsumer(DeliveryRepairs):
         ]
         fut = await self.dead_letters.send(key=message.key, value=message.value, headers=headers)
         await fut
-        self.dead_lettered += 1
+        self.stats.dead_lettered += 1
         log.info("dead-lettered %s:%d: %s", message.topic, message.offset, reason)

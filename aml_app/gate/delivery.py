@@ -17,29 +17,24 @@ missing offset and returns the offset of the first record there (`first_offset_f
 Right after an assignment Faust can also skip freshly fetched records and not seek back; the periodic
 `check_delivery` fetches again what an owned partition should have delivered and did not.
 
-`DeliveryRepairs` is the part of `GatedConsumer` that checks delivery; the lanes themselves are in
-`aml_app.gate.consumer`.
+`DeliveryChecker` reads the log and seeks; `GatedConsumer` (`aml_app.gate.consumer`) decides what its
+lanes (`aml_app.gate.lane`) do with the answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
 
 import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from faust.types import TP, EventT
+from faust.types import TP
 
 from aml_app.faust_internals import partition_flags, record_gap
 from aml_app.gate.retry import retry_forever
 from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
-
-if TYPE_CHECKING:
-    from aml_app.gate.consumer import Lane
 
 log = logging.getLogger(__name__)
 
@@ -94,23 +89,36 @@ def generation_starts(
     return starts, deleted
 
 
-class DeliveryRepairs:
-    """Where each partition starts in a generation, holes in delivery, and records fetched but never
-    delivered; mixed into `GatedConsumer`, whose lanes and consumer these read."""
+class DeliveryChecker:
+    """Asks the log and Faust's consumer what a lane did not get, and fetches it again.
 
-    app: faust.App
-    lanes: dict[int, Lane]
-    starts: dict[int, int]
-    assigned_at: float
-    first_offset: Callable[[int, int], Awaitable[int | None]] | None
-    security: KafkaSecurity
-    holes_refetched: int
-    gaps_accepted: int
-    refetches: int
+    `GatedConsumer` holds one: it decides what a lane does, this reads offsets and seeks. It changes no
+    lane and counts nothing.
+    """
 
-    _enqueue: Callable[[Lane, EventT[Any]], None]
+    def __init__(self, app: faust.App, security: KafkaSecurity) -> None:
+        self.app = app
+        #: The cluster's TLS/SASL, for the clients that read our offsets and the log.
+        self.security = security
+        #: The offset of the first record at or after an offset of a partition, read from the log (None:
+        #: unknown); set by `attach`. Until then no jump in offsets is checked as a hole.
+        self.first_offset: Callable[[int, int], Awaitable[int | None]] | None = None
 
-    async def _starts(
+    def attach(self, bootstrap_servers: Sequence[str], topic: str) -> None:
+        """Read `topic`'s log on `bootstrap_servers`, outside any group, to check holes."""
+
+        async def first_offset(partition: int, offset: int) -> int | None:
+            return await first_offset_from(
+                bootstrap_servers, topic, partition, offset, security=self.security
+            )
+
+        self.first_offset = first_offset
+
+    @property
+    def checks_holes(self) -> bool:
+        return self.first_offset is not None
+
+    async def starts(
         self, bootstrap_servers: Sequence[str], group: str, tps: list[TP]
     ) -> tuple[dict[int, int], str | None]:
         """Where each partition starts in this generation (the group's committed offset, or the log
@@ -134,94 +142,43 @@ class DeliveryRepairs:
             await record_gap(self.app, tp, first, last)
         return starts, reading.log
 
-    async def _check_hole(self, lane: Lane, tp: TP) -> None:
-        """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
-        holds no record there (the gap in offsets is real)."""
-        assert lane.hole is not None and self.first_offset is not None
-        hole = expected, received = lane.hole
+    async def is_gap(self, tp: TP, expected: int, received: int) -> bool:
+        """Whether the log holds no record at `expected`..`received - 1`; if so, Faust is told of the
+        gap, so that it commits over it."""
+        assert self.first_offset is not None
         first_offset = self.first_offset
         first = await retry_forever(
             f"reading {tp.topic}:{tp.partition} at {expected} from the log",
             lambda: first_offset(tp.partition, expected),
         )
-        if first is not None and first >= received:
-            # Faust commits over a gap only once it knows of it. True of the log whatever the lane does
-            # meanwhile, so recorded before the lane's state is looked at again.
-            await record_gap(self.app, tp, expected, received - 1)
-        if lane.hole != hole or self.lanes.get(lane.partition) is not lane:
-            return  # filled meanwhile, or the partition moved on
-        if first is not None and first >= received:
-            log.info(
-                "%s: no records at offsets %d..%d (a gap in the log); going on", tp, expected, received - 1
-            )
-            held, lane.hole, lane.held = lane.held, None, []
-            lane.next_offset = received
-            self.gaps_accepted += 1
-            for event in held:
-                self._enqueue(lane, event)
-            return
-        log.warning(
-            "%s: the consumer skipped offsets %d..%d (delivered %d next); fetching them again",
-            tp,
-            expected,
-            received - 1,
-            received,
-        )
-        lane.held = []  # they come again after the missing ones
-        await self.app.consumer.seek(tp, expected)
-        self.holes_refetched += 1
+        if first is None or first < received:
+            return False
+        # Faust commits over a gap only once it knows of it. True of the log whatever the lane does
+        # meanwhile, so recorded before the lane is looked at again.
+        await record_gap(self.app, tp, expected, received - 1)
+        return True
 
-    async def check_delivery(self, topic: str, quiet: float) -> None:
-        """Fetch again what an owned partition should have delivered to its lane and did not.
+    async def seek(self, tp: TP, offset: int) -> None:
+        """Fetch the partition again from `offset`."""
+        await self.app.consumer.seek(tp, offset)
+
+    async def undelivered(self, tp: TP, expected: int, timeout: float) -> int | None:
+        """The consumer's position on an owned partition when it is past `expected`: the records
+        between were fetched and never delivered (None: they were not, or there is no position yet).
 
         Right after an assignment Faust can skip freshly fetched records and then, for a partition
         without a committed offset, not seek back (seen under CPU load: a new owner received nothing,
-        with nothing logged): the consumer's position is past what the lane has had. A hole whose
-        refetch did not take looks the same. Once the lane has had nothing new for `quiet` seconds, the
-        partition is seeked to the first offset the lane still needs; the lane drops any duplicate.
+        with nothing logged). A hole whose refetch did not take looks the same.
         """
-        now = time.monotonic()
         consumer = self.app.consumer
-        for p, start in list(self.starts.items()):
-            lane = self.lanes.get(p)
-            last = lane.last_dispatch if lane else self.assigned_at
-            if now - last < quiet or (lane is not None and lane.paused):
-                continue
-            expected = lane.next_offset if lane and lane.next_offset is not None else start
-            tp = TP(topic, p)
-            if tp not in consumer.assignment():
-                continue
-            try:
-                position = await asyncio.wait_for(consumer.position(tp), quiet)
-            except TimeoutError:
-                continue  # no valid position yet: the consumer is still resetting it
-            if position is None or position <= expected:
-                continue
-            log.warning(
-                "%s: offsets %d..%d were fetched but never delivered; fetching them again",
-                tp,
-                expected,
-                position - 1,
-            )
-            await consumer.seek(tp, expected)
-            self.refetches += 1
+        if tp not in consumer.assignment():
+            return None
+        try:
+            position = await asyncio.wait_for(consumer.position(tp), timeout)
+        except TimeoutError:
+            return None  # no valid position yet: the consumer is still resetting it
+        return position if position is not None and position > expected else None
 
-    def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:
-        """Per owned partition, what the delivery check looks at: where this generation started, the next
-        offset the lane expects, how long it has had nothing, and whether Faust fetches it at all."""
-        now = time.monotonic()
-        state = {}
-        for p in sorted(set(self.starts) | set(self.lanes)):
-            lane = self.lanes.get(p)
-            paused_in_faust, fetched_by_faust = partition_flags(self.app, TP(topic, p))
-            state[p] = {
-                "start": self.starts.get(p),
-                "next_offset": lane.next_offset if lane else None,
-                "queued": len(lane.queue) if lane else 0,
-                "quiet_s": round(now - (lane.last_dispatch if lane else self.assigned_at), 3),
-                "paused_by_lane": bool(lane and lane.paused),
-                "hole": list(lane.hole) if lane and lane.hole else None,
-                "paused_in_faust": paused_in_faust,
-                "fetched_by_faust": fetched_by_faust,
-            }
-        return state
+    def flags(self, tp: TP) -> tuple[bool, bool | None]:
+        """(paused in Faust, fetched by Faust) for the partition."""
+        return partition_flags(self.app, tp)

@@ -16,9 +16,41 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
 
 from aml_app.gate.event_time import admits, decided_at
 from aml_app.gate.watermark import Row, is_open
+from aml_app.models import Payment
+
+
+@dataclass(frozen=True)
+class Admission:
+    """What the gate saw when it let a payment through; recorded in the decision."""
+
+    partition: int
+    offset: int
+    watermark: int
+    dependencies: dict[str, int]
+    waited_ms: float
+    gated: bool
+    #: Which log the offsets are of, as the row that admitted it says (`aml_app.kafka.identity`).
+    log: str | None = None
+    #: The event-time gate's cut it was admitted at (`aml_app.gate.event_time.decided_at`); None for the
+    #: per-partition gate.
+    cut: dict[str, Any] | None = None
+    #: Seconds it waited at the gate before the decide-stale policy admitted it without the gate's
+    #: guarantee (None: admitted by the gate, or the gate is off).
+    stale: float | None = None
+
+    @property
+    def wants_fresh(self) -> bool:
+        """Whether its evidence must include it (gated and not decided stale)."""
+        return self.gated and self.stale is None
+
+
+#: A payment and the admission that let it through.
+Admitted = tuple[Payment, Admission]
 
 Lookup = Callable[[int], Row | None]
 CutLookup = Callable[[], Row | None]

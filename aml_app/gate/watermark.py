@@ -9,9 +9,68 @@ has finished nothing: its contribution is 0.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 Row = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RefreshPolicy:
+    """Every pace of the gate, derived here from what an operator sets: the background refresh
+    interval (`AML_REFRESH_INTERVAL`), the on-demand one (`AML_FAST_REFRESH_INTERVAL`) and how long a
+    dependency may stand still before it counts as stalled (`AML_STALL_AFTER`)."""
+
+    #: The leader reads the dependencies' offsets this often when nobody waits.
+    interval: float
+    #: ... and this often while a payment waits on a closed partition.
+    fast: float
+    stall_after: float
+
+    @property
+    def gate_recheck(self) -> float:
+        """Waiters look at their row again this often, in case the table hook stops firing."""
+        return self.interval
+
+    @property
+    def row_rewrite(self) -> float:
+        """An unchanged row is written again this often, so that its age says the leader is alive."""
+        return self.interval
+
+    @property
+    def operator_read(self) -> float:
+        """The log ends and this service's own commits, for the operators: read this often."""
+        return self.interval
+
+    @property
+    def partition_recheck(self) -> float:
+        """The payments topic's partition count is read again this often (it rarely changes)."""
+        return 10 * self.interval
+
+    @property
+    def demand_republish(self) -> float:
+        """A worker with waiting payments writes its demand again this often, even unchanged."""
+        return self.interval / 2
+
+    @property
+    def demand_max_age(self) -> float:
+        """A worker's demand entry older than this no longer counts (six republish intervals)."""
+        return 3 * self.interval
+
+    @property
+    def delivery_check(self) -> float:
+        """The lanes' delivery is checked this often (`GatedConsumer.check_delivery`)..."""
+        return self.interval
+
+    @property
+    def delivery_quiet(self) -> float:
+        """... for a partition whose lane has had nothing new for this long."""
+        return 2 * self.interval
+
+    @property
+    def stall_check(self) -> float:
+        """The dependency statuses are computed this often: four times per stall, within the intervals."""
+        return max(self.fast, min(self.interval, self.stall_after / 4))
 
 
 def watermark(committed: Mapping[str, int | None]) -> int:

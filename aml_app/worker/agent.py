@@ -12,7 +12,7 @@ from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
 from aml_app.tables.alerts import copartitioning_problem
-from aml_app.tables.watermarks import gate, park_requests, publisher
+from aml_app.tables.watermarks import gate, park_requests, publisher, refresh
 
 #: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
 running: list[GatedConsumer] = []
@@ -50,7 +50,8 @@ def gated_agent(
         bootstrap_servers=settings.bootstrap_servers,
         topic=settings.payments_topic,
         group=settings.app_id,
-        check_every=settings.refresh_interval,
+        check_every=refresh.delivery_check,
+        quiet=refresh.delivery_quiet,
         refuse=copartitioning_problem,
     )
 

@@ -313,3 +313,40 @@ async def test_retry_with_a_ceiling_raises_the_last_failure() -> None:
     with pytest.raises(ValueError, match="failure 3"):
         await retry_forever("x", failing, first_delay=0.001, attempts=3)
     assert len(calls) == 3
+
+
+# --- the refresh policy ------------------------------------------------------------------------------
+
+
+def test_every_pace_of_the_gate_derives_from_the_operators_intervals() -> None:
+    from aml_app.gate.watermark import RefreshPolicy
+
+    policy = RefreshPolicy(interval=2.0, fast=0.1, stall_after=4.0)
+    assert (policy.gate_recheck, policy.row_rewrite, policy.operator_read, policy.delivery_check) == (
+        2,
+        2,
+        2,
+        2,
+    )
+    assert (policy.partition_recheck, policy.demand_republish, policy.demand_max_age) == (20, 1, 6)
+    assert policy.delivery_quiet == 4
+    assert policy.stall_check == 1.0  # four times per stall, within the intervals
+    assert RefreshPolicy(interval=1.0, fast=0.5, stall_after=0.4).stall_check == 0.5
+
+
+def test_the_refresh_interval_is_read_in_one_place_only() -> None:
+    """Outside the settings, `refresh_interval` is read once, to build the policy: a new pace is a
+    property of `RefreshPolicy`, not another multiple of the interval somewhere."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    files = [*root.joinpath("aml_app").rglob("*.py"), *root.joinpath("agents").glob("*.py")]
+    files += root.joinpath("tables").glob("*.py")
+    reads = [
+        str(path.relative_to(root))
+        for path in files
+        if path.name != "settings.py"
+        for line in path.read_text().splitlines()
+        if "settings.refresh_interval" in line or "settings.fast_refresh_interval" in line
+    ]
+    assert reads == ["tables/watermarks.py"]  # `refresh = RefreshPolicy(...)`

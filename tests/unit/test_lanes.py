@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from faust.types import TP
 
-from aml_app.gate.consumer import Admission, GatedConsumer
+from aml_app.gate import Admission, GatedConsumer
 from aml_app.gate.gate import FreshnessGate
 from aml_app.models import Payment
 
@@ -458,7 +458,7 @@ async def test_invalid_payments_are_dead_lettered_in_order_without_the_gate(
     assert consulted == [(0, 2)]
     assert [s["headers"]["dlq.offset"] for s in h.dlq.sent] == [b"0", b"1", b"3"]
     assert h.dlq.sent[2]["value"] == b"not json at all"
-    assert h.gated.dead_lettered == 3
+    assert h.gated.stats.dead_lettered == 3
     assert h.violations == []
 
 
@@ -543,7 +543,7 @@ async def test_check_delivery_refetches_only_what_never_reached_a_lane(make: Cal
     h.gated.assigned_at = time.monotonic() - 10
     await h.gated.check_delivery(TOPIC, quiet=1.0)
     assert consumer.seeks == [(tp0, 0)]
-    assert h.gated.refetches == 1
+    assert h.gated.stats.refetches == 1
 
     # A lane that has seen offsets up to 4 expects 5: position 5 means nothing is missing.
     consumer.seeks.clear()
@@ -555,12 +555,12 @@ async def test_check_delivery_refetches_only_what_never_reached_a_lane(make: Cal
     lane.last_dispatch = time.monotonic() - 10
     await h.gated.check_delivery(TOPIC, quiet=1.0)
     assert consumer.seeks == []
-    assert h.gated.refetches == 1
+    assert h.gated.stats.refetches == 1
 
     consumer.positions[tp0] = 7  # 5 and 6 were fetched but never dispatched
     await h.gated.check_delivery(TOPIC, quiet=1.0)
     assert consumer.seeks == [(tp0, 5)]
-    assert h.gated.refetches == 2
+    assert h.gated.stats.refetches == 2
 
 
 async def test_gate_disabled_handles_at_once(make: Callable[..., Harness]) -> None:
@@ -650,7 +650,7 @@ class FakeLog:
 async def test_a_lane_never_runs_past_records_the_consumer_skipped(make: Callable[..., Harness]) -> None:
     h = make()
     log_ = FakeLog(range(20))
-    h.gated.first_offset = log_.first_offset
+    h.gated.delivery.first_offset = log_.first_offset
     tp0 = TP(TOPIC, 0)
     h.assign({0: 0})
     h.open(0, 100)
@@ -659,7 +659,7 @@ async def test_a_lane_never_runs_past_records_the_consumer_skipped(make: Callabl
     await quiet()
     assert h.handled == [(0, 0), (0, 1)], "a payment past the hole was processed"
     assert log_.asked == [(0, 2)]
-    assert h.gated.holes_refetched == 1
+    assert h.gated.stats.holes_refetched == 1
 
     h.dispatch(*(event(0, o) for o in range(2, 8)))  # the refetch delivers 2.. in order
     await until(lambda: len(h.acks) == 8, "offsets 0..7 acked")
@@ -676,7 +676,7 @@ async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_orde
     h = make()
     log_ = FakeLog([0, 1, 5, 6, 7])  # 2..4 are not records (transaction markers, compaction)
     log_.answer.clear()
-    h.gated.first_offset = log_.first_offset
+    h.gated.delivery.first_offset = log_.first_offset
     h.assign({0: 0})
     h.open(0, 100)
     h.dispatch(event(0, 0), event(0, 1), event(0, 5), event(0, 6))
@@ -687,8 +687,64 @@ async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_orde
     log_.answer.set()
     await until(lambda: len(h.acks) == 5, "all five acked")
     assert h.handled == [(0, 0), (0, 1), (0, 5), (0, 6), (0, 7)]
-    assert h.app.consumer.seeks == [] and h.gated.gaps_accepted == 1 and h.violations == []
+    assert h.app.consumer.seeks == [] and h.gated.stats.gaps_accepted == 1 and h.violations == []
     assert h.app.consumer.gaps == [(TP(TOPIC, 0), 2, 4)], "Faust commits over the gap only if told"
+
+
+async def test_events_held_past_a_hole_pause_the_partition_at_max_pending(
+    make: Callable[..., Harness],
+) -> None:
+    """While the log is read about a hole, what arrives past it is held: `max_pending` of them pause the
+    partition, as a full queue does; the refetch resumes it and the held events come again in order."""
+    h = make(max_pending=3)
+    log_ = FakeLog(range(20))
+    log_.answer.clear()  # the log is slow to answer: the events past the hole pile up
+    h.gated.delivery.first_offset = log_.first_offset
+    tp0 = TP(TOPIC, 0)
+    h.assign({0: 0})
+    h.open(0, 100)
+    h.dispatch(event(0, 0))
+    await until(lambda: h.acks == [(0, 0)], "offset 0 acked")
+    h.dispatch(event(0, 4), event(0, 5))  # 1..3 never reached the stream
+    await until(lambda: log_.asked == [(0, 1)], "the log asked about offset 1")
+    assert h.app.consumer.calls == []
+    h.dispatch(event(0, 6))  # the third held event: pause
+    assert [c[:2] for c in h.app.consumer.calls] == [("pause", [tp0])]
+    assert h.gated.lanes[0].paused and len(h.gated.lanes[0].held) == 3
+
+    log_.answer.set()  # records exist at 1..3: fetched again, and the partition fetched again
+    await until(lambda: h.app.consumer.seeks == [(tp0, 1)], "fetched again from offset 1")
+    assert [c[:2] for c in h.app.consumer.calls] == [("pause", [tp0]), ("resume", [tp0])]
+    assert not h.gated.lanes[0].paused and h.gated.lanes[0].held == []
+    h.dispatch(*(event(0, o) for o in range(1, 8)))
+    await until(lambda: len(h.acks) == 8, "offsets 0..7 acked")
+    assert h.handled == [(0, o) for o in range(8)] and h.violations == []
+
+
+async def test_events_before_the_assignment_is_known_pause_the_partition_at_max_pending(
+    make: Callable[..., Harness],
+) -> None:
+    """Events wait in `early` until this worker knows where the generation starts: `max_pending` of a
+    partition pause it; once the lane has them, it is fetched again from the first offset it lacks."""
+    h = make(max_pending=3)
+    h.gated.delivery.first_offset = FakeLog(range(20)).first_offset
+    h.gated.topic = TOPIC
+    tp0 = TP(TOPIC, 0)
+    h.open(0, 100)
+    h.dispatch(event(0, 0), event(0, 1))
+    assert h.app.consumer.calls == []
+    h.dispatch(event(0, 2), event(0, 3))  # the third: pause; the fourth was already fetched
+    assert [c[:2] for c in h.app.consumer.calls] == [("pause", [tp0])]
+    assert h.handled == [] and 0 not in h.gated.lanes
+
+    h.assign({0: 2})  # 0 and 1 were committed before: dropped; 2 and 3 queued, below max_pending
+    await until(lambda: len(h.acks) == 2, "offsets 2 and 3 acked")
+    await until(lambda: len(h.app.consumer.calls) == 2, "the partition resumed")
+    assert [c[:2] for c in h.app.consumer.calls] == [("pause", [tp0]), ("resume", [tp0])]
+    assert h.app.consumer.seeks == [(tp0, 4)]  # what Faust dropped at the pause is fetched again
+    h.dispatch(event(0, 4), event(0, 5))
+    await until(lambda: len(h.acks) == 4, "offsets 2..5 acked")
+    assert h.handled == [(0, o) for o in range(2, 6)] and h.violations == []
 
 
 async def test_the_first_payment_of_an_assignment_past_its_start_is_a_hole(
@@ -696,7 +752,7 @@ async def test_the_first_payment_of_an_assignment_past_its_start_is_a_hole(
 ) -> None:
     h = make()
     log_ = FakeLog(range(40))
-    h.gated.first_offset = log_.first_offset
+    h.gated.delivery.first_offset = log_.first_offset
     tp0 = TP(TOPIC, 0)
     h.open(0, 100)
     h.dispatch(event(0, 33))  # delivered before this worker knows where the generation starts
@@ -824,7 +880,7 @@ async def test_a_payment_that_keeps_failing_shows_as_retrying_with_its_error(
     assert (shown["partition"], shown["offset"], shown["payments"]) == (0, 1, 1)
     assert shown["error"] == "RuntimeError: handler failure at (0, 1)"
     assert shown["attempts"] >= 2 and shown["since"] <= time.time()
-    assert h.gated.handler_failures >= 2
+    assert h.gated.stats.handler_failures >= 2
     await until(lambda: len(h.acks) == 3, "acked after the retries")
     assert h.gated.retrying == {} and h.gated.retrying_json() == {}
     assert h.violations == []
@@ -910,7 +966,7 @@ async def test_a_payment_that_reaches_the_retry_ceiling_is_parked_and_its_lane_m
     assert headers["review.kind"] == b"parked" and headers["review.attempts"] == b"3"
     assert headers["review.offset"] == b"1" and headers["partition"] == b"0"
     assert b"RuntimeError: handler failure at (0, 1)" in headers["review.reason"]
-    assert h.gated.payments_parked == 1 and h.gated.retrying == {} and h.violations == []
+    assert h.gated.stats.payments_parked == 1 and h.gated.retrying == {} and h.violations == []
 
 
 async def test_a_batch_at_the_ceiling_is_tried_one_payment_at_a_time_and_only_the_failing_one_parked(
@@ -937,7 +993,7 @@ async def test_decide_stale_admits_a_payment_that_waited_past_the_bound_and_send
     assert admission.stale is not None and admission.stale >= 0.05 and not admission.wants_fresh
     (sent,) = h.review.sent
     assert sent["headers"]["review.kind"] == b"stale" and sent["value"] == payment_value(0, 0)
-    assert h.gated.decided_stale == 1
+    assert h.gated.stats.decided_stale == 1
     # Without the policy the same payment waits.
     waiting = make()
     waiting.dispatch(event(0, 0))

@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
-from aml_app.gate.consumer import Admission
+from aml_app.gate import Admission
 from aml_app.gate.health import Limits, describe
 from aml_app.gate.watermark import build_rows
 from aml_app.views import metrics
