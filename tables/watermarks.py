@@ -15,6 +15,10 @@ cut row to `gate-cut`: every worker admits a payment when the cut covers its eve
 For the operators, the rows also carry the log end, this service's own committed offset (both read on
 the slow interval only) and when each dependency's offset last moved; every worker derives the
 dependency statuses from the two tables (`operator_view`), and the leader logs stalls (`watch_stalls`).
+
+The tables are defined at import, as Faust requires; everything else of the gate on this worker (the
+`FreshnessGate`, the Kafka readers, the timers, the publisher) is one mode service, `WorkerGate`, that
+the app starts after table recovery and stops with itself.
 """
 
 from __future__ import annotations
@@ -26,10 +30,11 @@ from typing import Any, cast
 
 import faust
 from faust.tables.manager import TableManager
+from mode import Service
 
 from aml_app.app import app, settings
 from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
-from aml_app.gate import FreshnessGate
+from aml_app.gate import FreshnessGate, GatedConsumer
 from aml_app.gate.event_time import cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
 from aml_app.gate.unapplied import UnappliedReader
@@ -83,23 +88,7 @@ park_requests = _global_table(
 EVENT_TIME = settings.gate_mode == "event-time"
 #: Every pace of the refresh, the gate and the delivery check, derived in one place.
 refresh = RefreshPolicy(settings.refresh_interval, settings.fast_refresh_interval, settings.stall_after)
-
-
-def distrusted(row: Row) -> str | None:
-    """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
-    return distrust(row, time.time(), settings.watermark_max_age, app.consumer_generation_id, gate.log)
-
-
-#: Waiters re-check on a timer too, in case the table hook below stops firing (and rows age).
-gate = FreshnessGate(
-    lookup=lambda p: watermarks.get(p),
-    recheck_every=refresh.gate_recheck,
-    distrust=distrusted,
-    cut=(lambda: cuts.get(CUT)) if EVENT_TIME else None,
-    lateness_us=round(settings.allowed_lateness * 1_000_000),
-)
-watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
-cuts.watchers.append(lambda keys: gate.notify_all())
+limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
 
 
 class RefreshStatus:
@@ -128,104 +117,9 @@ class RefreshStatus:
         self.last_error = message
 
 
-offsets = DependencyOffsets(
-    settings.bootstrap_servers, settings.payments_topic, settings.depends_on, security=settings.kafka_security
-)
-unapplied = UnappliedReader(
-    settings.bootstrap_servers, settings.payments_topic, security=settings.kafka_security
-)
-status = RefreshStatus()
-
-
 def _worth_writing(old: Row | None, row: Row, changed: bool) -> bool:
     """Write a row when it changed, or when it is getting old, so readers can trust its age."""
     return changed or old is None or row["refreshed_at"] - old["refreshed_at"] >= refresh.row_rewrite
-
-
-def _write_rows(rows: dict[int, Row]) -> None:
-    for p, row in rows.items():
-        old = watermarks.get(p)
-        if _worth_writing(old, row, row_changed(old, row)):
-            watermarks[p] = row
-
-
-def _mark_error(message: str) -> None:
-    """Keep every watermark as it was; record the error on the rows so every worker can see it."""
-    for p in list(watermarks.keys()):
-        row = watermarks[p]
-        if row.get("error") != message:
-            watermarks[p] = {**row, "error": message, "error_at": time.time()}
-
-
-async def refresh_once(now: float) -> None:
-    status.last_attempt = now
-    recheck = now - status.partition_check_at >= refresh.partition_recheck
-    operator_fields = now - status.operator_read_at >= refresh.operator_read
-    started = time.perf_counter()
-    try:
-        reading = await offsets.read_all(
-            settings.app_id, refresh_partitions=recheck, operator_fields=operator_fields
-        )
-    except OffsetReadError as exc:
-        status.failed(str(exc), "the last known watermarks")
-        _mark_error(str(exc))
-        return
-    finally:
-        for observe in status.duration_observers:
-            observe(time.perf_counter() - started)
-    if recheck:
-        status.partition_check_at = now
-    if status.last_error:
-        log.info("watermark refresh recovered after: %s", status.last_error)
-    status.last_error = None
-    status.last_refresh = now
-    status.refreshes += 1
-    if reading.log_ends is not None and reading.service_committed is not None:
-        status.log_ends, status.service_committed = reading.log_ends, reading.service_committed
-        status.operator_read_at = now
-    rows = build_rows(
-        reading.partitions,
-        reading.committed,
-        refreshed_at=time.time(),
-        log_ends=status.log_ends,
-        service_committed=status.service_committed,
-        previous={p: watermarks.get(p) for p in reading.partitions},
-        generation=app.consumer_generation_id,
-        log=reading.log,
-    )
-    _write_rows(rows)
-    if EVENT_TIME:
-        await _write_cut(rows, reading.log)
-
-
-async def _write_cut(rows: dict[int, Row], log_id: str | None) -> None:
-    """Read every partition's first unapplied payment after the committed offsets and write the cut
-    row; on a failed read the old row stays and ages out (`distrust`), so the gate closes, never opens."""
-    reached = {p: row["watermark"] for p, row in rows.items()}
-    try:
-        found = await unapplied.read(reached, log_id)
-    except OffsetReadError as exc:
-        status.failed(str(exc), "the last event-time cut")
-        return
-    row = cut_row(reached, found, time.time(), generation=app.consumer_generation_id, log=log_id)
-    old = cuts.get(CUT)
-    changed = old is None or any(old.get(k) != v for k, v in row.items() if k != "refreshed_at")
-    if _worth_writing(old, row, changed):
-        cuts[CUT] = row
-
-
-def cut_view() -> dict[str, Any] | None:
-    """The cut row as the page shows it: the frontier as an instant too (None: per-partition gate)."""
-    row = cuts.get(CUT) if EVENT_TIME else None
-    if row is None:
-        return None
-    frontier = row.get("frontier")
-    return {
-        **row,
-        "frontier_at": None if frontier is None else instant(frontier),
-        "lateness_s": settings.allowed_lateness,
-        "untrusted": distrusted(row),
-    }
 
 
 class ChangelogsKnown:
@@ -240,9 +134,6 @@ class ChangelogsKnown:
             for table in (watermarks, demand, cuts):
                 await wait_for_topic(app, table.changelog_topic.get_topic_name())
             self.known = True
-
-
-changelogs = ChangelogsKnown()
 
 
 class WriteErrors:
@@ -266,35 +157,12 @@ class WriteErrors:
         self.last = None
 
 
-refresh_errors = WriteErrors("writing the watermark table")
-
-
-# Faust types app.timer as returning a bare Callable, so the timers below ignore untyped-decorator.
-@app.timer(refresh.fast, on_leader=True)  # type: ignore[untyped-decorator]
-async def refresh_watermarks() -> None:
-    """Leader only: read the dependencies' committed offsets when due and publish W(p) for every p."""
-    now = time.monotonic()
-    waiting = live_demand(demand.values(), time.time(), max_age=refresh.demand_max_age)
-    last = status.last_refresh if status.last_error is None else status.last_attempt
-    rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
-    intervals = refresh.interval, refresh.fast
-    if refresh_due(
-        now, last, waiting, rows, *intervals, generation=app.consumer_generation_id, every_wait=EVENT_TIME
-    ):
-        try:
-            await changelogs.wait()
-            await refresh_once(now)
-        except Exception as exc:  # a timer that raises stops the worker: never for a table write
-            refresh_errors.failed(exc)
-        else:
-            refresh_errors.succeeded()
-
-
 class DemandPublisher:
     """Publishes this worker's waiting partitions (and its lanes that retry a failing payment) when
     they change, and re-asserts them while there are any."""
 
-    def __init__(self) -> None:
+    def __init__(self, gate: FreshnessGate) -> None:
+        self.gate = gate
         self.published: dict[str, Any] | None = None
         self.published_at = 0.0
         self.writes = 0
@@ -303,6 +171,7 @@ class DemandPublisher:
         self.retrying: Callable[[], dict[str, Any]] = dict
 
     def tick(self, now: float) -> None:
+        gate = self.gate
         current = {"waiting": {str(p): o for p, o in gate.waiting.items()}, "retrying": self.retrying()}
         busy = bool(current["waiting"] or current["retrying"])
         stale = busy and now - self.published_at >= refresh.demand_republish
@@ -316,91 +185,256 @@ class DemandPublisher:
         return {"writes": self.writes, "errors": self.errors.count, "last_error": self.errors.last}
 
 
-publisher = DemandPublisher()
+class WorkerGate(Service):
+    """This worker's gate, supervised by the Faust app: started after table recovery (`app.service`)
+    and stopped with the app, which stops its timers and closes its Kafka clients.
 
-
-@app.timer(refresh.fast)  # type: ignore[untyped-decorator]
-async def publish_demand() -> None:
-    """Never lets a failure out: a timer that raises stops the worker."""
-    try:
-        await changelogs.wait()
-        publisher.tick(time.time())
-    except Exception as exc:
-        publisher.errors.failed(exc)
-    else:
-        publisher.errors.succeeded()
-
-
-limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
-
-
-def waiting_everywhere(now: float) -> tuple[dict[int, int], dict[int, float]]:
-    """Who waits where, over every worker: the lowest waiting offset and since when, per partition.
-
-    This worker's own gate is merged in, so its page is right before its demand entry comes back
-    through the changelog.
+    It holds the `FreshnessGate` the lanes wait on, the leader's readers of the dependencies' offsets
+    and of the first unapplied payments, the refresh status, the demand publisher and the stall watch,
+    and the timers that drive them; and this worker's gated consumer once its agent registers it.
     """
-    entries = list(demand.values())
-    waiting = live_demand(entries, now, max_age=refresh.demand_max_age)
-    since = live_blocked_since(entries, now, max_age=refresh.demand_max_age)
-    for p, offset in gate.waiting.items():
-        waiting[p] = min(waiting.get(p, offset), offset)
-    for p, started in gate.blocked_since.items():
-        since[p] = min(since.get(p, started), started)
-    return waiting, since
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        #: Waiters re-check on a timer too, in case the table hooks below stop firing (and rows age).
+        self.gate = FreshnessGate(
+            lookup=lambda p: watermarks.get(p),
+            recheck_every=refresh.gate_recheck,
+            distrust=self.distrusted,
+            cut=(lambda: cuts.get(CUT)) if EVENT_TIME else None,
+            lateness_us=round(settings.allowed_lateness * 1_000_000),
+        )
+        gate = self.gate
+        watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
+        cuts.watchers.append(lambda keys: gate.notify_all())
+        security = settings.kafka_security
+        self.offsets = DependencyOffsets(
+            settings.bootstrap_servers, settings.payments_topic, settings.depends_on, security=security
+        )
+        self.unapplied = UnappliedReader(
+            settings.bootstrap_servers, settings.payments_topic, security=security
+        )
+        self.status = RefreshStatus()
+        self.publisher = DemandPublisher(gate)
+        self.stall_watch = StallWatch()
+        self.refresh_errors = WriteErrors("writing the watermark table")
+        self.changelogs = ChangelogsKnown()
+        #: This worker's gated consumer (`aml_app.worker.agent.gated_agent` registers it, once).
+        self.consumer: GatedConsumer | None = None
+
+    def register(self, consumer: GatedConsumer) -> None:
+        if self.consumer is not None:
+            raise RuntimeError("a worker runs one gated service; gated_agent was called twice")
+        self.consumer = consumer
+
+    async def on_stop(self) -> None:
+        await self.offsets.close()
+        await self.unapplied.close()
+
+    def distrusted(self, row: Row) -> str | None:
+        """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
+        generation = app.consumer_generation_id
+        return distrust(row, time.time(), settings.watermark_max_age, generation, self.gate.log)
+
+    # --- the leader's refresh -----------------------------------------------------------------------
+
+    @Service.timer(refresh.fast)
+    async def refresh_watermarks(self) -> None:
+        """Leader only: read the dependencies' committed offsets when due and publish W(p) for every p."""
+        if not app.is_leader():
+            return
+        status = self.status
+        now = time.monotonic()
+        waiting = live_demand(demand.values(), time.time(), max_age=refresh.demand_max_age)
+        last = status.last_refresh if status.last_error is None else status.last_attempt
+        rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
+        generation = app.consumer_generation_id
+        if refresh_due(
+            now,
+            last,
+            waiting,
+            rows,
+            refresh.interval,
+            refresh.fast,
+            generation=generation,
+            every_wait=EVENT_TIME,
+        ):
+            try:
+                await self.changelogs.wait()
+                await self.refresh_once(now)
+            except Exception as exc:  # a timer that raises stops the worker: never for a table write
+                self.refresh_errors.failed(exc)
+            else:
+                self.refresh_errors.succeeded()
+
+    async def refresh_once(self, now: float) -> None:
+        status = self.status
+        status.last_attempt = now
+        recheck = now - status.partition_check_at >= refresh.partition_recheck
+        operator_fields = now - status.operator_read_at >= refresh.operator_read
+        started = time.perf_counter()
+        try:
+            reading = await self.offsets.read_all(
+                settings.app_id, refresh_partitions=recheck, operator_fields=operator_fields
+            )
+        except OffsetReadError as exc:
+            status.failed(str(exc), "the last known watermarks")
+            self._mark_error(str(exc))
+            return
+        finally:
+            for observe in status.duration_observers:
+                observe(time.perf_counter() - started)
+        if recheck:
+            status.partition_check_at = now
+        if status.last_error:
+            log.info("watermark refresh recovered after: %s", status.last_error)
+        status.last_error = None
+        status.last_refresh = now
+        status.refreshes += 1
+        if reading.log_ends is not None and reading.service_committed is not None:
+            status.log_ends, status.service_committed = reading.log_ends, reading.service_committed
+            status.operator_read_at = now
+        rows = build_rows(
+            reading.partitions,
+            reading.committed,
+            refreshed_at=time.time(),
+            log_ends=status.log_ends,
+            service_committed=status.service_committed,
+            previous={p: watermarks.get(p) for p in reading.partitions},
+            generation=app.consumer_generation_id,
+            log=reading.log,
+        )
+        self._write_rows(rows)
+        if EVENT_TIME:
+            await self._write_cut(rows, reading.log)
+
+    @staticmethod
+    def _write_rows(rows: dict[int, Row]) -> None:
+        for p, row in rows.items():
+            old = watermarks.get(p)
+            if _worth_writing(old, row, row_changed(old, row)):
+                watermarks[p] = row
+
+    @staticmethod
+    def _mark_error(message: str) -> None:
+        """Keep every watermark as it was; record the error on the rows so every worker can see it."""
+        for p in list(watermarks.keys()):
+            row = watermarks[p]
+            if row.get("error") != message:
+                watermarks[p] = {**row, "error": message, "error_at": time.time()}
+
+    async def _write_cut(self, rows: dict[int, Row], log_id: str | None) -> None:
+        """Read every partition's first unapplied payment after the committed offsets and write the cut
+        row; on a failed read the old row stays and ages out (`distrust`), so the gate closes, never
+        opens."""
+        reached = {p: row["watermark"] for p, row in rows.items()}
+        try:
+            found = await self.unapplied.read(reached, log_id)
+        except OffsetReadError as exc:
+            self.status.failed(str(exc), "the last event-time cut")
+            return
+        row = cut_row(reached, found, time.time(), generation=app.consumer_generation_id, log=log_id)
+        old = cuts.get(CUT)
+        changed = old is None or any(old.get(k) != v for k, v in row.items() if k != "refreshed_at")
+        if _worth_writing(old, row, changed):
+            cuts[CUT] = row
+
+    # --- every worker: its demand, the statuses ----------------------------------------------------
+
+    @Service.timer(refresh.fast)
+    async def publish_demand(self) -> None:
+        """Never lets a failure out: a timer that raises stops the worker."""
+        try:
+            await self.changelogs.wait()
+            self.publisher.tick(time.time())
+        except Exception as exc:
+            self.publisher.errors.failed(exc)
+        else:
+            self.publisher.errors.succeeded()
+
+    @Service.timer(refresh.stall_check)
+    async def watch_stalls(self) -> None:
+        """Every worker computes the statuses (its page and metrics show them); the leader logs a stall
+        once when it starts and once when it clears."""
+        if app.in_recovery or not cast(TableManager, app.tables).recovery.completed.is_set():
+            return
+        lines = self.stall_watch.update(self.operator_view(time.time())["dependencies"])
+        if app.is_leader():
+            for level, message in lines:
+                log.log(level, message)
+
+    # --- what the operators see --------------------------------------------------------------------
+
+    def cut_view(self) -> dict[str, Any] | None:
+        """The cut row as the page shows it: the frontier as an instant too (None: per-partition gate)."""
+        row = cuts.get(CUT) if EVENT_TIME else None
+        if row is None:
+            return None
+        frontier = row.get("frontier")
+        return {
+            **row,
+            "frontier_at": None if frontier is None else instant(frontier),
+            "lateness_s": settings.allowed_lateness,
+            "untrusted": self.distrusted(row),
+        }
+
+    def waiting_everywhere(self, now: float) -> tuple[dict[int, int], dict[int, float]]:
+        """Who waits where, over every worker: the lowest waiting offset and since when, per partition.
+
+        This worker's own gate is merged in, so its page is right before its demand entry comes back
+        through the changelog.
+        """
+        entries = list(demand.values())
+        waiting = live_demand(entries, now, max_age=refresh.demand_max_age)
+        since = live_blocked_since(entries, now, max_age=refresh.demand_max_age)
+        for p, offset in self.gate.waiting.items():
+            waiting[p] = min(waiting.get(p, offset), offset)
+        for p, started in self.gate.blocked_since.items():
+            since[p] = min(since.get(p, started), started)
+        return waiting, since
+
+    def retrying_everywhere(self, now: float) -> list[dict[str, Any]]:
+        """The lanes that keep failing on a payment, on every worker (from the demand table), with this
+        worker's own merged in at once; one entry per partition, with the worker that retries it."""
+        found: dict[int, dict[str, Any]] = {}
+        for worker, entry in list(demand.items()):
+            if now - float(entry.get("at", 0)) > refresh.demand_max_age:
+                continue
+            for p, doc in (entry.get("retrying") or {}).items():
+                found[int(p)] = {**doc, "worker": worker}
+        mine = self.publisher.retrying()
+        for p, doc in mine.items():
+            found[int(p)] = {**doc, "worker": settings.worker_id}
+        for p in [p for p, doc in found.items() if doc["worker"] == settings.worker_id]:
+            if str(p) not in mine:
+                del found[p]  # our demand entry is older than our lane's success
+        return [{**found[p], "retrying_for_s": round(now - found[p]["since"], 3)} for p in sorted(found)]
+
+    def operator_view(
+        self,
+        now: float,
+        *,
+        in_flight: dict[int, int | None] | None = None,
+        local: Iterable[int] = (),
+        highwaters: dict[int, int | None] | None = None,
+    ) -> dict[str, Any]:
+        """The table as an operator sees it (partitions, dependencies, gate): see aml_app.gate.health."""
+        waiting, since = self.waiting_everywhere(now)
+        rows = {p: row for p in list(watermarks.keys()) if (row := watermarks.get(p)) is not None}
+        return describe(
+            rows,
+            settings.depends_on,
+            now,
+            limits,
+            waiting=waiting,
+            blocked_since=since,
+            in_flight=in_flight,
+            local=set(local),
+            highwaters=highwaters,
+            untrusted={p: self.distrusted(row) for p, row in rows.items()},
+        )
 
 
-def retrying_everywhere(now: float) -> list[dict[str, Any]]:
-    """The lanes that keep failing on a payment, on every worker (from the demand table), with this
-    worker's own merged in at once; one entry per partition, with the worker that retries it."""
-    found: dict[int, dict[str, Any]] = {}
-    for worker, entry in list(demand.items()):
-        if now - float(entry.get("at", 0)) > refresh.demand_max_age:
-            continue
-        for p, doc in (entry.get("retrying") or {}).items():
-            found[int(p)] = {**doc, "worker": worker}
-    for p, doc in publisher.retrying().items():
-        found[int(p)] = {**doc, "worker": settings.worker_id}
-    for p in [p for p, doc in found.items() if doc["worker"] == settings.worker_id]:
-        if str(p) not in publisher.retrying():
-            del found[p]  # our demand entry is older than our lane's success
-    return [{**found[p], "retrying_for_s": round(now - found[p]["since"], 3)} for p in sorted(found)]
-
-
-def operator_view(
-    now: float,
-    *,
-    in_flight: dict[int, int | None] | None = None,
-    local: Iterable[int] = (),
-    highwaters: dict[int, int | None] | None = None,
-) -> dict[str, Any]:
-    """The table as an operator sees it (partitions, dependencies, gate): see aml_app.gate.health."""
-    waiting, since = waiting_everywhere(now)
-    rows = {p: row for p in list(watermarks.keys()) if (row := watermarks.get(p)) is not None}
-    return describe(
-        rows,
-        settings.depends_on,
-        now,
-        limits,
-        waiting=waiting,
-        blocked_since=since,
-        in_flight=in_flight,
-        local=set(local),
-        highwaters=highwaters,
-        untrusted={p: distrusted(row) for p, row in rows.items()},
-    )
-
-
-stall_watch = StallWatch()
-
-
-@app.timer(refresh.stall_check)  # type: ignore[untyped-decorator]
-async def watch_stalls() -> None:
-    """Every worker computes the statuses (its page and metrics show them); the leader logs a stall once
-    when it starts and once when it clears."""
-    if app.in_recovery or not cast(TableManager, app.tables).recovery.completed.is_set():
-        return
-    lines = stall_watch.update(operator_view(time.time())["dependencies"])
-    if app.is_leader():
-        for level, message in lines:
-            log.log(level, message)
+#: This worker's gate. Faust types `app.service` for a class; it starts an instance as well.
+worker_gate = WorkerGate()
+app.service(worker_gate)  # type: ignore[arg-type]

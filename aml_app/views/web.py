@@ -23,28 +23,31 @@ from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app.app import app, settings
+from aml_app.gate import GatedConsumer
 from aml_app.tables.alerts import recovered_to
-from aml_app.tables.watermarks import (
-    cut_view,
-    gate,
-    offsets,
-    operator_view,
-    publisher,
-    refresh_errors,
-    retrying_everywhere,
-    status,
-    watermarks,
-)
+from aml_app.tables.watermarks import watermarks, worker_gate
 from aml_app.views import metrics
 from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
-from aml_app.worker import agent, detector
+from aml_app.worker import detector
 
 if TYPE_CHECKING:
     from multidict import MultiMapping
 
 # The service's agent module registers its gated consumer; make sure it exists before hooking into it.
-importlib.import_module(f"aml_app.agents.{settings.service}")
-agent.running[0].observers.append(metrics.observe_admission)
+service_module = importlib.import_module(f"aml_app.agents.{settings.service}")
+
+
+def _registered() -> GatedConsumer:
+    if worker_gate.consumer is None:
+        raise RuntimeError(f"aml_app.agents.{settings.service} registered no gated agent (gated_agent)")
+    return worker_gate.consumer
+
+
+gated = _registered()
+#: The detecting services' handler (None for a service without one, the probe).
+running_detector: detector.Detector | None = getattr(service_module, "detector", None)
+gate, status, publisher = worker_gate.gate, worker_gate.status, worker_gate.publisher
+gated.observers.append(metrics.observe_admission)
 status.duration_observers.append(metrics.admin_refresh.observe)
 
 
@@ -72,7 +75,6 @@ def _highwaters(partitions: list[int]) -> dict[int, int | None]:
 
 def snapshot() -> dict[str, Any]:
     now = time.time()
-    gated = agent.running[0]
     assigned = _assigned()
     recovering = _recovering()
     rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
@@ -80,7 +82,9 @@ def snapshot() -> dict[str, Any]:
     if recovering:
         view: dict[str, Any] = {"partitions": [], "dependencies": [], "gate": None}
     else:
-        view = operator_view(now, in_flight=in_flight, local=assigned, highwaters=_highwaters(assigned))
+        view = worker_gate.operator_view(
+            now, in_flight=in_flight, local=assigned, highwaters=_highwaters(assigned)
+        )
     return {
         "worker": settings.worker_id,
         "service": settings.service,
@@ -89,7 +93,7 @@ def snapshot() -> dict[str, Any]:
         "depends_on": list(settings.depends_on),
         "gate_enabled": settings.gate_enabled,
         "gate_mode": settings.gate_mode,
-        "cut": cut_view(),
+        "cut": worker_gate.cut_view(),
         "recovering": recovering,
         "is_leader": app.is_leader(),
         "assigned": assigned,
@@ -116,16 +120,19 @@ def snapshot() -> dict[str, Any]:
             "refreshes": status.refreshes,
             "errors": status.errors,
             "last_error": status.last_error,
-            "admin_requests": offsets.requests,
+            "admin_requests": worker_gate.offsets.requests,
         },
-        "detector": detector.stats_json(detector.running[0]) if detector.running else None,
+        "detector": None if running_detector is None else detector.stats_json(running_detector),
         "alerts_sent": {str(p): state for p, state in recovered_to().items()},
-        "retrying": retrying_everywhere(now),
+        "retrying": worker_gate.retrying_everywhere(now),
         "handler_failures": gated.stats.handler_failures,
         "opened_by_recheck": gate.opened_by_recheck,
         "table_writes": {
             "demand": publisher.stats(),
-            "watermarks": {"errors": refresh_errors.count, "last_error": refresh_errors.last},
+            "watermarks": {
+                "errors": worker_gate.refresh_errors.count,
+                "last_error": worker_gate.refresh_errors.last,
+            },
         },
         **view,
         "generated_at": now,

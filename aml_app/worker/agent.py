@@ -12,10 +12,7 @@ from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
 from aml_app.gate.consumer import BatchHandler, Handler
 from aml_app.tables.alerts import copartitioning_problem
-from aml_app.tables.watermarks import gate, park_requests, publisher, refresh
-
-#: The gated consumer of this worker's service (one per worker), for the web view and the metrics.
-running: list[GatedConsumer] = []
+from aml_app.tables.watermarks import park_requests, refresh, worker_gate
 
 
 def gated_agent(
@@ -26,11 +23,11 @@ def gated_agent(
     `handler` takes one payment at a time; `batch_handler` up to `max_batch` admitted payments of one
     partition at once (one round trip to each dependency for all of them).
     """
-    if running:
+    if worker_gate.consumer is not None:
         raise RuntimeError("a worker runs one gated service; gated_agent was called twice")
     gated = GatedConsumer(
         app,
-        gate,
+        worker_gate.gate,
         handler,
         dlq_topic,
         batch_handler=batch_handler,
@@ -64,6 +61,6 @@ def gated_agent(
 
     app.agent(payments_topic, name=settings.service)(consume)
     # Every worker's page shows the lanes that keep failing, through the demand table.
-    publisher.retrying = gated.retrying_json
-    running.append(gated)
+    worker_gate.publisher.retrying = gated.retrying_json
+    worker_gate.register(gated)
     return gated

@@ -66,10 +66,6 @@ UNAVAILABLE_DELAYS = (0.1, 5.0)
 STALE_DELAYS = (0.05, 1.0)
 
 
-#: This worker's detector, if its service detects (the probe does not), for the web view.
-running: list[Detector] = []
-
-
 def note(admission: Admission, fresh: bool, exact: bool = True) -> str:
     """Why a decision was not made on the gate's guarantee, in words (empty when it was)."""
     if admission.stale is not None:
@@ -391,5 +387,4 @@ def detecting_service(service: str, rules: Rules) -> Detector:
     async def close_client(app: Any, **kwargs: Any) -> None:
         await client.close()
 
-    running.append(detector)
     return detector
