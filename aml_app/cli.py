@@ -13,7 +13,7 @@ import threading
 
 import click
 
-from aml_app.dependencies.services import NAMES as DEPENDENCY_SERVICES
+from aml_app.dependency_services import NAMES as DEPENDENCY_SERVICES
 from aml_app.settings import ConfigError, load_settings
 
 

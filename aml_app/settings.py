@@ -6,7 +6,9 @@ that names the variable, the value and what was expected, instead of a stack tra
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import itertools
 import os
 import re
 import socket
@@ -14,7 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
+from typing import Any
 
+from aml_app import dependency_services as registry
+from aml_app.dependency_services import DependencyService, Endpoint
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
 from aml_app.kafka.security import KafkaSecurity, load_security
@@ -38,9 +43,9 @@ class Settings:
     #: Which gated service this worker runs: the module agents/<service>.py (aml, fraud, ...).
     service: str = "aml"
     app_id: str = "aml"
-    #: The consumer groups the gate waits for: by default those of every dependency service, in the
-    #: registry's order (`aml_app.dependencies.services.NAMES`; settings sit below it, so it is spelt out).
-    depends_on: tuple[str, ...] = ("relations", "aggregates")
+    #: The consumer groups the gate waits for: by default every dependency service's own group, in the
+    #: registry's order (`aml_app.dependency_services`).
+    depends_on: tuple[str, ...] = field(default_factory=lambda: tuple(registry.SERVICES))
     payments_topic: str = "payments"
     decisions_topic: str = "aml.decisions"
     alerts_topic: str = "aml.alerts"
@@ -86,17 +91,14 @@ class Settings:
     table_store: str = "rocksdb://"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
     broker_port: int = 9092
-    # Services B and C (the Spark pipeline and their APIs).
-    relations_group: str = "relations"
-    aggregates_group: str = "aggregates"
+    #: Each dependency service's group, API port and API replicas, by name (`AML_<NAME>_GROUP`,
+    #: `AML_<NAME>_PORT`, `AML_<NAME>_URL`; `aml_app.dependency_services`).
+    endpoints: Mapping[str, Endpoint] = field(
+        default_factory=lambda: {name: s.default_endpoint() for name, s in registry.SERVICES.items()}
+    )
     #: Where Services B and C keep their state (PostgreSQL); `aml-app postgres` runs an embedded one here.
     store_url: str = "postgresql://aml@127.0.0.1:5433/aml"
     services_host: str = "127.0.0.1"
-    relations_port: int = 8081
-    aggregates_port: int = 8082
-    #: AML_RELATIONS_URL: the replicas of Service B's API, comma-separated; empty: http://services_host:port.
-    relations_api: tuple[str, ...] = ()
-    aggregates_api: tuple[str, ...] = ()  # AML_AGGREGATES_URL; likewise
     http_timeout: float = 5.0
     #: AML_FRESHNESS_WAIT: how long B and C may wait for their stores to cover a question's payments
     #: before answering "not yet" (less than the HTTP timeout).
@@ -134,13 +136,35 @@ class Settings:
     def faust_brokers(self) -> list[str]:
         return [f"kafka://{server}" for server in self.bootstrap_servers]
 
+    def with_endpoint(self, name: str, **changes: Any) -> Settings:
+        """These settings with dependency service `name`'s group, port or API replicas changed."""
+        endpoint = dataclasses.replace(self.endpoints[name], **changes)
+        return dataclasses.replace(self, endpoints={**self.endpoints, name: endpoint})
+
+    # Services B and C by name, for the detectors' client and the tools that know them.
+    @property
+    def relations_group(self) -> str:
+        return registry.SERVICES["relations"].group(self)
+
+    @property
+    def aggregates_group(self) -> str:
+        return registry.SERVICES["aggregates"].group(self)
+
+    @property
+    def relations_port(self) -> int:
+        return registry.SERVICES["relations"].port(self)
+
+    @property
+    def aggregates_port(self) -> int:
+        return registry.SERVICES["aggregates"].port(self)
+
     @property
     def relations_urls(self) -> tuple[str, ...]:
-        return self.relations_api or (f"http://{self.services_host}:{self.relations_port}",)
+        return registry.SERVICES["relations"].urls(self)
 
     @property
     def aggregates_urls(self) -> tuple[str, ...]:
-        return self.aggregates_api or (f"http://{self.services_host}:{self.aggregates_port}",)
+        return registry.SERVICES["aggregates"].urls(self)
 
     @property
     def worker_data_dir(self) -> str:
@@ -234,6 +258,15 @@ def _urls(env: Mapping[str, str], name: str) -> tuple[str, ...]:
     if len(set(urls)) != len(urls):
         raise ConfigError(f"{name} names a URL twice.")
     return urls
+
+
+def _endpoint(env: Mapping[str, str], service: DependencyService) -> Endpoint:
+    default = service.default_endpoint()
+    return Endpoint(
+        group=_name(env, service.group_env, default.group, _GROUP, "consumer group"),
+        port=_int(env, service.port_env, default.port, 1, 65535),
+        api=_urls(env, service.urls_env),
+    )
 
 
 def _store_url(env: Mapping[str, str], name: str, default: str) -> str:
@@ -366,16 +399,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         table_store=_text(env, "AML_TABLE_STORE", defaults.table_store),
         worker_id=_text(env, "AML_WORKER_ID", defaults.worker_id),
         broker_port=_int(env, "AML_BROKER_PORT", defaults.broker_port, 1, 65535),
-        relations_group=_name(env, "AML_RELATIONS_GROUP", defaults.relations_group, _GROUP, "consumer group"),
-        aggregates_group=_name(
-            env, "AML_AGGREGATES_GROUP", defaults.aggregates_group, _GROUP, "consumer group"
-        ),
+        endpoints={name: _endpoint(env, s) for name, s in registry.SERVICES.items()},
         store_url=_store_url(env, "AML_STORE_URL", defaults.store_url),
         services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
-        relations_port=_int(env, "AML_RELATIONS_PORT", defaults.relations_port, 1, 65535),
-        aggregates_port=_int(env, "AML_AGGREGATES_PORT", defaults.aggregates_port, 1, 65535),
-        relations_api=_urls(env, "AML_RELATIONS_URL"),
-        aggregates_api=_urls(env, "AML_AGGREGATES_URL"),
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
         freshness_wait=_float(env, "AML_FRESHNESS_WAIT", defaults.freshness_wait, 0, 10),
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
@@ -421,12 +447,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC, AML_DLQ_TOPIC and AML_REVIEW_TOPIC "
             "must differ."
         )
-    if settings.relations_group == settings.aggregates_group:
-        raise ConfigError(
-            "AML_RELATIONS_GROUP and AML_AGGREGATES_GROUP must differ: each service has its own group."
-        )
-    if settings.relations_port == settings.aggregates_port:
-        raise ConfigError("AML_RELATIONS_PORT and AML_AGGREGATES_PORT must differ.")
+    for first, second in itertools.combinations(registry.SERVICES.values(), 2):
+        if first.group(settings) == second.group(settings):
+            raise ConfigError(
+                f"{first.group_env} and {second.group_env} must differ: each service has its own group."
+            )
+        if first.port(settings) == second.port(settings):
+            raise ConfigError(f"{first.port_env} and {second.port_env} must differ.")
     if settings.freshness_wait >= settings.http_timeout:
         raise ConfigError(
             f"AML_FRESHNESS_WAIT={settings.freshness_wait:g} must be shorter than AML_HTTP_TIMEOUT="

@@ -70,8 +70,8 @@ from typing import Any
 
 import aiohttp
 
+from aml_app import dependency_services as registry
 from aml_app.dependencies import aggregates, relations
-from aml_app.dependencies import services as registry
 from aml_app.dependencies.client import LOOP_HOPS, PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.store import Writer
 from aml_app.harness.dependencies import ApiProcess
@@ -465,8 +465,10 @@ async def main(args: argparse.Namespace) -> None:
         settings = Settings(
             bootstrap_servers=(broker.bootstrap,),
             payments_topic=f"payments-{suffix}",
-            relations_group=f"relations-{suffix}",
-            aggregates_group=f"aggregates-{suffix}",
+            endpoints={
+                name: replace(s.default_endpoint(), group=f"{name}-{suffix}")
+                for name, s in registry.SERVICES.items()
+            },
             store_url=server.url(),
         )
         await create_topics([broker.bootstrap], [settings.payments_topic], PARTITIONS)
@@ -572,11 +574,7 @@ async def main(args: argparse.Namespace) -> None:
         for kind in ("relations", "aggregates"):
             for replica in range(1, max(args.replicas, 1) + 1):
                 port = free_port()
-                own = (
-                    replace(settings, relations_port=port)
-                    if kind == "relations"
-                    else replace(settings, aggregates_port=port)
-                )
+                own = settings.with_endpoint(kind, port=port)
                 name = kind if replica == 1 else f"{kind}-{replica}"
                 api = ApiProcess(kind, own, workdir / f"{name}-api.log", name=f"{name} API").start()
                 apis.setdefault(kind, []).append(api)

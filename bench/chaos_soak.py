@@ -62,7 +62,7 @@ import aiohttp
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.dependencies import services as registry
+from aml_app import dependency_services as registry
 from aml_app.harness.child_process import AmlAppProcess, aml_app_executable
 from aml_app.harness.dependencies import ServiceProcess, services_env
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
@@ -638,10 +638,10 @@ class Soak:
         settings = replace(
             Settings(),
             partitions=PARTITIONS,
-            relations_port=free_port(),
-            aggregates_port=free_port(),
             web_port=free_port(),
         )
+        for name in registry.NAMES:
+            settings = settings.with_endpoint(name, port=free_port())
         layout = Layout(
             workers={"aml": 2},
             api_replicas=2,

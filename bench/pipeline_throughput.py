@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
 import random
 import shutil
@@ -62,7 +63,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from aml_app.dependencies.services import NAMES as SERVICES
+from aml_app.dependency_services import NAMES as SERVICES
+from aml_app.dependency_services import service as dependency_service
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
@@ -659,8 +661,10 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
             bootstrap_servers=(broker.bootstrap,),
             payments_topic=topic,
             dlq_topic=dlq,
-            relations_group=groups[0],
-            aggregates_group=groups[1],
+            endpoints={
+                name: dataclasses.replace(dependency_service(name).default_endpoint(), group=group)
+                for name, group in zip(SERVICES, groups, strict=True)
+            },
             store_url=server.url(),
             spark_master=args.master,
             trigger_interval=args.trigger_interval,

@@ -31,16 +31,18 @@ CATCH_UP = 120.0  # seconds for a pipeline to catch up with a few thousand payme
 
 def pipeline_settings(broker: EmbeddedBroker, names: Names, store_url: str, **overrides: Any) -> Settings:
     relations_group, aggregates_group = names.deps
-    return replace(
-        Settings(),
-        bootstrap_servers=(broker.bootstrap,),
-        payments_topic=names.payments,
-        dlq_topic=names.dlq,
-        relations_group=relations_group,
-        aggregates_group=aggregates_group,
-        store_url=store_url,
-        trigger_interval=0.2,
-        **overrides,
+    return (
+        replace(
+            Settings(),
+            bootstrap_servers=(broker.bootstrap,),
+            payments_topic=names.payments,
+            dlq_topic=names.dlq,
+            store_url=store_url,
+            trigger_interval=0.2,
+            **overrides,
+        )
+        .with_endpoint("relations", group=relations_group)
+        .with_endpoint("aggregates", group=aggregates_group)
     )
 
 

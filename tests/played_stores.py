@@ -19,9 +19,10 @@ from typing import Any
 
 import pyarrow as pa
 
+from aml_app import dependency_services as registry
 from aml_app.dependencies import aggregates
-from aml_app.dependencies import services as registry
 from aml_app.dependencies.store import Writer, write_meta
+from aml_app.dependency_services import Endpoint
 from aml_app.harness.dependencies import ApiProcess
 from aml_app.kafka.broker import free_port
 from aml_app.kafka.tools import GroupCommitter
@@ -132,11 +133,8 @@ def api_settings(bootstrap: str, names: Any, store_url: str, groups: dict[str, s
         bootstrap_servers=(bootstrap,),
         payments_topic=names.payments,
         partitions=names.partitions,
-        relations_group=groups["relations"],
-        aggregates_group=groups["aggregates"],
         store_url=store_url,
-        relations_port=free_port(),
-        aggregates_port=free_port(),
+        endpoints={name: Endpoint(groups[name], free_port()) for name in registry.NAMES},
     )
 
 

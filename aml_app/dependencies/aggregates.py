@@ -178,6 +178,21 @@ def check_thresholds(conn: psycopg.Connection, schema: Schema, threshold: Decima
         )
 
 
+def write_table(conn: psycopg.Connection, flows: Any, keep: timedelta) -> int:
+    """The registry's write (`aml_app.dependency_services`): `write_batch` into the store."""
+    return write_batch(conn, SCHEMA, flows, keep)
+
+
+def check_store(conn: psycopg.Connection, schema: Schema, settings: Any) -> None:
+    """The registry's check when the pipeline opens the store: the near-threshold definition."""
+    check_thresholds(conn, schema, settings.reporting_threshold, settings.threshold_band)
+
+
+def health(meta: Mapping[str, str]) -> dict[str, Any]:
+    """What C's /health adds from its store's meta."""
+    return {"late_dropped": int(meta.get("late_dropped", "0")), "max_event_ts": meta.get("max_event_ts")}
+
+
 def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: timedelta = KEEP) -> int:
     """Add a batch's flow rows (an Arrow table, one row per key), minus too-late ones; prune what is
     more than `keep` older than the longest window needs.

@@ -52,9 +52,9 @@ import psycopg
 import psycopg_pool
 from aiohttp import web
 
+from aml_app import dependency_services as registry
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.dependencies import aggregates, relations
-from aml_app.dependencies import services as registry
 from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
@@ -435,7 +435,8 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
     return app
 
 
-def relations_app(reader: Reader, check: StoreCheck | None = None) -> web.Application:
+def relations_app(reader: Reader, settings: Any = None, check: StoreCheck | None = None) -> web.Application:
+    """B's API (`settings` is not read: B's answers depend on its store only)."""
     app = _app(
         "relations",
         [
@@ -540,7 +541,8 @@ def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     registered = registry.service(kind)
     reader = Reader(settings.store_url, registered.schema)
     guard = StoreCheck(reader, kind, settings) if check else None
-    return registered.app(reader, settings, guard)
+    app: web.Application = registered.app(reader, settings, guard)
+    return app
 
 
 def serve(kind: str, settings: Any) -> None:

@@ -153,6 +153,13 @@ EDGE_COLUMNS = (
 )
 
 
+def write_table(conn: psycopg.Connection, edges: Any, keep: timedelta) -> int:
+    """The registry's write (`aml_app.dependency_services`): a batch's edges into the store; B keeps
+    every edge, so `keep` does not apply. Returns the edge rows applied."""
+    write_edges(conn, SCHEMA, edges)
+    return int(edges.num_rows)
+
+
 def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
     """Add a batch's edge rows (an Arrow table, one row per edge) to the stored edges."""
     if edges.num_rows == 0:

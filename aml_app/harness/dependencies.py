@@ -21,7 +21,7 @@ from typing import Any
 
 import aiohttp
 
-from aml_app.dependencies import services as registry
+from aml_app import dependency_services as registry
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.harness.verify import CommitTimeline
 from aml_app.harness.workers import settings_env
@@ -38,12 +38,10 @@ def services_env(settings: Settings) -> dict[str, str]:
     """`settings_env` plus everything the pipeline and the APIs read."""
     return {
         **settings_env(settings),
-        "AML_RELATIONS_GROUP": settings.relations_group,
-        "AML_AGGREGATES_GROUP": settings.aggregates_group,
+        **{s.group_env: s.group(settings) for s in registry.SERVICES.values()},
+        **{s.port_env: str(s.port(settings)) for s in registry.SERVICES.values()},
         "AML_STORE_URL": settings.store_url,
         "AML_SERVICES_HOST": settings.services_host,
-        "AML_RELATIONS_PORT": str(settings.relations_port),
-        "AML_AGGREGATES_PORT": str(settings.aggregates_port),
         "AML_REPORTING_THRESHOLD": str(settings.reporting_threshold),
         "AML_THRESHOLD_BAND": str(settings.threshold_band),
         "AML_SPARK_MASTER": settings.spark_master,

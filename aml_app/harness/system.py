@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from aml_app.dependencies import services as registry
+from aml_app import dependency_services as registry
 from aml_app.harness.dependencies import ApiProcess, CommitWatch, ServiceProcess
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail

@@ -35,9 +35,9 @@ from typing import Any, TypeVar
 import psycopg
 from pyspark.sql import DataFrame
 
+from aml_app import dependency_services as registry
 from aml_app.contract import InvalidPayment, validate_payment
 from aml_app.dependencies import aggregates
-from aml_app.dependencies import services as registry
 from aml_app.dependencies.store import Writer
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
 from aml_app.pipeline.transforms import BatchOutputs, kept, outputs_by_service

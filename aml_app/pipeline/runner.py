@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from aml_app.dependencies import services as registry
+from aml_app import dependency_services as registry
 from aml_app.dependencies.store import Schema, Writer, redacted
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.settings import Settings

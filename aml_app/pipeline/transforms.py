@@ -30,7 +30,7 @@ from pyspark import InheritableThread, StorageLevel
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from aml_app.dependencies import services as registry
+from aml_app import dependency_services as registry
 from aml_app.pipeline.validation import validated
 
 SERVICES = registry.NAMES

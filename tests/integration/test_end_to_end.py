@@ -33,15 +33,17 @@ TIMEOUT = 600
 def settings_for(broker: EmbeddedBroker, suffix: str) -> Settings:
     """Fresh topics and dependency groups on the session's broker."""
     groups = (f"relations-{suffix}", f"aggregates-{suffix}")
-    return replace(
-        Settings(),
-        bootstrap_servers=(broker.bootstrap,),
-        payments_topic=f"payments-{suffix}",
-        dlq_topic=f"dlq-{suffix}",
-        relations_group=groups[0],
-        aggregates_group=groups[1],
-        depends_on=groups,
-        trigger_interval=0.5,
+    return (
+        replace(
+            Settings(),
+            bootstrap_servers=(broker.bootstrap,),
+            payments_topic=f"payments-{suffix}",
+            dlq_topic=f"dlq-{suffix}",
+            depends_on=groups,
+            trigger_interval=0.5,
+        )
+        .with_endpoint("relations", group=groups[0])
+        .with_endpoint("aggregates", group=groups[1])
     )
 
 

@@ -372,11 +372,11 @@ def test_build_app_refuses_an_unknown_kind() -> None:
 
 async def test_serve_runs_the_service_until_stopped(store_url: str, broker: EmbeddedBroker) -> None:
     port = free_port()
-    settings = f"store_url={store_url!r}, aggregates_port={port}, bootstrap_servers=({broker.bootstrap!r},)"
+    settings = f"store_url={store_url!r}, bootstrap_servers=({broker.bootstrap!r},)"
     code = (
         "from aml_app.dependencies.api import serve\n"
         "from aml_app.settings import Settings\n"
-        f"serve('aggregates', Settings({settings}))\n"
+        f"serve('aggregates', Settings({settings}).with_endpoint('aggregates', port={port}))\n"
     )
     child = await asyncio.create_subprocess_exec(
         sys.executable, "-c", code, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
@@ -485,8 +485,7 @@ def checked(store_url: str, broker: EmbeddedBroker, names: Names) -> Settings:
     """Settings for an API whose store check watches `names.deps[0]` as the relations group."""
     return replace(
         SETTINGS, store_url=store_url, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
-        relations_group=names.deps[0],
-    )  # fmt: skip
+    ).with_endpoint("relations", group=names.deps[0])  # fmt: skip
 
 
 @contextmanager
@@ -532,8 +531,7 @@ async def test_an_api_refuses_a_store_at_another_schema_version_until_it_is_migr
         migrate(conn, aggregates.Schema(schema.name, schema.migrations[: ours - 1]))
     settings = replace(
         SETTINGS, store_url=store_url, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
-        aggregates_group=names.deps[1],
-    )  # fmt: skip
+    ).with_endpoint("aggregates", group=names.deps[1])  # fmt: skip
     async with client_for(build_app("aggregates", settings)) as client:
         for path in ("/health", "/aggregates/A?at=2026-03-01T12:00:00Z"):
             refused = await get(client, path, status=503)

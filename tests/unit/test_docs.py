@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from aml_app import dependency_services as registry
+
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 PAGES = sorted((ROOT / "docs").glob("*.md"))
@@ -49,10 +51,14 @@ def test_named_files_exist(document: Path) -> None:
 
 
 def variables_read_by_the_code() -> set[str]:
+    """Every variable named in the code, and the ones the settings derive from each dependency
+    service's name (`AML_<NAME>_GROUP`, `_PORT`, `_URL`)."""
     found: set[str] = set()
     for path in CODE:
         for name in re.findall(r"[\"']((?:AML|KAFKA)_[A-Z0-9_]+)[\"']", path.read_text()):
             found.add(name)
+    for service in registry.SERVICES.values():
+        found.update((service.group_env, service.port_env, service.urls_env))
     return found
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
+from aml_app import dependency_services as registry
 from aml_app.dependencies import aggregates, relations
-from aml_app.dependencies import services as registry
-from aml_app.dependencies.services import DependencyService, UnknownService, service
+from aml_app.dependency_services import DependencyService, UnknownService, service
 from aml_app.settings import Settings
 
 KNOWN = "expected one of relations, aggregates"
@@ -84,66 +84,85 @@ def test_the_cli_refuses_an_unknown_service() -> None:
         parse_triggers(("ledger=5",))
 
 
+# --- a test-only third service, whose own module is this one ------------------------------------------
+
+#: The ledger's store schema (B's, for the test: it never opens a store) and what its writes received.
+SCHEMA = relations.SCHEMA
+WRITTEN: list[Any] = []
+
+
+def write_table(conn: Any, table: Any, keep: timedelta) -> int:
+    WRITTEN.append((conn, table, keep))
+    return len(table)
+
+
+def health(meta: dict[str, str]) -> dict[str, Any]:
+    return {"entries": int(meta.get("entries", "0"))}
+
+
 def ledger_transform(valid: Any, threshold: Decimal, band: Decimal) -> Any:
-    """The test-only service's transform, named by its registry entry."""
     return [row for row in valid if row > threshold]
 
 
-def ledger_service(written: list[Any]) -> DependencyService:
-    """A test-only third service: its batch table, write, group, port and URLs, nothing else."""
+def ledger_api(reader: Any, settings: Any, check: Any) -> Any:
+    return ("the ledger's API", reader, service("ledger").urls(settings), check)
 
-    def write(conn: Any, table: Any, keep: timedelta) -> int:
-        written.append((conn, table, keep))
-        return len(table)
 
-    return DependencyService(
-        "ledger",
-        "aml_app.dependencies.relations",
-        "entries",
-        f"{__name__}:ledger_transform",
-        write,
-        lambda reader, settings, check: None,  # type: ignore[arg-type, return-value]
-        "app_id",
-        "web_port",
-        "relations_urls",
-        "AML_LEDGER_URL",
-    )
+LEDGER = DependencyService(
+    "ledger", __name__, "entries", f"{__name__}:ledger_transform", f"{__name__}:ledger_api", 8090
+)
 
 
 def test_a_third_service_is_one_registry_entry(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Adding the entry is all the pipeline's writer, its transform, the batch table and the settings'
-    lookups need: no other module changes."""
+    """The entry and its own module (this one) are all the settings, the gate's dependencies, the
+    pipeline's transform and writer, the API and the harness need: no other module changes."""
+    from aml_app.harness.dependencies import services_env
     from aml_app.pipeline.jobs import writer_for
     from aml_app.pipeline.runner import group_of
     from aml_app.pipeline.transforms import BatchOutputs, aggregation
+    from aml_app.settings import ConfigError, load_settings
 
-    written: list[Any] = []
-    monkeypatch.setattr(registry, "SERVICES", {**registry.SERVICES, "ledger": ledger_service(written)})
-    settings = Settings()
+    monkeypatch.setattr(registry, "SERVICES", {**registry.SERVICES, "ledger": LEDGER})
+    WRITTEN.clear()
+    env = {"AML_LEDGER_GROUP": "ledger-1", "AML_LEDGER_URL": "http://ledger-a:8090,http://ledger-b:8090"}
+    settings = load_settings(env)
 
+    assert settings.depends_on == ("relations", "aggregates", "ledger")
+    assert group_of(settings, "ledger") == "ledger-1"
+    assert service("ledger").port(settings) == 8090
+    assert service("ledger").urls(settings) == ("http://ledger-a:8090", "http://ledger-b:8090")
+    assert services_env(settings)["AML_LEDGER_GROUP"] == "ledger-1"
     assert aggregation("ledger", [1, 5, 9], Decimal(4), Decimal(0)) == [5, 9]
     outputs = BatchOutputs(spans=None, rejects=None, tables={"entries": [5, 9]})
     assert writer_for("ledger", timedelta(days=1))("conn", outputs) == 2
-    assert written == [("conn", [5, 9], timedelta(days=1))]
-    assert group_of(settings, "ledger") == settings.app_id
-    assert service("ledger").port(settings) == settings.web_port
-    assert service("relations").table == "edges"  # the others are unchanged
+    assert WRITTEN == [("conn", [5, 9], timedelta(days=1))]
+    assert service("ledger").app("reader", settings, None)[2] == (
+        "http://ledger-a:8090",
+        "http://ledger-b:8090",
+    )
+    assert service("ledger").health({"entries": "4"}) == {"entries": 4}
+    with pytest.raises(ConfigError, match="AML_RELATIONS_PORT and AML_LEDGER_PORT must differ"):
+        load_settings({"AML_LEDGER_PORT": "8081"})
+    assert service("relations").table == "edges" and settings.relations_group == "relations"
 
 
 def test_a_registry_can_be_passed_explicitly() -> None:
-    mine = {"ledger": ledger_service([])}
+    mine = {"ledger": LEDGER}
     assert service("ledger", mine).table == "entries"
     with pytest.raises(UnknownService, match="'relations'; expected one of ledger"):
         service("relations", mine)
 
 
 def test_the_registry_loads_neither_the_services_modules_nor_psycopg() -> None:
-    """The CLI and the settings read the names at import: the registry must stay light."""
+    """The CLI and the settings read the registry at import: it and the settings must stay light."""
     probe = (
-        "import sys, aml_app.dependencies.services\n"
-        "print(sorted(m for m in sys.modules if 'psycopg' in m or m.startswith('aml_app.dependencies.')))"
+        "import sys, aml_app.dependency_services\n"
+        "alone = sorted(m for m in sys.modules if 'psycopg' in m or m.startswith('aml_app.'))\n"
+        "import aml_app.settings\n"
+        "after = sorted(m for m in sys.modules if 'psycopg' in m or m.startswith('aml_app.dependencies'))\n"
+        "print(alone, after)"
     )
     out = subprocess.run(
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
-    assert out.stdout.strip() == "['aml_app.dependencies.services']"
+    assert out.stdout.strip() == "['aml_app.dependency_services'] []"
