@@ -191,7 +191,8 @@ class WorkerGate(Service):
 
     It holds the `FreshnessGate` the lanes wait on, the leader's readers of the dependencies' offsets
     and of the first unapplied payments, the refresh status, the demand publisher and the stall watch,
-    and the timers that drive them; and this worker's gated consumer once its agent registers it.
+    and the timers that drive them; and this worker's gated consumer once its agent registers it, whose
+    lanes it stops when it stops (an unexpected end of a lane stops the worker: `GatedConsumer`).
     """
 
     def __init__(self, **kwargs: Any) -> None:
@@ -228,6 +229,8 @@ class WorkerGate(Service):
         self.consumer = consumer
 
     async def on_stop(self) -> None:
+        if self.consumer is not None:
+            self.consumer.stop()
         await self.offsets.close()
         await self.unapplied.close()
 

@@ -336,6 +336,14 @@ class GatedConsumer:
             if resume is not None:
                 self.resume_at[lane.partition] = resume
 
+    def stop(self) -> None:
+        """Cancel every lane and background task (hole checks, reading the starts): the worker stops.
+        Nothing is acked, as at a revoke."""
+        for lane in self.lanes.values():
+            lane.stop()
+        for task in list(self._background):
+            task.cancel()
+
     def on_assigned(self, starts: dict[int, int]) -> None:
         """Drop the kept events of partitions that went to another worker; resume the others.
 

@@ -691,6 +691,25 @@ async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_orde
     assert h.app.consumer.gaps == [(TP(TOPIC, 0), 2, 4)], "Faust commits over the gap only if told"
 
 
+async def test_stopping_the_consumer_cancels_its_lanes_and_its_hole_checks(
+    make: Callable[..., Harness],
+) -> None:
+    """What the worker's gate service does when it stops: every lane task and every background read
+    ends, nothing acked."""
+    h = make()
+    log_ = FakeLog(range(20))
+    log_.answer.clear()  # the hole check waits on the log
+    h.gated.delivery.first_offset = log_.first_offset
+    h.assign({0: 0, 1: 0})
+    h.dispatch(event(0, 0), event(1, 0), event(1, 3))  # partition 0 waits at the gate; 1 has a hole
+    await until(lambda: log_.asked == [(1, 1)], "the hole checked")
+    tasks = [t for lane in h.gated.lanes.values() for t in lane.tasks()] + list(h.gated._background)
+    assert len(tasks) == 5 and not any(t.done() for t in tasks)
+    h.gated.stop()
+    await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE)
+    assert all(t.cancelled() for t in tasks) and h.acks == []
+
+
 async def test_events_held_past_a_hole_pause_the_partition_at_max_pending(
     make: Callable[..., Harness],
 ) -> None:
