@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import click
-from aiokafka.admin import AIOKafkaAdminClient, NewPartitions, NewTopic
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 from aiokafka.errors import for_code
 
 from aml_app.kafka.broker import TopicSpec
@@ -107,17 +107,7 @@ async def create_missing(
                 outcome.existing[described["topic"]] = len(described["partitions"])
         missing = [spec for spec in specs if spec.name not in existing]
         if missing:
-            response = await admin.create_topics(
-                [
-                    NewTopic(
-                        spec.name,
-                        num_partitions=spec.partitions,
-                        replication_factor=spec.replication_factor,
-                        topic_configs=dict(spec.config),
-                    )
-                    for spec in missing
-                ]
-            )
+            response = await admin.create_topics([spec.new_topic() for spec in missing])
             refused = []
             for entry in response.topic_errors:
                 name, code = entry[0], entry[1]

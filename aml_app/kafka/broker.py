@@ -33,6 +33,15 @@ class TopicSpec:
     config: dict[str, str] = field(default_factory=dict)
     purpose: str = ""
 
+    def new_topic(self) -> NewTopic:
+        """The admin client's request to create it."""
+        return NewTopic(
+            self.name,
+            num_partitions=self.partitions,
+            replication_factor=self.replication_factor,
+            topic_configs=dict(self.config),
+        )
+
 
 class BrokerError(RuntimeError):
     """The embedded broker could not be started or did not answer."""
@@ -157,16 +166,7 @@ async def create_topics(
         specs = [
             t if isinstance(t, TopicSpec) else TopicSpec(t, partitions, replication_factor) for t in topics
         ]
-        missing = [
-            NewTopic(
-                spec.name,
-                num_partitions=spec.partitions,
-                replication_factor=spec.replication_factor,
-                topic_configs=dict(spec.config),
-            )
-            for spec in specs
-            if spec.name not in existing
-        ]
+        missing = [spec.new_topic() for spec in specs if spec.name not in existing]
         if missing:
             with contextlib.suppress(TopicAlreadyExistsError):
                 await admin.create_topics(missing)
