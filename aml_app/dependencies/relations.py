@@ -373,68 +373,47 @@ def _heavy(*aliases: str) -> str:
 _UNIT = "coalesce((%(minimums)s::numeric[])[array_position(%(currencies)s::text[], {e}.currency::text)], 1)"
 
 
-def _cut(e: str, c: str) -> str:
-    """A LATERAL row `c` of edge row `e` as of the query's `at`: its count, total and last payment,
-    computed once (OFFSET 0 keeps PostgreSQL from putting the expressions back into every test that
-    reads them, where a row paid on both sides of `at` would unpack its arrays each time)."""
-    return (
-        f"CROSS JOIN LATERAL (SELECT {_count(e)} AS payments, {_sum(e)} AS total, {_last(e)} AS last "
-        f"OFFSET 0) {c}"
-    )
-
-
-def _heavy_cut(e: str, c: str) -> str:
-    """`_heavy` over the cut row `c` of `e`."""
-    return _HEAVY.format(
-        e=e, paid=_paid(e), whole=_whole(e, "q.at"), total=f"{c}.total", count=f"{c}.payments"
-    )
-
-
-def _recent(c: str) -> str:
+def _recent(*aliases: str) -> str:
     """With the query's `at`, an edge row takes part in a flow only if it was paid within LOOP_SPAN
     before `at` (its payments after `at` are not there: a later payment cannot have carried this
-    payment's money); `c` is its cut row."""
-    return f"(q.at IS NULL OR {c}.last >= q.at - %(span)s)"
+    payment's money)."""
+    return " AND ".join(f"(q.at IS NULL OR {_last(e)} >= q.at - %(span)s)" for e in aliases)
 
 
-def _flows(before: str, cb: str, after: str, ca: str) -> str:
+def _flows(before: str, after: str) -> str:
     """Money paid on edge row `before` can have gone on along `after`: `before`'s first payment is no
-    later than `after`'s last, and `after`'s average is FLOW_RATIO times `before`'s (in units); `cb` and
-    `ca` are their cut rows."""
-    on = f"{ca}.total * {cb}.payments * {_UNIT.format(e=before)}"
-    back = f"{cb}.total * {ca}.payments * {_UNIT.format(e=after)}"
-    return f"{before}.first_seen <= {ca}.last AND {on} >= %(low)s * {back} AND {on} <= %(high)s * {back}"
+    later than `after`'s last, and `after`'s average is FLOW_RATIO times `before`'s (in units)."""
+    on, back = (
+        f"{_sum(after)} * {_count(before)} * {_UNIT.format(e=before)}",
+        f"{_sum(before)} * {_count(after)} * {_UNIT.format(e=after)}",
+    )
+    return f"{before}.first_seen <= {_last(after)} AND {on} >= %(low)s * {back} AND {on} <= %(high)s * {back}"
 
 
 # The longest flow of heavy edge rows into each account, for each length up to 3 (NULL where there is
 # none): a simple path along which money can have gone on (`_flows`), through a query's `closing` last
 # when it names one, of edges paid within LOOP_SPAN before its `at` when it names one (`_recent`); the
-# smallest of each length, as the accounts before the asked one. Each edge row is cut at `at` once
-# (`_cut`): its heavy, recent and flow tests read the cut.
+# smallest of each length, as the accounts before the asked one.
 _CHAINS = f"""
 SELECT q.i,
-    (SELECT min(e3.payer) FROM {{edges}} e3 {_cut("e3", "c3")}
-        WHERE e3.payee = q.account AND e3.payer <> q.account
-            AND {_heavy_cut("e3", "c3")} AND {_recent("c3")}
+    (SELECT min(e3.payer) FROM {{edges}} e3
+        WHERE e3.payee = q.account AND e3.payer <> q.account AND {_heavy("e3")} AND {_recent("e3")}
             AND (q.closing IS NULL OR e3.payer = q.closing)) AS one,
-    (SELECT ARRAY[e2.payer, e3.payer] FROM {{edges}} e3 {_cut("e3", "c3")}
-        JOIN {{edges}} e2 ON e2.payee = e3.payer {_cut("e2", "c2")}
-        WHERE e3.payee = q.account AND %(hops)s >= 2
-            AND {_heavy_cut("e3", "c3")} AND {_heavy_cut("e2", "c2")} AND {_recent("c3")} AND {_recent("c2")}
+    (SELECT ARRAY[e2.payer, e3.payer] FROM {{edges}} e3
+        JOIN {{edges}} e2 ON e2.payee = e3.payer
+        WHERE e3.payee = q.account AND %(hops)s >= 2 AND {_heavy("e3", "e2")} AND {_recent("e3", "e2")}
             AND (q.closing IS NULL OR e3.payer = q.closing)
             AND e3.payer <> q.account AND e2.payer <> q.account AND e2.payer <> e3.payer
-            AND {_flows("e2", "c2", "e3", "c3")}
+            AND {_flows("e2", "e3")}
         ORDER BY e2.payer, e3.payer LIMIT 1) AS two,
-    (SELECT ARRAY[e1.payer, e2.payer, e3.payer] FROM {{edges}} e3 {_cut("e3", "c3")}
-        JOIN {{edges}} e2 ON e2.payee = e3.payer {_cut("e2", "c2")}
-        JOIN {{edges}} e1 ON e1.payee = e2.payer {_cut("e1", "c1")}
-        WHERE e3.payee = q.account AND %(hops)s >= 3
-            AND {_heavy_cut("e3", "c3")} AND {_heavy_cut("e2", "c2")} AND {_heavy_cut("e1", "c1")}
-            AND {_recent("c3")} AND {_recent("c2")} AND {_recent("c1")}
-            AND (q.closing IS NULL OR e3.payer = q.closing)
+    (SELECT ARRAY[e1.payer, e2.payer, e3.payer] FROM {{edges}} e3
+        JOIN {{edges}} e2 ON e2.payee = e3.payer
+        JOIN {{edges}} e1 ON e1.payee = e2.payer
+        WHERE e3.payee = q.account AND %(hops)s >= 3 AND {_heavy("e3", "e2", "e1")}
+            AND {_recent("e3", "e2", "e1")} AND (q.closing IS NULL OR e3.payer = q.closing)
             AND e3.payer <> q.account AND e2.payer <> q.account AND e1.payer <> q.account
             AND e2.payer <> e3.payer AND e1.payer <> e3.payer AND e1.payer <> e2.payer
-            AND {_flows("e2", "c2", "e3", "c3")} AND {_flows("e1", "c1", "e2", "c2")}
+            AND {_flows("e2", "e3")} AND {_flows("e1", "e2")}
         ORDER BY e1.payer, e2.payer, e3.payer LIMIT 1) AS three
 FROM unnest(%(accounts)s::text[], %(closings)s::text[], %(ats)s::timestamptz[])
     WITH ORDINALITY AS q(account, closing, at, i)
