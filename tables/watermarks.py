@@ -91,6 +91,12 @@ refresh = RefreshPolicy(settings.refresh_interval, settings.fast_refresh_interva
 limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
 
 
+def recovering() -> bool:
+    """Whether this worker's tables are still recovering from their changelogs."""
+    # `recovery` is TableManager's; Faust types app.tables as TableManagerT, which lacks it.
+    return bool(app.in_recovery) or not cast(TableManager, app.tables).recovery.completed.is_set()
+
+
 class RefreshStatus:
     """The leader's view of its own refreshes, for logs, the web view and the benchmarks."""
 
@@ -359,7 +365,7 @@ class WorkerGate(Service):
     async def watch_stalls(self) -> None:
         """Every worker computes the statuses (its page and metrics show them); the leader logs a stall
         once when it starts and once when it clears."""
-        if app.in_recovery or not cast(TableManager, app.tables).recovery.completed.is_set():
+        if recovering():
             return
         lines = self.stall_watch.update(self.operator_view(time.time())["dependencies"])
         if app.is_leader():

@@ -373,17 +373,8 @@ class GatedConsumer:
         paused, self.early_paused = self.early_paused, set()
         for p in sorted(paused & set(starts)):
             lane = self._lane(p)
-            if not lane.paused:  # else the lane resumes it, as it does its own pauses
-                self._spawn(self._unpause(lane, p, lane.expected(starts[p])))
-
-    async def _unpause(self, lane: Lane, partition: int, offset: int | None) -> None:
-        """Fetch a paused partition again from `offset`: Faust dropped what its fetch held of it."""
-        assert self.topic is not None
-        tp = TP(self.topic, partition)
-        if offset is not None:
-            await self.delivery.seek(tp, offset)
-        self.app.consumer.resume_partitions([tp])
-        lane.paused = False
+            if not lane.paused and self.topic is not None:  # else the lane resumes it, as its own pauses
+                self._spawn(self._resume(lane, TP(self.topic, p), lane.expected(starts[p])))
 
     async def _check_hole(self, lane: Lane, tp: TP) -> None:
         """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
@@ -412,8 +403,7 @@ class GatedConsumer:
         await self.delivery.seek(tp, expected)
         self.stats.holes_refetched += 1
         if lane.paused:  # paused while it held events past the hole: they come again
-            self.app.consumer.resume_partitions([tp])
-            lane.paused = False
+            await self._resume(lane, tp, None)
 
     async def check_delivery(self, topic: str, quiet: float) -> None:
         """Fetch again what an owned partition should have delivered to its lane and did not, once the
@@ -579,14 +569,15 @@ class GatedConsumer:
                 break
             _, arrived = lane.take()
             if lane.paused and lane.hole is None and len(lane.queue) <= self.max_pending // 2:
-                await self._resume(lane, TP(*event.message.tp))
+                await self._resume(lane, TP(*event.message.tp), lane.next_offset)
             admitted = await self._admit(event, arrived, parsed, event_us)
             taken.append((event, admitted))
             payments += admitted is not None
         return taken
 
-    async def _resume(self, lane: Lane, tp: TP) -> None:
-        """Fetch a partition paused by back-pressure again, from the first offset its lane has not had.
+    async def _resume(self, lane: Lane, tp: TP, offset: int | None) -> None:
+        """Fetch a partition paused by back-pressure again, from `offset`: the first offset its lane
+        has not had (None: already sought).
 
         Faust drops the records of a partition it pauses that its current fetch still holds (its
         `getmany` checks the set of active partitions that `pause_partitions` shrinks), while aiokafka's
@@ -594,8 +585,8 @@ class GatedConsumer:
         hole check or by `check_delivery` once the lane has been quiet: seconds at every pause, measured
         in the end-to-end benchmark. `tp` is Faust's own TP type: aiokafka's would crash its checks.
         """
-        if lane.next_offset is not None:
-            await self.delivery.seek(tp, lane.next_offset)
+        if offset is not None:
+            await self.delivery.seek(tp, offset)
         self.app.consumer.resume_partitions([tp])
         lane.paused = False
 

@@ -18,7 +18,6 @@ per query rather than once per batch.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -283,9 +282,7 @@ def flows_table(valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
 def aggregation(service: str, valid: DataFrame, threshold: Decimal, band: Decimal) -> Any:
     """The service's aggregated output of a batch's valid payments, as an Arrow table: the transform
     its registry entry names."""
-    module, _, name = registry.service(service).transform.partition(":")
-    transform: Callable[[DataFrame, Decimal, Decimal], Any] = getattr(importlib.import_module(module), name)
-    return transform(valid, threshold, band)
+    return registry.load(registry.service(service).transform)(valid, threshold, band)
 
 
 def concurrently(jobs: Mapping[str, Callable[[], Any]], here: Callable[[], Any]) -> dict[str | None, Any]:

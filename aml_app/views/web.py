@@ -17,7 +17,6 @@ import importlib
 import time
 from typing import TYPE_CHECKING, Any, cast
 
-from faust.tables.manager import TableManager
 from faust.types import TP
 from faust.web import Request, Response, View
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -25,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from aml_app.app import app, settings
 from aml_app.gate import GatedConsumer
 from aml_app.tables.alerts import recovered_to
+from aml_app.tables.watermarks import recovering as watermarks_recovering
 from aml_app.tables.watermarks import watermarks, worker_gate
 from aml_app.views import metrics
 from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
@@ -51,11 +51,6 @@ gated.observers.append(metrics.observe_admission)
 status.duration_observers.append(metrics.admin_refresh.observe)
 
 
-def _recovering() -> bool:
-    # `recovery` is TableManager's; Faust types app.tables as TableManagerT, which lacks it.
-    return bool(app.in_recovery) or not cast(TableManager, app.tables).recovery.completed.is_set()
-
-
 def _assigned() -> list[int]:
     if not app.consumer:
         return []
@@ -76,7 +71,7 @@ def _highwaters(partitions: list[int]) -> dict[int, int | None]:
 def snapshot() -> dict[str, Any]:
     now = time.time()
     assigned = _assigned()
-    recovering = _recovering()
+    recovering = watermarks_recovering()
     rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
     in_flight = {p: lane.in_flight for p, lane in gated.lanes.items()}
     if recovering:

@@ -23,8 +23,6 @@ def gated_agent(
     `handler` takes one payment at a time; `batch_handler` up to `max_batch` admitted payments of one
     partition at once (one round trip to each dependency for all of them).
     """
-    if worker_gate.consumer is not None:
-        raise RuntimeError("a worker runs one gated service; gated_agent was called twice")
     gated = GatedConsumer(
         app,
         worker_gate.gate,
@@ -43,6 +41,7 @@ def gated_agent(
         max_attempts=settings.max_attempts,
         park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),
     )
+    worker_gate.register(gated)  # refuses a second one before it is wired to anything
     gated.attach(
         bootstrap_servers=settings.bootstrap_servers,
         topic=settings.payments_topic,
@@ -62,5 +61,4 @@ def gated_agent(
     app.agent(payments_topic, name=settings.service)(consume)
     # Every worker's page shows the lanes that keep failing, through the demand table.
     worker_gate.publisher.retrying = gated.retrying_json
-    worker_gate.register(gated)
     return gated
