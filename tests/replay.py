@@ -1,16 +1,15 @@
 """Services B and C replayed with the naive reference (`tests/reference.py`): the evidence a detector would
 see about each payment, without Kafka, Spark or PostgreSQL.
 
+B answers the parts of each question that the detector asks for (`PAYER_PARTS` about the payer,
+`PAYEE_PARTS` about the payee) and nothing else, as the real B does: a part it is not asked for is absent.
+
 The reference loops over every payment it is given, which is quadratic over a whole run; so each question
-gets only the payments that can change the part of the answer the rules read: for aggregates, the
-payments touching the account; for relations (`out` and `cycle`), the payments sent by the account or by
-accounts reachable from it in at most 2 directed hops (a cycle of at most 3 hops uses no other edge); for
-the payee's `chain` (through the payer), the payments into the payee and into the accounts up to 2 steps
-before it; for `sources` and
-`co_payees`, the payments into the account and into its payers, and those its payers sent; for `loop`,
-the edges' first and last times, kept up as payments are fed (`tests.reference.loop_on_edges`). `in` and
-`neighbourhood` are read by no rule and are left empty: exact, they would need every payment into the
-account and the whole undirected 3-hop ball (minutes per run).
+gets only the payments that can change its answer: for aggregates, the payments touching the account; for
+the payer's `out`, the payments it sent; for the payee's `chain` (through the payer), the payments into
+the payee and into the accounts up to 2 steps before it; for `sources` and `co_payees`, the payments into
+the account and into its payers, and those its payers sent; for `loop`, the edges' first and last times,
+kept up as payments are fed (`tests.reference.loop_on_edges`).
 
 Every answer is as of the payment's time, as the real B and C give it to the detectors: only payments made
 by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead);
@@ -31,6 +30,7 @@ from decimal import Decimal
 from typing import Any
 
 from aml_app.dependencies.aggregates import HORIZON, floor_bucket
+from aml_app.dependencies.client import PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
@@ -103,6 +103,14 @@ class PayeesAsOf(Mapping[str, set[str]]):
         return len(self.out)
 
 
+def asked(answer: dict[str, Any], parts: str) -> dict[str, Any]:
+    """B's answer as the detector gets it: the parts it asks for (`parts`) and nothing else. A part it
+    does not ask for is absent from the real answer, so a rule or a model feature that read one here would
+    see in the replay what it never sees in the worker."""
+    wanted = {"account", "hops", "as_of", *parts.split(",")}
+    return {key: value for key, value in answer.items() if key in wanted}
+
+
 class Services:
     """What B and C would answer after the payments fed so far were applied."""
 
@@ -140,14 +148,9 @@ class Services:
         return reference_aggregates([held], account, at, THRESHOLD, BAND)
 
     def relations(self, account: str, at: datetime) -> dict[str, Any]:
-        reach, frontier = {account}, {account}
-        for _ in range(HOPS - 1):
-            frontier = {p.payee for a in frontier for p in self.sent_by.get(a, []) if p.ts <= at} - reach
-            reach |= frontier
-        subset = [p for a in sorted(reach) for p in self.sent_by.get(a, [])]
-        answer = reference_relations(subset, account, HOPS, at=at)
-        answer["in"], answer["neighbourhood"], answer["chain"] = [], [], []
-        return answer
+        """B's answer about a payer (`PAYER_PARTS`)."""
+        answer = reference_relations(self.sent_by.get(account, []), account, HOPS, at=at)
+        return asked(answer, PAYER_PARTS)
 
     def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
         payers = sorted(self.payers_of({account}))
@@ -161,7 +164,7 @@ class Services:
             back |= frontier
         into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
         edges = EdgesAsOf(self.times, at)
-        return {
+        answer = {
             "account": account,
             "hops": HOPS,
             "chain": reference_layering(into, account, HOPS, self.min_average, closing, at)["chain"],
@@ -178,6 +181,7 @@ class Services:
                 LOOP_MAX_PAYEES,
             ),
         }
+        return asked(answer, PAYEE_PARTS)
 
     def evidence(self, payment: Any) -> Evidence:
         """The evidence the detector would see about `payment` (it has a `payment_id` too)."""

@@ -25,6 +25,7 @@ import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -40,8 +41,11 @@ MODEL_VARIABLE = "AML_MODEL"
 SHIPPED = "amlworld"
 SHIPPED_FILE = "amlworld_model.json"
 BENIGN = "benign"
-#: The model's features, in the order of `features`: the payment, C's windows of payer and payee, B's
-# degrees and layering parts, and the rules' verdicts. Counts and sums enter as log(1 + x).
+#: The model's features, in the order of `features`: the payment, C's windows of payer and payee, what B
+# says about the payer's payees (the one this payment goes to among them) and the payee's layering parts,
+# and the rules' verdicts. Every one reads a part the detector asks B for (`PAYER_PARTS`, `PAYEE_PARTS`):
+# any other part is empty in the worker. Counts, sums and hours enter as log(1 + x); a payer's
+# `*_forwarded` is log(1 + sent) - log(1 + received) in the window, so 0 is "paid on what came in".
 _WINDOW_FIGURES = ("sent_count", "received_count", "sent_counterparties", "received_counterparties")
 FEATURES: tuple[str, ...] = (
     "amount",
@@ -54,16 +58,18 @@ FEATURES: tuple[str, ...] = (
     "payer_near_threshold_24h",
     "payee_near_threshold_24h",
     "payer_payees",
-    "payer_payers",
-    "payer_cycle_hops",
-    "payee_payers",
-    "payee_payees",
+    "payer_new_payees_7d",
+    "edge_payments",
+    "edge_age_hours",
+    "payer_24h_forwarded",
+    "payer_7d_forwarded",
     "payee_loop_hops",
     "payee_flow_accounts",
     "payee_sources",
     "payee_co_payees",
     *(f"rule_{typology}" for typology in TYPOLOGIES),
 )
+_WEEK = timedelta(days=7)
 
 
 def _log(value: float) -> float:
@@ -75,22 +81,26 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
     rates = thresholds.rates
     amount = rates.convert(evidence.amount, evidence.currency)
     row = [_log(float(amount or 0))]
+    forwarded = []
     for answer in (evidence.payer_aggregates, evidence.payee_aggregates):
         for name in ("1h", "24h", "7d"):
             window = answer.window(name)
-            row += [_log(getattr(window, figure)) for figure in _WINDOW_FIGURES]
-            row += [_log(float(rates.total(window.sent))), _log(float(rates.total(window.received)))]
+            sent, received = _log(float(rates.total(window.sent))), _log(float(rates.total(window.received)))
+            row += [_log(getattr(window, figure)) for figure in _WINDOW_FIGURES] + [sent, received]
+            if answer is evidence.payer_aggregates and name != "1h":
+                forwarded.append(sent - received)
     row += [
         _log(evidence.payer_aggregates.near_threshold_24h),
         _log(evidence.payee_aggregates.near_threshold_24h),
     ]
     payer, payee = evidence.payer_relations, evidence.payee_relations
+    edge = payer.out.get(evidence.payee)  # as of the payment's time: it counts this payment
     row += [
         _log(len(payer.out)),
-        _log(len(payer.in_)),
-        float(payer.cycle.hops),
-        _log(len(payee.in_)),
-        _log(len(payee.out)),
+        _log(sum(1 for e in payer.out.values() if evidence.ts - e.first_seen < _WEEK)),
+        _log(edge.count if edge else 0),
+        _log((evidence.ts - edge.first_seen).total_seconds() / 3600 if edge else 0),
+        *forwarded,
         float(payee.loop.hops),
         float(len(payee.chain)),
         _log(len(payee.sources)),
@@ -231,6 +241,8 @@ def _shown(name: str, value: float) -> str:
         return "fired" if value else "did not fire"
     if name.endswith("_hops") or name == "payee_flow_accounts":
         return str(int(value))
+    if name.endswith("_forwarded"):
+        return f"{math.exp(value):.2f} times what came in"
     plain = math.expm1(value)
     return f"{plain:.2f}" if "total" in name or name == "amount" else str(round(plain))
 

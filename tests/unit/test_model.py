@@ -9,31 +9,44 @@ import json
 import os
 import subprocess
 import sys
+from decimal import Decimal
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import pytest
 
-from aml_app.detection.model import FEATURES, Model, load
+from aml_app.detection.evidence import Cycle
+from aml_app.detection.model import BENIGN, FEATURES, Model, features, load
 from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
 from bench.model_vs_rules import detectors
-from bench.train_model import PARAMS, RUNS, SHIPPED_PATH, Replayed, calibrated_run, replay, train
+from bench.train_model import (
+    BENIGN_RATE,
+    PARAMS,
+    RUNS,
+    SHIPPED_PATH,
+    Replayed,
+    calibrated_run,
+    replay,
+    train,
+)
 from tests.replay import Services
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
 
 #: The shipped model (`AML_MODEL=amlworld`) on the real data, gate on (docs/detection.md, BENCHMARKS.md).
-PUBLISHED = {"own_recall": 0.719, "any_recall": 0.932, "benign_alerted": 61, "f1": 0.845}
+PUBLISHED = {"own_recall": 0.662, "any_recall": 0.897, "benign_alerted": 27, "f1": 0.787}
 
 
 @pytest.fixture(scope="module")
 def small_runs() -> list[Replayed]:
-    return [replay(*calibrated_run(seed, days=2, per_hour=50, attempts=4)) for seed in (5, 6)]
+    """Two runs to learn from and one to set the cut on."""
+    return [replay(*calibrated_run(seed, days=2, per_hour=50, attempts=4)) for seed in (5, 6, 7)]
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +64,7 @@ def real() -> tuple[Any, Any, list[Any]]:
 
 
 def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list[Replayed]) -> None:
-    doc, fitted = train(small_runs, SMALL)
+    doc, fitted = train(small_runs[:2], small_runs[2:], SMALL)
     model = Model.from_json(json.loads(json.dumps(doc)))
     rows = np.array([row for run in small_runs for row in run.rows])
     assert list(model.classes) == [str(c) for c in fitted.classes_]
@@ -64,11 +77,34 @@ def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list
 
 
 def test_training_gives_the_same_file_from_the_same_seeds(small_runs: list[Replayed]) -> None:
-    again = [replay(*calibrated_run(seed, days=2, per_hour=50, attempts=4)) for seed in (5, 6)]
+    again = [replay(*calibrated_run(seed, days=2, per_hour=50, attempts=4)) for seed in (5, 6, 7)]
     assert [run.rows for run in again] == [run.rows for run in small_runs]
-    first, _ = train(small_runs, SMALL)
-    second, _ = train(again, SMALL)
+    first, _ = train(small_runs[:2], small_runs[2:], SMALL)
+    second, _ = train(again[:2], again[2:], SMALL)
     assert json.dumps(first, sort_keys=True) == json.dumps(second, sort_keys=True)
+
+
+def test_the_cut_holds_the_whole_detector_to_its_benign_rate_on_runs_it_never_saw(
+    small_runs: list[Replayed],
+) -> None:
+    """The model and the rules that alert beside it together alert at most 1 % of the held-out run's
+    benign payments; the rules' share is taken from the model's."""
+    doc, _ = train(small_runs[:2], small_runs[2:], SMALL)
+    model = Model.from_json(doc)
+    held = small_runs[2]
+    benign = [i for i, label in enumerate(held.labels) if label == BENIGN]
+    probability = model.probabilities(np.array(held.rows))[:, model.classes.index(BENIGN)]
+    by_rules = {i for i in benign if model.alerting_rules.intersection(held.rules[i])}
+    by_model = {
+        i for i in benign if held.payments[i].payer != held.payments[i].payee and probability[i] < model.cut
+    }
+    assert by_rules, "the held-out run gives the rules beside the model a benign alert to count"
+    assert len(by_rules | by_model) <= int(BENIGN_RATE * len(benign))
+    assert doc["training"]["held_out"] == {
+        "benign_payments": len(benign),
+        "alerted_by_rules": len(by_rules),
+        "left_to_the_model": int(BENIGN_RATE * len(benign)) - len(by_rules),
+    }
 
 
 def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) -> None:
@@ -169,3 +205,35 @@ def test_aml_model_is_off_by_default_and_a_bad_one_fails_at_start_up(tmp_path: P
     assert done.returncode == 2, done
     assert done.stderr.startswith("aml-app: configuration error: AML_MODEL="), done.stderr
     assert "trained on other features" in done.stderr
+
+
+def test_the_features_read_only_the_parts_the_detector_asks_b_for() -> None:
+    """B answers the detector `PAYER_PARTS` about the payer and `PAYEE_PARTS` about the payee; the other
+    parts are empty in the worker, so a feature that read one would mean one thing in training and another
+    in production."""
+    thresholds = AmlThresholds()
+    services = Services(thresholds)
+    timeline = [
+        SimpleNamespace(
+            payment_id=f"p{i}",
+            payer=payer,
+            payee=payee,
+            amount=Decimal("5000"),
+            currency="USD",
+            ts=f"2022-09-01T00:{i:02d}:00+00:00",
+        )
+        for i, (payer, payee) in enumerate([("c", "a"), ("a", "b"), ("b", "a")])
+    ]
+    for payment in timeline:
+        services.feed(payment)
+    evidence = services.evidence(timeline[-1])
+    edge = next(iter(evidence.payer_relations.out.values()))
+    cycle = Cycle(found=True, path=("b", "a", "b"))
+    unasked = {"in_": {"a": edge}, "cycle": cycle, "neighbourhood": {"a": 1, "c": 2}}
+    told = dataclasses.replace(
+        evidence,
+        payer_relations=dataclasses.replace(evidence.payer_relations, **unasked),
+        payee_relations=dataclasses.replace(evidence.payee_relations, out={"b": edge}, **unasked),
+    )
+    hits = aml_rules(evidence, thresholds)
+    assert features(told, hits, thresholds) == features(evidence, hits, thresholds)

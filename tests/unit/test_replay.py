@@ -1,0 +1,40 @@
+"""The replay of Services B and C (`tests/replay.py`) answers what the real services answer a detector, so
+the rules and the model see in the benchmarks and in training what they see in the worker."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from types import SimpleNamespace
+
+from aml_app.detection.thresholds import AmlThresholds
+from tests.reference import reference_relations
+from tests.replay import HOPS, Services
+
+
+def _payment(pid: str, payer: str, payee: str, amount: str, minute: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        payment_id=pid,
+        payer=payer,
+        payee=payee,
+        amount=Decimal(amount),
+        currency="USD",
+        ts=f"2022-09-01T00:{minute:02d}:00+00:00",
+    )
+
+
+def test_b_answers_only_the_parts_the_detector_asks_for() -> None:
+    """B leaves out a part it is not asked for (`PAYER_PARTS`, `PAYEE_PARTS`): the replay must too, or a
+    model learns from a part that is always empty in the worker."""
+    timeline = [_payment("p1", "a", "b", "5000", 0), _payment("p2", "b", "a", "4900", 5)]
+    services = Services(AmlThresholds())
+    for payment in timeline:
+        services.feed(payment)
+    evidence = services.evidence(timeline[1])  # b pays a back
+    sent = [*services.sent_by["a"], *services.sent_by["b"]]
+    whole = reference_relations(sent, "b", HOPS, at=services.newest)
+    assert whole["cycle"]["found"] and whole["in"], "asked for every part, B names the cycle and b's payer"
+    payer, payee = evidence.payer_relations, evidence.payee_relations
+    assert set(payer.out) == {"a"}
+    assert not payer.in_ and not payer.cycle.found and not payer.neighbourhood
+    assert not payee.out and not payee.in_ and not payee.cycle.found and not payee.neighbourhood
+    assert payee.loop.found and payee.loop.path == ("a", "b", "a")
