@@ -13,16 +13,24 @@ import asyncio
 import time
 import uuid
 from dataclasses import replace
+from decimal import Decimal
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
+from aml_app.contract import InvalidPayment, validate_payment
+from aml_app.detection.model import load as load_model
+from aml_app.detection.rules import aml_rules
+from aml_app.detection.thresholds import AmlThresholds
 from aml_app.harness.demo import Demo, Options
 from aml_app.harness.verdict import Verdict
 from aml_app.harness.verify import decided_at
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings
-from tests.harness import committed_offsets, wait_until
+from tests.harness import TopicReader, committed_offsets, wait_until
+from tests.replay import Services
 
 pytestmark = pytest.mark.integration
 
@@ -216,3 +224,56 @@ async def test_the_learned_model_decides_inside_the_gated_worker(
     assert {hit["rule"] for hit in hits} <= kept, "a rule the model reads as a feature alerted on its own"
     fraud = verdict.services["fraud"]
     assert fraud.missing == 0 and fraud.decided == verdict.valid, fraud
+    # The worker's model sees what the replay it was trained and scored with sees: the same payments alerted,
+    # with the same probability of benign (B and C answer as of each payment's time, so order is moot).
+    payments = await _valid_payments(broker, demo.settings, demo.ledger.ends)
+    assert len(payments) == verdict.valid
+    in_worker = {
+        alert["payment_id"]: float(hit["figures"]["benign_probability"])
+        for alert in alerts
+        for hit in alert["hits"]
+        if hit["rule"] == "aml.model"
+    }
+    assert _replayed_model_alerts(payments) == pytest.approx(in_worker, abs=2e-6)
+
+
+async def _valid_payments(broker: EmbeddedBroker, settings: Settings, ends: dict[int, int]) -> list[Any]:
+    """Every valid payment of the run's payments topic, read back from the broker."""
+    reader = await TopicReader(broker.bootstrap, settings.payments_topic, settings.partitions).start()
+
+    async def at_the_end() -> bool:
+        await reader.poll()
+        read = dict.fromkeys(ends, 0)
+        for record in reader.records:
+            read[record.partition] = max(read.get(record.partition, 0), record.offset + 1)
+        return all(read[p] >= end for p, end in ends.items())
+
+    try:
+        await wait_until(at_the_end, 60, "the payments topic read to its end", interval=0)
+    finally:
+        await reader.stop()
+    payments = []
+    for record in reader.records:
+        try:
+            fields = validate_payment(record.key, record.value, settings.max_payment_bytes)
+        except InvalidPayment:
+            continue
+        payments.append(SimpleNamespace(**{**fields, "amount": Decimal(fields["amount"])}))
+    return payments
+
+
+def _replayed_model_alerts(payments: list[Any]) -> dict[str, float]:
+    """payment id -> the shipped model's probability of benign, for the payments it alerts on in the replay
+    of Services B and C (`tests/replay.py`)."""
+    model, thresholds = load_model("amlworld"), AmlThresholds()
+    assert model is not None
+    services = Services(thresholds)
+    for payment in payments:
+        services.feed(payment)
+    alerted = {}
+    for payment in payments:
+        evidence = services.evidence(payment)
+        hit = model.hit(evidence, aml_rules(evidence, thresholds), thresholds)
+        if hit is not None:
+            alerted[payment.payment_id] = float(hit.figures["benign_probability"])
+    return alerted
