@@ -1,7 +1,7 @@
 """The AML service on real AMLworld data through the whole system: Kafka, Spark, PostgreSQL, the APIs and a
 gated worker, gate on and gate off.
 
-    .venv/bin/python -m bench.amlworld_system [--days-per-second 0.5] [--deadline 600]
+    .venv/bin/python -m bench.amlworld_system [--days-per-second 0.5] [--deadline 600] [--model amlworld]
 
 The same data as `bench/amlworld_detection.py` (LI-Medium's 456 attempts in the first 7,500 rows of
 HI-Small), sent in event-time order as `aml-app import-amlworld` sends them, paced: `--days-per-second`
@@ -10,7 +10,8 @@ older than the newest one it has seen (its windows' horizon), so 27 days of spar
 would land in one micro-batch and lose their first 20 days. Each run starts its own system
 (`aml_app.harness.system`), waits until the AML worker has decided every payment, reads its alerts topic
 and scores them as the replay benchmark does (`judge`). Gate on, the figures should equal the replay's
-with the reference B and C; gate off, the worker decides on what B and C hold when it asks.
+with the reference B and C; gate off, the worker decides on what B and C hold when it asks. `--model`
+runs the worker with `AML_MODEL` set (results `amlworld_system_model.json`).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from aml_app.harness.system import Layout, System
 from aml_app.settings import load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.amlworld_command import send_payments
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
 from bench.common import gate_on_and_off, markdown_table
 
 NAME = "amlworld_system"
@@ -37,7 +38,9 @@ async def run(args: argparse.Namespace, gate: bool) -> dict[str, Any]:
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")
     timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
     folder = Path(tempfile.mkdtemp(prefix=f"aml-bench-amlworld-{'on' if gate else 'off'}-"))
-    system = System(load_settings(), folder, Layout(workers={"aml": 1}, gate=gate, api_replicas=1))
+    env = {"AML_MODEL": args.model} if args.model else {}
+    layout = Layout(workers={"aml": 1}, gate=gate, api_replicas=1, worker_env=env)
+    system = System(load_settings(), folder, layout)
     try:
         await system.start()
         await system.wait_ready()
@@ -67,7 +70,7 @@ async def run(args: argparse.Namespace, gate: bool) -> dict[str, Any]:
             f"{hit['typology']}:{hit['rule']}" for hit in alert.get("hits", [])
         )
     return {"gate": gate, "sent": sent, "seconds": round(seconds, 1), "folder": str(folder)} | judge(
-        patterns, background, fired
+        patterns, background, fired, with_evidence(timeline)
     )
 
 
@@ -88,8 +91,9 @@ def cli() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--days-per-second", type=float, default=0.5, help="event time sent per second")
     parser.add_argument("--deadline", type=float, default=600, help="seconds to decide every payment")
+    parser.add_argument("--model", default="", help="AML_MODEL for the worker (default: the rules)")
     args = parser.parse_args()
-    gate_on_and_off(NAME, args, run, report)
+    gate_on_and_off(NAME + ("_model" if args.model else ""), args, run, report)
 
 
 if __name__ == "__main__":
