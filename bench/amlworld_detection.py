@@ -7,7 +7,7 @@ Every attempt of a patterns file (`LI-Medium_Patterns.txt`: 456 attempts of eigh
 payment) and every row of a transactions file (`HI-Small_Trans_rows1-7500.csv`: real background traffic)
 go into one timeline, in event-time order; Services B and C are the naive reference
 (`tests/replay.py`), so the evidence about each payment is what the stores would answer once they have
-applied it and everything before it (the gate on). `--lag` gives each payment only the evidence before it
+applied everything up to its time (the gate on). `--lag` gives each payment only the evidence before it
 (a service reading behind its dependencies, the gate off).
 
 Scored as the AMLworld papers report it, per attempt and over payments:
@@ -46,7 +46,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from bench.common import PROJECT, code_version, machine, markdown_table, write_results
-from tests.replay import Services
+from tests.replay import Services, decided
 
 DATA = PROJECT / "tests" / "data" / "amlworld"
 PATTERNS = DATA / "LI-Medium_Patterns.txt"
@@ -56,16 +56,11 @@ BACKGROUND = DATA / "HI-Small_Trans_rows1-7500.csv"
 def replay(payments: list[Any], lag: bool) -> dict[str, list[str]]:
     """payment id -> the rules that fired on it, in the timeline's order."""
     thresholds = AmlThresholds()
-    services = Services(thresholds)
     fired: dict[str, list[str]] = {}
-    for payment in payments:
-        if not lag:
-            services.feed(payment)
-        hits = aml_rules(services.evidence(payment), thresholds)
+    for payment, evidence in decided(Services(thresholds), payments, lag):
+        hits = aml_rules(evidence, thresholds)
         if hits:
             fired[payment.payment_id] = [f"{hit.typology}:{hit.rule}" for hit in hits]
-        if lag:
-            services.feed(payment)
     return fired
 
 

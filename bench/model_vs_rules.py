@@ -1,6 +1,6 @@
 """Rules, the learned model, or both: the AML detector chosen by measurement.
 
-    .venv/bin/python -m bench.model_vs_rules [--model FILE]
+    .venv/bin/python -m bench.model_vs_rules [--model FILE] [--lag]
 
 Scores three detectors on three data sets, side by side, with Services B and C as the naive reference
 (gate on), as `bench.amlworld_detection` scores the rules:
@@ -14,7 +14,8 @@ The data sets: the real AMLworld files (LI-Medium's attempts in HI-Small's first
 of the calibrated simulator (seed 1, which the model never saw); and our own simulator
 (`aml_app.simulation.traffic`, seed 11), whose traffic is shaped otherwise: a deployment's traffic will
 not be AMLworld's either, and this shows what a model does under such a shift. Also the model's CPU time
-per payment. Results: `bench/results/model_vs_rules.json`.
+per payment. `--lag` gives each payment only the evidence before it (the gate off). Results:
+`bench/results/model_vs_rules.json` (`model_vs_rules_lag.json` with `--lag`).
 """
 
 from __future__ import annotations
@@ -33,22 +34,23 @@ from aml_app.simulation.traffic import simulate
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
 from bench.train_model import calibrated_run
-from tests.replay import Services
+from tests.replay import Services, decided
 
 OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
 
 
-def detectors(patterns: Any, background: Any, model: Model) -> tuple[dict[str, dict[str, list[str]]], float]:
-    """payment id -> hits ("typology:rule") per detector over one timeline; and the model's seconds."""
+def detectors(
+    patterns: Any, background: Any, model: Model, lag: bool = False
+) -> tuple[dict[str, dict[str, list[str]]], float]:
+    """payment id -> hits ("typology:rule") per detector over one timeline; and the model's seconds.
+    `lag`: each payment is decided on the evidence before it (the gate off)."""
     from aml_app.detection.rules import aml_rules
 
     thresholds = AmlThresholds()
-    services = Services(thresholds)
     fired: dict[str, dict[str, list[str]]] = {"rules": {}, "model": {}, "both": {}}
     spent = 0.0
-    for payment in sorted([*background.payments, *patterns.payments], key=lambda p: p.ts):
-        services.feed(payment)
-        evidence = services.evidence(payment)
+    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    for payment, evidence in decided(Services(thresholds), timeline, lag):
         hits = aml_rules(evidence, thresholds)
         started = time.perf_counter()
         model_hit = model.hit(evidence, hits, thresholds)
@@ -101,6 +103,7 @@ def main() -> None:
     parser.add_argument("--calibrated-seed", type=int, default=1)
     parser.add_argument("--ours-seed", type=int, default=11)
     parser.add_argument("--ours-count", type=int, default=6000)
+    parser.add_argument("--lag", action="store_true", help="evidence before each payment only (gate off)")
     args = parser.parse_args()
     model = load(args.model)
     assert model is not None
@@ -114,7 +117,7 @@ def main() -> None:
     decided, spent = 0, 0.0
     for name, (patterns, background) in sets.items():
         timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
-        fired, seconds = detectors(patterns, background, model)
+        fired, seconds = detectors(patterns, background, model, args.lag)
         decided, spent = decided + len(timeline), spent + seconds
         evidence = with_evidence(timeline)
         results[name] = {d: judge(patterns, background, f, evidence) for d, f in fired.items()}
@@ -124,7 +127,7 @@ def main() -> None:
     per_payment = 1e6 * spent / decided
     print(f"model: {per_payment:.0f} µs of CPU per payment, over {decided} payments ({args.model})")
     write_results(
-        "model_vs_rules",
+        "model_vs_rules" + ("_lag" if args.lag else ""),
         {
             "code": code_version(),
             "machine": machine(),

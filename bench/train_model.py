@@ -44,7 +44,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from bench.common import PROJECT
-from tests.replay import Services
+from tests.replay import Services, decided
 
 SHIPPED_PATH = PROJECT / "aml_app" / "detection" / SHIPPED_FILE
 BENIGN_RATE = 0.01
@@ -68,12 +68,10 @@ class Replayed:
 def replay(patterns: Any, background: Any) -> Replayed:
     """Every payment of the attempts and the background, in event-time order, through the reference."""
     thresholds = AmlThresholds()
-    services = Services(thresholds)
     typology = {pid: a.typology for a in patterns.attempts for pid in a.payment_ids}
     out = Replayed()
-    for payment in sorted([*background.payments, *patterns.payments], key=lambda p: p.ts):
-        services.feed(payment)
-        evidence = services.evidence(payment)
+    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    for payment, evidence in decided(Services(thresholds), timeline):
         hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
         out.rows.append(features(evidence, hits, thresholds))

@@ -22,8 +22,9 @@ Used by the detection tests on simulated traffic and by `bench/amlworld_detectio
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -199,3 +200,26 @@ class Services:
             payer_relations=self.relations(payment.payer, at),
             payee_relations=self.payee_relations(payment.payee, payment.payer, at),
         )
+
+
+def decided(services: Services, timeline: Iterable[Any], lag: bool = False) -> Iterator[tuple[Any, Evidence]]:
+    """Each payment of `timeline` (in event-time order) with the evidence the detector decides it on,
+    feeding `services` as it goes.
+
+    Gate on, B and C have applied every payment timestamped up to the payment's time, those of the same
+    instant included: the event-time gate admits a payment once no payment up to its time is left
+    unapplied on any partition (docs/design.md), and B and C answer as of that time. AMLworld's times are
+    whole minutes, so many payments share one. `lag` (the gate off): only the payments before it.
+    """
+    if lag:
+        for payment in timeline:
+            evidence = services.evidence(payment)
+            services.feed(payment)
+            yield payment, evidence
+        return
+    for _, instant in itertools.groupby(timeline, key=lambda payment: row_of(payment).ts):
+        same = list(instant)
+        for payment in same:
+            services.feed(payment)
+        for payment in same:
+            yield payment, services.evidence(payment)

@@ -13,6 +13,7 @@ import asyncio
 import time
 import uuid
 from dataclasses import replace
+from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
@@ -30,7 +31,7 @@ from aml_app.harness.verify import decided_at
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings
 from tests.harness import TopicReader, committed_offsets, wait_until
-from tests.replay import Services
+from tests.replay import Services, decided
 
 pytestmark = pytest.mark.integration
 
@@ -225,7 +226,7 @@ async def test_the_learned_model_decides_inside_the_gated_worker(
     fraud = verdict.services["fraud"]
     assert fraud.missing == 0 and fraud.decided == verdict.valid, fraud
     # The worker's model sees what the replay it was trained and scored with sees: the same payments alerted,
-    # with the same probability of benign (B and C answer as of each payment's time, so order is moot).
+    # with the same probability of benign.
     payments = await _valid_payments(broker, demo.settings, demo.ledger.ends)
     assert len(payments) == verdict.valid
     in_worker = {
@@ -267,12 +268,9 @@ def _replayed_model_alerts(payments: list[Any]) -> dict[str, float]:
     of Services B and C (`tests/replay.py`)."""
     model, thresholds = load_model("amlworld"), AmlThresholds()
     assert model is not None
-    services = Services(thresholds)
-    for payment in payments:
-        services.feed(payment)
     alerted = {}
-    for payment in payments:
-        evidence = services.evidence(payment)
+    timeline = sorted(payments, key=lambda p: datetime.fromisoformat(p.ts))
+    for payment, evidence in decided(Services(thresholds), timeline):
         hit = model.hit(evidence, aml_rules(evidence, thresholds), thresholds)
         if hit is not None:
             alerted[payment.payment_id] = float(hit.figures["benign_probability"])

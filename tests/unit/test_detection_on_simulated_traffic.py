@@ -16,7 +16,7 @@ from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.score import TypologyScore, format_scores, score
 from aml_app.simulation.traffic import Simulation, simulate
-from tests.replay import Services
+from tests.replay import Services, decided
 
 START = datetime(2026, 3, 2, 8, tzinfo=UTC)
 
@@ -25,16 +25,9 @@ def detect(simulation: Simulation, gated: bool) -> list[tuple[str, str]]:
     """(payment_id, typology) alerts over the run; `gated` evidence includes the payment itself, the
     ungated one only the payments sent before it."""
     thresholds = AmlThresholds()
-    services = Services(thresholds)
     alerts = []
-    for payment in simulation.payments:
-        if gated:
-            services.feed(payment)
-        alerts += [
-            (payment.payment_id, hit.typology) for hit in aml_rules(services.evidence(payment), thresholds)
-        ]
-        if not gated:
-            services.feed(payment)
+    for payment, evidence in decided(Services(thresholds), simulation.payments, lag=not gated):
+        alerts += [(payment.payment_id, hit.typology) for hit in aml_rules(evidence, thresholds)]
     return alerts
 
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from aml_app.detection.thresholds import AmlThresholds
 from tests.reference import reference_relations
-from tests.replay import HOPS, Services
+from tests.replay import HOPS, Services, decided
 
 
 def _payment(pid: str, payer: str, payee: str, amount: str, minute: int) -> SimpleNamespace:
@@ -38,3 +38,20 @@ def test_b_answers_only_the_parts_the_detector_asks_for() -> None:
     assert not payer.in_ and not payer.cycle.found and not payer.neighbourhood
     assert not payee.out and not payee.in_ and not payee.cycle.found and not payee.neighbourhood
     assert payee.loop.found and payee.loop.path == ("a", "b", "a")
+
+
+def test_gate_on_the_evidence_holds_every_payment_of_the_same_instant() -> None:
+    """The event-time gate admits a payment at t once B and C have applied every payment up to t, and both
+    answer as of t: two payments into one account in the same minute (AMLworld's times are whole minutes)
+    both see both. Gate off, each sees only what came before it."""
+    timeline = [
+        _payment("p1", "a", "x", "5000", 3),
+        _payment("p2", "b", "x", "5000", 3),
+        _payment("p3", "c", "x", "5000", 4),
+    ]
+    gated = {p.payment_id: e for p, e in decided(Services(AmlThresholds()), timeline)}
+    received = {pid: e.payee_aggregates.window("1h").received_count for pid, e in gated.items()}
+    assert received == {"p1": 2, "p2": 2, "p3": 3}
+    lagging = {p.payment_id: e for p, e in decided(Services(AmlThresholds()), timeline, lag=True)}
+    received = {pid: e.payee_aggregates.window("1h").received_count for pid, e in lagging.items()}
+    assert received == {"p1": 0, "p2": 1, "p3": 2}
