@@ -72,7 +72,8 @@ import aiohttp
 
 from aml_app import dependency_services as registry
 from aml_app.dependencies import aggregates, relations
-from aml_app.dependencies.client import LOOP_HOPS, PAYEE_PARTS, PAYER_PARTS
+from aml_app.dependencies.client import PAYEE_PARTS, PAYER_PARTS
+from aml_app.dependencies.relations import LOOP_HOPS
 from aml_app.dependencies.store import Writer
 from aml_app.harness.dependencies import ApiProcess
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
@@ -613,7 +614,7 @@ async def main(args: argparse.Namespace) -> None:
             print(f"PostgreSQL folder and logs kept in {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
-    doc = {
+    doc: dict[str, Any] = {
         "machine": info,
         "at": time.time(),
         "config": {

@@ -1089,9 +1089,9 @@ class Soak:
         latest = self.poller.latest()
         groups: dict[str, Any] = {}
         for group in self.dependency_groups:
-            committed = latest.committed[group] if latest else {}
-            behind = sum(max(end - committed.get(p, 0), 0) for p, end in self.ends.items())
-            groups[group] = {"committed": committed, "behind": behind, "at_end": behind == 0}
+            applied = latest.committed[group] if latest else {}
+            behind = sum(max(end - applied.get(p, 0), 0) for p, end in self.ends.items())
+            groups[group] = {"committed": applied, "behind": behind, "at_end": behind == 0}
         groups[self.aml_group] = {**aml, "at_end": aml["within_grace"]}
         faults = [
             {
@@ -1238,7 +1238,7 @@ class Soak:
             if e.get("worker"):
                 events.append((self.t0_wall + e["at"], f"unexpected exit of {e['worker']}", e["worker"]))
         events.sort()
-        rows = []
+        rows: list[dict[str, Any]] = []
         for i, (at, what, worker) in enumerate(events):
             until = events[i + 1][0] if i + 1 < len(events) else float("inf")
             times = [d.decided_at for d in first.values() if worker is None or d.worker == worker]

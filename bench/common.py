@@ -19,7 +19,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -129,7 +129,7 @@ async def wait_owned(
         if not owned or sorted(p for ps in owned for p in ps) != wanted:
             stable_since, last = None, None
             return None
-        if owned != last:
+        if owned != last or stable_since is None:
             stable_since, last = time.monotonic(), owned
         return [s for s in now if s] if time.monotonic() - stable_since >= settle else None
 
@@ -269,7 +269,7 @@ def finish(name: str, doc: dict[str, Any], report: Callable[[dict[str, Any]], st
 def gate_on_and_off(
     name: str,
     args: Any,
-    run: Callable[[Any, bool], Awaitable[dict[str, Any]]],
+    run: Callable[[Any, bool], Coroutine[Any, Any, dict[str, Any]]],
     report: Callable[[dict[str, Any]], str],
 ) -> None:
     """Run a benchmark's `run(args, gate)` gate on, then gate off, and finish with both in one document."""

@@ -85,7 +85,7 @@ async def run(args: argparse.Namespace, gate: bool) -> dict[str, Any]:
 
 def report(doc: dict[str, Any]) -> str:
     on, off = doc["runs"]["gate on"], doc["runs"]["gate off"]
-    rows = [
+    rows: list[tuple[Any, ...]] = [
         ("payments decided", on["decided"], off["decided"]),
         ("freshness violations (stale answers)", on["freshness_violations"], off["freshness_violations"]),
         ("decided on evidence lacking the payment", on["decided_on_stale"], off["decided_on_stale"]),

@@ -141,8 +141,10 @@ def skew(patterns: Any, background: Any, partitions: int, lag: timedelta) -> dic
     per_mode: dict[str, list[dict[str, Any]]] = {"per-partition gate": [], "event-time gate": []}
     for q in range(partitions):
         held = {q}
-        others = replay(timeline, lambda i, q=q: timeline[i].partition != q, lambda i, t: (t, t - lag), held)
-        own = replay(timeline, lambda i, q=q: timeline[i].partition == q, lambda i, t: (t + lag, t), held)
+        on_held = [p.partition == q for p in timeline]
+        off_held = [not on for on in on_held]
+        others = replay(timeline, off_held.__getitem__, lambda i, t: (t, t - lag), held)
+        own = replay(timeline, on_held.__getitem__, lambda i, t: (t + lag, t), held)
         per_partition = {**others, **own}
         event_time = replay(timeline, lambda i: True, lambda i, t: (t + lag, t), held)
         for mode, fired in (("per-partition gate", per_partition), ("event-time gate", event_time)):

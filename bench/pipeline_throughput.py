@@ -184,7 +184,7 @@ def raw_consume(
             for message in consumer.consume(num_messages=10_000, timeout=1.0):
                 if message.error() is not None:
                     raise RuntimeError(f"raw consumer: {message.error()}")
-                touched += len(message.key()) + len(message.value())
+                touched += len(message.key() or b"") + len(message.value() or b"")
                 total += 1
         return time.monotonic() - started
     finally:
@@ -622,7 +622,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         # One unmeasured read first (the broker may still be settling after taking N records in), then
         # a. and b. alternate, so a slow moment of the machine does not hit only one of them.
         warm_up = raw_consume(broker.bootstrap, topic, ends, UNIDLE)
-        raw, raw_defaults, reads, batches = [], [], [], {}
+        raw, raw_defaults, reads = [], [], []
+        batches: dict[int, list[Any]] = {}
         for _ in range(args.runs):
             raw.append(raw_consume(broker.bootstrap, topic, ends, UNIDLE))
             raw_defaults.append(raw_consume(broker.bootstrap, topic, ends))

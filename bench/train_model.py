@@ -49,10 +49,10 @@ from tests.replay import Services, decided
 SHIPPED_PATH = PROJECT / "aml_app" / "detection" / SHIPPED_FILE
 BENIGN_RATE = 0.01
 ALERTING_PRECISION = 0.8
-PARAMS = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
+PARAMS: dict[str, Any] = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
 #: The shipped model's runs: calibrated simulator seeds to learn from and to set the cut on, days, payments
 #: an hour, attempts.
-RUNS = {"seeds": [2, 3], "held_out": [4], "days": 14.0, "per_hour": 100.0, "attempts": 40}
+RUNS: dict[str, Any] = {"seeds": [2, 3], "held_out": [4], "days": 14.0, "per_hour": 100.0, "attempts": 40}
 
 
 @dataclass
@@ -132,7 +132,8 @@ def train(
     ).fit(x, y)
     classes = [str(c) for c in fitted.classes_]
     is_benign = np.array(y) == BENIGN
-    fired, right = Counter(), Counter()
+    fired: Counter[str] = Counter()
+    right: Counter[str] = Counter()
     for run in runs:
         for rules, label in zip(run.rules, run.labels, strict=True):
             for rule in set(rules):

@@ -183,7 +183,7 @@ def _co_payees(heavy: set[tuple[str, str]], account: str) -> list[dict[str, Any]
         count = len(payers & {u for u, v in heavy if v == other})
         if count >= 2:
             shared[other] = count
-    found = [{"account": a, "shared": n} for a, n in shared.items()]
+    found: list[dict[str, Any]] = [{"account": a, "shared": n} for a, n in shared.items()]
     return sorted(found, key=lambda f: (-f["shared"], f["account"]))[:LISTED]
 
 
