@@ -8,7 +8,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +17,7 @@ from confluent_kafka import Producer
 
 from aml_app.harness.child_process import aml_app_executable
 from aml_app.harness.workers import WorkerProcess
-from aml_app.kafka.broker import free_port
+from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.kafka.security import PLAINTEXT
 from aml_app.settings import Settings
 
@@ -253,3 +253,20 @@ def produce_in_transactions(
     producer.flush(30)
     assert all(d is not None for d in delivered)
     return [d for d in delivered if d is not None]
+
+
+def settings_for(broker: EmbeddedBroker, suffix: str) -> Settings:
+    """Fresh topics and dependency groups on the session's broker."""
+    groups = (f"relations-{suffix}", f"aggregates-{suffix}")
+    return (
+        replace(
+            Settings(),
+            bootstrap_servers=(broker.bootstrap,),
+            payments_topic=f"payments-{suffix}",
+            dlq_topic=f"dlq-{suffix}",
+            depends_on=groups,
+            trigger_interval=0.5,
+        )
+        .with_endpoint("relations", group=groups[0])
+        .with_endpoint("aggregates", group=groups[1])
+    )

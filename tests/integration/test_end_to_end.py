@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import replace
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
@@ -30,30 +29,13 @@ from aml_app.harness.verdict import Verdict
 from aml_app.harness.verify import decided_at
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings
-from tests.harness import TopicReader, committed_offsets, wait_until
+from tests.harness import TopicReader, committed_offsets, settings_for, wait_until
 from tests.replay import Services, decided
 
 pytestmark = pytest.mark.integration
 
 # Spark starts in 25-60 s and compiles its first batch in 10-30 s on a busy 2-core machine.
 TIMEOUT = 600
-
-
-def settings_for(broker: EmbeddedBroker, suffix: str) -> Settings:
-    """Fresh topics and dependency groups on the session's broker."""
-    groups = (f"relations-{suffix}", f"aggregates-{suffix}")
-    return (
-        replace(
-            Settings(),
-            bootstrap_servers=(broker.bootstrap,),
-            payments_topic=f"payments-{suffix}",
-            dlq_topic=f"dlq-{suffix}",
-            depends_on=groups,
-            trigger_interval=0.5,
-        )
-        .with_endpoint("relations", group=groups[0])
-        .with_endpoint("aggregates", group=groups[1])
-    )
 
 
 def assert_every_promise(verdict: Verdict | None) -> Verdict:
