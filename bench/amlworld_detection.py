@@ -53,6 +53,11 @@ PATTERNS = DATA / "LI-Medium_Patterns.txt"
 BACKGROUND = DATA / "HI-Small_Trans_rows1-7500.csv"
 
 
+def timeline_of(patterns: Any, background: Any) -> list[Any]:
+    """A data set's attempts and background as one timeline, in event-time order."""
+    return sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+
+
 def replay(payments: list[Any], lag: bool) -> dict[str, list[str]]:
     """payment id -> the rules that fired on it, in the timeline's order."""
     thresholds = AmlThresholds()
@@ -142,7 +147,7 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
 
 def score(patterns: Any, background: Any, lag: bool) -> dict[str, Any]:
     """Replay one data set's attempts in its background and judge the alerts."""
-    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    timeline = timeline_of(patterns, background)
     started = time.perf_counter()
     fired = replay(timeline, lag=lag)
     elapsed = time.perf_counter() - started

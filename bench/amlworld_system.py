@@ -27,7 +27,7 @@ from aml_app.harness.system import Layout, System
 from aml_app.settings import load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.amlworld_command import send_payments
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
 from bench.common import gate_on_and_off, markdown_table
 
 NAME = "amlworld_system"
@@ -36,7 +36,7 @@ NAME = "amlworld_system"
 async def run(args: argparse.Namespace, gate: bool) -> dict[str, Any]:
     patterns = read_patterns(PATTERNS)
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    timeline = timeline_of(patterns, background)
     folder = Path(tempfile.mkdtemp(prefix=f"aml-bench-amlworld-{'on' if gate else 'off'}-"))
     env = {"AML_MODEL": args.model} if args.model else {}
     layout = Layout(workers={"aml": 1}, gate=gate, api_replicas=1, worker_env=env)

@@ -31,7 +31,7 @@ from aml_app.detection.rules import Hit
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.traffic import simulate
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
 from bench.train_model import calibrated_run
 from tests.replay import Services, decided
@@ -40,16 +40,16 @@ OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
 
 
 def detectors(
-    patterns: Any, background: Any, model: Model, lag: bool = False
+    timeline: list[Any], model: Model, lag: bool = False
 ) -> tuple[dict[str, dict[str, list[str]]], float]:
-    """payment id -> hits ("typology:rule") per detector over one timeline; and the model's seconds.
+    """payment id -> hits ("typology:rule") per detector over one timeline (`timeline_of`); and the model's
+    seconds.
     `lag`: each payment is decided on the evidence before it (the gate off)."""
     from aml_app.detection.rules import aml_rules
 
     thresholds = AmlThresholds()
     fired: dict[str, dict[str, list[str]]] = {"rules": {}, "model": {}, "both": {}}
     spent = 0.0
-    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
     for payment, evidence in decided(Services(thresholds), timeline, lag):
         hits = aml_rules(evidence, thresholds)
         started = time.perf_counter()
@@ -116,8 +116,8 @@ def main() -> None:
     results: dict[str, Any] = {}
     decided, spent = 0, 0.0
     for name, (patterns, background) in sets.items():
-        timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
-        fired, seconds = detectors(patterns, background, model, args.lag)
+        timeline = timeline_of(patterns, background)
+        fired, seconds = detectors(timeline, model, args.lag)
         decided, spent = decided + len(timeline), spent + seconds
         evidence = with_evidence(timeline)
         results[name] = {d: judge(patterns, background, f, evidence) for d, f in fired.items()}

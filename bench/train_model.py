@@ -43,6 +43,7 @@ from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
+from bench.amlworld_detection import timeline_of
 from bench.common import PROJECT
 from tests.replay import Services, decided
 
@@ -70,8 +71,7 @@ def replay(patterns: Any, background: Any) -> Replayed:
     thresholds = AmlThresholds()
     typology = {pid: a.typology for a in patterns.attempts for pid in a.payment_ids}
     out = Replayed()
-    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
-    for payment, evidence in decided(Services(thresholds), timeline):
+    for payment, evidence in decided(Services(thresholds), timeline_of(patterns, background)):
         hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
         out.rows.append(features(evidence, hits, thresholds))
@@ -212,9 +212,11 @@ def main() -> None:
     started = time.perf_counter()
     seeds = [int(s) for s in args.seeds.split(",")]
     held_out = [int(s) for s in args.held_out.split(",")]
-    runs = [replay(*calibrated_run(seed, args.days, args.per_hour, args.attempts)) for seed in seeds]
-    kept = [replay(*calibrated_run(seed, args.days, args.per_hour, args.attempts)) for seed in held_out]
-    doc, _ = train(runs, kept)
+
+    def replayed(seed: int) -> Replayed:
+        return replay(*calibrated_run(seed, args.days, args.per_hour, args.attempts))
+
+    doc, _ = train([replayed(seed) for seed in seeds], [replayed(seed) for seed in held_out])
     doc["training"]["runs"] = {
         "seeds": seeds,
         "held_out": held_out,

@@ -21,7 +21,7 @@ from aml_app.harness.system import Layout, System
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.amlworld_command import send_payments
-from bench.amlworld_detection import BACKGROUND, PATTERNS
+from bench.amlworld_detection import BACKGROUND, PATTERNS, timeline_of
 from tests.harness import settings_for, wait_until
 from tests.replay import Services, decided
 
@@ -38,7 +38,7 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
 ) -> None:
     patterns = read_patterns(PATTERNS)
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    timeline = sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    timeline = timeline_of(patterns, background)
     until = datetime.fromisoformat(timeline[0].ts) + timedelta(days=DAYS)
     timeline = [p for p in timeline if datetime.fromisoformat(p.ts) < until]
     ids = {p.payment_id for p in timeline}

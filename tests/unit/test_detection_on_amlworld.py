@@ -17,7 +17,7 @@ import pytest
 import tests.reference
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, replay, score, with_evidence
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, replay, score, timeline_of, with_evidence
 
 #: Own-typology recall per typology, gate on, as published (docs/detection.md).
 PUBLISHED = {
@@ -36,7 +36,7 @@ PUBLISHED = {
 def data() -> tuple[Any, Any, list[Any]]:
     patterns = read_patterns(PATTERNS)
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    return patterns, background, sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    return patterns, background, timeline_of(patterns, background)
 
 
 @pytest.fixture(scope="module")

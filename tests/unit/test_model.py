@@ -23,7 +23,7 @@ from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, with_evidence
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
 from bench.model_vs_rules import detectors
 from bench.train_model import (
     BENIGN_RATE,
@@ -60,7 +60,7 @@ def shipped() -> Model:
 def real() -> tuple[Any, Any, list[Any]]:
     patterns = read_patterns(PATTERNS)
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    return patterns, background, sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
+    return patterns, background, timeline_of(patterns, background)
 
 
 def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list[Replayed]) -> None:
@@ -122,7 +122,7 @@ def test_the_shipped_model_on_real_amlworld_holds_the_published_figures(
     shipped: Model, real: tuple[Any, Any, list[Any]]
 ) -> None:
     patterns, background, timeline = real
-    fired, _ = detectors(patterns, background, shipped)
+    fired, _ = detectors(timeline, shipped)
     doc = judge(patterns, background, fired["model"], with_evidence(timeline))
     assert doc["all"]["own_recall"] == pytest.approx(PUBLISHED["own_recall"], abs=0.001)
     assert doc["all"]["any_recall"] == pytest.approx(PUBLISHED["any_recall"], abs=0.001)
