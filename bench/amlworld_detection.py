@@ -21,7 +21,11 @@ Scored as the AMLworld papers report it, per attempt and over payments:
   attempt's payment, or a background row labelled 1);
 - the bound of what any rule over B and C can catch (`with evidence`): the share of attempts with a
   payment whose payer or payee made or got another payment between two parties in the 14 days up to
-  it. A payment between accounts that have nothing else shows B and C only itself.
+  it. A payment between accounts that have nothing else shows B and C only itself;
+- the bound of what a detector that names typologies by shape can name (`named by shape`,
+  `bench.attempt_shapes`): attempts with evidence, where the file gives attempts of one payment graph
+  (one payment between two accounts, A -> B -> A) several typologies, count for the likeliest one
+  only. Per typology, `shared shape` counts its attempts whose graph another typology's attempt has.
 
 The same is then scored on a run of the simulator calibrated to these files
 (`aml_app.simulation.calibrated`): 14 days of background at 100 payments an hour and 40 attempts of each
@@ -45,6 +49,7 @@ from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
+from bench.attempt_shapes import named_by_shape
 from bench.common import PROJECT, code_version, machine, markdown_table, write_results
 from tests.replay import Services, decided
 
@@ -115,6 +120,9 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
     own_all = sum(v["own_typology"] for v in per_typology.values())  # typologies without attempts add 0
     any_all = sum(v["any_alert"] for v in per_typology.values())
     bound_all = sum(1 for a in attempts if any(p in evidence for p in a.payment_ids))
+    shapes = named_by_shape(attempts, patterns.payments, evidence)
+    for typology, doc in per_typology.items():
+        doc["shared_shape"] = shapes["shared_shape"].get(typology, 0)
     benign = [p for p in background.payments if not p.is_laundering]
     benign_alerted = [p for p in benign if p.payment_id in fired]
     benign_rules = Counter(rule for p in benign_alerted for rule in fired[p.payment_id])
@@ -127,6 +135,7 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
             "own_recall": ratio(own_all, len(attempts)),
             "any_recall": ratio(any_all, len(attempts)),
             "with_evidence": ratio(bound_all, len(attempts)),
+            "named_by_shape": shapes["named_by_shape"],
         },
         "benign": {
             "payments": len(benign),
@@ -163,6 +172,7 @@ def report(title: str, doc: dict[str, Any], lag: bool) -> str:
             v["own_recall"],
             v["any_recall"],
             v["with_evidence"],
+            v["shared_shape"],
             v["alerted_payments"],
             v["precision"],
         ]
@@ -170,7 +180,16 @@ def report(title: str, doc: dict[str, Any], lag: bool) -> str:
     ]
     every = doc["all"]
     rows.append(
-        ["all", every["attempts"], every["own_recall"], every["any_recall"], every["with_evidence"], "", ""]
+        [
+            "all",
+            every["attempts"],
+            every["own_recall"],
+            every["any_recall"],
+            every["with_evidence"],
+            "",
+            "",
+            "",
+        ]
     )
     headers = [
         "typology",
@@ -178,6 +197,7 @@ def report(title: str, doc: dict[str, Any], lag: bool) -> str:
         "own-typology recall",
         "any-alert recall",
         "with evidence",
+        "shared shape",
         "alerted",
         "precision",
     ]
@@ -188,6 +208,8 @@ def report(title: str, doc: dict[str, Any], lag: bool) -> str:
             "",
             markdown_table(headers, rows),
             "",
+            f"named by shape, with evidence (the most a detector naming typologies by shape can reach): "
+            f"{every['named_by_shape']}",
             f"benign payments alerted: {benign['alerted']} of {benign['payments']} ({benign['rate']}); "
             f"by rule: {benign['by_rule']}",
             f"payments: {payments['laundering']} laundering, {payments['flagged']} flagged, "

@@ -123,6 +123,7 @@ def main() -> None:
         results[name] = {d: judge(patterns, background, f, evidence) for d, f in fired.items()}
         print(f"## {name}\n")
         print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
+        print(f"\nnamed by shape, with evidence: {results[name]['rules']['all']['named_by_shape']}")
         print()
     per_payment = 1e6 * spent / decided
     print(f"model: {per_payment:.0f} µs of CPU per payment, over {decided} payments ({args.model})")

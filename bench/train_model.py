@@ -64,6 +64,7 @@ class Replayed:
     rows: list[list[float]] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
     rules: list[list[str]] = field(default_factory=list)  # rule names that fired, per payment
+    typologies: list[list[str]] = field(default_factory=list)  # and the typology of each
 
 
 def replay(patterns: Any, background: Any) -> Replayed:
@@ -77,6 +78,7 @@ def replay(patterns: Any, background: Any) -> Replayed:
         out.rows.append(features(evidence, hits, thresholds))
         out.labels.append(typology.get(payment.payment_id, BENIGN))
         out.rules.append([hit.rule for hit in hits])
+        out.typologies.append([hit.typology for hit in hits])
     return out
 
 

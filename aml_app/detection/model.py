@@ -190,6 +190,18 @@ class Model:
         exp = np.exp(raw)
         return exp / exp.sum(axis=1, keepdims=True)
 
+    def _verdict(self, p: np.ndarray) -> str | None:
+        """The likeliest typology of one row's probabilities when benign is below the cut, else None."""
+        benign = self.classes.index(BENIGN)
+        if not p[benign] < self.cut:
+            return None
+        return self.classes[max((c for c in range(len(self.classes)) if c != benign), key=lambda c: p[c])]
+
+    def verdicts(self, rows: np.ndarray) -> list[str | None]:
+        """Per row of features, the typology the model alerts (what `hit` says), or None: many rows at
+        once, for the benches that score a model on features replayed once."""
+        return [self._verdict(p) for p in self.probabilities(rows)]
+
     def hit(self, evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds) -> Hit | None:
         """The model's alert about this payment, saying why, or None."""
         if evidence.payer == evidence.payee:
@@ -197,9 +209,10 @@ class Model:
         row = np.array(features(evidence, hits, thresholds))
         benign = self.classes.index(BENIGN)
         p = self.probabilities(row)[0]
-        if not p[benign] < self.cut:
+        typology = self._verdict(p)
+        if typology is None:
             return None
-        best = max((c for c in range(len(self.classes)) if c != benign), key=lambda c: p[c])
+        best = self.classes.index(typology)
         # Occlusion: each feature in turn takes a typical benign payment's value.
         occluded = np.tile(row, (len(row), 1))
         np.fill_diagonal(occluded, self.benign_typical)

@@ -24,6 +24,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
+from bench.model_spread import alerts
 from bench.model_vs_rules import detectors
 from bench.train_model import (
     BENIGN_RATE,
@@ -130,6 +131,18 @@ def test_the_shipped_model_on_real_amlworld_holds_the_published_figures(
     assert doc["payments"]["f1"] >= PUBLISHED["f1"]
     rules = judge(patterns, background, fired["rules"], with_evidence(timeline))
     assert doc["all"]["own_recall"] > rules["all"]["own_recall"]
+
+
+def test_scoring_replayed_features_gives_the_detectors_alerts(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    """`bench.model_spread` scores models on features replayed once; its alerts must be the detector's,
+    payment for payment, as `bench.model_vs_rules` replays it."""
+    patterns, background, timeline = real
+    fired, _ = detectors(timeline, shipped)
+    from_rows = alerts(shipped, replay(patterns, background))
+    assert from_rows == fired["model"]
+    assert any("aml.model" in hit for hits in from_rows.values() for hit in hits)
 
 
 def _evidence(timeline: list[Any], wanted: Any) -> Any:

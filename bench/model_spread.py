@@ -1,0 +1,164 @@
+"""How far the model's figures move with its training: the same trainer on other runs and settings.
+
+    .venv/bin/python -m bench.model_spread
+
+Why: the shipped model is one training (`bench.train_model`: trees on calibrated seeds 2 and 3, the cut
+on seed 4), and `bench.model_vs_rules` scores that one. A figure that holds only for one choice of runs
+is a figure of that choice. This bench trains the model with the same code under a few other choices
+(more runs to learn from, the cut set on more runs, smaller trees) and scores each, gate on, on the real
+AMLworld files and on calibrated seed 1, which no training here sees.
+
+Each data set is replayed through the reference of B and C once (`bench.train_model.replay`); every model
+is then scored on those features (`alerts`, which `tests/unit/test_model.py` holds equal to the detector
+that `bench.model_vs_rules` replays). Results: `bench/results/model_spread.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from typing import Any
+
+import numpy as np
+
+from aml_app.detection.model import Model, load
+from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
+from bench.common import code_version, machine, markdown_table, write_results
+from bench.train_model import PARAMS, RUNS, Replayed, calibrated_run, replay, train
+
+SMALLER = {**PARAMS, "max_leaf_nodes": 7, "min_samples_leaf": 200}
+#: name -> (seeds to learn from, seeds to set the cut on, the trees' parameters). The first is the
+# shipped model's training.
+TRAININGS: dict[str, tuple[list[int], list[int], dict[str, Any]]] = {
+    "shipped: learn 2,3; cut 4": (RUNS["seeds"], RUNS["held_out"], PARAMS),
+    "cut 4,5,6": (RUNS["seeds"], [4, 5, 6], PARAMS),
+    "learn 2,3,5,6; cut 4,7": ([2, 3, 5, 6], [4, 7], PARAMS),
+    "learn 2,3,5,6,7; cut 4": ([2, 3, 5, 6, 7], [4], PARAMS),
+    "smaller trees; learn 2,3; cut 4": (RUNS["seeds"], RUNS["held_out"], SMALLER),
+    "smaller trees; learn 2,3,5,6,7; cut 4": ([2, 3, 5, 6, 7], [4], SMALLER),
+}
+CALIBRATED_SEED = 1
+
+
+def alerts(model: Model, run: Replayed) -> dict[str, list[str]]:
+    """payment id -> the alerts ("typology:rule") of the model's detector (`Model.detect`: the rules that
+    alert beside the model, then the model's own) on a replayed run's features."""
+    verdicts = model.verdicts(np.array(run.rows, dtype=float))
+    fired: dict[str, list[str]] = {}
+    for payment, rules, typologies, verdict in zip(
+        run.payments, run.rules, run.typologies, verdicts, strict=True
+    ):
+        chosen = [f"{t}:{r}" for r, t in zip(rules, typologies, strict=True) if r in model.alerting_rules]
+        if verdict is not None and payment.payer != payment.payee:
+            chosen.append(f"{verdict}:aml.model")
+        if chosen:
+            fired[payment.payment_id] = chosen
+    return fired
+
+
+def figures(doc: dict[str, Any]) -> dict[str, Any]:
+    """What the table shows of one `judge` document."""
+    own = {t: v["own_recall"] for t, v in doc["per_typology"].items() if v["own_recall"] is not None}
+    lowest = min(own, key=lambda t: own[t])
+    return {
+        "own_recall": doc["all"]["own_recall"],
+        "any_recall": doc["all"]["any_recall"],
+        "lowest": f"{lowest} {own[lowest]}",
+        "bipartite": own["bipartite"],
+        "cycle": own["cycle"],
+        "benign_rate": round(doc["benign"]["alerted"] / doc["benign"]["payments"], 4),
+        "named_by_shape": doc["all"]["named_by_shape"],
+        "per_typology": own,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.parse_args()
+    started = time.perf_counter()
+    runs: dict[int, Replayed] = {}
+
+    def run(seed: int) -> Replayed:
+        if seed not in runs:
+            runs[seed] = replay(*calibrated_run(seed, RUNS["days"], RUNS["per_hour"], RUNS["attempts"]))
+        return runs[seed]
+
+    scored: dict[str, tuple[Any, Any]] = {
+        "real": (read_patterns(PATTERNS), read_amlworld(BACKGROUND, prefix="amlworld-background")),
+    }
+    calibrated = calibrated_run(CALIBRATED_SEED, RUNS["days"], RUNS["per_hour"], RUNS["attempts"])
+    scored[f"calibrated seed {CALIBRATED_SEED}"] = calibrated
+    replayed = {name: replay(*data) for name, data in scored.items()}
+    evidence = {name: with_evidence(timeline_of(*data)) for name, data in scored.items()}
+    shipped = load("amlworld")
+    assert shipped is not None
+    results: dict[str, Any] = {}
+    rows = []
+    for name, (seeds, held_out, params) in TRAININGS.items():
+        doc, _ = train([run(s) for s in seeds], [run(s) for s in held_out], params)
+        model = Model.from_json(doc)
+        if name.startswith("shipped") and model.cut != shipped.cut:
+            raise SystemExit(f"the shipped training gave cut {model.cut}, the shipped file {shipped.cut}")
+        results[name] = {
+            "seeds": seeds,
+            "held_out": held_out,
+            "params": params,
+            "cut": round(model.cut, 4),
+            "alerting_rules": sorted(model.alerting_rules),
+            **{
+                data: figures(judge(*scored[data], alerts(model, replayed[data]), evidence[data]))
+                for data in scored
+            },
+        }
+        real, cal = results[name]["real"], results[name][f"calibrated seed {CALIBRATED_SEED}"]
+        rows.append(
+            [
+                name,
+                real["own_recall"],
+                real["any_recall"],
+                real["lowest"],
+                real["cycle"],
+                real["benign_rate"],
+                cal["own_recall"],
+                cal["lowest"],
+                cal["benign_rate"],
+                ", ".join(r.removeprefix("aml.") for r in sorted(model.alerting_rules)),
+            ]
+        )
+        print(f"{name}: done at {time.perf_counter() - started:.0f} s", flush=True)
+    headers = [
+        "training",
+        "real own",
+        "real any",
+        "real lowest",
+        "real cycle",
+        "real benign",
+        "calibrated own",
+        "calibrated lowest",
+        "calibrated benign",
+        "rules alerting beside it",
+    ]
+    print(markdown_table(headers, rows))
+    bounds = {
+        data: doc["named_by_shape"] for data, doc in results[next(iter(results))].items() if data in scored
+    }
+    print(
+        f"named by shape, with evidence (the most a detector naming typologies by shape can reach): {bounds}"
+    )
+    write_results(
+        "model_spread",
+        {
+            "code": code_version(),
+            "machine": machine(),
+            "calibrated_seed": CALIBRATED_SEED,
+            "runs": {k: v for k, v in RUNS.items() if k in ("days", "per_hour", "attempts")},
+            "trainings": results,
+            "seconds": round(time.perf_counter() - started, 1),
+            "at": time.time(),
+        },
+    )
+
+
+if __name__ == "__main__":
+    main()
