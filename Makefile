@@ -51,6 +51,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.partition_skew
 	$(BIN)/python -m bench.amlworld_detection
 	$(BIN)/python -m bench.model_vs_rules
+	$(BIN)/python -m bench.model_spread
 	$(BIN)/python -m bench.scaling
 	$(BIN)/python -m bench.chaos_soak --seed 1 --duration 180
 	$(BIN)/python -m bench.plot
