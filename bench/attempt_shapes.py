@@ -102,12 +102,12 @@ def _connected_order(edges: Edges) -> list[str]:
     return order
 
 
-def shapes(attempts: Sequence[tuple[str, Edges]]) -> list[int]:
-    """Per attempt (typology, edges), the number of its shape: equal numbers, isomorphic graphs."""
+def shapes(graphs: Sequence[Edges]) -> list[int]:
+    """Per payment graph, the number of its shape: equal numbers, isomorphic graphs."""
     classes: dict[tuple[Any, ...], list[tuple[int, Edges]]] = {}
     numbers: list[int] = []
     count = 0
-    for _, edges in attempts:
+    for edges in graphs:
         bucket = classes.setdefault(_key(edges), [])
         for number, seen in bucket:
             if isomorphic(edges, seen):
@@ -126,7 +126,7 @@ def named_by_shape(attempts: Iterable[Any], payments: Iterable[Any], evidence: s
     typology's."""
     ends = {p.payment_id: (p.payer, p.payee) for p in payments}
     listed = [(a.typology, tuple(ends[pid] for pid in a.payment_ids), a.payment_ids) for a in attempts]
-    numbers = shapes([(typology, edges) for typology, edges, _ in listed])
+    numbers = shapes([edges for _, edges, _ in listed])
     per_shape: dict[int, Counter[str]] = {}
     with_evidence: dict[int, Counter[str]] = {}
     for number, (typology, _, ids) in zip(numbers, listed, strict=True):
