@@ -25,7 +25,10 @@ Scored as the AMLworld papers report it, per attempt and over payments:
 - the bound of what a detector that names typologies by shape can name (`named by shape`,
   `bench.attempt_shapes`): attempts with evidence, where the file gives attempts of one payment graph
   (one payment between two accounts, A -> B -> A) several typologies, count for the likeliest one
-  only. Per typology, `shared shape` counts its attempts whose graph another typology's attempt has.
+  only. Per typology, `shared shape` counts its attempts whose graph another typology's attempt has;
+- how many attempts pay again between two accounts that an earlier attempt paid between, either way
+  (`bench.attempt_shapes.repeated_edges`): a property of the files the calibrated simulator is not
+  held to.
 
 The same is then scored on a run of the simulator calibrated to these files
 (`aml_app.simulation.calibrated`): 14 days of background at 100 payments an hour and 40 attempts of each
@@ -49,7 +52,7 @@ from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
-from bench.attempt_shapes import named_by_shape
+from bench.attempt_shapes import named_by_shape, repeated_edges
 from bench.common import PROJECT, code_version, machine, markdown_table, write_results
 from tests.replay import Services, decided
 
@@ -121,6 +124,7 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
     any_all = sum(v["any_alert"] for v in per_typology.values())
     bound_all = sum(1 for a in attempts if any(p in evidence for p in a.payment_ids))
     shapes = named_by_shape(attempts, patterns.payments, evidence)
+    reused = repeated_edges(attempts, patterns.payments)
     for typology, doc in per_typology.items():
         doc["shared_shape"] = shapes["shared_shape"].get(typology, 0)
     benign = [p for p in background.payments if not p.is_laundering]
@@ -136,6 +140,8 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
             "any_recall": ratio(any_all, len(attempts)),
             "with_evidence": ratio(bound_all, len(attempts)),
             "named_by_shape": shapes["named_by_shape"],
+            "shared_shapes": shapes["shared_shapes"],
+            "repeated_edges": reused,
         },
         "benign": {
             "payments": len(benign),
@@ -209,7 +215,15 @@ def report(title: str, doc: dict[str, Any], lag: bool) -> str:
             markdown_table(headers, rows),
             "",
             f"named by shape, with evidence (the most a detector naming typologies by shape can reach): "
-            f"{every['named_by_shape']}",
+            f"{every['named_by_shape']}; shapes given several typologies: "
+            + "; ".join(
+                f"{s['payments']} payment{'s' * (s['payments'] != 1)} among {s['accounts']} accounts "
+                f"{s['typologies']}"
+                for s in every["shared_shapes"]
+            ),
+            f"attempts paying again between two accounts an earlier attempt paid between: "
+            f"{every['repeated_edges']['repeated']} the same way, {every['repeated_edges']['reversed']} the "
+            f"other way, of {every['repeated_edges']['attempts']}",
             f"benign payments alerted: {benign['alerted']} of {benign['payments']} ({benign['rate']}); "
             f"by rule: {benign['by_rule']}",
             f"payments: {payments['laundering']} laundering, {payments['flagged']} flagged, "

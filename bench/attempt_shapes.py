@@ -134,11 +134,44 @@ def named_by_shape(attempts: Iterable[Any], payments: Iterable[Any], evidence: s
         if any(pid in evidence for pid in ids):
             with_evidence.setdefault(number, Counter())[typology] += 1
     shared: Counter[str] = Counter()
-    for number, (typology, _, _) in zip(numbers, listed, strict=True):
+    example: dict[int, Edges] = {}
+    for number, (typology, edges, _) in zip(numbers, listed, strict=True):
         shared[typology] += len(per_shape[number]) > 1
+        example.setdefault(number, edges)
     best = sum(max(counts.values()) for counts in with_evidence.values())
     return {
         "named_by_shape": round(best / len(listed), 3) if listed else None,
         "shapes": len(per_shape),
         "shared_shape": dict(sorted(shared.items())),
+        "shared_shapes": [
+            {
+                "payments": len(example[number]),
+                "accounts": len({a for edge in example[number] for a in edge}),
+                "typologies": dict(counts.most_common()),
+            }
+            for number, counts in sorted(per_shape.items(), key=lambda item: -item[1].total())
+            if len(counts) > 1
+        ],
     }
+
+
+def repeated_edges(attempts: Iterable[Any], payments: Iterable[Any]) -> dict[str, int]:
+    """How many attempts pay again between two accounts that an earlier payment of another attempt paid
+    between: the same way (`repeated`) or the other way (`reversed`). AMLworld's laundering accounts
+    launder together again; a simulator that draws each attempt's accounts afresh does not."""
+    by_id = {p.payment_id: p for p in payments}
+    paid = sorted(
+        ((by_id[pid], n) for n, attempt in enumerate(attempts) for pid in attempt.payment_ids),
+        key=lambda item: item[0].ts,
+    )
+    earlier: dict[tuple[str, str], set[int]] = {}
+    repeated: set[int] = set()
+    turned: set[int] = set()
+    for payment, n in paid:
+        edge = (payment.payer, payment.payee)
+        if earlier.get(edge, set()) - {n}:
+            repeated.add(n)
+        if earlier.get(edge[::-1], set()) - {n}:
+            turned.add(n)
+        earlier.setdefault(edge, set()).add(n)
+    return {"attempts": len({n for _, n in paid}), "repeated": len(repeated), "reversed": len(turned)}

@@ -7,7 +7,7 @@ from typing import Any
 
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from bench.amlworld_detection import BACKGROUND, PATTERNS, timeline_of, with_evidence
-from bench.attempt_shapes import _key, isomorphic, named_by_shape, shapes
+from bench.attempt_shapes import _key, isomorphic, named_by_shape, repeated_edges, shapes
 
 HEXAGON = tuple((f"h{i}", f"h{(i + 1) % 6}") for i in range(6))
 TWO_TRIANGLES = tuple((f"{t}{i}", f"{t}{(i + 1) % 3}") for t in "ab" for i in range(3))
@@ -55,6 +55,26 @@ def test_a_shape_given_several_typologies_counts_for_its_likeliest_one_with_evid
     assert named_by_shape(attempts, payments, without_a)["named_by_shape"] == 0.5
 
 
+def test_attempts_paying_again_between_accounts_an_earlier_attempt_paid_between() -> None:
+    def paid(n: int, *edges: tuple[str, str, str]) -> tuple[Any, list[Any]]:
+        ids = [f"{n}-{k}" for k in range(len(edges))]
+        rows = [
+            SimpleNamespace(payment_id=i, payer=a, payee=b, ts=t)
+            for i, (a, b, t) in zip(ids, edges, strict=True)
+        ]
+        return SimpleNamespace(payment_ids=ids), rows
+
+    made = [
+        paid(0, ("a", "b", "2022-09-01T10:00"), ("a", "b", "2022-09-01T11:00")),  # its own repeat: none
+        paid(1, ("a", "b", "2022-09-02T10:00")),  # the same way as attempt 0
+        paid(2, ("b", "a", "2022-09-03T10:00")),  # the other way
+        paid(3, ("c", "d", "2022-09-01T09:00")),  # first: attempt 4 repeats it, not it attempt 4
+        paid(4, ("c", "d", "2022-09-04T10:00"), ("d", "e", "2022-09-04T11:00")),
+    ]
+    doc = repeated_edges([a for a, _ in made], [p for _, ps in made for p in ps])
+    assert doc == {"attempts": 5, "repeated": 2, "reversed": 1}
+
+
 def test_on_the_real_files_naming_by_shape_caps_own_typology_recall_at_the_published_figure() -> None:
     """BENCHMARKS.md and docs/detection.md: 0.743 of the real attempts, against 0.853 with evidence."""
     patterns = read_patterns(PATTERNS)
@@ -63,3 +83,10 @@ def test_on_the_real_files_naming_by_shape_caps_own_typology_recall_at_the_publi
     doc = named_by_shape(patterns.attempts, patterns.payments, evidence)
     assert doc["named_by_shape"] == 0.743
     assert doc["shared_shape"]["bipartite"] == 19 and doc["shared_shape"]["stack"] == 31
+    one_payment = doc["shared_shapes"][0]
+    assert one_payment["payments"] == 1 and one_payment["typologies"]["bipartite"] == 19
+    assert repeated_edges(patterns.attempts, patterns.payments) == {
+        "attempts": 456,
+        "repeated": 69,
+        "reversed": 72,
+    }
