@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -66,7 +67,7 @@ def benign_rate(model: Model, run: Replayed) -> float:
     return round(sum(pid in fired for pid in benign) / len(benign), 4)
 
 
-def cuts(shipped: Model, fitted: Any, run: Any) -> dict[str, Any]:
+def cuts(shipped: Model, fitted: Any, run: Callable[[int], Replayed]) -> dict[str, Any]:
     """The shipped training's trees (`fitted`) with the cut set on each of CUT_SEEDS alone, and the
     shipped model's benign rate on each: how much the one held-out run of the shipped cut decides."""
     index = list(fitted.classes_).index(BENIGN)
