@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 from typing import Self
+
+ERROR_LINE = re.compile(r"\[ERROR\]|\sERROR\s")  # Faust's, and Python logging's and Spark's layouts
 
 
 def aml_app_executable() -> str:
@@ -74,6 +77,10 @@ class AmlAppProcess:
         """The last lines of the log, without Java stack frames (the exception line above them stays)."""
         kept = [line for line in self.log_text().splitlines() if not line.lstrip().startswith("at ")]
         return "\n".join(kept[-lines:])
+
+    def first_error(self) -> str | None:
+        """The log's first ERROR line: a crash at start-up is logged there, above a long shutdown."""
+        return next((line for line in self.log_text().splitlines() if ERROR_LINE.search(line)), None)
 
     def signal_group(self, sig: int) -> None:
         """`sig` to the whole process group, while the process lives (once reaped, its pid and group id

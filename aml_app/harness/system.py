@@ -26,7 +26,7 @@ from aml_app.harness.dependencies import ApiProcess, CommitWatch, ServiceProcess
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail
 from aml_app.harness.workers import WorkerProcess
-from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_free, wait_until_answering
 from aml_app.settings import Settings
 from aml_app.topics import review_topic, service_topics, topic_specs
 
@@ -50,9 +50,12 @@ class Interrupted(Exception):
 
 
 def failure(name: str, process: WorkerProcess | ServiceProcess, what: str, lines: int = 25) -> str:
-    """Why we give up on a process, with the end of its log."""
-    tail = "\n".join("    " + line for line in process.log_tail(lines).splitlines())
-    return f"{name} {what}; the end of {process.log_path}:\n{tail}"
+    """Why we give up on a process: its log's first error, when the end of its log does not show it."""
+    end = process.log_tail(lines)
+    tail = "\n".join("    " + line for line in end.splitlines())
+    first = process.first_error()
+    error = f"; its first error:\n    {first}\n  and" if first is not None and first not in end else ";"
+    return f"{name} {what}{error} the end of {process.log_path}:\n{tail}"
 
 
 def service_settings(settings: Settings, service: str, suffix: str = "") -> Settings:
@@ -186,7 +189,7 @@ class System:
 
     def free(self, variable: str, who: str, port: int) -> int:
         """`port`, or a free one when it is taken (said out loud)."""
-        if not port_open("127.0.0.1", port):
+        if port_free("127.0.0.1", port):
             return port
         chosen = free_port()
         self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -47,10 +48,49 @@ class BrokerError(RuntimeError):
     """The embedded broker could not be started or did not answer."""
 
 
+LOWEST_CHOSEN_PORT = 10000
+_pick = random.SystemRandom()  # not the module's generator, which simulations and tests seed
+
+
+def outgoing_port_range() -> tuple[int, int]:
+    """The ports the kernel gives the local ends of outgoing connections (Linux; its default elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    return 32768, 60999
+
+
+def port_free(host: str, port: int) -> bool:
+    """Whether a server could listen on `port` now.
+
+    A port nobody listens on may still be taken, as the local end of an outgoing connection: a server's
+    bind fails on it, though a connection attempt finds nobody there. SO_REUSEADDR is set as aiohttp and
+    Kafka clients set it, so a port a closed connection left in TIME_WAIT still counts as free.
+    """
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port to give a server started later, outside the range the kernel picks outgoing ports from.
+
+    A port from bind(0) lies in that range, so a client connecting in the seconds before the server starts
+    can take it as its own end, and the server then fails with "address already in use".
+    """
+    low, _ = outgoing_port_range()
+    if low - 1 > LOWEST_CHOSEN_PORT:
+        for _ in range(200):
+            port = _pick.randint(LOWEST_CHOSEN_PORT, low - 1)
+            if port_free(host, port):
+                return port
     with socket.socket() as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        return int(sock.getsockname()[1])
 
 
 def port_open(host: str, port: int) -> bool:
