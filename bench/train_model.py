@@ -1,8 +1,8 @@
 """Train the AML model on the simulator calibrated to AMLworld, reproducibly, in one command.
 
     pip install '.[model]'      # scikit-learn, for training only (inference needs numpy)
-    .venv/bin/python -m bench.train_model [OUT] [--seeds 2,3] [--held-out 4] [--days 14] [--per-hour 100]
-        [--attempts 40]
+    .venv/bin/python -m bench.train_model [OUT] [--seeds 2,3] [--held-out 4,5,6,7,8,9] [--days 14]
+        [--per-hour 100] [--attempts 40]
 
 OUT defaults to the model shipped with the package (`aml_app/detection/amlworld_model.json`, what
 `AML_MODEL=amlworld` loads). Each seed is one run of `aml_app.simulation.calibrated` (background and
@@ -17,8 +17,11 @@ runs. From the same runs:
   ALERTING_PRECISION of the time; the others are features only;
 - a typical benign payment (the median of each feature), against which each alert is explained.
 And from the `--held-out` runs, which the trees never saw, the cut: the probability of benign below which
-the model alerts, so that the detector as a whole (the model and the rules beside it) alerts 1 % of their
-benign payments (self-payments counted, never alerted).
+the model alerts, so that the detector as a whole (the model and the rules beside it) alerts CUT_RATE of
+their benign payments together (self-payments counted, never alerted). CUT_RATE lies under the 1 % goal
+because at one cut single runs' benign rates spread around the pooled one (`bench.model_spread` gives
+each held-out run's rate). On the same runs, the naming prior (`naming_prior`): per typology, the weight
+that names the most of their attempts by their own typology.
 
 The runs' seeds differ from the ones `bench.amlworld_detection` and `bench.model_vs_rules` score on, and
 no real file is read.
@@ -48,12 +51,20 @@ from bench.common import PROJECT
 from tests.replay import Services, decided
 
 SHIPPED_PATH = PROJECT / "aml_app" / "detection" / SHIPPED_FILE
-BENIGN_RATE = 0.01
+NAMING_ROUNDS = 3
+NAMING_STEPS = (-1.0, -0.5, -0.25, 0.25, 0.5, 1.0)
+CUT_RATE = 0.008  # benign payments alerted on the held-out runs together; the goal is at most 1 %
 ALERTING_PRECISION = 0.8
 PARAMS: dict[str, Any] = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
 #: The shipped model's runs: calibrated simulator seeds to learn from and to set the cut on, days, payments
 #: an hour, attempts.
-RUNS: dict[str, Any] = {"seeds": [2, 3], "held_out": [4], "days": 14.0, "per_hour": 100.0, "attempts": 40}
+RUNS: dict[str, Any] = {
+    "seeds": [2, 3],
+    "held_out": [4, 5, 6, 7, 8, 9],
+    "days": 14.0,
+    "per_hour": 100.0,
+    "attempts": 40,
+}
 
 
 @dataclass
@@ -65,6 +76,7 @@ class Replayed:
     labels: list[str] = field(default_factory=list)
     rules: list[list[str]] = field(default_factory=list)  # rule names that fired, per payment
     typologies: list[list[str]] = field(default_factory=list)  # and the typology of each
+    attempts: list[tuple[str, list[int]]] = field(default_factory=list)  # typology, its payments' indices
 
 
 def replay(patterns: Any, background: Any) -> Replayed:
@@ -79,6 +91,10 @@ def replay(patterns: Any, background: Any) -> Replayed:
         out.labels.append(typology.get(payment.payment_id, BENIGN))
         out.rules.append([hit.rule for hit in hits])
         out.typologies.append([hit.typology for hit in hits])
+    index = {payment.payment_id: i for i, payment in enumerate(out.payments)}
+    out.attempts = [
+        (a.typology, [index[pid] for pid in a.payment_ids if pid in index]) for a in patterns.attempts
+    ]
     return out
 
 
@@ -144,6 +160,7 @@ def train(
     precision = {rule: right[rule] / fired[rule] for rule in sorted(fired)}
     alerting = sorted(r for r, p in precision.items() if p >= ALERTING_PRECISION)
     cut, budget = cut_on(fitted, classes.index(BENIGN), held_out, set(alerting))
+    naming = naming_prior(fitted, cut, held_out, set(alerting))
     trees, depth = export(fitted)
     import sklearn
 
@@ -153,11 +170,12 @@ def train(
         "baseline": [float(v) for v in fitted._baseline_prediction.ravel()],
         "depth": depth,
         "cut": cut,
+        "naming_prior": naming,
         "alerting_rules": alerting,
         "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
         "training": {
             "params": dict(params),
-            "benign_rate": BENIGN_RATE,
+            "cut_rate": CUT_RATE,
             "held_out": budget,
             "alerting_precision": ALERTING_PRECISION,
             "rule_precision": {rule: round(p, 4) for rule, p in precision.items()},
@@ -174,7 +192,7 @@ def cut_on(
     fitted: Any, benign: int, held_out: Sequence[Replayed], alerting: set[str]
 ) -> tuple[float, dict[str, int]]:
     """The cut at which the detector as a whole (the model and the rules that alert beside it) alerts
-    BENIGN_RATE of the held-out runs' benign payments (self-payments counted, never alerted). Set on runs
+    CUT_RATE of the held-out runs' benign payments (self-payments counted, never alerted). Set on runs
     the trees never saw: on their own training payments they are surer of benign than on new ones."""
     benign_payments = alerted = 0
     rows = []
@@ -187,11 +205,74 @@ def cut_on(
                 alerted += 1
             elif payment.payer != payment.payee:
                 rows.append(row)
-    allowed = int(BENIGN_RATE * benign_payments) - alerted
+    allowed = int(CUT_RATE * benign_payments) - alerted
     scores = np.sort(fitted.predict_proba(np.array(rows, dtype=float))[:, benign])
     cut = float(scores[allowed]) if 0 <= allowed < len(scores) else (0.0 if allowed < 0 else 1.0)
     budget = {"benign_payments": benign_payments, "alerted_by_rules": alerted, "left_to_the_model": allowed}
     return cut, budget
+
+
+def named_right(
+    probabilities: np.ndarray,
+    classes: list[str],
+    cut: float,
+    run: Replayed,
+    alerting: set[str],
+    prior: np.ndarray,
+) -> int:
+    """How many of `run`'s attempts the detector names by their own typology: a rule beside the model
+    does, or the model alerts one of their payments and names the typology (`Model._verdict`)."""
+    benign = classes.index(BENIGN)
+    weighed = np.log(np.maximum(probabilities, 1e-300)) + prior
+    weighed[:, benign] = -np.inf
+    named = [classes[c] for c in weighed.argmax(axis=1)]
+    right = 0
+    for typology, members in run.attempts:
+        right += any(
+            (
+                run.payments[i].payer != run.payments[i].payee
+                and probabilities[i, benign] < cut
+                and named[i] == typology
+            )
+            or any(
+                r in alerting and t == typology for r, t in zip(run.rules[i], run.typologies[i], strict=True)
+            )
+            for i in members
+        )
+    return right
+
+
+def naming_prior(
+    fitted: Any, cut: float, held_out: Sequence[Replayed], alerting: set[str]
+) -> dict[str, float]:
+    """Per typology, a weight (log) added to its probability before the model names the likeliest.
+
+    The trees learn from payments, each class weighed alike; an attempt is caught by its own typology
+    when any of its payments is named so. Where two typologies look alike (a stack's first layer is a
+    bipartite one), the payment-weighed likeliest is not the name that catches most attempts. The weights
+    are found on the held-out runs (rounds of coordinate steps, the first best step kept); the cut is
+    untouched, so the benign rate is too."""
+    classes = [str(c) for c in fitted.classes_]
+    probabilities = [fitted.predict_proba(np.array(run.rows, dtype=float)) for run in held_out]
+    prior = np.zeros(len(classes))
+
+    def score(weights: np.ndarray) -> int:
+        return sum(
+            named_right(p, classes, cut, run, alerting, weights)
+            for p, run in zip(probabilities, held_out, strict=True)
+        )
+
+    best = score(prior)
+    for _ in range(NAMING_ROUNDS):
+        for c, name in enumerate(classes):
+            if name == BENIGN:
+                continue
+            for step in NAMING_STEPS:
+                tried = prior.copy()
+                tried[c] += step
+                if (found := score(tried)) > best:
+                    best, prior = found, tried
+    return {name: float(prior[c]) for c, name in enumerate(classes) if name != BENIGN}
 
 
 def write(doc: dict[str, Any], out: Path) -> None:

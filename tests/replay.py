@@ -199,6 +199,7 @@ class Services:
             payee_aggregates=self.aggregates(payment.payee, at),
             payer_relations=self.relations(payment.payer, at),
             payee_relations=self.payee_relations(payment.payee, payment.payer, at),
+            channel=getattr(payment, "channel", None),
         )
 
 

@@ -340,6 +340,8 @@ class Evidence:
     payee_aggregates: Aggregates
     payer_relations: Relations
     payee_relations: Relations
+    #: The payment's channel (AMLworld's payment format: `ach`, `wire`, ...), when the payment says.
+    channel: str | None = None
 
     def __post_init__(self) -> None:
         for name in ("payment_id", "payer", "payee", "currency"):
@@ -378,6 +380,7 @@ class Evidence:
         payee_aggregates: Any,
         payer_relations: Any,
         payee_relations: Any,
+        channel: str | None = None,
     ) -> Evidence:
         """Evidence from the payment's fields and the four parsed JSON answers; ValueError if malformed."""
         return cls(
@@ -391,4 +394,5 @@ class Evidence:
             payee_aggregates=Aggregates.from_json(payee_aggregates),
             payer_relations=Relations.from_json(payer_relations),
             payee_relations=Relations.from_json(payee_relations),
+            channel=channel,
         )

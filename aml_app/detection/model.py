@@ -41,11 +41,17 @@ MODEL_VARIABLE = "AML_MODEL"
 SHIPPED = "amlworld"
 SHIPPED_FILE = "amlworld_model.json"
 BENIGN = "benign"
+#: AMLworld's payment formats of payments between two parties (its `reinvestment` is a self-payment, which
+# the model never scores). Every payment of LI-Medium's laundering attempts but one is ACH, against about
+# one in seven of the real benign payments between two parties: the format is the strongest single sign.
+# A payment whose channel is none of these (our own simulator's `card`, `web`, ...) has them all 0.
+PAYMENT_FORMATS = ("ach", "wire", "cheque", "credit_card", "cash", "bitcoin")
 #: The model's features, in the order of `features`: the payment, C's windows of payer and payee, what B
 # says about the payer's payees (the one this payment goes to among them) and the payee's layering parts,
-# and the rules' verdicts. Every one reads a part the detector asks B for (`PAYER_PARTS`, `PAYEE_PARTS`):
-# any other part is empty in the worker. Counts, sums and hours enter as log(1 + x); a payer's
-# `*_forwarded` is log(1 + sent) - log(1 + received) in the window, so 0 is "paid on what came in".
+# the rules' verdicts and the payment's format. Every one reads a part the detector asks B for
+# (`PAYER_PARTS`, `PAYEE_PARTS`): any other part is empty in the worker. Counts, sums and hours enter as
+# log(1 + x); a payer's `*_forwarded` is log(1 + sent) - log(1 + received) in the window, so 0 is "paid
+# on what came in".
 _WINDOW_FIGURES = ("sent_count", "received_count", "sent_counterparties", "received_counterparties")
 FEATURES: tuple[str, ...] = (
     "amount",
@@ -68,6 +74,7 @@ FEATURES: tuple[str, ...] = (
     "payee_sources",
     "payee_co_payees",
     *(f"rule_{typology}" for typology in TYPOLOGIES),
+    *(f"format_{name}" for name in PAYMENT_FORMATS),
 )
 _WEEK = timedelta(days=7)
 
@@ -108,6 +115,8 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
     ]
     fired = {hit.typology for hit in hits}
     row += [float(typology in fired) for typology in TYPOLOGIES]
+    channel = (evidence.channel or "").strip().lower().replace(" ", "_")
+    row += [float(channel == name) for name in PAYMENT_FORMATS]
     return row
 
 
@@ -127,6 +136,7 @@ class Model:
     value: np.ndarray  # (nodes,): a leaf's contribution to its class's raw score
     depth: int
     cut: float  # alert when the probability of benign is below it
+    naming: np.ndarray  # (classes,): log weight added to each typology's probability before naming one
     alerting_rules: frozenset[str]
     benign_typical: np.ndarray  # (features,): a typical benign payment, for the explanation
     training: Mapping[str, Any]
@@ -168,6 +178,7 @@ class Model:
             value=np.array(columns["value"], dtype=float),
             depth=int(doc["depth"]),
             cut=float(doc["cut"]),
+            naming=np.array([float(doc.get("naming_prior", {}).get(c, 0.0)) for c in classes]),
             alerting_rules=frozenset(doc["alerting_rules"]),
             benign_typical=np.array(doc["benign_typical"], dtype=float),
             training=dict(doc.get("training", {})),
@@ -191,11 +202,14 @@ class Model:
         return exp / exp.sum(axis=1, keepdims=True)
 
     def _verdict(self, p: np.ndarray) -> str | None:
-        """The likeliest typology of one row's probabilities when benign is below the cut, else None."""
+        """The typology the model names for one row's probabilities when benign is below the cut, else
+        None: the likeliest once each is weighed by the naming prior (`bench.train_model.naming_prior`)."""
         benign = self.classes.index(BENIGN)
         if not p[benign] < self.cut:
             return None
-        return self.classes[max((c for c in range(len(self.classes)) if c != benign), key=lambda c: p[c])]
+        weighed = np.log(np.maximum(p, 1e-300)) + self.naming
+        weighed[benign] = -np.inf
+        return self.classes[int(weighed.argmax())]
 
     def verdicts(self, rows: np.ndarray) -> list[str | None]:
         """Per row of features, the typology the model alerts (what `hit` says), or None: many rows at
@@ -228,7 +242,7 @@ class Model:
             typology=self.classes[best],
             reason=(
                 f"the model puts the chance that this payment is benign at {p[benign]:.4f}, below its cut "
-                f"{self.cut:.4f}, and its likeliest typology is {self.classes[best]}; most telling: "
+                f"{self.cut:.4f}, and names {self.classes[best]} (probability {p[best]:.4f}); most telling: "
                 + ("; ".join(because) or "no single feature")
                 + "."
             ),
@@ -252,6 +266,8 @@ def _shown(name: str, value: float) -> str:
     """A feature as the analyst reads it: counts and sums undone from log(1 + x)."""
     if name.startswith("rule_"):
         return "fired" if value else "did not fire"
+    if name.startswith("format_"):
+        return "yes" if value else "no"
     if name.endswith("_hops") or name == "payee_flow_accounts":
         return str(int(value))
     if name.endswith("_forwarded"):

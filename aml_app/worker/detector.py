@@ -144,6 +144,7 @@ class Detector:
                 payee_aggregates=payee_aggregates,
                 payer_relations=payer_relations,
                 payee_relations=payee_relations,
+                channel=payment.channel,
             )
             decided.append((payment, admission, self.rules(facts), answers, stale_reads))
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
