@@ -3,7 +3,7 @@
 The model is trained and scored on a replay of Services B and C (`tests/replay.py`). Here two days of the
 real files (HI-Small's half hour of background, many payments to a minute, and LI-Medium's attempts of
 those days) go through Kafka, Spark, PostgreSQL, the APIs and a gated worker running the shipped model;
-its alerts must be the replay's, payment for payment, hit for hit.
+its alerts must be the replay's, payment for payment, hit for hit, and each of the model's says why.
 """
 
 from __future__ import annotations
@@ -90,3 +90,12 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
             replayed[payment.payment_id] = sorted(f"{hit.typology}:{hit.rule}" for hit in hits)
     assert sum(hit.endswith(":aml.model") for hits in replayed.values() for hit in hits) >= 20
     assert in_system == replayed
+    # Each of the worker's model alerts says why: its probability of benign against the cut, and what moved
+    # the verdict most.
+    said = [hit for alert in alerts for hit in alert["hits"] if hit["rule"] == "aml.model"]
+    assert said and all(
+        "below its cut" in hit["reason"]
+        and "most telling: " in hit["reason"]
+        and "benign_probability" in hit["figures"]
+        for hit in said
+    )

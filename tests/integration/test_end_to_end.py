@@ -180,8 +180,10 @@ async def test_the_learned_model_decides_inside_the_gated_worker(
     broker: EmbeddedBroker, store_url: str, tmp_path: Path
 ) -> None:
     """`AML_MODEL=amlworld`: the worker decides every payment with the model and the rules it keeps,
-    gated as ever, and each model alert says why. (On our simulator's traffic the model alerts benign
-    payments too: BENCHMARKS.md, "Rules, a model, or both"; so no precision is asserted here.)"""
+    gated as ever, and alerts what the replay the model was trained with alerts. Our simulator's channels
+    are none of AMLworld's payment formats, which the model reads, so on this traffic the model itself
+    may alert nothing (BENCHMARKS.md, "Rules, a model, or both"); its alerts inside the worker, each
+    saying why, are held on real AMLworld payments by test_amlworld_system."""
     suffix = uuid.uuid4().hex[:8]
     demo = Demo(
         settings_for(broker, suffix),
@@ -198,11 +200,7 @@ async def test_the_learned_model_decides_inside_the_gated_worker(
     assert aml.missing == 0 and aml.decided == verdict.valid and aml.duplicate_alerts == 0, aml
     alerts = demo.system.alerts["aml"].records
     hits = [hit for alert in alerts for hit in alert["hits"]]
-    model_hits = [hit for hit in hits if hit["rule"] == "aml.model"]
-    assert model_hits, f"no model alert among {len(alerts)} alerts"
-    assert all(
-        "most telling: " in hit["reason"] and "benign_probability" in hit["figures"] for hit in model_hits
-    )
+    assert hits, "the rules beside the model alert the simulator's cycles and scatter-gathers"
     kept = {"aml.model", "aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
     assert {hit["rule"] for hit in hits} <= kept, "a rule the model reads as a feature alerted on its own"
     fraud = verdict.services["fraud"]
