@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
+from aml_app.simulation import calibrated
 from aml_app.simulation.amlworld import PATTERN_TYPOLOGIES, read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from aml_app.simulation.calibrated_command import simulate_amlworld_command
@@ -23,6 +24,7 @@ from aml_app.simulation.calibration import (
     pattern_gaps,
 )
 from aml_app.simulation.traffic import simulate
+from bench.attempt_shapes import repeated_edges
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "amlworld"
 TYPOLOGIES = set(PATTERN_TYPOLOGIES.values())  # AMLworld's eight, in our names
@@ -69,6 +71,28 @@ def test_the_attempts_are_the_patterns_file_within_bounds(
     assert set(simulated) == set(real_patterns) == TYPOLOGIES
     assert pattern_gaps(real_patterns, simulated) == []
     assert Counter(a.typology for a in patterns.attempts) == {t: 200 for t in TYPOLOGIES}
+
+
+def _edge_reuse(tmp_path: Path) -> dict[str, float]:
+    run = simulate_calibrated(5, days=14, per_hour=1, attempts=57)  # 456 attempts, as many as the file's
+    _, patterns_file = run.write(tmp_path)
+    patterns = read_patterns(patterns_file)
+    found = repeated_edges(patterns.attempts, patterns.payments)
+    return {way: found[way] / found["attempts"] for way in ("repeated", "reversed")}
+
+
+def test_attempts_pay_again_along_earlier_attempts_edges_as_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    patterns = read_patterns(DATA / "LI-Medium_Patterns.txt")
+    found = repeated_edges(patterns.attempts, patterns.payments)
+    real = {way: found[way] / found["attempts"] for way in ("repeated", "reversed")}
+    assert real == pytest.approx({"repeated": 69 / 456, "reversed": 72 / 456})
+    simulated = _edge_reuse(tmp_path / "reused")
+    assert simulated == pytest.approx(real, abs=0.05)
+    monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", 0.0)  # each attempt's accounts drawn afresh
+    fresh = _edge_reuse(tmp_path / "fresh")  # only chance meetings among the run's 1,000 accounts
+    assert fresh["repeated"] < 0.02 and fresh["reversed"] < 0.02
 
 
 def test_the_pattern_bounds_catch_a_shape_out_of_line(real_patterns: dict[str, PatternMeasures]) -> None:
