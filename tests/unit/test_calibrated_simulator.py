@@ -74,10 +74,14 @@ def test_the_attempts_are_the_patterns_file_within_bounds(
     assert Counter(a.typology for a in patterns.attempts) == {t: 200 for t in TYPOLOGIES}
 
 
-def _edge_reuse(tmp_path: Path) -> dict[str, float]:
-    run = simulate_calibrated(5, days=14, per_hour=1, attempts=57)  # 456 attempts, as many as the file's
-    _, patterns_file = run.write(tmp_path)
-    patterns = read_patterns(patterns_file)
+def _calibrated_patterns(folder: Path) -> Any:
+    """The attempts of a calibrated run with as many as the patterns file's (456), read back."""
+    run = simulate_calibrated(5, days=14, per_hour=1, attempts=57)
+    return read_patterns(run.write(folder)[1])
+
+
+def _edge_reuse(patterns: Any) -> dict[str, float]:
+    """The shares of attempts paying again along an earlier attempt's edge, and against one."""
     found = repeated_edges(patterns.attempts, patterns.payments)
     return {way: found[way] / found["attempts"] for way in ("repeated", "reversed")}
 
@@ -85,14 +89,12 @@ def _edge_reuse(tmp_path: Path) -> dict[str, float]:
 def test_attempts_pay_again_along_earlier_attempts_edges_as_in_the_file(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    patterns = read_patterns(DATA / "LI-Medium_Patterns.txt")
-    found = repeated_edges(patterns.attempts, patterns.payments)
-    real = {way: found[way] / found["attempts"] for way in ("repeated", "reversed")}
+    real = _edge_reuse(read_patterns(DATA / "LI-Medium_Patterns.txt"))
     assert real == pytest.approx({"repeated": 69 / 456, "reversed": 72 / 456})
-    simulated = _edge_reuse(tmp_path / "reused")
+    simulated = _edge_reuse(_calibrated_patterns(tmp_path / "reused"))
     assert simulated == pytest.approx(real, abs=0.05)
     monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", 0.0)  # each attempt's accounts drawn afresh
-    fresh = _edge_reuse(tmp_path / "fresh")  # only chance meetings among the run's 1,000 accounts
+    fresh = _edge_reuse(_calibrated_patterns(tmp_path / "fresh"))  # only chance meetings among 1,000 accounts
     assert fresh["repeated"] < 0.05 and fresh["reversed"] < 0.05
 
 
@@ -111,15 +113,10 @@ def test_money_goes_back_where_it_came_from_as_often_as_in_the_file(
 ) -> None:
     real = _loops_back(read_patterns(DATA / "LI-Medium_Patterns.txt"))
     assert real["gather_scatter"] == pytest.approx(18 / 43) and real["stack"] == pytest.approx(22 / 67)
-
-    def simulated(folder: str) -> dict[str, float]:
-        run = simulate_calibrated(5, days=14, per_hour=1, attempts=57)
-        return _loops_back(read_patterns(run.write(tmp_path / folder)[1]))
-
-    assert simulated("calibrated") == pytest.approx(real, abs=0.12)
+    assert _loops_back(_calibrated_patterns(tmp_path / "calibrated")) == pytest.approx(real, abs=0.12)
     monkeypatch.setattr(calibrated, "BACK_TO_SENDERS", 0.0)
     monkeypatch.setattr(calibrated, "STACK_LOOP_SHARE", 0.0)
-    chains = simulated("chains")
+    chains = _loops_back(_calibrated_patterns(tmp_path / "chains"))
     assert chains["gather_scatter"] == 0 and chains["stack"] == 0
 
 
