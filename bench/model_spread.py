@@ -5,9 +5,9 @@
 Why: the shipped model is one training (`bench.train_model`: trees on calibrated seeds 2 and 3, the cut
 on seeds 4 to 9), and `bench.model_vs_rules` scores that one. A figure that holds only for one choice of
 runs is a figure of that choice. This bench trains the model with the same code under a few other
-choices (more runs to learn from, the cut on one run, smaller trees, the payment's format unread, no
-naming prior) and scores each, gate on, on the real AMLworld files and on calibrated seed 1, which no
-training here sees.
+choices (other runs to learn from, more runs, the cut on one run, smaller trees, the payment's format
+unread, no naming prior, each payment weighed alike rather than each attempt) and scores each, gate on,
+on the real AMLworld files and on calibrated seed 1, which no training here sees.
 
 Each data set is replayed through the reference of B and C once (`bench.train_model.replay`); every model
 is then scored on those features (`alerts`, which `tests/unit/test_model.py` holds equal to the detector
@@ -39,19 +39,24 @@ ALL_HELD_OUT = RUNS["held_out"]
 class Training:
     """Seeds to learn from, seeds to set the cut on, the trees' parameters, whether the trees may read
     the payment's format (unread: its features are 0 in training, so no tree splits on them), and whether
-    the model names typologies with the naming prior found on the held-out runs or the likeliest."""
+    the model names typologies with the naming prior found on the held-out runs or the likeliest, and
+    whether each attempt weighs alike in training or each payment (`bench.train_model.sample_weights`)."""
 
     seeds: list[int]
     held_out: list[int]
     params: dict[str, Any]
     reads_format: bool = True
     naming_prior: bool = True
+    attempts_alike: bool = True
 
 
 #: The first is the shipped model's training.
 TRAININGS: dict[str, Training] = {
     "shipped: learn 2,3; cut 4-9": Training(RUNS["seeds"], ALL_HELD_OUT, PARAMS),
     "no naming prior": Training(RUNS["seeds"], ALL_HELD_OUT, PARAMS, naming_prior=False),
+    "payments weighed alike": Training(RUNS["seeds"], ALL_HELD_OUT, PARAMS, attempts_alike=False),
+    "learn 4,5; cut 2,3,6-9": Training([4, 5], [2, 3, 6, 7, 8, 9], PARAMS),
+    "learn 6,7; cut 2-5,8,9": Training([6, 7], [2, 3, 4, 5, 8, 9], PARAMS),
     "format unread": Training(RUNS["seeds"], ALL_HELD_OUT, PARAMS, reads_format=False),
     "cut 4 alone": Training(RUNS["seeds"], [4], PARAMS),
     "learn 2,3,5,6; cut 4,7,8,9": Training([2, 3, 5, 6], [4, 7, 8, 9], PARAMS),
@@ -148,7 +153,12 @@ def main() -> None:
     for name, training in TRAININGS.items():
         seeds, held_out, params = training.seeds, training.held_out, training.params
         prepared = (lambda r: r) if training.reads_format else format_unread
-        doc, fitted = train([prepared(run(s)) for s in seeds], [prepared(run(s)) for s in held_out], params)
+        doc, fitted = train(
+            [prepared(run(s)) for s in seeds],
+            [prepared(run(s)) for s in held_out],
+            params,
+            attempts_alike=training.attempts_alike,
+        )
         if not training.naming_prior:
             doc["naming_prior"] = {}
         model = Model.from_json(doc)
@@ -161,6 +171,7 @@ def main() -> None:
             "held_out": held_out,
             "params": params,
             "reads_format": training.reads_format,
+            "attempts_alike": training.attempts_alike,
             "naming_prior": doc["naming_prior"],
             "cut": round(model.cut, 4),
             "alerting_rules": sorted(model.alerting_rules),

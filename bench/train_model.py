@@ -12,7 +12,7 @@ features are what the detector would see about it (`aml_app.detection.model.feat
 
 Scikit-learn's HistGradientBoostingClassifier (fixed random state, no early stopping: the same inputs give
 the same file) learns benign against each typology from the payments between two parties of the `--seeds`
-runs. From the same runs:
+runs, each attempt weighed alike (`sample_weights`). From the same runs:
 - the rules that alert beside it: those whose alerts on the runs were laundering at least
   ALERTING_PRECISION of the time; the others are features only;
 - a typical benign payment (the median of each feature), against which each alert is explained.
@@ -130,11 +130,37 @@ def export(model: Any) -> tuple[list[dict[str, Any]], int]:
     return trees, depth
 
 
+def sample_weights(runs: Sequence[Replayed], attempts_alike: bool = True) -> np.ndarray:
+    """Per payment between two parties of `runs`, in order, its weight in training: each class weighs
+    the same in all (as scikit-learn's `class_weight="balanced"`), and within a typology each attempt
+    weighs alike: a payment of an attempt of n payments weighs 1/n (`attempts_alike`; else 1).
+
+    Why: an attempt is caught by its own typology when any one of its payments is named so. Weighed by
+    payments, a sixteen-payment fan-out's first payment, which looks like any lone payment and need not
+    be named right, outweighs a lone payment's attempt sixteen to one where the two look alike."""
+    weights, labels = [], []
+    for run in runs:
+        size = {i: len(members) for _, members in run.attempts for i in members}
+        for i, (payment, label) in enumerate(zip(run.payments, run.labels, strict=True)):
+            if payment.payer != payment.payee:
+                weights.append(1.0 / size.get(i, 1) if attempts_alike else 1.0)
+                labels.append(label)
+    weight, of = np.array(weights), np.array(labels)
+    classes = sorted(set(labels))
+    for name in classes:
+        weight[of == name] *= len(of) / (len(classes) * weight[of == name].sum())
+    return weight
+
+
 def train(
-    runs: Sequence[Replayed], held_out: Sequence[Replayed], params: dict[str, Any] = PARAMS
+    runs: Sequence[Replayed],
+    held_out: Sequence[Replayed],
+    params: dict[str, Any] = PARAMS,
+    attempts_alike: bool = True,
 ) -> tuple[dict[str, Any], Any]:
     """The model file's document, and the fitted scikit-learn model (for tests that compare the two).
-    The trees learn from `runs`; the cut is set on `held_out`, runs they never saw."""
+    The trees learn from `runs` (weighed by `sample_weights`); the cut is set on `held_out`, runs they
+    never saw."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     between = [
@@ -145,9 +171,9 @@ def train(
     ]
     x = np.array([row for row, _ in between], dtype=float)
     y = [label for _, label in between]
-    fitted = HistGradientBoostingClassifier(
-        class_weight="balanced", random_state=0, early_stopping=False, **params
-    ).fit(x, y)
+    fitted = HistGradientBoostingClassifier(random_state=0, early_stopping=False, **params).fit(
+        x, y, sample_weight=sample_weights(runs, attempts_alike)
+    )
     classes = [str(c) for c in fitted.classes_]
     is_benign = np.array(y) == BENIGN
     fired: Counter[str] = Counter()
@@ -175,6 +201,7 @@ def train(
         "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
         "training": {
             "params": dict(params),
+            "attempts_alike": attempts_alike,
             "cut_rate": CUT_RATE,
             "held_out": budget,
             "alerting_precision": ALERTING_PRECISION,

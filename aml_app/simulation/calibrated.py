@@ -34,8 +34,9 @@ Laundering attempts, from LI-Medium's patterns file (456 attempts), on backgroun
   (scatter-gather 80-120 %); an attempt is in one currency about as often as its typology's are in the
   file (every fan-in, two in five gather-scatters, ...), otherwise each payment's currency is drawn from
   the file's mix; amounts are converted at AMLworld's rates; every payment is ACH, as in the file;
-- accounts: REUSED_EDGE_SHARE of the attempts pay between two accounts an earlier attempt paid between,
-  either way round, as AMLworld's laundering accounts launder together again.
+- accounts: some attempts pay between two accounts an earlier attempt paid between, either way round,
+  as AMLworld's laundering accounts launder together again: most attempts of one or two payments, few
+  larger ones (REUSED_EDGE_SHARE); a small attempt reuses a small one's edge, a large one a large one's.
 """
 
 from __future__ import annotations
@@ -276,11 +277,14 @@ BACK_TO_SENDERS = 0.45
 STACK_LOOP_SHARE = 0.7
 BIPARTITE_DAYS = 3.0
 STACK_GAP_HOURS = 90.0
-#: The share of attempts that pay between two accounts an earlier attempt paid between, either way round.
-# In LI-Medium, 69 of 456 attempts pay again along an earlier attempt's edge and 72 against one
-# (`bench.attempt_shapes.repeated_edges`): a later attempt then often closes a loop the cycle rule sees,
-# whatever its typology.
-REUSED_EDGE_SHARE = 0.3
+#: The share of attempts of one payment, of two, and of more that pay between two accounts an earlier
+# attempt of the same kind (small: one or two payments; large) paid between, either way round. In
+# LI-Medium, 69 of 456 attempts pay again along an earlier attempt's edge and 72 against one
+# (`bench.attempt_shapes.repeated_edges`), and they are small ones: 30 of the 51 lone payments and 33 of
+# the 77 two-payment attempts pay between two accounts an earlier attempt paid between, mostly a small
+# one (pairs of accounts that launder together again and again), against 20 of the 328 larger ones. A
+# later attempt then often closes a loop the cycle rule sees, whatever its typology.
+REUSED_EDGE_SHARE = (0.6, 0.4, 0.05)
 
 
 class _Attempts:
@@ -290,7 +294,8 @@ class _Attempts:
         self.draw, self.rng = draw, draw.rng
         self.first = processors(accounts)
         self.accounts = accounts
-        self.edges: list[tuple[int, int]] = []  # (payer, payee) of the attempts drawn so far
+        # (payer, payee) of the attempts drawn so far: of the small ones (True), of the large ones (False)
+        self.edges: dict[bool, list[tuple[int, int]]] = {True: [], False: []}
 
     def size(self, typology: str) -> int:
         low, share, high, skew = SIZES[typology]
@@ -387,19 +392,21 @@ class _Attempts:
     def reuse(
         self, steps: list[tuple[float, int, int, float, str]]
     ) -> list[tuple[float, int, int, float, str]]:
-        """`steps` with, REUSED_EDGE_SHARE of the time, the two accounts of one payment renamed to those of a
-        payment of an attempt drawn before, either way round (unless that would merge two of its accounts);
-        then remembers the attempt's edges."""
+        """`steps` with, REUSED_EDGE_SHARE of the time for their size, the two accounts of one payment
+        renamed to those of a payment of an attempt of their kind drawn before, either way round (unless
+        that would merge two of its accounts); then remembers the attempt's edges."""
         edges = [(payer, payee) for _, payer, payee, _, _ in steps]
-        if self.edges and self.rng.random() < REUSED_EDGE_SHARE:
-            old = self.rng.choice(self.edges)
+        small = len(steps) <= 2
+        pool = self.edges[small]
+        if pool and self.rng.random() < REUSED_EDGE_SHARE[min(len(steps), 3) - 1]:
+            old = self.rng.choice(pool)
             new = old if self.rng.random() < 0.5 else old[::-1]
             mine = self.rng.choice(edges)
             others = {account for edge in edges for account in edge} - set(mine)
             if not others.intersection(new):
                 rename = dict(zip(mine, new, strict=True))
                 steps = [(h, rename.get(p, p), rename.get(q, q), usd, c) for h, p, q, usd, c in steps]
-        self.edges += [(payer, payee) for _, payer, payee, _, _ in steps]
+        pool += [(payer, payee) for _, payer, payee, _, _ in steps]
         return steps
 
 
@@ -428,7 +435,9 @@ def simulate_calibrated(
     builder = _Attempts(draw, population)
     run = days * 24
     made = []
-    for typology, _ in itertools.product(TYPOLOGIES, range(attempts)):
+    order = [typology for typology, _ in itertools.product(TYPOLOGIES, range(attempts))]
+    draw.rng.shuffle(order)  # an attempt may reuse the edges of any typology's attempts drawn before it
+    for typology in order:
         detail, built = builder.build(typology)
         steps = builder.reuse(built)
         longest = max(hour for hour, *_ in steps)

@@ -72,7 +72,12 @@ def test_attempts_paying_again_between_accounts_an_earlier_attempt_paid_between(
         paid(4, ("c", "d", "2022-09-04T10:00"), ("d", "e", "2022-09-04T11:00")),
     ]
     doc = repeated_edges([a for a, _ in made], [p for _, ps in made for p in ps])
-    assert doc == {"attempts": 5, "repeated": 2, "reversed": 1}
+    assert doc == {
+        "attempts": 5,
+        "repeated": 2,
+        "reversed": 1,
+        "by_size": {"1": [2, 3], "2": [1, 2], "3+": [0, 0]},
+    }
 
 
 def test_on_the_real_files_naming_by_shape_caps_own_typology_recall_at_the_published_figure() -> None:
@@ -89,4 +94,5 @@ def test_on_the_real_files_naming_by_shape_caps_own_typology_recall_at_the_publi
         "attempts": 456,
         "repeated": 69,
         "reversed": 72,
+        "by_size": {"1": [30, 51], "2": [33, 77], "3+": [20, 328]},
     }

@@ -93,9 +93,27 @@ def test_attempts_pay_again_along_earlier_attempts_edges_as_in_the_file(
     assert real == pytest.approx({"repeated": 69 / 456, "reversed": 72 / 456})
     simulated = _edge_reuse(_calibrated_patterns(tmp_path / "reused"))
     assert simulated == pytest.approx(real, abs=0.05)
-    monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", 0.0)  # each attempt's accounts drawn afresh
+    monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", (0.0, 0.0, 0.0))  # each attempt's accounts afresh
     fresh = _edge_reuse(_calibrated_patterns(tmp_path / "fresh"))  # only chance meetings among 1,000 accounts
     assert fresh["repeated"] < 0.05 and fresh["reversed"] < 0.05
+
+
+def _reuse_by_size(patterns: Any) -> dict[str, float]:
+    """Per attempt size (1, 2, 3+ payments), the share paying between accounts an earlier attempt paid
+    between."""
+    found = repeated_edges(patterns.attempts, patterns.payments)["by_size"]
+    return {size: reused / attempts for size, (reused, attempts) in found.items()}
+
+
+def test_small_attempts_reuse_earlier_attempts_edges_as_in_the_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = _reuse_by_size(read_patterns(DATA / "LI-Medium_Patterns.txt"))
+    assert real == pytest.approx({"1": 30 / 51, "2": 33 / 77, "3+": 20 / 328})
+    assert _reuse_by_size(_calibrated_patterns(tmp_path / "by_size")) == pytest.approx(real, abs=0.1)
+    monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", (0.3, 0.3, 0.3))  # one share whatever the size
+    alike = _reuse_by_size(_calibrated_patterns(tmp_path / "alike"))
+    assert alike["1"] < real["1"] - 0.1 and alike["3+"] > real["3+"] + 0.1
 
 
 def _loops_back(patterns: Any) -> dict[str, float]:

@@ -36,6 +36,7 @@ from bench.train_model import (
     named_right,
     naming_prior,
     replay,
+    sample_weights,
     train,
 )
 from tests.replay import Services, decided
@@ -77,6 +78,23 @@ def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list
     np.testing.assert_allclose(
         model.probabilities(with_gaps), fitted.predict_proba(with_gaps), rtol=0, atol=1e-12
     )
+
+
+def test_training_weighs_each_attempt_alike_and_each_class_alike() -> None:
+    """A lone payment's attempt weighs as much as a four-payment attempt of its typology; self-payments
+    are not trained on; every class weighs the same in all."""
+    pay = lambda payer, payee: SimpleNamespace(payer=payer, payee=payee)  # noqa: E731
+    run = Replayed(
+        payments=[pay("a", "b"), pay("c", "d"), pay("d", "e"), pay("e", "f"), pay("f", "g"), pay("h", "h")]
+        + [pay("x", "y")] * 3,
+        labels=["fan_out"] * 5 + [BENIGN] * 4,
+        attempts=[("fan_out", [0]), ("fan_out", [1, 2, 3, 4])],
+    )
+    weight = sample_weights([run])
+    assert len(weight) == 8  # the self-payment h -> h is left out
+    np.testing.assert_allclose(weight[:5], [2.0, 0.5, 0.5, 0.5, 0.5])  # lone: 4 times each of the four's
+    assert weight[:5].sum() == pytest.approx(weight[5:].sum()) == pytest.approx(4.0)
+    np.testing.assert_allclose(sample_weights([run], attempts_alike=False)[:5], [0.8] * 5)
 
 
 def test_training_gives_the_same_file_from_the_same_seeds(small_runs: list[Replayed]) -> None:
