@@ -26,9 +26,9 @@ Scored as the AMLworld papers report it, per attempt and over payments:
   `bench.attempt_shapes`): attempts with evidence, where the file gives attempts of one payment graph
   (one payment between two accounts, A -> B -> A) several typologies, count for the likeliest one
   only. Per typology, `shared shape` counts its attempts whose graph another typology's attempt has;
-- how many attempts pay again between two accounts that an earlier attempt paid between, either way
-  (`bench.attempt_shapes.repeated_edges`), which the calibrated simulator reproduces
-  (`REUSED_EDGE_SHARE`).
+- how many attempts pay again between two accounts that an earlier attempt paid between, either way,
+  in all and by the attempt's size (`bench.attempt_shapes.repeated_edges`), which the calibrated
+  simulator reproduces (`REUSED_EDGE_SHARE`).
 
 The same is then scored on a run of the simulator calibrated to these files
 (`aml_app.simulation.calibrated`): 14 days of background at 100 payments an hour and 40 attempts of each

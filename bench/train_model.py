@@ -279,9 +279,10 @@ def naming_prior(
 ) -> dict[str, float]:
     """Per typology, a weight (log) added to its probability before the model names the likeliest.
 
-    The trees learn from payments, each class weighed alike; an attempt is caught by its own typology
-    when any of its payments is named so. Where two typologies look alike (a stack's first layer is a
-    bipartite one), the payment-weighed likeliest is not the name that catches most attempts. The weights
+    The trees learn from payments, each class and each attempt weighed alike (`sample_weights`); an
+    attempt is caught by its own typology when any of its payments is named so, which depends on what
+    its other payments are named. Where two typologies look alike (a stack's first layer is a bipartite
+    one), the likeliest is not always the name that catches most attempts. The weights
     are found on the held-out runs (rounds of coordinate steps, the first best step kept); the cut is
     untouched, so the benign rate is too."""
     classes = [str(c) for c in fitted.classes_]
