@@ -39,9 +39,14 @@ def real_background() -> BackgroundMeasures:
 
 
 @pytest.fixture(scope="module")
-def real_patterns() -> dict[str, PatternMeasures]:
-    patterns = read_patterns(DATA / "LI-Medium_Patterns.txt")
-    return measure_patterns(patterns.attempts, patterns.payments)
+def real_file() -> Any:
+    """LI-Medium's patterns file, read once."""
+    return read_patterns(DATA / "LI-Medium_Patterns.txt")
+
+
+@pytest.fixture(scope="module")
+def real_patterns(real_file: Any) -> dict[str, PatternMeasures]:
+    return measure_patterns(real_file.attempts, real_file.payments)
 
 
 def test_the_background_is_the_real_rows_within_bounds(
@@ -80,6 +85,12 @@ def _calibrated_patterns(folder: Path) -> Any:
     return read_patterns(run.write(folder)[1])
 
 
+@pytest.fixture(scope="module")
+def calibrated_file(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """`_calibrated_patterns` with the simulator as it is, made once for the tests that compare it."""
+    return _calibrated_patterns(tmp_path_factory.mktemp("calibrated"))
+
+
 def _edge_reuse(patterns: Any) -> dict[str, float]:
     """The shares of attempts paying again along an earlier attempt's edge, and against one."""
     found = repeated_edges(patterns.attempts, patterns.payments)
@@ -87,11 +98,11 @@ def _edge_reuse(patterns: Any) -> dict[str, float]:
 
 
 def test_attempts_pay_again_along_earlier_attempts_edges_as_in_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real_file: Any, calibrated_file: Any
 ) -> None:
-    real = _edge_reuse(read_patterns(DATA / "LI-Medium_Patterns.txt"))
+    real = _edge_reuse(real_file)
     assert real == pytest.approx({"repeated": 69 / 456, "reversed": 72 / 456})
-    simulated = _edge_reuse(_calibrated_patterns(tmp_path / "reused"))
+    simulated = _edge_reuse(calibrated_file)
     assert simulated == pytest.approx(real, abs=0.05)
     monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", (0.0, 0.0, 0.0))  # each attempt's accounts afresh
     fresh = _edge_reuse(_calibrated_patterns(tmp_path / "fresh"))  # only chance meetings among 1,000 accounts
@@ -106,11 +117,11 @@ def _reuse_by_size(patterns: Any) -> dict[str, float]:
 
 
 def test_small_attempts_reuse_earlier_attempts_edges_as_in_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real_file: Any, calibrated_file: Any
 ) -> None:
-    real = _reuse_by_size(read_patterns(DATA / "LI-Medium_Patterns.txt"))
+    real = _reuse_by_size(real_file)
     assert real == pytest.approx({"1": 30 / 51, "2": 33 / 77, "3+": 20 / 328})
-    assert _reuse_by_size(_calibrated_patterns(tmp_path / "by_size")) == pytest.approx(real, abs=0.1)
+    assert _reuse_by_size(calibrated_file) == pytest.approx(real, abs=0.1)
     monkeypatch.setattr(calibrated, "REUSED_EDGE_SHARE", (0.3, 0.3, 0.3))  # one share whatever the size
     alike = _reuse_by_size(_calibrated_patterns(tmp_path / "alike"))
     assert alike["1"] < real["1"] - 0.1 and alike["3+"] > real["3+"] + 0.1
@@ -127,11 +138,11 @@ def _loops_back(patterns: Any) -> dict[str, float]:
 
 
 def test_money_goes_back_where_it_came_from_as_often_as_in_the_file(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real_file: Any, calibrated_file: Any
 ) -> None:
-    real = _loops_back(read_patterns(DATA / "LI-Medium_Patterns.txt"))
+    real = _loops_back(real_file)
     assert real["gather_scatter"] == pytest.approx(18 / 43) and real["stack"] == pytest.approx(22 / 67)
-    assert _loops_back(_calibrated_patterns(tmp_path / "calibrated")) == pytest.approx(real, abs=0.12)
+    assert _loops_back(calibrated_file) == pytest.approx(real, abs=0.12)
     monkeypatch.setattr(calibrated, "BACK_TO_SENDERS", 0.0)
     monkeypatch.setattr(calibrated, "STACK_LOOP_SHARE", 0.0)
     chains = _loops_back(_calibrated_patterns(tmp_path / "chains"))
