@@ -43,6 +43,7 @@ import argparse
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,12 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
             "attempts": len(own_attempts),
             "own_typology": own,
             "any_alert": any_alert,
+            "evidenced": bound,
             "own_recall": ratio(own, len(own_attempts)),
             "any_recall": ratio(any_alert, len(own_attempts)),
             "with_evidence": ratio(bound, len(own_attempts)),
             "alerted_payments": len(alerted),
+            "true_alerts": sum(1 for pid in alerted if pid in laundering),
             "precision": ratio(sum(1 for pid in alerted if pid in laundering), len(alerted)),
         }
     own_all = sum(v["own_typology"] for v in per_typology.values())  # typologies without attempts add 0
@@ -136,6 +139,7 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
         "per_typology": per_typology,
         "all": {
             "attempts": len(attempts),
+            "evidenced": bound_all,
             "own_recall": ratio(own_all, len(attempts)),
             "any_recall": ratio(any_all, len(attempts)),
             "with_evidence": ratio(bound_all, len(attempts)),
@@ -156,6 +160,65 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
             "precision": ratio(true_flags, len(flagged)),
             "recall": ratio(true_flags, len(laundering)),
             "f1": ratio(2 * true_flags, len(flagged) + len(laundering)),
+        },
+    }
+
+
+def pooled(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """`judge`'s scores of independent runs taken as one data set: counts summed, ratios of the sums.
+
+    Why: one calibrated run holds 40 attempts of a typology, whose recall it measures to about 0.075
+    (one standard error at 0.65); five runs pooled measure it to about 0.034. The shape bounds are per
+    run (`named_by_shape`, one per run); shared shapes and repeated edges stay in each run's document."""
+    per_typology: dict[str, dict[str, Any]] = {}
+    for typology in TYPOLOGIES:
+        own = [doc["per_typology"][typology] for doc in docs]
+        total = {
+            key: sum(v[key] for v in own)
+            for key in (
+                "attempts",
+                "own_typology",
+                "any_alert",
+                "evidenced",
+                "alerted_payments",
+                "true_alerts",
+            )
+        }
+        per_typology[typology] = {
+            **total,
+            "own_recall": ratio(total["own_typology"], total["attempts"]),
+            "any_recall": ratio(total["any_alert"], total["attempts"]),
+            "with_evidence": ratio(total["evidenced"], total["attempts"]),
+            "precision": ratio(total["true_alerts"], total["alerted_payments"]),
+            "shared_shape": sum(v["shared_shape"] for v in own),
+        }
+    attempts = sum(doc["all"]["attempts"] for doc in docs)
+    benign = {key: sum(doc["benign"][key] for doc in docs) for key in ("payments", "alerted")}
+    by_rule: Counter[str] = sum((Counter(doc["benign"]["by_rule"]) for doc in docs), Counter())
+    payments = {
+        key: sum(doc["payments"][key] for doc in docs) for key in ("laundering", "flagged", "true_flags")
+    }
+    return {
+        "runs": len(docs),
+        "per_typology": per_typology,
+        "all": {
+            "attempts": attempts,
+            "evidenced": sum(doc["all"]["evidenced"] for doc in docs),
+            "own_recall": ratio(sum(v["own_typology"] for v in per_typology.values()), attempts),
+            "any_recall": ratio(sum(v["any_alert"] for v in per_typology.values()), attempts),
+            "with_evidence": ratio(sum(doc["all"]["evidenced"] for doc in docs), attempts),
+            "named_by_shape": [doc["all"]["named_by_shape"] for doc in docs],
+        },
+        "benign": {
+            **benign,
+            "rate": ratio(benign["alerted"], benign["payments"]),
+            "by_rule": dict(by_rule.most_common()),
+        },
+        "payments": {
+            **payments,
+            "precision": ratio(payments["true_flags"], payments["flagged"]),
+            "recall": ratio(payments["true_flags"], payments["laundering"]),
+            "f1": ratio(2 * payments["true_flags"], payments["flagged"] + payments["laundering"]),
         },
     }
 

@@ -10,8 +10,9 @@ Scores three detectors on three data sets, side by side, with Services B and C a
   (`AML_MODEL=amlworld`);
 - `both`: every rule and the model.
 
-The data sets: the real AMLworld files (LI-Medium's attempts in HI-Small's first half hour); another run
-of the calibrated simulator (seed 1, which the model never saw); and our own simulator
+The data sets: the real AMLworld files (LI-Medium's attempts in HI-Small's first half hour); five other
+runs of the calibrated simulator (`SCORED_SEEDS`, which no training sees), each judged alone and then
+pooled (`bench.amlworld_detection.pooled`: 200 attempts of each typology); and our own simulator
 (`aml_app.simulation.traffic`, seed 11), whose traffic is shaped otherwise: a deployment's traffic will
 not be AMLworld's either, and this shows what a model does under such a shift. Also the model's CPU time
 per payment. `--lag` gives each payment only the evidence before it (the gate off). Results:
@@ -21,7 +22,9 @@ per payment. `--lag` gives each payment only the evidence before it (the gate of
 from __future__ import annotations
 
 import argparse
+import functools
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -31,9 +34,9 @@ from aml_app.detection.rules import Hit
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.traffic import simulate
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
-from bench.train_model import calibrated_run
+from bench.train_model import SCORED_SEEDS, calibrated_run
 from tests.replay import Services, decided
 
 OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
@@ -100,22 +103,27 @@ def summary(doc: dict[str, Any]) -> list[Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=SHIPPED, help="a model file, or 'amlworld' for the shipped one")
-    parser.add_argument("--calibrated-seed", type=int, default=1)
+    parser.add_argument(
+        "--calibrated-seeds", default=",".join(map(str, SCORED_SEEDS)), help="calibrated runs, pooled"
+    )
     parser.add_argument("--ours-seed", type=int, default=11)
     parser.add_argument("--ours-count", type=int, default=6000)
     parser.add_argument("--lag", action="store_true", help="evidence before each payment only (gate off)")
     args = parser.parse_args()
     model = load(args.model)
     assert model is not None
-    sets = {
-        "real": (read_patterns(PATTERNS), read_amlworld(BACKGROUND, prefix="amlworld-background")),
-        f"calibrated seed {args.calibrated_seed}": calibrated_run(args.calibrated_seed, 14.0, 100.0, 40),
-        f"our simulator seed {args.ours_seed}": ours(args.ours_seed, args.ours_count),
+    seeds = [int(s) for s in args.calibrated_seeds.split(",")]
+    calibrated = "calibrated seeds " + ",".join(map(str, seeds))
+    sets: dict[str, Callable[[], tuple[Any, Any]]] = {
+        "real": lambda: (read_patterns(PATTERNS), read_amlworld(BACKGROUND, prefix="amlworld-background")),
+        **{f"calibrated seed {s}": functools.partial(calibrated_run, s, 14.0, 100.0, 40) for s in seeds},
+        f"our simulator seed {args.ours_seed}": lambda: ours(args.ours_seed, args.ours_count),
     }
     headers = ["detector", "own-typology recall", "any-alert recall", "lowest typology", "benign rate", "F1"]
     results: dict[str, Any] = {}
     decided, spent = 0, 0.0
-    for name, (patterns, background) in sets.items():
+    for name, make in sets.items():
+        patterns, background = make()
         timeline = timeline_of(patterns, background)
         fired, seconds = detectors(timeline, model, args.lag)
         decided, spent = decided + len(timeline), spent + seconds
@@ -125,6 +133,12 @@ def main() -> None:
         print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
         print(f"\nnamed by shape, with evidence: {results[name]['rules']['all']['named_by_shape']}")
         print()
+        if name == f"calibrated seed {seeds[-1]}":
+            runs = [results[f"calibrated seed {s}"] for s in seeds]
+            results[calibrated] = {d: pooled([run[d] for run in runs]) for d in runs[0]}
+            print(f"## {calibrated}, pooled\n")
+            print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[calibrated].items()]))
+            print()
     per_payment = 1e6 * spent / decided
     print(f"model: {per_payment:.0f} µs of CPU per payment, over {decided} payments ({args.model})")
     write_results(

@@ -24,12 +24,13 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
-from bench.model_spread import alerts
+from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
 from bench.model_vs_rules import detectors
 from bench.train_model import (
     CUT_RATE,
     PARAMS,
     RUNS,
+    SCORED_SEEDS,
     SHIPPED_PATH,
     Replayed,
     calibrated_run,
@@ -138,6 +139,13 @@ def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) ->
     assert doc["training"]["attempts_alike"] is True
     assert doc["training"]["cut_rate"] == CUT_RATE
     assert shipped.alerting_rules == {"aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
+
+
+def test_the_calibrated_runs_models_are_scored_on_are_none_they_learn_from_or_cut_on() -> None:
+    assert not set(SCORED_SEEDS) & (set(RUNS["seeds"]) | set(RUNS["held_out"]))
+    for training in TRAININGS.values():
+        assert not set(SCORED_SEEDS) & (set(training.seeds) | set(training.held_out))
+    assert not set(SCORED_SEEDS) & set(CUT_SEEDS)
 
 
 def test_the_shipped_model_on_real_amlworld_holds_the_published_figures(
