@@ -30,7 +30,17 @@ from aml_app.detection.model import BENIGN, FEATURES, PAYMENT_FORMATS, Model, lo
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
-from bench.train_model import PARAMS, RUNS, SCORED_SEEDS, Replayed, calibrated_run, cut_on, replay, train
+from bench.train_model import (
+    PARAMS,
+    RUNS,
+    SCORED_SEEDS,
+    Replayed,
+    calibrated_run,
+    cut_on,
+    predicted,
+    replay,
+    train,
+)
 
 SMALLER = {**PARAMS, "max_leaf_nodes": 7, "min_samples_leaf": 200}
 ALL_HELD_OUT = RUNS["held_out"]
@@ -106,7 +116,9 @@ def cuts(shipped: Model, fitted: Any, run: Callable[[int], Replayed]) -> dict[st
     index = list(fitted.classes_).index(BENIGN)
     return {
         str(seed): {
-            "cut": round(cut_on(fitted, index, [run(seed)], set(shipped.alerting_rules))[0], 4),
+            "cut": round(
+                cut_on(predicted(fitted, [run(seed)]), index, [run(seed)], set(shipped.alerting_rules))[0], 4
+            ),
             "shipped_benign_rate": benign_rate(shipped, run(seed)),
         }
         for seed in CUT_SEEDS

@@ -83,6 +83,11 @@ class Replayed:
     typologies: list[list[str]] = field(default_factory=list)  # and the typology of each
     attempts: list[tuple[str, list[int]]] = field(default_factory=list)  # typology, its payments' indices
 
+    def between(self) -> list[int]:
+        """The indices of the payments between two parties, the ones the model learns and scores: it
+        never scores a self-payment."""
+        return [i for i, payment in enumerate(self.payments) if payment.payer != payment.payee]
+
 
 def replay(patterns: Any, background: Any) -> Replayed:
     """Every payment of the attempts and the background, in event-time order, through the reference."""
@@ -146,10 +151,9 @@ def sample_weights(runs: Sequence[Replayed], attempts_alike: bool = True) -> np.
     weights, labels = [], []
     for run in runs:
         size = {i: len(members) for _, members in run.attempts for i in members}
-        for i, (payment, label) in enumerate(zip(run.payments, run.labels, strict=True)):
-            if payment.payer != payment.payee:
-                weights.append(1.0 / size.get(i, 1) if attempts_alike else 1.0)
-                labels.append(label)
+        for i in run.between():
+            weights.append(1.0 / size.get(i, 1) if attempts_alike else 1.0)
+            labels.append(run.labels[i])
     weight, of = np.array(weights), np.array(labels)
     classes = sorted(set(labels))
     for name in classes:
@@ -168,14 +172,8 @@ def train(
     never saw."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
-    between = [
-        (row, label)
-        for run in runs
-        for payment, row, label in zip(run.payments, run.rows, run.labels, strict=True)
-        if payment.payer != payment.payee
-    ]
-    x = np.array([row for row, _ in between], dtype=float)
-    y = [label for _, label in between]
+    x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
+    y = [run.labels[i] for run in runs for i in run.between()]
     fitted = HistGradientBoostingClassifier(random_state=0, early_stopping=False, **params).fit(
         x, y, sample_weight=sample_weights(runs, attempts_alike)
     )
@@ -190,8 +188,9 @@ def train(
                 right[rule] += label != BENIGN
     precision = {rule: right[rule] / fired[rule] for rule in sorted(fired)}
     alerting = sorted(r for r, p in precision.items() if p >= ALERTING_PRECISION)
-    cut, budget = cut_on(fitted, classes.index(BENIGN), held_out, set(alerting))
-    naming = naming_prior(fitted, cut, held_out, set(alerting))
+    probabilities = predicted(fitted, held_out)
+    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting))
+    naming = naming_prior(probabilities, classes, cut, held_out, set(alerting))
     trees, depth = export(fitted)
     import sklearn
 
@@ -220,25 +219,31 @@ def train(
     return doc, fitted
 
 
+def predicted(fitted: Any, runs: Sequence[Replayed]) -> list[np.ndarray]:
+    """Per run, the fitted trees' (rows, classes) probabilities of its payments."""
+    return [fitted.predict_proba(np.array(run.rows, dtype=float)) for run in runs]
+
+
 def cut_on(
-    fitted: Any, benign: int, held_out: Sequence[Replayed], alerting: set[str]
+    probabilities: Sequence[np.ndarray], benign: int, held_out: Sequence[Replayed], alerting: set[str]
 ) -> tuple[float, dict[str, int]]:
     """The cut at which the detector as a whole (the model and the rules that alert beside it) alerts
-    CUT_RATE of the held-out runs' benign payments (self-payments counted, never alerted). Set on runs
-    the trees never saw: on their own training payments they are surer of benign than on new ones."""
+    CUT_RATE of the held-out runs' benign payments (self-payments counted, never alerted), from the
+    trees' `probabilities` of them (`predicted`). Set on runs the trees never saw: on their own
+    training payments they are surer of benign than on new ones."""
     benign_payments = alerted = 0
-    rows = []
-    for run in held_out:
-        for payment, row, label, rules in zip(run.payments, run.rows, run.labels, run.rules, strict=True):
+    left = []
+    for p, run in zip(probabilities, held_out, strict=True):
+        for i, (payment, label, rules) in enumerate(zip(run.payments, run.labels, run.rules, strict=True)):
             if label != BENIGN:
                 continue
             benign_payments += 1
             if alerting.intersection(rules):
                 alerted += 1
             elif payment.payer != payment.payee:
-                rows.append(row)
+                left.append(p[i, benign])
     allowed = int(CUT_RATE * benign_payments) - alerted
-    scores = np.sort(fitted.predict_proba(np.array(rows, dtype=float))[:, benign])
+    scores = np.sort(np.array(left))
     if allowed <= 0:
         cut = 0.0
     elif allowed >= len(scores):
@@ -280,7 +285,11 @@ def named_right(
 
 
 def naming_prior(
-    fitted: Any, cut: float, held_out: Sequence[Replayed], alerting: set[str]
+    probabilities: Sequence[np.ndarray],
+    classes: list[str],
+    cut: float,
+    held_out: Sequence[Replayed],
+    alerting: set[str],
 ) -> dict[str, float]:
     """Per typology, a weight (log) added to its probability before the model names the likeliest.
 
@@ -288,10 +297,8 @@ def naming_prior(
     attempt is caught by its own typology when any of its payments is named so, which depends on what
     its other payments are named. Where two typologies look alike (a stack's first layer is a bipartite
     one), the likeliest is not always the name that catches most attempts. The weights
-    are found on the held-out runs (rounds of coordinate steps, the first best step kept); the cut is
-    untouched, so the benign rate is too."""
-    classes = [str(c) for c in fitted.classes_]
-    probabilities = [fitted.predict_proba(np.array(run.rows, dtype=float)) for run in held_out]
+    are found on the held-out runs, from the trees' `probabilities` of them (`predicted`), in rounds of
+    coordinate steps, the first best step kept; the cut is untouched, so the benign rate is too."""
     prior = np.zeros(len(classes))
 
     def score(weights: np.ndarray) -> int:

@@ -325,7 +325,7 @@ def test_the_naming_prior_names_what_catches_most_attempts_and_leaves_the_alerts
     )
     probabilities = fitted.predict_proba(run.rows)
     assert named_right(probabilities, classes, 0.05, run, set(), np.zeros(3)) == 1
-    prior = naming_prior(fitted, 0.05, [run], set())
+    prior = naming_prior([probabilities], classes, 0.05, [run], set())
     assert prior["stack"] > prior["bipartite"]
     weights = np.array([0.0, prior["bipartite"], prior["stack"]])
     assert named_right(probabilities, classes, 0.05, run, set(), weights) == 2
