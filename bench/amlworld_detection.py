@@ -111,6 +111,7 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
         any_alert = sum(1 for a in own_attempts if any(p in fired for p in a.payment_ids))
         bound = sum(1 for a in own_attempts if any(p in evidence for p in a.payment_ids))
         alerted = [pid for pid, found in typologies.items() if typology in found]
+        true_alerts = sum(1 for pid in alerted if pid in laundering)
         per_typology[typology] = {
             "attempts": len(own_attempts),
             "own_typology": own,
@@ -120,8 +121,8 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
             "any_recall": ratio(any_alert, len(own_attempts)),
             "with_evidence": ratio(bound, len(own_attempts)),
             "alerted_payments": len(alerted),
-            "true_alerts": sum(1 for pid in alerted if pid in laundering),
-            "precision": ratio(sum(1 for pid in alerted if pid in laundering), len(alerted)),
+            "true_alerts": true_alerts,
+            "precision": ratio(true_alerts, len(alerted)),
         }
     own_all = sum(v["own_typology"] for v in per_typology.values())  # typologies without attempts add 0
     any_all = sum(v["any_alert"] for v in per_typology.values())
@@ -193,6 +194,7 @@ def pooled(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "shared_shape": sum(v["shared_shape"] for v in own),
         }
     attempts = sum(doc["all"]["attempts"] for doc in docs)
+    evidenced = sum(doc["all"]["evidenced"] for doc in docs)
     benign = {key: sum(doc["benign"][key] for doc in docs) for key in ("payments", "alerted")}
     by_rule: Counter[str] = sum((Counter(doc["benign"]["by_rule"]) for doc in docs), Counter())
     payments = {
@@ -203,10 +205,10 @@ def pooled(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         "per_typology": per_typology,
         "all": {
             "attempts": attempts,
-            "evidenced": sum(doc["all"]["evidenced"] for doc in docs),
+            "evidenced": evidenced,
             "own_recall": ratio(sum(v["own_typology"] for v in per_typology.values()), attempts),
             "any_recall": ratio(sum(v["any_alert"] for v in per_typology.values()), attempts),
-            "with_evidence": ratio(sum(doc["all"]["evidenced"] for doc in docs), attempts),
+            "with_evidence": ratio(evidenced, attempts),
             "named_by_shape": [doc["all"]["named_by_shape"] for doc in docs],
         },
         "benign": {

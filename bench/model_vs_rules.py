@@ -133,12 +133,11 @@ def main() -> None:
         print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
         print(f"\nnamed by shape, with evidence: {results[name]['rules']['all']['named_by_shape']}")
         print()
-        if name == f"calibrated seed {seeds[-1]}":
-            runs = [results[f"calibrated seed {s}"] for s in seeds]
-            results[calibrated] = {d: pooled([run[d] for run in runs]) for d in runs[0]}
-            print(f"## {calibrated}, pooled\n")
-            print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[calibrated].items()]))
-            print()
+    runs = [results[f"calibrated seed {s}"] for s in seeds]
+    results[calibrated] = {d: pooled([run[d] for run in runs]) for d in runs[0]}
+    print(f"## {calibrated}, pooled\n")
+    print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[calibrated].items()]))
+    print()
     per_payment = 1e6 * spent / decided
     print(f"model: {per_payment:.0f} µs of CPU per payment, over {decided} payments ({args.model})")
     write_results(
