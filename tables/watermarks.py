@@ -23,7 +23,10 @@ the app starts after table recovery and stops with itself.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any, cast
@@ -38,6 +41,7 @@ from aml_app.gate import FreshnessGate, GatedConsumer
 from aml_app.gate.event_time import cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
 from aml_app.gate.unapplied import UnappliedReader
+from aml_app.gate.watchdog import Outcome, RefreshWatchdog, Verdict
 from aml_app.gate.watermark import (
     RefreshPolicy,
     Row,
@@ -48,6 +52,7 @@ from aml_app.gate.watermark import (
     refresh_due,
     row_changed,
 )
+from aml_app.kafka.deadlines import DeadlineExceeded, within
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 
 log = logging.getLogger(__name__)
@@ -88,7 +93,21 @@ park_requests = _global_table(
 EVENT_TIME = settings.gate_mode == "event-time"
 #: Every pace of the refresh, the gate and the delivery check, derived in one place.
 refresh = RefreshPolicy(settings.refresh_interval, settings.fast_refresh_interval, settings.stall_after)
+#: `AML_FAILPOINT=refresh-hang`, for the tests only: the leader's reads of the dependencies' offsets
+#: never answer and swallow their cancellation, as aiokafka's consumer did after a broker froze.
+REFRESH_HANGS = os.environ.get("AML_FAILPOINT") == "refresh-hang"
 limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
+
+
+async def never_answering() -> None:
+    """A read that never answers and swallows every cancel (`AML_FAILPOINT=refresh-hang`)."""
+    while True:
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.Event().wait()
+
+
+class RefreshStuck(RuntimeError):
+    """The leader's refresh is stuck even with new Kafka clients: the worker leaves its group."""
 
 
 def recovering() -> bool:
@@ -214,20 +233,42 @@ class WorkerGate(Service):
         gate = self.gate
         watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
         cuts.watchers.append(lambda keys: gate.notify_all())
-        security = settings.kafka_security
-        self.offsets = DependencyOffsets(
-            settings.bootstrap_servers, settings.payments_topic, settings.depends_on, security=security
-        )
-        self.unapplied = UnappliedReader(
-            settings.bootstrap_servers, settings.payments_topic, security=security
-        )
+        self.offsets, self.unapplied = self._new_readers()
         self.status = RefreshStatus()
+        self.watchdog = RefreshWatchdog(refresh.refresh_deadline, refresh.stuck_after, refresh.leave_after)
+        #: The refresh attempt running now, whose readings may be written; an abandoned one may not.
+        self._attempt: object | None = None
+        self._leaving = False
         self.publisher = DemandPublisher(gate)
         self.stall_watch = StallWatch()
         self.refresh_errors = WriteErrors("writing the watermark table")
         self.changelogs = ChangelogsKnown()
         #: This worker's gated consumer (`aml_app.worker.agent.gated_agent` registers it, once).
         self.consumer: GatedConsumer | None = None
+
+    @staticmethod
+    def _new_readers() -> tuple[DependencyOffsets, UnappliedReader]:
+        """The leader's Kafka clients: the admin reads of the offsets, the event-time fetches."""
+        servers, topic, security = (
+            settings.bootstrap_servers,
+            settings.payments_topic,
+            settings.kafka_security,
+        )
+        return (
+            DependencyOffsets(servers, topic, settings.depends_on, security=security),
+            UnappliedReader(servers, topic, security=security),
+        )
+
+    def _rebuild_readers(self) -> None:
+        """Give up the leader's Kafka clients for new ones, closing the old ones in the background (each
+        close has a deadline, `aml_app.kafka.deadlines`): nothing a stuck client does can hold the next
+        refresh, and the refresh running now may no longer write what it reads."""
+        self._attempt = None
+        old = (self.offsets, self.unapplied)
+        self.offsets, self.unapplied = self._new_readers()
+        self.offsets.requests = old[0].requests
+        for reader in old:
+            self.add_future(reader.close())
 
     def register(self, consumer: GatedConsumer) -> None:
         if self.consumer is not None:
@@ -268,31 +309,56 @@ class WorkerGate(Service):
             generation=generation,
             every_wait=EVENT_TIME,
         ):
+            attempt = self._attempt = object()
+            deadline = refresh.refresh_deadline
             try:
-                await self.changelogs.wait()
-                await self.refresh_once(now)
+                outcome = await within(self.refresh_once(now, attempt), deadline, "the watermark refresh")
+            except DeadlineExceeded:
+                # A call that never returns (a client waiting on a broker that froze mid-request):
+                # abandoned, never awaited again; the next refresh starts with new clients.
+                outcome = Outcome.OVERRAN
+                message = (
+                    f"the watermark refresh took longer than {deadline:g} s and was abandoned; retrying "
+                    "with new Kafka clients"
+                )
+                self.status.failed(message, "the last known watermarks")
+                self._mark_error(message)
+                self._rebuild_readers()
             except Exception as exc:  # a timer that raises stops the worker: never for a table write
+                outcome = Outcome.FAILED
                 self.refresh_errors.failed(exc)
             else:
                 self.refresh_errors.succeeded()
+            finally:
+                if self._attempt is attempt:
+                    self._attempt = None
+            self.watchdog.ended(time.monotonic(), outcome)
 
-    async def refresh_once(self, now: float) -> None:
+    async def refresh_once(self, now: float, attempt: object) -> Outcome:
+        """One refresh: read, then write the rows (and the cut) unless `attempt` was abandoned meanwhile
+        (`_attempt` is no longer it); how it ended, for the watchdog."""
+        await self.changelogs.wait()
         status = self.status
         status.last_attempt = now
         recheck = now - status.partition_check_at >= refresh.partition_recheck
         operator_fields = now - status.operator_read_at >= refresh.operator_read
         started = time.perf_counter()
         try:
+            if REFRESH_HANGS:
+                await never_answering()
             reading = await self.offsets.read_all(
                 settings.app_id, refresh_partitions=recheck, operator_fields=operator_fields
             )
         except OffsetReadError as exc:
-            status.failed(str(exc), "the last known watermarks")
-            self._mark_error(str(exc))
-            return
+            if attempt is self._attempt:
+                status.failed(str(exc), "the last known watermarks")
+                self._mark_error(str(exc))
+            return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
         finally:
             for observe in status.duration_observers:
                 observe(time.perf_counter() - started)
+        if attempt is not self._attempt:
+            return Outcome.OVERRAN
         if recheck:
             status.partition_check_at = now
         if status.last_error:
@@ -315,7 +381,8 @@ class WorkerGate(Service):
         )
         self._write_rows(rows)
         if EVENT_TIME:
-            await self._write_cut(rows, reading.log)
+            return await self._write_cut(rows, reading.log, attempt)
+        return Outcome.SUCCEEDED
 
     @staticmethod
     def _write_rows(rows: dict[int, Row]) -> None:
@@ -332,7 +399,7 @@ class WorkerGate(Service):
             if row.get("error") != message:
                 watermarks[p] = {**row, "error": message, "error_at": time.time()}
 
-    async def _write_cut(self, rows: dict[int, Row], log_id: str | None) -> None:
+    async def _write_cut(self, rows: dict[int, Row], log_id: str | None, attempt: object) -> Outcome:
         """Read every partition's first unapplied payment after the committed offsets and write the cut
         row; on a failed read the old row stays and ages out (`distrust`), so the gate closes, never
         opens."""
@@ -340,13 +407,17 @@ class WorkerGate(Service):
         try:
             found = await self.unapplied.read(reached, log_id)
         except OffsetReadError as exc:
-            self.status.failed(str(exc), "the last event-time cut")
-            return
+            if attempt is self._attempt:
+                self.status.failed(str(exc), "the last event-time cut")
+            return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
+        if attempt is not self._attempt:
+            return Outcome.OVERRAN
         row = cut_row(reached, found, time.time(), generation=app.consumer_generation_id, log=log_id)
         old = cuts.get(CUT)
         changed = old is None or any(old.get(k) != v for k, v in row.items() if k != "refreshed_at")
         if _worth_writing(old, row, changed):
             cuts[CUT] = row
+        return Outcome.SUCCEEDED
 
     # --- every worker: its demand, the statuses ----------------------------------------------------
 
@@ -354,12 +425,43 @@ class WorkerGate(Service):
     async def publish_demand(self) -> None:
         """Never lets a failure out: a timer that raises stops the worker."""
         try:
-            await self.changelogs.wait()
+            await within(self.changelogs.wait(), refresh.refresh_deadline, "learning the changelog topics")
             self.publisher.tick(time.time())
         except Exception as exc:
             self.publisher.errors.failed(exc)
         else:
             self.publisher.errors.succeeded()
+
+    @Service.timer(refresh.interval)
+    async def watch_refresh(self) -> None:
+        """Leader only: the watchdog of the refresh (`aml_app.gate.watchdog`). Never awaits anything that
+        can hang: the clients it gives up are closed in the background."""
+        now = time.monotonic()
+        if not app.is_leader():
+            self.watchdog.disarm()
+            return
+        self.watchdog.arm(now)
+        verdict = self.watchdog.check(now)
+        if verdict is Verdict.REBUILD:
+            message = (
+                f"the leader ({settings.worker_id}) has completed no watermark refresh for "
+                f"{self.watchdog.quiet_for(now):.0f} s (last error: {self.status.last_error}); it rebuilds "
+                "its Kafka clients"
+            )
+            log.error("%s", message)
+            self._mark_error(message)
+            self._rebuild_readers()
+        elif verdict is Verdict.LEAVE and not self._leaving:
+            self._leaving = True
+            sentence = (
+                f"the leader ({settings.worker_id}) has completed no watermark refresh for "
+                f"{self.watchdog.quiet_for(now):.0f} s, even with new Kafka clients (last error: "
+                f"{self.status.last_error}): this worker stops and leaves its group so that another "
+                "worker leads; its supervisor starts it again"
+            )
+            log.error("%s", sentence)
+            self._mark_error(sentence)
+            app.add_future(app.crash(RefreshStuck(sentence)))
 
     @Service.timer(refresh.stall_check)
     async def watch_stalls(self) -> None:

@@ -23,7 +23,6 @@ lanes (`aml_app.gate.lane`) do with the answers.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
@@ -33,6 +32,7 @@ from faust.types import TP
 
 from aml_app.faust_internals import partition_flags, record_gap
 from aml_app.gate.retry import retry_forever
+from aml_app.kafka.deadlines import DeadlineExceeded, close_within, within
 from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
@@ -58,8 +58,8 @@ async def first_offset_from(
         max_poll_records=1,
         **aiokafka_kwargs(security),
     )
-    await asyncio.wait_for(consumer.start(), timeout)
     try:
+        await within(consumer.start(), timeout, "starting the hole reader")
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
         consumer.seek(tp, offset)
@@ -67,7 +67,7 @@ async def first_offset_from(
         found = records.get(tp)
         return found[0].offset if found else None
     finally:
-        await consumer.stop()
+        await close_within(consumer.stop(), timeout, "stopping the hole reader")
 
 
 def generation_starts(
@@ -174,8 +174,8 @@ class DeliveryChecker:
         if tp not in consumer.assignment():
             return None
         try:
-            position = await asyncio.wait_for(consumer.position(tp), timeout)
-        except TimeoutError:
+            position = await within(consumer.position(tp), timeout, f"the position of {tp}")
+        except DeadlineExceeded:
             return None  # no valid position yet: the consumer is still resetting it
         return position if position is not None and position > expected else None
 

@@ -9,7 +9,6 @@ not fetched again.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 from collections.abc import Mapping, Sequence
@@ -17,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.gate.event_time import Unapplied, micros
+from aml_app.kafka.deadlines import close_within, within
 from aml_app.kafka.offsets import OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
@@ -63,15 +63,21 @@ class UnappliedReader:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
             )
-            await asyncio.wait_for(consumer.start(), self.request_timeout)
+            try:
+                await within(consumer.start(), self.request_timeout, "starting the event-time reader")
+            except BaseException:
+                await close_within(consumer.stop(), self.request_timeout, "stopping the event-time reader")
+                raise
             self._consumer = consumer
         return self._consumer
 
     async def close(self) -> None:
+        """Stop the reader within the request timeout (aiokafka's stop can wait forever on its fetcher:
+        `aml_app.kafka.deadlines`); the next read starts a new one."""
         consumer, self._consumer = self._consumer, None
         self._known.clear()
         if consumer is not None:
-            await consumer.stop()
+            await close_within(consumer.stop(), self.request_timeout, "stopping the event-time reader")
 
     async def read(self, watermarks: Mapping[int, int], log: str | None = None) -> dict[int, Unapplied]:
         """Per partition, the log end and the event time of the first payment at or after W(q)."""
@@ -94,7 +100,10 @@ class UnappliedReader:
                 raise
             except Exception as exc:
                 await self.close()
-                raise OffsetReadError(f"reading the first unapplied payments failed: {exc!r}") from exc
+                raise OffsetReadError(
+                    f"reading the first unapplied payments failed: {exc!r}",
+                    timed_out=isinstance(exc, TimeoutError),
+                ) from exc
         self._known = {q: (watermarks[q], f) for q, f in found.items() if f.first_ts is not None}
         return found
 
@@ -114,7 +123,8 @@ class UnappliedReader:
                     missing = sorted(set(todo) - set(found))
                     raise OffsetReadError(
                         f"no answer within {self.request_timeout:g} s fetching partitions {missing} of "
-                        f"{self.topic!r} at the dependencies' watermarks"
+                        f"{self.topic!r} at the dependencies' watermarks",
+                        timed_out=True,
                     )
                 pending = [tps[q] for q in todo if q not in found]
                 batch = await consumer.getmany(*pending, timeout_ms=int(min(left, 0.05) * 1000))
@@ -136,7 +146,8 @@ class UnappliedReader:
                     if tp.partition in found:
                         continue
                     end = consumer.highwater(tp)
-                    if end is not None and end <= await consumer.position(tp):
+                    position = await within(consumer.position(tp), max(left, 0.001), f"the position of {tp}")
+                    if end is not None and end <= position:
                         found[tp.partition] = Unapplied(end=end, first_ts=None)
         finally:
             consumer.assign([])

@@ -68,6 +68,22 @@ class RefreshPolicy:
         return 2 * self.interval
 
     @property
+    def refresh_deadline(self) -> float:
+        """One refresh may take this long; then it is abandoned with its Kafka clients and the next
+        starts with new ones (each admin request has a 5 s timeout of its own)."""
+        return max(10.0, 5 * self.interval)
+
+    @property
+    def stuck_after(self) -> float:
+        """The leader with no successful refresh for this long is stuck (`aml_app.gate.watchdog`)."""
+        return max(20 * self.interval, 2 * self.refresh_deadline)
+
+    @property
+    def leave_after(self) -> float:
+        """A leader stuck this much longer on refreshes that overrun leaves its group."""
+        return 3 * self.refresh_deadline
+
+    @property
     def stall_check(self) -> float:
         """The dependency statuses are computed this often: four times per stall, within the intervals."""
         return max(self.fast, min(self.interval, self.stall_after / 4))

@@ -8,12 +8,13 @@ reported end carries the partition's high watermark, and the end is the larger o
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from aml_app.kafka.deadlines import close_within, within
 
 #: A topic-partition pair: aiokafka's TopicPartition or Faust's TP (both named tuples of the same shape).
 Key = TypeVar("Key", bound=tuple[str, int])
@@ -39,8 +40,8 @@ async def fetched_log_ends(
         max_partition_fetch_bytes=1,
         fetch_max_wait_ms=100,
     )
-    await asyncio.wait_for(consumer.start(), timeout)
     try:
+        await within(consumer.start(), timeout, "starting the log end reader")
         tps = {key: TopicPartition(key[0], key[1]) for key in reported}
         consumer.assign(list(tps.values()))
         for key, tp in tps.items():
@@ -55,4 +56,4 @@ async def fetched_log_ends(
             await consumer.getmany(timeout_ms=100)
         return {key: max(reported[key], consumer.highwater(tp) or 0) for key, tp in tps.items()}
     finally:
-        await consumer.stop()
+        await close_within(consumer.stop(), timeout, "stopping the log end reader")

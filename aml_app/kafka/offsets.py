@@ -8,21 +8,26 @@ explicitly (it is what we need, and some brokers answer an open-ended OffsetFetc
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
+from aml_app.kafka.deadlines import close_within, within
 from aml_app.kafka.identity import LogIdentities
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs, librdkafka_config
 
-log = logging.getLogger(__name__)
-
 
 class OffsetReadError(RuntimeError):
-    """The admin API could not tell us the dependencies' progress; the caller keeps what it knew."""
+    """The admin API could not tell us the dependencies' progress; the caller keeps what it knew.
+
+    `timed_out`: no answer came in time (a broker that hangs, not one that refuses): the refresh's
+    watchdog counts such reads as overruns (`aml_app.gate.watchdog`)."""
+
+    def __init__(self, message: str, *, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -82,7 +87,11 @@ class DependencyOffsets:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
             )
-            await asyncio.wait_for(client.start(), self.request_timeout)
+            try:
+                await within(client.start(), self.request_timeout, "starting the admin client")
+            except BaseException:
+                await close_within(client.close(), self.request_timeout, "closing the admin client")
+                raise
             self._client = client
         return self._client
 
@@ -96,19 +105,25 @@ class DependencyOffsets:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
             )
-            await asyncio.wait_for(consumer.start(), self.request_timeout)
+            try:
+                await within(consumer.start(), self.request_timeout, "starting the log end reader")
+            except BaseException:
+                await close_within(consumer.stop(), self.request_timeout, "stopping the log end reader")
+                raise
             self._consumer = consumer
         return self._consumer
 
     async def close(self) -> None:
+        """Close the clients, each within the request timeout (a client that does not close in time is
+        left behind: `aml_app.kafka.deadlines`); the next read starts with new ones."""
         client, self._client = self._client, None
         consumer, self._consumer = self._consumer, None
         self._identities = None
         self._coordinators.clear()
         if client is not None:
-            await client.close()
+            await close_within(client.close(), self.request_timeout, "closing the admin client")
         if consumer is not None:
-            await consumer.stop()
+            await close_within(consumer.stop(), self.request_timeout, "stopping the log end reader")
 
     async def read(
         self, refresh_partitions: bool = False
@@ -150,15 +165,18 @@ class DependencyOffsets:
 
     async def _failed(self, exc: Exception) -> OffsetReadError:
         """Forget the connections and coordinators, so the next refresh starts clean."""
-        await self._reset()
+        await self.close()
         name, text = type(exc).__name__, str(exc)
-        return OffsetReadError(text if text.startswith(name) else f"{name}: {text}".strip(": "))
+        message = text if text.startswith(name) else f"{name}: {text}".strip(": ")
+        return OffsetReadError(message, timed_out=isinstance(exc, TimeoutError))
 
     async def _read_log_ends(self, partitions: Sequence[int]) -> dict[int, int]:
         consumer = await self._log_end_reader()
         self.requests += 1
-        ends = await asyncio.wait_for(
-            consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions]), self.request_timeout
+        ends = await within(
+            consumer.end_offsets([TopicPartition(self.topic, p) for p in partitions]),
+            self.request_timeout,
+            f"reading the log ends of {self.topic!r}",
         )
         return {tp.partition: offset for tp, offset in ends.items()}
 
@@ -169,11 +187,18 @@ class DependencyOffsets:
         if self._identities is None:
             self._identities = LogIdentities(self._librdkafka, self.request_timeout)
         self.requests += 2 if cluster_too else 1
-        return await asyncio.to_thread(self._identities.read, self.topic, cluster_too)
+        # librdkafka's own timeouts bound the thread; this bounds the wait for it whatever it does.
+        return await within(
+            asyncio.to_thread(self._identities.read, self.topic, cluster_too),
+            2 * self.request_timeout,
+            f"reading which log {self.topic!r} is",
+        )
 
     async def _read_partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
         self.requests += 1
-        topics = await asyncio.wait_for(admin.describe_topics([self.topic]), self.request_timeout)
+        topics = await within(
+            admin.describe_topics([self.topic]), self.request_timeout, f"describing {self.topic!r}"
+        )
         found = [t for t in topics if t["topic"] == self.topic and not t["error_code"]]
         if not found or not found[0]["partitions"]:
             raise OffsetReadError(f"topic {self.topic!r} does not exist (yet)")
@@ -187,14 +212,15 @@ class DependencyOffsets:
         for group in groups:
             if group not in self._coordinators:
                 self.requests += 1
-                self._coordinators[group] = await asyncio.wait_for(
-                    admin.find_coordinator(group), self.request_timeout
+                self._coordinators[group] = await within(
+                    admin.find_coordinator(group), self.request_timeout, f"finding {group!r}'s coordinator"
                 )
             self.requests += 1
             answer_from = self._coordinators[group]
-            answer = await asyncio.wait_for(
+            answer = await within(
                 admin.list_consumer_group_offsets(group, group_coordinator_id=answer_from, partitions=tps),
                 self.request_timeout,
+                f"reading {group!r}'s committed offsets",
             )
             offsets = {
                 tp.partition: (meta.offset if meta.offset >= 0 else None)
@@ -213,12 +239,6 @@ class DependencyOffsets:
                 )
             result[group] = offsets
         return result
-
-    async def _reset(self) -> None:
-        try:
-            await self.close()
-        except Exception:  # closing a broken client must not hide the original error
-            log.debug("closing the admin client failed", exc_info=True)
 
 
 def _ranges(partitions: Sequence[int]) -> str:

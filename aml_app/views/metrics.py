@@ -128,6 +128,13 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         age.add_metric([], gate["refresh_age_s"])
     admin_error = _gauge("aml_admin_error", "1 while the last watermark refresh failed.")
     admin_error.add_metric([], 1 if gate.get("admin_error") else 0)
+    refresh = snap["refresh"]
+    stuck = _gauge(
+        "aml_refresh_stuck",
+        "1 on the leader while it has completed no watermark refresh for longer than it may "
+        "(it rebuilds its Kafka clients, then leaves its group).",
+    )
+    stuck.add_metric([], 1 if refresh.get("state") == "stuck" else 0)
 
     retrying = _gauge(
         "aml_payment_retrying",
@@ -138,10 +145,19 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
     for r in snap.get("retrying") or []:
         retrying.add_metric([str(r["partition"]), str(r["offset"]), r["worker"], r["error"]], r["attempts"])
 
-    refresh = snap["refresh"]
     detector = snap.get("detector")
     counters = [
         ("aml_admin_refresh_errors", "Failed watermark refreshes (leader only).", refresh["errors"]),
+        (
+            "aml_admin_refresh_overruns",
+            "Watermark refreshes abandoned at their deadline, each retried with new Kafka clients.",
+            refresh.get("overruns", 0),
+        ),
+        (
+            "aml_admin_client_rebuilds",
+            "Times the leader's watchdog rebuilt its Kafka clients after no refresh succeeded for long.",
+            refresh.get("client_rebuilds", 0),
+        ),
         ("aml_admin_requests", "Kafka admin API requests made for refreshes.", refresh["admin_requests"]),
         (
             "aml_decisions",
@@ -192,7 +208,19 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
             ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
-    out += [status, stalled, advanced, blocked, untrusted, breached, longest, age, admin_error, retrying]
+    out += [
+        status,
+        stalled,
+        advanced,
+        blocked,
+        untrusted,
+        breached,
+        longest,
+        age,
+        admin_error,
+        stuck,
+        retrying,
+    ]
     for name, doc, value in counters:
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], value)

@@ -116,6 +116,7 @@ def snapshot() -> dict[str, Any]:
             "errors": status.errors,
             "last_error": status.last_error,
             "admin_requests": worker_gate.offsets.requests,
+            **worker_gate.watchdog.as_json(time.monotonic()),
         },
         "detector": None if running_detector is None else detector.stats_json(running_detector),
         "alerts_sent": {str(p): state for p, state in recovered_to().items()},

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -52,6 +53,87 @@ def test_the_worker_gate_is_a_service_the_app_starts_and_stopping_it_closes_its_
     )
     registered, timers, closed, left = json.loads(out.stdout.strip().splitlines()[-1])
     assert registered
-    assert timers == ["publish_demand", "refresh_watermarks", "watch_stalls"]
+    assert timers == ["publish_demand", "refresh_watermarks", "watch_refresh", "watch_stalls"]
     assert closed == ["lanes", "offsets", "unapplied"]
     assert left == []
+
+
+HANG = """
+import asyncio, contextlib, json, os, time
+from aml_app.gate.watermark import RefreshPolicy
+from aml_app.kafka.offsets import Reading
+from aml_app.tables import watermarks as w
+
+
+class Short(RefreshPolicy):
+    @property
+    def refresh_deadline(self):
+        return 0.3
+
+
+w.refresh = Short(1.0, 0.1, 30)
+gate = w.worker_gate
+gate.changelogs.known = True
+w.app.is_leader = lambda: True
+written = []
+gate._write_rows = lambda rows: written.append(sorted(rows))
+release = asyncio.Event()
+groups = w.settings.depends_on
+
+
+async def hang(*args, **kwargs):
+    # An admin read that never answers and swallows its cancellation, as aiokafka's fetcher can.
+    while not release.is_set():
+        with contextlib.suppress(asyncio.CancelledError):
+            await release.wait()
+    return Reading([0], {g: {0: 5} for g in groups}, log="cluster:topic")
+
+
+async def answer(*args, **kwargs):
+    return Reading([0], {g: {0: 7} for g in groups}, log="cluster:topic")
+
+
+async def main():
+    refresh = type(gate).refresh_watermarks.fun.__wrapped__
+    first = gate.offsets
+    first.read_all = hang
+    timer = asyncio.ensure_future(refresh(gate))
+    done, _ = await asyncio.wait({timer}, timeout=20)
+    result = {
+        "returned": bool(done),
+        "overruns": gate.watchdog.overruns,
+        "last_outcome": gate.watchdog.last_outcome.value if gate.watchdog.last_outcome else None,
+        "error": gate.status.last_error,
+        "new_clients": gate.offsets is not first,
+    }
+    release.set()  # the abandoned read answers at last: its reading must not be written
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+    result["written_by_the_abandoned_read"] = list(written)
+    gate.offsets.read_all = answer
+    token = gate._attempt = object()
+    result["next_outcome"] = (await gate.refresh_once(time.monotonic(), token)).value
+    result["written"] = list(written)
+    return result
+
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_a_refresh_whose_admin_call_hangs_forever_is_abandoned_at_its_deadline() -> None:
+    """An admin read that never returns and swallows its cancellation (aiokafka's fetcher did; the
+    leader's refresh then never ran again): the refresh timer returns at the refresh's deadline, counts
+    an overrun with its sentence, and starts over with new Kafka clients; when the abandoned read
+    answers at last, nothing of it is written; the next refresh, with clients that answer, writes."""
+    env = {**os.environ, "AML_GATE_MODE": "partition"}
+    out = subprocess.run(
+        [sys.executable, "-c", HANG], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["returned"], "the refresh timer hung on the admin call"
+    assert result["overruns"] == 1 and result["last_outcome"] == "overran"
+    assert "took longer than 0.3 s and was abandoned" in result["error"]
+    assert result["new_clients"]
+    assert result["written_by_the_abandoned_read"] == []
+    assert result["next_outcome"] == "succeeded" and result["written"] == [[0]]
