@@ -49,6 +49,11 @@ from aml_app.pipeline.ranges import (
 )
 
 SCHEMA = "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY"
+#: The latest record timestamp (ms) the source passes on: 9999-12-31T23:59:59.999Z, after every `ts` the
+#: contract accepts, so a later one bounds nothing. Kafka takes any 64-bit timestamp from a producer, and
+#: one past about year 294,000 overflows Spark's microseconds (the read would fail, and the query with it):
+#: such a record reads as one without a timestamp, which the contract treats alike.
+LATEST_TIMESTAMP_MS = 253_402_300_799_999
 ARROW_BATCH_ROWS = 10_000
 #: A micro-batch gets one reading task per this many records (at most maxTasks): a task costs tens of
 #: milliseconds of its own, more than reading and checking a few thousand records in parallel saves.
@@ -327,7 +332,7 @@ def read_ranges(
                     position = offset + 1
                     columns["offset"].append(offset)
                     _, ts_ms = message.timestamp()
-                    columns["timestamp"].append(ts_ms * 1000 if ts_ms >= 0 else None)
+                    columns["timestamp"].append(ts_ms * 1000 if 0 <= ts_ms <= LATEST_TIMESTAMP_MS else None)
                     columns["key"].append(message.key())
                     columns["value"].append(message.value())
                 if len(columns["offset"]) >= rows:

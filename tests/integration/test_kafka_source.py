@@ -25,6 +25,7 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.pipeline.kafka_source import (
+    LATEST_TIMESTAMP_MS,
     KafkaStreamReader,
     KafkaTask,
     SourceConfigError,
@@ -172,6 +173,23 @@ def test_read_range_inside_one_big_batch(broker: EmbeddedBroker, start: int, end
     assert as_placed(table) == on_one[start:end]
     stamps = [t.timestamp() for t in table.column("timestamp").to_pylist()]
     assert all(before - 1 <= t <= after + 1 for t in stamps), (before, stamps[:3], after)
+
+
+def test_a_record_timestamp_past_year_9999_reads_as_none_instead_of_failing_the_read(
+    broker: EmbeddedBroker,
+) -> None:
+    """Kafka takes any 64-bit timestamp from a producer. One past year 9999 bounds no payment's `ts`, and
+    one past about year 294,000 does not fit Spark's microseconds (Arrow raised OverflowError, which would
+    fail every read of the record and stop the pipeline): both read as no timestamp, like Kafka's -1."""
+    topic = new_topic(broker.bootstrap, 1)
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    stamps = [1, 1_714_564_800_000, LATEST_TIMESTAMP_MS, LATEST_TIMESTAMP_MS + 1, 2**62, 2**63 - 1]
+    for n, stamp in enumerate(stamps):
+        producer.produce(topic, key=b"k", value=f"v{n}".encode(), partition=0, timestamp=stamp)
+    assert producer.flush(TIMEOUT) == 0
+    table = read_all(broker.bootstrap, topic, 0, 0, len(stamps))
+    micros = table.column("timestamp").cast(pa.int64()).to_pylist()
+    assert micros == [1000, 1_714_564_800_000_000, LATEST_TIMESTAMP_MS * 1000, None, None, None]
 
 
 def test_read_range_across_batch_boundaries(broker: EmbeddedBroker) -> None:
