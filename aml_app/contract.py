@@ -11,6 +11,12 @@ Spark SQL expressions (`aml_app.pipeline.validation`, checked against this modul
 two parsers could read differently (duplicate keys, NaN, lone surrogates) is refused, every size is bounded
 here below the limits of Python's and Jackson's parsers, and `ts` is one fixed RFC 3339 profile rather than
 whatever `datetime.fromisoformat` of this Python version accepts.
+
+`ts` is bounded against the Kafka record's timestamp: a payment cannot happen after it was sent, so a `ts`
+later than its record's timestamp plus the allowed clock skew (`AML_MAX_CLOCK_SKEW`) breaks the contract.
+Without that bound one payment stamped years ahead (a producer's wrong clock, a typo) would hold its
+partition under the event-time gate for as long as traffic flows, since no cut ever reaches it. There is no
+bound for the past: backfills and replays are payments too. A record without a timestamp (-1) is not checked.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import calendar
 import json
 import re
 from collections.abc import Iterable
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
@@ -50,6 +57,13 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 # A lone surrogate can only come from a \uD800-\uDFFF escape (UTF-8 cannot encode one); this also matches
 # escapes of U+D000-U+D7FF and an escaped backslash before "ud", which only costs a walk.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD]")
+#: AML_MAX_CLOCK_SKEW's default, seconds: how far a payment's `ts` may be after its Kafka record's timestamp.
+#: It is also the longest one future-dated payment can hold its partition under continuous traffic (the
+#: event-time gate admits it once every partition is applied up to its `ts`), while NTP-synchronised clocks
+#: differ by milliseconds (docs/contract.md).
+DEFAULT_MAX_CLOCK_SKEW = 5.0
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
 
 
 class InvalidPayment(ValueError):
@@ -190,8 +204,41 @@ def _timestamp(doc: dict) -> str:
     return raw
 
 
-def validate_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> dict[str, str]:
-    """Validate one raw record against the contract and return its fields, or raise InvalidPayment."""
+def skew_micros(seconds: float) -> int:
+    """The allowed clock skew in whole microseconds, as both implementations of the contract compare it."""
+    return round(seconds * 1_000_000)
+
+
+def _instant(ms: int) -> str:
+    return (_EPOCH + timedelta(milliseconds=ms)).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _not_after_sending(ts: str, record_timestamp: int | None, max_clock_skew: float) -> None:
+    """`ts` at most `max_clock_skew` seconds after the record's timestamp (ms since the epoch; None or
+    negative: the record has none, nothing to check)."""
+    if record_timestamp is None or record_timestamp < 0:
+        return
+    ts_us = (datetime.fromisoformat(ts) - _EPOCH) // _MICROSECOND
+    if ts_us - record_timestamp * 1000 > skew_micros(max_clock_skew):
+        raise InvalidPayment(
+            f"field 'ts' {ts} is more than the allowed clock skew of {max_clock_skew:g} s "
+            f"(AML_MAX_CLOCK_SKEW) after its Kafka record's timestamp {_instant(record_timestamp)}: "
+            "a payment cannot happen after it was sent"
+        )
+
+
+def validate_payment(
+    key: bytes | None,
+    value: bytes | None,
+    max_bytes: int,
+    record_timestamp: int | None = None,
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
+) -> dict[str, str]:
+    """Validate one raw record against the contract and return its fields, or raise InvalidPayment.
+
+    `record_timestamp` is the Kafka record's timestamp in milliseconds since the epoch (None or negative:
+    none, and `ts` is not bounded); `ts` may be at most `max_clock_skew` seconds after it.
+    """
     if value is None:
         raise InvalidPayment("value is empty (null)")
     if len(value) > max_bytes:
@@ -218,7 +265,7 @@ def validate_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> 
     for name in OPTIONAL:
         if doc.get(name) is not None:
             optional[name] = _text_field(doc, name, MAX_OPTIONAL_LENGTH)
-    return {
+    fields = {
         "payment_id": _text_field(doc, "payment_id"),
         "payer": payer,
         "payee": _text_field(doc, "payee"),
@@ -227,3 +274,5 @@ def validate_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> 
         "ts": _timestamp(doc),
         **optional,
     }
+    _not_after_sending(fields["ts"], record_timestamp, max_clock_skew)
+    return fields

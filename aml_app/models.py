@@ -8,7 +8,7 @@ from typing import Any
 
 import faust
 
-from aml_app.contract import InvalidPayment, validate_payment
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, InvalidPayment, validate_payment
 
 __all__ = ["Alert", "Decision", "InvalidPayment", "Payment", "parse_payment"]
 
@@ -91,7 +91,15 @@ class Alert(faust.Record, serializer="json", include_metadata=False):
     worker: str
 
 
-def parse_payment(key: bytes | None, value: bytes | None, max_bytes: int) -> Payment:
-    """Validate one raw record against the contract, or raise InvalidPayment saying why."""
+def parse_payment(
+    key: bytes | None,
+    value: bytes | None,
+    max_bytes: int,
+    record_timestamp: int | None = None,
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
+) -> Payment:
+    """Validate one raw record against the contract, or raise InvalidPayment saying why.
+    `record_timestamp`: the Kafka record's, in milliseconds (None: none)."""
+    fields = validate_payment(key, value, max_bytes, record_timestamp, max_clock_skew)
     # faust.Record types __init__ with a keyword `__strict__: bool`, which mypy matches the str fields to.
-    return Payment(**validate_payment(key, value, max_bytes))  # type: ignore[arg-type]
+    return Payment(**fields)  # type: ignore[arg-type]

@@ -32,6 +32,7 @@ from typing import Any
 import faust
 from faust.types import TP, EventT, StreamT, TopicT
 
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
 from aml_app.faust_internals import dispatch_events, record_gap, set_current_event
 from aml_app.gate.delivery import DeliveryChecker
 from aml_app.gate.event_time import micros
@@ -113,6 +114,7 @@ class GatedConsumer:
         gate_enabled: bool = True,
         max_pending: int = 1000,
         max_payment_bytes: int = 65536,
+        max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
         worker_id: str = "",
         max_in_flight: int = 1000,
         review: TopicT | None = None,
@@ -149,6 +151,7 @@ class GatedConsumer:
         self.gate_enabled = gate_enabled
         self.max_pending = max_pending
         self.max_payment_bytes = max_payment_bytes
+        self.max_clock_skew = max_clock_skew
         self.worker_id = worker_id
         #: Reads the log and the group's commits for the lanes, with the cluster's TLS/SASL.
         self.delivery = DeliveryChecker(app, security)
@@ -591,8 +594,18 @@ class GatedConsumer:
         lane.paused = False
 
     def _parse(self, event: EventT[Any]) -> Payment | InvalidPayment:
+        """The payment, or why it breaks the contract, which bounds its `ts` by the record's timestamp
+        (Faust's seconds, None when the record has none; the contract takes Kafka's milliseconds)."""
+        message = event.message
+        stamp = message.timestamp
         try:
-            return parse_payment(event.message.key, event.message.value, self.max_payment_bytes)
+            return parse_payment(
+                message.key,
+                message.value,
+                self.max_payment_bytes,
+                None if stamp is None else round(stamp * 1000),
+                self.max_clock_skew,
+            )
         except InvalidPayment as exc:
             return exc
 

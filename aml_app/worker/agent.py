@@ -33,6 +33,7 @@ def gated_agent(
         gate_enabled=settings.gate_enabled,
         max_pending=settings.max_pending_per_partition,
         max_payment_bytes=settings.max_payment_bytes,
+        max_clock_skew=settings.max_clock_skew,
         worker_id=settings.worker_id,
         max_in_flight=settings.max_in_flight,
         review=review_topic,

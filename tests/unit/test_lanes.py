@@ -18,6 +18,7 @@ import pytest
 from faust.types import TP
 
 from aml_app.gate import Admission, GatedConsumer
+from aml_app.gate.event_time import micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.models import Payment
 
@@ -51,6 +52,7 @@ class FakeMessage:
     value: bytes | None
     generation_id: int = 1
     tracked: bool = False
+    timestamp: float | None = None  # Faust's: the record's, in seconds (None: the record has none)
 
     @property
     def tp(self) -> TP:
@@ -62,10 +64,12 @@ class FakeEvent:
     message: FakeMessage
 
 
-def event(p: int, o: int, key: bytes | None = b"acct-1", value: bytes | None = None) -> FakeEvent:
+def event(
+    p: int, o: int, key: bytes | None = b"acct-1", value: bytes | None = None, timestamp: float | None = None
+) -> FakeEvent:
     if value is None:
         value = payment_value(p, o)
-    return FakeEvent(FakeMessage(TOPIC, p, o, key, value))
+    return FakeEvent(FakeMessage(TOPIC, p, o, key, value, timestamp=timestamp))
 
 
 def po(e: FakeEvent) -> tuple[int, int]:
@@ -459,6 +463,33 @@ async def test_invalid_payments_are_dead_lettered_in_order_without_the_gate(
     assert [s["headers"]["dlq.offset"] for s in h.dlq.sent] == [b"0", b"1", b"3"]
     assert h.dlq.sent[2]["value"] == b"not json at all"
     assert h.gated.stats.dead_lettered == 3
+    assert h.violations == []
+
+
+async def test_a_payment_timestamped_after_its_record_and_the_skew_is_dead_lettered(
+    make: Callable[..., Harness],
+) -> None:
+    """The lane hands the contract Faust's record timestamp: `ts` up to AML_MAX_CLOCK_SKEW (5 s by
+    default) after it is a payment, a millisecond more a dead letter, and a record without a timestamp
+    is not bounded."""
+    h = make()  # no row for partition 0: its gate is closed
+    ts = micros("2026-11-20T10:15:00Z") / 1_000_000  # every payment's `ts`, in Faust's seconds
+    h.dispatch(
+        event(0, 0, timestamp=ts - 5),
+        event(0, 1, timestamp=ts - 5.001),
+        event(0, 2, timestamp=None),
+    )
+    await until(lambda: h.gate.waiting == {0: 0}, "the payment at the bound waiting at the gate")
+    h.open(0, 10)
+    await until(lambda: h.acks == [(0, 0), (0, 1), (0, 2)], "all three acked in order")
+    assert h.handled == [(0, 0), (0, 2)]
+    [letter] = h.dlq.sent
+    assert letter["headers"]["dlq.offset"] == b"1" and letter["value"] == payment_value(0, 1)
+    assert letter["headers"]["dlq.reason"].decode() == (
+        "field 'ts' 2026-11-20T10:15:00Z is more than the allowed clock skew of 5 s (AML_MAX_CLOCK_SKEW) "
+        "after its Kafka record's timestamp 2026-11-20T10:14:54.999Z: a payment cannot happen after it "
+        "was sent"
+    )
     assert h.violations == []
 
 

@@ -241,6 +241,53 @@ def test_key_different_from_payer() -> None:
     rejects("does not match payer", key=b"acct-9", value=encode(doc()))
 
 
+# --- ts against the record's timestamp ------------------------------------------------------------
+
+SENT_MS = 1_714_564_800_000  # 2024-05-01T12:00:00.000Z, the record's timestamp
+SKEW_TS = [  # ts at the default clock skew (5 s) after SENT_MS, written every way the profile allows
+    "2024-05-01T12:00:05Z",
+    "2024-05-01T12:00:05.000000Z",
+    "2024-05-01T12:00:05.0+00:00",
+    "2024-05-01T12:00:04.999999Z",
+]
+
+
+@pytest.mark.parametrize(
+    "ts", [*SKEW_TS, "2024-05-01T12:00:00Z", "1971-01-01T00:00:00Z", "0001-01-01T00:00:00Z"]
+)
+def test_ts_up_to_the_clock_skew_after_the_records_timestamp_is_accepted(ts: str) -> None:
+    assert parse_payment(KEY, encode(doc(ts=ts)), MAX, SENT_MS).ts == ts
+
+
+@pytest.mark.parametrize(
+    "ts", ["2024-05-01T12:00:05.000001Z", "2024-05-01T12:00:06Z", "2099-01-01T00:00:00Z"]
+)
+def test_ts_past_the_clock_skew_is_rejected_naming_both_instants_and_the_bound(ts: str) -> None:
+    with pytest.raises(InvalidPayment) as info:
+        parse_payment(KEY, encode(doc(ts=ts)), MAX, SENT_MS)
+    assert str(info.value) == (
+        f"field 'ts' {ts} is more than the allowed clock skew of 5 s (AML_MAX_CLOCK_SKEW) after its Kafka "
+        "record's timestamp 2024-05-01T12:00:00.000Z: a payment cannot happen after it was sent"
+    )
+
+
+def test_the_clock_skew_is_a_parameter_and_a_record_without_a_timestamp_is_not_bounded() -> None:
+    late = encode(doc(ts="2024-05-01T12:00:00.250001Z"))
+    assert parse_payment(KEY, encode(doc(ts="2024-05-01T12:00:00.25Z")), MAX, SENT_MS, 0.25)
+    with pytest.raises(InvalidPayment, match=r"clock skew of 0\.25 s"):
+        parse_payment(KEY, late, MAX, SENT_MS, 0.25)
+    with pytest.raises(InvalidPayment, match=r"clock skew of 0 s .* 2024-05-01T12:00:00\.000Z"):
+        parse_payment(KEY, encode(doc(ts="2024-05-01T12:00:00.000001Z")), MAX, SENT_MS, 0)
+    far = encode(doc(ts="9999-12-31T23:59:59.999999Z"))
+    for none in (None, -1, -2):  # Kafka's "no timestamp" is -1
+        assert parse_payment(KEY, far, MAX, none).ts == "9999-12-31T23:59:59.999999Z"
+    assert parse_payment(KEY, far, MAX, 2**62)  # a record timestamp past year 9999 bounds nothing
+    # The other rules come first: a payment that breaks one is refused for it.
+    rejects_ts = encode(doc(ts="2099-01-01T00:00:00Z", amount="-1"))
+    with pytest.raises(InvalidPayment, match="greater than zero"):
+        parse_payment(KEY, rejects_ts, MAX, SENT_MS)
+
+
 # --- size boundary ------------------------------------------------------------------------------
 
 
