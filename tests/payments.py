@@ -1,6 +1,7 @@
 """Seeded test payments for the pipeline tests: few accounts (edges repeat, cycles form), several currencies,
 event times spread over days and arriving out of order, late ones inside the 7-day horizon, and malformed
-records. Returns what was produced so tests can build the reference answers."""
+records (one kind a payment stamped in 2099). Returns what was produced so tests can build the reference
+answers."""
 
 from __future__ import annotations
 
@@ -15,7 +16,18 @@ from aiokafka import AIOKafkaProducer
 from aml_app.kafka.tools import produce
 
 BASE = datetime(2026, 3, 1, tzinfo=UTC)
-MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"")
+#: A payment stamped far ahead of the moment it is sent (its record's timestamp): every consumer refuses it.
+FUTURE = json.dumps(
+    {
+        "payment_id": "future",
+        "payer": "acct-0",
+        "payee": "acct-1",
+        "amount": "1.00",
+        "currency": "EUR",
+        "ts": "2099-01-01T00:00:00Z",
+    }
+).encode()
+MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"", FUTURE)
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         "AML_TRIGGER_INTERVAL": str(settings.trigger_interval),
         "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
         "AML_MAX_PAYMENT_BYTES": str(settings.max_payment_bytes),
+        "AML_MAX_CLOCK_SKEW": str(settings.max_clock_skew),
     }
 
 

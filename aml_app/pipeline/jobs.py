@@ -36,7 +36,7 @@ import psycopg
 from pyspark.sql import DataFrame
 
 from aml_app import dependency_services as registry
-from aml_app.contract import InvalidPayment, validate_payment
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, InvalidPayment, validate_payment
 from aml_app.dependencies import aggregates
 from aml_app.dependencies.store import Writer
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
@@ -73,13 +73,17 @@ def failpoint(name: str) -> None:
         os._exit(137)
 
 
-def rejected_records(outputs: BatchOutputs, max_bytes: int) -> list[Rejected]:
+def rejected_records(
+    outputs: BatchOutputs, max_bytes: int, max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
+) -> list[Rejected]:
     """The rejected records with the payment contract's reason for each."""
     rejected = []
     rows = outputs.rejects.to_pydict()
-    for p, o, key, value in zip(rows["partition"], rows["offset"], rows["key"], rows["value"], strict=True):
+    for p, o, sent, key, value in zip(
+        rows["partition"], rows["offset"], rows["timestamp_ms"], rows["key"], rows["value"], strict=True
+    ):
         try:
-            validate_payment(key, value, max_bytes)
+            validate_payment(key, value, max_bytes, sent, max_clock_skew)
         except InvalidPayment as exc:
             reason = str(exc)
         else:
@@ -116,10 +120,11 @@ class ServiceBatches:
         band: Decimal,
         on_batch: Callable[[BatchReport], None] | None = None,
         keep: timedelta = aggregates.KEEP,
+        max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
     ) -> None:
         self.service, self.store = service, store
         self.progress, self.dead_letters = progress, dead_letters
-        self.max_payment_bytes = max_payment_bytes
+        self.max_payment_bytes, self.max_clock_skew = max_payment_bytes, max_clock_skew
         self.threshold, self.band = threshold, band
         self.on_batch = on_batch
         self.write = writer_for(service, keep)
@@ -138,7 +143,7 @@ class ServiceBatches:
             phases[name] = time.monotonic() - started - sum(phases.values())
 
         covered = outputs.covered(self.applied)
-        rejected = rejected_records(outputs, self.max_payment_bytes)
+        rejected = rejected_records(outputs, self.max_payment_bytes, self.max_clock_skew)
         # What the group has already committed was dead-lettered when it was first processed (a rebuild).
         fresh = [r for r in rejected if r.offset >= self.progress.floor.get(r.partition, 0)]
         self.dead_letters.send(fresh)
@@ -209,6 +214,7 @@ class QueryBatches:
             raise ValueError("a query needs at least one service")
         self.services = services
         self.max_payment_bytes = services[0].max_payment_bytes
+        self.max_clock_skew = services[0].max_clock_skew
         self.threshold, self.band = services[0].threshold, services[0].band
         self._writing: list[Future[BatchReport]] = []
 

@@ -293,6 +293,7 @@ def prepare(
                 settings.threshold_band,
                 on_batch,
                 timedelta(seconds=settings.aggregates_retention),
+                settings.max_clock_skew,
             )
             pipeline.handlers.append(handler)
             progress.commit(handler.applied)
@@ -361,7 +362,7 @@ def start_queries(
             )
             # The contract's plan is large: built and analysed once here, not once per micro-batch; so is
             # the projection of what the services read.
-            checked = trimmed(validated(stream, batches.max_payment_bytes))
+            checked = trimmed(validated(stream, batches.max_payment_bytes, batches.max_clock_skew))
             query = (
                 checked.writeStream.queryName(name)
                 .foreachBatch(batches)

@@ -4,7 +4,8 @@ Python touches no record here: the Kafka source hands Spark raw bytes, `validati
 checks them with Spark SQL, and the results leave Spark already aggregated, as Arrow tables:
 
 - `spans`: per partition, the first and last offset and the number of records (what the batch covers);
-- `rejects`: the records that break the payment contract, with their original bytes (for the DLQ);
+- `rejects`: the records that break the payment contract, with their timestamps and original bytes (for
+  the DLQ);
 - relations: `edges`, one row per (payer, payee, currency) of the batch;
 - aggregates: `flows`, one row per (payer, minute, payee, currency) with counts, exact totals,
   near-threshold counts, the payments' times and amounts (when there are several), and the first and
@@ -30,6 +31,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from aml_app import dependency_services as registry
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
 from aml_app.pipeline.validation import validated
 
 SERVICES = registry.NAMES
@@ -157,13 +159,13 @@ def flows(valid: DataFrame, threshold: Decimal, band: Decimal) -> DataFrame:
 
 
 def trimmed(checked: DataFrame) -> DataFrame:
-    """What the outputs read of a validated batch: the offsets, the verdict, a rejected record's bytes (for
-    its dead letter) and a valid payment's fields. Not the valid records' bytes nor the payment ids, which
-    no output reads: caching them cost the JVM a copy of each and a hash lookup per string for the
-    cache's compression statistics (building the cache was a tenth of a warm batch's executor samples in
-    Java Flight Recorder). The streaming query applies it once, with the
-    contract (`runner.start_queries`): a projection built per micro-batch over the contract's large plan
-    would be analysed again every batch."""
+    """What the outputs read of a validated batch: the offsets, the verdict, a rejected record's timestamp
+    and bytes (for its dead letter's reason and content) and a valid payment's fields. Not the valid
+    records' bytes nor the payment ids, which no output reads: caching them cost the JVM a copy of each
+    and a hash lookup per string for the cache's compression statistics (building the cache was a tenth
+    of a warm batch's executor samples in Java Flight Recorder). The streaming query applies it once,
+    with the contract (`runner.start_queries`): a projection built per micro-batch over the contract's
+    large plan would be analysed again every batch."""
 
     def columns() -> tuple[Column | str, ...]:
         rejected = ~F.col("valid")
@@ -171,6 +173,8 @@ def trimmed(checked: DataFrame) -> DataFrame:
             "partition",
             "offset",
             "valid",
+            # Milliseconds, Kafka's unit and the Python contract's: no time zone between here and there.
+            F.when(rejected, F.unix_millis("timestamp")).alias("timestamp_ms"),
             F.when(rejected, F.col("key")).alias("key"),
             F.when(rejected, F.col("value")).alias("value"),
             "payer",
@@ -215,10 +219,15 @@ def arrow_not_applied(rows: Any, applied: Mapping[int, int]) -> Any:
 
 
 def batch_outputs(
-    records: DataFrame, service: str, max_bytes: int, threshold: Decimal, band: Decimal
+    records: DataFrame,
+    service: str,
+    max_bytes: int,
+    threshold: Decimal,
+    band: Decimal,
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
 ) -> BatchOutputs:
     """Everything `service` needs from one micro-batch of Kafka records, collected to the driver."""
-    with kept(trimmed(validated(records, max_bytes))) as checked:
+    with kept(trimmed(validated(records, max_bytes, max_clock_skew))) as checked:
         return outputs_by_service(checked, {service: {}}, threshold, band)[service]
 
 
@@ -241,7 +250,7 @@ def outputs_by_service(
         # a record of this batch, and building the skip (about 20 ms per service and batch) is wasted.
         applied = {service: {} for service in applied}
 
-    per_record = ("partition", "offset", "valid", "key", "value")
+    per_record = ("partition", "offset", "valid", "timestamp_ms", "key", "value")
     valid = in_one_task(checked.where("valid"))
     aggregations = {
         service: partial(aggregation, service, not_applied(valid, offsets), threshold, band)
@@ -322,4 +331,5 @@ def arrow_spans(rows: Any) -> Any:
 def arrow_rejects(rows: Any) -> Any:
     import pyarrow.compute as pc
 
-    return rows.filter(pc.invert(rows["valid"])).select(["partition", "offset", "key", "value"])
+    columns = ["partition", "offset", "timestamp_ms", "key", "value"]
+    return rows.filter(pc.invert(rows["valid"])).select(columns)

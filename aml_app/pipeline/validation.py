@@ -1,8 +1,9 @@
 """The payment contract as Spark SQL expressions: raw Kafka records in, a verdict and typed fields out, all in
 the JVM (no Python UDF, no Arrow round trip).
 
-`validated(records, max_bytes)` marks each record `valid` exactly when `aml_app.contract.validate_payment`
-would accept it, and carries the fields the contract returns, typed. It says nothing about *why* a record is
+`validated(records, max_bytes, max_clock_skew)` marks each record `valid` exactly when
+`aml_app.contract.validate_payment` would accept it (given the record's Kafka timestamp), and carries the
+fields the contract returns, typed. It says nothing about *why* a record is
 invalid: the pipeline asks the Python contract for the reason of the (rare) rejected records on the driver,
 so a dead letter carries the same sentence whichever service refused it. `tests/unit/test_validation_sql.py`
 holds the two implementations to the same verdict, record by record, over a corpus of hostile input.
@@ -28,6 +29,9 @@ How each rule is checked here (Spark 4 runs with ANSI on, so only `try_` casts a
   lengths in code points (`length`); "blank" is a class of exactly the characters Python's `str.isspace`
   accepts, generated from Python; `ts` by one regular expression of the RFC 3339 profile and
   `try_make_timestamp` for the calendar (Feb 30 is null).
+- `ts` against the record's timestamp: in whole microseconds since the epoch (`unix_micros`, exact), `ts`
+  less the allowed clock skew (`skew_micros`) is not after the record's timestamp; a record without a
+  timestamp (null, or before the epoch: Kafka's -1) is not checked.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from aml_app.contract import (
+    DEFAULT_MAX_CLOCK_SKEW,
     MAX_ID_LENGTH,
     MAX_JSON_DEPTH,
     MAX_NAME_LENGTH,
@@ -47,13 +52,15 @@ from aml_app.contract import (
     MAX_OPTIONAL_LENGTH,
     OPTIONAL,
     REQUIRED,
+    skew_micros,
 )
 from aml_app.currencies import ISO_4217
 
 AMOUNT_TYPE = "decimal(19,4)"  # < 10^15 with 4 decimal places: 15 + 4 digits
 VALIDATED_SCHEMA = (
-    "partition INT, offset BIGINT, key BINARY, value BINARY, valid BOOLEAN, payment_id STRING, payer STRING, "
-    f"payee STRING, amount {AMOUNT_TYPE.upper()}, currency STRING, ts TIMESTAMP"
+    "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY, valid BOOLEAN, "
+    f"payment_id STRING, payer STRING, payee STRING, amount {AMOUNT_TYPE.upper()}, currency STRING, "
+    "ts TIMESTAMP"
 )
 
 # Java regular expressions (java.util.regex), anchored with \A and \z (`$` would accept a final newline).
@@ -159,6 +166,15 @@ def _names_ok(text: Column) -> Column:
     return F.when(F.octet_length(text) > MAX_NAME_LENGTH, ~too_long).otherwise(True)
 
 
+def _within_clock_skew(ts: Column, record_timestamp: Column, max_skew_us: int) -> Column:
+    """`ts` at most `max_skew_us` microseconds after the record's timestamp, or the record has none (null,
+    or before the epoch, as Kafka's -1 would be: the Python contract's "negative")."""
+    sent = F.unix_micros(record_timestamp)
+    # The skew is taken from `ts` (years 1-9999), never added to the record's timestamp: a hostile one near
+    # the end of Spark's range would overflow the sum, which ANSI mode raises as an error.
+    return record_timestamp.isNull() | (sent < 0) | (F.unix_micros(ts) - F.lit(max_skew_us) <= sent)
+
+
 def _within_json_bounds(text: Column) -> Column:
     """Depth, number lengths and key lengths of a text that parsed as JSON; most payments are decided by
     the cheap tests in front of each check."""
@@ -180,32 +196,35 @@ def _check_session(records: DataFrame) -> None:
         raise ValueError(f"payment validation needs {REQUIRED_SETTINGS}; this session has {wrong}")
 
 
-def validated(records: DataFrame, max_bytes: int) -> DataFrame:
+def validated(
+    records: DataFrame, max_bytes: int, max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
+) -> DataFrame:
     """Kafka records (`partition, offset, timestamp, key, value`) -> `VALIDATED_SCHEMA`.
 
-    `valid` is true exactly when `validate_payment(key, value, max_bytes)` returns; the typed fields are
-    those it returns (null when not valid). Key and value are kept for the dead letters.
+    `valid` is true exactly when `validate_payment(key, value, max_bytes, timestamp, max_clock_skew)`
+    returns (`timestamp` in milliseconds); the typed fields are those it returns (null when not valid).
+    Timestamp, key and value are kept for the dead letters.
     """
     _check_session(records)
     frame = records
-    for stage in _stages(records.sparkSession.sparkContext, max_bytes):
+    for stage in _stages(records.sparkSession.sparkContext, max_bytes, skew_micros(max_clock_skew)):
         frame = frame.select(*stage)
     return frame
 
 
-_built: dict[tuple[int, int], list[list[Column | str]]] = {}
+_built: dict[tuple[int, int, int], list[list[Column | str]]] = {}
 
 
-def _stages(context: object, max_bytes: int) -> list[list[Column | str]]:
-    """The column expressions of `validated`, built once per Spark context and size limit.
+def _stages(context: object, max_bytes: int, max_skew_us: int) -> list[list[Column | str]]:
+    """The column expressions of `validated`, built once per Spark context, size limit and clock skew.
 
     Building them costs hundreds of calls into the JVM (about a second per micro-batch on this machine);
     the expressions name columns only, so the same ones serve every batch.
     """
-    key = (id(context), max_bytes)
+    key = (id(context), max_bytes, max_skew_us)
     if key not in _built:
         _built.clear()  # a new session (tests): the old expressions belong to a stopped context
-        _built[key] = _build_stages(max_bytes)
+        _built[key] = _build_stages(max_bytes, max_skew_us)
     return _built[key]
 
 
@@ -221,7 +240,7 @@ def _types_ok(variants: Column) -> Column:
     return reduce(operator.and_, checks)
 
 
-def _build_stages(max_bytes: int) -> list[list[Column | str]]:
+def _build_stages(max_bytes: int, max_skew_us: int) -> list[list[Column | str]]:
     value, key = F.col("value"), F.col("key")
     text = value.cast("string")
     readable = (
@@ -231,7 +250,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
         & F.is_valid_utf8(key)
         & F.is_valid_utf8(value)
     )
-    kept: list[Column | str] = ["partition", "offset", "key", "value"]
+    kept: list[Column | str] = ["partition", "offset", "timestamp", "key", "value"]
     # 1. One JSON parse per record (a second one, and the bounds, only where needed).
     parsed = [
         *kept,
@@ -273,6 +292,7 @@ def _build_stages(max_bytes: int) -> list[list[Column | str]]:
         _not_blank(field("payee"), MAX_ID_LENGTH),
         F.col("_amount") > 0,
         F.col("_ts").isNotNull(),
+        _within_clock_skew(F.col("_ts"), F.col("timestamp"), max_skew_us),
     ]
     valid = checks[0]
     for check in checks[1:]:

@@ -28,7 +28,7 @@ from aml_app.pipeline import jobs
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config, spark_session
 from tests.harness import Names, wait_until
-from tests.payments import produce_payments
+from tests.payments import FUTURE, produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
 from tests.stores import relations_answers
 
@@ -83,7 +83,8 @@ def overlap(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> 
 async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
     run_pipeline: Any, names: Names, producer: AIOKafkaProducer, broker: EmbeddedBroker, overlap: str
 ) -> None:
-    """Two waves with out-of-order event times and malformed records, under a read limit."""
+    """Two waves with out-of-order event times and malformed records (a payment stamped in 2099 among them),
+    under a read limit."""
     running = run_pipeline(max_records_per_trigger=400)
     first = await produce_payments(producer, names.payments, 1500, seed=1)
     await running.caught_up(log_ends(first, names.partitions))
@@ -106,9 +107,14 @@ async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
     for record in letters:
         headers = {k: v.decode() for k, v in record.headers}
         assert headers["dlq.reason"], "every dead letter says why"
+        # The Python contract's reason: Spark and Python agree (given the record's timestamp too).
+        assert headers["dlq.reason"] != jobs.DISAGREEMENT
+        if record.value == FUTURE:
+            assert "2099-01-01T00:00:00Z is more than the allowed clock skew of 5 s" in headers["dlq.reason"]
         place = (int(headers["dlq.partition"]), int(headers["dlq.offset"]), record.value)
         by_service.setdefault(headers["dlq.worker"], set()).add(place)
     assert by_service == {g: set(produced.malformed) for g in names.deps}, "original bytes, each service"
+    assert any(value == FUTURE for _, _, value in produced.malformed)
 
 
 async def test_a_restart_resumes_from_the_store_not_from_the_group(

@@ -24,7 +24,7 @@ class FakeService:
 
     def __init__(self, name: str, log: list[tuple[str, int, str]], lock: threading.Lock) -> None:
         self.service = name
-        self.max_payment_bytes, self.threshold, self.band = 1000, 0, 0
+        self.max_payment_bytes, self.max_clock_skew, self.threshold, self.band = 1000, 5.0, 0, 0
         self.applied: dict[int, int] = {}
         self.log, self.lock = log, lock
         self.gate: threading.Event | None = None

@@ -1,8 +1,9 @@
 """The payment contract in Spark SQL (`aml_app.pipeline.validation`) against the Python contract, record by
-record: a crafted corpus of hostile and boundary records plus hypothesis mutations of valid payments, all
-through one DataFrame. For every record Spark's `valid` must be the Python verdict, and the typed fields of a
-valid record the fields Python returns. The last tests weaken the SQL on purpose and require the comparison
-to notice, so a corpus that stopped exercising a rule would fail here rather than pass quietly."""
+record: a crafted corpus of hostile and boundary records (with their Kafka timestamps, against which `ts` is
+bounded) plus hypothesis mutations of valid payments, all through one DataFrame. For every record Spark's
+`valid` must be the Python verdict, and the typed fields of a valid record the fields Python returns. The
+last tests weaken the SQL on purpose and require the comparison to notice, so a corpus that stopped
+exercising a rule would fail here rather than pass quietly."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import json
 import random
 from collections.abc import Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -19,15 +20,18 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 
 from aml_app.contract import (
+    DEFAULT_MAX_CLOCK_SKEW,
     MAX_ID_LENGTH,
     MAX_JSON_DEPTH,
     MAX_NAME_LENGTH,
     MAX_NUMBER_LENGTH,
     MAX_OPTIONAL_LENGTH,
     InvalidPayment,
+    skew_micros,
     validate_payment,
 )
 from aml_app.pipeline import validation
+from aml_app.pipeline.kafka_source import LATEST_TIMESTAMP_MS
 
 MAX = 65536  # the default AML_MAX_PAYMENT_BYTES
 KEY = b"acct-1"
@@ -45,6 +49,12 @@ SPACES = [chr(c) for c in range(0x110000) if chr(c).isspace()]
 NOT_SPACES = ["\u200b", "\ufeff", "\u180e", "\u00ad", "\u2060", "\x00", "\x7f", "\u3164"]
 
 Record = tuple[bytes | None, bytes | None]
+#: A record with its Kafka timestamp: milliseconds since the epoch, None when it has none (the contract
+#: also reads a negative one, Kafka's -1, as none).
+Stamped = tuple[bytes | None, bytes | None, int | None]
+#: The records' timestamp in the clock-skew faults: 2024-05-01T12:00:00.000Z, BASE's `ts`.
+SENT_MS = 1_714_564_800_000
+SKEW_US = skew_micros(DEFAULT_MAX_CLOCK_SKEW)
 
 
 def doc(**overrides: Any) -> dict[str, Any]:
@@ -533,6 +543,40 @@ def value_faults() -> Iterator[Record]:
         yield KEY, enc(doc(ts=ts))
 
 
+def instant(us: int, digits: int = 6, zone: str = "Z") -> str:
+    """The `ts` text of `us` microseconds since the epoch, with `digits` fraction digits (0: none)."""
+    text = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)).strftime("%Y-%m-%dT%H:%M:%S.%f")
+    return (text[: len(text) - 6 + digits] if digits else text[:-7]) + zone
+
+
+def clock_skew_faults() -> Iterator[Stamped]:
+    """`ts` against its record's timestamp around the allowed skew, in every spelling of the profile; far
+    future and far past payments with every kind of record timestamp (none, Kafka's -1, the epoch, past
+    year 9999); payments that break another rule too."""
+    for sent in (SENT_MS, SENT_MS + 123):
+        for delta in (-1, 0, 1, 999, 1000, SKEW_US - 1, SKEW_US, SKEW_US + 1, SKEW_US + 999, SKEW_US + 1000):
+            us = sent * 1000 + delta
+            for digits, zone in ((6, "Z"), (6, "+00:00"), (3, "Z"), (0, "Z")):
+                if digits == 6 or us % 10 ** (6 - digits) == 0:
+                    yield KEY, enc(doc(ts=instant(us, digits, zone))), sent
+        yield KEY, enc(doc(ts=instant(sent * 1000 + SKEW_US + 1))), None  # no timestamp: not bounded
+    for ts in (
+        "2099-01-01T00:00:00Z",
+        "9999-12-31T23:59:59.999999Z",
+        "1971-01-01T00:00:00Z",
+        "1970-01-01T00:00:00Z",
+        "1969-12-31T23:59:59.999999Z",
+        "0001-01-01T00:00:00Z",
+    ):
+        for sent in (None, -1, -2, -(2**62), 0, 1, SENT_MS, LATEST_TIMESTAMP_MS, LATEST_TIMESTAMP_MS + 1):
+            yield KEY, enc(doc(ts=ts)), sent
+        yield KEY, enc(doc(ts=ts)), 2**62
+    for broken in (doc(amount="-1"), doc(payee=_DROP), doc(currency="XXQ")):
+        yield KEY, enc({**broken, "ts": "2099-01-01T00:00:00Z"}), SENT_MS
+    for ts in TIMESTAMPS:
+        yield KEY, enc(doc(ts=ts)), SENT_MS
+
+
 def simulated() -> Iterator[Record]:
     from aml_app.simulation.traffic import simulate
 
@@ -540,8 +584,8 @@ def simulated() -> Iterator[Record]:
     yield from run.records()
 
 
-def corpus() -> list[Record]:
-    return [
+def corpus() -> list[Stamped]:
+    unstamped = [
         *raw_record_faults(),
         *utf8_faults(),
         *json_faults(),
@@ -550,6 +594,7 @@ def corpus() -> list[Record]:
         *value_faults(),
         *simulated(),
     ]
+    return [*((key, value, None) for key, value in unstamped), *clock_skew_faults()]
 
 
 # --- hypothesis: mutations of valid payments ----------------------------------------------------------------
@@ -671,9 +716,9 @@ def mutated_payment(draw: st.DrawFn) -> Record:
     return key, value
 
 
-def generated(count: int, seed_value: int = 20261123) -> list[Record]:
+def generated(count: int, seed_value: int = 20261123) -> list[Stamped]:
     """`count` hypothesis examples, collected so that all of them go through one DataFrame (a fixed seed:
-    the same records on every run)."""
+    the same records on every run); every third has a record timestamp (BASE's `ts`)."""
     found: list[Record] = []
 
     @seed(seed_value)
@@ -689,7 +734,7 @@ def generated(count: int, seed_value: int = 20261123) -> list[Record]:
         found.append(record)
 
     collect()
-    return found
+    return [(key, value, SENT_MS if n % 3 == 0 else None) for n, (key, value) in enumerate(found)]
 
 
 # --- one DataFrame, two verdicts ----------------------------------------------------------------------------
@@ -703,9 +748,10 @@ class Verdict:
     reason: str | None
 
 
-def python_verdict(record: Record) -> Verdict:
+def python_verdict(record: Stamped, skew: float = DEFAULT_MAX_CLOCK_SKEW) -> Verdict:
+    key, value, sent = record
     try:
-        return Verdict(validate_payment(*record, MAX), None)
+        return Verdict(validate_payment(key, value, MAX, sent, skew), None)
     except InvalidPayment as exc:
         return Verdict(None, str(exc))
 
@@ -720,31 +766,52 @@ def spark() -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def records() -> list[Record]:
+def records() -> list[Stamped]:
     return corpus() + generated(2500)
 
 
+def kafka_frame(spark: Any, records: list[Stamped]) -> Any:
+    """The records as the Kafka source hands them to Spark: a timestamp past year 9999 (past Spark's
+    range, further on) reads as none (`LATEST_TIMESTAMP_MS`); a negative one goes through, as another
+    source's -1 would, unless Spark cannot hold it either."""
+    from pyspark.sql import functions as F
+
+    rows = [
+        (
+            offset % 3,
+            offset,
+            None if sent is None or abs(sent) > LATEST_TIMESTAMP_MS else sent * 1000,
+            key,
+            value,
+        )
+        for offset, (key, value, sent) in enumerate(records)
+    ]
+    schema = "partition INT, offset BIGINT, sent BIGINT, key BINARY, value BINARY"
+    return spark.createDataFrame(rows, schema).withColumn("timestamp", F.timestamp_micros("sent"))
+
+
 @pytest.fixture(scope="module")
-def frame(spark: Any, records: list[Record]) -> Any:
-    rows = [(offset % 3, offset, None, key, value) for offset, (key, value) in enumerate(records)]
-    schema = "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY"
-    return spark.createDataFrame(rows, schema).repartition(2).cache()
+def frame(spark: Any, records: list[Stamped]) -> Any:
+    return kafka_frame(spark, records).repartition(2).cache()
 
 
-def spark_rows(frame: Any) -> dict[int, Any]:
+def spark_rows(frame: Any, skew: float = DEFAULT_MAX_CLOCK_SKEW) -> dict[int, Any]:
     from pyspark.sql import functions as F
 
     # Instants compared as microseconds: PySpark would turn year 1 into a local datetime and fail.
-    out = validation.validated(frame, MAX).withColumn("ts_micros", F.unix_micros("ts")).drop("ts")
+    out = validation.validated(frame, MAX, skew).withColumn("ts_micros", F.unix_micros("ts"))
+    out = out.drop("ts", "timestamp")
     return {row.offset: row for row in out.collect()}
 
 
-def disagreements(records: list[Record], rows: dict[int, Any]) -> list[str]:
+def disagreements(
+    records: list[Stamped], rows: dict[int, Any], skew: float = DEFAULT_MAX_CLOCK_SKEW
+) -> list[str]:
     """Every record where Spark and Python differ, described (empty when they agree on all)."""
     found = []
     for offset, record in enumerate(records):
-        verdict, row = python_verdict(record), rows[offset]
-        what = f"#{offset} key={record[0]!r:.60} value={record[1]!r:.200}"
+        verdict, row = python_verdict(record, skew), rows[offset]
+        what = f"#{offset} key={record[0]!r:.60} value={record[1]!r:.200} timestamp={record[2]}"
         if row.valid != (verdict.fields is not None):
             found.append(f"{what}: spark valid={row.valid}, python: {verdict.reason or 'valid'}")
             continue
@@ -760,19 +827,29 @@ def disagreements(records: list[Record], rows: dict[int, Any]) -> list[str]:
         micros = (instant - datetime(1970, 1, 1, tzinfo=UTC)) // datetime.resolution
         if row.ts_micros != micros:
             found.append(f"{what}: ts {row.ts_micros} != {micros} ({expected['ts']})")
-        if (row.key, row.value) != record:
+        if (row.key, row.value) != record[:2]:
             found.append(f"{what}: key/value not carried through")
     return found
 
 
-def test_spark_and_python_agree_on_every_record(frame: Any, records: list[Record]) -> None:
+def test_spark_and_python_agree_on_every_record(frame: Any, records: list[Stamped]) -> None:
     rows = spark_rows(frame)
     assert len(rows) == len(records)
     problems = disagreements(records, rows)
     assert not problems, f"{len(problems)} disagreement(s):\n" + "\n".join(problems[:40])
 
 
-def test_the_corpus_reaches_both_verdicts_for_every_kind_of_fault(records: list[Record]) -> None:
+@pytest.mark.parametrize("skew", [0.0, 0.25, 1e12])
+def test_the_bound_is_the_clock_skew_given(spark: Any, skew: float) -> None:
+    """Both implementations take the skew they are given, to the microsecond (1e12 s: the bound off)."""
+    deltas = (0, 1, 249_999, 250_000, 250_001, SKEW_US + 1, 10**15)
+    records: list[Stamped] = [(KEY, enc(doc(ts=instant(SENT_MS * 1000 + d))), SENT_MS) for d in deltas]
+    verdicts = [python_verdict(record, skew).fields is not None for record in records]
+    assert verdicts == [d <= skew_micros(skew) for d in deltas]
+    assert not disagreements(records, spark_rows(kafka_frame(spark, records), skew), skew)
+
+
+def test_the_corpus_reaches_both_verdicts_for_every_kind_of_fault(records: list[Stamped]) -> None:
     """A comparison only means something if both sides are exercised: many records of each verdict, and a
     rejection for each of the contract's reasons."""
     verdicts = [python_verdict(r) for r in records]
@@ -805,11 +882,12 @@ def test_the_corpus_reaches_both_verdicts_for_every_kind_of_fault(records: list[
         "not an RFC 3339 timestamp",
         "must be in UTC",
         "not a real date",
+        "clock skew of 5 s (AML_MAX_CLOCK_SKEW)",
     ):
         assert fragment in reasons, fragment
 
 
-def test_the_generated_records_are_mostly_distinct(records: list[Record]) -> None:
+def test_the_generated_records_are_mostly_distinct(records: list[Stamped]) -> None:
     mutated = records[len(corpus()) :]
     assert len(set(mutated)) > 0.6 * len(mutated)
 
@@ -845,7 +923,34 @@ def _numbers_as_text() -> dict[str, tuple[str, ...]]:
     return {**ACCEPTED_TYPES, "payee": ("STRING", "BIGINT")}
 
 
+def _skew_unchecked(ts: Any, sent: Any, max_skew_us: int) -> Any:
+    from pyspark.sql import functions as F
+
+    return F.lit(True)
+
+
+def _skew_and_a_microsecond(ts: Any, sent: Any, max_skew_us: int) -> Any:
+    return WITHIN_CLOCK_SKEW(ts, sent, max_skew_us + 1)
+
+
+def _skew_in_milliseconds(ts: Any, sent: Any, max_skew_us: int) -> Any:
+    from pyspark.sql import functions as F
+
+    return sent.isNull() | (F.unix_millis(ts) - F.lit(max_skew_us // 1000) <= F.unix_millis(sent))
+
+
+def _negative_timestamps_bounded(ts: Any, sent: Any, max_skew_us: int) -> Any:
+    from pyspark.sql import functions as F
+
+    return sent.isNull() | (F.unix_micros(ts) - F.lit(max_skew_us) <= F.unix_micros(sent))
+
+
+def _no_timestamp_refused(ts: Any, sent: Any, max_skew_us: int) -> Any:
+    return sent.isNotNull() & WITHIN_CLOCK_SKEW(ts, sent, max_skew_us)
+
+
 ACCEPTED_TYPES = validation.accepted_types()
+WITHIN_CLOCK_SKEW = validation._within_clock_skew
 WEAKENED: dict[str, tuple[str, Any]] = {
     "trailing data checked by one parse only": ("_nothing_after_the_object", _single_parse),
     "trailing data without the element count": ("_nothing_after_the_object", _two_or_more_elements),
@@ -859,12 +964,20 @@ WEAKENED: dict[str, tuple[str, Any]] = {
         validation.TIMESTAMP_PATTERN.replace("(?:Z|\\+00:00)", "(?:Z|[+-]00:00)"),
     ),
     "five decimal places accepted": ("AMOUNT_PATTERN", validation.AMOUNT_PATTERN.replace("{1,4}", "{1,5}")),
+    "ts unbounded by the record's timestamp": ("_within_clock_skew", _skew_unchecked),
+    "a microsecond more than the clock skew accepted": ("_within_clock_skew", _skew_and_a_microsecond),
+    "ts and the record's timestamp compared in milliseconds": ("_within_clock_skew", _skew_in_milliseconds),
+    "a negative record timestamp (Kafka's -1) taken as one": (
+        "_within_clock_skew",
+        _negative_timestamps_bounded,
+    ),
+    "a record without a timestamp refused": ("_within_clock_skew", _no_timestamp_refused),
 }
 
 
 @pytest.mark.parametrize("weakening", sorted(WEAKENED))
 def test_the_comparison_catches_a_weakened_rule(
-    weakening: str, frame: Any, records: list[Record], monkeypatch: pytest.MonkeyPatch
+    weakening: str, frame: Any, records: list[Stamped], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     name, replacement = WEAKENED[weakening]
     monkeypatch.setattr(validation, name, replacement)
@@ -894,16 +1007,12 @@ def test_a_session_time_zone_does_not_move_ts(spark: Any, frame: Any) -> None:
 def test_random_payments_round_trip_their_fields(spark: Any) -> None:
     """Realistic payments (every amount scale, every fraction length) give back exactly their values."""
     rng = random.Random(5)
-    records = []
+    records: list[Stamped] = []
     for i in range(300):
         fraction = "" if i % 7 == 0 else "." + str(rng.randrange(10**6)).zfill(6)[: rng.randint(1, 6)]
         date = f"{rng.randint(1, 9999):04d}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}"
         time = f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d}:{rng.randint(0, 59):02d}"
         ts = f"{date}T{time}{fraction}{rng.choice(['Z', '+00:00'])}"
         amount = str(Decimal(rng.randrange(1, 10**19)).scaleb(-rng.randint(0, 4)))
-        records.append((KEY, enc(doc(payment_id=f"p{i}", amount=amount, ts=ts))))
-    rows = [(0, offset, None, key, value) for offset, (key, value) in enumerate(records)]
-    frame = spark.createDataFrame(
-        rows, "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY"
-    )
-    assert not disagreements(records, spark_rows(frame))
+        records.append((KEY, enc(doc(payment_id=f"p{i}", amount=amount, ts=ts)), None))
+    assert not disagreements(records, spark_rows(kafka_frame(spark, records)))
