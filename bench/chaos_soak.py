@@ -70,6 +70,8 @@ from aml_app.harness.system import Layout, System, service_settings
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.settings import Settings
+from aml_app.simulation.producer import payment_count
+from aml_app.simulation.traffic import DEFAULT_SPEEDUP, default_start
 from bench.common import PROJECT, RESULTS, code_version, machine
 
 NAME = "chaos_soak"
@@ -527,6 +529,9 @@ class Soak:
         self.pipeline_starts = 0
         self.t0 = 0.0  # monotonic start of the traffic
         self.t0_wall = 0.0
+        #: The simulator's first event time (`--start`), fixed by the warm-up, whose payments carry it: no
+        #: simulated payment is older than the warm-up's, so none is past Service C's horizon behind it.
+        self.first_event = ""
         self.next_progress = 0.0
         self.timings: dict[str, float] = {}
         self.ends: dict[int, int] = {}
@@ -703,10 +708,13 @@ class Soak:
         """One payment per partition, until both dependencies committed past it (Spark's first batch)."""
         assert self.producer is not None and self.poller is not None
         placed: dict[int, int] = {}
+        o = self.options
+        first = default_start(payment_count(o.rate, o.duration), o.rate, DEFAULT_SPEEDUP, datetime.now(UTC))
+        self.first_event = first.isoformat(timespec="milliseconds").replace("+00:00", "Z")
         for p in range(PARTITIONS):
             payer = f"chaos-warm-{p}"
             value = payment_bytes(
-                f"chaos-warm-{self.options.seed}-{p}", payer, "chaos-warm-sink", "1.00", utc_now()
+                f"chaos-warm-{self.options.seed}-{p}", payer, "chaos-warm-sink", "1.00", self.first_event
             )
             meta = await (await self.producer.send(self.settings.payments_topic, value, payer.encode(), p))
             placed[meta.partition] = meta.offset
@@ -738,6 +746,7 @@ class Soak:
         o = self.options
         env = {**os.environ, **services_env(self.settings)}
         args = ["simulate", "--rate", f"{o.rate:g}", "--duration", f"{o.duration:g}", "--seed", str(o.seed)]
+        args += ["--start", self.first_event]
         self.simulator = AmlAppProcess(
             [*args, "--prefix", f"chaos{o.seed}"], env, self.folder / "simulator.log"
         ).start()

@@ -47,7 +47,8 @@ from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import BrokerError
 from aml_app.kafka.tools import payment_json
 from aml_app.settings import Settings
-from aml_app.simulation.producer import SimulatorReport, run_simulator
+from aml_app.simulation.producer import SimulatorReport, payment_count, run_simulator
+from aml_app.simulation.traffic import DEFAULT_SPEEDUP, default_start
 
 DEMO_DIR = Path("var/demo")
 MALFORMED_EVERY = 100  # one malformed record per hundred payments, so the DLQ shows up
@@ -147,6 +148,9 @@ class Demo:
         self.spot_lines: list[str] = []
         self.spot_failures = 0
         self.ground_truth = self.system.folder / "ground-truth.jsonl"
+        #: The simulator's first event time (`default_start`, fixed by the warm-up, whose payments carry it):
+        #: no simulated payment is older than the warm-up's, so none is past Service C's horizon behind it.
+        self.first_event: datetime | None = None
 
     @property
     def settings(self) -> Settings:
@@ -226,9 +230,14 @@ class Demo:
         assert self.producer is not None and system.watch is not None
         tail = next(iter(system.decisions.values()))
         partitions = await partitions_of(tail.consumer, s.payments_topic, s.partitions)
+        o = self.options
+        self.first_event = default_start(
+            payment_count(o.rate, o.duration), o.rate, DEFAULT_SPEEDUP, datetime.now(UTC)
+        )
+        first = self.first_event.isoformat(timespec="milliseconds").replace("+00:00", "Z")
         sent_at = time.time()
         for p in partitions:
-            sent = Sent(f"warm-{uuid.uuid4().hex[:8]}-{p}", f"warm-up-{p}", "warm-up-sink", utc_now_z())
+            sent = Sent(f"warm-{uuid.uuid4().hex[:8]}-{p}", f"warm-up-{p}", "warm-up-sink", first)
             value = payment_json(sent.payment_id, sent.payer, sent.payee, "1.00", sent.ts)
             meta = await (
                 await self.producer.send(s.payments_topic, key=sent.payer.encode(), value=value, partition=p)
@@ -275,6 +284,7 @@ class Demo:
                 o.duration,
                 o.seed,
                 str(self.ground_truth),
+                start=self.first_event,
                 reporting_threshold=s.reporting_threshold,
                 threshold_band=s.threshold_band,
                 thresholds=s.aml_thresholds,

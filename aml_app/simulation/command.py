@@ -12,7 +12,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Awaitable, Callable
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 import click
 from aiokafka.errors import KafkaError
@@ -20,7 +20,7 @@ from aiokafka.errors import KafkaError
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.producer import SimulatorReport, payment_count, run_simulator
-from aml_app.simulation.traffic import DEFAULT_SPEEDUP
+from aml_app.simulation.traffic import DEFAULT_SPEEDUP, ahead_of_sending
 
 MAX_RATE = 100_000.0
 MAX_PAYMENTS = 10_000_000  # the whole simulation is built in memory first
@@ -41,6 +41,22 @@ def parse_start(raw: str | None) -> datetime | None:
             f"{raw!r} has no timezone; add Z or an offset such as +01:00.", param_hint="--start"
         )
     return when.astimezone(UTC)
+
+
+def check_start(
+    raw: str, first: datetime, count: int, rate: float, speedup: float, skew: float, now: datetime
+) -> None:
+    """Refuse a --start that would timestamp payments more than `skew` seconds after they are sent, were the
+    first sent `now` (sending starts later, which only moves every payment further behind its time)."""
+    ahead = ahead_of_sending(first, count, rate, speedup, now)
+    if ahead > skew:
+        latest = (first - timedelta(seconds=ahead - skew)).replace(microsecond=0)
+        raise click.BadParameter(
+            f"{raw!r} would timestamp payments up to {ahead:,.0f} s after they are sent, more than "
+            f"AML_MAX_CLOCK_SKEW ({skew:g} s), and every consumer would dead-letter them; start at or "
+            f"before {latest.isoformat().replace('+00:00', 'Z')}, or leave --start out.",
+            param_hint="--start",
+        )
 
 
 @click.command("simulate")
@@ -66,7 +82,15 @@ def parse_start(raw: str | None) -> datetime | None:
     default=None,
     help="Write the injected instances here (JSON Lines) before sending.",
 )
-@click.option("--start", default=None, help="First event time, ISO-8601 with a timezone (default: now).")
+@click.option(
+    "--start",
+    default=None,
+    help=(
+        "First event time, ISO-8601 with a timezone (default: so that the simulated clock ends at the "
+        "send time of the last payment). A start that would timestamp payments more than "
+        "AML_MAX_CLOCK_SKEW after they are sent is refused: every consumer would dead-letter them."
+    ),
+)
 @click.option(
     "--speedup",
     type=click.FloatRange(min=0, min_open=True, max=1_000_000),
@@ -108,6 +132,8 @@ def simulate_command(
         thresholds = AmlThresholds.from_env(os.environ)
     except ConfigError as exc:
         raise click.ClickException(f"configuration error: {exc}") from None
+    if first is not None:
+        check_start(start or "", first, count, rate, speedup, settings.max_clock_skew, datetime.now(UTC))
     click.echo(
         f"simulator: {count} payments to {settings.payments_topic} at {rate:g}/s "
         f"(seed {seed}, event time x{speedup:g}) via {','.join(settings.bootstrap_servers)}"

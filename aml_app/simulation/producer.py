@@ -30,6 +30,7 @@ from aml_app.simulation.traffic import (
     DEFAULT_THRESHOLD,
     SimPayment,
     Simulation,
+    default_start,
     simulate,
 )
 
@@ -92,17 +93,19 @@ async def run_simulator(
 ) -> SimulatorReport:
     """Simulate `rate * duration` payments and send them at `rate` per second; see the module docstring.
 
-    `start` is the first event time (default: now, to the second). A given `producer` must be started and
-    is left running; otherwise one is created with acks=all and stopped at the end. Setting `stop` ends
-    the run after the current burst (`stopped_early` in the report). `on_sent(payment, partition, offset,
-    sent_at)` is called for every acknowledged payment as it goes (sent_at: POSIX time of its burst).
-    `security` (TLS/SASL) is used for the producer created here.
+    `start` is the first event time (default: `default_start`, which ends the simulated clock at the send
+    time of the last payment, so that none is timestamped after it is sent). A given `producer` must be
+    started and is left running; otherwise one is created with acks=all and stopped at the end. Setting
+    `stop` ends the run after the current burst (`stopped_early` in the report). `on_sent(payment,
+    partition, offset, sent_at)` is called for every acknowledged payment as it goes (sent_at: POSIX time
+    of its burst). `security` (TLS/SASL) is used for the producer created here.
     """
+    count = payment_count(rate, duration)
     simulation = simulate(
         seed,
-        payment_count(rate, duration),
+        count,
         rate,
-        datetime.now(UTC).replace(microsecond=0) if start is None else start,
+        default_start(count, rate, speedup, datetime.now(UTC)) if start is None else start,
         speedup=speedup,
         instances=instances,
         reporting_threshold=reporting_threshold,

@@ -9,7 +9,10 @@ Event time. Payments are sent at `rate` per second; payment n is sent n / rate s
 Its `ts` is a simulated clock that starts at `start` and runs `speedup` times faster than sending
 (default 60: a 60 s demo covers one simulated hour, so hourly and daily patterns show up in a demo).
 ts(n) = start + n * speedup / rate seconds, so event time never decreases in send order, and therefore
-never per payer either (the topic is keyed by payer: each payer's payments stay in order).
+never per payer either (the topic is keyed by payer: each payer's payments stay in order). A payment must
+not be timestamped after it is sent (the contract dead-letters one whose `ts` is later than its Kafka
+record's timestamp plus AML_MAX_CLOCK_SKEW), so a clock running ahead of sending has to start in the past:
+`default_start` ends it at the send time of the last payment.
 
 Background model (all accounts are named `<prefix>-p…`, `-m…`, `-s…` and never touch an instance):
 - persons pay merchants small amounts (3 to 250, in the person's home currency; 85 % EUR, 10 % USD,
@@ -614,6 +617,25 @@ def _country_of(account: str) -> str:
 
 def _iso(when: datetime) -> str:
     return when.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def default_start(count: int, rate: float, speedup: float, now: datetime) -> datetime:
+    """The first event time of a run whose sending starts at `now` or later: the simulated clock ends at the
+    send time of the last payment, so that no payment is timestamped after it is sent.
+
+    ts(n) - sent(n) = start - now + n * (speedup - 1) / rate: for a speedup above 1 largest at the last
+    payment, hence start = now - count / rate * (speedup - 1), to the second, rounded down; `now` (to the
+    second) for a speedup of 1 or less, whose clock never gains on sending.
+    """
+    back = max(Fraction(count) / Fraction(rate) * (Fraction(speedup) - 1), Fraction(0))
+    return (now.astimezone(UTC) - timedelta(microseconds=math.ceil(back * 1_000_000))).replace(microsecond=0)
+
+
+def ahead_of_sending(start: datetime, count: int, rate: float, speedup: float, first_sent: datetime) -> float:
+    """Seconds by which the latest-stamped payment of a run is timestamped after it is sent, when the
+    first is sent at `first_sent` (negative: every payment is stamped before it is sent)."""
+    gain = max((count - 1) * (speedup - 1) / rate, 0.0)
+    return (start - first_sent).total_seconds() + gain
 
 
 def default_instances(count: int) -> int:

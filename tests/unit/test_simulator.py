@@ -19,7 +19,15 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.command import simulate_command
 from aml_app.simulation.producer import payment_count
 from aml_app.simulation.score import format_payment_score, format_scores, payment_score, score
-from aml_app.simulation.traffic import Instance, SimPayment, Simulation, read_ground_truth, simulate
+from aml_app.simulation.traffic import (
+    Instance,
+    SimPayment,
+    Simulation,
+    ahead_of_sending,
+    default_start,
+    read_ground_truth,
+    simulate,
+)
 
 START = datetime(2026, 3, 1, 9, tzinfo=UTC)
 THRESHOLD = Decimal("10000")
@@ -111,6 +119,29 @@ def test_event_time_follows_the_send_clock_and_never_goes_back_per_payer(run: Si
         last[payment.payer] = payment.when
     slower = simulate(seed=7, count=10, rate=5, start=START, instances=0, speedup=1)
     assert [p.when - START for p in slower.payments] == [timedelta(seconds=0.2 * n) for n in range(10)]
+
+
+@pytest.mark.parametrize(
+    ("count", "rate", "speedup"), [(3000, 50, 60), (4000, 50, 60), (7, 3, 60), (10, 5, 1), (10, 5, 0.5)]
+)
+def test_the_default_start_ends_the_simulated_clock_at_the_last_send(
+    count: int, rate: float, speedup: float
+) -> None:
+    """No payment is timestamped after it is sent, even when sending starts the moment the start is
+    chosen; with a clock that gains on sending, the last payment is stamped within a second of its send."""
+    now = datetime(2026, 11, 28, 21, 45, 11, 987654, tzinfo=UTC)
+    start = default_start(count, rate, speedup, now)
+    assert start.microsecond == 0 and start <= now
+    simulation = simulate(seed=3, count=count, rate=rate, start=start, instances=0, speedup=speedup)
+    ahead = [p.when - (now + timedelta(seconds=n / rate)) for n, p in enumerate(simulation.payments)]
+    assert max(ahead) <= timedelta(0)
+    assert ahead_of_sending(start, count, rate, speedup, now) == pytest.approx(max(ahead).total_seconds())
+    if speedup > 1:
+        assert ahead[-1] > -timedelta(seconds=1 + (speedup - 1) / rate)
+    else:
+        assert start == now.replace(microsecond=0)
+    # 50/s for 60 s at 60 times: the simulated hour ends at the last send, 59 minutes back from now.
+    assert default_start(3000, 50, 60, now) == datetime(2026, 11, 28, 20, 46, 11, tzinfo=UTC)
 
 
 def test_start_in_another_timezone_is_written_in_utc() -> None:
@@ -412,6 +443,21 @@ def test_the_command_refuses_bad_options_before_connecting(args: list[str], mess
     result = CliRunner().invoke(simulate_command, args, env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
     assert result.exit_code == 2
     assert message in result.output
+
+
+def test_the_command_refuses_a_start_that_would_timestamp_payments_after_they_are_sent() -> None:
+    """A --start that puts payments more than AML_MAX_CLOCK_SKEW after their send time is one sentence,
+    not a run whose payments every consumer dead-letters; the simulator's own skew bound is the one."""
+    args = ["--rate", "50", "--duration", "60", "--start", "2099-01-01T00:00:00Z"]
+    env = {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    result = CliRunner().invoke(simulate_command, args, env=env)
+    assert result.exit_code == 2
+    assert "would timestamp payments up to" in result.output and "AML_MAX_CLOCK_SKEW (5 s)" in result.output
+    assert "every consumer would dead-letter them" in result.output
+    # Now, at 60 times for 60 s, would run an hour ahead of sending; a start 59 minutes back would not.
+    now = datetime.now(UTC).replace(microsecond=0)
+    result = CliRunner().invoke(simulate_command, [*args[:4], "--start", now.isoformat()], env=env)
+    assert result.exit_code == 2 and "start at or before" in result.output
 
 
 def test_the_command_reports_a_bad_threshold_variable() -> None:
