@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from aml_app import dependency_services as registry
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
 from aml_app.dependency_services import DependencyService, Endpoint
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
@@ -80,6 +81,9 @@ class Settings:
     #: Payments per partition whose decision is sent and not yet acknowledged by the broker (pipelined).
     max_in_flight: int = 1000
     max_payment_bytes: int = 65536
+    #: AML_MAX_CLOCK_SKEW, seconds: how far a payment's `ts` may be after its Kafka record's timestamp
+    #: before every consumer (workers and pipeline) dead-letters it (aml_app.contract).
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
     session_timeout: float = 10.0
     rebalance_timeout: float = 10.0
     commit_interval: float = 1.0
@@ -388,6 +392,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         max_pending_per_partition=_int(env, "AML_MAX_PENDING", 1000, 1, 1_000_000),
         max_in_flight=_int(env, "AML_MAX_IN_FLIGHT", 1000, 1, 1_000_000),
         max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", 65536, 256, 10_000_000),
+        max_clock_skew=_float(env, "AML_MAX_CLOCK_SKEW", defaults.max_clock_skew, 0, 1e12),
         session_timeout=session,
         rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
         commit_interval=_float(env, "AML_COMMIT_INTERVAL", defaults.commit_interval, 0.1, 60),

@@ -7,6 +7,7 @@ import socket
 
 import pytest
 
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
 from aml_app.settings import ConfigError, Settings, load_settings
 
 
@@ -339,3 +340,13 @@ def test_the_freshness_wait_is_shorter_than_the_http_timeout() -> None:
     assert load_settings({"AML_FRESHNESS_WAIT": "1.5", "AML_HTTP_TIMEOUT": "2"}).freshness_wait == 1.5
     with pytest.raises(ConfigError, match=r"^AML_FRESHNESS_WAIT=3 must be shorter than AML_HTTP_TIMEOUT=3"):
         load_settings({"AML_FRESHNESS_WAIT": "3", "AML_HTTP_TIMEOUT": "3"})
+
+
+def test_the_clock_skew_bound_defaults_to_the_contracts_and_is_read_when_set() -> None:
+    assert load_settings({}).max_clock_skew == DEFAULT_MAX_CLOCK_SKEW == 5.0
+    assert load_settings({"AML_MAX_CLOCK_SKEW": "0.25"}).max_clock_skew == 0.25
+    assert load_settings({"AML_MAX_CLOCK_SKEW": "0"}).max_clock_skew == 0
+    assert load_settings({"AML_MAX_CLOCK_SKEW": "1e12"}).max_clock_skew == 1e12  # the bound off
+    for raw in ("-1", "1.1e12", "nan", "inf"):
+        assert "out of range" in _fails({"AML_MAX_CLOCK_SKEW": raw}, "AML_MAX_CLOCK_SKEW")
+    assert "seconds" in _fails({"AML_MAX_CLOCK_SKEW": "5s"}, "AML_MAX_CLOCK_SKEW")
