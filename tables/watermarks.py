@@ -256,7 +256,13 @@ class WorkerGate(Service):
         )
         return (
             DependencyOffsets(servers, topic, settings.depends_on, security=security),
-            UnappliedReader(servers, topic, security=security),
+            UnappliedReader(
+                servers,
+                topic,
+                security=security,
+                max_payment_bytes=settings.max_payment_bytes,
+                max_clock_skew=settings.max_clock_skew,
+            ),
         )
 
     def _rebuild_readers(self) -> None:

@@ -1,20 +1,23 @@
 """Reads, per partition, the first payment the dependencies have not applied: the event-time gate's input.
 
-One group-less consumer fetches each asked partition from its watermark W(q) and keeps the first payment
-with a readable `ts`; a partition with nothing there is caught up, and the fetch's high watermark is its
-log end (ListOffsets is not trusted for that: some brokers answer it with a record batch's base offset
-+ 1). The payment at an offset never changes within one log, so a partition whose W(q) has not moved is
-not fetched again.
+One group-less consumer fetches each asked partition from its watermark W(q) and keeps the first record
+that is a payment under the contract (`aml_app.contract`, with the record's timestamp and the same bounds
+as every consumer): a record that breaks it is dead-lettered and applied by no dependency, so it carries
+no evidence, whatever `ts` it holds. A partition with nothing there is caught up, and the fetch's high
+watermark is its log end (ListOffsets is not trusted for that: some brokers answer it with a record
+batch's base offset + 1). The payment at an offset never changes within one log, so a partition whose
+W(q) has not moved is not fetched again.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Mapping, Sequence
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.structs import ConsumerRecord
 
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, InvalidPayment, validate_payment
 from aml_app.gate.event_time import Unapplied, micros
 from aml_app.kafka.deadlines import close_within, within
 from aml_app.kafka.offsets import OffsetReadError
@@ -24,13 +27,13 @@ from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 FETCH_MAX_WAIT_MS = 20
 
 
-def event_time(value: bytes | None) -> int | None:
-    """The `ts` of a payment's bytes in microseconds; None for bytes that are not a payment with one
-    (dead-lettered, and applied by no dependency: they carry no evidence)."""
+def event_time(record: ConsumerRecord[bytes, bytes], max_bytes: int, max_clock_skew: float) -> int | None:
+    """The `ts` of a payment's record in microseconds; None for a record that breaks the contract
+    (dead-lettered, and applied by no dependency: it carries no evidence)."""
+    stamp = record.timestamp if record.timestamp is not None and record.timestamp >= 0 else None
     try:
-        doc = json.loads(value or b"")
-        return micros(doc["ts"]) if isinstance(doc, dict) and isinstance(doc.get("ts"), str) else None
-    except ValueError:
+        return micros(validate_payment(record.key, record.value, max_bytes, stamp, max_clock_skew)["ts"])
+    except InvalidPayment:
         return None
 
 
@@ -42,9 +45,14 @@ class UnappliedReader:
         request_timeout: float = 5.0,
         *,
         security: KafkaSecurity,
+        max_payment_bytes: int = 65536,
+        max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
     ) -> None:
+        """`max_payment_bytes` and `max_clock_skew`: the contract's bounds, as every consumer has them."""
         self.bootstrap_servers = list(bootstrap_servers)
         self.topic = topic
+        self.max_payment_bytes = max_payment_bytes
+        self.max_clock_skew = max_clock_skew
         self.request_timeout = request_timeout
         self._security = aiokafka_kwargs(security)
         self._consumer: AIOKafkaConsumer | None = None
@@ -133,7 +141,8 @@ class UnappliedReader:
                         (
                             ts
                             for r in records
-                            if r.offset >= todo[tp.partition] and (ts := event_time(r.value)) is not None
+                            if r.offset >= todo[tp.partition]
+                            and (ts := event_time(r, self.max_payment_bytes, self.max_clock_skew)) is not None
                         ),
                         None,
                     )

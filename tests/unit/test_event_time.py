@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import pytest
+from aiokafka.structs import ConsumerRecord
 
 from aml_app.gate.event_time import Unapplied, admits, cut_row, decided_at, instant, micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.unapplied import event_time
+from aml_app.kafka.tools import payment_json
 
 DEADLINE = 2.0
 T = micros("2026-11-20T10:00:00Z")
@@ -78,18 +81,37 @@ def test_a_decision_records_the_cut_it_was_decided_at() -> None:
     }
 
 
-def test_event_time_reads_a_payments_ts_and_nothing_else() -> None:
-    assert event_time(b'{"ts": "2026-11-20T10:00:00Z", "payer": "a"}') == T
-    for value in (
-        None,
-        b"",
-        b"not json",
-        b"[1]",
-        b'{"ts": 5}',
-        b'{"ts": "yesterday"}',
-        b'{"ts": "2026-11-20"}',
+def record(
+    value: bytes | None, timestamp: int = 1_800_000_000_000, key: bytes | None = b"a"
+) -> ConsumerRecord:
+    return ConsumerRecord("payments", 0, 7, timestamp, 0, key, value, None, 0, 0, ())
+
+
+def test_event_time_reads_a_payments_ts_and_nothing_of_a_record_that_breaks_the_contract() -> None:
+    """A record every dependency dead-letters carries no evidence whatever `ts` it holds: read as a
+    frontier, one stamped 2099 (or missing its payee) would hide the next real payment of its partition
+    from the cut, and payments of other partitions later than that one would be admitted before it."""
+    good = payment_json("p1", "a", "b", "10.00", "2026-11-20T10:00:00Z")
+    assert event_time(record(good), 65536, 5.0) == T
+    assert event_time(record(good, timestamp=-1), 65536, 5.0) == T  # no record timestamp: not bounded
+    future = payment_json("p2", "a", "b", "10.00", "2099-01-01T00:00:00Z")
+    assert event_time(record(future, timestamp=-1), 65536, 5.0) is not None
+    no_payee = json.dumps(
+        {"payment_id": "p3", "payer": "a", "amount": "1", "currency": "EUR", "ts": "2026-11-20T10:00:00Z"}
+    )
+    for broken in (
+        record(future),  # more than the clock skew after its record's timestamp
+        record(no_payee.encode()),
+        record(good, key=b"someone else"),
+        record(None),
+        record(b""),
+        record(b"not json"),
+        record(b"[1]"),
+        record(b'{"ts": "2026-11-20T10:00:00Z", "payer": "a"}'),
+        record(b'{"ts": "yesterday"}'),
     ):
-        assert event_time(value) is None, value
+        assert event_time(broken, 65536, 5.0) is None, broken.value
+    assert event_time(record(good), 64, 5.0) is None  # larger than the contract allows
 
 
 async def test_the_gate_waits_for_the_cut_and_a_new_cut_wakes_every_waiter() -> None:
