@@ -5,9 +5,12 @@ One run starts what a user starts (an embedded broker and PostgreSQL server of i
 `aml_app.harness.system.System`), sends `aml-app simulate` traffic at `--rate` payments/s plus one
 malformed record per hundred of its own, and injects faults 15-20 s apart in an order drawn from
 `--seed`: kill -9 of each AML worker (one started again each time), kill -9 of the pipeline (restarted),
-kill -9 of an API replica (restarted), PostgreSQL stopped hard for 5-10 s, the broker frozen with SIGSTOP
-for 5 s, and the workers scaled 2 -> 3 -> 2. Adding partitions is not injected: Tansu does not implement
-CreatePartitions.
+kill -9 of an API replica (restarted), PostgreSQL stopped hard for 5-10 s, PostgreSQL slow (a lock held on
+both stores' main tables for 5-10 s), the broker frozen with SIGSTOP for 5 s and for 15 s (past the
+workers' session timeout), an AML worker frozen with SIGSTOP while it holds partitions and continued once
+they moved to the others, a payment stamped 2099 (dead-lettered by every consumer) and one stamped 1971
+(decided), and the workers scaled 2 -> 3 -> 2. Adding partitions is not injected: Tansu does not
+implement CreatePartitions.
 
 The verdict comes from clients of this module's own, which share no code with the demo's verdict: readers
 of the payments, decisions, alerts and dead-letter topics that note when each record arrived here, a
@@ -16,8 +19,9 @@ ends from a fetch's high watermark (Tansu's ListOffsets answers the start of the
 decision is premature when its payment's offset is at or past a dependency group's committed offset in
 the first poll that started after the decision arrived: the commits were not there even then.
 
-    .venv/bin/python -m bench.chaos_soak --seed 7 --duration 180 [--rate 100]
-        [--faults kill-worker,kill-worker,kill-pipeline,kill-api,postgres-stop,broker-freeze,scale]
+    .venv/bin/python -m bench.chaos_soak --seed 7 --duration 240 [--rate 100]
+        [--faults kill-worker,kill-worker,kill-pipeline,kill-api,postgres-stop,postgres-slow,broker-freeze,
+                  broker-freeze-long,freeze-worker,odd-timestamps,scale]
         [--gap 15,20] [--catch-up 300] [--commit-grace 10] [--sample 50] [--results PATH] [--keep]
         [--no-gate] [--live-code]
 
@@ -28,8 +32,8 @@ control, whose premature decisions the verdict must report.
 
 Exit code 0 when every promise held, 1 when one did not (premature, lost, alerted twice, stores that
 disagree with the payments, a group short of the log end, a malformed record not dead-lettered by all
-three consumers or decided, a process that died on its own, a fault not injected), 2 when the system
-could not be started.
+three consumers or decided, a committed offset seen going back, a process that died on its own, a fault
+not injected), 2 when the system could not be started.
 """
 
 from __future__ import annotations
@@ -69,6 +73,7 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.system import Layout, System, service_settings
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
+from aml_app.kafka.deadlines import close_within, within
 from aml_app.settings import Settings
 from aml_app.simulation.producer import payment_count
 from aml_app.simulation.traffic import DEFAULT_SPEEDUP, default_start
@@ -83,7 +88,11 @@ FULL_SCHEDULE = (
     "kill-pipeline",
     "kill-api",
     "postgres-stop",
+    "postgres-slow",
     "broker-freeze",
+    "broker-freeze-long",
+    "freeze-worker",
+    "odd-timestamps",
     "scale",  # 2 -> 3, then 3 -> 2 one gap later
 )
 FAULT_KINDS = frozenset(FULL_SCHEDULE)
@@ -96,6 +105,12 @@ FIRST_FAULT = 10.0  # seconds of traffic before the first fault
 LAST_FAULT_MARGIN = 10.0  # the last fault starts at least this long before the traffic ends
 POSTGRES_OUTAGE = (5.0, 10.0)
 FREEZE_SECONDS = 5.0
+LONG_FREEZE_SECONDS = 15.0  # past the workers' session timeout (WORKER_SESSION_TIMEOUT, 6 s)
+#: How long a frozen worker's partitions may take to move to the others before it is continued anyway
+#: (and the fault fails): a session timeout, a rebalance and the others' recovery.
+MOVE_DEADLINE = 90.0
+#: Payment times far from the traffic's: one after any allowed clock skew, one long before every window.
+FUTURE_TS, PAST_TS = "2099-01-01T00:00:00Z", "1971-01-01T00:00:00Z"
 POLL_EVERY = 0.2
 REQUEST_TIMEOUT = 5.0
 PROGRESS_EVERY = 10.0
@@ -114,7 +129,7 @@ class SoakError(RuntimeError):
 @dataclass
 class Options:
     seed: int = 7
-    duration: float = 180.0
+    duration: float = 240.0
     rate: float = 100.0
     faults: tuple[str, ...] = FULL_SCHEDULE
     gap: tuple[float, float] = (15.0, 20.0)
@@ -131,9 +146,9 @@ class Options:
 class Fault:
     """One planned fault, and what happened when it was injected."""
 
-    kind: str  # kill-worker, kill-pipeline, kill-api, postgres-stop, broker-freeze, scale-up, scale-down
+    kind: str  # one of FULL_SCHEDULE, "scale" being two steps: scale-up, scale-down
     at: float  # planned, seconds after the traffic started
-    seconds: float = 0.0  # how long the outage lasts (postgres-stop, broker-freeze)
+    seconds: float = 0.0  # how long the outage lasts (postgres-stop/-slow, broker-freeze(-long))
     target: str = ""  # the API replica of kill-api; the worker of the others, once chosen
     started: float | None = None  # wall clock
     ended: float | None = None
@@ -158,10 +173,12 @@ def plan(options: Options) -> tuple[list[Fault], list[str]]:
             fault = Fault(step, round(at, 1))
             if step == "kill-api":
                 fault.target = rng.choice(API_REPLICAS)
-            elif step == "postgres-stop":
+            elif step in ("postgres-stop", "postgres-slow"):
                 fault.seconds = round(rng.uniform(*POSTGRES_OUTAGE), 1)
             elif step == "broker-freeze":
                 fault.seconds = FREEZE_SECONDS
+            elif step == "broker-freeze-long":
+                fault.seconds = LONG_FREEZE_SECONDS
             faults.append(fault)
             at += rng.uniform(*options.gap)
     return faults, skipped
@@ -250,8 +267,7 @@ class TopicReader:
         return {p: hw for p, hw in found.items() if hw is not None}
 
     async def stop(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.consumer.stop(), STOP_DEADLINE)
+        await close_within(self.consumer.stop(), STOP_DEADLINE, f"stopping the reader of {self.topic}")
 
 
 @dataclass(frozen=True)
@@ -281,18 +297,19 @@ class CommitPoller:
             admin = AIOKafkaAdminClient(
                 bootstrap_servers=self.bootstrap, request_timeout_ms=int(REQUEST_TIMEOUT * 1000)
             )
-            await asyncio.wait_for(admin.start(), REQUEST_TIMEOUT)
+            await within(admin.start(), REQUEST_TIMEOUT, "starting the commit poller")
             self.admin = admin
         started = time.time()
         committed: dict[str, dict[int, int]] = {}
         for group in self.groups:
             if group not in self.coordinators:
-                self.coordinators[group] = await asyncio.wait_for(
-                    self.admin.find_coordinator(group), REQUEST_TIMEOUT
+                self.coordinators[group] = await within(
+                    self.admin.find_coordinator(group), REQUEST_TIMEOUT, f"finding {group}'s coordinator"
                 )
-            answer = await asyncio.wait_for(
+            answer = await within(
                 self.admin.list_consumer_group_offsets(group, self.coordinators[group], partitions=self.tps),
                 REQUEST_TIMEOUT,
+                f"reading {group}'s committed offsets",
             )
             offsets = {tp.partition: max(meta.offset, 0) for tp, meta in answer.items()}
             committed[group] = {tp.partition: offsets.get(tp.partition, 0) for tp in self.tps}
@@ -305,8 +322,7 @@ class CommitPoller:
         admin, self.admin = self.admin, None
         self.coordinators.clear()
         if admin is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(admin.close(), REQUEST_TIMEOUT)
+            await close_within(admin.close(), REQUEST_TIMEOUT, "closing the commit poller")
 
     async def run(self, closing: asyncio.Event) -> None:
         while not closing.is_set():
@@ -369,8 +385,7 @@ async def log_ends(bootstrap: str, topic: str, partitions: int) -> tuple[dict[in
         fetched = {tp.partition: int(consumer.highwater(tp) or 0) for tp in tps}
         return fetched, {tp.partition: offset for tp, offset in listed.items()}
     finally:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(consumer.stop(), STOP_DEADLINE)
+        await close_within(consumer.stop(), STOP_DEADLINE, "stopping the log end reader")
 
 
 def payment_bytes(payment_id: str, payer: str, payee: str, amount: str, ts: str) -> bytes:
@@ -401,7 +416,13 @@ def utc_now() -> str:
 
 
 def is_malformed(record: Seen) -> bool:
-    return (record.key or b"").startswith(b"chaos-bad-")
+    """A record every consumer must dead-letter: the malformed ones, and the payment stamped 2099."""
+    return (record.key or b"").startswith((b"chaos-bad-", b"chaos-future-"))
+
+
+def is_odd(payer: str) -> bool:
+    """The payers of `odd-timestamps`, whose payments no window of the stores' check holds."""
+    return payer.startswith(("chaos-future-", "chaos-past-"))
 
 
 # ---- what was read, made sense of
@@ -437,6 +458,7 @@ class Findings:
     decided: set[tuple[int, int]] = field(default_factory=set)
     unreadable_decisions: int = 0
     alerts: Counter[str] = field(default_factory=Counter)
+    alert_arrivals: dict[str, list[float]] = field(default_factory=dict)  # payment id -> when each arrived
     dead: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)  # source -> origin -> reason
     dead_arrived: dict[str, float] = field(default_factory=dict)  # source -> last arrival
     read: dict[str, int] = field(default_factory=dict)  # topic -> records parsed so far
@@ -487,6 +509,7 @@ class Findings:
             except (ValueError, KeyError, TypeError):
                 payment_id = (r.key or b"").decode(errors="replace")
             self.alerts[payment_id] += 1
+            self.alert_arrivals.setdefault(payment_id, []).append(r.arrived)
 
     def dead_letters(self, records: list[Seen], source_of: Callable[[str], str]) -> None:
         for r in self.take("dlq", records):
@@ -526,6 +549,10 @@ class Soak:
         self.unexpected: list[dict[str, Any]] = []
         self.notes: list[str] = []
         self.frozen = False
+        #: A worker stopped with SIGSTOP by `freeze-worker`, until it is continued (the cleanup continues it).
+        self.frozen_worker: WorkerProcess | None = None
+        #: The (partition, offset) of the payments `odd-timestamps` sent: "future" and "past".
+        self.odd: dict[str, tuple[int, int]] = {}
         self.pipeline_starts = 0
         self.t0 = 0.0  # monotonic start of the traffic
         self.t0_wall = 0.0
@@ -848,7 +875,12 @@ class Soak:
             await asyncio.sleep(fault.seconds)
             await asyncio.to_thread(postgres.start)
             fault.what = f"PostgreSQL stopped (immediate) for {fault.seconds:g} s, then started"
-        elif fault.kind == "broker-freeze":
+        elif fault.kind == "postgres-slow":
+            tables = await asyncio.to_thread(self.hold_store_tables, fault.seconds)
+            fault.what = (
+                f"PostgreSQL slow: {', '.join(tables)} locked (ACCESS EXCLUSIVE) for {fault.seconds:g} s"
+            )
+        elif fault.kind in ("broker-freeze", "broker-freeze-long"):
             broker.pause()
             self.frozen = True
             try:
@@ -857,6 +889,10 @@ class Soak:
                 broker.resume()
                 self.frozen = False
             fault.what = f"broker SIGSTOP for {fault.seconds:g} s, then SIGCONT"
+        elif fault.kind == "freeze-worker":
+            await self.freeze_worker(fault)
+        elif fault.kind == "odd-timestamps":
+            await self.send_odd_timestamps(fault)
         elif fault.kind == "scale-up":
             before = len(self.live_workers())
             fault.target = system.add_worker("aml").worker_id
@@ -872,6 +908,80 @@ class Soak:
             )
         else:
             raise ValueError(f"unknown fault {fault.kind!r}")
+
+    def hold_store_tables(self, seconds: float) -> list[str]:
+        """Lock every table of the dependencies' stores for `seconds` in one transaction: the pipeline's
+        writes and the APIs' reads wait behind it (PostgreSQL slow, not down)."""
+        import psycopg
+        from psycopg import sql
+
+        assert self.postgres is not None
+        schemas = [dep.schema.name for dep in registry.SERVICES.values()]
+        with psycopg.connect(self.postgres.url("aml"), connect_timeout=10) as conn:
+            rows = conn.execute(
+                "SELECT table_schema, table_name FROM information_schema.tables "
+                "WHERE table_schema = ANY(%s) AND table_type = 'BASE TABLE' ORDER BY 1, 2",
+                (schemas,),
+            ).fetchall()
+            names = [sql.Identifier(schema, table) for schema, table in rows]
+            conn.execute(sql.SQL("LOCK TABLE {} IN ACCESS EXCLUSIVE MODE").format(sql.SQL(", ").join(names)))
+            time.sleep(seconds)
+            conn.rollback()
+        return [f"{schema}.{table}" for schema, table in rows]
+
+    async def freeze_worker(self, fault: Fault) -> None:
+        """SIGSTOP the AML worker holding the most partitions (with what it has in flight), wait until the
+        others own every partition, then SIGCONT it: a zombie that must not commit, alert or decide twice
+        beyond what it had in flight."""
+        live = self.live_workers()
+        states = await asyncio.gather(*(w.state() for w in live))
+        held = {w.worker_id: (s or {}).get("assigned", []) for w, s in zip(live, states, strict=True)}
+        victim = max(live, key=lambda w: len(held[w.worker_id]))
+        others = [w for w in live if w is not victim]
+        fault.target = victim.worker_id
+        in_flight = sum(1 for o in ((states[live.index(victim)] or {}).get("in_flight") or {}).values() if o)
+        victim.signal_group(signal.SIGSTOP)
+        self.frozen_worker = victim
+        stopped = time.monotonic()
+        moved = False
+        try:
+            while time.monotonic() - stopped < MOVE_DEADLINE:
+                found = await asyncio.gather(*(w.state() for w in others))
+                owned = {p for state in found if state for p in state.get("assigned", [])}
+                if owned >= set(range(PARTITIONS)):
+                    moved = True
+                    break
+                await asyncio.sleep(0.5)
+        finally:
+            victim.signal_group(signal.SIGCONT)
+            self.frozen_worker = None
+        took = time.monotonic() - stopped
+        fault.seconds = round(took, 1)
+        fault.what = (
+            f"SIGSTOP {victim.worker_id} holding partitions {held[victim.worker_id]} "
+            f"({in_flight} lanes busy); "
+            + (f"they moved to the others after {took:.1f} s; SIGCONT" if moved else "SIGCONT")
+        )
+        if not moved:
+            fault.error = f"its partitions had not moved to the other workers {MOVE_DEADLINE:g} s later"
+
+    async def send_odd_timestamps(self, fault: Fault) -> None:
+        """A payment stamped 2099 (past any allowed clock skew: every consumer dead-letters it) and one
+        stamped 1971 (valid: decided, and older than every window of C)."""
+        assert self.producer is not None
+        for kind, ts in (("future", FUTURE_TS), ("past", PAST_TS)):
+            payer = f"chaos-{kind}-{self.options.seed}"
+            value = payment_bytes(payer, payer, "chaos-odd-sink", "12.00", ts)
+            sent = await within(
+                await self.producer.send(self.settings.payments_topic, value, payer.encode()),
+                FAULTS_DEADLINE,
+                f"sending the {kind} payment",
+            )
+            self.odd[kind] = (sent.partition, sent.offset)
+        fault.what = (
+            f"a payment stamped {FUTURE_TS} at {self.odd['future']} and one stamped {PAST_TS} at "
+            f"{self.odd['past']} (partition, offset)"
+        )
 
     def restart_pipeline(self) -> None:
         assert self.system is not None
@@ -1014,6 +1124,8 @@ class Soak:
         totals: dict[str, tuple[int, dict[str, Decimal]]] = {}
         latest = datetime.fromtimestamp(0, UTC)
         for payment in self.findings.valid.values():
+            if is_odd(payment.payer):
+                continue  # stamped 1971: no window of C at the traffic's end holds it
             count, sums = totals.get(payment.payer, (0, {}))
             sums[payment.currency] = sums.get(payment.currency, Decimal(0)) + payment.amount
             totals[payment.payer] = (count + 1, sums)
@@ -1168,7 +1280,7 @@ class Soak:
                 "payments": len(f.alerts),
                 "records": sum(f.alerts.values()),
                 "alerted_twice": len(alerted_twice),
-                "examples": dict(list(alerted_twice.items())[:10]),
+                "examples": {pid: self.story(pid) for pid in list(alerted_twice)[:10]},
             },
             "decided_twice": again,
             "aml_behind_dependencies": self.aml_lag(),
@@ -1206,6 +1318,12 @@ class Soak:
             failures.append(
                 f"{again['beyond_in_flight']} decisions made again beyond what was in flight at the faults"
             )
+        regressions = self.poller.regressions()
+        if regressions:
+            failures.append(f"committed offsets seen going back {len(regressions)} times")
+        odd = self.odd_verdicts()
+        doc["odd_timestamps"] = odd
+        failures += odd["failures"]
         if self.unexpected:
             failures.append(f"{len(self.unexpected)} process(es) died on their own")
         errors = [x for x in self.faults if x.error]
@@ -1214,6 +1332,50 @@ class Soak:
         doc["failures"] = failures
         doc["ok"] = not failures
         return doc
+
+    def story(self, payment_id: str) -> dict[str, Any]:
+        """When a payment's alerts arrived and who decided it when (seconds after the traffic started)."""
+        since = self.t0_wall
+        return {
+            "alerts_arrived_s": [
+                round(t - since, 2) for t in self.findings.alert_arrivals.get(payment_id, [])
+            ],
+            "decisions": [
+                {
+                    "worker": d.worker,
+                    "decided_s": round(d.decided_at - since, 2),
+                    "arrived_s": round(d.arrived - since, 2),
+                }
+                for d in self.findings.decisions
+                if d.payment_id == payment_id
+            ],
+        }
+
+    def odd_verdicts(self) -> dict[str, Any]:
+        """What became of `odd-timestamps`' payments: the 2099 one dead-lettered by every consumer with a
+        reason about the clock, decided by none; the 1971 one decided (and dead-lettered by none)."""
+        f = self.findings
+        found: dict[str, dict[str, Any]] = {}
+        failures: list[str] = []
+        for kind, origin in self.odd.items():
+            dead = {source: reason for source, letters in f.dead.items() if (reason := letters.get(origin))}
+            found[kind] = {"at": list(origin), "decided": origin in f.decided, "dead_lettered": dead}
+        if "future" in found:
+            future = found["future"]
+            missing = [
+                s for s in (*registry.NAMES, "aml") if "clock skew" not in future["dead_lettered"].get(s, "")
+            ]
+            if missing or future["decided"]:
+                failures.append(
+                    f"the payment stamped {FUTURE_TS}: not dead-lettered by {missing}, decided: "
+                    f"{future['decided']}"
+                )
+        if "past" in found and (not found["past"]["decided"] or found["past"]["dead_lettered"]):
+            failures.append(
+                f"the payment stamped {PAST_TS}: decided {found['past']['decided']}, "
+                f"dead-lettered by {sorted(found['past']['dead_lettered'])}"
+            )
+        return {**found, "failures": failures}
 
     def redecided(self) -> dict[str, Any]:
         """Decision records beyond a payment's first, set against what was in flight at the faults.
@@ -1241,8 +1403,12 @@ class Soak:
                 events.append((x.started, f"{x.kind} {x.target}", x.target))
             elif x.started is not None and x.kind == "scale-down":
                 events.append((x.started, f"{x.kind} {x.target}", None))
-            elif x.started is not None and x.kind in ("scale-up", "broker-freeze"):
+            elif x.started is not None and x.kind in ("scale-up", "broker-freeze", "broker-freeze-long"):
                 events.append((x.started, x.kind, None))
+            elif x.started is not None and x.kind == "freeze-worker":
+                # Its partitions move while it stands still: the next owners decide again what it had not
+                # committed, as after a kill; and it must decide nothing again once continued.
+                events.append((x.started, f"{x.kind} {x.target}", x.target))
         for e in self.unexpected:
             if e.get("worker"):
                 events.append((self.t0_wall + e["at"], f"unexpected exit of {e['worker']}", e["worker"]))
@@ -1251,15 +1417,18 @@ class Soak:
         for i, (at, what, worker) in enumerate(events):
             until = events[i + 1][0] if i + 1 < len(events) else float("inf")
             times = [d.decided_at for d in first.values() if worker is None or d.worker == worker]
-            repeats = sum(1 for d in again if at <= d.decided_at < until)
+            repeated = [d for d in again if at <= d.decided_at < until]
             in_flight = busiest(times, at, until, grace)
             rows.append(
                 {
                     "fault": what,
                     "at_s": round(at - self.t0_wall, 1),
-                    "decided_again": repeats,
+                    "decided_again": len(repeated),
                     "in_flight": in_flight,
-                    "beyond": max(repeats - in_flight, 0),
+                    "beyond": max(len(repeated) - in_flight, 0),
+                    # Who decided first and when, for a few: which worker's decisions were owed again.
+                    "first_decisions": Counter(first[d.payment_id].worker for d in repeated),
+                    "examples": [self.story(d.payment_id) for d in repeated[:3]],
                 }
             )
         before = sum(1 for d in again if not events or d.decided_at < events[0][0])
@@ -1301,6 +1470,8 @@ class Soak:
         """Stop everything we started, each step bounded, whatever happened."""
         if self.broker is not None and self.frozen:
             self.broker.resume()
+        if self.frozen_worker is not None:
+            self.frozen_worker.signal_group(signal.SIGCONT)
         if self.simulator is not None and self.simulator.alive():
             self.simulator.signal_group(signal.SIGTERM)
             if not await asyncio.to_thread(self.simulator.wait, 10):
@@ -1397,6 +1568,12 @@ def summary(doc: dict[str, Any]) -> str:
         f"{'/'.join(str(malformed['dead_lettered'][s]) for s in ('relations', 'aggregates', 'aml'))}, "
         f"decided {malformed['decided']}",
         f"alerted twice: {doc['alerts']['alerted_twice']} (of {doc['alerts']['payments']} payments alerted)",
+        *(
+            f"payment stamped {FUTURE_TS if kind == 'future' else PAST_TS} at {odd['at']}: decided "
+            f"{odd['decided']}, dead-lettered by {sorted(odd['dead_lettered']) or 'none'}"
+            for kind, odd in doc.get("odd_timestamps", {}).items()
+            if kind != "failures"
+        ),
         f"decided twice: {again['payment_ids']} payment ids, {again['extra_records']} extra records; "
         f"beyond what was in flight at the AML faults: {again['beyond_in_flight']}",
         *(
@@ -1451,7 +1628,7 @@ def write(doc: dict[str, Any], path: Path | None) -> Path:
 def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--duration", type=float, default=180.0, help="seconds of traffic")
+    parser.add_argument("--duration", type=float, default=240.0, help="seconds of traffic")
     parser.add_argument("--rate", type=float, default=100.0, help="payments/s")
     parser.add_argument(
         "--faults",
