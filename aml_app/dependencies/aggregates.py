@@ -158,6 +158,13 @@ def floor_bucket(when: datetime) -> datetime:
     return when - (when - EPOCH) % BUCKET
 
 
+def week_before(at: datetime) -> datetime:
+    """`at - HORIZON`, or the first instant there is for an `at` in the first week of year 1 (no payment
+    is older: the contract's ts starts there)."""
+    earliest = datetime.min.replace(tzinfo=UTC)
+    return at - HORIZON if at - earliest > HORIZON else earliest
+
+
 def near_bounds(threshold: Decimal, band: Decimal) -> tuple[Decimal, Decimal]:
     """[low, high): the amounts counted as near the reporting threshold."""
     return threshold * (1 - band), threshold
@@ -412,7 +419,7 @@ async def aggregates_many(
             "threshold_band": format(band, "f"),
             "late_dropped": int(meta.get("late_dropped", "0")),
             # The week before `at` is all there: its first minute was not pruned.
-            "exact": pruned is None or floor_bucket(at - HORIZON) >= pruned,
+            "exact": pruned is None or floor_bucket(week_before(at)) >= pruned,
             "reporting_currency": rates.reporting,
             "unconverted": [],
         }

@@ -8,7 +8,8 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
               co_payees look at; the part `loop` needs
               `closing=<payer>` and `at=ISO` (the payment into the account that would close it) and
               takes `loop_hops=2..16` (default 12); `chain` takes `closing` (its last edge); `at=ISO`
-              answers every part as of that instant, from the payments made by then (default: all)
+              answers every part as of that instant, from the payments made by then (default: all);
+              `after=COUNTERPARTY` lists in out and in only the counterparties after it (the next page)
 - aggregates: GET /aggregates/{account}?at=ISO  at is an ISO-8601 instant with a timezone (default now);
               'Z' is accepted, and a '+' that the query string decoded to a space is put back; each
               window's sums per currency and their totals in the AML rules' reporting currency
@@ -25,6 +26,21 @@ Routes (every response is JSON; every fault is 4xx/5xx with {"error": "<sentence
 
 Account ids are path segments (percent-encode '/', '%', '?', '#'), at most 128 characters.
 
+What one request may cost is bounded (`Limits`, docs/pipeline.md "What one request may cost"):
+- B's `out` parts list at most `AML_API_MAX_ROWS` edge rows per request together, its `in` parts as many,
+  its `neighbourhood` parts as many accounts, taken by the queries in order (`relations.relations_many`);
+  a part cut short lists the start of its list and is named in the answer's `truncated` with the
+  entries it lists, and `after` gives the next page of out and in;
+- a request's answers get `AML_API_TIMEOUT` seconds, then 503 and the statement cancelled on the server;
+  every statement has the same `statement_timeout` on the server; `serve` runs with
+  `handler_cancellation`, so a request whose client leaves is cancelled, and its statement with it;
+- what a client sends is bounded: MAX_BATCH queries, each part and each ISO 4217 currency of
+  `min_average` once, MAX_NEED_PARTITIONS partitions in a `need`, integers of MAX_DIGITS digits; a NUL
+  or an unpaired surrogate in any text, JSON nested too deep, each is a 400 that names the field;
+- questions share a pool of connections (503 "every connection ... in use" when it stays full);
+  /health and the store check have connections of their own (`Reader.health_snapshot`);
+- log lines show a client's text escaped (%r), and the store's URL shows no secret (`redacted`).
+
 An API keeps no state of its own: every answer is read from the store in one REPEATABLE READ snapshot
 together with its `as_of` and `log` (the identity of the Kafka log those offsets are of, as the store
 recorded it, `aml_app.kafka.identity`; null for a store that records none), so any number of replicas on
@@ -40,10 +56,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -54,11 +72,12 @@ from aiohttp import web
 
 from aml_app import dependency_services as registry
 from aml_app.contract import MAX_ID_LENGTH
+from aml_app.currencies import ISO_4217
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
-from aml_app.dependencies.store import Reader, Snapshot, StoreVersionMismatch, redacted
+from aml_app.dependencies.store import HEALTH_TIMEOUT, Reader, Snapshot, StoreVersionMismatch, redacted
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +86,45 @@ MAX_BATCH = 1000
 CHECK_EVERY = 2.0  # seconds between two checks of the store against its consumer group
 MAX_WAIT_MS = 10_000  # the longest a batch may wait for the store to cover what it needs
 POLL = (0.02, 0.25)  # seconds between two looks at the store while a batch waits: first, longest
-SERVICE = web.AppKey("service", str)
-ROUTES: web.AppKey[list[str]] = web.AppKey("routes", list)
+#: `AML_API_TIMEOUT`'s default: seconds a request's answers may take to compute.
+ANSWER_TIMEOUT = 10.0
+#: The largest partition and next offset a `need` may name (Kafka's int32 and int64).
+MAX_PARTITION = 2**31 - 1
+MAX_OFFSET = 2**63 - 1
+#: The most partitions a `need` may name (a topic of more is not one this service is built for).
+MAX_NEED_PARTITIONS = 10_000
+#: The most digits a JSON integer in a request body may have: no field takes more (an offset has 19).
+MAX_DIGITS = 30
+#: How the server runs (`serve`): a request whose client has gone is cancelled, and with it the
+#: statement it runs on PostgreSQL (psycopg cancels it on the server when its task is cancelled).
+#: aiohttp cancels no handler on a disconnect unless asked to.
+SERVER_OPTIONS: dict[str, Any] = {"handler_cancellation": True}
 # "...T10:00:00 01:00": a '+01:00' offset whose '+' the query string decoded to a space.
 _DECODED_PLUS = re.compile(r"^(.*T[0-9:.,]+) ([0-9]{2}(:?[0-9]{2})?)$")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may cost the service: `max_rows`, the most entries its answers' `out` parts
+    list together (and its `in` parts, and its `neighbourhood` parts; B only: `relations.relations_many`),
+    and `timeout`, the seconds its answers may take to compute (then 503, and its statement is cancelled).
+    The store's reader stops every statement after the same time on the server too."""
+
+    max_rows: int = relations.MAX_ROWS
+    timeout: float = ANSWER_TIMEOUT
+
+    @classmethod
+    def of(cls, settings: Any) -> Limits:
+        """`AML_API_MAX_ROWS` and `AML_API_TIMEOUT` of `settings` (None: the defaults)."""
+        if settings is None:
+            return cls()
+        return cls(settings.api_max_rows, settings.api_timeout)
+
+
+SERVICE = web.AppKey("service", str)
+ROUTES: web.AppKey[list[str]] = web.AppKey("routes", list)
+LIMITS: web.AppKey[Limits] = web.AppKey("limits", Limits)
+READER: web.AppKey[Reader] = web.AppKey("reader", Reader)
 
 
 class BadRequest(ValueError):
@@ -81,8 +135,25 @@ class StoreBehind(RuntimeError):
     """The store is behind its consumer group (the guard's sentence): answers would lack history."""
 
 
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+class TooLong(RuntimeError):
+    """A request's answers took longer than the service's bound (`Limits.timeout`) to compute."""
+
+
+def _error(status: int, message: str, retry_after: int | None = None) -> web.Response:
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response({"error": message}, status=status, headers=headers)
+
+
+async def _batch_response(body: dict[str, Any]) -> web.Response:
+    """A batch's JSON, written one answer at a time with a yield to the event loop between two: the
+    same text as `web.json_response` gives, without holding the loop for a whole batch at once."""
+    if "answers" not in body:
+        return web.json_response(body)
+    parts = []
+    for answer in body["answers"]:
+        parts.append(json.dumps(answer))
+        await asyncio.sleep(0)
+    return web.Response(text='{"answers": [' + ", ".join(parts) + "]}", content_type="application/json")
 
 
 @web.middleware
@@ -104,16 +175,49 @@ async def _json_errors(
         return _error(exc.status, exc.reason)
     except (StoreBehind, StoreVersionMismatch) as exc:
         return _error(503, f"{str(exc)[0].upper()}{str(exc)[1:]}")
-    except (psycopg.OperationalError, psycopg_pool.PoolTimeout) as exc:
-        log.warning("store read failed for %s: %s", request.path, exc)
+    except (TooLong, psycopg.errors.QueryCanceled) as exc:  # the bound here, or the server's
+        seconds = (
+            request.app[LIMITS].timeout if isinstance(exc, TooLong) else request.app[READER].statement_timeout
+        )
+        log.warning("a request to %r ran past %g s and was stopped", request.path, seconds)
+        return _error(
+            503,
+            f"Answering this request took longer than {seconds:g} s, this service's bound, and was stopped; "
+            "ask fewer or smaller questions at once.",
+        )
+    except psycopg_pool.PoolTimeout as exc:
+        if request.app[READER].busy():
+            log.warning("no free connection to the store for %r: %s", request.path, exc)
+            return _error(
+                503,
+                "Every connection of this replica to the store is in use; try again shortly.",
+                retry_after=1,
+            )
+        log.warning("store read failed for %r: %s", request.path, exc)
+        return _error(503, "The store could not be read right now; try again shortly.")
+    except psycopg.OperationalError as exc:
+        log.warning("store read failed for %r: %s", request.path, exc)
         return _error(503, "The store could not be read right now; try again shortly.")
     except Exception:
-        log.exception("unexpected error for %s", request.path)
+        # %r: a path holds what the client sent, newlines and NULs included.
+        log.exception("unexpected error for %r", request.path)
         return _error(500, "Internal error while answering this request; see the service log.")
 
 
+def _text(value: str, field: str) -> str:
+    """`value`, if it is text PostgreSQL can take: no NUL character, and no unpaired UTF-16 surrogate
+    (which a JSON escape or a decoded path can hold, and UTF-8 cannot encode)."""
+    if "\x00" in value:
+        raise BadRequest(f"{field} holds a NUL character, which no account id or parameter may hold.")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(f"{field} holds an unpaired UTF-16 surrogate, which is not text.") from None
+    return value
+
+
 def _account(request: web.Request) -> str:
-    account = request.match_info["account"]
+    account = _text(request.match_info["account"], "The account id")
     if len(account) > MAX_ID_LENGTH:
         raise BadRequest(f"The account id is {len(account)} characters long; the limit is {MAX_ID_LENGTH}.")
     if not account.strip():
@@ -125,16 +229,29 @@ def _single(request: web.Request, name: str) -> str | None:
     values = request.query.getall(name, [])
     if len(values) > 1:
         raise BadRequest(f"The query parameter {name!r} is given {len(values)} times; give it once.")
-    return values[0] if values else None
+    return _text(values[0], f"The query parameter {name!r}") if values else None
+
+
+def _whole_number(raw: str, low: int, high: int) -> int | None:
+    """`raw` as a whole number from `low` to `high`, or None: ASCII digits only (leading zeros allowed),
+    and never more of them converted than the bound has (Python refuses to convert 4,300 or more)."""
+    text = raw.strip()
+    if not (text.isascii() and text.isdigit()):
+        return None
+    digits = text.lstrip("0") or "0"
+    if len(digits) > len(str(high)):
+        return None
+    value = int(digits)
+    return value if low <= value <= high else None
 
 
 def parse_hops(raw: str | None) -> int:
     if raw is None:
         return DEFAULT_HOPS
-    text = raw.strip()
-    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= MAX_HOPS:
+    hops = _whole_number(raw, 1, MAX_HOPS)
+    if hops is None:
         raise BadRequest(f"hops must be a whole number from 1 to {MAX_HOPS}, got {raw[:40]!r}.")
-    return int(text)
+    return hops
 
 
 def parse_need(raw: Any) -> Need | None:
@@ -145,26 +262,69 @@ def parse_need(raw: Any) -> Need | None:
     example = 'such as {"as_of": {"0": 42}, "log": "...", "wait_ms": 2000}'
     if not isinstance(raw, dict) or not isinstance(raw.get("as_of"), dict):
         raise BadRequest(f"need must be an object with an as_of object, {example}.")
+    if len(raw["as_of"]) > MAX_NEED_PARTITIONS:
+        raise BadRequest(
+            f"need.as_of names {len(raw['as_of'])} partitions; it may name at most {MAX_NEED_PARTITIONS}."
+        )
     as_of = {}
     for p, o in raw["as_of"].items():
-        if not (isinstance(p, str) and p.isascii() and p.isdigit()) or not isinstance(o, int) or o < 0:
-            raise BadRequest(f"need.as_of maps partitions to next offsets >= 0, {example}; got {p!r}: {o!r}.")
-        as_of[int(p)] = o
+        partition = _whole_number(p, 0, MAX_PARTITION)
+        if partition is None or isinstance(o, bool) or not isinstance(o, int) or not 0 <= o <= MAX_OFFSET:
+            raise BadRequest(
+                f"need.as_of maps partitions (0 to {MAX_PARTITION}) to next offsets (0 to {MAX_OFFSET}), "
+                f"{example}; got {p[:40]!r}: {_shown(o)}."
+            )
+        as_of[partition] = o
     log_id, wait_ms = raw.get("log"), raw.get("wait_ms", 0)
     if log_id is not None and not isinstance(log_id, str):
         raise BadRequest(f"need.log must be a string, {example}.")
+    if log_id is not None:
+        _text(log_id, "need.log")
     if not isinstance(wait_ms, int) or isinstance(wait_ms, bool) or not 0 <= wait_ms <= MAX_WAIT_MS:
-        raise BadRequest(f"need.wait_ms must be a whole number from 0 to {MAX_WAIT_MS}, got {wait_ms!r}.")
+        raise BadRequest(
+            f"need.wait_ms must be a whole number from 0 to {MAX_WAIT_MS}, got {_shown(wait_ms)}."
+        )
     return Need(as_of, log_id, wait_ms / 1000)
+
+
+class LongNumber:
+    """A JSON integer of more than MAX_DIGITS digits in a request body: no field takes one, and Python
+    refuses to convert one of 4,300 or more (a ValueError that would name no field)."""
+
+    def __init__(self, digits: str) -> None:
+        self.digits = digits
+
+    def __repr__(self) -> str:
+        return f"a number of {len(self.digits.lstrip('-'))} digits"
+
+
+def _json_int(text: str) -> int | LongNumber:
+    return int(text) if len(text) <= MAX_DIGITS else LongNumber(text)
+
+
+def _shown(value: Any) -> str:
+    """A value a client sent, for an error sentence: its JSON text, at most 40 characters of it."""
+    if isinstance(value, LongNumber):
+        return repr(value)
+    try:
+        text = json.dumps(value)
+    except (TypeError, ValueError, RecursionError):
+        text = type(value).__name__
+    return text if len(text) <= 40 else text[:40] + "..."
 
 
 async def _body(request: web.Request) -> tuple[list[dict[str, Any]], Need | None]:
     """The `queries` of a batch request body, each an object (checked further by the caller), and its
     `need`."""
     try:
-        body = await request.json()
+        body = json.loads(await request.text(), parse_int=_json_int)
     except ValueError:
         raise BadRequest('The request body must be JSON: {"queries": [...]}.') from None
+    except RecursionError:
+        raise BadRequest(
+            'The request body nests JSON arrays or objects too deep; it must be {"queries": [...]} '
+            "with one flat object per query."
+        ) from None
     queries = body.get("queries") if isinstance(body, dict) else None
     if not isinstance(queries, list) or not all(isinstance(q, dict) for q in queries):
         raise BadRequest('The request body must be {"queries": [...]} with one object per query.')
@@ -174,18 +334,26 @@ async def _body(request: web.Request) -> tuple[list[dict[str, Any]], Need | None
 
 
 async def answered_when_covered(
-    reader: Reader, need: Need | None, compute: Callable[[Snapshot], Awaitable[list[dict[str, Any]]]]
+    reader: Reader,
+    need: Need | None,
+    compute: Callable[[Snapshot], Awaitable[list[dict[str, Any]]]],
+    timeout: float = ANSWER_TIMEOUT,
 ) -> dict[str, Any]:
     """`{"answers": compute(snapshot)}` from the first snapshot that meets `need`, looking again (from
     POLL[0] to POLL[1] apart) for at most `need.wait` seconds; then `{"not_yet": true, "as_of", "log",
-    "waited_ms"}`: the store has not applied what the question needs, ask again (or another replica)."""
+    "waited_ms"}`: the store has not applied what the question needs, ask again (or another replica).
+    `compute` gets `timeout` seconds; then it is cancelled, its statement with it, and `TooLong` raised."""
     started = time.monotonic()
     delay = POLL[0]
     while True:
         async with reader.snapshot() as snap:
             log_id = snap.meta.get("log")
             if need is None or need.met(snap.as_of, log_id):
-                return {"answers": await compute(snap)}
+                try:
+                    async with asyncio.timeout(timeout):
+                        return {"answers": await compute(snap)}
+                except TimeoutError:
+                    raise TooLong(f"the answers took longer than {timeout:g} s") from None
             as_of = snap.as_of
         left = need.wait - (time.monotonic() - started)
         if left <= 0:
@@ -205,21 +373,28 @@ def _batch_account(query: dict[str, Any], i: int) -> str:
         raise BadRequest(
             f"queries[{i}].account must be a non-blank string of at most {MAX_ID_LENGTH} characters."
         )
-    return account
+    return _text(account, f"queries[{i}].account")
 
 
 def _text_or_none(query: dict[str, Any], name: str, i: int) -> str | None:
     value = query.get(name)
-    if value is None or isinstance(value, str):
+    if value is None:
         return value
-    if name in ("hops", "loop_hops") and isinstance(value, int) and not isinstance(value, bool):
-        return str(value)
+    if isinstance(value, str):
+        return _text(value, f"queries[{i}].{name}")
+    if name in ("hops", "loop_hops") and isinstance(value, int | LongNumber) and not isinstance(value, bool):
+        return str(value) if isinstance(value, int) else repr(value)
     raise BadRequest(f"queries[{i}].{name} must be a string, got {type(value).__name__}.")
+
+
+#: The longest `min_average` there is room for: each ISO 4217 currency once, with an amount of 40 characters.
+_MIN_AVERAGE_LENGTH = len(ISO_4217) * 46
 
 
 def parse_min_average(raw: str | None) -> relations.MinAverage:
     """The average payment from which an edge counts as heavy: a plain decimal >= 0 for every currency
-    (default 0), or one per currency as `USD:1000,EUR:853.4` (a currency not named is never heavy)."""
+    (default 0), or one per currency as `USD:1000,EUR:853.4` (a currency not named is never heavy). Each
+    currency is an ISO 4217 code (as every payment's is), named once: the list is as short as that."""
     if raw is None:
         return Decimal(0)
     example = "such as 1000, or one per currency such as USD:1000,EUR:853.4"
@@ -228,12 +403,19 @@ def parse_min_average(raw: str | None) -> relations.MinAverage:
         if value is None:
             raise BadRequest(f"min_average must be a plain decimal number >= 0 {example}, got {raw[:40]!r}.")
         return value
+    if len(raw) > _MIN_AVERAGE_LENGTH:
+        raise BadRequest(
+            f"min_average is {len(raw)} characters long: it names each ISO 4217 currency at most once, "
+            f"{example}."
+        )
     per: dict[str, Decimal] = {}
     for item in raw.split(","):
         currency, _, text = item.strip().partition(":")
         value = _plain_decimal(text)
         if not re.fullmatch(r"[A-Z]{3}", currency) or value is None or currency in per:
             raise BadRequest(f"min_average must be a plain decimal number >= 0 {example}, got {raw[:60]!r}.")
+        if currency not in ISO_4217:
+            raise BadRequest(f"min_average names {currency}, which is not an ISO 4217 currency code.")
         per[currency] = value
     return per
 
@@ -251,11 +433,28 @@ def _plain_decimal(raw: str) -> Decimal | None:
 def parse_parts(raw: str | None) -> tuple[str, ...]:
     if raw is None:
         return PARTS
-    parts = tuple(p.strip() for p in raw.split(","))
+    parts = tuple(p.strip() for p in raw.split(",", len(ALL_PARTS)))
     unknown = [p for p in parts if p not in ALL_PARTS]
-    if unknown or not parts:
-        raise BadRequest(f"parts must be a comma-separated list of {', '.join(ALL_PARTS)}, got {raw[:60]!r}.")
+    if unknown or not parts or len(set(parts)) < len(parts):
+        raise BadRequest(
+            f"parts must be a comma-separated list of {', '.join(ALL_PARTS)}, each at most once, "
+            f"got {raw[:60]!r}."
+        )
     return parts
+
+
+def parse_after(parts: Sequence[str], raw: str | None, where: str = "") -> str | None:
+    """A query's `after`: the counterparty after which its `out` and `in` go on (the next page of a
+    list cut short)."""
+    if raw is None:
+        return None
+    if "out" not in parts and "in" not in parts:
+        raise BadRequest(f"{where}after belongs to the parts out and in, neither of which is asked.")
+    if not raw or len(raw) > MAX_ID_LENGTH:
+        raise BadRequest(
+            f"{where}after must be the last counterparty listed, an id of 1 to {MAX_ID_LENGTH} characters."
+        )
+    return raw
 
 
 def parse_loop(
@@ -286,12 +485,12 @@ def parse_loop(
         raise BadRequest(f"{where}the part loop needs at: the time of the payment that would close it.")
     hops = LOOP_HOPS
     if loop_hops is not None:
-        text = loop_hops.strip()
-        if not (text.isascii() and text.isdigit()) or not 2 <= int(text) <= LOOP_MAX_HOPS:
+        parsed = _whole_number(loop_hops, 2, LOOP_MAX_HOPS)
+        if parsed is None:
             raise BadRequest(
                 f"{where}loop_hops must be a whole number from 2 to {LOOP_MAX_HOPS}, got {loop_hops[:40]!r}."
             )
-        hops = int(text)
+        hops = parsed
     return closing, parse_at(at), hops
 
 
@@ -351,8 +550,9 @@ class StoreCheck:
         )
         try:
             _partitions, committed = await self.offsets.read()
-            # Committed first, then the store: see guard.behind.
-            async with self.reader.snapshot() as snap:
+            # Committed first, then the store: see guard.behind. Through the connections of /health:
+            # questions that take every other one do not blind the guard.
+            async with self.reader.health_snapshot() as snap:
                 applied = snap.as_of
         except unreadable as exc:
             self.error = str(exc) or type(exc).__name__
@@ -391,12 +591,16 @@ class StoreCheck:
         await self.offsets.close()
 
 
-def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | None) -> web.Application:
-    """The parts both APIs share: errors as JSON, the store's pool and the check, opened and closed with
-    the application."""
+def _app(
+    service: str, routes: list[str], reader: Reader, check: StoreCheck | None, limits: Limits
+) -> web.Application:
+    """The parts both APIs share: errors as JSON, the store's pools and the check, opened and closed with
+    the application, and /health."""
     app = web.Application(middlewares=[_json_errors])
     app[SERVICE] = service
     app[ROUTES] = ["GET /health", *routes]
+    app[LIMITS] = limits
+    app[READER] = reader
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         await reader.open()
@@ -413,16 +617,22 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
     app.cleanup_ctx.append(lifetime)
 
     async def health(request: web.Request) -> web.Response:
-        async with reader.snapshot() as snap:
-            meta = snap.meta
-            body = {
-                "status": "ok",
-                "service": service,
-                "store": redacted(reader.url),
-                "store_exists": snap.schema is not None,
-                "as_of": {str(p): o for p, o in sorted(snap.as_of.items())},
-                "log": meta.get("log"),
-            }
+        # A connection of its own (`Reader.health_snapshot`): questions that take every connection of
+        # the pool, or run long, do not make a load balancer take the replica out.
+        try:
+            async with reader.health_snapshot() as snap:
+                meta = snap.meta
+                body = {
+                    "status": "ok",
+                    "service": service,
+                    "store": redacted(reader.url),
+                    "store_exists": snap.schema is not None,
+                    "as_of": {str(p): o for p, o in sorted(snap.as_of.items())},
+                    "log": meta.get("log"),
+                }
+        except (psycopg_pool.PoolTimeout, psycopg.OperationalError) as exc:
+            log.warning("health: the store could not be read: %s", exc)
+            return _error(503, f"The store could not be read within {HEALTH_TIMEOUT:g} s; try again shortly.")
         body.update(registry.service(service).health(meta))
         if check is not None:
             body["store_check"] = check.as_json()
@@ -435,8 +645,12 @@ def _app(service: str, routes: list[str], reader: Reader, check: StoreCheck | No
     return app
 
 
-def relations_app(reader: Reader, settings: Any = None, check: StoreCheck | None = None) -> web.Application:
-    """B's API (`settings` is not read: B's answers depend on its store only)."""
+def relations_app(
+    reader: Reader, settings: Any = None, check: StoreCheck | None = None, limits: Limits | None = None
+) -> web.Application:
+    """B's API; its answers depend on its store only. `limits`, or else `settings`' (`Limits.of`), bound
+    what a request may cost."""
+    limits = limits or Limits.of(settings)
     app = _app(
         "relations",
         [
@@ -444,10 +658,12 @@ def relations_app(reader: Reader, settings: Any = None, check: StoreCheck | None
             "&min_average=0&at=ISO",
             "GET /relations/{account}?parts=loop&closing=PAYER&at=ISO&loop_hops=2..16",
             "GET /relations/{account}?parts=chain&closing=PAYER&at=ISO",
+            "GET /relations/{account}?parts=out,in&after=COUNTERPARTY",
             "POST /relations",
         ],
         reader,
         check,
+        limits,
     )
 
     async def answer(queries: list[relations.Query], need: Need | None = None) -> dict[str, Any]:
@@ -456,10 +672,10 @@ def relations_app(reader: Reader, settings: Any = None, check: StoreCheck | None
 
         async def compute(snap: Snapshot) -> list[dict[str, Any]]:
             return await relations.relations_many(
-                snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log")
+                snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log"), limits.max_rows
             )
 
-        return await answered_when_covered(reader, need, compute)
+        return await answered_when_covered(reader, need, compute, limits.timeout)
 
     async def single(request: web.Request) -> web.Response:
         parts = parse_parts(_single(request, "parts"))
@@ -471,6 +687,7 @@ def relations_app(reader: Reader, settings: Any = None, check: StoreCheck | None
             *parse_loop(
                 parts, _single(request, "closing"), _single(request, "at"), _single(request, "loop_hops")
             ),
+            parse_after(parts, _single(request, "after")),
         )
         return web.json_response((await answer([query]))["answers"][0])
 
@@ -492,20 +709,27 @@ def relations_app(reader: Reader, settings: Any = None, check: StoreCheck | None
                         _text_or_none(q, "loop_hops", i),
                         where=f"queries[{i}]: ",
                     ),
+                    parse_after(parts, _text_or_none(q, "after", i), where=f"queries[{i}]: "),
                 )
             )
-        return web.json_response(await answer(queries, need))
+        return await _batch_response(await answer(queries, need))
 
     app.router.add_get("/relations/{account}", single)
     app.router.add_post("/relations", batch)
     return app
 
 
-def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = None) -> web.Application:
+def aggregates_app(
+    reader: Reader, settings: Any, check: StoreCheck | None = None, limits: Limits | None = None
+) -> web.Application:
     """`settings` gives the near-threshold definition a store without one reports (the pipeline's), and
     the exchange rates of the AML rules (`AML_REPORTING_CURRENCY`, `AML_EXCHANGE_RATES`), in whose
-    reporting currency every window is stated too."""
-    app = _app("aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"], reader, check)
+    reporting currency every window is stated too; `limits`, or else its own (`Limits.of`), what a
+    request may cost."""
+    limits = limits or Limits.of(settings)
+    app = _app(
+        "aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"], reader, check, limits
+    )
     defaults = (settings.reporting_threshold, settings.threshold_band)
     rates = settings.aml_thresholds.rates
 
@@ -518,7 +742,7 @@ def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = Non
                 snap.cur, snap.schema, queries, snap.as_of, snap.meta, defaults, rates
             )
 
-        return await answered_when_covered(reader, need, compute)
+        return await answered_when_covered(reader, need, compute, limits.timeout)
 
     async def single(request: web.Request) -> web.Response:
         account = _account(request)
@@ -528,7 +752,7 @@ def aggregates_app(reader: Reader, settings: Any, check: StoreCheck | None = Non
     async def batch(request: web.Request) -> web.Response:
         asked, need = await _body(request)
         queries = [(_batch_account(q, i), parse_at(_text_or_none(q, "at", i))) for i, q in enumerate(asked)]
-        return web.json_response(await answer(queries, need))
+        return await _batch_response(await answer(queries, need))
 
     app.router.add_get("/aggregates/{account}", single)
     app.router.add_post("/aggregates", batch)
@@ -539,7 +763,7 @@ def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     """The application for `kind` ('relations' or 'aggregates') on the store `settings` names, with the
     store check against the consumer group (unless `check` is False: tests of the queries alone)."""
     registered = registry.service(kind)
-    reader = Reader(settings.store_url, registered.schema)
+    reader = Reader(settings.store_url, registered.schema, statement_timeout=Limits.of(settings).timeout)
     guard = StoreCheck(reader, kind, settings) if check else None
     app: web.Application = registered.app(reader, settings, guard)
     return app
@@ -553,4 +777,4 @@ def serve(kind: str, settings: Any) -> None:
         f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.store_url)})",
         flush=True,
     )
-    web.run_app(app, host=settings.services_host, port=port, print=None)
+    web.run_app(app, host=settings.services_host, port=port, print=None, **SERVER_OPTIONS)

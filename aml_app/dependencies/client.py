@@ -18,6 +18,20 @@ store to cover them, or answers "not yet" with its `as_of`; then the next replic
 none has it, `NotYet` tells the caller to ask again later. The client remembers the highest `as_of` each
 service has shown: an answer below it (a replica behind the others, a store restored from a backup) is
 the named event "went back", counted and logged, and the question goes to another replica first.
+
+Service B lists at most `AML_API_MAX_ROWS` entries per request in its `out` parts (and as many in `in`,
+and in `neighbourhood`), taken by the queries in order; an answer it cut short names the parts in
+`truncated`. The client makes every such list whole before it returns: an `out` or `in` list goes on
+with the counterparties after the last one listed (`after`, a page), and a part that lists nothing yet
+(the queries before it took the bound) is asked again alone, in requests of their own, until each list
+is whole. So a batch answers as its queries asked one by one with no bound would, and the detectors
+(which read the payer's `out`) decide as they would without the bound. Each page and each question
+asked again is counted (`ClientStats.asked_again`). The follow-ups come from later snapshots of B's
+store, each covering at least what the batch's `need` names; the detectors ask as of each payment's time
+(`at`), which the event-time gate makes the same in each. Only a list that cannot go on is returned as
+B gives it, the start of the list with its `truncated`, counted (`ClientStats.truncated`) and logged: a
+`neighbourhood` longer than the bound (the detectors never ask for one), or a counterparty paid in more
+currencies than the bound has rows (`AML_API_MAX_ROWS` is at least 200; ISO 4217 has fewer codes).
 """
 
 from __future__ import annotations
@@ -107,6 +121,8 @@ class ClientStats:
     failures: int = 0
     not_yet: int = 0  # answers "not yet": the store had not applied what the question needed
     went_back: int = 0  # answers below an as_of the service had shown before
+    asked_again: int = 0  # pages and questions asked again because B's bound per request cut a list short
+    truncated: int = 0  # answers returned with a list cut short: longer than B lists for one request
     seconds: float = 0.0
     last_error: str | None = None
     by_dependency: dict[str, int] = field(default_factory=dict)
@@ -190,15 +206,20 @@ class DependencyClient:
         at: datetime | None = None,
     ) -> dict[str, Any]:
         """One GET /relations; `loop` is the closing payer, the time and the longest loop of a `loop` part,
-        `at` the instant to answer as of (None: from every payment B holds)."""
+        `at` the instant to answer as of (None: from every payment B holds). A list B cut short is made
+        whole as `relations_many` makes it."""
         query = {"hops": str(hops), "parts": parts, "min_average": min_average_text(min_average)}
         if at is not None:
             query["at"] = at.isoformat()
         if loop is not None:
             query.update(closing=loop[0], at=loop[1].isoformat(), loop_hops=str(loop[2]))
-        return await self._send(
+        answer = await self._send(
             "relations", lambda base: _resource(base, "relations", account).with_query(query), None
         )
+        if not answer.get("truncated"):
+            return answer
+        [whole] = await self._whole([{"account": account, **query}], [answer], None)
+        return whole
 
     async def aggregates_many(
         self, queries: Sequence[tuple[str, datetime]], need: Need | None = None
@@ -244,7 +265,69 @@ class DependencyClient:
         if need is not None:
             body["need"] = need.as_json()
         answer = await self._send("relations", lambda base: base / "relations", body)
-        return _answers(answer, len(accounts), "relations")
+        return await self._whole(queries, _answers(answer, len(accounts), "relations"), need)
+
+    async def _whole(
+        self, queries: list[dict[str, Any]], answers: list[dict[str, Any]], need: Need | None
+    ) -> list[dict[str, Any]]:
+        """`answers` (to `queries`, asked in one request) with every list that B's bound per request cut
+        short made whole: an `out` or `in` part goes on with the counterparties after the last one it
+        lists (`after`: a page), a part that lists nothing yet, or a `neighbourhood`, is asked again
+        alone. A round's follow-ups go in one request, in order. The first query of a request has the
+        whole bound to itself, so each round completes it or moves it on; what cannot move on (a
+        `neighbourhood` longer than the bound) is used as B gives it, with its `truncated`, counted and
+        logged."""
+        # What a request asked: per query, the answer it completes, the part it asks again (None: the
+        # whole query), and the query itself.
+        asked: list[tuple[int, str | None, dict[str, Any]]] = [(i, None, q) for i, q in enumerate(queries)]
+        got, answers = answers, list(answers)
+        left_cut: dict[int, dict[str, int]] = {}
+        while True:
+            following: list[tuple[int, str | None, dict[str, Any]]] = []
+            for k, ((i, part, query), answer) in enumerate(zip(asked, got, strict=True)):
+                cut: dict[str, int] = answer.pop("truncated", None) or {}
+                if part is None:
+                    answers[i] = answer
+                    new = {p: len(answer.get(p, [])) for p in cut}
+                elif part == "neighbourhood":
+                    answers[i][part] = answer.get(part, [])
+                    new = {}
+                else:  # the counterparties after `after` (an older B would list them all again)
+                    after = query.get("after")
+                    page = [e for e in answer.get(part, []) if after is None or e["counterparty"] > after]
+                    answers[i][part] = [*answers[i][part], *page] if after is not None else page
+                    new = {part: len(page)}
+                for p in cut:
+                    listed = answers[i].get(p, [])
+                    alone: dict[str, Any] = {k: query[k] for k in ("account", "hops", "at") if k in query}
+                    if k == 0 and not (p in ("out", "in") and new.get(p)):  # it had the whole bound
+                        left_cut.setdefault(i, {})[p] = len(listed)
+                    elif p in ("out", "in") and listed:
+                        following.append((i, p, {**alone, "parts": p, "after": listed[-1]["counterparty"]}))
+                    else:  # the queries before it took the bound
+                        following.append((i, p, {**alone, "parts": p}))
+            if not following:
+                break
+            asked = following
+            self.stats.asked_again += len(asked)
+            body: dict[str, Any] = {"queries": [q for _, _, q in asked]}
+            if need is not None:
+                body["need"] = need.as_json()
+            again = await self._send("relations", lambda base: base / "relations", body)
+            got = _answers(again, len(asked), "relations")
+        for i, cut in left_cut.items():
+            answers[i]["truncated"] = cut
+            self._truncated(answers[i])
+        return answers
+
+    def _truncated(self, answer: Mapping[str, Any]) -> None:
+        self.stats.truncated += 1
+        log.warning(
+            "relations lists only the first %s of %r: more than it lists for one request "
+            "(AML_API_MAX_ROWS), taken as it is",
+            ", ".join(f"{n} entries of {part}" for part, n in answer.get("truncated", {}).items()),
+            answer.get("account"),
+        )
 
     async def _send(self, dependency: str, where: Callable[[URL], URL], body: Any) -> dict[str, Any]:
         """The request on each replica in turn until one answers usefully; its JSON object. An answer

@@ -14,6 +14,8 @@ at its own time does not depend on how far B has applied since; the detectors as
 - `out` / `in`: the account's direct counterparties, merged over currencies, sorted by counterparty;
 - `neighbourhood`: accounts within `hops` edges ignoring direction (excluding the account itself), with
   their shortest distance, sorted by (hops, account);
+  these three lists are bounded per call (`max_rows` of `relations_many`, `MAX_ROWS` by default): a list
+  cut short says so (`truncated`), and `out` and `in` go on from a counterparty (`after`);
 - `cycle`: the shortest simple directed cycle from the account back to itself with 2 to `hops` edges,
   through distinct other accounts (a self-payment moves no money between parties: it makes no cycle and
   is part of none); among equally short ones the smallest path (code-point order). With at most 3 hops a
@@ -57,8 +59,9 @@ Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python co
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -77,6 +80,7 @@ LOOP_MAX_HOPS = 16
 LOOP_HOPS = 12
 #: How far back before `at` a loop may start (AMLworld's laundering cycles span up to about a week).
 LOOP_SPAN = timedelta(days=14)
+EARLIEST = datetime.min.replace(tzinfo=UTC)
 #: A loop does not go on through an account that paid more distinct accounts than this: a merchant or a
 #: payment processor connects everyone in time, and laundering loops run through accounts of few payees.
 LOOP_MAX_PAYEES = 100
@@ -84,6 +88,10 @@ LOOP_MAX_PAYEES = 100
 LOOP_FRONTIER = 500
 #: At most this many `sources` and `co_payees` in an answer, the strongest first.
 LISTED = 10
+#: The most entries the `out` parts of one call of `relations_many` list together (edge rows: one per
+#: counterparty and currency), the most its `in` parts list, and the most accounts its `neighbourhood`
+#: parts list (the APIs' bound per request, `AML_API_MAX_ROWS`, by default).
+MAX_ROWS = 50_000
 #: A chain's edge passes money on: its average payment is this many times the edge's before it (AMLworld's
 #: layering hops pass on 0.93-1.07 of what they got; an account's unrelated payments rarely match).
 FLOW_RATIO = (Decimal("0.8"), Decimal("1.25"))
@@ -96,7 +104,8 @@ MinAverage = Decimal | Mapping[str, Decimal]
 class Query(NamedTuple):
     """One question to Service B: an account, how far to look, which parts, and what counts as heavy;
     for `loop`, the payment that would close it (its payer and time) and the longest loop; for `chain`,
-    that payer and time too, if the chain must end with its edge and be paid before it."""
+    that payer and time too, if the chain must end with its edge and be paid before it; `after`, a
+    counterparty: `out` and `in` list only those after it (the next page of a list cut short)."""
 
     account: str
     hops: int
@@ -105,6 +114,7 @@ class Query(NamedTuple):
     closing: str | None = None
     at: datetime | None = None
     loop_hops: int = LOOP_HOPS
+    after: str | None = None
 
 
 SCHEMA = Schema(
@@ -205,6 +215,7 @@ def check_query(
     closing: str | None = None,
     at: datetime | None = None,
     loop_hops: int = LOOP_HOPS,
+    after: str | None = None,
 ) -> None:
     if isinstance(hops, bool) or not isinstance(hops, int) or not 1 <= hops <= MAX_HOPS:
         raise ValueError(f"hops must be an integer from 1 to {MAX_HOPS}, got {hops!r}")
@@ -224,6 +235,8 @@ def check_query(
             raise ValueError(f"loop_hops must be an integer from 2 to {LOOP_MAX_HOPS}, got {loop_hops!r}")
     if at is not None and (not isinstance(at, datetime) or at.tzinfo is None):
         raise ValueError(f"at must be an instant with a timezone, got {at!r}")
+    if after is not None and not isinstance(after, str):
+        raise ValueError(f"after must be an account id, got {after!r}")
     amounts = list(min_average.values()) if isinstance(min_average, Mapping) else [min_average]
     if isinstance(min_average, Mapping) and (
         not min_average or not all(isinstance(c, str) for c in min_average)
@@ -248,30 +261,67 @@ def _heavy_key(min_average: MinAverage) -> Any:
     return tuple(sorted(min_average.items())) if isinstance(min_average, Mapping) else min_average
 
 
-def _sides(rows: Iterable[tuple[Any, ...]]) -> dict[int, list[dict[str, Any]]]:
-    """Per query index, the counterparties merged over currencies, sorted by counterparty."""
+#: Rows an answer's Python work goes through between two yields to the event loop: a long list is
+#: read and written out in slices, so that /health and other requests are served meanwhile.
+SLICE = 1000
+
+
+async def _rows(cur: Any) -> list[tuple[Any, ...]]:
+    """The rows of the statement `cur` ran, converted SLICE at a time with a yield between two."""
+    rows: list[tuple[Any, ...]] = []
+    while chunk := await cur.fetchmany(SLICE):
+        rows.extend(chunk)
+        await asyncio.sleep(0)
+    return rows
+
+
+async def _sides(rows: Iterable[tuple[Any, ...]]) -> dict[int, tuple[list[dict[str, Any]], bool]]:
+    """Per query index, the counterparties merged over currencies, sorted by counterparty, and whether
+    the list is cut short (`_SIDE`'s rows: the query's edge rows `n`, then one row per edge row taken,
+    and one more past them when it did not take all). A cut list holds whole counterparties only: the
+    last one taken is left out when the row past the cut is another of its currencies."""
     merged: dict[int, dict[str, dict[str, Any]]] = {}
-    for i, counterparty, currency, payments, total, first, last in rows:
-        entry = merged.setdefault(i, {}).setdefault(
+    sizes: dict[int, int] = {}
+    taken: dict[int, int] = {}
+    peeked: dict[int, str] = {}
+    for k, (i, n, take, counterparty, currency, payments, total, first, last) in enumerate(rows, 1):
+        if k % SLICE == 0:
+            await asyncio.sleep(0)
+        by_name = merged.setdefault(i, {})
+        sizes[i] = n
+        if counterparty is None:
+            continue
+        if taken.get(i, 0) == take:
+            peeked[i] = counterparty  # the row past the cut
+            continue
+        taken[i] = taken.get(i, 0) + 1
+        entry = by_name.setdefault(
             counterparty, {"count": 0, "totals": {}, "first_seen": first, "last_seen": last}
         )
         entry["count"] += payments
         entry["totals"][currency] = entry["totals"].get(currency, Decimal(0)) + total
         entry["first_seen"] = min(entry["first_seen"], first)
         entry["last_seen"] = max(entry["last_seen"], last)
-    return {
-        i: [
-            {
-                "counterparty": name,
-                "count": e["count"],
-                "totals": {c: money_text(e["totals"][c]) for c in sorted(e["totals"])},
-                "first_seen": iso_text(e["first_seen"]),
-                "last_seen": iso_text(e["last_seen"]),
-            }
-            for name, e in sorted(by_name.items())
-        ]
-        for i, by_name in merged.items()
-    }
+    listed: dict[int, tuple[list[dict[str, Any]], bool]] = {}
+    for i, by_name in merged.items():
+        cut = taken.get(i, 0) < sizes[i]
+        if cut and by_name and peeked.get(i) == max(by_name):
+            del by_name[max(by_name)]
+        entries = []
+        for k, (name, e) in enumerate(sorted(by_name.items()), 1):
+            if k % SLICE == 0:
+                await asyncio.sleep(0)
+            entries.append(
+                {
+                    "counterparty": name,
+                    "count": e["count"],
+                    "totals": {c: money_text(e["totals"][c]) for c in sorted(e["totals"])},
+                    "first_seen": iso_text(e["first_seen"]),
+                    "last_seen": iso_text(e["last_seen"]),
+                }
+            )
+        listed[i] = (entries, cut)
+    return listed
 
 
 # --- an edge row as of an instant ------------------------------------------------------------------
@@ -314,11 +364,39 @@ def _last(e: str, at: str = "q.at") -> str:
     )
 
 
+# The edge rows of each query's account on one side (out: it pays; in: it is paid), as of the query's
+# `at` and past its `after` (a counterparty, for the next page of a list cut short), in (counterparty,
+# currency) order, while the request's budget of %(rows)s rows lasts: in query order, each query takes all
+# of its rows or what is left. `budget` goes through the queries one by one: it counts each one's rows,
+# at most one more than the budget left (then it has more than there is room for), so a statement reads
+# at most the budget and one row per query, whatever the accounts hold; `take` is the query's share. The
+# rows fetched are what it takes, and one more past them when that is not all (it says whether the last
+# counterparty taken has more currencies); none for a query that takes nothing (on the `in` side they
+# would be sorted to be found). Each query's first row carries its count `n` and its share `take`; a
+# query that takes nothing has one row of NULLs.
+_SIDE_QUERY = """SELECT (%(accounts)s::text[])[{i}] AS account, (%(ats)s::timestamptz[])[{i}] AS at,
+        (%(afters)s::text[])[{i}] AS after"""
+_SIDE_ROWS = f"""SELECT * FROM {{edges}} e WHERE e.{{own}} = q.account COLLATE "C" AND {_paid("e")}
+        AND (q.after IS NULL OR e.{{other}} > q.after COLLATE "C")"""
 _SIDE = f"""
-SELECT q.i, e.{{other}}, e.currency, {_count("e")}, {_sum("e")}, e.first_seen, {_last("e")}
-FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
-JOIN {{edges}} e ON e.{{own}} = q.account COLLATE "C"
-WHERE {_paid("e")}
+WITH RECURSIVE budget(i, n, take, left_) AS (
+    SELECT 0::bigint, 0::bigint, 0::bigint, %(rows)s::bigint
+    UNION ALL
+    SELECT b.i + 1, c.n, least(c.n, b.left_), b.left_ - least(c.n, b.left_)
+    FROM budget b
+    CROSS JOIN LATERAL ({_SIDE_QUERY.format(i="b.i + 1")}) q
+    CROSS JOIN LATERAL (SELECT count(*) AS n FROM ({_SIDE_ROWS}
+        LIMIT b.left_ + 1) s) c
+    WHERE b.i < cardinality(%(accounts)s::text[])
+)
+SELECT b.i, b.n, b.take, e.{{other}}, e.currency, {_count("e")}, {_sum("e")}, e.first_seen, {_last("e")}
+FROM budget b
+CROSS JOIN LATERAL ({_SIDE_QUERY.format(i="b.i")}) q
+LEFT JOIN LATERAL ({_SIDE_ROWS}
+    ORDER BY e.{{other}}, e.currency LIMIT CASE WHEN b.take > 0 THEN b.take + (b.take < b.n)::int ELSE 0 END
+) e ON true
+WHERE b.i > 0
+ORDER BY b.i, e.{{other}}, e.currency
 """
 
 # The shortest simple cycle through each account, for lengths 2 and 3 (NULL where there is none): the
@@ -341,12 +419,30 @@ SELECT q.i,
 FROM unnest(%(accounts)s::text[], %(ats)s::timestamptz[]) WITH ORDINALITY AS q(account, at, i)
 """
 
+# The accounts one edge away from a frontier (either direction, paid by `at`) that are not among `seen`,
+# the first %(limit)s in code-point order.
 _NEIGHBOURS = """
-SELECT payee FROM {edges} WHERE payer = ANY(%(frontier)s::text[])
-    AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
-UNION
-SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
-    AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
+SELECT n.account FROM (
+    (SELECT payee AS account FROM {edges} WHERE payer = ANY(%(frontier)s::text[])
+        AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
+    UNION
+    SELECT payer FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
+        AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz))
+    EXCEPT
+    SELECT unnest(%(seen)s::text[]) COLLATE "C"
+) n
+ORDER BY n.account LIMIT %(limit)s
+"""
+
+# Whether a frontier has any such account: what a neighbourhood with no room left needs to know (whether
+# it is cut short), without reading every neighbour of the frontier to sort them.
+_ANY_NEIGHBOUR = """
+SELECT EXISTS (SELECT FROM {edges} WHERE payer = ANY(%(frontier)s::text[])
+        AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
+        AND payee NOT IN (SELECT unnest(%(seen)s::text[]) COLLATE "C"))
+    OR EXISTS (SELECT FROM {edges} WHERE payee = ANY(%(frontier)s::text[])
+        AND (%(at)s::timestamptz IS NULL OR first_seen <= %(at)s::timestamptz)
+        AND payer NOT IN (SELECT unnest(%(seen)s::text[]) COLLATE "C"))
 """
 
 # A heavy edge row `e` as of the query's `at`: average payment >= the minimum of its currency
@@ -585,7 +681,8 @@ class LoopSearch:
     def __init__(self, query: Query) -> None:
         assert query.at is not None and query.closing is not None
         self.query = query
-        start = query.at - LOOP_SPAN
+        # No payment is older than the first instant there is (the contract's ts starts in year 1).
+        start = query.at - LOOP_SPAN if query.at - EARLIEST > LOOP_SPAN else EARLIEST
         self.labels: dict[str, dict[str, list[Label]]] = {
             "forward": {query.account: [(0, start, (query.account,))]},
             "backward": {query.closing: [(0, query.at, (query.closing,))]},
@@ -691,21 +788,37 @@ async def _loops(cur: Any, edges: sql.Composable, asked: Sequence[Query]) -> lis
 
 
 async def _neighbourhood(
-    cur: Any, edges: sql.Composable, account: str, hops: int, at: datetime | None
-) -> list[dict[str, Any]]:
+    cur: Any, edges: sql.Composable, account: str, hops: int, at: datetime | None, room: int
+) -> tuple[list[dict[str, Any]], bool]:
+    """The accounts within `hops` edges of `account`, by (hops, account), at most `room` of them, and
+    whether that cut the list short (then it is the start of the whole list: every nearer level, and
+    the first accounts of the one it stops in)."""
     distance = {account: 0}
     frontier = [account]
+    cut = False
     for step in range(1, hops + 1):
         if not frontier:
             break
-        await cur.execute(sql.SQL(_NEIGHBOURS).format(edges=edges), {"frontier": frontier, "at": at})
-        frontier = sorted(a for (a,) in await cur.fetchall() if a not in distance)
+        left = room - (len(distance) - 1)
+        asked = {"frontier": frontier, "at": at, "seen": list(distance), "limit": left + 1}
+        if left == 0:
+            await cur.execute(sql.SQL(_ANY_NEIGHBOUR).format(edges=edges), asked)
+            row = await cur.fetchone()
+            cut = bool(row and row[0])
+            break
+        await cur.execute(sql.SQL(_NEIGHBOURS).format(edges=edges), asked)
+        frontier = [a for (a,) in await cur.fetchall()]
+        if len(frontier) > left:
+            frontier, cut = frontier[:left], True
         for name in frontier:
             distance[name] = step
+        if cut:
+            break
     del distance[account]
-    return [
+    listed = [
         {"account": a, "hops": d} for a, d in sorted(distance.items(), key=lambda item: (item[1], item[0]))
     ]
+    return listed, cut
 
 
 async def relations_many(
@@ -714,6 +827,7 @@ async def relations_many(
     queries: Sequence[Sequence[Any]],
     as_of: Mapping[int, int],
     log: str | None = None,
+    max_rows: int = MAX_ROWS,
 ) -> list[dict[str, Any]]:
     """Answers for several queries (`Query`, or (account, hops, parts) tuples), inside the caller's read
     snapshot (cursor `cur`).
@@ -721,10 +835,21 @@ async def relations_many(
     `as_of` is the store's applied offsets and `log` the log they are of (its meta `log`; None for a store
     that records none), both read in the same snapshot; a store without tables answers every query empty
     (the caller passes `schema` None then).
+
+    The lists are bounded by `max_rows` for the whole call: the `out` parts list at most that many edge
+    rows (one per counterparty and currency) together, the `in` parts as many, and the `neighbourhood`
+    parts at most that many accounts together, taken by the queries in order (the first query takes all
+    it has, up to the bound; the next what is left; ...), and reading them reads at most that many rows
+    and one more per query. A part cut short lists the start of its whole answer (whole counterparties
+    only) and is named in the answer's `truncated`, with how many entries it lists (`{"out": 1000}`);
+    an answer with nothing cut short has no `truncated`. A query's `after` gives the next page of its
+    `out` and `in`: the counterparties after the last one listed.
     """
+    if max_rows < 1:
+        raise ValueError(f"max_rows must be at least 1, got {max_rows!r}")
     asked = [Query(*q) for q in queries]
     for q in asked:
-        check_query(q.hops, q.parts, q.min_average, q.closing, q.at, q.loop_hops)
+        check_query(q.hops, q.parts, q.min_average, q.closing, q.at, q.loop_hops, q.after)
     answers = []
     for q in asked:
         answer: dict[str, Any] = {
@@ -747,11 +872,18 @@ async def relations_many(
         if wanted:
             await cur.execute(
                 sql.SQL(_SIDE).format(edges=edges, own=sql.Identifier(own), other=sql.Identifier(other)),
-                {"accounts": [a for _, a in wanted], "ats": [asked[i].at for i, _ in wanted]},
+                {
+                    "accounts": [a for _, a in wanted],
+                    "ats": [asked[i].at for i, _ in wanted],
+                    "afters": [asked[i].after for i, _ in wanted],
+                    "rows": max_rows,
+                },
             )
-            sides = _sides(await cur.fetchall())
+            sides = await _sides(await _rows(cur))
             for k, (i, _account) in enumerate(wanted, start=1):
-                answers[i][part] = sides.get(k, [])
+                answers[i][part], cut = sides.get(k, ([], False))
+                if cut:
+                    answers[i].setdefault("truncated", {})[part] = len(answers[i][part])
     for (hops, _min), indexes in _grouped(asked, "cycle", lambda q: (q.hops, None)).items():
         cycles = await _cycles(
             cur, edges, [asked[i].account for i in indexes], [asked[i].at for i in indexes], hops
@@ -799,9 +931,17 @@ async def relations_many(
                     {fields[0]: name, fields[1]: list(value) if isinstance(value, list) else int(value)}
                     for name, value in listed.get(k, [])
                 ]
+    room = max_rows
     for i, q in enumerate(asked):
         if "neighbourhood" in q.parts:
-            answers[i]["neighbourhood"] = await _neighbourhood(cur, edges, q.account, q.hops, q.at)
+            near, cut = await _neighbourhood(cur, edges, q.account, q.hops, q.at, room)
+            answers[i]["neighbourhood"] = near
+            room -= len(near)
+            if cut:
+                answers[i].setdefault("truncated", {})["neighbourhood"] = len(near)
+    for answer in answers:
+        if "truncated" in answer:  # in the order of the parts
+            answer["truncated"] = {p: answer["truncated"][p] for p in PARTS if p in answer["truncated"]}
     return answers
 
 

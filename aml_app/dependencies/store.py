@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -82,8 +82,9 @@ def money_text(value: Decimal) -> str:
 
 
 def iso_text(when: datetime) -> str:
-    """`2026-01-02T03:04:05.123456Z`: UTC, always six fractional digits."""
-    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    """`2026-01-02T03:04:05.123456Z`: UTC, always four digits of year and six fractional digits (the
+    year 1 too, which strftime writes as "1")."""
+    return when.astimezone(UTC).isoformat(timespec="microseconds").replace("+00:00", "Z")
 
 
 def as_of_json(offsets: Mapping[int, int]) -> dict[str, int]:
@@ -389,17 +390,31 @@ class Writer:
         self.analyzes += 1
 
 
+#: The connection parameters a message may show: where the store is and how it is reached. Every other
+#: one (password, sslpassword, passfile, options, scram_*, oauth_*, sslkeylogfile, any parameter a later
+#: libpq adds) is shown as "***": a secret, where one is kept, or free text that may hold one.
+SHOWN_PARAMETERS = frozenset(
+    """
+    host hostaddr port dbname user service application_name fallback_application_name connect_timeout
+    client_encoding target_session_attrs load_balance_hosts keepalives keepalives_idle keepalives_interval
+    keepalives_count tcp_user_timeout replication sslmode sslnegotiation sslcompression sslcert sslkey
+    sslcertmode sslrootcert sslcrl sslcrldir sslsni requirepeer require_auth channel_binding gssencmode
+    gsslib gssdelegation krbsrvname min_protocol_version max_protocol_version ssl_min_protocol_version
+    ssl_max_protocol_version
+    """.split()
+)
+
+
 def redacted(url: str) -> str:
-    """The URL without its password, for messages."""
+    """The URL for messages and /health: host, port, database, user and the parameters that say how the
+    store is reached (`SHOWN_PARAMETERS`); every other parameter's value is "***"."""
     from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
     try:
         parts = conninfo_to_dict(url)
     except psycopg.ProgrammingError:
         return "(unparsable store URL)"
-    if "password" in parts:
-        parts["password"] = "***"
-    return make_conninfo("", **parts)
+    return make_conninfo("", **{k: v if k in SHOWN_PARAMETERS else "***" for k, v in parts.items()})
 
 
 # --- the readers ----------------------------------------------------------------------------------
@@ -419,44 +434,90 @@ class Snapshot:
     meta: dict[str, str]
 
 
-class Reader:
-    """An API's pool of connections to one service's store; every read is one REPEATABLE READ snapshot.
+#: How long a read statement may run by default (the APIs set their own bound, `AML_API_TIMEOUT`): the
+#: server stops it even if no one is left to cancel it.
+STATEMENT_TIMEOUT = 10.0
+#: How long /health and the store check wait for their own connection, and how long their statements may
+#: run: they must answer (or fail) quickly whatever the queries do.
+HEALTH_TIMEOUT = 2.0
 
-    The pool opens lazily and keeps trying in the background, so an API starts (and answers 503 with a
-    sentence) while the database is away, and serves again as soon as it is back.
+
+class Reader:
+    """An API's pools of connections to one service's store; every read is one REPEATABLE READ snapshot.
+
+    `pool` serves the questions (`snapshot`): `max_connections` at most, a request waits up to `timeout`
+    for one, and every statement stops after `statement_timeout` seconds on the server. `health_pool`,
+    of its own, serves /health and the store check (`health_snapshot`): questions that fill `pool` do
+    not make the service look down to a load balancer, nor blind the store-loss guard.
+
+    The pools open lazily and keep trying in the background, so an API starts (and answers 503 with a
+    sentence) while the database is away, and serves again as soon as it is back. The connections name
+    themselves in `pg_stat_activity` (`application_name` "aml-app <schema> API" and "... health", unless
+    the URL gives one).
     """
 
-    def __init__(self, url: str, schema: Schema, max_connections: int = 8, timeout: float = 5.0) -> None:
-        from psycopg_pool import AsyncConnectionPool
-
+    def __init__(
+        self,
+        url: str,
+        schema: Schema,
+        max_connections: int = 8,
+        timeout: float = 5.0,
+        statement_timeout: float = STATEMENT_TIMEOUT,
+    ) -> None:
         self.url = url
         self.schema = schema
-        self.pool = AsyncConnectionPool(
-            url,
+        self.statement_timeout = statement_timeout
+        self.pool = self._pool(f"aml-app {schema.name} API", max_connections, timeout, statement_timeout)
+        self.health_pool = self._pool(f"aml-app {schema.name} health", 2, HEALTH_TIMEOUT, HEALTH_TIMEOUT)
+
+    def _pool(self, name: str, size: int, timeout: float, statement_timeout: float) -> Any:
+        from psycopg import IsolationLevel
+        from psycopg_pool import AsyncConnectionPool
+
+        async def configure(conn: Any) -> None:
+            # A session setting, so that it holds for every statement of every transaction.
+            await conn.execute(
+                "SELECT set_config('statement_timeout', %s, false)", (f"{round(statement_timeout * 1000)}ms",)
+            )
+            await conn.commit()
+            await conn.set_isolation_level(IsolationLevel.REPEATABLE_READ)
+            await conn.set_read_only(True)
+
+        return AsyncConnectionPool(
+            self.url,
             min_size=1,
-            max_size=max_connections,
+            max_size=size,
             timeout=timeout,
             open=False,
-            configure=self._configure,
-            kwargs={"connect_timeout": CONNECT_TIMEOUT},
+            configure=configure,
+            kwargs={"connect_timeout": CONNECT_TIMEOUT, "fallback_application_name": name},
         )
-
-    @staticmethod
-    async def _configure(conn: Any) -> None:
-        from psycopg import IsolationLevel
-
-        await conn.set_isolation_level(IsolationLevel.REPEATABLE_READ)
-        await conn.set_read_only(True)
 
     async def open(self) -> None:
         await self.pool.open(wait=False)
+        await self.health_pool.open(wait=False)
 
     async def close(self) -> None:
         await self.pool.close()
+        await self.health_pool.close()
+
+    def busy(self) -> bool:
+        """Whether every connection the questions' pool may have is open and in use (rather than some
+        missing because the store cannot be reached)."""
+        stats = self.pool.get_stats()
+        return bool(stats["pool_size"] >= stats["pool_max"] and stats["pool_available"] == 0)
+
+    def snapshot(self) -> AbstractAsyncContextManager[Snapshot]:
+        """One read transaction from the questions' pool."""
+        return self._snapshot(self.pool)
+
+    def health_snapshot(self) -> AbstractAsyncContextManager[Snapshot]:
+        """One read transaction from the pool of /health and the store check."""
+        return self._snapshot(self.health_pool)
 
     @asynccontextmanager
-    async def snapshot(self) -> AsyncIterator[Snapshot]:
-        async with self.pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
+    async def _snapshot(self, pool: Any) -> AsyncIterator[Snapshot]:
+        async with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
             await cur.execute("SELECT to_regclass(%s)", (f'"{self.schema.name}".schema_version',))
             row = await cur.fetchone()
             if row is None or row[0] is None:
