@@ -135,6 +135,12 @@ class Settings:
     #: Testing knob of the probe service only: payment id -> how many attempts at it fail (a handler
     #: that keeps failing, like a 4xx from B or C or a rule bug: shown as `retrying`).
     probe_fail: dict[str, int] = field(default_factory=dict)
+    #: AML_API_MAX_ROWS: the most entries one request to B lists in its `out` parts together (and in its
+    #: `in` parts, and its `neighbourhood` parts), at least 200 (more than one counterparty's currencies);
+    #: AML_API_TIMEOUT: the seconds B and C may spend computing one request's answers
+    #: (aml_app.dependencies.api.Limits).
+    api_max_rows: int = 50_000
+    api_timeout: float = 10.0
 
     @property
     def faust_brokers(self) -> list[str]:
@@ -435,6 +441,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         probe_cost_kind=_choice(
             env, "AML_PROBE_COST_KIND", defaults.probe_cost_kind, ("cpu", "block", "wait")
         ),
+        api_max_rows=_int(env, "AML_API_MAX_ROWS", defaults.api_max_rows, 200, 10_000_000),
+        api_timeout=_float(env, "AML_API_TIMEOUT", defaults.api_timeout, 0.1, 3600),
     )
     if not settings.table_store.startswith(("rocksdb://", "memory://")):
         raise ConfigError(

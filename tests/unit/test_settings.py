@@ -350,3 +350,13 @@ def test_the_clock_skew_bound_defaults_to_the_contracts_and_is_read_when_set() -
     for raw in ("-1", "1.1e12", "nan", "inf"):
         assert "out of range" in _fails({"AML_MAX_CLOCK_SKEW": raw}, "AML_MAX_CLOCK_SKEW")
     assert "seconds" in _fails({"AML_MAX_CLOCK_SKEW": "5s"}, "AML_MAX_CLOCK_SKEW")
+
+
+def test_the_api_bounds_default_and_are_read_when_set() -> None:
+    assert (load_settings({}).api_max_rows, load_settings({}).api_timeout) == (50_000, 10.0)
+    settings = load_settings({"AML_API_MAX_ROWS": "200", "AML_API_TIMEOUT": "0.5"})
+    assert (settings.api_max_rows, settings.api_timeout) == (200, 0.5)
+    # Fewer rows than a counterparty's currencies would leave a list that no page can move on.
+    assert "out of range" in _fails({"AML_API_MAX_ROWS": "199"}, "AML_API_MAX_ROWS")
+    assert "out of range" in _fails({"AML_API_TIMEOUT": "0"}, "AML_API_TIMEOUT")
+    assert "seconds" in _fails({"AML_API_TIMEOUT": "10s"}, "AML_API_TIMEOUT")
