@@ -22,12 +22,16 @@ directory came from another cluster) would hide alerts of the new log, and stops
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, cast
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.tables.manager import TableManager
 from faust.types import TP
 
 from aml_app.app import alerts_topic, app, settings
+from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.security import aiokafka_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,45 @@ def copartitioning_problem() -> str | None:
         f"twice; grow the smaller with `AML_PARTITIONS={max(payments, alerts)} aml-app topics --create "
         "--grow` and start the workers again"
     )
+
+
+def applied_to(partition: int) -> int:
+    """The offset after the last alerts record this worker's store of `partition` recovered (0: none)."""
+    applied = alerts_sent.persisted_offset(TP(settings.alerts_topic, partition))
+    return 0 if applied is None else applied + 1
+
+
+async def read_back(partition: int, start: int, timeout: float) -> list[tuple[bytes | None, bytes | None]]:
+    """Every record of the alerts topic's `partition` from offset `start` to its end (as a fetch reports
+    it, not ListOffsets), read outside any group: what the broker holds after a send whose outcome this
+    worker does not know. Raises TimeoutError (`DeadlineExceeded`) when it cannot read them in time."""
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=list(settings.bootstrap_servers),
+        group_id=None,
+        enable_auto_commit=False,
+        client_id="aml-alerts-read-back",
+        **aiokafka_kwargs(settings.kafka_security),
+    )
+    deadline = time.monotonic() + timeout
+    found: list[tuple[bytes | None, bytes | None]] = []
+    try:
+        await within(consumer.start(), timeout, "starting the alerts reader")
+        tp = TopicPartition(settings.alerts_topic, partition)
+        consumer.assign([tp])
+        consumer.seek(tp, start)
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"reading {tp.topic}:{partition} from {start} took longer than {timeout:g} s"
+                )
+            batch = await consumer.getmany(tp, timeout_ms=int(min(left, 0.5) * 1000))
+            found += [(r.key, r.value) for r in batch.get(tp, [])]
+            end = consumer.highwater(tp)
+            if end is not None and await within(consumer.position(tp), left, "the reader's position") >= end:
+                return found
+    finally:
+        await close_within(consumer.stop(), timeout, "stopping the alerts reader")
 
 
 class StoreAheadOfChangelog(RuntimeError):

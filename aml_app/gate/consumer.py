@@ -501,17 +501,24 @@ class GatedConsumer:
                 task = asyncio.current_task()
                 if task is None or task.cancelling():
                     raise  # this lane stops (a revoke)
-                self._failed(entry.admitted, 1, exc, 0.0)  # the send itself was cancelled
-                await self._redo(entry)
+                await self._redo(entry, exc)  # the send itself was cancelled
             except Exception as exc:
-                self._failed(entry.admitted, 1, exc, 0.0)
-                await self._redo(entry)
+                await self._redo(entry, exc)
             # Settled while still at the front: the lane queues behind it rather than acking ahead.
             await self._settle(lane, entry.events, entry.admitted)
             lane.acked_front()
 
-    async def _redo(self, entry: InFlight) -> None:
+    async def _redo(self, entry: InFlight, exc: BaseException) -> None:
+        """Handle the payments of `entry` again: their pending work (the sends) failed with `exc`."""
         first = entry.admitted[0][1][1]
+        self._failed(entry.admitted, 1, exc, 0.0)
+        log.warning(
+            "the pending work of %d payment(s) at %d:%d failed (%s); handling them again",
+            len(entry.admitted),
+            first.partition,
+            first.offset,
+            describe_error(exc),
+        )
 
         async def again() -> None:
             pending = await self._call_handler(entry.admitted)

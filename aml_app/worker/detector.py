@@ -13,7 +13,10 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
 3. run the service's rules (pure functions of the evidence);
 4. send the alert, once: the alert record is also the changelog entry of `alerts-sent` (RocksDB table),
    so a payment processed again after a crash or a rebalance finds it and does not alert twice; alerts
-   are keyed by payment id, so a compacted topic agrees downstream;
+   are keyed by payment id, so a compacted topic agrees downstream. A payment handled again while its
+   alert's acknowledgement is still to come (its batch retried, its partition back after a rebalance)
+   waits for it; after a send that failed (the broker may hold the alert all the same: a timeout after
+   the write) the partition of the alerts topic is read back before any alert goes there again;
 5. send the decisions (every payment, keyed by payment id, as JSON straight to the producer); the lane
    goes on with its next batch and acks this one once the broker has every alert (then remembered in the
    table's local store) and every decision.
@@ -22,6 +25,7 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -44,8 +48,9 @@ from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
 from aml_app.gate.consumer import Pending
+from aml_app.kafka.deadlines import DeadlineExceeded, within
 from aml_app.models import Alert, Payment, decision_json
-from aml_app.tables.alerts import alert_key, alerts_sent
+from aml_app.tables.alerts import alert_key, alerts_sent, applied_to, read_back
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +63,13 @@ class SentAlert(NamedTuple):
 
     payment_id: str
     alert: Alert
-    ack: Awaitable[Any]
+    ack: asyncio.Future[Any]
+    partition: int = 0
+
+
+#: How long a payment handled again waits for the acknowledgement of its earlier alert, and for the
+#: alerts topic to be read back; then its batch fails and is retried (shown as `retrying`).
+ALERT_SETTLE_WAIT = 30.0
 
 
 #: Waits between asking again: a dependency that is away, and evidence that is not fresh yet.
@@ -123,6 +134,14 @@ class Detector:
         self.loop_hops = loop_hops  # the longest cycle B looks for
         self.freshness_wait = freshness_wait  # how long B and C may wait for their stores, per question
         self.stats = DetectorStats()
+        #: Alerts handed to the producer and not acknowledged yet, by payment id.
+        self.unsettled: dict[str, SentAlert] = {}
+        #: Alerts partitions where a send failed: read back before the next alert goes there.
+        self.in_doubt: set[int] = set()
+        #: Alerts partition -> the offset after the last alert the broker acknowledged here.
+        self.read_from: dict[int, int] = {}
+        #: (partition, start, timeout) -> the records of the alerts topic's partition from start to its end.
+        self.read_back = read_back
 
     async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
         """Decide a batch of admitted payments of one partition; return the broker's acknowledgement of
@@ -306,7 +325,7 @@ class Detector:
         `remember_alerts` awaits their acknowledgements."""
         sent = []
         for payment, admission, hits in flagged:
-            if alerts_sent.get(alert_key(payment.payment_id)) is not None:
+            if await self.alerted_before(payment.payment_id, admission.partition):
                 self.stats.duplicates_suppressed += 1
                 log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
                 continue
@@ -327,9 +346,41 @@ class Detector:
             )
             # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
             # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is written.
-            ack = await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition)
-            sent.append(SentAlert(payment.payment_id, alert, ack))
+            ack = asyncio.ensure_future(
+                await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition)
+            )
+            entry = SentAlert(payment.payment_id, alert, ack, admission.partition)
+            self.unsettled[payment.payment_id] = entry
+            sent.append(entry)
         return sent
+
+    async def alerted_before(self, payment_id: str, partition: int) -> bool:
+        """Whether the broker has this payment's alert: remembered, or sent by an earlier handling whose
+        acknowledgement is awaited now, or found by reading the partition back after a failed send."""
+        earlier = self.unsettled.get(payment_id)
+        if earlier is not None:
+            try:
+                await within(asyncio.shield(earlier.ack), ALERT_SETTLE_WAIT, f"the alert of {payment_id}")
+            except DeadlineExceeded:
+                raise  # still unknown: this batch fails and is handled again later, never sent twice
+            except asyncio.CancelledError:
+                if not earlier.ack.cancelled():
+                    raise  # this handling is cancelled, not the send
+                self.in_doubt.add(partition)
+            except Exception:  # failed: the broker may have it all the same
+                self.in_doubt.add(partition)
+            else:
+                self.remember(earlier)
+            finally:
+                if self.unsettled.get(payment_id) is earlier and earlier.ack.done():
+                    del self.unsettled[payment_id]
+        if alerts_sent.get(alert_key(payment_id)) is None and partition in self.in_doubt:
+            start = self.read_from.get(partition, applied_to(partition))
+            for key, value in await self.read_back(partition, start, ALERT_SETTLE_WAIT):
+                if key is not None and value is not None:
+                    alerts_sent.data[key] = json.loads(value)
+            self.in_doubt.discard(partition)
+        return alerts_sent.get(alert_key(payment_id)) is not None
 
     async def remember_alerts(self, alerts: list[SentAlert]) -> None:
         """Remember every alert the broker acknowledged, even when another one failed; then raise that
@@ -337,10 +388,16 @@ class Detector:
         acks = await asyncio.gather(*(a.ack for a in alerts), return_exceptions=True)
         failure = None
         for alert, ack in zip(alerts, acks, strict=True):
+            if self.unsettled.get(alert.payment_id) is alert:
+                del self.unsettled[alert.payment_id]
             if isinstance(ack, BaseException):
                 failure = failure or ack
+                self.in_doubt.add(alert.partition)
                 continue
             self.remember(alert)
+            offset = getattr(ack, "offset", None)
+            if isinstance(offset, int):
+                self.read_from[alert.partition] = max(self.read_from.get(alert.partition, 0), offset + 1)
             self.stats.alerts += 1
         if failure is not None:
             raise failure

@@ -61,3 +61,103 @@ async def test_every_acknowledged_alert_is_remembered_even_when_another_fails() 
         await pending
     assert remembered == ["p0", "p2"]
     assert d.stats.alerts == 2 and d.stats.decisions == 0
+
+
+class FakeAlerts:
+    """The alerts topic at the narrowest seam: what the broker wrote, and the acknowledgements the
+    producer hands back (which a broker that times out can fail after the write)."""
+
+    def __init__(self, acks: list[str]) -> None:
+        self.written: list[tuple[bytes, bytes]] = []
+        self.acks = acks  # per send: "ok", "fail" (written, then the acknowledgement fails), "hold"
+        self.held: list[asyncio.Future[Any]] = []
+
+    async def send(self, key: str, value: Any, partition: int) -> asyncio.Future[Any]:
+        import json
+
+        self.written.append((key.encode(), json.dumps(value.asdict()).encode()))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        how = self.acks.pop(0)
+        if how == "ok":
+            future.set_result(type("Meta", (), {"offset": len(self.written) - 1})())
+        elif how == "fail":
+            future.set_exception(TimeoutError("the produce request timed out"))
+        else:
+            self.held.append(future)
+        return future
+
+    async def read_back(self, partition: int, start: int, timeout: float) -> list[tuple[bytes, bytes]]:
+        return self.written[start:]
+
+
+class FakeTable:
+    def __init__(self) -> None:
+        self.data: dict[bytes, Any] = {}
+
+    def get(self, key: bytes) -> Any:
+        return self.data.get(key)
+
+
+def flagged(payment_id: str = "p1") -> list[Any]:
+    from aml_app.detection.rules import Hit
+    from aml_app.gate import Admission
+    from aml_app.models import Payment
+
+    payment = Payment(payment_id, "a", "b", "10.00", "EUR", "2026-11-20T10:00:00Z")
+    admission = Admission(partition=2, offset=7, watermark=8, dependencies={}, waited_ms=1.0, gated=True)
+    return [(payment, admission, [Hit(rule="r", typology="t", reason="why", figures={})])]
+
+
+@pytest.fixture
+def alerts(monkeypatch: pytest.MonkeyPatch) -> Any:
+    from aml_app.worker import detector as module
+
+    def make(acks: list[str], reads_back: bool = True) -> tuple[Any, FakeAlerts]:
+        topic = FakeAlerts(acks)
+        monkeypatch.setattr(module, "alerts_topic", topic)
+        monkeypatch.setattr(module, "alerts_sent", FakeTable())
+        d = detector()
+        d.read_back = topic.read_back if reads_back else _nothing
+        return d, topic
+
+    return make
+
+
+async def _nothing(partition: int, start: int, timeout: float) -> list[Any]:
+    return []
+
+
+async def test_an_alert_the_broker_wrote_though_its_send_failed_is_not_sent_again(alerts: Any) -> None:
+    """A produce that times out after the write: the batch is handled again, and the alerts partition,
+    read back first, shows the alert; nothing is sent twice (this test sent it twice before the read)."""
+    d, topic = alerts(["fail", "ok"])
+    sent = await d.send_alerts(flagged(), "2026-11-20T10:00:01Z")
+    with pytest.raises(TimeoutError):
+        await d.remember_alerts(sent)
+    assert d.in_doubt == {2}
+    assert await d.send_alerts(flagged(), "2026-11-20T10:00:02Z") == []
+    assert len(topic.written) == 1 and d.stats.duplicates_suppressed == 1
+    assert d.in_doubt == set()
+
+
+async def test_without_reading_back_the_same_alert_goes_out_twice(alerts: Any) -> None:
+    """The negative control: the failed acknowledgement alone says nothing of what the broker holds."""
+    d, topic = alerts(["fail", "ok"], reads_back=False)
+    sent = await d.send_alerts(flagged(), "2026-11-20T10:00:01Z")
+    with pytest.raises(TimeoutError):
+        await d.remember_alerts(sent)
+    assert len(await d.send_alerts(flagged(), "2026-11-20T10:00:02Z")) == 1
+    assert len(topic.written) == 2
+
+
+async def test_a_payment_handled_again_while_its_alert_is_in_flight_waits_for_it(alerts: Any) -> None:
+    """Its batch retried, or its partition back after a rebalance, before the first acknowledgement
+    came: the second handling waits for it and sends nothing."""
+    d, topic = alerts(["hold", "ok"])
+    await d.send_alerts(flagged(), "2026-11-20T10:00:01Z")
+    again = asyncio.ensure_future(d.send_alerts(flagged(), "2026-11-20T10:00:02Z"))
+    await asyncio.sleep(0.01)
+    assert not again.done() and len(topic.written) == 1
+    topic.held[0].set_result(type("Meta", (), {"offset": 0})())
+    assert await again == []
+    assert len(topic.written) == 1 and d.unsettled == {}
