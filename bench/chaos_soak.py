@@ -1381,15 +1381,17 @@ class Soak:
         """Decision records beyond a payment's first, set against what was in flight at the faults.
 
         A worker that dies, or loses partitions in a rebalance, leaves the payments it decided since its
-        group's last commit to be decided again. Committing every interval, a worker never owes more than
-        it decided in the last `commit_grace` seconds. So the repeats after an AML fault (up to the next
-        one) may number at most the most first decisions made in any `commit_grace` seconds from that
-        fault to the next one, by the worker it killed, or by every worker for a fault that rebalances
-        the group while they decide (a worker joining or leaving: every member's partitions are revoked
-        and sought back to their committed offsets; the broker frozen). More means committed offsets
-        lagged behind.
+        group's last commit to be decided again: those are in flight. So the repeats after an AML fault
+        (up to the next one) may number at most the first decisions made before the fault, by the worker
+        it stopped, at or past the group's committed offset of their partition in the last poll before
+        the fault; for a fault that rebalances the group while every worker decides (a worker joining or
+        leaving, the broker frozen), the first decisions of every worker, read in the same way when the
+        first payment is decided again. More means a decision made again that was committed, or made by
+        a stopped worker after its partitions moved (a zombie). For information, the most first
+        decisions in any `commit_grace` seconds from the fault on (`decided_in_grace`).
         """
         grace = self.options.commit_grace
+        assert self.poller is not None
         first: dict[str, Decision] = {}
         again: list[Decision] = []
         for d in sorted(self.findings.decisions, key=lambda d: d.decided_at):
@@ -1416,9 +1418,17 @@ class Soak:
         rows: list[dict[str, Any]] = []
         for i, (at, what, worker) in enumerate(events):
             until = events[i + 1][0] if i + 1 < len(events) else float("inf")
-            times = [d.decided_at for d in first.values() if worker is None or d.worker == worker]
+            mine = [d for d in first.values() if worker is None or d.worker == worker]
             repeated = [d for d in again if at <= d.decided_at < until]
-            in_flight = busiest(times, at, until, grace)
+            # A stopped worker owes what it had not committed when it stopped. A rebalance takes effect
+            # later, when the members' partitions are revoked (their acked offsets committed then): what
+            # was owed is read when the first payment is decided again, after that.
+            when = at if worker is not None or not repeated else repeated[0].decided_at
+            poll = self.poller.last_before(when)
+            committed = poll.committed[self.aml_group] if poll is not None else {}
+            in_flight = sum(
+                1 for d in mine if d.decided_at <= when and d.offset >= committed.get(d.partition, 0)
+            )
             rows.append(
                 {
                     "fault": what,
@@ -1426,6 +1436,7 @@ class Soak:
                     "decided_again": len(repeated),
                     "in_flight": in_flight,
                     "beyond": max(len(repeated) - in_flight, 0),
+                    "decided_in_grace": busiest(sorted(d.decided_at for d in mine), at, until, grace),
                     # Who decided first and when, for a few: which worker's decisions were owed again.
                     "first_decisions": Counter(first[d.payment_id].worker for d in repeated),
                     "examples": [self.story(d.payment_id) for d in repeated[:3]],
