@@ -22,13 +22,16 @@ import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.kafka.tools import GroupCommitter
 from tests.harness import Names, Worker, wait_until
+
+if TYPE_CHECKING:
+    from aml_app.harness.demo import Demo
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PROJECT = Path(__file__).resolve().parent.parent
@@ -207,6 +210,81 @@ def cpu_seconds(pid: int) -> float | None:
     except OSError:
         return None
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def proc_table() -> tuple[dict[int, int], dict[int, list[str]]]:
+    """Every live process: its parent, and the fields of its /proc/<pid>/stat after the name."""
+    parents: dict[int, int] = {}
+    stats: dict[int, list[str]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+            stats[int(entry)] = fields
+    return parents, stats
+
+
+def descendants(pid: int, parents: Mapping[int, int]) -> set[int]:
+    """`pid` and every live process below it."""
+    family, frontier = {pid}, [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier and p not in family]
+        family.update(frontier)
+    return family
+
+
+def tree_cpu(
+    pid: int, children: bool = True, table: tuple[dict[int, int], dict[int, list[str]]] | None = None
+) -> float:
+    """CPU seconds (user + system) of a process and (unless told not to) every live descendant and every
+    reaped one (the children's times a process collects when it waits for them). `table`: a
+    `proc_table()` read once for several calls."""
+    parents, stats = table or proc_table()
+    family = descendants(pid, parents) if children else {pid}
+    columns = (11, 12, 13, 14) if children else (11, 12)
+    return sum(int(stats[member][i]) for member in family & set(stats) for i in columns) / CLK_TCK
+
+
+#: The benchmark's own process in `processes`: it runs the simulator, the readers and the commit watch.
+OWN = "this process alone (simulator, readers, commit watch)"
+
+
+def processes(demo: Demo) -> dict[str, int]:
+    """Every process of the demo's system by name (each counted with its descendants by `cpu_of`), and
+    this one."""
+    system = demo.system
+    found = {}
+    if system.broker is not None and system.broker.process is not None:
+        found["broker (Tansu)"] = system.broker.process.pid
+    if system.pipeline is not None and system.pipeline.process is not None:
+        found["pipeline (Spark: driver, JVM, Python workers)"] = system.pipeline.process.pid
+    if system.postgres is not None and (system.postgres.data / "postmaster.pid").exists():
+        pid = int((system.postgres.data / "postmaster.pid").read_text().split()[0])
+        found["PostgreSQL (server and backends)"] = pid
+    for name, api in system.apis.items():
+        if api.process is not None:
+            found[f"{name} API"] = api.process.pid
+    for worker in system.all_workers:
+        if worker.process is not None:
+            found[f"worker {worker.worker_id}"] = worker.process.pid
+    found[OWN] = os.getpid()
+    return found
+
+
+def cpu_of(name: str, pid: int, table: tuple[dict[int, int], dict[int, list[str]]] | None = None) -> float:
+    """CPU seconds of one of `processes`: the other processes are children of this one (PostgreSQL
+    aside), so this one is counted without them."""
+    return tree_cpu(pid, children=name != OWN, table=table)
+
+
+def workfolder(name: str = "e2e") -> Path:
+    """A fresh folder for a run's system (logs, stores), readable by others."""
+    folder = Path(tempfile.mkdtemp(prefix=f"aml-bench-{name}-"))
+    folder.chmod(0o755)  # a root run hands the PostgreSQL folder inside it to an unprivileged user
+    return folder
 
 
 def median(values: Sequence[float]) -> float:

@@ -26,75 +26,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import tempfile
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 from aml_app.harness.demo import Demo, Options
 from aml_app.harness.verify import decided_at
 from aml_app.settings import load_settings
-from bench.common import CLK_TCK, finish, machine, markdown_table
+from bench.common import cpu_of, finish, machine, markdown_table, processes, workfolder
 from tests.harness import wait_until
 
 NAME = "end_to_end"
 GOAL = 0.5
-
-
-def tree_cpu(pid: int, children: bool = True) -> float:
-    """CPU seconds (user + system) of a process and (unless told not to) every live descendant and every
-    reaped one (the children's times a process collects when it waits for them)."""
-    parents: dict[int, int] = {}
-    stats: dict[int, list[str]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            parents[int(entry)] = int(fields[1])
-            stats[int(entry)] = fields
-    family, frontier = {pid}, [pid] if children else []
-    while frontier:
-        frontier = [p for p, parent in parents.items() if parent in frontier and p not in family]
-        family.update(frontier)
-    columns = (11, 12, 13, 14) if children else (11, 12)
-    return sum(int(stats[member][i]) for member in family & set(stats) for i in columns) / CLK_TCK
-
-
-def processes(demo: Demo) -> dict[str, int]:
-    system = demo.system
-    found = {}
-    if system.broker is not None and system.broker.process is not None:
-        found["broker (Tansu)"] = system.broker.process.pid
-    if system.pipeline is not None and system.pipeline.process is not None:
-        found["pipeline (Spark: driver, JVM, Python workers)"] = system.pipeline.process.pid
-    if system.postgres is not None and (system.postgres.data / "postmaster.pid").exists():
-        pid = int((system.postgres.data / "postmaster.pid").read_text().split()[0])
-        found["PostgreSQL (server and backends)"] = pid
-    for name, api in system.apis.items():
-        if api.process is not None:
-            found[f"{name} API"] = api.process.pid
-    for worker in system.all_workers:
-        if worker.process is not None:
-            found[f"worker {worker.worker_id}"] = worker.process.pid
-    found[OWN] = os.getpid()
-    return found
-
-
-OWN = "this process alone (simulator, readers, commit watch)"
-
-
-def cpu_of(name: str, pid: int) -> float:
-    # The other processes are children of this one (PostgreSQL aside): count this one without them.
-    return tree_cpu(pid, children=name != OWN)
-
-
-def workfolder() -> Path:
-    folder = Path(tempfile.mkdtemp(prefix="aml-bench-e2e-"))
-    folder.chmod(0o755)  # a root run hands the PostgreSQL folder inside it to an unprivileged user
-    return folder
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
