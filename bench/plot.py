@@ -3,7 +3,8 @@
 Reads the result files in bench/results (whichever exist) and writes gate_overhead.png (decisions/s
 per run), gate_latency.png (latency CDF per run), scaling.png (decisions/s and admin requests/s against
 the worker count), pipeline_throughput.png (records/s against a plain consumer), end_to_end.png (CPU
-per payment per process) and gate_matters.png (recall per typology, gate on and off).
+per payment per process), gate_matters.png (recall per typology, gate on and off) and capacity.png
+(produced → decided latency and the gate's own share against the payment rate).
 
     .venv/bin/python -m bench.plot
 """
@@ -178,6 +179,48 @@ def plot_gate_matters(doc: dict[str, Any]) -> Path:
     return _save(fig, "gate_matters")
 
 
+def plot_capacity(doc: dict[str, Any]) -> Path:
+    """p50 and p99 of produced → decided (AML, fraud) and of the gate's own share against the rate, both
+    axes logarithmic; a rate not held is drawn hollow."""
+    steps = doc["steps"]
+    rates = [s["rate"] for s in steps]
+    fig, ax = plt.subplots(figsize=(10, 4.6))
+    series = [
+        ("aml", "latency_ms", "AML produced → decided", "tab:blue", "-"),
+        ("fraud", "latency_ms", "fraud produced → decided", "tab:orange", "-"),
+        ("aml", "gate_share_ms", "AML gate's own share", "tab:blue", ":"),
+        ("fraud", "gate_share_ms", "fraud gate's own share", "tab:orange", ":"),
+    ]
+    for service, key, label, colour, style in series:
+        for q, marker in (("p99", "o"), ("p50", "s")):
+            values = [s["services"][service][key][q] for s in steps]
+            ax.plot(
+                rates, values, color=colour, ls=style, lw=1.4 if q == "p99" else 0.9, label=f"{label}, {q}"
+            )
+            for rate, value, step in zip(rates, values, steps, strict=True):
+                ax.plot(
+                    [rate],
+                    [value],
+                    marker=marker,
+                    color=colour,
+                    ms=5,
+                    mfc=colour if step["held"] else "white",
+                )
+    ax.axhline(2000, color="red", ls="--", lw=0.8, label="2 s (the capacity bound)")
+    ax.axhline(150, color="grey", ls="--", lw=0.8, label="150 ms (the gate's goal)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.minorticks_off()
+    ax.set_xticks(rates, [f"{r:g}" for r in rates])
+    ax.set_xlabel("payments/s sent (hollow markers: rate not held)")
+    ax.set_ylabel("ms (log scale)")
+    found = doc["goals"]["highest_rate_aml_p99_2s"]["rate"]
+    held = f"{found:g}/s" if found else "none"
+    ax.set_title(f"Capacity on 2 cores: the highest rate held with AML p99 ≤ 2 s: {held}")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return _save(fig, "capacity")
+
+
 def main() -> None:
     made = []
     if overhead := _load("gate_overhead"):
@@ -192,6 +235,8 @@ def main() -> None:
         made.append(plot_end_to_end(end_to_end))
     if gate_matters := _load("gate_matters"):
         made.append(plot_gate_matters(gate_matters))
+    if capacity := _load("capacity"):
+        made.append(plot_capacity(capacity))
     print("\n".join(str(p) for p in made) or f"no results in {RESULTS}; run a benchmark first")
 
 

@@ -1,0 +1,910 @@
+"""Capacity: how long a payment waits for its verdict, and how many payments/s the whole system decides.
+
+The whole system runs as in the demo (`aml_app.harness.demo.Demo` on `aml_app.harness.system.System`: the
+embedded broker, the embedded PostgreSQL, the Spark pipeline of Services B and C, two replicas of each
+API, `--aml-workers` AML workers with the learned model on (`AML_MODEL=amlworld`) and one fraud worker),
+started once. A prelude (`--prelude-rate` for `--prelude-seconds`, not measured) lets Spark compile its
+code for batches of real payments: the first ones take seconds each. The simulator then sends at each
+rate of `--rates` in turn, `--step-seconds` per rate (each step a run of the simulator of its own, with
+its own accounts, and the demo's one malformed record per hundred), and before the next step the
+system catches up with everything sent (at most `--drain-seconds`). Each step's simulation is built
+before its first send, while the system is idle (20-45 s for 120,000 payments). The first
+`--warm-up` seconds of each step (a quarter by default) are left out of its figures: the pipeline's
+micro-batches, the workers' lanes and the APIs' connection pools settle into the new rate there.
+
+Per rate, over the payments sent after the warm-up:
+
+- produced -> decided, p50/p95/p99/max, for AML and for fraud: the decision record's `decided_at`
+  minus the simulator's send time of the payment (the start of the burst it went out in; the broker
+  acknowledged it within that burst). `decided_at` is stamped by the worker once the rules ran, on the
+  same clock; the decision's arrival at our reader would add the reader's own polling (a fetch held up
+  to its wait on the embedded broker), which is not the system's. A payment decided twice counts at
+  its first decision, and one never decided as infinitely late;
+- the gate's own share: `decided_at` minus the instant both dependency groups' commits covered the
+  payment (`CommitTimeline.opened_at`, the demo's commit watch polling every 50 ms plus the read).
+  That instant is the floor no gated consumer can beat. The watch dates a commit at the start of the
+  poll before the one that saw it, so the share is overstated by up to one poll interval (each step
+  records its mean interval);
+- the pipeline's commit latency: that instant minus the send time;
+- every payment of the step decided by both services at the end of the run, 0 premature decisions
+  (`aml_app.harness.verify.premature`, as the demo checks) and 0 freshness violations;
+- CPU seconds of every process of the system between two samples (the end of the warm-up and the
+  last send), divided by the payments both detectors decided in between (`bench.common.processes`;
+  the pipeline split into its Python driver, its JVM and Spark's Python workers). This process (the
+  simulator, the readers, the commit watch) is given apart and is not counted as the system;
+- held: the producer reached the rate (at least 95 % of it over the measured part) and each service
+  kept up: its backlog (payments sent and not yet decided), averaged over the last 5 s of the step, is
+  at most half a second of traffic above its average over the first 5 s after the warm-up;
+- the highest rate held with AML's p99 at most 2 s.
+
+Where the time goes, per stage, from what the system already reports: the pipeline's per-batch lines
+in its log (`<service> batch N: ... (spark .. dead_letters .. store .. commit ..)`), the leaders'
+refresh durations (`aml_admin_refresh_seconds` in `/metrics`), each worker's handler split
+(`detector` in `/watermarks.json`: evidence over HTTP from B and C, rules with the model for AML,
+handing alerts and decisions to the producer) and the gate's hold (`waited_ms`).
+
+    .venv/bin/python -m bench.capacity [--rates 50,250,500,1000,2000] [--step-seconds 60] [--warm-up 15]
+        [--aml-workers 2] [--prelude-rate 500] [--prelude-seconds 30]
+        [--drain-seconds 300] [--stages-rate 1000] [--seed 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import bisect
+import itertools
+import json
+import re
+import statistics
+import time
+import uuid
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from aml_app.harness.demo import PROGRESS_EVERY, Demo, Options, sleep_unless
+from aml_app.harness.report import say
+from aml_app.harness.system import SystemFailure
+from aml_app.harness.verify import decided_at, percentile, premature
+from aml_app.settings import Settings, load_settings
+from aml_app.simulation.producer import SimulatorReport, run_simulator
+from aml_app.simulation.traffic import SimPayment
+from bench.common import (
+    CLK_TCK,
+    OWN,
+    cpu_of,
+    descendants,
+    finish,
+    machine,
+    markdown_table,
+    proc_table,
+    processes,
+    workfolder,
+)
+
+NAME = "capacity"
+DEFAULT_RATES = (50.0, 250.0, 500.0, 1000.0, 2000.0)
+P99_BOUND_S = 2.0  # the latency a rate must keep to count as the system's capacity
+HELD_RATE_SHARE = 0.95  # the producer reached the rate
+BACKLOG_EDGE_S = 5.0  # seconds averaged at each end of a step for the backlog's growth
+BACKLOG_GROWTH_S = 0.5  # at most this many seconds of traffic more backlog at the end than at the start
+BACKLOG_EVERY_S = 0.1
+NEVER = float("inf")  # the latency of a payment never decided
+PIPELINE = "pipeline (Spark: driver, JVM, Python workers)"
+PIPELINE_PARTS = ("pipeline: Python driver", "pipeline: JVM", "pipeline: Spark's Python workers")
+GOALS = {
+    "p99_at_50_s": 1.0,
+    "p99_at_1000_s": 2.0,
+    "highest_rate_p99_2s": 2000.0,
+    "gate_share_p99_ms": 150.0,
+    "pipeline_p99_at_2000_ms": 500.0,
+    "cpu_us_per_payment": 800.0,
+}
+#: The detector's handler steps (`aml_app.worker.detector.DetectorStats`), as the report names them.
+HANDLER_STEPS = {
+    "evidence": "evidence (HTTP to B and C)",
+    "rules": "rules",
+    "alert": "produce alerts",
+    "decision": "produce decisions",
+}
+BATCH_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ INFO (\w+) batch (\d+): (\d+) records, "
+    r"(\d+) dead-lettered, ([\d.]+) s \(([^)]*)\)"
+)
+METRIC_LINE = re.compile(r"^(aml_admin_refresh_seconds|aml_gate_wait_seconds)_(sum|count) ([0-9.eE+-]+)$")
+
+
+@dataclass
+class Sample:
+    """What the system had used and counted at one instant."""
+
+    at: float
+    cpu: dict[str, float]
+    states: dict[str, dict[str, Any] | None]
+    metrics: dict[str, dict[str, float]]
+    polls: int  # the commit watch's successful polls so far
+
+
+@dataclass
+class Step:
+    """One rate: what was sent, when, and the samples at both ends of its measured part."""
+
+    rate: float
+    seconds: float
+    warm_up: float
+    ids: list[str] = field(default_factory=list)
+    first_sent: float | None = None
+    last_sent: float | None = None
+    samples: dict[str, Sample] = field(default_factory=dict)
+    report: SimulatorReport | None = None
+    caught_up_after: float | None = None  # seconds from the last send until everything was decided
+    stopped_early: bool = False
+
+
+def system_cpu(demo: Demo) -> dict[str, float]:
+    """CPU seconds so far of every process of `processes`, the pipeline split into its parts; one read
+    of /proc for all."""
+    table = proc_table()
+    parents, stats = table
+    used = {}
+    for name, pid in processes(demo).items():
+        if name != PIPELINE:
+            used[name] = cpu_of(name, pid, table)
+            continue
+        family = descendants(pid, parents) & set(stats)
+        comm = {member: _comm(member) for member in family}
+        jvms = {member for member in family if comm[member] == "java"}
+        under_jvm = set().union(*(descendants(j, parents) for j in jvms)) - jvms if jvms else set()
+        parts = dict.fromkeys(PIPELINE_PARTS, 0.0)
+        for member in family:
+            seconds = sum(int(stats[member][i]) for i in (11, 12, 13, 14)) / CLK_TCK
+            part = 1 if member in jvms else 2 if member in under_jvm else 0
+            parts[PIPELINE_PARTS[part]] += seconds
+        used.update(parts)
+    return used
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+async def scrape_metrics(url: str) -> dict[str, float]:
+    """The sums and counts of the gate-wait and refresh histograms of a worker's /metrics."""
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(5)) as r,
+        ):
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        text = ""
+    found = {}
+    for line in text.splitlines():
+        if match := METRIC_LINE.match(line):
+            found[f"{match[1]}_{match[2]}"] = float(match[3])
+    return found
+
+
+class CapacityDemo(Demo):
+    """The demo, with its flow of payments replaced by steps of rising rate in the same system."""
+
+    def __init__(
+        self, settings: Settings, options: Options, args: argparse.Namespace, worker_env: Mapping[str, str]
+    ) -> None:
+        super().__init__(settings, options, worker_env=worker_env)
+        self.args = args
+        self.steps: list[Step] = []
+        self.step_over = asyncio.Event()
+
+    async def flow(self) -> None:
+        self.started = time.monotonic()
+        args = self.args
+        rates: list[float] = args.rates
+        done = []
+        if args.prelude_seconds > 0:
+            say(
+                f"prelude: {args.prelude_rate:g} payments/s for {args.prelude_seconds:g} s, not measured "
+                "(Spark compiles its code for the shapes of real batches); building the simulation"
+            )
+            prelude = await self.run_step("prelude", args.prelude_rate, args.prelude_seconds, None, seed=-1)
+            done.append(prelude)
+            await self.catch_up(prelude, args.drain_seconds)
+        for index, rate in enumerate(rates):
+            if self.controls.stop.is_set():
+                break
+            say(
+                f"step {index + 1} of {len(rates)}: {rate:g} payments/s for {args.step_seconds:g} s "
+                f"(the first {args.warm_up:g} s are warm-up); building the simulation"
+            )
+            step = await self.run_step(str(index), rate, args.step_seconds, args.warm_up, seed=index)
+            self.steps.append(step)
+            done.append(step)
+            if not self.controls.stop.is_set() and index < len(rates) - 1:
+                await self.catch_up(step, args.drain_seconds)
+        self.report = merged_report(done, self.ground_truth)
+        self.controls.stop.set()
+
+    async def run_step(
+        self, label: str, rate: float, seconds: float, warm_up: float | None, *, seed: int
+    ) -> Step:
+        """Send at `rate` for `seconds` (the simulator's seed: the run's plus `seed`); sampled after
+        `warm_up` seconds and at the end (None: not measured)."""
+        o, s = self.options, self.settings
+        o.rate = rate  # the malformed records follow the step's rate
+        step = Step(rate, seconds, warm_up or 0.0)
+        self.step_over = asyncio.Event()
+        first = asyncio.Event()
+
+        def on_sent(payment: SimPayment, partition: int, offset: int, sent_at: float) -> None:
+            self.ledger.on_sent(payment, partition, offset, sent_at)
+            step.ids.append(payment.payment_id)
+            if step.first_sent is None:
+                step.first_sent = sent_at
+                first.set()
+            step.last_sent = sent_at
+
+        simulator = asyncio.create_task(
+            run_simulator(
+                self.system.bootstrap,
+                s.payments_topic,
+                rate,
+                seconds,
+                o.seed + seed,
+                None,  # one ground truth for the whole run, written at its end
+                reporting_threshold=s.reporting_threshold,
+                threshold_band=s.threshold_band,
+                thresholds=s.aml_thresholds,
+                prefix=f"cap{o.seed}-{label}-{uuid.uuid4().hex[:4]}",
+                producer=self.producer,
+                stop=self.controls.stop,
+                on_sent=on_sent,
+            )
+        )
+        self.tasks["payment simulator"] = simulator
+        self.tasks["malformed records"] = asyncio.create_task(self.send_malformed())
+        if warm_up is not None:
+            self.tasks["step sampler"] = asyncio.create_task(self.sample_step(step, first, simulator))
+        next_report = self.elapsed() + PROGRESS_EVERY
+        while not simulator.done() and not self.controls.stop.is_set():
+            await sleep_unless(self.controls.stop, 0.5)
+            self.system.check_health(self.tasks)
+            if self.elapsed() >= next_report:
+                await self.progress(prefix=f"{rate:>6g}/s ")
+                next_report = self.elapsed() + PROGRESS_EVERY
+        self.step_over.set()
+        try:
+            step.report = await simulator
+            await self.tasks["malformed records"]
+            if warm_up is not None:
+                await self.tasks.pop("step sampler")
+        except Exception as exc:
+            raise SystemFailure(f"the {rate:g}/s step failed: {exc!r}") from exc
+        step.stopped_early = step.report.stopped_early
+        return step
+
+    async def progress(self, prefix: str = "") -> None:
+        """One line, cheap: the demo's own line also reads every decision so far for its wait percentile,
+        which grows with the run and would hold up the commit watch's polls in this event loop."""
+        system = self.system
+        assert system.watch is not None
+        sent = len(self.ledger.ids()) - len(self.ledger.warm_up)
+        decided = " ".join(f"{svc} {len(t.ids)}" for svc, t in system.decisions.items())
+        lag = " ".join(f"{g} {system.watch.behind(g, self.ledger.ends)}" for g in system.groups)
+        held, _, _ = await system.waiting()
+        say(f"{prefix}{self.elapsed():6.1f}s  sent {sent}  decided {decided}  lag {lag}  held {held}")
+
+    async def _stopped_within(self, seconds: float) -> bool:
+        """The malformed records stop with their step."""
+        await sleep_unless(self.step_over, seconds)
+        return self.step_over.is_set() or self.controls.stop.is_set()
+
+    async def sample_step(self, step: Step, first: asyncio.Event, simulator: asyncio.Task[Any]) -> None:
+        """Samples at the end of the step's warm-up and at its last send."""
+        await first.wait()
+        assert step.first_sent is not None
+        await asyncio.sleep(max(0.0, step.first_sent + step.warm_up - time.time()))
+        if simulator.done():
+            if self.controls.stop.is_set():
+                return
+            raise SystemFailure(f"the {step.rate:g}/s step ended within its warm-up")
+        step.samples["start"] = await self.sample()
+        await asyncio.wait([simulator])
+        step.samples["end"] = await self.sample()
+
+    async def sample(self) -> Sample:
+        at = time.time()
+        cpu = await asyncio.to_thread(system_cpu, self)
+        workers = self.system.all_workers
+        states = await asyncio.gather(*(w.state(timeout=5) for w in workers))
+        metrics = await asyncio.gather(*(scrape_metrics(w.url) for w in workers))
+        assert self.system.watch is not None
+        return Sample(
+            at,
+            cpu,
+            {w.worker_id: s for w, s in zip(workers, states, strict=True)},
+            {w.worker_id: m for w, m in zip(workers, metrics, strict=True)},
+            self.system.watch.polls,
+        )
+
+    async def catch_up(self, step: Step, deadline_s: float) -> None:
+        """Until every payment so far is committed, decided and dead-lettered (at most `deadline_s`)."""
+        deadline = time.monotonic() + deadline_s
+        next_report = time.monotonic() + PROGRESS_EVERY
+        while not self.caught_up():
+            if self.controls.stop.is_set():
+                return
+            if time.monotonic() > deadline:
+                say(f"the {step.rate:g}/s step was not caught up within {deadline_s:g} s: going on")
+                return
+            self.system.check_health(self.tasks)
+            if time.monotonic() >= next_report:
+                await self.progress(prefix="catch-up ")
+                next_report += PROGRESS_EVERY
+            await asyncio.sleep(0.5)
+        assert step.last_sent is not None
+        step.caught_up_after = time.time() - step.last_sent
+        say(f"caught up {step.caught_up_after:.1f} s after the step's last send")
+
+
+def merged_report(steps: Sequence[Step], ground_truth: Path) -> SimulatorReport | None:
+    """One report for the demo's verdict (its detection scores) over every step; writes its ground truth."""
+    reports = [step.report for step in steps if step.report is not None]
+    if not reports:
+        return None
+    first = reports[0]
+    simulation = replace(
+        first.simulation,
+        payments=(),
+        instances=tuple(i for r in reports for i in r.simulation.instances),
+    )
+    simulation.write_ground_truth(ground_truth)
+    return SimulatorReport(
+        topic=first.topic,
+        planned=sum(r.planned for r in reports),
+        simulation=simulation,
+        ground_truth_path=str(ground_truth),
+        sent=sum(r.sent for r in reports),
+        placements={k: v for r in reports for k, v in r.placements.items()},
+        stopped_early=any(r.stopped_early for r in reports),
+    )
+
+
+# ---- the figures, from what the run recorded
+
+
+def quantiles(values: Sequence[float], scale: float = 1000.0) -> dict[str, float | int]:
+    """p50/p95/p99/max and the count, `values` (seconds) times `scale` (ms by default)."""
+    ordered = sorted(v * scale for v in values)
+    out: dict[str, float | int] = {
+        f"p{q}": round(percentile(ordered, q), 1) if ordered else float("nan") for q in (50, 95, 99)
+    }
+    out["max"] = round(ordered[-1], 1) if ordered else float("nan")
+    out["n"] = len(ordered)
+    return out
+
+
+def first_decisions(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
+    """Each payment's earliest decision record."""
+    first: dict[str, Mapping[str, Any]] = {}
+    for d in records:
+        pid = d.get("payment_id")
+        if isinstance(pid, str) and (pid not in first or decided_at(d) < decided_at(first[pid])):
+            first[pid] = d
+    return first
+
+
+def backlog(
+    sent: Sequence[float], done: Sequence[float], start: float, end: float
+) -> list[tuple[float, int]]:
+    """(t, payments sent by t and not yet decided by t) every BACKLOG_EVERY_S from `start` to `end`;
+    both lists sorted."""
+    points = []
+    t = start
+    while t <= end:
+        points.append((t, bisect.bisect_right(sent, t) - bisect.bisect_right(done, t)))
+        t += BACKLOG_EVERY_S
+    return points
+
+
+def mean_over(points: Sequence[tuple[float, int]], start: float, end: float) -> float:
+    values = [n for t, n in points if start <= t <= end]
+    return statistics.fmean(values) if values else float("nan")
+
+
+def batch_lines(log_path: Path) -> list[dict[str, Any]]:
+    """The pipeline's per-batch lines: when each ended, its service, records and phases (seconds)."""
+    out = []
+    text = log_path.read_text(errors="replace") if log_path.exists() else ""
+    for line in text.splitlines():
+        if match := BATCH_LINE.match(line):
+            phases = match[7].split()
+            out.append(
+                {
+                    "at": datetime.strptime(match[1], "%Y-%m-%d %H:%M:%S,%f").timestamp(),
+                    "service": match[2],
+                    "records": int(match[4]),
+                    "seconds": float(match[6]),
+                    "phases": {k: float(v) for k, v in zip(phases[::2], phases[1::2], strict=False)},
+                }
+            )
+    return out
+
+
+def pipeline_stages(lines: Sequence[Mapping[str, Any]], start: float, end: float) -> dict[str, Any]:
+    """Per service, the micro-batches that ended within [start, end]."""
+    out: dict[str, Any] = {}
+    for service in sorted({line["service"] for line in lines}):
+        mine = [line for line in lines if line["service"] == service and start <= line["at"] <= end]
+        if not mine:
+            continue
+        ends = [line["at"] for line in mine]
+        gaps = [b - a for a, b in itertools.pairwise(ends)]
+        phases = sorted({k for line in mine for k in line["phases"]})
+        out[service] = {
+            "batches": len(mine),
+            "records_per_batch": round(statistics.fmean(line["records"] for line in mine), 1),
+            "batch_ms": quantiles([line["seconds"] for line in mine]),
+            "batch_mean_ms": round(1000 * statistics.fmean(line["seconds"] for line in mine), 1),
+            "phase_mean_ms": {
+                k: round(1000 * statistics.fmean(line["phases"].get(k, 0.0) for line in mine), 1)
+                for k in phases
+            },
+            "between_batches_mean_ms": round(1000 * statistics.fmean(gaps), 1) if gaps else None,
+        }
+    return out
+
+
+def worker_stages(
+    samples: Mapping[str, Sample], services: Mapping[str, str], seconds: float
+) -> dict[str, dict[str, Any]]:
+    """Per service, over the measured part: the leaders' refreshes, the gate's hold and the handler's
+    split, summed over its workers (differences of the two samples)."""
+    start, end = samples["start"], samples["end"]
+    out: dict[str, dict[str, Any]] = {}
+    for worker, service in services.items():
+        entry = out.setdefault(
+            service,
+            {"refreshes": 0.0, "refresh_s": 0.0, "held": 0.0, "held_s": 0.0, "decisions": 0, "requests": 0}
+            | {"http_s": 0.0, "steps_s": {}},
+        )
+        m0, m1 = start.metrics.get(worker) or {}, end.metrics.get(worker) or {}
+
+        def diff(key: str, a: Mapping[str, float] = m0, b: Mapping[str, float] = m1) -> float:
+            return b.get(key, 0.0) - a.get(key, 0.0)
+
+        entry["refreshes"] += diff("aml_admin_refresh_seconds_count")
+        entry["refresh_s"] += diff("aml_admin_refresh_seconds_sum")
+        entry["held"] += diff("aml_gate_wait_seconds_count")
+        entry["held_s"] += diff("aml_gate_wait_seconds_sum")
+        d0 = (start.states.get(worker) or {}).get("detector") or {}
+        d1 = (end.states.get(worker) or {}).get("detector") or {}
+        entry["decisions"] += d1.get("decisions", 0) - d0.get("decisions", 0)
+        for k, v in (d1.get("seconds") or {}).items():
+            entry["steps_s"][k] = entry["steps_s"].get(k, 0.0) + v - (d0.get("seconds") or {}).get(k, 0.0)
+        h0, h1 = d0.get("http") or {}, d1.get("http") or {}
+        requests = (h1.get("requests") or 0) - (h0.get("requests") or 0)
+        entry["requests"] += requests
+        entry["http_s"] += ((h1.get("mean_ms") or 0) * (h1.get("requests") or 0)) / 1000 - (
+            (h0.get("mean_ms") or 0) * (h0.get("requests") or 0)
+        ) / 1000
+    for entry in out.values():
+        decisions, batches = max(entry["decisions"], 1), max(entry["requests"] / 2, 1)
+        entry["refreshes_per_s"] = round(entry["refreshes"] / seconds, 2)
+        entry["refresh_mean_ms"] = (
+            round(1000 * entry["refresh_s"] / entry["refreshes"], 1) if entry["refreshes"] else None
+        )
+        entry["held_mean_ms"] = round(1000 * entry["held_s"] / entry["held"], 1) if entry["held"] else None
+        # A batch asks B and C once each: two requests per batch, retries aside.
+        entry["batches"] = round(batches)
+        entry["payments_per_batch"] = round(entry["decisions"] / batches, 1)
+        entry["handler_ms_per_batch"] = {k: round(1000 * v / batches, 2) for k, v in entry["steps_s"].items()}
+        entry["handler_us_per_payment"] = {
+            k: round(1e6 * v / decisions, 1) for k, v in entry["steps_s"].items()
+        }
+        entry["http_mean_ms"] = (
+            round(1000 * entry["http_s"] / entry["requests"], 1) if entry["requests"] else None
+        )
+    return out
+
+
+def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
+    """Every step's figures (see the module docstring)."""
+    system, ledger, settings = demo.system, demo.ledger, demo.settings
+    watch = system.watch
+    assert watch is not None and system.pipeline is not None
+    place = {sent.payment_id: (p, o) for (p, o), sent in ledger.valid.items()}
+    groups = settings.depends_on
+    firsts = {svc: first_decisions(tail.records) for svc, tail in system.decisions.items()}
+    records = {svc: tail.records for svc, tail in system.decisions.items()}
+    services = {w.worker_id: svc for svc, workers in system.workers.items() for w in workers}
+    lines = batch_lines(system.pipeline.log_path)
+    out = []
+    for step in demo.steps:
+        if step.first_sent is None or step.last_sent is None or set(step.samples) != {"start", "end"}:
+            continue
+        start, end = step.first_sent + step.warm_up, step.last_sent
+        span = end - start
+        ids = set(step.ids)
+        measured = [pid for pid in step.ids if start <= ledger.sent_at[pid] <= end]
+        committed = {pid: watch.timeline.opened_at(groups, *place[pid]) for pid in measured}
+        sent_sorted = sorted(ledger.sent_at[pid] for pid in step.ids)
+        doc: dict[str, Any] = {
+            "rate": step.rate,
+            "measured_from_s": step.warm_up,
+            "measured_s": round(span, 2),
+            "sent": len(step.ids),
+            "sent_measured": len(measured),
+            "achieved_rate": round(len(measured) / span, 1) if span > 0 else None,
+            "stopped_early": step.stopped_early,
+            "caught_up_after_s": None if step.caught_up_after is None else round(step.caught_up_after, 2),
+            "pipeline_commit_ms": quantiles(
+                [c - ledger.sent_at[pid] for pid, c in committed.items() if c is not None]
+            ),
+            "never_committed": sum(1 for c in committed.values() if c is None),
+            "services": {},
+        }
+        doc["producer_held"] = (
+            doc["achieved_rate"] is not None and doc["achieved_rate"] >= HELD_RATE_SHARE * step.rate
+        )
+        for svc, first in firsts.items():
+            mine = {pid: first[pid] for pid in measured if pid in first}
+            done_sorted = sorted(decided_at(first[pid]) for pid in step.ids if pid in first)
+            points = backlog(sent_sorted, done_sorted, start, end)
+            at_start = mean_over(points, start, start + BACKLOG_EDGE_S)
+            at_end = mean_over(points, end - BACKLOG_EDGE_S, end)
+            step_records = [d for d in records[svc] if d.get("payment_id") in ids]
+            early = premature(step_records, groups, watch.timeline)
+            doc["services"][svc] = {
+                # A payment never decided counts as infinitely late: the percentiles then say so.
+                "latency_ms": quantiles(
+                    [
+                        decided_at(mine[pid]) - ledger.sent_at[pid] if pid in mine else NEVER
+                        for pid in measured
+                    ]
+                ),
+                "gate_share_ms": quantiles(
+                    [
+                        decided_at(mine[pid]) - c if pid in mine else NEVER
+                        for pid in measured
+                        if (c := committed[pid]) is not None
+                    ]
+                ),
+                "undecided_measured": len(measured) - len(mine),
+                "gate_hold_ms": quantiles([float(d.get("waited_ms", 0)) / 1000 for d in mine.values()]),
+                "backlog_start": round(at_start, 1),
+                "backlog_end": round(at_end, 1),
+                "kept_up": at_end - at_start <= BACKLOG_GROWTH_S * step.rate,
+                "backlog_every_s": [n for t, n in points][:: round(1 / BACKLOG_EVERY_S)],
+                "missing": len(ids - set(first)),
+                "decided_twice": len(step_records) - len({d["payment_id"] for d in step_records}),
+                "premature": len({(p, o) for p, o, *_ in early}),
+                "freshness_violations": sum(int(d.get("stale_reads", 0)) for d in step_records),
+            }
+        s0, s1 = step.samples["start"], step.samples["end"]
+        both = [
+            pid
+            for pid in ledger.ids()
+            if all(pid in first for first in firsts.values())
+            and s0.at <= max(decided_at(first[pid]) for first in firsts.values()) <= s1.at
+        ]
+        used = {k: s1.cpu[k] - s0.cpu.get(k, 0.0) for k in s1.cpu}
+        system_s = sum(v for k, v in used.items() if k != OWN)
+        n_both = max(len(both), 1)
+        doc["cpu"] = {
+            "seconds": round(s1.at - s0.at, 2),
+            "decided_by_both": len(both),
+            "decided_by_both_per_s": round(len(both) / (s1.at - s0.at), 1),
+            "cpu_seconds": {k: round(v, 2) for k, v in used.items()},
+            "us_per_payment": {k: round(v / n_both * 1e6, 1) for k, v in used.items()},
+            "system_us_per_payment": round(system_s / n_both * 1e6, 1),
+            "system_cores": round(system_s / (s1.at - s0.at), 2),
+        }
+        # How finely the commit watch dated the commits: a gate share is overstated by up to one interval.
+        doc["commit_watch_poll_ms"] = round(1000 * (s1.at - s0.at) / max(s1.polls - s0.polls, 1), 1)
+        doc["held"] = doc["producer_held"] and all(s["kept_up"] for s in doc["services"].values())
+        doc["stages"] = {
+            "pipeline": pipeline_stages(lines, start, end),
+            "workers": worker_stages(step.samples, services, s1.at - s0.at),
+        }
+        out.append(doc)
+    return out
+
+
+def capacity(steps: Sequence[Mapping[str, Any]], services: Sequence[str]) -> float | None:
+    """The highest rate held whose p99 (of each of `services`) is within P99_BOUND_S."""
+    good = [
+        s["rate"]
+        for s in steps
+        if s["held"]
+        and all(s["services"][svc]["latency_ms"]["p99"] <= P99_BOUND_S * 1000 for svc in services)
+    ]
+    return max(good) if good else None
+
+
+def goals(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Each goal of the issue with the figure that decides it (None: the run has no step for it)."""
+    at = {s["rate"]: s for s in steps}
+    services = sorted({svc for s in steps for svc in s["services"]})
+
+    def p99s(rate: float, key: str = "latency_ms") -> dict[str, float] | None:
+        step = at.get(rate)
+        return None if step is None else {svc: step["services"][svc][key]["p99"] for svc in services}
+
+    out: dict[str, Any] = {}
+    for rate, bound, name in (
+        (50.0, GOALS["p99_at_50_s"], "p99_at_50"),
+        (1000.0, GOALS["p99_at_1000_s"], "p99_at_1000"),
+    ):
+        figures = p99s(rate)
+        held = at[rate]["held"] if rate in at else None
+        met = None if figures is None else held and all(v <= bound * 1000 for v in figures.values())
+        out[name] = {"goal_ms": bound * 1000, "p99_ms": figures, "held": held, "met": met}
+    highest = capacity(steps, ["aml"])
+    out["highest_rate_aml_p99_2s"] = {
+        "goal": GOALS["highest_rate_p99_2s"],
+        "rate": highest,
+        "rate_both_services": capacity(steps, services),
+        "met": highest is not None and highest >= GOALS["highest_rate_p99_2s"],
+    }
+    for rate in (50.0, 1000.0):
+        figures = p99s(rate, "gate_share_ms")
+        out[f"gate_share_p99_at_{rate:g}"] = {
+            "goal_ms": GOALS["gate_share_p99_ms"],
+            "p99_ms": figures,
+            "met": None
+            if figures is None
+            else figures.get("aml", float("inf")) <= GOALS["gate_share_p99_ms"],
+        }
+    step = at.get(2000.0)
+    figure = None if step is None else step["pipeline_commit_ms"]["p99"]
+    out["pipeline_p99_at_2000"] = {
+        "goal_ms": GOALS["pipeline_p99_at_2000_ms"],
+        "p99_ms": figure,
+        "met": None if figure is None else figure <= GOALS["pipeline_p99_at_2000_ms"],
+    }
+    held = [s for s in steps if s["held"]]
+    top = max(held, key=lambda s: s["rate"]) if held else None
+    cpu = None if top is None else top["cpu"]["system_us_per_payment"]
+    out["cpu_at_highest_rate_held"] = {
+        "goal_us": GOALS["cpu_us_per_payment"],
+        "rate": None if top is None else top["rate"],
+        "us_per_payment": cpu,
+        "met": None if cpu is None else cpu <= GOALS["cpu_us_per_payment"],
+    }
+    return out
+
+
+async def measure(args: argparse.Namespace) -> dict[str, Any]:
+    info = machine()
+    settings = load_settings()
+    folder = workfolder(NAME)
+    options = Options(
+        duration=args.step_seconds,
+        rate=args.rates[0],
+        aml_workers=args.aml_workers,
+        fraud_workers=1,
+        seed=args.seed,
+        folder=folder,
+        drain_deadline=args.drain_seconds,
+    )
+    demo = CapacityDemo(settings, options, args, worker_env={"AML_MODEL": "amlworld"})
+    say(
+        f"capacity: {', '.join(f'{r:g}' for r in args.rates)} payments/s, {args.step_seconds:g} s each "
+        f"after a prelude of {args.prelude_seconds:g} s at {args.prelude_rate:g}/s; the demo's own header "
+        "below names the first rate only"
+    )
+    verdict = await demo.run()
+    if verdict is None or not demo.steps:
+        raise RuntimeError("the run did not complete")
+    steps = analyse(demo)
+    watch = demo.system.watch
+    assert watch is not None
+    return {
+        "benchmark": NAME,
+        "machine": info,
+        "params": vars(args) | {"folder": str(folder)},
+        "layout": {
+            "aml_workers": args.aml_workers,
+            "fraud_workers": 1,
+            "api_replicas": demo.system.layout.api_replicas,
+            "aml_model": "amlworld",
+            "gate_modes": {"aml": "event-time", "fraud": "partition"},
+            "partitions": demo.settings.partitions,
+            "trigger_interval_s": demo.settings.trigger_interval,
+        },
+        "definitions": {
+            "produced": "the simulator's send time (start of the payment's burst)",
+            "decided": "the first decision record's decided_at",
+            "gate_share": "decided_at - when both dependency groups' commits covered the payment",
+            "held": f"producer >= {HELD_RATE_SHARE} x rate and every service's backlog, averaged over "
+            f"the last {BACKLOG_EDGE_S:g} s, at most {BACKLOG_GROWTH_S:g} s of traffic above its average "
+            f"over the first {BACKLOG_EDGE_S:g} s after the warm-up",
+            "cpu": "CPU of every process of the system over the measured part / payments both services "
+            "decided in it",
+        },
+        "commit_watch_polls": watch.polls,
+        "steps": steps,
+        "goals": goals(steps),
+        "checks": {
+            svc: {
+                "premature": v.premature_decisions,
+                "freshness_violations": v.freshness_violations,
+                "missing": v.missing,
+                "alerted_twice": v.duplicate_alerts,
+            }
+            for svc, v in verdict.services.items()
+        }
+        | {"ok": verdict.ok},
+        "detection": {t: {"recall": s.recall, "precision": s.precision} for t, s in verdict.scores.items()},
+    }
+
+
+def report(doc: dict[str, Any]) -> str:
+    steps = doc["steps"]
+    rows = []
+    for s in steps:
+        aml, fraud = s["services"].get("aml", {}), s["services"].get("fraud", {})
+
+        def lat(v: Mapping[str, Any]) -> str:
+            q = v.get("latency_ms", {})
+            return f"{q.get('p50')} / {q.get('p95')} / {q.get('p99')} / {q.get('max')}"
+
+        rows.append(
+            (
+                f"{s['rate']:g}",
+                f"{s['achieved_rate']}",
+                lat(aml),
+                lat(fraud),
+                f"{aml['gate_share_ms']['p50']} / {aml['gate_share_ms']['p99']}",
+                f"{fraud['gate_share_ms']['p50']} / {fraud['gate_share_ms']['p99']}",
+                f"{s['pipeline_commit_ms']['p50']} / {s['pipeline_commit_ms']['p99']}",
+                s["cpu"]["system_us_per_payment"],
+                f"{'yes' if s['held'] else 'NO'} (backlog AML {aml['backlog_start']:g} → "
+                f"{aml['backlog_end']:g}, fraud {fraud['backlog_start']:g} → {fraud['backlog_end']:g})",
+                " ".join(
+                    f"{svc}: {v['missing']} missing, {v['premature']} premature"
+                    for svc, v in s["services"].items()
+                ),
+            )
+        )
+    main = markdown_table(
+        [
+            "rate /s",
+            "sent /s",
+            "AML p50 / p95 / p99 / max (ms)",
+            "fraud p50 / p95 / p99 / max (ms)",
+            "AML gate share p50 / p99 (ms)",
+            "fraud gate share p50 / p99 (ms)",
+            "produced → both committed p50 / p99 (ms)",
+            "CPU µs per payment",
+            "held",
+            "checks",
+        ],
+        rows,
+    )
+    names = sorted({k for s in steps for k in s["cpu"]["us_per_payment"]})
+    cpu = markdown_table(
+        ["process (tree)", *(f"{s['rate']:g}/s" for s in steps)],
+        [(k, *(s["cpu"]["us_per_payment"].get(k, "") for s in steps)) for k in names]
+        + [("system (all but this process)", *(s["cpu"]["system_us_per_payment"] for s in steps))]
+        + [("system cores busy", *(s["cpu"]["system_cores"] for s in steps))],
+    )
+    parts = [
+        main,
+        "CPU µs per payment decided by both detectors, over each step's measured part:",
+        cpu,
+        stages_report(steps, doc["params"].get("stages_rate")),
+        "goals (met: None when the run has no step for it):\n"
+        + "\n".join(f"- {k}: {json.dumps(v)}" for k, v in doc["goals"].items()),
+        f"checks over the whole run: {doc['checks']}",
+        "commit watch, mean poll interval per step (ms): "
+        + ", ".join(f"{s['rate']:g}/s {s['commit_watch_poll_ms']}" for s in steps),
+        f"load average at start {doc['machine']['loadavg_at_start']}, "
+        f"at end {doc['machine'].get('loadavg_at_end')}",
+    ]
+    return "\n\n".join(parts)
+
+
+def representative(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> Mapping[str, Any] | None:
+    """The step of `wanted`, else the highest held one, else the first."""
+    chosen = (
+        [s for s in steps if s["rate"] == wanted] or [s for s in steps if s["held"]][-1:] or list(steps[:1])
+    )
+    return chosen[0] if chosen else None
+
+
+def stages_report(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> str:
+    step = representative(steps, wanted)
+    if step is None:
+        return ""
+    rows: list[tuple[Any, ...]] = []
+    for service, p in sorted(step["stages"]["pipeline"].items(), reverse=True):  # relations first
+        phases = ", ".join(f"{k} {v}" for k, v in p["phase_mean_ms"].items())
+        every = p["between_batches_mean_ms"]
+        rows.append(
+            (
+                f"pipeline batch ({service})",
+                f"{p['batches']} batches of {p['records_per_batch']} records"
+                + (f", one every {every} ms" if every is not None else "")
+                + f"; p50 {p['batch_ms']['p50']}, "
+                f"p99 {p['batch_ms']['p99']} ms; mean {p['batch_mean_ms']} ms = {phases}",
+            )
+        )
+    rows.append(
+        (
+            "produced → both committed",
+            f"p50 {step['pipeline_commit_ms']['p50']}, p99 {step['pipeline_commit_ms']['p99']} ms",
+        )
+    )
+    for service, w in step["stages"]["workers"].items():
+        share = step["services"][service]["gate_share_ms"]
+        hold = step["services"][service]["gate_hold_ms"]
+        rows.append(
+            (
+                f"{service}: gate refresh (leader)",
+                f"{w['refreshes_per_s']} refreshes/s, mean {w['refresh_mean_ms']} ms "
+                "(reading the committed offsets)",
+            )
+        )
+        rows.append((f"{service}: both committed → decided", f"p50 {share['p50']}, p99 {share['p99']} ms"))
+        rows.append((f"{service}: held at the gate (waited_ms)", f"p50 {hold['p50']}, p99 {hold['p99']} ms"))
+        names = HANDLER_STEPS | ({"rules": "rules and model"} if service == "aml" else {})
+        steps_ms = ", ".join(f"{names.get(k, k)} {v}" for k, v in w["handler_ms_per_batch"].items())
+        rows.append(
+            (
+                f"{service}: handler per batch",
+                f"{w['batches']} batches of {w['payments_per_batch']} payments: {steps_ms} ms "
+                f"(HTTP to B and C mean {w['http_mean_ms']} ms)",
+            )
+        )
+    return f"where the time goes at {step['rate']:g}/s:\n\n" + markdown_table(["stage", "figure"], rows)
+
+
+def rates(text: str) -> list[float]:
+    values = [float(v) for v in text.split(",") if v.strip()]
+    if not values or any(v <= 0 for v in values):
+        raise argparse.ArgumentTypeError("--rates takes positive payments/s, comma-separated")
+    return values
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--rates", type=rates, default=list(DEFAULT_RATES), help="payments/s, comma-separated"
+    )
+    parser.add_argument("--step-seconds", type=float, default=60.0, help="seconds of sending per rate")
+    parser.add_argument(
+        "--warm-up", type=float, default=None, help="seconds of each step left out (default: a quarter)"
+    )
+    parser.add_argument("--aml-workers", type=int, default=2)
+    parser.add_argument("--prelude-rate", type=float, default=500.0, help="payments/s before the steps")
+    parser.add_argument(
+        "--prelude-seconds", type=float, default=30.0, help="seconds of sending before the steps (0: none)"
+    )
+    parser.add_argument(
+        "--drain-seconds", type=float, default=120.0, help="catching up after a step, at most"
+    )
+    parser.add_argument("--stages-rate", type=float, default=1000.0, help="the rate whose stages are printed")
+    parser.add_argument("--seed", type=int, default=5)
+    args = parser.parse_args()
+    if args.warm_up is None:
+        args.warm_up = args.step_seconds / 4
+    if args.warm_up + 5 >= args.step_seconds:
+        parser.error("--step-seconds must exceed --warm-up by more than 5 s")
+    doc = asyncio.run(measure(args))
+    finish(NAME, doc, report)
+    from bench.plot import plot_capacity  # matplotlib only once there are figures
+
+    print(f"plot: {plot_capacity(doc)}")
+
+
+if __name__ == "__main__":
+    cli()
