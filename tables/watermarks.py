@@ -131,7 +131,8 @@ class RefreshStatus:
         self.operator_read_at = float("-inf")
         self.log_ends: dict[int, int] = {}
         self.service_committed: dict[int, int | None] = {}
-        #: Told each admin read's duration in seconds, failed reads included (the web view's metrics).
+        #: Told each refresh's duration in seconds, the event-time cut's read included and failed or
+        #: abandoned refreshes too (the web view's metrics).
         self.duration_observers: list[Callable[[float], None]] = []
 
     def failed(self, message: str, holding: str) -> None:
@@ -317,6 +318,7 @@ class WorkerGate(Service):
         ):
             attempt = self._attempt = object()
             deadline = refresh.refresh_deadline
+            started = time.perf_counter()
             try:
                 outcome = await within(self.refresh_once(now, attempt), deadline, "the watermark refresh")
             except DeadlineExceeded:
@@ -338,6 +340,8 @@ class WorkerGate(Service):
             finally:
                 if self._attempt is attempt:
                     self._attempt = None
+                for observe in self.status.duration_observers:
+                    observe(time.perf_counter() - started)
             self.watchdog.ended(time.monotonic(), outcome)
 
     async def refresh_once(self, now: float, attempt: object) -> Outcome:
@@ -348,7 +352,6 @@ class WorkerGate(Service):
         status.last_attempt = now
         recheck = now - status.partition_check_at >= refresh.partition_recheck
         operator_fields = now - status.operator_read_at >= refresh.operator_read
-        started = time.perf_counter()
         try:
             if REFRESH_HANGS:
                 await never_answering()
@@ -360,9 +363,6 @@ class WorkerGate(Service):
                 status.failed(str(exc), "the last known watermarks")
                 self._mark_error(str(exc))
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
-        finally:
-            for observe in status.duration_observers:
-                observe(time.perf_counter() - started)
         if attempt is not self._attempt:
             return Outcome.OVERRAN
         if recheck:

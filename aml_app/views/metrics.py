@@ -33,7 +33,8 @@ gate_wait = Histogram(
 )
 admin_refresh = Histogram(
     "aml_admin_refresh_seconds",
-    "Duration of the leader's watermark refreshes through the Kafka admin API (failed ones included).",
+    "Duration of the leader's watermark refreshes (the admin reads and the event-time cut's fetch; "
+    "failed and abandoned ones included).",
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=registry,
 )
