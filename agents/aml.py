@@ -13,9 +13,14 @@ model = load(settings.aml_model)
 
 def detect(evidence: Evidence) -> list[Hit]:
     """The rules; with a model (`AML_MODEL`), the model and the rules it keeps alerting beside it."""
+    return detect_many([evidence])[0]
+
+
+def detect_many(evidences: list[Evidence]) -> list[list[Hit]]:
+    """`detect` of each payment of a batch; the model scores the batch at once."""
     if model is None:
-        return aml_rules(evidence, settings.aml_thresholds)
-    return model.detect(evidence, settings.aml_thresholds)
+        return [aml_rules(evidence, settings.aml_thresholds) for evidence in evidences]
+    return model.detect_many(evidences, settings.aml_thresholds)
 
 
-detector = detecting_service("aml", detect)
+detector = detecting_service("aml", detect, detect_many)

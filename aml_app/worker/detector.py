@@ -55,6 +55,8 @@ from aml_app.tables.alerts import alert_key, alerts_sent, applied_to, read_back
 log = logging.getLogger(__name__)
 
 Rules = Callable[[Evidence], list[Hit]]
+#: A service's rules over a whole batch at once (the AML model scores a batch in one walk of its trees).
+BatchRules = Callable[[list[Evidence]], list[list[Hit]]]
 ANSWERS = ("payer aggregates", "payee aggregates", "payer relations", "payee relations")
 
 
@@ -126,9 +128,11 @@ class Detector:
         min_average: MinAverage = Decimal(0),
         loop_hops: int = LOOP_HOPS,
         freshness_wait: float = 2.0,
+        batch_rules: BatchRules | None = None,
     ) -> None:
         self.service = service
         self.rules = rules
+        self.batch_rules = batch_rules  # when None, `rules` one payment at a time
         self.client = client
         self.min_average = min_average  # what a heavy edge is, for B's layering parts
         self.loop_hops = loop_hops  # the longest cycle B looks for
@@ -150,6 +154,7 @@ class Detector:
         evidence = await self.fresh_evidence(items)
         started = self.stats.lap("evidence", started)
         decided: list[tuple[Payment, Admission, list[Hit], list[dict], int]] = []
+        parsed: list[Evidence] = []
         for (payment, admission), (answers, stale_reads) in zip(items, evidence, strict=True):
             payer_aggregates, payee_aggregates, payer_relations, payee_relations = answers
             facts = Evidence.parse(
@@ -165,7 +170,14 @@ class Detector:
                 payee_relations=payee_relations,
                 channel=payment.channel,
             )
-            decided.append((payment, admission, self.rules(facts), answers, stale_reads))
+            parsed.append(facts)
+            decided.append((payment, admission, [], answers, stale_reads))
+        decided = [  # the service's rules over the whole batch at once
+            (payment, admission, hits, answers, stale_reads)
+            for (payment, admission, _, answers, stale_reads), hits in zip(
+                decided, self.run_rules(parsed), strict=True
+            )
+        ]
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
         started = self.stats.lap("rules", started)
         alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
@@ -178,6 +190,12 @@ class Detector:
         # The payments are acked (and later committed) only after the broker has every alert and every
         # decision; the lane goes on with its next batch meanwhile. A decision counts once the broker has it.
         return asyncio.ensure_future(self.acknowledged(alerts, sends))
+
+    def run_rules(self, facts: list[Evidence]) -> list[list[Hit]]:
+        """Each payment's hits: the service's batch rules over the whole batch, else its rules per payment."""
+        if self.batch_rules is not None:
+            return self.batch_rules(facts)
+        return [self.rules(one) for one in facts]
 
     def decision(
         self,
@@ -430,14 +448,17 @@ def stats_json(detector: Detector) -> dict[str, Any]:
     }
 
 
-def detecting_service(service: str, rules: Rules) -> Detector:
-    """Build the detector of this worker's service and register its gated agent."""
+def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None = None) -> Detector:
+    """Build the detector of this worker's service and register its gated agent. `batch_rules`, when
+    given, decides a batch at once and must give each payment what `rules` gives it."""
     from aml_app.worker.agent import gated_agent
 
     client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
     thresholds = settings.aml_thresholds
     heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # the same sum in every currency
-    detector = Detector(service, rules, client, heavy, thresholds.cycle_max_hops, settings.freshness_wait)
+    detector = Detector(
+        service, rules, client, heavy, thresholds.cycle_max_hops, settings.freshness_wait, batch_rules
+    )
     gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 
     # mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).

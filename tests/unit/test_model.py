@@ -68,9 +68,15 @@ def real() -> tuple[Any, Any, list[Any]]:
     return patterns, background, timeline_of(patterns, background)
 
 
-def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list[Replayed]) -> None:
-    doc, fitted = train(small_runs[:2], small_runs[2:], SMALL)
+@pytest.mark.parametrize("leaves", [7, 40])
+def test_the_trees_walked_here_give_scikit_learns_probabilities(
+    small_runs: list[Replayed], leaves: int
+) -> None:
+    """Trees of up to 16 leaves and wider ones (walked with wider masks); a row scored alone or with the
+    others has the same probabilities."""
+    doc, fitted = train(small_runs[:2], small_runs[2:], {**SMALL, "max_leaf_nodes": leaves})
     model = Model.from_json(json.loads(json.dumps(doc)))
+    assert (max(sum(tree["leaf"]) for tree in doc["trees"]) > 16) == (leaves > 16)
     rows = np.array([row for run in small_runs for row in run.rows])
     assert list(model.classes) == [str(c) for c in fitted.classes_]
     np.testing.assert_allclose(model.probabilities(rows), fitted.predict_proba(rows), rtol=0, atol=1e-12)
@@ -78,6 +84,9 @@ def test_the_trees_walked_here_give_scikit_learns_probabilities(small_runs: list
     with_gaps[::3, 0] = np.nan  # a missing value goes the way the tree learned for it
     np.testing.assert_allclose(
         model.probabilities(with_gaps), fitted.predict_proba(with_gaps), rtol=0, atol=1e-12
+    )
+    assert np.array_equal(
+        model.probabilities(with_gaps[:300]), np.vstack([model.probabilities(row) for row in with_gaps[:300]])
     )
 
 
