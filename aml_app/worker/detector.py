@@ -25,6 +25,7 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
@@ -362,43 +363,65 @@ class Detector:
                 decided_at=decided_at,
                 worker=settings.worker_id,
             )
-            # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
-            # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is written.
-            ack = asyncio.ensure_future(
-                await alerts_topic.send(key=payment.payment_id, value=alert, partition=admission.partition)
-            )
-            entry = SentAlert(payment.payment_id, alert, ack, admission.partition)
+            # Claimed before the send, which awaits: another handling of the payment waits for this one.
+            claim: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            entry = SentAlert(payment.payment_id, alert, claim, admission.partition)
             self.unsettled[payment.payment_id] = entry
+            try:
+                # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
+                # tables/alerts.py): once the broker has it, a replacement recovers it; nothing else is
+                # written.
+                ack = await alerts_topic.send(
+                    key=payment.payment_id, value=alert, partition=admission.partition
+                )
+            except BaseException as exc:  # not handed to the producer: nothing of it can reach the broker
+                if self.unsettled.get(payment.payment_id) is entry:
+                    del self.unsettled[payment.payment_id]
+                claim.set_exception(exc if isinstance(exc, Exception) else RuntimeError("send cancelled"))
+                claim.exception()  # retrieved: a claim nobody waits for logs nothing
+                raise
+            asyncio.ensure_future(ack).add_done_callback(functools.partial(_settle_claim, claim))
             sent.append(entry)
         return sent
 
     async def alerted_before(self, payment_id: str, partition: int) -> bool:
         """Whether the broker has this payment's alert: remembered, or sent by an earlier handling whose
-        acknowledgement is awaited now, or found by reading the partition back after a failed send."""
-        earlier = self.unsettled.get(payment_id)
-        if earlier is not None:
-            try:
-                await within(asyncio.shield(earlier.ack), ALERT_SETTLE_WAIT, f"the alert of {payment_id}")
-            except DeadlineExceeded:
-                raise  # still unknown: this batch fails and is handled again later, never sent twice
-            except asyncio.CancelledError:
-                if not earlier.ack.cancelled():
-                    raise  # this handling is cancelled, not the send
-                self.in_doubt.add(partition)
-            except Exception:  # failed: the broker may have it all the same
-                self.in_doubt.add(partition)
-            else:
-                self.remember(earlier)
-            finally:
-                if self.unsettled.get(payment_id) is earlier and earlier.ack.done():
-                    del self.unsettled[payment_id]
+        acknowledgement is awaited now, or found by reading the partition back after a failed send.
+
+        Returns False only while no other handling of the payment has its alert in flight, with no await
+        since that check: the caller's claim (`send_alerts`) follows at once, so two handlings of one
+        payment at the same time (the same batch handled again while its first handling still runs)
+        cannot both send."""
+        while (earlier := self.unsettled.get(payment_id)) is not None:
+            await self.settle(earlier, payment_id, partition)
         if alerts_sent.get(alert_key(payment_id)) is None and partition in self.in_doubt:
             start = self.read_from.get(partition, applied_to(partition))
             for key, value in await self.read_back(partition, start, ALERT_SETTLE_WAIT):
                 if key is not None and value is not None:
                     alerts_sent.data[key] = json.loads(value)
             self.in_doubt.discard(partition)
+            if payment_id in self.unsettled:  # claimed by another handling meanwhile
+                return await self.alerted_before(payment_id, partition)
         return alerts_sent.get(alert_key(payment_id)) is not None
+
+    async def settle(self, earlier: SentAlert, payment_id: str, partition: int) -> None:
+        """Wait for the outcome of an alert in flight: remembered once acknowledged, its partition in doubt
+        if the send failed; either way no longer in flight."""
+        try:
+            await within(asyncio.shield(earlier.ack), ALERT_SETTLE_WAIT, f"the alert of {payment_id}")
+        except DeadlineExceeded:
+            raise  # still unknown: this batch fails and is handled again later, never sent twice
+        except asyncio.CancelledError:
+            if not earlier.ack.cancelled():
+                raise  # this handling is cancelled, not the send
+            self.in_doubt.add(partition)
+        except Exception:  # failed: the broker may have it all the same
+            self.in_doubt.add(partition)
+        else:
+            self.remember(earlier)
+        finally:
+            if self.unsettled.get(payment_id) is earlier and earlier.ack.done():
+                del self.unsettled[payment_id]
 
     async def remember_alerts(self, alerts: list[SentAlert]) -> None:
         """Remember every alert the broker acknowledged, even when another one failed; then raise that
@@ -423,6 +446,18 @@ class Detector:
     def remember(self, alert: SentAlert) -> None:
         """The local store only: a table write would send a second record."""
         alerts_sent.data[alert_key(alert.payment_id)] = alert.alert.asdict()
+
+
+def _settle_claim(claim: asyncio.Future[Any], done: asyncio.Future[Any]) -> None:
+    """Give an alert's claim the outcome of its send."""
+    if claim.done():
+        return
+    if done.cancelled():
+        claim.cancel()
+    elif (exc := done.exception()) is not None:
+        claim.set_exception(exc)
+    else:
+        claim.set_result(done.result())
 
 
 def stats_json(detector: Detector) -> dict[str, Any]:

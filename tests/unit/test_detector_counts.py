@@ -67,14 +67,16 @@ class FakeAlerts:
     """The alerts topic at the narrowest seam: what the broker wrote, and the acknowledgements the
     producer hands back (which a broker that times out can fail after the write)."""
 
-    def __init__(self, acks: list[str]) -> None:
+    def __init__(self, acks: list[str], delay: float = 0.0) -> None:
         self.written: list[tuple[bytes, bytes]] = []
         self.acks = acks  # per send: "ok", "fail" (written, then the acknowledgement fails), "hold"
         self.held: list[asyncio.Future[Any]] = []
+        self.delay = delay  # how long handing a record to the producer takes (its metadata, its buffer)
 
     async def send(self, key: str, value: Any, partition: int) -> asyncio.Future[Any]:
         import json
 
+        await asyncio.sleep(self.delay)
         self.written.append((key.encode(), json.dumps(value.asdict()).encode()))
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         how = self.acks.pop(0)
@@ -112,8 +114,8 @@ def flagged(payment_id: str = "p1") -> list[Any]:
 def alerts(monkeypatch: pytest.MonkeyPatch) -> Any:
     from aml_app.worker import detector as module
 
-    def make(acks: list[str], reads_back: bool = True) -> tuple[Any, FakeAlerts]:
-        topic = FakeAlerts(acks)
+    def make(acks: list[str], reads_back: bool = True, delay: float = 0.0) -> tuple[Any, FakeAlerts]:
+        topic = FakeAlerts(acks, delay)
         monkeypatch.setattr(module, "alerts_topic", topic)
         monkeypatch.setattr(module, "alerts_sent", FakeTable())
         d = detector()
@@ -161,3 +163,17 @@ async def test_a_payment_handled_again_while_its_alert_is_in_flight_waits_for_it
     topic.held[0].set_result(type("Meta", (), {"offset": 0})())
     assert await again == []
     assert len(topic.written) == 1 and d.unsettled == {}
+
+
+async def test_two_handlings_of_one_payment_at_the_same_time_send_one_alert(alerts: Any) -> None:
+    """The same batch handled twice at once in one worker (seen after a broker freeze): the second
+    handling finds the first one's alert claimed while it is still being handed to the producer, waits
+    for it and sends nothing (both sent it when the alert was registered only after the send)."""
+    d, topic = alerts(["ok", "ok"], delay=0.05)
+    first = asyncio.ensure_future(d.send_alerts(flagged(), "2026-11-20T10:00:01Z"))
+    await asyncio.sleep(0.01)  # the first handling is inside its send
+    second = asyncio.ensure_future(d.send_alerts(flagged(), "2026-11-20T10:00:02Z"))
+    sent_first, sent_second = await asyncio.gather(first, second)
+    await d.remember_alerts(sent_first)
+    assert (len(sent_first), len(sent_second)) == (1, 0)
+    assert len(topic.written) == 1 and d.stats.duplicates_suppressed == 1
