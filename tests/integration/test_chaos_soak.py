@@ -1,6 +1,7 @@
-"""A short chaos soak (`bench.chaos_soak`): two minutes of traffic through the whole system while a worker,
-the pipeline and an API replica are killed with -9, PostgreSQL is stopped hard, the broker is frozen and
-the workers are scaled 2 -> 3 -> 2; then every promise is checked by the soak's own clients.
+"""A short chaos soak (`bench.chaos_soak`): two and a half minutes of traffic through the whole system while
+a worker, the pipeline and an API replica are killed with -9, PostgreSQL is stopped hard, the broker is
+frozen, a worker is frozen until its partitions move, payments stamped 2099 and 1971 arrive and the
+workers are scaled 2 -> 3 -> 2; then every promise is checked by the soak's own clients.
 
 The soak runs its own broker and PostgreSQL server (it freezes and stops them), so this test uses none of
 the session's. Every wait in the soak has a deadline; the test's timeout covers their sum on a busy
@@ -18,17 +19,26 @@ from bench.chaos_soak import Options, Soak, summary, write
 
 pytestmark = pytest.mark.integration
 
-SHORT = ("kill-worker", "kill-pipeline", "kill-api", "postgres-stop", "broker-freeze", "scale")
+SHORT = (
+    "kill-worker",
+    "kill-pipeline",
+    "kill-api",
+    "postgres-stop",
+    "broker-freeze",
+    "freeze-worker",
+    "odd-timestamps",
+    "scale",
+)
 
 
 @pytest.mark.timeout(1800)
 async def test_a_short_chaos_soak_keeps_every_promise(tmp_path: Path) -> None:
     options = Options(
         seed=11,
-        duration=120,
+        duration=150,
         rate=100,
         faults=SHORT,
-        gap=(12.0, 15.0),  # seven faults in two minutes
+        gap=(12.0, 15.0),  # nine faults in two and a half minutes
         catch_up=420,
         results=tmp_path / "chaos_soak.json",
     )
@@ -39,7 +49,15 @@ async def test_a_short_chaos_soak_keeps_every_promise(tmp_path: Path) -> None:
 
     assert not doc.get("error"), doc.get("error")
     injected = sorted(x["kind"] for x in doc["faults"] if x["started_at_s"] is not None and not x["error"])
-    expected = ["broker-freeze", "kill-api", "kill-pipeline", "kill-worker", "postgres-stop"]
+    expected = [
+        "broker-freeze",
+        "freeze-worker",
+        "kill-api",
+        "kill-pipeline",
+        "kill-worker",
+        "odd-timestamps",
+        "postgres-stop",
+    ]
     assert injected == sorted([*expected, "scale-up", "scale-down"]), doc["faults"]
     assert [x["fault"] for x in doc["skipped"]] == ["add-partitions"], doc["skipped"]
     assert doc["produced"]["valid"] >= 0.9 * options.rate * options.duration, doc["produced"]
@@ -61,4 +79,6 @@ async def test_a_short_chaos_soak_keeps_every_promise(tmp_path: Path) -> None:
         assert state["at_end"], f"{group} is not at the log end after the catch-up: {state}"
     assert doc["decided_twice"]["beyond_in_flight"] == 0, doc["decided_twice"]
     assert doc["unexpected_exits"] == [], doc["unexpected_exits"]
+    assert doc["odd_timestamps"]["failures"] == [], doc["odd_timestamps"]
+    assert doc["poller"]["regressions"] == [], doc["poller"]
     assert doc["ok"], doc["failures"]
