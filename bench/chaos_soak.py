@@ -1384,11 +1384,11 @@ class Soak:
         group's last commit to be decided again: those are in flight. So the repeats after an AML fault
         (up to the next one) may number at most the first decisions made before the fault, by the worker
         it stopped, at or past the group's committed offset of their partition in the last poll before
-        the fault; for a fault that rebalances the group while every worker decides (a worker joining or
-        leaving, the broker frozen), the first decisions of every worker, read in the same way when the
-        first payment is decided again. More means a decision made again that was committed, or made by
-        a stopped worker after its partitions moved (a zombie). For information, the most first
-        decisions in any `commit_grace` seconds from the fault on (`decided_in_grace`).
+        the fault; and, since every one of these faults rebalances the group while the workers decide,
+        the first decisions of every worker read in the same way when the first payment is decided
+        again. More means a decision made again that was committed, or made by a stopped worker after
+        its partitions moved (a zombie). For information, the most first decisions in any
+        `commit_grace` seconds from the fault on (`decided_in_grace`).
         """
         grace = self.options.commit_grace
         assert self.poller is not None
@@ -1420,15 +1420,14 @@ class Soak:
             until = events[i + 1][0] if i + 1 < len(events) else float("inf")
             mine = [d for d in first.values() if worker is None or d.worker == worker]
             repeated = [d for d in again if at <= d.decided_at < until]
-            # A stopped worker owes what it had not committed when it stopped. A rebalance takes effect
-            # later, when the members' partitions are revoked (their acked offsets committed then): what
-            # was owed is read when the first payment is decided again, after that.
-            when = at if worker is not None or not repeated else repeated[0].decided_at
-            poll = self.poller.last_before(when)
-            committed = poll.committed[self.aml_group] if poll is not None else {}
-            in_flight = sum(
-                1 for d in mine if d.decided_at <= when and d.offset >= committed.get(d.partition, 0)
-            )
+            # A stopped worker owes what it had not committed when it stopped. The rebalance that follows
+            # any of these faults (the stopped worker's partitions move, a replacement joins) takes
+            # effect later, when every member's partitions are revoked (their acked offsets committed
+            # then): what every worker owed is read when the first payment is decided again.
+            owed = self.uncommitted(mine, at) if worker is not None else set()
+            if repeated:
+                owed |= self.uncommitted(list(first.values()), repeated[0].decided_at)
+            in_flight = len(owed)
             rows.append(
                 {
                     "fault": what,
@@ -1449,6 +1448,18 @@ class Soak:
             "before_any_fault": before,
             "per_fault": rows,
             "beyond_in_flight": before + sum(r["beyond"] for r in rows),
+        }
+
+    def uncommitted(self, decisions: list[Decision], when: float) -> set[str]:
+        """The payments of `decisions` made by `when` at or past the group's committed offset of their
+        partition in the last poll before `when`: what a rebalance then would have them decided again."""
+        assert self.poller is not None
+        poll = self.poller.last_before(when)
+        committed = poll.committed[self.aml_group] if poll is not None else {}
+        return {
+            d.payment_id
+            for d in decisions
+            if d.decided_at <= when and d.offset >= committed.get(d.partition, 0)
         }
 
     def aml_lag(self) -> dict[str, Any]:
