@@ -103,10 +103,17 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
     # The figures that enter as log(1 + x), in the order of FEATURES.
     plain: list[float] = [float(amount or 0)]
     for answer in (payer_aggregates, payee_aggregates):
-        for window in map(answer.window, _WINDOWS):
-            *counts, sent, received = _window_figures(window)
-            plain += counts
-            plain += (_in_reporting(rates, sent), _in_reporting(rates, received))
+        windows = answer.windows
+        for name in _WINDOWS:
+            sent_count, received_count, payees, payers, sent, received = _window_figures(windows[name])
+            plain += (
+                sent_count,
+                received_count,
+                payees,
+                payers,
+                _in_reporting(rates, sent) if sent else 0.0,
+                _in_reporting(rates, received) if received else 0.0,
+            )
     edge = payer.out.get(evidence.payee)  # as of the payment's time: it counts this payment
     week_ago = evidence.ts - _WEEK
     plain += (
@@ -135,12 +142,13 @@ _window_figures = operator.attrgetter(*_WINDOW_FIGURES, "sent", "received")
 
 
 def _in_reporting(rates: ExchangeRates, sums: Mapping[str, Decimal]) -> float:
-    """`rates.total(sums)` as a float: per-currency sums in the reporting currency, to the cent."""
+    """`rates.total(sums)` as a float: per-currency sums in the reporting currency, to the cent (a sum in
+    one currency, the usual case, without `total`'s loop)."""
     if len(sums) != 1:
-        return float(rates.total(sums)) if sums else 0.0
+        return float(rates.total(sums))
     ((currency, amount),) = sums.items()
     converted = rates.convert(amount, currency)
-    return 0.0 if converted is None else float(converted.quantize(CENT, rounding=ROUND_HALF_EVEN))
+    return 0.0 if converted is None else float(converted.quantize(CENT, ROUND_HALF_EVEN))
 
 
 @functools.lru_cache(maxsize=1024)
@@ -228,19 +236,19 @@ class Model:
         """The trees compiled for walking many rows at once (built once per model, on first use)."""
         return _Walk.of(self)
 
-    def _raw(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per row: the bins of its features, the leaf it reaches in each tree, and the raw scores per
-        class."""
+    def _raw(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Per row: the bins of its features, the leaf it reaches in each tree (`_Walk.leaves`: as a
+        mask and as an index), and the raw scores per class."""
         walk = self._walk
         bins = walk.bins(rows)
-        leaves = walk.leaves(bins)
-        return bins, leaves, self.baseline + walk.raw(leaves)
+        reached, leaves = walk.leaves(bins)
+        return bins, reached, leaves, self.baseline + walk.raw(leaves)
 
     def probabilities(self, rows: np.ndarray) -> np.ndarray:
         """(rows, classes) class probabilities: every tree walked for every row at once. A row's
         probabilities do not depend on the other rows scored with it."""
         rows = np.atleast_2d(np.asarray(rows, dtype=float))
-        return _softmax(self._raw(rows)[2])
+        return _softmax(self._raw(rows)[3])
 
     def _verdict(self, p: np.ndarray) -> str | None:
         """The typology the model names for one row's probabilities when benign is below the cut, else
@@ -283,7 +291,7 @@ class Model:
             dtype=float,
             count=len(scored) * len(FEATURES),
         ).reshape(len(scored), len(FEATURES))
-        bins, leaves, raw = self._raw(rows)
+        bins, reached, leaves, raw = self._raw(rows)
         p = _softmax(raw)
         named = self._names(p)
         alerting = np.array([j for j, typology in enumerate(named) if typology is not None], dtype=np.intp)
@@ -294,41 +302,41 @@ class Model:
         # probability of benign; the (at most three) that raise it most are the most telling.
         moved = np.zeros((len(alerting), len(FEATURES)))
         moved[:, self._walk.used] = self._walk.moved(
-            bins[alerting], leaves[alerting], raw[alerting], p[alerting, benign], benign
+            bins[alerting], reached[alerting], leaves[alerting], raw[alerting], p[alerting, benign], benign
         )
         most = np.argsort(-moved, axis=1)[:, :3]
-        for k, j in enumerate(alerting.tolist()):
-            telling = [
-                i for i, up in zip(most[k].tolist(), moved[k, most[k]].tolist(), strict=True) if up > 0
-            ]
+        rises = np.take_along_axis(moved, most, axis=1).tolist()
+        values = np.take_along_axis(rows[alerting], most, axis=1).tolist()
+        for j, order, rise, value, probabilities in zip(
+            alerting.tolist(), most.tolist(), rises, values, p[alerting].tolist(), strict=True
+        ):
             typology = named[j]
             assert typology is not None
-            found[scored[j]] = self._explained(rows[j, telling].tolist(), telling, p[j].tolist(), typology)
+            telling = [(i, v) for i, up, v in zip(order, rise, value, strict=True) if up > 0]
+            found[scored[j]] = self._explained(telling, probabilities, typology)
         return found
 
-    def _explained(self, values: list[float], telling: list[int], p: list[float], typology: str) -> Hit:
+    def _explained(self, telling: list[tuple[int, float]], p: list[float], typology: str) -> Hit:
         """The model's alert naming `typology`: the probabilities against the cut, and the most telling
-        features with the payment's `values` of them and a typical benign payment's."""
+        features (index, the payment's value) with a typical benign payment's value."""
         benign, best = self.classes.index(BENIGN), self.classes.index(typology)
         typical = self._typical_shown
-        because = [
-            f"{FEATURES[i]} {_shown(FEATURES[i], value)} (benign typically {typical[i]})"
-            for i, value in zip(telling, values, strict=True)
-        ]
+        shown = [(FEATURES[i], _shown(FEATURES[i], value), typical[i]) for i, value in telling]
+        because = "; ".join(f"{name} {value} (benign typically {usual})" for name, value, usual in shown)
         return Hit(
             rule="aml.model",
-            typology=self.classes[best],
+            typology=typology,
             reason=(
                 f"the model puts the chance that this payment is benign at {p[benign]:.4f}, below its cut "
-                f"{self.cut:.4f}, and names {self.classes[best]} (probability {p[best]:.4f}); most telling: "
-                + ("; ".join(because) or "no single feature")
+                f"{self.cut:.4f}, and names {typology} (probability {p[best]:.4f}); most telling: "
+                + (because or "no single feature")
                 + "."
             ),
             figures={
                 "benign_probability": f"{p[benign]:.6f}",
                 "cut": f"{self.cut:.6f}",
-                f"{self.classes[best]}_probability": f"{p[best]:.6f}",
-                **{FEATURES[i]: _shown(FEATURES[i], value) for i, value in zip(telling, values, strict=True)},
+                f"{typology}_probability": f"{p[best]:.6f}",
+                **{name: value for name, value, _ in shown},
             },
         )
 
@@ -390,22 +398,25 @@ class _Walk:
     reachable: np.ndarray  # (bins of every used feature, trees): the leaves each bin leaves reachable
     leaf_value: np.ndarray  # (trees * width,): tree t's i-th leaf's value at t * width + i
     tree_base: np.ndarray  # (trees,): t * width
+    width: int  # the most leaves of a tree
     class_starts: np.ndarray  # (classes with trees,): each one's first tree, the trees ordered by class
     class_index: np.ndarray  # (classes with trees,): those classes
     classes: int
     # Per tree and leaf (t * width + i), the flips: the features whose typical value moves a row off it,
     # each as its feature * classes + the tree's class (a slot of the raw scores' change).
+    fixed_leaves: np.ndarray  # (trees,): per tree, a mask of the leaves with such flips
     fixed_count: np.ndarray  # (trees * width,): the flips to a leaf the typical value alone decides
     fixed_start: np.ndarray  # (trees * width,): the first of them
     fixed_slot: np.ndarray  # (fixed flips,)
     fixed_change: np.ndarray  # (fixed flips,): the new leaf's value less the old
+    walk_leaves_of: np.ndarray  # (trees,): per tree, a mask of the leaves with such flips
     walk_count: np.ndarray  # (trees * width,): the flips to a leaf that other features decide too
     walk_start: np.ndarray  # (trees * width,): the first of them
-    walk_slot: np.ndarray  # (walked flips,)
+    # (walked flips, 3): the slot; how many features split on under the other child; the first of them
+    # in `need`
+    walk: np.ndarray
     walk_mask: np.ndarray  # (walked flips,): the leaves under the other child that the typical value allows
-    walk_leaves: np.ndarray  # (walked flips,): t * width
-    need_count: np.ndarray  # (walked flips,): how many features split on under the other child
-    need_start: np.ndarray  # (walked flips,): the first in `need`
+    walk_change: np.ndarray  # (walked flips * width,): per new leaf, its value less the old leaf's
     need: np.ndarray  # (needs,): those features (their indices in `used`)
     need_tree: np.ndarray  # (needs,): the tree
 
@@ -486,7 +497,8 @@ class _Walk:
         fixed_count = np.zeros(len(trees) * width, dtype=np.intp)
         walk_count = np.zeros(len(trees) * width, dtype=np.intp)
         fixed: list[tuple[int, float]] = []  # (feature * classes + class, change)
-        walk: list[tuple[int, int, int, list[int]]] = []  # (feature * classes + class, mask, tree, needed)
+        # (feature * classes + class, mask, tree, needed, the old leaf's value)
+        walk: list[tuple[int, int, int, list[int], float]] = []
         for t, tree in enumerate(trees):
             slot = int(tree_class[order[t]])
             for i, path in enumerate(tree.paths):
@@ -502,16 +514,29 @@ class _Walk:
                         continue
                     moved.add(u)
                     other = right[node] if went_left else left[node]
-                    allowed = int(reachable[base[u] + b, t]) & _span(*tree.spans[other])
-                    needed = sorted({position[f] for f in tree.under[other]} - {u})
+                    lo, hi = tree.spans[other]
+                    allowed = int(reachable[base[u] + b, t]) & _span(lo, hi)
+                    # The features that decide among the allowed leaves: those of the nodes under the
+                    # other child with allowed leaves on both sides.
+                    needed = sorted(
+                        {
+                            position[feature[n]]
+                            for n in tree.internal
+                            if lo <= tree.spans[n][0]
+                            and tree.spans[n][1] <= hi
+                            and allowed & _span(tree.spans[n][0], tree.spans[left[n]][1])
+                            and allowed & _span(tree.spans[left[n]][1], tree.spans[n][1])
+                        }
+                    )
                     if needed:
-                        walk.append((u * classes + slot, allowed, t, needed))
+                        walk.append((u * classes + slot, allowed, t, needed, leaf_value[t * width + i]))
                         walk_count[t * width + i] += 1
                     else:
                         new = leaf_value[t * width + allowed.bit_length() - 1]
                         fixed.append((u * classes + slot, float(new - leaf_value[t * width + i])))
                         fixed_count[t * width + i] += 1
         need_count = np.array([len(flip[3]) for flip in walk], dtype=np.intp)
+        need_start = np.cumsum(need_count) - need_count
         return cls(
             cuts=complex_cuts,
             starts=starts,
@@ -521,20 +546,30 @@ class _Walk:
             reachable=reachable,
             leaf_value=leaf_value,
             tree_base=np.arange(len(trees), dtype=np.intp) * width,
+            width=width,
             class_starts=np.flatnonzero(np.diff(tree_class[order], prepend=-1)),
             class_index=np.unique(tree_class),
             classes=classes,
+            fixed_leaves=_leaves_with(fixed_count, width, dtype),
             fixed_count=fixed_count,
             fixed_start=np.cumsum(fixed_count) - fixed_count,
             fixed_slot=np.array([flip[0] for flip in fixed], dtype=np.intp),
             fixed_change=np.array([flip[1] for flip in fixed], dtype=float),
+            walk_leaves_of=_leaves_with(walk_count, width, dtype),
             walk_count=walk_count,
             walk_start=np.cumsum(walk_count) - walk_count,
-            walk_slot=np.array([flip[0] for flip in walk], dtype=np.intp),
+            walk=np.array(
+                [
+                    (flip[0], len(flip[3]), start)
+                    for flip, start in zip(walk, need_start.tolist(), strict=True)
+                ],
+                dtype=np.intp,
+            ).reshape(len(walk), 3),
             walk_mask=np.array([flip[1] for flip in walk], dtype=dtype),
-            walk_leaves=np.array([flip[2] * width for flip in walk], dtype=np.intp),
-            need_count=need_count,
-            need_start=np.cumsum(need_count) - need_count,
+            walk_change=(
+                leaf_value.reshape(-1, width)[[flip[2] for flip in walk]]
+                - np.array([flip[4] for flip in walk])[:, None]
+            ).ravel(),
             need=np.array([u for flip in walk for u in flip[3]], dtype=np.intp),
             need_tree=np.array([flip[2] for flip in walk for _ in flip[3]], dtype=np.intp),
         )
@@ -545,16 +580,17 @@ class _Walk:
         `nan_bin` for a missing value."""
         return _bins(rows, self.cuts, self.starts, self.used, self.nan_bin)
 
-    def leaves(self, bins: np.ndarray) -> np.ndarray:
-        """(rows, trees): the leaf each row reaches in each tree, as t * width + its index from the left."""
-        if not len(self.used):  # every tree is one leaf
-            return np.tile(self.tree_base, (len(bins), 1))
+    def leaves(self, bins: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, trees) twice: the leaf each row reaches in each tree as a one-bit mask, and as
+        t * width + its index from the left."""
         reached = np.empty((len(bins), len(self.tree_base)), dtype=self.reachable.dtype)
+        if not len(self.used):  # every tree is one leaf
+            reached[:] = 1
         at = bins + self.base
-        for start in range(0, len(bins), _CHUNK):
+        for start in range(0, len(bins) if len(self.used) else 0, _CHUNK):
             gathered = np.take(self.reachable, at[start : start + _CHUNK], axis=0)
             np.bitwise_and.reduce(gathered, axis=1, out=reached[start : start + _CHUNK])
-        return self.tree_base + self.leaf(reached)
+        return reached, self.tree_base + self.leaf(reached)
 
     def leaf(self, reached: np.ndarray) -> np.ndarray:
         """The index of the leaf (from the left) that a one-bit mask names."""
@@ -570,42 +606,44 @@ class _Walk:
         return out
 
     def moved(
-        self, bins: np.ndarray, leaves: np.ndarray, raw: np.ndarray, benign_p: np.ndarray, benign: int
+        self,
+        bins: np.ndarray,
+        reached: np.ndarray,
+        leaves: np.ndarray,
+        raw: np.ndarray,
+        benign_p: np.ndarray,
+        benign: int,
     ) -> np.ndarray:
         """(rows, used): how much the probability of benign rises when each used feature alone takes the
-        benign-typical value (occlusion), for rows walked already (`bins`, `leaves`, `raw` scores): the
-        raw scores moved by the change of every leaf the value changes (the flips of each row's leaves);
-        0 where they move none."""
+        benign-typical value (occlusion), for rows walked already (`bins`, `reached` and `leaves`, `raw`
+        scores): the raw scores moved by the change of every leaf the value changes (the flips of each
+        row's leaves); 0 where they move none."""
         rows, used, classes, trees = len(bins), len(self.used), self.classes, len(self.tree_base)
         leaves = leaves.ravel()
         slots, changes = [], []
-        counts = np.take(self.fixed_count, leaves)
-        pairs = np.flatnonzero(counts)  # row * trees + tree
+        pairs = np.flatnonzero(reached & self.fixed_leaves)  # row * trees + tree
         if len(pairs):
-            counts = counts[pairs]
+            counts = np.take(self.fixed_count, leaves[pairs])
             flip = _ranges(np.take(self.fixed_start, leaves[pairs]), counts)
-            slots.append(
-                np.repeat(pairs // trees * (used * classes), counts) + np.take(self.fixed_slot, flip)
-            )
+            row = np.repeat(pairs // trees, counts)
+            slots.append(row * (used * classes) + np.take(self.fixed_slot, flip))
             changes.append(np.take(self.fixed_change, flip))
-        counts = np.take(self.walk_count, leaves)
-        pairs = np.flatnonzero(counts)
+        pairs = np.flatnonzero(reached & self.walk_leaves_of)
         if len(pairs):
             # The new leaf: the AND of the masks of the features split on under the other child (a
             # row's mask of feature u in tree t is `reachable` at (its bin's row) * trees + t), and of
             # the typical value's mask there.
-            counts = counts[pairs]
+            counts = np.take(self.walk_count, leaves[pairs])
             flip = _ranges(np.take(self.walk_start, leaves[pairs]), counts)
             row = np.repeat(pairs // trees, counts)
-            needs = np.take(self.need_count, flip)
-            need = _ranges(np.take(self.need_start, flip), needs)
+            slot, needs, first = np.take(self.walk, flip, axis=0).T
+            need = _ranges(first, needs)
             at = ((bins + self.base) * trees).ravel()
             where = np.take(at, np.repeat(row * used, needs) + np.take(self.need, need))
             masks = np.take(self.reachable.ravel(), where + np.take(self.need_tree, need))
             new = np.bitwise_and.reduceat(masks, np.cumsum(needs) - needs) & np.take(self.walk_mask, flip)
-            value = np.take(self.leaf_value, np.take(self.walk_leaves, flip) + self.leaf(new))
-            slots.append(row * (used * classes) + np.take(self.walk_slot, flip))
-            changes.append(value - np.take(self.leaf_value, np.repeat(leaves[pairs], counts)))
+            slots.append(row * (used * classes) + slot)
+            changes.append(np.take(self.walk_change, flip * self.width + self.leaf(new)))
         out = np.zeros(rows * used)
         if not slots:
             return out.reshape(rows, used)
@@ -691,6 +729,14 @@ def _ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
     """starts[0], starts[0] + 1, ..., starts[0] + counts[0] - 1, starts[1], ...: ranges laid end to end."""
     ends = np.cumsum(counts)
     return np.arange(ends[-1]) + np.repeat(starts - ends + counts, counts)
+
+
+def _leaves_with(count: np.ndarray, width: int, dtype: Any) -> np.ndarray:
+    """Per tree, the mask of the leaves whose `count` (by t * width + leaf) is not 0."""
+    return np.array(
+        [sum(1 << i for i in range(width) if row[i]) for row in count.reshape(-1, width).tolist()],
+        dtype=dtype,
+    )
 
 
 def _span(lo: int, hi: int) -> int:

@@ -88,8 +88,8 @@ def hit_node_by_node(model: Model, evidence: Evidence, thresholds: AmlThresholds
     if typology is None:
         return None
     moved = walked[1:, benign] - p[benign]
-    telling = [int(i) for i in np.argsort(-moved)[:3] if moved[i] > 0]
-    return model._explained(row[telling].tolist(), telling, p.tolist(), typology)
+    telling = [(int(i), float(row[i])) for i in np.argsort(-moved)[:3] if moved[i] > 0]
+    return model._explained(telling, p.tolist(), typology)
 
 
 def test_a_batch_gives_each_payment_the_hits_it_gets_alone_on_every_real_payment(
@@ -143,9 +143,9 @@ def test_occlusion_read_off_the_trees_is_each_occluded_row_scored(shipped: Model
     value equals scoring that occluded row (0 exactly where the value moves no leaf)."""
     walk, benign = shipped._walk, shipped.classes.index(BENIGN)
     chosen = rows[:: max(1, len(rows) // 300)]
-    bins, leaves, raw = shipped._raw(chosen)
+    bins, reached, leaves, raw = shipped._raw(chosen)
     p = model_module._softmax(raw)
-    moved = walk.moved(bins, leaves, raw, p[:, benign], benign)
+    moved = walk.moved(bins, reached, leaves, raw, p[:, benign], benign)
     for k, row in enumerate(chosen[:60]):
         occluded = np.tile(row, (len(walk.used), 1))
         occluded[np.arange(len(walk.used)), walk.used] = shipped.benign_typical[walk.used]
