@@ -1382,12 +1382,13 @@ class Soak:
 
         A worker that dies, or loses partitions in a rebalance, leaves the payments it decided since its
         group's last commit to be decided again: those are in flight. So the repeats after an AML fault
-        (up to the next one) may number at most the first decisions made before the fault, by the worker
-        it stopped, at or past the group's committed offset of their partition in the last poll before
-        the fault; and, since every one of these faults rebalances the group while the workers decide,
-        the first decisions of every worker read in the same way when the first payment is decided
-        again. More means a decision made again that was committed, or made by a stopped worker after
-        its partitions moved (a zombie). For information, the most first decisions in any
+        may be only of payments owed at that fault or an earlier one (a rebalance can settle one fault's
+        debt after the next fault): the first decisions made before the fault, by the worker it stopped,
+        at or past the group's committed offset of their partition in the last poll before the fault;
+        and, since every one of these faults rebalances the group while the workers decide, the first
+        decisions of every worker read in the same way when the first payment is decided again. Any
+        other repeat is a decision made again that was committed, or made by a stopped worker after its
+        partitions moved (a zombie). For information, the most first decisions in any
         `commit_grace` seconds from the fault on (`decided_in_grace`).
         """
         grace = self.options.commit_grace
@@ -1416,6 +1417,7 @@ class Soak:
                 events.append((self.t0_wall + e["at"], f"unexpected exit of {e['worker']}", e["worker"]))
         events.sort()
         rows: list[dict[str, Any]] = []
+        allowed: set[str] = set()  # owed at this fault or an earlier one: a rebalance may settle it later
         for i, (at, what, worker) in enumerate(events):
             until = events[i + 1][0] if i + 1 < len(events) else float("inf")
             mine = [d for d in first.values() if worker is None or d.worker == worker]
@@ -1428,13 +1430,14 @@ class Soak:
             if repeated:
                 owed |= self.uncommitted(list(first.values()), repeated[0].decided_at)
             in_flight = len(owed)
+            allowed |= owed
             rows.append(
                 {
                     "fault": what,
                     "at_s": round(at - self.t0_wall, 1),
                     "decided_again": len(repeated),
                     "in_flight": in_flight,
-                    "beyond": max(len(repeated) - in_flight, 0),
+                    "beyond": sum(1 for d in repeated if d.payment_id not in allowed),
                     "decided_in_grace": busiest(sorted(d.decided_at for d in mine), at, until, grace),
                     # Who decided first and when, for a few: which worker's decisions were owed again.
                     "first_decisions": Counter(first[d.payment_id].worker for d in repeated),
