@@ -473,9 +473,12 @@ class GatedConsumer:
         """Take, admit and handle the lane's payments in offset order; hand them to the acks."""
         while True:
             await lane.wait_for_work(self.max_in_flight)
+            lane.go_on()
             batch = await self._take(lane)
+            lane.go_on()
             admitted = [(event, a) for event, a in batch if a is not None]
             pending = await self._handle(admitted) if admitted else None
+            lane.go_on()
             events = lane.hand_over()
             if pending is None and not lane.inflight:
                 await self._settle(lane, events, admitted)  # nothing to wait for: ack at once
@@ -490,6 +493,7 @@ class GatedConsumer:
         """
         while True:
             entry = await lane.front()
+            lane.go_on()
             try:
                 pending = entry.pending
                 if isinstance(pending, asyncio.Future) and pending.done():
@@ -504,6 +508,7 @@ class GatedConsumer:
                 await self._redo(entry, exc)  # the send itself was cancelled
             except Exception as exc:
                 await self._redo(entry, exc)
+            lane.go_on()
             # Settled while still at the front: the lane queues behind it rather than acking ahead.
             await self._settle(lane, entry.events, entry.admitted)
             lane.acked_front()
@@ -581,6 +586,7 @@ class GatedConsumer:
             if lane.paused and lane.hole is None and len(lane.queue) <= self.max_pending // 2:
                 await self._resume(lane, TP(*event.message.tp), lane.next_offset)
             admitted = await self._admit(event, arrived, parsed, event_us)
+            lane.go_on()
             taken.append((event, admitted))
             payments += admitted is not None
         return taken

@@ -173,8 +173,12 @@ class FreshnessGate:
                                 closed = self._lookup(partition) or {"watermark": -1, "dependencies": {}}
                                 return {**closed, "stale": round(time.monotonic() - started, 3)}
                             wait = min(wait, left)
+                        # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands just
+                        # after a notification (it returns the finished `cond.wait()` instead), and a
+                        # lane a revoke stops would wait on and handle its old queue again.
                         try:
-                            await asyncio.wait_for(cond.wait(), wait)
+                            async with asyncio.timeout(wait):
+                                await cond.wait()
                         except TimeoutError:
                             if self.is_open(partition, offset, event_us):
                                 self.opened_by_recheck += 1

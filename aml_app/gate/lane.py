@@ -89,6 +89,8 @@ class Lane:
     hole: tuple[int, int] | None = None
     #: The events received past the hole meanwhile, in offset order; queued if the hole is no hole.
     held: list[EventT[Any]] = field(default_factory=list)
+    #: Set by `stop`: the lane's successor owns its events from then on.
+    stopped: bool = False
 
     # --- arrivals ---------------------------------------------------------------------------------
 
@@ -206,5 +208,13 @@ class Lane:
         return [t for t in (self.task, self.acker) if t is not None]
 
     def stop(self) -> None:
+        self.stopped = True
         for task in self.tasks():
             task.cancel()
+
+    def go_on(self) -> None:
+        """Raise `CancelledError` once stopped. A cancel that an await swallows (Python 3.11's
+        `asyncio.wait_for` returns a result that was ready when the cancel came) must not leave a
+        stopped lane handling the events its successor handles too."""
+        if self.stopped:
+            raise asyncio.CancelledError(f"lane {self.partition} was stopped")

@@ -130,6 +130,29 @@ async def test_cancellation_clears_waiting() -> None:
     assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 4
 
 
+@pytest.mark.parametrize("turns", range(8))
+async def test_a_cancel_right_after_a_notification_ends_the_waiter(turns: int) -> None:
+    """A revoke cancels a lane waiting at the gate, typically while the leader re-stamps the still
+    closed rows and notifies. Python 3.11's `asyncio.wait_for` returns the inner result instead of
+    raising when the cancel lands after the inner `cond.wait()` finished but before the waiter ran
+    again: the cancel was lost, and the stopped lane waited on and later handled its old queue a
+    second time beside its successor (chaos soak seed 5, aml-1). Every interleaving must cancel."""
+    rows = {0: row(0, 0)}
+    gate = FreshnessGate(rows.get)
+    task = await start_waiting(gate, 0, 3)
+    rows[0] = row(0, 1)  # re-stamped, still closed for offset 3
+    gate.notify([0])
+    await spin(turns)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=QUIET)
+    try:
+        assert done, f"the cancel {turns} turns after a notification was swallowed: the waiter waits on"
+        assert task.cancelled()
+        assert gate.waiting == {}
+    finally:
+        task.cancel()
+
+
 async def test_partitions_are_independent() -> None:
     rows = {0: row(0, 0), 1: row(1, 10)}
     gate = FreshnessGate(rows.get)
