@@ -597,7 +597,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
         ]
         used = {k: s1.cpu[k] - s0.cpu.get(k, 0.0) for k in s1.cpu}
         system_s = sum(v for k, v in used.items() if k != OWN)
-        n_both = max(len(both), 1)
+        n_both = len(both) or float("nan")  # nothing decided by both: no cost per payment to give
         doc["cpu"] = {
             "seconds": round(s1.at - s0.at, 2),
             "decided_by_both": len(both),
@@ -766,6 +766,7 @@ def report(doc: dict[str, Any]) -> str:
                 f"{aml['gate_share_ms']['p50']} / {aml['gate_share_ms']['p99']}",
                 f"{fraud['gate_share_ms']['p50']} / {fraud['gate_share_ms']['p99']}",
                 f"{s['pipeline_commit_ms']['p50']} / {s['pipeline_commit_ms']['p99']}",
+                s["cpu"]["decided_by_both_per_s"],
                 s["cpu"]["system_us_per_payment"],
                 f"{'yes' if s['held'] else 'NO'} (backlog AML {aml['backlog_start']:g} → "
                 f"{aml['backlog_end']:g}, fraud {fraud['backlog_start']:g} → {fraud['backlog_end']:g})",
@@ -784,6 +785,7 @@ def report(doc: dict[str, Any]) -> str:
             "AML gate share p50 / p99 (ms)",
             "fraud gate share p50 / p99 (ms)",
             "produced → both committed p50 / p99 (ms)",
+            "decided by both /s",
             "CPU µs per payment",
             "held",
             "checks",
