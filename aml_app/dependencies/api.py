@@ -60,7 +60,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -74,6 +74,7 @@ from aml_app import dependency_services as registry
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.currencies import ISO_4217
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies.answer_cache import AnswerCache
 from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
@@ -144,16 +145,35 @@ def _error(status: int, message: str, retry_after: int | None = None) -> web.Res
     return web.json_response({"error": message}, status=status, headers=headers)
 
 
-async def _batch_response(body: dict[str, Any]) -> web.Response:
-    """A batch's JSON, written one answer at a time with a yield to the event loop between two: the
-    same text as `web.json_response` gives, without holding the loop for a whole batch at once."""
-    if "answers" not in body:
-        return web.json_response(body)
-    parts = []
-    for answer in body["answers"]:
-        parts.append(json.dumps(answer))
-        await asyncio.sleep(0)
-    return web.Response(text='{"answers": [' + ", ".join(parts) + "]}", content_type="application/json")
+async def _batch_response(
+    cache: AnswerCache,
+    keys: Sequence[Hashable],
+    need: Need | None,
+    answer: Callable[[list[int]], Awaitable[dict[str, Any]]],
+) -> web.Response:
+    """A batch's JSON: each answer `cache` keeps for its key from a snapshot that meets `need`, the others
+    from `answer(missing)` (the indexes of the queries to compute, in order), kept for the next asker.
+    A "not yet" is the response as it is; `kept` lists the answers the cache gave. Written one answer
+    at a time with a yield to the event loop between two, without holding the loop for a whole batch.
+
+    A list cut short (`truncated`) is not kept: its length depends on the queries asked beside it."""
+    texts = cache.lookup(keys, need)
+    kept = [i for i, text in enumerate(texts) if text is not None]
+    missing = [i for i, text in enumerate(texts) if text is None]
+    if missing:
+        body = await answer(missing)
+        if "answers" not in body:
+            return web.json_response(body)
+        for i, computed in zip(missing, body["answers"], strict=True):
+            text = json.dumps(computed)
+            if "truncated" not in computed:
+                cache.put(keys[i], text, computed)
+            texts[i] = text
+            await asyncio.sleep(0)
+    whole = ", ".join(text for text in texts if text is not None)  # every one, by now
+    # The kept answers' `as_of` says where the store was when first asked, not where it is now.
+    tail = f', "kept": {json.dumps(kept)}' if kept else ""
+    return web.Response(text='{"answers": [' + whole + "]" + tail + "}", content_type="application/json")
 
 
 @web.middleware
@@ -592,10 +612,15 @@ class StoreCheck:
 
 
 def _app(
-    service: str, routes: list[str], reader: Reader, check: StoreCheck | None, limits: Limits
+    service: str,
+    routes: list[str],
+    reader: Reader,
+    check: StoreCheck | None,
+    limits: Limits,
+    cache: AnswerCache,
 ) -> web.Application:
     """The parts both APIs share: errors as JSON, the store's pools and the check, opened and closed with
-    the application, and /health."""
+    the application, and /health (with what the answer cache served)."""
     app = web.Application(middlewares=[_json_errors])
     app[SERVICE] = service
     app[ROUTES] = ["GET /health", *routes]
@@ -634,6 +659,7 @@ def _app(
             log.warning("health: the store could not be read: %s", exc)
             return _error(503, f"The store could not be read within {HEALTH_TIMEOUT:g} s; try again shortly.")
         body.update(registry.service(service).health(meta))
+        body["answer_cache"] = cache.as_json()
         if check is not None:
             body["store_check"] = check.as_json()
             if check.state == "behind":
@@ -646,11 +672,17 @@ def _app(
 
 
 def relations_app(
-    reader: Reader, settings: Any = None, check: StoreCheck | None = None, limits: Limits | None = None
+    reader: Reader,
+    settings: Any = None,
+    check: StoreCheck | None = None,
+    limits: Limits | None = None,
+    cache: AnswerCache | None = None,
 ) -> web.Application:
     """B's API; its answers depend on its store only. `limits`, or else `settings`' (`Limits.of`), bound
-    what a request may cost."""
+    what a request may cost; `cache`, or else one of `settings`' `AML_API_CACHE_ANSWERS` (none without
+    settings), keeps batch answers for the next asker."""
     limits = limits or Limits.of(settings)
+    cache = cache or _cache_of(settings)
     app = _app(
         "relations",
         [
@@ -664,6 +696,7 @@ def relations_app(
         reader,
         check,
         limits,
+        cache,
     )
 
     async def answer(queries: list[relations.Query], need: Need | None = None) -> dict[str, Any]:
@@ -712,7 +745,9 @@ def relations_app(
                     parse_after(parts, _text_or_none(q, "after", i), where=f"queries[{i}]: "),
                 )
             )
-        return await _batch_response(await answer(queries, need))
+        return await _batch_response(
+            cache, [repr(q) for q in queries], need, lambda todo: answer([queries[i] for i in todo], need)
+        )
 
     app.router.add_get("/relations/{account}", single)
     app.router.add_post("/relations", batch)
@@ -720,15 +755,26 @@ def relations_app(
 
 
 def aggregates_app(
-    reader: Reader, settings: Any, check: StoreCheck | None = None, limits: Limits | None = None
+    reader: Reader,
+    settings: Any,
+    check: StoreCheck | None = None,
+    limits: Limits | None = None,
+    cache: AnswerCache | None = None,
 ) -> web.Application:
     """`settings` gives the near-threshold definition a store without one reports (the pipeline's), and
     the exchange rates of the AML rules (`AML_REPORTING_CURRENCY`, `AML_EXCHANGE_RATES`), in whose
     reporting currency every window is stated too; `limits`, or else its own (`Limits.of`), what a
-    request may cost."""
+    request may cost; `cache`, or else one of `AML_API_CACHE_ANSWERS`, keeps batch answers for the next
+    asker."""
     limits = limits or Limits.of(settings)
+    cache = cache or _cache_of(settings)
     app = _app(
-        "aggregates", ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"], reader, check, limits
+        "aggregates",
+        ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"],
+        reader,
+        check,
+        limits,
+        cache,
     )
     defaults = (settings.reporting_threshold, settings.threshold_band)
     rates = settings.aml_thresholds.rates
@@ -752,11 +798,18 @@ def aggregates_app(
     async def batch(request: web.Request) -> web.Response:
         asked, need = await _body(request)
         queries = [(_batch_account(q, i), parse_at(_text_or_none(q, "at", i))) for i, q in enumerate(asked)]
-        return await _batch_response(await answer(queries, need))
+        return await _batch_response(
+            cache, queries, need, lambda todo: answer([queries[i] for i in todo], need)
+        )
 
     app.router.add_get("/aggregates/{account}", single)
     app.router.add_post("/aggregates", batch)
     return app
+
+
+def _cache_of(settings: Any) -> AnswerCache:
+    """The answer cache `AML_API_CACHE_ANSWERS` of `settings` asks for (None: no cache)."""
+    return AnswerCache(0 if settings is None else settings.api_cache_answers)
 
 
 def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:

@@ -143,10 +143,14 @@ class Replicas:
         self._next = 0
         self._resting: dict[int, float] = {}
 
-    def order(self) -> list[URL]:
-        """Every replica once, starting with the next in turn; resting ones last."""
-        start = self._next
-        self._next = (self._next + 1) % len(self.urls)
+    def order(self, route: int | None = None) -> list[URL]:
+        """Every replica once, starting with the next in turn, or with replica `route` modulo their
+        number; resting ones last."""
+        if route is None:
+            start = self._next
+            self._next = (self._next + 1) % len(self.urls)
+        else:
+            start = route % len(self.urls)
         turn = [(start + k) % len(self.urls) for k in range(len(self.urls))]
         now = time.monotonic()
         awake = [i for i in turn if self._resting.get(i, 0) <= now]
@@ -222,13 +226,14 @@ class DependencyClient:
         return whole
 
     async def aggregates_many(
-        self, queries: Sequence[tuple[str, datetime]], need: Need | None = None
+        self, queries: Sequence[tuple[str, datetime]], need: Need | None = None, route: int | None = None
     ) -> list[dict[str, Any]]:
-        """One POST /aggregates for several (account, at): one snapshot of C answers them all."""
+        """One POST /aggregates for several (account, at): one snapshot of C answers them all, or its answer
+        cache in part. `route` picks the replica asked first (`Replicas.order`)."""
         body: dict[str, Any] = {"queries": [{"account": a, "at": at.isoformat()} for a, at in queries]}
         if need is not None:
             body["need"] = need.as_json()
-        answer = await self._send("aggregates", lambda base: base / "aggregates", body)
+        answer = await self._send("aggregates", lambda base: base / "aggregates", body, route)
         return _answers(answer, len(queries), "aggregates")
 
     async def relations_many(
@@ -240,11 +245,13 @@ class DependencyClient:
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
         need: Need | None = None,
         ats: Sequence[datetime | None] | None = None,
+        route: int | None = None,
     ) -> list[dict[str, Any]]:
-        """One POST /relations for several accounts: one snapshot of B answers them all. `parts` is one
-        list for every account, or one per account; `loops` gives, per account, the closing payer, the
-        time and the longest loop of a `loop` part (None where no loop is asked); `ats`, per account, the
-        instant to answer as of (None: from every payment B holds)."""
+        """One POST /relations for several accounts: one snapshot of B answers them all, or its answer
+        cache in part. `parts` is one list for every account, or one per account; `loops` gives, per
+        account, the closing payer, the time and the longest loop of a `loop` part (None where no loop is
+        asked); `ats`, per account, the instant to answer as of (None: from every payment B holds);
+        `route`, the replica asked first (`Replicas.order`)."""
         each = [parts] * len(accounts) if isinstance(parts, str) else list(parts)
         closing = [None] * len(accounts) if loops is None else list(loops)
         instants = [None] * len(accounts) if ats is None else list(ats)
@@ -264,11 +271,15 @@ class DependencyClient:
         body: dict[str, Any] = {"queries": queries}
         if need is not None:
             body["need"] = need.as_json()
-        answer = await self._send("relations", lambda base: base / "relations", body)
-        return await self._whole(queries, _answers(answer, len(accounts), "relations"), need)
+        answer = await self._send("relations", lambda base: base / "relations", body, route)
+        return await self._whole(queries, _answers(answer, len(accounts), "relations"), need, route)
 
     async def _whole(
-        self, queries: list[dict[str, Any]], answers: list[dict[str, Any]], need: Need | None
+        self,
+        queries: list[dict[str, Any]],
+        answers: list[dict[str, Any]],
+        need: Need | None,
+        route: int | None = None,
     ) -> list[dict[str, Any]]:
         """`answers` (to `queries`, asked in one request) with every list that B's bound per request cut
         short made whole: an `out` or `in` part goes on with the counterparties after the last one it
@@ -313,7 +324,7 @@ class DependencyClient:
             body: dict[str, Any] = {"queries": [q for _, _, q in asked]}
             if need is not None:
                 body["need"] = need.as_json()
-            again = await self._send("relations", lambda base: base / "relations", body)
+            again = await self._send("relations", lambda base: base / "relations", body, route)
             got = _answers(again, len(asked), "relations")
         for i, cut in left_cut.items():
             answers[i]["truncated"] = cut
@@ -329,14 +340,16 @@ class DependencyClient:
             answer.get("account"),
         )
 
-    async def _send(self, dependency: str, where: Callable[[URL], URL], body: Any) -> dict[str, Any]:
+    async def _send(
+        self, dependency: str, where: Callable[[URL], URL], body: Any, route: int | None = None
+    ) -> dict[str, Any]:
         """The request on each replica in turn until one answers usefully; its JSON object. An answer
         that went back, or says "not yet", sends the question on to the next replica; the one that went
         back is kept in case no other replica answers."""
         replicas = self.replicas[dependency]
         failures, behind = [], []
         fallback: dict[str, Any] | None = None
-        for base in replicas.order():
+        for base in replicas.order(route):
             try:
                 answer = await self._send_to(dependency, where(base), body)
             except DependencyUnavailable as exc:
@@ -434,13 +447,16 @@ class DependencyClient:
 
 
 def _progress(answer: Mapping[str, Any]) -> tuple[str | None, dict[int, int]] | None:
-    """(log, as_of) of an answer: a single answer's own, a batch's first answer's, or a "not yet"'s;
-    None for an empty batch."""
+    """(log, as_of) of an answer: a single answer's own, a "not yet"'s, or a batch's first answer read
+    now (one snapshot answers them all); None for an empty batch, or one answered wholly from the
+    replica's answer cache (`kept`: their `as_of` says where the store was when first asked,
+    `aml_app.dependencies.answer_cache`)."""
     if "answers" in answer:
-        answers = answer["answers"]
-        if not isinstance(answers, list) or not answers or not isinstance(answers[0], Mapping):
+        kept = set(answer.get("kept") or ())
+        read = [one for i, one in enumerate(answer["answers"] or ()) if i not in kept]
+        if not read or not isinstance(read[0], Mapping):
             return None
-        answer = answers[0]
+        answer = read[0]
     raw = answer.get("as_of")
     if not isinstance(raw, Mapping):
         return None
@@ -477,17 +493,22 @@ async def evidence_for(
     min_average: MinAverage = Decimal(0),
     loop_hops: int = LOOP_HOPS,
     need: Need | None = None,
+    route: int | None = None,
 ) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(payer aggregates, payee aggregates, payer relations, payee relations) for each (payer, payee, at):
     two requests in all, asked concurrently, whatever the number of payments. `min_average` is what a
     heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`, in each
-    currency), `loop_hops` the
-    longest cycle the payment may close (their `cycle_max_hops`); `need`, what both must have applied."""
+    currency), `loop_hops` the longest cycle the payment may close (their `cycle_max_hops`); `need`,
+    what both must have applied. `route` (the payments' partition) picks the replica of each asked
+    first: every detector asks a partition's questions of the same replica, whose answer cache then
+    serves the second detector what the first one asked."""
     if not payments:
         return []
     aggregates, relations = await asyncio.gather(
         client.aggregates_many(
-            [q for payer, payee, at in payments for q in ((payer, at), (payee, at))], need=need
+            [q for payer, payee, at in payments for q in ((payer, at), (payee, at))],
+            need=need,
+            route=route,
         ),
         client.relations_many(
             [account for payer, payee, _ in payments for account in (payer, payee)],
@@ -497,6 +518,7 @@ async def evidence_for(
             need=need,
             # Every answer as of the payment's time: what B applied later does not change the decision.
             ats=[at for _, _, at in payments for _ in range(2)],
+            route=route,
         ),
     )
     return [

@@ -260,6 +260,7 @@ class Detector:
                     self.min_average,
                     self.loop_hops,
                     self.need([items[i] for i in todo]),
+                    items[0][1].partition,  # a lane's batch is of one partition
                 )
             except NotYet as exc:  # B or C has not applied these payments yet: ask again shortly
                 self.stats.freshness_violations += len(todo)
