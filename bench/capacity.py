@@ -128,6 +128,7 @@ class Sample:
     states: dict[str, dict[str, Any] | None]
     metrics: dict[str, dict[str, float]]
     polls: int  # the commit watch's successful polls so far
+    caches: dict[str, dict[str, int]] = field(default_factory=dict)  # each API replica's answer cache
 
 
 @dataclass
@@ -325,6 +326,8 @@ class CapacityDemo(Demo):
         workers = self.system.all_workers
         states = await asyncio.gather(*(w.state(timeout=5) for w in workers))
         metrics = await asyncio.gather(*(scrape_metrics(w.url) for w in workers))
+        apis = list(self.system.apis.values())
+        healths = await asyncio.gather(*(api.health() for api in apis))
         assert self.system.watch is not None
         return Sample(
             at,
@@ -332,6 +335,7 @@ class CapacityDemo(Demo):
             {w.worker_id: s for w, s in zip(workers, states, strict=True)},
             {w.worker_id: m for w, m in zip(workers, metrics, strict=True)},
             self.system.watch.polls,
+            {api.name: (h or {}).get("answer_cache") or {} for api, h in zip(apis, healths, strict=True)},
         )
 
     async def catch_up(self, step: Step, deadline_s: float) -> None:
@@ -515,6 +519,22 @@ def worker_stages(
     return out
 
 
+def answer_caches(start: Sample, end: Sample) -> dict[str, Any]:
+    """Per API kind, over the measured part: the questions its replicas answered from their answer
+    caches (hits) and from the store (misses), summed over the replicas."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, c1 in end.caches.items():
+        c0 = start.caches.get(name) or {}
+        kind = "relations" if name.startswith("relations") else "aggregates"
+        entry = out.setdefault(kind, {"hits": 0, "misses": 0})
+        for k in ("hits", "misses"):
+            entry[k] += c1.get(k, 0) - c0.get(k, 0)
+    for entry in out.values():
+        asked = entry["hits"] + entry["misses"]
+        entry["hit_share"] = round(entry["hits"] / asked, 3) if asked else None
+    return out
+
+
 def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
     """Every step's figures (see the module docstring)."""
     system, ledger, settings = demo.system, demo.ledger, demo.settings
@@ -613,6 +633,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
         doc["stages"] = {
             "pipeline": pipeline_stages(lines, start, end),
             "workers": worker_stages(step.samples, services, s1.at - s0.at),
+            "answer_caches": answer_caches(s0, s1),
         }
         out.append(doc)
     return out
@@ -865,6 +886,14 @@ def stages_report(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> s
                 f"{service}: handler per batch",
                 f"{w['batches']} batches of {w['payments_per_batch']} payments: {steps_ms} ms "
                 f"(HTTP to B and C mean {w['http_mean_ms']} ms)",
+            )
+        )
+    for kind, cache in sorted(step["stages"].get("answer_caches", {}).items(), reverse=True):
+        rows.append(
+            (
+                f"{kind} API: answer cache",
+                f"{cache['hits']} questions kept, {cache['misses']} read from the store "
+                f"(share kept {cache['hit_share']})",
             )
         )
     return f"where the time goes at {step['rate']:g}/s:\n\n" + markdown_table(["stage", "figure"], rows)
