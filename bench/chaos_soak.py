@@ -272,10 +272,11 @@ class TopicReader:
 
 @dataclass(frozen=True)
 class Poll:
-    """The committed offsets of every followed group, read by one poll that started at `started`."""
+    """The committed offsets of every followed group, read by one poll from `started` to `ended`."""
 
     started: float
     committed: dict[str, dict[int, int]]  # group -> partition -> next offset to read (nothing: 0)
+    ended: float = 0.0
 
 
 class CommitPoller:
@@ -289,6 +290,7 @@ class CommitPoller:
         self.coordinators: dict[str, int] = {}
         self.polls: list[Poll] = []
         self.starts: list[float] = []
+        self.ends: list[float] = []  # when each poll ended, in order (polls run one after the other)
         self.failures = 0
         self.last_error = ""
 
@@ -313,9 +315,10 @@ class CommitPoller:
             )
             offsets = {tp.partition: max(meta.offset, 0) for tp, meta in answer.items()}
             committed[group] = {tp.partition: offsets.get(tp.partition, 0) for tp in self.tps}
-        poll = Poll(started, committed)
+        poll = Poll(started, committed, time.time())
         self.polls.append(poll)
         self.starts.append(started)
+        self.ends.append(poll.ended)
         return poll
 
     async def reset(self) -> None:
@@ -345,6 +348,12 @@ class CommitPoller:
 
     def last_before(self, when: float) -> Poll | None:
         i = bisect.bisect_left(self.starts, when)
+        return self.polls[i - 1] if i > 0 else None
+
+    def last_ended_before(self, when: float) -> Poll | None:
+        """The last poll that ended before `when`: it read no commit made after `when` (a poll held up by
+        a frozen broker may read one made seconds after it started)."""
+        i = bisect.bisect_left(self.ends, when)
         return self.polls[i - 1] if i > 0 else None
 
     def regressions(self) -> list[dict[str, Any]]:
@@ -1316,7 +1325,7 @@ class Soak:
             failures.append(f"{len(malformed_decided)} malformed records decided")
         if again["beyond_in_flight"]:
             failures.append(
-                f"{again['beyond_in_flight']} decisions made again beyond what was in flight at the faults"
+                f"{again['beyond_in_flight']} decisions made again beyond what was in flight at a revoke"
             )
         regressions = self.poller.regressions()
         if regressions:
@@ -1378,18 +1387,18 @@ class Soak:
         return {**found, "failures": failures}
 
     def redecided(self) -> dict[str, Any]:
-        """Decision records beyond a payment's first, set against what was in flight at the faults.
+        """Decision records beyond a payment's first, set against what was in flight at the rebalances.
 
         A worker that dies, or loses partitions in a rebalance, leaves the payments it decided since its
-        group's last commit to be decided again: those are in flight. So the repeats after an AML fault
-        may be only of payments owed at that fault or an earlier one (a rebalance can settle one fault's
-        debt after the next fault): the first decisions made before the fault, by the worker it stopped,
-        at or past the group's committed offset of their partition in the last poll before the fault;
-        and, since every one of these faults rebalances the group while the workers decide, the first
-        decisions of every worker read in the same way when the first payment is decided again. Any
-        other repeat is a decision made again that was committed, or made by a stopped worker after its
-        partitions moved (a zombie). For information, the most first decisions in any
-        `commit_grace` seconds from the fault on (`decided_in_grace`).
+        group's last commit to be decided again: those are in flight. So a payment may be decided again
+        only if it was owed before the repeat: decided first, at or past the group's committed offset of
+        its partition (in the last poll before that instant), when an AML fault stopped the worker that
+        decided it, or when any AML worker began a revoke (its log's "Revoking previously assigned
+        partitions" line; a fault's rebalance can come after the next fault, and a frozen worker's return
+        or a joining one brings rebalances of its own). Any other repeat is a decision made again that was
+        committed, or one made by a stopped worker after its partitions moved (a zombie). Per AML fault,
+        for information: the repeats up to the next fault, what was owed at it, and the most first
+        decisions in any `commit_grace` seconds from the fault on (`decided_in_grace`).
         """
         grace = self.options.commit_grace
         assert self.poller is not None
@@ -1416,48 +1425,69 @@ class Soak:
             if e.get("worker"):
                 events.append((self.t0_wall + e["at"], f"unexpected exit of {e['worker']}", e["worker"]))
         events.sort()
+        decisions = list(first.values())
+        # (when, owed then): at every stop of a worker its own, at every revoke everybody's.
+        owed_at = [
+            (at, self.uncommitted([d for d in decisions if d.worker == worker], at))
+            for at, _, worker in events
+            if worker is not None
+        ] + [(at, self.uncommitted(decisions, at)) for at in self.revokes()]
+        owed_at.sort(key=lambda pair: pair[0])
+
+        def owed(repeat: Decision) -> bool:
+            return any(repeat.payment_id in ids for at, ids in owed_at if at <= repeat.decided_at)
+
+        beyond = [d for d in again if not owed(d)]
+        beyond_ids = {id(d) for d in beyond}
         rows: list[dict[str, Any]] = []
-        allowed: set[str] = set()  # owed at this fault or an earlier one: a rebalance may settle it later
         for i, (at, what, worker) in enumerate(events):
             until = events[i + 1][0] if i + 1 < len(events) else float("inf")
-            mine = [d for d in first.values() if worker is None or d.worker == worker]
+            mine = [d for d in decisions if worker is None or d.worker == worker]
             repeated = [d for d in again if at <= d.decided_at < until]
-            # A stopped worker owes what it had not committed when it stopped. The rebalance that follows
-            # any of these faults (the stopped worker's partitions move, a replacement joins) takes
-            # effect later, when every member's partitions are revoked (their acked offsets committed
-            # then): what every worker owed is read when the first payment is decided again.
-            owed = self.uncommitted(mine, at) if worker is not None else set()
-            if repeated:
-                owed |= self.uncommitted(list(first.values()), repeated[0].decided_at)
-            in_flight = len(owed)
-            allowed |= owed
+            in_flight = set().union(*(ids for t, ids in owed_at if at <= t < until))
             rows.append(
                 {
                     "fault": what,
                     "at_s": round(at - self.t0_wall, 1),
                     "decided_again": len(repeated),
-                    "in_flight": in_flight,
-                    "beyond": sum(1 for d in repeated if d.payment_id not in allowed),
+                    "in_flight": len(in_flight),
+                    "beyond": sum(1 for d in repeated if id(d) in beyond_ids),
                     "decided_in_grace": busiest(sorted(d.decided_at for d in mine), at, until, grace),
                     # Who decided first and when, for a few: which worker's decisions were owed again.
                     "first_decisions": Counter(first[d.payment_id].worker for d in repeated),
                     "examples": [self.story(d.payment_id) for d in repeated[:3]],
                 }
             )
-        before = sum(1 for d in again if not events or d.decided_at < events[0][0])
+        before = sum(1 for d in beyond if not events or d.decided_at < events[0][0])
         return {
             "payment_ids": len({d.payment_id for d in again}),
             "extra_records": len(again),
             "before_any_fault": before,
+            "rebalances": len(owed_at) - sum(1 for _, _, w in events if w is not None),
             "per_fault": rows,
-            "beyond_in_flight": before + sum(r["beyond"] for r in rows),
+            "beyond_in_flight": len(beyond),
+            "beyond_examples": [self.story(d.payment_id) for d in beyond[:5]],
         }
+
+    def revokes(self) -> list[float]:
+        """When each AML worker began a revoke (epoch seconds), from the logs of every worker the run
+        started: Faust's "Revoking previously assigned partitions" lines, stamped in local time."""
+        assert self.system is not None
+        instants = []
+        for path in sorted(self.system.folder.glob("worker-*.log")):
+            for line in path.read_text(errors="replace").splitlines():
+                if "Revoking previously assigned partitions" in line and line.startswith("["):
+                    stamp = line[1 : line.index("]")]
+                    with contextlib.suppress(ValueError):
+                        instants.append(datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())
+        return sorted(instants)
 
     def uncommitted(self, decisions: list[Decision], when: float) -> set[str]:
         """The payments of `decisions` made by `when` at or past the group's committed offset of their
-        partition in the last poll before `when`: what a rebalance then would have them decided again."""
+        partition in the last poll that ended before `when`: what a rebalance then would have them
+        decided again."""
         assert self.poller is not None
-        poll = self.poller.last_before(when)
+        poll = self.poller.last_ended_before(when)
         committed = poll.committed[self.aml_group] if poll is not None else {}
         return {
             d.payment_id
@@ -1600,10 +1630,11 @@ def summary(doc: dict[str, Any]) -> str:
             if kind != "failures"
         ),
         f"decided twice: {again['payment_ids']} payment ids, {again['extra_records']} extra records; "
-        f"beyond what was in flight at the AML faults: {again['beyond_in_flight']}",
+        f"beyond what was in flight at the faults and the {again['rebalances']} revokes: "
+        f"{again['beyond_in_flight']}",
         *(
             f"  after {r['fault']} at +{r['at_s']:.1f}s: {r['decided_again']} decided again, "
-            f"{r['in_flight']} in flight"
+            f"{r['in_flight']} in flight, {r['beyond']} beyond"
             for r in again["per_fault"]
         ),
         f"  before any fault: {again['before_any_fault']}",
