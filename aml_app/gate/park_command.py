@@ -17,6 +17,7 @@ import time
 
 import click
 from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaError
 
 from aml_app.kafka.security import aiokafka_kwargs
 from aml_app.settings import Settings, load_settings
@@ -44,8 +45,8 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
         request_timeout_ms=int(timeout * 1000),
         **aiokafka_kwargs(settings.kafka_security),
     )
-    await asyncio.wait_for(producer.start(), timeout)
     try:
+        await asyncio.wait_for(producer.start(), timeout)
         known = await asyncio.wait_for(producer.partitions_for(topic), timeout)
         if not known:
             raise click.ClickException(
@@ -58,13 +59,13 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
         }
         key = json.dumps(f"{partition}:{offset}").encode()
         await producer.send_and_wait(topic, json.dumps(request).encode(), key=key, partition=0)
-    except TimeoutError:
+    except (TimeoutError, KafkaError) as exc:
         raise click.ClickException(
             f"no answer from the Kafka cluster at {','.join(settings.bootstrap_servers)} within "
-            f"{timeout:g} s (is topic {topic} there?)"
+            f"{timeout:g} s ({type(exc).__name__}; is it up, and is topic {topic} there?)"
         ) from None
     finally:
-        await producer.stop()
+        await producer.stop()  # also after a failed start: it closes what the start opened
     return topic
 
 
