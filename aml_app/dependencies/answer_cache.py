@@ -42,8 +42,8 @@ class AnswerCache:
 
     def get(self, key: Hashable, need: Need | None) -> str | None:
         """The JSON text of the answer kept for `key` if its snapshot meets `need`, else None."""
-        kept = self._kept.get(key) if need is not None else None
-        if kept is None or not need.met(kept.as_of, kept.log):  # type: ignore[union-attr]
+        kept = self._kept.get(key)
+        if need is None or kept is None or not need.met(kept.as_of, kept.log):
             self.misses += 1
             return None
         self._kept.move_to_end(key)

@@ -808,7 +808,7 @@ def aggregates_app(
 
 
 def _cache_of(settings: Any) -> AnswerCache:
-    """The answer cache `AML_API_CACHE_ANSWERS` of `settings` asks for (None: no cache)."""
+    """The answer cache `AML_API_CACHE_ANSWERS` of `settings` asks for (no settings: none kept)."""
     return AnswerCache(0 if settings is None else settings.api_cache_answers)
 
 
