@@ -39,6 +39,9 @@ class AnswerCache:
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        #: The newest `as_of` this replica's store showed in an answer it read, and its log: where the
+        #: store is, as far as the replica knows, when it answers from what it kept.
+        self.newest: tuple[str | None, dict[int, int]] | None = None
 
     def get(self, key: Hashable, need: Need | None) -> str | None:
         """The JSON text of the answer kept for `key` if its snapshot meets `need`, else None."""
@@ -50,12 +53,20 @@ class AnswerCache:
         self.hits += 1
         return kept.text
 
-    def put(self, key: Hashable, text: str, answer: Mapping[str, Any]) -> None:
-        """Keep `answer` (as `text`) for `key`, with the `as_of` and `log` it states."""
+    def put(self, key: Hashable, text: str, answer: Mapping[str, Any], keep: bool = True) -> None:
+        """Note where `answer`, read from the store now, shows the store; and unless not `keep`, keep it
+        (as `text`) for `key`, with the `as_of` and `log` it states."""
         raw = answer.get("as_of")
-        if self.entries == 0 or len(text) > MAX_TEXT or not isinstance(raw, Mapping):
+        if not isinstance(raw, Mapping):
             return
-        self._kept[key] = Kept(text, {int(p): int(o) for p, o in raw.items()}, answer.get("log"))
+        as_of, log = {int(p): int(o) for p, o in raw.items()}, answer.get("log")
+        if self.newest is None or self.newest[0] != log:
+            self.newest = (log, as_of)
+        else:
+            self.newest = (log, {p: max(o, self.newest[1].get(p, 0)) for p, o in as_of.items()})
+        if not keep or self.entries == 0 or len(text) > MAX_TEXT:
+            return
+        self._kept[key] = Kept(text, as_of, log)
         self._kept.move_to_end(key)
         while len(self._kept) > self.entries:
             self._kept.popitem(last=False)

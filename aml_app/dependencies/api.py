@@ -153,8 +153,9 @@ async def _batch_response(
 ) -> web.Response:
     """A batch's JSON: each answer `cache` keeps for its key from a snapshot that meets `need`, the others
     from `answer(missing)` (the indexes of the queries to compute, in order), kept for the next asker.
-    A "not yet" is the response as it is; `kept` lists the answers the cache gave. Written one answer
-    at a time with a yield to the event loop between two, without holding the loop for a whole batch.
+    A "not yet" is the response as it is; `kept` lists the answers the cache gave, and `as_of` and `log`
+    then say where the store is, as far as the replica knows. Written one answer at a time with a yield
+    to the event loop between two, without holding the loop for a whole batch.
 
     A list cut short (`truncated`) is not kept: its length depends on the queries asked beside it."""
     texts = cache.lookup(keys, need)
@@ -166,13 +167,17 @@ async def _batch_response(
             return web.json_response(body)
         for i, computed in zip(missing, body["answers"], strict=True):
             text = json.dumps(computed)
-            if "truncated" not in computed:
-                cache.put(keys[i], text, computed)
+            cache.put(keys[i], text, computed, keep="truncated" not in computed)
             texts[i] = text
             await asyncio.sleep(0)
     whole = ", ".join(text for text in texts if text is not None)  # every one, by now
-    # The kept answers' `as_of` says where the store was when first asked, not where it is now.
-    tail = f', "kept": {json.dumps(kept)}' if kept else ""
+    # The kept answers' `as_of` says where the store was when first asked; where it is now, as far as
+    # this replica knows, is the newest it read: what the client's "went back" check compares.
+    tail = ""
+    if kept and cache.newest is not None:
+        log_id, as_of = cache.newest
+        shown = {"kept": kept, "as_of": {str(p): o for p, o in sorted(as_of.items())}, "log": log_id}
+        tail = ", " + json.dumps(shown)[1:-1]
     return web.Response(text='{"answers": [' + whole + "]" + tail + "}", content_type="application/json")
 
 

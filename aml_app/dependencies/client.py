@@ -447,16 +447,15 @@ class DependencyClient:
 
 
 def _progress(answer: Mapping[str, Any]) -> tuple[str | None, dict[int, int]] | None:
-    """(log, as_of) of an answer: a single answer's own, a "not yet"'s, or a batch's first answer read
-    now (one snapshot answers them all); None for an empty batch, or one answered wholly from the
-    replica's answer cache (`kept`: their `as_of` says where the store was when first asked,
-    `aml_app.dependencies.answer_cache`)."""
-    if "answers" in answer:
-        kept = set(answer.get("kept") or ())
-        read = [one for i, one in enumerate(answer["answers"] or ()) if i not in kept]
-        if not read or not isinstance(read[0], Mapping):
+    """(log, as_of) of an answer: a single answer's own, a "not yet"'s, or a batch's: its own `as_of`
+    and `log` where some of its answers were kept ones (their `as_of` says where the store was when
+    first asked, `aml_app.dependencies.answer_cache`), else its first answer's (one snapshot answers
+    them all); None for an empty batch."""
+    if "answers" in answer and "as_of" not in answer:
+        answers = answer["answers"]
+        if not isinstance(answers, list) or not answers or not isinstance(answers[0], Mapping):
             return None
-        answer = read[0]
+        answer = answers[0]
     raw = answer.get("as_of")
     if not isinstance(raw, Mapping):
         return None

@@ -49,6 +49,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
         "AML_MAX_PAYMENT_BYTES": str(settings.max_payment_bytes),
         "AML_MAX_CLOCK_SKEW": str(settings.max_clock_skew),
+        "AML_API_CACHE_ANSWERS": str(settings.api_cache_answers),
     }
 
 

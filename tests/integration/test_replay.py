@@ -66,7 +66,11 @@ async def apis(
 ) -> AsyncIterator[dict[str, ApiProcess]]:
     """B's and C's APIs on the test's store, checking it against the groups the gate trusts."""
     groups = dict(zip(("relations", "aggregates"), names.deps, strict=True))
-    started = start_apis(api_settings(broker.bootstrap, names, store_url, groups), tmp_path)
+    settings = api_settings(broker.bootstrap, names, store_url, groups)
+    # No answer cache: it would hand the replay the live decisions' answers wherever their snapshot
+    # meets the replay's need, identical by construction. The test compares what B and C answer from
+    # their stores, which is what the event-time gate makes the same.
+    started = start_apis(replace(settings, api_cache_answers=0), tmp_path)
     try:
         yield started
     finally:

@@ -55,3 +55,14 @@ def test_a_route_starts_at_its_replica_and_moves_no_turn() -> None:
     assert [str(u) for u in replicas.order()] == ["http://r0", "http://r1"], "the turn did not move"
     replicas.failed(replicas.urls[1])
     assert [str(u) for u in replicas.order(1)] == ["http://r0", "http://r1"], "a resting replica last"
+
+
+def test_the_newest_as_of_read_is_where_the_store_is_as_far_as_the_replica_knows() -> None:
+    cache = AnswerCache(10)
+    assert cache.newest is None
+    cache.put("a", *kept({0: 5, 1: 2}))
+    cache.put("b", *kept({0: 3, 1: 4}), keep=False)  # read now, not kept: still shows the store
+    assert cache.newest == ("L", {0: 5, 1: 4})
+    assert cache.get("b", Need({0: 1}, "L")) is None
+    cache.put("c", *kept({0: 1}, log="M"))  # another log: its offsets start over
+    assert cache.newest == ("M", {0: 1})

@@ -55,6 +55,8 @@ class FakeDependencies:
         self.calls: dict[str, list[list[str]]] = {"relations": [], "aggregates": []}
         self.called_at: list[float] = []
         self.needs: list[Any] = []
+        #: The replica each call asked first (`Replicas.order`): the batch's partition.
+        self.routes: list[int | None] = []
         self.not_yet: dict[str, set[int]] = {}
 
     def _round(self, dependency: str, accounts: list[str]) -> tuple[int, dict[str, int]]:
@@ -73,9 +75,10 @@ class FakeDependencies:
         return self.logs[min(n, len(self.logs) - 1)]
 
     async def aggregates_many(
-        self, queries: Sequence[tuple[str, datetime]], need: Any = None
+        self, queries: Sequence[tuple[str, datetime]], need: Any = None, route: int | None = None
     ) -> list[dict[str, Any]]:
         self.needs.append(need)
+        self.routes.append(route)
         n, as_of = self._round("aggregates", [account for account, _ in queries])
         return [
             {
@@ -102,7 +105,9 @@ class FakeDependencies:
         loops: Sequence[tuple[str, datetime, int] | None] | None = None,
         need: Any = None,
         ats: Sequence[datetime | None] | None = None,
+        route: int | None = None,
     ) -> list[dict[str, Any]]:
+        self.routes.append(route)
         n, as_of = self._round("relations", list(accounts))
         return [
             {
@@ -187,6 +192,7 @@ async def test_the_questions_say_what_they_need_and_not_yet_asks_again() -> None
     d.freshness_wait = 1.5
     evidence = await d.fresh_evidence(batch(gated=True, log="c:topic"))
     assert fake.needs[0] == Need({PARTITION: 12}, "c:topic", 1.5)
+    assert set(fake.routes) == {PARTITION}, "a partition's questions go to its replica first"
     assert len(fake.calls["aggregates"]) == 3 and all(rounds(a) == {2} for a, _ in evidence)
     assert [stale for _, stale in evidence] == [2, 2] and d.stats.decided_on_stale == 0
     await d.fresh_evidence(batch(gated=False))
