@@ -1325,7 +1325,7 @@ class Soak:
             failures.append(f"{len(malformed_decided)} malformed records decided")
         if again["beyond_in_flight"]:
             failures.append(
-                f"{again['beyond_in_flight']} decisions made again beyond what was in flight at a revoke"
+                f"{again['beyond_in_flight']} decisions made again beyond what was in flight at a rebalance"
             )
         regressions = self.poller.regressions()
         if regressions:
@@ -1393,8 +1393,8 @@ class Soak:
         group's last commit to be decided again: those are in flight. So a payment may be decided again
         only if it was owed before the repeat: decided first, at or past the group's committed offset of
         its partition (in the last poll before that instant), when an AML fault stopped the worker that
-        decided it, or when any AML worker began a revoke (its log's "Revoking previously assigned
-        partitions" line; a fault's rebalance can come after the next fault, and a frozen worker's return
+        decided it, or when any AML worker began or ended a rebalance (its log's revoke and assignment
+        lines, `revokes`; a fault's rebalance can come after the next fault, and a frozen worker's return
         or a joining one brings rebalances of its own). Any other repeat is a decision made again that was
         committed, or one made by a stopped worker after its partitions moved (a zombie). Per AML fault,
         for information: the repeats up to the next fault, what was owed at it, and the most first
@@ -1463,20 +1463,23 @@ class Soak:
             "payment_ids": len({d.payment_id for d in again}),
             "extra_records": len(again),
             "before_any_fault": before,
-            "rebalances": len(owed_at) - sum(1 for _, _, w in events if w is not None),
+            "rebalance_marks": len(owed_at) - sum(1 for _, _, w in events if w is not None),
             "per_fault": rows,
             "beyond_in_flight": len(beyond),
             "beyond_examples": [self.story(d.payment_id) for d in beyond[:5]],
         }
 
     def revokes(self) -> list[float]:
-        """When each AML worker began a revoke (epoch seconds), from the logs of every worker the run
-        started: Faust's "Revoking previously assigned partitions" lines, stamped in local time."""
+        """When each AML worker began and ended a rebalance (epoch seconds), from the logs of every worker
+        the run started: Faust's "Revoking previously assigned partitions" and "Setting newly assigned
+        partitions" lines, stamped in local time. Faust logs the revoke before it stops the lanes, which
+        may decide a payment or two in between: the assignment that ends the rebalance covers those."""
         assert self.system is not None
+        marks = ("Revoking previously assigned partitions", "Setting newly assigned partitions")
         instants = []
         for path in sorted(self.system.folder.glob("worker-*.log")):
             for line in path.read_text(errors="replace").splitlines():
-                if "Revoking previously assigned partitions" in line and line.startswith("["):
+                if line.startswith("[") and any(mark in line for mark in marks):
                     stamp = line[1 : line.index("]")]
                     with contextlib.suppress(ValueError):
                         instants.append(datetime.strptime(stamp, "%Y-%m-%d %H:%M:%S,%f").timestamp())
@@ -1630,7 +1633,7 @@ def summary(doc: dict[str, Any]) -> str:
             if kind != "failures"
         ),
         f"decided twice: {again['payment_ids']} payment ids, {again['extra_records']} extra records; "
-        f"beyond what was in flight at the faults and the {again['rebalances']} revokes: "
+        f"beyond what was in flight at the faults and the {again['rebalance_marks']} rebalance marks: "
         f"{again['beyond_in_flight']}",
         *(
             f"  after {r['fault']} at +{r['at_s']:.1f}s: {r['decided_again']} decided again, "
