@@ -55,13 +55,6 @@ def small_runs() -> list[Replayed]:
 
 
 @pytest.fixture(scope="module")
-def shipped() -> Model:
-    model = load("amlworld")
-    assert model is not None
-    return model
-
-
-@pytest.fixture(scope="module")
 def real() -> tuple[Any, Any, list[Any]]:
     patterns = read_patterns(PATTERNS)
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")

@@ -31,13 +31,6 @@ THRESHOLDS = AmlThresholds()
 
 
 @pytest.fixture(scope="module")
-def shipped() -> Model:
-    model = load("amlworld")
-    assert model is not None
-    return model
-
-
-@pytest.fixture(scope="module")
 def evidences() -> list[Evidence]:
     """The evidence of every payment of the real files, gate on."""
     patterns = read_patterns(PATTERNS)
