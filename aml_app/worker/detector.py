@@ -154,29 +154,29 @@ class Detector:
         started = time.perf_counter()
         evidence = await self.fresh_evidence(items)
         started = self.stats.lap("evidence", started)
-        decided: list[tuple[Payment, Admission, list[Hit], list[dict], int]] = []
         parsed: list[Evidence] = []
-        for (payment, admission), (answers, stale_reads) in zip(items, evidence, strict=True):
+        for (payment, _), (answers, _) in zip(items, evidence, strict=True):
             payer_aggregates, payee_aggregates, payer_relations, payee_relations = answers
-            facts = Evidence.parse(
-                payment_id=payment.payment_id,
-                payer=payment.payer,
-                payee=payment.payee,
-                amount=Decimal(payment.amount),
-                currency=payment.currency,
-                ts=payment.ts,
-                payer_aggregates=payer_aggregates,
-                payee_aggregates=payee_aggregates,
-                payer_relations=payer_relations,
-                payee_relations=payee_relations,
-                channel=payment.channel,
+            parsed.append(
+                Evidence.parse(
+                    payment_id=payment.payment_id,
+                    payer=payment.payer,
+                    payee=payment.payee,
+                    amount=Decimal(payment.amount),
+                    currency=payment.currency,
+                    ts=payment.ts,
+                    payer_aggregates=payer_aggregates,
+                    payee_aggregates=payee_aggregates,
+                    payer_relations=payer_relations,
+                    payee_relations=payee_relations,
+                    channel=payment.channel,
+                )
             )
-            parsed.append(facts)
-            decided.append((payment, admission, [], answers, stale_reads))
-        decided = [  # the service's rules over the whole batch at once
+        # The service's rules over the whole batch at once.
+        decided = [
             (payment, admission, hits, answers, stale_reads)
-            for (payment, admission, _, answers, stale_reads), hits in zip(
-                decided, self.run_rules(parsed), strict=True
+            for (payment, admission), (answers, stale_reads), hits in zip(
+                items, evidence, self.run_rules(parsed), strict=True
             )
         ]
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
