@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import math
 import os
 import random
 import shutil
@@ -501,6 +502,11 @@ def settled_progress(pipeline: Any, rows: int, since_batch: dict[str, int], time
         time.sleep(0.05)
 
 
+def whole(rate: float) -> float:
+    """`rate` rounded for a table; NaN (too few batches to measure) stays NaN."""
+    return rate if math.isnan(rate) else round(rate)
+
+
 def steady_state(batches: Batches, service: str) -> dict[str, Any]:
     """Rates of one service's batches after its first one with records (both in and between handlers)."""
     reports = batches.of(service)
@@ -846,7 +852,7 @@ def report(doc: dict[str, Any]) -> str:
             ("c. pipeline, session already up", round(s["pipeline_warm_per_s"]), s["ratio_warm_to_raw"]),
             (
                 "c. pipeline, steady (after 1st batch)",
-                round(s["pipeline_steady_per_s"]),
+                whole(s["pipeline_steady_per_s"]),
                 s["ratio_steady_to_raw"],
             ),
             *(
@@ -899,8 +905,8 @@ def report(doc: dict[str, Any]) -> str:
                 f"{st['first_batch']['records']}, {st['first_batch']['handler_s']:.2f}"
                 if "first_batch" in st
                 else "",
-                round(st.get("records_per_s", float("nan"))),
-                round(st.get("handler_records_per_s", float("nan"))),
+                whole(st.get("records_per_s", float("nan"))),
+                whole(st.get("handler_records_per_s", float("nan"))),
             )
             for name, st in p["steady_state"].items()
         ],
