@@ -187,3 +187,35 @@ async def test_commits_are_never_ahead_of_the_api_and_reach_the_log_end_when_idl
     assert not ahead, f"committed ahead of as_of: {ahead[:3]}"
     moving = {tuple(sorted(c.items())) for _g, c, _a in samples}
     assert len(moving) > 3, "the sampler saw the commits move while payments flowed"
+
+
+def test_spark_real_time_mode_refuses_the_python_kafka_source_and_foreach_batch(
+    spark: Any, broker: EmbeddedBroker, names: Names, tmp_path: Any
+) -> None:
+    """Why the pipeline runs micro-batches: Spark's real-time mode (`trigger(realTime=...)`, Spark 4.1+)
+    reads only sources written for it in the JVM, and writes only to allow-listed sinks. It stops a query
+    on this source (a Python data source) and refuses `foreachBatch`, the sink that writes each batch to
+    the stores before committing. If a Spark release lifts either, this test fails: time to measure it."""
+    stream = (
+        spark.readStream.format("aml-kafka")
+        .option("kafka.bootstrap.servers", broker.bootstrap)
+        .option("subscribe", names.payments)
+        .load()
+    )
+    query = (
+        stream.writeStream.format("console")
+        .outputMode("update")
+        .option("checkpointLocation", str(tmp_path / "source"))
+        .trigger(realTime="5 seconds")
+        .start()
+    )
+    try:
+        with pytest.raises(Exception, match="INPUT_STREAM_NOT_SUPPORTED") as stopped:
+            query.awaitTermination(60)
+        assert "PythonMicroBatchStream" in str(stopped.value)
+    finally:
+        query.stop()
+    with pytest.raises(Exception, match=r"OPERATOR_OR_SINK_NOT_IN_ALLOWLIST.*ForeachBatchSink"):
+        spark.readStream.format("rate").load().writeStream.foreachBatch(lambda frame, batch: None).option(
+            "checkpointLocation", str(tmp_path / "sink")
+        ).outputMode("update").trigger(realTime="5 seconds").start()
