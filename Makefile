@@ -45,6 +45,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.validation_rate
 	$(BIN)/python -m bench.fetch_backoff
 	$(BIN)/python -m bench.pipeline_throughput
+	$(BIN)/python -m bench.spark_batch_cost
 	$(BIN)/python -m bench.api_latency
 	$(BIN)/python -m bench.end_to_end
 	$(BIN)/python -m bench.gate_matters
