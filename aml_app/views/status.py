@@ -6,6 +6,9 @@ answers when every worker is down. Or `--worker URL`: a running worker's `/water
 what only the workers know (who waits where and since when, in-flight offsets, stalls, payments that
 keep failing and are retried). `--json` prints
 the document instead of the table, for scripts.
+
+The exit code is a monitoring check's (the Nagios plugin convention that Icinga and Sensu read; an exec
+probe sees any non-zero code as failing): see `health_code`.
 """
 
 from __future__ import annotations
@@ -23,11 +26,39 @@ import aiohttp
 import click
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from aml_app.gate.health import Limits, describe, plural_partitions
+from aml_app.gate.health import ERROR, LAGGING, STALLED, UNKNOWN_GROUP, Limits, describe, plural_partitions
 from aml_app.gate.watermark import build_rows
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 from aml_app.settings import Settings
+
+#: The exit codes of `aml-app status` (the Nagios plugin convention).
+EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
+#: Dependency statuses that hold payments back or leave their numbers unknown, and those that only warn.
+CRITICAL_STATUSES = frozenset({STALLED, ERROR, UNKNOWN_GROUP})
+WARNING_STATUSES = frozenset({LAGGING})
+
+
+def health_code(doc: Mapping[str, Any]) -> int:
+    """The exit code a status document calls for, so that scripts and probes need not parse it:
+
+    - critical (2): a dependency is stalled, unknown or unread (the last refresh failed), a partition is
+      breached (a payment waited past AML_MAX_WAIT), or the worker's refresh is stuck;
+    - warning (1): a dependency lags, or a payment keeps failing and is retried;
+    - unknown (3): the worker is still recovering its tables (no numbers yet); also what the command
+      exits with when it cannot read its source at all;
+    - ok (0): otherwise.
+    """
+    if doc.get("recovering"):
+        return EXIT_UNKNOWN
+    statuses = {d["status"] for d in doc.get("dependencies", [])}
+    gate = doc.get("gate") or {}
+    stuck = (doc.get("refresh") or {}).get("state") == "stuck"
+    if statuses & CRITICAL_STATUSES or gate.get("breached_partitions") or gate.get("admin_error") or stuck:
+        return EXIT_CRITICAL
+    if statuses & WARNING_STATUSES or doc.get("retrying"):
+        return EXIT_WARNING
+    return EXIT_OK
 
 
 class StatusError(RuntimeError):
@@ -262,7 +293,11 @@ def render(doc: Mapping[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON document instead of the table.")
 @click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for answers.")
 def status_command(worker_url: str | None, as_json: bool, timeout: float) -> None:
-    """Show the watermark table: log ends, committed offsets, watermarks, waits, dependency status."""
+    """Show the watermark table: log ends, committed offsets, watermarks, waits, dependency status.
+
+    Exits 0 when all is well, 1 when a dependency lags or a payment is retried, 2 when a dependency is
+    stalled, unknown or unread, a partition is breached or the refresh is stuck, 3 when the source cannot
+    be read or the worker is still recovering."""
     from aml_app.settings import load_settings
 
     # The Kafka client logs every failed connection attempt; the one line below says it all.
@@ -274,5 +309,6 @@ def status_command(worker_url: str | None, as_json: bool, timeout: float) -> Non
             doc = asyncio.run(from_broker(load_settings(), timeout))
     except StatusError as exc:
         click.echo(f"aml-app status: {exc}", err=True)
-        sys.exit(1)
+        sys.exit(EXIT_UNKNOWN)
     click.echo(json.dumps(doc, indent=2) if as_json else render(doc))
+    sys.exit(health_code(doc))

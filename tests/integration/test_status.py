@@ -83,7 +83,7 @@ async def test_status_from_the_broker_without_any_worker(broker, names, producer
     }
 
     code, out, err = await status(env, "--json")
-    assert code == 0, err
+    assert code == 2, err  # critical: a dependency group is unknown
     doc = json.loads(out)
     assert (doc["source"], doc["app_id"], doc["topic"]) == ("broker", names.app_id, names.payments)
     assert doc["depends_on"] == [relations, aggregates, ghost]
@@ -105,7 +105,7 @@ async def test_status_from_the_broker_without_any_worker(broker, names, producer
     assert statuses[ghost]["status"] == "unknown group"
 
     code, out, err = await status(env)
-    assert code == 0, err
+    assert code == 2, err
     assert out.splitlines()[0].startswith(f"topic {names.payments}, service group {names.app_id}: read from")
     rows = table(out, "PARTITION")
     assert [r["PARTITION"] for r in rows] == ["0", "1", "2", "3"]
@@ -119,6 +119,13 @@ async def test_status_from_the_broker_without_any_worker(broker, names, producer
     dep_rows = {r["DEPENDENCY"]: r for r in table(out, "DEPENDENCY")}
     assert dep_rows[ghost]["STATUS"] == "unknown group"
     assert dep_rows[aggregates]["STATUS"] == "lagging" and dep_rows[aggregates]["LAG"] == "9"
+
+    # The exit code a monitoring check reads: without the unknown group a lagging one warns (1), and
+    # with only the group that is ok all is well (0).
+    code, _out, err = await status({**env, "AML_DEPENDS_ON": f"{relations},{aggregates}"}, "--json")
+    assert code == 1, err
+    code, _out, err = await status({**env, "AML_DEPENDS_ON": relations}, "--json")
+    assert code == 0, err
 
 
 async def test_status_from_a_worker(names, producer, new_worker, deps):
@@ -162,14 +169,14 @@ async def test_status_says_in_one_line_when_it_cannot_reach_its_source(names):
     code, out, err = await status(
         {"KAFKA_BOOTSTRAP_SERVERS": f"127.0.0.1:{nobody}"}, "--timeout", "2", timeout=60
     )
-    assert code == 1 and out == ""
+    assert code == 3 and out == ""  # unknown, as a monitoring check reads it
     assert err.count("\n") == 1, err
     assert err.startswith(
         f"aml-app status: cannot read offsets from the Kafka cluster at 127.0.0.1:{nobody}: "
     )
 
     code, out, err = await status({}, "--worker", f"127.0.0.1:{nobody}", "--timeout", "2")
-    assert code == 1 and out == ""
+    assert code == 3 and out == ""  # unknown, as a monitoring check reads it
     assert err.count("\n") == 1, err
     assert err.startswith(
         f"aml-app status: cannot reach the worker at http://127.0.0.1:{nobody}/watermarks.json: "
