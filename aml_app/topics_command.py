@@ -38,6 +38,23 @@ class Outcome:
     created: list[str] = field(default_factory=list)
     existing: dict[str, int] = field(default_factory=dict)  # name -> its partition count
     grown: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (partitions before, after)
+    brokers: int = 0  # in the cluster
+
+
+#: The replication factor production Kafka clusters use (and Kafka's docs recommend): a topic survives
+#: the loss of a broker, and with min.insync.replicas=2 a write acknowledged by all is on two of them.
+RECOMMENDED_REPLICATION = 3
+
+
+def replication_note(replication: int, brokers: int) -> str | None:
+    """A sentence when topics get fewer copies than the cluster could give them (none on one broker)."""
+    could = min(RECOMMENDED_REPLICATION, brokers)
+    if replication >= could:
+        return None
+    return (
+        f"AML_REPLICATION_FACTOR={replication} on a cluster of {brokers} brokers: losing a broker loses "
+        f"the data of its partitions; set it to {could} for production."
+    )
 
 
 def growth_order(specs: Sequence[TopicSpec], existing: dict[str, int], payments: str) -> list[TopicSpec]:
@@ -99,7 +116,7 @@ async def create_missing(
                 f"AML_REPLICATION_FACTOR={needed} but the cluster has {brokers} broker(s); "
                 f"set it to at most {brokers}."
             )
-        outcome = Outcome()
+        outcome = Outcome(brokers=brokers)
         existing = set(await admin.list_topics())
         present = [spec.name for spec in specs if spec.name in existing]
         if present:
@@ -141,8 +158,8 @@ async def create_missing(
 @click.option(
     "--create",
     is_flag=True,
-    help="Create the missing topics on KAFKA_BOOTSTRAP_SERVERS with their configs, and grow existing ones "
-    "with fewer partitions than AML_PARTITIONS.",
+    help="Create the missing topics on KAFKA_BOOTSTRAP_SERVERS with their configs; existing ones are "
+    "reported and left as they are (see --grow).",
 )
 @click.option(
     "--grow",
@@ -160,6 +177,8 @@ async def create_missing(
 def topics_command(create: bool, grow: bool, timeout: float) -> None:
     """Print every topic of the system with its configuration; --create creates the missing ones (and
     --grow adds partitions to the short ones)."""
+    if grow and not create:
+        raise click.UsageError("--grow adds partitions while creating: use it with --create.")
     try:
         settings = load_settings()
     except ConfigError as exc:
@@ -187,3 +206,6 @@ def topics_command(create: bool, grow: bool, timeout: float) -> None:
                 how = " (--grow adds the missing ones)" if count < spec.partitions else ""
                 note = f" with {count} partitions, not {spec.partitions}; left as it is{how}"
             click.echo(f"  exists   {spec.name}{note}")
+    warning = replication_note(min(spec.replication_factor for spec in specs), outcome.brokers)
+    if warning:
+        click.echo(f"\nnote: {warning}")

@@ -56,6 +56,16 @@ async def test_create_makes_the_missing_topics_with_their_partitions(broker: Emb
     assert again.returncode == 0, again.stderr
     assert f"exists   payments-{suffix} with 3 partitions, not 5; left as it is" in again.stdout
     assert "created" not in again.stdout
+    assert "note:" not in again.stdout  # one broker: one copy is all the cluster can hold
+
+
+def test_grow_without_create_is_a_usage_error_not_a_silent_success(broker: EmbeddedBroker) -> None:
+    result = topics(broker, "--grow")
+    assert result.returncode == 2, result.stdout
+    assert result.stdout == ""
+    assert result.stderr.strip().splitlines()[-1] == (
+        "Error: --grow adds partitions while creating: use it with --create."
+    )
 
 
 def test_a_replication_factor_above_the_broker_count_is_one_sentence(broker: EmbeddedBroker) -> None:
