@@ -59,7 +59,7 @@ async def test_a_wait_past_the_bound_is_shown_as_breached_and_keeps_waiting(
     assert state["gate"]["longest_wait_s"] >= 1 and state["gate"]["max_wait_s"] == 1
     assert await metric(worker, "aml_wait_breached_partitions") == 1
     code, out, err = await status({}, "--worker", worker.url)
-    assert code == 0, err
+    assert code == 2, err  # a breached partition: critical for a monitoring check
     assert "breached: payments have waited longer than AML_MAX_WAIT (1 s) on partition 0" in out
     # The default policy decides nothing stale: partition 0 still waits.
     assert not any(p == 0 for p, _ in decision_log.decided()) and state["decided_stale"] == 0
