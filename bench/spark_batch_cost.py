@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import subprocess
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -213,18 +212,16 @@ def jvm_threads(pid: int) -> dict[str, float]:
     return kinds
 
 
-def jvm_pid() -> int:
-    found = subprocess.run(
-        ["pgrep", "-f", "org.apache.spark.deploy.SparkSubmit"], capture_output=True, text=True
-    )
-    return int(found.stdout.split()[0])
+def jvm_pid(spark: Any) -> int:
+    """This session's driver JVM (not any other Spark JVM running on the machine)."""
+    return int(spark.sparkContext._jvm.java.lang.ProcessHandle.current().pid())
 
 
 def measure(spark: Any, n: int, rounds: int, block: int) -> dict[str, Any]:
     checked = batch(spark, n)
     reference = pipeline(checked)
     equal = {name: same_outputs(reference, variant(checked)) for name, variant in VARIANTS.items()}
-    pid = jvm_pid()
+    pid = jvm_pid(spark)
     walls: dict[str, list[float]] = collections.defaultdict(list)
     cpu: dict[str, dict[str, float]] = collections.defaultdict(lambda: collections.defaultdict(float))
     for r in range(rounds):
