@@ -35,7 +35,7 @@ app = AmlApp(
     settings.app_id,
     broker=settings.faust_brokers,
     store=settings.table_store,
-    datadir=settings.worker_data_dir,
+    datadir=settings.worker_data_dir_template,
     # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
     autodiscover=[f"aml_app.agents.{settings.service}", "aml_app.tables", "aml_app.views.web"],
     # Faust scans its origin too: the module that defines the app, not the package, whose scan would

@@ -14,7 +14,7 @@ import threading
 import click
 
 from aml_app.dependency_services import NAMES as DEPENDENCY_SERVICES
-from aml_app.settings import ConfigError, load_settings
+from aml_app.settings import ConfigError, Settings, load_settings
 
 
 @click.command("broker")
@@ -226,9 +226,66 @@ def own_command(name: str) -> click.Command:
     return command
 
 
+#: Faust's commands that have nothing to do with this application (LiveCheck, Faust models, sending to an
+#: agent, table-state housekeeping): they still run, but stay out of `aml-app --help`.
+HIDDEN_FAUST_COMMANDS = ("clean-versions", "livecheck", "model", "models", "reset", "send")
+HELP_OPTIONS = {"help_option_names": ["-h", "--help"]}
+HELP = """Freshness-gated stream processing for payments: the AML and fraud workers (Faust), Services B and C
+(the Spark pipeline and their HTTP APIs) and the tools around them.
+
+\b
+Start with `aml-app demo` (the whole system on an embedded broker), or see the README.
+`aml-app COMMAND -h` shows a command's options; `worker -h` is Faust's --web-host, use `worker --help`."""
+
+
+def version_text() -> str:
+    """This package's version, with the versions of the engines it runs on."""
+    from importlib import metadata
+
+    engines = ", ".join(f"{name} {metadata.version(name)}" for name in ("faust-streaming", "aiokafka"))
+    return f"aml-app {metadata.version('aml-app')} ({engines})"
+
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value and not ctx.resilient_parsing:
+        click.echo(version_text())
+        ctx.exit()
+
+
+def our_face(group: click.Group) -> click.Group:
+    """Faust's command group as `aml-app` shows it: our help text and version, `-h` for help, every
+    command of ours added and Faust's unrelated ones hidden."""
+    group.help = HELP
+    group.context_settings = {**group.context_settings, **HELP_OPTIONS}
+    group.params = [p for p in group.params if p.name != "version"]
+    group.params.append(
+        click.Option(
+            ["--version"],
+            is_flag=True,
+            expose_value=False,
+            is_eager=True,
+            callback=_print_version,
+            help="Show the version and exit.",
+        )
+    )
+    for name in OWN_COMMANDS:
+        group.add_command(own_command(name))
+    for name in HIDDEN_FAUST_COMMANDS:
+        if name in group.commands:
+            group.commands[name].hidden = True
+    return group
+
+
+def asks_for_help(argv: list[str]) -> bool:
+    """Whether `aml-app ARGV` only shows help or the version (`worker -h` is Faust's --web-host)."""
+    short = ("-h",) if argv[:1] != ["worker"] else ()
+    return any(arg in ("--help", "--version", *short) for arg in argv)
+
+
 def main() -> None:
     """`aml-app`: our own commands run without building the Faust app (the pipeline, the APIs and the
-    tools import neither Faust nor the worker's modules); everything else is Faust's command line."""
+    tools import neither Faust nor the worker's modules); everything else is Faust's command line.
+    A bad setting stops every command in one sentence, but not `--help` or `--version`."""
     try:
         settings = load_settings()
         if settings.aml_model and settings.service == "aml":
@@ -236,23 +293,52 @@ def main() -> None:
 
             load(settings.aml_model)  # a model that cannot be read stops the worker here, in one sentence
         if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
-            own = click.Group("aml-app", commands=[own_command(sys.argv[1])])
+            own = click.Group("aml-app", commands=[own_command(sys.argv[1])], context_settings=HELP_OPTIONS)
             own.main(prog_name="aml-app")
             return
         from aml_app.app import app
     except ConfigError as exc:
         click.echo(f"aml-app: configuration error: {exc}", err=True)
+        if asks_for_help(sys.argv[1:]):
+            from faust.cli.faust import cli as faust_cli
+
+            our_face(faust_cli).main(prog_name="aml-app")
         sys.exit(2)
     except ImportError as exc:
         if not getattr(exc, "one_line", False):  # aml_app.faust_internals.IncompatibleFaust
             raise
         click.echo(str(exc), err=True)  # "aml-app was built for faust-streaming ..."
         sys.exit(2)
+    if sys.argv[1:2] == ["worker"] and not asks_for_help(sys.argv[1:]):
+        reach_or_exit(settings)
     from faust.cli.faust import cli
 
-    for name in OWN_COMMANDS:
-        cli.add_command(own_command(name))
+    our_face(cli)
     app.main()
+
+
+#: How long a starting worker waits for the Kafka cluster to answer before it gives up in one sentence.
+BROKER_WAIT = 15.0
+
+
+def reach_or_exit(settings: Settings) -> None:
+    """Exit with one sentence (status 1) if the cluster does not answer within BROKER_WAIT: Faust would
+    otherwise fail after its first attempt with a page of tracebacks and shutdown lines."""
+    from aml_app.kafka.reach import Unreachable, check_reachable
+
+    servers = ",".join(settings.bootstrap_servers)
+
+    def waiting(reason: str) -> None:
+        click.echo(
+            f"aml-app: waiting up to {BROKER_WAIT:g} s for the Kafka cluster at {servers} ({reason})",
+            err=True,
+        )
+
+    try:
+        asyncio.run(check_reachable(settings, BROKER_WAIT, f"{settings.app_id}-start", waiting))
+    except Unreachable as exc:
+        click.echo(f"aml-app: cannot start the worker: {exc}; check KAFKA_BOOTSTRAP_SERVERS.", err=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -181,8 +181,15 @@ class Settings:
 
     @property
     def worker_data_dir(self) -> str:
-        """RocksDB holds a lock per directory, so each worker on a host needs its own."""
+        """RocksDB holds a lock per directory, so each worker on a host needs its own: one per web port."""
         return os.path.join(self.data_dir, f"{self.app_id}-{self.web_port}")
+
+    @property
+    def worker_data_dir_template(self) -> str:
+        """`worker_data_dir` as a Faust path template (Faust formats `datadir` with `conf=` when read), so
+        that `aml-app worker -p PORT`, which sets the port after these settings are read, moves it too."""
+        folder = os.path.join(self.data_dir, self.app_id).replace("{", "{{").replace("}", "}}")
+        return folder + "-{conf.web_port}"
 
 
 def _text(env: Mapping[str, str], name: str, default: str) -> str:

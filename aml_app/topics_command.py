@@ -12,17 +12,15 @@ starts.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import click
-from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
+from aiokafka.admin import NewPartitions
 from aiokafka.errors import for_code
 
 from aml_app.kafka.broker import TopicSpec
-from aml_app.kafka.security import aiokafka_kwargs
+from aml_app.kafka.reach import Unreachable, answering_admin
 from aml_app.settings import ConfigError, Settings, load_settings
 from aml_app.topics import topic_specs
 
@@ -78,36 +76,15 @@ def spec_table(specs: Sequence[TopicSpec]) -> str:
     )
 
 
-async def _connect(settings: Settings, timeout: float) -> AIOKafkaAdminClient:
-    """An admin client once the cluster answers a metadata request (a fresh cluster takes a while)."""
-    servers = ",".join(settings.bootstrap_servers)
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        admin = AIOKafkaAdminClient(
-            bootstrap_servers=list(settings.bootstrap_servers),
-            client_id="aml-topics",
-            request_timeout_ms=10_000,
-            **aiokafka_kwargs(settings.kafka_security),
-        )
-        try:
-            await admin.start()
-            await admin.describe_cluster()
-            return admin
-        except Exception as exc:
-            last = exc
-            with contextlib.suppress(Exception):
-                await admin.close()
-            await asyncio.sleep(1.0)
-    raise TopicsError(f"the Kafka cluster at {servers} did not answer within {timeout:g} s: {last!r}")
-
-
 async def create_missing(
     settings: Settings, specs: Sequence[TopicSpec], timeout: float, grow: bool = False
 ) -> Outcome:
     """Create the topics of `specs` that do not exist; report the others with their partition count, and
     with `grow` add partitions to those with fewer than their spec (`growth_order`)."""
-    admin = await _connect(settings, timeout)
+    try:
+        admin = await answering_admin(settings, timeout, "aml-topics")
+    except Unreachable as exc:
+        raise TopicsError(str(exc)) from None
     try:
         brokers = len((await admin.describe_cluster())["brokers"])
         needed = max(spec.replication_factor for spec in specs)

@@ -79,3 +79,26 @@ def test_a_bad_setting_stops_the_worker_at_once_with_a_sentence(tmp_path, variab
     assert err.startswith("aml-app: configuration error: ")
     assert named in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("servers", ["127.0.0.1:{port}", "no-such-host.invalid:9092"])
+def test_a_worker_without_a_reachable_cluster_says_so_in_one_sentence(tmp_path, servers):
+    """A refused port and a name that does not resolve: one line while it waits, one when it gives up
+    (status 1), no traceback, no Faust start-up banner."""
+    servers = servers.format(port=free_port())
+    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": servers, "AML_DATA_DIR": str(tmp_path)}
+    done = subprocess.run(
+        [AML_APP, "worker", "-l", "info"],
+        env=env,
+        cwd=tmp_path,
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 1, done.stderr.decode()
+    lines = done.stderr.decode().splitlines()
+    assert len(lines) == 2, lines
+    assert lines[0].startswith(f"aml-app: waiting up to 15 s for the Kafka cluster at {servers} (")
+    assert lines[1].startswith(f"aml-app: cannot start the worker: the Kafka cluster at {servers} did not")
+    assert lines[1].endswith("; check KAFKA_BOOTSTRAP_SERVERS.")
+    assert done.stdout == b""

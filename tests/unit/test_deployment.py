@@ -482,3 +482,22 @@ def test_topics_create_grows_the_short_topics_with_the_payments_topic_last() -> 
     assert order[-1] == "payments"
     assert set(order) == set(names) - {"aml.alerts", "payments.dlq"}, "only the short ones grow"
     assert growth_order(specs, dict.fromkeys(names, 6), "payments") == []
+
+
+def test_worker_port_option_moves_the_data_folder_with_the_port(cli: click.Group) -> None:
+    """`aml-app worker -p PORT` sets the app's web port after our settings are read (Faust's worker
+    command does `app.conf.web_port = web_port`): two workers started with `-p` must not share a RocksDB
+    folder, whose lock would stop the second."""
+    from aml_app.app import app, settings
+
+    original = app.conf.web_port
+    try:
+        folders = set()
+        for port in (7123, 7124):
+            app.conf.web_port = port
+            folders.add(Path(app.conf.datadir))
+            assert app.conf.datadir == Path(settings.data_dir) / f"{settings.app_id}-{port}"
+        assert len(folders) == 2
+    finally:
+        app.conf.web_port = original
+    assert str(app.conf.datadir) == settings.worker_data_dir

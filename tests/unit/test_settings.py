@@ -360,3 +360,10 @@ def test_the_api_bounds_default_and_are_read_when_set() -> None:
     assert "out of range" in _fails({"AML_API_MAX_ROWS": "199"}, "AML_API_MAX_ROWS")
     assert "out of range" in _fails({"AML_API_TIMEOUT": "0"}, "AML_API_TIMEOUT")
     assert "seconds" in _fails({"AML_API_TIMEOUT": "10s"}, "AML_API_TIMEOUT")
+
+
+def test_the_worker_data_folder_template_keeps_braces_in_the_folder_name() -> None:
+    from types import SimpleNamespace
+
+    s = load_settings({"AML_DATA_DIR": "/tmp/a{b}", "AML_APP_ID": "x"})
+    assert s.worker_data_dir_template.format(conf=SimpleNamespace(web_port=7001)) == "/tmp/a{b}/x-7001"
