@@ -118,6 +118,12 @@ class Settings:
     spark_master: str = "local[2]"
     trigger_interval: float = 0.5
     max_records_per_trigger: int = 100_000
+    #: AML_STARTUP_WAIT: seconds a starting worker waits for the Kafka cluster to answer before it stops
+    #: with one sentence (a cluster that starts beside it takes a while).
+    startup_wait: float = 15.0
+    #: AML_PIPELINE_METRICS_PORT: the port of the pipeline's Prometheus `/metrics` on AML_SERVICES_HOST
+    #: (aml_app.pipeline.metrics; 0: none).
+    pipeline_metrics_port: int = 8090
     #: AML_AGGREGATES_RETENTION: seconds C keeps flows past its longest window (7 days) before its newest
     #: event time: how far behind its head C answers exactly (a lagging partition, a replay).
     aggregates_retention: float = 86400.0
@@ -439,6 +445,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         trigger_interval=_float(env, "AML_TRIGGER_INTERVAL", defaults.trigger_interval, 0.05, 600),
         max_records_per_trigger=_int(
             env, "AML_MAX_RECORDS_PER_TRIGGER", defaults.max_records_per_trigger, 1, 100_000_000
+        ),
+        startup_wait=_float(env, "AML_STARTUP_WAIT", defaults.startup_wait, 0.1, 3600),
+        pipeline_metrics_port=_int(
+            env, "AML_PIPELINE_METRICS_PORT", defaults.pipeline_metrics_port, 0, 65535
         ),
         aggregates_retention=_float(
             env, "AML_AGGREGATES_RETENTION", defaults.aggregates_retention, 0, 86400 * 3650

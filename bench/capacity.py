@@ -116,7 +116,9 @@ BATCH_LINE = re.compile(
     r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) \S+ INFO (\w+) batch (\d+): (\d+) records, "
     r"(\d+) dead-lettered, ([\d.]+) s \(([^)]*)\)"
 )
-METRIC_LINE = re.compile(r"^(aml_admin_refresh_seconds|aml_gate_wait_seconds)_(sum|count) ([0-9.eE+-]+)$")
+METRIC_LINE = re.compile(
+    r"^(aml_admin_refresh_seconds|aml_gate_wait_seconds)_(sum|count)(?:\{[^}]*\})? ([0-9.eE+-]+)$"
+)
 
 
 @dataclass

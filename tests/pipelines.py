@@ -16,7 +16,7 @@ from typing import Any
 from aml_app.dependencies import relations
 from aml_app.dependencies.store import Writer
 from aml_app.harness.child_process import AmlAppProcess
-from aml_app.kafka.broker import EmbeddedBroker
+from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import Pipeline, kafka_config, start_pipeline
@@ -39,7 +39,7 @@ def pipeline_settings(broker: EmbeddedBroker, names: Names, store_url: str, **ov
             dlq_topic=names.dlq,
             store_url=store_url,
             trigger_interval=0.2,
-            **overrides,
+            **{"pipeline_metrics_port": free_port(), **overrides},
         )
         .with_endpoint("relations", group=relations_group)
         .with_endpoint("aggregates", group=aggregates_group)
@@ -158,6 +158,7 @@ def pipeline_env(broker: EmbeddedBroker, names: Names, settings: Settings) -> di
         "AML_STORE_URL": settings.store_url,
         "AML_TRIGGER_INTERVAL": "0.2",
         "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
+        "AML_PIPELINE_METRICS_PORT": str(settings.pipeline_metrics_port),
     }
 
 

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import re
@@ -69,12 +70,14 @@ from typing import Any
 import psycopg
 import psycopg_pool
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app import dependency_services as registry
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.currencies import ISO_4217
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.answer_cache import AnswerCache
+from aml_app.dependencies.api_metrics import ApiMetrics
 from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
@@ -126,10 +129,15 @@ SERVICE = web.AppKey("service", str)
 ROUTES: web.AppKey[list[str]] = web.AppKey("routes", list)
 LIMITS: web.AppKey[Limits] = web.AppKey("limits", Limits)
 READER: web.AppKey[Reader] = web.AppKey("reader", Reader)
+METRICS: web.AppKey[ApiMetrics] = web.AppKey("metrics", ApiMetrics)
 
 
 class BadRequest(ValueError):
     """A request a person has to fix; the message is the 400 answer."""
+
+
+class NotJson(BadRequest):
+    """A body sent as another media type than JSON; the message is the 415 answer."""
 
 
 class StoreBehind(RuntimeError):
@@ -150,6 +158,7 @@ async def _batch_response(
     keys: Sequence[Hashable],
     need: Need | None,
     answer: Callable[[list[int]], Awaitable[dict[str, Any]]],
+    metrics: ApiMetrics | None = None,
 ) -> web.Response:
     """A batch's JSON: each answer `cache` keeps for its key from a snapshot that meets `need`, the others
     from `answer(missing)` (the indexes of the queries to compute, in order), kept for the next asker.
@@ -164,6 +173,8 @@ async def _batch_response(
     if missing:
         body = await answer(missing)
         if "answers" not in body:
+            if metrics is not None and body.get("not_yet"):
+                metrics.saw_not_yet()
             return web.json_response(body)
         for i, computed in zip(missing, body["answers"], strict=True):
             text = json.dumps(computed)
@@ -187,6 +198,8 @@ async def _json_errors(
 ) -> web.StreamResponse:
     try:
         return await handler(request)
+    except NotJson as exc:
+        return _error(415, str(exc))
     except BadRequest as exc:
         return _error(400, str(exc))
     except web.HTTPNotFound:
@@ -340,7 +353,14 @@ def _shown(value: Any) -> str:
 
 async def _body(request: web.Request) -> tuple[list[dict[str, Any]], Need | None]:
     """The `queries` of a batch request body, each an object (checked further by the caller), and its
-    `need`."""
+    `need`. Only a body sent as JSON is read: a web page can make a browser POST text/plain or a form to
+    any address without asking it first (CORS), and so could have a victim's browser ask questions."""
+    if request.content_type != "application/json":
+        raise NotJson(
+            "Send the batch as JSON with Content-Type: application/json (this one is "
+            f"{request.content_type}); other media types are refused, so that no web page can make a "
+            "browser ask."
+        )
     try:
         body = json.loads(await request.text(), parse_int=_json_int)
     except ValueError:
@@ -625,12 +645,14 @@ def _app(
     cache: AnswerCache,
 ) -> web.Application:
     """The parts both APIs share: errors as JSON, the store's pools and the check, opened and closed with
-    the application, and /health (with what the answer cache served)."""
-    app = web.Application(middlewares=[_json_errors])
+    the application, /health (with what the answer cache served) and /metrics (Prometheus)."""
+    metrics = ApiMetrics(service, cache, check)
+    app = web.Application(middlewares=[metrics.middleware, _json_errors])
     app[SERVICE] = service
-    app[ROUTES] = ["GET /health", *routes]
+    app[ROUTES] = ["GET /health", "GET /metrics", *routes]
     app[LIMITS] = limits
     app[READER] = reader
+    app[METRICS] = metrics
 
     async def lifetime(app: web.Application) -> AsyncIterator[None]:
         await reader.open()
@@ -672,7 +694,11 @@ def _app(
                 return web.json_response(body, status=503)
         return web.json_response(body)
 
+    async def metrics_text(request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
     app.router.add_get("/health", health)
+    app.router.add_get("/metrics", metrics_text)
     return app
 
 
@@ -751,7 +777,11 @@ def relations_app(
                 )
             )
         return await _batch_response(
-            cache, [repr(q) for q in queries], need, lambda todo: answer([queries[i] for i in todo], need)
+            cache,
+            [repr(q) for q in queries],
+            need,
+            lambda todo: answer([queries[i] for i in todo], need),
+            app[METRICS],
         )
 
     app.router.add_get("/relations/{account}", single)
@@ -804,7 +834,7 @@ def aggregates_app(
         asked, need = await _body(request)
         queries = [(_batch_account(q, i), parse_at(_text_or_none(q, "at", i))) for i, q in enumerate(asked)]
         return await _batch_response(
-            cache, queries, need, lambda todo: answer([queries[i] for i in todo], need)
+            cache, queries, need, lambda todo: answer([queries[i] for i in todo], need), app[METRICS]
         )
 
     app.router.add_get("/aggregates/{account}", single)
@@ -819,12 +849,50 @@ def _cache_of(settings: Any) -> AnswerCache:
 
 def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     """The application for `kind` ('relations' or 'aggregates') on the store `settings` names, with the
-    store check against the consumer group (unless `check` is False: tests of the queries alone)."""
+    store check against the consumer group (unless `check` is False: tests of the queries alone). Bound
+    to a loopback address, it answers only requests addressed to one (`loopback_hosts_only`)."""
     registered = registry.service(kind)
     reader = Reader(settings.store_url, registered.schema, statement_timeout=Limits.of(settings).timeout)
     guard = StoreCheck(reader, kind, settings) if check else None
     app: web.Application = registered.app(reader, settings, guard)
+    if is_loopback(settings.services_host):
+        app.middlewares.insert(1, loopback_hosts_only)  # inside the metrics, which count the refusal
     return app
+
+
+def _host_name(host: str) -> str:
+    """The name or address of a Host header, without its port ("[::1]:8081" -> "::1")."""
+    if host.startswith("["):
+        return host[1 : host.find("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0]
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (an address or name to bind or call) is this machine only."""
+    name = host.strip("[]").lower()
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+@web.middleware
+async def loopback_hosts_only(
+    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+) -> web.StreamResponse:
+    """Refuse a request whose Host header names another machine than this one. A replica bound to
+    127.0.0.1 is reachable from a browser on the same machine, and a web page whose name an attacker
+    points at 127.0.0.1 (DNS rebinding) would be same-origin with it; its requests still name the
+    attacker's host."""
+    if not is_loopback(_host_name(request.host or "")):
+        return _error(
+            421,
+            f"This replica listens on a loopback address and answers only requests addressed to one; "
+            f"this one was addressed to {request.host!r}.",
+        )
+    return await handler(request)
 
 
 def serve(kind: str, settings: Any) -> None:

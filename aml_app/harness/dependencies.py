@@ -50,6 +50,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         "AML_MAX_PAYMENT_BYTES": str(settings.max_payment_bytes),
         "AML_MAX_CLOCK_SKEW": str(settings.max_clock_skew),
         "AML_API_CACHE_ANSWERS": str(settings.api_cache_answers),
+        "AML_PIPELINE_METRICS_PORT": str(settings.pipeline_metrics_port),
     }
 
 

@@ -57,6 +57,11 @@ def print_summary(
     checked = len(spot_lines)
     rows.append(("API spot check", f"{checked - v.spot_failures} of {checked} payments OK"))
     rows += [(f"web view {w.worker_id}", f"{w.url}/watermarks/") for w in system.all_workers]
+    metrics = [
+        ("pipeline", f"http://{system.settings.services_host}:{system.settings.pipeline_metrics_port}")
+    ]
+    metrics += [(f"{name} API", api.url) for name, api in system.apis.items()]
+    rows += [(f"metrics {name}", f"{url}/metrics") for name, url in metrics if not url.endswith(":0")]
     rows.append(("result", "OK" if v.ok else "PROBLEM"))
     if spot_lines:
         say()

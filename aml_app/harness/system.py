@@ -197,6 +197,10 @@ class System:
 
     def start_services(self) -> None:
         """The pipeline and the replicas of the two APIs reading its stores."""
+        port = self.settings.pipeline_metrics_port
+        if port:
+            port = self.free("AML_PIPELINE_METRICS_PORT", "the pipeline's /metrics", port)
+            self.settings = replace(self.settings, pipeline_metrics_port=port)
         s = self.settings
         args = ["pipeline"] + [f"--trigger={svc}={sec:g}" for svc, sec in self.layout.triggers.items()]
         self.pipeline = ServiceProcess("pipeline", args, s, self.folder / "pipeline.log").start()

@@ -395,10 +395,26 @@ def run_pipeline(
     services: Sequence[str],
     triggers: Mapping[str, float] | None = None,
 ) -> int:
-    """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0); a refused store exits 2."""
+    """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0); a refused store or a metrics port that
+    cannot be bound exits 2. `/metrics` is served from the start (AML_PIPELINE_METRICS_PORT)."""
+    from aml_app.pipeline.metrics import PipelineMetrics
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    metrics = PipelineMetrics()
+    if settings.pipeline_metrics_port:
+        try:
+            metrics.serve(settings.services_host, settings.pipeline_metrics_port)
+        except OSError as exc:
+            where = f"{settings.services_host}:{settings.pipeline_metrics_port}"
+            print(
+                f"aml-app pipeline: cannot serve /metrics on {where} ({exc.strerror or exc}); "
+                "set AML_PIPELINE_METRICS_PORT to a free port, or 0 for none.",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 2
     try:
-        prepared = prepare(settings, services)
+        prepared = prepare(settings, services, on_batch=metrics.observe)
     except StoreRefused as exc:
         log.error("%s", exc)
         print(f"aml-app pipeline: {exc}", file=sys.stderr, flush=True)
@@ -406,11 +422,14 @@ def run_pipeline(
     spark = spark_session(master)
     pipeline = start_queries(spark, settings, prepared, triggers)
     log.info(
-        "pipeline running: %s on %s, topic %s, store %s",
+        "pipeline running: %s on %s, topic %s, store %s, metrics %s",
         ", ".join(services),
         master,
         settings.payments_topic,
         redacted(settings.store_url),
+        f"http://{settings.services_host}:{settings.pipeline_metrics_port}/metrics"
+        if settings.pipeline_metrics_port
+        else "off",
     )
     return _run_until_stopped(spark, pipeline)
 

@@ -5,11 +5,15 @@ latency) is observed as it happens into histograms; everything else is read at s
 snapshot as `/watermarks.json` by a custom collector, so the page and the metrics never disagree. Values
 that come from the shared watermark table are the same on every worker (aggregate them with `max`);
 counters of this worker's own work (decisions, dead letters, waits) add up over workers (`sum`).
+
+Every series carries a `service` label (`AML_SERVICE`: aml, fraud, ...): the services' workers publish
+the same names, and one dashboard tells them apart by it. No label takes values without bound: a payment
+retried in place is shown per partition, its offset and attempts as values and its error on the page.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +32,7 @@ ProcessCollector(registry=registry)
 gate_wait = Histogram(
     "aml_gate_wait_seconds",
     "Time each payment was held before processing (arrival at this worker to the handler start).",
+    ["service"],
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300),
     registry=registry,
 )
@@ -35,6 +40,7 @@ admin_refresh = Histogram(
     "aml_admin_refresh_seconds",
     "Duration of the leader's watermark refreshes (the admin reads and the event-time cut's fetch; "
     "failed and abandoned ones included).",
+    ["service"],
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
     registry=registry,
 )
@@ -48,12 +54,19 @@ class Counts:
 
 
 counts = Counts()
+#: The `service` label of this process's histograms, set by `register_snapshot`.
+service = {"service": "aml"}
 
 
 def observe_admission(admission: Admission) -> None:
     """The gated consumer's observer: one call per payment its handler finished."""
-    gate_wait.observe(admission.waited_ms / 1000)
+    gate_wait.labels(**service).observe(admission.waited_ms / 1000)
     counts.handled += 1
+
+
+def observe_refresh(seconds: float) -> None:
+    """The leader's observer of each watermark refresh's duration."""
+    admin_refresh.labels(**service).observe(seconds)
 
 
 def _gauge(name: str, doc: str, labels: Iterable[str] = ()) -> GaugeMetricFamily:
@@ -137,14 +150,25 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
     )
     stuck.add_metric([], 1 if refresh.get("state") == "stuck" else 0)
 
-    retrying = _gauge(
-        "aml_payment_retrying",
-        "Failed attempts so far of a payment a lane keeps retrying (its handler or its decision's send "
-        "fails), by partition, offset, worker and last error; absent when nothing fails.",
-        ["partition", "offset", "worker", "error"],
-    )
+    retried = {
+        "attempts": _gauge(
+            "aml_payment_retrying_attempts",
+            "Failed attempts so far of the payment a lane keeps retrying on this partition (its handler or "
+            "its decision's send fails; the error is on the page and in `aml-app status`); absent when "
+            "nothing fails there.",
+            by_p,
+        ),
+        "offset": _gauge(
+            "aml_payment_retrying_offset", "Offset of the payment retried on this partition.", by_p
+        ),
+        "retrying_for_s": _gauge(
+            "aml_payment_retrying_seconds", "How long the payment on this partition has been retried.", by_p
+        ),
+    }
     for r in snap.get("retrying") or []:
-        retrying.add_metric([str(r["partition"]), str(r["offset"]), r["worker"], r["error"]], r["attempts"])
+        for field, family in retried.items():
+            if r.get(field) is not None:
+                family.add_metric([str(r["partition"])], r[field])
 
     detector = snap.get("detector")
     counters = [
@@ -220,13 +244,20 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         age,
         admin_error,
         stuck,
-        retrying,
+        *retried.values(),
     ]
     for name, doc, value in counters:
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], value)
         out.append(counter)
-    return out
+    return labelled(out, {"service": snap["service"]})
+
+
+def labelled(found: Sequence[Metric], labels: Mapping[str, str]) -> list[Metric]:
+    """The metric families `found` with `labels` added to every sample."""
+    for family in found:
+        family.samples = [sample._replace(labels={**labels, **sample.labels}) for sample in family.samples]
+    return list(found)
 
 
 class SnapshotCollector(Collector):
@@ -242,7 +273,8 @@ class SnapshotCollector(Collector):
         return []  # computed at scrape time; nothing to check at registration
 
 
-def register_snapshot(snapshot: Callable[[], Mapping[str, Any]]) -> None:
+def register_snapshot(snapshot: Callable[[], Mapping[str, Any]], service_name: str) -> None:
+    service["service"] = service_name
     registry.register(SnapshotCollector(snapshot))
 
 

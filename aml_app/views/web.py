@@ -48,7 +48,7 @@ gated = _registered()
 running_detector: detector.Detector | None = getattr(service_module, "detector", None)
 gate, status, publisher = worker_gate.gate, worker_gate.status, worker_gate.publisher
 gated.observers.append(metrics.observe_admission)
-status.duration_observers.append(metrics.admin_refresh.observe)
+status.duration_observers.append(metrics.observe_refresh)
 
 
 def _assigned() -> list[int]:
@@ -135,7 +135,7 @@ def snapshot() -> dict[str, Any]:
     }
 
 
-metrics.register_snapshot(snapshot)
+metrics.register_snapshot(snapshot, settings.service)
 
 
 def _check(request: Request, allowed: tuple[str, ...] = ()) -> None:

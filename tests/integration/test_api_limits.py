@@ -110,9 +110,14 @@ async def served(app: web.Application) -> AsyncIterator[str]:
         await server.close()
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 async def answer(client: TestClient, path: str, body: Any = None, status: int = 200) -> Any:
     async with asyncio.timeout(60):
-        response = await (client.get(path) if body is None else client.post(path, data=_bytes(body)))
+        response = await (
+            client.get(path) if body is None else client.post(path, data=_bytes(body), headers=JSON)
+        )
         got = await response.json()
     assert response.status == status, got
     if status >= 400:
@@ -185,7 +190,7 @@ async def test_answers_are_bounded_per_request_and_a_list_cut_short_says_so(busy
         queries = {"queries": [{"account": "busy", "parts": "out,in"}] * 20 + [{"account": "s1"}]}
         attacked = await answer(whole, "/relations", queries)
         assert sum(len(a["out"]) + len(a["in"]) for a in attacked["answers"]) == 20 * 2 * WIDE + 2
-        response = await capped.post("/relations", data=_bytes(queries))
+        response = await capped.post("/relations", data=_bytes(queries), headers=JSON)
         text = await response.text()
         answers = json.loads(text)["answers"]
         assert sum(len(a["out"]) for a in answers) <= ROWS and sum(len(a["in"]) for a in answers) <= ROWS

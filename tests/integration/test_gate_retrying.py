@@ -44,9 +44,10 @@ async def test_a_failing_payment_is_retried_in_place_and_shown_as_retrying(
     async with aiohttp.ClientSession() as session, session.get(f"{worker.url}/metrics") as response:
         text = await response.text()
     families = {f.name: f for f in text_string_to_metric_families(text)}
-    [sample] = families["aml_payment_retrying"].samples
-    assert (sample.labels["partition"], sample.labels["offset"]) == ("0", "1")
-    assert sample.labels["error"].startswith("ProbeFailure") and sample.value >= 2
+    [attempts] = families["aml_payment_retrying_attempts"].samples
+    [offset] = families["aml_payment_retrying_offset"].samples
+    assert attempts.labels == offset.labels == {"service": "probe", "partition": "0"}
+    assert attempts.value >= 2 and offset.value == 1
 
     code, out, err = await status({}, "--worker", worker.url)
     assert code == 1, err  # a payment retried: a monitoring check's warning

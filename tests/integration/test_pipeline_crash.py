@@ -17,10 +17,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from aiokafka import AIOKafkaProducer
+from prometheus_client.parser import text_string_to_metric_families
 
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka.broker import EmbeddedBroker
+from aml_app.settings import Settings
 from tests.harness import Names, wait_until
 from tests.payments import produce_payments
 from tests.pipelines import (
@@ -136,6 +139,7 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
         await wait_until(caught_up, 300, "both groups to reach the log end once the database is back")
         assert "store unavailable" in log.read_text(errors="replace"), "the pipeline noticed the outage"
         await check_against_reference(settings, produced, [w.valid for w in waves])
+        await check_pipeline_metrics(settings, ends)
 
         # A stop asked for during an outage: the waiting batch gives up, nothing of it is committed, and
         # the pipeline exits cleanly at once, however long the database would have stayed away.
@@ -160,3 +164,32 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
 
 
 WAITING_FOR_A_BATCH = "store unavailable while applying a batch"
+
+
+async def check_pipeline_metrics(settings: Settings, ends: dict[int, int]) -> None:
+    """The pipeline's /metrics (AML_PIPELINE_METRICS_PORT) agree with the groups: each service's committed
+    offsets are the log ends, its batches hold every record, and the store's time is counted."""
+    url = f"http://127.0.0.1:{settings.pipeline_metrics_port}/metrics"
+    async with aiohttp.ClientSession() as session, session.get(url) as response:
+        assert response.status == 200
+        text = await response.text()
+    samples = [
+        s for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("aml_")
+    ]
+    for service in ("relations", "aggregates"):
+        mine = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for s in samples
+            if s.labels["service"] == service
+        }
+        committed = {
+            int(dict(labels)["partition"]): value
+            for (name, labels), value in mine.items()
+            if name == "aml_pipeline_committed_offset"
+        }
+        assert committed == ends, (service, committed, ends)
+        one = (("service", service),)
+        assert mine[("aml_pipeline_records_total", one)] >= sum(ends.values())
+        assert mine[("aml_pipeline_batches_total", one)] >= 2
+        assert mine[("aml_pipeline_batch_seconds_count", one)] == mine[("aml_pipeline_batches_total", one)]
+        assert mine[("aml_pipeline_phase_seconds_total", (("phase", "store"), ("service", service)))] > 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import aiohttp
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from aml_app.harness.verify import CommitTimeline
 from aml_app.kafka.tools import produce
@@ -17,9 +18,11 @@ pytestmark = pytest.mark.integration
 
 async def metric(worker, name: str) -> float | None:
     async with aiohttp.ClientSession() as session, session.get(f"{worker.url}/metrics") as r:
-        for line in (await r.text()).splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                return float(sample.value)
     return None
 
 

@@ -5,6 +5,7 @@ against a real broker's committed offsets; and one smoke test of `serve` in a ch
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 import time
 import uuid
@@ -410,11 +411,14 @@ async def test_serve_runs_the_service_until_stopped(store_url: str, broker: Embe
 # --- batches -------------------------------------------------------------------------------------
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 async def post(client: TestClient, path: str, body: Any, status: int = 200) -> dict[str, Any]:
     response = (
         await client.post(path, json=body)
         if not isinstance(body, bytes)
-        else await client.post(path, data=body)
+        else await client.post(path, data=body, headers=JSON)
     )
     answer = await response.json()
     assert response.status == status, answer
@@ -676,3 +680,42 @@ async def test_the_client_asks_another_replica_when_one_is_behind_or_went_back(
                 assert answer["as_of"] == {"0": 2, "1": 2} and client.stats.went_back == 2
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("media", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+async def test_a_batch_not_sent_as_json_is_refused_as_a_browser_could_send_it(
+    stores: str, media: str
+) -> None:
+    """A web page can make a visitor's browser POST these three without asking (no CORS preflight): such
+    a body, however valid its JSON, is refused with 415 and answers nothing."""
+    body = json.dumps({"queries": [{"account": "A"}]}).encode()
+    async with client_for(relations_api(stores)) as r, client_for(aggregates_api(stores)) as a:
+        for client, path in ((r, "/relations"), (a, "/aggregates")):
+            response = await client.post(path, data=body, headers={"Content-Type": media})
+            got = await response.json()
+            assert response.status == 415, got
+            assert got == {
+                "error": "Send the batch as JSON with Content-Type: application/json (this one is "
+                f"{media}); other media types are refused, so that no web page can make a browser ask."
+            }
+            assert (await post(client, path, {"queries": [{"account": "A"}]}))["answers"]
+
+
+async def test_a_replica_bound_to_loopback_answers_only_requests_addressed_to_loopback(stores: str) -> None:
+    """DNS rebinding: a page of evil.example, its name pointed at 127.0.0.1, reaches a replica bound there
+    with `Host: evil.example`; that is refused (421), whatever the path. Bound to every address (a
+    container), any name is served."""
+    loopback = replace(SETTINGS, store_url=stores, services_host="127.0.0.1")
+    async with client_for(build_app("relations", loopback, check=False)) as client:
+        for host in ("evil.example", "evil.example:8081", "10.0.0.7:8081", "127.0.0.1.evil.example"):
+            response = await client.get("/relations/A", headers={"Host": host})
+            got = await response.json()
+            assert response.status == 421, (host, got)
+            assert got["error"].startswith("This replica listens on a loopback address"), got
+        for host in ("127.0.0.1:8081", "localhost", "[::1]:8081", "LOCALHOST:1"):
+            response = await client.get("/relations/A", headers={"Host": host})
+            assert response.status == 200, (host, await response.text())
+    everywhere = replace(loopback, services_host="0.0.0.0")
+    async with client_for(build_app("relations", everywhere, check=False)) as client:
+        response = await client.get("/relations/A", headers={"Host": "relations-1:8081"})
+        assert response.status == 200, await response.text()

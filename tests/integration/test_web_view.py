@@ -175,6 +175,7 @@ async def test_json_contract_metrics_and_bad_parameters(names, producer, new_wor
 
     def sample(name: str, **labels: str) -> float:
         family = families[name.removesuffix("_total").removesuffix("_count")]
+        labels = {"service": "probe", **labels}
         found = [s.value for s in family.samples if s.name == name and s.labels == labels]
         assert len(found) == 1, f"{name}{labels}: {found}"
         return found[0]

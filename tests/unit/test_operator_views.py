@@ -74,7 +74,9 @@ def parse(snap: dict[str, Any], handled: int = 7) -> dict[str, Any]:
 
 
 def value(families: dict[str, Any], name: str, **labels: str) -> float:
+    """The one sample of `name` with `labels` (and the snapshot's service, unless given)."""
     family = families[name.removesuffix("_total")]
+    labels = {"service": "probe", **labels}
     found = [s.value for s in family.samples if s.name == name and s.labels == labels]
     assert len(found) == 1, (name, labels, family.samples)
     return found[0]
@@ -123,12 +125,28 @@ RETRYING = {
 }
 
 
-def test_a_payment_that_keeps_failing_is_a_metric_with_its_partition_offset_and_error() -> None:
+def test_a_payment_that_keeps_failing_is_a_metric_of_its_partition_without_unbounded_labels() -> None:
     fams = parse({**snapshot(), "retrying": [RETRYING], "handler_failures": 4})
-    labels = {"partition": "1", "offset": "7", "worker": "w2", "error": RETRYING["error"]}
-    assert value(fams, "aml_payment_retrying", **labels) == 4
+    assert value(fams, "aml_payment_retrying_attempts", partition="1") == 4
+    assert value(fams, "aml_payment_retrying_offset", partition="1") == 7
+    assert value(fams, "aml_payment_retrying_seconds", partition="1") == 90
     assert value(fams, "aml_handler_failures_total") == 4
-    assert parse(snapshot())["aml_payment_retrying"].samples == []  # nothing fails: no sample
+    for name in (
+        "aml_payment_retrying_attempts",
+        "aml_payment_retrying_offset",
+        "aml_payment_retrying_seconds",
+    ):
+        assert parse(snapshot())[name].samples == []  # nothing fails: no sample
+
+
+def test_every_series_names_its_service_and_no_label_is_unbounded() -> None:
+    """AML and fraud workers publish the same names: the service label tells them apart. The labels a
+    worker may use take values from small sets (partitions, dependency groups, statuses, services)."""
+    for service in ("aml", "fraud"):
+        snap = {**snapshot(detector=DETECTOR), "service": service, "retrying": [RETRYING]}
+        samples = [s for family in parse(snap).values() for s in family.samples]
+        assert samples and all(s.labels["service"] == service for s in samples)
+        assert {key for s in samples for key in s.labels} <= {"service", "partition", "dependency", "status"}
 
 
 def test_status_shows_the_retrying_payments() -> None:
@@ -150,15 +168,17 @@ def test_status_shows_the_retrying_payments() -> None:
     )
 
 
+DETECTOR = {
+    "decisions": 11,
+    "alerts": 3,
+    "freshness_violations": 1,
+    "dependency_not_yet": 4,
+    "dependency_went_back": 2,
+}
+
+
 def test_detector_counters_when_a_detector_runs() -> None:
-    detector = {
-        "decisions": 11,
-        "alerts": 3,
-        "freshness_violations": 1,
-        "dependency_not_yet": 4,
-        "dependency_went_back": 2,
-    }
-    fams = parse(snapshot(detector=detector))
+    fams = parse(snapshot(detector=DETECTOR))
     assert value(fams, "aml_dependency_not_yet_total") == 4
     assert value(fams, "aml_dependency_went_back_total") == 2
     assert value(fams, "aml_decisions_total") == 11
@@ -180,6 +200,7 @@ def test_process_registry_renders_and_the_wait_histogram_counts_admissions() -> 
     fams = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
     hist = fams["aml_gate_wait_seconds"]
     assert hist.type == "histogram"
+    assert {s.labels["service"] for s in hist.samples} == {metrics.service["service"]}
     buckets = {s.labels["le"]: s.value for s in hist.samples if s.name.endswith("_bucket")}
     assert buckets["1.0"] == buckets["0.005"]  # 1.5 s lands above 1 s ...
     assert buckets["2.5"] >= buckets["1.0"] + 1  # ... and within 2.5 s
@@ -287,3 +308,15 @@ async def test_observers_see_each_handled_payment_once_and_cannot_break_a_lane()
     finally:
         await h.close()
         await asyncio.sleep(0)
+
+
+def test_the_operating_guide_lists_every_metric_a_worker_publishes() -> None:
+    from pathlib import Path
+
+    guide = (Path(__file__).parents[2] / "docs" / "operating.md").read_text()
+    snap = {**snapshot(detector={**DETECTOR, "decided_on_pruned": 0}), "retrying": [RETRYING]}
+    names = {family.name for family in metrics.families(snap, 7)}
+    names |= {"aml_gate_wait_seconds", "aml_admin_refresh_seconds"}
+    shown = {name + ("_total" if family.type == "counter" else "") for name, family in parse(snap).items()}
+    missing = sorted(n for n in shown | names if f"`{n}`" not in guide and f"`{n}_total`" not in guide)
+    assert missing == [], f"docs/operating.md does not list {missing}"
