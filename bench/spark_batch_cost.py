@@ -19,7 +19,7 @@ run interleaved, `--block` batches each, for `--rounds` rounds; the first third 
 CPU per batch by thread kind (C2/C1 = the JIT compilers, `py4j` = the threads that run the driver's calls).
 
     .venv/bin/python -m bench.spark_batch_cost [--sizes 25,1000,20000] [--rounds 15] [--block 10]
-        [--java-options=-XX:+UseParallelGC]
+        [--java-options=-XX:+UseParallelGC] [--conf spark.sql.adaptive.enabled=false]
 """
 
 from __future__ import annotations
@@ -258,7 +258,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
     started = machine()  # the load before the measurement
     options = f"-Dlog4j.rootLogger=WARN {args.java_options}".strip()
-    spark = spark_session("local[2]", extra={"spark.driver.extraJavaOptions": options})
+    confs = dict(pair.split("=", 1) for pair in args.conf)
+    spark = spark_session("local[2]", extra={"spark.driver.extraJavaOptions": options, **confs})
     try:
         sizes = {str(n): measure(spark, n, args.rounds, args.block) for n in args.sizes}
     finally:
@@ -268,6 +269,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         "code_version": code_version(),
         "machine": started,
         "java_options": args.java_options,
+        "conf": args.conf,
         "rounds": args.rounds,
         "block": args.block,
         "sizes": sizes,
@@ -308,6 +310,7 @@ def cli() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--block", type=int, default=10)
     parser.add_argument("--java-options", default="", help="for the driver JVM, e.g. -XX:+UseParallelGC")
+    parser.add_argument("--conf", action="append", default=[], help="a Spark setting KEY=VALUE (repeatable)")
     args = parser.parse_args()
     finish(NAME, main(args), report)
 
