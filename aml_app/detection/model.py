@@ -3,7 +3,7 @@
 Why: on real AMLworld data the rules leave attempts that B and C's answers do describe, but in no shape a
 threshold names (a hub paid by three payers over five days, a lone heavy edge). Gradient-boosted trees
 over graph features are the literature's strongest non-GNN baseline there. The model is trained on the
-simulator calibrated to AMLworld (`aml-app train-model`, `aml_app.detection.training`), never on the
+simulator calibrated to AMLworld (`make model`, which runs `python -m bench.train_model`), never on the
 real files it is scored on, and is evaluated against the rules by `bench.model_vs_rules`.
 
 It is off unless `AML_MODEL` names a model (`amlworld`: the one shipped with the package; or a path):

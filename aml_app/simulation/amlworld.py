@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import csv
 import functools
+import io
 import json
+import os
 import re
+import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -123,13 +127,20 @@ class AmlworldImport:
 
 
 def read_amlworld(
-    path: str | Path, *, limit: int | None = None, prefix: str = DEFAULT_PREFIX
+    path: str | Path,
+    *,
+    limit: int | None = None,
+    prefix: str = DEFAULT_PREFIX,
+    progress: Callable[[str], None] | None = None,
+    progress_interval: float = 5.0,
 ) -> AmlworldImport:
     """Parse the file (its first `limit` data rows if given) into payments sorted by event time.
 
     Each payment's id is `<prefix>-<line>`, the row's line in the file (the header is line 1), seven digits
     or more. The sort is stable, so payments of the same minute keep the file's order; our services expect
     each payer's payments in event-time order. Raises ValueError naming the file and line of the first fault.
+    A real file takes minutes: `progress` hears every `progress_interval` seconds how far the read is, at
+    what rate, and about how long it has left.
     """
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be 0 or more, got {limit}")
@@ -142,8 +153,11 @@ def read_amlworld(
     accounts: dict[str, str] = {}
     times: dict[str, str] = {}
     line = 0
+    size = os.path.getsize(path) if progress is not None else 0
+    started = time.monotonic()
+    next_progress = started + progress_interval
     try:
-        with open(path, encoding="utf-8-sig", newline="") as source:
+        with open(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as source:
             reader = csv.reader(source, strict=True)
             header = next(reader, None)
             line = reader.line_num
@@ -165,12 +179,25 @@ def read_amlworld(
                     skipped_laundering += row[IS_LAUNDERING] == "1"
                 else:
                     payments.append(payment)
+                if progress is not None and rows % 10_000 == 0 and time.monotonic() >= next_progress:
+                    next_progress = time.monotonic() + progress_interval
+                    progress(_read_so_far(name, rows, raw.tell(), size, time.monotonic() - started))
     except UnicodeDecodeError as exc:
         raise ValueError(f"{name} line {line + 1}: not UTF-8 text ({exc.reason}).") from None
     except csv.Error as exc:
         raise ValueError(f"{name} line {line + 1}: not readable as CSV ({exc}).") from None
     payments.sort(key=lambda p: p.ts)
     return AmlworldImport(name, rows, payments, skipped, skipped_laundering)
+
+
+def _read_so_far(name: str, rows: int, position: int, size: int, elapsed: float) -> str:
+    """One progress line of a read: rows, share of the file, rate and the time left at that rate."""
+    share = min(position / size, 1.0) if size else 1.0
+    left = elapsed * (1 - share) / share if share > 0 else float("nan")
+    return (
+        f"amlworld: reading {name}: {rows:,} rows, {share:.0%} of {size / 1e6:,.0f} MB, "
+        f"{rows / elapsed:,.0f} rows/s, about {left:,.0f} s left"
+    )
 
 
 def _payment(

@@ -135,7 +135,9 @@ def import_amlworld_command(
                 f"{len(transactions)} transactions and {len(patterns)} patterns files were given; "
                 "give at most one of each"
             )
-        parts = [read_amlworld(f, limit=limit, prefix=prefix) for f in transactions] + [
+        for f in transactions:
+            click.echo(f"amlworld: reading {f}")
+        parts = [read_amlworld(f, limit=limit, prefix=prefix, progress=click.echo) for f in transactions] + [
             read_patterns_import(f, prefix=f"{prefix}-pattern") for f in patterns
         ]
         imported = parts[0] if len(parts) == 1 else parts[0].merged(parts[1])

@@ -242,7 +242,8 @@ def test_a_bad_file_sends_nothing_and_says_so_in_one_sentence(tmp_path: Path) ->
     )
     assert result.exit_code == 1
     assert result.output.strip().splitlines() == [
-        f"Error: {path} line 3: Amount Paid must be a decimal number above 0, got 'x'; nothing was sent."
+        f"amlworld: reading {path}",
+        f"Error: {path} line 3: Amount Paid must be a decimal number above 0, got 'x'; nothing was sent.",
     ]
 
 
@@ -396,3 +397,20 @@ def test_paced_sending_spreads_event_time_over_wall_time(monkeypatch: pytest.Mon
     clock[0] = 0.0
     asyncio.run(amlworld_command.send_payments(["x"], "t", payments))
     assert sent == [(0.0, ["p0", "p1", "p2", "p3"])]  # unpaced: all at once
+
+
+def test_a_long_read_says_how_far_it_is_at_what_rate_and_how_long_is_left(tmp_path: Path) -> None:
+    row = "2022/09/01 00:30,010,8000EBD30,0211,80A1B2C3D,250.00,Euro,250.00,Euro,ACH,0"
+    path = write(tmp_path, [row] * 30_000)
+    said: list[str] = []
+    imported = read_amlworld(path, progress=said.append, progress_interval=0.0)
+    assert len(imported.payments) == 30_000
+    assert len(said) == 3, said  # checked every 10,000 rows
+    first, last = said[0], said[-1]
+    assert first.startswith(f"amlworld: reading {path}: 10,000 rows, ") and "rows/s, about " in first
+    assert last.startswith(f"amlworld: reading {path}: 30,000 rows, 100% of ") and last.endswith(
+        "about 0 s left"
+    )
+    shares = [int(line.split("rows, ")[1].split("%")[0]) for line in said]
+    assert shares == sorted(shares) and 20 <= shares[0] <= 45, shares
+    assert read_amlworld(path, progress=said.append).payments == imported.payments  # default: every 5 s
