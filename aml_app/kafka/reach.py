@@ -7,12 +7,11 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.kafka.security import aiokafka_kwargs
-from aml_app.settings import Settings
+from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 
 class Unreachable(RuntimeError):
@@ -20,23 +19,27 @@ class Unreachable(RuntimeError):
 
 
 async def answering_admin(
-    settings: Settings, timeout: float, client_id: str, waiting: Callable[[str], None] | None = None
+    bootstrap: Sequence[str],
+    security: KafkaSecurity,
+    timeout: float,
+    client_id: str,
+    waiting: Callable[[str], None] | None = None,
 ) -> AIOKafkaAdminClient:
     """An admin client once the cluster answers a metadata request (an open port is not enough);
     Unreachable after `timeout` seconds of trying. `waiting(reason)` hears of the first failed attempt.
 
     The client library's own log lines of each failed attempt are kept back (a start-up against a cluster
     that is still starting would print one per second); the last of them is the reason given."""
-    servers = ",".join(settings.bootstrap_servers)
+    servers = ",".join(bootstrap)
     deadline = time.monotonic() + timeout
     reason = "no attempt"
     with _client_log() as said:
         while time.monotonic() < deadline:
             admin = AIOKafkaAdminClient(
-                bootstrap_servers=list(settings.bootstrap_servers),
+                bootstrap_servers=list(bootstrap),
                 client_id=client_id,
                 request_timeout_ms=10_000,
-                **aiokafka_kwargs(settings.kafka_security),
+                **aiokafka_kwargs(security),
             )
             try:
                 await asyncio.wait_for(_described(admin), max(0.1, deadline - time.monotonic()))
@@ -83,8 +86,12 @@ async def _described(admin: AIOKafkaAdminClient) -> None:
 
 
 async def check_reachable(
-    settings: Settings, timeout: float, client_id: str, waiting: Callable[[str], None] | None = None
+    bootstrap: Sequence[str],
+    security: KafkaSecurity,
+    timeout: float,
+    client_id: str,
+    waiting: Callable[[str], None] | None = None,
 ) -> None:
     """Return once the cluster answers; Unreachable after `timeout` seconds."""
-    admin = await answering_admin(settings, timeout, client_id, waiting)
+    admin = await answering_admin(bootstrap, security, timeout, client_id, waiting)
     await admin.close()

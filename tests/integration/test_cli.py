@@ -86,7 +86,12 @@ def test_a_worker_without_a_reachable_cluster_says_so_in_one_sentence(tmp_path, 
     """A refused port and a name that does not resolve: one line while it waits, one when it gives up
     (status 1), no traceback, no Faust start-up banner."""
     servers = servers.format(port=free_port())
-    env = {**os.environ, "KAFKA_BOOTSTRAP_SERVERS": servers, "AML_DATA_DIR": str(tmp_path)}
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": servers,
+        "AML_DATA_DIR": str(tmp_path),
+        "AML_STARTUP_WAIT": "2",
+    }
     done = subprocess.run(
         [AML_APP, "worker", "-l", "info"],
         env=env,
@@ -98,7 +103,9 @@ def test_a_worker_without_a_reachable_cluster_says_so_in_one_sentence(tmp_path, 
     assert done.returncode == 1, done.stderr.decode()
     lines = done.stderr.decode().splitlines()
     assert len(lines) == 2, lines
-    assert lines[0].startswith(f"aml-app: waiting up to 15 s for the Kafka cluster at {servers} (")
-    assert lines[1].startswith(f"aml-app: cannot start the worker: the Kafka cluster at {servers} did not")
+    assert lines[0].startswith(f"aml-app: waiting up to 2 s for the Kafka cluster at {servers} (")
+    assert lines[1].startswith(
+        f"aml-app: cannot start the worker: the Kafka cluster at {servers} did not answer within 2 s: "
+    )
     assert lines[1].endswith("; check KAFKA_BOOTSTRAP_SERVERS.")
     assert done.stdout == b""

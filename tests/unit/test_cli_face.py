@@ -75,3 +75,15 @@ def test_a_bad_setting_still_stops_every_command_in_one_sentence() -> None:
         assert done.returncode == 2, (args, done.stdout, done.stderr)
         assert done.stdout == "", (args, done.stdout)
         assert done.stderr.count("\n") == 1 and "AML_PARTITIONS='many'" in done.stderr, (args, done.stderr)
+
+
+def test_a_worker_that_would_call_a_listening_address_stops_in_one_sentence() -> None:
+    """The image sets AML_SERVICES_HOST=0.0.0.0 for the APIs to listen on every address; a worker left
+    without AML_RELATIONS_URL would call 0.0.0.0, itself. With the URLs set it goes on (to the broker)."""
+    done = run("worker", AML_SERVICES_HOST="0.0.0.0", KAFKA_BOOTSTRAP_SERVERS="127.0.0.1:1")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr == (
+        "aml-app: configuration error: AML_RELATIONS_URL is not set and AML_SERVICES_HOST=0.0.0.0 is an "
+        "address to listen on, not one to call: set AML_RELATIONS_URL to the relations API's replicas "
+        "(http://host:port,...).\n"
+    )

