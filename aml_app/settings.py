@@ -103,6 +103,10 @@ class Settings:
     #: Where Services B and C keep their state (PostgreSQL); `aml-app postgres` runs an embedded one here.
     store_url: str = "postgresql://aml@127.0.0.1:5433/aml"
     services_host: str = "127.0.0.1"
+    #: AML_API_TOKEN: when set, B's and C's APIs answer only requests that carry it as a bearer token
+    #: (`Authorization: Bearer ...`; /health stays open for load balancers), and the workers send it.
+    #: Kept out of every repr and log line.
+    api_token: str = field(default="", repr=False)
     http_timeout: float = 5.0
     #: AML_FRESHNESS_WAIT: how long B and C may wait for their stores to cover a question's payments
     #: before answering "not yet" (less than the HTTP timeout).
@@ -196,6 +200,18 @@ class Settings:
         that `aml-app worker -p PORT`, which sets the port after these settings are read, moves it too."""
         folder = os.path.join(self.data_dir, self.app_id).replace("{", "{{").replace("}", "}}")
         return folder + "-{conf.web_port}"
+
+
+def _token(env: Mapping[str, str], name: str) -> str:
+    """A secret shared by processes: empty (none), or 16 to 512 printable characters without spaces."""
+    value = env.get(name, "")
+    if value and not (
+        16 <= len(value) <= 512 and value.isprintable() and not any(c.isspace() for c in value)
+    ):
+        raise ConfigError(
+            f"{name} must be 16 to 512 printable characters without spaces (its value is not shown)."
+        )
+    return value
 
 
 def _text(env: Mapping[str, str], name: str, default: str) -> str:
@@ -429,6 +445,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         endpoints={name: _endpoint(env, s) for name, s in registry.SERVICES.items()},
         store_url=_store_url(env, "AML_STORE_URL", defaults.store_url),
         services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
+        api_token=_token(env, "AML_API_TOKEN"),
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
         freshness_wait=_float(env, "AML_FRESHNESS_WAIT", defaults.freshness_wait, 0, 10),
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),

@@ -54,7 +54,7 @@ import tempfile
 import time
 import traceback
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
@@ -1149,7 +1149,7 @@ class Soak:
                 for payer in payers:
                     asked += 1
                     expected = totals[payer]
-                    got = await self.ask(http, api.url, api.kind, payer, at)
+                    got = await self.ask(http, api.url, api.kind, payer, at, api.headers)
                     if got != expected:
                         disagreements.append(
                             {"payer": payer, "replica": name, "expected": show(expected), "got": show(got)}
@@ -1166,7 +1166,7 @@ class Soak:
 
     @staticmethod
     async def ask(
-        http: aiohttp.ClientSession, url: str, kind: str, payer: str, at: str
+        http: aiohttp.ClientSession, url: str, kind: str, payer: str, at: str, headers: Mapping[str, str]
     ) -> tuple[int, dict[str, Decimal]] | str:
         """(count, sum per currency) of `payer`'s payments as one replica answers it, or what went wrong."""
         account = quote(payer, safe="")
@@ -1175,7 +1175,7 @@ class Soak:
         else:
             path, params = f"/aggregates/{account}", {"at": at}
         try:
-            async with http.get(url + path, params=params) as response:
+            async with http.get(url + path, params=params, headers=headers) as response:
                 if response.status != 200:
                     return f"HTTP {response.status}: {(await response.text())[:200]}"
                 body = await response.json()

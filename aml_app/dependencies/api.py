@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import ipaddress
 import json
 import logging
@@ -70,6 +71,7 @@ from typing import Any
 import psycopg
 import psycopg_pool
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app import dependency_services as registry
@@ -857,7 +859,38 @@ def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     app: web.Application = registered.app(reader, settings, guard)
     if is_loopback(settings.services_host):
         app.middlewares.insert(1, loopback_hosts_only)  # inside the metrics, which count the refusal
+    if settings.api_token:
+        app.middlewares.insert(1, bearer_token_required(settings.api_token))
     return app
+
+
+#: What answers without the token: a load balancer's probe.
+OPEN_PATHS = frozenset({"/health"})
+
+
+def bearer_token_required(token: str) -> Middleware:
+    """A middleware that answers 401 to a request without `Authorization: Bearer <token>` (compared in
+    constant time), but for OPEN_PATHS."""
+    expected = f"Bearer {token}".encode()
+
+    @web.middleware
+    async def required(
+        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        given = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(given, expected):
+            response = _error(
+                401,
+                "This service answers only requests with its token (Authorization: Bearer ..., "
+                "AML_API_TOKEN); this one has " + ("none." if not given else "another one."),
+            )
+            response.headers["WWW-Authenticate"] = 'Bearer realm="aml-app"'
+            return response
+        return await handler(request)
+
+    return required
 
 
 def _host_name(host: str) -> str:

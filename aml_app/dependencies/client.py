@@ -173,8 +173,11 @@ class DependencyClient:
         aggregates_urls: str | Sequence[str],
         timeout: float = 5.0,
         max_connections: int = 64,
+        token: str = "",
     ) -> None:
         self.replicas = {"relations": Replicas(relations_urls), "aggregates": Replicas(aggregates_urls)}
+        #: Sent with every request when the APIs want one (AML_API_TOKEN).
+        self._headers = {"Authorization": f"Bearer {token}"} if token else None
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.max_connections = max_connections
         self.stats = ClientStats()
@@ -185,7 +188,9 @@ class DependencyClient:
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
             connector = aiohttp.TCPConnector(limit=self.max_connections, keepalive_timeout=60)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=self.timeout)
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self.timeout, headers=self._headers
+            )
         return self._session
 
     async def close(self) -> None:

@@ -105,12 +105,14 @@ class ApiProcess(ServiceProcess):
         self.settings = settings
         port = registry.service(kind).port(settings)
         self.url = f"http://{settings.services_host}:{port}"
+        #: What a request to this replica carries: its token, when the APIs want one (AML_API_TOKEN).
+        self.headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
 
     async def get(self, path: str, params: dict[str, str] | None = None, timeout: float = 5) -> Any:
         """The JSON answer of GET `path`, or None when the service does not answer 200."""
         try:
             async with (
-                aiohttp.ClientSession() as session,
+                aiohttp.ClientSession(headers=self.headers) as session,
                 session.get(self.url + path, params=params, timeout=aiohttp.ClientTimeout(timeout)) as r,
             ):
                 return await r.json() if r.status == 200 else None

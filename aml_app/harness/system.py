@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import functools
 import os
+import secrets
 import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -109,7 +110,11 @@ class System:
         self.folder = folder.resolve()
         self.say = say
         self.stop_requested = stop or asyncio.Event()
-        self.settings = settings
+        # The APIs answer only with a token, as a deployment's should: one made up for this run unless
+        # AML_API_TOKEN gives one (the workers and the harness's own checks send it).
+        self.settings = (
+            settings if settings.api_token else replace(settings, api_token=secrets.token_urlsafe(24))
+        )
         self.broker: EmbeddedBroker | None = None
         self.postgres: EmbeddedPostgres | None = None
         self.bootstrap: list[str] = []

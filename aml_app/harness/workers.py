@@ -35,6 +35,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "AML_DLQ_TOPIC": settings.dlq_topic,
         "AML_REVIEW_TOPIC": settings.review_topic,
         "AML_PARTITIONS": str(settings.partitions),
+        "AML_API_TOKEN": settings.api_token,
     }
 
 

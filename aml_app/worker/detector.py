@@ -489,7 +489,9 @@ def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None
     given, decides a batch at once and must give each payment what `rules` gives it."""
     from aml_app.worker.agent import gated_agent
 
-    client = DependencyClient(settings.relations_urls, settings.aggregates_urls, settings.http_timeout)
+    client = DependencyClient(
+        settings.relations_urls, settings.aggregates_urls, settings.http_timeout, token=settings.api_token
+    )
     thresholds = settings.aml_thresholds
     heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # the same sum in every currency
     detector = Detector(

@@ -25,7 +25,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, build_app, relations_app
-from aml_app.dependencies.client import DependencyClient, Need
+from aml_app.dependencies.client import DependencyClient, DependencyRequestError, Need
 from aml_app.dependencies.store import Reader, migrate, redacted
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.kafka.broker import EmbeddedBroker, free_port
@@ -719,3 +719,40 @@ async def test_a_replica_bound_to_loopback_answers_only_requests_addressed_to_lo
     async with client_for(build_app("relations", everywhere, check=False)) as client:
         response = await client.get("/relations/A", headers={"Host": "relations-1:8081"})
         assert response.status == 200, await response.text()
+
+
+TOKEN = "t0ken-for-the-test-" + "x" * 12
+
+
+async def test_with_a_token_set_only_requests_carrying_it_are_answered(stores: str) -> None:
+    """AML_API_TOKEN: a request without it or with another one is a 401 (with `WWW-Authenticate`), a load
+    balancer's /health is answered anyway, and the detectors' client, given the token, gets its answers."""
+    guarded = replace(SETTINGS, store_url=stores, api_token=TOKEN)
+    async with client_for(build_app("relations", guarded, check=False)) as client:
+        for headers, said in (({}, "none."), ({"Authorization": "Bearer nope"}, "another one.")):
+            for response in (
+                await client.get("/relations/A", headers=headers),
+                await client.post("/relations", json={"queries": [{"account": "A"}]}, headers=headers),
+                await client.get("/metrics", headers=headers),
+            ):
+                got = await response.json()
+                assert response.status == 401, got
+                assert response.headers["WWW-Authenticate"] == 'Bearer realm="aml-app"'
+                assert got["error"].endswith(said) and TOKEN not in got["error"], got
+        assert (await client.get("/health")).status == 200
+        ok = await client.get("/relations/A", headers={"Authorization": f"Bearer {TOKEN}"})
+        assert ok.status == 200, await ok.text()
+
+        url = str(client.make_url("")).rstrip("/")
+        with_token = DependencyClient(url, url, token=TOKEN)
+        without = DependencyClient(url, url)
+        try:
+            answer = await with_token.relations("A")
+            assert answer["account"] == "A"
+            with pytest.raises(
+                DependencyRequestError, match="401 This service answers only requests with its token"
+            ):
+                await without.relations("A")
+        finally:
+            await with_token.close()
+            await without.close()

@@ -367,3 +367,19 @@ def test_the_worker_data_folder_template_keeps_braces_in_the_folder_name() -> No
 
     s = load_settings({"AML_DATA_DIR": "/tmp/a{b}", "AML_APP_ID": "x"})
     assert s.worker_data_dir_template.format(conf=SimpleNamespace(web_port=7001)) == "/tmp/a{b}/x-7001"
+
+
+def test_the_api_token_is_checked_kept_out_of_reprs_and_handed_to_started_processes() -> None:
+    from aml_app.harness.workers import settings_env
+
+    token = "a-shared-secret-of-" + "y" * 20
+    settings = load_settings({"AML_API_TOKEN": token})
+    assert settings.api_token == token and token not in repr(settings)
+    assert settings_env(settings)["AML_API_TOKEN"] == token
+    assert load_settings({}).api_token == "" and settings_env(load_settings({}))["AML_API_TOKEN"] == ""
+    for bad in ("short", "has a space in it, sixteen+", "x" * 513, "a-tab\there-and-more-chars"):
+        with pytest.raises(
+            ConfigError, match=r"^AML_API_TOKEN must be 16 to 512 printable characters"
+        ) as caught:
+            load_settings({"AML_API_TOKEN": bad})
+        assert bad not in str(caught.value)
