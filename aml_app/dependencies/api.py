@@ -80,7 +80,7 @@ from aml_app.currencies import ISO_4217
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.answer_cache import AnswerCache
 from aml_app.dependencies.api_metrics import ApiMetrics
-from aml_app.dependencies.client import Need
+from aml_app.dependencies.client import Need, bearer
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
 from aml_app.dependencies.store import HEALTH_TIMEOUT, Reader, Snapshot, StoreVersionMismatch, redacted
@@ -871,7 +871,7 @@ OPEN_PATHS = frozenset({"/health"})
 def bearer_token_required(token: str) -> Middleware:
     """A middleware that answers 401 to a request without `Authorization: Bearer <token>` (compared in
     constant time), but for OPEN_PATHS."""
-    expected = f"Bearer {token}".encode()
+    expected = bearer(token)["Authorization"].encode()
 
     @web.middleware
     async def required(

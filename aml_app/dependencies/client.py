@@ -164,6 +164,11 @@ class Replicas:
         self._resting.pop(self.urls.index(url), None)
 
 
+def bearer(token: str) -> dict[str, str]:
+    """The header that carries AML_API_TOKEN to B's and C's APIs; none without a token."""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
 class DependencyClient:
     """GET /aggregates and /relations with pooling, timeouts and replicas; one instance per worker process."""
 
@@ -177,7 +182,7 @@ class DependencyClient:
     ) -> None:
         self.replicas = {"relations": Replicas(relations_urls), "aggregates": Replicas(aggregates_urls)}
         #: Sent with every request when the APIs want one (AML_API_TOKEN).
-        self._headers = {"Authorization": f"Bearer {token}"} if token else None
+        self._headers = bearer(token) or None
         self.timeout = aiohttp.ClientTimeout(total=timeout)
         self.max_connections = max_connections
         self.stats = ClientStats()

@@ -22,6 +22,7 @@ from typing import Any
 import aiohttp
 
 from aml_app import dependency_services as registry
+from aml_app.dependencies.client import bearer
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.harness.verify import CommitTimeline
 from aml_app.harness.workers import settings_env
@@ -106,7 +107,7 @@ class ApiProcess(ServiceProcess):
         port = registry.service(kind).port(settings)
         self.url = f"http://{settings.services_host}:{port}"
         #: What a request to this replica carries: its token, when the APIs want one (AML_API_TOKEN).
-        self.headers = {"Authorization": f"Bearer {settings.api_token}"} if settings.api_token else {}
+        self.headers = bearer(settings.api_token)
 
     async def get(self, path: str, params: dict[str, str] | None = None, timeout: float = 5) -> Any:
         """The JSON answer of GET `path`, or None when the service does not answer 200."""

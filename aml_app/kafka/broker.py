@@ -7,7 +7,6 @@ real Apache Kafka cluster works unchanged.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import random
@@ -22,6 +21,9 @@ from typing import IO
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import TopicAlreadyExistsError
+
+from aml_app.kafka.reach import Unreachable, check_reachable
+from aml_app.kafka.security import PLAINTEXT
 
 
 @dataclass(frozen=True)
@@ -171,22 +173,12 @@ class EmbeddedBroker:
 
 
 async def wait_until_answering(bootstrap: Sequence[str], timeout: float = 20.0) -> None:
-    """Wait until the cluster answers a metadata request (an open port is not enough)."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while time.monotonic() < deadline:
-        admin = AIOKafkaAdminClient(bootstrap_servers=list(bootstrap), request_timeout_ms=3000)
-        try:
-            await admin.start()
-            await admin.describe_cluster()
-            return
-        except Exception as exc:
-            last = exc
-            await asyncio.sleep(0.2)
-        finally:
-            with contextlib.suppress(Exception):
-                await admin.close()
-    raise BrokerError(f"Kafka at {','.join(bootstrap)} did not answer within {timeout}s: {last!r}")
+    """Wait until the cluster (plaintext: the embedded broker, or a test's) answers a metadata request (an
+    open port is not enough)."""
+    try:
+        await check_reachable(bootstrap, PLAINTEXT, timeout, "aml-wait", retry_every=0.2)
+    except Unreachable as exc:
+        raise BrokerError(str(exc)) from None
 
 
 async def create_topics(

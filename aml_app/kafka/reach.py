@@ -24,6 +24,7 @@ async def answering_admin(
     timeout: float,
     client_id: str,
     waiting: Callable[[str], None] | None = None,
+    retry_every: float = 1.0,
 ) -> AIOKafkaAdminClient:
     """An admin client once the cluster answers a metadata request (an open port is not enough);
     Unreachable after `timeout` seconds of trying. `waiting(reason)` hears of the first failed attempt.
@@ -51,7 +52,7 @@ async def answering_admin(
                     waiting(reason)
                 with contextlib.suppress(Exception):
                     await admin.close()
-                await asyncio.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+                await asyncio.sleep(min(retry_every, max(0.0, deadline - time.monotonic())))
     raise Unreachable(f"the Kafka cluster at {servers} did not answer within {timeout:g} s: {reason}")
 
 
@@ -91,7 +92,8 @@ async def check_reachable(
     timeout: float,
     client_id: str,
     waiting: Callable[[str], None] | None = None,
+    retry_every: float = 1.0,
 ) -> None:
     """Return once the cluster answers; Unreachable after `timeout` seconds."""
-    admin = await answering_admin(bootstrap, security, timeout, client_id, waiting)
+    admin = await answering_admin(bootstrap, security, timeout, client_id, waiting, retry_every)
     await admin.close()
