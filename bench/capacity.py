@@ -523,17 +523,19 @@ def worker_stages(
 
 def answer_caches(start: Sample, end: Sample) -> dict[str, Any]:
     """Per API kind, over the measured part: the questions its replicas answered from their answer
-    caches (hits) and from the store (misses), summed over the replicas."""
+    caches (hits), with the answer another request was computing (joined) and from the store (misses),
+    summed over the replicas."""
     out: dict[str, dict[str, Any]] = {}
     for name, c1 in end.caches.items():
         c0 = start.caches.get(name) or {}
         kind = "relations" if name.startswith("relations") else "aggregates"
-        entry = out.setdefault(kind, {"hits": 0, "misses": 0})
-        for k in ("hits", "misses"):
+        entry = out.setdefault(kind, {"hits": 0, "joined": 0, "misses": 0})
+        for k in ("hits", "joined", "misses"):
             entry[k] += c1.get(k, 0) - c0.get(k, 0)
     for entry in out.values():
-        asked = entry["hits"] + entry["misses"]
+        asked = entry["hits"] + entry["joined"] + entry["misses"]
         entry["hit_share"] = round(entry["hits"] / asked, 3) if asked else None
+        entry["not_computed_share"] = round((entry["hits"] + entry["joined"]) / asked, 3) if asked else None
     return out
 
 
@@ -894,8 +896,8 @@ def stages_report(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> s
         rows.append(
             (
                 f"{kind} API: answer cache",
-                f"{cache['hits']} questions kept, {cache['misses']} read from the store "
-                f"(share kept {cache['hit_share']})",
+                f"{cache['hits']} questions kept, {cache.get('joined', 0)} joined, {cache['misses']} read "
+                f"from the store (share not computed {cache.get('not_computed_share')})",
             )
         )
     return f"where the time goes at {step['rate']:g}/s:\n\n" + markdown_table(["stage", "figure"], rows)

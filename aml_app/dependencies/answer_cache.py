@@ -6,13 +6,20 @@ the need, so an answer it gave before, from a snapshot that meets the new need t
 one: the freshness proof is the answer's own `as_of` and `log`, which the worker checks either way. The
 cache keeps each answer's JSON text with them, least recently used first out.
 
+The second detector often asks while the first one's answer is still being computed (B's deeper
+questions take hundreds of milliseconds): a question already being computed on this replica is not
+computed again; the second asker waits for that answer (`Flight`) and takes it when its snapshot meets
+its own need too, else asks the store itself.
+
 Reads without a need (the ungated comparison mode) always read the store: they want what is there now.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections import OrderedDict
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,8 +36,21 @@ class Kept:
     log: str | None
 
 
+class Flight:
+    """The answers one request is computing, for the requests that ask the same questions meanwhile."""
+
+    def __init__(self, futures: dict[Hashable, asyncio.Future[Kept | None]]) -> None:
+        self.futures = futures
+
+    def landed(self, key: Hashable, kept: Kept | None) -> None:
+        """`key`'s answer (None: none to share, such as a list cut short)."""
+        future = self.futures.get(key)
+        if future is not None and not future.done():
+            future.set_result(kept)
+
+
 class AnswerCache:
-    """At most `entries` answers (0: none kept), by question."""
+    """At most `entries` answers (0: none kept, none shared), by question."""
 
     def __init__(self, entries: int) -> None:
         if entries < 0:
@@ -39,6 +59,9 @@ class AnswerCache:
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()
         self.hits = 0
         self.misses = 0
+        #: Questions answered with the answer another request was computing.
+        self.joined = 0
+        self._flying: dict[Hashable, asyncio.Future[Kept | None]] = {}
         #: The newest `as_of` this replica's store showed in an answer it read, and its log: where the
         #: store is, as far as the replica knows, when it answers from what it kept.
         self.newest: tuple[str | None, dict[int, int]] | None = None
@@ -53,23 +76,63 @@ class AnswerCache:
         self.hits += 1
         return kept.text
 
-    def put(self, key: Hashable, text: str, answer: Mapping[str, Any], keep: bool = True) -> None:
+    def in_flight(self, key: Hashable, need: Need | None) -> asyncio.Future[Kept | None] | None:
+        """The answer to `key` another request is computing now, for a gated read (`need`) to wait for."""
+        if need is None:
+            return None
+        future = self._flying.get(key)
+        return None if future is None or future.done() else future
+
+    @contextmanager
+    def flight(self, keys: Sequence[Hashable]) -> Iterator[Flight]:
+        """Say that this request computes `keys` until the block ends; whoever waits on one of them then
+        gets its answer, or None if the block ended without one (an error, a "not yet", a cancel)."""
+        if self.entries == 0:
+            yield Flight({})
+            return
+        loop = asyncio.get_running_loop()
+        futures: dict[Hashable, asyncio.Future[Kept | None]] = {}
+        for key in keys:
+            if key not in self._flying:
+                futures[key] = self._flying[key] = loop.create_future()
+        try:
+            yield Flight(futures)
+        finally:
+            for key, future in futures.items():
+                if not future.done():
+                    future.set_result(None)
+                if self._flying.get(key) is future:
+                    del self._flying[key]
+
+    def shared(self, kept: Kept | None, need: Need) -> str | None:
+        """The text of an answer another request computed, if its snapshot meets `need`."""
+        if kept is None or not need.met(kept.as_of, kept.log):
+            return None
+        self.joined += 1
+        self.misses -= 1  # counted as a miss when it was looked up
+        return kept.text
+
+    def put(self, key: Hashable, text: str, answer: Mapping[str, Any], keep: bool = True) -> Kept | None:
         """Note where `answer`, read from the store now, shows the store; and unless not `keep`, keep it
-        (as `text`) for `key`, with the `as_of` and `log` it states."""
+        (as `text`) for `key`, with the `as_of` and `log` it states. The answer as kept, to share with
+        requests waiting on it (None: not to be shared)."""
         raw = answer.get("as_of")
         if not isinstance(raw, Mapping):
-            return
+            return None
         as_of, log = {int(p): int(o) for p, o in raw.items()}, answer.get("log")
         if self.newest is None or self.newest[0] != log:
             self.newest = (log, as_of)
         else:
             self.newest = (log, {p: max(o, self.newest[1].get(p, 0)) for p, o in as_of.items()})
-        if not keep or self.entries == 0 or len(text) > MAX_TEXT:
-            return
-        self._kept[key] = Kept(text, as_of, log)
-        self._kept.move_to_end(key)
-        while len(self._kept) > self.entries:
-            self._kept.popitem(last=False)
+        if not keep or self.entries == 0:
+            return None
+        kept = Kept(text, as_of, log)
+        if len(text) <= MAX_TEXT:
+            self._kept[key] = kept
+            self._kept.move_to_end(key)
+            while len(self._kept) > self.entries:
+                self._kept.popitem(last=False)
+        return kept
 
     def lookup(self, keys: Sequence[Hashable], need: Need | None) -> list[str | None]:
         return [self.get(key, need) for key in keys]
@@ -80,4 +143,5 @@ class AnswerCache:
             "capacity": self.entries,
             "hits": self.hits,
             "misses": self.misses,
+            "joined": self.joined,
         }

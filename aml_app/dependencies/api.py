@@ -161,28 +161,42 @@ async def _batch_response(
     need: Need | None,
     answer: Callable[[list[int]], Awaitable[dict[str, Any]]],
     metrics: ApiMetrics | None = None,
+    timeout: float = ANSWER_TIMEOUT,
 ) -> web.Response:
-    """A batch's JSON: each answer `cache` keeps for its key from a snapshot that meets `need`, the others
-    from `answer(missing)` (the indexes of the queries to compute, in order), kept for the next asker.
-    A "not yet" is the response as it is; `kept` lists the answers the cache gave, and `as_of` and `log`
-    then say where the store is, as far as the replica knows. Written one answer at a time with a yield
-    to the event loop between two, without holding the loop for a whole batch.
+    """A batch's JSON: each answer `cache` keeps for its key from a snapshot that meets `need`, or that
+    another request is computing now and that comes from such a snapshot, the others from
+    `answer(missing)` (the indexes of the queries to compute, in order), kept for the next asker.
+    A "not yet" is the response as it is; `kept` lists the answers this request did not read, and
+    `as_of` and `log` then say where the store is, as far as the replica knows. Written one answer at a
+    time with a yield to the event loop between two, without holding the loop for a whole batch.
 
-    A list cut short (`truncated`) is not kept: its length depends on the queries asked beside it."""
+    A list cut short (`truncated`) is neither kept nor shared: its length depends on the queries asked
+    beside it. `timeout` bounds the wait for another request's answers (that request's own bound)."""
     texts = cache.lookup(keys, need)
-    kept = [i for i, text in enumerate(texts) if text is not None]
     missing = [i for i, text in enumerate(texts) if text is None]
-    if missing:
-        body = await answer(missing)
-        if "answers" not in body:
-            if metrics is not None and body.get("not_yet"):
-                metrics.saw_not_yet()
-            return web.json_response(body)
-        for i, computed in zip(missing, body["answers"], strict=True):
-            text = json.dumps(computed)
-            cache.put(keys[i], text, computed, keep="truncated" not in computed)
-            texts[i] = text
-            await asyncio.sleep(0)
+    waits = {i: future for i in missing if (future := cache.in_flight(keys[i], need)) is not None}
+    todo = [i for i in missing if i not in waits]
+    computed = set(todo)
+    if todo:
+        body = await _computed(cache, keys, todo, texts, answer, metrics)
+        if body is not None:
+            return body
+    if waits:
+        assert need is not None  # only a gated read waits for another's answer
+        try:
+            async with asyncio.timeout(timeout + need.wait):
+                landed = await asyncio.gather(*(asyncio.shield(f) for f in waits.values()))
+        except TimeoutError:
+            landed = [None] * len(waits)
+        for i, their in zip(waits, landed, strict=True):
+            texts[i] = cache.shared(their, need)
+        again = [i for i in waits if texts[i] is None]
+        computed.update(again)
+        if again:
+            body = await _computed(cache, keys, again, texts, answer, metrics)
+            if body is not None:
+                return body
+    kept = [i for i in range(len(keys)) if i not in computed]
     whole = ", ".join(text for text in texts if text is not None)  # every one, by now
     # The kept answers' `as_of` says where the store was when first asked; where it is now, as far as
     # this replica knows, is the newest it read: what the client's "went back" check compares.
@@ -192,6 +206,30 @@ async def _batch_response(
         shown = {"kept": kept, "as_of": {str(p): o for p, o in sorted(as_of.items())}, "log": log_id}
         tail = ", " + json.dumps(shown)[1:-1]
     return web.Response(text='{"answers": [' + whole + "]" + tail + "}", content_type="application/json")
+
+
+async def _computed(
+    cache: AnswerCache,
+    keys: Sequence[Hashable],
+    todo: list[int],
+    texts: list[str | None],
+    answer: Callable[[list[int]], Awaitable[dict[str, Any]]],
+    metrics: ApiMetrics | None,
+) -> web.Response | None:
+    """Compute the answers `todo` into `texts`, sharing each with the requests that wait for it; the
+    response to send as it is instead (a "not yet"), or None."""
+    with cache.flight([keys[i] for i in todo]) as flight:
+        body = await answer(todo)
+        if "answers" not in body:
+            if metrics is not None and body.get("not_yet"):
+                metrics.saw_not_yet()
+            return web.json_response(body)
+        for i, computed in zip(todo, body["answers"], strict=True):
+            text = json.dumps(computed)
+            flight.landed(keys[i], cache.put(keys[i], text, computed, keep="truncated" not in computed))
+            texts[i] = text
+            await asyncio.sleep(0)
+    return None
 
 
 @web.middleware
@@ -784,6 +822,7 @@ def relations_app(
             need,
             lambda todo: answer([queries[i] for i in todo], need),
             app[METRICS],
+            limits.timeout,
         )
 
     app.router.add_get("/relations/{account}", single)
@@ -836,7 +875,12 @@ def aggregates_app(
         asked, need = await _body(request)
         queries = [(_batch_account(q, i), parse_at(_text_or_none(q, "at", i))) for i, q in enumerate(asked)]
         return await _batch_response(
-            cache, queries, need, lambda todo: answer([queries[i] for i in todo], need), app[METRICS]
+            cache,
+            queries,
+            need,
+            lambda todo: answer([queries[i] for i in todo], need),
+            app[METRICS],
+            limits.timeout,
         )
 
     app.router.add_get("/aggregates/{account}", single)

@@ -34,10 +34,12 @@ class _Served(Collector):
         lookups = CounterMetricFamily(
             "aml_api_cache_lookups",
             "Questions of batch requests looked up in the answer cache: `hit`, answered from an answer given "
-            "before from a snapshot that meets the new need, or `miss`, asked of the store.",
+            "before from a snapshot that meets the new need, `joined`, answered with the answer another "
+            "request was computing, from such a snapshot, or `miss`, asked of the store.",
             labels=["service", "result"],
         )
         lookups.add_metric([self.service, "hit"], self.cache.hits)
+        lookups.add_metric([self.service, "joined"], self.cache.joined)
         lookups.add_metric([self.service, "miss"], self.cache.misses)
         yield lookups
         if self.check is not None:

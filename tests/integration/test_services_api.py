@@ -30,9 +30,9 @@ from aml_app.dependencies.store import Reader, migrate, redacted
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
-from aml_app.pipeline.runner import spark_session
 from aml_app.settings import Settings
 from tests.harness import Names
+from tests.jvm import in_process_session
 from tests.payments import PaymentRow
 from tests.reference import reference_aggregates, reference_relations
 from tests.stores import apply_payments, apply_records, without_as_of
@@ -45,7 +45,7 @@ SETTINGS = Settings()
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    session = spark_session("local[2]")
+    session = in_process_session()
     yield session
     session.stop()
 
@@ -210,7 +210,13 @@ async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -
             "store_exists": False,
             "as_of": {},
             "log": None,
-            "answer_cache": {"entries": 0, "capacity": settings.api_cache_answers, "hits": 0, "misses": 0},
+            "answer_cache": {
+                "entries": 0,
+                "capacity": settings.api_cache_answers,
+                "hits": 0,
+                "misses": 0,
+                "joined": 0,
+            },
         }
         assert (await get(client, "/relations/A"))["as_of"] == {}
         # The pipeline (another process in production) creates the tables and writes.

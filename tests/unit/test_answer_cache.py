@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Any
 
 import pytest
+from aiohttp import web
 
 from aml_app.dependencies.answer_cache import MAX_TEXT, AnswerCache
+from aml_app.dependencies.api import _batch_response
 from aml_app.dependencies.client import Need, Replicas
 
 
@@ -66,3 +70,99 @@ def test_the_newest_as_of_read_is_where_the_store_is_as_far_as_the_replica_knows
     assert cache.get("b", Need({0: 1}, "L")) is None
     cache.put("c", *kept({0: 1}, log="M"))  # another log: its offsets start over
     assert cache.newest == ("M", {0: 1})
+
+
+class Store:
+    """The seam under `_batch_response`: answers each question as `q@<as_of of partition 0>`, from the
+    snapshot `at`, and holds each computation until `go` is set (a slow question of B's)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+        self.asked: list[list[str]] = []
+        self.go = asyncio.Event()
+        self.started = asyncio.Event()
+        self.reply: dict[str, Any] | None = None  # instead of answers: a "not yet", say
+        self.fail = False
+
+    def answer(self, keys: list[str]) -> Any:
+        async def compute(todo: list[int]) -> dict[str, Any]:
+            self.asked.append([keys[i] for i in todo])
+            self.started.set()
+            async with asyncio.timeout(10):
+                await self.go.wait()
+            if self.fail:
+                raise RuntimeError("the store went away")
+            if self.reply is not None:
+                return self.reply
+            return {"answers": [{"q": keys[i], "as_of": {"0": self.at}, "log": "L"} for i in todo]}
+
+        return compute
+
+
+async def respond(cache: AnswerCache, store: Store, keys: list[str], need: Need | None) -> dict[str, Any]:
+    response = await _batch_response(cache, keys, need, store.answer(keys), timeout=5)
+    assert isinstance(response, web.Response) and response.text is not None
+    return dict(json.loads(response.text))
+
+
+async def two_askers(
+    cache: AnswerCache, first: Store, second: Store, need: Need | None, keys: list[str]
+) -> tuple[dict[str, Any] | BaseException, dict[str, Any] | BaseException]:
+    """The first asker's questions are being computed when the second asks `keys`."""
+    one = asyncio.ensure_future(respond(cache, first, ["a", "b"], Need({0: 1}, "L")))
+    async with asyncio.timeout(10):
+        await first.started.wait()
+    two = asyncio.ensure_future(respond(cache, second, keys, need))
+    for _ in range(5):
+        await asyncio.sleep(0)
+    first.go.set()
+    second.go.set()
+    done = await asyncio.gather(one, two, return_exceptions=True)
+    return done[0], done[1]
+
+
+async def test_a_question_being_computed_is_answered_once_for_both_askers() -> None:
+    cache, first, second = AnswerCache(10), Store(5), Store(6)
+    one, two = await two_askers(cache, first, second, Need({0: 4}, "L"), ["b", "c"])
+    assert first.asked == [["a", "b"]] and second.asked == [["c"]], "b was computed twice"
+    assert isinstance(one, dict) and isinstance(two, dict)
+    assert two["answers"][0] == one["answers"][1] == {"q": "b", "as_of": {"0": 5}, "log": "L"}
+    assert two["kept"] == [0] and two["as_of"] == {"0": 6}, "the shared answer is not listed as kept"
+    assert "kept" not in one
+    assert (cache.hits, cache.joined, cache.misses) == (0, 1, 3)
+
+
+async def test_an_answer_being_computed_from_a_snapshot_short_of_the_need_is_not_shared() -> None:
+    cache, first, second = AnswerCache(10), Store(5), Store(9)
+    _one, two = await two_askers(cache, first, second, Need({0: 8}, "L"), ["b"])
+    assert first.asked == [["a", "b"]] and second.asked == [["b"]], "b was not asked again"
+    assert isinstance(two, dict) and two["answers"] == [{"q": "b", "as_of": {"0": 9}, "log": "L"}]
+    assert "kept" not in two and cache.joined == 0
+
+
+@pytest.mark.parametrize("outcome", ["not yet", "error", "truncated"])
+async def test_a_computation_that_gives_nothing_to_share_leaves_the_waiter_to_ask_itself(
+    outcome: str,
+) -> None:
+    cache, first, second = AnswerCache(10), Store(5), Store(6)
+    if outcome == "not yet":
+        first.reply = {"not_yet": True, "as_of": {"0": 0}, "log": "L", "waited_ms": 1}
+    elif outcome == "error":
+        first.fail = True
+    else:
+        first.reply = {"answers": [{"q": k, "as_of": {"0": 5}, "log": "L", "truncated": True} for k in "ab"]}
+    _one, two = await two_askers(cache, first, second, Need({0: 4}, "L"), ["b"])
+    assert second.asked == [["b"]], f"after a {outcome} the waiter did not ask the store itself"
+    assert isinstance(two, dict) and two["answers"] == [{"q": "b", "as_of": {"0": 6}, "log": "L"}]
+    assert cache.joined == 0 and not cache._flying, "a flight outlived its request"
+
+
+@pytest.mark.parametrize("case", ["ungated read", "cache off"])
+async def test_only_a_gated_read_with_the_cache_on_waits_for_another_askers_answer(case: str) -> None:
+    cache = AnswerCache(0 if case == "cache off" else 10)
+    first, second = Store(5), Store(6)
+    _one, two = await two_askers(
+        cache, first, second, None if case == "ungated read" else Need({0: 1}, "L"), ["b"]
+    )
+    assert second.asked == [["b"]]
+    assert isinstance(two, dict) and two["answers"] == [{"q": "b", "as_of": {"0": 6}, "log": "L"}]
