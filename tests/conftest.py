@@ -18,6 +18,9 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.kafka.tools import GroupCommitter
 from tests.harness import DecisionLog, Names, Worker
+from tests.jvm import short_lived_jvms
+
+short_lived_jvms()
 
 
 @pytest.fixture(scope="session")

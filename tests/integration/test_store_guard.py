@@ -24,17 +24,17 @@ from aiokafka import AIOKafkaProducer
 from aml_app.dependencies.api import build_app
 from aml_app.harness.child_process import aml_app_executable
 from aml_app.kafka.broker import EmbeddedBroker
-from aml_app.pipeline.runner import spark_session
 from aml_app.settings import Settings
 from tests.harness import Names
 from tests.integration.test_services_api import wait_for_check
+from tests.jvm import in_process_session
 from tests.payments import produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, pipeline_settings
 
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    session = spark_session("local[2]")
+    session = in_process_session()
     yield session
     session.stop()
 

@@ -31,9 +31,10 @@ from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.kafka.identity import log_identity
 from aml_app.pipeline import runner
 from aml_app.pipeline.kafka_source import LOG_CHECK_INTERVAL, KafkaStreamReader, LogChanged
-from aml_app.pipeline.runner import StoreRefused, kafka_config, prepare, spark_session, start_queries
+from aml_app.pipeline.runner import StoreRefused, kafka_config, prepare, start_queries
 from aml_app.settings import Settings
 from tests.harness import Names, wait_until
+from tests.jvm import in_process_session
 from tests.pipelines import pipeline_settings
 
 pytestmark = pytest.mark.integration
@@ -194,7 +195,7 @@ async def test_the_planner_stops_at_once_when_its_topic_is_created_again(
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    session = spark_session("local[2]")
+    session = in_process_session()
     yield session
     session.stop()
 

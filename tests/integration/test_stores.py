@@ -31,9 +31,9 @@ from aml_app.dependencies.copy import copy_arrow
 from aml_app.dependencies.store import ANALYZE_GROWTH, StaleBatch, StoreError, Writer, migrate, money_text
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
-from aml_app.pipeline.runner import spark_session
 from aml_app.pipeline.transforms import batch_outputs
 from aml_app.settings import Settings
+from tests.jvm import in_process_session
 from tests.payments import PaymentRow
 from tests.reference import (
     exact_from,
@@ -65,7 +65,7 @@ MALFORMED = b'{"payment_id": "broken"'
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    session = spark_session("local[2]")
+    session = in_process_session()
     yield session
     session.stop()
 

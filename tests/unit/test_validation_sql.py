@@ -758,9 +758,9 @@ def python_verdict(record: Stamped, skew: float = DEFAULT_MAX_CLOCK_SKEW) -> Ver
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
-    from aml_app.pipeline.runner import spark_session
+    from tests.jvm import in_process_session
 
-    session = spark_session("local[2]", "test-validation-sql")  # the pipeline's own settings
+    session = in_process_session("test-validation-sql")  # the pipeline's own settings
     yield session
     session.stop()
 
