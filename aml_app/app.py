@@ -12,6 +12,7 @@ from faust.types import TopicT
 from aml_app.faust_internals import FetchWaitApp
 from aml_app.gate.assignments import watch_assignments
 from aml_app.kafka.security import faust_credentials
+from aml_app.loopback import is_loopback, loopback_hosts_only
 from aml_app.models import Alert, Decision
 from aml_app.settings import load_settings
 
@@ -60,6 +61,11 @@ app = AmlApp(
     web_host=settings.web_host,
     web_port=settings.web_port,
     canonical_url=f"http://{canonical_host}:{settings.web_port}",
+    # Bound to a loopback address, the operator page and /metrics answer only requests addressed to one:
+    # no web page whose name an attacker points at 127.0.0.1 reads them (aml_app.loopback).
+    web_application_options=(
+        {"middlewares": [loopback_hosts_only]} if is_loopback(settings.web_host) else None
+    ),
     # TLS/SASL from KAFKA_SECURITY_PROTOCOL etc. (None: plaintext); Faust passes it to all its clients.
     broker_credentials=faust_credentials(settings.kafka_security),
 )

@@ -154,6 +154,7 @@ class Settings:
     #: AML_API_CACHE_ANSWERS: how many batch answers each replica of B and C keeps for the next detector
     #: asking the same question (aml_app.dependencies.answer_cache; 0: none).
     api_cache_answers: int = 10_000
+    api_access_log: bool = True
 
     @property
     def faust_brokers(self) -> list[str]:
@@ -481,6 +482,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         api_max_rows=_int(env, "AML_API_MAX_ROWS", defaults.api_max_rows, 200, 10_000_000),
         api_timeout=_float(env, "AML_API_TIMEOUT", defaults.api_timeout, 0.1, 3600),
         api_cache_answers=_int(env, "AML_API_CACHE_ANSWERS", defaults.api_cache_answers, 0, 10_000_000),
+        api_access_log=_bool(env, "AML_API_ACCESS_LOG", defaults.api_access_log),
     )
     if not settings.table_store.startswith(("rocksdb://", "memory://")):
         raise ConfigError(

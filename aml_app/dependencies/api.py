@@ -57,10 +57,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
 import re
+import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -84,6 +84,7 @@ from aml_app.dependencies.client import Need, bearer
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
 from aml_app.dependencies.store import HEALTH_TIMEOUT, Reader, Snapshot, StoreVersionMismatch, redacted
+from aml_app.loopback import is_loopback, loopback_hosts_only
 
 log = logging.getLogger(__name__)
 
@@ -937,41 +938,6 @@ def bearer_token_required(token: str) -> Middleware:
     return required
 
 
-def _host_name(host: str) -> str:
-    """The name or address of a Host header, without its port ("[::1]:8081" -> "::1")."""
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0]
-
-
-def is_loopback(host: str) -> bool:
-    """Whether `host` (an address or name to bind or call) is this machine only."""
-    name = host.strip("[]").lower()
-    if name == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(name).is_loopback
-    except ValueError:
-        return False
-
-
-@web.middleware
-async def loopback_hosts_only(
-    request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-) -> web.StreamResponse:
-    """Refuse a request whose Host header names another machine than this one. A replica bound to
-    127.0.0.1 is reachable from a browser on the same machine, and a web page whose name an attacker
-    points at 127.0.0.1 (DNS rebinding) would be same-origin with it; its requests still name the
-    attacker's host."""
-    if not is_loopback(_host_name(request.host or "")):
-        return _error(
-            421,
-            f"This replica listens on a loopback address and answers only requests addressed to one; "
-            f"this one was addressed to {request.host!r}.",
-        )
-    return await handler(request)
-
-
 def serve(kind: str, settings: Any) -> None:
     """Run the service's HTTP API until interrupted (blocks)."""
     app = build_app(kind, settings)
@@ -980,4 +946,29 @@ def serve(kind: str, settings: Any) -> None:
         f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.store_url)})",
         flush=True,
     )
-    web.run_app(app, host=settings.services_host, port=port, print=None, **SERVER_OPTIONS)
+    web.run_app(
+        app,
+        host=settings.services_host,
+        port=port,
+        print=None,
+        access_log=access_log(kind) if settings.api_access_log else None,
+        access_log_format=ACCESS_LOG_FORMAT,
+        **SERVER_OPTIONS,
+    )
+
+
+#: Who asked what and how it went: the caller, the time, the request line, the status, the bytes sent,
+#: the seconds taken and the client's name; no header that could hold a secret.
+ACCESS_LOG_FORMAT = '%a %t "%r" %s %b %Tf "%{User-Agent}i"'
+
+
+def access_log(kind: str) -> logging.Logger:
+    """The replica's access log: one line per request on standard output, whatever else is configured."""
+    logger = logging.getLogger(f"aml_app.api.access.{kind}")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stdout)
+        handler.setFormatter(logging.Formatter(f"{kind} access: %(message)s"))
+        logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    return logger

@@ -464,6 +464,42 @@ async def test_the_log_escapes_what_a_client_sends(
     assert all("\n" not in line and "x\\n2026-03-01 12:00:00 ERROR forged" in line for line in lines), lines
 
 
+async def test_the_access_log_says_who_asked_what_and_never_the_token(
+    busy: str, broker: EmbeddedBroker, names: Names, tmp_path: Path
+) -> None:
+    """`aml-app serve` writes one line per request (caller, request line, status, seconds, client), a
+    refused one included; the bearer token it was sent is never in its log; `AML_API_ACCESS_LOG=0`
+    writes none."""
+    token = "access-log-token-" + uuid.uuid4().hex
+    groups = {"relations": names.deps[0], "aggregates": names.deps[1]}
+    settings = replace(api_settings(broker.bootstrap, names, busy, groups), api_token=token)
+    for logged in (True, False):
+        log_path = tmp_path / f"relations-api-{logged}.log"
+        env = {} if logged else {"AML_API_ACCESS_LOG": "0"}
+        b = ApiProcess("relations", settings, log_path, **env)
+        b.start()
+        try:
+            await until(b.health, "B's API answering")
+            async with aiohttp.ClientSession(headers={"User-Agent": "audit-test/1"}) as session:
+                async with session.get(f"{b.url}/relations/busy?hops=1", headers=b.headers) as response:
+                    assert response.status == 200
+                async with session.get(f"{b.url}/relations/busy?hops=2") as response:
+                    assert response.status == 401
+        finally:
+            await asyncio.to_thread(b.stop, 10)
+        text = log_path.read_text(errors="replace")
+        assert token not in text
+        lines = [line for line in text.splitlines() if line.startswith("relations access: ")]
+        if not logged:
+            assert lines == [], lines
+            continue
+        asked = [line for line in lines if "/relations/busy" in line]
+        assert len(asked) == 2, lines
+        assert '"GET /relations/busy?hops=1 HTTP/1.1" 200 ' in asked[0] and '"audit-test/1"' in asked[0]
+        assert '"GET /relations/busy?hops=2 HTTP/1.1" 401 ' in asked[1], asked
+        assert all(line.split()[2] == "127.0.0.1" for line in asked), asked
+
+
 async def test_health_shows_where_the_store_is_and_no_secret(busy: str) -> None:
     secrets = "password=hunter2&sslpassword=swordfish&options=-csearch_path%3Dpublic&passfile=%2Fkeys"
     url = f"{busy}?{secrets}&sslmode=disable&connect_timeout=7"

@@ -717,7 +717,7 @@ async def test_a_replica_bound_to_loopback_answers_only_requests_addressed_to_lo
             response = await client.get("/relations/A", headers={"Host": host})
             got = await response.json()
             assert response.status == 421, (host, got)
-            assert got["error"].startswith("This replica listens on a loopback address"), got
+            assert got["error"].startswith("This server listens on a loopback address"), got
         for host in ("127.0.0.1:8081", "localhost", "[::1]:8081", "LOCALHOST:1"):
             response = await client.get("/relations/A", headers={"Host": host})
             assert response.status == 200, (host, await response.text())

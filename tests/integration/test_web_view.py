@@ -223,6 +223,18 @@ async def test_json_contract_metrics_and_bad_parameters(names, producer, new_wor
     assert "default-src 'none'" in headers["Content-Security-Policy"]
     assert b"http://" not in body and b"https://" not in body
 
+    # DNS rebinding: a page of evil.example, its name pointed at 127.0.0.1, names its own host; the
+    # worker bound to loopback refuses it on every path, Faust's own included, and serves loopback names
+    port = worker.url.rsplit(":", 1)[1]
+    for path in ("/watermarks/", "/watermarks.json", "/metrics", "/router/", "/nowhere"):
+        for host in ("evil.example", f"evil.example:{port}", f"127.0.0.1.evil.example:{port}"):
+            status, _, body = await get(worker.url + path, headers={"Host": host})
+            assert status == 421, (path, host, status, body[:200])
+            assert json.loads(body)["error"].startswith("This server listens on a loopback address")
+    for host in (f"localhost:{port}", f"127.0.0.1:{port}"):
+        status, _, _ = await get(f"{worker.url}/metrics", headers={"Host": host})
+        assert status == 200, host
+
 
 async def test_stalled_within_the_configured_time_and_cleared_after(
     names, producer, new_worker, deps, decision_log
