@@ -25,12 +25,10 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import aiokafka
@@ -42,10 +40,10 @@ from aiokafka.protocol.fetch import FetchRequest
 from aiokafka.protocol.offset import OffsetRequest
 
 from aml_app.kafka.broker import EmbeddedBroker, broker_binary, free_port
-from bench.common import finish, machine
+from aml_app.kafka.deadlines import within
+from bench.common import cpu_seconds, finish, machine
 
 NAME = "broker_growth"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 PARTITIONS = 4
 DEADLINE = 15.0  # seconds allowed to any single await
 BLOCK_SECONDS = 1.5  # each request kind is repeated for at least this long ...
@@ -63,13 +61,16 @@ Call = Callable[[], Awaitable[Any]]
 
 
 def broker_cpu(pid: int) -> float:
-    """CPU seconds (user + system) the process has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    """CPU seconds (user + system) the broker has used so far; it must still run."""
+    used = cpu_seconds(pid)
+    if used is None:
+        raise RuntimeError(f"the broker (pid {pid}) is gone")
+    return used
 
 
 async def timely(awaitable: Awaitable[Any]) -> Any:
-    return await asyncio.wait_for(awaitable, DEADLINE)
+    """A request with the benchmark's deadline; a client stuck past it is left behind, not awaited."""
+    return await within(awaitable, DEADLINE, "a request to the broker")
 
 
 @dataclass
@@ -362,7 +363,6 @@ async def run(broker: EmbeddedBroker) -> dict[str, Any]:
         "at": time.time(),
         "broker": broker_binary(),
         "aiokafka": aiokafka.__version__,
-        "cpus": os.cpu_count(),
         "idle_broker_cpu_ms_per_s": round(1000 * idle, 2),
         "block": {"min_seconds": BLOCK_SECONDS, "min_calls": BLOCK_CALLS},
         "phases": {"log": log, "commits": commits, "changelog": changelog},
