@@ -99,7 +99,7 @@ async def kill_right_after_an_uncommitted_alert(demo: Demo, killed: dict[str, An
         seen = len(system.alerts["aml"].records)
         alert = system.alerts["aml"].records[-1]
         p, o = alert["partition"], alert["offset"]
-        committed = await committed_offsets(broker_of(demo), group, topic, demo.settings.partitions)
+        committed = await committed_offsets(system.bootstrap[0], group, topic, demo.settings.partitions)
         if committed[p] <= o:
             system.kill_worker(aml)
             killed.update(alert=alert, at=time.time())
@@ -119,10 +119,6 @@ async def take_the_aggregates_api_away(demo: Demo, outage: dict[str, float]) -> 
     outage["up"] = time.time()
     restarted = system.restart_api(replicas[0])
     await wait_until(restarted.health, 60, "the aggregates API to answer again")
-
-
-def broker_of(demo: Demo) -> str:
-    return demo.system.bootstrap[0]
 
 
 @pytest.mark.timeout(TIMEOUT)
