@@ -7,6 +7,7 @@ from collections.abc import Awaitable
 from pathlib import Path
 from typing import Any
 
+from aiohttp.typedefs import Middleware
 from faust.types import TopicT
 
 from aml_app.faust_internals import FetchWaitApp
@@ -14,12 +15,27 @@ from aml_app.gate.assignments import watch_assignments
 from aml_app.kafka.security import faust_credentials
 from aml_app.loopback import is_loopback, loopback_hosts_only
 from aml_app.models import Alert, Decision
-from aml_app.settings import load_settings
+from aml_app.settings import Settings, load_settings
+from aml_app.tokens import token_required
 
 settings = load_settings()
 #: The URL other workers know this one by; Faust also names group members by it, and
 #: `aml_app.gate.assignments` counts members by it: with a wildcard bind (containers) use the host's name.
 canonical_host = socket.gethostname() if settings.web_host in ("0.0.0.0", "::", "") else settings.web_host
+
+
+def web_middlewares(settings: Settings) -> list[Middleware]:
+    """Who may ask the worker's web server (the operator page, /watermarks.json, /metrics, Faust's routes).
+
+    Bound to a loopback address, it answers only requests addressed to one: no web page whose name an
+    attacker points at 127.0.0.1 reads it (aml_app.loopback). With AML_WEB_TOKEN, only requests with the
+    token, or a browser that opened the page with it once (aml_app.tokens)."""
+    middlewares: list[Middleware] = []
+    if is_loopback(settings.web_host):
+        middlewares.append(loopback_hosts_only)
+    if settings.web_token:
+        middlewares.append(token_required(settings.web_token, "AML_WEB_TOKEN", login=True))
+    return middlewares
 
 
 class AmlApp(FetchWaitApp):
@@ -61,11 +77,7 @@ app = AmlApp(
     web_host=settings.web_host,
     web_port=settings.web_port,
     canonical_url=f"http://{canonical_host}:{settings.web_port}",
-    # Bound to a loopback address, the operator page and /metrics answer only requests addressed to one:
-    # no web page whose name an attacker points at 127.0.0.1 reads them (aml_app.loopback).
-    web_application_options=(
-        {"middlewares": [loopback_hosts_only]} if is_loopback(settings.web_host) else None
-    ),
+    web_application_options={"middlewares": web_middlewares(settings)},
     # TLS/SASL from KAFKA_SECURITY_PROTOCOL etc. (None: plaintext); Faust passes it to all its clients.
     broker_credentials=faust_credentials(settings.kafka_security),
 )

@@ -95,7 +95,7 @@ def postgres_command(port: int | None, folder: str) -> None:
     """Run the embedded PostgreSQL server (the store of Services B and C) until Ctrl-C."""
     from psycopg.conninfo import conninfo_to_dict
 
-    from aml_app.harness.embedded_postgres import EmbeddedPostgres, PostgresError
+    from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres, PostgresError
 
     settings = load_settings()
     port = port or int(conninfo_to_dict(settings.store_url).get("port") or 5433)
@@ -106,7 +106,9 @@ def postgres_command(port: int | None, folder: str) -> None:
         click.echo(f"aml-app postgres: {exc}", err=True)
         sys.exit(2)
     click.echo(
-        f"embedded PostgreSQL ready: AML_STORE_URL={server.url()} (data in {server.data}); Ctrl-C stops it"
+        f"embedded PostgreSQL ready (data in {server.data}); Ctrl-C stops it. The pipeline writes as "
+        f"AML_STORE_URL={server.url('aml', WRITER)}, the APIs read as "
+        f"AML_API_STORE_URL={server.url('aml', READER)}"
     )
     stopped = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stopped.set())

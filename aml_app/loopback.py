@@ -38,9 +38,13 @@ async def loopback_hosts_only(
 ) -> web.StreamResponse:
     """Refuse (421) a request whose Host header names another machine than this one."""
     if not is_loopback(host_name(request.host or "")):
-        message = (
-            "This server listens on a loopback address and answers only requests addressed to one; "
-            f"this one was addressed to {request.host!r}."
-        )
-        return web.json_response({"error": message}, status=421)
+        return web.json_response({"error": misdirected(request.host)}, status=421)
     return await handler(request)
+
+
+def misdirected(host: str | None) -> str:
+    """The 421's sentence."""
+    return (
+        "This server listens on a loopback address and answers only requests addressed to one; "
+        f"this one was addressed to {host!r}."
+    )

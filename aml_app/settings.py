@@ -91,6 +91,10 @@ class Settings:
     producer_linger_ms: int = 5
     web_host: str = "127.0.0.1"
     web_port: int = 6066
+    #: AML_WEB_TOKEN: when set, a worker's web server (the operator page, /watermarks.json, /metrics)
+    #: answers only requests that carry it (`aml_app.tokens`; /health stays open for probes), and
+    #: `aml-app status --worker` sends it. Kept out of every repr and log line.
+    web_token: str = field(default="", repr=False)
     data_dir: str = "var/aml"
     table_store: str = "rocksdb://"
     worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
@@ -101,7 +105,11 @@ class Settings:
         default_factory=lambda: {name: s.default_endpoint() for name, s in registry.SERVICES.items()}
     )
     #: Where Services B and C keep their state (PostgreSQL); `aml-app postgres` runs an embedded one here.
-    store_url: str = "postgresql://aml@127.0.0.1:5433/aml"
+    #: The pipeline's role on the embedded server (`aml-app postgres`), which owns the stores.
+    store_url: str = "postgresql://aml_pipeline@127.0.0.1:5433/aml"
+    #: AML_API_STORE_URL: the database as B's and C's APIs read it, as a role that may only read (the
+    #: pipeline writes with AML_STORE_URL); empty: AML_STORE_URL. `aml-app postgres` provisions both.
+    api_store_url: str = ""
     services_host: str = "127.0.0.1"
     #: AML_API_TOKEN: when set, B's and C's APIs answer only requests that carry it as a bearer token
     #: (`Authorization: Bearer ...`; /health stays open for load balancers), and the workers send it.
@@ -194,6 +202,11 @@ class Settings:
     def worker_data_dir(self) -> str:
         """RocksDB holds a lock per directory, so each worker on a host needs its own: one per web port."""
         return os.path.join(self.data_dir, f"{self.app_id}-{self.web_port}")
+
+    @property
+    def reader_url(self) -> str:
+        """The URL the APIs read the stores with: AML_API_STORE_URL, else AML_STORE_URL."""
+        return self.api_store_url or self.store_url
 
     @property
     def worker_data_dir_template(self) -> str:
@@ -445,8 +458,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         broker_port=_int(env, "AML_BROKER_PORT", defaults.broker_port, 1, 65535),
         endpoints={name: _endpoint(env, s) for name, s in registry.SERVICES.items()},
         store_url=_store_url(env, "AML_STORE_URL", defaults.store_url),
+        api_store_url=_store_url(env, "AML_API_STORE_URL", "")
+        if env.get("AML_API_STORE_URL", "").strip()
+        else "",
         services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
         api_token=_token(env, "AML_API_TOKEN"),
+        web_token=_token(env, "AML_WEB_TOKEN"),
         http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
         freshness_wait=_float(env, "AML_FRESHNESS_WAIT", defaults.freshness_wait, 0, 10),
         max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),

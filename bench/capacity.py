@@ -179,12 +179,13 @@ def _comm(pid: int) -> str:
         return ""
 
 
-async def scrape_metrics(url: str) -> dict[str, float]:
-    """The sums and counts of the gate-wait and refresh histograms of a worker's /metrics."""
+async def scrape_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The sums and counts of the gate-wait and refresh histograms of a worker's /metrics (`headers`:
+    its token)."""
     try:
         async with (
             aiohttp.ClientSession() as session,
-            session.get(f"{url}/metrics", timeout=aiohttp.ClientTimeout(5)) as r,
+            session.get(f"{url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(5)) as r,
         ):
             text = await r.text() if r.status == 200 else ""
     except (aiohttp.ClientError, TimeoutError):
@@ -327,7 +328,7 @@ class CapacityDemo(Demo):
         cpu = await asyncio.to_thread(system_cpu, self)
         workers = self.system.all_workers
         states = await asyncio.gather(*(w.state(timeout=5) for w in workers))
-        metrics = await asyncio.gather(*(scrape_metrics(w.url) for w in workers))
+        metrics = await asyncio.gather(*(scrape_metrics(w.url, w.headers) for w in workers))
         apis = list(self.system.apis.values())
         healths = await asyncio.gather(*(api.health() for api in apis))
         assert self.system.watch is not None

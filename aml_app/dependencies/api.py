@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import json
 import logging
 import re
@@ -71,7 +70,6 @@ from typing import Any
 import psycopg
 import psycopg_pool
 from aiohttp import web
-from aiohttp.typedefs import Middleware
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app import dependency_services as registry
@@ -80,11 +78,12 @@ from aml_app.currencies import ISO_4217
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.answer_cache import AnswerCache
 from aml_app.dependencies.api_metrics import ApiMetrics
-from aml_app.dependencies.client import Need, bearer
+from aml_app.dependencies.client import Need
 from aml_app.dependencies.guard import behind
 from aml_app.dependencies.relations import ALL_PARTS, LOOP_HOPS, LOOP_MAX_HOPS, MAX_HOPS, PARTS
 from aml_app.dependencies.store import HEALTH_TIMEOUT, Reader, Snapshot, StoreVersionMismatch, redacted
 from aml_app.loopback import is_loopback, loopback_hosts_only
+from aml_app.tokens import token_required
 
 log = logging.getLogger(__name__)
 
@@ -899,43 +898,14 @@ def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     store check against the consumer group (unless `check` is False: tests of the queries alone). Bound
     to a loopback address, it answers only requests addressed to one (`loopback_hosts_only`)."""
     registered = registry.service(kind)
-    reader = Reader(settings.store_url, registered.schema, statement_timeout=Limits.of(settings).timeout)
+    reader = Reader(settings.reader_url, registered.schema, statement_timeout=Limits.of(settings).timeout)
     guard = StoreCheck(reader, kind, settings) if check else None
     app: web.Application = registered.app(reader, settings, guard)
     if is_loopback(settings.services_host):
         app.middlewares.insert(1, loopback_hosts_only)  # inside the metrics, which count the refusal
     if settings.api_token:
-        app.middlewares.insert(1, bearer_token_required(settings.api_token))
+        app.middlewares.insert(1, token_required(settings.api_token, "AML_API_TOKEN"))
     return app
-
-
-#: What answers without the token: a load balancer's probe.
-OPEN_PATHS = frozenset({"/health"})
-
-
-def bearer_token_required(token: str) -> Middleware:
-    """A middleware that answers 401 to a request without `Authorization: Bearer <token>` (compared in
-    constant time), but for OPEN_PATHS."""
-    expected = bearer(token)["Authorization"].encode()
-
-    @web.middleware
-    async def required(
-        request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        if request.path in OPEN_PATHS:
-            return await handler(request)
-        given = request.headers.get("Authorization", "").encode()
-        if not hmac.compare_digest(given, expected):
-            response = _error(
-                401,
-                "This service answers only requests with its token (Authorization: Bearer ..., "
-                "AML_API_TOKEN); this one has " + ("none." if not given else "another one."),
-            )
-            response.headers["WWW-Authenticate"] = 'Bearer realm="aml-app"'
-            return response
-        return await handler(request)
-
-    return required
 
 
 def serve(kind: str, settings: Any) -> None:
@@ -943,7 +913,7 @@ def serve(kind: str, settings: Any) -> None:
     app = build_app(kind, settings)
     port = registry.service(kind).port(settings)
     print(
-        f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.store_url)})",
+        f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.reader_url)})",
         flush=True,
     )
     web.run_app(

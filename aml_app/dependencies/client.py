@@ -50,6 +50,7 @@ import aiohttp
 from yarl import URL
 
 from aml_app.dependencies.relations import LOOP_HOPS, MinAverage
+from aml_app.tokens import bearer
 
 #: Service B parts the detectors use, about the payer and about the payee: the neighbourhood is never
 #: needed and can be most of the graph.
@@ -162,11 +163,6 @@ class Replicas:
 
     def answered(self, url: URL) -> None:
         self._resting.pop(self.urls.index(url), None)
-
-
-def bearer(token: str) -> dict[str, str]:
-    """The header that carries AML_API_TOKEN to B's and C's APIs; none without a token."""
-    return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 class DependencyClient:

@@ -218,7 +218,7 @@ class Demo:
         say(f"  gated on      {', '.join(s.depends_on)} (committed consumer-group offsets)")
         for service, workers in system.workers.items():
             for w in workers:
-                say(f"  {service:<13} worker {w.worker_id}: web view {w.url}/watermarks/")
+                say(f"  {service:<13} worker {w.worker_id}: web view {w.page_url}")
         say(f"  ground truth  {self.ground_truth}")
         say(f"  logs          {system.folder}/")
         say("  Ctrl-C stops producing early, drains and prints the summary")

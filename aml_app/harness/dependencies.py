@@ -22,13 +22,13 @@ from typing import Any
 import aiohttp
 
 from aml_app import dependency_services as registry
-from aml_app.dependencies.client import bearer
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.harness.verify import CommitTimeline
 from aml_app.harness.workers import settings_env
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import KafkaSecurity
 from aml_app.settings import Settings
+from aml_app.tokens import bearer
 
 # Spark draws progress bars on stderr with carriage returns: noise in a log file.
 SPARK_SUBMIT_ARGS = "--conf spark.ui.showConsoleProgress=false pyspark-shell"
@@ -42,6 +42,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         **{s.group_env: s.group(settings) for s in registry.SERVICES.values()},
         **{s.port_env: str(s.port(settings)) for s in registry.SERVICES.values()},
         "AML_STORE_URL": settings.store_url,
+        "AML_API_STORE_URL": settings.api_store_url,
         "AML_SERVICES_HOST": settings.services_host,
         "AML_REPORTING_THRESHOLD": str(settings.reporting_threshold),
         "AML_THRESHOLD_BAND": str(settings.threshold_band),

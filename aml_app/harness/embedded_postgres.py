@@ -33,6 +33,39 @@ from aml_app.kafka.broker import port_open
 log = logging.getLogger(__name__)
 
 SUPERUSER = "aml"
+#: The roles of every database the server creates, with least privilege: the pipeline (WRITER) creates
+#: and owns the stores' schemas; B's and C's APIs (READER) may connect and read them, nothing else.
+WRITER = "aml_pipeline"
+READER = "aml_api"
+#: Run in the database. Default privileges give READER what WRITER creates from now on; the GRANTs
+#: cover what it already created; whatever the superuser made is WRITER's from now on.
+LEAST_PRIVILEGE = f"""
+REVOKE ALL ON DATABASE {{database}} FROM PUBLIC;
+GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {{database}} TO {WRITER};
+GRANT CONNECT ON DATABASE {{database}} TO {READER};
+ALTER DEFAULT PRIVILEGES FOR ROLE {WRITER} GRANT USAGE ON SCHEMAS TO {READER};
+ALTER DEFAULT PRIVILEGES FOR ROLE {WRITER} GRANT SELECT ON TABLES TO {READER};
+DO $$
+DECLARE
+    owned record;
+BEGIN
+    FOR owned IN
+        SELECT n.nspname FROM pg_namespace n JOIN pg_roles r ON r.oid = n.nspowner
+        WHERE r.rolname IN ('{SUPERUSER}', '{WRITER}') AND n.nspname IN ('relations', 'aggregates')
+    LOOP
+        EXECUTE format('ALTER SCHEMA %I OWNER TO {WRITER}', owned.nspname);
+        EXECUTE format('GRANT USAGE ON SCHEMA %I TO {READER}', owned.nspname);
+        EXECUTE format('GRANT SELECT ON ALL TABLES IN SCHEMA %I TO {READER}', owned.nspname);
+    END LOOP;
+    FOR owned IN
+        SELECT c.oid::regclass AS name FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+        WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind IN ('r', 'p')
+    LOOP
+        EXECUTE format('ALTER TABLE %s OWNER TO {WRITER}', owned.name);
+    END LOOP;
+END
+$$
+"""
 DEFAULT_PORT = 5433
 START_TIMEOUT = 60.0
 
@@ -100,8 +133,9 @@ class EmbeddedPostgres:
         self.data = folder / "data"
         self.log_path = folder / "postgres.log"
 
-    def url(self, database: str = "aml") -> str:
-        return f"postgresql://{SUPERUSER}@{self.host}:{self.port}/{database}"
+    def url(self, database: str = "aml", role: str = SUPERUSER) -> str:
+        """The URL of `database` as `role` (the superuser, WRITER or READER)."""
+        return f"postgresql://{role}@{self.host}:{self.port}/{database}"
 
     def _run(
         self, *args: str, check: bool = True, timeout: float = START_TIMEOUT
@@ -224,6 +258,11 @@ class EmbeddedPostgres:
             exists = conn.execute("SELECT 1 FROM pg_database WHERE datname = %s", (name,)).fetchone()
             if exists is None:
                 conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+            for role in (WRITER, READER):
+                if conn.execute("SELECT 1 FROM pg_roles WHERE rolname = %s", (role,)).fetchone() is None:
+                    conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        with psycopg.connect(self.url(name), autocommit=True) as conn:
+            conn.execute(sql.SQL(LEAST_PRIVILEGE).format(database=sql.Identifier(name)))
         return self.url(name)
 
     def drop_database(self, name: str) -> None:

@@ -56,7 +56,7 @@ def print_summary(
     rows.append(("commit watch", f"{polls}, {system.watch.advances} advances seen"))
     checked = len(spot_lines)
     rows.append(("API spot check", f"{checked - v.spot_failures} of {checked} payments OK"))
-    rows += [(f"web view {w.worker_id}", f"{w.url}/watermarks/") for w in system.all_workers]
+    rows += [(f"web view {w.worker_id}", w.page_url) for w in system.all_workers]
     metrics = [
         ("pipeline", f"http://{system.settings.services_host}:{system.settings.pipeline_metrics_port}")
     ]

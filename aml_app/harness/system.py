@@ -24,7 +24,7 @@ from typing import Any
 
 from aml_app import dependency_services as registry
 from aml_app.harness.dependencies import ApiProcess, CommitWatch, ServiceProcess
-from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_free, wait_until_answering
@@ -110,10 +110,13 @@ class System:
         self.folder = folder.resolve()
         self.say = say
         self.stop_requested = stop or asyncio.Event()
-        # The APIs answer only with a token, as a deployment's should: one made up for this run unless
-        # AML_API_TOKEN gives one (the workers and the harness's own checks send it).
-        self.settings = (
-            settings if settings.api_token else replace(settings, api_token=secrets.token_urlsafe(24))
+        # The APIs and the workers' web servers answer only with a token, as a deployment's should: one
+        # made up for this run unless AML_API_TOKEN / AML_WEB_TOKEN gives one (the workers, the
+        # harness's own checks and the printed page addresses carry them).
+        self.settings = replace(
+            settings,
+            api_token=settings.api_token or secrets.token_urlsafe(24),
+            web_token=settings.web_token or secrets.token_urlsafe(24),
         )
         self.broker: EmbeddedBroker | None = None
         self.postgres: EmbeddedPostgres | None = None
@@ -189,8 +192,13 @@ class System:
             self.postgres = EmbeddedPostgres(self.folder / "postgres", port)
             await asyncio.to_thread(self.postgres.start)
             await asyncio.to_thread(self.postgres.drop_database, "aml")
-            url = await asyncio.to_thread(self.postgres.create_database, "aml")
-            self.settings = replace(self.settings, store_url=url)
+            await asyncio.to_thread(self.postgres.create_database, "aml")
+            # Least privilege: the pipeline writes as the stores' owner, the APIs may only read.
+            self.settings = replace(
+                self.settings,
+                store_url=self.postgres.url("aml", WRITER),
+                api_store_url=self.postgres.url("aml", READER),
+            )
 
     def free(self, variable: str, who: str, port: int) -> int:
         """`port`, or a free one when it is taken (said out loud)."""

@@ -11,11 +11,13 @@ import os
 import signal
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlencode
 
 import aiohttp
 
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.settings import Settings
+from aml_app.tokens import QUERY, bearer
 
 
 def settings_env(settings: Settings) -> dict[str, str]:
@@ -36,6 +38,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "AML_REVIEW_TOPIC": settings.review_topic,
         "AML_PARTITIONS": str(settings.partitions),
         "AML_API_TOKEN": settings.api_token,
+        "AML_WEB_TOKEN": settings.web_token,
     }
 
 
@@ -71,10 +74,19 @@ class WorkerProcess(AmlAppProcess):
         super().__init__(["worker", "-l", "info"], environment, log_path, cwd, executable=executable)
         self.port = port
         self.worker_id = worker_id
+        #: What a request to the worker's web server carries: its token, when it wants one (AML_WEB_TOKEN).
+        self._web_token = environment.get("AML_WEB_TOKEN", "")
+        self.headers = bearer(self._web_token)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def page_url(self) -> str:
+        """The operator page's address to open in a browser: with the token, when there is one."""
+        page = f"{self.url}/watermarks/"
+        return f"{page}?{urlencode({QUERY: self._web_token})}" if self._web_token else page
 
     @property
     def state_url(self) -> str:
@@ -85,7 +97,9 @@ class WorkerProcess(AmlAppProcess):
         try:
             async with (
                 aiohttp.ClientSession() as session,
-                session.get(self.state_url, timeout=aiohttp.ClientTimeout(timeout)) as r,
+                session.get(
+                    self.state_url, headers=self.headers, timeout=aiohttp.ClientTimeout(timeout)
+                ) as r,
             ):
                 return await r.json() if r.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):

@@ -403,7 +403,7 @@ def run_pipeline(
     metrics = PipelineMetrics()
     if settings.pipeline_metrics_port:
         try:
-            metrics.serve(settings.services_host, settings.pipeline_metrics_port)
+            metrics.serve(settings.services_host, settings.pipeline_metrics_port, settings.web_token)
         except OSError as exc:
             where = f"{settings.services_host}:{settings.pipeline_metrics_port}"
             print(

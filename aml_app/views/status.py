@@ -31,6 +31,7 @@ from aml_app.gate.watermark import build_rows
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 from aml_app.settings import Settings
+from aml_app.tokens import bearer
 
 #: The exit codes of `aml-app status` (the Nagios plugin convention).
 EXIT_OK, EXIT_WARNING, EXIT_CRITICAL, EXIT_UNKNOWN = 0, 1, 2, 3
@@ -166,13 +167,15 @@ def worker_json_url(url: str) -> str:
     return url if url.endswith("/watermarks.json") else url.rstrip("/") + "/watermarks.json"
 
 
-async def from_worker(url: str, timeout: float) -> dict[str, Any]:
-    """A running worker's `/watermarks.json`, as it is."""
+async def from_worker(url: str, timeout: float, token: str = "") -> dict[str, Any]:
+    """A running worker's `/watermarks.json`, as it is (asked with `token`, AML_WEB_TOKEN, if any)."""
     target = worker_json_url(url)
     try:
         async with (
             aiohttp.ClientSession() as session,
-            session.get(target, timeout=aiohttp.ClientTimeout(total=timeout)) as response,
+            session.get(
+                target, headers=bearer(token), timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as response,
         ):
             if response.status != 200:
                 body = (await response.text())[:200]
@@ -304,7 +307,7 @@ def status_command(worker_url: str | None, as_json: bool, timeout: float) -> Non
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
         if worker_url:
-            doc = asyncio.run(from_worker(worker_url, timeout))
+            doc = asyncio.run(from_worker(worker_url, timeout, load_settings().web_token))
         else:
             doc = asyncio.run(from_broker(load_settings(), timeout))
     except StatusError as exc:

@@ -5,6 +5,8 @@
 - `/watermarks.json`: this worker's view of the shared watermark table plus its own gate state; every
   field is documented in docs/operating.md, and the older field names are kept as they were.
 - `/metrics`: Prometheus text format (`aml_app.views.metrics`).
+- `/health`: a probe's answer that the web server runs; the only route open without AML_WEB_TOKEN
+  (`aml_app.tokens`). The gate's own health is on the page, in the JSON and in `/metrics`.
 
 Only GET; no secrets and no payment contents (offsets, group names and counts only). Faust's web server
 starts before the tables are recovered, so while they recover the operator fields stay empty and
@@ -191,3 +193,11 @@ class Metrics(View):
         except BadQuery as exc:
             return self.error(400, str(exc))
         return self.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+@app.page("/health")
+class Health(View):
+    """For a container's or a load balancer's probe: this worker's web server answers."""
+
+    async def get(self, request: Request) -> Response:
+        return self.json({"service": settings.service, "worker": settings.worker_id})

@@ -1,17 +1,20 @@
 """The embedded PostgreSQL server started by root from a folder its unprivileged user cannot enter (a home
 folder of mode 700, pytest's own temporary folder): it runs from a folder of its own instead, the same one
-each time, and keeps its data across restarts."""
+each time, and keeps its data across restarts. Its roles: the pipeline writes, the APIs only read."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from pathlib import Path
 
 import psycopg
 import pytest
 
-from aml_app.harness.embedded_postgres import EmbeddedPostgres
+from aml_app import dependency_services as registry
+from aml_app.dependencies.store import Reader, Writer
+from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres
 from aml_app.kafka.broker import free_port
 
 
@@ -37,3 +40,48 @@ def test_a_closed_folder_moves_the_server_to_one_it_can_reach(tmp_path: Path) ->
     finally:
         again.stop()
         shutil.rmtree(again.folder, ignore_errors=True)
+
+
+async def test_the_pipeline_owns_the_stores_and_the_apis_may_only_read_them(
+    postgres: EmbeddedPostgres,
+) -> None:
+    """Least privilege on the embedded server: the pipeline's role (WRITER) creates and owns the schemas;
+    the APIs' role (READER) reads them and can change nothing, not even a temporary table. A store the
+    superuser made before the roles existed becomes WRITER's."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    postgres.create_database(name)
+    with psycopg.connect(postgres.url(name), autocommit=True) as conn:  # as an older version did
+        conn.execute("CREATE SCHEMA aggregates")
+        conn.execute("CREATE TABLE aggregates.old (x int)")
+    postgres.create_database(name)  # again: provisions the roles over what exists
+    for service in registry.SERVICES.values():
+        Writer(postgres.url(name, WRITER), service.schema).migrate()
+    with psycopg.connect(postgres.url(name, WRITER), autocommit=True) as conn:
+        owners = conn.execute(
+            "SELECT DISTINCT pg_get_userbyid(c.relowner) FROM pg_class c JOIN pg_namespace n"
+            " ON n.oid = c.relnamespace WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind = 'r'"
+        ).fetchall()
+        assert owners == [(WRITER,)]
+        conn.execute("INSERT INTO relations.applied_offsets VALUES (0, 7)")
+
+    for service in registry.SERVICES.values():
+        reader = Reader(postgres.url(name, READER), service.schema, statement_timeout=5)
+        await reader.open()
+        try:
+            async with reader.snapshot() as snapshot:
+                assert snapshot.as_of == ({0: 7} if service.schema.name == "relations" else {})
+        finally:
+            await reader.close()
+    forbidden = [
+        "INSERT INTO relations.applied_offsets VALUES (1, 1)",
+        "DELETE FROM aggregates.meta",
+        "DROP TABLE aggregates.old",
+        "CREATE SCHEMA elsewhere",
+        "CREATE TABLE relations.mine (x int)",
+        "CREATE TEMPORARY TABLE scratch (x int)",
+    ]
+    with psycopg.connect(postgres.url(name, READER), autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM aggregates.old").fetchone() == (0,)
+        for statement in forbidden:
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                conn.execute(statement)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import random
+import secrets
 import signal
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings
+from aml_app.tokens import bearer
 from tests.harness import Names, wait_until
 from tests.payments import produce_payments
 from tests.pipelines import (
@@ -100,9 +103,13 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
 ) -> None:
     """While PostgreSQL is down the pipeline keeps running, waits, and commits nothing new; once it is back
     everything is applied once and the groups reach the log end."""
-    settings = pipeline_settings(broker, names, own_postgres.url(), max_records_per_trigger=300)
+    settings = replace(
+        pipeline_settings(broker, names, own_postgres.url(), max_records_per_trigger=300),
+        web_token=secrets.token_urlsafe(24),
+    )
     log = tmp_path / "pipeline.log"
-    pipeline = PipelineProcess(pipeline_env(broker, names, settings), log).start()
+    env = {**pipeline_env(broker, names, settings), "AML_WEB_TOKEN": settings.web_token}
+    pipeline = PipelineProcess(env, log).start()
     watch = Watch(broker, names, settings)
     waves: list[Any] = []
     try:
@@ -168,11 +175,19 @@ WAITING_FOR_A_BATCH = "store unavailable while applying a batch"
 
 async def check_pipeline_metrics(settings: Settings, ends: dict[int, int]) -> None:
     """The pipeline's /metrics (AML_PIPELINE_METRICS_PORT) agree with the groups: each service's committed
-    offsets are the log ends, its batches hold every record, and the store's time is counted."""
-    url = f"http://127.0.0.1:{settings.pipeline_metrics_port}/metrics"
-    async with aiohttp.ClientSession() as session, session.get(url) as response:
-        assert response.status == 200
-        text = await response.text()
+    offsets are the log ends, its batches hold every record, and the store's time is counted. They answer
+    only with AML_WEB_TOKEN, but /health."""
+    url = f"http://127.0.0.1:{settings.pipeline_metrics_port}"
+    async with aiohttp.ClientSession() as session:
+        for headers in ({}, bearer("another-token-of-24-chars")):
+            async with session.get(f"{url}/metrics", headers=headers) as response:
+                assert response.status == 401, headers
+                assert "AML_WEB_TOKEN" in (await response.json())["error"]
+        async with session.get(f"{url}/health") as response:
+            assert response.status == 200
+        async with session.get(f"{url}/metrics", headers=bearer(settings.web_token)) as response:
+            assert response.status == 200
+            text = await response.text()
     samples = [
         s for f in text_string_to_metric_families(text) for s in f.samples if s.name.startswith("aml_")
     ]

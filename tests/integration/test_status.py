@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import re
+import secrets
 from typing import Any
 
 import pytest
@@ -129,9 +130,11 @@ async def test_status_from_the_broker_without_any_worker(broker, names, producer
 
 
 async def test_status_from_a_worker(names, producer, new_worker, deps):
+    """Also: the worker wants a token (AML_WEB_TOKEN), which status sends from its own settings."""
     placed = await produce(producer, names.payments, payments_for(names.partitions, 4, "sw"))
     ends = ends_of(placed)
-    worker = new_worker()
+    token = {"AML_WEB_TOKEN": secrets.token_urlsafe(24)}
+    worker = new_worker(**token)
     await worker.wait_ready(set(range(names.partitions)))
     relations, aggregates = names.deps
     await deps[relations].commit(ends)
@@ -147,6 +150,9 @@ async def test_status_from_a_worker(names, producer, new_worker, deps):
     await wait_until(waiting_at_1, 30, "payment (0, 1) to wait on aggregates")
 
     code, out, err = await status({}, "--worker", f"127.0.0.1:{worker.port}", "--json")
+    assert (code, out) == (3, ""), err  # unknown, as a monitoring check reads it
+    assert err.count("\n") == 1 and "answered HTTP 401" in err and "AML_WEB_TOKEN" in err, err
+    code, out, err = await status(token, "--worker", f"127.0.0.1:{worker.port}", "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["source"] == "worker" and doc["worker"] == worker.worker_id
@@ -154,7 +160,7 @@ async def test_status_from_a_worker(names, producer, new_worker, deps):
     assert (p0["waiting_offset"], p0["watermark"], p0["bottleneck"]) == (1, 1, [aggregates])
     assert [p["log_end"] for p in doc["partitions"]] == [ends[p] for p in range(4)]
 
-    code, out, err = await status({}, "--worker", worker.url)
+    code, out, err = await status(token, "--worker", worker.url)
     assert code == 0, err
     assert f"as worker {worker.worker_id} sees it (the leader)" in out.splitlines()[0]
     rows = {r["PARTITION"]: r for r in table(out, "PARTITION")}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from aml_app.kafka.tools import produce
+from aml_app.tokens import COOKIE, session_cookie
 from tests.chromium import Chromium
 from tests.harness import ends_of, payments_for, wait_until
 
@@ -320,13 +322,48 @@ def shown(value: Any) -> str:
     return "\u2014" if value is None else str(value)
 
 
+async def check_token_required(worker: Any, token: str) -> None:
+    """AML_WEB_TOKEN: every route but /health is a 401 without the token or with another one; the header
+    opens them, and so does the page's address with the token once: a redirect to the address without
+    it and a cookie (not the token) that only this page's browser carries."""
+    routes = ("/watermarks/", "/watermarks.json", "/metrics", "/router/", "/nowhere")
+    for path in routes:
+        for headers in ({}, {"Authorization": "Bearer " + "x" * 32}, {"Authorization": token}):
+            status, answer, body = await get(f"{worker.url}{path}", headers=headers)
+            assert status == 401, (path, headers.keys(), status)
+            assert answer["WWW-Authenticate"] == 'Bearer realm="aml-app"'
+            assert "AML_WEB_TOKEN" in json.loads(body)["error"] and token not in body.decode()
+    status, _, body = await get(f"{worker.url}/health")
+    assert status == 200 and json.loads(body)["worker"] == worker.worker_id
+    for path in ("/watermarks.json", "/metrics"):
+        status, _, _ = await get(f"{worker.url}{path}", headers=worker.headers)
+        assert status == 200, path
+
+    status, _, _ = await get(f"{worker.url}/watermarks/?token=not-the-token-at-all", allow_redirects=False)
+    assert status == 401
+    # As a browser does, the session keeps cookies of a server named by its address (aiohttp does not).
+    async with aiohttp.ClientSession(cookie_jar=aiohttp.CookieJar(unsafe=True)) as session:
+        async with session.get(worker.page_url, allow_redirects=False) as r:
+            assert r.status == 303 and r.headers["Location"] == "/watermarks/", r.headers
+            cookie = r.headers["Set-Cookie"]
+        assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and token not in cookie, cookie
+        async with session.get(f"{worker.url}/watermarks.json") as r:
+            assert r.status == 200  # the cookie, no header
+    forged = {"Cookie": f"{COOKIE}={session_cookie('another-token-of-32-characters')}"}
+    status, _, _ = await get(f"{worker.url}/watermarks.json", headers=forged)
+    assert status == 401
+
+
 async def test_page_in_headless_chromium_shows_the_json(
     names, producer, new_worker, deps, decision_log, tmp_path
 ):
+    """The page as a deployment serves it: behind AML_WEB_TOKEN, opened once with the token."""
+    token = secrets.token_urlsafe(24)
     worker, ends, _, _ = await held_on_aggregates(
-        names, producer, new_worker, deps, decision_log, AML_STALL_AFTER="2"
+        names, producer, new_worker, deps, decision_log, AML_STALL_AFTER="2", AML_WEB_TOKEN=token
     )
     relations, aggregates = names.deps
+    await check_token_required(worker, token)
 
     async def stalled() -> dict | None:
         state = await worker.state()
@@ -338,7 +375,7 @@ async def test_page_in_headless_chromium_shows_the_json(
     await settled(worker, names, ends)
 
     async with Chromium(tmp_path / "chromium-profile") as browser:
-        await browser.navigate(f"{worker.url}/watermarks/")
+        await browser.navigate(worker.page_url)
         await wait_until(
             lambda: browser.evaluate("window.gateView ? window.gateView.refreshes : 0"), 20, "a first render"
         )
@@ -352,7 +389,8 @@ async def test_page_in_headless_chromium_shows_the_json(
         page = await wait_until(refreshed, 10, "the page to refresh by itself")
         shot = await browser.screenshot(tmp_path / "watermarks.png")
         print(f"screenshot: {shot}")
-        _, _, body = await get(f"{worker.url}/watermarks.json")
+        assert await browser.evaluate("location.href") == f"{worker.url}/watermarks/"  # token dropped
+        _, _, body = await get(f"{worker.url}/watermarks.json", headers=worker.headers)
         doc = json.loads(body)
         # nothing moves in this state, so the JSON now and the JSON the page rendered agree
         assert page["marker"] == "same page", "the page reloaded instead of updating in place"

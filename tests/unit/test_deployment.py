@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import re
 import shlex
+import subprocess
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ import click
 import pytest
 import yaml
 from honcho.environ import expand_processes, parse_procfile
+from psycopg.conninfo import conninfo_to_dict
 
 from aml_app.settings import available_services, load_settings
 from aml_app.topics import topic_specs
@@ -426,11 +428,36 @@ def split_command(line: str) -> tuple[dict[str, str], list[str]]:
     assignments = {}
     while tokens and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=.*", tokens[0]):
         name, _, value = tokens.pop(0).partition("=")
-        assignments[name] = value
+        assignments[name] = shell_value(value) if value.startswith("${") else value
     if tokens and tokens[0] == "exec":
         tokens.pop(0)
     assert tokens and tokens[0] == "aml-app", f"not an aml-app command: {line!r}"
     return assignments, tokens[1:]
+
+
+def shell_value(expression: str, env: Mapping[str, str] | None = None) -> str:
+    """What a shell makes of `expression` (`${VAR:-default}`) in `env` (none: the defaults)."""
+    done = subprocess.run(
+        ["bash", "-c", f'printf %s "{expression}"'], env=dict(env or {}), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_the_procfile_writes_and_reads_the_stores_as_their_own_roles() -> None:
+    """The pipeline writes as the stores' owner, the APIs read as the role that may only read
+    (`aml-app postgres` provisions both); a database the user names serves both."""
+    from aml_app.harness.embedded_postgres import READER, WRITER
+
+    processes = procfile()
+    assert "AML_STORE_URL" not in processes["pipeline"]
+    assert load_settings({}).store_url == f"postgresql://{WRITER}@127.0.0.1:5433/aml"
+    for name in ("relations_1", "relations_2", "aggregates_1", "aggregates_2"):
+        expression = re.findall(r"AML_API_STORE_URL=(\S+)", processes[name])[0]
+        assert shell_value(expression) == f"postgresql://{READER}@127.0.0.1:5433/aml", name
+        mine = "postgresql://me@db:5432/aml"
+        assert shell_value(expression, {"AML_STORE_URL": mine}) == mine, name
+        assert shell_value(expression, {"AML_STORE_URL": mine, "AML_API_STORE_URL": "x"}) == "x", name
 
 
 def port_of(expression: str, port: int) -> int:
@@ -543,22 +570,29 @@ def test_worker_port_option_moves_the_data_folder_with_the_port(cli: click.Group
 
 
 def test_every_long_running_service_has_a_healthcheck_on_its_own_port(compose: dict[str, Any]) -> None:
-    """The API replicas on /health (503 while their store is behind), the pipeline on /metrics, the
-    workers on their web view: each check asks the port the service's own settings give it."""
+    """The API replicas on /health (503 while their store is behind), the pipeline and the workers on
+    their /health: each check asks the port the service's own settings give it, on a path open
+    without the token that every worker and API bound beyond loopback requires."""
+    from aml_app.tokens import OPEN_PATHS
+
     for name, service in app_services(compose).items():
         if service.get("restart") == "no":
             continue  # one-shot: topics, simulator
         settings = load_settings({**image_env(), **env_of(service)})
         command = service["command"]
         if command[0] == "worker":
-            port, path = settings.web_port, "/watermarks.json"
+            port, path = settings.web_port, "/health"
+            assert settings.web_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
         elif command[0] == "pipeline":
-            port, path = settings.pipeline_metrics_port, "/metrics"
+            port, path = settings.pipeline_metrics_port, "/health"
+            assert settings.services_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
         else:
             assert command[:2] in (["serve", "relations"], ["serve", "aggregates"]), (name, command)
             kind = command[1]
             port = settings.relations_port if kind == "relations" else settings.aggregates_port
             path = "/health"
+            assert settings.services_host == "0.0.0.0" and settings.api_token, (name, "AML_API_TOKEN")
+        assert path in OPEN_PATHS
         test = service["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "-c"], (name, test)
         assert f"urlopen('http://127.0.0.1:{port}{path}', timeout=5)" in test[3], (name, test)
@@ -575,3 +609,20 @@ def test_the_compose_postgres_has_the_write_ahead_log_room_of_the_embedded_one(
         arg.split("=", 1) for flag, arg in zip(command[1::2], command[2::2], strict=True) if flag == "-c"
     )
     assert given == INGEST_SETTINGS
+
+
+def test_the_compose_stores_are_written_and_read_by_roles_of_least_privilege(compose: dict[str, Any]) -> None:
+    """docker/postgres-roles.sql, run by the postgres image on a new volume, grants what the embedded
+    server grants (the same statements), and the pipeline and the APIs connect as those roles."""
+    from aml_app.harness.embedded_postgres import LEAST_PRIVILEGE, READER, WRITER
+
+    roles = ROOT / "docker" / "postgres-roles.sql"
+    assert LEAST_PRIVILEGE.replace("{database}", "aml").strip() in roles.read_text()
+    mounted = compose["services"]["postgres"]["volumes"]
+    assert "./postgres-roles.sql:/docker-entrypoint-initdb.d/postgres-roles.sql:ro" in mounted
+    for name, service in app_services(compose).items():
+        settings = load_settings({**image_env(), **env_of(service)})
+        if service["command"][0] == "pipeline":
+            assert conninfo_to_dict(settings.store_url)["user"] == WRITER
+        elif service["command"][0] == "serve":
+            assert conninfo_to_dict(settings.reader_url)["user"] == READER, name

@@ -369,17 +369,22 @@ def test_the_worker_data_folder_template_keeps_braces_in_the_folder_name() -> No
     assert s.worker_data_dir_template.format(conf=SimpleNamespace(web_port=7001)) == "/tmp/a{b}/x-7001"
 
 
-def test_the_api_token_is_checked_kept_out_of_reprs_and_handed_to_started_processes() -> None:
+@pytest.mark.parametrize(
+    ("variable", "field"), [("AML_API_TOKEN", "api_token"), ("AML_WEB_TOKEN", "web_token")]
+)
+def test_tokens_are_checked_kept_out_of_reprs_and_handed_to_started_processes(
+    variable: str, field: str
+) -> None:
     from aml_app.harness.workers import settings_env
 
     token = "a-shared-secret-of-" + "y" * 20
-    settings = load_settings({"AML_API_TOKEN": token})
-    assert settings.api_token == token and token not in repr(settings)
-    assert settings_env(settings)["AML_API_TOKEN"] == token
-    assert load_settings({}).api_token == "" and settings_env(load_settings({}))["AML_API_TOKEN"] == ""
+    settings = load_settings({variable: token})
+    assert getattr(settings, field) == token and token not in repr(settings)
+    assert settings_env(settings)[variable] == token
+    assert getattr(load_settings({}), field) == "" and settings_env(load_settings({}))[variable] == ""
     for bad in ("short", "has a space in it, sixteen+", "x" * 513, "a-tab\there-and-more-chars"):
         with pytest.raises(
-            ConfigError, match=r"^AML_API_TOKEN must be 16 to 512 printable characters"
+            ConfigError, match=rf"^{variable} must be 16 to 512 printable characters"
         ) as caught:
-            load_settings({"AML_API_TOKEN": bad})
+            load_settings({variable: bad})
         assert bad not in str(caught.value)
