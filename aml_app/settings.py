@@ -141,6 +141,9 @@ class Settings:
     aggregates_retention: float = 86400.0
     # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
     stall_after: float = 30.0
+    #: AML_REFRESH_DEADLINE: how long one refresh of the watermark table may take before it is abandoned
+    #: with its Kafka clients; 0: five refresh intervals, at least 10 s (`RefreshPolicy.refresh_deadline`).
+    refresh_deadline: float = 0.0
     lag_warn: int = 1000
     #: TLS and SASL for every Kafka client (aml_app.kafka.security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
     #: KAFKA_SSL_*. Its repr leaves the password out.
@@ -214,6 +217,17 @@ class Settings:
         that `aml-app worker -p PORT`, which sets the port after these settings are read, moves it too."""
         folder = os.path.join(self.data_dir, self.app_id).replace("{", "{{").replace("}", "}}")
         return folder + "-{conf.web_port}"
+
+
+def _refresh_deadline(env: Mapping[str, str], interval: float) -> float:
+    """AML_REFRESH_DEADLINE: 0 (derived), or at least the refresh interval it bounds."""
+    deadline = _float(env, "AML_REFRESH_DEADLINE", 0.0, 0.0, 3600)
+    if 0 < deadline < interval:
+        raise ConfigError(
+            f"AML_REFRESH_DEADLINE={deadline:g} is shorter than AML_REFRESH_INTERVAL={interval:g}: a refresh "
+            "would be abandoned before the next one is due; set it to at least the interval, or 0."
+        )
+    return deadline
 
 
 def _token(env: Mapping[str, str], name: str) -> str:
@@ -489,6 +503,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             env, "AML_AGGREGATES_RETENTION", defaults.aggregates_retention, 0, 86400 * 3650
         ),
         stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
+        refresh_deadline=_refresh_deadline(env, slow),
         lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
         kafka_security=load_security(env),
         probe_cost_ms=_float(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000, "milliseconds"),

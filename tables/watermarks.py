@@ -92,7 +92,9 @@ park_requests = _global_table(
 )
 EVENT_TIME = settings.gate_mode == "event-time"
 #: Every pace of the refresh, the gate and the delivery check, derived in one place.
-refresh = RefreshPolicy(settings.refresh_interval, settings.fast_refresh_interval, settings.stall_after)
+refresh = RefreshPolicy(
+    settings.refresh_interval, settings.fast_refresh_interval, settings.stall_after, settings.refresh_deadline
+)
 #: `AML_FAILPOINT=refresh-hang`, for the tests only: the leader's reads of the dependencies' offsets
 #: never answer and swallow their cancellation, as aiokafka's consumer did after a broker froze.
 REFRESH_HANGS = os.environ.get("AML_FAILPOINT") == "refresh-hang"

@@ -18,14 +18,17 @@ Row = dict[str, Any]
 @dataclass(frozen=True)
 class RefreshPolicy:
     """Every pace of the gate, derived here from what an operator sets: the background refresh
-    interval (`AML_REFRESH_INTERVAL`), the on-demand one (`AML_FAST_REFRESH_INTERVAL`) and how long a
-    dependency may stand still before it counts as stalled (`AML_STALL_AFTER`)."""
+    interval (`AML_REFRESH_INTERVAL`), the on-demand one (`AML_FAST_REFRESH_INTERVAL`), how long a
+    dependency may stand still before it counts as stalled (`AML_STALL_AFTER`) and, if set, how long one
+    refresh may take (`AML_REFRESH_DEADLINE`)."""
 
     #: The leader reads the dependencies' offsets this often when nobody waits.
     interval: float
     #: ... and this often while a payment waits on a closed partition.
     fast: float
     stall_after: float
+    #: One refresh's deadline as set; 0: derived from the interval (`refresh_deadline`).
+    deadline: float = 0.0
 
     @property
     def gate_recheck(self) -> float:
@@ -70,8 +73,9 @@ class RefreshPolicy:
     @property
     def refresh_deadline(self) -> float:
         """One refresh may take this long; then it is abandoned with its Kafka clients and the next
-        starts with new ones (each admin request has a 5 s timeout of its own)."""
-        return max(10.0, 5 * self.interval)
+        starts with new ones. Unless set, five intervals and at least 10 s, twice an admin request's own
+        5 s timeout, so that one slow answer does not cost the clients."""
+        return self.deadline or max(10.0, 5 * self.interval)
 
     @property
     def stuck_after(self) -> float:

@@ -14,6 +14,8 @@ from aml_app.kafka.tools import produce
 from tests.harness import ends_of, payments_for, wait_until
 
 pytestmark = pytest.mark.integration
+DEADLINE = "3"
+PACE = {"AML_REFRESH_INTERVAL": "0.3", "AML_REFRESH_DEADLINE": DEADLINE}
 
 
 async def metric(worker, name: str) -> float | None:
@@ -30,7 +32,8 @@ async def metric(worker, name: str) -> float | None:
 async def test_a_leader_whose_refresh_hangs_says_so_then_leaves_so_another_leads(
     names, producer, new_worker, deps, decision_log
 ):
-    stuck = new_worker(AML_FAILPOINT="refresh-hang")
+    # A refresh every 0.3 s bounded at 3 s: stuck after 6 s (`RefreshPolicy.stuck_after`), gone 9 s later.
+    stuck = new_worker(AML_FAILPOINT="refresh-hang", **PACE)
 
     async def leading() -> dict | None:
         state = await stuck.state()
@@ -39,7 +42,7 @@ async def test_a_leader_whose_refresh_hangs_says_so_then_leaves_so_another_leads
     await wait_until(leading, 60, "the worker with the hanging refresh to lead")
     placed = await produce(producer, names.payments, payments_for(names.partitions, 5, "h"))
     await CommitTimeline().commit(deps, ends_of(placed))
-    healthy = new_worker()
+    healthy = new_worker(**PACE)
 
     async def says_stuck() -> dict | None:
         state = await stuck.state()
@@ -48,7 +51,7 @@ async def test_a_leader_whose_refresh_hangs_says_so_then_leaves_so_another_leads
 
     refresh = await wait_until(says_stuck, 90, "the stuck leader to say so")
     assert refresh["overruns"] >= 1 and refresh["client_rebuilds"] == 1, refresh
-    assert "took longer than 10 s and was abandoned" in refresh["last_error"], refresh
+    assert f"took longer than {DEADLINE} s and was abandoned" in refresh["last_error"], refresh
     assert await metric(stuck, "aml_refresh_stuck") == 1.0
     assert (await metric(stuck, "aml_admin_refresh_overruns_total") or 0) >= 1
     assert decision_log.decided() == set()  # nothing decided on watermarks nobody could read

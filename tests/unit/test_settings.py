@@ -274,10 +274,19 @@ def test_operator_view_limits() -> None:
         ("AML_LAG_WARN", "many", "many"),
         ("AML_LAG_WARN", "-1", "out of range"),
         ("AML_LAG_WARN", "1.5", "whole number"),
+        ("AML_REFRESH_DEADLINE", "-1", "out of range"),
+        ("AML_REFRESH_DEADLINE", "0.5", "shorter than AML_REFRESH_INTERVAL=1"),
     ],
 )
 def test_bad_operator_view_limits(name: str, raw: str, says: str) -> None:
     assert says in _fails({name: raw}, name)
+
+
+def test_the_refresh_deadline_is_derived_unless_set() -> None:
+    assert load_settings({}).refresh_deadline == 0.0
+    assert load_settings({"AML_REFRESH_DEADLINE": "3"}).refresh_deadline == 3.0
+    s = load_settings({"AML_REFRESH_INTERVAL": "0.3", "AML_REFRESH_DEADLINE": "0.3"})
+    assert (s.refresh_interval, s.refresh_deadline) == (0.3, 0.3)
 
 
 def test_kafka_security_defaults_to_plaintext_and_is_read_at_start_up() -> None:

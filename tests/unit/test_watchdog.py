@@ -76,3 +76,5 @@ def test_the_policy_bounds_every_refresh_and_derives_the_watchdog_from_it() -> N
     assert policy.stuck_after == 20.0 and policy.leave_after == 30.0
     slow = RefreshPolicy(interval=5.0, fast=0.5, stall_after=30)
     assert slow.refresh_deadline == 25.0 and slow.stuck_after == 100.0
+    tight = RefreshPolicy(interval=1.0, fast=0.1, stall_after=30, deadline=3.0)  # AML_REFRESH_DEADLINE
+    assert tight.refresh_deadline == 3.0 and tight.stuck_after == 20.0 and tight.leave_after == 9.0
