@@ -83,13 +83,25 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
     }
     model, thresholds = load("amlworld"), AmlThresholds()
     assert model is not None
-    replayed = {}
+    replayed, replayed_benign = {}, {}
     for payment, evidence in decided(Services(thresholds), timeline):
         hits = model.detect(evidence, thresholds)
         if hits:
             replayed[payment.payment_id] = sorted(f"{hit.typology}:{hit.rule}" for hit in hits)
+        for hit in hits:
+            if hit.rule == "aml.model":
+                replayed_benign[payment.payment_id] = float(hit.figures["benign_probability"])
     assert sum(hit.endswith(":aml.model") for hits in replayed.values() for hit in hits) >= 20
     assert in_system == replayed
+    # The worker's model sees what the replay sees, to the probability: the features come from B's and
+    # C's answers as of each payment, gated, exactly as the replay computes them.
+    in_system_benign = {
+        alert["payment_id"]: float(hit["figures"]["benign_probability"])
+        for alert in alerts
+        for hit in alert["hits"]
+        if hit["rule"] == "aml.model"
+    }
+    assert in_system_benign == pytest.approx(replayed_benign, abs=2e-6)
     # Each of the worker's model alerts says why: its probability of benign against the cut, and what moved
     # the verdict most.
     said = [hit for alert in alerts for hit in alert["hits"] if hit["rule"] == "aml.model"]

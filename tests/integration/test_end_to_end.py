@@ -1,9 +1,10 @@
 """The whole system end to end: simulator -> Spark services B and C -> gated AML and fraud workers.
 
 Real processes on the session's broker: `aml-app pipeline` (Spark, both queries), `aml-app serve` for both
-APIs, `aml-app worker` for AML and fraud. Each test is one demo run (`aml_app.harness.demo.Demo`): one
+APIs, `aml-app worker` for AML and fraud. The test is one demo run (`aml_app.harness.demo.Demo`)
 with a script that breaks things in turn while payments flow (a `kill -9` of API replicas and of the AML
-worker, then Service C's API going away), one with the learned model on. The verdict is computed from
+worker, then Service C's API going away). The learned model inside the gated worker is held to the
+replay, to the probability, on real AMLworld payments by test_amlworld_system. The verdict is computed from
 what the system wrote (decisions, alerts, dead letters) and from the dependencies' commits, dated from
 the broker.
 """
@@ -13,25 +14,16 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from datetime import datetime
-from decimal import Decimal
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
-from aml_app.contract import InvalidPayment, validate_payment
-from aml_app.detection.model import load as load_model
-from aml_app.detection.rules import aml_rules
-from aml_app.detection.thresholds import AmlThresholds
 from aml_app.harness.demo import Demo, Options
 from aml_app.harness.verdict import Verdict
 from aml_app.harness.verify import decided_at
 from aml_app.kafka.broker import EmbeddedBroker
-from aml_app.settings import Settings
-from tests.harness import TopicReader, committed_offsets, settings_for, wait_until
-from tests.replay import Services, decided
+from tests.harness import committed_offsets, settings_for, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -173,85 +165,3 @@ async def test_kill_9_of_a_worker_and_of_api_replicas_then_an_api_outage_lose_no
         assert resumed, f"{service} made no decision after C came back"
     logs = "".join(w.log_path.read_text(errors="replace") for w in demo.system.all_workers)
     assert "aggregates at http://" in logs and "is unavailable" in logs, "the wait was not logged"
-
-
-@pytest.mark.timeout(TIMEOUT)
-async def test_the_learned_model_decides_inside_the_gated_worker(
-    broker: EmbeddedBroker, store_url: str, tmp_path: Path
-) -> None:
-    """`AML_MODEL=amlworld`: the worker decides every payment with the model and the rules it keeps,
-    gated as ever, and alerts what the replay the model was trained with alerts. Our simulator's channels
-    are none of AMLworld's payment formats, which the model reads, so on this traffic the model itself
-    may alert nothing (BENCHMARKS.md, "Rules, a model, or both"); its alerts inside the worker, each
-    saying why, are held on real AMLworld payments by test_amlworld_system."""
-    suffix = uuid.uuid4().hex[:8]
-    demo = Demo(
-        settings_for(broker, suffix),
-        Options(folder=tmp_path / "system", duration=15, rate=40, instances=1),
-        suffix=f"-{suffix}",
-        bootstrap=[broker.bootstrap],
-        store_url=store_url,
-        worker_env={"AML_MODEL": "amlworld"},
-    )
-    verdict = await demo.run()
-    assert verdict is not None
-    aml = verdict.services["aml"]
-    assert aml.premature == [] and aml.freshness_violations == 0 and aml.decided_on_stale == 0, aml
-    assert aml.missing == 0 and aml.decided == verdict.valid and aml.duplicate_alerts == 0, aml
-    alerts = demo.system.alerts["aml"].records
-    hits = [hit for alert in alerts for hit in alert["hits"]]
-    assert hits, "the rules beside the model alert the simulator's cycles and scatter-gathers"
-    kept = {"aml.model", "aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
-    assert {hit["rule"] for hit in hits} <= kept, "a rule the model reads as a feature alerted on its own"
-    fraud = verdict.services["fraud"]
-    assert fraud.missing == 0 and fraud.decided == verdict.valid, fraud
-    # The worker's model sees what the replay it was trained and scored with sees: the same payments alerted,
-    # with the same probability of benign.
-    payments = await _valid_payments(broker, demo.settings, demo.ledger.ends)
-    assert len(payments) == verdict.valid
-    in_worker = {
-        alert["payment_id"]: float(hit["figures"]["benign_probability"])
-        for alert in alerts
-        for hit in alert["hits"]
-        if hit["rule"] == "aml.model"
-    }
-    assert _replayed_model_alerts(payments) == pytest.approx(in_worker, abs=2e-6)
-
-
-async def _valid_payments(broker: EmbeddedBroker, settings: Settings, ends: dict[int, int]) -> list[Any]:
-    """Every valid payment of the run's payments topic, read back from the broker."""
-    reader = await TopicReader(broker.bootstrap, settings.payments_topic, settings.partitions).start()
-
-    async def at_the_end() -> bool:
-        await reader.poll()
-        read = dict.fromkeys(ends, 0)
-        for record in reader.records:
-            read[record.partition] = max(read.get(record.partition, 0), record.offset + 1)
-        return all(read[p] >= end for p, end in ends.items())
-
-    try:
-        await wait_until(at_the_end, 60, "the payments topic read to its end", interval=0)
-    finally:
-        await reader.stop()
-    payments = []
-    for record in reader.records:
-        try:
-            fields = validate_payment(record.key, record.value, settings.max_payment_bytes)
-        except InvalidPayment:
-            continue
-        payments.append(SimpleNamespace(**{**fields, "amount": Decimal(fields["amount"])}))
-    return payments
-
-
-def _replayed_model_alerts(payments: list[Any]) -> dict[str, float]:
-    """payment id -> the shipped model's probability of benign, for the payments it alerts on in the replay
-    of Services B and C (`tests/replay.py`)."""
-    model, thresholds = load_model("amlworld"), AmlThresholds()
-    assert model is not None
-    alerted = {}
-    timeline = sorted(payments, key=lambda p: datetime.fromisoformat(p.ts))
-    for payment, evidence in decided(Services(thresholds), timeline):
-        hit = model.hit(evidence, aml_rules(evidence, thresholds), thresholds)
-        if hit is not None:
-            alerted[payment.payment_id] = float(hit.figures["benign_probability"])
-    return alerted
