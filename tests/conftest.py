@@ -1,5 +1,5 @@
-"""One embedded broker and one PostgreSQL server for the whole session; fresh names, a fresh database and
-a work folder per test."""
+"""One embedded broker, one PostgreSQL server and one in-process SparkSession for the whole session; fresh
+names, a fresh database and a work folder per test."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import tempfile
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiokafka import AIOKafkaProducer
@@ -18,7 +19,7 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.kafka.tools import GroupCommitter
 from tests.harness import DecisionLog, Names, Worker
-from tests.jvm import short_lived_jvms
+from tests.jvm import in_process_session, short_lived_jvms
 
 short_lived_jvms()
 
@@ -47,6 +48,15 @@ def private_postgres(prefix: str) -> Iterator[EmbeddedPostgres]:
 def postgres() -> Iterator[EmbeddedPostgres]:
     """The session's PostgreSQL server."""
     yield from private_postgres("aml-test-postgres-")
+
+
+@pytest.fixture(scope="session")
+def spark() -> Iterator[Any]:
+    """The test process's SparkSession (the pipeline's settings, local[2]), started by the first test that
+    asks: one JVM and one SparkContext for every test that runs Spark in-process."""
+    session = in_process_session()
+    yield session
+    session.stop()
 
 
 @pytest.fixture

@@ -25,9 +25,9 @@ from aml_app.dependencies.client import (
     includes,
 )
 from aml_app.kafka.broker import free_port
-from tests.integration.test_services_api import T0, aggregates_api, relations_api, spark, stores
+from tests.integration.test_services_api import T0, aggregates_api, relations_api, stores
 
-__all__ = ["spark", "stores"]  # fixtures
+__all__ = ["stores"]  # a fixture
 
 
 async def gather_answers(client: DependencyClient, payer: str, payee: str, at: datetime) -> tuple:

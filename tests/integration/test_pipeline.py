@@ -28,17 +28,9 @@ from aml_app.pipeline import jobs
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config
 from tests.harness import Names, wait_until
-from tests.jvm import in_process_session
 from tests.payments import FUTURE, produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
 from tests.stores import relations_answers
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = in_process_session()
-    yield session
-    session.stop()
 
 
 @pytest.fixture

@@ -32,7 +32,6 @@ from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.settings import Settings
 from tests.harness import Names
-from tests.jvm import in_process_session
 from tests.payments import PaymentRow
 from tests.reference import reference_aggregates, reference_relations
 from tests.stores import apply_payments, apply_records, without_as_of
@@ -41,13 +40,6 @@ T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 THRESHOLD = Decimal("10000")
 BAND = Decimal("0.1")
 SETTINGS = Settings()
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = in_process_session()
-    yield session
-    session.stop()
 
 
 @asynccontextmanager

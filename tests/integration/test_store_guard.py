@@ -12,12 +12,10 @@ import asyncio
 import os
 import subprocess
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
 import psycopg
-import pytest
 from aiohttp.test_utils import TestClient, TestServer
 from aiokafka import AIOKafkaProducer
 
@@ -27,16 +25,8 @@ from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.settings import Settings
 from tests.harness import Names
 from tests.integration.test_services_api import wait_for_check
-from tests.jvm import in_process_session
 from tests.payments import produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, pipeline_settings
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = in_process_session()
-    yield session
-    session.stop()
 
 
 def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -34,7 +33,6 @@ from aml_app.pipeline.kafka_source import LOG_CHECK_INTERVAL, KafkaStreamReader,
 from aml_app.pipeline.runner import StoreRefused, kafka_config, prepare, start_queries
 from aml_app.settings import Settings
 from tests.harness import Names, wait_until
-from tests.jvm import in_process_session
 from tests.pipelines import pipeline_settings
 
 pytestmark = pytest.mark.integration
@@ -191,13 +189,6 @@ async def test_the_planner_stops_at_once_when_its_topic_is_created_again(
         )
     finally:
         reader.stop()
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = in_process_session()
-    yield session
-    session.stop()
 
 
 class SparkLeftRunning:

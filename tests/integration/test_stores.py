@@ -14,7 +14,6 @@ import itertools
 import threading
 import time
 import uuid
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
@@ -33,7 +32,6 @@ from aml_app.detection.exchange import ExchangeRates
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.pipeline.transforms import batch_outputs
 from aml_app.settings import Settings
-from tests.jvm import in_process_session
 from tests.payments import PaymentRow
 from tests.reference import (
     exact_from,
@@ -61,13 +59,6 @@ HALF_HOUR = timedelta(minutes=30)
 SETTINGS = Settings()
 THRESHOLD, BAND = SETTINGS.reporting_threshold, SETTINGS.threshold_band
 MALFORMED = b'{"payment_id": "broken"'
-
-
-@pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    session = in_process_session()
-    yield session
-    session.stop()
 
 
 # --- generated batches ---------------------------------------------------------------------------

@@ -757,15 +757,6 @@ def python_verdict(record: Stamped, skew: float = DEFAULT_MAX_CLOCK_SKEW) -> Ver
 
 
 @pytest.fixture(scope="module")
-def spark() -> Iterator[Any]:
-    from tests.jvm import in_process_session
-
-    session = in_process_session("test-validation-sql")  # the pipeline's own settings
-    yield session
-    session.stop()
-
-
-@pytest.fixture(scope="module")
 def records() -> list[Stamped]:
     return corpus() + generated(2500)
 
