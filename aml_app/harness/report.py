@@ -71,8 +71,9 @@ def print_summary(
     say()
     say("summary")
     say("-" * 78)
+    width = max(22, *(len(name) + 2 for name, _ in rows))
     for name, value in rows:
-        say(f"  {name:<22}{value}")
+        say(f"  {name:<{width}}{value}")
     say("-" * 78)
     for s in v.services.values():
         for p, o, group, covered, decided in s.premature[:5]:
