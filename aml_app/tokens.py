@@ -27,8 +27,6 @@ OPEN_PATHS = frozenset({"/health"})
 COOKIE = "aml_web_session"
 #: The query parameter that carries the token once, in the address a browser opens.
 QUERY = "token"
-
-
 #: The header of a 401: which scheme to use.
 CHALLENGE = ("WWW-Authenticate", 'Bearer realm="aml-app"')
 
