@@ -1,0 +1,54 @@
+"""What B's answer cache keeps an answer under: one key per question, and the per-currency minimum parsed
+once per text."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from aml_app.dependencies.api import BadRequest, parse_min_average
+from aml_app.dependencies.relations import Query
+
+AT = datetime(2026, 11, 29, 12, 0, tzinfo=UTC)
+BASE = Query("A", 3, ("out", "chain", "loop"), {"USD": Decimal(1000), "EUR": Decimal(900)}, "B", AT, 12, None)
+
+
+def test_the_same_question_has_the_same_key_however_its_minimums_are_ordered() -> None:
+    again = BASE._replace(
+        parts=["out", "chain", "loop"], min_average={"EUR": Decimal(900), "USD": Decimal(1000)}
+    )
+    assert again.key() == BASE.key()
+    assert hash(again.key()) == hash(BASE.key())
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"account": "A2"},
+        {"hops": 2},
+        {"parts": ("out", "chain")},
+        {"min_average": {"USD": Decimal(1000), "EUR": Decimal(901)}},
+        {"min_average": Decimal(1000)},
+        {"closing": "C"},
+        {"at": AT.replace(microsecond=1)},
+        {"loop_hops": 11},
+        {"after": "Z"},
+    ],
+    ids=lambda change: next(iter(change)),
+)
+def test_a_question_that_differs_in_any_field_has_another_key(change: dict[str, Any]) -> None:
+    assert BASE._replace(**change).key() != BASE.key()
+
+
+def test_a_per_currency_minimum_is_parsed_once_and_shared_read_only() -> None:
+    first = parse_min_average("USD:1000,EUR:853.4")
+    assert first == {"USD": Decimal(1000), "EUR": Decimal("853.4")}
+    assert parse_min_average("USD:1000,EUR:853.4") is first
+    with pytest.raises(TypeError):
+        first["USD"] = Decimal(0)  # type: ignore[index]
+    for _ in range(2):  # a refusal is not kept: the second asker hears it too
+        with pytest.raises(BadRequest, match="not an ISO 4217 currency code"):
+            parse_min_average("USD:1,XYZ:2")
