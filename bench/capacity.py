@@ -41,7 +41,9 @@ Where the time goes, per stage, from what the system already reports: the pipeli
 in its log (`<service> batch N: ... (spark .. dead_letters .. store .. commit ..)`), the leaders'
 refresh durations (`aml_admin_refresh_seconds` in `/metrics`), each worker's handler split
 (`detector` in `/watermarks.json`: evidence over HTTP from B and C, rules with the model for AML,
-handing alerts and decisions to the producer) and the gate's hold (`waited_ms`).
+handing alerts and decisions to the producer) and the gate's hold (`waited_ms`); and PostgreSQL's
+execution time by statement (`bench.pg_statements`: the embedded server runs with pg_stat_statements
+here), per payment decided by both.
 
     .venv/bin/python -m bench.capacity [--rates 50,250,500,1000,2000] [--step-seconds 60] [--warm-up 15]
         [--aml-workers 2] [--prelude-rate 500] [--prelude-seconds 30]
@@ -74,6 +76,7 @@ from aml_app.harness.verify import decided_at, percentile, premature
 from aml_app.settings import Settings, load_settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
 from aml_app.simulation.traffic import SimPayment
+from bench import pg_statements
 from bench.common import (
     CLK_TCK,
     OWN,
@@ -131,6 +134,7 @@ class Sample:
     metrics: dict[str, dict[str, float]]
     polls: int  # the commit watch's successful polls so far
     caches: dict[str, dict[str, int]] = field(default_factory=dict)  # each API replica's answer cache
+    statements: pg_statements.Counters | None = None  # PostgreSQL's time by statement so far
 
 
 @dataclass
@@ -204,6 +208,7 @@ class CapacityDemo(Demo):
         self, settings: Settings, options: Options, args: argparse.Namespace, worker_env: Mapping[str, str]
     ) -> None:
         super().__init__(settings, options, worker_env=worker_env)
+        self.system.layout = replace(self.system.layout, postgres_statements=True)
         self.args = args
         self.steps: list[Step] = []
         self.step_over = asyncio.Event()
@@ -331,6 +336,8 @@ class CapacityDemo(Demo):
         metrics = await asyncio.gather(*(scrape_metrics(w.url, w.headers) for w in workers))
         apis = list(self.system.apis.values())
         healths = await asyncio.gather(*(api.health() for api in apis))
+        postgres = self.system.postgres
+        statements = None if postgres is None else await pg_statements.read(postgres.url("aml"))
         assert self.system.watch is not None
         return Sample(
             at,
@@ -339,6 +346,7 @@ class CapacityDemo(Demo):
             {w.worker_id: m for w, m in zip(workers, metrics, strict=True)},
             self.system.watch.polls,
             {api.name: (h or {}).get("answer_cache") or {} for api, h in zip(apis, healths, strict=True)},
+            statements,
         )
 
     async def catch_up(self, step: Step, deadline_s: float) -> None:
@@ -640,6 +648,8 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
             "workers": worker_stages(step.samples, services, s1.at - s0.at),
             "answer_caches": answer_caches(s0, s1),
         }
+        if s0.statements is not None and s1.statements is not None:
+            doc["stages"]["postgres"] = pg_statements.between(s0.statements, s1.statements, len(both))
         out.append(doc)
     return out
 
@@ -899,6 +909,14 @@ def stages_report(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> s
                 f"{kind} API: answer cache",
                 f"{cache['hits']} questions kept, {cache.get('joined', 0)} joined, {cache['misses']} read "
                 f"from the store (share not computed {cache.get('not_computed_share')})",
+            )
+        )
+    for kind, spent in step["stages"].get("postgres", {}).items():
+        rows.append(
+            (
+                f"PostgreSQL: {kind}",
+                f"{spent['share']:.1%} of its statements' time, {spent['ms_per_payment']} ms per payment "
+                f"decided by both ({spent['calls']} calls, {spent['ms_per_call']} ms each)",
             )
         )
     return f"where the time goes at {step['rate']:g}/s:\n\n" + markdown_table(["stage", "figure"], rows)

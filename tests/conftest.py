@@ -33,12 +33,12 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmbeddedBroker]
     embedded.stop()
 
 
-def private_postgres(prefix: str) -> Iterator[EmbeddedPostgres]:
+def private_postgres(prefix: str, statements: bool = False) -> Iterator[EmbeddedPostgres]:
     """A PostgreSQL server in a folder outside pytest's (mode 700) temporary folders, since a root test run
     hands it to an unprivileged user that must be able to enter it."""
     folder = Path(tempfile.mkdtemp(prefix=prefix))
     folder.chmod(0o755)
-    server = EmbeddedPostgres(folder / "server", free_port()).start()
+    server = EmbeddedPostgres(folder / "server", free_port(), statements=statements).start()
     yield server
     server.stop("immediate")
     shutil.rmtree(folder, ignore_errors=True)

@@ -82,6 +82,10 @@ INGEST_SETTINGS = {
 }
 
 
+#: The extension that counts each statement's calls and time (`EmbeddedPostgres(statements=True)`).
+STATEMENTS = "pg_stat_statements"
+
+
 class PostgresError(RuntimeError):
     """The embedded PostgreSQL server could not be set up or started; the message says what to do."""
 
@@ -121,9 +125,14 @@ def server_user() -> str | None:
 class EmbeddedPostgres:
     """A private PostgreSQL cluster in `folder` (created on first start), on 127.0.0.1:`port`."""
 
-    def __init__(self, folder: Path | str, port: int = DEFAULT_PORT, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self, folder: Path | str, port: int = DEFAULT_PORT, host: str = "127.0.0.1", statements: bool = False
+    ) -> None:
+        """`statements`: load PostgreSQL's pg_stat_statements, so that a benchmark can say which of the
+        services' statements the server's time goes to (every database created gets the extension)."""
         self.port = port
         self.host = host
+        self.statements = statements
         self.bin = server_binaries()
         self.user = server_user()
         self._place(Path(folder).resolve())
@@ -186,6 +195,7 @@ class EmbeddedPostgres:
                 f"port {self.port} on {self.host} is already in use; choose another port, or point "
                 "AML_STORE_URL at the PostgreSQL server that is running there"
             )
+        preload = self._statements_library()
         self._prepare_folder()
         if not (self.data / "PG_VERSION").exists():
             init = self._run(
@@ -210,6 +220,7 @@ class EmbeddedPostgres:
                 f"-k {self.data}",  # the Unix socket stays inside our folder
                 "-c max_connections=200",
                 *(f"-c {name}={value}" for name, value in INGEST_SETTINGS.items()),
+                *([f"-c shared_preload_libraries={STATEMENTS}"] if preload else []),
             ]
         )
         started = self._run(
@@ -249,6 +260,18 @@ class EmbeddedPostgres:
                     ) from exc
                 time.sleep(0.1)
 
+    def _statements_library(self) -> bool:
+        """Whether to load pg_stat_statements; refused in one sentence when asked for and not installed."""
+        if not self.statements:
+            return False
+        library = self.bin.parent / "lib" / f"{STATEMENTS}.so"
+        if not library.exists():
+            raise PostgresError(
+                f"{STATEMENTS} was asked for, but this PostgreSQL has no {library}: install the server's "
+                "contrib modules (Debian's postgresql package has them)"
+            )
+        return True
+
     def create_database(self, name: str) -> str:
         """Create database `name` unless it exists; its URL."""
         import psycopg
@@ -263,6 +286,8 @@ class EmbeddedPostgres:
                     conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
         with psycopg.connect(self.url(name), autocommit=True) as conn:
             conn.execute(sql.SQL(LEAST_PRIVILEGE).format(database=sql.Identifier(name)))
+            if self.statements:
+                conn.execute(f"CREATE EXTENSION IF NOT EXISTS {STATEMENTS}")
         return self.url(name)
 
     def drop_database(self, name: str) -> None:

@@ -93,6 +93,8 @@ class Layout:
     store_url: str = ""
     #: Replicas of each API; the workers spread their requests over them.
     api_replicas: int = 2
+    #: Load pg_stat_statements into an embedded PostgreSQL server (benchmarks: its time by statement).
+    postgres_statements: bool = False
 
 
 class System:
@@ -189,7 +191,9 @@ class System:
 
             wanted = int(conninfo_to_dict(self.settings.store_url).get("port") or 5433)
             port = self.free("AML_STORE_URL's port", "the embedded PostgreSQL server", wanted)
-            self.postgres = EmbeddedPostgres(self.folder / "postgres", port)
+            self.postgres = EmbeddedPostgres(
+                self.folder / "postgres", port, statements=self.layout.postgres_statements
+            )
             await asyncio.to_thread(self.postgres.start)
             await asyncio.to_thread(self.postgres.drop_database, "aml")
             await asyncio.to_thread(self.postgres.create_database, "aml")
