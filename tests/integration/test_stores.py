@@ -881,8 +881,8 @@ def test_migrations_are_versioned_idempotent_and_refuse_a_newer_store(store_url:
 
 async def test_a_version_2_relations_store_migrates_to_one_index_by_payee(spark: Any, store_url: str) -> None:
     """Version 3 of B's store keeps one index by payee (by average payment, carrying the payer) instead of
-    two: a store written at version 2 migrates in place, answers every part as the reference, heavy
-    parts included, and takes new batches."""
+    two (and version 5 adds one by payee and last payment): a store written at version 2 migrates in
+    place, answers every part as the reference, heavy parts included, and takes new batches."""
     payments = rows(
         ("A", "B", "9500", T0),
         ("B", "C", "9800", T0),
@@ -917,8 +917,9 @@ async def test_a_version_2_relations_store_migrates_to_one_index_by_payee(spark:
             "SELECT indexname, indexdef FROM pg_indexes"
             " WHERE schemaname = 'relations' AND tablename = 'edges' ORDER BY indexname"
         ).fetchall()
-    assert [name for name, _ in indexes] == ["edges_by_payee", "edges_pkey"]
+    assert [name for name, _ in indexes] == ["edges_by_payee", "edges_by_payee_last", "edges_pkey"]
     assert "(payee, ((total / (payments)::numeric))) INCLUDE (payer)" in indexes[0][1]
+    assert "(payee, last_seen)" in indexes[1][1]  # version 5
     later = rows(("C", "D", "9600", T0), ("B", "A", "1", T0), start=len(payments))
     for batch in ([], later):
         if batch:
@@ -1088,6 +1089,23 @@ async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_
             **heavy,
         }
         plan = [line for (line,) in conn.execute(f"EXPLAIN {text}", params).fetchall()]
+        # The edges into the account that are heavy as of `at` by average, or paid after it: found through
+        # both indexes by payee, never by reading every edge into the account.
+        listed = {
+            name: [
+                line
+                for (line,) in conn.execute(
+                    "EXPLAIN "
+                    + sql.SQL(getattr(relations, name))
+                    .format(edges=sql.Identifier("relations", "edges"))
+                    .as_string(conn),
+                    {"accounts": accounts, "ats": ats, **heavy},
+                ).fetchall()
+            ]
+            for name in ("_SOURCES", "_CO_PAYEES")
+        }
+    for name, lines in listed.items():
+        assert any("edges_by_payee_last" in line for line in lines), f"{name}:\n" + "\n".join(lines)
     shown = "\n".join(plan)
     assert not any("Seq Scan" in line for line in plan), shown
     # The edge from the payer into the account is looked up by its key for each length, not filtered
