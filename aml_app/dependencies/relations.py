@@ -157,13 +157,13 @@ SCHEMA = Schema(
         """
         ALTER TABLE {schema}.edges ADD COLUMN times timestamptz[], ADD COLUMN amounts numeric[]
         """,
-        # 5: the edges into an account paid after an instant. An edge is heavy as of `at` by its average
-        # (found through the index by average) or, paid on both sides of `at`, by its payments made by then
-        # (`_heavy`); with this index PostgreSQL finds both kinds in one bitmap scan instead of reading
-        # every edge into the account: 16-30 times faster for the sources and co-payees of a payee that
-        # hundreds pay, asked as of a recent payment (a capacity run's store).
+        # 5: the edges of several payments into an account, by their last payment. An edge is heavy as of
+        # `at` by its average (found through the index by average) or, paid on both sides of `at` (so it
+        # holds its payments), by its payments made by then (`_heavy`); with this index PostgreSQL finds
+        # both kinds in one bitmap scan instead of reading every edge into the account. Edges of one
+        # payment, almost all of them, are not in it.
         """
-        CREATE INDEX edges_by_payee_last ON {schema}.edges (payee, last_seen)
+        CREATE INDEX edges_by_payee_last ON {schema}.edges (payee, last_seen) WHERE times IS NOT NULL
         """,
     ],
 )
