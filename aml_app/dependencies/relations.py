@@ -465,8 +465,8 @@ SELECT EXISTS (SELECT FROM {edges} WHERE payer = ANY(%(frontier)b::text[])
 # A heavy edge row `e` as of the query's `at`: average payment >= the minimum of its currency
 # (%(uniform)s for every currency, or the one `array_position` finds; none: NULL, never heavy). The first
 # test, against the lowest minimum, can use the expression index edges_by_payee for a row read whole (a
-# row cut at `at` has another average); the second is the exact one (numeric division rounds,
-# multiplication does not).
+# row cut at `at` has another average, and edges_by_payee_last finds those rows); the second is the exact
+# one (numeric division rounds, multiplication does not).
 _HEAVY = (
     "{paid} AND (({e}.total / {e}.payments) >= %(min)s OR NOT {whole}) AND {total} >= coalesce("
     "(%(minimums)b::numeric[])[array_position(%(currencies)b::text[], {e}.currency::text)], %(uniform)s)"
