@@ -10,7 +10,6 @@ matches counts as `OTHER`, and shows there.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
 import psycopg
@@ -57,13 +56,13 @@ async def read(url: str) -> Counters | None:
     return found
 
 
-def between(start: Mapping[str, tuple[float, int]], end: Counters, payments: int) -> dict[str, Any]:
+def between(start: Counters, end: Counters, payments: int) -> dict[str, Any]:
     """Per kind, over the time from `start` to `end`, largest first: execution ms, its share of all
     statements' time, calls, ms per call and per payment (of `payments`)."""
-    spent = {
-        kind: (ms - start.get(kind, (0.0, 0))[0], calls - start.get(kind, (0.0, 0))[1])
-        for kind, (ms, calls) in end.items()
-    }
+    spent = {}
+    for kind, (ms, calls) in end.items():
+        ms_before, calls_before = start.get(kind, (0.0, 0))
+        spent[kind] = (ms - ms_before, calls - calls_before)
     whole = sum(ms for ms, _ in spent.values()) or float("nan")
     return {
         kind: {
