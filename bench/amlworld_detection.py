@@ -6,8 +6,8 @@
 Every attempt of a patterns file (`LI-Medium_Patterns.txt`: 456 attempts of eight typologies, with every
 payment) and every row of a transactions file (`HI-Small_Trans_rows1-7500.csv`: real background traffic)
 go into one timeline, in event-time order; Services B and C are the naive reference
-(`tests/replay.py`), so the evidence about each payment is what the stores would answer once they have
-applied everything up to its time (the gate on). `--lag` gives each payment only the evidence before it
+(`aml_app/training/replay.py`), so the evidence about each payment is what the stores would answer once they
+have applied everything up to its time (the gate on). `--lag` gives each payment only the evidence before it
 (a service reading behind its dependencies, the gate off).
 
 Scored as the AMLworld papers report it, per attempt and over payments:
@@ -53,18 +53,13 @@ from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
+from aml_app.training.replay import Services, decided, timeline_of
 from bench.attempt_shapes import named_by_shape, repeated_edges
 from bench.common import PROJECT, code_version, machine, markdown_table, write_results
-from tests.replay import Services, decided
 
 DATA = PROJECT / "tests" / "data" / "amlworld"
 PATTERNS = DATA / "LI-Medium_Patterns.txt"
 BACKGROUND = DATA / "HI-Small_Trans_rows1-7500.csv"
-
-
-def timeline_of(patterns: Any, background: Any) -> list[Any]:
-    """A data set's attempts and background as one timeline, in event-time order."""
-    return sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
 
 
 def replay(payments: list[Any], lag: bool) -> dict[str, list[str]]:

@@ -8,8 +8,8 @@ Why: a worker decides the payments of one partition in batches of up to `AML_MAX
 explanations of its alerts are most of the CPU a decision costs outside the wait for B and C. This bench
 measures that CPU where it is spent, without Kafka or the services: the evidence of every payment of the
 real files (`tests/data/amlworld`: LI-Medium's attempts in HI-Small's first 7,500 rows, 11,403 payments)
-is replayed once through the reference of B and C (`tests/replay.py`, gate on), then each way of deciding
-is timed over all of it:
+is replayed once through the reference of B and C (`aml_app/training/replay.py`, gate on), then each way of
+deciding is timed over all of it:
 
 - `rules`: `aml_rules` alone, per payment (what the worker runs without a model, and what every way
   below runs too);
@@ -48,9 +48,9 @@ from aml_app.detection.rules import Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import Settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, timeline_of
 from bench.common import PROJECT, code_version, machine, markdown_table, write_results
-from tests.replay import Services, decided
 
 BATCHES = (1, 10, 50, 200)
 #: The last commit whose model walks one payment at a time (the per-payment path measured as `before`).

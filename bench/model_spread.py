@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.model_spread
 
-Why: the shipped model is one training (`bench.train_model`: trees on calibrated seeds 2 and 3, the cut
+Why: the shipped model is one training (`aml-app train-model`: trees on calibrated seeds 2 and 3, the cut
 on seeds 4 to 9), and `bench.model_vs_rules` scores that one. A figure that holds only for one choice of
 runs is a figure of that choice. This bench trains the model with the same code under a few other
 choices (other runs to learn from, more runs, the cut on one run, smaller trees, the payment's format
@@ -10,7 +10,7 @@ unread, no naming prior, each payment weighed alike rather than each attempt) an
 on the real AMLworld files and on the calibrated runs that no training here sees (`SCORED_SEEDS`,
 pooled as `bench.model_vs_rules` pools them).
 
-Each data set is replayed through the reference of B and C once (`bench.train_model.replay`); every model
+Each data set is replayed through the reference of B and C once (`aml_app.training.fit.replay`); every model
 is then scored on those features (`alerts`, which `tests/unit/test_model.py` holds equal to the detector
 that `bench.model_vs_rules` replays). Results: `bench/results/model_spread.json`.
 """
@@ -28,9 +28,7 @@ import numpy as np
 
 from aml_app.detection.model import BENIGN, FEATURES, PAYMENT_FORMATS, Model, load
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
-from bench.common import code_version, machine, markdown_table, write_results
-from bench.train_model import (
+from aml_app.training.fit import (
     PARAMS,
     RUNS,
     SCORED_SEEDS,
@@ -41,6 +39,8 @@ from bench.train_model import (
     replay,
     train,
 )
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
+from bench.common import code_version, machine, markdown_table, write_results
 
 SMALLER = {**PARAMS, "max_leaf_nodes": 7, "min_samples_leaf": 200}
 ALL_HELD_OUT = RUNS["held_out"]
@@ -51,7 +51,7 @@ class Training:
     """Seeds to learn from, seeds to set the cut on, the trees' parameters, whether the trees may read
     the payment's format (unread: its features are 0 in training, so no tree splits on them), and whether
     the model names typologies with the naming prior found on the held-out runs or the likeliest, and
-    whether each attempt weighs alike in training or each payment (`bench.train_model.sample_weights`)."""
+    whether each attempt weighs alike in training or each payment (`aml_app.training.fit.sample_weights`)."""
 
     seeds: list[int]
     held_out: list[int]

@@ -6,7 +6,7 @@ Scores three detectors on three data sets, side by side, with Services B and C a
 (gate on), as `bench.amlworld_detection` scores the rules:
 - `rules`: every AML rule alerts (the default detector, `AML_MODEL` unset);
 - `model`: the model (`--model`, default the shipped `aml_app/detection/amlworld_model.json`, trained
-  by `bench.train_model` on calibrated seeds 2 and 3) with the rules it keeps alerting beside it
+  by `aml-app train-model` on calibrated seeds 2 and 3) with the rules it keeps alerting beside it
   (`AML_MODEL=amlworld`);
 - `both`: every rule and the model.
 
@@ -34,10 +34,10 @@ from aml_app.detection.rules import Hit
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.traffic import simulate
+from aml_app.training.fit import SCORED_SEEDS, calibrated_run
+from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
-from bench.train_model import SCORED_SEEDS, calibrated_run
-from tests.replay import Services, decided
 
 OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
 

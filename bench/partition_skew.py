@@ -5,8 +5,8 @@
 
 **Recall** (replayed, real AMLworld data and the calibrated simulator). Payments go to partitions by
 payer, as Kafka's default partitioner puts them (murmur2 of the key). Services B and C are the naive
-reference (`tests/replay.py`), which answers as of the payment's time as the real ones do; they apply
-every partition up to the wall-clock instant, except the held partition q, which they apply
+reference (`aml_app/training/replay.py`), which answers as of the payment's time as the real ones do; they
+apply every partition up to the wall-clock instant, except the held partition q, which they apply
 `--lag-hours` behind. Each gate admits each payment at its own instant and the rules see what B and C
 have applied by then:
 - per-partition gate: a payment of another partition is admitted at its time t, with q's payments
@@ -47,10 +47,10 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.kafka.tools import GroupCommitter, payment_json, produce
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
+from aml_app.training.replay import Services
 from bench.amlworld_detection import BACKGROUND, PATTERNS
 from bench.common import bench_env, code_version, machine, markdown_table, write_results
 from tests.harness import TopicReader
-from tests.replay import Services
 
 
 def partition_of(payer: str, partitions: int) -> int:

@@ -21,9 +21,9 @@ from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import Pipeline, kafka_config, start_pipeline
 from aml_app.settings import Settings
+from aml_app.training.reference import exact_from, reference_aggregates, reference_relations
 from tests.harness import Names, wait_until
 from tests.payments import Produced
-from tests.reference import exact_from, reference_aggregates, reference_relations
 from tests.stores import aggregates_answers, relations_answers, schema_of, without_as_of
 
 CATCH_UP = 120.0  # seconds for a pipeline to catch up with a few thousand payments on 2 busy cores

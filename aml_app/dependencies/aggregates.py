@@ -16,7 +16,7 @@ the window's edges (the idea of TimescaleDB's real-time continuous aggregates):
 A window (at - w, at] is the flows that lie wholly inside it plus the payments of the two partial minutes
 at its ends, read from those minutes' flow rows, so an answer reads one range of flow rows per account and
 direction and unpacks only the rows that a window's edge cuts in two: exact, and equal to a computation
-over every payment (tests/reference.py), without scanning every payment of a busy account.
+over every payment (aml_app/training/reference.py), without scanning every payment of a busy account.
 
 Too-late rule: the store keeps `max_event_ts`, the largest ts applied so far. When a batch is applied,
 max_event_ts first rises to include the whole batch; then every payment of the batch whose minute starts

@@ -3,7 +3,7 @@
 Why: on real AMLworld data the rules leave attempts that B and C's answers do describe, but in no shape a
 threshold names (a hub paid by three payers over five days, a lone heavy edge). Gradient-boosted trees
 over graph features are the literature's strongest non-GNN baseline there. The model is trained on the
-simulator calibrated to AMLworld (`make model`, which runs `python -m bench.train_model`), never on the
+simulator calibrated to AMLworld (`make model`, which runs `aml-app train-model --simulated`), never on the
 real files it is scored on, and is evaluated against the rules by `bench.model_vs_rules`.
 
 It is off unless `AML_MODEL` names a model (`amlworld`: the one shipped with the package; or a path):
@@ -252,7 +252,7 @@ class Model:
 
     def _verdict(self, p: np.ndarray) -> str | None:
         """The typology the model names for one row's probabilities when benign is below the cut, else
-        None: the likeliest once each is weighed by the naming prior (`bench.train_model.naming_prior`)."""
+        None: the likeliest once each is weighed by the naming prior (`aml_app.training.fit.naming_prior`)."""
         return self._names(np.asarray(p)[None, :])[0]
 
     def _names(self, p: np.ndarray) -> list[str | None]:

@@ -1,7 +1,7 @@
 """Real AMLworld payments through the whole system alert what the replay alerts.
 
-The model is trained and scored on a replay of Services B and C (`tests/replay.py`). Here two days of the
-real files (HI-Small's half hour of background, many payments to a minute, and LI-Medium's attempts of
+The model is trained and scored on a replay of Services B and C (`aml_app/training/replay.py`). Here two days
+of the real files (HI-Small's half hour of background, many payments to a minute, and LI-Medium's attempts of
 those days) go through Kafka, Spark, PostgreSQL, the APIs and a gated worker running the shipped model;
 its alerts must be the replay's, payment for payment, hit for hit, and each of the model's says why.
 """
@@ -21,9 +21,9 @@ from aml_app.harness.system import Layout, System
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.amlworld_command import send_payments
+from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, timeline_of
 from tests.harness import settings_for, wait_until
-from tests.replay import Services, decided
 
 pytestmark = pytest.mark.integration
 

@@ -31,9 +31,9 @@ from aml_app.detection.exchange import ExchangeRates
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.settings import Settings
+from aml_app.training.reference import reference_aggregates, reference_relations
 from tests.harness import Names
 from tests.payments import PaymentRow
-from tests.reference import reference_aggregates, reference_relations
 from tests.stores import apply_payments, apply_records, without_as_of
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)

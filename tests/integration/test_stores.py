@@ -1,6 +1,6 @@
 """The stores of Services B and C on a real PostgreSQL server, fed by the pipeline's own Spark transforms,
-against the naive reference (tests/reference.py); idempotency (offsets stored with the results), snapshot
-reads, migrations and the store's recorded definitions.
+against the naive reference (aml_app/training/reference.py); idempotency (offsets stored with the results),
+snapshot reads, migrations and the store's recorded definitions.
 
 Every batch goes through `aml_app.pipeline.transforms.batch_outputs` on a real SparkSession (one for the
 module) and the store write the pipeline uses, in one transaction with its offsets; only Kafka is left
@@ -32,8 +32,7 @@ from aml_app.detection.exchange import ExchangeRates
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.pipeline.transforms import batch_outputs
 from aml_app.settings import Settings
-from tests.payments import PaymentRow
-from tests.reference import (
+from aml_app.training.reference import (
     exact_from,
     is_loop,
     reference_aggregates,
@@ -41,7 +40,8 @@ from tests.reference import (
     reference_loop,
     reference_relations,
 )
-from tests.reference import money_text as reference_money_text
+from aml_app.training.reference import money_text as reference_money_text
+from tests.payments import PaymentRow
 from tests.stores import (
     aggregates_answers,
     apply_payments,

@@ -3,7 +3,7 @@ Spark): every injected instance is caught, at the payment the ground truth says 
 background raises nothing. Then the same run with evidence that lags by one payment, as an
 ungated service reading behind its dependencies would see it: the patterns a payment completes go unseen.
 
-The services are replayed by `tests/replay.py`.
+The services are replayed by `aml_app/training/replay.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.score import TypologyScore, format_scores, score
 from aml_app.simulation.traffic import Simulation, simulate
-from tests.replay import Services, decided
+from aml_app.training.replay import Services, decided
 
 START = datetime(2026, 3, 2, 8, tzinfo=UTC)
 

@@ -46,7 +46,9 @@ def test_the_pipeline_the_apis_and_the_tools_do_not_load_faust(modules: str) -> 
     assert faust_side(loaded_after(code)) == []
 
 
-@pytest.mark.parametrize("command", ["pipeline", "serve", "rebuild", "postgres", "topics", "import-amlworld"])
+@pytest.mark.parametrize(
+    "command", ["pipeline", "serve", "rebuild", "postgres", "topics", "import-amlworld", "train-model"]
+)
 def test_own_commands_run_without_the_faust_app(command: str) -> None:
     """`aml-app <command> --help` goes through our command line only (the command's body imports the
     same modules as above)."""
@@ -107,6 +109,7 @@ PACKAGES = [
     ("dependencies",),
     ("pipeline",),
     ("simulation",),
+    ("training",),
     ("topics", "topics_command"),
     ("app",),
     ("tables",),

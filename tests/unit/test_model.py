@@ -1,6 +1,6 @@
 """The learned AML model: its trees walked here as scikit-learn walks them, its training reproducible, the
 shipped file what the training command makes, its figures on real AMLworld data as published, and each
-alert saying why. Services B and C are the naive reference (`tests/replay.py`)."""
+alert saying why. Services B and C are the naive reference (`aml_app/training/replay.py`)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,7 @@ from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
-from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
-from bench.model_vs_rules import detectors
-from bench.train_model import (
+from aml_app.training.fit import (
     CUT_RATE,
     PARAMS,
     RUNS,
@@ -40,7 +37,10 @@ from bench.train_model import (
     sample_weights,
     train,
 )
-from tests.replay import Services, decided
+from aml_app.training.replay import Services, decided
+from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
+from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
+from bench.model_vs_rules import detectors
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
 
@@ -141,7 +141,7 @@ def test_the_cut_holds_the_whole_detector_to_its_benign_rate_on_runs_it_never_sa
 
 
 def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) -> None:
-    """`python -m bench.train_model` with its defaults writes the shipped file (compared byte for byte
+    """`aml-app train-model` with its defaults writes the shipped file (compared byte for byte
     when it was trained: BENCHMARKS.md); here, that the file records those defaults."""
     doc = json.loads(SHIPPED_PATH.read_text())
     assert doc["features"] == list(FEATURES)

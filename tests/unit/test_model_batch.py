@@ -2,8 +2,8 @@
 at a time, on every real AMLworld payment: the same hits, reasons and figures. A row's probabilities do not
 depend on the rows scored with it, and the compiled walk of the trees and its explanations (occlusion read
 off the leaves a typical value changes) give what walking every tree node by node and scoring each
-occluded row gives. Services B and C are the naive reference (`tests/replay.py`). How fast it is belongs to
-`bench/model_cost.py`."""
+occluded row gives. Services B and C are the naive reference (`aml_app/training/replay.py`). How fast it is
+belongs to `bench/model_cost.py`."""
 
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ from aml_app.detection.rules import Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.errors import ConfigError
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
+from aml_app.training.fit import SHIPPED_PATH
+from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, timeline_of
-from bench.train_model import SHIPPED_PATH
-from tests.replay import Services, decided
 
 THRESHOLDS = AmlThresholds()
 

@@ -1,5 +1,5 @@
-"""The replay of Services B and C (`tests/replay.py`) answers what the real services answer a detector, so
-the rules and the model see in the benchmarks and in training what they see in the worker."""
+"""The replay of Services B and C (`aml_app/training/replay.py`) answers what the real services answer a
+detector, so the rules and the model see in the benchmarks and in training what they see in the worker."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from decimal import Decimal
 from types import SimpleNamespace
 
 from aml_app.detection.thresholds import AmlThresholds
-from tests.reference import reference_relations
-from tests.replay import HOPS, Services, decided
+from aml_app.training.reference import reference_relations
+from aml_app.training.replay import HOPS, Services, decided
 
 
 def _payment(pid: str, payer: str, payee: str, amount: str, minute: int) -> SimpleNamespace:

@@ -1,40 +1,32 @@
-"""Train the AML model on the simulator calibrated to AMLworld, reproducibly, in one command.
+"""Fit the AML model (`aml_app.detection.model`): gradient-boosted trees over what B and C say about each
+payment, the cut, the rules that alert beside it and the naming prior.
 
-    pip install '.[model]'      # scikit-learn, for training only (inference needs numpy)
-    .venv/bin/python -m bench.train_model [OUT] [--seeds 2,3] [--held-out 4,5,6,7,8,9] [--days 14]
-        [--per-hour 100] [--attempts 40]
-
-OUT defaults to the model shipped with the package (`aml_app/detection/amlworld_model.json`, what
-`AML_MODEL=amlworld` loads). Each seed is one run of `aml_app.simulation.calibrated` (background and
-attempts of the eight AMLworld typologies), replayed through the naive reference of Services B and C
-(`tests/replay.py`, held equal to the real services by the store tests) with the gate on, so each payment's
-features are what the detector would see about it (`aml_app.detection.model.features`).
+Each payment's features are what the detector would see about it with the gate on: the timeline is
+replayed through the reference of Services B and C (`aml_app.training.replay`, held equal to the real
+services by the store tests), so training needs neither Kafka, Spark nor PostgreSQL.
 
 Scikit-learn's HistGradientBoostingClassifier (fixed random state, no early stopping: the same inputs give
-the same file) learns benign against each typology from the payments between two parties of the `--seeds`
-runs, each attempt weighed alike (`sample_weights`). From the same runs:
+the same file) learns benign against each typology from the payments between two parties of the runs it
+is given, each attempt weighed alike (`sample_weights`). From the same runs:
 - the rules that alert beside it: those whose alerts on the runs were laundering at least
   ALERTING_PRECISION of the time; the others are features only;
 - a typical benign payment (the median of each feature), against which each alert is explained.
-And from the `--held-out` runs, which the trees never saw, the cut: the probability of benign below which
-the model alerts, so that the detector as a whole (the model and the rules beside it) alerts CUT_RATE of
-their benign payments together (self-payments counted, never alerted). CUT_RATE lies under the 1 % goal
-because at one cut single runs' benign rates spread around the pooled one (`bench.model_spread` gives
-each held-out run's rate). On the same runs, the naming prior (`naming_prior`): per typology, the weight
-that names the most of their attempts by their own typology.
+And from held-out runs, which the trees never saw, the cut: the probability of benign below which the
+model alerts, so that the detector as a whole (the model and the rules beside it) alerts `cut_rate` of
+their benign payments together (self-payments counted, never alerted); and the naming prior
+(`naming_prior`): per typology, the weight that names the most of their attempts by their own typology.
 
-The runs' seeds differ from the ones `bench.amlworld_detection` and `bench.model_vs_rules` score on, and
-no real file is read.
+The shipped model (`aml-app train-model --simulated`, `make model`) learns from calibrated simulator runs
+(`RUNS`) whose seeds differ from the ones `bench.amlworld_detection` and `bench.model_vs_rules` score on;
+no real file is read. `aml_app.training.command` trains on a deployment's own labelled history.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
-import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,13 +38,14 @@ from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
-from bench.amlworld_detection import timeline_of
-from bench.common import PROJECT
-from tests.replay import Services, decided
+from aml_app.training.replay import Services, decided, timeline_of
 
-SHIPPED_PATH = PROJECT / "aml_app" / "detection" / SHIPPED_FILE
+SHIPPED_PATH = Path(__file__).resolve().parents[1] / "detection" / SHIPPED_FILE
 NAMING_ROUNDS = 3
 NAMING_STEPS = (-1.0, -0.5, -0.25, 0.25, 0.5, 1.0)
+#: The label of a laundering payment that no attempt names (a history labelled by payment only).
+UNNAMED = "laundering"
+PROGRESS_EVERY = 1000
 CUT_RATE = 0.008  # benign payments alerted on the held-out runs together; the goal is at most 1 %
 ALERTING_PRECISION = 0.8
 PARAMS: dict[str, Any] = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
@@ -83,6 +76,22 @@ class Replayed:
     typologies: list[list[str]] = field(default_factory=list)  # and the typology of each
     attempts: list[tuple[str, list[int]]] = field(default_factory=list)  # typology, its payments' indices
 
+    def subset(self, indices: Sequence[int]) -> Replayed:
+        """The payments at `indices` (ascending) and the attempts all of whose payments are among them."""
+        keep = {i: j for j, i in enumerate(indices)}
+        return Replayed(
+            payments=[self.payments[i] for i in indices],
+            rows=[self.rows[i] for i in indices],
+            labels=[self.labels[i] for i in indices],
+            rules=[self.rules[i] for i in indices],
+            typologies=[self.typologies[i] for i in indices],
+            attempts=[
+                (typology, [keep[i] for i in members])
+                for typology, members in self.attempts
+                if members and all(i in keep for i in members)
+            ],
+        )
+
     def between(self) -> list[int]:
         """The indices of the payments between two parties, the ones the model learns and scores: it
         never scores a self-payment."""
@@ -91,19 +100,40 @@ class Replayed:
 
 def replay(patterns: Any, background: Any) -> Replayed:
     """Every payment of the attempts and the background, in event-time order, through the reference."""
+    return replay_timeline(timeline_of(patterns, background), patterns.attempts)
+
+
+def replay_timeline(
+    timeline: Sequence[Any],
+    attempts: Sequence[Any],
+    unnamed: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Replayed:
+    """Every payment of `timeline` (event-time order) through the reference, labelled by `attempts`
+    (each with a `typology` and its `payment_ids`). With `unnamed`, a payment marked laundering
+    (`is_laundering`) that no attempt lists is an attempt of its own, of typology UNNAMED: a history
+    labelled by payment, not by pattern, still trains a model that alerts, without naming a shape. `progress`
+    hears (done, of) every PROGRESS_EVERY payments."""
     thresholds = AmlThresholds()
-    typology = {pid: a.typology for a in patterns.attempts for pid in a.payment_ids}
+    typology = {pid: a.typology for a in attempts for pid in a.payment_ids}
     out = Replayed()
-    for payment, evidence in decided(Services(thresholds), timeline_of(patterns, background)):
+    lone: list[str] = []
+    for n, (payment, evidence) in enumerate(decided(Services(thresholds), timeline), start=1):
         hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
         out.rows.append(features(evidence, hits, thresholds))
-        out.labels.append(typology.get(payment.payment_id, BENIGN))
+        label = typology.get(payment.payment_id)
+        if label is None and unnamed and getattr(payment, "is_laundering", False):
+            label = UNNAMED
+            lone.append(payment.payment_id)
+        out.labels.append(label or BENIGN)
         out.rules.append([hit.rule for hit in hits])
         out.typologies.append([hit.typology for hit in hits])
+        if progress is not None and n % PROGRESS_EVERY == 0:
+            progress(n, len(timeline))
     index = {payment.payment_id: i for i, payment in enumerate(out.payments)}
-    out.attempts = [
-        (a.typology, [index[pid] for pid in a.payment_ids if pid in index]) for a in patterns.attempts
+    out.attempts = [(a.typology, [index[pid] for pid in a.payment_ids if pid in index]) for a in attempts] + [
+        (UNNAMED, [index[pid]]) for pid in lone
     ]
     return out
 
@@ -166,6 +196,8 @@ def train(
     held_out: Sequence[Replayed],
     params: dict[str, Any] = PARAMS,
     attempts_alike: bool = True,
+    cut_rate: float = CUT_RATE,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], Any]:
     """The model file's document, and the fitted scikit-learn model (for tests that compare the two).
     The trees learn from `runs` (weighed by `sample_weights`); the cut is set on `held_out`, runs they
@@ -178,6 +210,10 @@ def train(
         x, y, sample_weight=sample_weights(runs, attempts_alike)
     )
     classes = [str(c) for c in fitted.classes_]
+    if progress is not None:
+        progress(
+            f"fitted {len(fitted._predictors) * len(classes):,} trees; setting the cut and the naming prior"
+        )
     is_benign = np.array(y) == BENIGN
     fired: Counter[str] = Counter()
     right: Counter[str] = Counter()
@@ -189,7 +225,7 @@ def train(
     precision = {rule: right[rule] / fired[rule] for rule in sorted(fired)}
     alerting = sorted(r for r, p in precision.items() if p >= ALERTING_PRECISION)
     probabilities = predicted(fitted, held_out)
-    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting))
+    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting), cut_rate)
     naming = naming_prior(probabilities, classes, cut, held_out, set(alerting))
     trees, depth = export(fitted)
     import sklearn
@@ -206,7 +242,7 @@ def train(
         "training": {
             "params": dict(params),
             "attempts_alike": attempts_alike,
-            "cut_rate": CUT_RATE,
+            "cut_rate": cut_rate,
             "held_out": budget,
             "alerting_precision": ALERTING_PRECISION,
             "rule_precision": {rule: round(p, 4) for rule, p in precision.items()},
@@ -225,10 +261,14 @@ def predicted(fitted: Any, runs: Sequence[Replayed]) -> list[np.ndarray]:
 
 
 def cut_on(
-    probabilities: Sequence[np.ndarray], benign: int, held_out: Sequence[Replayed], alerting: set[str]
+    probabilities: Sequence[np.ndarray],
+    benign: int,
+    held_out: Sequence[Replayed],
+    alerting: set[str],
+    cut_rate: float = CUT_RATE,
 ) -> tuple[float, dict[str, int]]:
     """The cut at which the detector as a whole (the model and the rules that alert beside it) alerts
-    CUT_RATE of the held-out runs' benign payments (self-payments counted, never alerted), from the
+    `cut_rate` of the held-out runs' benign payments (self-payments counted, never alerted), from the
     trees' `probabilities` of them (`predicted`). Set on runs the trees never saw: on their own
     training payments they are surer of benign than on new ones."""
     benign_payments = alerted = 0
@@ -242,7 +282,7 @@ def cut_on(
                 alerted += 1
             elif payment.payer != payment.payee:
                 left.append(p[i, benign])
-    allowed = int(CUT_RATE * benign_payments) - alerted
+    allowed = int(cut_rate * benign_payments) - alerted
     scores = np.sort(np.array(left))
     if allowed <= 0:
         cut = 0.0
@@ -322,44 +362,3 @@ def naming_prior(
 
 def write(doc: dict[str, Any], out: Path) -> None:
     out.write_text(json.dumps(doc, sort_keys=True, separators=(",", ":")) + "\n")
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("out", nargs="?", type=Path, default=SHIPPED_PATH)
-    parser.add_argument(
-        "--seeds", default=",".join(map(str, RUNS["seeds"])), help="calibrated simulator runs to train on"
-    )
-    parser.add_argument(
-        "--held-out", default=",".join(map(str, RUNS["held_out"])), help="calibrated runs to set the cut on"
-    )
-    parser.add_argument("--days", type=float, default=RUNS["days"])
-    parser.add_argument("--per-hour", type=float, default=RUNS["per_hour"])
-    parser.add_argument("--attempts", type=int, default=RUNS["attempts"], help="of each typology, per run")
-    args = parser.parse_args()
-    started = time.perf_counter()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    held_out = [int(s) for s in args.held_out.split(",")]
-
-    def replayed(seed: int) -> Replayed:
-        return replay(*calibrated_run(seed, args.days, args.per_hour, args.attempts))
-
-    doc, _ = train([replayed(seed) for seed in seeds], [replayed(seed) for seed in held_out])
-    doc["training"]["runs"] = {
-        "seeds": seeds,
-        "held_out": held_out,
-        "days": args.days,
-        "per_hour": args.per_hour,
-        "attempts": args.attempts,
-    }
-    write(doc, args.out)
-    print(
-        f"trained on {doc['training']['payments']} payments of seeds {seeds}, cut set on seeds "
-        f"{held_out}, in {time.perf_counter() - started:.0f} s; cut {doc['cut']:.4f}; "
-        f"rules that alert beside it: {', '.join(doc['alerting_rules'])}; "
-        f"wrote {args.out} ({args.out.stat().st_size} bytes)"
-    )
-
-
-if __name__ == "__main__":
-    main()

@@ -1,5 +1,5 @@
-"""Services B and C replayed with the naive reference (`tests/reference.py`): the evidence a detector would
-see about each payment, without Kafka, Spark or PostgreSQL.
+"""Services B and C replayed with the naive reference (`aml_app/training/reference.py`): the evidence a
+detector would see about each payment, without Kafka, Spark or PostgreSQL.
 
 B answers the parts of each question that the detector asks for (`PAYER_PARTS` about the payer,
 `PAYEE_PARTS` about the payee) and nothing else, as the real B does: a part it is not asked for is absent.
@@ -9,7 +9,7 @@ gets only the payments that can change its answer: for aggregates, the payments 
 the payer's `out`, the payments it sent; for the payee's `chain` (through the payer), the payments into
 the payee and into the accounts up to 2 steps before it; for `sources` and `co_payees`, the payments into
 the account and into its payers, and those its payers sent; for `loop`, the edges' first and last times,
-kept up as payments are fed (`tests.reference.loop_on_edges`).
+kept up as payments are fed (`aml_app.training.reference.loop_on_edges`).
 
 Every answer is as of the payment's time, as the real B and C give it to the detectors: only payments made
 by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead);
@@ -36,7 +36,7 @@ from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import Settings
-from tests.reference import (
+from aml_app.training.reference import (
     loop_on_edges,
     made_by,
     reference_aggregates,
@@ -201,6 +201,11 @@ class Services:
             payee_relations=self.payee_relations(payment.payee, payment.payer, at),
             channel=getattr(payment, "channel", None),
         )
+
+
+def timeline_of(patterns: Any, background: Any) -> list[Any]:
+    """A data set's attempts and background as one timeline, in event-time order (a stable sort)."""
+    return sorted([*background.payments, *patterns.payments], key=lambda p: p.ts)
 
 
 def decided(services: Services, timeline: Iterable[Any], lag: bool = False) -> Iterator[tuple[Any, Evidence]]:

@@ -1,0 +1,230 @@
+"""`aml-app train-model`: train the AML model (`AML_MODEL=<path>`) on a labelled history, and report what
+it scores on a part of that history it never read.
+
+A bank does not have AMLworld's traffic; it has its own labelled payments. The history (AMLworld-layout
+files, `aml_app.training.history`) is replayed once through the reference of Services B and C, so every
+payment's features are what the gated detector would see about it; then split (`aml_app.training.holdout`)
+into the part the trees learn from, the part that sets the cut, and the part only the report reads.
+`--simulated` trains the model shipped with the package instead, from the calibrated simulator's runs
+(`make model`).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import click
+
+from aml_app.training.fit import (
+    CUT_RATE,
+    RUNS,
+    Replayed,
+    calibrated_run,
+    replay_timeline,
+    train,
+    write,
+)
+from aml_app.training.history import read_history
+from aml_app.training.holdout import PARTS, SPLITS, rendered, scored, split
+from aml_app.training.replay import timeline_of
+
+PROGRESS_INTERVAL = 5.0
+
+
+def _shares(text: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        values = ()
+    if len(values) != 3 or min(values) <= 0:
+        raise click.BadParameter(
+            f"{text!r}: expected three positive numbers, learn,cut,score", param_hint="--shares"
+        )
+    return values[0], values[1], values[2]
+
+
+def _seeds(text: str, hint: str) -> list[int]:
+    """Calibrated runs to score: none that the shipped training reads."""
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise click.BadParameter(f"{text!r}: expected seeds such as 1,20", param_hint=hint) from None
+    if read := sorted(set(seeds) & {*RUNS["seeds"], *RUNS["held_out"]}):
+        raise click.BadParameter(f"seeds {read} are read by the training; score on others", param_hint=hint)
+    return seeds
+
+
+@click.command("train-model")
+@click.argument("files", nargs=-1, type=click.Path(exists=True, dir_okay=False))
+@click.option(
+    "--out", type=click.Path(dir_okay=False, writable=True), required=True, help="The model file to write."
+)
+@click.option(
+    "--split",
+    "by",
+    type=click.Choice(SPLITS),
+    default="time",
+    show_default=True,
+    help="How the history is cut into its parts.",
+)
+@click.option(
+    "--shares",
+    default="0.6,0.2,0.2",
+    show_default=True,
+    help="The shares of payments the trees learn from, that set the cut, and that only the report reads.",
+)
+@click.option(
+    "--cut-rate",
+    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    default=CUT_RATE,
+    show_default=True,
+    help="The share of benign payments of the cut part that the detector alerts.",
+)
+@click.option("--seed", type=int, default=0, show_default=True, help="Of the hash that splits by attempt.")
+@click.option(
+    "--report",
+    "report_path",
+    type=click.Path(dir_okay=False, writable=True),
+    default=None,
+    help="Write the report on the scored part here (JSON).",
+)
+@click.option(
+    "--simulated",
+    is_flag=True,
+    help="Train the shipped model from the calibrated simulator's runs; no FILES.",
+)
+@click.option(
+    "--score-seeds",
+    default="1",
+    show_default=True,
+    help="With --simulated: the calibrated runs the report scores.",
+)
+def train_model_command(
+    files: tuple[str, ...],
+    out: str,
+    by: str,
+    shares: str,
+    cut_rate: float,
+    seed: int,
+    report_path: str | None,
+    simulated: bool,
+    score_seeds: str,
+) -> None:
+    """Train the AML model on FILES (an AMLworld-layout transactions CSV with `Is Laundering`, and
+    optionally a patterns file naming the attempts' typologies), and report what it scores on the part of
+    them it never read. Use the file with AML_MODEL=<path>."""
+    started = time.monotonic()
+
+    def say(text: str) -> None:
+        click.echo(f"train-model: {text} ({time.monotonic() - started:.0f} s)", err=True)
+
+    if simulated == bool(files):
+        raise click.UsageError(
+            "give labelled FILES or --simulated (the shipped model's training), one of the two"
+        )
+    if simulated:
+        doc, scored_runs = _simulated(_seeds(score_seeds, "--score-seeds"), say)
+        report: dict[str, Any] = {"scored": "calibrated seeds " + score_seeds, **_pooled(doc, scored_runs)}
+    else:
+        try:
+            history = read_history(files, progress=say)
+        except ValueError as exc:
+            raise click.ClickException(f"{str(exc).rstrip('.')}; no model was written.") from None
+        except OSError as exc:
+            raise click.ClickException(f"could not read {exc.filename}: {exc.strerror}.") from None
+        say(
+            f"read {len(history.payments):,} payments ({history.laundering:,} laundering, "
+            f"{len(history.attempts):,} attempts named by typology; {history.skipped:,} rows skipped: "
+            "currencies without an ISO code)"
+        )
+        run = replay_timeline(
+            history.payments,
+            history.attempts,
+            unnamed=True,
+            progress=_replaying(say),
+        )
+        parts = split(run, by, _shares(shares), seed)
+        for name in PARTS:
+            part = getattr(parts, name)
+            say(f"{name}: {len(part.payments):,} payments, {len(part.attempts):,} attempts")
+        _enough(parts.learn, parts.cut)
+        say("fitting the trees")
+        doc, _ = train([parts.learn], [parts.cut], cut_rate=cut_rate, progress=say)
+        doc["training"]["history"] = {"files": history.files, "split": by, "shares": list(_shares(shares))}
+        report = {"scored": f"the {PARTS[2]} part", **scored(doc, parts.score)}
+    write(doc, Path(out))
+    alerting = ", ".join(doc["alerting_rules"]) or "none"
+    say(f"wrote {out}; cut {doc['cut']:.4f}; rules that alert beside it: {alerting}")
+    for line in rendered(report):
+        click.echo(line)
+    if report_path is not None:
+        Path(report_path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+
+
+def _enough(learn: Replayed, cut: Replayed) -> None:
+    """One sentence when a part cannot train: the trees need benign and laundering payments to learn
+    from, the cut benign payments to be set on."""
+    labels = set(learn.labels)
+    if labels == {"benign"} or "benign" not in labels:
+        raise click.ClickException(
+            "the learning part needs both benign and laundering payments; give a longer history, other "
+            "--shares, or --split attempt (for files that are not one stretch of time)."
+        )
+    if "benign" not in cut.labels:
+        raise click.ClickException(
+            "the cut part holds no benign payment; give a longer history or other --shares."
+        )
+
+
+def _simulated(
+    score_seeds: Sequence[int], say: Callable[[str], None]
+) -> tuple[dict[str, Any], list[Replayed]]:
+    """The shipped model's training (`RUNS`), and the scored runs replayed."""
+
+    def replayed(s: int) -> Replayed:
+        patterns, background = calibrated_run(s, RUNS["days"], RUNS["per_hour"], RUNS["attempts"])
+        say(f"replaying calibrated seed {s}")
+        timeline = timeline_of(patterns, background)
+        return replay_timeline(timeline, patterns.attempts, progress=_replaying(say))
+
+    learn = [replayed(s) for s in RUNS["seeds"]]
+    held_out = [replayed(s) for s in RUNS["held_out"]]
+    say("fitting the trees")
+    doc, _ = train(learn, held_out, progress=say)
+    doc["training"]["runs"] = dict(RUNS)
+    return doc, [replayed(s) for s in score_seeds]
+
+
+def _replaying(say: Callable[[str], None]) -> Callable[[int, int], None]:
+    """A replay's progress, said every PROGRESS_INTERVAL seconds at most: how far, how fast, how long left."""
+    started = last = time.monotonic()
+
+    def progress(done: int, of: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if now - last >= PROGRESS_INTERVAL:
+            last = now
+            rate = done / (now - started)
+            say(
+                f"replayed {done:,} of {of:,} payments, {rate:,.0f}/s, about {(of - done) / rate:,.0f} s left"
+            )
+
+    return progress
+
+
+def _pooled(doc: dict[str, Any], runs: Sequence[Replayed]) -> dict[str, Any]:
+    """The report on several runs as one (their payments and attempts together)."""
+    pooled = Replayed()
+    for run in runs:
+        offset = len(pooled.payments)
+        pooled.payments += run.payments
+        pooled.rows += run.rows
+        pooled.labels += run.labels
+        pooled.rules += run.rules
+        pooled.typologies += run.typologies
+        pooled.attempts += [(t, [i + offset for i in members]) for t, members in run.attempts]
+    return scored(doc, pooled)

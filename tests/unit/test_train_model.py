@@ -1,0 +1,229 @@
+"""`aml-app train-model`: a labelled history read once, split into what training reads and what only the
+report reads, and the report. Services B and C are the naive reference (`aml_app.training.replay`)."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from aml_app.detection.model import BENIGN, load
+from aml_app.training.fit import UNNAMED, Replayed, calibrated_run, replay, replay_timeline, train
+from aml_app.training.history import read_history
+from aml_app.training.holdout import PARTS, part_of, queue_precision, scored, split
+
+SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
+HEADER = (
+    "Timestamp,From Bank,Account,To Bank,Account,Amount Received,Receiving Currency,Amount Paid,"
+    "Payment Currency,Payment Format,Is Laundering"
+)
+
+
+def row(minute: int, payer: str, payee: str, amount: str, laundering: int, fmt: str = "ACH") -> str:
+    return (
+        f"2022/09/01 00:{minute:02d},001,{payer},002,{payee},{amount},US Dollar,{amount},US Dollar,{fmt},"
+        f"{laundering}"
+    )
+
+
+@pytest.fixture(scope="module")
+def run() -> Replayed:
+    """Three days of the calibrated simulator, replayed once."""
+    return replay(*calibrated_run(41, days=3, per_hour=50, attempts=6))
+
+
+def test_a_laundering_row_that_a_pattern_lists_takes_its_typology_and_is_not_doubled(tmp_path: Path) -> None:
+    transactions = tmp_path / "Trans.csv"
+    transactions.write_text(
+        "\n".join(
+            [
+                HEADER,
+                row(1, "A", "B", "10.00", 0),
+                row(2, "B", "C", "500.00", 1),  # listed by the pattern below
+                row(3, "C", "D", "700.00", 1),  # listed by no pattern
+            ]
+        )
+        + "\n"
+    )
+    patterns = tmp_path / "Patterns.txt"
+    patterns.write_text(
+        "BEGIN LAUNDERING ATTEMPT - FAN-OUT\n"
+        + row(2, "B", "C", "500.00", 1)
+        + "\n"
+        + row(4, "B", "E", "300.00", 1)  # the transactions lack it: replayed into them
+        + "\nEND LAUNDERING ATTEMPT\n"
+    )
+    history = read_history([transactions, patterns])
+    assert len(history.payments) == 4
+    assert [a.typology for a in history.attempts] == ["fan_out"]
+    ids = {(p.payer[4:], p.payee[4:]): p.payment_id for p in history.payments}
+    assert history.attempts[0].payment_ids == (ids["B", "C"], ids["B", "E"])
+    assert history.laundering == 3
+    replayed = replay_timeline(history.payments, history.attempts, unnamed=True)
+    by_pair = dict(zip(((p.payer[4:], p.payee[4:]) for p in replayed.payments), replayed.labels, strict=True))
+    assert by_pair == {("A", "B"): BENIGN, ("B", "C"): "fan_out", ("B", "E"): "fan_out", ("C", "D"): UNNAMED}
+    assert sorted(t for t, _ in replayed.attempts) == ["fan_out", UNNAMED]
+
+
+def test_a_history_in_the_wrong_layout_is_one_sentence(tmp_path: Path) -> None:
+    bad = tmp_path / "Trans.csv"
+    bad.write_text("when,who\n1,2\n")
+    with pytest.raises(ValueError, match="line 1: the header is"):
+        read_history([bad])
+
+
+@pytest.mark.parametrize("by", ["time", "attempt"])
+def test_the_parts_cover_the_history_once_and_keep_each_attempt_whole(run: Replayed, by: str) -> None:
+    parts = part_of(run, by, (0.6, 0.2, 0.2))
+    assert set(parts) == {0, 1, 2}
+    for _, members in run.attempts:
+        assert len({parts[i] for i in members}) == 1
+    pieces = split(run, by)
+    assert sum(len(getattr(pieces, name).payments) for name in PARTS) == len(run.payments)
+    ids = [{p.payment_id for p in getattr(pieces, name).payments} for name in PARTS]
+    assert not ids[0] & ids[1] and not ids[0] & ids[2] and not ids[1] & ids[2]
+    assert sum(len(getattr(pieces, name).attempts) for name in PARTS) == len(
+        [m for _, m in run.attempts if m]
+    )
+    if by == "time":  # benign payments in time order: the learning part first, the scored part last
+        benign = [p for p, label in zip(run.payments, run.labels, strict=True) if label == BENIGN]
+        position = {p.payment_id: n for n, p in enumerate(benign)}
+        last_learned = max(position[p.payment_id] for p in pieces.learn.payments if p.payment_id in position)
+        first_scored = min(position[p.payment_id] for p in pieces.score.payments if p.payment_id in position)
+        assert last_learned < first_scored
+
+
+def _scrambled(part: Replayed) -> Replayed:
+    """The same payments with other features and labels: what training must never read."""
+    other = copy.deepcopy(part)
+    other.rows = [[value + 1.0 for value in features] for features in other.rows]
+    other.labels = [BENIGN if label != BENIGN else "fan_in" for label in other.labels]
+    return other
+
+
+def test_training_reads_nothing_of_the_scored_part(run: Replayed) -> None:
+    """The model file is the same whatever the scored part holds; the negative control: scrambling the
+    part that sets the cut changes it."""
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    assert scored(doc, parts.score) != scored(doc, _scrambled(parts.score))  # the report reads it
+    whole = Replayed()
+    for piece in (parts.learn, parts.cut, _scrambled(parts.score)):
+        offset = len(whole.payments)
+        for field in ("payments", "rows", "labels", "rules", "typologies"):
+            getattr(whole, field).extend(getattr(piece, field))
+        whole.attempts += [(t, [i + offset for i in m]) for t, m in piece.attempts]
+    again = split(whole, "attempt")
+    assert [p.payment_id for p in again.score.payments] == [p.payment_id for p in parts.score.payments]
+    assert train([again.learn], [again.cut], SMALL)[0] == doc
+    control, _ = train([parts.learn], [_scrambled(parts.cut)], SMALL)
+    assert control != doc
+
+
+def test_the_report_counts_what_the_model_and_its_rules_alert(run: Replayed) -> None:
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    report = scored(doc, parts.score)
+    assert report["payments"] == len(parts.score.payments)
+    assert report["attempts"] == len(parts.score.attempts)
+    assert sum(v["attempts"] for v in report["per_typology"].values()) == report["attempts"]
+    benign = report["benign"]
+    assert benign["payments"] == parts.score.labels.count(BENIGN)
+    assert 0 <= benign["alerted"] <= benign["payments"]
+    hi = report["estimated_at_base_rate"]["HI (1 in 900)"]
+    li = report["estimated_at_base_rate"]["LI (1 in 1,750)"]
+    assert hi["precision"] >= li["precision"]  # more laundering per payment, more of the alerts right
+    no_rules = {**doc, "alerting_rules": [], "cut": 0.0}  # nothing alerts
+    silent = scored(no_rules, parts.score)
+    assert silent["benign"]["alerted"] == 0 and silent["any_alert"] == 0
+
+
+def train_model(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "aml_app.cli", "train-model", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_part(tmp_path: Path) -> None:
+    folder = tmp_path / "history"
+    small = ("--days", "2", "--per-hour", "50", "--attempts", "6", "--seed", "43")
+    simulate = subprocess.run(
+        [sys.executable, "-m", "aml_app.cli", "simulate-amlworld", str(folder), *small],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert simulate.returncode == 0, simulate.stderr
+    out, report = tmp_path / "model.json", tmp_path / "report.json"
+    done = train_model(
+        str(folder / "Trans.csv"),
+        str(folder / "Patterns.txt"),
+        "--split",
+        "attempt",
+        "--out",
+        str(out),
+        "--report",
+        str(report),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "train-model: read " in done.stderr and "fitting the trees" in done.stderr
+    model = load(str(out))
+    assert model is not None and BENIGN in model.classes
+    doc = json.loads(out.read_text())
+    assert doc["training"]["history"]["split"] == "attempt"
+    written = json.loads(report.read_text())
+    assert written["attempts"] > 0 and "estimated at the base rate HI" in done.stdout
+    read = re.search(r"read ([0-9,]+) payments", done.stderr)
+    assert read is not None, done.stderr
+    # The trees learned from the learning part's payments only, the report read the scored part only.
+    assert 0 < doc["training"]["payments"] < 0.6 * int(read[1].replace(",", ""))
+    assert 0 < written["payments"] < 0.4 * int(read[1].replace(",", ""))
+
+
+def test_the_command_refuses_a_bad_history_in_one_sentence(tmp_path: Path) -> None:
+    bad = tmp_path / "Trans.csv"
+    bad.write_text("when,who\n1,2\n")
+    done = train_model(str(bad), "--out", str(tmp_path / "model.json"))
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1].startswith("Error: ")
+    assert "no model was written" in done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "model.json").exists()
+    both = train_model("--simulated", str(bad), "--out", str(tmp_path / "model.json"))
+    assert both.returncode == 2 and "one of the two" in both.stderr
+    scored_on_training = train_model("--simulated", "--score-seeds", "1,3", "--out", str(tmp_path / "m.json"))
+    assert (
+        scored_on_training.returncode == 2
+        and "seeds [3] are read by the training" in scored_on_training.stderr
+    )
+
+
+def test_a_history_without_laundering_to_learn_from_is_refused(tmp_path: Path) -> None:
+    benign = tmp_path / "Trans.csv"
+    benign.write_text("\n".join([HEADER, *(row(m, f"A{m}", f"B{m}", "10.00", 0) for m in range(30))]) + "\n")
+    done = train_model(str(benign), "--out", str(tmp_path / "model.json"))
+    assert done.returncode == 1 and "needs both benign and laundering payments" in done.stderr
+
+
+def test_precision_at_the_top_of_the_queue_weighs_benign_alerts_by_the_base_rate() -> None:
+    """100 laundering alerts and 20 benign ones; the part holds 100 laundering and 1,000 benign payments,
+    so at one in 900 each benign alert stands for 899 / 10 of them."""
+    ranked_right = queue_precision(
+        [1.0 - i / 1000 for i in range(120)], [i < 100 for i in range(120)], 100, 1000
+    )
+    assert ranked_right["in the part"] == {"10": 1.0, "50": 1.0, "100": 1.0}
+    assert ranked_right["HI (1 in 900)"] == {"10": 1.0, "50": 1.0, "100": 1.0}
+    one_benign_first = queue_precision(
+        [1.0 - i / 1000 for i in range(120)], [0 < i <= 100 for i in range(120)], 100, 1000
+    )
+    assert one_benign_first["in the part"] == {"10": 0.9, "50": 0.98, "100": 0.99}
+    assert one_benign_first["HI (1 in 900)"]["10"] == 0.0  # the benign alert alone fills the top 10
+    assert one_benign_first["HI (1 in 900)"]["100"] == round(11 / (89.9 + 11), 4)  # the first to hold 100
+    assert queue_precision([0.5], [True], 1, 1)["in the part"]["10"] is None  # a queue shorter than k
