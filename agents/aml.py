@@ -8,7 +8,7 @@ from aml_app.detection.model import load
 from aml_app.detection.rules import Hit, aml_rules
 from aml_app.worker.detector import detecting_service
 
-model = load(settings.aml_model)
+model = load(settings.aml_model, settings.aml_alert_budget)
 
 
 def detect(evidence: Evidence) -> list[Hit]:

@@ -318,7 +318,8 @@ def main() -> None:
         if settings.aml_model and settings.service == "aml":
             from aml_app.detection.model import load
 
-            load(settings.aml_model)  # a model that cannot be read stops the worker here, in one sentence
+            # A model that cannot be read, or has no such budget, stops the worker here, in one sentence.
+            load(settings.aml_model, settings.aml_alert_budget)
         if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
             if (missing := missing_extra(sys.argv[1])) and not asks_for_help(sys.argv[1:]):
                 click.echo(missing, err=True)

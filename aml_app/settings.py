@@ -125,6 +125,9 @@ class Settings:
     #: AML_MODEL: the learned AML model beside the rules (aml_app.detection.model): '' (off), 'amlworld'
     #: (the one shipped with the package) or the path of a model file.
     aml_model: str = ""
+    #: AML_ALERT_BUDGET: the share of benign payments the model and the rules beside it may alert (one of
+    #: the model file's budgets, or the largest below); None: the file's own cut.
+    aml_alert_budget: float | None = None
     reporting_threshold: Decimal = Decimal("10000")
     threshold_band: Decimal = Decimal("0.1")
     spark_master: str = "local[2]"
@@ -389,6 +392,17 @@ def _aml_model(env: Mapping[str, str]) -> str:
     return value
 
 
+def _alert_budget(env: Mapping[str, str]) -> float | None:
+    """None (the model file's own cut) or a share of benign payments in (0, 1), for a model only; the
+    model file says whether it has such a budget (`aml_app.detection.model.load`)."""
+    if not env.get("AML_ALERT_BUDGET", "").strip():
+        return None
+    value = _float(env, "AML_ALERT_BUDGET", 0.0, 1e-6, 0.5, unit="(a share of benign payments)")
+    if not _aml_model(env):
+        raise ConfigError("AML_ALERT_BUDGET sets the learned model's cut; set AML_MODEL too.")
+    return value
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
     env = os.environ if env is None else env
@@ -484,6 +498,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         aml_thresholds=AmlThresholds.from_env(env),
         fraud_thresholds=FraudThresholds.from_env(env),
         aml_model=_aml_model(env),
+        aml_alert_budget=_alert_budget(env),
         reporting_threshold=_decimal(
             env, "AML_REPORTING_THRESHOLD", defaults.reporting_threshold, Decimal("0.01"), Decimal("1e12")
         ),

@@ -22,6 +22,7 @@ when that one feature takes the benign value, read off the few leaves that value
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import json
@@ -45,6 +46,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.errors import ConfigError
 
 MODEL_VARIABLE = "AML_MODEL"
+BUDGET_VARIABLE = "AML_ALERT_BUDGET"
 SHIPPED = "amlworld"
 SHIPPED_FILE = "amlworld_model.json"
 BENIGN = "benign"
@@ -187,6 +189,9 @@ class Model:
     alerting_rules: frozenset[str]
     benign_typical: np.ndarray  # (features,): a typical benign payment, for the explanation
     training: Mapping[str, Any]
+    #: (share of benign payments alerted, cut, rules alerting beside the model), lowest share first: what
+    #: `within` chooses from.
+    budgets: tuple[tuple[float, float, frozenset[str]], ...] = ()
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Model:
@@ -229,7 +234,28 @@ class Model:
             alerting_rules=frozenset(doc["alerting_rules"]),
             benign_typical=np.array(doc["benign_typical"], dtype=float),
             training=dict(doc.get("training", {})),
+            budgets=tuple(
+                sorted(
+                    (float(b["benign_rate"]), float(b["cut"]), frozenset(b["alerting_rules"]))
+                    for b in doc.get("alert_budgets", [])
+                )
+            ),
         )
+
+    def within(self, budget: float) -> Model:
+        """This model cut for an alert budget (`AML_ALERT_BUDGET`: a share of benign payments alerted):
+        the largest budget of the model file not above it, with its cut and the rules that alert beside
+        the model there. Analysts size their queue by a budget; the file's budgets were set on held-out
+        runs, as its own cut was. Raises ValueError in one sentence when the file has none that fits."""
+        fitting = [b for b in self.budgets if b[0] <= budget]
+        if not fitting:
+            offered = ", ".join(f"{rate:g}" for rate, _, _ in self.budgets) or "none"
+            raise ValueError(
+                f"the model has no alert budget at or below {budget:g} (its budgets: {offered}; "
+                "aml-app train-model writes them)"
+            )
+        _, cut, rules = fitting[-1]
+        return dataclasses.replace(self, cut=cut, alerting_rules=rules)
 
     @functools.cached_property
     def _walk(self) -> _Walk:
@@ -759,10 +785,11 @@ def _shown(name: str, value: float) -> str:
 
 
 @functools.cache
-def load(source: str) -> Model | None:
-    """The model `AML_MODEL` names: '' (off, None), 'amlworld' (shipped) or a path; read once per
-    process. A model that cannot be read is a configuration error: the command line reads it before the
-    worker starts, so it stops there with one sentence."""
+def load(source: str, budget: float | None = None) -> Model | None:
+    """The model `AML_MODEL` names: '' (off, None), 'amlworld' (shipped) or a path, cut for `budget`
+    (`AML_ALERT_BUDGET`, `Model.within`) if given; read once per process. A model that cannot be read,
+    or has no such budget, is a configuration error: the command line reads it before the worker
+    starts, so it stops there with one sentence."""
     source = source.strip()
     if not source or source.lower() == "off":
         return None
@@ -773,6 +800,13 @@ def load(source: str) -> Model | None:
             text = Path(source).read_text()
         model = Model.from_json(json.loads(text))
         model._walk  # noqa: B018  # compiled now, so that a model it cannot walk stops the start-up
-        return model
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"{MODEL_VARIABLE}={source!r} is not a readable AML model: {exc}.") from None
+    if budget is None:
+        return model
+    try:
+        return model.within(budget)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{BUDGET_VARIABLE}={budget:g} does not fit {MODEL_VARIABLE}={source!r}: {exc}."
+        ) from None

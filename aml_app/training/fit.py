@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +46,8 @@ NAMING_STEPS = (-1.0, -0.5, -0.25, 0.25, 0.5, 1.0)
 #: The label of a laundering payment that no attempt names (a history labelled by payment only).
 UNNAMED = "laundering"
 PROGRESS_EVERY = 1000
+#: The alert budgets a model file carries (`alert_budgets`): shares of benign payments alerted.
+ALERT_BUDGETS = (0.0005, 0.001, 0.002, 0.005, 0.01)
 CUT_RATE = 0.008  # benign payments alerted on the held-out runs together; the goal is at most 1 %
 ALERTING_PRECISION = 0.8
 PARAMS: dict[str, Any] = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
@@ -227,6 +229,7 @@ def train(
     probabilities = predicted(fitted, held_out)
     cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting), cut_rate)
     naming = naming_prior(probabilities, classes, cut, held_out, set(alerting))
+    budgets = alert_budgets(probabilities, classes, held_out, set(alerting), naming)
     trees, depth = export(fitted)
     import sklearn
 
@@ -237,6 +240,7 @@ def train(
         "depth": depth,
         "cut": cut,
         "naming_prior": naming,
+        "alert_budgets": budgets,
         "alerting_rules": alerting,
         "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
         "training": {
@@ -292,6 +296,38 @@ def cut_on(
         cut = float((scores[allowed - 1] + scores[allowed]) / 2)
     budget = {"benign_payments": benign_payments, "alerted_by_rules": alerted, "left_to_the_model": allowed}
     return cut, budget
+
+
+def alert_budgets(
+    probabilities: Sequence[np.ndarray],
+    classes: list[str],
+    held_out: Sequence[Replayed],
+    alerting: set[str],
+    naming: Mapping[str, float],
+) -> list[dict[str, Any]]:
+    """For each of ALERT_BUDGETS (a share of benign payments alerted), the cut and the rules that alert
+    beside the model so that the detector as a whole keeps to it on the held-out runs: with the trained
+    rules beside it or with the model alone (the rules then its features only), whichever names more of
+    the held-out attempts by their own typology; the model alone where the rules' own benign alerts do
+    not fit. An operator picks one with `AML_ALERT_BUDGET` (`aml_app.detection.model.Model.within`)."""
+    benign = classes.index(BENIGN)
+    prior = np.array([naming.get(c, 0.0) for c in classes])
+    found = []
+    for rate in ALERT_BUDGETS:
+        best: tuple[int, float, list[str]] | None = None
+        for rules in (alerting, set()):
+            cut, budget = cut_on(probabilities, benign, held_out, rules, rate)
+            if budget["left_to_the_model"] < 0:  # the rules alone alert more benign payments than allowed
+                continue
+            right = sum(
+                named_right(p, classes, cut, run, rules, prior)
+                for p, run in zip(probabilities, held_out, strict=True)
+            )
+            if best is None or right > best[0]:
+                best = (right, cut, sorted(rules))
+        assert best is not None  # the model alone always fits: its cut leaves what the budget allows
+        found.append({"benign_rate": rate, "cut": best[1], "alerting_rules": best[2]})
+    return found
 
 
 def named_right(

@@ -80,18 +80,7 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
     share of all and of those between two parties; and precision and F1 estimated at BASE_RATES from the
     payment recall and the benign alert rate (precision = p r / (p r + (1 - p) b) at base rate p)."""
     model = Model.from_json(doc)
-    between = run.between()
-    verdicts: list[str | None] = [None] * len(run.payments)
-    score = np.zeros(len(run.payments))  # the model's probability that the payment is not benign
-    if between:
-        rows = np.array([run.rows[i] for i in between], dtype=float)
-        for i, verdict in zip(between, model.verdicts(rows), strict=True):
-            verdicts[i] = verdict
-        score[between] = 1.0 - model.probabilities(rows)[:, model.classes.index(BENIGN)]
-    named: list[set[str]] = []
-    for rules, typologies, verdict in zip(run.rules, run.typologies, verdicts, strict=True):
-        names = {t for r, t in zip(rules, typologies, strict=True) if r in model.alerting_rules}
-        named.append(names | {verdict} if verdict is not None else names)
+    named, score = _named(model, run)
     per_typology: dict[str, dict[str, Any]] = {}
     counts: dict[str, tuple[int, int]] = {}
     for typology in sorted({t for t, _ in run.attempts}):
@@ -133,6 +122,7 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
             "share_of_two_party": _ratio(sum(bool(named[i]) for i in two_party), len(two_party)),
         },
         "estimated_at_base_rate": estimated,
+        "alert_budgets": within_budgets(model, run),
         "top_of_the_queue": queue_precision(
             [score[i] for i, names in enumerate(named) if names],
             [run.labels[i] != BENIGN for i, names in enumerate(named) if names],
@@ -140,6 +130,50 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
             len(benign),
         ),
     }
+
+
+def _named(model: Model, run: Replayed) -> tuple[list[set[str]], np.ndarray]:
+    """Per payment, the typologies the model and the rules beside it alert, and the model's probability
+    that the payment is not benign (0 for a self-payment, which it never scores)."""
+    between = run.between()
+    verdicts: list[str | None] = [None] * len(run.payments)
+    score = np.zeros(len(run.payments))
+    if between:
+        rows = np.array([run.rows[i] for i in between], dtype=float)
+        for i, verdict in zip(between, model.verdicts(rows), strict=True):
+            verdicts[i] = verdict
+        score[between] = 1.0 - model.probabilities(rows)[:, model.classes.index(BENIGN)]
+    named: list[set[str]] = []
+    for rules, typologies, verdict in zip(run.rules, run.typologies, verdicts, strict=True):
+        names = {t for r, t in zip(rules, typologies, strict=True) if r in model.alerting_rules}
+        named.append(names | {verdict} if verdict is not None else names)
+    return named, score
+
+
+def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
+    """Per alert budget of the model file (`AML_ALERT_BUDGET`): what the detector cut for it alerts on
+    `run`, the attempts named by their own typology and with any alert, and the benign payments."""
+    benign = [i for i, label in enumerate(run.labels) if label == BENIGN]
+    held_out = int(model.training.get("held_out", {}).get("benign_payments", 0))
+    found = []
+    for rate, _, rules in model.budgets:
+        named, _ = _named(model.within(rate), run)
+        own = sum(any(t in named[i] for i in members) for t, members in run.attempts)
+        alerted = sum(any(named[i] for i in members) for _, members in run.attempts)
+        benign_alerted = sum(bool(named[i]) for i in benign)
+        found.append(
+            {
+                "budget": rate,
+                # Benign alerts the budget allowed where it was set: at 0 the cut alerts nothing.
+                "allowed_where_set": int(rate * held_out),
+                "rules_beside": len(rules),
+                "own_typology": _ratio(own, len(run.attempts)),
+                "any_alert": _ratio(alerted, len(run.attempts)),
+                "benign_alerted": benign_alerted,
+                "benign_share": _ratio(benign_alerted, len(benign)),
+            }
+        )
+    return found
 
 
 def queue_precision(
@@ -184,6 +218,13 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
     )
     for name, v in report["estimated_at_base_rate"].items():
         lines.append(f"estimated at the base rate {name}: precision {v['precision']:.3f}, F1 {v['f1']:.3f}")
+    for b in report.get("alert_budgets", []):
+        lines.append(
+            f"alert budget {b['budget']:g} ({b['allowed_where_set']:,} benign alerts where it was set, "
+            f"{b['rules_beside']} rules beside the model): own typology "
+            f"{b['own_typology']:.3f}, any alert {b['any_alert']:.3f}, "
+            f"benign alerted {b['benign_alerted']:,} ({_percent(b['benign_share'])})"
+        )
     for name, at in report["top_of_the_queue"].items():
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())
         lines.append(f"precision at the top of the queue, {name}: {shown}")

@@ -39,6 +39,7 @@ def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.
         "AML_AGGREGATES_GROUP": settings.aggregates_group,
         "AML_STORE_URL": settings.store_url,
         "AML_TRIGGER_INTERVAL": "0.2",
+        "AML_PIPELINE_METRICS_PORT": "0",  # no /metrics: another process may hold the default port
         "PYSPARK_SUBMIT_ARGS": "--conf spark.ui.showConsoleProgress=false pyspark-shell",
     }
     return subprocess.run(

@@ -12,10 +12,20 @@ from pathlib import Path
 
 import pytest
 
-from aml_app.detection.model import BENIGN, load
-from aml_app.training.fit import UNNAMED, Replayed, calibrated_run, replay, replay_timeline, train
+from aml_app.detection.model import BENIGN, Model, load
+from aml_app.errors import ConfigError
+from aml_app.settings import load_settings
+from aml_app.training.fit import (
+    ALERT_BUDGETS,
+    UNNAMED,
+    Replayed,
+    calibrated_run,
+    replay,
+    replay_timeline,
+    train,
+)
 from aml_app.training.history import read_history
-from aml_app.training.holdout import PARTS, part_of, queue_precision, scored, split
+from aml_app.training.holdout import PARTS, part_of, queue_precision, scored, split, within_budgets
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
 HEADER = (
@@ -227,3 +237,42 @@ def test_precision_at_the_top_of_the_queue_weighs_benign_alerts_by_the_base_rate
     assert one_benign_first["HI (1 in 900)"]["10"] == 0.0  # the benign alert alone fills the top 10
     assert one_benign_first["HI (1 in 900)"]["100"] == round(11 / (89.9 + 11), 4)  # the first to hold 100
     assert queue_precision([0.5], [True], 1, 1)["in the part"]["10"] is None  # a queue shorter than k
+
+
+def test_each_alert_budget_holds_the_detector_to_its_share_of_the_benign_payments(run: Replayed) -> None:
+    """On the part that set them, the detector cut for a budget alerts at most that share of the benign
+    payments, with the trained rules beside the model or with none."""
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    model = Model.from_json(doc)
+    assert [rate for rate, _, _ in model.budgets] == sorted(ALERT_BUDGETS)
+    benign = [i for i, label in enumerate(parts.cut.labels) if label == BENIGN]
+    on_cut = within_budgets(model, parts.cut)
+    on_scored = within_budgets(model, parts.score)
+    for (rate, _, rules), cut_part, scored_part in zip(model.budgets, on_cut, on_scored, strict=True):
+        assert model.within(rate).alerting_rules == rules and rules in (model.alerting_rules, frozenset())
+        assert cut_part["budget"] == scored_part["budget"] == rate
+        assert cut_part["benign_alerted"] <= int(rate * len(benign))
+    assert on_cut[-1]["benign_alerted"] > 0  # the largest budget alerts something: the check can fail
+
+
+def test_an_alert_budget_picks_the_largest_of_the_files_not_above_it(tmp_path: Path, run: Replayed) -> None:
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    model = Model.from_json(doc)
+    budgets = {rate: (cut, rules) for rate, cut, rules in model.budgets}
+    assert model.within(0.0015).cut == budgets[0.001][0]
+    assert model.within(0.01).alerting_rules == budgets[0.01][1]
+    with pytest.raises(ValueError, match=r"no alert budget at or below 0\.0001"):
+        model.within(0.0001)
+    path = tmp_path / "model.json"
+    path.write_text(json.dumps(doc))
+    loaded = load(str(path), 0.002)
+    assert loaded is not None and loaded.cut == budgets[0.002][0]
+    with pytest.raises(ConfigError, match=r"^AML_ALERT_BUDGET=0.0001 does not fit AML_MODEL="):
+        load(str(path), 0.0001)
+    with pytest.raises(ConfigError, match="set AML_MODEL too"):
+        load_settings({"AML_ALERT_BUDGET": "0.001"})
+    with pytest.raises(ConfigError, match="out of range"):
+        load_settings({"AML_ALERT_BUDGET": "2", "AML_MODEL": str(path)})
+    assert load_settings({"AML_ALERT_BUDGET": "0.001", "AML_MODEL": str(path)}).aml_alert_budget == 0.001
