@@ -43,7 +43,7 @@ import argparse
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -64,9 +64,14 @@ BACKGROUND = DATA / "HI-Small_Trans_rows1-7500.csv"
 
 def replay(payments: list[Any], lag: bool) -> dict[str, list[str]]:
     """payment id -> the rules that fired on it, in the timeline's order."""
+    return fired_by_rules(decided(Services(AmlThresholds()), payments, lag))
+
+
+def fired_by_rules(pairs: Iterable[tuple[Any, Any]]) -> dict[str, list[str]]:
+    """payment id -> the rules that fired on it, from each payment's evidence (`decided`)."""
     thresholds = AmlThresholds()
     fired: dict[str, list[str]] = {}
-    for payment, evidence in decided(Services(thresholds), payments, lag):
+    for payment, evidence in pairs:
         hits = aml_rules(evidence, thresholds)
         if hits:
             fired[payment.payment_id] = [f"{hit.typology}:{hit.rule}" for hit in hits]

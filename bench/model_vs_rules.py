@@ -24,7 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from types import SimpleNamespace
 from typing import Any
@@ -43,17 +43,18 @@ OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
 
 
 def detectors(
-    timeline: list[Any], model: Model, lag: bool = False
+    timeline: list[Any], model: Model, lag: bool = False, pairs: Iterable[tuple[Any, Any]] | None = None
 ) -> tuple[dict[str, dict[str, list[str]]], float]:
     """payment id -> hits ("typology:rule") per detector over one timeline (`timeline_of`); and the model's
     seconds.
-    `lag`: each payment is decided on the evidence before it (the gate off)."""
+    `lag`: each payment is decided on the evidence before it (the gate off); `pairs`: each payment with
+    its evidence, replayed already (`decided`), instead of the timeline."""
     from aml_app.detection.rules import aml_rules
 
     thresholds = AmlThresholds()
     fired: dict[str, dict[str, list[str]]] = {"rules": {}, "model": {}, "both": {}}
     spent = 0.0
-    for payment, evidence in decided(Services(thresholds), timeline, lag):
+    for payment, evidence in decided(Services(thresholds), timeline, lag) if pairs is None else pairs:
         hits = aml_rules(evidence, thresholds)
         started = time.perf_counter()
         model_hit = model.hit(evidence, hits, thresholds)

@@ -26,13 +26,14 @@ from __future__ import annotations
 import json
 import tempfile
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from aml_app.detection.evidence import Evidence
 from aml_app.detection.model import BENIGN, FEATURES, SHIPPED_FILE, features
 from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
@@ -100,9 +101,10 @@ class Replayed:
         return [i for i, payment in enumerate(self.payments) if payment.payer != payment.payee]
 
 
-def replay(patterns: Any, background: Any) -> Replayed:
-    """Every payment of the attempts and the background, in event-time order, through the reference."""
-    return replay_timeline(timeline_of(patterns, background), patterns.attempts)
+def replay(patterns: Any, background: Any, pairs: Iterable[tuple[Any, Evidence]] | None = None) -> Replayed:
+    """Every payment of the attempts and the background, in event-time order, through the reference
+    (or `pairs`: each of them with its evidence, replayed already)."""
+    return replay_timeline(timeline_of(patterns, background), patterns.attempts, pairs=pairs)
 
 
 def replay_timeline(
@@ -110,6 +112,7 @@ def replay_timeline(
     attempts: Sequence[Any],
     unnamed: bool = False,
     progress: Callable[[int, int], None] | None = None,
+    pairs: Iterable[tuple[Any, Evidence]] | None = None,
 ) -> Replayed:
     """Every payment of `timeline` (event-time order) through the reference, labelled by `attempts`
     (each with a `typology` and its `payment_ids`). With `unnamed`, a payment marked laundering
@@ -120,7 +123,8 @@ def replay_timeline(
     typology = {pid: a.typology for a in attempts for pid in a.payment_ids}
     out = Replayed()
     lone: list[str] = []
-    for n, (payment, evidence) in enumerate(decided(Services(thresholds), timeline), start=1):
+    replayed = decided(Services(thresholds), timeline) if pairs is None else pairs
+    for n, (payment, evidence) in enumerate(replayed, start=1):
         hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
         out.rows.append(features(evidence, hits, thresholds))

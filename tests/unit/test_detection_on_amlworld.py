@@ -18,14 +18,14 @@ from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from aml_app.training import reference
 from bench.amlworld_detection import (
-    BACKGROUND,
-    PATTERNS,
+    fired_by_rules,
     judge,
     pooled,
     replay,
     timeline_of,
     with_evidence,
 )
+from tests.real_amlworld import real_decided, real_files
 
 #: Own-typology recall per typology, gate on, as published (docs/detection.md).
 PUBLISHED = {
@@ -42,14 +42,12 @@ PUBLISHED = {
 
 @pytest.fixture(scope="module")
 def data() -> tuple[Any, Any, list[Any]]:
-    patterns = read_patterns(PATTERNS)
-    background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    return patterns, background, timeline_of(patterns, background)
+    return real_files()
 
 
 @pytest.fixture(scope="module")
 def fired(data: tuple[Any, Any, list[Any]]) -> dict[str, list[str]]:
-    return replay(data[2], lag=False)
+    return fired_by_rules(real_decided())
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,6 @@ from aml_app.detection.model import BENIGN, FEATURES, PAYMENT_FORMATS, Model, fe
 from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
-from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.training.fit import (
     CUT_RATE,
     PARAMS,
@@ -37,10 +36,11 @@ from aml_app.training.fit import (
     sample_weights,
     train,
 )
-from aml_app.training.replay import Services, decided
-from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, timeline_of, with_evidence
+from aml_app.training.replay import Services
+from bench.amlworld_detection import judge, with_evidence
 from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
 from bench.model_vs_rules import detectors
+from tests.real_amlworld import real_decided, real_files
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
 
@@ -63,9 +63,7 @@ def small_model(small_runs: list[Replayed]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def real() -> tuple[Any, Any, list[Any]]:
-    patterns = read_patterns(PATTERNS)
-    background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    return patterns, background, timeline_of(patterns, background)
+    return real_files()
 
 
 @pytest.mark.parametrize("leaves", [7, 40])
@@ -162,7 +160,7 @@ def test_the_calibrated_runs_models_are_scored_on_are_none_they_learn_from_or_cu
 @pytest.fixture(scope="module")
 def fired_on_real(shipped: Model, real: tuple[Any, Any, list[Any]]) -> dict[str, Any]:
     """What the rules and the shipped model alert on the real data, replayed once for the tests."""
-    fired, _ = detectors(real[2], shipped)
+    fired, _ = detectors(real[2], shipped, pairs=real_decided())
     return fired
 
 
@@ -186,14 +184,16 @@ def test_scoring_replayed_features_gives_the_detectors_alerts(
     """`bench.model_spread` scores models on features replayed once; its alerts must be the detector's,
     payment for payment, as `bench.model_vs_rules` replays it."""
     patterns, background, _ = real
-    from_rows = alerts(shipped, replay(patterns, background))
+    from_rows = alerts(shipped, replay(patterns, background, pairs=real_decided()))
     assert from_rows == fired_on_real["model"]
     assert any("aml.model" in hit for hits in from_rows.values() for hit in hits)
 
 
 def _evidence(timeline: list[Any], wanted: Any) -> Any:
-    """The evidence about the first payment of `timeline` for which `wanted(evidence)` is true."""
-    for _, evidence in decided(Services(AmlThresholds()), timeline):
+    """The evidence about the first payment of `timeline` (the real files') for which `wanted(evidence)`
+    is true."""
+    assert timeline == real_files()[2]
+    for _, evidence in real_decided():
         if wanted(evidence):
             return evidence
     raise AssertionError("no such payment")

@@ -22,10 +22,8 @@ from aml_app.detection.model import BENIGN, FEATURES, Model, features, load
 from aml_app.detection.rules import Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.errors import ConfigError
-from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.training.fit import SHIPPED_PATH
-from aml_app.training.replay import Services, decided
-from bench.amlworld_detection import BACKGROUND, PATTERNS, timeline_of
+from tests.real_amlworld import real_decided
 
 THRESHOLDS = AmlThresholds()
 
@@ -33,9 +31,8 @@ THRESHOLDS = AmlThresholds()
 @pytest.fixture(scope="module")
 def evidences() -> list[Evidence]:
     """The evidence of every payment of the real files, gate on."""
-    patterns = read_patterns(PATTERNS)
-    background = read_amlworld(BACKGROUND, prefix="amlworld-background")
-    return [evidence for _, evidence in decided(Services(THRESHOLDS), timeline_of(patterns, background))]
+    assert THRESHOLDS == AmlThresholds()  # the thresholds the shared replay ran with
+    return [evidence for _, evidence in real_decided()]
 
 
 @pytest.fixture(scope="module")
