@@ -18,11 +18,12 @@ import numpy as np
 import pytest
 
 from aml_app.detection.evidence import Cycle
-from aml_app.detection.model import BENIGN, FEATURES, PAYMENT_FORMATS, Model, features, load
+from aml_app.detection.model import BENIGN, FEATURES, PAYMENT_FORMATS, SHIPPED, Model, features, load
 from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.training.fit import (
+    ALERT_BUDGETS,
     CUT_RATE,
     PARAMS,
     RUNS,
@@ -148,6 +149,9 @@ def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) ->
     assert doc["training"]["attempts_alike"] is True
     assert doc["training"]["cut_rate"] == CUT_RATE
     assert shipped.alerting_rules == {"aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
+    assert [b["benign_rate"] for b in doc["alert_budgets"]] == list(ALERT_BUDGETS)
+    budgeted = load(SHIPPED, 0.001)  # AML_ALERT_BUDGET=0.001: a tighter cut, the model alone
+    assert budgeted is not None and budgeted.cut < shipped.cut and not budgeted.alerting_rules
 
 
 def test_the_calibrated_runs_models_are_scored_on_are_none_they_learn_from_or_cut_on() -> None:
