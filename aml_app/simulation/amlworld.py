@@ -17,7 +17,7 @@ import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -360,6 +360,19 @@ def is_patterns_file(path: str | Path) -> bool:
             if raw.strip():
                 return raw.startswith(BEGIN)
     return False
+
+
+def transactions_and_patterns(files: Sequence[str | Path]) -> tuple[str | Path | None, str | Path | None]:
+    """The transactions file and the patterns file among `files` (each None if absent), told apart by
+    their first line; ValueError in one sentence when more than one of either is given."""
+    patterns = [f for f in files if is_patterns_file(f)]
+    transactions = [f for f in files if f not in patterns]
+    if len(patterns) > 1 or len(transactions) > 1:
+        raise ValueError(
+            f"{len(transactions)} transactions and {len(patterns)} patterns files were given; "
+            "give at most one of each"
+        )
+    return (transactions[0] if transactions else None), (patterns[0] if patterns else None)
 
 
 def read_patterns_import(path: str | Path, *, prefix: str = "amlworld-pattern") -> AmlworldImport:

@@ -27,9 +27,9 @@ from aml_app.simulation.amlworld import (
     DEFAULT_PREFIX,
     AmlworldImport,
     AmlworldPayment,
-    is_patterns_file,
     read_amlworld,
     read_patterns_import,
+    transactions_and_patterns,
 )
 
 CHUNK = 5000  # payments per produce() call; each chunk's acknowledgements are awaited before the next
@@ -128,18 +128,13 @@ def import_amlworld_command(
     except ConfigError as exc:
         raise click.ClickException(f"configuration error: {exc}") from None
     try:
-        patterns = [f for f in files if is_patterns_file(f)]
-        transactions = [f for f in files if f not in patterns]
-        if len(patterns) > 1 or len(transactions) > 1:
-            raise ValueError(
-                f"{len(transactions)} transactions and {len(patterns)} patterns files were given; "
-                "give at most one of each"
-            )
-        for f in transactions:
-            click.echo(f"amlworld: reading {f}")
-        parts = [read_amlworld(f, limit=limit, prefix=prefix, progress=click.echo) for f in transactions] + [
-            read_patterns_import(f, prefix=f"{prefix}-pattern") for f in patterns
-        ]
+        transactions, patterns = transactions_and_patterns(files)
+        parts = []
+        if transactions is not None:
+            click.echo(f"amlworld: reading {transactions}")
+            parts.append(read_amlworld(transactions, limit=limit, prefix=prefix, progress=click.echo))
+        if patterns is not None:
+            parts.append(read_patterns_import(patterns, prefix=f"{prefix}-pattern"))
         imported = parts[0] if len(parts) == 1 else parts[0].merged(parts[1])
         if truth is not None:
             imported.write_ground_truth(truth)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from aml_app.simulation.amlworld import is_patterns_file, read_amlworld, read_patterns
+from aml_app.simulation.amlworld import read_amlworld, read_patterns, transactions_and_patterns
 
 
 @dataclass(frozen=True)
@@ -53,21 +53,15 @@ def read_history(files: Sequence[str | Path], progress: Callable[[str], None] | 
     one sentence naming the file (and line) of the first fault."""
     if not files:
         raise ValueError("no labelled file was given")
-    patterns_files = [f for f in files if is_patterns_file(f)]
-    transactions_files = [f for f in files if f not in patterns_files]
-    if len(patterns_files) > 1 or len(transactions_files) > 1:
-        raise ValueError(
-            f"{len(transactions_files)} transactions and {len(patterns_files)} patterns files were given; "
-            "give at most one of each"
-        )
+    transactions_file, patterns_file = transactions_and_patterns(files)
     payments: list[Any] = []
     skipped = 0
-    if transactions_files:
-        read = read_amlworld(transactions_files[0], prefix="history", progress=progress)
+    if transactions_file is not None:
+        read = read_amlworld(transactions_file, prefix="history", progress=progress)
         payments, skipped = read.payments, sum(read.skipped.values())
     attempts: list[Attempt] = []
-    if patterns_files:
-        patterns = read_patterns(patterns_files[0], prefix="history-pattern")
+    if patterns_file is not None:
+        patterns = read_patterns(patterns_file, prefix="history-pattern")
         skipped += sum(patterns.skipped.values())
         rows: dict[tuple[str, ...], list[str]] = {}
         for payment in payments:
