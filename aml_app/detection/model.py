@@ -799,14 +799,17 @@ def load(source: str, budget: float | None = None) -> Model | None:
         else:
             text = Path(source).read_text()
         model = Model.from_json(json.loads(text))
-        model._walk  # noqa: B018  # compiled now, so that a model it cannot walk stops the start-up
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"{MODEL_VARIABLE}={source!r} is not a readable AML model: {exc}.") from None
-    if budget is None:
-        return model
+    if budget is not None:
+        try:
+            model = model.within(budget)
+        except ValueError as exc:
+            raise ConfigError(
+                f"{BUDGET_VARIABLE}={budget:g} does not fit {MODEL_VARIABLE}={source!r}: {exc}."
+            ) from None
     try:
-        return model.within(budget)
-    except ValueError as exc:
-        raise ConfigError(
-            f"{BUDGET_VARIABLE}={budget:g} does not fit {MODEL_VARIABLE}={source!r}: {exc}."
-        ) from None
+        model._walk  # noqa: B018  # compiled now (once), so that a model it cannot walk stops the start-up
+    except (ValueError, KeyError, TypeError, IndexError) as exc:
+        raise ConfigError(f"{MODEL_VARIABLE}={source!r} is not a readable AML model: {exc}.") from None
+    return model
