@@ -45,6 +45,10 @@ async def test_broker_command_creates_the_topics_and_stops_on_ctrl_c(tmp_path):
             finally:
                 await admin.close()
 
+        # The topics can be listed before the command has heard they were created and said it is ready:
+        # wait for its line first, else Ctrl-C can come before it.
+        ready = await asyncio.wait_for(line_with(broker, "embedded broker ready"), 30)
+        assert f"KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port}" in ready
         await wait_until(topics, 30, "the broker command to create the topics", interval=0.3)
         broker.send_signal(signal.SIGINT)
         out, _ = await asyncio.wait_for(broker.communicate(), 20)
@@ -56,9 +60,16 @@ async def test_broker_command_creates_the_topics_and_stops_on_ctrl_c(tmp_path):
             except TimeoutError:
                 broker.kill()
     assert broker.returncode == 0
-    text = out.decode()
-    assert f"KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port}" in text
-    assert "embedded broker stopped" in text
+    assert "embedded broker stopped" in out.decode()
+
+
+async def line_with(process: asyncio.subprocess.Process, text: str) -> str:
+    """The first line of the process's output that holds `text`."""
+    assert process.stdout is not None
+    while line := (await process.stdout.readline()).decode():
+        if text in line:
+            return line
+    raise AssertionError(f"the output ended without a line holding {text!r}")
 
 
 @pytest.mark.parametrize(
