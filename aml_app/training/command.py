@@ -19,6 +19,7 @@ from typing import Any
 
 import click
 
+from aml_app.detection.model import BENIGN
 from aml_app.training.fit import (
     CUT_RATE,
     RUNS,
@@ -128,7 +129,10 @@ def train_model_command(
         )
     if simulated:
         doc, scored_runs = _simulated(_seeds(score_seeds, "--score-seeds"), say)
-        report: dict[str, Any] = {"scored": "calibrated seeds " + score_seeds, **_pooled(doc, scored_runs)}
+        report: dict[str, Any] = {
+            "scored": "calibrated seeds " + score_seeds,
+            **scored(doc, Replayed.pooled(scored_runs)),
+        }
     else:
         try:
             history = read_history(files, progress=say)
@@ -147,14 +151,15 @@ def train_model_command(
             unnamed=True,
             progress=_replaying(say),
         )
-        parts = split(run, by, _shares(shares), seed)
+        part_shares = _shares(shares)
+        parts = split(run, by, part_shares, seed)
         for name in PARTS:
             part = getattr(parts, name)
             say(f"{name}: {len(part.payments):,} payments, {len(part.attempts):,} attempts")
         _enough(parts.learn, parts.cut)
         say("fitting the trees")
         doc, _ = train([parts.learn], [parts.cut], cut_rate=cut_rate, progress=say)
-        doc["training"]["history"] = {"files": history.files, "split": by, "shares": list(_shares(shares))}
+        doc["training"]["history"] = {"files": history.files, "split": by, "shares": list(part_shares)}
         report = {"scored": f"the {PARTS[2]} part", **scored(doc, parts.score)}
     write(doc, Path(out))
     alerting = ", ".join(doc["alerting_rules"]) or "none"
@@ -169,12 +174,12 @@ def _enough(learn: Replayed, cut: Replayed) -> None:
     """One sentence when a part cannot train: the trees need benign and laundering payments to learn
     from, the cut benign payments to be set on."""
     labels = set(learn.labels)
-    if labels == {"benign"} or "benign" not in labels:
+    if labels == {BENIGN} or BENIGN not in labels:
         raise click.ClickException(
             "the learning part needs both benign and laundering payments; give a longer history, other "
             "--shares, or --split attempt (for files that are not one stretch of time)."
         )
-    if "benign" not in cut.labels:
+    if BENIGN not in cut.labels:
         raise click.ClickException(
             "the cut part holds no benign payment; give a longer history or other --shares."
         )
@@ -214,17 +219,3 @@ def _replaying(say: Callable[[str], None]) -> Callable[[int, int], None]:
             )
 
     return progress
-
-
-def _pooled(doc: dict[str, Any], runs: Sequence[Replayed]) -> dict[str, Any]:
-    """The report on several runs as one (their payments and attempts together)."""
-    pooled = Replayed()
-    for run in runs:
-        offset = len(pooled.payments)
-        pooled.payments += run.payments
-        pooled.rows += run.rows
-        pooled.labels += run.labels
-        pooled.rules += run.rules
-        pooled.typologies += run.typologies
-        pooled.attempts += [(t, [i + offset for i in members]) for t, members in run.attempts]
-    return scored(doc, pooled)

@@ -79,6 +79,20 @@ class Replayed:
     typologies: list[list[str]] = field(default_factory=list)  # and the typology of each
     attempts: list[tuple[str, list[int]]] = field(default_factory=list)  # typology, its payments' indices
 
+    @classmethod
+    def pooled(cls, runs: Sequence[Replayed]) -> Replayed:
+        """Several runs as one: their payments one after the other, each attempt's indices moved along."""
+        out = cls()
+        for run in runs:
+            offset = len(out.payments)
+            out.payments += run.payments
+            out.rows += run.rows
+            out.labels += run.labels
+            out.rules += run.rules
+            out.typologies += run.typologies
+            out.attempts += [(typology, [i + offset for i in members]) for typology, members in run.attempts]
+        return out
+
     def subset(self, indices: Sequence[int]) -> Replayed:
         """The payments at `indices` (ascending) and the attempts all of whose payments are among them."""
         keep = {i: j for j, i in enumerate(indices)}

@@ -122,12 +122,7 @@ def test_training_reads_nothing_of_the_scored_part(run: Replayed) -> None:
     parts = split(run, "attempt")
     doc, _ = train([parts.learn], [parts.cut], SMALL)
     assert scored(doc, parts.score) != scored(doc, _scrambled(parts.score))  # the report reads it
-    whole = Replayed()
-    for piece in (parts.learn, parts.cut, _scrambled(parts.score)):
-        offset = len(whole.payments)
-        for field in ("payments", "rows", "labels", "rules", "typologies"):
-            getattr(whole, field).extend(getattr(piece, field))
-        whole.attempts += [(t, [i + offset for i in m]) for t, m in piece.attempts]
+    whole = Replayed.pooled([parts.learn, parts.cut, _scrambled(parts.score)])
     again = split(whole, "attempt")
     assert [p.payment_id for p in again.score.payments] == [p.payment_id for p in parts.score.payments]
     assert train([again.learn], [again.cut], SMALL)[0] == doc
