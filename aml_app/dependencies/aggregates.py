@@ -62,8 +62,7 @@ HORIZON = timedelta(days=7)
 #: `AML_AGGREGATES_RETENTION`).
 KEEP = timedelta(days=1)
 BUCKET = timedelta(minutes=1)
-#: The windows of an answer. The window query (`_WINDOWS`) spells out these three, in this order; each
-#: is longer than a minute, so that its first whole minute comes before the minute that holds `at`.
+#: The windows of an answer. The window query (`_WINDOWS`) spells out these three, in this order.
 WINDOWS = {"1h": timedelta(hours=1), "24h": timedelta(hours=24), "7d": timedelta(days=7)}
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
@@ -268,18 +267,16 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # --- the query ------------------------------------------------------------------------------------
 
 # One pass per (account, at) serves all three windows, which nest: (at - 7 d, at] holds (at - 24 h, at],
-# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded) and `h_w` = the minute that holds
-# lo_w, the window's partial first minute (the minutes after it lie wholly inside); `fb` = the minute that
-# holds `at`, the same for every window. `flow` reads, per account and side, one index range of flow rows
-# (from the payer's side through the primary key, from the payee's side through flows_by_payee): the
-# minutes h_7d to fb. Each row is flagged with the windows it counts in (in_1h, in_24h, in_7d): a minute
-# after h_w and before fb counts whole in w; so does a row of fb whose last payment is at or before `at`,
-# and a row of h_w whose first payment is after lo_w. A row of fb or h_w whose payments lie on both sides
-# of the cut (its first and last time tell, without reading them) is `cut`: `rows` counts its payments one
-# by one, unpacked from its arrays, instead of the row. Most rows hold one payment and are never cut.
-# Each range is an index scan of its own, per query (LATERAL): a join of all queries at once let the
-# planner hash whole tables on every call (BENCHMARKS.md, "End to end").
-# The windows nest, so each row counts in every window from the smallest one that holds it (`w`: 1 for
+# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded). Per account and side, one index
+# range of flow rows (from the payer's side through the primary key, from the payee's side through
+# flows_by_payee): the minutes from the one that holds lo_7d to the one that holds `at`. A row is cut when
+# its payments lie on both sides of an edge (`at` or a lo_w: its first and last time tell, without reading
+# them); any other row counts whole in window w when its first payment is after lo_w and its last at or
+# before `at`. A cut row's payments are unpacked from its arrays and counted one by one. Most rows hold one
+# payment and are never cut. Each range is an index scan of its own,
+# per query (LATERAL): a join of all queries at once let the planner hash whole tables on every call
+# (BENCHMARKS.md, "End to end").
+# Each row (or unpacked payment) counts in every window from the smallest one that holds it (`w`: 1 for
 # 1 h, 2 for 24 h, 3 for 7 d) on. The answers come from two hash aggregates over the rows: per
 # (direction, currency, w) the totals, payments and near-threshold payments, added up window by window
 # (and a direction's payments over its currencies) in Python; and per counterparty the smallest window
@@ -287,64 +284,42 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # distinct counterparties without DISTINCT aggregates (which would sort every group for every window:
 # twice the CPU). A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's
 # CPU on the end-to-end benchmark's traffic, three aggregates over the rows and two over their
-# counterparties a fifth more again (BENCHMARKS.md, "End to end").
+# counterparties a fifth more again (BENCHMARKS.md, "End to end"); one aggregate over grouping sets for
+# both took a fifth longer than the two on a store the capacity benchmark left.
 # The lists go as binary parameters (`%(name)b`): psycopg writes them several times faster than text
 # arrays (relations.py gives the figures).
 _WINDOWS = """
-WITH h AS (
+WITH q AS (
     SELECT i, account COLLATE "C" AS account, at, at - %(1h)s AS lo_1h, at - %(24h)s AS lo_24h,
-        at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS fb
+        at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at - %(7d)s, 'epoch') AS first_minute,
+        date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS last_minute
     FROM unnest(%(accounts)b::text[], %(ats)b::timestamptz[]) WITH ORDINALITY AS h(account, at, i)
-), q AS (
-    SELECT h.*, date_bin(%(bucket)s, lo_1h, 'epoch') AS h_1h, date_bin(%(bucket)s, lo_24h, 'epoch') AS h_24h,
-        date_bin(%(bucket)s, lo_7d, 'epoch') AS h_7d
-    FROM h
-), flow AS MATERIALIZED (
-    SELECT q.i, r.direction, r.counterparty, r.currency, r.bucket, r.payments, r.total, r.near, r.cut,
-        CASE WHEN r.cut THEN r.times END AS times, CASE WHEN r.cut THEN r.amounts END AS amounts,
-        r.tail OR r.bucket > q.h_1h AND r.bucket < q.fb OR r.bucket = q.h_1h AND r.first_ts > q.lo_1h
-            AS in_1h,
-        r.tail OR r.bucket > q.h_24h AND r.bucket < q.fb OR r.bucket = q.h_24h AND r.first_ts > q.lo_24h
-            AS in_24h,
-        r.tail OR r.bucket > q.h_7d AND r.bucket < q.fb OR r.bucket = q.h_7d AND r.first_ts > q.lo_7d
-            AS in_7d
-    FROM q CROSS JOIN LATERAL (
-        SELECT s.*, s.bucket = q.fb AND s.last_ts <= q.at AS tail,
-            s.bucket = q.fb AND s.first_ts <= q.at AND s.last_ts > q.at
-                OR s.bucket = q.h_1h AND s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
-                OR s.bucket = q.h_24h AND s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h
-                OR s.bucket = q.h_7d AND s.first_ts <= q.lo_7d AND s.last_ts > q.lo_7d AS cut
-        FROM (
-            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.bucket, f.payments, f.total,
-                f.near, f.times, f.amounts, f.first_ts, f.last_ts
-            FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.h_7d AND f.bucket <= q.fb
-                AND f.payee <> q.account
-            UNION ALL
-            SELECT 'in', f.payer, f.currency, f.bucket, f.payments, f.total, 0, f.times, f.amounts,
-                f.first_ts, f.last_ts
-            FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.h_7d AND f.bucket <= q.fb
-                AND f.payer <> q.account
-        ) s
-    ) r
 ), rows AS MATERIALIZED (
-    SELECT i, direction, counterparty, currency, payments, total, near,
-        CASE WHEN in_1h THEN 1 WHEN in_24h THEN 2 ELSE 3 END AS w
-    FROM flow WHERE NOT cut AND in_7d
-    UNION ALL
-    SELECT i, direction, counterparty, currency, 1, amount, near,
-        CASE WHEN in_1h THEN 1 WHEN in_24h THEN 2 ELSE 3 END
-    FROM (
-        SELECT f.i, f.direction, f.counterparty, f.currency, p.amount,
-            CASE WHEN f.direction = 'out' THEN {near} ELSE 0 END AS near,
-            f.bucket > q.h_1h AND f.bucket < q.fb OR f.bucket = q.h_1h AND p.ts > q.lo_1h
-                OR f.bucket = q.fb AND p.ts <= q.at AS in_1h,
-            f.bucket > q.h_24h AND f.bucket < q.fb OR f.bucket = q.h_24h AND p.ts > q.lo_24h
-                OR f.bucket = q.fb AND p.ts <= q.at AS in_24h,
-            f.bucket > q.h_7d AND f.bucket < q.fb OR f.bucket = q.h_7d AND p.ts > q.lo_7d
-                OR f.bucket = q.fb AND p.ts <= q.at AS in_7d
-        FROM flow f JOIN q ON q.i = f.i CROSS JOIN LATERAL unnest(f.times, f.amounts) AS p(ts, amount)
-        WHERE f.cut
-    ) AS unpacked WHERE in_7d
+    SELECT q.i, s.direction, s.counterparty, s.currency, x.payments, x.total, x.near,
+        CASE WHEN x.first_ts > q.lo_1h THEN 1 WHEN x.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
+    FROM q CROSS JOIN LATERAL (
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near, f.times,
+            f.amounts, f.first_ts, f.last_ts
+        FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
+            AND f.payee <> q.account
+        UNION ALL
+        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.times, f.amounts, f.first_ts, f.last_ts
+        FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
+            AND f.payer <> q.account
+    ) s CROSS JOIN LATERAL (
+        SELECT s.payments, s.total, s.near, s.first_ts
+        WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
+            s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+        UNION ALL
+        SELECT 1, p.amount, CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END, p.ts
+        FROM unnest(s.times, s.amounts) AS p(ts, amount)
+        WHERE s.first_ts < s.last_ts AND (
+                s.first_ts <= q.at AND s.last_ts > q.at
+                OR s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
+                OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h
+                OR s.first_ts <= q.lo_7d AND s.last_ts > q.lo_7d)
+            AND p.ts > q.lo_7d AND p.ts <= q.at
+    ) x
 ), parties AS (
     SELECT i, min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
         AS received, min(w) AS seen
