@@ -1,0 +1,182 @@
+"""Mapping a group's offsets on a derived topic onto `payments` (`aml_app.gate.derivation`).
+
+A simulated stage filters, splits, merges, repartitions and, after a restart, writes records again; a
+group reads the derived topic part way. The bookkeeping, fed the records as a leader reads them across
+several refreshes, must give for every payments partition exactly the first payment the group has not
+applied (the stage has not derived it, or one of its records is pending); a naive reading of the
+group's offsets must not.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from aml_app.gate.derivation import (
+    SOURCE_HEADER,
+    DerivationError,
+    PendingSources,
+    check_retained,
+    source_positions,
+)
+
+PAYMENTS = (0, 1, 2)
+DERIVED = (0, 1)
+
+
+@dataclass
+class Stage:
+    """A derivation stage over three payments partitions writing two derived partitions."""
+
+    rng: random.Random
+    sizes: dict[int, int]
+    derived: dict[int, list[list[tuple[int, int]]]] = field(default_factory=lambda: {d: [] for d in DERIVED})
+    position: dict[int, int] = field(default_factory=lambda: dict.fromkeys(PAYMENTS, 0))  # next to process
+    committed: dict[int, int] = field(default_factory=lambda: dict.fromkeys(PAYMENTS, 0))  # S(p)
+    merging: list[tuple[int, int]] = field(default_factory=list)
+
+    def step(self) -> None:
+        """Process the next payment of a random partition, or commit, or restart from the commits."""
+        roll = self.rng.random()
+        if roll < 0.1:
+            self.commit()
+            return
+        if roll < 0.13:  # a crash: what is being merged is lost, processing resumes from S(p)
+            self.merging.clear()
+            self.position = dict(self.committed)
+            return
+        open_partitions = [p for p in PAYMENTS if self.position[p] < self.sizes[p]]
+        if not open_partitions:
+            self.flush()
+            return
+        p = self.rng.choice(open_partitions)
+        payment = (p, self.position[p])
+        self.position[p] += 1
+        kind = self.rng.choice(["one", "one", "one", "filter", "split", "merge"])
+        if kind == "filter":
+            return
+        if kind == "merge":
+            self.merging.append(payment)
+            if len(self.merging) >= 3:
+                self.flush()
+            return
+        self.merging.append(payment)
+        targets = list(DERIVED) if kind == "split" else [self.rng.choice(DERIVED)]
+        for d in targets:
+            self.derived[d].append(list(self.merging))
+        self.merging.clear()
+
+    def flush(self) -> None:
+        if self.merging:
+            self.derived[self.rng.choice(DERIVED)].append(list(self.merging))
+            self.merging.clear()
+
+    def commit(self) -> None:
+        """S(p): every payment below it is derived (none is still being merged)."""
+        held = {p: min((o for q, o in self.merging if q == p), default=None) for p in PAYMENTS}
+        self.committed = {p: self.position[p] if held[p] is None else held[p] for p in PAYMENTS}
+
+
+def truth(stage: Stage, committed: dict[int, int], group_committed: dict[int, int]) -> dict[int, int]:
+    """The first payment of each partition that the group has not applied, by brute force."""
+    pending = {
+        position
+        for d, records in stage.derived.items()
+        for offset, record in enumerate(records)
+        if offset >= group_committed[d]
+        for position in record
+    }
+    first = {}
+    for p in PAYMENTS:
+        o = 0
+        while o < committed[p] and (p, o) not in pending:
+            o += 1
+        first[p] = o
+    return first
+
+
+def refresh(book: PendingSources, stage: Stage, group_committed: dict[int, int]) -> dict[int, int]:
+    """One leader refresh: S(p) first, then the group's offsets, then each partition read to its end."""
+    stage_committed = dict(stage.committed)
+    ends = {d: len(records) for d, records in stage.derived.items()}
+    for d in DERIVED:
+        for offset in range(book.next_read(d, group_committed[d]), ends[d]):
+            book.add(d, offset, stage.derived[d][offset])
+        book.read_to(d, ends[d])
+    return book.positions(PAYMENTS, stage_committed, group_committed, ends)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_the_positions_are_the_first_payment_the_group_has_not_applied(seed: int) -> None:
+    rng = random.Random(seed)
+    stage = Stage(rng, {p: rng.randint(0, 25) for p in PAYMENTS})
+    book = PendingSources("payments.enriched", "aggregates")
+    group_committed = dict.fromkeys(DERIVED, 0)
+    for _ in range(rng.randint(1, 8)):  # refreshes
+        for _ in range(rng.randint(0, 30)):
+            stage.step()
+        for d in DERIVED:
+            end = len(stage.derived[d])
+            if rng.random() < 0.1:  # the group is moved back (a replay of the group)
+                group_committed[d] = rng.randint(0, group_committed[d])
+            else:
+                group_committed[d] = rng.randint(group_committed[d], max(group_committed[d], end))
+        stage_committed = dict(stage.committed)
+        assert refresh(book, stage, group_committed) == truth(stage, stage_committed, group_committed)
+
+
+def test_a_naive_reading_of_the_groups_offsets_decides_before_the_group_applied() -> None:
+    """Negative control: the group's offsets on D taken as offsets on payments (or the source position of
+    the record it stopped at) say payments are applied that the group has not read."""
+    stage = Stage(random.Random(0), dict.fromkeys(PAYMENTS, 0))
+    # Partition 0 of D interleaves payments partitions 0 and 1; payment (0, 1) is filtered out.
+    stage.derived[0] = [[(0, 0)], [(1, 0)], [(1, 1)], [(0, 2)], [(1, 2)], [(0, 3)]]
+    stage.derived[1] = []
+    stage.committed = {0: 4, 1: 3, 2: 0}
+    group_committed = {0: 3, 1: 0}  # read (0,0), (1,0), (1,1); pending (0,2), (1,2), (0,3)
+    expected = truth(stage, stage.committed, group_committed)
+    assert expected == {0: 2, 1: 2, 2: 0}
+
+    book = PendingSources("payments.enriched", "aggregates")
+    assert refresh(book, stage, group_committed) == expected
+
+    naive_as_offsets = {p: group_committed[0] for p in (0, 1)}
+    assert naive_as_offsets[0] > expected[0]  # would decide payment (0, 2), not yet applied
+    naive_record_at_commit = stage.derived[0][group_committed[0]][0]  # (0, 2): says nothing of partition 1
+    assert naive_record_at_commit == (0, 2) and stage.committed[1] > expected[1]  # S(1) alone decides (1, 2)
+
+
+def test_headers_name_the_payments_or_the_mapping_stops_with_one_sentence() -> None:
+    assert source_positions(
+        [(SOURCE_HEADER, b"3:17"), ("other", b"x"), (SOURCE_HEADER, b"0:5")], "d", 1, 9
+    ) == [(3, 17), (0, 5)]
+    with pytest.raises(DerivationError, match=r"offset 9 of d\[1\] has no aml-source header"):
+        source_positions([("other", b"x")], "d", 1, 9)
+    for bad in (b"3-17", b"x:1", None, b"\xff"):
+        with pytest.raises(DerivationError, match="not '<partition>:<offset>'"):
+            source_positions([(SOURCE_HEADER, bad)], "d", 1, 9)
+    with pytest.raises(DerivationError, match="cannot exist"):
+        source_positions([(SOURCE_HEADER, b"-1:4")], "d", 1, 9)
+
+
+def test_records_gone_before_the_group_read_them_cannot_be_placed() -> None:
+    assert check_retained("d", "g", 0, None, 0) == 0
+    assert check_retained("d", "g", 0, 12, 10) == 12
+    with pytest.raises(DerivationError, match=r"never committed on d\[0\], whose records below 10 are gone"):
+        check_retained("d", "g", 0, None, 10)
+    with pytest.raises(DerivationError, match=r"records from 4 to 10 are gone"):
+        check_retained("d", "g", 0, 4, 10)
+
+
+def test_a_partition_not_read_to_its_end_gives_no_position() -> None:
+    book = PendingSources("d", "g")
+    book.add(0, book.next_read(0, 0), [(0, 0)])
+    with pytest.raises(DerivationError, match=r"d\[0\] has not been read to its end \(2\)"):
+        book.positions(PAYMENTS, {0: 5}, {0: 0}, {0: 2})
+    book.add(0, 1, [(0, 1)])
+    assert book.positions(PAYMENTS, {0: 5}, {0: 1}, {0: 2}) == {0: 1, 1: 0, 2: 0}
