@@ -3,18 +3,25 @@
 Committed consumer-group offsets are the single source of truth of a dependency's progress; nothing is
 asked of the dependencies beyond committing after their work is durable. Partitions are always passed
 explicitly (it is what we need, and some brokers answer an open-ended OffsetFetch with nothing).
+
+A dependency group that reads a topic derived from `payments` (`derived`) has its offsets on that topic
+mapped onto `payments` (`aml_app.kafka.derived`): its entry in a reading is then that position, W(p),
+every payment below which it has applied. The derivation stage's group is read first, as the mapping's
+proof needs.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.derivation import DerivationError
+from aml_app.kafka.derived import DerivedTopic
 from aml_app.kafka.identity import LogIdentities
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs, librdkafka_config
 
@@ -51,7 +58,8 @@ class DependencyOffsets:
     """One admin client (and, for log ends, one group-less consumer), reused across refreshes,
     counting the requests it makes.
 
-    `security` is the cluster's TLS/SASL settings, as loaded at start-up (`Settings.kafka_security`).
+    `security` is the cluster's TLS/SASL settings, as loaded at start-up (`Settings.kafka_security`);
+    `derived` maps a group that reads a topic derived from `topic` to (that topic, the stage's group).
     """
 
     def __init__(
@@ -62,6 +70,7 @@ class DependencyOffsets:
         request_timeout: float = 5.0,
         *,
         security: KafkaSecurity,
+        derived: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         self.bootstrap_servers = list(bootstrap_servers)
         self._security = aiokafka_kwargs(security)
@@ -77,6 +86,11 @@ class DependencyOffsets:
         self._librdkafka = {
             "bootstrap.servers": ",".join(self.bootstrap_servers),
             **librdkafka_config(security),
+        }
+        client = {"bootstrap_servers": self.bootstrap_servers, **self._security}
+        self._derived = {
+            group: DerivedTopic(derived_topic, group, stage, client, request_timeout)
+            for group, (derived_topic, stage) in (derived or {}).items()
         }
 
     async def _admin(self) -> AIOKafkaAdminClient:
@@ -120,6 +134,8 @@ class DependencyOffsets:
         consumer, self._consumer = self._consumer, None
         self._identities = None
         self._coordinators.clear()
+        for derived in self._derived.values():
+            await derived.close()
         if client is not None:
             await close_within(client.close(), self.request_timeout, "closing the admin client")
         if consumer is not None:
@@ -160,6 +176,8 @@ class DependencyOffsets:
             return Reading(partitions, committed, own, ends, await self._read_log(recheck))
         except OffsetReadError:
             raise
+        except DerivationError as exc:  # a sentence about the derived topic: the clients are fine
+            raise OffsetReadError(str(exc)) from exc
         except Exception as exc:
             raise await self._failed(exc) from exc
 
@@ -204,19 +222,49 @@ class DependencyOffsets:
             raise OffsetReadError(f"topic {self.topic!r} does not exist (yet)")
         return sorted(p["partition"] for p in found[0]["partitions"])
 
+    @property
+    def derived_requests(self) -> int:
+        """Requests made to map the derived topics' offsets (counted apart from `requests`)."""
+        return sum(derived.requests for derived in self._derived.values())
+
+    @property
+    def derived_records_read(self) -> int:
+        """Records of the derived topics read so far (each once, unless a group is moved back)."""
+        return sum(derived.records_read for derived in self._derived.values())
+
+    async def _coordinator(self, admin: AIOKafkaAdminClient, group: str) -> int:
+        if group not in self._coordinators:
+            self.requests += 1
+            self._coordinators[group] = await within(
+                admin.find_coordinator(group), self.request_timeout, f"finding {group!r}'s coordinator"
+            )
+        return self._coordinators[group]
+
     async def _read_committed(
+        self, admin: AIOKafkaAdminClient, partitions: Sequence[int], groups: Sequence[str]
+    ) -> dict[str, dict[int, int | None]]:
+        """Each group's committed offsets on `partitions`; a group reading a derived topic, its position."""
+        derived = [group for group in groups if group in self._derived]
+        stages = list(dict.fromkeys(self._derived[group].stage_group for group in derived))
+        # The stages' offsets first: a derived group's position is proved from them (kafka.derivation).
+        stage_offsets = await self._read_plain(admin, partitions, stages)
+        result = await self._read_plain(admin, partitions, [g for g in groups if g not in self._derived])
+        for group in derived:
+            reader = self._derived[group]
+            positions = await reader.positions(
+                admin, partitions, stage_offsets[reader.stage_group], await self._coordinator(admin, group)
+            )
+            result[group] = {p: positions[p] for p in partitions}
+        return {group: result[group] for group in groups}
+
+    async def _read_plain(
         self, admin: AIOKafkaAdminClient, partitions: Sequence[int], groups: Sequence[str]
     ) -> dict[str, dict[int, int | None]]:
         tps = [TopicPartition(self.topic, p) for p in partitions]
         result: dict[str, dict[int, int | None]] = {}
         for group in groups:
-            if group not in self._coordinators:
-                self.requests += 1
-                self._coordinators[group] = await within(
-                    admin.find_coordinator(group), self.request_timeout, f"finding {group!r}'s coordinator"
-                )
+            answer_from = await self._coordinator(admin, group)
             self.requests += 1
-            answer_from = self._coordinators[group]
             answer = await within(
                 admin.list_consumer_group_offsets(group, group_coordinator_id=answer_from, partitions=tps),
                 self.request_timeout,

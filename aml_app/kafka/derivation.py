@@ -160,6 +160,11 @@ class PendingSources:
     def scanned(self, partition: int) -> int:
         return self._partitions[partition].scanned
 
+    def kept_from(self, partition: int) -> int | None:
+        """From which offset of `partition` the pending records are known (None: not read yet)."""
+        known = self._partitions.get(partition)
+        return None if known is None else known.start
+
     def positions(
         self,
         payments_partitions: Iterable[int],

@@ -1,0 +1,197 @@
+"""Reads a derived topic's progress for the gate: a group's committed offsets on it, mapped onto `payments`.
+
+`aml_app.kafka.derivation` holds the arithmetic and the one cooperation asked of the derivation stage; this
+module makes its Kafka reads, in the order the mapping's proof needs. Per refresh, after the caller has
+read the stage group's committed offsets on `payments` (S):
+
+1. the dependency group's committed offsets on the derived topic D (one OffsetFetch);
+2. D's ends (one ListOffsets) and, for a partition of D read from a new place, its log start;
+3. the records of D appended since the last refresh, each read once by a group-less consumer
+   (`read_uncommitted`: a stage's open or aborted transactions are extra pending records, which can
+   only hold W lower, and pass once the group's offset passes them).
+
+Some brokers (Tansu) answer ListOffsets with the start of a partition's last record batch + 1; a fetch
+returns whole batches, so once the record before that answer is read, the high watermark of the fetch
+that brought it covers the whole batch, and the read goes on to it. Every wait has a deadline.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+
+from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.derivation import PendingSources, check_retained, source_positions
+from aml_app.kafka.log_ends import fetched_log_ends
+
+#: Records fetched per call while catching up on a derived partition.
+MAX_RECORDS = 5_000
+
+
+class DerivedTopic:
+    """One dependency group reading topic `topic`, derived from `payments` by the stage whose consumer
+    group on `payments` is `stage_group`."""
+
+    def __init__(
+        self,
+        topic: str,
+        group: str,
+        stage_group: str,
+        client: Mapping[str, Any],
+        request_timeout: float = 5.0,
+    ) -> None:
+        self.topic, self.group, self.stage_group = topic, group, stage_group
+        self.pending = PendingSources(topic, group)
+        self.request_timeout = request_timeout
+        #: Requests made (OffsetFetch, ListOffsets, fetch calls), for the views and the benchmarks.
+        self.requests = 0
+        #: Records of the derived topic read so far.
+        self.records_read = 0
+        self._client = dict(client)
+        self._consumer: AIOKafkaConsumer | None = None
+        self._partitions: list[int] = []
+        #: Where the reader's position is on each partition of the topic, as this reader left it.
+        self._at: dict[int, int] = {}
+        #: Per partition, the end this reader last read to (a fetch's high watermark).
+        self._read_to: dict[int, int] = {}
+
+    async def _reader(self) -> AIOKafkaConsumer:
+        if self._consumer is None:
+            consumer = AIOKafkaConsumer(
+                **self._client,
+                group_id=None,
+                enable_auto_commit=False,
+                client_id="aml-gate-derived",
+                isolation_level="read_uncommitted",
+                request_timeout_ms=int(self.request_timeout * 1000),
+                fetch_max_wait_ms=100,
+            )
+            try:
+                await within(consumer.start(), self.request_timeout, "starting the derived topic reader")
+            except BaseException:
+                await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
+                raise
+            self._consumer = consumer
+        return self._consumer
+
+    async def close(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        self._partitions, self._at, self._read_to = [], {}, {}
+        if consumer is not None:
+            await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
+
+    async def positions(
+        self,
+        admin: AIOKafkaAdminClient,
+        payments_partitions: Sequence[int],
+        stage: Mapping[int, int | None],
+        coordinator: int,
+    ) -> dict[int, int]:
+        """W(p) of the group on `payments`; `stage` is S(p), read before this call; `coordinator` the
+        group's coordinator. Raises DerivationError (one sentence) when the topic cannot be mapped."""
+        consumer = await self._reader()
+        if not self._partitions:
+            self.requests += 1
+            self._partitions = await within(
+                _partitions_of(admin, self.topic), self.request_timeout, f"describing {self.topic!r}"
+            )
+            consumer.assign([TopicPartition(self.topic, d) for d in self._partitions])
+            self._at.clear()
+            self._read_to.clear()
+        tps = {d: TopicPartition(self.topic, d) for d in self._partitions}
+        self.requests += 1
+        answer = await within(
+            admin.list_consumer_group_offsets(
+                self.group, group_coordinator_id=coordinator, partitions=list(tps.values())
+            ),
+            self.request_timeout,
+            f"reading {self.group!r}'s committed offsets on {self.topic!r}",
+        )
+        raw = {tp.partition: (meta.offset if meta.offset >= 0 else None) for tp, meta in answer.items()}
+        self.requests += 1
+        reported = await within(
+            consumer.end_offsets(list(tps.values())),
+            self.request_timeout,
+            f"reading the ends of {self.topic!r}",
+        )
+        committed: dict[int, int] = {}
+        for d, tp in tps.items():
+            offset, kept = raw.get(d), self.pending.kept_from(d)
+            if offset is not None and kept is not None and offset >= kept:
+                committed[d] = offset
+                continue
+            # Read from a place not read before: the records from there on must still be in the log.
+            self.requests += 1
+            first = await within(
+                consumer.beginning_offsets([tp]), self.request_timeout, f"reading where {self.topic!r} starts"
+            )
+            committed[d] = check_retained(self.topic, self.group, d, offset, first[tp])
+        ends = {}
+        for d, tp in tps.items():
+            ends[d] = await self._read_to_end(consumer, d, tp, committed[d], reported[tp])
+        return self.pending.positions(payments_partitions, stage, committed, ends)
+
+    async def _read_to_end(
+        self, consumer: AIOKafkaConsumer, partition: int, tp: TopicPartition, committed: int, reported: int
+    ) -> int:
+        """Read `partition` from where the bookkeeping needs it to its end (see the module docstring);
+        returns that end."""
+        start = self.pending.next_read(partition, committed)
+        exact = False
+        if start >= reported:
+            if self._read_to.get(partition) == start:
+                return start  # this reader read to the end before, and no batch was appended since
+            # The group stands past the reported end, inside the last batch or beyond: only a fetch
+            # started there (by a new client, so its answer postdates the stage's offsets) tells.
+            self.requests += 2
+            key = (self.topic, partition)
+            reported = (await fetched_log_ends(self._client, {key: start}, self.request_timeout))[key]
+            exact = True
+            if start >= reported:
+                self.pending.read_to(partition, start)
+                self._read_to[partition] = start
+                return start
+        if self._at.get(partition) != start:
+            consumer.seek(tp, start)
+        target: int | None = None
+        deadline = time.monotonic() + self.request_timeout
+        while True:
+            position = await consumer.position(tp)
+            self._at[partition] = position
+            if target is None and position >= reported:
+                # The fetch that brought the record before `reported` holds its whole batch: its high
+                # watermark (or a later one) covers it.
+                target = reported if exact else max(reported, consumer.highwater(tp) or 0)
+            if target is not None and position >= target:
+                self.pending.read_to(partition, position)
+                self._read_to[partition] = position
+                return position
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(
+                    f"reading {self.topic}[{partition}] from {start} to {target or reported} took longer "
+                    f"than {self.request_timeout:g} s"
+                )
+            self.requests += 1
+            batches = await within(
+                consumer.getmany(tp, timeout_ms=int(min(remaining, 0.5) * 1000), max_records=MAX_RECORDS),
+                remaining + 1,
+                f"reading {self.topic}[{partition}]",
+            )
+            for message in batches.get(tp, []):
+                where = (self.topic, partition, message.offset)
+                self.pending.add(partition, message.offset, source_positions(message.headers, *where))
+                self.records_read += 1
+
+
+async def _partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[int]:
+    described = await admin.describe_topics([topic])
+    found = [t for t in described if t["topic"] == topic and not t["error_code"]]
+    partitions = sorted(p["partition"] for p in found[0]["partitions"]) if found else []
+    if not partitions:
+        raise RuntimeError(f"topic {topic!r} does not exist (yet)")
+    return partitions
