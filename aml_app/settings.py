@@ -47,6 +47,9 @@ class Settings:
     #: The consumer groups the gate waits for: by default every dependency service's own group, in the
     #: registry's order (`aml_app.dependency_services`).
     depends_on: tuple[str, ...] = field(default_factory=lambda: tuple(registry.SERVICES))
+    #: AML_DERIVED_DEPENDENCIES: the groups of `depends_on` that read a topic derived from payments, each
+    #: with that topic and the derivation stage's group on payments (`aml_app.kafka.derivation`).
+    derived_dependencies: dict[str, tuple[str, str]] = field(default_factory=dict)
     payments_topic: str = "payments"
     decisions_topic: str = "aml.decisions"
     alerts_topic: str = "aml.alerts"
@@ -403,6 +406,43 @@ def _alert_budget(env: Mapping[str, str]) -> float | None:
     return value
 
 
+def _derived_dependencies(
+    env: Mapping[str, str], depends: tuple[str, ...], app_id: str, payments_topic: str
+) -> dict[str, tuple[str, str]]:
+    """AML_DERIVED_DEPENDENCIES: `group:topic:stage-group`, comma-separated."""
+    raw = _text(env, "AML_DERIVED_DEPENDENCIES", "")
+    derived: dict[str, tuple[str, str]] = {}
+    for entry in (e.strip() for e in raw.split(",") if e.strip()):
+        parts = entry.split(":")
+        if len(parts) != 3 or not (
+            _GROUP.match(parts[0]) and _TOPIC.match(parts[1]) and _GROUP.match(parts[2])
+        ):
+            raise ConfigError(
+                f"AML_DERIVED_DEPENDENCIES: {entry!r} is not group:topic:stage-group (the dependency group, "
+                "the topic derived from payments it reads, the consumer group of the stage that writes it)."
+            )
+        group, topic, stage = parts
+        if group not in depends:
+            raise ConfigError(
+                f"AML_DERIVED_DEPENDENCIES names {group!r}, which AML_DEPENDS_ON does not list."
+            )
+        if group in derived:
+            raise ConfigError(f"AML_DERIVED_DEPENDENCIES names {group!r} twice.")
+        if topic == payments_topic:
+            raise ConfigError(
+                f"AML_DERIVED_DEPENDENCIES: {group!r} reads {topic!r}, the payments topic itself; leave it "
+                "out (only groups reading a derived topic belong there)."
+            )
+        if stage in (app_id, group):
+            raise ConfigError(
+                f"AML_DERIVED_DEPENDENCIES: the stage group of {group!r} is {stage!r}, which is "
+                f"{'this service' if stage == app_id else 'the dependency'}'s own group; name the group "
+                "the derivation stage commits on payments."
+            )
+        derived[group] = (topic, stage)
+    return derived
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
     env = os.environ if env is None else env
@@ -429,6 +469,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"AML_APP_ID={app_id!r} is also listed in AML_DEPENDS_ON; "
             "a service cannot wait for its own consumer group."
         )
+    payments_topic = _name(env, "AML_PAYMENTS_TOPIC", defaults.payments_topic, _TOPIC, "topic")
+    derived = _derived_dependencies(env, depends, app_id, payments_topic)
     fast = _float(env, "AML_FAST_REFRESH_INTERVAL", defaults.fast_refresh_interval, 0.01, 60)
     slow = _float(env, "AML_REFRESH_INTERVAL", defaults.refresh_interval, 0.05, 600)
     if fast > slow:
@@ -448,7 +490,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         service=service,
         app_id=app_id,
         depends_on=depends,
-        payments_topic=_name(env, "AML_PAYMENTS_TOPIC", defaults.payments_topic, _TOPIC, "topic"),
+        derived_dependencies=derived,
+        payments_topic=payments_topic,
         decisions_topic=_name(env, "AML_DECISIONS_TOPIC", f"{app_id}.decisions", _TOPIC, "topic"),
         alerts_topic=_name(env, "AML_ALERTS_TOPIC", f"{app_id}.alerts", _TOPIC, "topic"),
         dlq_topic=_name(env, "AML_DLQ_TOPIC", defaults.dlq_topic, _TOPIC, "topic"),

@@ -258,7 +258,13 @@ class WorkerGate(Service):
             settings.kafka_security,
         )
         return (
-            DependencyOffsets(servers, topic, settings.depends_on, security=security),
+            DependencyOffsets(
+                servers,
+                topic,
+                settings.depends_on,
+                security=security,
+                derived=settings.derived_dependencies,
+            ),
             UnappliedReader(
                 servers,
                 topic,

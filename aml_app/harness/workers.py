@@ -31,6 +31,9 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "AML_SERVICE": settings.service,
         "AML_APP_ID": settings.app_id,
         "AML_DEPENDS_ON": ",".join(settings.depends_on),
+        "AML_DERIVED_DEPENDENCIES": ",".join(
+            f"{group}:{topic}:{stage}" for group, (topic, stage) in settings.derived_dependencies.items()
+        ),
         "AML_PAYMENTS_TOPIC": settings.payments_topic,
         "AML_DECISIONS_TOPIC": settings.decisions_topic,
         "AML_ALERTS_TOPIC": settings.alerts_topic,

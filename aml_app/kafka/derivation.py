@@ -26,8 +26,8 @@ stage makes:
 - a partition of D fed by several payments partitions interleaves their offsets: each is tracked apart;
 - a stage behind holds W at S(p); a stage that restarts and writes some records again (duplicates
   later in D, with smaller source offsets) holds W at the smallest one until G applies it;
-- records of D that retention deleted before G read them, or before this bookkeeping read them, cannot
-  be placed: `DerivationError` says so (a compacted D is refused where it is declared).
+- records of D that retention deleted before G read them, where this bookkeeping had not read them
+  either, cannot be placed: `DerivationError` says so; so does a compacted D (`aml_app.kafka.derived`).
 
 **Cost.** The pending records are read once each, as they are appended (not the whole lag at every
 refresh), and kept per (partition of D, payments partition) as a monotonic queue of the source offsets

@@ -5,7 +5,8 @@ module makes its Kafka reads, in the order the mapping's proof needs. Per refres
 read the stage group's committed offsets on `payments` (S):
 
 1. the dependency group's committed offsets on the derived topic D (one OffsetFetch);
-2. D's ends (one ListOffsets) and, for a partition of D read from a new place, its log start;
+2. D's ends (one ListOffsets) and, for a partition of D read from a new place, its log start (and once,
+   D's configuration: a compacted D is refused);
 3. the records of D appended since the last refresh, each read once by a group-less consumer
    (`read_uncommitted`: a stage's open or aborted transactions are extra pending records, which can
    only hold W lower, and pass once the group's offset passes them).
@@ -23,9 +24,10 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from aml_app.kafka.deadlines import close_within, within
-from aml_app.kafka.derivation import PendingSources, check_retained, source_positions
+from aml_app.kafka.derivation import DerivationError, PendingSources, check_retained, source_positions
 from aml_app.kafka.log_ends import fetched_log_ends
 
 #: Records fetched per call while catching up on a derived partition.
@@ -96,6 +98,12 @@ class DerivedTopic:
         consumer = await self._reader()
         if not self._partitions:
             self.requests += 1
+            self.requests += 1
+            await within(
+                _refuse_compacted(admin, self.topic),
+                self.request_timeout,
+                f"reading {self.topic!r}'s configuration",
+            )
             self._partitions = await within(
                 _partitions_of(admin, self.topic), self.request_timeout, f"describing {self.topic!r}"
             )
@@ -186,6 +194,21 @@ class DerivedTopic:
                 where = (self.topic, partition, message.offset)
                 self.pending.add(partition, message.offset, source_positions(message.headers, *where))
                 self.records_read += 1
+
+
+async def _refuse_compacted(admin: AIOKafkaAdminClient, topic: str) -> None:
+    """A compacted topic drops records a later one with the same key replaces, the payments they name
+    with them: the group may never read them, and no bookkeeping can tell whether it applied them."""
+    answers = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
+    for answer in answers:
+        for resource in answer.resources:
+            for name, value, *_ in resource[4]:
+                if name == "cleanup.policy" and "compact" in (value or ""):
+                    raise DerivationError(
+                        f"{topic!r} is compacted (cleanup.policy={value}): records replaced by later ones "
+                        "take the payments they name with them, so the gate maps only a derived topic that "
+                        "keeps its records (cleanup.policy=delete)"
+                    )
 
 
 async def _partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[int]:

@@ -114,6 +114,7 @@ async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
         settings.depends_on,
         request_timeout=timeout,
         security=settings.kafka_security,
+        derived=settings.derived_dependencies,
     )
     servers = ",".join(settings.bootstrap_servers)
     try:

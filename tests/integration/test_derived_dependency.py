@@ -1,4 +1,4 @@
-"""A dependency group that reads a topic derived from payments, against the real broker.
+"""A dependency group that reads a topic derived from payments, against the real broker and a real worker.
 
 The test plays the derivation stage (filtering, splitting, merging, repartitioning, restarting and
 writing records again, each record naming its payments in `aml-source` headers, sent in batches) and
@@ -17,12 +17,14 @@ import uuid
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from aml_app.kafka.broker import EmbeddedBroker, create_topics
+from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka.broker import EmbeddedBroker, TopicSpec, create_topics
 from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import PLAINTEXT
-from aml_app.kafka.tools import GroupCommitter
+from aml_app.kafka.tools import GroupCommitter, produce
 from tests.derivation import DERIVED, PAYMENTS, Stage, truth
+from tests.harness import ends_of, payments_for
 
 pytestmark = pytest.mark.integration
 
@@ -90,3 +92,141 @@ async def test_a_derived_groups_position_is_the_first_payment_it_has_not_applied
         await stage_commits.stop()
         await group_commits.stop()
         await producer.stop()
+
+
+async def test_a_compacted_derived_topic_is_refused_with_one_sentence(broker: EmbeddedBroker) -> None:
+    suffix = uuid.uuid4().hex[:8]
+    payments, derived = f"payments-{suffix}", f"payments.latest-{suffix}"
+    bootstrap = [broker.bootstrap]
+    await create_topics(bootstrap, [payments], len(PAYMENTS))
+    await create_topics(bootstrap, [TopicSpec(derived, len(DERIVED), 1, {"cleanup.policy": "compact"})])
+    mapped = DependencyOffsets(
+        bootstrap, payments, ["g"], security=PLAINTEXT, derived={"g": (derived, f"stage-{suffix}")}
+    )
+    try:
+        with pytest.raises(OffsetReadError, match=rf"'{derived}' is compacted \(cleanup.policy=compact\)"):
+            await mapped.read()
+    finally:
+        await mapped.close()
+
+
+Records = dict[int, list[list[tuple[int, int]]]]
+
+
+def derive(ends: dict[int, int], rng: random.Random) -> Records:
+    """A stage's records per derived partition: payments filtered (1 in 6), split across both partitions
+    (1 in 5), merged in pairs (1 in 6), the rest repartitioned by another key; interleaved across the
+    payments partitions, each in order."""
+    derived: Records = {d: [] for d in DERIVED}
+    cursors = dict.fromkeys(ends, 0)
+    merging: list[tuple[int, int]] = []
+    while any(cursors[p] < ends[p] for p in ends):
+        p = rng.choice([q for q in ends if cursors[q] < ends[q]])
+        payment = (p, cursors[p])
+        cursors[p] += 1
+        roll = rng.random()
+        if roll < 1 / 6:
+            continue
+        merging.append(payment)
+        if roll < 2 / 6 and len(merging) < 2:
+            continue
+        for d in DERIVED if roll > 0.8 else [rng.choice(DERIVED)]:
+            derived[d].append(list(merging))
+        merging = []
+    if merging:
+        derived[0].append(merging)
+    return derived
+
+
+def applied(
+    derived: dict[int, list[list[tuple[int, int]]]], stage: dict[int, int], group: dict[int, int]
+) -> dict[int, int]:
+    """Per payments partition, the first payment the derived group has not applied (brute force)."""
+    pending = {x for d, records in derived.items() for o, r in enumerate(records) if o >= group[d] for x in r}
+    first = {}
+    for p, s in stage.items():
+        o = 0
+        while o < s and (p, o) not in pending:
+            o += 1
+        first[p] = o
+    return first
+
+
+@pytest.mark.parametrize("mapping", ["derived", "naive"])
+async def test_no_payment_is_decided_before_the_stage_and_the_derived_group_applied_it(
+    broker, names, producer, new_worker, deps, decision_log, mapping
+):
+    """The gate waits for B on payments and for C on a derived topic, whose offsets it maps; the naive
+    set-up, which waits for the stage instead of C, decides payments C has not applied."""
+    relations, aggregates = names.deps
+    derived_topic, stage_group = f"payments.enriched-{names.suffix}", f"enrichment-{names.suffix}"
+    bootstrap = [broker.bootstrap]
+    await create_topics(bootstrap, [derived_topic], len(DERIVED))
+    rng = random.Random(17)
+    placed = await produce(producer, names.payments, payments_for(names.partitions, 8, "d"))
+    ends = ends_of(placed)
+    derived = derive(ends, rng)
+    for d in DERIVED:  # written before the stage commits anything
+        for record in derived[d]:
+            headers = [(SOURCE_HEADER, f"{p}:{o}".encode()) for p, o in record]
+            await producer.send_and_wait(derived_topic, b"{}", partition=d, headers=headers)
+    env = (
+        {"AML_DERIVED_DEPENDENCIES": f"{aggregates}:{derived_topic}:{stage_group}"}
+        if mapping == "derived"
+        else {"AML_DEPENDS_ON": f"{relations},{stage_group}"}
+    )
+    worker = new_worker(**env)
+    await worker.wait_ready(set(range(names.partitions)))
+    stage = await GroupCommitter(bootstrap, stage_group, names.payments).start(range(names.partitions))
+    group = await GroupCommitter(bootstrap, aggregates, derived_topic).start(DERIVED)
+    timeline = CommitTimeline()
+    stage_at, group_at = dict.fromkeys(ends, 0), dict.fromkeys(DERIVED, 0)
+
+    def record_applied() -> None:
+        for p, offset in applied(derived, stage_at, group_at).items():
+            timeline.record(aggregates, p, offset)
+
+    try:
+        # B and the stage run ahead; C follows on the derived topic in random steps.
+        steps = [("relations", p) for p in ends for _ in range(3)] + [
+            ("stage", p) for p in ends for _ in range(3)
+        ]
+        rng.shuffle(steps)
+        steps += [("group", d) for d in DERIVED for _ in range(6)]
+        for kind, where in steps:
+            if kind == "relations":
+                offset = min(ends[where], timeline.committed(relations).get(where, 0) + rng.randint(1, 4))
+                timeline.record(relations, where, offset)
+                await deps[relations].commit({where: offset})
+            elif kind == "stage":
+                stage_at[where] = min(ends[where], stage_at[where] + rng.randint(1, 4))
+                record_applied()
+                timeline.record(stage_group, where, stage_at[where])
+                await stage.commit({where: stage_at[where]})
+            else:
+                group_at[where] = min(len(derived[where]), group_at[where] + rng.randint(1, 4))
+                record_applied()
+                await group.commit({where: group_at[where]})
+            if rng.random() < 0.3:
+                await decision_log.poll(timeout=0.3)
+        for p in ends:  # everything applied, by everyone
+            timeline.record(relations, p, ends[p])
+            timeline.record(stage_group, p, ends[p])
+            await deps[relations].commit({p: ends[p]})
+        stage_at, group_at = dict(ends), {d: len(derived[d]) for d in DERIVED}
+        record_applied()
+        await stage.commit(stage_at)
+        await group.commit(group_at)
+
+        await decision_log.wait_for(set(placed), timeout=60)
+        made = decision_log.decisions()
+        early = premature(made, (relations, aggregates), timeline)
+        if mapping == "derived":
+            assert early == []
+            assert len({d["payment_id"] for d in made}) == len(placed)
+        else:
+            assert premature(made, (relations, stage_group), timeline) == []
+            assert early, "the naive set-up decided nothing before C applied it: the scenario shows nothing"
+    finally:
+        await stage.stop()
+        await group.stop()

@@ -138,6 +138,34 @@ def test_invalid_group_in_depends_on() -> None:
     _fails({"AML_DEPENDS_ON": "ok,not ok"}, "AML_DEPENDS_ON", "not ok")
 
 
+def test_derived_dependencies_name_each_groups_topic_and_stage() -> None:
+    assert load_settings({}).derived_dependencies == {}
+    s = load_settings(
+        {"AML_DERIVED_DEPENDENCIES": " aggregates:payments.enriched:enrichment ,relations:p.norm:norm-stage"}
+    )
+    assert s.derived_dependencies == {
+        "aggregates": ("payments.enriched", "enrichment"),
+        "relations": ("p.norm", "norm-stage"),
+    }
+
+
+@pytest.mark.parametrize(
+    ("raw", "words"),
+    [
+        ("aggregates:payments.enriched", "is not group:topic:stage-group"),
+        ("aggregates:bad topic:enrichment", "is not group:topic:stage-group"),
+        ("fraud:payments.enriched:enrichment", "'fraud', which AML_DEPENDS_ON does not list"),
+        ("aggregates:a:s,aggregates:b:s", "names 'aggregates' twice"),
+        ("aggregates:payments:enrichment", "the payments topic itself"),
+        ("aggregates:payments.enriched:aml", "this service's own group"),
+        ("aggregates:payments.enriched:aggregates", "the dependency's own group"),
+    ],
+)
+def test_derived_dependencies_refused_in_one_sentence(raw: str, words: str) -> None:
+    message = _fails({"AML_DERIVED_DEPENDENCIES": raw}, "AML_DERIVED_DEPENDENCIES", words)
+    assert message.count(". ") == 0, message
+
+
 def test_app_id_listed_in_depends_on() -> None:
     _fails({"AML_APP_ID": "aml", "AML_DEPENDS_ON": "relations,aml"}, "AML_APP_ID", "AML_DEPENDS_ON")
     # also with the default dependency list
