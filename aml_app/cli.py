@@ -195,6 +195,32 @@ def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
     return triggers
 
 
+@click.command("enrich")
+def enrich_command() -> None:
+    """Run the enrichment stage: payments -> payments.enriched, exactly once (Kafka transactions)."""
+    import os
+    import signal
+
+    from aml_app.detection.exchange import ExchangeRates
+    from aml_app.enrichment import Stage, default_transactional_id
+
+    settings = load_settings()
+    rates = ExchangeRates.from_env(os.environ)
+    transactional_id = os.environ.get("AML_ENRICHMENT_ID", "").strip() or default_transactional_id(settings)
+    stop: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda number, _frame: stop.append(number))
+    stage = Stage(settings, transactional_id, rates)
+    click.echo(
+        f"enrichment: {settings.payments_topic} -> {settings.enriched_topic} as {transactional_id!r} "
+        f"(group {settings.enrichment_group!r})"
+    )
+    try:
+        stage.run(lambda: bool(stop))
+    finally:
+        stage.close()
+
+
 @click.command("serve")
 @click.argument("service", type=click.Choice(DEPENDENCY_SERVICES))
 def serve_command(service: str) -> None:
@@ -208,6 +234,7 @@ def serve_command(service: str) -> None:
 OWN_COMMANDS = {
     "broker": "aml_app.cli:broker_command",
     "demo": "aml_app.cli:demo_command",
+    "enrich": "aml_app.cli:enrich_command",
     "import-amlworld": "aml_app.simulation.amlworld_command:import_amlworld_command",
     "park": "aml_app.gate.park_command:park_command",
     "pipeline": "aml_app.cli:pipeline_command",

@@ -276,3 +276,16 @@ def validate_payment(
     }
     _not_after_sending(fields["ts"], record_timestamp, max_clock_skew)
     return fields
+
+
+def dead_letter_headers(
+    reason: str, topic: str, partition: int, offset: int, origin: str
+) -> list[tuple[str, bytes]]:
+    """A dead letter's headers, as Kafka Connect writes them: why, and where the original bytes were read."""
+    return [
+        ("dlq.reason", reason.encode()),
+        ("dlq.topic", topic.encode()),
+        ("dlq.partition", str(partition).encode()),
+        ("dlq.offset", str(offset).encode()),
+        ("dlq.worker", origin.encode()),
+    ]

@@ -51,6 +51,10 @@ class Settings:
     #: with that topic and the derivation stage's group on payments (`aml_app.kafka.derivation`).
     derived_dependencies: dict[str, tuple[str, str]] = field(default_factory=dict)
     payments_topic: str = "payments"
+    #: AML_ENRICHED_TOPIC / AML_ENRICHMENT_GROUP: the topic the enrichment stage (`aml-app enrich`)
+    #: derives from payments, and the stage's consumer group on payments.
+    enriched_topic: str = "payments.enriched"
+    enrichment_group: str = "enrichment"
     decisions_topic: str = "aml.decisions"
     alerts_topic: str = "aml.alerts"
     dlq_topic: str = "payments.dlq"
@@ -492,6 +496,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         depends_on=depends,
         derived_dependencies=derived,
         payments_topic=payments_topic,
+        enriched_topic=_name(env, "AML_ENRICHED_TOPIC", defaults.enriched_topic, _TOPIC, "topic"),
+        enrichment_group=_name(
+            env, "AML_ENRICHMENT_GROUP", defaults.enrichment_group, _GROUP, "consumer group"
+        ),
         decisions_topic=_name(env, "AML_DECISIONS_TOPIC", f"{app_id}.decisions", _TOPIC, "topic"),
         alerts_topic=_name(env, "AML_ALERTS_TOPIC", f"{app_id}.alerts", _TOPIC, "topic"),
         dlq_topic=_name(env, "AML_DLQ_TOPIC", defaults.dlq_topic, _TOPIC, "topic"),

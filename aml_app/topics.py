@@ -41,6 +41,13 @@ def topic_specs(settings: Settings, suffix: str = "") -> list[TopicSpec]:
         TopicSpec(
             settings.dlq_topic, n, rf, {"retention.ms": str(30 * DAY_MS)}, "dead letters: bytes + reason"
         ),
+        TopicSpec(
+            settings.enriched_topic,
+            n,
+            rf,
+            {"retention.ms": str(7 * DAY_MS), "min.insync.replicas": str(min(2, rf))},
+            "payments with their amount in the reporting currency (aml-app enrich), by payee",
+        ),
     ]
     for service in [s for s in DETECTING if s in available_services()]:
         # This worker's own service may have its topics renamed; the others keep their default names.

@@ -32,7 +32,7 @@ from typing import Any
 import faust
 from faust.types import TP, EventT, StreamT, TopicT
 
-from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, dead_letter_headers
 from aml_app.faust_internals import dispatch_events, record_gap, set_current_event
 from aml_app.gate.delivery import DeliveryChecker
 from aml_app.gate.event_time import micros
@@ -772,13 +772,9 @@ class GatedConsumer:
     async def _dead_letter(self, event: EventT[Any], reason: str) -> None:
         """Original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""
         message = event.message
-        headers = [
-            ("dlq.reason", reason.encode()),
-            ("dlq.topic", message.topic.encode()),
-            ("dlq.partition", str(message.partition).encode()),
-            ("dlq.offset", str(message.offset).encode()),
-            ("dlq.worker", self.worker_id.encode()),
-        ]
+        headers = dead_letter_headers(
+            reason, message.topic, message.partition, message.offset, self.worker_id
+        )
         fut = await self.dead_letters.send(key=message.key, value=message.value, headers=headers)
         await fut
         self.stats.dead_lettered += 1

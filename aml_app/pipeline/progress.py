@@ -11,6 +11,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from aml_app.contract import dead_letter_headers
+
 DELIVERY_TIMEOUT = 30.0
 
 
@@ -89,11 +91,9 @@ class DeadLetters:
         sent = 0
         for record in records:
             headers: list[tuple[str, str | bytes | None]] = [
-                ("dlq.reason", record.reason.encode()),
-                ("dlq.topic", self.source_topic.encode()),
-                ("dlq.partition", str(record.partition).encode()),
-                ("dlq.offset", str(record.offset).encode()),
-                ("dlq.worker", self.service.encode()),
+                *dead_letter_headers(
+                    record.reason, self.source_topic, record.partition, record.offset, self.service
+                )
             ]
             self.producer.produce(
                 self.topic, key=record.key, value=record.value, headers=headers, on_delivery=delivered

@@ -108,6 +108,7 @@ PACKAGES = [
     ("gate",),
     ("dependencies",),
     ("pipeline",),
+    ("enrichment",),
     ("simulation",),
     ("training",),
     ("topics", "topics_command"),

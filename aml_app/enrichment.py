@@ -1,0 +1,203 @@
+"""`aml-app enrich`: the derivation stage that writes `payments.enriched` from `payments`.
+
+A Kafka transactional read-process-write, the field's way to run a stateless stage exactly once (Kafka
+Streams does the same under `exactly_once_v2`): no state to keep, so no Spark job and no Faust table. It
+reads `payments` in its own consumer group (`AML_ENRICHMENT_GROUP`, read_committed) and, per batch of
+records, in one transaction:
+
+- a payment that keeps the contract goes to the derived topic (`AML_ENRICHED_TOPIC`) with its original key
+  and value, its amount in the reporting currency in the `aml-reporting-amount` header (absent when its
+  currency has no rate), and the `aml-source: <partition>:<offset>` header the gate maps by
+  (`aml_app.kafka.derivation`); it is partitioned by payee, so a reader finds each payee's payments on one
+  partition (a repartition: each derived partition interleaves every payments partition);
+- a record that breaks the contract goes to the dead-letter topic with its original bytes and the reason in
+  headers, as every other reader of `payments` does;
+- the group's offsets on `payments` (`send_offsets_to_transaction`): they move only with the records
+  derived from what they pass, the one cooperation the gate asks of a stage.
+
+Readers of the derived topic must read it read_committed. A failed transaction is aborted and the batch
+read again from the group's offsets. librdkafka runs the transactions (aiokafka's InitProducerId fails on
+the embedded broker). Each instance needs its own `AML_ENRICHMENT_ID` (the transactional id: a restarted
+instance with the same id fences its predecessor and ends its open transaction at once).
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from decimal import Decimal
+from typing import Any
+
+from aml_app.contract import InvalidPayment, dead_letter_headers, validate_payment
+from aml_app.detection.exchange import ExchangeRates
+from aml_app.kafka.derivation import SOURCE_HEADER
+from aml_app.kafka.security import librdkafka_config
+from aml_app.settings import Settings
+
+log = logging.getLogger("aml_app.enrichment")
+
+#: The header holding a payment's amount in the reporting currency: "<amount> <currency>".
+AMOUNT_HEADER = "aml-reporting-amount"
+#: Records read per transaction at most.
+BATCH = 500
+#: How long a transaction's calls may take (init, offsets, commit, abort).
+TRANSACTION_TIMEOUT = 30.0
+
+
+def payee_partition(payee: str, partitions: int) -> int:
+    """The derived partition of a payee's payments: stable across processes and restarts."""
+    return zlib.crc32(payee.encode()) % partitions
+
+
+@dataclass(frozen=True)
+class Derived:
+    """What one record of `payments` becomes: a record of the derived topic, or a dead letter."""
+
+    partition: int | None  # None: a dead letter
+    headers: list[tuple[str, str | bytes | None]]
+
+
+def derive(
+    key: bytes | None,
+    value: bytes | None,
+    source: tuple[str, int, int, int | None],
+    partitions: int,
+    rates: ExchangeRates,
+    max_bytes: int,
+    max_clock_skew: float,
+) -> Derived:
+    """The derived record (or dead letter) of the record `source` = (topic, partition, offset, timestamp)."""
+    topic, partition, offset, timestamp = source
+    try:
+        payment = validate_payment(key, value, max_bytes, timestamp, max_clock_skew)
+    except InvalidPayment as exc:
+        return Derived(None, [*dead_letter_headers(str(exc), topic, partition, offset, "enrichment")])
+    headers: list[tuple[str, str | bytes | None]] = [(SOURCE_HEADER, f"{partition}:{offset}".encode())]
+    converted = rates.convert(Decimal(payment["amount"]), payment["currency"])
+    if converted is not None:
+        amount = converted.quantize(Decimal("0.01"))
+        headers.append((AMOUNT_HEADER, f"{amount} {rates.reporting}".encode()))
+    return Derived(payee_partition(payment["payee"], partitions), headers)
+
+
+class Stage:
+    """The read-process-write loop over librdkafka clients made from `settings`."""
+
+    def __init__(self, settings: Settings, transactional_id: str, rates: ExchangeRates) -> None:
+        from confluent_kafka import Consumer, Producer
+
+        client = {
+            "bootstrap.servers": ",".join(settings.bootstrap_servers),
+            **librdkafka_config(settings.kafka_security),
+        }
+        self.settings, self.rates = settings, rates
+        self.consumer = Consumer(
+            {
+                **client,
+                "group.id": settings.enrichment_group,
+                "enable.auto.commit": False,
+                "auto.offset.reset": "earliest",
+                "isolation.level": "read_committed",
+                "session.timeout.ms": int(settings.session_timeout * 1000),
+            }
+        )
+        self.producer = Producer({**client, "transactional.id": transactional_id})
+        self.producer.init_transactions(TRANSACTION_TIMEOUT)
+        self.consumer.subscribe([settings.payments_topic])
+        self._partitions: int | None = None
+        self.derived = self.dead_lettered = self.transactions = 0
+
+    def _derived_partitions(self) -> int:
+        if self._partitions is None:
+            metadata = self.consumer.list_topics(self.settings.enriched_topic, timeout=TRANSACTION_TIMEOUT)
+            topic = metadata.topics.get(self.settings.enriched_topic)
+            if topic is None or topic.error is not None or not topic.partitions:
+                raise RuntimeError(
+                    f"the derived topic {self.settings.enriched_topic!r} does not exist; create it "
+                    "(aml-app topics --create)"
+                )
+            self._partitions = len(topic.partitions)
+        return self._partitions
+
+    def run_once(self, timeout: float = 0.5) -> int:
+        """One transaction over the records one poll returns; how many records it read."""
+        from confluent_kafka import KafkaException
+
+        messages = [m for m in self.consumer.consume(BATCH, timeout) if m.error() is None]
+        if not messages:
+            return 0
+        partitions = self._derived_partitions()
+        self.producer.begin_transaction()
+        try:
+            for message in messages:
+                outcome = derive(
+                    message.key(),
+                    message.value(),
+                    _source(message),
+                    partitions,
+                    self.rates,
+                    self.settings.max_payment_bytes,
+                    self.settings.max_clock_skew,
+                )
+                topic = self.settings.dlq_topic if outcome.partition is None else self.settings.enriched_topic
+                kwargs: dict[str, Any] = {} if outcome.partition is None else {"partition": outcome.partition}
+                self.producer.produce(
+                    topic, key=message.key(), value=message.value(), headers=outcome.headers, **kwargs
+                )
+                self.derived += outcome.partition is not None
+                self.dead_lettered += outcome.partition is None
+            positions = [tp for tp in self.consumer.position(self.consumer.assignment()) if tp.offset >= 0]
+            self.producer.send_offsets_to_transaction(
+                positions, self.consumer.consumer_group_metadata(), TRANSACTION_TIMEOUT
+            )
+            self.producer.commit_transaction(TRANSACTION_TIMEOUT)
+        except KafkaException as exc:
+            log.warning("enrichment: transaction aborted (%s); reading the batch again", exc)
+            self.producer.abort_transaction(TRANSACTION_TIMEOUT)
+            self._rewind()
+            if exc.args and getattr(exc.args[0], "fatal", lambda: False)():
+                raise
+            return 0
+        self.transactions += 1
+        return len(messages)
+
+    def _rewind(self) -> None:
+        """Back to the group's committed offsets, where the aborted batch started."""
+        assigned = self.consumer.assignment()
+        for tp in self.consumer.committed(assigned, TRANSACTION_TIMEOUT):
+            if tp.offset >= 0:
+                self.consumer.seek(tp)
+
+    def run(self, stopped: Callable[[], bool], report_every: float = 10.0) -> None:
+        """Until `stopped()`; a progress line every `report_every` seconds while records flow."""
+        reported, last = time.monotonic(), (0, 0)
+        while not stopped():
+            self.run_once()
+            now = time.monotonic()
+            if now - reported >= report_every and (self.derived, self.dead_lettered) != last:
+                log.info(
+                    "enrichment: %d payments derived, %d dead-lettered, %d transactions",
+                    self.derived,
+                    self.dead_lettered,
+                    self.transactions,
+                )
+                reported, last = now, (self.derived, self.dead_lettered)
+
+    def close(self) -> None:
+        self.consumer.close()
+        self.producer.flush(TRANSACTION_TIMEOUT)
+
+
+def _source(message: Any) -> tuple[str, int, int, int | None]:
+    """(topic, partition, offset, timestamp or None) of a record librdkafka read."""
+    kind, value = message.timestamp()
+    timestamp = value if kind != 0 and value >= 0 else None
+    return message.topic(), message.partition(), message.offset(), timestamp
+
+
+def default_transactional_id(settings: Settings) -> str:
+    return f"{settings.enrichment_group}-{socket.gethostname()}"

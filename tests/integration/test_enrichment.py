@@ -1,0 +1,143 @@
+"""The enrichment stage (`aml-app enrich`) on the real broker: payments -> payments.enriched exactly once.
+
+A real `aml-app enrich` process derives a backlog of payments (some breaking the contract) and is killed
+with -9 part way; restarted with the same transactional id, it goes on. A read_committed reader of the
+derived topic finds every valid payment once, on its payee's partition, naming its source; the dead-letter
+topic holds every bad record once with its reason; and the gate's reader, with a group that has read the
+whole derived topic, places that group at the end of every payments partition.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
+from aml_app.enrichment import payee_partition
+from aml_app.harness.child_process import AmlAppProcess
+from aml_app.kafka.broker import EmbeddedBroker, create_topics
+from aml_app.kafka.derivation import SOURCE_HEADER
+from aml_app.kafka.log_ends import fetched_log_ends
+from aml_app.kafka.offsets import DependencyOffsets
+from aml_app.kafka.security import PLAINTEXT
+from aml_app.kafka.tools import GroupCommitter, produce
+from tests.harness import Names, committed_offsets, ends_of, payments_for, wait_until
+
+pytestmark = pytest.mark.integration
+
+DERIVED_PARTITIONS = 3
+
+
+def stage(broker: EmbeddedBroker, names: Names, derived: str, workdir: Path, append: bool) -> AmlAppProcess:
+    env = {
+        **os.environ,
+        "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap,
+        "AML_PAYMENTS_TOPIC": names.payments,
+        "AML_ENRICHED_TOPIC": derived,
+        "AML_DLQ_TOPIC": names.dlq,
+        "AML_ENRICHMENT_GROUP": f"enrichment-{names.suffix}",
+        "AML_ENRICHMENT_ID": f"enrichment-{names.suffix}-0",
+        "AML_SESSION_TIMEOUT": "4",
+    }
+    return AmlAppProcess(["enrich"], env, workdir / "enrich.log", workdir, append=append).start()
+
+
+async def read_all(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, int, dict[str, bytes]]]:
+    """Every committed record of `topic`: (partition, offset, headers)."""
+    tps = [TopicPartition(topic, p) for p in range(partitions)]
+    client = {"bootstrap_servers": bootstrap}
+    ends = await fetched_log_ends(client, {(topic, p): 0 for p in range(partitions)})
+    consumer = AIOKafkaConsumer(**client, isolation_level="read_committed", enable_auto_commit=False)
+    await consumer.start()
+    records = []
+    try:
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        deadline = time.monotonic() + 30
+        while any([await consumer.position(tp) < ends[(topic, tp.partition)] for tp in tps]):
+            assert time.monotonic() < deadline, f"{topic} not read to {ends} in 30 s"
+            for tp, messages in (await consumer.getmany(timeout_ms=200)).items():
+                records += [(tp.partition, m.offset, dict(m.headers)) for m in messages]
+    finally:
+        await consumer.stop()
+    return records
+
+
+async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its_reader(
+    broker: EmbeddedBroker, names: Names, producer, tmp_path: Path
+) -> None:
+    derived = f"payments.enriched-{names.suffix}"
+    await create_topics([broker.bootstrap], [derived], DERIVED_PARTITIONS)
+    good = payments_for(names.partitions, 400, "e")
+    bad = [(p, b"nobody", good[p][2]) for p in range(names.partitions)] + [(0, b"acct-0-0", b"not json")]
+    sent = good[:800] + bad + good[800:]
+    placed = await produce(producer, names.payments, sent)
+    ends = ends_of(placed)
+    bad_at = set(placed[800 : 800 + len(bad)])
+    payee_at = {
+        position: json.loads(value)["payee"]
+        for (_, _, value), position in zip(sent, placed, strict=True)
+        if position not in bad_at
+    }
+    group = f"enrichment-{names.suffix}"
+
+    async def committed() -> int:
+        offsets = await committed_offsets(broker.bootstrap, group, names.payments, names.partitions)
+        return sum(max(o, 0) for o in offsets.values())
+
+    async def part_way() -> bool:
+        return 0 < await committed() < len(placed)
+
+    async def all_of_it() -> bool:
+        return await committed() == len(placed)
+
+    first = stage(broker, names, derived, tmp_path, append=False)
+    again: AmlAppProcess | None = None
+    try:
+        await wait_until(part_way, 60, "the stage to commit part of the backlog", interval=0.02)
+        first.kill()
+        again = stage(broker, names, derived, tmp_path, append=True)
+        await wait_until(all_of_it, 90, "the restarted stage to reach the end")
+        again.signal_group(signal.SIGTERM)
+        assert again.wait(20), again.log_tail()
+    finally:
+        first.kill()
+        if again is not None:
+            again.kill()
+
+    out = await read_all(broker.bootstrap, derived, DERIVED_PARTITIONS)
+    sources = [_position(headers[SOURCE_HEADER]) for _, _, headers in out]
+    assert sorted(sources) == sorted(payee_at), "every valid payment once, and nothing else"
+    for partition, _, headers in out:
+        assert partition == payee_partition(payee_at[_position(headers[SOURCE_HEADER])], DERIVED_PARTITIONS)
+    letters = await read_all(broker.bootstrap, names.dlq, names.partitions)
+    mine = [h for _, _, h in letters if h.get("dlq.worker") == b"enrichment"]
+    assert sorted((int(h["dlq.partition"]), int(h["dlq.offset"])) for h in mine) == sorted(bad_at)
+    assert all(h["dlq.reason"] for h in mine)
+
+    # A group that has read the whole derived topic stands, on payments, at the end of every partition.
+    reader = f"aggregates-{names.suffix}"
+    derived_ends = await fetched_log_ends(
+        {"bootstrap_servers": broker.bootstrap}, {(derived, d): 0 for d in range(DERIVED_PARTITIONS)}
+    )
+    committer = await GroupCommitter([broker.bootstrap], reader, derived).start(range(DERIVED_PARTITIONS))
+    await committer.commit({d: derived_ends[(derived, d)] for d in range(DERIVED_PARTITIONS)})
+    await committer.stop()
+    mapped = DependencyOffsets(
+        [broker.bootstrap], names.payments, [reader], security=PLAINTEXT, derived={reader: (derived, group)}
+    )
+    try:
+        _, read = await mapped.read()
+    finally:
+        await mapped.close()
+    assert read[reader] == ends
+
+
+def _position(header: bytes) -> tuple[int, int]:
+    partition, offset = header.decode().split(":")
+    return int(partition), int(offset)
