@@ -16,9 +16,12 @@ records, in one transaction:
   derived from what they pass, the one cooperation the gate asks of a stage.
 
 Readers of the derived topic must read it read_committed. A failed transaction is aborted and the batch
-read again from the group's offsets. librdkafka runs the transactions (aiokafka's InitProducerId fails on
-the embedded broker). Each instance needs its own `AML_ENRICHMENT_ID` (the transactional id: a restarted
-instance with the same id fences its predecessor and ends its open transaction at once).
+read again from the group's offsets. The embedded broker (Tansu) hands aborted transactions' records to
+read_committed readers too, so there a reader sees the payments of a transaction a crash left open twice:
+the gate counts such records as pending until the group passes them (`aml_app.kafka.derivation`).
+librdkafka runs the transactions (aiokafka's InitProducerId fails on the embedded broker). Each
+instance needs its own `AML_ENRICHMENT_ID` (the transactional id: a restarted instance with the same id
+fences its predecessor and ends its open transaction at once).
 """
 
 from __future__ import annotations

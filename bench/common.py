@@ -147,6 +147,8 @@ async def admin_requests(workers: Sequence[Worker]) -> dict[str, Any]:
     return {
         "at": time.monotonic(),
         "admin_requests": sum(s["refresh"]["admin_requests"] for s in now if s),
+        "derived_requests": sum(s["refresh"].get("derived_requests", 0) for s in now if s),
+        "derived_records_read": sum(s["refresh"].get("derived_records_read", 0) for s in now if s),
         "refreshes": sum(s["refresh"]["refreshes"] for s in now if s),
         "leaders": [s["worker"] for s in now if s and s["is_leader"]],
         "rebalances": {s["worker"]: s["rebalances"] for s in now if s},

@@ -281,7 +281,7 @@ class WorkerGate(Service):
         self._attempt = None
         old = (self.offsets, self.unapplied)
         self.offsets, self.unapplied = self._new_readers()
-        self.offsets.requests = old[0].requests
+        self.offsets.carry_counts(old[0])
         for reader in old:
             self.add_future(reader.close())
 

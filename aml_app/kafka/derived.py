@@ -11,9 +11,9 @@ read the stage group's committed offsets on `payments` (S):
    (`read_uncommitted`: a stage's open or aborted transactions are extra pending records, which can
    only hold W lower, and pass once the group's offset passes them).
 
-Some brokers (Tansu) answer ListOffsets with the start of a partition's last record batch + 1; a fetch
-returns whole batches, so once the record before that answer is read, the high watermark of the fetch
-that brought it covers the whole batch, and the read goes on to it. Every wait has a deadline.
+Some brokers (Tansu) answer ListOffsets with the start of a partition's last record batch + 1: the read
+goes on to the high watermark of a fetch answer that reaches that answer, which came after that batch and
+covers it (`DerivedTopic._read`). Every wait has a deadline.
 """
 
 from __future__ import annotations
@@ -28,10 +28,11 @@ from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from aml_app.kafka.deadlines import close_within, within
 from aml_app.kafka.derivation import DerivationError, PendingSources, check_retained, source_positions
-from aml_app.kafka.log_ends import fetched_log_ends
 
 #: Records fetched per call while catching up on a derived partition.
 MAX_RECORDS = 5_000
+#: Seconds one call waits for records before the high watermark is looked at again.
+POLL = 0.01
 
 
 class DerivedTopic:
@@ -56,8 +57,6 @@ class DerivedTopic:
         self._client = dict(client)
         self._consumer: AIOKafkaConsumer | None = None
         self._partitions: list[int] = []
-        #: Where the reader's position is on each partition of the topic, as this reader left it.
-        self._at: dict[int, int] = {}
         #: Per partition, the end this reader last read to (a fetch's high watermark).
         self._read_to: dict[int, int] = {}
 
@@ -70,7 +69,9 @@ class DerivedTopic:
                 client_id="aml-gate-derived",
                 isolation_level="read_uncommitted",
                 request_timeout_ms=int(self.request_timeout * 1000),
-                fetch_max_wait_ms=100,
+                # A read waits for the answer to a fetch at the end: keep that wait short (the partitions
+                # are paused between reads, so nothing polls them meanwhile).
+                fetch_max_wait_ms=10,
             )
             try:
                 await within(consumer.start(), self.request_timeout, "starting the derived topic reader")
@@ -82,7 +83,7 @@ class DerivedTopic:
 
     async def close(self) -> None:
         consumer, self._consumer = self._consumer, None
-        self._partitions, self._at, self._read_to = [], {}, {}
+        self._partitions, self._read_to = [], {}
         if consumer is not None:
             await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
 
@@ -107,8 +108,9 @@ class DerivedTopic:
             self._partitions = await within(
                 _partitions_of(admin, self.topic), self.request_timeout, f"describing {self.topic!r}"
             )
-            consumer.assign([TopicPartition(self.topic, d) for d in self._partitions])
-            self._at.clear()
+            assigned = [TopicPartition(self.topic, d) for d in self._partitions]
+            consumer.assign(assigned)
+            consumer.pause(*assigned)
             self._read_to.clear()
         tps = {d: TopicPartition(self.topic, d) for d in self._partitions}
         self.requests += 1
@@ -147,46 +149,45 @@ class DerivedTopic:
         self, consumer: AIOKafkaConsumer, partition: int, tp: TopicPartition, committed: int, reported: int
     ) -> int:
         """Read `partition` from where the bookkeeping needs it to its end (see the module docstring);
-        returns that end."""
+        returns that end. The partition is fetched only during this call (paused otherwise)."""
         start = self.pending.next_read(partition, committed)
-        exact = False
-        if start >= reported:
-            if self._read_to.get(partition) == start:
-                return start  # this reader read to the end before, and no batch was appended since
-            # The group stands past the reported end, inside the last batch or beyond: only a fetch
-            # started there (by a new client, so its answer postdates the stage's offsets) tells.
-            self.requests += 2
-            key = (self.topic, partition)
-            reported = (await fetched_log_ends(self._client, {key: start}, self.request_timeout))[key]
-            exact = True
-            if start >= reported:
-                self.pending.read_to(partition, start)
-                self._read_to[partition] = start
-                return start
-        if self._at.get(partition) != start:
-            consumer.seek(tp, start)
-        target: int | None = None
+        done = self._read_to.get(partition)
+        if done is not None and reported <= done <= start:
+            return start  # read to the end before, and no batch appended since (it would start at `done`)
+        consumer.resume(tp)
+        consumer.seek(tp, start)  # also wakes the fetcher up for the resumed partition
+        try:
+            return await self._read(consumer, partition, tp, start, reported)
+        finally:
+            consumer.pause(tp)
+
+    async def _read(
+        self, consumer: AIOKafkaConsumer, partition: int, tp: TopicPartition, start: int, reported: int
+    ) -> int:
+        """Fetch from `start` until past `reported` and a high watermark that reaches it.
+
+        A fetch answer whose high watermark reaches `reported` came after the last batch that
+        ListOffsets saw was appended (it starts at or before `reported - 1`), so its high watermark is at
+        or past that batch's end: every record there was when the stage's offsets were read lies below."""
         deadline = time.monotonic() + self.request_timeout
         while True:
             position = await consumer.position(tp)
-            self._at[partition] = position
-            if target is None and position >= reported:
-                # The fetch that brought the record before `reported` holds its whole batch: its high
-                # watermark (or a later one) covers it.
-                target = reported if exact else max(reported, consumer.highwater(tp) or 0)
-            if target is not None and position >= target:
+            highwater = consumer.highwater(tp)
+            if highwater is not None and highwater >= reported and position >= highwater:
                 self.pending.read_to(partition, position)
                 self._read_to[partition] = position
                 return position
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise TimeoutError(
-                    f"reading {self.topic}[{partition}] from {start} to {target or reported} took longer "
-                    f"than {self.request_timeout:g} s"
+                    f"reading {self.topic}[{partition}] from {start} to {max(reported, highwater or 0)} took "
+                    f"longer than {self.request_timeout:g} s"
                 )
             self.requests += 1
+            # Short waits: an answer without records updates the high watermark, yet getmany would go on
+            # waiting for records until its timeout.
             batches = await within(
-                consumer.getmany(tp, timeout_ms=int(min(remaining, 0.5) * 1000), max_records=MAX_RECORDS),
+                consumer.getmany(tp, timeout_ms=int(min(remaining, POLL) * 1000), max_records=MAX_RECORDS),
                 remaining + 1,
                 f"reading {self.topic}[{partition}]",
             )

@@ -87,6 +87,7 @@ class DependencyOffsets:
             "bootstrap.servers": ",".join(self.bootstrap_servers),
             **librdkafka_config(security),
         }
+        self._carried = (0, 0)  # derived requests and records counted by the readers this one replaced
         client = {"bootstrap_servers": self.bootstrap_servers, **self._security}
         self._derived = {
             group: DerivedTopic(derived_topic, group, stage, client, request_timeout)
@@ -225,12 +226,17 @@ class DependencyOffsets:
     @property
     def derived_requests(self) -> int:
         """Requests made to map the derived topics' offsets (counted apart from `requests`)."""
-        return sum(derived.requests for derived in self._derived.values())
+        return self._carried[0] + sum(derived.requests for derived in self._derived.values())
 
     @property
     def derived_records_read(self) -> int:
         """Records of the derived topics read so far (each once, unless a group is moved back)."""
-        return sum(derived.records_read for derived in self._derived.values())
+        return self._carried[1] + sum(derived.records_read for derived in self._derived.values())
+
+    def carry_counts(self, before: DependencyOffsets) -> None:
+        """Go on counting from the reader this one replaces."""
+        self.requests = before.requests
+        self._carried = (before.derived_requests, before.derived_records_read)
 
     async def _coordinator(self, admin: AIOKafkaAdminClient, group: str) -> int:
         if group not in self._coordinators:

@@ -118,6 +118,8 @@ def snapshot() -> dict[str, Any]:
             "errors": status.errors,
             "last_error": status.last_error,
             "admin_requests": worker_gate.offsets.requests,
+            "derived_requests": worker_gate.offsets.derived_requests,
+            "derived_records_read": worker_gate.offsets.derived_records_read,
             **worker_gate.watchdog.as_json(time.monotonic()),
         },
         "detector": None if running_detector is None else detector.stats_json(running_detector),
