@@ -15,7 +15,7 @@ import random
 import uuid
 
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
 from aml_app.harness.verify import CommitTimeline, premature
 from aml_app.kafka.broker import EmbeddedBroker, TopicSpec, create_topics
@@ -230,3 +230,30 @@ async def test_no_payment_is_decided_before_the_stage_and_the_derived_group_appl
     finally:
         await stage.stop()
         await group.stop()
+
+
+async def test_records_retention_deleted_before_the_group_read_them_are_refused(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded broker deletes no records (it has neither retention by time nor DeleteRecords), so
+    the derived topic's log start is faked at the one call that reads it."""
+    suffix = uuid.uuid4().hex[:8]
+    payments, derived = f"payments-{suffix}", f"payments.enriched-{suffix}"
+    bootstrap = [broker.bootstrap]
+    await create_topics(bootstrap, [payments], len(PAYMENTS))
+    await create_topics(bootstrap, [derived], len(DERIVED))
+
+    async def gone_below_3(self: AIOKafkaConsumer, partitions: list[TopicPartition]) -> dict:
+        return {tp: 3 if tp.topic == derived and tp.partition == 0 else 0 for tp in partitions}
+
+    monkeypatch.setattr(AIOKafkaConsumer, "beginning_offsets", gone_below_3)
+    mapped = DependencyOffsets(
+        bootstrap, payments, ["g"], security=PLAINTEXT, derived={"g": (derived, f"stage-{suffix}")}
+    )
+    try:
+        with pytest.raises(
+            OffsetReadError, match=rf"never committed on {derived}\[0\], whose records below 3"
+        ):
+            await mapped.read()
+    finally:
+        await mapped.close()
