@@ -19,7 +19,7 @@ from aiokafka.structs import ConsumerRecord
 
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, InvalidPayment, validate_payment
 from aml_app.gate.event_time import Unapplied, micros
-from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.deadlines import close_within, start_within, within
 from aml_app.kafka.offsets import OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
@@ -71,11 +71,7 @@ class UnappliedReader:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
             )
-            try:
-                await within(consumer.start(), self.request_timeout, "starting the event-time reader")
-            except BaseException:
-                await close_within(consumer.stop(), self.request_timeout, "stopping the event-time reader")
-                raise
+            await start_within(consumer.start, consumer.stop, self.request_timeout, "the event-time reader")
             self._consumer = consumer
         return self._consumer
 

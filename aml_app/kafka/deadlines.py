@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
@@ -70,3 +70,15 @@ async def close_within(closing: Awaitable[Any], seconds: float, what: str) -> No
         raise
     except Exception as exc:  # a broken client must not hide what the caller is doing
         log.debug("%s failed: %r", what, exc)
+
+
+async def start_within(
+    starting: Callable[[], Awaitable[Any]], stopping: Callable[[], Awaitable[Any]], seconds: float, what: str
+) -> None:
+    """Start a client (`starting()`) for at most `seconds`; one that fails to start, or not in time, is
+    stopped (`stopping()`, `close_within`) before the error goes on, so no half-started client is left."""
+    try:
+        await within(starting(), seconds, f"starting {what}")
+    except BaseException:
+        await close_within(stopping(), seconds, f"stopping {what}")
+        raise

@@ -26,7 +26,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
-from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.deadlines import close_within, start_within, within
 from aml_app.kafka.derivation import DerivationError, PendingSources, check_retained, source_positions
 
 #: Records fetched per call while catching up on a derived partition.
@@ -73,11 +73,9 @@ class DerivedTopic:
                 # are paused between reads, so nothing polls them meanwhile).
                 fetch_max_wait_ms=10,
             )
-            try:
-                await within(consumer.start(), self.request_timeout, "starting the derived topic reader")
-            except BaseException:
-                await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
-                raise
+            await start_within(
+                consumer.start, consumer.stop, self.request_timeout, "the derived topic reader"
+            )
             self._consumer = consumer
         return self._consumer
 

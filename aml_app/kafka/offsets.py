@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
-from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.deadlines import close_within, start_within, within
 from aml_app.kafka.derivation import DerivationError
 from aml_app.kafka.derived import DerivedTopic
 from aml_app.kafka.identity import LogIdentities
@@ -102,11 +102,7 @@ class DependencyOffsets:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
             )
-            try:
-                await within(client.start(), self.request_timeout, "starting the admin client")
-            except BaseException:
-                await close_within(client.close(), self.request_timeout, "closing the admin client")
-                raise
+            await start_within(client.start, client.close, self.request_timeout, "the admin client")
             self._client = client
         return self._client
 
@@ -120,11 +116,7 @@ class DependencyOffsets:
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
             )
-            try:
-                await within(consumer.start(), self.request_timeout, "starting the log end reader")
-            except BaseException:
-                await close_within(consumer.stop(), self.request_timeout, "stopping the log end reader")
-                raise
+            await start_within(consumer.start, consumer.stop, self.request_timeout, "the log end reader")
             self._consumer = consumer
         return self._consumer
 

@@ -9,7 +9,7 @@ import contextlib
 import pytest
 
 from aml_app.gate.unapplied import UnappliedReader
-from aml_app.kafka.deadlines import DeadlineExceeded, abandoned, close_within, within
+from aml_app.kafka.deadlines import DeadlineExceeded, abandoned, close_within, start_within, within
 from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import PLAINTEXT
 
@@ -91,6 +91,31 @@ class StuckClient:
         await stubborn(self.ended)
 
     close = stop
+
+
+async def test_a_client_that_does_not_start_in_time_is_stopped_before_the_error_goes_on() -> None:
+    stopped: list[str] = []
+
+    async def hangs() -> None:
+        await asyncio.Event().wait()
+
+    async def fails() -> None:
+        raise ConnectionError("refused")
+
+    async def stop() -> None:
+        stopped.append("stop")
+
+    with pytest.raises(DeadlineExceeded, match=r"starting the reader took longer than 0\.05 s"):
+        await start_within(hangs, stop, 0.05, "the reader")
+    with pytest.raises(ConnectionError, match="refused"):
+        await start_within(fails, stop, 0.05, "the reader")
+    assert stopped == ["stop", "stop"]
+
+    async def starts() -> None:
+        return None
+
+    await start_within(starts, stop, 0.05, "the reader")
+    assert stopped == ["stop", "stop"], "a client that started is not stopped"
 
 
 async def test_the_refresh_readers_close_within_their_timeout_when_their_client_does_not() -> None:
