@@ -37,6 +37,7 @@ from typing import Any
 
 from aml_app.contract import InvalidPayment, dead_letter_headers, validate_payment
 from aml_app.detection.exchange import ExchangeRates
+from aml_app.failpoints import failpoint
 from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.kafka.security import librdkafka_config
 from aml_app.settings import Settings
@@ -153,6 +154,8 @@ class Stage:
                 )
                 self.derived += outcome.partition is not None
                 self.dead_lettered += outcome.partition is None
+            # The crash test's worst moment: records written, the transaction still open.
+            failpoint("enrichment-before-commit")
             positions = [tp for tp in self.consumer.position(self.consumer.assignment()) if tp.offset >= 0]
             self.producer.send_offsets_to_transaction(
                 positions, self.consumer.consumer_group_metadata(), TRANSACTION_TIMEOUT

@@ -21,7 +21,6 @@ Spark computes the next one (`QueryBatches`). For each service, in this order, o
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -39,6 +38,7 @@ from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, InvalidPayment, validate_payment
 from aml_app.dependencies import aggregates
 from aml_app.dependencies.store import Writer
+from aml_app.failpoints import failpoint
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
 from aml_app.pipeline.transforms import BatchOutputs, kept, outputs_by_service
 
@@ -60,17 +60,6 @@ class BatchReport:
     committed: dict[int, int]
     seconds: float
     phases: dict[str, float] = field(default_factory=dict)  # seconds per step, for the benchmark
-
-
-def failpoint(name: str) -> None:
-    """Die here, like a kill -9, when AML_FAILPOINT names this point.
-
-    How the crash test reproduces the worst moment on purpose: the store holds a batch that the group has
-    not committed, so the restart must publish it and change nothing.
-    """
-    if os.environ.get("AML_FAILPOINT") == name:
-        log.warning("failpoint %s: exiting now", name)
-        os._exit(137)
 
 
 def rejected_records(
@@ -157,6 +146,8 @@ class ServiceBatches:
 
             self.store.apply(covered, write)
             self.applied.update({p: end for p, (_start, end) in covered.items()})
+            # The crash test's worst moment: the store holds a batch that the group has not committed, so
+            # the restart must publish it and change nothing.
             failpoint("after-store-write")
         lap("store")
         committed = self.progress.commit(self.applied)

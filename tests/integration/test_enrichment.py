@@ -1,14 +1,16 @@
 """The enrichment stage (`aml-app enrich`) on the real broker: payments -> payments.enriched.
 
-A real `aml-app enrich` process derives a backlog of payments (some breaking the contract) and is killed
-with -9 part way; restarted with the same transactional id, it goes on. The derived topic holds every
-valid payment, on its payee's partition, naming its source, and nothing else; the dead-letter topic every
-bad record with its reason; the stage's group ends at the end of payments; and the gate's reader, with a
-group that has read the whole derived topic, places that group at the end of every payments partition.
+A real `aml-app enrich` process derives a backlog of payments (some breaking the contract) and dies like
+a kill -9 at the worst moment (`AML_FAILPOINT=enrichment-before-commit`: its first transaction's records
+written, the transaction open); restarted with the same transactional id, it goes on. The derived topic
+holds every valid payment, on its payee's partition, naming its source, and nothing else; the
+dead-letter topic every bad record with its reason; the stage's group ends at the end of payments; and
+the gate's reader, with a group that has read the whole derived topic, places that group at the end of
+every payments partition.
 
 The embedded broker hands the records of aborted transactions to read_committed readers too (Apache
-Kafka does not), so a payment may appear twice here: once in the transaction the kill left open (aborted
-by the restart) and once in the one that replaced it.
+Kafka does not), so a payment may appear twice here: once in the transaction the crash left open
+(aborted by the restart) and once in the one that replaced it.
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ pytestmark = pytest.mark.integration
 DERIVED_PARTITIONS = 3
 
 
-def stage(broker: EmbeddedBroker, names: Names, derived: str, workdir: Path, append: bool) -> AmlAppProcess:
+def stage(
+    broker: EmbeddedBroker, names: Names, derived: str, workdir: Path, append: bool, **extra: str
+) -> AmlAppProcess:
     env = {
         **os.environ,
         "KAFKA_BOOTSTRAP_SERVERS": broker.bootstrap,
@@ -47,6 +51,7 @@ def stage(broker: EmbeddedBroker, names: Names, derived: str, workdir: Path, app
         "AML_ENRICHMENT_GROUP": f"enrichment-{names.suffix}",
         "AML_ENRICHMENT_ID": f"enrichment-{names.suffix}-0",
         "AML_SESSION_TIMEOUT": "4",
+        **extra,
     }
     return AmlAppProcess(["enrich"], env, workdir / "enrich.log", workdir, append=append).start()
 
@@ -94,17 +99,15 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
         offsets = await committed_offsets(broker.bootstrap, group, names.payments, names.partitions)
         return sum(max(o, 0) for o in offsets.values())
 
-    async def part_way() -> bool:
-        return 0 < await committed() < len(placed)
-
     async def all_of_it() -> bool:
         return await committed() == len(placed)
 
-    first = stage(broker, names, derived, tmp_path, append=False)
+    first = stage(broker, names, derived, tmp_path, append=False, AML_FAILPOINT="enrichment-before-commit")
     again: AmlAppProcess | None = None
     try:
-        await wait_until(part_way, 60, "the stage to commit part of the backlog", interval=0.02)
-        first.kill()
+        assert first.wait(60), "the failpoint did not fire"
+        assert first.returncode == 137, first.log_tail()
+        assert await committed() == 0, "the open transaction's offsets were committed"
         again = stage(broker, names, derived, tmp_path, append=True)
         await wait_until(all_of_it, 90, "the restarted stage to reach the end")
         again.signal_group(signal.SIGTERM)

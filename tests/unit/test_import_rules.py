@@ -99,7 +99,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: it (`tables`, `worker`, `views`, `agents`) sit above everything the pipeline, the APIs and the tools
 #: use; `harness` (the whole system as local processes) and `cli` are on top.
 PACKAGES = [
-    ("errors", "currencies", "contract", "dependency_services", "loopback", "tokens"),
+    ("errors", "currencies", "contract", "dependency_services", "failpoints", "loopback", "tokens"),
     ("models",),
     ("kafka",),
     ("faust_internals",),
