@@ -96,8 +96,7 @@ class DerivedTopic:
         group's coordinator. Raises DerivationError (one sentence) when the topic cannot be mapped."""
         consumer = await self._reader()
         if not self._partitions:
-            self.requests += 1
-            self.requests += 1
+            self.requests += 2
             await within(
                 _refuse_compacted(admin, self.topic),
                 self.request_timeout,
@@ -120,6 +119,13 @@ class DerivedTopic:
             f"reading {self.group!r}'s committed offsets on {self.topic!r}",
         )
         raw = {tp.partition: (meta.offset if meta.offset >= 0 else None) for tp, meta in answer.items()}
+        if set(raw) != set(tps):
+            # As for a group of payments (DependencyOffsets._read_plain): an answer without partitions is
+            # a coordinator that moved or is loading, not a group that never committed.
+            raise RuntimeError(
+                f"group {self.group!r}'s coordinator answered without partitions of {self.topic!r}; "
+                "asking again"
+            )
         self.requests += 1
         reported = await within(
             consumer.end_offsets(list(tps.values())),

@@ -16,6 +16,7 @@ import uuid
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.harness.verify import CommitTimeline, premature
 from aml_app.kafka.broker import EmbeddedBroker, TopicSpec, create_topics
@@ -255,5 +256,42 @@ async def test_records_retention_deleted_before_the_group_read_them_are_refused(
             OffsetReadError, match=rf"never committed on {derived}\[0\], whose records below 3"
         ):
             await mapped.read()
+    finally:
+        await mapped.close()
+
+
+async def test_a_coordinator_answering_without_the_derived_partitions_is_asked_again(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A moved or loading coordinator answers OffsetFetch without partitions (aiokafka hides the error);
+    the embedded broker, one node, never does, so its one answer is faked: not read as a group that never
+    committed (which would put it back at the topic's start), but an error, and the next read goes on."""
+    suffix = uuid.uuid4().hex[:8]
+    payments, derived = f"payments-{suffix}", f"payments.enriched-{suffix}"
+    bootstrap = [broker.bootstrap]
+    await create_topics(bootstrap, [payments], len(PAYMENTS))
+    await create_topics(bootstrap, [derived], len(DERIVED))
+    stage = await GroupCommitter(bootstrap, f"stage-{suffix}", payments).start(PAYMENTS)
+    await stage.commit(dict.fromkeys(PAYMENTS, 4))
+    await stage.stop()
+    real = AIOKafkaAdminClient.list_consumer_group_offsets
+    calls = {"derived": 0}
+
+    async def moved_once(self: AIOKafkaAdminClient, group: str, **kwargs: object) -> dict:
+        answer = await real(self, group, **kwargs)  # type: ignore[arg-type]
+        if any(tp.topic == derived for tp in answer) and not calls["derived"]:
+            calls["derived"] += 1
+            return {}
+        return answer
+
+    monkeypatch.setattr(AIOKafkaAdminClient, "list_consumer_group_offsets", moved_once)
+    mapped = DependencyOffsets(
+        bootstrap, payments, ["g"], security=PLAINTEXT, derived={"g": (derived, f"stage-{suffix}")}
+    )
+    try:
+        with pytest.raises(OffsetReadError, match=rf"answered without partitions of '{derived}'"):
+            await mapped.read()
+        _, read = await mapped.read()
+        assert read["g"] == dict.fromkeys(PAYMENTS, 4)  # nothing derived, nothing pending: S(p)
     finally:
         await mapped.close()
