@@ -153,7 +153,7 @@ def applied(
     return first
 
 
-@pytest.mark.parametrize("mapping", ["derived", "naive"])
+@pytest.mark.parametrize("mapping", ["derived", "derived-event-time", "naive"])
 async def test_no_payment_is_decided_before_the_stage_and_the_derived_group_applied_it(
     broker, names, producer, new_worker, deps, decision_log, mapping
 ):
@@ -173,9 +173,11 @@ async def test_no_payment_is_decided_before_the_stage_and_the_derived_group_appl
             await producer.send_and_wait(derived_topic, b"{}", partition=d, headers=headers)
     env = (
         {"AML_DERIVED_DEPENDENCIES": f"{aggregates}:{derived_topic}:{stage_group}"}
-        if mapping == "derived"
+        if mapping.startswith("derived")
         else {"AML_DEPENDS_ON": f"{relations},{stage_group}"}
     )
+    if mapping == "derived-event-time":  # the cut reads the payment at each mapped position on payments
+        env["AML_GATE_MODE"] = "event-time"
     worker = new_worker(**env)
     await worker.wait_ready(set(range(names.partitions)))
     stage = await GroupCommitter(bootstrap, stage_group, names.payments).start(range(names.partitions))
@@ -222,8 +224,10 @@ async def test_no_payment_is_decided_before_the_stage_and_the_derived_group_appl
         await decision_log.wait_for(set(placed), timeout=60)
         made = decision_log.decisions()
         early = premature(made, (relations, aggregates), timeline)
-        if mapping == "derived":
+        if mapping.startswith("derived"):
             assert early == []
+            event_time = mapping == "derived-event-time"
+            assert all((d.get("cut") is not None) == event_time for d in made), "the gate mode ran"
             assert len({d["payment_id"] for d in made}) == len(placed)
         else:
             assert premature(made, (relations, stage_group), timeline) == []
