@@ -202,7 +202,7 @@ def enrich_command() -> None:
     import signal
 
     from aml_app.detection.exchange import ExchangeRates
-    from aml_app.enrichment import Stage, default_transactional_id
+    from aml_app.enrichment import Stage, StageError, default_transactional_id
 
     settings = load_settings()
     rates = ExchangeRates.from_env(os.environ)
@@ -210,7 +210,10 @@ def enrich_command() -> None:
     stop: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: stop.append(number))
-    stage = Stage(settings, transactional_id, rates)
+    try:
+        stage = Stage(settings, transactional_id, rates)
+    except StageError as exc:
+        raise SystemExit(f"aml-app enrich: {exc}.") from None
     click.echo(
         f"enrichment: {settings.payments_topic} -> {settings.enriched_topic} as {transactional_id!r} "
         f"(group {settings.enrichment_group!r})"

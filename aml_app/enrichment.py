@@ -88,6 +88,10 @@ def derive(
     return Derived(payee_partition(payment["payee"], partitions), headers)
 
 
+class StageError(RuntimeError):
+    """The stage cannot run; the message says why in one sentence."""
+
+
 class Stage:
     """The read-process-write loop over librdkafka clients made from `settings`."""
 
@@ -109,23 +113,23 @@ class Stage:
                 "session.timeout.ms": int(settings.session_timeout * 1000),
             }
         )
+        self.partitions = self._derived_partitions()
         self.producer = Producer({**client, "transactional.id": transactional_id})
         self.producer.init_transactions(TRANSACTION_TIMEOUT)
         self.consumer.subscribe([settings.payments_topic])
-        self._partitions: int | None = None
         self.derived = self.dead_lettered = self.transactions = 0
 
     def _derived_partitions(self) -> int:
-        if self._partitions is None:
-            metadata = self.consumer.list_topics(self.settings.enriched_topic, timeout=TRANSACTION_TIMEOUT)
-            topic = metadata.topics.get(self.settings.enriched_topic)
-            if topic is None or topic.error is not None or not topic.partitions:
-                raise RuntimeError(
-                    f"the derived topic {self.settings.enriched_topic!r} does not exist; create it "
-                    "(aml-app topics --create)"
-                )
-            self._partitions = len(topic.partitions)
-        return self._partitions
+        """The derived topic's partition count, or StageError: the topic must exist before the stage runs."""
+        metadata = self.consumer.list_topics(self.settings.enriched_topic, timeout=TRANSACTION_TIMEOUT)
+        topic = metadata.topics.get(self.settings.enriched_topic)
+        if topic is None or topic.error is not None or not topic.partitions:
+            self.consumer.close()
+            raise StageError(
+                f"the derived topic {self.settings.enriched_topic!r} does not exist: create it "
+                "(aml-app topics --create) or set AML_ENRICHED_TOPIC"
+            )
+        return len(topic.partitions)
 
     def run_once(self, timeout: float = 0.5) -> int:
         """One transaction over the records one poll returns; how many records it read."""
@@ -134,7 +138,7 @@ class Stage:
         messages = [m for m in self.consumer.consume(BATCH, timeout) if m.error() is None]
         if not messages:
             return 0
-        partitions = self._derived_partitions()
+        derived = dead_lettered = 0
         self.producer.begin_transaction()
         try:
             for message in messages:
@@ -142,7 +146,7 @@ class Stage:
                     message.key(),
                     message.value(),
                     _source(message),
-                    partitions,
+                    self.partitions,
                     self.rates,
                     self.settings.max_payment_bytes,
                     self.settings.max_clock_skew,
@@ -152,8 +156,8 @@ class Stage:
                 self.producer.produce(
                     topic, key=message.key(), value=message.value(), headers=outcome.headers, **kwargs
                 )
-                self.derived += outcome.partition is not None
-                self.dead_lettered += outcome.partition is None
+                derived += outcome.partition is not None
+                dead_lettered += outcome.partition is None
             # The crash test's worst moment: records written, the transaction still open.
             failpoint("enrichment-before-commit")
             positions = [tp for tp in self.consumer.position(self.consumer.assignment()) if tp.offset >= 0]
@@ -169,14 +173,18 @@ class Stage:
                 raise
             return 0
         self.transactions += 1
+        self.derived += derived
+        self.dead_lettered += dead_lettered
         return len(messages)
 
     def _rewind(self) -> None:
-        """Back to the group's committed offsets, where the aborted batch started."""
-        assigned = self.consumer.assignment()
-        for tp in self.consumer.committed(assigned, TRANSACTION_TIMEOUT):
-            if tp.offset >= 0:
-                self.consumer.seek(tp)
+        """Back to where the aborted batch started: the group's committed offsets, or the log start of a
+        partition it never committed (the consumer starts there: auto.offset.reset is earliest)."""
+        from confluent_kafka import OFFSET_BEGINNING, TopicPartition
+
+        for tp in self.consumer.committed(self.consumer.assignment(), TRANSACTION_TIMEOUT):
+            offset = tp.offset if tp.offset >= 0 else OFFSET_BEGINNING
+            self.consumer.seek(TopicPartition(tp.topic, tp.partition, offset))
 
     def run(self, stopped: Callable[[], bool], report_every: float = 10.0) -> None:
         """Until `stopped()`; a progress line every `report_every` seconds while records flow."""

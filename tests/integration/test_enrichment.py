@@ -150,3 +150,20 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
 def _position(header: bytes) -> tuple[int, int]:
     partition, offset = header.decode().split(":")
     return int(partition), int(offset)
+
+
+async def test_a_stage_without_its_derived_topic_stops_in_one_sentence(
+    broker: EmbeddedBroker, names: Names, tmp_path: Path
+) -> None:
+    missing = f"payments.enriched-missing-{names.suffix}"
+    process = stage(broker, names, missing, tmp_path, append=False)
+    try:
+        assert process.wait(60), process.log_tail()
+    finally:
+        process.kill()
+    assert process.returncode == 1
+    last = process.log_text().strip().splitlines()[-1]
+    assert last == (
+        f"aml-app enrich: the derived topic '{missing}' does not exist: create it (aml-app topics --create) "
+        "or set AML_ENRICHED_TOPIC."
+    ), process.log_tail()

@@ -43,3 +43,28 @@ def test_a_record_that_breaks_the_contract_becomes_a_dead_letter_with_its_reason
         b"9",
     )
     assert headers["dlq.worker"] == b"enrichment"
+
+
+def test_an_aborted_batch_is_read_again_from_the_commits_or_the_log_start() -> None:
+    """After an aborted transaction the consumer goes back to where the batch started: the group's
+    committed offset, or the log start of a partition it never committed (not where the batch ended)."""
+    from confluent_kafka import OFFSET_BEGINNING, OFFSET_INVALID, TopicPartition
+
+    from aml_app.enrichment import Stage
+
+    class Consumer:
+        seeks: list[tuple[int, int]] = []
+
+        def assignment(self) -> list[TopicPartition]:
+            return [TopicPartition("payments", 0), TopicPartition("payments", 1)]
+
+        def committed(self, partitions: list[TopicPartition], timeout: float) -> list[TopicPartition]:
+            return [TopicPartition("payments", 0, 42), TopicPartition("payments", 1, OFFSET_INVALID)]
+
+        def seek(self, tp: TopicPartition) -> None:
+            self.seeks.append((tp.partition, tp.offset))
+
+    stage = Stage.__new__(Stage)  # the seam: the consumer it would open
+    stage.consumer = Consumer()  # type: ignore[assignment]
+    stage._rewind()
+    assert Consumer.seeks == [(0, 42), (1, OFFSET_BEGINNING)]
