@@ -39,6 +39,12 @@ class HasEndpoints(Protocol):
     @property
     def endpoints(self) -> Mapping[str, Endpoint]: ...
 
+    @property
+    def payments_topic(self) -> str: ...
+
+    @property
+    def derived_dependencies(self) -> Mapping[str, tuple[str, str]]: ...
+
     def with_endpoint(self, name: str, **changes: Any) -> Self: ...
 
 
@@ -114,6 +120,12 @@ class DependencyService:
     def group(self, settings: HasEndpoints) -> str:
         """The consumer group whose committed offsets say how far the service is."""
         return settings.endpoints[self.name].group
+
+    def topic(self, settings: HasEndpoints) -> str:
+        """The topic the service reads: payments, or the topic derived from it that its group is declared
+        to read (`AML_DERIVED_DEPENDENCIES`, the declaration the gate maps that group's offsets by)."""
+        derived = settings.derived_dependencies.get(self.group(settings))
+        return settings.payments_topic if derived is None else derived[0]
 
     def port(self, settings: HasEndpoints) -> int:
         return settings.endpoints[self.name].port

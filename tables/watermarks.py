@@ -392,6 +392,7 @@ class WorkerGate(Service):
             previous={p: watermarks.get(p) for p in reading.partitions},
             generation=app.consumer_generation_id,
             log=reading.log,
+            derived=reading.derived,
         )
         self._write_rows(rows)
         if EVENT_TIME:
@@ -426,7 +427,10 @@ class WorkerGate(Service):
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
         if attempt is not self._attempt:
             return Outcome.OVERRAN
-        row = cut_row(reached, found, time.time(), generation=app.consumer_generation_id, log=log_id)
+        derived = next((row["derived"] for row in rows.values() if row.get("derived")), None)
+        row = cut_row(
+            reached, found, time.time(), generation=app.consumer_generation_id, log=log_id, derived=derived
+        )
         old = cuts.get(CUT)
         changed = old is None or any(old.get(k) != v for k, v in row.items() if k != "refreshed_at")
         if _worth_writing(old, row, changed):

@@ -623,9 +623,10 @@ class StoreCheck:
         self.reader = reader
         self.service = service
         self.group = registry.service(service).group(settings)
+        # The group's offsets on the topic the service reads (payments, or a topic derived from it).
         self.offsets = DependencyOffsets(
             settings.bootstrap_servers,
-            settings.payments_topic,
+            registry.service(service).topic(settings),
             [self.group],
             security=settings.kafka_security,
         )

@@ -499,12 +499,15 @@ async def evidence_for(
     loop_hops: int = LOOP_HOPS,
     need: Need | None = None,
     route: int | None = None,
+    needs: Mapping[str, Need | None] | None = None,
 ) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(payer aggregates, payee aggregates, payer relations, payee relations) for each (payer, payee, at):
     two requests in all, asked concurrently, whatever the number of payments. `min_average` is what a
     heavy edge is for B's layering parts (the detection thresholds' `graph_min_average`, in each
     currency), `loop_hops` the longest cycle the payment may close (their `cycle_max_hops`); `need`,
-    what both must have applied. `route` (the payments' partition) picks the replica of each asked
+    what both must have applied, unless `needs` says otherwise for one (relations, aggregates: one that
+    reads a topic derived from payments needs offsets on that topic). `route` (the payments' partition)
+    picks the replica of each asked
     first: every detector asks a partition's questions of the same replica, whose answer cache then
     serves the second detector what the first one asked."""
     if not payments:
@@ -512,7 +515,7 @@ async def evidence_for(
     aggregates, relations = await asyncio.gather(
         client.aggregates_many(
             [q for payer, payee, at in payments for q in ((payer, at), (payee, at))],
-            need=need,
+            need=(needs or {}).get("aggregates", need),
             route=route,
         ),
         client.relations_many(
@@ -520,7 +523,7 @@ async def evidence_for(
             parts=[parts for _ in payments for parts in (PAYER_PARTS, PAYEE_PARTS)],
             min_average=min_average,
             loops=[loop for payer, _, at in payments for loop in (None, (payer, at, loop_hops))],
-            need=need,
+            need=(needs or {}).get("relations", need),
             # Every answer as of the payment's time: what B applied later does not change the decision.
             ats=[at for _, _, at in payments for _ in range(2)],
             route=route,

@@ -39,6 +39,7 @@ from aml_app.gate.event_time import micros
 from aml_app.gate.gate import Admission, Admitted, FreshnessGate
 from aml_app.gate.lane import Arrival, GateStats, InFlight, Lane
 from aml_app.gate.retry import retry_forever
+from aml_app.gate.watermark import derived_need
 from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
@@ -665,6 +666,7 @@ class GatedConsumer:
             log=row.get("log"),
             cut=row.get("cut"),
             stale=row.get("stale"),
+            derived=derived_need(row, row.get("cut")),
         )
         return payment, admission
 

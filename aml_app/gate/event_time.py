@@ -69,6 +69,7 @@ def cut_row(
     *,
     generation: int | None = None,
     log: str | None = None,
+    derived: Mapping[str, Any] | None = None,
 ) -> Row:
     """The one row the event-time gate reads: every partition's W(q) and the frontier of that reading.
 
@@ -100,6 +101,8 @@ def cut_row(
         "refreshed_at": refreshed_at,
         "generation": generation,
         "log": log,
+        # A derived group's offsets on its topic, of the same reading (`watermark.derived_need`).
+        **({"derived": dict(derived)} if derived else {}),
     }
 
 
@@ -121,4 +124,5 @@ def decided_at(cut: Row, event_us: int, lateness_us: int) -> dict[str, Any]:
         "at": instant(event_us - lateness_us),
         "frontier": None if frontier is None else instant(frontier),
         "watermarks": dict(cut["watermarks"]),
+        **({"derived": cut["derived"]} if cut.get("derived") else {}),
     }

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from aml_app.gate.event_time import admits, decided_at
@@ -42,6 +42,9 @@ class Admission:
     #: Seconds it waited at the gate before the decide-stale policy admitted it without the gate's
     #: guarantee (None: admitted by the gate, or the gate is off).
     stale: float | None = None
+    #: Per group reading a topic derived from payments, its offsets on that topic that the admitting
+    #: reading mapped (`aml_app.gate.watermark.derived_need`): what that group's answers must include.
+    derived: dict[str, dict[int, int]] = field(default_factory=dict)
 
     @property
     def wants_fresh(self) -> bool:

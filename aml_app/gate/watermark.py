@@ -146,6 +146,7 @@ def build_rows(
     previous: Mapping[int, Row | None] | None = None,
     generation: int | None = None,
     log: str | None = None,
+    derived: Mapping[str, Mapping[int, int]] | None = None,
 ) -> dict[int, Row]:
     """One table row per partition: the watermark and the offsets it was computed from.
 
@@ -153,7 +154,9 @@ def build_rows(
     partition waits: the log end (`log_ends`, ListOffsets latest), this service's own committed offset
     (`service_committed`), the groups that never committed on it, and per group when its committed offset
     last moved (`advanced_at`), carried over from the `previous` row while the offset stays put, and the
-    consumer `generation` the leader wrote it in and the `log` the offsets are of (see `distrust`).
+    consumer `generation` the leader wrote it in and the `log` the offsets are of (see `distrust`). A
+    group reading a topic derived from payments has its offsets on that topic in `derived` (those its
+    position was mapped from: what its answers must include, `derived_need`).
 
     The log end is never below an offset some group committed: a committed offset is proof that the log
     reaches that far, and some brokers (Tansu) answer ListOffsets with a record batch's base offset + 1.
@@ -184,7 +187,28 @@ def build_rows(
             "generation": generation,
             "log": log,
         }
+        if derived:
+            rows[p]["derived"] = derived_json(derived)
     return rows
+
+
+def derived_json(derived: Mapping[str, Mapping[int, int]]) -> dict[str, dict[str, int]]:
+    """Derived groups' offsets as a row keeps them (JSON: partitions as text)."""
+    return {
+        group: {str(d): o for d, o in sorted(offsets.items())} for group, offsets in sorted(derived.items())
+    }
+
+
+def derived_need(*rows: Mapping[str, Any] | None) -> dict[str, dict[int, int]]:
+    """What each derived group's answers must include for a payment the rows let through: per group, the
+    highest offset on its topic over the rows (a partition's row and the event-time gate's cut)."""
+    need: dict[str, dict[int, int]] = {}
+    for row in rows:
+        for group, offsets in ((row or {}).get("derived") or {}).items():
+            mine = need.setdefault(group, {})
+            for d, o in offsets.items():
+                mine[int(d)] = max(mine.get(int(d), 0), int(o))
+    return need
 
 
 def row_changed(old: Row | None, new: Row) -> bool:
@@ -199,6 +223,7 @@ def row_changed(old: Row | None, new: Row) -> bool:
         "never_committed",
         "generation",
         "log",
+        "derived",
     )
     return any(old.get(k) != new.get(k) for k in keys)
 

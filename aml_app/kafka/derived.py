@@ -49,6 +49,9 @@ class DerivedTopic:
     ) -> None:
         self.topic, self.group, self.stage_group = topic, group, stage_group
         self.pending = PendingSources(topic, group)
+        #: The group's offsets on the topic that the last `positions` mapped (a never committed partition:
+        #: its log start): a store of the group that has applied these holds every payment below W.
+        self.committed: dict[int, int] = {}
         self.request_timeout = request_timeout
         #: Requests made (OffsetFetch, ListOffsets, fetch calls), for the views and the benchmarks.
         self.requests = 0
@@ -147,6 +150,7 @@ class DerivedTopic:
         ends = {}
         for d, tp in tps.items():
             ends[d] = await self._read_to_end(consumer, d, tp, committed[d], reported[tp])
+        self.committed = committed
         return self.pending.positions(payments_partitions, stage, committed, ends)
 
     async def _read_to_end(

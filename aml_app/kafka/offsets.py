@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
@@ -52,6 +52,9 @@ class Reading:
     log_ends: dict[int, int] | None = None
     #: Which log the offsets are of (`aml_app.kafka.identity`), read after them in the same reading.
     log: str | None = None
+    #: Each group reading a derived topic: its offsets on that topic that its `committed` position was
+    #: mapped from (`DerivedTopic.committed`), for the freshness check of its answers.
+    derived: dict[str, dict[int, int]] = field(default_factory=dict)
 
 
 class DependencyOffsets:
@@ -161,12 +164,16 @@ class DependencyOffsets:
             partitions = self._partitions
             if not operator_fields:
                 committed = await self._read_committed(admin, partitions, self.groups)
-                return Reading(partitions, committed, log=await self._read_log(recheck))
+                return Reading(
+                    partitions, committed, log=await self._read_log(recheck), derived=self._on_derived()
+                )
             groups = list(dict.fromkeys([*self.groups, service_group]))
             committed = await self._read_committed(admin, partitions, groups)
             own = committed[service_group] if service_group in self.groups else committed.pop(service_group)
             ends = await self._read_log_ends(partitions)
-            return Reading(partitions, committed, own, ends, await self._read_log(recheck))
+            return Reading(
+                partitions, committed, own, ends, await self._read_log(recheck), self._on_derived()
+            )
         except OffsetReadError:
             raise
         except DerivationError as exc:  # a sentence about the derived topic: the clients are fine
@@ -224,6 +231,12 @@ class DependencyOffsets:
     def derived_records_read(self) -> int:
         """Records of the derived topics read so far (each once, unless a group is moved back)."""
         return self._carried[1] + sum(derived.records_read for derived in self._derived.values())
+
+    def _on_derived(self) -> dict[str, dict[int, int]]:
+        """Each derived group's offsets on its topic, as the reading just made mapped them."""
+        return {
+            group: dict(reader.committed) for group, reader in self._derived.items() if group in self.groups
+        }
 
     def carry_counts(self, before: DependencyOffsets) -> None:
         """Go on counting from the reader this one replaces."""

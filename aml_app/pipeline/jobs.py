@@ -37,13 +37,16 @@ from pyspark.sql import DataFrame
 from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, InvalidPayment, validate_payment
 from aml_app.dependencies import aggregates
-from aml_app.dependencies.store import Writer
+from aml_app.dependencies.store import Writer, read_meta, write_meta
 from aml_app.failpoints import failpoint
 from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
+from aml_app.pipeline.repeats import seen_from_text, seen_to_text
 from aml_app.pipeline.transforms import BatchOutputs, kept, outputs_by_service
 
 log = logging.getLogger("aml_app.pipeline")
 T = TypeVar("T")
+#: The store's meta key of a derived topic's applied payments (`repeats`).
+SEEN_KEY = "sources"
 
 #: A record that Spark's contract check rejected although the Python contract accepts it: a bug (the two
 #: are checked against each other by tests), dead-lettered with this reason rather than lost.
@@ -101,6 +104,7 @@ class ServiceBatches:
     def __init__(
         self,
         service: str,
+        topic: str,
         store: Writer,
         progress: GroupProgress,
         dead_letters: DeadLetters,
@@ -111,7 +115,7 @@ class ServiceBatches:
         keep: timedelta = aggregates.KEEP,
         max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW,
     ) -> None:
-        self.service, self.store = service, store
+        self.service, self.topic, self.store = service, topic, store
         self.progress, self.dead_letters = progress, dead_letters
         self.max_payment_bytes, self.max_clock_skew = max_payment_bytes, max_clock_skew
         self.threshold, self.band = threshold, band
@@ -119,6 +123,14 @@ class ServiceBatches:
         self.write = writer_for(service, keep)
         #: The store's offsets: read once, then advanced by every apply (the store has one writer, us).
         self.applied = store.applied_offsets()
+        #: Reading a derived topic: the payments applied per (derived partition, payments partition), in
+        #: the store with the offsets (`repeats`); taken from each batch as it is handed over, before its
+        #: write, since the next batch is computed while this one may still be written.
+        self.seen = seen_from_text(store.patiently("reading the store", self._read_seen))
+
+    def _read_seen(self, conn: psycopg.Connection) -> str | None:
+        with conn.transaction():  # a read outside one would leave the connection in a transaction
+            return read_meta(conn, self.store.schema).get(SEEN_KEY)
 
     def process(self, outputs: BatchOutputs, batch_id: int, spark_seconds: float = 0.0) -> BatchReport:
         """This service's steps for its outputs of a micro-batch (see the module docstring).
@@ -139,10 +151,13 @@ class ServiceBatches:
         lap("dead_letters")
         applied = 0
         if covered:
+            sources = outputs.sources
 
             def write(conn: psycopg.Connection) -> None:
                 nonlocal applied
                 applied = self.write(conn, outputs)
+                if sources is not None:
+                    write_meta(conn, self.store.schema, {SEEN_KEY: seen_to_text(sources)})
 
             self.store.apply(covered, write)
             self.applied.update({p: end for p, (_start, end) in covered.items()})
@@ -162,6 +177,11 @@ class ServiceBatches:
             time.monotonic() - started,
             phases,
         )
+        if outputs.repeated:
+            log.warning(
+                "%s batch %d: skipped %d record(s) repeating payments applied before (the stage wrote "
+                "them again)", self.service, batch_id, outputs.repeated,
+            )  # fmt: skip
         if report.records:
             log.info(
                 "%s batch %d: %d records, %d dead-lettered, %.2f s (%s), committed %s",
@@ -222,7 +242,13 @@ class QueryBatches:
             # The stores' offsets may not yet include a batch still being written: a lower bound is all
             # the skipping needs, since this batch's records all come after that one's.
             applied = {service.service: dict(service.applied) for service in self.services}
-            outputs = outputs_by_service(batch, applied, self.threshold, self.band)
+            # The copies of a derived topic are judged against every batch handed over before this one.
+            seen = {service.service: dict(service.seen) for service in self.services}
+            outputs = outputs_by_service(batch, applied, self.threshold, self.band, seen)
+        for service in self.services:
+            sources = outputs[service.service].sources
+            if sources is not None:
+                service.seen = sources
         self.hand_to_services(outputs, batch_id, time.monotonic() - started)
 
     def hand_to_services(

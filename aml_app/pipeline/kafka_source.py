@@ -14,9 +14,12 @@ record batches. Usage:
         .option("maxTasks", "2")                  # pack a batch's partitions into at most 2 tasks
         .option("minRecordsPerTask", "5000")      # and a smaller batch into fewer (the default)
         .option("log", "cluster:topic-id")        # the log the query's results are of (else its first)
+        .option("sourceHeader", "aml-source")     # add a column with each record's first such header
         .load()
 
-Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY. Options starting with
+Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY, and with
+`sourceHeader`, source STRING (the header's first value as UTF-8 text, null without one: a topic derived
+from payments names each record's payment there, `aml_app.kafka.derivation`). Options starting with
 `kafka.` go to the client as they are (e.g. `kafka.security.protocol`, `kafka.sasl.mechanism`).
 
 The source does not commit the group's offsets itself: Spark calls `commit(end)` one batch late and never
@@ -49,6 +52,8 @@ from aml_app.pipeline.ranges import (
 )
 
 SCHEMA = "partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY"
+#: The schema with `sourceHeader` given.
+SOURCE_SCHEMA = f"{SCHEMA}, source STRING"
 #: The latest record timestamp (ms) the source passes on: 9999-12-31T23:59:59.999Z, after every `ts` the
 #: contract accepts, so a later one bounds nothing. Kafka takes any 64-bit timestamp from a producer, and
 #: one past about year 294,000 overflows Spark's microseconds (the read would fail, and the query with it):
@@ -274,10 +279,26 @@ def read_range(
     yield from read_ranges(config, topic, [(partition, start, end)], rows)
 
 
+def first_header(headers: Sequence[tuple[str, bytes | None]] | None, name: str) -> str | None:
+    """The first value of header `name` as text (None: no such header, or not UTF-8)."""
+    for key, value in headers or ():
+        if key == name:
+            try:
+                return None if value is None else value.decode()
+            except UnicodeDecodeError:
+                return None
+    return None
+
+
 def read_ranges(
-    config: Mapping[str, Any], topic: str, ranges: Sequence[Range], rows: int = ARROW_BATCH_ROWS
+    config: Mapping[str, Any],
+    topic: str,
+    ranges: Sequence[Range],
+    rows: int = ARROW_BATCH_ROWS,
+    source_header: str | None = None,
 ) -> Iterator[Any]:
-    """Yield Arrow record batches with the records of each (partition, start, end) range, in turn.
+    """Yield Arrow record batches with the records of each (partition, start, end) range, in turn; with
+    `source_header`, a `source` column of each record's first such header (`first_header`).
 
     One client serves every range of a task. Offsets can have holes (transaction markers, compaction), so
     a range ends at the first record at or past `end - 1` or when the client reports the end of the
@@ -288,19 +309,23 @@ def read_ranges(
 
     consumer = _consumer(config)
     columns: dict[str, list] = {"offset": [], "timestamp": [], "key": [], "value": []}
+    if source_header is not None:
+        columns["source"] = []
 
     def flush(partition: int) -> Any:
         n = len(columns["offset"])
-        batch = pa.RecordBatch.from_arrays(
-            [
-                pa.array([partition] * n, pa.int32()),
-                pa.array(columns["offset"], pa.int64()),
-                pa.array(columns["timestamp"], pa.timestamp("us", tz="UTC")),
-                pa.array(columns["key"], pa.binary()),
-                pa.array(columns["value"], pa.binary()),
-            ],
-            names=["partition", "offset", "timestamp", "key", "value"],
-        )
+        arrays = [
+            pa.array([partition] * n, pa.int32()),
+            pa.array(columns["offset"], pa.int64()),
+            pa.array(columns["timestamp"], pa.timestamp("us", tz="UTC")),
+            pa.array(columns["key"], pa.binary()),
+            pa.array(columns["value"], pa.binary()),
+        ]
+        names = ["partition", "offset", "timestamp", "key", "value"]
+        if source_header is not None:
+            arrays.append(pa.array(columns["source"], pa.string()))
+            names.append("source")
+        batch = pa.RecordBatch.from_arrays(arrays, names=names)
         for values in columns.values():
             values.clear()
         return batch
@@ -335,6 +360,8 @@ def read_ranges(
                     columns["timestamp"].append(ts_ms * 1000 if 0 <= ts_ms <= LATEST_TIMESTAMP_MS else None)
                     columns["key"].append(message.key())
                     columns["value"].append(message.value())
+                    if source_header is not None:
+                        columns["source"].append(first_header(message.headers(), source_header))
                 if len(columns["offset"]) >= rows:
                     yield flush(partition)
             if columns["offset"]:
@@ -393,6 +420,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.log: str | None = options.get("log") or None
         self.log_services = tuple(s for s in options.get("services", "").split(",") if s)
         self.log_store = options.get("store", "")
+        self.source_header = options.get("sourceHeader") or None
         self._log_checked_at: float | None = None
 
     def bounds(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
@@ -453,7 +481,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         return [KafkaTask(task) for task in pack_ranges(ranges, self.max_tasks, self.min_records_per_task)]
 
     def read(self, partition: KafkaTask) -> Iterator[Any]:  # type: ignore[override]
-        yield from read_ranges(self.config, self.topic, partition.ranges)
+        yield from read_ranges(self.config, self.topic, partition.ranges, source_header=self.source_header)
 
     def commit(self, end: SparkOffset) -> None:
         """Nothing: the service commits its group after its own durable write (see progress.py)."""
@@ -468,7 +496,7 @@ class KafkaSource(DataSource):
         return "aml-kafka"
 
     def schema(self) -> str:
-        return SCHEMA
+        return SOURCE_SCHEMA if self.options.get("sourceHeader") else SCHEMA
 
     def streamReader(self, schema: StructType) -> KafkaStreamReader:
         return KafkaStreamReader(self.options)

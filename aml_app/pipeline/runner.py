@@ -25,6 +25,7 @@ from typing import Any
 
 from aml_app import dependency_services as registry
 from aml_app.dependencies.store import Schema, Writer, redacted
+from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.settings import Settings
 
@@ -108,8 +109,8 @@ class Pipeline:
     closers: list[Callable[[], None]]
     handlers: list[Any] = field(default_factory=list)
     batches: list[Any] = field(default_factory=list)  # each query's QueryBatches
-    #: The identity of the topic's log (`aml_app.kafka.identity`) that the stores are of.
-    log: str | None = None
+    #: The identity of each topic's log (`aml_app.kafka.identity`) that the stores are of.
+    logs: dict[str, str] = field(default_factory=dict)
 
     def failure(self) -> str | None:
         """Why the pipeline can no longer go on: a query stopped, or a store write failed while the topic
@@ -158,6 +159,10 @@ def group_of(settings: Settings, service: str) -> str:
     return registry.service(service).group(settings)
 
 
+def topic_of(settings: Settings, service: str) -> str:
+    return registry.service(service).topic(settings)
+
+
 def schema_of(service: str) -> Schema:
     return registry.service(service).schema
 
@@ -187,7 +192,7 @@ def open_store(
     from aml_app.pipeline.kafka_source import log_changed
 
     where = store.redacted(settings.store_url)
-    topic_name = settings.payments_topic
+    topic_name = topic_of(settings, service)
 
     writer = Writer(settings.store_url, schema_of(service))
     if rebuild:
@@ -226,7 +231,7 @@ def open_store(
         p, o, end = ahead[0]
         problem = (
             f"the {service} store holds offsets up to {o - 1} of partition {p}, but the topic "
-            f"{settings.payments_topic} ends at {end}: the topic was deleted and re-created, or the store "
+            f"{topic_name} ends at {end}: the topic was deleted and re-created, or the store "
             f"belongs to another cluster. Point AML_STORE_URL at this topic's store, or rebuild it "
             f"(aml-app rebuild {service})."
         )
@@ -262,8 +267,9 @@ def prepare(
 
     The store's progress is published to the group first (a crash between the store's commit and the
     group's leaves the store ahead). `rebuild` starts the services' stores afresh (`aml-app rebuild`).
-    The topic's log identity is read once, here: every store must be of that log, and the queries stop
-    if the topic becomes another one (`kafka_source.KafkaStreamReader`).
+    Each topic's log identity is read once, here: every store must be of the log of the topic its
+    service reads (payments, or a topic derived from it), and the queries stop if the topic becomes
+    another one (`kafka_source.KafkaStreamReader`).
     """
     from aml_app.kafka.identity import log_identity
     from aml_app.pipeline.jobs import ServiceBatches
@@ -271,20 +277,22 @@ def prepare(
     from aml_app.pipeline.progress import DeadLetters
 
     config = kafka_config(settings)
-    log_id = log_identity(config, settings.payments_topic)
-    bounds = log_bounds(config, settings.payments_topic)
-    pipeline = Pipeline(None, [], [], log=log_id)
+    topics = list(dict.fromkeys(topic_of(settings, service) for service in services))
+    logs = {topic: (log_identity(config, topic), log_bounds(config, topic)) for topic in topics}
+    pipeline = Pipeline(None, [], [], logs={topic: log_id for topic, (log_id, _) in logs.items()})
     try:
         for service in services:
-            group = group_of(settings, service)
-            progress = GroupProgress(config, settings.payments_topic, group, sorted(bounds))
+            group, topic = group_of(settings, service), topic_of(settings, service)
+            log_id, bounds = logs[topic]
+            progress = GroupProgress(config, topic, group, sorted(bounds))
             pipeline.closers.append(progress.close)
             writer = open_store(settings, service, progress, bounds, rebuild, log_id=log_id)
             pipeline.closers.append(writer.close)
-            dead_letters = DeadLetters(config, settings.dlq_topic, settings.payments_topic, group)
+            dead_letters = DeadLetters(config, settings.dlq_topic, topic, group)
             pipeline.closers.append(dead_letters.close)
             handler = ServiceBatches(
                 service,
+                topic,
                 writer,
                 progress,
                 dead_letters,
@@ -331,13 +339,14 @@ def start_queries(
     from aml_app.pipeline.transforms import trimmed
     from aml_app.pipeline.validation import validated
 
-    # Services with the same trigger interval share one query: Kafka read and contract checked once.
-    by_interval: dict[float, list[Any]] = {}
+    # Services of one topic with the same trigger interval share one query: Kafka read and contract
+    # checked once.
+    by_interval: dict[tuple[float, str], list[Any]] = {}
     for handler in pipeline.handlers:
         interval = (triggers or {}).get(handler.service, settings.trigger_interval)
-        by_interval.setdefault(interval, []).append(handler)
+        by_interval.setdefault((interval, handler.topic), []).append(handler)
     try:
-        for interval, handlers in by_interval.items():
+        for (interval, topic), handlers in by_interval.items():
             batches = QueryBatches(handlers)
             pipeline.batches.append(batches)
             name = "+".join(handler.service for handler in handlers)
@@ -345,12 +354,15 @@ def start_queries(
             pipeline.closers.append(functools.partial(shutil.rmtree, checkpoint, ignore_errors=True))
             reader = (
                 spark.readStream.format("aml-kafka")
-                .option("subscribe", settings.payments_topic)
+                .option("subscribe", topic)
                 # The planner stops the query if the topic stops being the log the stores are of.
-                .option("log", pipeline.log or "")
+                .option("log", pipeline.logs.get(topic, ""))
                 .option("services", ",".join(handler.service for handler in handlers))
                 .option("store", redacted(settings.store_url))
             )
+            if topic != settings.payments_topic:
+                # A derived topic's records name their payments: copies of them are skipped (`repeats`).
+                reader = reader.option("sourceHeader", SOURCE_HEADER)
             for key, value in config.items():
                 reader = reader.option(f"kafka.{key}", value)
             stream = (
@@ -422,10 +434,10 @@ def run_pipeline(
     spark = spark_session(master)
     pipeline = start_queries(spark, settings, prepared, triggers)
     log.info(
-        "pipeline running: %s on %s, topic %s, store %s, metrics %s",
+        "pipeline running: %s on %s, topics %s, store %s, metrics %s",
         ", ".join(services),
         master,
-        settings.payments_topic,
+        ", ".join(sorted(prepared.logs)),
         redacted(settings.store_url),
         f"http://{settings.services_host}:{settings.pipeline_metrics_port}/metrics"
         if settings.pipeline_metrics_port
@@ -451,7 +463,7 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
     target = dict(handler.progress.floor)
     print(
         f"rebuilding the {service} store at {redacted(settings.store_url)} from the start of "
-        f"{settings.payments_topic}, up to what group {handler.progress.group} has committed: {target}",
+        f"{handler.topic}, up to what group {handler.progress.group} has committed: {target}",
         flush=True,
     )
     spark = spark_session(master)

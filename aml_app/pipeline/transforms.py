@@ -32,6 +32,7 @@ from pyspark.sql import functions as F
 
 from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
+from aml_app.pipeline.repeats import Seen, find_repeats
 from aml_app.pipeline.validation import validated
 
 SERVICES = registry.NAMES
@@ -44,6 +45,11 @@ class BatchOutputs:
     spans: Any
     rejects: Any
     tables: dict[str, Any] = field(default_factory=dict)
+    #: Records of a derived topic skipped as copies of payments applied before (`repeats`).
+    repeated: int = 0
+    #: A derived topic's batch: the highest payment offset applied per (derived partition, payments
+    #: partition) once the batch is (`repeats`); None for a batch of payments.
+    sources: Seen | None = None
 
     def covered(self, applied: dict[int, int]) -> dict[int, tuple[int, int]]:
         """Per partition, the offsets the batch covers: from where the store left off to its last record.
@@ -165,7 +171,8 @@ def trimmed(checked: DataFrame) -> DataFrame:
     and a hash lookup per string for the cache's compression statistics (building the cache was a tenth
     of a warm batch's executor samples in Java Flight Recorder). The streaming query applies it once,
     with the contract (`runner.start_queries`): a projection built per micro-batch over the contract's
-    large plan would be analysed again every batch."""
+    large plan would be analysed again every batch. A `source` column (a derived topic's records) is kept
+    for the batch handler, which skips a payment it applied before (`repeats`)."""
 
     def columns() -> tuple[Column | str, ...]:
         rejected = ~F.col("valid")
@@ -182,9 +189,11 @@ def trimmed(checked: DataFrame) -> DataFrame:
             "amount",
             "currency",
             "ts",
+            *(["source"] if sourced else []),
         )
 
-    return checked.select(*expressions(checked, "trimmed", columns))
+    sourced = "source" in checked.columns
+    return checked.select(*expressions(checked, ("trimmed", sourced), columns))
 
 
 @contextmanager
@@ -232,10 +241,16 @@ def batch_outputs(
 
 
 def outputs_by_service(
-    checked: DataFrame, applied: Mapping[str, Mapping[int, int]], threshold: Decimal, band: Decimal
+    checked: DataFrame,
+    applied: Mapping[str, Mapping[int, int]],
+    threshold: Decimal,
+    band: Decimal,
+    seen: Mapping[str, Seen] | None = None,
 ) -> dict[str, BatchOutputs]:
     """Each service's outputs from one validated batch (`validation.validated`, then `trimmed`, best kept),
-    skipping for each service the records its store already holds (`applied`: service -> its offsets).
+    skipping for each service the records its store already holds (`applied`: service -> its offsets)
+    and, for a batch of a derived topic (a `source` column), the copies of payments it applied before
+    (`seen`: service -> its state, `repeats`).
 
     One Spark job per output, because each job costs a fixed price that dominates small batches (most of
     it driver time: planning, scheduling): one narrow collect shared by the services (offsets and the
@@ -250,7 +265,16 @@ def outputs_by_service(
         # a record of this batch, and building the skip (about 20 ms per service and batch) is wasted.
         applied = {service: {} for service in applied}
 
-    per_record = ("partition", "offset", "valid", "timestamp_ms", "key", "value")
+    sourced = "source" in checked.columns
+    per_record = (
+        "partition",
+        "offset",
+        "valid",
+        "timestamp_ms",
+        "key",
+        "value",
+        *(["source"] if sourced else []),
+    )
     valid = in_one_task(checked.where("valid"))
     aggregations = {
         service: partial(aggregation, service, not_applied(valid, offsets), threshold, band)
@@ -262,8 +286,43 @@ def outputs_by_service(
     for service, offsets in applied.items():
         mine = arrow_not_applied(rows, offsets)
         table = registry.service(service).table
-        outputs[service] = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), {table: aggregated[service]})
+        output = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), {table: aggregated[service]})
+        if sourced:
+            again = partial(aggregation, service, threshold=threshold, band=band)
+            _skip_repeats(output, mine, (seen or {}).get(service, {}), again, not_applied(valid, offsets))
+        outputs[service] = output
     return outputs
+
+
+def _skip_repeats(
+    output: BatchOutputs,
+    rows: Any,
+    seen: Mapping[tuple[int, int], int],
+    aggregate: Callable[[DataFrame], Any],
+    valid: DataFrame,
+) -> None:
+    """Leave a derived topic's copies of payments applied before (`repeats`) out of a service's outputs.
+
+    The aggregation ran on the whole batch, side by side with the collect that finds the copies; copies
+    are rare (a stage's restart), so it runs again, without them, only when there are some. The spans
+    still cover them: the service has read them.
+    """
+    import pyarrow as pa
+
+    repeated, moved = find_repeats(
+        rows["partition"].to_numpy(), rows["offset"].to_numpy(), rows["source"], seen
+    )
+    output.sources = {**seen, **moved}
+    output.repeated = int(repeated.sum())
+    if not output.repeated:
+        return
+    output.rejects = arrow_rejects(rows.filter(pa.array(~repeated)))
+    copies = rows.filter(pa.array(repeated))
+    names = [
+        f"{p}:{o}" for p, o in zip(copies["partition"].to_pylist(), copies["offset"].to_pylist(), strict=True)
+    ]
+    table = next(iter(output.tables))
+    output.tables[table] = aggregate(valid.where(~F.concat_ws(":", "partition", "offset").isin(names)))
 
 
 def in_one_task(frame: DataFrame) -> DataFrame:

@@ -203,28 +203,34 @@ def validated(
 
     `valid` is true exactly when `validate_payment(key, value, max_bytes, timestamp, max_clock_skew)`
     returns (`timestamp` in milliseconds); the typed fields are those it returns (null when not valid).
-    Timestamp, key and value are kept for the dead letters.
+    Timestamp, key and value are kept for the dead letters, and a `source` column (a derived topic's
+    record naming its payment) is passed on as it is.
     """
     _check_session(records)
     frame = records
-    for stage in _stages(records.sparkSession.sparkContext, max_bytes, skew_micros(max_clock_skew)):
+    context, sourced = records.sparkSession.sparkContext, "source" in records.columns
+    for stage in _stages(context, max_bytes, skew_micros(max_clock_skew), sourced):
         frame = frame.select(*stage)
     return frame
 
 
-_built: dict[tuple[int, int, int], list[list[Column | str]]] = {}
+_built: dict[tuple[int, int, int, bool], list[list[Column | str]]] = {}
 
 
-def _stages(context: object, max_bytes: int, max_skew_us: int) -> list[list[Column | str]]:
-    """The column expressions of `validated`, built once per Spark context, size limit and clock skew.
+def _stages(
+    context: object, max_bytes: int, max_skew_us: int, sourced: bool = False
+) -> list[list[Column | str]]:
+    """The column expressions of `validated`, built once per Spark context, size limit, clock skew and
+    whether a `source` column is passed on.
 
     Building them costs hundreds of calls into the JVM (about a second per micro-batch on this machine);
     the expressions name columns only, so the same ones serve every batch.
     """
-    key = (id(context), max_bytes, max_skew_us)
+    key = (id(context), max_bytes, max_skew_us, sourced)
     if key not in _built:
-        _built.clear()  # a new session (tests): the old expressions belong to a stopped context
-        _built[key] = _build_stages(max_bytes, max_skew_us)
+        if not any(built[0] == id(context) for built in _built):
+            _built.clear()  # a new session (tests): the old expressions belong to a stopped context
+        _built[key] = _build_stages(max_bytes, max_skew_us, sourced)
     return _built[key]
 
 
@@ -240,7 +246,7 @@ def _types_ok(variants: Column) -> Column:
     return reduce(operator.and_, checks)
 
 
-def _build_stages(max_bytes: int, max_skew_us: int) -> list[list[Column | str]]:
+def _build_stages(max_bytes: int, max_skew_us: int, sourced: bool = False) -> list[list[Column | str]]:
     value, key = F.col("value"), F.col("key")
     text = value.cast("string")
     readable = (
@@ -251,6 +257,8 @@ def _build_stages(max_bytes: int, max_skew_us: int) -> list[list[Column | str]]:
         & F.is_valid_utf8(value)
     )
     kept: list[Column | str] = ["partition", "offset", "timestamp", "key", "value"]
+    if sourced:
+        kept.append("source")
     # 1. One JSON parse per record (a second one, and the bounds, only where needed).
     parsed = [
         *kept,

@@ -29,12 +29,13 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, NamedTuple
 
+from aml_app import dependency_services as dependency_registry
 from aml_app.app import alerts_topic, app, send_decision, settings
 from aml_app.dependencies.client import (
     DependencyClient,
@@ -130,8 +131,13 @@ class Detector:
         loop_hops: int = LOOP_HOPS,
         freshness_wait: float = 2.0,
         batch_rules: BatchRules | None = None,
+        derived: Mapping[str, str] | None = None,
     ) -> None:
         self.service = service
+        #: Per dependency (relations, aggregates) that reads a topic derived from payments, its group: its
+        #: answers' `as_of` are offsets on that topic, checked against the group's offsets the admitting
+        #: reading mapped (`Admission.derived`).
+        self.derived = dict(derived or {})
         self.rules = rules
         self.batch_rules = batch_rules  # when None, `rules` one payment at a time
         self.client = client
@@ -208,7 +214,7 @@ class Detector:
         decided_at: str,
     ) -> bytes:
         """The decision record's JSON (the fields of `aml_app.models.Decision`)."""
-        fresh = all(includes(a, admission.partition, admission.offset, admission.log) for a in answers)
+        fresh = all(self.includes(name, a, admission) for name, a in zip(ANSWERS, answers, strict=True))
         exact = all(answer.get("exact", True) for answer in answers[:2])  # C's, payer and payee
         if not exact:
             self.stats.decided_on_pruned += 1
@@ -254,13 +260,18 @@ class Detector:
                 for i in todo
             ]
             try:
+                asked = [items[i] for i in todo]
                 answers = await evidence_for(
                     self.client,
                     questions,
                     self.min_average,
                     self.loop_hops,
-                    self.need([items[i] for i in todo]),
+                    self.need(asked),
                     items[0][1].partition,  # a lane's batch is of one partition
+                    needs={
+                        dependency: self.derived_need(asked, group)
+                        for dependency, group in self.derived.items()
+                    },
                 )
             except NotYet as exc:  # B or C has not applied these payments yet: ask again shortly
                 self.stats.freshness_violations += len(todo)
@@ -282,11 +293,7 @@ class Detector:
             again = []
             for i, four in zip(todo, answers, strict=True):
                 admission = items[i][1]
-                stale = [
-                    n
-                    for n, a in zip(ANSWERS, four, strict=True)
-                    if not includes(a, admission.partition, admission.offset, admission.log)
-                ]
+                stale = [n for n, a in zip(ANSWERS, four, strict=True) if not self.includes(n, a, admission)]
                 if stale:
                     stale_reads[i] += 1
                     self.stats.freshness_violations += 1
@@ -312,6 +319,29 @@ class Detector:
                 await asyncio.sleep(stale_delay)
                 stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
         return [results[i] for i in range(len(items))]
+
+    def includes(self, answer_name: str, answer: Mapping[str, Any], admission: Admission) -> bool:
+        """Whether an answer (one of ANSWERS) proves it includes the admitted payment: past its offset, of
+        its log; for a dependency reading a derived topic, at or past the group's offsets there that the
+        admitting reading mapped (none recorded: not proved)."""
+        group = self.derived.get(answer_name.split()[-1])
+        if group is None:
+            return includes(answer, admission.partition, admission.offset, admission.log)
+        needed = admission.derived.get(group)
+        if needed is None:
+            return False
+        as_of = answer.get("as_of", {})
+        return all(int(as_of.get(str(d), 0)) >= o for d, o in needed.items())
+
+    def derived_need(self, items: list[tuple[Payment, Admission]], group: str) -> Need | None:
+        """What the answers of `group` (reading a derived topic) must include for the gated payments: its
+        offsets on that topic, the highest any admission's reading mapped (of any log of that topic)."""
+        as_of: dict[int, int] = {}
+        gated = [admission for _, admission in items if admission.wants_fresh]
+        for admission in gated:
+            for d, o in admission.derived.get(group, {}).items():
+                as_of[d] = max(as_of.get(d, 0), o)
+        return Need(as_of, None, self.freshness_wait) if gated else None
 
     def need(self, items: list[tuple[Payment, Admission]]) -> Need | None:
         """What B's and C's answers must include: the next offset past each gated payment, and with the
@@ -494,8 +524,20 @@ def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None
     )
     thresholds = settings.aml_thresholds
     heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # the same sum in every currency
+    derived = {
+        name: group
+        for name in dependency_registry.NAMES
+        if (group := dependency_registry.service(name).group(settings)) in settings.derived_dependencies
+    }
     detector = Detector(
-        service, rules, client, heavy, thresholds.cycle_max_hops, settings.freshness_wait, batch_rules
+        service,
+        rules,
+        client,
+        heavy,
+        thresholds.cycle_max_hops,
+        settings.freshness_wait,
+        batch_rules,
+        derived,
     )
     gated_agent(batch_handler=detector, max_batch=settings.max_batch)
 

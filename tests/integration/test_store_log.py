@@ -86,7 +86,7 @@ async def test_a_store_of_another_log_is_refused_until_rebuilt(
     config = kafka_config(settings)
     first = await asyncio.to_thread(log_identity, config, names.payments)
     pipeline = await asyncio.to_thread(opened, settings, ["relations", "aggregates"])
-    assert pipeline.log == first
+    assert pipeline.logs == {names.payments: first}
     for schema in ("relations", "aggregates"):
         recorded = meta(store_url, schema)
         assert (recorded["topic"], recorded["log"]) == (names.payments, first)
@@ -204,14 +204,15 @@ async def test_a_query_on_another_log_stops_with_the_sentence(
     settings = replace(pipeline_settings(broker, names, store_url), trigger_interval=0.2)
     pipeline = await asyncio.to_thread(prepare, settings)
     # The stores are of log `old`; the topic, by the time the query starts, is another one.
-    current, pipeline.log = pipeline.log, "tansu_cluster:AAAAAAAAAAAAAAAAAAAAAQ"
+    current = pipeline.logs[names.payments]
+    old = pipeline.logs[names.payments] = "tansu_cluster:AAAAAAAAAAAAAAAAAAAAAQ"
     stopped = False
     try:
         await asyncio.to_thread(start_queries, spark, settings, pipeline)
         failure = await wait_until(pipeline.failure, 120, "the query to stop", interval=0.2)
         assert failure == (
             f"the relations and aggregates stores at {redacted(store_url)} were built from log "
-            f"{pipeline.log} of topic {names.payments}, but {names.payments} is now log {current} (the "
+            f"{old} of topic {names.payments}, but {names.payments} is now log {current} (the "
             "topic was deleted and created again, or the cluster changed): rebuild them (aml-app rebuild "
             "relations, aml-app rebuild aggregates), or point AML_STORE_URL at this log's stores"
         )
