@@ -62,6 +62,11 @@ def broker_command(port: int | None) -> None:
     metavar="SERVICE=SECONDS",
     help="Trigger interval of one Spark query; --trigger relations=10 makes that dependency lag.",
 )
+@click.option(
+    "--derived",
+    is_flag=True,
+    help="Service C reads payments.enriched, derived by the enrichment stage (aml-app enrich).",
+)
 def demo_command(
     duration: float,
     rate: float,
@@ -70,6 +75,7 @@ def demo_command(
     seed: int,
     no_gate: bool,
     triggers: tuple[str, ...],
+    derived: bool,
 ) -> None:
     """Run the whole system on the embedded broker with simulated laundering, and check it."""
     from aml_app.harness.demo import Options, run_demo
@@ -82,6 +88,7 @@ def demo_command(
         seed=seed,
         gate=not no_gate,
         triggers=parse_triggers(triggers),
+        derived=derived,
     )
     sys.exit(run_demo(load_settings(), options))
 

@@ -65,6 +65,10 @@ class Derived:
     headers: list[tuple[str, str | bytes | None]]
 
 
+#: Who the stage's dead letters say wrote them (`dlq.worker`).
+DEAD_LETTER_WORKER = "enrichment"
+
+
 def derive(
     key: bytes | None,
     value: bytes | None,
@@ -79,7 +83,7 @@ def derive(
     try:
         payment = validate_payment(key, value, max_bytes, timestamp, max_clock_skew)
     except InvalidPayment as exc:
-        return Derived(None, [*dead_letter_headers(str(exc), topic, partition, offset, "enrichment")])
+        return Derived(None, [*dead_letter_headers(str(exc), topic, partition, offset, DEAD_LETTER_WORKER)])
     headers: list[tuple[str, str | bytes | None]] = [(SOURCE_HEADER, f"{partition}:{offset}".encode())]
     converted = rates.convert(Decimal(payment["amount"]), payment["currency"])
     if converted is not None:

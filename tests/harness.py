@@ -264,6 +264,8 @@ def settings_for(broker: EmbeddedBroker, suffix: str) -> Settings:
             bootstrap_servers=(broker.bootstrap,),
             payments_topic=f"payments-{suffix}",
             dlq_topic=f"dlq-{suffix}",
+            enriched_topic=f"payments.enriched-{suffix}",
+            enrichment_group=f"enrichment-{suffix}",
             depends_on=groups,
             trigger_interval=0.5,
         )

@@ -29,7 +29,7 @@ import signal
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -81,6 +81,8 @@ class Options:
     triggers: Mapping[str, float] = field(default_factory=dict)
     folder: Path = DEMO_DIR
     drain_deadline: float = DRAIN_DEADLINE
+    #: Service C reads payments.enriched, which the enrichment stage derives (`aml-app enrich`).
+    derived: bool = False
 
     def problems(self) -> list[str]:
         found = []
@@ -129,6 +131,8 @@ class Demo:
         `worker_env` goes to every worker."""
         self.options = options
         self.controls = Controls()
+        if options.derived:
+            settings = with_derived_aggregates(settings)
         layout = Layout(
             workers={"aml": options.aml_workers, "fraud": options.fraud_workers},
             gate=options.gate,
@@ -351,8 +355,8 @@ class Demo:
     # ---- progress
 
     def sources(self) -> tuple[str, ...]:
-        """Who dead-letters: each gated service, then each dependency group."""
-        return (*self.system.services, self.settings.relations_group, self.settings.aggregates_group)
+        """Who dead-letters: each gated service, then each dependency group (or the stage it reads)."""
+        return (*self.system.services, *self.system.dead_letter_sources)
 
     async def progress(self, prefix: str = "") -> None:
         """One line: sent, decided and alerted per service, dependency lag, partitions held by the gate."""
@@ -457,6 +461,15 @@ async def _stop_clients(demo: Demo) -> None:
     if demo.producer is not None:
         with contextlib.suppress(Exception):
             await asyncio.wait_for(demo.producer.stop(), CLIENT_STOP_DEADLINE)
+
+
+def with_derived_aggregates(settings: Settings) -> Settings:
+    """`settings` with Service C reading the topic the enrichment stage derives from payments (the demo's
+    `--derived`; AML_DERIVED_DEPENDENCIES in a deployment)."""
+    stage = (settings.enriched_topic, settings.enrichment_group)
+    return replace(
+        settings, derived_dependencies={**settings.derived_dependencies, settings.aggregates_group: stage}
+    )
 
 
 def run_demo(settings: Settings, options: Options) -> int:

@@ -15,7 +15,7 @@ import contextlib
 import os
 import signal
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +53,8 @@ def services_env(settings: Settings) -> dict[str, str]:
         "AML_MAX_CLOCK_SKEW": str(settings.max_clock_skew),
         "AML_API_CACHE_ANSWERS": str(settings.api_cache_answers),
         "AML_PIPELINE_METRICS_PORT": str(settings.pipeline_metrics_port),
+        "AML_ENRICHED_TOPIC": settings.enriched_topic,
+        "AML_ENRICHMENT_GROUP": settings.enrichment_group,
     }
 
 
@@ -141,10 +143,17 @@ class CommitWatch:
     """
 
     def __init__(
-        self, bootstrap: Sequence[str], topic: str, groups: Sequence[str], security: KafkaSecurity
+        self,
+        bootstrap: Sequence[str],
+        topic: str,
+        groups: Sequence[str],
+        security: KafkaSecurity,
+        derived: Mapping[str, tuple[str, str]] | None = None,
     ) -> None:
         self.groups = tuple(groups)
-        self.offsets = DependencyOffsets(bootstrap, topic, self.groups, security=security)
+        # A group reading a topic derived from payments is placed on payments as the gate places it
+        # (`aml_app.kafka.derivation`, checked against a record-by-record model in the unit tests).
+        self.offsets = DependencyOffsets(bootstrap, topic, self.groups, security=security, derived=derived)
         self.timeline = CommitTimeline()
         self.polls = 0
         self.advances = 0

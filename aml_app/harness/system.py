@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from aml_app import dependency_services as registry
+from aml_app.enrichment import DEAD_LETTER_WORKER
 from aml_app.harness.dependencies import ApiProcess, CommitWatch, ServiceProcess
 from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres
 from aml_app.harness.tails import DeadLetterTail, RecordTail
@@ -124,6 +125,8 @@ class System:
         self.postgres: EmbeddedPostgres | None = None
         self.bootstrap: list[str] = []
         self.pipeline: ServiceProcess | None = None
+        #: The enrichment stage (`aml-app enrich`), run when a dependency reads the topic it derives.
+        self.stage: ServiceProcess | None = None
         self.apis: dict[str, ApiProcess] = {}
         self.workers: dict[str, list[WorkerProcess]] = {}
         self.watch: CommitWatch | None = None
@@ -157,7 +160,9 @@ class System:
         self.start_services()
         self.start_workers()
         s = self.settings
-        self.watch = CommitWatch(self.bootstrap, s.payments_topic, self.groups, s.kafka_security)
+        self.watch = CommitWatch(
+            self.bootstrap, s.payments_topic, self.groups, s.kafka_security, s.derived_dependencies
+        )
         self.tasks["commit watch"] = asyncio.create_task(self.watch.run())
         await self.start_tails()
 
@@ -212,13 +217,32 @@ class System:
         self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")
         return chosen
 
+    @property
+    def dead_letter_sources(self) -> tuple[str, ...]:
+        """Who dead-letters a malformed payment besides the gated services: B's and C's groups, or the
+        enrichment stage for a group that reads the topic it derives (which holds valid payments only)."""
+        s = self.settings
+        return tuple(
+            DEAD_LETTER_WORKER if self.runs_stage and group in s.derived_dependencies else group
+            for group in (s.relations_group, s.aggregates_group)
+        )
+
+    @property
+    def runs_stage(self) -> bool:
+        """Whether a dependency reads the topic the enrichment stage derives (AML_DERIVED_DEPENDENCIES)."""
+        s = self.settings
+        return (s.enriched_topic, s.enrichment_group) in s.derived_dependencies.values()
+
     def start_services(self) -> None:
-        """The pipeline and the replicas of the two APIs reading its stores."""
+        """The enrichment stage when a dependency reads its topic, the pipeline and the replicas of the
+        two APIs reading its stores."""
         port = self.settings.pipeline_metrics_port
         if port:
             port = self.free("AML_PIPELINE_METRICS_PORT", "the pipeline's /metrics", port)
             self.settings = replace(self.settings, pipeline_metrics_port=port)
         s = self.settings
+        if self.runs_stage:
+            self.stage = self._start_stage(self.folder / "enrich.log")
         args = ["pipeline"] + [f"--trigger={svc}={sec:g}" for svc, sec in self.layout.triggers.items()]
         self.pipeline = ServiceProcess("pipeline", args, s, self.folder / "pipeline.log").start()
         for kind, service in registry.SERVICES.items():
@@ -234,6 +258,27 @@ class System:
                 self.apis[name] = ApiProcess(
                     kind, own, self.folder / f"{name}-api.log", name=f"{name} API"
                 ).start()
+
+    def _start_stage(self, log_path: Path) -> ServiceProcess:
+        s = self.settings
+        return ServiceProcess(
+            "enrichment",
+            ["enrich"],
+            s,
+            log_path,
+            # The same transactional id across restarts: a new stage fences off (aborts) what the old
+            # one left open.
+            AML_ENRICHMENT_ID=f"{s.enrichment_group}-0",
+            AML_SESSION_TIMEOUT=WORKER_SESSION_TIMEOUT,
+        ).start()
+
+    def restart_stage(self) -> ServiceProcess:
+        """Start the enrichment stage again after it stopped or was killed (a crash test)."""
+        old = self.stage
+        if old is None or old.alive():
+            raise RuntimeError("the enrichment stage is not stopped")
+        self.stage = self._start_stage(old.log_path.with_suffix(".restarted.log"))
+        return self.stage
 
     def live_api(self, kind: str) -> ApiProcess:
         """A running replica of `kind` (the first one, when none runs)."""
@@ -348,6 +393,9 @@ class System:
         if self.pipeline is not None and not self.pipeline.alive() and not self.pipeline.stopped:
             code = self.pipeline.returncode
             raise SystemFailure(failure("the pipeline", self.pipeline, f"exited with code {code}", 40))
+        if self.stage is not None and not self.stage.alive() and not self.stage.stopped:
+            code = self.stage.returncode
+            raise SystemFailure(failure("the enrichment stage", self.stage, f"exited with code {code}"))
         for api in self.apis.values():
             if not api.alive() and not api.stopped:
                 raise SystemFailure(failure(f"the {api.name}", api, f"exited with code {api.returncode}"))
@@ -406,6 +454,8 @@ class System:
         stops += [(f"the {name} API", a, SERVICE_STOP_GRACE) for name, a in self.apis.items()]
         if self.pipeline is not None:
             stops.append(("the pipeline", self.pipeline, SERVICE_STOP_GRACE))
+        if self.stage is not None:
+            stops.append(("the enrichment stage", self.stage, SERVICE_STOP_GRACE))
         if stops:
             self.say(f"stopping {len(self.all_workers)} worker(s), the pipeline and the APIs")
             results = await asyncio.gather(*(asyncio.to_thread(p.stop, grace) for _, p, grace in stops))

@@ -93,7 +93,8 @@ class Verdict:
     valid: int
     malformed: int
     services: dict[str, ServiceVerdict]
-    dead_lettered: dict[str, int]  # dependency group -> malformed records it dead-lettered
+    #: Dependency group (or the stage it reads) -> malformed records it dead-lettered.
+    dead_lettered: dict[str, int]
     reasons: Counter[str]
     behind: dict[str, int]  # group -> records it has not committed past
     spot_failures: int
@@ -151,7 +152,7 @@ def judge(
             latency_p99=percentile(latencies, 99),
             dead_lettered=len(system.dead_letters.of_run(service, ledger.malformed)),
         )
-    groups = (settings.relations_group, settings.aggregates_group)
+    groups = system.dead_letter_sources
     dead = system.dead_letters.of_run(groups[0], ledger.malformed)
     aml_alerts = system.alerts["aml"].of_run(ids) if "aml" in system.alerts else []
     instances = report.simulation.instances if report else ()

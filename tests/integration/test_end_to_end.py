@@ -165,3 +165,36 @@ async def test_kill_9_of_a_worker_and_of_api_replicas_then_an_api_outage_lose_no
         assert resumed, f"{service} made no decision after C came back"
     logs = "".join(w.log_path.read_text(errors="replace") for w in demo.system.all_workers)
     assert "aggregates at http://" in logs and "is unavailable" in logs, "the wait was not logged"
+
+
+@pytest.mark.timeout(TIMEOUT)
+async def test_with_c_on_the_derived_topic_a_kill_9_of_the_stage_loses_nothing(
+    broker: EmbeddedBroker, store_url: str, tmp_path: Path
+) -> None:
+    """Service C reads payments.enriched, which the enrichment stage derives (`--derived`). The stage is
+    killed -9 while payments flow and started again three seconds later: every payment is decided on
+    evidence that includes it, none before both the stage and C applied it (the commit watch places C's
+    group on payments through the stage, as the gate does), and decisions go on after the restart."""
+    stage: dict[str, float] = {}
+
+    async def kill_the_stage(demo: Demo) -> None:
+        system = demo.system
+        assert system.stage is not None, "the stage runs when C reads its topic"
+        await wait_until(lambda: demo.elapsed() >= 6, 60, "payments flowing")
+        system.stage.kill()
+        stage["killed"] = time.time()
+        down = time.monotonic()
+        await wait_until(lambda: time.monotonic() - down >= 3, 30, "three seconds without the stage")
+        system.restart_stage()
+        stage["restarted"] = time.time()
+
+    demo, _ = await run(
+        broker, store_url, tmp_path, kill_the_stage, duration=25, rate=40, instances=1, derived=True
+    )
+    assert set(stage) == {"killed", "restarted"}
+    assert demo.system.dead_letter_sources[1] == "enrichment"
+    for service in ("aml", "fraud"):
+        decisions = demo.system.decisions[service].of_run(demo.ledger.ids())
+        assert [d for d in decisions if decided_at(d) > stage["restarted"]], f"{service}: nothing after"
+    restarted = demo.system.folder / "enrich.restarted.log"
+    assert "enrichment:" in restarted.read_text(errors="replace"), "the stage did not start again"

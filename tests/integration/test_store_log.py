@@ -105,7 +105,7 @@ async def test_a_store_of_another_log_is_refused_until_rebuilt(
     assert meta(store_url, "relations")["log"] == first, "a refused store records nothing"
 
     rebuilt = await asyncio.to_thread(opened, settings, ["relations"], True)
-    assert rebuilt.log == second and meta(store_url, "relations")["log"] == second
+    assert rebuilt.logs == {names.payments: second} and meta(store_url, "relations")["log"] == second
     await asyncio.to_thread(opened, settings, ["relations"])  # accepted from now on
     # The store that was not rebuilt is still refused.
     with pytest.raises(StoreRefused, match=r"^the aggregates store at .* was built from log "):
