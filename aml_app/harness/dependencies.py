@@ -39,7 +39,6 @@ def services_env(settings: Settings) -> dict[str, str]:
     """`settings_env` plus everything the pipeline and the APIs read."""
     return {
         **settings_env(settings),
-        **{s.group_env: s.group(settings) for s in registry.SERVICES.values()},
         **{s.port_env: str(s.port(settings)) for s in registry.SERVICES.values()},
         "AML_STORE_URL": settings.store_url,
         "AML_API_STORE_URL": settings.api_store_url,

@@ -15,6 +15,7 @@ from urllib.parse import urlencode
 
 import aiohttp
 
+from aml_app import dependency_services as registry
 from aml_app.harness.child_process import AmlAppProcess
 from aml_app.settings import Settings
 from aml_app.tokens import QUERY, bearer
@@ -34,6 +35,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
         "AML_DERIVED_DEPENDENCIES": ",".join(
             f"{group}:{topic}:{stage}" for group, (topic, stage) in settings.derived_dependencies.items()
         ),
+        # Which of the groups is B's and which C's: the detectors check a derived group's answers by it.
+        **{s.group_env: s.group(settings) for s in registry.SERVICES.values()},
         "AML_PAYMENTS_TOPIC": settings.payments_topic,
         "AML_DECISIONS_TOPIC": settings.decisions_topic,
         "AML_ALERTS_TOPIC": settings.alerts_topic,

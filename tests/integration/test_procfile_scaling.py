@@ -242,6 +242,9 @@ def honcho_env(broker: EmbeddedBroker, names: Names, workdir: Path) -> dict[str,
         "AML_SERVICE": "probe",
         "AML_APP_ID": names.app_id,
         "AML_DEPENDS_ON": ",".join(names.deps),
+        # The probe waits on this test's groups, both on payments (the Procfile's default puts C on the
+        # enrichment stage's topic).
+        "AML_DERIVED_DEPENDENCIES": "",
         "AML_PAYMENTS_TOPIC": names.payments,
         "AML_DECISIONS_TOPIC": names.decisions,
         "AML_ALERTS_TOPIC": names.alerts,

@@ -472,7 +472,7 @@ def port_of(expression: str, port: int) -> int:
 def test_every_procfile_process_is_an_aml_app_command(cli: click.Group) -> None:
     processes = procfile()
     apis = {"relations_1", "relations_2", "aggregates_1", "aggregates_2"}
-    assert set(processes) == {"broker", "postgres", "pipeline", *apis, "aml", "fraud", "simulator"}
+    assert set(processes) == {"broker", "postgres", "enrich", "pipeline", *apis, "aml", "fraud", "simulator"}
     ran = {name: parse(cli, split_command(line)[1]) for name, line in processes.items()}
     for name, line in processes.items():
         assignments, _ = split_command(line)
@@ -482,6 +482,7 @@ def test_every_procfile_process_is_an_aml_app_command(cli: click.Group) -> None:
     assert ran == {
         "broker": "broker",
         "postgres": "postgres",
+        "enrich": "enrich",
         "pipeline": "pipeline",
         **dict.fromkeys(apis, "serve"),
         "aml": "worker",
@@ -580,6 +581,11 @@ def test_every_long_running_service_has_a_healthcheck_on_its_own_port(compose: d
             continue  # one-shot: topics, simulator
         settings = load_settings({**image_env(), **env_of(service)})
         command = service["command"]
+        if command == ["enrich"]:
+            # No HTTP server: a stage that dies ends its container (restarted); one that stalls shows as
+            # C's lag on every worker's page and metrics.
+            assert "healthcheck" not in service, name
+            continue
         if command[0] == "worker":
             port, path = settings.web_port, "/health"
             assert settings.web_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
@@ -626,3 +632,28 @@ def test_the_compose_stores_are_written_and_read_by_roles_of_least_privilege(com
             assert conninfo_to_dict(settings.store_url)["user"] == WRITER
         elif service["command"][0] == "serve":
             assert conninfo_to_dict(settings.reader_url)["user"] == READER, name
+
+
+def test_every_procfile_process_that_reads_c_places_it_on_the_stages_topic() -> None:
+    """The pipeline (which runs C on the topic), C's APIs (which check their store against it) and the
+    workers (whose gate maps C's offsets) declare the one derived dependency that `enrich` writes."""
+    processes = procfile()
+    stage = load_settings(split_command(processes["enrich"])[0])
+    wanted = {stage.aggregates_group: (stage.enriched_topic, stage.enrichment_group)}
+    for name in ("pipeline", "aggregates_1", "aggregates_2", "aml", "fraud"):
+        assignments, _ = split_command(processes[name])
+        env = {k: str(port_of(v, 5000)) if k == "AML_WEB_PORT" else v for k, v in assignments.items()}
+        assert load_settings(env).derived_dependencies == wanted, name
+    # Set and empty, it puts C back on payments.
+    assert shell_value("${AML_DERIVED_DEPENDENCIES-x}", {"AML_DERIVED_DEPENDENCIES": ""}) == ""
+
+
+def test_the_compose_file_runs_the_stage_whose_topic_c_reads(compose: dict[str, Any]) -> None:
+    services = app_services(compose)
+    stages = [name for name, service in services.items() if service["command"] == ["enrich"]]
+    assert stages == ["enrich"]
+    stage = load_settings({**image_env(), **env_of(services["enrich"])})
+    wanted = {stage.aggregates_group: (stage.enriched_topic, stage.enrichment_group)}
+    for name, service in services.items():
+        if service["command"][0] in ("pipeline", "worker") or service["command"] == ["serve", "aggregates"]:
+            assert load_settings({**image_env(), **env_of(service)}).derived_dependencies == wanted, name
