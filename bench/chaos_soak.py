@@ -67,13 +67,16 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app import dependency_services as registry
+from aml_app.enrichment import DEAD_LETTER_WORKER
 from aml_app.harness.child_process import AmlAppProcess, aml_app_executable
+from aml_app.harness.demo import with_derived_aggregates
 from aml_app.harness.dependencies import ServiceProcess, services_env
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.system import Layout, System, service_settings
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.kafka.deadlines import close_within, within
+from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.settings import Settings
 from aml_app.simulation.producer import payment_count
 from aml_app.simulation.traffic import DEFAULT_SPEEDUP, default_start
@@ -95,7 +98,9 @@ FULL_SCHEDULE = (
     "odd-timestamps",
     "scale",  # 2 -> 3, then 3 -> 2 one gap later
 )
-FAULT_KINDS = frozenset(FULL_SCHEDULE)
+#: With `--derived` (Service C reads the enrichment stage's topic): the stage is killed -9 too.
+DERIVED_SCHEDULE = (*FULL_SCHEDULE, "kill-stage")
+FAULT_KINDS = frozenset(DERIVED_SCHEDULE)
 NOT_INJECTED = {
     "add-partitions": "the embedded broker (Tansu) does not implement CreatePartitions, so a topic "
     "cannot grow partitions",
@@ -140,6 +145,7 @@ class Options:
     keep: bool = False  # keep the PostgreSQL data folder (the logs are always kept)
     gate: bool = True  # off: the negative control, whose premature decisions the verdict must catch
     live_code: bool = False  # run the checkout as it is, not a copy taken at the start
+    derived: bool = False  # Service C reads payments.enriched, which the enrichment stage derives
 
 
 @dataclass
@@ -280,11 +286,20 @@ class Poll:
 
 
 class CommitPoller:
-    """Polls the groups' committed offsets with aiokafka's admin client, keeping the whole timeline."""
+    """Polls the groups' committed offsets with aiokafka's admin client, keeping the whole timeline: in
+    the order given, each on `topic` or the one `on_topic` names for it."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int, groups: Sequence[str]) -> None:
+    def __init__(
+        self,
+        bootstrap: str,
+        topic: str,
+        partitions: int,
+        groups: Sequence[str],
+        on_topic: Mapping[str, str] | None = None,
+    ) -> None:
         self.bootstrap = bootstrap
         self.tps = [TopicPartition(topic, p) for p in range(partitions)]
+        self.topic_of = dict(on_topic or {})
         self.groups = tuple(groups)
         self.admin: AIOKafkaAdminClient | None = None
         self.coordinators: dict[str, int] = {}
@@ -308,13 +323,15 @@ class CommitPoller:
                 self.coordinators[group] = await within(
                     self.admin.find_coordinator(group), REQUEST_TIMEOUT, f"finding {group}'s coordinator"
                 )
+            topic = self.topic_of.get(group)
+            tps = self.tps if topic is None else [TopicPartition(topic, tp.partition) for tp in self.tps]
             answer = await within(
-                self.admin.list_consumer_group_offsets(group, self.coordinators[group], partitions=self.tps),
+                self.admin.list_consumer_group_offsets(group, self.coordinators[group], partitions=tps),
                 REQUEST_TIMEOUT,
                 f"reading {group}'s committed offsets",
             )
             offsets = {tp.partition: max(meta.offset, 0) for tp, meta in answer.items()}
-            committed[group] = {tp.partition: offsets.get(tp.partition, 0) for tp in self.tps}
+            committed[group] = {tp.partition: offsets.get(tp.partition, 0) for tp in tps}
         poll = Poll(started, committed, time.time())
         self.polls.append(poll)
         self.starts.append(started)
@@ -370,6 +387,63 @@ class CommitPoller:
 
     async def stop(self) -> None:
         await self.reset()
+
+
+class DerivedRecords:
+    """What the stage's topic proves a group reading it applied, by brute force over every record read.
+
+    At a poll that read the stage's committed offsets S on payments, then the group's G on the topic: a
+    payment (p, o) below S(p) was derived before S was read (the stage commits after writing), so each
+    record naming it was in the topic then, and it is applied when every such record lies below G on its
+    partition. The group's position on p is min(S(p), the smallest payment offset on p named by a record
+    at or past G): nothing of the gate's own mapping (`aml_app.kafka.derivation`) is used. Records
+    written later name payments at or past S (a restarted stage writes again only what it had not
+    committed), so reading the topic to its end, rather than to where it stood at the poll, changes nothing.
+    """
+
+    def __init__(self) -> None:
+        self.reader: TopicReader | None = None
+        self._built_from = -1
+        #: per partition of the topic: its records' offsets, in order, and per payments partition the
+        #: smallest payment offset named at or after each of them (the last entry: none).
+        self._offsets: dict[int, list[int]] = {}
+        self._suffix: dict[int, dict[int, list[int]]] = {}
+
+    def _build(self) -> None:
+        records = self.reader.records if self.reader is not None else []
+        if len(records) == self._built_from:
+            return
+        self._built_from = len(records)
+        named: dict[int, list[tuple[int, int, int]]] = {}
+        for r in records:
+            source = dict(r.headers).get(SOURCE_HEADER)
+            partition, _, offset = (source or b"").decode(errors="replace").partition(":")
+            if partition.isdigit() and offset.isdigit():
+                named.setdefault(r.partition, []).append((r.offset, int(partition), int(offset)))
+        self._offsets, self._suffix = {}, {}
+        none = 2**62
+        for d, rows in named.items():
+            rows = sorted(set(rows))
+            self._offsets[d] = [offset for offset, _, _ in rows]
+            suffix: dict[int, list[int]] = {p: [none] * (len(rows) + 1) for p in range(PARTITIONS)}
+            for i in range(len(rows) - 1, -1, -1):
+                for after in suffix.values():
+                    after[i] = after[i + 1]
+                _, source_partition, source_offset = rows[i]
+                if source_partition in suffix:
+                    suffix[source_partition][i] = min(suffix[source_partition][i], source_offset)
+            self._suffix[d] = suffix
+
+    def position(self, stage: Mapping[int, int], group: Mapping[int, int]) -> dict[int, int]:
+        self._build()
+        found = {}
+        for p in range(PARTITIONS):
+            lowest = stage.get(p, 0)
+            for d, offsets in self._offsets.items():
+                i = bisect.bisect_left(offsets, group.get(d, 0))
+                lowest = min(lowest, self._suffix[d][p][i])
+            found[p] = lowest
+        return found
 
 
 async def log_ends(bootstrap: str, topic: str, partitions: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -552,6 +626,7 @@ class Soak:
         self.producer: AIOKafkaProducer | None = None
         self.readers: dict[str, TopicReader] = {}
         self.poller: CommitPoller | None = None
+        self.derived = DerivedRecords()
         self.closing = asyncio.Event()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.findings = Findings()
@@ -598,8 +673,30 @@ class Soak:
     def dependency_groups(self) -> tuple[str, ...]:
         return tuple(dep.group(self.settings) for dep in registry.SERVICES.values())
 
+    @property
+    def derived_group(self) -> str | None:
+        """C's group when it reads the enrichment stage's topic (`--derived`)."""
+        return self.settings.aggregates_group if self.options.derived else None
+
+    @property
+    def dead_letter_sources(self) -> tuple[str, ...]:
+        """Who must dead-letter every malformed record: B, C (or the stage whose topic it reads) and AML."""
+        return ("relations", "enrichment" if self.options.derived else "aggregates", "aml")
+
+    def positions(self, poll: Poll) -> dict[str, dict[int, int]]:
+        """Each dependency group's position on payments at `poll`: its committed offsets, or for a group
+        reading the stage's topic, what the topic's records prove it applied (`DerivedRecords.position`)."""
+        found = {g: poll.committed[g] for g in self.dependency_groups if g != self.derived_group}
+        if self.derived_group is not None:
+            stage = poll.committed[self.settings.enrichment_group]
+            found[self.derived_group] = self.derived.position(stage, poll.committed[self.derived_group])
+        return found
+
     def source_of(self, worker: str) -> str:
-        """Who dead-lettered: B and C write their group's name, an AML worker its worker id."""
+        """Who dead-lettered: B and C write their group's name, an AML worker its worker id, the stage
+        "enrichment"."""
+        if worker == DEAD_LETTER_WORKER:
+            return "enrichment"
         for name, dep in registry.SERVICES.items():
             if worker in (dep.group(self.settings), name):
                 return name
@@ -655,6 +752,7 @@ class Soak:
                 "partitions": PARTITIONS,
                 "gate": self.options.gate,
                 "live_code": self.options.live_code,
+                "derived": self.options.derived,
             },
             "folder": str(self.folder),
             "code": self.code,
@@ -683,6 +781,8 @@ class Soak:
         )
         for name in registry.NAMES:
             settings = settings.with_endpoint(name, port=free_port())
+        if self.options.derived:
+            settings = with_derived_aggregates(settings)
         layout = Layout(
             workers={"aml": 2},
             api_replicas=2,
@@ -733,9 +833,16 @@ class Soak:
         for name, topic in topics.items():
             self.readers[name] = await TopicReader(bootstrap, topic, PARTITIONS).start()
             self.tasks[f"{name} reader"] = asyncio.create_task(self.readers[name].run(self.closing))
-        self.poller = CommitPoller(
-            bootstrap, s.payments_topic, PARTITIONS, (*self.dependency_groups, self.aml_group)
-        )
+        groups: tuple[str, ...] = (*self.dependency_groups, self.aml_group)
+        on_topic: dict[str, str] = {}
+        if self.derived_group is not None:
+            # The stage's offsets are read before C's in each poll, as the proof needs (DerivedRecords).
+            groups = (s.enrichment_group, *groups)
+            on_topic[self.derived_group] = s.enriched_topic
+            self.readers["derived"] = await TopicReader(bootstrap, s.enriched_topic, PARTITIONS).start()
+            self.tasks["derived reader"] = asyncio.create_task(self.readers["derived"].run(self.closing))
+            self.derived.reader = self.readers["derived"]
+        self.poller = CommitPoller(bootstrap, s.payments_topic, PARTITIONS, groups, on_topic)
         self.tasks["commit poller"] = asyncio.create_task(self.poller.run(self.closing))
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
         await self.producer.start()
@@ -758,9 +865,10 @@ class Soak:
 
         def passed() -> bool:
             poll = self.poller.latest() if self.poller else None
-            return poll is not None and all(
-                poll.committed[g][p] > o for g in self.dependency_groups for p, o in placed.items()
-            )
+            if poll is None:
+                return False
+            at = self.positions(poll)
+            return all(at[g][p] > o for g in self.dependency_groups for p, o in placed.items())
 
         if not await self.wait_for(passed, WARM_UP_DEADLINE, "the dependencies to commit past the warm-up"):
             raise SoakError(f"the pipeline did not commit its first batch within {WARM_UP_DEADLINE:.0f} s")
@@ -875,6 +983,11 @@ class Soak:
             await asyncio.to_thread(system.pipeline.kill)
             self.restart_pipeline()
             fault.what = "kill -9 of the pipeline's process group; started it again"
+        elif fault.kind == "kill-stage":
+            assert system.stage is not None
+            await asyncio.to_thread(system.stage.kill)
+            system.restart_stage()
+            fault.what = "kill -9 of the enrichment stage; started it again (same transactional id)"
         elif fault.kind == "kill-api":
             await asyncio.to_thread(system.apis[fault.target].kill)
             system.restart_api(fault.target)
@@ -1015,6 +1128,11 @@ class Soak:
             self.record_exit("the pipeline", pipeline.returncode, crash_lines(pipeline.log_text()))
             pipeline.stopped = True
             self.restart_pipeline()
+        stage = system.stage
+        if stage is not None and not stage.alive() and not stage.stopped:
+            self.record_exit("the enrichment stage", stage.returncode, crash_lines(stage.log_text()))
+            stage.stopped = True
+            system.restart_stage()
         for name, api in list(system.apis.items()):
             if not api.alive() and not api.stopped:
                 self.record_exit(f"the {name} API", api.returncode, crash_lines(api.log_text()))
@@ -1050,11 +1168,13 @@ class Soak:
         ends = self.readers["payments"].highwater()
         lag = ""
         if poll is not None:
+            at = {**poll.committed, **self.positions(poll)}
             lag = " ".join(
-                f"{g} {sum(max(end - poll.committed[g].get(p, 0), 0) for p, end in ends.items())}"
-                for g in poll.committed
+                f"{g} {sum(max(end - at[g].get(p, 0), 0) for p, end in ends.items())}"
+                for g in at
+                if g != self.settings.enrichment_group or self.derived_group is not None
             )
-        dead = "/".join(str(len(f.dead.get(s, {}))) for s in (*registry.NAMES, "aml"))
+        dead = "/".join(str(len(f.dead.get(s, {}))) for s in self.dead_letter_sources)
         workers = ",".join(w.worker_id for w in self.live_workers())
         self.say(
             f"+{time.monotonic() - self.t0:.0f}s  payments {len(f.valid)} (+{len(f.malformed)} malformed)  "
@@ -1069,12 +1189,13 @@ class Soak:
         poll = self.poller.latest() if self.poller else None
         if poll is None or not self.ends:
             return False
-        if any(poll.committed[g][p] < end for g in self.dependency_groups for p, end in self.ends.items()):
+        at = self.positions(poll)
+        if any(at[g][p] < end for g in self.dependency_groups for p, end in self.ends.items()):
             return False
         f = self.findings
         if not set(f.valid) <= f.decided:
             return False
-        return all(f.malformed <= set(f.dead.get(s, {})) for s in (*registry.NAMES, "aml"))
+        return all(f.malformed <= set(f.dead.get(s, {})) for s in self.dead_letter_sources)
 
     async def catch_up(self) -> None:
         """Every producer stopped: the log ends are final; wait until everything was handled."""
@@ -1205,21 +1326,21 @@ class Soak:
             if poll is None:
                 unpolled += 1
                 continue
+            at = self.positions(poll)
             for group in self.dependency_groups:
-                committed = poll.committed[group].get(d.partition, 0)
+                committed = at[group].get(d.partition, 0)
                 if d.offset >= committed:
                     premature.append((d, group, committed, poll.started))
         premature_ids = {(d.partition, d.offset) for d, *_ in premature}
         lost = sorted(set(f.valid) - f.decided)
         alerted_twice = {pid: n for pid, n in f.alerts.items() if n > 1}
-        sources = (*registry.NAMES, "aml")
-        dead = {s: len(f.malformed & set(f.dead.get(s, {}))) for s in sources}
+        dead = {s: len(f.malformed & set(f.dead.get(s, {}))) for s in self.dead_letter_sources}
         malformed_decided = f.malformed & f.decided
         valid_dead = {s: len(set(f.valid) & set(f.dead.get(s, {}))) for s in f.dead}
         latest = self.poller.latest()
         groups: dict[str, Any] = {}
         for group in self.dependency_groups:
-            applied = latest.committed[group] if latest else {}
+            applied = self.positions(latest)[group] if latest else {}
             behind = sum(max(end - applied.get(p, 0), 0) for p, end in self.ends.items())
             groups[group] = {"committed": applied, "behind": behind, "at_end": behind == 0}
         groups[self.aml_group] = {**aml, "at_end": aml["within_grace"]}
@@ -1372,7 +1493,7 @@ class Soak:
         if "future" in found:
             future = found["future"]
             missing = [
-                s for s in (*registry.NAMES, "aml") if "clock skew" not in future["dead_lettered"].get(s, "")
+                s for s in self.dead_letter_sources if "clock skew" not in future["dead_lettered"].get(s, "")
             ]
             if missing or future["decided"]:
                 failures.append(
@@ -1507,8 +1628,9 @@ class Soak:
         assert self.poller is not None
         worst, when, series, next_sample = 0, None, [], 0.0
         for poll in self.poller.polls:
+            at = self.positions(poll)
             lag = sum(
-                max(min(poll.committed[g][p] for g in self.dependency_groups) - o, 0)
+                max(min(at[g][p] for g in self.dependency_groups) - o, 0)
                 for p, o in poll.committed[self.aml_group].items()
             )
             if lag > worst:
@@ -1691,8 +1813,14 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--rate", type=float, default=100.0, help="payments/s")
     parser.add_argument(
         "--faults",
-        default=",".join(FULL_SCHEDULE),
-        help=f"comma-separated, in any order (it is drawn from the seed): {', '.join(sorted(FAULT_KINDS))}",
+        default=None,
+        help=f"comma-separated, in any order (it is drawn from the seed): {', '.join(sorted(FAULT_KINDS))} "
+        "(default: all of them; kill-stage only with --derived)",
+    )
+    parser.add_argument(
+        "--derived",
+        action="store_true",
+        help="Service C reads payments.enriched, which the enrichment stage derives from payments",
     )
     parser.add_argument("--gap", default="15,20", help="seconds between two faults: LOW,HIGH")
     parser.add_argument("--catch-up", type=float, default=300.0, help="seconds to catch up after the traffic")
@@ -1711,10 +1839,13 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         help="run the checkout as it is (restarted processes then run whatever is on disk by then)",
     )
     args = parser.parse_args(argv)
-    faults = tuple(k.strip() for k in args.faults.split(",") if k.strip())
+    default = DERIVED_SCHEDULE if args.derived else FULL_SCHEDULE
+    faults = tuple(k.strip() for k in (args.faults or ",".join(default)).split(",") if k.strip())
     unknown = [k for k in faults if k not in FAULT_KINDS and k not in NOT_INJECTED]
     if unknown:
         parser.error(f"unknown faults {unknown}; known: {', '.join(sorted(FAULT_KINDS))}")
+    if "kill-stage" in faults and not args.derived:
+        parser.error("kill-stage needs --derived (without it no stage runs)")
     low, _, high = args.gap.partition(",")
     return Options(
         seed=args.seed,
@@ -1729,6 +1860,7 @@ def parse_args(argv: Sequence[str] | None = None) -> Options:
         keep=args.keep,
         gate=not args.no_gate,
         live_code=args.live_code,
+        derived=args.derived,
     )
 
 
