@@ -1744,8 +1744,9 @@ def summary(doc: dict[str, Any]) -> str:
         f"premature decisions: {doc['premature']['decisions']}"
         + (f" (undated: {doc['premature']['undated']})" if doc["premature"]["undated"] else ""),
         f"payments lost (valid, never decided): {doc['lost']['payments']}",
-        f"malformed: {malformed['produced']} produced, dead-lettered by relations/aggregates/aml "
-        f"{'/'.join(str(malformed['dead_lettered'][s]) for s in ('relations', 'aggregates', 'aml'))}, "
+        f"malformed: {malformed['produced']} produced, dead-lettered by "
+        f"{'/'.join(malformed['dead_lettered'])} "
+        f"{'/'.join(str(n) for n in malformed['dead_lettered'].values())}, "
         f"decided {malformed['decided']}",
         f"alerted twice: {doc['alerts']['alerted_twice']} (of {doc['alerts']['payments']} payments alerted)",
         *(

@@ -19,8 +19,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from aiohttp.test_utils import TestClient, TestServer
 from aiokafka import AIOKafkaProducer
 
+from aml_app.dependencies.api import build_app
 from aml_app.enrichment import payee_partition
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka.broker import EmbeddedBroker, create_topics
@@ -31,6 +33,7 @@ from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config, start_pipeline
 from aml_app.settings import Settings
 from tests.harness import Names, ends_of, wait_until
+from tests.integration.test_services_api import wait_for_check
 from tests.pipelines import CATCH_UP, pipeline_settings
 from tests.stores import aggregates_answers, without_as_of
 
@@ -150,5 +153,16 @@ async def test_c_on_the_derived_topic_answers_as_c_on_payments(
             pair = f"{payee_partition(json.loads(value)['payee'], DERIVED_PARTITIONS)}:{p}"
             highest[pair] = max(highest.get(pair, -1), o)
         assert json.loads(recorded["sources"]) == highest
+
+        # C's API checks its store against C's group on the derived topic: a store that lost its
+        # offsets there is behind it (on payments, where C's group commits nothing, it never would be).
+        checked = replace(reader, bootstrap_servers=(broker.bootstrap,))
+        async with TestClient(TestServer(build_app("aggregates", checked), host="127.0.0.1")) as client:
+            health = await wait_for_check(client, "ok")
+            assert health["as_of"] == {str(d): o for d, o in derived_ends.items()}
+            with psycopg.connect(store_url, autocommit=True) as conn:
+                conn.execute("DELETE FROM aggregates.applied_offsets")
+            health = await wait_for_check(client, "behind", timeout=60)
+            assert "aml-app rebuild aggregates" in health["store_check"]["problem"]
     else:
         assert mismatched, "counting the copies changes C's answers"
