@@ -4,7 +4,8 @@
 module makes its Kafka reads, in the order the mapping's proof needs. Per refresh, after the caller has
 read the stage group's committed offsets on `payments` (S):
 
-1. the dependency group's committed offsets on the derived topic D (one OffsetFetch);
+1. the dependency group's committed offsets on the derived topic D (one OffsetFetch, which the caller
+   makes as it reads every group's: `DependencyOffsets._fetch_committed`);
 2. D's ends (one ListOffsets) and, for a partition of D read from a new place, its log start (and once,
    D's configuration: a compacted D is refused);
 3. the records of D appended since the last refresh, each read once by a group-less consumer
@@ -53,7 +54,8 @@ class DerivedTopic:
         #: its log start): a store of the group that has applied these holds every payment below W.
         self.committed: dict[int, int] = {}
         self.request_timeout = request_timeout
-        #: Requests made (OffsetFetch, ListOffsets, fetch calls), for the views and the benchmarks.
+        #: Requests made to map the topic (the caller's OffsetFetch of the group on it, ListOffsets, fetch
+        #: calls), for the views and the benchmarks.
         self.requests = 0
         #: Records of the derived topic read so far.
         self.records_read = 0
@@ -88,17 +90,11 @@ class DerivedTopic:
         if consumer is not None:
             await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
 
-    async def positions(
-        self,
-        admin: AIOKafkaAdminClient,
-        payments_partitions: Sequence[int],
-        stage: Mapping[int, int | None],
-        coordinator: int,
-    ) -> dict[int, int]:
-        """W(p) of the group on `payments`; `stage` is S(p), read before this call; `coordinator` the
-        group's coordinator. Raises DerivationError (one sentence) when the topic cannot be mapped."""
-        consumer = await self._reader()
+    async def partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
+        """The topic's partitions, read (and the topic checked: not compacted) at the first call after a
+        start or a close; the reader is assigned them, paused."""
         if not self._partitions:
+            consumer = await self._reader()
             self.requests += 2
             await within(
                 _refuse_compacted(admin, self.topic),
@@ -112,23 +108,21 @@ class DerivedTopic:
             consumer.assign(assigned)
             consumer.pause(*assigned)
             self._read_to.clear()
+        return self._partitions
+
+    async def positions(
+        self,
+        payments_partitions: Sequence[int],
+        stage: Mapping[int, int | None],
+        raw: Mapping[int, int | None],
+    ) -> dict[int, int]:
+        """W(p) of the group on `payments`; `stage` is S(p), read first, then `raw`, the group's committed
+        offsets on every partition of the topic (`partitions`; None: nothing committed). Raises
+        DerivationError (one sentence) when the topic cannot be mapped."""
+        if not self._partitions:
+            raise RuntimeError(f"{self.topic!r}'s partitions are read (`partitions`) before its positions")
+        consumer = await self._reader()
         tps = {d: TopicPartition(self.topic, d) for d in self._partitions}
-        self.requests += 1
-        answer = await within(
-            admin.list_consumer_group_offsets(
-                self.group, group_coordinator_id=coordinator, partitions=list(tps.values())
-            ),
-            self.request_timeout,
-            f"reading {self.group!r}'s committed offsets on {self.topic!r}",
-        )
-        raw = {tp.partition: (meta.offset if meta.offset >= 0 else None) for tp, meta in answer.items()}
-        if set(raw) != set(tps):
-            # As for a group of payments (DependencyOffsets._read_plain): an answer without partitions is
-            # a coordinator that moved or is loading, not a group that never committed.
-            raise RuntimeError(
-                f"group {self.group!r}'s coordinator answered without partitions of {self.topic!r}; "
-                "asking again"
-            )
         self.requests += 1
         reported = await within(
             consumer.end_offsets(list(tps.values())),

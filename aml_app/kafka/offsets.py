@@ -262,42 +262,54 @@ class DependencyOffsets:
         result = await self._read_plain(admin, partitions, [g for g in groups if g not in self._derived])
         for group in derived:
             reader = self._derived[group]
-            positions = await reader.positions(
-                admin, partitions, stage_offsets[reader.stage_group], await self._coordinator(admin, group)
-            )
+            on_topic = await reader.partitions(admin)
+            reader.requests += 1  # a request made to map the derived topic
+            raw = await self._fetch_committed(admin, group, reader.topic, on_topic)
+            positions = await reader.positions(partitions, stage_offsets[reader.stage_group], raw)
             result[group] = {p: positions[p] for p in partitions}
         return {group: result[group] for group in groups}
 
     async def _read_plain(
         self, admin: AIOKafkaAdminClient, partitions: Sequence[int], groups: Sequence[str]
     ) -> dict[str, dict[int, int | None]]:
-        tps = [TopicPartition(self.topic, p) for p in partitions]
         result: dict[str, dict[int, int | None]] = {}
         for group in groups:
-            answer_from = await self._coordinator(admin, group)
             self.requests += 1
-            answer = await within(
-                admin.list_consumer_group_offsets(group, group_coordinator_id=answer_from, partitions=tps),
-                self.request_timeout,
-                f"reading {group!r}'s committed offsets",
-            )
-            offsets = {
-                tp.partition: (meta.offset if meta.offset >= 0 else None)
-                for tp, meta in answer.items()
-                if tp.topic == self.topic
-            }
-            missing = sorted(set(partitions) - set(offsets))
-            if missing:
-                # aiokafka returns an OffsetFetch answered with a top-level error (NOT_COORDINATOR,
-                # COORDINATOR_LOAD_IN_PROGRESS: the coordinator moved or is loading) as an empty answer,
-                # which would read as "nothing committed" and close every partition.
-                del self._coordinators[group]
-                raise OffsetReadError(
-                    f"group {group!r}'s coordinator (broker {answer_from}) answered without partitions "
-                    f"{_ranges(missing)} of {self.topic!r} (moved, or still loading); asking again"
-                )
-            result[group] = offsets
+            result[group] = await self._fetch_committed(admin, group, self.topic, partitions)
         return result
+
+    async def _fetch_committed(
+        self, admin: AIOKafkaAdminClient, group: str, topic: str, partitions: Sequence[int]
+    ) -> dict[int, int | None]:
+        """`group`'s committed offsets on `partitions` of `topic` (None: nothing committed): one
+        OffsetFetch, which the caller counts."""
+        answer_from = await self._coordinator(admin, group)
+        answer = await within(
+            admin.list_consumer_group_offsets(
+                group,
+                group_coordinator_id=answer_from,
+                partitions=[TopicPartition(topic, p) for p in partitions],
+            ),
+            self.request_timeout,
+            f"reading {group!r}'s committed offsets on {topic!r}",
+        )
+        offsets = {
+            tp.partition: (meta.offset if meta.offset >= 0 else None)
+            for tp, meta in answer.items()
+            if tp.topic == topic
+        }
+        missing = sorted(set(partitions) - set(offsets))
+        if missing:
+            # aiokafka returns an OffsetFetch answered with a top-level error (NOT_COORDINATOR,
+            # COORDINATOR_LOAD_IN_PROGRESS: the coordinator moved or is loading) as an empty answer,
+            # which would read as "nothing committed": every partition closed, or a group reading a
+            # derived topic placed back at its start.
+            del self._coordinators[group]
+            raise OffsetReadError(
+                f"group {group!r}'s coordinator (broker {answer_from}) answered without partitions "
+                f"{_ranges(missing)} of {topic!r} (moved, or still loading); asking again"
+            )
+        return offsets
 
 
 def _ranges(partitions: Sequence[int]) -> str:
