@@ -221,6 +221,25 @@ def enrich_command() -> None:
         stage = Stage(settings, transactional_id, rates)
     except StageError as exc:
         raise SystemExit(f"aml-app enrich: {exc}.") from None
+    if settings.enrichment_metrics_port:
+        from aml_app.enrichment import StageMetrics
+        from aml_app.metrics_server import serve_metrics
+
+        try:
+            serve_metrics(
+                StageMetrics(stage).registry,
+                "enrichment",
+                settings.services_host,
+                settings.enrichment_metrics_port,
+                settings.web_token,
+            )
+        except OSError as exc:
+            stage.close()
+            where = f"{settings.services_host}:{settings.enrichment_metrics_port}"
+            raise SystemExit(
+                f"aml-app enrich: cannot serve /metrics on {where} ({exc.strerror or exc}); set "
+                "AML_ENRICHMENT_METRICS_PORT to a free port, or 0 for none."
+            ) from None
     click.echo(
         f"enrichment: {settings.payments_topic} -> {settings.enriched_topic} as {transactional_id!r} "
         f"(group {settings.enrichment_group!r})"

@@ -30,7 +30,7 @@ import logging
 import socket
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
@@ -121,7 +121,10 @@ class Stage:
         self.producer = Producer({**client, "transactional.id": transactional_id})
         self.producer.init_transactions(TRANSACTION_TIMEOUT)
         self.consumer.subscribe([settings.payments_topic])
-        self.derived = self.dead_lettered = self.transactions = 0
+        self.derived = self.dead_lettered = self.transactions = self.aborted = 0
+        #: When the last transaction committed, or the last poll found nothing (Unix time): what the
+        #: stage's /metrics shows as its heartbeat.
+        self.last_progress = time.time()
 
     def _derived_partitions(self) -> int:
         """The derived topic's partition count, or StageError: the topic must exist before the stage runs."""
@@ -141,6 +144,7 @@ class Stage:
 
         messages = [m for m in self.consumer.consume(BATCH, timeout) if m.error() is None]
         if not messages:
+            self.last_progress = time.time()
             return 0
         derived = dead_lettered = 0
         self.producer.begin_transaction()
@@ -171,6 +175,7 @@ class Stage:
             self.producer.commit_transaction(TRANSACTION_TIMEOUT)
         except KafkaException as exc:
             log.warning("enrichment: transaction aborted (%s); reading the batch again", exc)
+            self.aborted += 1
             self.producer.abort_transaction(TRANSACTION_TIMEOUT)
             self._rewind()
             if exc.args and getattr(exc.args[0], "fatal", lambda: False)():
@@ -179,6 +184,7 @@ class Stage:
         self.transactions += 1
         self.derived += derived
         self.dead_lettered += dead_lettered
+        self.last_progress = time.time()
         return len(messages)
 
     def _rewind(self) -> None:
@@ -208,6 +214,48 @@ class Stage:
     def close(self) -> None:
         self.consumer.close()
         self.producer.flush(TRANSACTION_TIMEOUT)
+
+
+#: The `service` label of the stage's metrics (the pipeline's carry relations and aggregates).
+SERVICE_LABEL = "enrichment"
+
+
+class StageMetrics:
+    """The stage's Prometheus metrics, read from its counters at each scrape (`aml_app.metrics_server`
+    serves them): what it derived, dead-lettered, committed and aborted, and its heartbeat."""
+
+    def __init__(self, stage: Stage) -> None:
+        from prometheus_client import CollectorRegistry, ProcessCollector
+
+        self.stage = stage
+        self.registry = CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        self.registry.register(self)
+
+    def collect(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        stage = self.stage
+        for name, text, value in (
+            ("aml_enrichment_payments_derived", "Payments written to the derived topic.", stage.derived),
+            ("aml_enrichment_dead_lettered", "Records that broke the payment contract.", stage.dead_lettered),
+            (
+                "aml_enrichment_transactions",
+                "Transactions committed (records with their offsets).",
+                stage.transactions,
+            ),
+            ("aml_enrichment_aborted", "Transactions aborted (their batch read again).", stage.aborted),
+        ):
+            counter = CounterMetricFamily(name, text, labels=["service"])
+            counter.add_metric([SERVICE_LABEL], value)
+            yield counter
+        heartbeat = GaugeMetricFamily(
+            "aml_enrichment_last_progress_timestamp_seconds",
+            "When the stage last committed a transaction or found nothing to read (Unix time).",
+            labels=["service"],
+        )
+        heartbeat.add_metric([SERVICE_LABEL], stage.last_progress)
+        yield heartbeat
 
 
 def _source(message: Any) -> tuple[str, int, int, int | None]:

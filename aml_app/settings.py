@@ -146,6 +146,9 @@ class Settings:
     #: AML_PIPELINE_METRICS_PORT: the port of the pipeline's Prometheus `/metrics` on AML_SERVICES_HOST
     #: (aml_app.pipeline.metrics; 0: none).
     pipeline_metrics_port: int = 8090
+    #: AML_ENRICHMENT_METRICS_PORT: the port of the enrichment stage's `/metrics` and `/health` on
+    #: AML_SERVICES_HOST (`aml-app enrich`; 0: none).
+    enrichment_metrics_port: int = 8091
     #: AML_AGGREGATES_RETENTION: seconds C keeps flows past its longest window (7 days) before its newest
     #: event time: how far behind its head C answers exactly (a lagging partition, a replay).
     aggregates_retention: float = 86400.0
@@ -564,6 +567,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         startup_wait=_float(env, "AML_STARTUP_WAIT", defaults.startup_wait, 0.1, 3600),
         pipeline_metrics_port=_int(
             env, "AML_PIPELINE_METRICS_PORT", defaults.pipeline_metrics_port, 0, 65535
+        ),
+        enrichment_metrics_port=_int(
+            env, "AML_ENRICHMENT_METRICS_PORT", defaults.enrichment_metrics_port, 0, 65535
         ),
         aggregates_retention=_float(
             env, "AML_AGGREGATES_RETENTION", defaults.aggregates_retention, 0, 86400 * 3650

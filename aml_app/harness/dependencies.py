@@ -54,6 +54,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         "AML_PIPELINE_METRICS_PORT": str(settings.pipeline_metrics_port),
         "AML_ENRICHED_TOPIC": settings.enriched_topic,
         "AML_ENRICHMENT_GROUP": settings.enrichment_group,
+        "AML_ENRICHMENT_METRICS_PORT": str(settings.enrichment_metrics_port),
     }
 
 

@@ -60,6 +60,9 @@ def print_summary(
     metrics = [
         ("pipeline", f"http://{system.settings.services_host}:{system.settings.pipeline_metrics_port}")
     ]
+    if system.stage is not None:
+        host, port = system.settings.services_host, system.settings.enrichment_metrics_port
+        metrics.append(("enrichment", f"http://{host}:{port}"))
     metrics += [(f"{name} API", api.url) for name, api in system.apis.items()]
     rows += [(f"metrics {name}", f"{url}/metrics") for name, url in metrics if not url.endswith(":0")]
     rows.append(("result", "OK" if v.ok else "PROBLEM"))

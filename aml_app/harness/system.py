@@ -240,6 +240,13 @@ class System:
         if port:
             port = self.free("AML_PIPELINE_METRICS_PORT", "the pipeline's /metrics", port)
             self.settings = replace(self.settings, pipeline_metrics_port=port)
+        if self.runs_stage and self.settings.enrichment_metrics_port:
+            port = self.free(
+                "AML_ENRICHMENT_METRICS_PORT",
+                "the enrichment stage's /metrics",
+                self.settings.enrichment_metrics_port,
+            )
+            self.settings = replace(self.settings, enrichment_metrics_port=port)
         s = self.settings
         if self.runs_stage:
             self.stage = self._start_stage(self.folder / "enrich.log")

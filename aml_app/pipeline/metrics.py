@@ -6,29 +6,13 @@ group then has committed. Every series has a `service` label (relations, aggrega
 
 from __future__ import annotations
 
-import hmac
-import json
-import threading
 import time
-from collections.abc import Callable, Iterable
-from typing import Any
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Gauge,
-    Histogram,
-    ProcessCollector,
-    make_wsgi_app,
-)
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.exposition import ThreadingWSGIServer
 
-from aml_app.loopback import host_name, is_loopback, misdirected
+from aml_app.metrics_server import serve_metrics
 from aml_app.pipeline.jobs import BatchReport
-from aml_app.tokens import CHALLENGE, OPEN_PATHS, bearer, unauthorized
-
-WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 class PipelineMetrics:
@@ -93,39 +77,5 @@ class PipelineMetrics:
         self.last_batch.labels(service).set(time.time())
 
     def serve(self, host: str, port: int, token: str = "") -> ThreadingWSGIServer:
-        """Serve `/metrics` (and `/health`) on host:port from a daemon thread; OSError if the port cannot
-        be bound. As a worker's web server: bound to a loopback address, only requests addressed to one;
-        with `token` (AML_WEB_TOKEN), only requests that carry it, but `/health`."""
-        app = guarded(make_wsgi_app(self.registry), token, is_loopback(host))
-        server = make_server(host, port, app, ThreadingWSGIServer, handler_class=_Quiet)
-        threading.Thread(target=server.serve_forever, name="pipeline metrics", daemon=True).start()
-        return server
-
-
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        """No line per scrape on the pipeline's log."""
-
-
-def guarded(app: WsgiApp, token: str, loopback_only: bool) -> WsgiApp:
-    """`app` behind the checks of `aml_app.loopback` and `aml_app.tokens`, for a WSGI server."""
-    expected = bearer(token).get("Authorization", "").encode()
-
-    def answer(start: Callable[..., Any], status: str, doc: dict[str, str], *headers: Any) -> list[bytes]:
-        start(status, [("Content-Type", "application/json"), *headers])
-        return [json.dumps(doc).encode()]
-
-    def checked(environ: dict[str, Any], start: Callable[..., Any]) -> Iterable[bytes]:
-        host = environ.get("HTTP_HOST", "")
-        if loopback_only and not is_loopback(host_name(host)):
-            return answer(start, "421 Misdirected Request", {"error": misdirected(host)})
-        if environ.get("PATH_INFO", "") in OPEN_PATHS:
-            return answer(start, "200 OK", {"service": "pipeline"})
-        given = environ.get("HTTP_AUTHORIZATION", "").encode()
-        if expected and not hmac.compare_digest(given, expected):
-            detail = "another one" if given else "none"
-            error = {"error": unauthorized("AML_WEB_TOKEN", detail)}
-            return answer(start, "401 Unauthorized", error, CHALLENGE)
-        return app(environ, start)
-
-    return checked
+        """Serve `/metrics` and `/health` on host:port (`aml_app.metrics_server`)."""
+        return serve_metrics(self.registry, "pipeline", host, port, token)

@@ -15,6 +15,7 @@ Kafka does not), so a payment may appear twice here: once in the transaction the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -26,13 +27,16 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.enrichment import BATCH, payee_partition
 from aml_app.harness.child_process import AmlAppProcess
-from aml_app.kafka.broker import EmbeddedBroker, create_topics
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port
 from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.kafka.log_ends import fetched_log_ends
 from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import PLAINTEXT
 from aml_app.kafka.tools import GroupCommitter, produce
+from aml_app.tokens import bearer
 from tests.harness import Names, committed_offsets, ends_of, payments_for, wait_until
+from tests.unit.test_stage_metrics import samples
+from tests.unit.test_tokens import ask
 
 pytestmark = pytest.mark.integration
 
@@ -51,6 +55,7 @@ def stage(
         "AML_ENRICHMENT_GROUP": f"enrichment-{names.suffix}",
         "AML_ENRICHMENT_ID": f"enrichment-{names.suffix}-0",
         "AML_SESSION_TIMEOUT": "4",
+        "AML_ENRICHMENT_METRICS_PORT": "0",
         **extra,
     }
     return AmlAppProcess(["enrich"], env, workdir / "enrich.log", workdir, append=append).start()
@@ -108,8 +113,20 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
         assert first.wait(60), "the failpoint did not fire"
         assert first.returncode == 137, first.log_tail()
         assert await committed() == 0, "the open transaction's offsets were committed"
-        again = stage(broker, names, derived, tmp_path, append=True)
+        port = free_port()
+        again = stage(broker, names, derived, tmp_path, append=True, AML_ENRICHMENT_METRICS_PORT=str(port))
         await wait_until(all_of_it, 90, "the restarted stage to reach the end")
+        # What it did shows on its /metrics: every valid payment derived (the killed one wrote none it
+        # committed), the bad ones dead-lettered, at least one transaction, and a recent heartbeat.
+        status, body = await asyncio.to_thread(
+            ask, port, "/metrics", bearer(os.environ.get("AML_WEB_TOKEN", ""))
+        )
+        assert status == 200, body
+        shown = samples(body.decode())
+        assert shown["aml_enrichment_payments_derived_total"] == len(good)
+        assert shown["aml_enrichment_dead_lettered_total"] == len(bad)
+        assert shown["aml_enrichment_transactions_total"] >= 1
+        assert time.time() - shown["aml_enrichment_last_progress_timestamp_seconds"] < 30
         again.signal_group(signal.SIGTERM)
         assert again.wait(20), again.log_tail()
     finally:

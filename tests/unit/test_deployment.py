@@ -582,11 +582,9 @@ def test_every_long_running_service_has_a_healthcheck_on_its_own_port(compose: d
         settings = load_settings({**image_env(), **env_of(service)})
         command = service["command"]
         if command == ["enrich"]:
-            # No HTTP server: a stage that dies ends its container (restarted); one that stalls shows as
-            # C's lag on every worker's page and metrics.
-            assert "healthcheck" not in service, name
-            continue
-        if command[0] == "worker":
+            port, path = settings.enrichment_metrics_port, "/health"
+            assert settings.services_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
+        elif command[0] == "worker":
             port, path = settings.web_port, "/health"
             assert settings.web_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
         elif command[0] == "pipeline":

@@ -10,6 +10,8 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import yaml
@@ -19,6 +21,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from aml_app.dependencies.answer_cache import AnswerCache
 from aml_app.dependencies.api_metrics import ApiMetrics
+from aml_app.enrichment import StageMetrics
 from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.metrics import PipelineMetrics
 from aml_app.views import metrics
@@ -38,7 +41,7 @@ LABELS = {"service", "partition", "dependency", "status", "route", "result", "ph
 
 
 def published() -> set[str]:
-    """Every series name the /metrics of a worker, an API replica or the pipeline can show."""
+    """Every series name the /metrics of a worker, an API replica, the pipeline or the stage can show."""
     snap = {**snapshot(detector={**DETECTOR, "decided_on_pruned": 0}), "retrying": [RETRYING]}
     names = set()
     for family in metrics.families(snap, 7):
@@ -59,6 +62,8 @@ def published() -> set[str]:
     pipeline = PipelineMetrics()
     pipeline.observe(BatchReport("relations", 1, 10, 10, 1, {0: 10}, 0.5, {"spark": 0.4, "store": 0.1}))
     names |= {s.name for f in pipeline.registry.collect() for s in f.samples}
+    stage: Any = SimpleNamespace(derived=1, dead_lettered=0, transactions=1, aborted=0, last_progress=0.0)
+    names |= {s.name for f in StageMetrics(stage).registry.collect() for s in f.samples}
     return names
 
 
