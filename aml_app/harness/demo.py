@@ -417,12 +417,29 @@ class Demo:
             await sleep_unless(self.controls.hurry, 0.2)
         await self.progress(prefix="done  ")
 
+    async def committed_on(self, topic: str, group: str) -> dict[int, int]:
+        """`group`'s committed offsets on `topic` (nothing committed: 0)."""
+        from aml_app.kafka.offsets import DependencyOffsets
+
+        s = self.settings
+        reader = DependencyOffsets(s.bootstrap_servers, topic, [group], security=s.kafka_security)
+        try:
+            _, committed = await reader.read()
+        finally:
+            await reader.close()
+        return {d: o or 0 for d, o in committed[group].items()}
+
     async def spot_check(self) -> None:
         """Ask B and C about a few payments: their as_of covers it, B lists the payee, C counts it."""
         if self.controls.hurry.is_set() or not self.ledger.valid:
             return
         relations, aggregates = (self.system.live_api(kind) for kind in ("relations", "aggregates"))
         chosen = random.sample(sorted(self.ledger.valid.items()), min(SPOT_CHECKS, len(self.ledger.valid)))
+        # C reading the stage's topic states its as_of there: it must reach C's group's committed offsets
+        # on that topic, which (the verdict checks) place the group past every payment.
+        group = self.settings.aggregates_group
+        derived = self.settings.derived_dependencies.get(group)
+        derived_ends = await self.committed_on(derived[0], group) if derived else None
         for (p, o), pay in sorted(chosen):
             rel, agg = await asyncio.gather(
                 relations.get(f"/relations/{pay.payer}", {"hops": "1", "parts": "out"}),
@@ -434,19 +451,31 @@ class Demo:
                 rel, agg = rel or {}, agg or {}
             rel_upto = int(rel.get("as_of", {}).get(str(p), 0))
             agg_upto = int(agg.get("as_of", {}).get(str(p), 0))
+            agg_covers = agg_upto > o
+            if derived_ends is not None:
+                agg_as_of = {int(d): int(n) for d, n in agg.get("as_of", {}).items()}
+                agg_covers = sum(derived_ends.values()) > 0 and all(
+                    agg_as_of.get(d, 0) >= end for d, end in derived_ends.items()
+                )
             out = {c["counterparty"] for c in rel.get("out", [])}
             sent = agg.get("windows", {}).get("1h", {}).get("sent_count", 0)
             checks = [
                 (rel_upto > o, f"B's as_of p{p}={rel_upto} does not cover it"),
                 (pay.payee in out, f"B does not list {pay.payee} among the payer's out counterparties"),
-                (agg_upto > o, f"C's as_of p{p}={agg_upto} does not cover it"),
+                (
+                    agg_covers,
+                    f"C's as_of p{p}={agg_upto} does not cover it"
+                    if derived_ends is None
+                    else f"C's as_of {agg.get('as_of')} does not reach its group's offsets {derived_ends}",
+                ),
                 (sent >= 1, "C counts no payment sent in the hour up to its ts"),
             ]
             problems += [text for good, text in checks if not good]
             self.spot_failures += bool(problems)
+            c_as_of = f"C as_of p{p}={agg_upto}" if derived_ends is None else "C as_of at its group's offsets"
             self.spot_lines.append(
                 f"  p{p}:{o} {pay.payer} -> {pay.payee} at {pay.ts}: B as_of p{p}={rel_upto}, "
-                f"C as_of p{p}={agg_upto}, 1h sent_count {sent}  "
+                f"{c_as_of}, 1h sent_count {sent}  "
                 + ("OK" if not problems else "PROBLEM: " + "; ".join(problems))
             )
 
