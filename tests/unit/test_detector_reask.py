@@ -342,3 +342,23 @@ async def test_a_decision_on_windows_c_had_pruned_says_so_and_is_counted() -> No
     pruned = json.loads(d.decision(payment, admission, [], answers, stale_reads, TS))
     assert "C had pruned" in pruned["note"] and "AML_AGGREGATES_RETENTION" in pruned["note"], pruned
     assert d.stats.decided_on_pruned == 1
+
+
+async def test_a_derived_cs_answers_are_checked_by_its_offsets_on_its_topic() -> None:
+    """C reading a topic derived from payments states its as_of in offsets of that topic: the detector
+    asks it for, and holds its answers to, the group's offsets there that the admitting reading mapped
+    (8 on partition 3 of that topic), not the payments' offsets (10 and 11), which B is still held to.
+    Compared with the payments' offsets, C's answers at 9 would never do."""
+    fake = FakeDependencies(relations=[12], aggregates=[3, 3, 9])
+    d = Detector("aml", lambda evidence: [], fake, derived={"aggregates": "c-group"})  # type: ignore[arg-type]
+    items = [(p, dataclasses.replace(a, derived={"c-group": {PARTITION: 8}})) for p, a in batch(gated=True)]
+    async with asyncio.timeout(10):
+        evidence = await d.fresh_evidence(items)
+    assert [stale for _, stale in evidence] == [2, 2]
+    assert all(rounds(answers) == {2} for answers, _ in evidence)  # both asked again together
+    assert fake.needs[0] == Need({PARTITION: 8}, None, d.freshness_wait)
+    assert d.includes("payer aggregates", {"as_of": {str(PARTITION): 8}}, items[0][1])
+    assert not d.includes("payer aggregates", {"as_of": {str(PARTITION): 7}}, items[0][1])
+    assert not d.includes("payee aggregates", {"as_of": {str(PARTITION): 99}}, batch(gated=True)[0][1]), (
+        "an admission that recorded no offsets for the group proves nothing"
+    )

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from aml_app.gate.watermark import (
     build_rows,
+    derived_need,
     distrust,
     is_open,
     live_blocked_since,
@@ -328,3 +329,16 @@ def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generatio
     assert refresh_due(10.3, 10.0, {0: 4}, rows, 1.0, 0.1, generation=3) is True
     assert refresh_due(10.3, 10.0, {0: 4}, rows, 1.0, 0.1, generation=2) is False
     assert refresh_due(10.05, 10.0, {0: 4}, rows, 1.0, 0.1, generation=3) is False  # not yet
+
+
+def test_rows_and_the_cut_carry_a_derived_groups_offsets_and_the_need_takes_the_highest() -> None:
+    committed = {"b": {0: 5, 1: 6}, "c": {0: 4, 1: 4}}
+    rows = build_rows([0, 1], committed, refreshed_at=1.0, derived={"c": {0: 17, 2: 3}})
+    assert rows[0]["derived"] == rows[1]["derived"] == {"c": {"0": 17, "2": 3}}
+    assert "derived" not in build_rows([0], committed, refreshed_at=1.0)[0]
+    assert row_changed(
+        rows[0], build_rows([0, 1], committed, refreshed_at=2.0, derived={"c": {0: 18, 2: 3}})[0]
+    )
+    cut = {"derived": {"c": {"0": 16, "2": 9}, "d": {"1": 1}}}
+    assert derived_need(rows[0], cut) == {"c": {0: 17, 2: 9}, "d": {1: 1}}
+    assert derived_need(None, {}) == {}
