@@ -289,7 +289,8 @@ def outputs_by_service(
         output = BatchOutputs(arrow_spans(mine), arrow_rejects(mine), {table: aggregated[service]})
         if sourced:
             again = partial(aggregation, service, threshold=threshold, band=band)
-            _skip_repeats(output, mine, (seen or {}).get(service, {}), again, not_applied(valid, offsets))
+            unapplied = partial(not_applied, valid, offsets)
+            _skip_repeats(output, mine, (seen or {}).get(service, {}), again, unapplied)
         outputs[service] = output
     return outputs
 
@@ -299,13 +300,14 @@ def _skip_repeats(
     rows: Any,
     seen: Mapping[tuple[int, int], int],
     aggregate: Callable[[DataFrame], Any],
-    valid: DataFrame,
+    valid: Callable[[], DataFrame],
 ) -> None:
     """Leave a derived topic's copies of payments applied before (`repeats`) out of a service's outputs.
 
     The aggregation ran on the whole batch, side by side with the collect that finds the copies; copies
-    are rare (a stage's restart), so it runs again, without them, only when there are some. The spans
-    still cover them: the service has read them.
+    are rare (a stage's restart), so it runs again, without them, only when there are some, on the
+    batch's valid payments the store does not hold (`valid()`, built then). The spans still cover the
+    copies: the service has read them.
     """
     import pyarrow as pa
 
@@ -322,7 +324,7 @@ def _skip_repeats(
         f"{p}:{o}" for p, o in zip(copies["partition"].to_pylist(), copies["offset"].to_pylist(), strict=True)
     ]
     table = next(iter(output.tables))
-    output.tables[table] = aggregate(valid.where(~F.concat_ws(":", "partition", "offset").isin(names)))
+    output.tables[table] = aggregate(valid().where(~F.concat_ws(":", "partition", "offset").isin(names)))
 
 
 def in_one_task(frame: DataFrame) -> DataFrame:
