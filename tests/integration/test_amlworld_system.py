@@ -17,6 +17,7 @@ import pytest
 
 from aml_app.detection.model import load
 from aml_app.detection.thresholds import AmlThresholds
+from aml_app.harness.demo import with_derived_aggregates
 from aml_app.harness.system import Layout, System
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
@@ -33,9 +34,13 @@ DAYS = 2
 
 
 @pytest.mark.timeout(TIMEOUT)
+@pytest.mark.parametrize("c_reads", ["payments", "derived"])
 async def test_real_payments_alert_in_the_system_as_in_the_replay(
-    broker: EmbeddedBroker, store_url: str, tmp_path: Path
+    broker: EmbeddedBroker, store_url: str, tmp_path: Path, c_reads: str
 ) -> None:
+    """With C on payments, and with C on the topic the enrichment stage derives from them: the replay
+    knows nothing of the stage, so the same alerts say the derivation changes no answer the worker
+    decides on."""
     patterns = read_patterns(PATTERNS)
     background = read_amlworld(BACKGROUND, prefix="amlworld-background")
     timeline = timeline_of(patterns, background)
@@ -45,6 +50,8 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
 
     suffix = uuid.uuid4().hex[:8]
     settings = settings_for(broker, suffix)
+    if c_reads == "derived":
+        settings = with_derived_aggregates(settings)
     layout = Layout(
         workers={"aml": 1},
         suffix=f"-{suffix}",
@@ -56,6 +63,7 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
     system = System(settings, tmp_path / "system", layout)
     try:
         await system.start()
+        assert (system.stage is not None) == (c_reads == "derived")
         await system.wait_ready()
         sent = await send_payments(system.bootstrap, settings.payments_topic, timeline, days_per_second=1)
         assert sent == len(timeline)
