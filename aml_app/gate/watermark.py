@@ -162,6 +162,7 @@ def build_rows(
     reaches that far, and some brokers (Tansu) answer ListOffsets with a record batch's base offset + 1.
     """
     rows: dict[int, Row] = {}
+    on_derived = derived_json(derived) if derived else None  # the same reading's, for every row
     for p in partitions:
         raw = {g: offsets.get(p) for g, offsets in committed_by_group.items()}
         deps = {g: max(offset or 0, 0) for g, offset in raw.items()}
@@ -187,8 +188,8 @@ def build_rows(
             "generation": generation,
             "log": log,
         }
-        if derived:
-            rows[p]["derived"] = derived_json(derived)
+        if on_derived is not None:
+            rows[p]["derived"] = on_derived
     return rows
 
 
