@@ -21,40 +21,56 @@ WINDOW_NAMES = ("1h", "24h", "7d")
 _COUNTS = ("sent_count", "received_count", "counterparties", "sent_counterparties", "received_counterparties")
 
 
-def _need(doc: Mapping[str, Any], key: str, where: str) -> Any:
-    if not isinstance(doc, Mapping):
-        raise ValueError(f"{where} must be a JSON object, got {type(doc).__name__}")
+# Every answer of a batch is parsed on the hot path, so a check builds its message only when it fails: a
+# field's place in the answer goes in as `where` and `name`, which `_at` joins then.
+
+
+def _at(where: str, name: str | None) -> str:
+    return where if name is None else f"{where}.{name}"
+
+
+def _is_object(doc: Any) -> bool:
+    return type(doc) is dict or isinstance(doc, Mapping)
+
+
+def _need(doc: Mapping[str, Any], key: str, where: str, name: str | None = None) -> Any:
+    if type(doc) is dict and key in doc:
+        return doc[key]
+    if not _is_object(doc):
+        raise ValueError(f"{_at(where, name)} must be a JSON object, got {type(doc).__name__}")
     if key not in doc:
-        raise ValueError(f"{where} lacks the field {key!r}")
+        raise ValueError(f"{_at(where, name)} lacks the field {key!r}")
     return doc[key]
 
 
-def _count(value: Any, where: str) -> int:
+def _count(value: Any, where: str, name: str | None = None) -> int:
+    if type(value) is int and value >= 0:
+        return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{where} must be a whole number >= 0, got {value!r}")
+        raise ValueError(f"{_at(where, name)} must be a whole number >= 0, got {value!r}")
     return value
 
 
-def _text(value: Any, where: str) -> str:
+def _text(value: Any, where: str, name: str | None = None) -> str:
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{where} must be a non-empty string, got {value!r}")
+        raise ValueError(f"{_at(where, name)} must be a non-empty string, got {value!r}")
     return value
 
 
-def parse_money(value: Any, where: str) -> Decimal:
+def parse_money(value: Any, where: str, name: str | None = None) -> Decimal:
     """An exact amount from a decimal string ("12.50"); floats are refused because they are not exact."""
     if not isinstance(value, str):
-        raise ValueError(f'{where} must be a decimal string such as "12.50", got {value!r}')
+        raise ValueError(f'{_at(where, name)} must be a decimal string such as "12.50", got {value!r}')
     try:
         amount = Decimal(value)
     except InvalidOperation:
-        raise ValueError(f"{where} is not a decimal number: {value!r}") from None
+        raise ValueError(f"{_at(where, name)} is not a decimal number: {value!r}") from None
     if not amount.is_finite() or amount < 0:
-        raise ValueError(f"{where} must be a finite amount >= 0, got {value!r}")
+        raise ValueError(f"{_at(where, name)} must be a finite amount >= 0, got {value!r}")
     return amount
 
 
-def parse_instant(value: Any, where: str) -> datetime:
+def parse_instant(value: Any, where: str, name: str | None = None) -> datetime:
     """An aware UTC datetime from ISO-8601 text with a timezone ('Z' or an offset)."""
     if isinstance(value, datetime):
         when = value
@@ -62,26 +78,50 @@ def parse_instant(value: Any, where: str) -> datetime:
         try:
             when = datetime.fromisoformat(value)
         except ValueError:
-            raise ValueError(f"{where} is not an ISO-8601 instant: {value!r}") from None
+            raise ValueError(f"{_at(where, name)} is not an ISO-8601 instant: {value!r}") from None
     else:
-        raise ValueError(f"{where} must be an ISO-8601 string, got {value!r}")
+        raise ValueError(f"{_at(where, name)} must be an ISO-8601 string, got {value!r}")
+    if when.tzinfo is UTC:
+        return when
     if when.tzinfo is None or when.utcoffset() is None:
-        raise ValueError(f"{where} has no timezone: {value!r}")
+        raise ValueError(f"{_at(where, name)} has no timezone: {value!r}")
     return when.astimezone(UTC)
 
 
-def _sums(value: Any, where: str) -> dict[str, Decimal]:
-    if not isinstance(value, Mapping):
-        raise ValueError(f"{where} must be an object of currency -> amount, got {value!r}")
-    return {_text(c, f"{where} currency"): parse_money(a, f"{where}.{c}") for c, a in value.items()}
+def _sums(value: Any, where: str, name: str) -> dict[str, Decimal]:
+    if not _is_object(value):
+        raise ValueError(f"{where}.{name} must be an object of currency -> amount, got {value!r}")
+    sums = {}
+    for currency, text in value.items():
+        amount = None
+        if type(currency) is str and currency and type(text) is str:
+            try:
+                amount = Decimal(text)
+            except InvalidOperation:
+                pass
+        if amount is None or not amount.is_finite() or amount < 0:  # say what is wrong
+            amount = parse_money(text, f"{where}.{name}", _text(currency, f"{where}.{name} currency"))
+        sums[currency] = amount
+    return sums
+
+
+def _accounts(values: list[Any], where: str, name: str) -> tuple[str, ...]:
+    """A list of account names (non-empty strings) as a tuple."""
+    for value in values:
+        if not isinstance(value, str) or not value:
+            _text(value, where, name)
+    return tuple(values)
 
 
 def _as_of(doc: Mapping[str, Any], where: str) -> dict[int, int]:
     raw = doc.get("as_of", {})
-    if not isinstance(raw, Mapping):
+    if not _is_object(raw):
         raise ValueError(f"{where}.as_of must be an object of partition -> offset, got {raw!r}")
     try:
-        return {int(p): _count(o, f"{where}.as_of[{p}]") for p, o in raw.items()}
+        return {
+            int(p): o if type(o) is int and o >= 0 else _count(o, f"{where}.as_of[{p}]")
+            for p, o in raw.items()
+        }
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}.as_of is malformed: {exc}") from None
 
@@ -108,10 +148,10 @@ class Window:
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Window:
-        counts = {name: _count(_need(doc, name, where), f"{where}.{name}") for name in _COUNTS}
+        counts = {name: _count(_need(doc, name, where), where, name) for name in _COUNTS}
         return cls(
-            sent=_sums(_need(doc, "sent", where), f"{where}.sent"),
-            received=_sums(_need(doc, "received", where), f"{where}.received"),
+            sent=_sums(_need(doc, "sent", where), where, "sent"),
+            received=_sums(_need(doc, "received", where), where, "received"),
             **counts,
         )
 
@@ -143,21 +183,21 @@ class Aggregates:
         where = f"aggregates answer for {account!r}"
         windows_doc = _need(doc, "windows", where)
         windows = {
-            name: Window.from_json(_need(windows_doc, name, f"{where}.windows"), f"{where}.windows.{name}")
+            name: Window.from_json(_need(windows_doc, name, where, "windows"), f"{where}.windows.{name}")
             for name in WINDOW_NAMES
         }
-        threshold = parse_money(_need(doc, "reporting_threshold", where), f"{where}.reporting_threshold")
-        band = parse_money(_need(doc, "threshold_band", where), f"{where}.threshold_band")
+        threshold = parse_money(_need(doc, "reporting_threshold", where), where, "reporting_threshold")
+        band = parse_money(_need(doc, "threshold_band", where), where, "threshold_band")
         if threshold <= 0 or not 0 <= band < 1:
             raise ValueError(f"{where}: reporting_threshold must be > 0 and threshold_band in [0, 1)")
         return cls(
             account=account,
-            at=parse_instant(_need(doc, "at", where), f"{where}.at"),
+            at=parse_instant(_need(doc, "at", where), where, "at"),
             windows=windows,
-            near_threshold_24h=_count(_need(doc, "near_threshold_24h", where), f"{where}.near_threshold_24h"),
+            near_threshold_24h=_count(_need(doc, "near_threshold_24h", where), where, "near_threshold_24h"),
             reporting_threshold=threshold,
             threshold_band=band,
-            late_dropped=_count(doc.get("late_dropped", 0), f"{where}.late_dropped"),
+            late_dropped=_count(doc.get("late_dropped", 0), where, "late_dropped"),
             as_of=_as_of(doc, where),
         )
 
@@ -174,14 +214,14 @@ class Edge:
 
     @classmethod
     def from_json(cls, doc: Any, where: str) -> Edge:
-        counterparty = _text(_need(doc, "counterparty", where), f"{where}.counterparty")
+        counterparty = _text(_need(doc, "counterparty", where), where, "counterparty")
         where = f"{where}[{counterparty!r}]"
         return cls(
             counterparty=counterparty,
-            count=_count(_need(doc, "count", where), f"{where}.count"),
-            totals=_sums(_need(doc, "totals", where), f"{where}.totals"),
-            first_seen=parse_instant(_need(doc, "first_seen", where), f"{where}.first_seen"),
-            last_seen=parse_instant(_need(doc, "last_seen", where), f"{where}.last_seen"),
+            count=_count(_need(doc, "count", where), where, "count"),
+            totals=_sums(_need(doc, "totals", where), where, "totals"),
+            first_seen=parse_instant(_need(doc, "first_seen", where), where, "first_seen"),
+            last_seen=parse_instant(_need(doc, "last_seen", where), where, "last_seen"),
         )
 
 
@@ -228,7 +268,7 @@ class Relations:
     def from_json(cls, doc: Any) -> Relations:
         account = _text(_need(doc, "account", "relations answer"), "relations answer.account")
         where = f"relations answer for {account!r}"
-        hops = _count(_need(doc, "hops", where), f"{where}.hops")
+        hops = _count(_need(doc, "hops", where), where, "hops")
         # A caller may ask B for some parts only (`parts=out,cycle`): a part not asked for is absent, and
         # reads as empty here; a part that is present must be well-formed.
         sides: dict[str, dict[str, Edge]] = {}
@@ -245,9 +285,9 @@ class Relations:
         if not isinstance(items, list):
             raise ValueError(f"{where}.neighbourhood must be a list, got {type(items).__name__}")
         for item in items:
-            name = _text(_need(item, "account", f"{where}.neighbourhood"), f"{where}.neighbourhood.account")
-            hops_away = _need(item, "hops", f"{where}.neighbourhood")
-            neighbourhood[name] = _count(hops_away, f"{where}.neighbourhood[{name!r}].hops")
+            name = _text(_need(item, "account", where, "neighbourhood"), where, "neighbourhood.account")
+            hops_away = _need(item, "hops", where, "neighbourhood")
+            neighbourhood[name] = _count(hops_away, where, f"neighbourhood[{name!r}].hops")
         return cls(
             account=account,
             hops=hops,
@@ -266,7 +306,7 @@ class Relations:
 def _chain(doc: Any, account: str, hops: int, where: str) -> tuple[str, ...]:
     if not isinstance(doc, list):
         raise ValueError(f"{where}.chain must be a list, got {type(doc).__name__}")
-    path = tuple(_text(a, f"{where}.chain") for a in doc)
+    path = _accounts(doc, where, "chain")
     if path and (len(path) < 2 or path[-1] != account or len(path) - 1 > hops or len(set(path)) < len(path)):
         raise ValueError(
             f"{where}.chain must end at {account!r} with 1..{hops} edges, no account twice, got {list(path)}"
@@ -282,14 +322,17 @@ def _listed(answer: Mapping[str, Any], part: str, key: str, value: str, where: s
         raise ValueError(f"{where} must be a list, got {type(items).__name__}")
     found: dict[str, Any] = {}
     for item in items:
-        name = _text(_need(item, key, where), f"{where}.{key}")
-        raw = _need(item, value, f"{where}[{name!r}]")
+        name = _text(_need(item, key, where), where, key)
+        if not _is_object(item) or value not in item:
+            _need(item, value, f"{where}[{name!r}]")  # says what is missing
+        raw = item[value]
         if value == "via":
             if not isinstance(raw, list) or len(raw) < 2:
                 raise ValueError(f"{where}[{name!r}].via must list at least 2 accounts, got {raw!r}")
-            found[name] = tuple(_text(a, f"{where}[{name!r}].via") for a in raw)
+            named = all(isinstance(a, str) and a for a in raw)
+            found[name] = tuple(raw) if named else _accounts(raw, f"{where}[{name!r}]", "via")
         else:
-            found[name] = _count(raw, f"{where}[{name!r}].{value}")
+            found[name] = raw if type(raw) is int and raw >= 0 else _count(raw, f"{where}[{name!r}].{value}")
     return found
 
 
@@ -308,13 +351,13 @@ def _loop(doc: Any, account: str, where: str) -> Cycle:
 
 
 def _cycle(doc: Any, account: str, hops: int, where: str, part: str = "cycle") -> Cycle:
-    found = _need(doc, "found", f"{where}.{part}")
-    raw_path = _need(doc, "path", f"{where}.{part}")
+    found = _need(doc, "found", where, part)
+    raw_path = _need(doc, "path", where, part)
     if not isinstance(found, bool):
         raise ValueError(f"{where}.{part}.found must be true or false, got {found!r}")
     if not isinstance(raw_path, list):
         raise ValueError(f"{where}.{part}.path must be a list, got {raw_path!r}")
-    path = tuple(_text(a, f"{where}.{part}.path") for a in raw_path)
+    path = _accounts(raw_path, where, part + ".path")
     if not found:
         if path:
             raise ValueError(f"{where}.{part} has a path but found is false")

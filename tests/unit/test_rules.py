@@ -7,6 +7,7 @@ The rules here report in EUR with one rate, 2 USD per EUR, so that converted fig
 from __future__ import annotations
 
 import dataclasses
+import re
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -697,6 +698,56 @@ def test_malformed_relations_raise_a_clear_value_error(change: Any, message: str
     change(answer)
     with pytest.raises(ValueError, match=message):
         Relations.from_json(answer)
+
+
+def test_instants_with_an_offset_are_read_in_utc() -> None:
+    answer = {**aggregates("a"), "at": "2026-03-02T13:30:00+01:30"}
+    at = Aggregates.from_json(answer).at
+    assert at == AT and at.tzinfo is UTC
+    seen = Relations.from_json(relations("a", out=[{**edge("b"), "first_seen": "2026-03-02T07:00:00-05:00"}]))
+    assert seen.out["b"].first_seen == AT and seen.out["b"].first_seen.tzinfo is UTC
+
+
+@pytest.mark.parametrize(
+    ("answer", "message"),
+    [
+        # Parsing builds a message only when a check fails: each still names the field's place.
+        (
+            relations("a", out=[edge("b", totals={"EUR": 1.5})]),  # type: ignore[dict-item]
+            "relations answer for 'a'.out['b'].totals.EUR must be a decimal string",
+        ),
+        (
+            relations("a", out=[edge("b", totals={"": "1.00"})]),
+            "relations answer for 'a'.out['b'].totals currency must be a non-empty string",
+        ),
+        (
+            relations("a", out=[{**edge("b"), "last_seen": "noon"}]),
+            "relations answer for 'a'.out['b'].last_seen is not an ISO-8601 instant",
+        ),
+        (
+            relations("a", out=[{k: v for k, v in edge("b").items() if k != "count"}]),
+            "relations answer for 'a'.out['b'] lacks the field 'count'",
+        ),
+        (
+            relations("a", sources={"s": ["s", ""]}),
+            "relations answer for 'a'.sources['s'].via must be a non-empty string",
+        ),
+        (relations("a", loop=["a", 7, "a"]), "relations answer for 'a'.loop.path must be a non-empty string"),
+        ({**relations("a"), "as_of": {"0": -1}}, "as_of[0] must be a whole number >= 0"),
+        (
+            aggregates("a", h1=window(sent={"EUR": "Infinity"})),
+            "aggregates answer for 'a'.windows.1h.sent.EUR must be a finite amount",
+        ),
+        (
+            aggregates("a", h24=window(received={"USD": "x"})),
+            "aggregates answer for 'a'.windows.24h.received.USD is not a decimal number",
+        ),
+    ],
+)
+def test_malformed_answers_name_the_place_of_what_is_wrong(answer: dict[str, Any], message: str) -> None:
+    parse = Relations.from_json if "hops" in answer else Aggregates.from_json
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse(answer)
 
 
 def test_relations_asked_for_some_parts_only_read_the_others_as_empty() -> None:
