@@ -273,7 +273,10 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # its payments lie on both sides of an edge (`at` or a lo_w: its first and last time tell, without reading
 # them); any other row counts whole in window w when its first payment is after lo_w and its last at or
 # before `at`. A cut row's payments are unpacked from its arrays and counted one by one. Most rows hold one
-# payment and are never cut. Each range is an index scan of its own,
+# payment and are never cut, and a row is one minute, so the cut ones are looked up apart, in the minute of
+# each edge (the four edges are hours apart: a row is cut by one at most), and the range's rows go through
+# a plain filter: checking each row for a cut where it was read cost a quarter of the query on a store of
+# merchants that hundreds pay (BENCHMARKS.md, "Capacity"). Each range is an index scan of its own,
 # per query (LATERAL): a join of all queries at once let the planner hash whole tables on every call
 # (BENCHMARKS.md, "End to end").
 # Each row (or unpacked payment) counts in every window from the smallest one that holds it (`w`: 1 for
@@ -295,31 +298,34 @@ WITH q AS (
         date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS last_minute
     FROM unnest(%(accounts)b::text[], %(ats)b::timestamptz[]) WITH ORDINALITY AS h(account, at, i)
 ), rows AS MATERIALIZED (
-    SELECT q.i, s.direction, s.counterparty, s.currency, x.payments, x.total, x.near,
-        CASE WHEN x.first_ts > q.lo_1h THEN 1 WHEN x.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
+    SELECT q.i, s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
+        CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
     FROM q CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near, f.times,
-            f.amounts, f.first_ts, f.last_ts
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
+            f.first_ts, f.last_ts
         FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
             AND f.payee <> q.account
         UNION ALL
-        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.times, f.amounts, f.first_ts, f.last_ts
+        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
         FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
             AND f.payer <> q.account
-    ) s CROSS JOIN LATERAL (
-        SELECT s.payments, s.total, s.near, s.first_ts
-        WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
-            s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+    ) s
+    WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
+        s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+    UNION ALL
+    SELECT q.i, s.direction, s.counterparty, s.currency, 1, p.amount,
+        CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
+        CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
+    FROM q CROSS JOIN unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge) CROSS JOIN LATERAL (
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
+        FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+            AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
         UNION ALL
-        SELECT 1, p.amount, CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END, p.ts
-        FROM unnest(s.times, s.amounts) AS p(ts, amount)
-        WHERE s.first_ts < s.last_ts AND (
-                s.first_ts <= q.at AND s.last_ts > q.at
-                OR s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
-                OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h
-                OR s.first_ts <= q.lo_7d AND s.last_ts > q.lo_7d)
-            AND p.ts > q.lo_7d AND p.ts <= q.at
-    ) x
+        SELECT 'in', f.payer, f.currency, f.times, f.amounts
+        FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+            AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+    ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
+    WHERE p.ts > q.lo_7d AND p.ts <= q.at
 ), parties AS (
     SELECT i, min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
         AS received, min(w) AS seen
