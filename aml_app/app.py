@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp.typedefs import Middleware
 from faust.types import TopicT
 
+from aml_app.collector import settle
 from aml_app.faust_internals import FetchWaitApp
 from aml_app.gate.assignments import watch_assignments
 from aml_app.kafka.security import faust_credentials
@@ -41,6 +42,10 @@ def web_middlewares(settings: Settings) -> list[Middleware]:
 class AmlApp(FetchWaitApp):
     #: Faust hard-codes 1500 ms (aml_app.faust_internals); AML_FETCH_MAX_WAIT_MS.
     fetch_max_wait_ms = settings.fetch_max_wait_ms
+
+    async def on_started(self) -> None:
+        await super().on_started()
+        settle()  # the worker's start-up heap, out of the cycle collector's scans (aml_app.collector)
 
     async def on_first_start(self) -> None:
         # Faust creates the worker's own directory but not its parents; only workers need it.

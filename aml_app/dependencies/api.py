@@ -75,6 +75,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app import dependency_services as registry
+from aml_app.collector import settle
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.currencies import ISO_4217
 from aml_app.dependencies import aggregates, relations
@@ -919,9 +920,14 @@ def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     return app
 
 
+async def _settled(_app: web.Application) -> None:
+    settle()  # the replica's start-up heap, out of the cycle collector's scans (aml_app.collector)
+
+
 def serve(kind: str, settings: Any) -> None:
     """Run the service's HTTP API until interrupted (blocks)."""
     app = build_app(kind, settings)
+    app.on_startup.append(_settled)  # after the store's pools opened (the application's cleanup context)
     port = registry.service(kind).port(settings)
     print(
         f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.reader_url)})",

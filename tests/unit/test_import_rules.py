@@ -100,6 +100,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: use; `harness` (the whole system as local processes) and `cli` are on top.
 PACKAGES = [
     ("errors", "currencies", "contract", "dependency_services", "failpoints", "loopback", "tokens"),
+    ("collector",),
     ("metrics_server",),
     ("models",),
     ("kafka",),
