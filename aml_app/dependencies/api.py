@@ -66,7 +66,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Sequen
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
-from types import MappingProxyType
 from typing import Any
 
 import psycopg
@@ -513,7 +512,7 @@ def _min_average(raw: str) -> relations.MinAverage:
         if currency not in ISO_4217:
             raise BadRequest(f"min_average names {currency}, which is not an ISO 4217 currency code.")
         per[currency] = value
-    return MappingProxyType(per)
+    return relations.CurrencyMinimums(per)
 
 
 def _plain_decimal(raw: str) -> Decimal | None:

@@ -262,13 +262,9 @@ class DependencyClient:
         closing = [None] * len(accounts) if loops is None else list(loops)
         instants = [None] * len(accounts) if ats is None else list(ats)
         queries = []
+        heavy = min_average_text(min_average)  # once: a per-currency list is long
         for account, asked, loop, at in zip(accounts, each, closing, instants, strict=True):
-            query: dict[str, Any] = {
-                "account": account,
-                "hops": hops,
-                "parts": asked,
-                "min_average": min_average_text(min_average),
-            }
+            query: dict[str, Any] = {"account": account, "hops": hops, "parts": asked, "min_average": heavy}
             if at is not None:
                 query["at"] = at.isoformat()
             if loop is not None:

@@ -60,7 +60,7 @@ Account ids compare in code-point order everywhere (`COLLATE "C"`), as Python co
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any, NamedTuple
@@ -99,6 +99,30 @@ FLOW_RATIO = (Decimal("0.8"), Decimal("1.25"))
 
 #: What a heavy edge is: one minimum average payment for every currency, or one per currency.
 MinAverage = Decimal | Mapping[str, Decimal]
+
+
+class CurrencyMinimums(Mapping[str, Decimal]):
+    """A per-currency `min_average`, read-only, with its items in order kept as its key: a detector asks
+    every question of a batch with the same one, and sorting it for each question's key cost B's API a
+    twenty-fifth of its CPU."""
+
+    __slots__ = ("_per", "key")
+
+    def __init__(self, per: Mapping[str, Decimal]) -> None:
+        self._per = dict(per)
+        self.key = tuple(sorted(self._per.items()))
+
+    def __getitem__(self, currency: str) -> Decimal:
+        return self._per[currency]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._per)
+
+    def __len__(self) -> int:
+        return len(self._per)
+
+    def __repr__(self) -> str:
+        return f"CurrencyMinimums({self._per!r})"
 
 
 class Query(NamedTuple):
@@ -271,6 +295,8 @@ def _heavy_params(min_average: MinAverage) -> dict[str, Any]:
 
 def _heavy_key(min_average: MinAverage) -> Any:
     """`min_average` as a key for grouping queries that one statement can answer."""
+    if isinstance(min_average, CurrencyMinimums):
+        return min_average.key
     return tuple(sorted(min_average.items())) if isinstance(min_average, Mapping) else min_average
 
 

@@ -24,6 +24,13 @@ def test_the_same_question_has_the_same_key_however_its_minimums_are_ordered() -
     assert hash(again.key()) == hash(BASE.key())
 
 
+def test_a_parsed_minimum_keys_its_question_as_the_same_minimums_given_as_a_dict() -> None:
+    for text in ("USD:1000,EUR:900", "EUR:900.0,USD:1000"):
+        parsed = BASE._replace(min_average=parse_min_average(text))
+        assert parsed.key() == BASE.key() and hash(parsed.key()) == hash(BASE.key())
+    assert BASE._replace(min_average=parse_min_average("USD:1000,EUR:901")).key() != BASE.key()
+
+
 @pytest.mark.parametrize(
     "change",
     [
