@@ -741,6 +741,11 @@ class LoopSearch:
             "forward": {query.account: [(0, start, (query.account,))]},
             "backward": {query.closing: [(0, query.at, (query.closing,))]},
         }
+        #: Per direction and account, the best time of its labels: a new label must beat it.
+        self.best: dict[str, dict[str, datetime]] = {
+            "forward": {query.account: start},
+            "backward": {query.closing: query.at},
+        }
         # A side never goes on from the other's start: the payee forward, the closing payer backward.
         self.ends = {"forward": query.closing, "backward": query.account}
         self.frontiers = {"forward": [query.account], "backward": [query.closing]}
@@ -768,23 +773,28 @@ class LoopSearch:
     def advance(self, direction: str, steps: Iterable[tuple[str, str, datetime]]) -> None:
         """Take the steps (from, to, time) out of the frontier as the next level of `direction`."""
         forward = direction == "forward"
-        mine = self.labels[direction]
+        mine, best = self.labels[direction], self.best[direction]
         other = self.labels["backward" if forward else "forward"]
         level = self.levels[direction]
-
-        def better(a: datetime, b: datetime) -> bool:  # a is at least as good a time as b
-            return a <= b if forward else a >= b
+        paths: dict[str, tuple[str, ...]] = {}  # each source's path at this level, looked up once
 
         new: dict[str, Label] = {}
         for source, target, when in steps:
-            if any(better(t, when) for _, t, _ in mine.get(target, [])):
-                continue
-            path = (*next(p for n, _, p in mine[source] if n == level), target)
+            known = best.get(target)
+            if known is not None and (known <= when if forward else known >= when):
+                continue  # a label of the target reaches it as early (forward) or leaves as late
+            head = paths.get(source)
+            if head is None:
+                head = paths[source] = next(p for n, _, p in mine[source] if n == level)
+            path = (*head, target)
             old = new.get(target)
-            if old is None or (better(when, old[1]) and (when != old[1] or path < old[2])):
+            if old is None or (
+                (when <= old[1] if forward else when >= old[1]) and (when != old[1] or path < old[2])
+            ):
                 new[target] = (level + 1, when, path)
         for target, label in new.items():
             mine.setdefault(target, []).append(label)
+            best[target] = label[1]  # it beat every label the target had
             for _, t, path in other.get(target, []):
                 arrives, leaves = (label[1], t) if forward else (t, label[1])
                 if arrives <= leaves:
