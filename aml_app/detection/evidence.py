@@ -323,16 +323,13 @@ def _listed(answer: Mapping[str, Any], part: str, key: str, value: str, where: s
     found: dict[str, Any] = {}
     for item in items:
         name = _text(_need(item, key, where), where, key)
-        if not _is_object(item) or value not in item:
-            _need(item, value, f"{where}[{name!r}]")  # says what is missing
-        raw = item[value]
+        raw = _need(item, value, f"{where}[{name!r}]")
         if value == "via":
             if not isinstance(raw, list) or len(raw) < 2:
                 raise ValueError(f"{where}[{name!r}].via must list at least 2 accounts, got {raw!r}")
-            named = all(isinstance(a, str) and a for a in raw)
-            found[name] = tuple(raw) if named else _accounts(raw, f"{where}[{name!r}]", "via")
+            found[name] = _accounts(raw, f"{where}[{name!r}]", "via")
         else:
-            found[name] = raw if type(raw) is int and raw >= 0 else _count(raw, f"{where}[{name!r}].{value}")
+            found[name] = _count(raw, f"{where}[{name!r}]", value)
     return found
 
 
