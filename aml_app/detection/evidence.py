@@ -91,17 +91,12 @@ def parse_instant(value: Any, where: str, name: str | None = None) -> datetime:
 def _sums(value: Any, where: str, name: str) -> dict[str, Decimal]:
     if not _is_object(value):
         raise ValueError(f"{where}.{name} must be an object of currency -> amount, got {value!r}")
+    place = f"{where}.{name}"
     sums = {}
     for currency, text in value.items():
-        amount = None
-        if type(currency) is str and currency and type(text) is str:
-            try:
-                amount = Decimal(text)
-            except InvalidOperation:
-                pass
-        if amount is None or not amount.is_finite() or amount < 0:  # say what is wrong
-            amount = parse_money(text, f"{where}.{name}", _text(currency, f"{where}.{name} currency"))
-        sums[currency] = amount
+        if not isinstance(currency, str) or not currency:
+            _text(currency, f"{place} currency")
+        sums[currency] = parse_money(text, place, currency)
     return sums
 
 
