@@ -98,6 +98,10 @@ def writer_for(
     return write
 
 
+#: A batch's log line: `bench.capacity` reads the commits' instants and phases from it.
+BATCH_LOG = "%s batch %d: %d records, %d dead-lettered, %.3f s (%s), committed %s"
+
+
 class ServiceBatches:
     """One service's part of a micro-batch: compute, dead-letter, apply with offsets, commit."""
 
@@ -184,13 +188,13 @@ class ServiceBatches:
             )  # fmt: skip
         if report.records:
             log.info(
-                "%s batch %d: %d records, %d dead-lettered, %.2f s (%s), committed %s",
+                BATCH_LOG,
                 self.service,
                 batch_id,
                 report.records,
                 report.dead_lettered,
                 report.seconds,
-                " ".join(f"{k} {v:.2f}" for k, v in phases.items()),
+                " ".join(f"{k} {v:.3f}" for k, v in phases.items()),
                 committed,
             )
         if self.on_batch is not None:
