@@ -26,7 +26,7 @@ def test_defaults_from_an_empty_environment() -> None:
     assert s.replication_factor == 1
     assert s.gate_enabled is True
     assert s.refresh_interval == 1.0
-    assert s.fast_refresh_interval == 0.1
+    assert s.fast_refresh_interval == 0.025
     assert s.max_pending_per_partition == 1000
     assert s.max_in_flight == 1000
     assert s.max_payment_bytes == 65536
@@ -238,8 +238,8 @@ def test_fast_refresh_longer_than_slow() -> None:
         "AML_FAST_REFRESH_INTERVAL",
         "AML_REFRESH_INTERVAL",
     )
-    # the default fast interval (0.1) against a slow one set below it
-    _fails({"AML_REFRESH_INTERVAL": "0.05"}, "AML_FAST_REFRESH_INTERVAL")
+    # the default fast interval (0.025) against a slow one set below it
+    _fails({"AML_FAST_REFRESH_INTERVAL": "0.1", "AML_REFRESH_INTERVAL": "0.05"}, "AML_FAST_REFRESH_INTERVAL")
 
 
 @pytest.mark.parametrize("raw", ["maybe", "2", "enabled"])
