@@ -2,6 +2,7 @@
 
 Starts 1 and then 3 workers on an idle topic (dependencies far ahead, no payments arriving) and samples
 the admin-request counters over a window, next to the same window with one payment blocked (demand).
+The workers refresh on the default intervals (`Settings`), not the tests' shorter ones.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import time
 from typing import Any
 
 from aml_app.kafka.tools import produce
+from aml_app.settings import Settings
 from bench.common import (
     admin_requests,
     bench_env,
@@ -22,6 +24,12 @@ from bench.common import (
     write_results,
 )
 from tests.harness import payments_for
+
+#: The deployment's defaults, in place of the tests' (`tests.harness.TEST_ENV`).
+INTERVALS = {
+    "AML_REFRESH_INTERVAL": str(Settings().refresh_interval),
+    "AML_FAST_REFRESH_INTERVAL": str(Settings().fast_refresh_interval),
+}
 
 
 async def sample(env, workers, window: float) -> float:
@@ -34,7 +42,7 @@ async def sample(env, workers, window: float) -> float:
 
 async def one(env, count: int, window: float) -> dict[str, Any]:
     names = await env.fresh_names(4)
-    workers = [env.start_worker(names) for _ in range(count)]
+    workers = [env.start_worker(names, **INTERVALS) for _ in range(count)]
     await wait_owned(workers, 4)
     idle = await sample(env, workers, window)
     # One payment on partition 0 that no dependency has reached: the gate waits, demand appears.
@@ -48,7 +56,14 @@ async def one(env, count: int, window: float) -> dict[str, Any]:
 async def main(window: float) -> None:
     async with bench_env() as env:
         rows = [await one(env, count, window) for count in (1, 3)]
-    doc = {"code": code_version(), "machine": machine(), "window_s": window, "runs": rows, "at": time.time()}
+    doc = {
+        "code": code_version(),
+        "machine": machine(),
+        "window_s": window,
+        "intervals": INTERVALS,
+        "runs": rows,
+        "at": time.time(),
+    }
     write_results("admin_idle", doc)
     print(
         markdown_table(

@@ -641,6 +641,17 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
                         if (c := watched[pid]) is not None
                     ]
                 ),
+                # Per worker: the leader sees its own refresh at once, the others through the changelog.
+                "gate_share_by_worker_ms": {
+                    worker: quantiles(
+                        [
+                            decided_at(d) - c
+                            for pid, d in mine.items()
+                            if d.get("worker") == worker and (c := committed[pid]) is not None
+                        ]
+                    )
+                    for worker in sorted({str(d.get("worker")) for d in mine.values()})
+                },
                 "undecided_measured": len(measured) - len(mine),
                 "gate_hold_ms": quantiles([float(d.get("waited_ms", 0)) / 1000 for d in mine.values()]),
                 "backlog_start": round(at_start, 1),
@@ -883,6 +894,16 @@ def report(doc: dict[str, Any]) -> str:
             + " ".join(
                 f"{svc} {v['gate_share_watch_ms']['p50']} / {v['gate_share_watch_ms']['p99']}"
                 for svc, v in s["services"].items()
+            )
+            for s in steps
+        ),
+        "gate share p50 / p99 per worker (ms): "
+        + ", ".join(
+            f"{s['rate']:g}/s "
+            + " ".join(
+                f"{worker} {q['p50']} / {q['p99']}"
+                for v in s["services"].values()
+                for worker, q in v["gate_share_by_worker_ms"].items()
             )
             for s in steps
         ),
