@@ -90,12 +90,17 @@ def format_unread(run: Replayed) -> Replayed:
 def alerts(model: Model, run: Replayed) -> dict[str, list[str]]:
     """payment id -> the alerts ("typology:rule") of the model's detector (`Model.detect`: the rules that
     alert beside the model, then the model's own) on a replayed run's features."""
-    verdicts = model.verdicts(np.array(run.rows, dtype=float))
+    rows = np.array(run.rows, dtype=float)
+    verdicts = model.verdicts(rows)
+    benign = model.probabilities(rows)[:, model.classes.index(BENIGN)].tolist()
     fired: dict[str, list[str]] = {}
-    for payment, rules, typologies, verdict in zip(
-        run.payments, run.rules, run.typologies, verdicts, strict=True
+    for payment, rules, typologies, verdict, p in zip(
+        run.payments, run.rules, run.typologies, verdicts, benign, strict=True
     ):
-        chosen = [f"{t}:{r}" for r, t in zip(rules, typologies, strict=True) if r in model.alerting_rules]
+        kept = payment.payer == payment.payee or model.keeps_rules(p)
+        chosen = [
+            f"{t}:{r}" for r, t in zip(rules, typologies, strict=True) if kept and r in model.alerting_rules
+        ]
         if verdict is not None and payment.payer != payment.payee:
             chosen.append(f"{verdict}:aml.model")
         if chosen:
@@ -117,7 +122,14 @@ def cuts(shipped: Model, fitted: Any, run: Callable[[int], Replayed]) -> dict[st
     return {
         str(seed): {
             "cut": round(
-                cut_on(predicted(fitted, [run(seed)]), index, [run(seed)], set(shipped.alerting_rules))[0], 4
+                cut_on(
+                    predicted(fitted, [run(seed)]),
+                    index,
+                    [run(seed)],
+                    set(shipped.alerting_rules),
+                    veto=shipped.rule_veto,
+                )[0],
+                4,
             ),
             "shipped_benign_rate": benign_rate(shipped, run(seed)),
         }

@@ -57,10 +57,10 @@ def detectors(
     for payment, evidence in decided(Services(thresholds), timeline, lag) if pairs is None else pairs:
         hits = aml_rules(evidence, thresholds)
         started = time.perf_counter()
-        model_hit = model.hit(evidence, hits, thresholds)
+        [model_hit], [benign] = model.judge([evidence], [hits], thresholds)
         spent += time.perf_counter() - started
         extra: list[Hit] = [model_hit] if model_hit is not None else []
-        kept = [hit for hit in hits if hit.rule in model.alerting_rules]
+        kept = model.beside(hits, benign)
         for name, chosen in (("rules", hits), ("model", kept + extra), ("both", hits + extra)):
             if chosen:
                 fired[name][payment.payment_id] = [f"{hit.typology}:{hit.rule}" for hit in chosen]

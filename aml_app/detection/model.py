@@ -10,7 +10,9 @@ It is off unless `AML_MODEL` names a model (`amlworld`: the one shipped with the
 trained on one generator's traffic, it alerts far more of traffic shaped otherwise (BENCHMARKS.md,
 "Rules, a model, or both"), so a deployment turns it on after checking its own traffic against the
 calibrated simulator. With it on, the model decides with the rules whose precision on the training runs
-was high (`alerting_rules` in the model file); the other rules' hits are its features, not alerts.
+was high (`alerting_rules` in the model file); the other rules' hits are its features, not alerts. A file
+that names a `rule_veto` lets those rules alert only where the model does not find the payment at least
+that likely benign (`Model.keeps_rules`).
 
 Inference needs numpy only: the trees are exported to JSON at training and compiled here (`_Walk`) into
 one bit mask per feature, bin and tree, so that the worker scores a lane's whole batch in a few array
@@ -192,6 +194,9 @@ class Model:
     #: (share of benign payments alerted, cut, rules alerting beside the model), lowest share first: what
     #: `within` chooses from.
     budgets: tuple[tuple[float, float, frozenset[str]], ...] = ()
+    #: A rule beside the model alerts a payment only where the model's probability of benign is below
+    #: this (`keeps_rules`); None (a file trained without it): wherever the rule fires.
+    rule_veto: float | None = None
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Model:
@@ -240,6 +245,7 @@ class Model:
                     for b in doc.get("alert_budgets", [])
                 )
             ),
+            rule_veto=None if doc.get("rule_veto") is None else float(doc["rule_veto"]),
         )
 
     def within(self, budget: float) -> Model:
@@ -256,6 +262,14 @@ class Model:
             )
         _, cut, rules = fitting[-1]
         return dataclasses.replace(self, cut=cut, alerting_rules=rules)
+
+    def keeps_rules(self, benign: float) -> bool:
+        """Whether the rules beside the model alert a payment the model puts at probability `benign` of
+        being benign (NaN: a self-payment, which it does not score). Not where the model finds it at least
+        `rule_veto` likely benign: the trees read every rule's verdict as a feature, and where they still
+        call the payment benign they have seen that rule fire on payments like it that were (a hub paying
+        many parties fires the fan-out rule on every payment)."""
+        return self.rule_veto is None or not benign >= self.rule_veto
 
     @functools.cached_property
     def _walk(self) -> _Walk:
@@ -308,10 +322,18 @@ class Model:
         """The model's alert about each payment (`rule_hits`: the rules' hits, which the model reads),
         saying why, or None. The payments' features are scored in one walk of the trees, and the
         explanations of those that alert found together: each payment's alert is what it would be alone."""
+        return self.judge(evidences, rule_hits, thresholds)[0]
+
+    def judge(
+        self, evidences: Sequence[Evidence], rule_hits: Sequence[Sequence[Hit]], thresholds: AmlThresholds
+    ) -> tuple[list[Hit | None], list[float]]:
+        """`hits`, and each payment's probability of benign (NaN for a self-payment: not scored), which
+        says whether the rules beside the model alert it (`beside`)."""
         found: list[Hit | None] = [None] * len(evidences)
+        benign_p = [math.nan] * len(evidences)
         scored = [i for i, evidence in enumerate(evidences) if evidence.payer != evidence.payee]
         if not scored:
-            return found
+            return found, benign_p
         rows = np.fromiter(
             itertools.chain.from_iterable(features(evidences[i], rule_hits[i], thresholds) for i in scored),
             dtype=float,
@@ -319,11 +341,13 @@ class Model:
         ).reshape(len(scored), len(FEATURES))
         bins, reached, leaves, raw = self._raw(rows)
         p = _softmax(raw)
+        benign = self.classes.index(BENIGN)
+        for i, value in zip(scored, p[:, benign].tolist(), strict=True):
+            benign_p[i] = value
         named = self._names(p)
         alerting = np.array([j for j, typology in enumerate(named) if typology is not None], dtype=np.intp)
         if not len(alerting):
-            return found
-        benign = self.classes.index(BENIGN)
+            return found, benign_p
         # Occlusion: how much each feature alone, at a typical benign payment's value, raises the
         # probability of benign; the (at most three) that raise it most are the most telling.
         moved = np.zeros((len(alerting), len(FEATURES)))
@@ -340,7 +364,7 @@ class Model:
             assert typology is not None
             telling = [(i, v) for i, up, v in zip(order, rise, value, strict=True) if up > 0]
             found[scored[j]] = self._explained(telling, probabilities, typology)
-        return found
+        return found, benign_p
 
     def _explained(self, telling: list[tuple[int, float]], p: list[float], typology: str) -> Hit:
         """The model's alert naming `typology`: the probabilities against the cut, and the most telling
@@ -381,11 +405,18 @@ class Model:
         """`detect` for each of a batch of payments, the model scoring them all at once: the same hits as
         one by one, at a fraction of the cost per payment."""
         rules = [aml_rules(evidence, thresholds) for evidence in evidences]
-        found = self.hits(evidences, rules, thresholds)
+        found, benign = self.judge(evidences, rules, thresholds)
         return [
-            [hit for hit in hits if hit.rule in self.alerting_rules] + ([mine] if mine is not None else [])
-            for hits, mine in zip(rules, found, strict=True)
+            self.beside(hits, p) + ([mine] if mine is not None else [])
+            for hits, mine, p in zip(rules, found, benign, strict=True)
         ]
+
+    def beside(self, rule_hits: Sequence[Hit], benign: float) -> list[Hit]:
+        """The rules' hits that alert beside the model on a payment it puts at probability `benign` of
+        being benign (NaN: not scored): those of `alerting_rules`, unless the model vetoes them."""
+        if not self.keeps_rules(benign):
+            return []
+        return [hit for hit in rule_hits if hit.rule in self.alerting_rules]
 
 
 def _softmax(raw: np.ndarray) -> np.ndarray:

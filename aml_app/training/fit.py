@@ -9,7 +9,8 @@ Scikit-learn's HistGradientBoostingClassifier (fixed random state, no early stop
 the same file) learns benign against each typology from the payments between two parties of the runs it
 is given, each attempt weighed alike (`sample_weights`). From the same runs:
 - the rules that alert beside it: those whose alerts on the runs were laundering at least
-  ALERTING_PRECISION of the time; the others are features only;
+  ALERTING_PRECISION of the time, and only on payments the model finds less than RULE_VETO likely
+  benign; the others are features only;
 - a typical benign payment (the median of each feature), against which each alert is explained.
 And from held-out runs, which the trees never saw, the cut: the probability of benign below which the
 model alerts, so that the detector as a whole (the model and the rules beside it) alerts `cut_rate` of
@@ -51,6 +52,10 @@ PROGRESS_EVERY = 1000
 ALERT_BUDGETS = (0.0005, 0.001, 0.002, 0.005, 0.01)
 CUT_RATE = 0.008  # benign payments alerted on the held-out runs together; the goal is at most 1 %
 ALERTING_PRECISION = 0.8
+#: A rule beside the model alerts only where the model puts the payment's probability of benign below
+#: this (`Model.keeps_rules`): where the trees, which read the rule's verdict, find benign likelier than
+#: not. Not tuned: the point where the model's own verdict turns.
+RULE_VETO = 0.5
 PARAMS: dict[str, Any] = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
 #: The shipped model's runs: calibrated simulator seeds to learn from and to set the cut on, days, payments
 #: an hour, attempts.
@@ -245,9 +250,9 @@ def train(
     precision = {rule: right[rule] / fired[rule] for rule in sorted(fired)}
     alerting = sorted(r for r, p in precision.items() if p >= ALERTING_PRECISION)
     probabilities = predicted(fitted, held_out)
-    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting), cut_rate)
-    naming = naming_prior(probabilities, classes, cut, held_out, set(alerting))
-    budgets = alert_budgets(probabilities, classes, held_out, set(alerting), naming)
+    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting), cut_rate, RULE_VETO)
+    naming = naming_prior(probabilities, classes, cut, held_out, set(alerting), RULE_VETO)
+    budgets = alert_budgets(probabilities, classes, held_out, set(alerting), naming, RULE_VETO)
     trees, depth = export(fitted)
     import sklearn
 
@@ -260,6 +265,7 @@ def train(
         "naming_prior": naming,
         "alert_budgets": budgets,
         "alerting_rules": alerting,
+        "rule_veto": RULE_VETO,
         "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
         "training": {
             "params": dict(params),
@@ -282,17 +288,25 @@ def predicted(fitted: Any, runs: Sequence[Replayed]) -> list[np.ndarray]:
     return [fitted.predict_proba(np.array(run.rows, dtype=float)) for run in runs]
 
 
+def _kept(p_benign: float, payment: Any, veto: float | None) -> bool:
+    """Whether the rules beside the model alert this payment (`Model.keeps_rules`; the model scores no
+    self-payment, so vetoes none)."""
+    return veto is None or payment.payer == payment.payee or p_benign < veto
+
+
 def cut_on(
     probabilities: Sequence[np.ndarray],
     benign: int,
     held_out: Sequence[Replayed],
     alerting: set[str],
     cut_rate: float = CUT_RATE,
+    veto: float | None = None,
 ) -> tuple[float, dict[str, int]]:
     """The cut at which the detector as a whole (the model and the rules that alert beside it) alerts
     `cut_rate` of the held-out runs' benign payments (self-payments counted, never alerted), from the
-    trees' `probabilities` of them (`predicted`). Set on runs the trees never saw: on their own
-    training payments they are surer of benign than on new ones."""
+    trees' `probabilities` of them (`predicted`), the rules' alerts where the model does not veto them
+    (`veto`). Set on runs the trees never saw: on their own training payments they are surer of benign
+    than on new ones."""
     benign_payments = alerted = 0
     left = []
     for p, run in zip(probabilities, held_out, strict=True):
@@ -300,7 +314,7 @@ def cut_on(
             if label != BENIGN:
                 continue
             benign_payments += 1
-            if alerting.intersection(rules):
+            if alerting.intersection(rules) and _kept(p[i, benign], payment, veto):
                 alerted += 1
             elif payment.payer != payment.payee:
                 left.append(p[i, benign])
@@ -322,6 +336,7 @@ def alert_budgets(
     held_out: Sequence[Replayed],
     alerting: set[str],
     naming: Mapping[str, float],
+    veto: float | None = None,
 ) -> list[dict[str, Any]]:
     """For each of ALERT_BUDGETS (a share of benign payments alerted), the cut and the rules that alert
     beside the model so that the detector as a whole keeps to it on the held-out runs: with the trained
@@ -334,11 +349,11 @@ def alert_budgets(
     for rate in ALERT_BUDGETS:
         best: tuple[int, float, list[str]] | None = None
         for rules in (alerting, set()):
-            cut, budget = cut_on(probabilities, benign, held_out, rules, rate)
+            cut, budget = cut_on(probabilities, benign, held_out, rules, rate, veto)
             if budget["left_to_the_model"] < 0:  # the rules alone alert more benign payments than allowed
                 continue
             right = sum(
-                named_right(p, classes, cut, run, rules, prior)
+                named_right(p, classes, cut, run, rules, prior, veto)
                 for p, run in zip(probabilities, held_out, strict=True)
             )
             if best is None or right > best[0]:
@@ -355,9 +370,11 @@ def named_right(
     run: Replayed,
     alerting: set[str],
     prior: np.ndarray,
+    veto: float | None = None,
 ) -> int:
     """How many of `run`'s attempts the detector names by their own typology: a rule beside the model
-    does, or the model alerts one of their payments and names the typology (`Model._verdict`)."""
+    does where the model does not veto it, or the model alerts one of their payments and names the
+    typology (`Model._verdict`)."""
     benign = classes.index(BENIGN)
     weighed = np.log(np.maximum(probabilities, 1e-300)) + prior
     weighed[:, benign] = -np.inf
@@ -370,8 +387,12 @@ def named_right(
                 and probabilities[i, benign] < cut
                 and named[i] == typology
             )
-            or any(
-                r in alerting and t == typology for r, t in zip(run.rules[i], run.typologies[i], strict=True)
+            or (
+                _kept(probabilities[i, benign], run.payments[i], veto)
+                and any(
+                    r in alerting and t == typology
+                    for r, t in zip(run.rules[i], run.typologies[i], strict=True)
+                )
             )
             for i in members
         )
@@ -384,6 +405,7 @@ def naming_prior(
     cut: float,
     held_out: Sequence[Replayed],
     alerting: set[str],
+    veto: float | None = None,
 ) -> dict[str, float]:
     """Per typology, a weight (log) added to its probability before the model names the likeliest.
 
@@ -397,7 +419,7 @@ def naming_prior(
 
     def score(weights: np.ndarray) -> int:
         return sum(
-            named_right(p, classes, cut, run, alerting, weights)
+            named_right(p, classes, cut, run, alerting, weights, veto)
             for p, run in zip(probabilities, held_out, strict=True)
         )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -26,6 +27,7 @@ from aml_app.training.fit import (
     ALERT_BUDGETS,
     CUT_RATE,
     PARAMS,
+    RULE_VETO,
     RUNS,
     SCORED_SEEDS,
     SHIPPED_PATH,
@@ -120,17 +122,19 @@ def test_the_cut_holds_the_whole_detector_to_its_benign_rate_on_runs_it_never_sa
     small_runs: list[Replayed], small_model: dict[str, Any]
 ) -> None:
     """The model and the rules that alert beside it together alert at most CUT_RATE of the held-out run's
-    benign payments; the rules' share is taken from the model's."""
+    benign payments; the rules' share, where the model does not veto them, is taken from the model's."""
     doc = small_model
     model = Model.from_json(doc)
+    assert model.rule_veto == RULE_VETO
     held = small_runs[2]
     benign = [i for i, label in enumerate(held.labels) if label == BENIGN]
     probability = model.probabilities(np.array(held.rows))[:, model.classes.index(BENIGN)]
-    by_rules = {i for i in benign if model.alerting_rules.intersection(held.rules[i])}
-    by_model = {
-        i for i in benign if held.payments[i].payer != held.payments[i].payee and probability[i] < model.cut
-    }
-    assert by_rules, "the held-out run gives the rules beside the model a benign alert to count"
+    two_party = {i for i in benign if held.payments[i].payer != held.payments[i].payee}
+    fired = {i for i in benign if model.alerting_rules.intersection(held.rules[i])}
+    by_rules = {i for i in fired if i not in two_party or model.keeps_rules(probability[i])}
+    by_model = {i for i in two_party if probability[i] < model.cut}
+    assert fired, "the held-out run gives the rules beside the model benign payments to alert"
+    assert fired - by_rules, "and the model vetoes some of them, which the cut does not count"
     assert len(by_rules | by_model) <= int(CUT_RATE * len(benign))
     assert doc["training"]["held_out"] == {
         "benign_payments": len(benign),
@@ -237,6 +241,25 @@ def test_only_the_models_alerting_rules_alert_beside_it(
     assert "aml.fan_out" not in {h.rule for h in quiet.detect(evidence, thresholds)}
     everything = dataclasses.replace(quiet, alerting_rules=frozenset(h.rule for h in rules))
     assert everything.detect(evidence, thresholds) == rules
+
+
+def test_the_rules_beside_the_model_are_vetoed_where_it_finds_the_payment_benign(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    thresholds = AmlThresholds()
+    evidence = _evidence(real[2], lambda e: any(h.rule == "aml.fan_out" for h in aml_rules(e, thresholds)))
+    rules = aml_rules(evidence, thresholds)
+    everything = dataclasses.replace(shipped, cut=0.0, alerting_rules=frozenset(h.rule for h in rules))
+    [mine], [benign] = everything.judge([evidence], [rules], thresholds)
+    assert mine is None and 0 < benign < 1
+    assert everything.rule_veto is None and everything.detect(evidence, thresholds) == rules
+    vetoed = dataclasses.replace(everything, rule_veto=benign)  # as likely benign as the veto: no alert
+    assert vetoed.detect(evidence, thresholds) == []
+    kept = dataclasses.replace(everything, rule_veto=math.nextafter(benign, 1.0))
+    assert kept.detect(evidence, thresholds) == rules
+    assert vetoed.keeps_rules(math.nan)  # a self-payment: the model does not score it, so vetoes nothing
+    doc = {**json.loads(SHIPPED_PATH.read_text()), "rule_veto": 0.5}
+    assert Model.from_json(doc).rule_veto == 0.5 and Model.from_json(doc).within(0.001).rule_veto == 0.5
 
 
 def test_aml_model_is_off_by_default_and_a_bad_one_fails_at_start_up(tmp_path: Path) -> None:
