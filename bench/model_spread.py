@@ -32,6 +32,7 @@ from aml_app.training.fit import (
     PARAMS,
     RUNS,
     SCORED_SEEDS,
+    SHIPPED_VETO,
     Replayed,
     calibrated_run,
     cut_on,
@@ -185,6 +186,7 @@ def main() -> None:
             [prepared(run(s)) for s in held_out],
             params,
             attempts_alike=training.attempts_alike,
+            veto=SHIPPED_VETO,  # the shipped training's recipe, varied one part at a time
         )
         if not training.naming_prior:
             doc["naming_prior"] = {}

@@ -57,6 +57,11 @@ ALERTING_PRECISION = 0.8
 #: not. Not tuned: the point where the model's own verdict turns.
 RULE_VETO = 0.5
 PARAMS: dict[str, Any] = {"max_iter": 100, "max_leaf_nodes": 15, "learning_rate": 0.1}
+#: The shipped model's training keeps the rules beside it unvetoed: with the veto its cut, set to fill the
+#: same share of the held-out runs' benign payments, loosens from 0.041 to 0.093, and on the real AMLworld
+#: files the detector alerts 1.3 % of the benign payments against 0.95 % (BENCHMARKS.md, "Trained on the
+#: real files"), past the goal of 1 %.
+SHIPPED_VETO: float | None = None
 #: The shipped model's runs: calibrated simulator seeds to learn from and to set the cut on, days, payments
 #: an hour, attempts.
 RUNS: dict[str, Any] = {
@@ -223,10 +228,11 @@ def train(
     attempts_alike: bool = True,
     cut_rate: float = CUT_RATE,
     progress: Callable[[str], None] | None = None,
+    veto: float | None = RULE_VETO,
 ) -> tuple[dict[str, Any], Any]:
     """The model file's document, and the fitted scikit-learn model (for tests that compare the two).
     The trees learn from `runs` (weighed by `sample_weights`); the cut is set on `held_out`, runs they
-    never saw."""
+    never saw; `veto`: the file's `rule_veto` (None: the rules beside the model are never vetoed)."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
@@ -250,9 +256,9 @@ def train(
     precision = {rule: right[rule] / fired[rule] for rule in sorted(fired)}
     alerting = sorted(r for r, p in precision.items() if p >= ALERTING_PRECISION)
     probabilities = predicted(fitted, held_out)
-    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting), cut_rate, RULE_VETO)
-    naming = naming_prior(probabilities, classes, cut, held_out, set(alerting), RULE_VETO)
-    budgets = alert_budgets(probabilities, classes, held_out, set(alerting), naming, RULE_VETO)
+    cut, budget = cut_on(probabilities, classes.index(BENIGN), held_out, set(alerting), cut_rate, veto)
+    naming = naming_prior(probabilities, classes, cut, held_out, set(alerting), veto)
+    budgets = alert_budgets(probabilities, classes, held_out, set(alerting), naming, veto)
     trees, depth = export(fitted)
     import sklearn
 
@@ -265,7 +271,7 @@ def train(
         "naming_prior": naming,
         "alert_budgets": budgets,
         "alerting_rules": alerting,
-        "rule_veto": RULE_VETO,
+        **({} if veto is None else {"rule_veto": veto}),
         "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
         "training": {
             "params": dict(params),

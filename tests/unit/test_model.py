@@ -31,6 +31,7 @@ from aml_app.training.fit import (
     RUNS,
     SCORED_SEEDS,
     SHIPPED_PATH,
+    SHIPPED_VETO,
     Replayed,
     calibrated_run,
     named_right,
@@ -153,6 +154,7 @@ def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) ->
     assert doc["training"]["attempts_alike"] is True
     assert doc["training"]["cut_rate"] == CUT_RATE
     assert shipped.alerting_rules == {"aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
+    assert "rule_veto" not in doc and SHIPPED_VETO is None and shipped.rule_veto is None
     assert [b["benign_rate"] for b in doc["alert_budgets"]] == list(ALERT_BUDGETS)
     budgeted = load(SHIPPED, 0.001)  # AML_ALERT_BUDGET=0.001: a tighter cut, the model alone
     assert budgeted is not None and budgeted.cut < shipped.cut and not budgeted.alerting_rules
