@@ -28,6 +28,39 @@ PARTS = ("learn", "cut", "score")
 #: rates at which the report estimates precision.
 BASE_RATES = {"HI (1 in 900)": 1 / 900, "LI (1 in 1,750)": 1 / 1750}
 TOP_K = (10, 50, 100)
+#: One-sided 95 % normal quantile, for the bound on the benign alert rate (`benign_rate_bound`).
+Z_95 = 1.645
+
+
+def benign_rate_bound(alerted: int, payments: int) -> float:
+    """An upper bound (one-sided, 95 %) on the benign alert rate of which `alerted` of `payments` is a
+    sample: Wilson's score bound. A scored part of 1,500 benign payments with none alerted says the rate
+    is below about 0.18 %, not that it is 0, and the precision estimated from it is a floor, not 1."""
+    if payments <= 0:
+        return 1.0
+    share, z2 = alerted / payments, Z_95 * Z_95
+    centre = share + z2 / (2 * payments)
+    spread = Z_95 * np.sqrt(share * (1 - share) / payments + z2 / (4 * payments * payments))
+    return float(min(1.0, (centre + spread) / (1 + z2 / payments)))
+
+
+def estimates(recall: float, benign_rate: float, bound: float) -> dict[str, dict[str, float]]:
+    """Precision and F1 at each of BASE_RATES from the payment recall r and the benign alert rate b
+    (p r / (p r + (1 - p) b) at base rate p), and the precision that holds with b at its upper `bound`."""
+
+    def precision(p: float, b: float) -> float:
+        return p * recall / (p * recall + (1 - p) * b) if recall or b else 0.0
+
+    found = {}
+    for name, p in BASE_RATES.items():
+        at = precision(p, benign_rate)
+        f1 = 2 * at * recall / (at + recall) if at + recall else 0.0
+        found[name] = {
+            "precision": round(at, 4),
+            "f1": round(f1, 4),
+            "precision_at_least": round(precision(p, bound), 4),
+        }
+    return found
 
 
 @dataclass(frozen=True)
@@ -101,11 +134,8 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
     caught = sum(bool(named[i]) for i in laundering)
     recall = caught / len(laundering) if laundering else 0.0
     benign_rate = benign_alerted / len(benign) if benign else 0.0
-    estimated = {}
-    for name, p in BASE_RATES.items():
-        precision = p * recall / (p * recall + (1 - p) * benign_rate) if recall or benign_rate else 0.0
-        f1 = 2 * precision * recall / (precision + recall) if precision + recall else 0.0
-        estimated[name] = {"precision": round(precision, 4), "f1": round(f1, 4)}
+    bound = benign_rate_bound(benign_alerted, len(benign))
+    estimated = estimates(recall, benign_rate, bound)
     return {
         "payments": len(run.payments),
         "attempts": attempts,
@@ -120,6 +150,7 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
             "alerted": benign_alerted,
             "share_of_all": _ratio(benign_alerted, len(benign)),
             "share_of_two_party": _ratio(sum(bool(named[i]) for i in two_party), len(two_party)),
+            "share_of_all_upper_95": round(bound, 5),
         },
         "estimated_at_base_rate": estimated,
         "alert_budgets": within_budgets(model, run),
@@ -160,6 +191,7 @@ def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
     """Per alert budget of the model file (`AML_ALERT_BUDGET`): what the detector cut for it alerts on
     `run`, the attempts named by their own typology and with any alert, and the benign payments."""
     benign = [i for i, label in enumerate(run.labels) if label == BENIGN]
+    laundering = [i for i, label in enumerate(run.labels) if label != BENIGN]
     held_out = int(model.training.get("held_out", {}).get("benign_payments", 0))
     found = []
     for rate, _, rules in model.budgets:
@@ -167,6 +199,8 @@ def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
         own = sum(any(t in named[i] for i in members) for t, members in run.attempts)
         alerted = sum(any(named[i] for i in members) for _, members in run.attempts)
         benign_alerted = sum(bool(named[i]) for i in benign)
+        recall = sum(bool(named[i]) for i in laundering) / len(laundering) if laundering else 0.0
+        bound = benign_rate_bound(benign_alerted, len(benign))
         found.append(
             {
                 "budget": rate,
@@ -177,6 +211,11 @@ def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
                 "any_alert": _ratio(alerted, len(run.attempts)),
                 "benign_alerted": benign_alerted,
                 "benign_share": _ratio(benign_alerted, len(benign)),
+                "benign_share_upper_95": round(bound, 5),
+                "payment_recall": round(recall, 4),
+                "estimated_at_base_rate": estimates(
+                    recall, benign_alerted / len(benign) if benign else 0.0, bound
+                ),
             }
         )
     return found
@@ -222,14 +261,23 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         f"{_percent(b['share_of_two_party'])} of the {b['between_two_parties']:,} between two parties); "
         f"laundering payments alerted: {report['payment_recall']:.3f} of {report['laundering_payments']:,}"
     )
+    lines.append(
+        f"benign alert rate below {_percent(b.get('share_of_all_upper_95'))} (one-sided 95 %, Wilson's bound)"
+    )
     for name, v in report["estimated_at_base_rate"].items():
-        lines.append(f"estimated at the base rate {name}: precision {v['precision']:.3f}, F1 {v['f1']:.3f}")
+        lines.append(
+            f"estimated at the base rate {name}: precision {v['precision']:.3f}, F1 {v['f1']:.3f} "
+            f"(precision at least {v['precision_at_least']:.3f} with the benign rate at its bound)"
+        )
     for b in report.get("alert_budgets", []):
+        hi = next(iter(b["estimated_at_base_rate"].values()))
         lines.append(
             f"alert budget {b['budget']:g} ({b['allowed_where_set']:,} benign alerts where it was set, "
             f"{b['rules_beside']} rules beside the model): own typology "
             f"{b['own_typology']:.3f}, any alert {b['any_alert']:.3f}, "
-            f"benign alerted {b['benign_alerted']:,} ({_percent(b['benign_share'])})"
+            f"benign alerted {b['benign_alerted']:,} ({_percent(b['benign_share'])}, below "
+            f"{_percent(b['benign_share_upper_95'])}); precision at {next(iter(BASE_RATES))} "
+            f"{hi['precision']:.3f}, at least {hi['precision_at_least']:.3f}"
         )
     for name, at in report["top_of_the_queue"].items():
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())

@@ -25,7 +25,17 @@ from aml_app.training.fit import (
     train,
 )
 from aml_app.training.history import read_history
-from aml_app.training.holdout import PARTS, part_of, queue_precision, scored, split, within_budgets
+from aml_app.training.holdout import (
+    BASE_RATES,
+    PARTS,
+    benign_rate_bound,
+    estimates,
+    part_of,
+    queue_precision,
+    scored,
+    split,
+    within_budgets,
+)
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
 HEADER = (
@@ -234,6 +244,24 @@ def test_precision_at_the_top_of_the_queue_weighs_benign_alerts_by_the_base_rate
     assert queue_precision([0.5], [True], 1, 1)["in the part"]["10"] is None  # a queue shorter than k
 
 
+def test_a_benign_rate_of_none_alerted_is_bounded_and_the_precision_from_it_is_a_floor() -> None:
+    """None alerted of 1,500 bounds the rate at about 0.18 % (one-sided 95 %), not at 0; the bound grows
+    with what was alerted and never falls below it; precision with the rate at its bound is a floor."""
+    assert 0.0017 < benign_rate_bound(0, 1500) < 0.0019
+    bounds = [benign_rate_bound(k, 1500) for k in range(0, 30)]
+    assert bounds == sorted(bounds) and all(b > k / 1500 for k, b in enumerate(bounds))
+    assert benign_rate_bound(1500, 1500) == pytest.approx(1.0) and benign_rate_bound(0, 0) == 1.0
+    found = estimates(0.6, 0.0, benign_rate_bound(0, 1500))
+    hi = found["HI (1 in 900)"]
+    assert hi["precision"] == 1.0 and 0 < hi["precision_at_least"] < 1.0
+    p = BASE_RATES["HI (1 in 900)"]
+    assert hi["precision_at_least"] == round(p * 0.6 / (p * 0.6 + (1 - p) * benign_rate_bound(0, 1500)), 4)
+    assert (
+        estimates(0.6, 0.01, 0.02)["LI (1 in 1,750)"]["precision_at_least"]
+        < estimates(0.6, 0.01, 0.02)["LI (1 in 1,750)"]["precision"]
+    )
+
+
 def test_each_alert_budget_holds_the_detector_to_its_share_of_the_benign_payments(run: Replayed) -> None:
     """On the part that set them, the detector cut for a budget alerts at most that share of the benign
     payments, with the trained rules beside the model or with none."""
@@ -248,6 +276,10 @@ def test_each_alert_budget_holds_the_detector_to_its_share_of_the_benign_payment
         assert model.within(rate).alerting_rules == rules and rules in (model.alerting_rules, frozenset())
         assert cut_part["budget"] == scored_part["budget"] == rate
         assert cut_part["benign_alerted"] <= int(rate * len(benign))
+        assert cut_part["benign_share_upper_95"] == round(
+            benign_rate_bound(cut_part["benign_alerted"], len(benign)), 5
+        )
+        assert set(cut_part["estimated_at_base_rate"]) == set(BASE_RATES)
     assert on_cut[-1]["benign_alerted"] > 0  # the largest budget alerts something: the check can fail
 
 
