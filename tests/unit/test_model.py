@@ -232,12 +232,20 @@ def test_a_self_payment_is_never_alerted_by_the_model(
     assert dataclasses.replace(shipped, cut=1.01).hit(evidence, [], thresholds) is None
 
 
-def test_only_the_models_alerting_rules_alert_beside_it(
-    shipped: Model, real: tuple[Any, Any, list[Any]]
-) -> None:
+@pytest.fixture(scope="module")
+def fanning(real: tuple[Any, Any, list[Any]]) -> tuple[Any, list[Any]]:
+    """A real payment on which the fan-out rule fires (a rule the shipped model keeps as a feature), and
+    the rules' hits on it."""
     thresholds = AmlThresholds()
     evidence = _evidence(real[2], lambda e: any(h.rule == "aml.fan_out" for h in aml_rules(e, thresholds)))
-    rules = aml_rules(evidence, thresholds)
+    return evidence, aml_rules(evidence, thresholds)
+
+
+def test_only_the_models_alerting_rules_alert_beside_it(
+    shipped: Model, fanning: tuple[Any, list[Any]]
+) -> None:
+    thresholds = AmlThresholds()
+    evidence, rules = fanning
     quiet = dataclasses.replace(shipped, cut=0.0)  # the model itself never alerts
     assert quiet.detect(evidence, thresholds) == [h for h in rules if h.rule in shipped.alerting_rules]
     assert "aml.fan_out" not in {h.rule for h in quiet.detect(evidence, thresholds)}
@@ -246,11 +254,10 @@ def test_only_the_models_alerting_rules_alert_beside_it(
 
 
 def test_the_rules_beside_the_model_are_vetoed_where_it_finds_the_payment_benign(
-    shipped: Model, real: tuple[Any, Any, list[Any]]
+    shipped: Model, fanning: tuple[Any, list[Any]]
 ) -> None:
     thresholds = AmlThresholds()
-    evidence = _evidence(real[2], lambda e: any(h.rule == "aml.fan_out" for h in aml_rules(e, thresholds)))
-    rules = aml_rules(evidence, thresholds)
+    evidence, rules = fanning
     everything = dataclasses.replace(shipped, cut=0.0, alerting_rules=frozenset(h.rule for h in rules))
     [mine], [benign] = everything.judge([evidence], [rules], thresholds)
     assert mine is None and 0 < benign < 1
