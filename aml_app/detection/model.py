@@ -269,7 +269,7 @@ class Model:
         `rule_veto` likely benign: the trees read every rule's verdict as a feature, and where they still
         call the payment benign they have seen that rule fire on payments like it that were (a hub paying
         many parties fires the fan-out rule on every payment)."""
-        return self.rule_veto is None or not benign >= self.rule_veto
+        return rules_kept(benign, self.rule_veto)
 
     @functools.cached_property
     def _walk(self) -> _Walk:
@@ -417,6 +417,11 @@ class Model:
         if not self.keeps_rules(benign):
             return []
         return [hit for hit in rule_hits if hit.rule in self.alerting_rules]
+
+
+def rules_kept(benign: float, veto: float | None) -> bool:
+    """`Model.keeps_rules` for a file whose `rule_veto` is `veto` (training sets cuts with it)."""
+    return veto is None or not benign >= veto
 
 
 def _softmax(raw: np.ndarray) -> np.ndarray:

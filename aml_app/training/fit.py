@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from aml_app.detection.evidence import Evidence
-from aml_app.detection.model import BENIGN, FEATURES, SHIPPED_FILE, features
+from aml_app.detection.model import BENIGN, FEATURES, SHIPPED_FILE, features, rules_kept
 from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
@@ -297,7 +297,7 @@ def predicted(fitted: Any, runs: Sequence[Replayed]) -> list[np.ndarray]:
 def _kept(p_benign: float, payment: Any, veto: float | None) -> bool:
     """Whether the rules beside the model alert this payment (`Model.keeps_rules`; the model scores no
     self-payment, so vetoes none)."""
-    return veto is None or payment.payer == payment.payee or p_benign < veto
+    return payment.payer == payment.payee or rules_kept(p_benign, veto)
 
 
 def cut_on(
