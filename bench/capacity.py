@@ -617,6 +617,21 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
             at_end = mean_over(points, end - BACKLOG_EDGE_S, end)
             step_records = [d for d in records[svc] if d.get("payment_id") in ids]
             early = premature(step_records, groups, watch.timeline)
+
+            def share(
+                covered: Mapping[str, float | None],
+                mine: Mapping[str, Any] = mine,
+                measured: Sequence[str] = measured,
+            ) -> dict[str, Any]:
+                """Decided minus the instant both groups' commits covered each payment (`covered`)."""
+                return quantiles(
+                    [
+                        decided_at(mine[pid]) - c if pid in mine else NEVER
+                        for pid in measured
+                        if (c := covered[pid]) is not None
+                    ]
+                )
+
             doc["services"][svc] = {
                 # A payment never decided counts as infinitely late: the percentiles then say so.
                 "latency_ms": quantiles(
@@ -625,22 +640,10 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
                         for pid in measured
                     ]
                 ),
-                "gate_share_ms": quantiles(
-                    [
-                        decided_at(mine[pid]) - c if pid in mine else NEVER
-                        for pid in measured
-                        if (c := committed[pid]) is not None
-                    ]
-                ),
+                "gate_share_ms": share(committed),
                 # The same against the demo's commit watch (polled, dated at the poll before the one that
                 # saw a commit): the share as earlier runs of this benchmark measured it.
-                "gate_share_watch_ms": quantiles(
-                    [
-                        decided_at(mine[pid]) - c if pid in mine else NEVER
-                        for pid in measured
-                        if (c := watched[pid]) is not None
-                    ]
-                ),
+                "gate_share_watch_ms": share(watched),
                 # Per worker: the leader sees its own refresh at once, the others through the changelog.
                 "gate_share_by_worker_ms": {
                     worker: quantiles(

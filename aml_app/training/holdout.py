@@ -44,6 +44,24 @@ def benign_rate_bound(alerted: int, payments: int) -> float:
     return float(min(1.0, (centre + spread) / (1 + z2 / payments)))
 
 
+def _measured(named: Sequence[set[str]], run: Replayed) -> dict[str, Any]:
+    """What the detector's alerts (`named`, per payment) measure on `run`: the benign payments alerted,
+    the laundering payments' recall, the benign rate's bound and the estimates at the base rates."""
+    benign = [i for i, label in enumerate(run.labels) if label == BENIGN]
+    laundering = [i for i, label in enumerate(run.labels) if label != BENIGN]
+    alerted = sum(bool(named[i]) for i in benign)
+    recall = sum(bool(named[i]) for i in laundering) / len(laundering) if laundering else 0.0
+    bound = benign_rate_bound(alerted, len(benign))
+    return {
+        "benign": benign,
+        "laundering": laundering,
+        "benign_alerted": alerted,
+        "recall": recall,
+        "bound": bound,
+        "estimated": estimates(recall, alerted / len(benign) if benign else 0.0, bound),
+    }
+
+
 def estimates(recall: float, benign_rate: float, bound: float) -> dict[str, dict[str, float]]:
     """Precision and F1 at each of BASE_RATES from the payment recall r and the benign alert rate b
     (p r / (p r + (1 - p) b) at base rate p), and the precision that holds with b at its upper `bound`."""
@@ -127,15 +145,13 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
             "any_alert": _ratio(alerted, len(own)),
         }
     attempts = len(run.attempts)
-    benign = [i for i, label in enumerate(run.labels) if label == BENIGN]
+    measured = _measured(named, run)
+    benign, laundering, benign_alerted = (
+        measured["benign"],
+        measured["laundering"],
+        measured["benign_alerted"],
+    )
     two_party = [i for i in benign if run.payments[i].payer != run.payments[i].payee]
-    laundering = [i for i, label in enumerate(run.labels) if label != BENIGN]
-    benign_alerted = sum(bool(named[i]) for i in benign)
-    caught = sum(bool(named[i]) for i in laundering)
-    recall = caught / len(laundering) if laundering else 0.0
-    benign_rate = benign_alerted / len(benign) if benign else 0.0
-    bound = benign_rate_bound(benign_alerted, len(benign))
-    estimated = estimates(recall, benign_rate, bound)
     return {
         "payments": len(run.payments),
         "attempts": attempts,
@@ -143,16 +159,16 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
         "any_alert": _ratio(sum(alerted for _, alerted in counts.values()), attempts),
         "per_typology": per_typology,
         "laundering_payments": len(laundering),
-        "payment_recall": round(recall, 4),
+        "payment_recall": round(measured["recall"], 4),
         "benign": {
             "payments": len(benign),
             "between_two_parties": len(two_party),
             "alerted": benign_alerted,
             "share_of_all": _ratio(benign_alerted, len(benign)),
             "share_of_two_party": _ratio(sum(bool(named[i]) for i in two_party), len(two_party)),
-            "share_of_all_upper_95": round(bound, 5),
+            "share_of_all_upper_95": round(measured["bound"], 5),
         },
-        "estimated_at_base_rate": estimated,
+        "estimated_at_base_rate": measured["estimated"],
         "alert_budgets": within_budgets(model, run),
         "top_of_the_queue": queue_precision(
             [score[i] for i, names in enumerate(named) if names],
@@ -190,17 +206,14 @@ def _named(model: Model, run: Replayed) -> tuple[list[set[str]], np.ndarray]:
 def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
     """Per alert budget of the model file (`AML_ALERT_BUDGET`): what the detector cut for it alerts on
     `run`, the attempts named by their own typology and with any alert, and the benign payments."""
-    benign = [i for i, label in enumerate(run.labels) if label == BENIGN]
-    laundering = [i for i, label in enumerate(run.labels) if label != BENIGN]
     held_out = int(model.training.get("held_out", {}).get("benign_payments", 0))
     found = []
     for rate, _, rules in model.budgets:
         named, _ = _named(model.within(rate), run)
         own = sum(any(t in named[i] for i in members) for t, members in run.attempts)
         alerted = sum(any(named[i] for i in members) for _, members in run.attempts)
-        benign_alerted = sum(bool(named[i]) for i in benign)
-        recall = sum(bool(named[i]) for i in laundering) / len(laundering) if laundering else 0.0
-        bound = benign_rate_bound(benign_alerted, len(benign))
+        measured = _measured(named, run)
+        benign_alerted = measured["benign_alerted"]
         found.append(
             {
                 "budget": rate,
@@ -210,12 +223,10 @@ def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
                 "own_typology": _ratio(own, len(run.attempts)),
                 "any_alert": _ratio(alerted, len(run.attempts)),
                 "benign_alerted": benign_alerted,
-                "benign_share": _ratio(benign_alerted, len(benign)),
-                "benign_share_upper_95": round(bound, 5),
-                "payment_recall": round(recall, 4),
-                "estimated_at_base_rate": estimates(
-                    recall, benign_alerted / len(benign) if benign else 0.0, bound
-                ),
+                "benign_share": _ratio(benign_alerted, len(measured["benign"])),
+                "benign_share_upper_95": round(measured["bound"], 5),
+                "payment_recall": round(measured["recall"], 4),
+                "estimated_at_base_rate": measured["estimated"],
             }
         )
     return found
