@@ -32,6 +32,7 @@ from pyspark.sql import functions as F
 
 from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
+from aml_app.pipeline.expressions import built_once
 from aml_app.pipeline.repeats import Seen, find_repeats
 from aml_app.pipeline.validation import validated
 
@@ -68,25 +69,9 @@ class BatchOutputs:
         return sum(self.spans["records"].to_pylist())
 
 
-#: Column expressions built once per Spark context (see `expressions`): context id -> name -> columns.
-_expressions: dict[int, dict[Any, tuple[Column | str, ...]]] = {}
-
-
 def expressions(frame: DataFrame, name: Any, build: Callable[[], tuple[Column | str, ...]]) -> tuple:
-    """The columns `build()` makes, built once per Spark context and `name`.
-
-    Building a column costs a call into the JVM per function and literal (about 50 ms per micro-batch for
-    C's aggregation alone, measured); the expressions name columns only, so the same ones serve every batch of
-    a session, as `validation`'s do.
-    """
-    context = id(frame.sparkSession.sparkContext)
-    if context not in _expressions:
-        _expressions.clear()  # a new session (tests): the old expressions belong to a stopped context
-        _expressions[context] = {}
-    built = _expressions[context]
-    if name not in built:
-        built[name] = build()
-    return built[name]
+    """The columns `build()` makes, built once per Spark context and `name` (`built_once`)."""
+    return built_once(frame.sparkSession.sparkContext, ("transforms", name), build)
 
 
 def edges(valid: DataFrame) -> DataFrame:

@@ -55,6 +55,7 @@ from aml_app.contract import (
     skew_micros,
 )
 from aml_app.currencies import ISO_4217
+from aml_app.pipeline.expressions import built_once
 
 AMOUNT_TYPE = "decimal(19,4)"  # < 10^15 with 4 decimal places: 15 + 4 digits
 VALIDATED_SCHEMA = (
@@ -214,24 +215,13 @@ def validated(
     return frame
 
 
-_built: dict[tuple[int, int, int, bool], list[list[Column | str]]] = {}
-
-
 def _stages(
     context: object, max_bytes: int, max_skew_us: int, sourced: bool = False
 ) -> list[list[Column | str]]:
     """The column expressions of `validated`, built once per Spark context, size limit, clock skew and
-    whether a `source` column is passed on.
-
-    Building them costs hundreds of calls into the JVM (about a second per micro-batch on this machine);
-    the expressions name columns only, so the same ones serve every batch.
-    """
-    key = (id(context), max_bytes, max_skew_us, sourced)
-    if key not in _built:
-        if not any(built[0] == id(context) for built in _built):
-            _built.clear()  # a new session (tests): the old expressions belong to a stopped context
-        _built[key] = _build_stages(max_bytes, max_skew_us, sourced)
-    return _built[key]
+    whether a `source` column is passed on (`built_once`: hundreds of calls into the JVM each)."""
+    key = ("validation", max_bytes, max_skew_us, sourced)
+    return built_once(context, key, lambda: _build_stages(max_bytes, max_skew_us, sourced))
 
 
 def _types_ok(variants: Column) -> Column:
