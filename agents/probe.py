@@ -21,7 +21,7 @@ from datetime import UTC, datetime
 
 from aml_app.app import send_decision, settings
 from aml_app.gate import Admission
-from aml_app.gate.consumer import Pending
+from aml_app.gate.handling import LeftToComplete
 from aml_app.models import Payment, decision_json
 from aml_app.worker.agent import gated_agent
 
@@ -55,7 +55,7 @@ class ProbeFailure(RuntimeError):
 failed: dict[str, int] = {}
 
 
-async def record(payment: Payment, admission: Admission) -> Pending:
+async def record(payment: Payment, admission: Admission) -> LeftToComplete:
     planned = settings.probe_fail.get(payment.payment_id)
     if planned is not None and failed.get(payment.payment_id, 0) < planned:
         failed[payment.payment_id] = failed.get(payment.payment_id, 0) + 1

@@ -1,5 +1,9 @@
-"""Retrying with exponential backoff and jitter: forever by default, so a lane never skips a payment it
-failed on unless a retry ceiling (AML_MAX_ATTEMPTS) says to park it."""
+"""One backoff for every retry of the system: exponential delays with a cap, jittered where many callers
+may fail together (a lane's handler, a store's reconnect), and `retry_forever` on top of it, so that a
+lane never skips a payment it failed on unless a retry ceiling (AML_MAX_ATTEMPTS) says to park it.
+
+Free of Faust and of the gate: the dependencies' APIs and stores back off with it too.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,32 @@ T = TypeVar("T")
 def jittered(delay: float) -> float:
     """A backoff delay with jitter in [delay/2, delay): failing lanes do not retry in lockstep."""
     return delay * (0.5 + 0.5 * random.random())
+
+
+def exact(delay: float) -> float:
+    return delay
+
+
+class Backoff:
+    """Delays from `first`, doubled after each one up to `most` (the first is `first` all the same);
+    each passed through `jitter`."""
+
+    def __init__(self, first: float, most: float, jitter: Callable[[float], float] = exact) -> None:
+        if first <= 0 or most <= 0:
+            raise ValueError(f"a backoff needs positive delays, not {first} and {most}")
+        self.first, self.most, self.jitter = first, most, jitter
+        self._delay = first
+
+    def next(self) -> float:
+        """The next delay (jittered); the one after it is twice as long, up to `most`."""
+        delay, self._delay = self._delay, min(self._delay * 2, self.most)
+        return self.jitter(delay)
+
+    async def sleep(self, at_most: float | None = None) -> float:
+        """Sleep the next delay (no longer than `at_most`); return how long."""
+        delay = self.next() if at_most is None else min(self.next(), at_most)
+        await asyncio.sleep(delay)
+        return delay
 
 
 #: Called after each failed attempt with (attempt, exception, seconds until the next one).
@@ -38,7 +68,7 @@ async def retry_forever(
 
     With `attempts`, the exception of the last allowed attempt is raised instead (a retry ceiling); so
     is the last failure once `stop()` says to give up (asked before each new attempt)."""
-    delay = first_delay
+    backoff = Backoff(first_delay, max_delay, jitter)
     attempt = 1
     while True:
         try:
@@ -49,10 +79,9 @@ async def retry_forever(
             if (attempts is not None and attempt >= attempts) or (stop is not None and stop()):
                 log.warning("%s failed (attempt %d, giving up): %r", what, attempt, exc)
                 raise
-            wait = jitter(delay)
+            wait = backoff.next()
             log.warning("%s failed (attempt %d, retrying in %.2fs): %r", what, attempt, wait, exc)
             if on_failure is not None:
                 on_failure(attempt, exc, wait)
             await asyncio.sleep(wait)
-            delay = min(delay * 2, max_delay)
             attempt += 1

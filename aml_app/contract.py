@@ -278,14 +278,23 @@ def validate_payment(
     return fields
 
 
+def origin_headers(
+    prefix: str, reason: str, topic: str, partition: int, offset: int, origin: str, **more: object
+) -> list[tuple[str, bytes]]:
+    """Headers of a record set aside (`prefix`: `dlq` or `review`), as Kafka Connect writes a dead
+    letter's: why, anything `more` to say, and where the original bytes were read."""
+    return [
+        (f"{prefix}.reason", reason.encode()),
+        *((f"{prefix}.{name}", str(value).encode()) for name, value in more.items()),
+        (f"{prefix}.topic", topic.encode()),
+        (f"{prefix}.partition", str(partition).encode()),
+        (f"{prefix}.offset", str(offset).encode()),
+        (f"{prefix}.worker", origin.encode()),
+    ]
+
+
 def dead_letter_headers(
     reason: str, topic: str, partition: int, offset: int, origin: str
 ) -> list[tuple[str, bytes]]:
-    """A dead letter's headers, as Kafka Connect writes them: why, and where the original bytes were read."""
-    return [
-        ("dlq.reason", reason.encode()),
-        ("dlq.topic", topic.encode()),
-        ("dlq.partition", str(partition).encode()),
-        ("dlq.offset", str(offset).encode()),
-        ("dlq.worker", origin.encode()),
-    ]
+    """A dead letter's headers: why, and where the original bytes were read."""
+    return origin_headers("dlq", reason, topic, partition, offset, origin)

@@ -36,7 +36,7 @@ def summary(verdict: Verdict) -> dict[str, Any]:
         "decided": aml.decided,
         "missing": aml.missing,
         "freshness_violations": aml.freshness_violations,
-        "decided_on_stale": aml.decided_on_stale,
+        "decided_not_fresh": aml.decided_not_fresh,
         "premature": aml.premature_decisions,
         "alerts": aml.alerts,
         "wait_p50_ms": aml.wait_p50,
@@ -88,7 +88,7 @@ def report(doc: dict[str, Any]) -> str:
     rows: list[tuple[Any, ...]] = [
         ("payments decided", on["decided"], off["decided"]),
         ("freshness violations (stale answers)", on["freshness_violations"], off["freshness_violations"]),
-        ("decided on evidence lacking the payment", on["decided_on_stale"], off["decided_on_stale"]),
+        ("decided on evidence lacking the payment", on["decided_not_fresh"], off["decided_not_fresh"]),
         ("decided before both groups committed it", on["premature"], off["premature"]),
         ("AML alerts", on["alerts"], off["alerts"]),
         (

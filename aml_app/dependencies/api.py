@@ -74,6 +74,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from aml_app import dependency_services as registry
+from aml_app.backoff import Backoff
 from aml_app.collector import settle
 from aml_app.contract import MAX_ID_LENGTH
 from aml_app.currencies import ISO_4217
@@ -431,7 +432,7 @@ async def answered_when_covered(
     "waited_ms"}`: the store has not applied what the question needs, ask again (or another replica).
     `compute` gets `timeout` seconds; then it is cancelled, its statement with it, and `TooLong` raised."""
     started = time.monotonic()
-    delay = POLL[0]
+    poll = Backoff(*POLL)
     while True:
         async with reader.snapshot() as snap:
             log_id = snap.meta.get("log")
@@ -450,8 +451,7 @@ async def answered_when_covered(
                 "log": log_id,
                 "waited_ms": round(1000 * (time.monotonic() - started)),
             }
-        await asyncio.sleep(min(delay, left))
-        delay = min(delay * 2, POLL[1])
+        await poll.sleep(at_most=left)
 
 
 def _batch_account(query: dict[str, Any], i: int) -> str:

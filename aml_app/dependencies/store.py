@@ -31,6 +31,8 @@ from typing import Any, TypeVar
 import psycopg
 from psycopg import sql
 
+from aml_app.backoff import Backoff
+
 log = logging.getLogger("aml_app.store")
 
 T = TypeVar("T")
@@ -301,7 +303,7 @@ class Writer:
     def patiently(self, what: str, action: Callable[[psycopg.Connection], T]) -> T:
         """Run `action(conn)`; while the database is unavailable, reconnect and retry with backoff."""
         deadline = time.monotonic() + self.patience
-        delay = 0.2
+        backoff = Backoff(0.2, 5.0)
         while True:
             try:
                 return action(self.connection())
@@ -312,6 +314,7 @@ class Writer:
                         f"the {self.schema.name} store at {redacted(self.url)} is unavailable ({exc}), and "
                         "the pipeline is stopping; the batch was not applied"
                     ) from exc
+                delay = backoff.next()
                 if time.monotonic() + delay > deadline:
                     raise StoreError(
                         f"the {self.schema.name} store at {redacted(self.url)} has been unavailable for "
@@ -326,7 +329,6 @@ class Writer:
                     delay,
                 )
                 self._giving_up.wait(delay)
-                delay = min(delay * 2, 5.0)
 
     def migrate(self) -> int:
         return self.patiently("migrating", lambda conn: migrate(conn, self.schema))

@@ -2,11 +2,9 @@
 
 from aml_app.gate.consumer import GatedConsumer
 from aml_app.gate.gate import Admission, FreshnessGate
-from aml_app.gate.retry import retry_forever
 
 __all__ = [
     "Admission",
     "FreshnessGate",
     "GatedConsumer",
-    "retry_forever",
 ]

@@ -30,8 +30,8 @@ import faust
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.types import TP
 
+from aml_app.backoff import retry_forever
 from aml_app.faust_internals import partition_flags, record_gap
-from aml_app.gate.retry import retry_forever
 from aml_app.kafka.deadlines import DeadlineExceeded, close_within, within
 from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs

@@ -17,11 +17,48 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aml_app.gate.event_time import admits, decided_at
-from aml_app.gate.watermark import Row, is_open
-from aml_app.models import Payment
+from aml_app.gate.watermark import Row, derived_need, is_open
+
+if TYPE_CHECKING:
+    from faust.types import EventT
+
+    from aml_app.models import Payment
+
+#: What a partition with no row yet stands at: nothing is done.
+CLOSED: Row = {"watermark": -1, "dependencies": {}}
+
+
+@dataclass(frozen=True)
+class Opening:
+    """What let a payment through: its partition's watermark row (a table value, as the leader wrote
+    it), the event-time cut it was admitted at, or the seconds it waited before the decide-stale policy
+    admitted it anyway. The one place the gate's records are read by key."""
+
+    row: Row
+    #: The event-time gate's cut the payment was admitted at (`aml_app.gate.event_time.decided_at`);
+    #: None for the per-partition gate.
+    cut: dict[str, Any] | None = None
+    #: Seconds waited before the decide-stale policy gave up on the gate (None: the gate opened).
+    stale: float | None = None
+
+    @property
+    def watermark(self) -> int:
+        return int(self.row["watermark"])
+
+    @property
+    def dependencies(self) -> dict[str, int]:
+        return dict(self.row["dependencies"])
+
+    @property
+    def log(self) -> str | None:
+        return self.row.get("log")
+
+    @property
+    def derived(self) -> dict[str, dict[int, int]]:
+        return derived_need(self.row, self.cut)
 
 
 @dataclass(frozen=True)
@@ -51,9 +88,30 @@ class Admission:
         """Whether its evidence must include it (gated and not decided stale)."""
         return self.gated and self.stale is None
 
+    @classmethod
+    def of(cls, opening: Opening, partition: int, offset: int, waited_ms: float, gated: bool) -> Admission:
+        return cls(
+            partition=partition,
+            offset=offset,
+            watermark=opening.watermark,
+            dependencies=opening.dependencies,
+            waited_ms=waited_ms,
+            gated=gated,
+            log=opening.log,
+            cut=opening.cut,
+            stale=opening.stale,
+            derived=opening.derived,
+        )
 
-#: A payment and the admission that let it through.
-Admitted = tuple[Payment, Admission]
+
+@dataclass(frozen=True)
+class Admitted:
+    """An event the gate let through: its payment and what the gate saw."""
+
+    event: EventT[Any]
+    payment: Payment
+    admission: Admission
+
 
 Lookup = Callable[[int], Row | None]
 CutLookup = Callable[[], Row | None]
@@ -122,17 +180,17 @@ class FreshnessGate:
             return None
         return row, cut
 
-    def _open_row(self, partition: int, offset: int, event_us: int | None = None) -> Row | None:
-        """The partition's row if it lets `offset` through, else None; in event-time mode with the cut
-        the payment was admitted at (`cut`, see `aml_app.gate.event_time.decided_at`)."""
+    def _open(self, partition: int, offset: int, event_us: int | None = None) -> Opening | None:
+        """What lets `offset` through, if anything does; in event-time mode with the cut the payment was
+        admitted at (see `aml_app.gate.event_time.decided_at`)."""
         opening = self._opening(partition, offset, event_us)
         if opening is None:
             return None
         row, cut = opening
         if cut is None:
-            return row
+            return Opening(row)
         assert event_us is not None  # a cut admits only a payment with an event time
-        return {**row, "cut": decided_at(cut, event_us, self.lateness_us)}
+        return Opening(row, decided_at(cut, event_us, self.lateness_us))
 
     def is_open(self, partition: int, offset: int, event_us: int | None = None) -> bool:
         return self._opening(partition, offset, event_us) is not None
@@ -150,16 +208,16 @@ class FreshnessGate:
 
     async def wait_open(
         self, partition: int, offset: int, event_us: int | None = None, give_up_after: float | None = None
-    ) -> Row:
-        """Return the watermark row once `offset < W(partition)` (and, in event-time mode, the cut admits
+    ) -> Opening:
+        """Return what opened once `offset < W(partition)` (and, in event-time mode, the cut admits
         the payment's event time `event_us`); wait as long as it takes, or `give_up_after` seconds: then
-        the row as it is, with `stale` set to the seconds waited (the caller decides it stale, openly).
+        the row as it is, with `stale`: the seconds waited (the caller decides it stale, openly).
 
         Cancellation (a rebalance revoking the partition) leaves the payment unprocessed and uncommitted.
         """
-        row = self._open_row(partition, offset, event_us)
-        if row is not None:
-            return row  # open: the common case costs one lookup, no lock
+        opened = self._open(partition, offset, event_us)
+        if opened is not None:
+            return opened  # open: the common case costs one lookup, no lock
         cond = self._condition(partition)
         started = time.monotonic()
         async with cond:
@@ -173,8 +231,8 @@ class FreshnessGate:
                         if give_up_after is not None:
                             left = started + give_up_after - time.monotonic()
                             if left <= 0:
-                                closed = self._lookup(partition) or {"watermark": -1, "dependencies": {}}
-                                return {**closed, "stale": round(time.monotonic() - started, 3)}
+                                closed = self._lookup(partition) or CLOSED
+                                return Opening(closed, stale=round(time.monotonic() - started, 3))
                             wait = min(wait, left)
                         # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands just
                         # after a notification (it returns the finished `cond.wait()` instead), and a
@@ -189,9 +247,9 @@ class FreshnessGate:
                     waiters.remove(waiter)
                     if not waiters and self._waiters.get(partition) is waiters:
                         del self._waiters[partition]
-            row = self._open_row(partition, offset, event_us)
-            assert row is not None
-            return row
+            opened = self._open(partition, offset, event_us)
+            assert opened is not None
+            return opened
 
     def notify_all(self) -> None:
         """Wake every waiter (a new cut row concerns every partition)."""

@@ -36,29 +36,13 @@ class Arrival(Enum):
 
 
 @dataclass
-class InFlight:
-    """Payments whose handler ran and whose `pending` work (a decision's send) has not completed."""
+class HandledBatch:
+    """Payments whose handler ran and whose `pending` work (a decision's send) has not completed; `events`
+    also holds the batch's dead letters, acked with it."""
 
     events: list[EventT[Any]]
-    admitted: list[tuple[EventT[Any], Admitted]]
+    admitted: list[Admitted]
     pending: Awaitable[Any]
-
-
-@dataclass
-class GateStats:
-    """The gated consumer's counters, for the web view and the metrics."""
-
-    rebalances: int = 0
-    dead_lettered: int = 0
-    handler_failures: int = 0
-    #: Payments admitted stale (waited past the decide-stale wait) and parked on the review topic.
-    decided_stale: int = 0
-    payments_parked: int = 0
-    #: Partitions fetched again: records fetched and never delivered; holes whose records exist.
-    refetches: int = 0
-    holes_refetched: int = 0
-    #: Holes the log showed to be gaps in its offsets, gone past.
-    gaps_accepted: int = 0
 
 
 @dataclass
@@ -71,11 +55,11 @@ class Lane:
     paused: bool = False
     #: The events taken from the queue and not handed to the acks yet (the batch being handled).
     current: list[EventT[Any]] = field(default_factory=list)
-    #: Handled batches whose pending work has not completed, in offset order: acked from the front.
-    inflight: deque[InFlight] = field(default_factory=deque)
-    inflight_payments: int = 0
-    #: Set when `inflight` gains an entry (wakes the acker) and when it has room again (wakes the lane).
-    more_inflight: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Handled batches not acked yet, in offset order: acked from the front.
+    handled: deque[HandledBatch] = field(default_factory=deque)
+    handled_payments: int = 0
+    #: Set when `handled` gains an entry (wakes the acker) and when it has room again (wakes the lane).
+    more_handled: asyncio.Event = field(default_factory=asyncio.Event)
     room: asyncio.Event = field(default_factory=asyncio.Event)
     acker: asyncio.Task[None] | None = None
     #: When each queued offset reached this worker (monotonic), for the decision's waited_ms.
@@ -149,7 +133,7 @@ class Lane:
         while not self.queue:
             self.ready.clear()
             await self.ready.wait()
-        while self.inflight_payments >= max_in_flight:
+        while self.handled_payments >= max_in_flight:
             self.room.clear()
             await self.room.wait()
 
@@ -164,22 +148,22 @@ class Lane:
         events, self.current = self.current, []
         return events
 
-    def add_in_flight(self, entry: InFlight) -> None:
-        self.inflight.append(entry)
-        self.inflight_payments += len(entry.events)
-        self.more_inflight.set()
+    def add_handled(self, entry: HandledBatch) -> None:
+        self.handled.append(entry)
+        self.handled_payments += len(entry.events)
+        self.more_handled.set()
 
-    async def front(self) -> InFlight:
+    async def front(self) -> HandledBatch:
         """The oldest handled batch not acked yet, once there is one."""
-        while not self.inflight:
-            self.more_inflight.clear()
-            await self.more_inflight.wait()
-        return self.inflight[0]
+        while not self.handled:
+            self.more_handled.clear()
+            await self.more_handled.wait()
+        return self.handled[0]
 
     def acked_front(self) -> None:
         """The oldest handled batch is acked: it leaves, and makes room."""
-        entry = self.inflight.popleft()
-        self.inflight_payments -= len(entry.events)
+        entry = self.handled.popleft()
+        self.handled_payments -= len(entry.events)
         self.room.set()
 
     def settled(self, events: int) -> None:
@@ -191,18 +175,18 @@ class Lane:
     @property
     def in_flight(self) -> int | None:
         """The lowest offset being processed and not acked yet."""
-        if self.inflight:
-            return self.inflight[0].events[0].message.offset
+        if self.handled:
+            return self.handled[0].events[0].message.offset
         return self.current[0].message.offset if self.current else None
 
-    def pending(self) -> list[EventT[Any]]:
-        """The unacked events, in offset order: the ones in flight first."""
-        return [*(e for entry in self.inflight for e in entry.events), *self.current, *self.queue]
+    def unacked(self) -> list[EventT[Any]]:
+        """The unacked events, in offset order: the handled ones first."""
+        return [*(e for entry in self.handled for e in entry.events), *self.current, *self.queue]
 
     def resume_offset(self) -> int | None:
         """Where the lane would go on: its first unacked event, or the next offset it expects."""
-        pending = self.pending()
-        return pending[0].message.offset if pending else self.next_offset
+        unacked = self.unacked()
+        return unacked[0].message.offset if unacked else self.next_offset
 
     def tasks(self) -> list[asyncio.Task[None]]:
         return [t for t in (self.task, self.acker) if t is not None]

@@ -36,7 +36,7 @@ def print_summary(
             (f"{s.service} premature", f"{s.premature_decisions} decisions before their dependencies"),
             (
                 f"{s.service} freshness",
-                f"{s.freshness_violations} violations, {s.decided_on_stale} decided on stale evidence",
+                f"{s.freshness_violations} violations, {s.decided_not_fresh} decided not fresh",
             ),
             (
                 f"{s.service} gate wait",

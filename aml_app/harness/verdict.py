@@ -68,7 +68,7 @@ class ServiceVerdict:
     alert_records: int
     premature: list[Premature]
     freshness_violations: int
-    decided_on_stale: int
+    decided_not_fresh: int
     wait_p50: float
     wait_p99: float
     latency_p50: float
@@ -145,7 +145,7 @@ def judge(
             alert_records=len(alerts),
             premature=premature(decided, settings.depends_on, system.watch.timeline),
             freshness_violations=sum(int(d.get("stale_reads", 0)) for d in decided),
-            decided_on_stale=sum(1 for d in decided if d.get("fresh") is False),
+            decided_not_fresh=sum(1 for d in decided if d.get("fresh") is False),
             wait_p50=percentile(waits, 50),
             wait_p99=percentile(waits, 99),
             latency_p50=percentile(latencies, 50),

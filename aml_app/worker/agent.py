@@ -10,7 +10,8 @@ from __future__ import annotations
 from aml_app.app import alerts_topic, app, decisions_topic, dlq_topic, payments_topic, review_topic, settings
 from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
-from aml_app.gate.consumer import BatchHandler, Handler
+from aml_app.gate.handling import BatchHandler, Handler
+from aml_app.gate.options import LaneLimits, LanePolicy
 from aml_app.tables.alerts import copartitioning_problem
 from aml_app.tables.watermarks import park_requests, refresh, worker_gate
 
@@ -29,18 +30,22 @@ def gated_agent(
         handler,
         dlq_topic,
         batch_handler=batch_handler,
-        max_batch=max_batch,
-        gate_enabled=settings.gate_enabled,
-        max_pending=settings.max_pending_per_partition,
-        max_payment_bytes=settings.max_payment_bytes,
-        max_clock_skew=settings.max_clock_skew,
-        worker_id=settings.worker_id,
-        max_in_flight=settings.max_in_flight,
+        limits=LaneLimits(
+            max_batch=max_batch,
+            max_pending=settings.max_pending_per_partition,
+            max_in_flight=settings.max_in_flight,
+            max_payment_bytes=settings.max_payment_bytes,
+            max_clock_skew=settings.max_clock_skew,
+        ),
+        policy=LanePolicy(
+            gate_enabled=settings.gate_enabled,
+            stale_after=settings.max_wait if settings.wait_policy == "decide-stale" else None,
+            max_attempts=settings.max_attempts,
+            park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),
+        ),
         review=review_topic,
+        worker_id=settings.worker_id,
         security=settings.kafka_security,
-        stale_after=settings.max_wait if settings.wait_policy == "decide-stale" else None,
-        max_attempts=settings.max_attempts,
-        park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),
     )
     worker_gate.register(gated)  # refuses a second one before it is wired to anything
     gated.attach(

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 
 from aml_app import dependency_services as dependency_registry
 from aml_app.app import alerts_topic, app, send_decision, settings
+from aml_app.backoff import Backoff
 from aml_app.dependencies.client import (
     DependencyClient,
     DependencyUnavailable,
@@ -49,7 +50,7 @@ from aml_app.dependencies.relations import LOOP_HOPS, MinAverage
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import Hit
 from aml_app.gate import Admission
-from aml_app.gate.consumer import Pending
+from aml_app.gate.handling import LeftToComplete
 from aml_app.kafka.deadlines import DeadlineExceeded, within
 from aml_app.models import Alert, Payment, decision_json
 from aml_app.tables.alerts import alert_key, alerts_sent, applied_to, read_back
@@ -104,7 +105,7 @@ class DetectorStats:
     alerts: int = 0
     duplicates_suppressed: int = 0
     freshness_violations: int = 0
-    decided_on_stale: int = 0
+    decided_not_fresh: int = 0
     #: Decided on C's windows that lacked payments C had pruned: another decision than a timely one.
     decided_on_pruned: int = 0
     unavailable: int = 0
@@ -154,7 +155,7 @@ class Detector:
         #: (partition, start, timeout) -> the records of the alerts topic's partition from start to its end.
         self.read_back = read_back
 
-    async def __call__(self, items: list[tuple[Payment, Admission]]) -> Pending:
+    async def __call__(self, items: list[tuple[Payment, Admission]]) -> LeftToComplete:
         """Decide a batch of admitted payments of one partition; return the broker's acknowledgement of
         their alerts and decisions, which the lane waits for before acking them."""
         started = time.perf_counter()
@@ -253,7 +254,7 @@ class Detector:
         results: dict[int, tuple[list[dict], int]] = {}
         stale_reads = dict.fromkeys(range(len(items)), 0)
         todo = list(range(len(items)))
-        unavailable_delay, stale_delay = UNAVAILABLE_DELAYS[0], STALE_DELAYS[0]
+        unavailable, stale_wait = Backoff(*UNAVAILABLE_DELAYS), Backoff(*STALE_DELAYS)
         while todo:
             questions = [
                 (items[i][0].payer, items[i][0].payee, datetime.fromisoformat(items[i][0].ts).astimezone(UTC))
@@ -278,8 +279,7 @@ class Detector:
                 for i in todo:
                     stale_reads[i] += 1
                 log.warning("%d payment(s) wait for their dependencies: %s", len(todo), exc)
-                await asyncio.sleep(stale_delay)
-                stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
+                await stale_wait.sleep()
                 continue
             except DependencyUnavailable as exc:
                 self.stats.unavailable += 1
@@ -287,8 +287,7 @@ class Detector:
                 log.warning(
                     "%d payment(s) from %d:%d wait: %s", len(todo), first.partition, first.offset, exc
                 )
-                await asyncio.sleep(unavailable_delay)
-                unavailable_delay = min(unavailable_delay * 2, UNAVAILABLE_DELAYS[1])
+                await unavailable.sleep()
                 continue
             again = []
             for i, four in zip(todo, answers, strict=True):
@@ -312,12 +311,11 @@ class Detector:
                     again.append(i)
                     continue
                 if stale:
-                    self.stats.decided_on_stale += 1
+                    self.stats.decided_not_fresh += 1
                 results[i] = (list(four), stale_reads[i])
             todo = again
             if todo:
-                await asyncio.sleep(stale_delay)
-                stale_delay = min(stale_delay * 2, STALE_DELAYS[1])
+                await stale_wait.sleep()
         return [results[i] for i in range(len(items))]
 
     def includes(self, answer_name: str, answer: Mapping[str, Any], admission: Admission) -> bool:
@@ -499,7 +497,7 @@ def stats_json(detector: Detector) -> dict[str, Any]:
         "alerts": s.alerts,
         "duplicates_suppressed": s.duplicates_suppressed,
         "freshness_violations": s.freshness_violations,
-        "decided_on_stale": s.decided_on_stale,
+        "decided_not_fresh": s.decided_not_fresh,
         "decided_on_pruned": s.decided_on_pruned,
         "dependency_unavailable": s.unavailable,
         "dependency_not_yet": c.not_yet,

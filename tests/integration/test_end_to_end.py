@@ -37,7 +37,7 @@ def assert_every_promise(verdict: Verdict | None) -> Verdict:
     assert verdict.valid > 0 and verdict.malformed > 0
     for s in verdict.services.values():
         assert s.premature == [], f"{s.service}: decided before its dependencies: {s.premature[:5]}"
-        assert s.freshness_violations == 0 and s.decided_on_stale == 0, s
+        assert s.freshness_violations == 0 and s.decided_not_fresh == 0, s
         assert s.missing == 0 and s.decided == verdict.valid, s
         assert s.duplicate_alerts == 0, f"{s.service}: {s.duplicate_alerts} payments alerted twice"
         assert s.dead_lettered == verdict.malformed, s

@@ -177,7 +177,7 @@ async def test_gate_on_asks_again_about_the_stale_payment_only_until_its_answers
     assert rounds(lagging) == {2} and lagging_stale_reads == 2, "the first answers that include it, after 2"
     assert [a["account"] for a in lagging] == ["payer11", "payee11", "payer11", "payee11"]
     assert d.stats.freshness_violations == 2
-    assert d.stats.decided_on_stale == 0 and d.stats.unavailable == 0
+    assert d.stats.decided_not_fresh == 0 and d.stats.unavailable == 0
     # It waited before each question again, longer the second time (up to STALE_DELAYS[1]).
     gaps = [b - a for a, b in zip(fake.called_at, fake.called_at[1:], strict=False)]
     assert gaps[0] >= STALE_DELAYS[0] - SLACK and gaps[1] >= STALE_DELAYS[1] - SLACK, gaps
@@ -194,7 +194,7 @@ async def test_the_questions_say_what_they_need_and_not_yet_asks_again() -> None
     assert fake.needs[0] == Need({PARTITION: 12}, "c:topic", 1.5)
     assert set(fake.routes) == {PARTITION}, "a partition's questions go to its replica first"
     assert len(fake.calls["aggregates"]) == 3 and all(rounds(a) == {2} for a, _ in evidence)
-    assert [stale for _, stale in evidence] == [2, 2] and d.stats.decided_on_stale == 0
+    assert [stale for _, stale in evidence] == [2, 2] and d.stats.decided_not_fresh == 0
     await d.fresh_evidence(batch(gated=False))
     assert fake.needs[-1] is None
 
@@ -228,7 +228,7 @@ async def test_one_stale_answer_is_enough_to_ask_both_again(
     assert rounds(answers) == {fresh_from}
     assert all(int(a["as_of"][str(PARTITION)]) > 11 for a in answers)
     assert stale_reads == d.stats.freshness_violations == fresh_from
-    assert d.stats.decided_on_stale == 0
+    assert d.stats.decided_not_fresh == 0
 
 
 async def test_answers_of_another_log_are_stale_whatever_their_offsets() -> None:
@@ -249,7 +249,7 @@ async def test_gate_off_keeps_the_first_answers_and_counts_the_stale_decision() 
     assert fake.calls["relations"] == [accounts(10, 11)]
     assert rounds(fresh) == rounds(lagging) == {0}
     assert (fresh_stale_reads, lagging_stale_reads) == (0, 1)
-    assert d.stats.freshness_violations == 1 and d.stats.decided_on_stale == 1
+    assert d.stats.freshness_violations == 1 and d.stats.decided_not_fresh == 1
 
 
 async def test_a_dependency_that_is_away_is_waited_out_and_the_whole_batch_asked_again() -> None:
@@ -260,7 +260,7 @@ async def test_a_dependency_that_is_away_is_waited_out_and_the_whole_batch_asked
     assert [rounds(answers) for answers, _ in evidence] == [{2}, {2}]
     assert [stale_reads for _, stale_reads in evidence] == [0, 0]
     assert d.stats.unavailable == 2
-    assert d.stats.freshness_violations == 0 and d.stats.decided_on_stale == 0
+    assert d.stats.freshness_violations == 0 and d.stats.decided_not_fresh == 0
     gaps = [b - a for a, b in zip(fake.called_at, fake.called_at[1:], strict=False)]
     assert gaps[0] >= UNAVAILABLE_DELAYS[0] - SLACK and gaps[1] >= UNAVAILABLE_DELAYS[1] - SLACK, gaps
 
@@ -275,7 +275,7 @@ async def test_an_outage_between_two_stale_rounds_asks_again_about_the_stale_pay
     # B answered in round 1 while C was away: that round is dropped whole, both are asked again.
     assert fake.calls["relations"] == fake.calls["aggregates"]
     assert rounds(lagging) == {2} and lagging_stale_reads == 1
-    assert d.stats.unavailable == 1 and d.stats.freshness_violations == 1 and d.stats.decided_on_stale == 0
+    assert d.stats.unavailable == 1 and d.stats.freshness_violations == 1 and d.stats.decided_not_fresh == 0
 
 
 class Sent:
@@ -322,13 +322,13 @@ async def test_a_batch_is_decided_on_the_evidence_it_waited_for(
         assert seen["p11"] == [12] * 4, "the rules ran on the answers that include the payment"
         assert second["evidence_as_of"] == dict.fromkeys(detector_module.ANSWERS, 12)
         assert second["fresh"] is True and second["stale_reads"] == 2 and second["note"] == ""
-        assert d.stats.decided_on_stale == 0
+        assert d.stats.decided_not_fresh == 0
     else:
         assert seen["p11"] == [11] * 4
         assert second["evidence_as_of"] == dict.fromkeys(detector_module.ANSWERS, 11)
         assert second["fresh"] is False and second["stale_reads"] == 1
         assert "did not include this payment" in second["note"]
-        assert d.stats.decided_on_stale == 1
+        assert d.stats.decided_not_fresh == 1
 
 
 async def test_a_decision_on_windows_c_had_pruned_says_so_and_is_counted() -> None:

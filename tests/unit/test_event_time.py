@@ -120,7 +120,7 @@ async def test_the_gate_waits_for_the_cut_and_a_new_cut_wakes_every_waiter() -> 
     gate = FreshnessGate(rows.get, recheck_every=60, cut=lambda: state["cut"])
     assert gate.event_time
     opened = await asyncio.wait_for(gate.wait_open(1, 3, T - 1), DEADLINE)
-    assert opened["cut"]["frontier"] == "2026-11-20T10:00:00Z"
+    assert opened.cut is not None and opened.cut["frontier"] == "2026-11-20T10:00:00Z"
     waiter = asyncio.ensure_future(gate.wait_open(1, 4, T + MINUTE))
     done, _ = await asyncio.wait({waiter}, timeout=0.05)
     assert not done and gate.waiting == {1: 4}
@@ -128,6 +128,6 @@ async def test_the_gate_waits_for_the_cut_and_a_new_cut_wakes_every_waiter() -> 
     state["cut"] = cut({0: 12, 1: 9}, {0: Unapplied(12, None), 1: Unapplied(9, None)})
     gate.notify_all()
     opened = await asyncio.wait_for(waiter, DEADLINE)
-    assert opened["cut"] == {"at": "2026-11-20T10:01:00Z", "frontier": None, "watermarks": {"0": 12, "1": 9}}
+    assert opened.cut == {"at": "2026-11-20T10:01:00Z", "frontier": None, "watermarks": {"0": 12, "1": 9}}
     # Without an event time a payment cannot pass the event-time gate.
     assert not gate.is_open(1, 3)

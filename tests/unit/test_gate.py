@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from aml_app.backoff import Backoff, jittered, retry_forever
 from aml_app.gate.gate import FreshnessGate
-from aml_app.gate.retry import jittered, retry_forever
 
 DEADLINE = 2.0  # generous upper bound for things that should happen at once
 QUIET = 0.05  # how long a waiter must stay blocked to count as "not woken"
@@ -48,7 +48,7 @@ async def test_wait_open_returns_immediately_when_open() -> None:
     rows = {0: row(0, 5)}
     gate = FreshnessGate(rows.get)
     result = await asyncio.wait_for(gate.wait_open(0, 4), DEADLINE)
-    assert result is rows[0]
+    assert result.row is rows[0] and result.cut is None and result.stale is None
     assert gate.waiting == {}
     assert gate.blocked_since == {}
 
@@ -73,7 +73,7 @@ async def test_blocks_until_updated_and_notified() -> None:
     rows[0] = row(0, 6)
     gate.notify([0])
     result = await asyncio.wait_for(task, DEADLINE)
-    assert result["watermark"] == 6
+    assert result.watermark == 6
     assert gate.waiting == {}
     assert gate.blocked_since == {}
 
@@ -86,7 +86,7 @@ async def test_blocks_on_a_partition_without_row() -> None:
     await assert_still_blocked(task)
     rows[2] = row(2, 1)
     gate.notify([2])
-    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 1
+    assert (await asyncio.wait_for(task, DEADLINE)).watermark == 1
 
 
 async def test_notify_while_still_closed_keeps_waiting() -> None:
@@ -99,7 +99,7 @@ async def test_notify_while_still_closed_keeps_waiting() -> None:
     assert gate.waiting == {0: 7}
     rows[0] = row(0, 8)
     gate.notify([0])
-    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 8
+    assert (await asyncio.wait_for(task, DEADLINE)).watermark == 8
     assert gate.waiting == {}
 
 
@@ -112,7 +112,7 @@ async def test_notify_of_another_partition_does_not_wake_it() -> None:
     await assert_still_blocked(task)
     assert gate.waiting == {0: 5}
     gate.notify([0])
-    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 6
+    assert (await asyncio.wait_for(task, DEADLINE)).watermark == 6
 
 
 async def test_cancellation_clears_waiting() -> None:
@@ -127,7 +127,7 @@ async def test_cancellation_clears_waiting() -> None:
     task = await start_waiting(gate, 0, 3)
     rows[0] = row(0, 4)
     gate.notify([0])
-    assert (await asyncio.wait_for(task, DEADLINE))["watermark"] == 4
+    assert (await asyncio.wait_for(task, DEADLINE)).watermark == 4
 
 
 @pytest.mark.parametrize("turns", range(8))
@@ -158,12 +158,12 @@ async def test_partitions_are_independent() -> None:
     gate = FreshnessGate(rows.get)
     blocked = await start_waiting(gate, 0, 3)
     result = await asyncio.wait_for(gate.wait_open(1, 3), DEADLINE)
-    assert result["partition"] == 1
+    assert result.row["partition"] == 1
     assert not blocked.done()
     assert gate.waiting == {0: 3}
     rows[0] = row(0, 4)
     gate.notify([0, 1])
-    assert (await asyncio.wait_for(blocked, DEADLINE))["partition"] == 0
+    assert (await asyncio.wait_for(blocked, DEADLINE)).row["partition"] == 0
 
 
 async def test_two_waiters_on_one_partition_both_wake() -> None:
@@ -174,12 +174,12 @@ async def test_two_waiters_on_one_partition_both_wake() -> None:
     assert gate.waiting == {0: 5}
     rows[0] = row(0, 6)
     gate.notify([0])
-    assert (await asyncio.wait_for(first, DEADLINE))["watermark"] == 6
+    assert (await asyncio.wait_for(first, DEADLINE)).watermark == 6
     assert gate.waiting == {0: 10}, "the remaining waiter is still visible"
     rows[0] = row(0, 11)
     gate.notify([0])
     try:
-        assert (await asyncio.wait_for(second, 0.2))["watermark"] == 11
+        assert (await asyncio.wait_for(second, 0.2)).watermark == 11
     finally:
         second.cancel()
 
@@ -289,7 +289,7 @@ async def test_a_waiter_rechecks_the_table_on_a_timer_when_no_notification_comes
     rows[0] = row(0, 3)  # not past offset 3: the timer's re-check keeps it waiting
     await assert_still_blocked(waiter)
     rows[0] = row(0, 4)  # the watermark moves, and nobody calls notify()
-    assert await asyncio.wait_for(waiter, DEADLINE) is rows[0]
+    assert (await asyncio.wait_for(waiter, DEADLINE)).row is rows[0]
     assert gate.opened_by_recheck == 1
     assert gate.waiting == {}
 
@@ -311,7 +311,7 @@ async def test_a_distrusted_row_keeps_the_gate_closed_whatever_its_watermark() -
     rows[0] = {**row(0, 10), "generation": 2}
     gate.notify([0])
     result = await asyncio.wait_for(task, DEADLINE)
-    assert result["generation"] == 2 and gate.distrusted(0) is None
+    assert result.row["generation"] == 2 and gate.distrusted(0) is None
 
 
 async def test_give_up_after_returns_the_closed_row_marked_stale() -> None:
@@ -320,10 +320,10 @@ async def test_give_up_after_returns_the_closed_row_marked_stale() -> None:
     started = time.monotonic()
     result = await asyncio.wait_for(gate.wait_open(0, 5, give_up_after=0.05), DEADLINE)
     assert time.monotonic() - started >= 0.05
-    assert result["watermark"] == 3 and result["stale"] >= 0.05
+    assert result.watermark == 3 and result.stale is not None and result.stale >= 0.05
     assert gate.waiting == {}
     # An open partition is never stale.
-    assert "stale" not in await asyncio.wait_for(gate.wait_open(0, 2, give_up_after=0.05), DEADLINE)
+    assert (await asyncio.wait_for(gate.wait_open(0, 2, give_up_after=0.05), DEADLINE)).stale is None
 
 
 async def test_retry_with_a_ceiling_raises_the_last_failure() -> None:
@@ -373,3 +373,26 @@ def test_the_refresh_interval_is_read_in_one_place_only() -> None:
         if "settings.refresh_interval" in line or "settings.fast_refresh_interval" in line
     ]
     assert reads == ["tables/watermarks.py"]  # `refresh = RefreshPolicy(...)`
+
+
+# --- Backoff ------------------------------------------------------------------------------------
+
+
+def test_a_backoff_doubles_up_to_its_cap_and_jitters_each_delay() -> None:
+    assert [Backoff(0.5, 2.0).next() for _ in range(1)] == [0.5]
+    plain = Backoff(0.5, 2.0)
+    assert [plain.next() for _ in range(5)] == [0.5, 1.0, 2.0, 2.0, 2.0]
+    halved = Backoff(0.5, 2.0, jitter=lambda d: d / 2)
+    assert [halved.next() for _ in range(4)] == [0.25, 0.5, 1.0, 1.0]
+    # A first delay past the cap is kept once (a caller's explicit first wait), then capped.
+    assert [d for b in [Backoff(30, 5)] for d in (b.next(), b.next())] == [30, 5]
+    with pytest.raises(ValueError):
+        Backoff(0, 1)
+
+
+async def test_a_backoff_sleeps_no_longer_than_it_is_allowed() -> None:
+    backoff = Backoff(30, 60)
+    started = time.monotonic()
+    assert await asyncio.wait_for(backoff.sleep(at_most=0.01), DEADLINE) == 0.01
+    assert time.monotonic() - started < 5
+    assert backoff.next() == 60  # the sleep used the first delay

@@ -99,7 +99,16 @@ ROOT = Path(__file__).resolve().parents[2]
 #: it (`tables`, `worker`, `views`, `agents`) sit above everything the pipeline, the APIs and the tools
 #: use; `harness` (the whole system as local processes) and `cli` are on top.
 PACKAGES = [
-    ("errors", "currencies", "contract", "dependency_services", "failpoints", "loopback", "tokens"),
+    (
+        "errors",
+        "currencies",
+        "contract",
+        "dependency_services",
+        "failpoints",
+        "loopback",
+        "tokens",
+        "backoff",
+    ),
     ("collector",),
     ("metrics_server",),
     ("models",),
@@ -276,3 +285,53 @@ def test_importing_anything_outside_the_faust_app_has_no_side_effects(tmp_path: 
     threads, files, app_built = json.loads(out.stdout.strip().splitlines()[-1])
     assert len(modules) > 30
     assert (threads, files, app_built) == (1, [], False)
+
+
+def module_imports(modules: dict[str, Path], package: str) -> list[tuple[str, str]]:
+    """(module, module) for every import between two modules of `package` (`aml_app.gate`)."""
+    inside = {m: p for m, p in modules.items() if m.startswith(f"{package}.")}
+    edges = []
+    for module, path in sorted(inside.items()):
+        for name in sorted(imported(path)):
+            target = next((n for n in (name, name.rsplit(".", 1)[0]) if n in inside), None)
+            if target is not None and target != module:
+                edges.append((module, target))
+    return edges
+
+
+def test_no_cycle_inside_the_gate() -> None:
+    """Each step of a lane (admit, handling, acks, repairs, the sink) imports only what is below it."""
+    assert cycles(module_imports(our_modules(), "aml_app.gate")) == []
+
+
+def test_the_cycle_check_sees_a_cycle_between_modules() -> None:
+    """The negative control: two modules that import each other are a cycle."""
+    assert cycles([("aml_app.gate.a", "aml_app.gate.b"), ("aml_app.gate.b", "aml_app.gate.a")]) == [
+        ["aml_app.gate.a", "aml_app.gate.b"]
+    ]
+
+
+def oversized(path: Path, class_lines: int, function_lines: int) -> list[str]:
+    """The classes and functions of a file longer than the bounds (decorators and docstrings counted)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            assert node.end_lineno is not None
+            lines = node.end_lineno - node.lineno + 1
+            bound = class_lines if isinstance(node, ast.ClassDef) else function_lines
+            if lines > bound:
+                found.append(f"{path.name}:{node.lineno} {node.name} ({lines} lines)")
+    return found
+
+
+def test_the_gate_is_made_of_small_parts() -> None:
+    """No class of the gate over 300 lines, no function over 60: a maintainer reads one step at a time."""
+    gate = sorted(ROOT.joinpath("aml_app", "gate").glob("*.py"))
+    assert [found for path in gate for found in oversized(path, 300, 60)] == []
+
+
+def test_the_size_check_sees_a_long_function(tmp_path: Path) -> None:
+    """The negative control: a function of 61 lines is named."""
+    long = tmp_path / "long.py"
+    long.write_text("def f():\n" + "    x = 1\n" * 60)
+    assert oversized(long, 300, 60) == ["long.py:1 f (61 lines)"]

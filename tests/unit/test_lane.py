@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aml_app.gate.lane import Arrival, InFlight, Lane
+from aml_app.gate.lane import Arrival, HandledBatch, Lane
 from tests.unit.test_lanes import event
 
 
@@ -55,12 +55,12 @@ def test_the_acks_go_from_the_front_and_make_room() -> None:
     for o in range(3):
         lane.receive(event(0, o), 0, checks_holes=True)
     first, _ = lane.take()
-    assert lane.in_flight == 0 and offsets(lane.pending()) == [0, 1, 2]
-    lane.add_in_flight(InFlight(lane.hand_over(), [], _ready()))
-    assert lane.inflight_payments == 1 and lane.resume_offset() == 0
+    assert lane.in_flight == 0 and offsets(lane.unacked()) == [0, 1, 2]
+    lane.add_handled(HandledBatch(lane.hand_over(), [], _ready()))
+    assert lane.handled_payments == 1 and lane.resume_offset() == 0
     lane.acked_front()
     lane.settled(1)
-    assert lane.inflight_payments == 0 and lane.done == 1 and lane.room.is_set()
+    assert lane.handled_payments == 0 and lane.done == 1 and lane.room.is_set()
     assert lane.resume_offset() == 1 and first.message.offset == 0
 
 

@@ -20,6 +20,7 @@ from faust.types import TP
 from aml_app.gate import Admission, GatedConsumer
 from aml_app.gate.event_time import micros
 from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.options import LaneLimits, LanePolicy
 from aml_app.models import Payment
 
 TOPIC = "payments"
@@ -213,16 +214,13 @@ class Harness:
             self.handle if max_batch == 1 else None,
             self.dlq,  # type: ignore[arg-type]
             batch_handler=self.handle_batch if max_batch > 1 else None,
-            max_batch=max_batch,
-            gate_enabled=gate_enabled,
-            max_pending=max_pending,
+            limits=LaneLimits(max_batch=max_batch, max_pending=max_pending),
+            policy=LanePolicy(gate_enabled=gate_enabled, max_attempts=max_attempts, stale_after=stale_after),
             worker_id="w-test",
             review=self.review,  # type: ignore[arg-type]
-            max_attempts=max_attempts,
-            stale_after=stale_after,
         )
         self.stream = self.new_stream()
-        self.gated._stream = self.stream  # type: ignore[assignment]
+        self.gated.acks.stream = self.stream  # type: ignore[assignment]
         self.tasks: set[asyncio.Task[None]] = set()
 
     def new_stream(self, events: Iterable[FakeEvent] = ()) -> FakeStream:
@@ -265,7 +263,7 @@ class Harness:
         keys = [(a.partition, a.offset) for _, a in items]
         self.batches.append(keys)
         for key in keys:
-            if self.gated.gate_enabled and not self.gate.is_open(*key):
+            if self.gated.admitter.gate_enabled and not self.gate.is_open(*key):
                 self.violations.append(f"{key} handed to the handler while its partition was closed")
             if self.failures.get(key, 0) > 0:
                 self.failures[key] -= 1
@@ -345,7 +343,7 @@ async def test_in_order_processing_and_acks_per_partition(make: Callable[..., Ha
     events = [event(p, o) for o in range(5) for p in (0, 1)]
     h.stream = h.new_stream(events)
     await asyncio.wait_for(h.gated.consume(h.stream), DEADLINE)  # type: ignore[arg-type]
-    assert h.stream.manual and h.gated._stream is h.stream
+    assert h.stream.manual and h.gated.acks.stream is h.stream
     h._track()
 
     await until(lambda: len(h.acks) == 10, "all ten payments acked")
@@ -504,7 +502,7 @@ async def test_rebalance_keeps_resumes_deduplicates_or_drops_pending(make: Calla
     assert all(isinstance(r, asyncio.CancelledError) for r in results)
     assert h.gated.lanes == {}
     assert h.gated.starts == {}
-    assert {p: [po(e)[1] for e in events] for p, events in h.gated.parked.items()} == {
+    assert {p: [po(e)[1] for e in events] for p, events in h.gated.kept.items()} == {
         0: [0, 1, 2],
         1: [0, 1, 2],
     }
@@ -512,7 +510,7 @@ async def test_rebalance_keeps_resumes_deduplicates_or_drops_pending(make: Calla
     assert h.acks == [] and h.handled == []
 
     h.assign({0: 0})  # partition 0 stays here, partition 1 went elsewhere
-    assert h.gated.parked == {}
+    assert h.gated.kept == {}
     assert set(h.gated.lanes) == {0}
     h.dispatch(*(event(0, o) for o in range(4)))  # re-delivery of 0..2, then new offset 3
     h.open(0, 100)
@@ -571,7 +569,7 @@ async def test_check_delivery_refetches_only_what_never_reached_a_lane(make: Cal
     await h.gated.check_delivery(TOPIC, quiet=1.0)
     assert consumer.seeks == []  # just assigned: not quiet long enough yet
 
-    h.gated.assigned_at = time.monotonic() - 10
+    h.gated.assignment.known_at = time.monotonic() - 10
     await h.gated.check_delivery(TOPIC, quiet=1.0)
     assert consumer.seeks == [(tp0, 0)]
     assert h.gated.stats.refetches == 1
@@ -657,7 +655,7 @@ def test_one_kind_of_handler_and_a_sane_batch_size() -> None:
     with pytest.raises(ValueError, match="either a handler or a batch_handler"):
         GatedConsumer(h.app, h.gate, h.handle, h.dlq, batch_handler=h.handle_batch)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="max_batch"):
-        GatedConsumer(h.app, h.gate, h.handle, h.dlq, max_batch=2)  # type: ignore[arg-type]
+        GatedConsumer(h.app, h.gate, h.handle, h.dlq, limits=LaneLimits(max_batch=2))  # type: ignore[arg-type]
 
 
 # --- holes in delivery ---------------------------------------------------------------------------
@@ -857,7 +855,7 @@ def pipelined(make: Callable[..., Harness], **kwargs: Any) -> tuple[Harness, Sen
         worker_id="w-test",
         **kwargs,
     )
-    h.gated._stream = h.stream  # type: ignore[assignment]
+    h.gated.acks.stream = h.stream  # type: ignore[assignment]
     return h, sends
 
 
@@ -870,7 +868,7 @@ def check_acks_after_sends(h: Harness, sends: Sends) -> None:
 async def test_decisions_are_pipelined_and_acked_only_in_offset_order_after_their_send(
     make: Callable[..., Harness],
 ) -> None:
-    h, sends = pipelined(make, max_in_flight=4)
+    h, sends = pipelined(make, limits=LaneLimits(max_in_flight=4))
     h.open(0, 100)
     h.dispatch(*(event(0, o) for o in range(6)))
 
@@ -957,7 +955,7 @@ async def test_a_lane_whose_handler_swallows_the_revoke_stops_all_the_same(
                 asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the lost cancel
         await plain(payment, admission)
 
-    h.gated.handler = swallowing  # type: ignore[assignment]
+    h.gated.handling.handler = swallowing  # type: ignore[assignment]
     h.dispatch(*(event(0, o) for o in range(3)))
     await until(inside.is_set, "the first payment in the handler")
     old = h.gated.lanes[0].task
@@ -985,7 +983,7 @@ async def test_a_rebalance_keeps_the_payments_in_flight_with_the_queued_ones(
     tasks = h.gated.lanes[0].tasks()
     h.gated.on_revoked()
     await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), DEADLINE)
-    assert [po(e) for e in h.gated.parked[0]] == [(0, 1), (0, 2)]  # unacked: decided again if kept
+    assert [po(e) for e in h.gated.kept[0]] == [(0, 1), (0, 2)]  # unacked: decided again if kept
     sends.resolve((0, 1))
     await quiet()
     assert h.acks == [(0, 0)], "nothing acked after the revoke"

@@ -297,7 +297,7 @@ async def test_observers_see_each_handled_payment_once_and_cannot_break_a_lane()
     def broken(admission: Admission) -> None:
         raise RuntimeError("telemetry bug")
 
-    h.gated.observers += [broken, lambda a: seen.append((a.partition, a.offset))]
+    h.gated.observers.extend([broken, lambda a: seen.append((a.partition, a.offset))])
     h.failures[(0, 1)] = 2  # retried twice: still one observation
     try:
         h.open(0, 100)

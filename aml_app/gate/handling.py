@@ -1,0 +1,200 @@
+"""The lane's handling step: run the service's handler on admitted payments until it succeeds, show a
+lane that keeps failing to the operators (`Retrying`), and park a payment on the review topic once a
+retry ceiling or an operator says so. Nothing is skipped silently: Faust would ack a crashed event
+(issue #315), so a failure here holds the lane on that payment."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from aml_app.backoff import retry_forever
+from aml_app.faust_internals import set_current_event
+from aml_app.gate.gate import Admission, Admitted
+from aml_app.gate.sink import ReviewKind, Sink
+from aml_app.gate.stats import GateStats
+from aml_app.models import Payment
+
+if TYPE_CHECKING:
+    from aml_app.gate.options import LanePolicy
+
+log = logging.getLogger(__name__)
+
+#: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
+#: of a decision it sent (a future); None when it finished everything itself. The lane goes on with the
+#: next payments meanwhile and acks, in offset order, once this completes (pipelined sends).
+LeftToComplete = Awaitable[Any] | None
+Handler = Callable[[Payment, Admission], Awaitable[LeftToComplete]]
+#: Handles several admitted payments of one partition at once (in offset order); must be idempotent per
+#: payment, since a failure retries the whole batch.
+BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[LeftToComplete]]
+
+
+@dataclass
+class Retrying:
+    """A lane that keeps failing on a payment (or a batch starting there): shown to the operators."""
+
+    partition: int
+    offset: int
+    payments: int
+    since: float
+    attempts: int = 0
+    error: str = ""
+    next_retry_at: float = 0.0
+
+    def as_json(self, now: float) -> dict[str, Any]:
+        return {
+            "partition": self.partition,
+            "offset": self.offset,
+            "payments": self.payments,
+            "attempts": self.attempts,
+            "error": self.error,
+            "since": self.since,
+            "retrying_for_s": round(now - self.since, 3),
+            "next_retry_in_s": round(max(self.next_retry_at - now, 0.0), 3),
+        }
+
+
+def describe_error(exc: BaseException, limit: int = 300) -> str:
+    text = f"{type(exc).__name__}: {exc}"
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+class Handling:
+    def __init__(
+        self,
+        handler: Handler | None,
+        batch_handler: BatchHandler | None,
+        sink: Sink,
+        stats: GateStats,
+        policy: LanePolicy,
+    ) -> None:
+        """`policy.max_attempts` (> 0) parks a payment whose handler failed that many times;
+        `policy.park_requested(partition, offset)` parks it at its next failure."""
+        self.handler = handler
+        self.batch_handler = batch_handler
+        self.sink = sink
+        self.stats = stats
+        self.max_attempts = policy.max_attempts
+        self.park_requested = policy.park_requested
+        #: Lanes that keep failing on a payment, by partition.
+        self.retrying: dict[int, Retrying] = {}
+
+    async def handle(self, admitted: list[Admitted]) -> LeftToComplete:
+        """Run the handler until it succeeds (retrying with backoff, shown in `retrying`); with a retry
+        ceiling, a batch that reaches it is handled one payment at a time, and a payment that reaches it
+        alone is parked on the review topic (then it is done: the lane moves on)."""
+        first, last = admitted[0].admission, admitted[-1].admission
+        if len(admitted) == 1:
+            what = f"processing payment {admitted[0].payment.payment_id} at {first.partition}:{first.offset}"
+        else:
+            what = f"processing {len(admitted)} payments at {first.partition}:{first.offset}..{last.offset}"
+        attempts = [0]
+
+        def failed(attempt: int, exc: BaseException, wait: float) -> None:
+            attempts[0] = attempt
+            self.failed(admitted, attempt, exc, wait)
+
+        try:
+            return await retry_forever(
+                what,
+                lambda: self.call(admitted),
+                on_failure=failed,
+                attempts=self.max_attempts or None,
+                stop=lambda: any(self._asked_to_park(a.admission) is not None for a in admitted),
+            )
+        except Exception as exc:  # a retry ceiling or a park request: retry_forever raises nothing else
+            if len(admitted) > 1:
+                pending = [await self.handle([one]) for one in admitted]
+                waits = [p for p in pending if p is not None]
+                return asyncio.gather(*waits) if waits else None
+            attempts[0] += 1  # the failure retry_forever raised was not reported to `failed`
+            await self._park(admitted[0], attempts[0], exc)
+            return None
+
+    async def _park(self, admitted: Admitted, attempts: int, exc: BaseException) -> None:
+        asked = self._asked_to_park(admitted.admission)
+        if asked is not None and (not self.max_attempts or attempts < self.max_attempts):
+            by, because = asked.get("by", "aml-app park"), asked.get("reason") or "no reason given"
+            why = f"parked by hand ({by}: {because})"
+        else:
+            why = f"parked after {attempts} failed attempts"
+        reason = f"{why}: {describe_error(exc)}"
+        await self.sink.to_review(admitted.event, ReviewKind.PARKED, reason, attempts=attempts)
+
+    def _asked_to_park(self, admission: Admission) -> dict[str, Any] | None:
+        if self.park_requested is None:
+            return None
+        return self.park_requested(admission.partition, admission.offset)
+
+    async def redo(self, admitted: list[Admitted], exc: BaseException) -> None:
+        """Handle the payments again: their pending work (the sends) failed with `exc`."""
+        first = admitted[0].admission
+        self.failed(admitted, 1, exc, 0.0)
+        log.warning(
+            "the pending work of %d payment(s) at %d:%d failed (%s); handling them again",
+            len(admitted),
+            first.partition,
+            first.offset,
+            describe_error(exc),
+        )
+
+        async def again() -> None:
+            pending = await self.call(admitted)
+            if pending is not None:
+                await pending
+
+        await retry_forever(
+            f"processing {len(admitted)} payment(s) again at {first.partition}:{first.offset} "
+            "(their pending work failed)",
+            again,
+            on_failure=lambda attempt, exc, wait: self.failed(admitted, attempt, exc, wait),
+        )
+
+    async def call(self, admitted: list[Admitted]) -> LeftToComplete:
+        # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
+        # partitioned tables like any agent: their reads and writes go to the event's partition, which
+        # every event of a lane's batch shares.
+        set_current_event(admitted[0].event)
+        if self.batch_handler is not None:
+            return await self.batch_handler([(a.payment, a.admission) for a in admitted])
+        assert self.handler is not None and len(admitted) == 1
+        return await self.handler(admitted[0].payment, admitted[0].admission)
+
+    def failed(self, admitted: list[Admitted], attempt: int, exc: BaseException, wait: float) -> None:
+        first = admitted[0].admission
+        self.failed_at(first.partition, first.offset, len(admitted), attempt, exc, wait)
+
+    def failed_at(
+        self, partition: int, offset: int, payments: int, attempt: int, exc: BaseException, wait: float
+    ) -> None:
+        """Record a failed attempt where the operators see it (`retrying`)."""
+        now = time.time()
+        current = self.retrying.get(partition)
+        if current is None or current.offset != offset:
+            current = self.retrying[partition] = Retrying(partition, offset, payments, since=now)
+        current.attempts = max(current.attempts + 1, attempt)
+        current.error = describe_error(exc)
+        current.next_retry_at = now + wait
+        self.stats.handler_failures += 1
+
+    def settled(self, partition: int, first: int, last: int) -> None:
+        """Offsets `first`..`last` of the partition are done: a lane retrying among them no longer is."""
+        retrying = self.retrying.get(partition)
+        if retrying is not None and first <= retrying.offset <= last:
+            del self.retrying[partition]
+
+    def retrying_json(self) -> dict[str, Any]:
+        """The lanes that keep failing, partition (str) -> `Retrying.as_json` (stable between attempts
+        but for `attempts`, so the demand publisher re-publishes only when something changed)."""
+        now = time.time()
+        out = {}
+        for p, r in sorted(self.retrying.items()):
+            doc = r.as_json(now)
+            del doc["retrying_for_s"], doc["next_retry_in_s"]
+            out[str(p)] = doc
+        return out

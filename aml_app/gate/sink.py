@@ -1,0 +1,89 @@
+"""Where a lane sends the payments it does not decide: those that break the contract to the dead-letter
+topic, those decided stale or parked to the review topic. Each record is the original key and bytes, with
+why and where it was read in headers (`dlq.*`, `review.*`: docs/contract.md); each send is retried until
+the broker has it, so nothing set aside is lost."""
+
+from __future__ import annotations
+
+import logging
+from enum import StrEnum
+from typing import Any
+
+from faust.types import EventT, TopicT
+
+from aml_app.backoff import OnFailure, retry_forever
+from aml_app.contract import dead_letter_headers, origin_headers
+from aml_app.gate.stats import GateStats
+
+log = logging.getLogger(__name__)
+
+
+class ReviewKind(StrEnum):
+    """Why a payment went to the review topic (its `review.kind` header)."""
+
+    #: Admitted by the decide-stale policy after waiting `AML_MAX_WAIT` at the gate.
+    STALE = "stale"
+    #: Its handler failed `AML_MAX_ATTEMPTS` times, or an operator asked (`aml-app park`).
+    PARKED = "parked"
+
+
+class Sink:
+    def __init__(self, dead_letters: TopicT, review: TopicT | None, worker_id: str, stats: GateStats) -> None:
+        self.dead_letters = dead_letters
+        self.review = review
+        self.worker_id = worker_id
+        self.stats = stats
+
+    async def dead_letter(self, event: EventT[Any], reason: str, on_failure: OnFailure | None = None) -> None:
+        """The original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""
+        message = event.message
+        headers = dead_letter_headers(
+            reason, message.topic, message.partition, message.offset, self.worker_id
+        )
+        await self._send(self.dead_letters, "the dead-letter topic", event, headers, None, on_failure)
+        self.stats.dead_lettered += 1
+        log.info("dead-lettered %s:%d: %s", message.topic, message.offset, reason)
+
+    async def to_review(self, event: EventT[Any], kind: ReviewKind, reason: str, attempts: int = 0) -> None:
+        """A payment decided stale or parked, in the payment's partition of the review topic."""
+        assert self.review is not None, "deciding stale or parking needs a review topic"
+        message = event.message
+        headers = origin_headers(
+            "review",
+            reason,
+            message.topic,
+            message.partition,
+            message.offset,
+            self.worker_id,
+            kind=kind.value,
+            attempts=attempts,
+        )
+        await self._send(self.review, "the review topic", event, headers, message.partition, None)
+        if kind is ReviewKind.STALE:
+            self.stats.decided_stale += 1
+        else:
+            self.stats.payments_parked += 1
+        log.warning("%s %s:%d: %s", kind.value, message.topic, message.offset, reason)
+
+    @staticmethod
+    async def _send(
+        topic: TopicT,
+        where: str,
+        event: EventT[Any],
+        headers: list[tuple[str, bytes]],
+        partition: int | None,
+        on_failure: OnFailure | None,
+    ) -> None:
+        message = event.message
+
+        # A dead letter goes where the topic's partitioner puts its key; a review copy stays in the
+        # payment's partition.
+        where_to: dict[str, Any] = {} if partition is None else {"partition": partition}
+
+        async def send() -> None:
+            fut = await topic.send(key=message.key, value=message.value, headers=headers, **where_to)
+            await fut
+
+        await retry_forever(
+            f"writing {message.partition}:{message.offset} to {where}", send, on_failure=on_failure
+        )
