@@ -8,7 +8,7 @@ from aml_app.detection.model import load
 from aml_app.detection.rules import Hit, aml_rules
 from aml_app.worker.detector import detecting_service
 
-model = load(settings.aml_model, settings.aml_alert_budget)
+model = load(settings.detection.aml_model, settings.detection.aml_alert_budget)
 
 
 def detect(evidence: Evidence) -> list[Hit]:
@@ -19,8 +19,8 @@ def detect(evidence: Evidence) -> list[Hit]:
 def detect_many(evidences: list[Evidence]) -> list[list[Hit]]:
     """`detect` of each payment of a batch; the model scores the batch at once."""
     if model is None:
-        return [aml_rules(evidence, settings.aml_thresholds) for evidence in evidences]
-    return model.detect_many(evidences, settings.aml_thresholds)
+        return [aml_rules(evidence, settings.detection.aml_thresholds) for evidence in evidences]
+    return model.detect_many(evidences, settings.detection.aml_thresholds)
 
 
 detector = detecting_service("aml", detect, detect_many)

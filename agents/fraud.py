@@ -10,4 +10,6 @@ from aml_app.app import settings
 from aml_app.detection.fraud_rules import fraud_rules
 from aml_app.worker.detector import detecting_service
 
-detector = detecting_service("fraud", lambda evidence: fraud_rules(evidence, settings.fraud_thresholds))
+detector = detecting_service(
+    "fraud", lambda evidence: fraud_rules(evidence, settings.detection.fraud_thresholds)
+)

@@ -23,6 +23,7 @@ from aml_app.app import send_decision, settings
 from aml_app.gate import Admission
 from aml_app.gate.handling import LeftToComplete
 from aml_app.models import Payment, decision_json
+from aml_app.settings import ProbeCostKind
 from aml_app.worker.agent import gated_agent
 
 NOTE = "probe: admitted by the gate; no evidence asked for and no rule run"
@@ -36,12 +37,12 @@ def burn_cpu(seconds: float) -> None:
         pass
 
 
-async def pay_cost(ms: float, kind: str) -> None:
+async def pay_cost(ms: float, kind: ProbeCostKind) -> None:
     """The benchmarking cost of one payment, `ms` > 0 (see the module docstring); the caller skips the
     call when there is none, so the hot path does not create a coroutine per payment for nothing."""
-    if kind == "cpu":
+    if kind is ProbeCostKind.CPU:
         burn_cpu(ms / 1000)
-    elif kind == "block":
+    elif kind is ProbeCostKind.BLOCK:
         time.sleep(ms / 1000)  # noqa: ASYNC251 - deliberately blocking: a synchronous client call
     else:
         await asyncio.sleep(ms / 1000)
@@ -56,12 +57,12 @@ failed: dict[str, int] = {}
 
 
 async def record(payment: Payment, admission: Admission) -> LeftToComplete:
-    planned = settings.probe_fail.get(payment.payment_id)
+    planned = settings.detection.probe_fail.get(payment.payment_id)
     if planned is not None and failed.get(payment.payment_id, 0) < planned:
         failed[payment.payment_id] = failed.get(payment.payment_id, 0) + 1
         raise ProbeFailure(f"AML_PROBE_FAIL: attempt {failed[payment.payment_id]} of {planned} fails")
-    if settings.probe_cost_ms > 0:
-        await pay_cost(settings.probe_cost_ms, settings.probe_cost_kind)
+    if settings.detection.probe_cost_ms > 0:
+        await pay_cost(settings.detection.probe_cost_ms, settings.detection.probe_cost_kind)
     value = decision_json(
         payment_id=payment.payment_id,
         partition=admission.partition,

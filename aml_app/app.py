@@ -22,7 +22,7 @@ from aml_app.tokens import token_required
 settings = load_settings()
 #: The URL other workers know this one by; Faust also names group members by it, and
 #: `aml_app.gate.assignments` counts members by it: with a wildcard bind (containers) use the host's name.
-canonical_host = socket.gethostname() if settings.web_host in ("0.0.0.0", "::", "") else settings.web_host
+canonical_host = socket.gethostname() if settings.web.host in ("0.0.0.0", "::", "") else settings.web.host
 
 
 def web_middlewares(settings: Settings) -> list[Middleware]:
@@ -32,16 +32,16 @@ def web_middlewares(settings: Settings) -> list[Middleware]:
     attacker points at 127.0.0.1 reads it (aml_app.loopback). With AML_WEB_TOKEN, only requests with the
     token, or a browser that opened the page with it once (aml_app.tokens)."""
     middlewares: list[Middleware] = []
-    if is_loopback(settings.web_host):
+    if is_loopback(settings.web.host):
         middlewares.append(loopback_hosts_only)
-    if settings.web_token:
-        middlewares.append(token_required(settings.web_token, "AML_WEB_TOKEN", login=True))
+    if settings.web.token:
+        middlewares.append(token_required(settings.web.token, "AML_WEB_TOKEN", login=True))
     return middlewares
 
 
 class AmlApp(FetchWaitApp):
     #: Faust hard-codes 1500 ms (aml_app.faust_internals); AML_FETCH_MAX_WAIT_MS.
-    fetch_max_wait_ms = settings.fetch_max_wait_ms
+    fetch_max_wait_ms = settings.kafka.fetch_max_wait_ms
 
     async def on_started(self) -> None:
         await super().on_started()
@@ -55,7 +55,7 @@ class AmlApp(FetchWaitApp):
 
 app = AmlApp(
     settings.app_id,
-    broker=settings.faust_brokers,
+    broker=settings.kafka.faust_brokers,
     store=settings.table_store,
     datadir=settings.worker_data_dir_template,
     # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
@@ -63,31 +63,31 @@ app = AmlApp(
     # Faust scans its origin too: the module that defines the app, not the package, whose scan would
     # import every service's agent module where the package is installed (agents/ is aml_app/agents/).
     origin="aml_app.app",
-    topic_partitions=settings.partitions,
-    topic_replication_factor=settings.replication_factor,
+    topic_partitions=settings.kafka.partitions,
+    topic_replication_factor=settings.kafka.replication_factor,
     consumer_auto_offset_reset="earliest",
-    broker_session_timeout=settings.session_timeout,
-    broker_heartbeat_interval=max(settings.session_timeout / 5, 0.5),
-    broker_rebalance_timeout=settings.rebalance_timeout,
-    broker_commit_interval=settings.commit_interval,
+    broker_session_timeout=settings.kafka.session_timeout,
+    broker_heartbeat_interval=max(settings.kafka.session_timeout / 5, 0.5),
+    broker_rebalance_timeout=settings.kafka.rebalance_timeout,
+    broker_commit_interval=settings.kafka.commit_interval,
     # Decisions batch for a few ms instead of one produce request each (BENCHMARKS.md).
-    producer_linger=settings.producer_linger_ms / 1000,
+    producer_linger=settings.kafka.producer_linger_ms / 1000,
     # A lane waiting on the gate holds unacked events; Faust must not wait for them on a rebalance.
     stream_wait_empty=False,
     # Faust reads a changelog's highwater, then the offset this worker has applied, and crashes if the
     # second is higher. The watermark table is written by the leader all the time, so during a
     # rebalance that race is routine, not a sign of lost data (seen in the 1 -> 3 -> 1 test).
     recovery_consistency_check=False,
-    web_bind=settings.web_host,
-    web_host=settings.web_host,
-    web_port=settings.web_port,
-    canonical_url=f"http://{canonical_host}:{settings.web_port}",
+    web_bind=settings.web.host,
+    web_host=settings.web.host,
+    web_port=settings.web.port,
+    canonical_url=f"http://{canonical_host}:{settings.web.port}",
     web_application_options={"middlewares": web_middlewares(settings)},
     # TLS/SASL from KAFKA_SECURITY_PROTOCOL etc. (None: plaintext); Faust passes it to all its clients.
-    broker_credentials=faust_credentials(settings.kafka_security),
+    broker_credentials=faust_credentials(settings.kafka.security),
 )
 #: Warns at each assignment that leaves this worker without a payments partition (aml_app.gate.assignments).
-assignment_watch = watch_assignments(app, settings.payments_topic, settings.app_id, settings.worker_id)
+assignment_watch = watch_assignments(app, settings.kafka.payments_topic, settings.app_id, settings.worker_id)
 
 
 def raw_topic(name: str) -> TopicT:
@@ -98,13 +98,13 @@ def raw_topic(name: str) -> TopicT:
         value_type=bytes,
         key_serializer="raw",
         value_serializer="raw",
-        partitions=settings.partitions,
+        partitions=settings.kafka.partitions,
     )
 
 
-payments_topic = raw_topic(settings.payments_topic)
+payments_topic = raw_topic(settings.kafka.payments_topic)
 decisions_topic = app.topic(
-    settings.decisions_topic, key_type=str, value_type=Decision, partitions=settings.partitions
+    settings.kafka.decisions_topic, key_type=str, value_type=Decision, partitions=settings.kafka.partitions
 )
 
 
@@ -125,16 +125,16 @@ async def send_decision(payment_id: str, value: bytes) -> Awaitable[Any]:
 #: Also the changelog of the `alerts-sent` table (tables/alerts.py): one record is both the alert and the
 #: memory that it was sent. Compacted, keyed by payment id (raw UTF-8), partitioned like `payments`.
 alerts_topic = app.topic(
-    settings.alerts_topic,
+    settings.kafka.alerts_topic,
     key_type=str,
     value_type=Alert,
     key_serializer="raw",
     value_serializer="json",
-    partitions=settings.partitions,
+    partitions=settings.kafka.partitions,
     compacting=True,
     acks=False,  # as Faust's own changelog topics: the worker writes it, it never consumes it as a stream
 )
-dlq_topic = raw_topic(settings.dlq_topic)
+dlq_topic = raw_topic(settings.kafka.dlq_topic)
 #: Payments decided stale (AML_WAIT_POLICY=decide-stale) or parked (AML_MAX_ATTEMPTS, `aml-app park`):
 #: original bytes as the value, why in headers, as on the dead-letter topic.
-review_topic = raw_topic(settings.review_topic)
+review_topic = raw_topic(settings.kafka.review_topic)

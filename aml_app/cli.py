@@ -25,7 +25,7 @@ def broker_command(port: int | None) -> None:
     from aml_app.topics import topic_specs
 
     settings = load_settings()
-    broker = EmbeddedBroker(port or settings.broker_port).start()
+    broker = EmbeddedBroker(port or settings.kafka.broker_port).start()
     try:
         bootstrap = [broker.bootstrap]
         asyncio.run(wait_until_answering(bootstrap))
@@ -33,7 +33,7 @@ def broker_command(port: int | None) -> None:
         asyncio.run(create_topics(bootstrap, topics))
         click.echo(f"embedded broker ready: KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}")
         names = ", ".join(t.name for t in topics)
-        click.echo(f"topics: {names} ({settings.partitions} partitions); Ctrl-C stops it")
+        click.echo(f"topics: {names} ({settings.kafka.partitions} partitions); Ctrl-C stops it")
         # Ctrl-C must stop it even when started from a shell that ignores SIGINT in background jobs.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
@@ -105,7 +105,7 @@ def postgres_command(port: int | None, folder: str) -> None:
     from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres, PostgresError
 
     settings = load_settings()
-    port = port or int(conninfo_to_dict(settings.store_url).get("port") or 5433)
+    port = port or int(conninfo_to_dict(settings.dependencies.store_url).get("port") or 5433)
     server = EmbeddedPostgres(folder, port)
     try:
         server.start()
@@ -154,7 +154,7 @@ def pipeline_command(master: str | None, services: tuple[str, ...], triggers: tu
     settings = load_settings()
     sys.exit(
         run_pipeline(
-            settings, master or settings.spark_master, services or SERVICES, parse_triggers(triggers)
+            settings, master or settings.pipeline.spark_master, services or SERVICES, parse_triggers(triggers)
         )
     )
 
@@ -176,11 +176,11 @@ def rebuild_command(service: str, master: str | None, yes: bool) -> None:
     settings = load_settings()
     if not yes:
         click.confirm(
-            f"Drop the {service} store at {redacted(settings.store_url)} and rebuild it from the topic "
-            f"{settings.payments_topic}?",
+            f"Drop the {service} store at {redacted(settings.dependencies.store_url)} and rebuild it from "
+            f"the topic {settings.kafka.payments_topic}?",
             abort=True,
         )
-    sys.exit(run_rebuild(settings, master or settings.spark_master, service))
+    sys.exit(run_rebuild(settings, master or settings.pipeline.spark_master, service))
 
 
 def parse_triggers(values: tuple[str, ...]) -> dict[str, float]:
@@ -221,7 +221,7 @@ def enrich_command() -> None:
         stage = Stage(settings, transactional_id, rates)
     except StageError as exc:
         raise SystemExit(f"aml-app enrich: {exc}.") from None
-    if settings.enrichment_metrics_port:
+    if settings.pipeline.enrichment_metrics_port:
         from aml_app.enrichment import StageMetrics
         from aml_app.metrics_server import serve_metrics
 
@@ -229,20 +229,20 @@ def enrich_command() -> None:
             serve_metrics(
                 StageMetrics(stage).registry,
                 "enrichment",
-                settings.services_host,
-                settings.enrichment_metrics_port,
-                settings.web_token,
+                settings.dependencies.services_host,
+                settings.pipeline.enrichment_metrics_port,
+                settings.web.token,
             )
         except OSError as exc:
             stage.close()
-            where = f"{settings.services_host}:{settings.enrichment_metrics_port}"
+            where = f"{settings.dependencies.services_host}:{settings.pipeline.enrichment_metrics_port}"
             raise SystemExit(
                 f"aml-app enrich: cannot serve /metrics on {where} ({exc.strerror or exc}); set "
                 "AML_ENRICHMENT_METRICS_PORT to a free port, or 0 for none."
             ) from None
     click.echo(
-        f"enrichment: {settings.payments_topic} -> {settings.enriched_topic} as {transactional_id!r} "
-        f"(group {settings.enrichment_group!r})"
+        f"enrichment: {settings.kafka.payments_topic} -> {settings.kafka.enriched_topic} "
+        f"as {transactional_id!r} (group {settings.kafka.enrichment_group!r})"
     )
     try:
         stage.run(lambda: bool(stop))
@@ -371,11 +371,11 @@ def main() -> None:
     A bad setting stops every command in one sentence, but not `--help` or `--version`."""
     try:
         settings = load_settings()
-        if settings.aml_model and settings.service == "aml":
+        if settings.detection.aml_model and settings.service == "aml":
             from aml_app.detection.model import load
 
             # A model that cannot be read, or has no such budget, stops the worker here, in one sentence.
-            load(settings.aml_model, settings.aml_alert_budget)
+            load(settings.detection.aml_model, settings.detection.aml_alert_budget)
         if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
             if (missing := missing_extra(sys.argv[1])) and not asks_for_help(sys.argv[1:]):
                 click.echo(missing, err=True)
@@ -412,12 +412,13 @@ def api_url_problem(settings: Settings) -> str | None:
     0.0.0.0, for the APIs to listen on) would ask itself: one sentence, else None."""
     from aml_app.dependency_services import SERVICES
 
-    if settings.services_host not in ("0.0.0.0", "::", "[::]"):
+    host = settings.dependencies.services_host
+    if host not in ("0.0.0.0", "::", "[::]"):
         return None
     for service in SERVICES.values():
-        if not settings.endpoints[service.name].api:
+        if not settings.dependencies.endpoints[service.name].api:
             return (
-                f"{service.urls_env} is not set and AML_SERVICES_HOST={settings.services_host} is an address "
+                f"{service.urls_env} is not set and AML_SERVICES_HOST={host} is an address "
                 f"to listen on, not one to call: set {service.urls_env} to the {service.name} API's "
                 "replicas (http://host:port,...)."
             )
@@ -429,10 +430,10 @@ def reach_or_exit(settings: Settings) -> None:
     would otherwise fail after its first attempt with a page of tracebacks and shutdown lines."""
     from aml_app.kafka.reach import Unreachable, check_reachable
 
-    servers = ",".join(settings.bootstrap_servers)
+    servers = ",".join(settings.kafka.bootstrap_servers)
 
     def waiting(reason: str) -> None:
-        wait = settings.startup_wait
+        wait = settings.kafka.startup_wait
         click.echo(
             f"aml-app: waiting up to {wait:g} s for the Kafka cluster at {servers} ({reason})", err=True
         )
@@ -440,9 +441,9 @@ def reach_or_exit(settings: Settings) -> None:
     try:
         asyncio.run(
             check_reachable(
-                settings.bootstrap_servers,
-                settings.kafka_security,
-                settings.startup_wait,
+                settings.kafka.bootstrap_servers,
+                settings.kafka.security,
+                settings.kafka.startup_wait,
                 f"{settings.app_id}-start",
                 waiting,
             )

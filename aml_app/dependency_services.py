@@ -30,8 +30,8 @@ class Endpoint:
     api: tuple[str, ...] = ()
 
 
-class HasEndpoints(Protocol):
-    """What the registry reads of the settings (`aml_app.settings.Settings`)."""
+class _Dependencies(Protocol):
+    """What the registry reads of the dependency settings (`aml_app.settings.DependencySettings`)."""
 
     @property
     def services_host(self) -> str: ...
@@ -39,8 +39,20 @@ class HasEndpoints(Protocol):
     @property
     def endpoints(self) -> Mapping[str, Endpoint]: ...
 
+
+class _Kafka(Protocol):
     @property
     def payments_topic(self) -> str: ...
+
+
+class HasEndpoints(Protocol):
+    """What the registry reads of the settings (`aml_app.settings.Settings`)."""
+
+    @property
+    def dependencies(self) -> _Dependencies: ...
+
+    @property
+    def kafka(self) -> _Kafka: ...
 
     @property
     def derived_dependencies(self) -> Mapping[str, tuple[str, str]]: ...
@@ -119,16 +131,16 @@ class DependencyService:
 
     def group(self, settings: HasEndpoints) -> str:
         """The consumer group whose committed offsets say how far the service is."""
-        return settings.endpoints[self.name].group
+        return settings.dependencies.endpoints[self.name].group
 
     def topic(self, settings: HasEndpoints) -> str:
         """The topic the service reads: payments, or the topic derived from it that its group is declared
         to read (`AML_DERIVED_DEPENDENCIES`, the declaration the gate maps that group's offsets by)."""
         derived = settings.derived_dependencies.get(self.group(settings))
-        return settings.payments_topic if derived is None else derived[0]
+        return settings.kafka.payments_topic if derived is None else derived[0]
 
     def port(self, settings: HasEndpoints) -> int:
-        return settings.endpoints[self.name].port
+        return settings.dependencies.endpoints[self.name].port
 
     def with_port(self, settings: S, port: int) -> S:
         """`settings` with the service's API on `port` (a replica of its own)."""
@@ -136,8 +148,8 @@ class DependencyService:
 
     def urls(self, settings: HasEndpoints) -> tuple[str, ...]:
         """The replicas of the service's API the workers ask."""
-        endpoint = settings.endpoints[self.name]
-        return endpoint.api or (f"http://{settings.services_host}:{endpoint.port}",)
+        endpoint = settings.dependencies.endpoints[self.name]
+        return endpoint.api or (f"http://{settings.dependencies.services_host}:{endpoint.port}",)
 
 
 SERVICES: Mapping[str, DependencyService] = {

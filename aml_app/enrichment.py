@@ -103,24 +103,24 @@ class Stage:
         from confluent_kafka import Consumer, Producer
 
         client = {
-            "bootstrap.servers": ",".join(settings.bootstrap_servers),
-            **librdkafka_config(settings.kafka_security),
+            "bootstrap.servers": ",".join(settings.kafka.bootstrap_servers),
+            **librdkafka_config(settings.kafka.security),
         }
         self.settings, self.rates = settings, rates
         self.consumer = Consumer(
             {
                 **client,
-                "group.id": settings.enrichment_group,
+                "group.id": settings.kafka.enrichment_group,
                 "enable.auto.commit": False,
                 "auto.offset.reset": "earliest",
                 "isolation.level": "read_committed",
-                "session.timeout.ms": int(settings.session_timeout * 1000),
+                "session.timeout.ms": int(settings.kafka.session_timeout * 1000),
             }
         )
         self.partitions = self._derived_partitions()
         self.producer = Producer({**client, "transactional.id": transactional_id})
         self.producer.init_transactions(TRANSACTION_TIMEOUT)
-        self.consumer.subscribe([settings.payments_topic])
+        self.consumer.subscribe([settings.kafka.payments_topic])
         self.derived = self.dead_lettered = self.transactions = self.aborted = 0
         #: When the last transaction committed, or the last poll found nothing (Unix time): what the
         #: stage's /metrics shows as its heartbeat.
@@ -128,12 +128,12 @@ class Stage:
 
     def _derived_partitions(self) -> int:
         """The derived topic's partition count, or StageError: the topic must exist before the stage runs."""
-        metadata = self.consumer.list_topics(self.settings.enriched_topic, timeout=TRANSACTION_TIMEOUT)
-        topic = metadata.topics.get(self.settings.enriched_topic)
+        metadata = self.consumer.list_topics(self.settings.kafka.enriched_topic, timeout=TRANSACTION_TIMEOUT)
+        topic = metadata.topics.get(self.settings.kafka.enriched_topic)
         if topic is None or topic.error is not None or not topic.partitions:
             self.consumer.close()
             raise StageError(
-                f"the derived topic {self.settings.enriched_topic!r} does not exist: create it "
+                f"the derived topic {self.settings.kafka.enriched_topic!r} does not exist: create it "
                 "(aml-app topics --create) or set AML_ENRICHED_TOPIC"
             )
         return len(topic.partitions)
@@ -156,10 +156,14 @@ class Stage:
                     _source(message),
                     self.partitions,
                     self.rates,
-                    self.settings.max_payment_bytes,
-                    self.settings.max_clock_skew,
+                    self.settings.kafka.max_payment_bytes,
+                    self.settings.kafka.max_clock_skew,
                 )
-                topic = self.settings.dlq_topic if outcome.partition is None else self.settings.enriched_topic
+                topic = (
+                    self.settings.kafka.dlq_topic
+                    if outcome.partition is None
+                    else self.settings.kafka.enriched_topic
+                )
                 kwargs: dict[str, Any] = {} if outcome.partition is None else {"partition": outcome.partition}
                 self.producer.produce(
                     topic, key=message.key(), value=message.value(), headers=outcome.headers, **kwargs
@@ -266,4 +270,4 @@ def _source(message: Any) -> tuple[str, int, int, int | None]:
 
 
 def default_transactional_id(settings: Settings) -> str:
-    return f"{settings.enrichment_group}-{socket.gethostname()}"
+    return f"{settings.kafka.enrichment_group}-{socket.gethostname()}"

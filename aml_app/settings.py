@@ -2,6 +2,10 @@
 
 Every setting has a sane default for the embedded demo; a bad value stops the process with a sentence
 that names the variable, the value and what was expected, instead of a stack trace later.
+
+`Settings` holds the worker's identity and one frozen group per thing configured (`KafkaSettings`,
+`GateSettings`, `DependencySettings`, `PipelineSettings`, `DetectionSettings`, `WebSettings`); each group
+is read by its own function, and `load_settings` composes them and checks what spans two of them.
 """
 
 from __future__ import annotations
@@ -15,8 +19,9 @@ import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
+from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
@@ -38,18 +43,45 @@ def available_services() -> list[str]:
     return sorted(p.stem for p in folder.glob("*.py") if not p.stem.startswith("_"))
 
 
+class GateMode(StrEnum):
+    """AML_GATE_MODE: what a payment waits for at the gate."""
+
+    #: Every partition's dependencies have applied what happened up to the payment
+    #: (aml_app.gate.event_time): the AML service's default.
+    EVENT_TIME = "event-time"
+    #: B and C have applied the payment itself: enough for rules that read the payer's side only; the
+    #: other services' default.
+    PARTITION = "partition"
+
+
+class WaitPolicy(StrEnum):
+    """AML_WAIT_POLICY: what happens to a payment that waits past AML_MAX_WAIT."""
+
+    #: It keeps waiting, with the service shown as breached.
+    WAIT = "wait"
+    #: It is decided on the evidence there is, the decision marked stale, and written to the review topic.
+    DECIDE_STALE = "decide-stale"
+
+
+class ProbeCostKind(StrEnum):
+    """AML_PROBE_COST_KIND: what the probe's cost per payment is (agents/probe.py)."""
+
+    #: A busy loop.
+    CPU = "cpu"
+    #: A blocking sleep that holds the event loop without using CPU, like a synchronous client call.
+    BLOCK = "block"
+    #: An asyncio sleep, like an awaited call.
+    WAIT = "wait"
+
+
 @dataclass(frozen=True)
-class Settings:
+class KafkaSettings:
+    """The cluster, the topics, what a payment record on them may be, and the Kafka clients' pace."""
+
     bootstrap_servers: tuple[str, ...] = ("127.0.0.1:9092",)
-    #: Which gated service this worker runs: the module agents/<service>.py (aml, fraud, ...).
-    service: str = "aml"
-    app_id: str = "aml"
-    #: The consumer groups the gate waits for: by default every dependency service's own group, in the
-    #: registry's order (`aml_app.dependency_services`).
-    depends_on: tuple[str, ...] = field(default_factory=lambda: tuple(registry.SERVICES))
-    #: AML_DERIVED_DEPENDENCIES: the groups of `depends_on` that read a topic derived from payments, each
-    #: with that topic and the derivation stage's group on payments (`aml_app.kafka.derivation`).
-    derived_dependencies: dict[str, tuple[str, str]] = field(default_factory=dict)
+    #: TLS and SASL for every Kafka client (aml_app.kafka.security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
+    #: KAFKA_SSL_*. Its repr leaves the password out.
+    security: KafkaSecurity = field(default_factory=KafkaSecurity)
     payments_topic: str = "payments"
     #: AML_ENRICHED_TOPIC / AML_ENRICHMENT_GROUP: the topic the enrichment stage (`aml-app enrich`)
     #: derives from payments, and the stage's consumer group on payments.
@@ -62,20 +94,42 @@ class Settings:
     review_topic: str = "aml.review"
     partitions: int = 4
     replication_factor: int = 1
-    gate_enabled: bool = True
-    #: AML_GATE_MODE: "event-time" (the AML service's default: every partition's dependencies have
-    #: applied what happened up to the payment, aml_app.gate.event_time) or "partition" (B and C have
-    #: applied the payment itself: enough for rules that read the payer's side only; other services' default).
-    gate_mode: str = "event-time"
+    #: AML_MAX_PAYMENT_BYTES: larger payment records go to the DLQ, from the workers and the pipeline.
+    max_payment_bytes: int = 65536
+    #: AML_MAX_CLOCK_SKEW, seconds: how far a payment's `ts` may be after its Kafka record's timestamp
+    #: before every consumer (workers and pipeline) dead-letters it (aml_app.contract).
+    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
+    session_timeout: float = 10.0
+    rebalance_timeout: float = 10.0
+    commit_interval: float = 1.0
+    fetch_max_wait_ms: int = 100
+    producer_linger_ms: int = 5
+    #: AML_STARTUP_WAIT: seconds a starting worker waits for the Kafka cluster to answer before it stops
+    #: with one sentence (a cluster that starts beside it takes a while).
+    startup_wait: float = 15.0
+    #: AML_BROKER_PORT: the port of the embedded broker (`aml-app broker`, the demo).
+    broker_port: int = 9092
+
+    @property
+    def faust_brokers(self) -> list[str]:
+        return [f"kafka://{server}" for server in self.bootstrap_servers]
+
+
+@dataclass(frozen=True)
+class GateSettings:
+    """The freshness gate: what a payment waits for and how long, the watermark refresh's pace, the
+    lanes' bounds, and when the operator views call a dependency stalled or lagging."""
+
+    #: AML_GATE: off processes without waiting (for comparisons only).
+    enabled: bool = True
+    #: AML_GATE_MODE; its default depends on the service (`GateMode`).
+    mode: GateMode = GateMode.EVENT_TIME
     #: AML_ALLOWED_LATENESS, seconds: how far behind the payment's event time the event-time gate lets
     #: the other partitions' applied evidence be (0: none, decisions replay identically).
     allowed_lateness: float = 0.0
     #: AML_MAX_WAIT, seconds: how long a payment may wait at the gate before the wait policy applies.
     max_wait: float = 300.0
-    #: AML_WAIT_POLICY: past AML_MAX_WAIT, "wait" keeps waiting with the service shown as breached (the
-    #: default); "decide-stale" decides on the evidence there is, marks the decision stale and writes the
-    #: payment to the review topic.
-    wait_policy: str = "wait"
+    wait_policy: WaitPolicy = WaitPolicy.WAIT
     #: AML_MAX_ATTEMPTS: failed attempts after which a payment is parked on the review topic and its lane
     #: moves on; 0 (the default): never, the lane retries until it succeeds.
     max_attempts: int = 0
@@ -87,40 +141,34 @@ class Settings:
     #: How old a watermark row may be and still open the gate (AML_WATERMARK_MAX_AGE; by default five
     #: refresh intervals): a leader that stops refreshing closes the gate instead of leaving it open.
     watermark_max_age: float = 5.0
+    #: AML_REFRESH_DEADLINE: how long one refresh of the watermark table may take before it is abandoned
+    #: with its Kafka clients; 0: five refresh intervals, at least 10 s (`RefreshPolicy.refresh_deadline`).
+    refresh_deadline: float = 0.0
     max_pending_per_partition: int = 1000
     #: Payments per partition whose decision is sent and not yet acknowledged by the broker (pipelined).
     max_in_flight: int = 1000
-    max_payment_bytes: int = 65536
-    #: AML_MAX_CLOCK_SKEW, seconds: how far a payment's `ts` may be after its Kafka record's timestamp
-    #: before every consumer (workers and pipeline) dead-letters it (aml_app.contract).
-    max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
-    session_timeout: float = 10.0
-    rebalance_timeout: float = 10.0
-    commit_interval: float = 1.0
-    fetch_max_wait_ms: int = 100
-    producer_linger_ms: int = 5
-    web_host: str = "127.0.0.1"
-    web_port: int = 6066
-    #: AML_WEB_TOKEN: when set, a worker's web server (the operator page, /watermarks.json, /metrics)
-    #: answers only requests that carry it (`aml_app.tokens`; /health stays open for probes), and
-    #: `aml-app status --worker` sends it. Kept out of every repr and log line.
-    web_token: str = field(default="", repr=False)
-    data_dir: str = "var/aml"
-    table_store: str = "rocksdb://"
-    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    broker_port: int = 9092
+    #: The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
+    stall_after: float = 30.0
+    lag_warn: int = 1000
+
+
+@dataclass(frozen=True)
+class DependencySettings:
+    """Services B and C: where their APIs and their stores are, what their APIs may cost, and what the
+    stores keep and count."""
+
     #: Each dependency service's group, API port and API replicas, by name (`AML_<NAME>_GROUP`,
     #: `AML_<NAME>_PORT`, `AML_<NAME>_URL`; `aml_app.dependency_services`).
     endpoints: Mapping[str, Endpoint] = field(
         default_factory=lambda: {name: s.default_endpoint() for name, s in registry.SERVICES.items()}
     )
-    #: Where Services B and C keep their state (PostgreSQL); `aml-app postgres` runs an embedded one here.
-    #: The pipeline's role on the embedded server (`aml-app postgres`), which owns the stores.
+    services_host: str = "127.0.0.1"
+    #: Where Services B and C keep their state (PostgreSQL), as the pipeline's role, which owns the
+    #: stores; `aml-app postgres` runs an embedded server here.
     store_url: str = "postgresql://aml_pipeline@127.0.0.1:5433/aml"
     #: AML_API_STORE_URL: the database as B's and C's APIs read it, as a role that may only read (the
     #: pipeline writes with AML_STORE_URL); empty: AML_STORE_URL. `aml-app postgres` provisions both.
     api_store_url: str = ""
-    services_host: str = "127.0.0.1"
     #: AML_API_TOKEN: when set, B's and C's APIs answer only requests that carry it as a bearer token
     #: (`Authorization: Bearer ...`; /health stays open for load balancers), and the workers send it.
     #: Kept out of every repr and log line.
@@ -129,49 +177,6 @@ class Settings:
     #: AML_FRESHNESS_WAIT: how long B and C may wait for their stores to cover a question's payments
     #: before answering "not yet" (less than the HTTP timeout).
     freshness_wait: float = 2.0
-    max_batch: int = 100
-    aml_thresholds: AmlThresholds = field(default_factory=AmlThresholds)
-    fraud_thresholds: FraudThresholds = field(default_factory=FraudThresholds)
-    #: AML_MODEL: the learned AML model beside the rules (aml_app.detection.model): '' (off), 'amlworld'
-    #: (the one shipped with the package) or the path of a model file.
-    aml_model: str = ""
-    #: AML_ALERT_BUDGET: the share of benign payments the model and the rules beside it may alert (one of
-    #: the model file's budgets, or the largest below); None: the file's own cut.
-    aml_alert_budget: float | None = None
-    reporting_threshold: Decimal = Decimal("10000")
-    threshold_band: Decimal = Decimal("0.1")
-    spark_master: str = "local[2]"
-    trigger_interval: float = 0.5
-    max_records_per_trigger: int = 100_000
-    #: AML_STARTUP_WAIT: seconds a starting worker waits for the Kafka cluster to answer before it stops
-    #: with one sentence (a cluster that starts beside it takes a while).
-    startup_wait: float = 15.0
-    #: AML_PIPELINE_METRICS_PORT: the port of the pipeline's Prometheus `/metrics` on AML_SERVICES_HOST
-    #: (aml_app.pipeline.metrics; 0: none).
-    pipeline_metrics_port: int = 8090
-    #: AML_ENRICHMENT_METRICS_PORT: the port of the enrichment stage's `/metrics` and `/health` on
-    #: AML_SERVICES_HOST (`aml-app enrich`; 0: none).
-    enrichment_metrics_port: int = 8091
-    #: AML_AGGREGATES_RETENTION: seconds C keeps flows past its longest window (7 days) before its newest
-    #: event time: how far behind its head C answers exactly (a lagging partition, a replay).
-    aggregates_retention: float = 86400.0
-    # The operator views (aml_app.gate.health): when a dependency counts as stalled or lagging.
-    stall_after: float = 30.0
-    #: AML_REFRESH_DEADLINE: how long one refresh of the watermark table may take before it is abandoned
-    #: with its Kafka clients; 0: five refresh intervals, at least 10 s (`RefreshPolicy.refresh_deadline`).
-    refresh_deadline: float = 0.0
-    lag_warn: int = 1000
-    #: TLS and SASL for every Kafka client (aml_app.kafka.security): KAFKA_SECURITY_PROTOCOL, KAFKA_SASL_*,
-    #: KAFKA_SSL_*. Its repr leaves the password out.
-    kafka_security: KafkaSecurity = field(default_factory=KafkaSecurity)
-    #: Benchmarking knob of the probe service only (agents/probe.py): a cost per payment, in ms, and
-    #: its kind: "cpu" (busy loop), "block" (a blocking sleep that holds the event loop without using
-    #: CPU, like a synchronous client call) or "wait" (an asyncio sleep, like an awaited call).
-    probe_cost_ms: float = 0.0
-    probe_cost_kind: str = "cpu"
-    #: Testing knob of the probe service only: payment id -> how many attempts at it fail (a handler
-    #: that keeps failing, like a 4xx from B or C or a rule bug: shown as `retrying`).
-    probe_fail: dict[str, int] = field(default_factory=dict)
     #: AML_API_MAX_ROWS: the most entries one request to B lists in its `out` parts together (and in its
     #: `in` parts, and its `neighbourhood` parts), at least 200 (more than one counterparty's currencies);
     #: AML_API_TIMEOUT: the seconds B and C may spend computing one request's answers
@@ -182,15 +187,101 @@ class Settings:
     #: asking the same question (aml_app.dependencies.answer_cache; 0: none).
     api_cache_answers: int = 10_000
     api_access_log: bool = True
+    #: AML_REPORTING_THRESHOLD / AML_THRESHOLD_BAND: what C's store counts as near the threshold; the
+    #: store keeps the pair it was built with and refuses a pipeline with another.
+    reporting_threshold: Decimal = Decimal("10000")
+    threshold_band: Decimal = Decimal("0.1")
+    #: AML_AGGREGATES_RETENTION: seconds C keeps flows past its longest window (7 days) before its newest
+    #: event time: how far behind its head C answers exactly (a lagging partition, a replay).
+    aggregates_retention: float = 86400.0
 
     @property
-    def faust_brokers(self) -> list[str]:
-        return [f"kafka://{server}" for server in self.bootstrap_servers]
+    def reader_url(self) -> str:
+        """The URL the APIs read the stores with: AML_API_STORE_URL, else AML_STORE_URL."""
+        return self.api_store_url or self.store_url
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The Spark pipeline that fills B's and C's stores, and the enrichment stage beside it."""
+
+    spark_master: str = "local[2]"
+    trigger_interval: float = 0.5
+    max_records_per_trigger: int = 100_000
+    #: AML_PIPELINE_METRICS_PORT: the port of the pipeline's Prometheus `/metrics` on AML_SERVICES_HOST
+    #: (aml_app.pipeline.metrics; 0: none).
+    metrics_port: int = 8090
+    #: AML_ENRICHMENT_METRICS_PORT: the port of the enrichment stage's `/metrics` and `/health` on
+    #: AML_SERVICES_HOST (`aml-app enrich`; 0: none).
+    enrichment_metrics_port: int = 8091
+
+
+@dataclass(frozen=True)
+class DetectionSettings:
+    """What the detectors decide with: the batch they decide together, the rules' thresholds, the
+    learned model, and the probe service's knobs."""
+
+    #: AML_MAX_BATCH: payments of one partition decided together (one request to B and one to C).
+    max_batch: int = 100
+    aml_thresholds: AmlThresholds = field(default_factory=AmlThresholds)
+    fraud_thresholds: FraudThresholds = field(default_factory=FraudThresholds)
+    #: AML_MODEL: the learned AML model beside the rules (aml_app.detection.model): '' (off), 'amlworld'
+    #: (the one shipped with the package) or the path of a model file.
+    aml_model: str = ""
+    #: AML_ALERT_BUDGET: the share of benign payments the model and the rules beside it may alert (one of
+    #: the model file's budgets, or the largest below); None: the file's own cut.
+    aml_alert_budget: float | None = None
+    #: Benchmarking knob of the probe service only (agents/probe.py): a cost per payment, in ms, and
+    #: its kind.
+    probe_cost_ms: float = 0.0
+    probe_cost_kind: ProbeCostKind = ProbeCostKind.CPU
+    #: Testing knob of the probe service only: payment id -> how many attempts at it fail (a handler
+    #: that keeps failing, like a 4xx from B or C or a rule bug: shown as `retrying`).
+    probe_fail: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WebSettings:
+    """A worker's web server: the operator page, /watermarks.json, /metrics and /health."""
+
+    host: str = "127.0.0.1"
+    port: int = 6066
+    #: AML_WEB_TOKEN: when set, the web server answers only requests that carry it (`aml_app.tokens`;
+    #: /health stays open for probes), and `aml-app status --worker` sends it. Kept out of every repr and
+    #: log line.
+    token: str = field(default="", repr=False)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """One process's settings: which service it is and what it waits for, then one group per thing
+    configured."""
+
+    #: Which gated service this worker runs: the module agents/<service>.py (aml, fraud, ...).
+    service: str = "aml"
+    app_id: str = "aml"
+    #: The consumer groups the gate waits for: by default every dependency service's own group, in the
+    #: registry's order (`aml_app.dependency_services`).
+    depends_on: tuple[str, ...] = field(default_factory=lambda: tuple(registry.SERVICES))
+    #: AML_DERIVED_DEPENDENCIES: the groups of `depends_on` that read a topic derived from payments, each
+    #: with that topic and the derivation stage's group on payments (`aml_app.kafka.derivation`).
+    derived_dependencies: dict[str, tuple[str, str]] = field(default_factory=dict)
+    worker_id: str = field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    data_dir: str = "var/aml"
+    table_store: str = "rocksdb://"
+    kafka: KafkaSettings = field(default_factory=KafkaSettings)
+    gate: GateSettings = field(default_factory=GateSettings)
+    dependencies: DependencySettings = field(default_factory=DependencySettings)
+    pipeline: PipelineSettings = field(default_factory=PipelineSettings)
+    detection: DetectionSettings = field(default_factory=DetectionSettings)
+    web: WebSettings = field(default_factory=WebSettings)
 
     def with_endpoint(self, name: str, **changes: Any) -> Settings:
         """These settings with dependency service `name`'s group, port or API replicas changed."""
-        endpoint = dataclasses.replace(self.endpoints[name], **changes)
-        return dataclasses.replace(self, endpoints={**self.endpoints, name: endpoint})
+        deps = self.dependencies
+        endpoint = dataclasses.replace(deps.endpoints[name], **changes)
+        endpoints = {**deps.endpoints, name: endpoint}
+        return dataclasses.replace(self, dependencies=dataclasses.replace(deps, endpoints=endpoints))
 
     # Services B and C by name, for the detectors' client and the tools that know them.
     @property
@@ -220,12 +311,7 @@ class Settings:
     @property
     def worker_data_dir(self) -> str:
         """RocksDB holds a lock per directory, so each worker on a host needs its own: one per web port."""
-        return os.path.join(self.data_dir, f"{self.app_id}-{self.web_port}")
-
-    @property
-    def reader_url(self) -> str:
-        """The URL the APIs read the stores with: AML_API_STORE_URL, else AML_STORE_URL."""
-        return self.api_store_url or self.store_url
+        return os.path.join(self.data_dir, f"{self.app_id}-{self.web.port}")
 
     @property
     def worker_data_dir_template(self) -> str:
@@ -387,13 +473,6 @@ def _failures(env: Mapping[str, str], name: str) -> dict[str, int]:
     return out
 
 
-def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = _text(env, name, default).lower()
-    if value not in choices:
-        raise ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}.")
-    return value
-
-
 def _aml_model(env: Mapping[str, str]) -> str:
     """'' (off), 'amlworld' or the path of a file; the file's content is checked when the worker starts
     (`aml_app.detection.model.load`, from the command line)."""
@@ -453,36 +532,65 @@ def _derived_dependencies(
     return derived
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
-    env = os.environ if env is None else env
-    defaults = Settings()
-    depends_raw = _text(env, "AML_DEPENDS_ON", ",".join(defaults.depends_on))
-    depends = tuple(g.strip() for g in depends_raw.split(",") if g.strip())
-    if not depends:
-        raise ConfigError("AML_DEPENDS_ON is empty; name at least one consumer group to wait for.")
-    for group in depends:
-        if not _GROUP.match(group):
-            raise ConfigError(f"AML_DEPENDS_ON: {group!r} is not a valid consumer group name.")
-    if len(set(depends)) != len(depends):
-        raise ConfigError(f"AML_DEPENDS_ON={depends_raw!r} names a group twice.")
-    service = _text(env, "AML_SERVICE", defaults.service)
-    services = available_services()
-    if service not in services:
+E = TypeVar("E", bound=StrEnum)
+
+
+def _enum(env: Mapping[str, str], name: str, default: E) -> E:
+    """One of the values of `default`'s enum, in any case."""
+    kind = type(default)
+    value = _text(env, name, default.value).lower()
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{name}={value!r} is not one of {', '.join(m.value for m in kind)}.") from None
+
+
+def _kafka(env: Mapping[str, str], app_id: str) -> KafkaSettings:
+    """The cluster, the topics (this service's own named after `app_id` by default) and the clients."""
+    d = KafkaSettings()
+    session = _float(env, "AML_SESSION_TIMEOUT", d.session_timeout, 1, 300)
+    kafka = KafkaSettings(
+        bootstrap_servers=_servers(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
+        security=load_security(env),
+        payments_topic=_name(env, "AML_PAYMENTS_TOPIC", d.payments_topic, _TOPIC, "topic"),
+        enriched_topic=_name(env, "AML_ENRICHED_TOPIC", d.enriched_topic, _TOPIC, "topic"),
+        enrichment_group=_name(env, "AML_ENRICHMENT_GROUP", d.enrichment_group, _GROUP, "consumer group"),
+        decisions_topic=_name(env, "AML_DECISIONS_TOPIC", f"{app_id}.decisions", _TOPIC, "topic"),
+        alerts_topic=_name(env, "AML_ALERTS_TOPIC", f"{app_id}.alerts", _TOPIC, "topic"),
+        dlq_topic=_name(env, "AML_DLQ_TOPIC", d.dlq_topic, _TOPIC, "topic"),
+        review_topic=_name(env, "AML_REVIEW_TOPIC", f"{app_id}.review", _TOPIC, "topic"),
+        partitions=_int(env, "AML_PARTITIONS", d.partitions, 1, 10000),
+        replication_factor=_int(env, "AML_REPLICATION_FACTOR", d.replication_factor, 1, 10),
+        max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", d.max_payment_bytes, 256, 10_000_000),
+        max_clock_skew=_float(env, "AML_MAX_CLOCK_SKEW", d.max_clock_skew, 0, 1e12),
+        session_timeout=session,
+        rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
+        commit_interval=_float(env, "AML_COMMIT_INTERVAL", d.commit_interval, 0.1, 60),
+        fetch_max_wait_ms=_int(env, "AML_FETCH_MAX_WAIT_MS", d.fetch_max_wait_ms, 1, 30000),
+        producer_linger_ms=_int(env, "AML_PRODUCER_LINGER_MS", d.producer_linger_ms, 0, 1000),
+        startup_wait=_float(env, "AML_STARTUP_WAIT", d.startup_wait, 0.1, 3600),
+        broker_port=_int(env, "AML_BROKER_PORT", d.broker_port, 1, 65535),
+    )
+    topics = (
+        kafka.payments_topic,
+        kafka.decisions_topic,
+        kafka.alerts_topic,
+        kafka.dlq_topic,
+        kafka.review_topic,
+    )
+    if len(set(topics)) != len(topics):
         raise ConfigError(
-            f"AML_SERVICE={service!r} names no gated service; expected one of {', '.join(services)} "
-            "(a module in the agents package)."
+            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC, AML_DLQ_TOPIC and AML_REVIEW_TOPIC "
+            "must differ."
         )
-    app_id = _name(env, "AML_APP_ID", service, _GROUP, "consumer group")
-    if app_id in depends:
-        raise ConfigError(
-            f"AML_APP_ID={app_id!r} is also listed in AML_DEPENDS_ON; "
-            "a service cannot wait for its own consumer group."
-        )
-    payments_topic = _name(env, "AML_PAYMENTS_TOPIC", defaults.payments_topic, _TOPIC, "topic")
-    derived = _derived_dependencies(env, depends, app_id, payments_topic)
-    fast = _float(env, "AML_FAST_REFRESH_INTERVAL", defaults.fast_refresh_interval, 0.01, 60)
-    slow = _float(env, "AML_REFRESH_INTERVAL", defaults.refresh_interval, 0.05, 600)
+    return kafka
+
+
+def _gate(env: Mapping[str, str], service: str) -> GateSettings:
+    """The gate; the AML service waits in event time by default, the others per partition."""
+    d = GateSettings()
+    fast = _float(env, "AML_FAST_REFRESH_INTERVAL", d.fast_refresh_interval, 0.01, 60)
+    slow = _float(env, "AML_REFRESH_INTERVAL", d.refresh_interval, 0.05, 600)
     if fast > slow:
         raise ConfigError(
             f"AML_FAST_REFRESH_INTERVAL={fast} is longer than AML_REFRESH_INTERVAL={slow}; "
@@ -494,129 +602,161 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             f"AML_WATERMARK_MAX_AGE={max_age} is less than twice AML_REFRESH_INTERVAL={slow}; "
             "rows would go stale between two refreshes and the gate would close for no reason."
         )
-    session = _float(env, "AML_SESSION_TIMEOUT", defaults.session_timeout, 1, 300)
-    settings = Settings(
-        bootstrap_servers=_servers(env, "KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092"),
-        service=service,
-        app_id=app_id,
-        depends_on=depends,
-        derived_dependencies=derived,
-        payments_topic=payments_topic,
-        enriched_topic=_name(env, "AML_ENRICHED_TOPIC", defaults.enriched_topic, _TOPIC, "topic"),
-        enrichment_group=_name(
-            env, "AML_ENRICHMENT_GROUP", defaults.enrichment_group, _GROUP, "consumer group"
-        ),
-        decisions_topic=_name(env, "AML_DECISIONS_TOPIC", f"{app_id}.decisions", _TOPIC, "topic"),
-        alerts_topic=_name(env, "AML_ALERTS_TOPIC", f"{app_id}.alerts", _TOPIC, "topic"),
-        dlq_topic=_name(env, "AML_DLQ_TOPIC", defaults.dlq_topic, _TOPIC, "topic"),
-        review_topic=_name(env, "AML_REVIEW_TOPIC", f"{app_id}.review", _TOPIC, "topic"),
-        partitions=_int(env, "AML_PARTITIONS", defaults.partitions, 1, 10000),
-        replication_factor=_int(env, "AML_REPLICATION_FACTOR", defaults.replication_factor, 1, 10),
-        gate_enabled=_bool(env, "AML_GATE", True),
-        gate_mode=_choice(
-            env,
-            "AML_GATE_MODE",
-            "event-time" if service == "aml" else "partition",
-            ("event-time", "partition"),
-        ),
-        allowed_lateness=_float(env, "AML_ALLOWED_LATENESS", defaults.allowed_lateness, 0, 86400 * 30),
-        max_wait=_float(env, "AML_MAX_WAIT", defaults.max_wait, 0.1, 86400 * 30),
-        wait_policy=_choice(env, "AML_WAIT_POLICY", defaults.wait_policy, ("wait", "decide-stale")),
-        max_attempts=_int(env, "AML_MAX_ATTEMPTS", defaults.max_attempts, 0, 1_000_000),
+    mode = GateMode.EVENT_TIME if service == "aml" else GateMode.PARTITION
+    return GateSettings(
+        enabled=_bool(env, "AML_GATE", d.enabled),
+        mode=_enum(env, "AML_GATE_MODE", mode),
+        allowed_lateness=_float(env, "AML_ALLOWED_LATENESS", d.allowed_lateness, 0, 86400 * 30),
+        max_wait=_float(env, "AML_MAX_WAIT", d.max_wait, 0.1, 86400 * 30),
+        wait_policy=_enum(env, "AML_WAIT_POLICY", d.wait_policy),
+        max_attempts=_int(env, "AML_MAX_ATTEMPTS", d.max_attempts, 0, 1_000_000),
         refresh_interval=slow,
         fast_refresh_interval=fast,
         watermark_max_age=max_age,
-        max_pending_per_partition=_int(env, "AML_MAX_PENDING", 1000, 1, 1_000_000),
-        max_in_flight=_int(env, "AML_MAX_IN_FLIGHT", 1000, 1, 1_000_000),
-        max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", 65536, 256, 10_000_000),
-        max_clock_skew=_float(env, "AML_MAX_CLOCK_SKEW", defaults.max_clock_skew, 0, 1e12),
-        session_timeout=session,
-        rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
-        commit_interval=_float(env, "AML_COMMIT_INTERVAL", defaults.commit_interval, 0.1, 60),
-        fetch_max_wait_ms=_int(env, "AML_FETCH_MAX_WAIT_MS", defaults.fetch_max_wait_ms, 1, 30000),
-        producer_linger_ms=_int(env, "AML_PRODUCER_LINGER_MS", defaults.producer_linger_ms, 0, 1000),
-        web_host=_text(env, "AML_WEB_HOST", defaults.web_host),
-        web_port=_int(env, "AML_WEB_PORT", defaults.web_port, 1, 65535),
-        data_dir=_text(env, "AML_DATA_DIR", defaults.data_dir),
-        table_store=_text(env, "AML_TABLE_STORE", defaults.table_store),
-        worker_id=_text(env, "AML_WORKER_ID", defaults.worker_id),
-        broker_port=_int(env, "AML_BROKER_PORT", defaults.broker_port, 1, 65535),
-        endpoints={name: _endpoint(env, s) for name, s in registry.SERVICES.items()},
-        store_url=_store_url(env, "AML_STORE_URL", defaults.store_url),
-        api_store_url=_store_url(env, "AML_API_STORE_URL", "")
-        if env.get("AML_API_STORE_URL", "").strip()
-        else "",
-        services_host=_text(env, "AML_SERVICES_HOST", defaults.services_host),
+        refresh_deadline=_refresh_deadline(env, slow),
+        max_pending_per_partition=_int(env, "AML_MAX_PENDING", d.max_pending_per_partition, 1, 1_000_000),
+        max_in_flight=_int(env, "AML_MAX_IN_FLIGHT", d.max_in_flight, 1, 1_000_000),
+        stall_after=_float(env, "AML_STALL_AFTER", d.stall_after, 0.1, 86400),
+        lag_warn=_int(env, "AML_LAG_WARN", d.lag_warn, 0, 10**12),
+    )
+
+
+def _endpoints(env: Mapping[str, str]) -> dict[str, Endpoint]:
+    """Every dependency service's group, port and replicas; no two services share a group or a port."""
+    endpoints = {name: _endpoint(env, s) for name, s in registry.SERVICES.items()}
+    for first, second in itertools.combinations(registry.SERVICES.values(), 2):
+        if endpoints[first.name].group == endpoints[second.name].group:
+            raise ConfigError(
+                f"{first.group_env} and {second.group_env} must differ: each service has its own group."
+            )
+        if endpoints[first.name].port == endpoints[second.name].port:
+            raise ConfigError(f"{first.port_env} and {second.port_env} must differ.")
+    return endpoints
+
+
+def _dependencies(env: Mapping[str, str]) -> DependencySettings:
+    """B and C, their APIs and their stores."""
+    d = DependencySettings()
+    api_store_url = env.get("AML_API_STORE_URL", "").strip()
+    deps = DependencySettings(
+        endpoints=_endpoints(env),
+        services_host=_text(env, "AML_SERVICES_HOST", d.services_host),
+        store_url=_store_url(env, "AML_STORE_URL", d.store_url),
+        api_store_url=_store_url(env, "AML_API_STORE_URL", "") if api_store_url else "",
         api_token=_token(env, "AML_API_TOKEN"),
-        web_token=_token(env, "AML_WEB_TOKEN"),
-        http_timeout=_float(env, "AML_HTTP_TIMEOUT", defaults.http_timeout, 0.1, 120),
-        freshness_wait=_float(env, "AML_FRESHNESS_WAIT", defaults.freshness_wait, 0, 10),
-        max_batch=_int(env, "AML_MAX_BATCH", defaults.max_batch, 1, 1000),
+        http_timeout=_float(env, "AML_HTTP_TIMEOUT", d.http_timeout, 0.1, 120),
+        freshness_wait=_float(env, "AML_FRESHNESS_WAIT", d.freshness_wait, 0, 10),
+        api_max_rows=_int(env, "AML_API_MAX_ROWS", d.api_max_rows, 200, 10_000_000),
+        api_timeout=_float(env, "AML_API_TIMEOUT", d.api_timeout, 0.1, 3600),
+        api_cache_answers=_int(env, "AML_API_CACHE_ANSWERS", d.api_cache_answers, 0, 10_000_000),
+        api_access_log=_bool(env, "AML_API_ACCESS_LOG", d.api_access_log),
+        reporting_threshold=_decimal(
+            env, "AML_REPORTING_THRESHOLD", d.reporting_threshold, Decimal("0.01"), Decimal("1e12")
+        ),
+        threshold_band=_decimal(
+            env, "AML_THRESHOLD_BAND", d.threshold_band, Decimal("0.001"), Decimal("0.9")
+        ),
+        aggregates_retention=_float(env, "AML_AGGREGATES_RETENTION", d.aggregates_retention, 0, 86400 * 3650),
+    )
+    if deps.freshness_wait >= deps.http_timeout:
+        raise ConfigError(
+            f"AML_FRESHNESS_WAIT={deps.freshness_wait:g} must be shorter than AML_HTTP_TIMEOUT="
+            f"{deps.http_timeout:g}: a question that waits its whole bound must still be answered."
+        )
+    return deps
+
+
+def _pipeline(env: Mapping[str, str]) -> PipelineSettings:
+    d = PipelineSettings()
+    return PipelineSettings(
+        spark_master=_text(env, "AML_SPARK_MASTER", d.spark_master),
+        trigger_interval=_float(env, "AML_TRIGGER_INTERVAL", d.trigger_interval, 0.05, 600),
+        max_records_per_trigger=_int(
+            env, "AML_MAX_RECORDS_PER_TRIGGER", d.max_records_per_trigger, 1, 100_000_000
+        ),
+        metrics_port=_int(env, "AML_PIPELINE_METRICS_PORT", d.metrics_port, 0, 65535),
+        enrichment_metrics_port=_int(env, "AML_ENRICHMENT_METRICS_PORT", d.enrichment_metrics_port, 0, 65535),
+    )
+
+
+def _detection(env: Mapping[str, str]) -> DetectionSettings:
+    d = DetectionSettings()
+    return DetectionSettings(
+        max_batch=_int(env, "AML_MAX_BATCH", d.max_batch, 1, 1000),
         aml_thresholds=AmlThresholds.from_env(env),
         fraud_thresholds=FraudThresholds.from_env(env),
         aml_model=_aml_model(env),
         aml_alert_budget=_alert_budget(env),
-        reporting_threshold=_decimal(
-            env, "AML_REPORTING_THRESHOLD", defaults.reporting_threshold, Decimal("0.01"), Decimal("1e12")
-        ),
-        threshold_band=_decimal(
-            env, "AML_THRESHOLD_BAND", defaults.threshold_band, Decimal("0.001"), Decimal("0.9")
-        ),
-        spark_master=_text(env, "AML_SPARK_MASTER", defaults.spark_master),
-        trigger_interval=_float(env, "AML_TRIGGER_INTERVAL", defaults.trigger_interval, 0.05, 600),
-        max_records_per_trigger=_int(
-            env, "AML_MAX_RECORDS_PER_TRIGGER", defaults.max_records_per_trigger, 1, 100_000_000
-        ),
-        startup_wait=_float(env, "AML_STARTUP_WAIT", defaults.startup_wait, 0.1, 3600),
-        pipeline_metrics_port=_int(
-            env, "AML_PIPELINE_METRICS_PORT", defaults.pipeline_metrics_port, 0, 65535
-        ),
-        enrichment_metrics_port=_int(
-            env, "AML_ENRICHMENT_METRICS_PORT", defaults.enrichment_metrics_port, 0, 65535
-        ),
-        aggregates_retention=_float(
-            env, "AML_AGGREGATES_RETENTION", defaults.aggregates_retention, 0, 86400 * 3650
-        ),
-        stall_after=_float(env, "AML_STALL_AFTER", defaults.stall_after, 0.1, 86400),
-        refresh_deadline=_refresh_deadline(env, slow),
-        lag_warn=_int(env, "AML_LAG_WARN", defaults.lag_warn, 0, 10**12),
-        kafka_security=load_security(env),
-        probe_cost_ms=_float(env, "AML_PROBE_COST_MS", defaults.probe_cost_ms, 0, 10_000, "milliseconds"),
+        probe_cost_ms=_float(env, "AML_PROBE_COST_MS", d.probe_cost_ms, 0, 10_000, "milliseconds"),
+        probe_cost_kind=_enum(env, "AML_PROBE_COST_KIND", d.probe_cost_kind),
         probe_fail=_failures(env, "AML_PROBE_FAIL"),
-        probe_cost_kind=_choice(
-            env, "AML_PROBE_COST_KIND", defaults.probe_cost_kind, ("cpu", "block", "wait")
-        ),
-        api_max_rows=_int(env, "AML_API_MAX_ROWS", defaults.api_max_rows, 200, 10_000_000),
-        api_timeout=_float(env, "AML_API_TIMEOUT", defaults.api_timeout, 0.1, 3600),
-        api_cache_answers=_int(env, "AML_API_CACHE_ANSWERS", defaults.api_cache_answers, 0, 10_000_000),
-        api_access_log=_bool(env, "AML_API_ACCESS_LOG", defaults.api_access_log),
     )
-    if not settings.table_store.startswith(("rocksdb://", "memory://")):
-        raise ConfigError(
-            f"AML_TABLE_STORE={settings.table_store!r} is not supported; use rocksdb:// or memory://."
-        )
-    topics = (
-        settings.payments_topic,
-        settings.decisions_topic,
-        settings.alerts_topic,
-        settings.dlq_topic,
-        settings.review_topic,
+
+
+def _web(env: Mapping[str, str]) -> WebSettings:
+    d = WebSettings()
+    return WebSettings(
+        host=_text(env, "AML_WEB_HOST", d.host),
+        port=_int(env, "AML_WEB_PORT", d.port, 1, 65535),
+        token=_token(env, "AML_WEB_TOKEN"),
     )
-    if len(set(topics)) != len(topics):
+
+
+def _depends_on(env: Mapping[str, str]) -> tuple[str, ...]:
+    """AML_DEPENDS_ON: distinct consumer group names, at least one."""
+    raw = _text(env, "AML_DEPENDS_ON", ",".join(Settings().depends_on))
+    depends = tuple(g.strip() for g in raw.split(",") if g.strip())
+    if not depends:
+        raise ConfigError("AML_DEPENDS_ON is empty; name at least one consumer group to wait for.")
+    for group in depends:
+        if not _GROUP.match(group):
+            raise ConfigError(f"AML_DEPENDS_ON: {group!r} is not a valid consumer group name.")
+    if len(set(depends)) != len(depends):
+        raise ConfigError(f"AML_DEPENDS_ON={raw!r} names a group twice.")
+    return depends
+
+
+def _service(env: Mapping[str, str]) -> str:
+    """AML_SERVICE: a module of the agents package."""
+    service = _text(env, "AML_SERVICE", Settings().service)
+    services = available_services()
+    if service not in services:
         raise ConfigError(
-            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC, AML_DLQ_TOPIC and AML_REVIEW_TOPIC "
-            "must differ."
+            f"AML_SERVICE={service!r} names no gated service; expected one of {', '.join(services)} "
+            "(a module in the agents package)."
         )
-    for first, second in itertools.combinations(registry.SERVICES.values(), 2):
-        if first.group(settings) == second.group(settings):
-            raise ConfigError(
-                f"{first.group_env} and {second.group_env} must differ: each service has its own group."
-            )
-        if first.port(settings) == second.port(settings):
-            raise ConfigError(f"{first.port_env} and {second.port_env} must differ.")
-    if settings.freshness_wait >= settings.http_timeout:
+    return service
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
+    env = os.environ if env is None else env
+    depends = _depends_on(env)
+    service = _service(env)
+    app_id = _name(env, "AML_APP_ID", service, _GROUP, "consumer group")
+    if app_id in depends:
         raise ConfigError(
-            f"AML_FRESHNESS_WAIT={settings.freshness_wait:g} must be shorter than AML_HTTP_TIMEOUT="
-            f"{settings.http_timeout:g}: a question that waits its whole bound must still be answered."
+            f"AML_APP_ID={app_id!r} is also listed in AML_DEPENDS_ON; "
+            "a service cannot wait for its own consumer group."
         )
-    return settings
+    kafka = _kafka(env, app_id)
+    derived = _derived_dependencies(env, depends, app_id, kafka.payments_topic)
+    defaults = Settings()
+    table_store = _text(env, "AML_TABLE_STORE", defaults.table_store)
+    if not table_store.startswith(("rocksdb://", "memory://")):
+        raise ConfigError(f"AML_TABLE_STORE={table_store!r} is not supported; use rocksdb:// or memory://.")
+    return Settings(
+        service=service,
+        app_id=app_id,
+        depends_on=depends,
+        derived_dependencies=derived,
+        worker_id=_text(env, "AML_WORKER_ID", defaults.worker_id),
+        data_dir=_text(env, "AML_DATA_DIR", defaults.data_dir),
+        table_store=table_store,
+        kafka=kafka,
+        gate=_gate(env, service),
+        dependencies=_dependencies(env),
+        pipeline=_pipeline(env),
+        detection=_detection(env),
+        web=_web(env),
+    )

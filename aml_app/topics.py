@@ -28,21 +28,25 @@ def review_topic(service: str, suffix: str = "") -> str:
 
 def topic_specs(settings: Settings, suffix: str = "") -> list[TopicSpec]:
     """The payments topic, its dead-letter topic, and every detecting service's decisions, alerts, review."""
-    n, rf = settings.partitions, settings.replication_factor
+    n, rf = settings.kafka.partitions, settings.kafka.replication_factor
     keyed = {"cleanup.policy": "compact", "min.insync.replicas": str(min(2, rf))}
     specs = [
         TopicSpec(
-            settings.payments_topic,
+            settings.kafka.payments_topic,
             n,
             rf,
             {"retention.ms": str(7 * DAY_MS), "min.insync.replicas": str(min(2, rf))},
             "payments, key = payer",
         ),
         TopicSpec(
-            settings.dlq_topic, n, rf, {"retention.ms": str(30 * DAY_MS)}, "dead letters: bytes + reason"
+            settings.kafka.dlq_topic,
+            n,
+            rf,
+            {"retention.ms": str(30 * DAY_MS)},
+            "dead letters: bytes + reason",
         ),
         TopicSpec(
-            settings.enriched_topic,
+            settings.kafka.enriched_topic,
             n,
             rf,
             {"retention.ms": str(7 * DAY_MS), "min.insync.replicas": str(min(2, rf))},
@@ -53,9 +57,11 @@ def topic_specs(settings: Settings, suffix: str = "") -> list[TopicSpec]:
         # This worker's own service may have its topics renamed; the others keep their default names.
         mine = service == settings.service
         decisions, alerts = (
-            (settings.decisions_topic, settings.alerts_topic) if mine else service_topics(service, suffix)
+            (settings.kafka.decisions_topic, settings.kafka.alerts_topic)
+            if mine
+            else service_topics(service, suffix)
         )
-        review = settings.review_topic if mine else review_topic(service, suffix)
+        review = settings.kafka.review_topic if mine else review_topic(service, suffix)
         specs.append(
             TopicSpec(decisions, n, rf, keyed, f"{service}: one decision per payment, key = payment id")
         )

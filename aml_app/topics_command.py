@@ -83,7 +83,7 @@ async def create_missing(
     with `grow` add partitions to those with fewer than their spec (`growth_order`)."""
     try:
         admin = await answering_admin(
-            settings.bootstrap_servers, settings.kafka_security, timeout, "aml-topics"
+            settings.kafka.bootstrap_servers, settings.kafka.security, timeout, "aml-topics"
         )
     except Unreachable as exc:
         raise TopicsError(str(exc)) from None
@@ -116,7 +116,7 @@ async def create_missing(
                     refused.append(f"{name} ({detail})")
             if refused:
                 raise TopicsError(f"the cluster refused to create {', '.join(refused)}.")
-        for spec in growth_order(specs, outcome.existing, settings.payments_topic) if grow else []:
+        for spec in growth_order(specs, outcome.existing, settings.kafka.payments_topic) if grow else []:
             before = outcome.existing[spec.name]
             try:
                 await admin.create_partitions({spec.name: NewPartitions(total_count=spec.partitions)})
@@ -166,8 +166,8 @@ def topics_command(create: bool, grow: bool, timeout: float) -> None:
     click.echo(spec_table(specs))
     if not create:
         return
-    servers = ",".join(settings.bootstrap_servers)
-    click.echo(f"\ncreating on {servers} ({settings.kafka_security.describe()})")
+    servers = ",".join(settings.kafka.bootstrap_servers)
+    click.echo(f"\ncreating on {servers} ({settings.kafka.security.describe()})")
     try:
         outcome = asyncio.run(create_missing(settings, specs, timeout, grow))
     except TopicsError as exc:

@@ -27,8 +27,8 @@ from tests.harness import payments_for
 
 #: The deployment's defaults, in place of the tests' (`tests.harness.TEST_ENV`).
 INTERVALS = {
-    "AML_REFRESH_INTERVAL": str(Settings().refresh_interval),
-    "AML_FAST_REFRESH_INTERVAL": str(Settings().fast_refresh_interval),
+    "AML_REFRESH_INTERVAL": str(Settings().gate.refresh_interval),
+    "AML_FAST_REFRESH_INTERVAL": str(Settings().gate.fast_refresh_interval),
 }
 
 

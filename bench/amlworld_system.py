@@ -56,9 +56,9 @@ async def run(args: argparse.Namespace, gate: bool) -> dict[str, Any]:
         started = time.monotonic()
         sent = await send_payments(
             system.bootstrap,
-            system.settings.payments_topic,
+            system.settings.kafka.payments_topic,
             timeline,
-            security=system.settings.kafka_security,
+            security=system.settings.kafka.security,
             days_per_second=args.days_per_second,
         )
         ids = {p.payment_id for p in timeline}

@@ -79,7 +79,7 @@ from aml_app.harness.dependencies import ApiProcess
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
-from aml_app.settings import Settings
+from aml_app.settings import DependencySettings, KafkaSettings, Settings
 from bench.common import CLK_TCK, RESULTS, cpu_seconds, machine, markdown_table, write_results
 
 NAME = "api_latency"
@@ -252,8 +252,10 @@ def build_stores(settings: Settings, rows: list[tuple], vacuum: bool) -> dict[st
     from aml_app.pipeline.jobs import writer_for
 
     started = time.monotonic()
-    threshold, band = settings.reporting_threshold, settings.threshold_band
-    writers = {name: Writer(settings.store_url, dep.schema) for name, dep in registry.SERVICES.items()}
+    threshold, band = settings.dependencies.reporting_threshold, settings.dependencies.threshold_band
+    writers = {
+        name: Writer(settings.dependencies.store_url, dep.schema) for name, dep in registry.SERVICES.items()
+    }
     applied: dict[str, dict[int, int]] = {}
     try:
         for service, writer in writers.items():
@@ -278,7 +280,7 @@ def build_stores(settings: Settings, rows: list[tuple], vacuum: bool) -> dict[st
             writer.close()
     written = time.monotonic() - started
     if vacuum:
-        with psycopg.connect(settings.store_url, autocommit=True) as conn:
+        with psycopg.connect(settings.dependencies.store_url, autocommit=True) as conn:
             for schema in (relations.SCHEMA, aggregates.SCHEMA):
                 for table in ("edges",) if schema is relations.SCHEMA else ("flows",):
                     conn.execute(f'VACUUM (ANALYZE) "{schema.name}"."{table}"')
@@ -294,8 +296,8 @@ def build_stores(settings: Settings, rows: list[tuple], vacuum: bool) -> dict[st
         "out_degree_p50": percentile(degrees, 50),
         "out_degree_p99": percentile(degrees, 99),
         "out_degree_max": degrees[-1],
-        "relations_mb": schema_mb(settings.store_url, "relations"),
-        "aggregates_mb": schema_mb(settings.store_url, "aggregates"),
+        "relations_mb": schema_mb(settings.dependencies.store_url, "relations"),
+        "aggregates_mb": schema_mb(settings.dependencies.store_url, "aggregates"),
         "applied_offsets": applied["relations"],
     }
 
@@ -464,15 +466,16 @@ async def main(args: argparse.Namespace) -> None:
         broker = await asyncio.to_thread(EmbeddedBroker(free_port(), log_path=workdir / "broker.log").start)
         await wait_until_answering([broker.bootstrap])
         settings = Settings(
-            bootstrap_servers=(broker.bootstrap,),
-            payments_topic=f"payments-{suffix}",
-            endpoints={
-                name: replace(s.default_endpoint(), group=f"{name}-{suffix}")
-                for name, s in registry.SERVICES.items()
-            },
-            store_url=server.url(),
+            kafka=KafkaSettings(bootstrap_servers=(broker.bootstrap,), payments_topic=f"payments-{suffix}"),
+            dependencies=DependencySettings(
+                endpoints={
+                    name: replace(s.default_endpoint(), group=f"{name}-{suffix}")
+                    for name, s in registry.SERVICES.items()
+                },
+                store_url=server.url(),
+            ),
         )
-        await create_topics([broker.bootstrap], [settings.payments_topic], PARTITIONS)
+        await create_topics([broker.bootstrap], [settings.kafka.payments_topic], PARTITIONS)
         end = datetime.now(UTC)
         print(f"building stores: {args.payments} payments over {args.accounts} accounts in {server.url()}")
         stores = await asyncio.to_thread(

@@ -268,14 +268,14 @@ class CapacityDemo(Demo):
         simulator = asyncio.create_task(
             run_simulator(
                 self.system.bootstrap,
-                s.payments_topic,
+                s.kafka.payments_topic,
                 rate,
                 seconds,
                 o.seed + seed,
                 None,  # one ground truth for the whole run, written at its end
-                reporting_threshold=s.reporting_threshold,
-                threshold_band=s.threshold_band,
-                thresholds=s.aml_thresholds,
+                reporting_threshold=s.dependencies.reporting_threshold,
+                threshold_band=s.dependencies.threshold_band,
+                thresholds=s.detection.aml_thresholds,
                 prefix=f"cap{o.seed}-{label}-{uuid.uuid4().hex[:4]}",
                 producer=self.producer,
                 stop=self.controls.stop,
@@ -801,8 +801,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "api_replicas": demo.system.layout.api_replicas,
             "aml_model": "amlworld",
             "gate_modes": {"aml": "event-time", "fraud": "partition"},
-            "partitions": demo.settings.partitions,
-            "trigger_interval_s": demo.settings.trigger_interval,
+            "partitions": demo.settings.kafka.partitions,
+            "trigger_interval_s": demo.settings.pipeline.trigger_interval,
         },
         "definitions": {
             "produced": "the simulator's send time (start of the payment's burst)",

@@ -77,7 +77,7 @@ from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.kafka.deadlines import close_within, within
 from aml_app.kafka.derivation import SOURCE_HEADER
-from aml_app.settings import Settings
+from aml_app.settings import KafkaSettings, Settings, WebSettings
 from aml_app.simulation.producer import payment_count
 from aml_app.simulation.traffic import DEFAULT_SPEEDUP, default_start
 from bench.common import PROJECT, RESULTS, code_version, machine
@@ -688,7 +688,7 @@ class Soak:
         reading the stage's topic, what the topic's records prove it applied (`DerivedRecords.position`)."""
         found = {g: poll.committed[g] for g in self.dependency_groups if g != self.derived_group}
         if self.derived_group is not None:
-            stage = poll.committed[self.settings.enrichment_group]
+            stage = poll.committed[self.settings.kafka.enrichment_group]
             found[self.derived_group] = self.derived.position(stage, poll.committed[self.derived_group])
         return found
 
@@ -774,11 +774,7 @@ class Soak:
         await asyncio.to_thread(self.broker.start)
         self.postgres = EmbeddedPostgres(self.folder / "postgres", free_port())
         await asyncio.to_thread(self.postgres.start)
-        settings = replace(
-            Settings(),
-            partitions=PARTITIONS,
-            web_port=free_port(),
-        )
+        settings = Settings(kafka=KafkaSettings(partitions=PARTITIONS), web=WebSettings(port=free_port()))
         for name in registry.NAMES:
             settings = settings.with_endpoint(name, port=free_port())
         if self.options.derived:
@@ -793,7 +789,8 @@ class Soak:
         self.system = System(settings, self.folder / "system", layout, say=self.say)
         self.system.folder.mkdir(parents=True, exist_ok=True)
         await self.system.start_broker()
-        self.system.settings = replace(self.system.settings, bootstrap_servers=tuple(self.system.bootstrap))
+        kafka = replace(self.system.settings.kafka, bootstrap_servers=tuple(self.system.bootstrap))
+        self.system.settings = replace(self.system.settings, kafka=kafka)
         await self.system.start_store()
         await self.create_topics()
         await self.start_clients()
@@ -825,10 +822,10 @@ class Soak:
         aml = service_settings(s, "aml")
         bootstrap = self.system.bootstrap[0] if self.system else ""
         topics = {
-            "payments": s.payments_topic,
-            "decisions": aml.decisions_topic,
-            "alerts": aml.alerts_topic,
-            "dlq": s.dlq_topic,
+            "payments": s.kafka.payments_topic,
+            "decisions": aml.kafka.decisions_topic,
+            "alerts": aml.kafka.alerts_topic,
+            "dlq": s.kafka.dlq_topic,
         }
         for name, topic in topics.items():
             self.readers[name] = await TopicReader(bootstrap, topic, PARTITIONS).start()
@@ -837,12 +834,12 @@ class Soak:
         on_topic: dict[str, str] = {}
         if self.derived_group is not None:
             # The stage's offsets are read before C's in each poll, as the proof needs (DerivedRecords).
-            groups = (s.enrichment_group, *groups)
-            on_topic[self.derived_group] = s.enriched_topic
-            self.readers["derived"] = await TopicReader(bootstrap, s.enriched_topic, PARTITIONS).start()
+            groups = (s.kafka.enrichment_group, *groups)
+            on_topic[self.derived_group] = s.kafka.enriched_topic
+            self.readers["derived"] = await TopicReader(bootstrap, s.kafka.enriched_topic, PARTITIONS).start()
             self.tasks["derived reader"] = asyncio.create_task(self.readers["derived"].run(self.closing))
             self.derived.reader = self.readers["derived"]
-        self.poller = CommitPoller(bootstrap, s.payments_topic, PARTITIONS, groups, on_topic)
+        self.poller = CommitPoller(bootstrap, s.kafka.payments_topic, PARTITIONS, groups, on_topic)
         self.tasks["commit poller"] = asyncio.create_task(self.poller.run(self.closing))
         self.producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
         await self.producer.start()
@@ -859,7 +856,9 @@ class Soak:
             value = payment_bytes(
                 f"chaos-warm-{self.options.seed}-{p}", payer, "chaos-warm-sink", "1.00", self.first_event
             )
-            meta = await (await self.producer.send(self.settings.payments_topic, value, payer.encode(), p))
+            meta = await (
+                await self.producer.send(self.settings.kafka.payments_topic, value, payer.encode(), p)
+            )
             placed[meta.partition] = meta.offset
         self.say(f"warm-up: waiting up to {WARM_UP_DEADLINE:.0f} s for the pipeline's first batch")
 
@@ -945,7 +944,7 @@ class Soak:
             n += 1
             try:
                 await asyncio.wait_for(
-                    await self.producer.send(self.settings.payments_topic, value, key), FAULTS_DEADLINE
+                    await self.producer.send(self.settings.kafka.payments_topic, value, key), FAULTS_DEADLINE
                 )
             except Exception as exc:  # counted from the topic anyway: a record that did not land is no case
                 self.notes.append(f"malformed record {n - 1} not acknowledged: {exc!r}")
@@ -1095,7 +1094,7 @@ class Soak:
             payer = f"chaos-{kind}-{self.options.seed}"
             value = payment_bytes(payer, payer, "chaos-odd-sink", "12.00", ts)
             sent = await within(
-                await self.producer.send(self.settings.payments_topic, value, payer.encode()),
+                await self.producer.send(self.settings.kafka.payments_topic, value, payer.encode()),
                 FAULTS_DEADLINE,
                 f"sending the {kind} payment",
             )
@@ -1172,7 +1171,7 @@ class Soak:
             lag = " ".join(
                 f"{g} {sum(max(end - at[g].get(p, 0), 0) for p, end in ends.items())}"
                 for g in at
-                if g != self.settings.enrichment_group or self.derived_group is not None
+                if g != self.settings.kafka.enrichment_group or self.derived_group is not None
             )
         dead = "/".join(str(len(f.dead.get(s, {}))) for s in self.dead_letter_sources)
         workers = ",".join(w.worker_id for w in self.live_workers())
@@ -1201,7 +1200,7 @@ class Soak:
         """Every producer stopped: the log ends are final; wait until everything was handled."""
         assert self.broker is not None
         self.ends, self.listed_ends = await log_ends(
-            self.broker.bootstrap, self.settings.payments_topic, PARTITIONS
+            self.broker.bootstrap, self.settings.kafka.payments_topic, PARTITIONS
         )
         self.say(
             f"log ends (fetch high watermark) {self.ends}; ListOffsets says {self.listed_ends}; "

@@ -122,7 +122,7 @@ def main() -> None:
         help="the commit of the per-payment model to compare with ('none' to skip it; it takes minutes)",
     )
     parser.add_argument("--before-repeat", type=int, default=1, help="passes of the per-payment model")
-    parser.add_argument("--partitions", type=int, default=Settings().partitions)
+    parser.add_argument("--partitions", type=int, default=Settings().kafka.partitions)
     args = parser.parse_args()
     doc: dict[str, Any] = {"machine": machine(), "code": code_version(), "args": vars(args)}
     started = time.perf_counter()

@@ -70,7 +70,7 @@ from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
 from aml_app.kafka.tools import payment_json
-from aml_app.settings import Settings
+from aml_app.settings import DependencySettings, KafkaSettings, PipelineSettings, Settings
 from bench.common import finish, machine, markdown_table
 
 NAME = "pipeline_throughput"
@@ -665,18 +665,24 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         server = EmbeddedPostgres(workdir / "postgres", free_port()).start()
         groups = [f"relations-{suffix}", f"aggregates-{suffix}"]
         settings = Settings(
-            bootstrap_servers=(broker.bootstrap,),
-            payments_topic=topic,
-            dlq_topic=dlq,
-            endpoints={
-                name: dataclasses.replace(dependency_service(name).default_endpoint(), group=group)
-                for name, group in zip(SERVICES, groups, strict=True)
-            },
-            store_url=server.url(),
-            spark_master=args.master,
-            trigger_interval=args.trigger_interval,
-            max_records_per_trigger=args.max_records_per_trigger,
-            max_payment_bytes=MAX_PAYMENT_BYTES,
+            kafka=KafkaSettings(
+                bootstrap_servers=(broker.bootstrap,),
+                payments_topic=topic,
+                dlq_topic=dlq,
+                max_payment_bytes=MAX_PAYMENT_BYTES,
+            ),
+            dependencies=DependencySettings(
+                endpoints={
+                    name: dataclasses.replace(dependency_service(name).default_endpoint(), group=group)
+                    for name, group in zip(SERVICES, groups, strict=True)
+                },
+                store_url=server.url(),
+            ),
+            pipeline=PipelineSettings(
+                spark_master=args.master,
+                trigger_interval=args.trigger_interval,
+                max_records_per_trigger=args.max_records_per_trigger,
+            ),
         )
         poller = CommitPoller(broker.bootstrap, topic, groups, CATCH_UP_POLL_INTERVAL).start()
         reports = Batches()
@@ -983,7 +989,7 @@ def cli() -> None:
     parser.add_argument(
         "--max-records-per-trigger",
         type=int,
-        default=Settings().max_records_per_trigger,
+        default=Settings().pipeline.max_records_per_trigger,
         help="the pipeline's default (AML_MAX_RECORDS_PER_TRIGGER)",
     )
     parser.add_argument("--trigger-interval", type=float, default=0.5, help="seconds between micro-batches")

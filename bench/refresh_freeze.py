@@ -34,7 +34,7 @@ from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.kafka.deadlines import within
 from aml_app.kafka.tools import GroupCommitter, payment_json
-from aml_app.settings import Settings
+from aml_app.settings import KafkaSettings, Settings
 from bench.common import RESULTS
 
 PARTITIONS = 4
@@ -162,16 +162,18 @@ async def run(options: argparse.Namespace) -> dict[str, Any]:
         await create_topics([broker.bootstrap], list(names.values()), PARTITIONS)
         deps = (f"relations-{suffix}", f"aggregates-{suffix}")
         settings = Settings(
-            bootstrap_servers=(broker.bootstrap,),
             service="probe",
             app_id=f"freeze-{suffix}",
             depends_on=deps,
-            payments_topic=names["payments"],
-            decisions_topic=names["decisions"],
-            alerts_topic=names["alerts"],
-            dlq_topic=names["dlq"],
-            review_topic=names["review"],
-            partitions=PARTITIONS,
+            kafka=KafkaSettings(
+                bootstrap_servers=(broker.bootstrap,),
+                payments_topic=names["payments"],
+                decisions_topic=names["decisions"],
+                alerts_topic=names["alerts"],
+                dlq_topic=names["dlq"],
+                review_topic=names["review"],
+                partitions=PARTITIONS,
+            ),
         )
         for _ in range(2):
             port = free_port()

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 alerts_sent = app.Table(
     "alerts-sent",
     default=None,
-    partitions=settings.partitions,
+    partitions=settings.kafka.partitions,
     # Faust encodes a table's keys by key type (bytes: raw, anything else: JSON), not by its schema; bytes
     # keys are the alerts topic's own key bytes (the payment id, UTF-8), so a recovered entry is found.
     key_type=bytes,
@@ -61,21 +61,21 @@ def copartitioning_problem() -> str | None:
     the worker deciding payments partition p need not hold `alerts-sent` partition p, and an alert on a
     new partition has nowhere to go. Nothing is processed under such an assignment.
     """
-    payments = app.consumer.topic_partitions(settings.payments_topic)
-    alerts = app.consumer.topic_partitions(settings.alerts_topic)
+    payments = app.consumer.topic_partitions(settings.kafka.payments_topic)
+    alerts = app.consumer.topic_partitions(settings.kafka.alerts_topic)
     if payments is None or alerts is None or payments == alerts:
         return None
     return (
-        f"{settings.payments_topic} has {payments} partitions but {settings.alerts_topic} has {alerts}: the "
-        f"alerts topic is the changelog of {alerts_sent.name} and needs as many, or an alert could be sent "
-        f"twice; grow the smaller with `AML_PARTITIONS={max(payments, alerts)} aml-app topics --create "
-        "--grow` and start the workers again"
+        f"{settings.kafka.payments_topic} has {payments} partitions but {settings.kafka.alerts_topic} has "
+        f"{alerts}: the alerts topic is the changelog of {alerts_sent.name} and needs as many, or an alert "
+        f"could be sent twice; grow the smaller with `AML_PARTITIONS={max(payments, alerts)} aml-app topics "
+        "--create --grow` and start the workers again"
     )
 
 
 def applied_to(partition: int) -> int:
     """The offset after the last alerts record this worker's store of `partition` recovered (0: none)."""
-    applied = alerts_sent.persisted_offset(TP(settings.alerts_topic, partition))
+    applied = alerts_sent.persisted_offset(TP(settings.kafka.alerts_topic, partition))
     return 0 if applied is None else applied + 1
 
 
@@ -84,17 +84,17 @@ async def read_back(partition: int, start: int, timeout: float) -> list[tuple[by
     it, not ListOffsets), read outside any group: what the broker holds after a send whose outcome this
     worker does not know. Raises TimeoutError (`DeadlineExceeded`) when it cannot read them in time."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=list(settings.bootstrap_servers),
+        bootstrap_servers=list(settings.kafka.bootstrap_servers),
         group_id=None,
         enable_auto_commit=False,
         client_id="aml-alerts-read-back",
-        **aiokafka_kwargs(settings.kafka_security),
+        **aiokafka_kwargs(settings.kafka.security),
     )
     deadline = time.monotonic() + timeout
     found: list[tuple[bytes | None, bytes | None]] = []
     try:
         await within(consumer.start(), timeout, "starting the alerts reader")
-        tp = TopicPartition(settings.alerts_topic, partition)
+        tp = TopicPartition(settings.kafka.alerts_topic, partition)
         consumer.assign([tp])
         consumer.seek(tp, start)
         while True:

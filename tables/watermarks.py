@@ -54,6 +54,7 @@ from aml_app.gate.watermark import (
 )
 from aml_app.kafka.deadlines import DeadlineExceeded, within
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
+from aml_app.settings import GateMode
 
 log = logging.getLogger(__name__)
 
@@ -90,15 +91,20 @@ CUT = "cut"
 park_requests = _global_table(
     "gate-park", str, "Payments an operator asked to park: 'P:O' -> who, when, why."
 )
-EVENT_TIME = settings.gate_mode == "event-time"
+EVENT_TIME = settings.gate.mode is GateMode.EVENT_TIME
 #: Every pace of the refresh, the gate and the delivery check, derived in one place.
 refresh = RefreshPolicy(
-    settings.refresh_interval, settings.fast_refresh_interval, settings.stall_after, settings.refresh_deadline
+    settings.gate.refresh_interval,
+    settings.gate.fast_refresh_interval,
+    settings.gate.stall_after,
+    settings.gate.refresh_deadline,
 )
 #: `AML_FAILPOINT=refresh-hang`, for the tests only: the leader's reads of the dependencies' offsets
 #: never answer and swallow their cancellation, as aiokafka's consumer did after a broker froze.
 REFRESH_HANGS = os.environ.get("AML_FAILPOINT") == "refresh-hang"
-limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn, max_wait=settings.max_wait)
+limits = Limits(
+    stall_after=settings.gate.stall_after, lag_warn=settings.gate.lag_warn, max_wait=settings.gate.max_wait
+)
 
 
 async def never_answering() -> None:
@@ -231,7 +237,7 @@ class WorkerGate(Service):
             recheck_every=refresh.gate_recheck,
             distrust=self.distrusted,
             cut=(lambda: cuts.get(CUT)) if EVENT_TIME else None,
-            lateness_us=round(settings.allowed_lateness * 1_000_000),
+            lateness_us=round(settings.gate.allowed_lateness * 1_000_000),
         )
         gate = self.gate
         watermarks.watchers.append(lambda keys: gate.notify(int(k) for k in keys))
@@ -253,9 +259,9 @@ class WorkerGate(Service):
     def _new_readers() -> tuple[DependencyOffsets, UnappliedReader]:
         """The leader's Kafka clients: the admin reads of the offsets, the event-time fetches."""
         servers, topic, security = (
-            settings.bootstrap_servers,
-            settings.payments_topic,
-            settings.kafka_security,
+            settings.kafka.bootstrap_servers,
+            settings.kafka.payments_topic,
+            settings.kafka.security,
         )
         return (
             DependencyOffsets(
@@ -269,8 +275,8 @@ class WorkerGate(Service):
                 servers,
                 topic,
                 security=security,
-                max_payment_bytes=settings.max_payment_bytes,
-                max_clock_skew=settings.max_clock_skew,
+                max_payment_bytes=settings.kafka.max_payment_bytes,
+                max_clock_skew=settings.kafka.max_clock_skew,
             ),
         )
 
@@ -299,7 +305,7 @@ class WorkerGate(Service):
     def distrusted(self, row: Row) -> str | None:
         """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
         generation = app.consumer_generation_id
-        return distrust(row, time.time(), settings.watermark_max_age, generation, self.gate.log)
+        return distrust(row, time.time(), settings.gate.watermark_max_age, generation, self.gate.log)
 
     # --- the leader's refresh -----------------------------------------------------------------------
 
@@ -503,7 +509,7 @@ class WorkerGate(Service):
         return {
             **row,
             "frontier_at": None if frontier is None else instant(frontier),
-            "lateness_s": settings.allowed_lateness,
+            "lateness_s": settings.gate.allowed_lateness,
             "untrusted": self.distrusted(row),
         }
 

@@ -8,7 +8,7 @@ import random
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +19,7 @@ from aml_app.harness.child_process import aml_app_executable
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.kafka.security import PLAINTEXT
-from aml_app.settings import Settings
+from aml_app.settings import KafkaSettings, PipelineSettings, Settings
 
 AML_APP = aml_app_executable()
 
@@ -81,17 +81,19 @@ class Names:
     def settings(self, bootstrap: str) -> Settings:
         """The service's settings for these names, as a worker started on them gets them."""
         return Settings(
-            bootstrap_servers=(bootstrap,),
             # The gate's tests run the probe service: the gate alone, dependencies played by the test.
             service="probe",
             app_id=self.app_id,
             depends_on=self.deps,
-            payments_topic=self.payments,
-            decisions_topic=self.decisions,
-            alerts_topic=self.alerts,
-            dlq_topic=self.dlq,
-            review_topic=self.review,
-            partitions=self.partitions,
+            kafka=KafkaSettings(
+                bootstrap_servers=(bootstrap,),
+                payments_topic=self.payments,
+                decisions_topic=self.decisions,
+                alerts_topic=self.alerts,
+                dlq_topic=self.dlq,
+                review_topic=self.review,
+                partitions=self.partitions,
+            ),
         )
 
 
@@ -258,17 +260,15 @@ def produce_in_transactions(
 def settings_for(broker: EmbeddedBroker, suffix: str) -> Settings:
     """Fresh topics and dependency groups on the session's broker."""
     groups = (f"relations-{suffix}", f"aggregates-{suffix}")
+    kafka = KafkaSettings(
+        bootstrap_servers=(broker.bootstrap,),
+        payments_topic=f"payments-{suffix}",
+        dlq_topic=f"dlq-{suffix}",
+        enriched_topic=f"payments.enriched-{suffix}",
+        enrichment_group=f"enrichment-{suffix}",
+    )
     return (
-        replace(
-            Settings(),
-            bootstrap_servers=(broker.bootstrap,),
-            payments_topic=f"payments-{suffix}",
-            dlq_topic=f"dlq-{suffix}",
-            enriched_topic=f"payments.enriched-{suffix}",
-            enrichment_group=f"enrichment-{suffix}",
-            depends_on=groups,
-            trigger_interval=0.5,
-        )
+        Settings(depends_on=groups, kafka=kafka, pipeline=PipelineSettings(trigger_interval=0.5))
         .with_endpoint("relations", group=groups[0])
         .with_endpoint("aggregates", group=groups[1])
     )

@@ -8,7 +8,6 @@ import asyncio
 import os
 import signal
 import threading
-from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -20,7 +19,7 @@ from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.jobs import BatchReport
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import Pipeline, kafka_config, start_pipeline
-from aml_app.settings import Settings
+from aml_app.settings import DependencySettings, KafkaSettings, PipelineSettings, Settings
 from aml_app.training.reference import exact_from, reference_aggregates, reference_relations
 from tests.harness import Names, wait_until
 from tests.payments import Produced
@@ -29,17 +28,16 @@ from tests.stores import aggregates_answers, relations_answers, schema_of, witho
 CATCH_UP = 120.0  # seconds for a pipeline to catch up with a few thousand payments on 2 busy cores
 
 
-def pipeline_settings(broker: EmbeddedBroker, names: Names, store_url: str, **overrides: Any) -> Settings:
+def pipeline_settings(broker: EmbeddedBroker, names: Names, store_url: str, **pipeline: Any) -> Settings:
+    """The pipeline's settings on the test's topics and store; `pipeline` changes `PipelineSettings`."""
     relations_group, aggregates_group = names.deps
     return (
-        replace(
-            Settings(),
-            bootstrap_servers=(broker.bootstrap,),
-            payments_topic=names.payments,
-            dlq_topic=names.dlq,
-            store_url=store_url,
-            trigger_interval=0.2,
-            **{"pipeline_metrics_port": free_port(), **overrides},
+        Settings(
+            kafka=KafkaSettings(
+                bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments, dlq_topic=names.dlq
+            ),
+            dependencies=DependencySettings(store_url=store_url),
+            pipeline=PipelineSettings(**{"trigger_interval": 0.2, "metrics_port": free_port(), **pipeline}),
         )
         .with_endpoint("relations", group=relations_group)
         .with_endpoint("aggregates", group=aggregates_group)
@@ -57,7 +55,7 @@ class Running:
         self.pipeline: Pipeline = start_pipeline(spark, settings, on_batch=self._record)
         config = kafka_config(settings)
         self.progress = {
-            g: GroupProgress(config, settings.payments_topic, g)
+            g: GroupProgress(config, settings.kafka.payments_topic, g)
             for g in (settings.relations_group, settings.aggregates_group)
         }
 
@@ -111,17 +109,25 @@ async def check_against_reference(settings: Settings, produced: Produced, batche
     ]
     accounts = [*produced.accounts, "acct-unknown"]
     for hops in (1, 2, 3):
-        answers = await relations_answers(settings.store_url, [(a, hops, relations.PARTS) for a in accounts])
+        answers = await relations_answers(
+            settings.dependencies.store_url, [(a, hops, relations.PARTS) for a in accounts]
+        )
         for account, answer in zip(accounts, answers, strict=True):
             assert without_as_of(answer) == reference_relations(produced.valid, account, hops), (
                 account,
                 hops,
             )
     for at in instants:
-        answers = await aggregates_answers(settings.store_url, [(a, at) for a in accounts], settings)
+        answers = await aggregates_answers(
+            settings.dependencies.store_url, [(a, at) for a in accounts], settings
+        )
         for account, answer in zip(accounts, answers, strict=True):
             expected = reference_aggregates(
-                batches, account, at, settings.reporting_threshold, settings.threshold_band
+                batches,
+                account,
+                at,
+                settings.dependencies.reporting_threshold,
+                settings.dependencies.threshold_band,
             )
             assert without_as_of(answer) == expected, (account, at)
 
@@ -155,10 +161,10 @@ def pipeline_env(broker: EmbeddedBroker, names: Names, settings: Settings) -> di
         "AML_DLQ_TOPIC": names.dlq,
         "AML_RELATIONS_GROUP": settings.relations_group,
         "AML_AGGREGATES_GROUP": settings.aggregates_group,
-        "AML_STORE_URL": settings.store_url,
+        "AML_STORE_URL": settings.dependencies.store_url,
         "AML_TRIGGER_INTERVAL": "0.2",
-        "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
-        "AML_PIPELINE_METRICS_PORT": str(settings.pipeline_metrics_port),
+        "AML_MAX_RECORDS_PER_TRIGGER": str(settings.pipeline.max_records_per_trigger),
+        "AML_PIPELINE_METRICS_PORT": str(settings.pipeline.metrics_port),
     }
 
 
@@ -171,7 +177,9 @@ class Watch:
         self.partitions = range(names.partitions)
         self.progress = {g: GroupProgress(config, names.payments, g) for g in names.deps}
         services = {settings.relations_group: "relations", settings.aggregates_group: "aggregates"}
-        self.stores = {g: Writer(settings.store_url, schema_of(services[g]), patience=5) for g in names.deps}
+        self.stores = {
+            g: Writer(settings.dependencies.store_url, schema_of(services[g]), patience=5) for g in names.deps
+        }
         self.ahead: list[tuple[str, dict[int, int], dict[int, int]]] = []
         self.samples = 0
 

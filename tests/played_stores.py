@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ from aml_app.kafka.broker import free_port
 from aml_app.kafka.tools import GroupCommitter
 from aml_app.pipeline.jobs import writer_for
 from aml_app.pipeline.transforms import BatchOutputs
-from aml_app.settings import Settings
+from aml_app.settings import DependencySettings, KafkaSettings, Settings
 from tests.payments import PaymentRow
 from tests.stores import schema_of
 
@@ -67,7 +66,9 @@ def flows(payments: Sequence[PaymentRow], settings: Settings) -> pa.Table:
     minutes = [(p.payer, p.ts.replace(second=0, microsecond=0), p.payee) for p in payments]
     assert len(set(minutes)) == len(payments), "one payment per flow row"
     n = len(payments)
-    low, high = aggregates.near_bounds(settings.reporting_threshold, settings.threshold_band)
+    low, high = aggregates.near_bounds(
+        settings.dependencies.reporting_threshold, settings.dependencies.threshold_band
+    )
     return pa.table(
         {
             "payer": [p.payer for p in payments],
@@ -116,7 +117,9 @@ class Pipeline:
 
     async def apply(self, service: str, payments: Sequence[PaymentRow]) -> None:
         """Payments of one partition, in offset order, from the store's next offset on."""
-        await asyncio.to_thread(apply, self.settings.store_url, service, payments, self.settings, self.log)
+        await asyncio.to_thread(
+            apply, self.settings.dependencies.store_url, service, payments, self.settings, self.log
+        )
         partition = payments[0].partition
         for committer in self.committers[service]:
             await committer.commit({partition: payments[-1].offset + 1})
@@ -128,13 +131,14 @@ class Pipeline:
 
 def api_settings(bootstrap: str, names: Any, store_url: str, groups: dict[str, str]) -> Settings:
     """Settings for `aml-app serve` of both services on the test's store, checking it against `groups`."""
-    return replace(
-        Settings(),
-        bootstrap_servers=(bootstrap,),
-        payments_topic=names.payments,
-        partitions=names.partitions,
-        store_url=store_url,
-        endpoints={name: Endpoint(groups[name], free_port()) for name in registry.NAMES},
+    return Settings(
+        kafka=KafkaSettings(
+            bootstrap_servers=(bootstrap,), payments_topic=names.payments, partitions=names.partitions
+        ),
+        dependencies=DependencySettings(
+            store_url=store_url,
+            endpoints={name: Endpoint(groups[name], free_port()) for name in registry.NAMES},
+        ),
     )
 
 

@@ -9,6 +9,7 @@ through the APIs' reader, in one snapshot.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -52,9 +53,9 @@ def apply_records(
     outputs = batch_outputs(
         records_frame(spark, records),
         service,
-        settings.max_payment_bytes,
-        settings.reporting_threshold,
-        settings.threshold_band,
+        settings.kafka.max_payment_bytes,
+        settings.dependencies.reporting_threshold,
+        settings.dependencies.threshold_band,
     )
     writer = Writer(url, schema_of(service))
     try:
@@ -62,10 +63,13 @@ def apply_records(
         if service == "aggregates":
             with writer.connection().transaction():
                 aggregates.check_thresholds(
-                    writer.connection(), writer.schema, settings.reporting_threshold, settings.threshold_band
+                    writer.connection(),
+                    writer.schema,
+                    settings.dependencies.reporting_threshold,
+                    settings.dependencies.threshold_band,
                 )
         claim = dict(covered) if covered is not None else outputs.covered(writer.applied_offsets())
-        write = writer_for(service, timedelta(seconds=settings.aggregates_retention))
+        write = writer_for(service, timedelta(seconds=settings.dependencies.aggregates_retention))
         writer.apply(claim, lambda conn: write(conn, outputs))
     finally:
         writer.close()
@@ -106,8 +110,8 @@ async def aggregates_answers(
                 queries,
                 snap.as_of,
                 snap.meta,
-                (settings.reporting_threshold, settings.threshold_band),
-                settings.aml_thresholds.rates,
+                (settings.dependencies.reporting_threshold, settings.dependencies.threshold_band),
+                settings.detection.aml_thresholds.rates,
             )
     finally:
         await reader.close()
@@ -116,3 +120,8 @@ async def aggregates_answers(
 def without_as_of(answer: dict[str, Any]) -> dict[str, Any]:
     """An answer without what says which offsets of which log it holds (`as_of`, `log`)."""
     return {k: v for k, v in answer.items() if k not in ("as_of", "log")}
+
+
+def with_dependencies(settings: Settings, **changes: Any) -> Settings:
+    """`settings` with fields of its `DependencySettings` changed (the store's URL, the APIs' bounds)."""
+    return replace(settings, dependencies=replace(settings.dependencies, **changes))

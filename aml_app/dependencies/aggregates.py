@@ -191,7 +191,9 @@ def write_table(conn: psycopg.Connection, flows: Any, keep: timedelta) -> int:
 
 def check_store(conn: psycopg.Connection, schema: Schema, settings: Any) -> None:
     """The registry's check when the pipeline opens the store: the near-threshold definition."""
-    check_thresholds(conn, schema, settings.reporting_threshold, settings.threshold_band)
+    check_thresholds(
+        conn, schema, settings.dependencies.reporting_threshold, settings.dependencies.threshold_band
+    )
 
 
 def health(meta: Mapping[str, str]) -> dict[str, Any]:

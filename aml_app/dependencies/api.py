@@ -127,7 +127,7 @@ class Limits:
         """`AML_API_MAX_ROWS` and `AML_API_TIMEOUT` of `settings` (None: the defaults)."""
         if settings is None:
             return cls()
-        return cls(settings.api_max_rows, settings.api_timeout)
+        return cls(settings.dependencies.api_max_rows, settings.dependencies.api_timeout)
 
 
 SERVICE = web.AppKey("service", str)
@@ -625,10 +625,10 @@ class StoreCheck:
         self.group = registry.service(service).group(settings)
         # The group's offsets on the topic the service reads (payments, or a topic derived from it).
         self.offsets = DependencyOffsets(
-            settings.bootstrap_servers,
+            settings.kafka.bootstrap_servers,
             registry.service(service).topic(settings),
             [self.group],
-            security=settings.kafka_security,
+            security=settings.kafka.security,
         )
         self.state = "unknown"
         self.problem: str | None = None
@@ -863,8 +863,8 @@ def aggregates_app(
         limits,
         cache,
     )
-    defaults = (settings.reporting_threshold, settings.threshold_band)
-    rates = settings.aml_thresholds.rates
+    defaults = (settings.dependencies.reporting_threshold, settings.dependencies.threshold_band)
+    rates = settings.detection.aml_thresholds.rates
 
     async def answer(queries: list[tuple[str, datetime]], need: Need | None = None) -> dict[str, Any]:
         if check is not None:
@@ -901,7 +901,7 @@ def aggregates_app(
 
 def _cache_of(settings: Any) -> AnswerCache:
     """The answer cache `AML_API_CACHE_ANSWERS` of `settings` asks for (no settings: none kept)."""
-    return AnswerCache(0 if settings is None else settings.api_cache_answers)
+    return AnswerCache(0 if settings is None else settings.dependencies.api_cache_answers)
 
 
 def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
@@ -909,13 +909,15 @@ def build_app(kind: str, settings: Any, check: bool = True) -> web.Application:
     store check against the consumer group (unless `check` is False: tests of the queries alone). Bound
     to a loopback address, it answers only requests addressed to one (`loopback_hosts_only`)."""
     registered = registry.service(kind)
-    reader = Reader(settings.reader_url, registered.schema, statement_timeout=Limits.of(settings).timeout)
+    reader = Reader(
+        settings.dependencies.reader_url, registered.schema, statement_timeout=Limits.of(settings).timeout
+    )
     guard = StoreCheck(reader, kind, settings) if check else None
     app: web.Application = registered.app(reader, settings, guard)
-    if is_loopback(settings.services_host):
+    if is_loopback(settings.dependencies.services_host):
         app.middlewares.insert(1, loopback_hosts_only)  # inside the metrics, which count the refusal
-    if settings.api_token:
-        app.middlewares.insert(1, token_required(settings.api_token, "AML_API_TOKEN"))
+    if settings.dependencies.api_token:
+        app.middlewares.insert(1, token_required(settings.dependencies.api_token, "AML_API_TOKEN"))
     return app
 
 
@@ -927,17 +929,16 @@ def serve(kind: str, settings: Any) -> None:
     """Run the service's HTTP API until interrupted (blocks)."""
     app = build_app(kind, settings)
     app.on_startup.append(_settled)  # after the store's pools opened (the application's cleanup context)
-    port = registry.service(kind).port(settings)
+    port, deps = registry.service(kind).port(settings), settings.dependencies
     print(
-        f"{kind} service: http://{settings.services_host}:{port} (store {redacted(settings.reader_url)})",
-        flush=True,
+        f"{kind} service: http://{deps.services_host}:{port} (store {redacted(deps.reader_url)})", flush=True
     )
     web.run_app(
         app,
-        host=settings.services_host,
+        host=settings.dependencies.services_host,
         port=port,
         print=None,
-        access_log=access_log(kind) if settings.api_access_log else None,
+        access_log=access_log(kind) if settings.dependencies.api_access_log else None,
         access_log_format=ACCESS_LOG_FORMAT,
         **SERVER_OPTIONS,
     )

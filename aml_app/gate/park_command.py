@@ -41,9 +41,9 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
     """Write the request; return the topic it went to."""
     topic = changelog_topic(settings)
     producer = AIOKafkaProducer(
-        bootstrap_servers=list(settings.bootstrap_servers),
+        bootstrap_servers=list(settings.kafka.bootstrap_servers),
         request_timeout_ms=int(timeout * 1000),
-        **aiokafka_kwargs(settings.kafka_security),
+        **aiokafka_kwargs(settings.kafka.security),
     )
     try:
         await asyncio.wait_for(producer.start(), timeout)
@@ -61,7 +61,7 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
         await producer.send_and_wait(topic, json.dumps(request).encode(), key=key, partition=0)
     except (TimeoutError, KafkaError) as exc:
         raise click.ClickException(
-            f"no answer from the Kafka cluster at {','.join(settings.bootstrap_servers)} within "
+            f"no answer from the Kafka cluster at {','.join(settings.kafka.bootstrap_servers)} within "
             f"{timeout:g} s ({type(exc).__name__}; is it up, and is topic {topic} there?)"
         ) from None
     finally:
@@ -81,5 +81,5 @@ def park_command(where: str, reason: str, timeout: float) -> None:
     topic = asyncio.run(request_park(settings, partition, offset, reason, timeout))
     click.echo(
         f"asked the {settings.app_id} workers (through {topic}) to park payment {partition}:{offset}: the "
-        f"lane that fails on it next writes it to {settings.review_topic} and moves on"
+        f"lane that fails on it next writes it to {settings.kafka.review_topic} and moves on"
     )

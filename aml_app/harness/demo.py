@@ -209,13 +209,14 @@ class Demo:
             f"AML demo: {o.rate:g} payments/s for {o.duration:g} s, seed {o.seed}, "
             f"gate {'on' if o.gate else 'OFF'}"
         )
-        say(f"  Kafka         {','.join(system.bootstrap)} ({kind}), topic {s.payments_topic}")
-        say(f"                ({s.partitions} partitions), dead letters {s.dlq_topic}")
+        say(f"  Kafka         {','.join(system.bootstrap)} ({kind}), topic {s.kafka.payments_topic}")
+        say(f"                ({s.kafka.partitions} partitions), dead letters {s.kafka.dlq_topic}")
         triggers = ", ".join(f"{k} every {v:g} s" for k, v in o.triggers.items())
         say(
-            f"  Services B, C `aml-app pipeline` (Spark {s.spark_master}, trigger {s.trigger_interval:g} s"
+            f"  Services B, C `aml-app pipeline` (Spark {s.pipeline.spark_master}, "
+            f"trigger {s.pipeline.trigger_interval:g} s"
             + (f"; {triggers}" if triggers else "")
-            + f"), stores in {redacted(system.settings.store_url)}"
+            + f"), stores in {redacted(system.settings.dependencies.store_url)}"
         )
         for name, api in system.apis.items():
             say(f"                {name:<13}{api.url}/health")
@@ -233,7 +234,7 @@ class Demo:
         system, s = self.system, self.settings
         assert self.producer is not None and system.watch is not None
         tail = next(iter(system.decisions.values()))
-        partitions = await partitions_of(tail.consumer, s.payments_topic, s.partitions)
+        partitions = await partitions_of(tail.consumer, s.kafka.payments_topic, s.kafka.partitions)
         o = self.options
         self.first_event = default_start(
             payment_count(o.rate, o.duration), o.rate, DEFAULT_SPEEDUP, datetime.now(UTC)
@@ -244,7 +245,9 @@ class Demo:
             sent = Sent(f"warm-{uuid.uuid4().hex[:8]}-{p}", f"warm-up-{p}", "warm-up-sink", first)
             value = payment_json(sent.payment_id, sent.payer, sent.payee, "1.00", sent.ts)
             meta = await (
-                await self.producer.send(s.payments_topic, key=sent.payer.encode(), value=value, partition=p)
+                await self.producer.send(
+                    s.kafka.payments_topic, key=sent.payer.encode(), value=value, partition=p
+                )
             )
             self.ledger.place(meta.partition, meta.offset, sent, sent_at)
             self.ledger.warm_up.add(sent.payment_id)
@@ -283,15 +286,15 @@ class Demo:
         self.tasks["payment simulator"] = asyncio.create_task(
             run_simulator(
                 self.system.bootstrap,
-                s.payments_topic,
+                s.kafka.payments_topic,
                 o.rate,
                 o.duration,
                 o.seed,
                 str(self.ground_truth),
                 start=self.first_event,
-                reporting_threshold=s.reporting_threshold,
-                threshold_band=s.threshold_band,
-                thresholds=s.aml_thresholds,
+                reporting_threshold=s.dependencies.reporting_threshold,
+                threshold_band=s.dependencies.threshold_band,
+                thresholds=s.detection.aml_thresholds,
                 instances=o.instances,
                 prefix=f"sim{o.seed}-{uuid.uuid4().hex[:4]}",  # ids stay unique on a shared cluster
                 producer=self.producer,
@@ -343,7 +346,7 @@ class Demo:
                     del doc["payee"]
                 value = json.dumps(doc).encode()
             meta = await (
-                await self.producer.send(self.settings.payments_topic, key=payer.encode(), value=value)
+                await self.producer.send(self.settings.kafka.payments_topic, key=payer.encode(), value=value)
             )
             self.ledger.place(meta.partition, meta.offset, None, time.time())
             n += 1
@@ -422,7 +425,7 @@ class Demo:
         from aml_app.kafka.offsets import DependencyOffsets
 
         s = self.settings
-        reader = DependencyOffsets(s.bootstrap_servers, topic, [group], security=s.kafka_security)
+        reader = DependencyOffsets(s.kafka.bootstrap_servers, topic, [group], security=s.kafka.security)
         try:
             _, committed = await reader.read()
         finally:
@@ -495,7 +498,7 @@ async def _stop_clients(demo: Demo) -> None:
 def with_derived_aggregates(settings: Settings) -> Settings:
     """`settings` with Service C reading the topic the enrichment stage derives from payments (the demo's
     `--derived`; AML_DERIVED_DEPENDENCIES in a deployment)."""
-    stage = (settings.enriched_topic, settings.enrichment_group)
+    stage = (settings.kafka.enriched_topic, settings.kafka.enrichment_group)
     return replace(
         settings, derived_dependencies={**settings.derived_dependencies, settings.aggregates_group: stage}
     )

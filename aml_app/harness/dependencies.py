@@ -40,21 +40,21 @@ def services_env(settings: Settings) -> dict[str, str]:
     return {
         **settings_env(settings),
         **{s.port_env: str(s.port(settings)) for s in registry.SERVICES.values()},
-        "AML_STORE_URL": settings.store_url,
-        "AML_API_STORE_URL": settings.api_store_url,
-        "AML_SERVICES_HOST": settings.services_host,
-        "AML_REPORTING_THRESHOLD": str(settings.reporting_threshold),
-        "AML_THRESHOLD_BAND": str(settings.threshold_band),
-        "AML_SPARK_MASTER": settings.spark_master,
-        "AML_TRIGGER_INTERVAL": str(settings.trigger_interval),
-        "AML_MAX_RECORDS_PER_TRIGGER": str(settings.max_records_per_trigger),
-        "AML_MAX_PAYMENT_BYTES": str(settings.max_payment_bytes),
-        "AML_MAX_CLOCK_SKEW": str(settings.max_clock_skew),
-        "AML_API_CACHE_ANSWERS": str(settings.api_cache_answers),
-        "AML_PIPELINE_METRICS_PORT": str(settings.pipeline_metrics_port),
-        "AML_ENRICHED_TOPIC": settings.enriched_topic,
-        "AML_ENRICHMENT_GROUP": settings.enrichment_group,
-        "AML_ENRICHMENT_METRICS_PORT": str(settings.enrichment_metrics_port),
+        "AML_STORE_URL": settings.dependencies.store_url,
+        "AML_API_STORE_URL": settings.dependencies.api_store_url,
+        "AML_SERVICES_HOST": settings.dependencies.services_host,
+        "AML_REPORTING_THRESHOLD": str(settings.dependencies.reporting_threshold),
+        "AML_THRESHOLD_BAND": str(settings.dependencies.threshold_band),
+        "AML_SPARK_MASTER": settings.pipeline.spark_master,
+        "AML_TRIGGER_INTERVAL": str(settings.pipeline.trigger_interval),
+        "AML_MAX_RECORDS_PER_TRIGGER": str(settings.pipeline.max_records_per_trigger),
+        "AML_MAX_PAYMENT_BYTES": str(settings.kafka.max_payment_bytes),
+        "AML_MAX_CLOCK_SKEW": str(settings.kafka.max_clock_skew),
+        "AML_API_CACHE_ANSWERS": str(settings.dependencies.api_cache_answers),
+        "AML_PIPELINE_METRICS_PORT": str(settings.pipeline.metrics_port),
+        "AML_ENRICHED_TOPIC": settings.kafka.enriched_topic,
+        "AML_ENRICHMENT_GROUP": settings.kafka.enrichment_group,
+        "AML_ENRICHMENT_METRICS_PORT": str(settings.pipeline.enrichment_metrics_port),
     }
 
 
@@ -108,9 +108,9 @@ class ApiProcess(ServiceProcess):
         self.kind = kind
         self.settings = settings
         port = registry.service(kind).port(settings)
-        self.url = f"http://{settings.services_host}:{port}"
+        self.url = f"http://{settings.dependencies.services_host}:{port}"
         #: What a request to this replica carries: its token, when the APIs want one (AML_API_TOKEN).
-        self.headers = bearer(settings.api_token)
+        self.headers = bearer(settings.dependencies.api_token)
 
     async def get(self, path: str, params: dict[str, str] | None = None, timeout: float = 5) -> Any:
         """The JSON answer of GET `path`, or None when the service does not answer 200."""

@@ -58,10 +58,16 @@ def print_summary(
     rows.append(("API spot check", f"{checked - v.spot_failures} of {checked} payments OK"))
     rows += [(f"web view {w.worker_id}", w.page_url) for w in system.all_workers]
     metrics = [
-        ("pipeline", f"http://{system.settings.services_host}:{system.settings.pipeline_metrics_port}")
+        (
+            "pipeline",
+            f"http://{system.settings.dependencies.services_host}:{system.settings.pipeline.metrics_port}",
+        )
     ]
     if system.stage is not None:
-        host, port = system.settings.services_host, system.settings.enrichment_metrics_port
+        host, port = (
+            system.settings.dependencies.services_host,
+            system.settings.pipeline.enrichment_metrics_port,
+        )
         metrics.append(("enrichment", f"http://{host}:{port}"))
     metrics += [(f"{name} API", api.url) for name, api in system.apis.items()]
     rows += [(f"metrics {name}", f"{url}/metrics") for name, url in metrics if not url.endswith(":0")]

@@ -67,14 +67,13 @@ def service_settings(settings: Settings, service: str, suffix: str = "") -> Sett
     Faust app's internal topics (its watermark table, its dedupe table).
     """
     decisions, alerts = service_topics(service, suffix)
-    return replace(
-        settings,
-        service=service,
-        app_id=f"{service}{suffix}",
+    kafka = replace(
+        settings.kafka,
         decisions_topic=decisions,
         alerts_topic=alerts,
         review_topic=review_topic(service, suffix),
     )
+    return replace(settings, service=service, app_id=f"{service}{suffix}", kafka=kafka)
 
 
 @dataclass
@@ -116,10 +115,11 @@ class System:
         # The APIs and the workers' web servers answer only with a token, as a deployment's should: one
         # made up for this run unless AML_API_TOKEN / AML_WEB_TOKEN gives one (the workers, the
         # harness's own checks and the printed page addresses carry them).
+        api_token = settings.dependencies.api_token or secrets.token_urlsafe(24)
         self.settings = replace(
             settings,
-            api_token=settings.api_token or secrets.token_urlsafe(24),
-            web_token=settings.web_token or secrets.token_urlsafe(24),
+            dependencies=replace(settings.dependencies, api_token=api_token),
+            web=replace(settings.web, token=settings.web.token or secrets.token_urlsafe(24)),
         )
         self.broker: EmbeddedBroker | None = None
         self.postgres: EmbeddedPostgres | None = None
@@ -154,14 +154,15 @@ class System:
         await self.start_broker()
         if self.stop_requested.is_set():
             raise Interrupted
-        self.settings = replace(self.settings, bootstrap_servers=tuple(self.bootstrap))
+        kafka = replace(self.settings.kafka, bootstrap_servers=tuple(self.bootstrap))
+        self.settings = replace(self.settings, kafka=kafka)
         await self.start_store()
         await create_topics(self.bootstrap, topic_specs(self.settings, self.layout.suffix))
         self.start_services()
         self.start_workers()
         s = self.settings
         self.watch = CommitWatch(
-            self.bootstrap, s.payments_topic, self.groups, s.kafka_security, s.derived_dependencies
+            self.bootstrap, s.kafka.payments_topic, self.groups, s.kafka.security, s.derived_dependencies
         )
         self.tasks["commit watch"] = asyncio.create_task(self.watch.run())
         await self.start_tails()
@@ -171,10 +172,10 @@ class System:
         if self.layout.bootstrap:
             self.bootstrap = list(self.layout.bootstrap)
         elif os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
-            self.bootstrap = list(self.settings.bootstrap_servers)
+            self.bootstrap = list(self.settings.kafka.bootstrap_servers)
             self.say(f"using the Kafka cluster at {','.join(self.bootstrap)} (KAFKA_BOOTSTRAP_SERVERS)")
         else:
-            port = self.free("AML_BROKER_PORT", "the embedded broker", self.settings.broker_port)
+            port = self.free("AML_BROKER_PORT", "the embedded broker", self.settings.kafka.broker_port)
             log_path = self.folder / "broker.log"
             log_path.write_bytes(b"")
             # Worker state from an earlier run belongs to a broker that no longer exists.
@@ -188,13 +189,14 @@ class System:
         """The layout's database, else AML_STORE_URL with a cluster of the user's, else a fresh database on
         an embedded PostgreSQL server of our own (an embedded broker starts empty: so must the stores)."""
         if self.layout.store_url:
-            self.settings = replace(self.settings, store_url=self.layout.store_url)
+            dependencies = replace(self.settings.dependencies, store_url=self.layout.store_url)
+            self.settings = replace(self.settings, dependencies=dependencies)
         elif self.broker is None and os.environ.get("AML_STORE_URL", "").strip():
             self.say("using the PostgreSQL database at AML_STORE_URL")
         else:
             from psycopg.conninfo import conninfo_to_dict
 
-            wanted = int(conninfo_to_dict(self.settings.store_url).get("port") or 5433)
+            wanted = int(conninfo_to_dict(self.settings.dependencies.store_url).get("port") or 5433)
             port = self.free("AML_STORE_URL's port", "the embedded PostgreSQL server", wanted)
             self.postgres = EmbeddedPostgres(
                 self.folder / "postgres", port, statements=self.layout.postgres_statements
@@ -203,11 +205,12 @@ class System:
             await asyncio.to_thread(self.postgres.drop_database, "aml")
             await asyncio.to_thread(self.postgres.create_database, "aml")
             # Least privilege: the pipeline writes as the stores' owner, the APIs may only read.
-            self.settings = replace(
-                self.settings,
+            dependencies = replace(
+                self.settings.dependencies,
                 store_url=self.postgres.url("aml", WRITER),
                 api_store_url=self.postgres.url("aml", READER),
             )
+            self.settings = replace(self.settings, dependencies=dependencies)
 
     def free(self, variable: str, who: str, port: int) -> int:
         """`port`, or a free one when it is taken (said out loud)."""
@@ -231,22 +234,25 @@ class System:
     def runs_stage(self) -> bool:
         """Whether a dependency reads the topic the enrichment stage derives (AML_DERIVED_DEPENDENCIES)."""
         s = self.settings
-        return (s.enriched_topic, s.enrichment_group) in s.derived_dependencies.values()
+        return (s.kafka.enriched_topic, s.kafka.enrichment_group) in s.derived_dependencies.values()
 
     def start_services(self) -> None:
         """The enrichment stage when a dependency reads its topic, the pipeline and the replicas of the
         two APIs reading its stores."""
-        port = self.settings.pipeline_metrics_port
+        port = self.settings.pipeline.metrics_port
         if port:
             port = self.free("AML_PIPELINE_METRICS_PORT", "the pipeline's /metrics", port)
-            self.settings = replace(self.settings, pipeline_metrics_port=port)
-        if self.runs_stage and self.settings.enrichment_metrics_port:
+            self.settings = replace(
+                self.settings, pipeline=replace(self.settings.pipeline, metrics_port=port)
+            )
+        if self.runs_stage and self.settings.pipeline.enrichment_metrics_port:
             port = self.free(
                 "AML_ENRICHMENT_METRICS_PORT",
                 "the enrichment stage's /metrics",
-                self.settings.enrichment_metrics_port,
+                self.settings.pipeline.enrichment_metrics_port,
             )
-            self.settings = replace(self.settings, enrichment_metrics_port=port)
+            pipeline = replace(self.settings.pipeline, enrichment_metrics_port=port)
+            self.settings = replace(self.settings, pipeline=pipeline)
         s = self.settings
         if self.runs_stage:
             self.stage = self._start_stage(self.folder / "enrich.log")
@@ -275,7 +281,7 @@ class System:
             log_path,
             # The same transactional id across restarts: a new stage fences off (aborts) what the old
             # one left open.
-            AML_ENRICHMENT_ID=f"{s.enrichment_group}-0",
+            AML_ENRICHMENT_ID=f"{s.kafka.enrichment_group}-0",
             AML_SESSION_TIMEOUT=WORKER_SESSION_TIMEOUT,
         ).start()
 
@@ -297,7 +303,7 @@ class System:
         return ",".join(api.url for api in self.apis.values() if api.kind == kind)
 
     def start_workers(self) -> None:
-        port = self.settings.web_port
+        port = self.settings.web.port
         for service in self.services:
             for _ in range(self.layout.workers[service]):
                 self.add_worker(service, port)
@@ -330,9 +336,9 @@ class System:
         s = self.settings
         for service in self.services:
             own = service_settings(s, service, self.layout.suffix)
-            self.decisions[service] = RecordTail(self.bootstrap, own.decisions_topic)
-            self.alerts[service] = RecordTail(self.bootstrap, own.alerts_topic)
-        self.dead_letters = DeadLetterTail(self.bootstrap, s.dlq_topic, self.groups)
+            self.decisions[service] = RecordTail(self.bootstrap, own.kafka.decisions_topic)
+            self.alerts[service] = RecordTail(self.bootstrap, own.kafka.alerts_topic)
+        self.dead_letters = DeadLetterTail(self.bootstrap, s.kafka.dlq_topic, self.groups)
         for service, workers in self.workers.items():
             for worker in workers:
                 self.dead_letters.worker_services[worker.worker_id] = service
@@ -342,7 +348,7 @@ class System:
             "dead-letter reader": self.dead_letters,
         }
         for name, tail in tails.items():
-            await tail.start(s.partitions)
+            await tail.start(s.kafka.partitions)
             self.tasks[name] = asyncio.create_task(tail.run())
 
     @property

@@ -28,7 +28,7 @@ def settings_env(settings: Settings) -> dict[str, str]:
     environment says; everything else is inherited.
     """
     return {
-        "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.bootstrap_servers),
+        "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.kafka.bootstrap_servers),
         "AML_SERVICE": settings.service,
         "AML_APP_ID": settings.app_id,
         "AML_DEPENDS_ON": ",".join(settings.depends_on),
@@ -37,14 +37,14 @@ def settings_env(settings: Settings) -> dict[str, str]:
         ),
         # Which of the groups is B's and which C's: the detectors check a derived group's answers by it.
         **{s.group_env: s.group(settings) for s in registry.SERVICES.values()},
-        "AML_PAYMENTS_TOPIC": settings.payments_topic,
-        "AML_DECISIONS_TOPIC": settings.decisions_topic,
-        "AML_ALERTS_TOPIC": settings.alerts_topic,
-        "AML_DLQ_TOPIC": settings.dlq_topic,
-        "AML_REVIEW_TOPIC": settings.review_topic,
-        "AML_PARTITIONS": str(settings.partitions),
-        "AML_API_TOKEN": settings.api_token,
-        "AML_WEB_TOKEN": settings.web_token,
+        "AML_PAYMENTS_TOPIC": settings.kafka.payments_topic,
+        "AML_DECISIONS_TOPIC": settings.kafka.decisions_topic,
+        "AML_ALERTS_TOPIC": settings.kafka.alerts_topic,
+        "AML_DLQ_TOPIC": settings.kafka.dlq_topic,
+        "AML_REVIEW_TOPIC": settings.kafka.review_topic,
+        "AML_PARTITIONS": str(settings.kafka.partitions),
+        "AML_API_TOKEN": settings.dependencies.api_token,
+        "AML_WEB_TOKEN": settings.web.token,
     }
 
 

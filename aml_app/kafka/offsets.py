@@ -61,7 +61,7 @@ class DependencyOffsets:
     """One admin client (and, for log ends, one group-less consumer), reused across refreshes,
     counting the requests it makes.
 
-    `security` is the cluster's TLS/SASL settings, as loaded at start-up (`Settings.kafka_security`);
+    `security` is the cluster's TLS/SASL settings, as loaded at start-up (`Settings.kafka.security`);
     `derived` maps a group that reads a topic derived from `topic` to (that topic, the stage's group).
     """
 

@@ -89,8 +89,8 @@ def kafka_config(settings: Settings) -> dict[str, str]:
     from aml_app.kafka.security import librdkafka_config
 
     return {
-        "bootstrap.servers": ",".join(settings.bootstrap_servers),
-        **librdkafka_config(settings.kafka_security),
+        "bootstrap.servers": ",".join(settings.kafka.bootstrap_servers),
+        **librdkafka_config(settings.kafka.security),
     }
 
 
@@ -191,10 +191,10 @@ def open_store(
     from aml_app.dependencies.guard import behind
     from aml_app.pipeline.kafka_source import log_changed
 
-    where = store.redacted(settings.store_url)
+    where = store.redacted(settings.dependencies.store_url)
     topic_name = topic_of(settings, service)
 
-    writer = Writer(settings.store_url, schema_of(service))
+    writer = Writer(settings.dependencies.store_url, schema_of(service))
     if rebuild:
         writer.patiently("dropping the store", lambda conn: store.drop(conn, writer.schema))
     writer.migrate()
@@ -288,7 +288,7 @@ def prepare(
             pipeline.closers.append(progress.close)
             writer = open_store(settings, service, progress, bounds, rebuild, log_id=log_id)
             pipeline.closers.append(writer.close)
-            dead_letters = DeadLetters(config, settings.dlq_topic, topic, group)
+            dead_letters = DeadLetters(config, settings.kafka.dlq_topic, topic, group)
             pipeline.closers.append(dead_letters.close)
             handler = ServiceBatches(
                 service,
@@ -296,12 +296,12 @@ def prepare(
                 writer,
                 progress,
                 dead_letters,
-                settings.max_payment_bytes,
-                settings.reporting_threshold,
-                settings.threshold_band,
+                settings.kafka.max_payment_bytes,
+                settings.dependencies.reporting_threshold,
+                settings.dependencies.threshold_band,
                 on_batch,
-                timedelta(seconds=settings.aggregates_retention),
-                settings.max_clock_skew,
+                timedelta(seconds=settings.dependencies.aggregates_retention),
+                settings.kafka.max_clock_skew,
             )
             pipeline.handlers.append(handler)
             progress.commit(handler.applied)
@@ -343,7 +343,7 @@ def start_queries(
     # checked once.
     by_interval: dict[tuple[float, str], list[Any]] = {}
     for handler in pipeline.handlers:
-        interval = (triggers or {}).get(handler.service, settings.trigger_interval)
+        interval = (triggers or {}).get(handler.service, settings.pipeline.trigger_interval)
         by_interval.setdefault((interval, handler.topic), []).append(handler)
     try:
         for (interval, topic), handlers in by_interval.items():
@@ -358,16 +358,16 @@ def start_queries(
                 # The planner stops the query if the topic stops being the log the stores are of.
                 .option("log", pipeline.logs.get(topic, ""))
                 .option("services", ",".join(handler.service for handler in handlers))
-                .option("store", redacted(settings.store_url))
+                .option("store", redacted(settings.dependencies.store_url))
             )
-            if topic != settings.payments_topic:
+            if topic != settings.kafka.payments_topic:
                 # A derived topic's records name their payments: copies of them are skipped (`repeats`).
                 reader = reader.option("sourceHeader", SOURCE_HEADER)
             for key, value in config.items():
                 reader = reader.option(f"kafka.{key}", value)
             stream = (
                 reader.option("startingOffsets", json.dumps({str(p): o for p, o in batches.start.items()}))
-                .option("maxRecordsPerTrigger", str(settings.max_records_per_trigger))
+                .option("maxRecordsPerTrigger", str(settings.pipeline.max_records_per_trigger))
                 # One wave of tasks per micro-batch, however many partitions the topic has.
                 .option("maxTasks", str(spark.sparkContext.defaultParallelism))
                 .load()
@@ -413,11 +413,13 @@ def run_pipeline(
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     metrics = PipelineMetrics()
-    if settings.pipeline_metrics_port:
+    if settings.pipeline.metrics_port:
         try:
-            metrics.serve(settings.services_host, settings.pipeline_metrics_port, settings.web_token)
+            metrics.serve(
+                settings.dependencies.services_host, settings.pipeline.metrics_port, settings.web.token
+            )
         except OSError as exc:
-            where = f"{settings.services_host}:{settings.pipeline_metrics_port}"
+            where = f"{settings.dependencies.services_host}:{settings.pipeline.metrics_port}"
             print(
                 f"aml-app pipeline: cannot serve /metrics on {where} ({exc.strerror or exc}); "
                 "set AML_PIPELINE_METRICS_PORT to a free port, or 0 for none.",
@@ -438,9 +440,9 @@ def run_pipeline(
         ", ".join(services),
         master,
         ", ".join(sorted(prepared.logs)),
-        redacted(settings.store_url),
-        f"http://{settings.services_host}:{settings.pipeline_metrics_port}/metrics"
-        if settings.pipeline_metrics_port
+        redacted(settings.dependencies.store_url),
+        f"http://{settings.dependencies.services_host}:{settings.pipeline.metrics_port}/metrics"
+        if settings.pipeline.metrics_port
         else "off",
     )
     return _run_until_stopped(spark, pipeline)
@@ -462,7 +464,7 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
     handler = prepared.handlers[0]
     target = dict(handler.progress.floor)
     print(
-        f"rebuilding the {service} store at {redacted(settings.store_url)} from the start of "
+        f"rebuilding the {service} store at {redacted(settings.dependencies.store_url)} from the start of "
         f"{handler.topic}, up to what group {handler.progress.group} has committed: {target}",
         flush=True,
     )

@@ -142,36 +142,36 @@ def import_amlworld_command(
         raise click.ClickException(f"{str(exc).rstrip('.')}; nothing was sent.") from None
     except OSError as exc:
         raise click.ClickException(f"could not read or write {exc.filename}: {exc.strerror}.") from None
-    servers = ",".join(settings.bootstrap_servers)
+    servers = ",".join(settings.kafka.bootstrap_servers)
     if days_per_second is None and imported.payments:
         span = datetime.fromisoformat(imported.payments[-1].ts) - datetime.fromisoformat(
             imported.payments[0].ts
         )
-        if span >= HORIZON and len(imported.payments) < settings.max_records_per_trigger:
+        if span >= HORIZON and len(imported.payments) < settings.pipeline.max_records_per_trigger:
             click.echo(
                 f"amlworld: warning: {span.days} days of event time in {len(imported.payments)} payments, "
                 "sent at once, may reach Service C in one micro-batch, which counts only the last "
                 f"{HORIZON.days} days of it; pace them with --days-per-second 1"
             )
     click.echo(
-        f"amlworld: {len(imported.payments)} payments from {imported.path} to {settings.payments_topic} "
-        f"via {servers}"
+        f"amlworld: {len(imported.payments)} payments from {imported.path} "
+        f"to {settings.kafka.payments_topic} via {servers}"
     )
     started = time.monotonic()
     try:
         sent = asyncio.run(
             send_payments(
-                settings.bootstrap_servers,
-                settings.payments_topic,
+                settings.kafka.bootstrap_servers,
+                settings.kafka.payments_topic,
                 imported.payments,
-                security=settings.kafka_security,
+                security=settings.kafka.security,
                 progress=click.echo,
                 days_per_second=days_per_second,
             )
         )
     except (KafkaError, OSError) as exc:
         raise click.ClickException(f"could not send to Kafka at {servers}: {exc}") from None
-    _summary(imported, sent, settings.payments_topic, time.monotonic() - started, truth)
+    _summary(imported, sent, settings.kafka.payments_topic, time.monotonic() - started, truth)
 
 
 def _summary(imported: AmlworldImport, sent: int, topic: str, elapsed: float, truth: str | None) -> None:

@@ -133,17 +133,19 @@ def simulate_command(
     except ConfigError as exc:
         raise click.ClickException(f"configuration error: {exc}") from None
     if first is not None:
-        check_start(start or "", first, count, rate, speedup, settings.max_clock_skew, datetime.now(UTC))
+        check_start(
+            start or "", first, count, rate, speedup, settings.kafka.max_clock_skew, datetime.now(UTC)
+        )
     click.echo(
-        f"simulator: {count} payments to {settings.payments_topic} at {rate:g}/s "
-        f"(seed {seed}, event time x{speedup:g}) via {','.join(settings.bootstrap_servers)}"
+        f"simulator: {count} payments to {settings.kafka.payments_topic} at {rate:g}/s "
+        f"(seed {seed}, event time x{speedup:g}) via {','.join(settings.kafka.bootstrap_servers)}"
     )
     try:
         report = asyncio.run(
             _until_signalled(
                 lambda stop: run_simulator(
-                    settings.bootstrap_servers,
-                    settings.payments_topic,
+                    settings.kafka.bootstrap_servers,
+                    settings.kafka.payments_topic,
                     rate,
                     duration,
                     seed,
@@ -151,13 +153,13 @@ def simulate_command(
                     start=first,
                     speedup=speedup,
                     instances=instances,
-                    reporting_threshold=settings.reporting_threshold,
-                    threshold_band=settings.threshold_band,
+                    reporting_threshold=settings.dependencies.reporting_threshold,
+                    threshold_band=settings.dependencies.threshold_band,
                     thresholds=thresholds,
                     prefix=prefix,
                     progress=click.echo,
                     stop=stop,
-                    security=settings.kafka_security,
+                    security=settings.kafka.security,
                 )
             )
         )
@@ -165,7 +167,7 @@ def simulate_command(
         raise click.ClickException(str(exc)) from None
     except (KafkaError, OSError) as exc:
         raise click.ClickException(
-            f"could not send to Kafka at {','.join(settings.bootstrap_servers)}: {exc}"
+            f"could not send to Kafka at {','.join(settings.kafka.bootstrap_servers)}: {exc}"
         ) from None
     _summary(report)
 

@@ -117,7 +117,9 @@ class Services:
 
     def __init__(self, thresholds: AmlThresholds, keep: timedelta | None = None) -> None:
         """`keep`: C's retention past its week (default: AML_AGGREGATES_RETENTION's)."""
-        self.keep = keep if keep is not None else timedelta(seconds=Settings().aggregates_retention)
+        self.keep = (
+            keep if keep is not None else timedelta(seconds=Settings().dependencies.aggregates_retention)
+        )
         self.newest: datetime | None = None
         self.min_average = thresholds.rates.in_each(thresholds.graph_min_average)  # as the detector asks
         self.loop_hops = thresholds.cycle_max_hops

@@ -109,23 +109,23 @@ async def fetched_high_watermarks(
 async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
     """The table from committed offsets and log ends alone (no waits, in-flight offsets or stalls)."""
     reader = DependencyOffsets(
-        settings.bootstrap_servers,
-        settings.payments_topic,
+        settings.kafka.bootstrap_servers,
+        settings.kafka.payments_topic,
         settings.depends_on,
         request_timeout=timeout,
-        security=settings.kafka_security,
+        security=settings.kafka.security,
         derived=settings.derived_dependencies,
     )
-    servers = ",".join(settings.bootstrap_servers)
+    servers = ",".join(settings.kafka.bootstrap_servers)
     try:
         reading = await reader.read_all(settings.app_id)
         assert reading.log_ends is not None
         highwaters = await fetched_high_watermarks(
-            settings.bootstrap_servers,
-            settings.payments_topic,
+            settings.kafka.bootstrap_servers,
+            settings.kafka.payments_topic,
             reading.log_ends,
             timeout,
-            security=settings.kafka_security,
+            security=settings.kafka.security,
         )
     except OffsetReadError as exc:
         raise StatusError(f"cannot read offsets from the Kafka cluster at {servers}: {exc}") from exc
@@ -146,13 +146,13 @@ async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
     )
     for row in rows.values():  # one reading cannot tell when an offset last moved
         row["advanced_at"] = {g: None for g in row["advanced_at"]}
-    limits = Limits(stall_after=settings.stall_after, lag_warn=settings.lag_warn)
+    limits = Limits(stall_after=settings.gate.stall_after, lag_warn=settings.gate.lag_warn)
     view = describe(rows, settings.depends_on, now, limits, highwaters=highwaters)
     return {
         "source": "broker",
-        "bootstrap_servers": list(settings.bootstrap_servers),
+        "bootstrap_servers": list(settings.kafka.bootstrap_servers),
         "app_id": settings.app_id,
-        "topic": settings.payments_topic,
+        "topic": settings.kafka.payments_topic,
         "depends_on": list(settings.depends_on),
         "recovering": False,
         **view,
@@ -308,7 +308,7 @@ def status_command(worker_url: str | None, as_json: bool, timeout: float) -> Non
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
         if worker_url:
-            doc = asyncio.run(from_worker(worker_url, timeout, load_settings().web_token))
+            doc = asyncio.run(from_worker(worker_url, timeout, load_settings().web.token))
         else:
             doc = asyncio.run(from_broker(load_settings(), timeout))
     except StatusError as exc:

@@ -56,7 +56,9 @@ status.duration_observers.append(metrics.observe_refresh)
 def _assigned() -> list[int]:
     if not app.consumer:
         return []
-    return sorted(tp.partition for tp in app.consumer.assignment() if tp.topic == settings.payments_topic)
+    return sorted(
+        tp.partition for tp in app.consumer.assignment() if tp.topic == settings.kafka.payments_topic
+    )
 
 
 def _highwaters(partitions: list[int]) -> dict[int, int | None]:
@@ -64,7 +66,7 @@ def _highwaters(partitions: list[int]) -> dict[int, int | None]:
     found: dict[int, int | None] = {}
     for p in partitions:
         try:
-            found[p] = app.consumer.highwater(TP(settings.payments_topic, p))
+            found[p] = app.consumer.highwater(TP(settings.kafka.payments_topic, p))
         except Exception:  # not fetched yet, or the assignment just changed: the leader's value stands
             found[p] = None
     return found
@@ -86,10 +88,10 @@ def snapshot() -> dict[str, Any]:
         "worker": settings.worker_id,
         "service": settings.service,
         "app_id": settings.app_id,
-        "topic": settings.payments_topic,
+        "topic": settings.kafka.payments_topic,
         "depends_on": list(settings.depends_on),
-        "gate_enabled": settings.gate_enabled,
-        "gate_mode": settings.gate_mode,
+        "gate_enabled": settings.gate.enabled,
+        "gate_mode": settings.gate.mode.value,
         "cut": worker_gate.cut_view(),
         "recovering": recovering,
         "is_leader": app.is_leader(),
@@ -103,13 +105,13 @@ def snapshot() -> dict[str, Any]:
         "dead_lettered": gated.stats.dead_lettered,
         "decided_stale": gated.stats.decided_stale,
         "parked": gated.stats.payments_parked,
-        "wait_policy": settings.wait_policy,
-        "max_attempts": settings.max_attempts,
+        "wait_policy": settings.gate.wait_policy.value,
+        "max_attempts": settings.gate.max_attempts,
         "rebalances": gated.stats.rebalances,
         "refetches": gated.stats.refetches,
         "holes_refetched": gated.stats.holes_refetched,
         "gaps_accepted": gated.stats.gaps_accepted,
-        "fetching": {str(p): state for p, state in gated.fetch_state(settings.payments_topic).items()},
+        "fetching": {str(p): state for p, state in gated.fetch_state(settings.kafka.payments_topic).items()},
         "refresh": {
             "last_refresh_age_s": None
             if status.last_refresh is None

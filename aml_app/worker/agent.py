@@ -12,6 +12,7 @@ from aml_app.faust_internals import keep_in_metadata
 from aml_app.gate import GatedConsumer
 from aml_app.gate.handling import BatchHandler, Handler
 from aml_app.gate.options import LaneLimits, LanePolicy
+from aml_app.settings import WaitPolicy
 from aml_app.tables.alerts import copartitioning_problem
 from aml_app.tables.watermarks import park_requests, refresh, worker_gate
 
@@ -32,25 +33,27 @@ def gated_agent(
         batch_handler=batch_handler,
         limits=LaneLimits(
             max_batch=max_batch,
-            max_pending=settings.max_pending_per_partition,
-            max_in_flight=settings.max_in_flight,
-            max_payment_bytes=settings.max_payment_bytes,
-            max_clock_skew=settings.max_clock_skew,
+            max_pending=settings.gate.max_pending_per_partition,
+            max_in_flight=settings.gate.max_in_flight,
+            max_payment_bytes=settings.kafka.max_payment_bytes,
+            max_clock_skew=settings.kafka.max_clock_skew,
         ),
         policy=LanePolicy(
-            gate_enabled=settings.gate_enabled,
-            stale_after=settings.max_wait if settings.wait_policy == "decide-stale" else None,
-            max_attempts=settings.max_attempts,
+            gate_enabled=settings.gate.enabled,
+            stale_after=settings.gate.max_wait
+            if settings.gate.wait_policy is WaitPolicy.DECIDE_STALE
+            else None,
+            max_attempts=settings.gate.max_attempts,
             park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),
         ),
         review=review_topic,
         worker_id=settings.worker_id,
-        security=settings.kafka_security,
+        security=settings.kafka.security,
     )
     worker_gate.register(gated)  # refuses a second one before it is wired to anything
     gated.attach(
-        bootstrap_servers=settings.bootstrap_servers,
-        topic=settings.payments_topic,
+        bootstrap_servers=settings.kafka.bootstrap_servers,
+        topic=settings.kafka.payments_topic,
         group=settings.app_id,
         check_every=refresh.delivery_check,
         quiet=refresh.delivery_quiet,

@@ -518,9 +518,12 @@ def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None
     from aml_app.worker.agent import gated_agent
 
     client = DependencyClient(
-        settings.relations_urls, settings.aggregates_urls, settings.http_timeout, token=settings.api_token
+        settings.relations_urls,
+        settings.aggregates_urls,
+        settings.dependencies.http_timeout,
+        token=settings.dependencies.api_token,
     )
-    thresholds = settings.aml_thresholds
+    thresholds = settings.detection.aml_thresholds
     heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # the same sum in every currency
     derived = {
         name: group
@@ -533,11 +536,11 @@ def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None
         client,
         heavy,
         thresholds.cycle_max_hops,
-        settings.freshness_wait,
+        settings.dependencies.freshness_wait,
         batch_rules,
         derived,
     )
-    gated_agent(batch_handler=detector, max_batch=settings.max_batch)
+    gated_agent(batch_handler=detector, max_batch=settings.detection.max_batch)
 
     # mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).
     @app.on_before_shutdown.connect  # type: ignore[arg-type]

@@ -65,7 +65,9 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
         await system.start()
         assert (system.stage is not None) == (c_reads == "derived")
         await system.wait_ready()
-        sent = await send_payments(system.bootstrap, settings.payments_topic, timeline, days_per_second=1)
+        sent = await send_payments(
+            system.bootstrap, settings.kafka.payments_topic, timeline, days_per_second=1
+        )
         assert sent == len(timeline)
         decisions = system.decisions["aml"]
 

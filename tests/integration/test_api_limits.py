@@ -18,7 +18,6 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -43,6 +42,7 @@ from aml_app.settings import Settings
 from tests.harness import Names
 from tests.payments import PaymentRow
 from tests.played_stores import api_settings, apply
+from tests.stores import with_dependencies
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 ROWS = 200  # the bound of the bounded APIs: AML_API_MAX_ROWS' least
@@ -256,7 +256,10 @@ def decide(payment: tuple[str, str, datetime], answers: tuple[dict[str, Any], ..
         payer_relations=answers[2],
         payee_relations=answers[3],
     )
-    hits = [*aml_rules(facts, SETTINGS.aml_thresholds), *fraud_rules(facts, SETTINGS.fraud_thresholds)]
+    hits = [
+        *aml_rules(facts, SETTINGS.detection.aml_thresholds),
+        *fraud_rules(facts, SETTINGS.detection.fraud_thresholds),
+    ]
     return sorted(hit.rule for hit in hits)
 
 
@@ -271,7 +274,7 @@ def test_the_detectors_parts_are_the_ones_the_client_pages() -> None:
 
 
 async def test_a_long_question_is_stopped_at_the_bound_with_its_statement(busy: str) -> None:
-    settings = replace(SETTINGS, store_url=busy, api_timeout=0.5)
+    settings = with_dependencies(SETTINGS, store_url=busy, api_timeout=0.5)
     async with client_for(build_app("relations", settings, check=False)) as client:
         with edges_locked(busy):
             body = await answer(client, "/relations/busy?hops=3&parts=chain", status=503)
@@ -284,7 +287,7 @@ async def test_a_long_question_is_stopped_at_the_bound_with_its_statement(busy: 
 async def test_the_server_stops_a_statement_at_the_bound_whoever_waits_for_it(busy: str) -> None:
     """The store's reader sets AML_API_TIMEOUT as every statement's timeout on the server: a statement is
     stopped there even when nothing in the API would cancel it."""
-    settings = replace(SETTINGS, store_url=busy, api_timeout=0.5)
+    settings = with_dependencies(SETTINGS, store_url=busy, api_timeout=0.5)
     reader = build_app("relations", settings, check=False)[api.READER]
     await reader.open()
     try:
@@ -472,7 +475,7 @@ async def test_the_access_log_says_who_asked_what_and_never_the_token(
     writes none."""
     token = "access-log-token-" + uuid.uuid4().hex
     groups = {"relations": names.deps[0], "aggregates": names.deps[1]}
-    settings = replace(api_settings(broker.bootstrap, names, busy, groups), api_token=token)
+    settings = with_dependencies(api_settings(broker.bootstrap, names, busy, groups), api_token=token)
     for logged in (True, False):
         log_path = tmp_path / f"relations-api-{logged}.log"
         env = {} if logged else {"AML_API_ACCESS_LOG": "0"}
@@ -503,7 +506,9 @@ async def test_the_access_log_says_who_asked_what_and_never_the_token(
 async def test_health_shows_where_the_store_is_and_no_secret(busy: str) -> None:
     secrets = "password=hunter2&sslpassword=swordfish&options=-csearch_path%3Dpublic&passfile=%2Fkeys"
     url = f"{busy}?{secrets}&sslmode=disable&connect_timeout=7"
-    async with client_for(build_app("relations", replace(SETTINGS, store_url=url), check=False)) as client:
+    async with client_for(
+        build_app("relations", with_dependencies(SETTINGS, store_url=url), check=False)
+    ) as client:
         shown = (await answer(client, "/health"))["store"]
     assert shown == redacted(url)
     for secret in ("hunter2", "swordfish", "search_path", "keys"):

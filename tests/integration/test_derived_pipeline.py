@@ -156,7 +156,7 @@ async def test_c_on_the_derived_topic_answers_as_c_on_payments(
 
         # C's API checks its store against C's group on the derived topic: a store that lost its
         # offsets there is behind it (on payments, where C's group commits nothing, it never would be).
-        checked = replace(reader, bootstrap_servers=(broker.bootstrap,))
+        checked = replace(reader, kafka=replace(reader.kafka, bootstrap_servers=(broker.bootstrap,)))
         async with TestClient(TestServer(build_app("aggregates", checked), host="127.0.0.1")) as client:
             health = await wait_for_check(client, "ok")
             assert health["as_of"] == {str(d): o for d, o in derived_ends.items()}

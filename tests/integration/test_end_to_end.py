@@ -77,7 +77,7 @@ async def kill_right_after_an_uncommitted_alert(demo: Demo, killed: dict[str, An
     that payment again and must not alert on it twice."""
     system = demo.system
     aml = system.workers["aml"][0]
-    group, topic = f"aml{system.layout.suffix}", demo.settings.payments_topic
+    group, topic = f"aml{system.layout.suffix}", demo.settings.kafka.payments_topic
     await wait_until(lambda: demo.elapsed() >= 4, 60, "payments flowing")
     decided = len(system.decisions["aml"].records)
     for replica in ("relations", "aggregates-2"):
@@ -91,7 +91,7 @@ async def kill_right_after_an_uncommitted_alert(demo: Demo, killed: dict[str, An
         seen = len(system.alerts["aml"].records)
         alert = system.alerts["aml"].records[-1]
         p, o = alert["partition"], alert["offset"]
-        committed = await committed_offsets(system.bootstrap[0], group, topic, demo.settings.partitions)
+        committed = await committed_offsets(system.bootstrap[0], group, topic, demo.settings.kafka.partitions)
         if committed[p] <= o:
             system.kill_worker(aml)
             killed.update(alert=alert, at=time.time())

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -35,6 +34,7 @@ from aml_app.settings import Settings
 from tests.harness import DecisionLog, Names, wait_until
 from tests.payments import PaymentRow
 from tests.played_stores import Pipeline, api_settings, checked_ok, start_apis, stop_apis
+from tests.stores import with_dependencies
 
 pytestmark = pytest.mark.integration
 
@@ -113,7 +113,7 @@ async def test_a_gate_opened_past_the_stores_is_waited_out_and_the_payment_decid
     # B holds all three; C holds the first two only.
     log = await asyncio.to_thread(log_identity, {"bootstrap.servers": broker.bootstrap}, names.payments)
     committers = {service: [committer] for service, committer in store_groups.items()}
-    pipeline = Pipeline(committers, replace(Settings(), store_url=store_url), log)
+    pipeline = Pipeline(committers, with_dependencies(Settings(), store_url=store_url), log)
     await pipeline.apply("relations", paid)
     await pipeline.apply("aggregates", [first, second])
     for api in apis.values():

@@ -120,7 +120,7 @@ async def test_a_restart_resumes_from_the_store_not_from_the_group(
     ends = log_ends(produced, names.partitions)
     await running.caught_up(ends)
     settings = running.settings
-    before = await relations_answers(settings.store_url, [("acct-1", 3, relations.PARTS)])
+    before = await relations_answers(settings.dependencies.store_url, [("acct-1", 3, relations.PARTS)])
     running.stop()
 
     config = kafka_config(settings)
@@ -131,7 +131,10 @@ async def test_a_restart_resumes_from_the_store_not_from_the_group(
     again = Running(spark, settings)
     try:
         await again.caught_up(ends)
-        assert await relations_answers(settings.store_url, [("acct-1", 3, relations.PARTS)]) == before
+        assert (
+            await relations_answers(settings.dependencies.store_url, [("acct-1", 3, relations.PARTS)])
+            == before
+        )
         await check_against_reference(settings, produced, [produced.valid])
         with again.lock:
             assert sum(r.records for r in again.reports) == 0, "nothing was read again"
@@ -145,8 +148,10 @@ async def test_commits_are_never_ahead_of_the_api_and_reach_the_log_end_when_idl
     running = run_pipeline(max_records_per_trigger=300)
     settings = running.settings
     servers = {
-        names.deps[0]: TestServer(relations_app(Reader(settings.store_url, relations.SCHEMA))),
-        names.deps[1]: TestServer(aggregates_app(Reader(settings.store_url, aggregates.SCHEMA), settings)),
+        names.deps[0]: TestServer(relations_app(Reader(settings.dependencies.store_url, relations.SCHEMA))),
+        names.deps[1]: TestServer(
+            aggregates_app(Reader(settings.dependencies.store_url, aggregates.SCHEMA), settings)
+        ),
     }
     for server in servers.values():
         await server.start_server()

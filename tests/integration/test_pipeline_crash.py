@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.kafka.broker import EmbeddedBroker
-from aml_app.settings import Settings
+from aml_app.settings import Settings, WebSettings
 from aml_app.tokens import bearer
 from tests.harness import Names, wait_until
 from tests.payments import produce_payments
@@ -105,10 +105,10 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
     everything is applied once and the groups reach the log end."""
     settings = replace(
         pipeline_settings(broker, names, own_postgres.url(), max_records_per_trigger=300),
-        web_token=secrets.token_urlsafe(24),
+        web=WebSettings(token=secrets.token_urlsafe(24)),
     )
     log = tmp_path / "pipeline.log"
-    env = {**pipeline_env(broker, names, settings), "AML_WEB_TOKEN": settings.web_token}
+    env = {**pipeline_env(broker, names, settings), "AML_WEB_TOKEN": settings.web.token}
     pipeline = PipelineProcess(env, log).start()
     watch = Watch(broker, names, settings)
     waves: list[Any] = []
@@ -177,7 +177,7 @@ async def check_pipeline_metrics(settings: Settings, ends: dict[int, int]) -> No
     """The pipeline's /metrics (AML_PIPELINE_METRICS_PORT) agree with the groups: each service's committed
     offsets are the log ends, its batches hold every record, and the store's time is counted. They answer
     only with AML_WEB_TOKEN, but /health."""
-    url = f"http://127.0.0.1:{settings.pipeline_metrics_port}"
+    url = f"http://127.0.0.1:{settings.pipeline.metrics_port}"
     async with aiohttp.ClientSession() as session:
         for headers in ({}, bearer("another-token-of-24-chars")):
             async with session.get(f"{url}/metrics", headers=headers) as response:
@@ -185,7 +185,7 @@ async def check_pipeline_metrics(settings: Settings, ends: dict[int, int]) -> No
                 assert "AML_WEB_TOKEN" in (await response.json())["error"]
         async with session.get(f"{url}/health") as response:
             assert response.status == 200
-        async with session.get(f"{url}/metrics", headers=bearer(settings.web_token)) as response:
+        async with session.get(f"{url}/metrics", headers=bearer(settings.web.token)) as response:
             assert response.status == 200
             text = await response.text()
     samples = [

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -41,6 +40,7 @@ from aml_app.settings import Settings
 from tests.harness import DecisionLog, Names, wait_until
 from tests.payments import PaymentRow
 from tests.played_stores import Pipeline, api_settings, checked_ok, start_apis, stop_apis
+from tests.stores import with_dependencies
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +70,7 @@ async def apis(
     # No answer cache: it would hand the replay the live decisions' answers wherever their snapshot
     # meets the replay's need, identical by construction. The test compares what B and C answer from
     # their stores, which is what the event-time gate makes the same.
-    started = start_apis(replace(settings, api_cache_answers=0), tmp_path)
+    started = start_apis(with_dependencies(settings, api_cache_answers=0), tmp_path)
     try:
         yield started
     finally:
@@ -116,7 +116,7 @@ async def test_decisions_made_with_one_partition_held_back_replay_identically(
 
     log = await asyncio.to_thread(log_identity, {"bootstrap.servers": broker.bootstrap}, names.payments)
     committers = dict(zip(("relations", "aggregates"), ([c] for c in deps.values()), strict=True))
-    pipeline = Pipeline(committers, replace(Settings(), store_url=store_url), log)
+    pipeline = Pipeline(committers, with_dependencies(Settings(), store_url=store_url), log)
     for committer in deps.values():
         await committer.commit({2: 0, 3: 0})  # nothing there: quiet partitions
     # B and C: the running partition at once, the held one up to t1.

@@ -34,7 +34,7 @@ from aml_app.settings import Settings
 from aml_app.training.reference import reference_aggregates, reference_relations
 from tests.harness import Names
 from tests.payments import PaymentRow
-from tests.stores import apply_payments, apply_records, without_as_of
+from tests.stores import apply_payments, apply_records, with_dependencies, without_as_of
 
 T0 = datetime(2026, 3, 1, 12, tzinfo=UTC)
 THRESHOLD = Decimal("10000")
@@ -192,7 +192,7 @@ async def test_errors_are_json_sentences(store_url: str) -> None:
 
 
 async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -> None:
-    settings = replace(SETTINGS, store_url=store_url)
+    settings = with_dependencies(SETTINGS, store_url=store_url)
     async with client_for(build_app("relations", settings, check=False)) as client:
         health = await get(client, "/health")
         assert health == {
@@ -204,7 +204,7 @@ async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -
             "log": None,
             "answer_cache": {
                 "entries": 0,
-                "capacity": settings.api_cache_answers,
+                "capacity": settings.dependencies.api_cache_answers,
                 "hits": 0,
                 "misses": 0,
                 "joined": 0,
@@ -291,11 +291,18 @@ async def test_aggregates_answers(stores: str) -> None:
         assert unknown["near_threshold_24h"] == 0 and unknown["as_of"] == {"0": 2, "1": 2}
 
 
+def with_rates(rates: ExchangeRates) -> Settings:
+    """SETTINGS with the AML rules' reporting currency and exchange rates set to `rates`."""
+    detection = SETTINGS.detection
+    thresholds = replace(detection.aml_thresholds, rates=rates)
+    return replace(SETTINGS, detection=replace(detection, aml_thresholds=thresholds))
+
+
 async def test_aggregates_answer_in_the_configured_reporting_currency(stores: str) -> None:
     """C states its sums in the AML rules' reporting currency, read from the same settings; a currency
     without a rate counts nothing there and is named."""
     rates = ExchangeRates.from_env({"AML_REPORTING_CURRENCY": "GBP", "AML_EXCHANGE_RATES": "USD=1.25"})
-    settings = replace(SETTINGS, aml_thresholds=replace(SETTINGS.aml_thresholds, rates=rates))
+    settings = with_rates(rates)
     async with client_for(aggregates_api(stores, settings)) as client:
         body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
     assert body["reporting_currency"] == "GBP" and body["unconverted"] == ["EUR"]
@@ -303,7 +310,7 @@ async def test_aggregates_answer_in_the_configured_reporting_currency(stores: st
     assert body["windows"]["1h"]["sent_total"] == "0.00"
     assert without_as_of(body) == reference_aggregates([payments()], "A", T0, THRESHOLD, BAND, rates)
     rates = ExchangeRates.from_env({"AML_REPORTING_CURRENCY": "EUR"})
-    settings = replace(SETTINGS, aml_thresholds=replace(SETTINGS.aml_thresholds, rates=rates))
+    settings = with_rates(rates)
     async with client_for(aggregates_api(stores, settings)) as client:
         body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
     assert body["reporting_currency"] == "EUR" and body["unconverted"] == []
@@ -342,7 +349,7 @@ async def test_aggregates_bad_at(store_url: str, query: str, words: str) -> None
 
 
 async def test_aggregates_health_without_then_with_a_store(spark: Any, store_url: str) -> None:
-    settings = replace(SETTINGS, store_url=store_url, reporting_threshold=Decimal("5000"))
+    settings = with_dependencies(SETTINGS, store_url=store_url, reporting_threshold=Decimal("5000"))
     async with client_for(build_app("aggregates", settings, check=False)) as client:
         health = await get(client, "/health")
         assert health["store_exists"] is False and health["as_of"] == {}
@@ -372,10 +379,13 @@ def test_build_app_refuses_an_unknown_kind() -> None:
 
 async def test_serve_runs_the_service_until_stopped(store_url: str, broker: EmbeddedBroker) -> None:
     port = free_port()
-    settings = f"store_url={store_url!r}, bootstrap_servers=({broker.bootstrap!r},)"
+    settings = (
+        f"kafka=KafkaSettings(bootstrap_servers=({broker.bootstrap!r},)), "
+        f"dependencies=DependencySettings(store_url={store_url!r})"
+    )
     code = (
         "from aml_app.dependencies.api import serve\n"
-        "from aml_app.settings import Settings\n"
+        "from aml_app.settings import DependencySettings, KafkaSettings, Settings\n"
         f"serve('aggregates', Settings({settings}).with_endpoint('aggregates', port={port}))\n"
     )
     child = await asyncio.create_subprocess_exec(
@@ -484,11 +494,15 @@ async def test_bad_batches_get_a_400_sentence(store_url: str, path: str, body: A
 # --- the store check and outages -----------------------------------------------------------------
 
 
+def on_broker(store_url: str, broker: EmbeddedBroker, names: Names) -> Settings:
+    """SETTINGS with the test's store, broker and payments topic."""
+    kafka = replace(SETTINGS.kafka, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments)
+    return replace(with_dependencies(SETTINGS, store_url=store_url), kafka=kafka)
+
+
 def checked(store_url: str, broker: EmbeddedBroker, names: Names) -> Settings:
     """Settings for an API whose store check watches `names.deps[0]` as the relations group."""
-    return replace(
-        SETTINGS, store_url=store_url, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
-    ).with_endpoint("relations", group=names.deps[0])  # fmt: skip
+    return on_broker(store_url, broker, names).with_endpoint("relations", group=names.deps[0])
 
 
 @contextmanager
@@ -532,9 +546,7 @@ async def test_an_api_refuses_a_store_at_another_schema_version_until_it_is_migr
     schema, ours = aggregates.SCHEMA, aggregates.SCHEMA.version
     with psycopg.connect(store_url) as conn:
         migrate(conn, aggregates.Schema(schema.name, schema.migrations[: ours - 1]))
-    settings = replace(
-        SETTINGS, store_url=store_url, bootstrap_servers=(broker.bootstrap,), payments_topic=names.payments,
-    ).with_endpoint("aggregates", group=names.deps[1])  # fmt: skip
+    settings = on_broker(store_url, broker, names).with_endpoint("aggregates", group=names.deps[1])
     async with client_for(build_app("aggregates", settings)) as client:
         for path in ("/health", "/aggregates/A?at=2026-03-01T12:00:00Z"):
             refused = await get(client, path, status=503)
@@ -703,7 +715,7 @@ async def test_a_replica_bound_to_loopback_answers_only_requests_addressed_to_lo
     """DNS rebinding: a page of evil.example, its name pointed at 127.0.0.1, reaches a replica bound there
     with `Host: evil.example`; that is refused (421), whatever the path. Bound to every address (a
     container), any name is served."""
-    loopback = replace(SETTINGS, store_url=stores, services_host="127.0.0.1")
+    loopback = with_dependencies(SETTINGS, store_url=stores, services_host="127.0.0.1")
     async with client_for(build_app("relations", loopback, check=False)) as client:
         for host in ("evil.example", "evil.example:8081", "10.0.0.7:8081", "127.0.0.1.evil.example"):
             response = await client.get("/relations/A", headers={"Host": host})
@@ -713,7 +725,7 @@ async def test_a_replica_bound_to_loopback_answers_only_requests_addressed_to_lo
         for host in ("127.0.0.1:8081", "localhost", "[::1]:8081", "LOCALHOST:1"):
             response = await client.get("/relations/A", headers={"Host": host})
             assert response.status == 200, (host, await response.text())
-    everywhere = replace(loopback, services_host="0.0.0.0")
+    everywhere = with_dependencies(loopback, services_host="0.0.0.0")
     async with client_for(build_app("relations", everywhere, check=False)) as client:
         response = await client.get("/relations/A", headers={"Host": "relations-1:8081"})
         assert response.status == 200, await response.text()
@@ -725,7 +737,7 @@ TOKEN = "t0ken-for-the-test-" + "x" * 12
 async def test_with_a_token_set_only_requests_carrying_it_are_answered(stores: str) -> None:
     """AML_API_TOKEN: a request without it or with another one is a 401 (with `WWW-Authenticate`), a load
     balancer's /health is answered anyway, and the detectors' client, given the token, gets its answers."""
-    guarded = replace(SETTINGS, store_url=stores, api_token=TOKEN)
+    guarded = with_dependencies(SETTINGS, store_url=stores, api_token=TOKEN)
     async with client_for(build_app("relations", guarded, check=False)) as client:
         for headers, said in (({}, "none."), ({"Authorization": "Bearer nope"}, "another one.")):
             for response in (

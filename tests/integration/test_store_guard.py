@@ -32,12 +32,12 @@ from tests.pipelines import Running, check_against_reference, log_ends, pipeline
 def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
-        "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.bootstrap_servers),
-        "AML_PAYMENTS_TOPIC": settings.payments_topic,
-        "AML_DLQ_TOPIC": settings.dlq_topic,
+        "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.kafka.bootstrap_servers),
+        "AML_PAYMENTS_TOPIC": settings.kafka.payments_topic,
+        "AML_DLQ_TOPIC": settings.kafka.dlq_topic,
         "AML_RELATIONS_GROUP": settings.relations_group,
         "AML_AGGREGATES_GROUP": settings.aggregates_group,
-        "AML_STORE_URL": settings.store_url,
+        "AML_STORE_URL": settings.dependencies.store_url,
         "AML_TRIGGER_INTERVAL": "0.2",
         "AML_PIPELINE_METRICS_PORT": "0",  # no /metrics: another process may hold the default port
         "PYSPARK_SUBMIT_ARGS": "--conf spark.ui.showConsoleProgress=false pyspark-shell",
@@ -50,7 +50,7 @@ def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.
 async def test_a_lost_store_is_refused_reported_and_rebuilt(
     spark: Any, broker: EmbeddedBroker, names: Names, producer: AIOKafkaProducer, store_url: str
 ) -> None:
-    settings = replace(pipeline_settings(broker, names, store_url), max_records_per_trigger=500)
+    settings = pipeline_settings(broker, names, store_url, max_records_per_trigger=500)
     produced = await produce_payments(producer, names.payments, 900, seed=31)
     ends = log_ends(produced, names.partitions)
     running = Running(spark, settings)
@@ -68,7 +68,7 @@ async def test_a_lost_store_is_refused_reported_and_rebuilt(
     assert sentence.startswith("aml-app pipeline: the relations store is behind its consumer group"), sentence
     assert "aml-app rebuild relations" in sentence and "AML_STORE_URL" in sentence
 
-    checked = replace(settings, bootstrap_servers=(broker.bootstrap,))
+    checked = replace(settings, kafka=replace(settings.kafka, bootstrap_servers=(broker.bootstrap,)))
     async with TestClient(TestServer(build_app("relations", checked), host="127.0.0.1")) as client:
         health = await wait_for_check(client, "behind")
         assert "aml-app rebuild relations" in health["store_check"]["problem"]

@@ -14,7 +14,6 @@ import asyncio
 import logging
 import signal
 import time
-from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -72,7 +71,7 @@ def opened(settings: Settings, services: list[str], rebuild: bool = False) -> ru
 def hold(settings: Settings, service: str, offsets: dict[int, int]) -> None:
     """Make the store hold offsets 0..o-1 of each partition (no rows: the offsets are what matters)."""
     schema = relations.SCHEMA if service == "relations" else aggregates.SCHEMA
-    writer = Writer(settings.store_url, schema)
+    writer = Writer(settings.dependencies.store_url, schema)
     try:
         writer.apply({p: (0, o) for p, o in offsets.items()}, lambda conn: None)
     finally:
@@ -201,7 +200,7 @@ class SparkLeftRunning:
 async def test_a_query_on_another_log_stops_with_the_sentence(
     spark: Any, broker: EmbeddedBroker, names: Names, store_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = replace(pipeline_settings(broker, names, store_url), trigger_interval=0.2)
+    settings = pipeline_settings(broker, names, store_url, trigger_interval=0.2)
     pipeline = await asyncio.to_thread(prepare, settings)
     # The stores are of log `old`; the topic, by the time the query starts, is another one.
     current = pipeline.logs[names.payments]

@@ -9,7 +9,6 @@ out (tests/stores.py). Each test, and each generated example, gets a fresh datab
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 import time
@@ -49,6 +48,7 @@ from tests.stores import (
     payment_records,
     records_frame,
     relations_answers,
+    with_dependencies,
     without_as_of,
 )
 
@@ -57,7 +57,7 @@ CURRENCIES = ["EUR", "USD", "JPY", "NOK"]  # NOK has no AMLworld rate: unconvert
 T0 = datetime(2026, 3, 1, tzinfo=UTC)
 HALF_HOUR = timedelta(minutes=30)
 SETTINGS = Settings()
-THRESHOLD, BAND = SETTINGS.reporting_threshold, SETTINGS.threshold_band
+THRESHOLD, BAND = SETTINGS.dependencies.reporting_threshold, SETTINGS.dependencies.threshold_band
 MALFORMED = b'{"payment_id": "broken"'
 
 
@@ -759,7 +759,7 @@ async def test_too_late_across_batches_and_inside_one(spark: Any, store_url: str
 async def test_pruning_keeps_answers_exact_from_the_newest_minus_one_hour(spark: Any, store_url: str) -> None:
     old = rows(*[("A", "B", "1", T0 + timedelta(hours=h)) for h in range(0, 48, 6)])
     new = rows(("A", "B", "2", T0 + timedelta(days=8, hours=3)), start=len(old))
-    an_hour = dataclasses.replace(SETTINGS, aggregates_retention=3600)
+    an_hour = with_dependencies(SETTINGS, aggregates_retention=3600)
     apply_payments(spark, store_url, "aggregates", old, settings=an_hour)
     apply_payments(spark, store_url, "aggregates", new, settings=an_hour)
     with psycopg.connect(store_url) as conn:
@@ -781,7 +781,7 @@ async def test_an_answer_as_of_an_instant_behind_the_newest_is_exact_within_the_
     """C answers as of an instant up to AML_AGGREGATES_RETENTION behind its newest event time as it did
     when it had just applied that instant (a partition of C lagging, a replay); further back, `exact`
     says it cannot."""
-    settings = dataclasses.replace(SETTINGS, aggregates_retention=retention.total_seconds())
+    settings = with_dependencies(SETTINGS, aggregates_retention=retention.total_seconds())
     paid = rows(*[("A", "B", "1", T0 + timedelta(hours=h)) for h in range(0, 24 * 10, 5)])
     when = T0 + timedelta(days=7, hours=12)  # its week reaches back to T0 + 12 h
     made_by_then = [p for p in paid if p.ts <= when]
@@ -800,7 +800,7 @@ async def test_an_answer_as_of_an_instant_behind_the_newest_is_exact_within_the_
 
 async def test_a_store_counted_with_other_thresholds_is_refused(spark: Any, store_url: str) -> None:
     apply_payments(spark, store_url, "aggregates", rows(("A", "B", "9500", T0)))
-    other = Settings(reporting_threshold=Decimal("5000"))
+    other = with_dependencies(Settings(), reporting_threshold=Decimal("5000"))
     with pytest.raises(StoreError, match="AML_REPORTING_THRESHOLD=10000"):
         apply_payments(spark, store_url, "aggregates", rows(("A", "B", "1", T0), start=1), settings=other)
     # The API reports the store's definition, whatever its own settings say.
@@ -895,7 +895,7 @@ async def test_a_version_2_relations_store_migrates_to_one_index_by_payee(spark:
     outputs = batch_outputs(
         records_frame(spark, payment_records(payments)),
         "relations",
-        SETTINGS.max_payment_bytes,
+        SETTINGS.kafka.max_payment_bytes,
         THRESHOLD,
         BAND,
     )
@@ -1145,7 +1145,7 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
     def plan(frame: Any) -> str:
         return frame._jdf.queryExecution().executedPlan().toString()
 
-    with kept(trimmed(validated(records, SETTINGS.max_payment_bytes))) as batch:
+    with kept(trimmed(validated(records, SETTINGS.kafka.max_payment_bytes))) as batch:
         valid = batch.where("valid")
         for aggregated in (edges(in_one_task(valid)), flows(in_one_task(valid), THRESHOLD, BAND)):
             assert "Exchange" not in plan(aggregated), plan(aggregated)
@@ -1163,7 +1163,7 @@ def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
     rows = [PaymentRow(0, o, f"id-{o}", "A", "B", Decimal("10.00"), "EUR", T0) for o in range(10)]
     records = records_frame(spark, payment_records(rows))
     applied = {"relations": {0: 6}, "aggregates": {0: 0}}
-    with kept(trimmed(validated(records, SETTINGS.max_payment_bytes))) as batch:
+    with kept(trimmed(validated(records, SETTINGS.kafka.max_payment_bytes))) as batch:
         outputs = outputs_by_service(batch, applied, THRESHOLD, BAND)
     relations_out, aggregates_out = outputs["relations"], outputs["aggregates"]
     assert relations_out.tables["edges"].column("payments").to_pylist() == [4]
@@ -1212,7 +1212,7 @@ def test_the_kept_batch_holds_no_bytes_of_valid_records(spark: Any) -> None:
 
     payments = [PaymentRow(0, o, f"id-{o}", "A", "B", Decimal(1), "EUR", T0) for o in range(5)]
     records = records_frame(spark, [*payment_records(payments), (0, 5, b"A", b"not json")])
-    with kept(trimmed(validated(records, SETTINGS.max_payment_bytes))) as batch:
+    with kept(trimmed(validated(records, SETTINGS.kafka.max_payment_bytes))) as batch:
         assert "payment_id" not in batch.columns
         rows = {r["offset"]: r for r in batch.collect()}
     assert [o for o, r in rows.items() if r["key"] is not None or r["value"] is not None] == [5]

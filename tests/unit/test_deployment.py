@@ -222,7 +222,7 @@ def test_every_variable_the_compose_sets_is_a_setting_with_a_valid_value(compose
 def test_the_pipeline_and_every_api_replica_use_the_one_postgres_store(compose: dict[str, Any]) -> None:
     services = app_services(compose)
     urls = {
-        name: load_settings({**image_env(), **env_of(services[name])}).store_url
+        name: load_settings({**image_env(), **env_of(services[name])}).dependencies.store_url
         for name in ("pipeline", *API_REPLICAS)
     }
     assert len(set(urls.values())) == 1, urls
@@ -247,7 +247,7 @@ def test_workers_bind_every_address_and_find_the_apis(compose: dict[str, Any]) -
     assert set(workers) == {"aml", "fraud"}
     for name, service in workers.items():
         settings = load_settings({**image_env(), **env_of(service)})
-        assert settings.web_host == "0.0.0.0"
+        assert settings.web.host == "0.0.0.0"
         assert settings.service == name and name in available_services()
         assert service["deploy"]["replicas"] >= 2
         for kind, urls in (("relations", settings.relations_urls), ("aggregates", settings.aggregates_urls)):
@@ -258,11 +258,11 @@ def test_workers_bind_every_address_and_find_the_apis(compose: dict[str, Any]) -
                 assert parse_cli_kind(services[replica]) == kind
                 port = api_settings.relations_port if kind == "relations" else api_settings.aggregates_port
                 assert url == f"http://{replica}:{port}"
-                assert api_settings.services_host == "0.0.0.0"
+                assert api_settings.dependencies.services_host == "0.0.0.0"
         # One host port per replica: the range holds every replica.
         published = service["ports"][0].split(":")
         low, high = (int(p) for p in published[0].split("-"))
-        assert high - low + 1 >= service["deploy"]["replicas"] and published[1] == str(settings.web_port)
+        assert high - low + 1 >= service["deploy"]["replicas"] and published[1] == str(settings.web.port)
 
 
 # ---- docker/Dockerfile
@@ -451,7 +451,7 @@ def test_the_procfile_writes_and_reads_the_stores_as_their_own_roles() -> None:
 
     processes = procfile()
     assert "AML_STORE_URL" not in processes["pipeline"]
-    assert load_settings({}).store_url == f"postgresql://{WRITER}@127.0.0.1:5433/aml"
+    assert load_settings({}).dependencies.store_url == f"postgresql://{WRITER}@127.0.0.1:5433/aml"
     for name in ("relations_1", "relations_2", "aggregates_1", "aggregates_2"):
         expression = re.findall(r"AML_API_STORE_URL=(\S+)", processes[name])[0]
         assert shell_value(expression) == f"postgresql://{READER}@127.0.0.1:5433/aml", name
@@ -494,7 +494,7 @@ def test_every_procfile_process_is_an_aml_app_command(cli: click.Group) -> None:
         assignments, args = split_command(processes[name])
         settings = load_settings(assignments)
         port = settings.relations_port if args[1] == "relations" else settings.aggregates_port
-        api_urls[args[1]].append(f"http://{settings.services_host}:{port}")
+        api_urls[args[1]].append(f"http://{settings.dependencies.services_host}:{port}")
     assert len({u for urls in api_urls.values() for u in urls}) == 4, "every replica on a port of its own"
     for name in ("aml", "fraud"):
         assignments, _ = split_command(processes[name])
@@ -582,20 +582,29 @@ def test_every_long_running_service_has_a_healthcheck_on_its_own_port(compose: d
         settings = load_settings({**image_env(), **env_of(service)})
         command = service["command"]
         if command == ["enrich"]:
-            port, path = settings.enrichment_metrics_port, "/health"
-            assert settings.services_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
+            port, path = settings.pipeline.enrichment_metrics_port, "/health"
+            assert settings.dependencies.services_host == "0.0.0.0" and settings.web.token, (
+                name,
+                "AML_WEB_TOKEN",
+            )
         elif command[0] == "worker":
-            port, path = settings.web_port, "/health"
-            assert settings.web_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
+            port, path = settings.web.port, "/health"
+            assert settings.web.host == "0.0.0.0" and settings.web.token, (name, "AML_WEB_TOKEN")
         elif command[0] == "pipeline":
-            port, path = settings.pipeline_metrics_port, "/health"
-            assert settings.services_host == "0.0.0.0" and settings.web_token, (name, "AML_WEB_TOKEN")
+            port, path = settings.pipeline.metrics_port, "/health"
+            assert settings.dependencies.services_host == "0.0.0.0" and settings.web.token, (
+                name,
+                "AML_WEB_TOKEN",
+            )
         else:
             assert command[:2] in (["serve", "relations"], ["serve", "aggregates"]), (name, command)
             kind = command[1]
             port = settings.relations_port if kind == "relations" else settings.aggregates_port
             path = "/health"
-            assert settings.services_host == "0.0.0.0" and settings.api_token, (name, "AML_API_TOKEN")
+            assert settings.dependencies.services_host == "0.0.0.0" and settings.dependencies.api_token, (
+                name,
+                "AML_API_TOKEN",
+            )
         assert path in OPEN_PATHS
         test = service["healthcheck"]["test"]
         assert test[:3] == ["CMD", "python", "-c"], (name, test)
@@ -627,9 +636,9 @@ def test_the_compose_stores_are_written_and_read_by_roles_of_least_privilege(com
     for name, service in app_services(compose).items():
         settings = load_settings({**image_env(), **env_of(service)})
         if service["command"][0] == "pipeline":
-            assert conninfo_to_dict(settings.store_url)["user"] == WRITER
+            assert conninfo_to_dict(settings.dependencies.store_url)["user"] == WRITER
         elif service["command"][0] == "serve":
-            assert conninfo_to_dict(settings.reader_url)["user"] == READER, name
+            assert conninfo_to_dict(settings.dependencies.reader_url)["user"] == READER, name
 
 
 def test_every_procfile_process_that_reads_c_places_it_on_the_stages_topic() -> None:
@@ -637,7 +646,7 @@ def test_every_procfile_process_that_reads_c_places_it_on_the_stages_topic() -> 
     workers (whose gate maps C's offsets) declare the one derived dependency that `enrich` writes."""
     processes = procfile()
     stage = load_settings(split_command(processes["enrich"])[0])
-    wanted = {stage.aggregates_group: (stage.enriched_topic, stage.enrichment_group)}
+    wanted = {stage.aggregates_group: (stage.kafka.enriched_topic, stage.kafka.enrichment_group)}
     for name in ("pipeline", "aggregates_1", "aggregates_2", "aml", "fraud"):
         assignments, _ = split_command(processes[name])
         env = {k: str(port_of(v, 5000)) if k == "AML_WEB_PORT" else v for k, v in assignments.items()}
@@ -651,7 +660,7 @@ def test_the_compose_file_runs_the_stage_whose_topic_c_reads(compose: dict[str, 
     stages = [name for name, service in services.items() if service["command"] == ["enrich"]]
     assert stages == ["enrich"]
     stage = load_settings({**image_env(), **env_of(services["enrich"])})
-    wanted = {stage.aggregates_group: (stage.enriched_topic, stage.enrichment_group)}
+    wanted = {stage.aggregates_group: (stage.kafka.enriched_topic, stage.kafka.enrichment_group)}
     for name, service in services.items():
         if service["command"][0] in ("pipeline", "worker") or service["command"] == ["serve", "aggregates"]:
             assert load_settings({**image_env(), **env_of(service)}).derived_dependencies == wanted, name

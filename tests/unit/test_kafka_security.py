@@ -164,14 +164,14 @@ def test_a_key_without_a_certificate_is_refused(tls_files: dict[str, str]) -> No
 
 def test_the_password_is_never_shown(caplog: pytest.LogCaptureFixture) -> None:
     settings = load_settings(sasl_env("SASL_PLAINTEXT"))
-    assert settings.kafka_security.password == PASSWORD
-    shown = [repr(settings), str(settings), repr(settings.kafka_security), settings.kafka_security.describe()]
+    assert settings.kafka.security.password == PASSWORD
+    shown = [repr(settings), str(settings), repr(settings.kafka.security), settings.kafka.security.describe()]
     assert all(PASSWORD not in text for text in shown)
-    assert "svc-aml" in settings.kafka_security.describe()
+    assert "svc-aml" in settings.kafka.security.describe()
     with caplog.at_level(logging.DEBUG):
         logging.getLogger("test").info("settings: %s", settings)
     assert PASSWORD not in caplog.text
-    assert PASSWORD not in repr(faust_credentials(settings.kafka_security))
+    assert PASSWORD not in repr(faust_credentials(settings.kafka.security))
 
 
 def test_settings_fail_fast_on_a_bad_security_combination() -> None:
@@ -186,13 +186,13 @@ def test_clients_take_the_settings_given_and_never_the_environment_again(
     from aml_app.kafka.offsets import DependencyOffsets
 
     settings = load_settings(sasl_env("SASL_PLAINTEXT", "SCRAM-SHA-256"))
-    reader = DependencyOffsets(["kafka:9092"], "payments", ["relations"], security=settings.kafka_security)
+    reader = DependencyOffsets(["kafka:9092"], "payments", ["relations"], security=settings.kafka.security)
     assert reader._security["sasl_plain_password"] == PASSWORD
     assert reader._librdkafka["sasl.password"] == PASSWORD
     # The environment says something else after start-up: no client reads it.
     for name, value in sasl_env("SASL_SSL", "PLAIN").items():
         monkeypatch.setenv(name, value)
-    again = UnappliedReader(["kafka:9092"], "payments", security=settings.kafka_security)
+    again = UnappliedReader(["kafka:9092"], "payments", security=settings.kafka.security)
     assert again._security["sasl_mechanism"] == "SCRAM-SHA-256"
     assert aiokafka_kwargs(PLAINTEXT) == {}
 

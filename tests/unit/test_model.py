@@ -272,9 +272,9 @@ def test_the_rules_beside_the_model_are_vetoed_where_it_finds_the_payment_benign
 
 
 def test_aml_model_is_off_by_default_and_a_bad_one_fails_at_start_up(tmp_path: Path) -> None:
-    assert load_settings({}).aml_model == "" and load("") is None
-    assert load_settings({"AML_MODEL": "off"}).aml_model == ""
-    assert load_settings({"AML_MODEL": "amlworld"}).aml_model == "amlworld"
+    assert load_settings({}).detection.aml_model == "" and load("") is None
+    assert load_settings({"AML_MODEL": "off"}).detection.aml_model == ""
+    assert load_settings({"AML_MODEL": "amlworld"}).detection.aml_model == "amlworld"
     with pytest.raises(
         ConfigError, match=r"^AML_MODEL='/no/such/file' is neither 'amlworld', 'off' nor a model"
     ):

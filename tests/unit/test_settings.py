@@ -8,56 +8,58 @@ import socket
 import pytest
 
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
-from aml_app.settings import ConfigError, Settings, load_settings
+from aml_app.settings import ConfigError, GateMode, ProbeCostKind, Settings, WaitPolicy, load_settings
 
 
 def test_defaults_from_an_empty_environment() -> None:
     s = load_settings({})
-    assert s.bootstrap_servers == ("127.0.0.1:9092",)
-    assert s.faust_brokers == ["kafka://127.0.0.1:9092"]
+    assert s.kafka.bootstrap_servers == ("127.0.0.1:9092",)
+    assert s.kafka.faust_brokers == ["kafka://127.0.0.1:9092"]
     assert s.app_id == "aml"
     assert s.depends_on == ("relations", "aggregates")
-    assert (s.payments_topic, s.decisions_topic, s.dlq_topic) == (
+    assert (s.kafka.payments_topic, s.kafka.decisions_topic, s.kafka.dlq_topic) == (
         "payments",
         "aml.decisions",
         "payments.dlq",
     )
-    assert s.partitions == 4
-    assert s.replication_factor == 1
-    assert s.gate_enabled is True
-    assert s.refresh_interval == 1.0
-    assert s.fast_refresh_interval == 0.025
-    assert s.max_pending_per_partition == 1000
-    assert s.max_in_flight == 1000
-    assert s.max_payment_bytes == 65536
-    assert s.session_timeout == 10.0
-    assert s.rebalance_timeout == 10.0
-    assert s.commit_interval == 1.0
-    assert (s.web_host, s.web_port) == ("127.0.0.1", 6066)
+    assert s.kafka.partitions == 4
+    assert s.kafka.replication_factor == 1
+    assert s.gate.enabled is True
+    assert s.gate.refresh_interval == 1.0
+    assert s.gate.fast_refresh_interval == 0.025
+    assert s.gate.max_pending_per_partition == 1000
+    assert s.gate.max_in_flight == 1000
+    assert s.kafka.max_payment_bytes == 65536
+    assert s.kafka.session_timeout == 10.0
+    assert s.kafka.rebalance_timeout == 10.0
+    assert s.kafka.commit_interval == 1.0
+    assert (s.web.host, s.web.port) == ("127.0.0.1", 6066)
     assert s.data_dir == "var/aml"
     assert s.table_store == "rocksdb://"
-    assert s.broker_port == 9092
+    assert s.kafka.broker_port == 9092
     assert s.worker_id == f"{socket.gethostname()}-{os.getpid()}"
     assert s.worker_data_dir == os.path.join("var/aml", "aml-6066")
 
 
 def test_defaults_match_the_dataclass_defaults() -> None:
+    """Each group's function reads its dataclass's defaults from an empty environment."""
     loaded, plain = load_settings({}), Settings()
-    for name in ("app_id", "depends_on", "partitions", "refresh_interval", "table_store"):
-        assert getattr(loaded, name) == getattr(plain, name)
+    for group in ("kafka", "gate", "dependencies", "pipeline", "detection", "web"):
+        assert getattr(loaded, group) == getattr(plain, group), group
+    assert loaded == plain
 
 
 def test_blank_values_fall_back_to_the_default() -> None:
     s = load_settings({"AML_APP_ID": "   ", "AML_PARTITIONS": "", "AML_DEPENDS_ON": ""})
     assert s.app_id == "aml"
-    assert s.partitions == 4
+    assert s.kafka.partitions == 4
     assert s.depends_on == ("relations", "aggregates")
 
 
 def test_bootstrap_servers_are_split_stripped_and_unprefixed() -> None:
     s = load_settings({"KAFKA_BOOTSTRAP_SERVERS": "kafka://a:1, b:2"})
-    assert s.bootstrap_servers == ("a:1", "b:2")
-    assert s.faust_brokers == ["kafka://a:1", "kafka://b:2"]
+    assert s.kafka.bootstrap_servers == ("a:1", "b:2")
+    assert s.kafka.faust_brokers == ["kafka://a:1", "kafka://b:2"]
 
 
 def test_explicit_values_are_read_and_trimmed() -> None:
@@ -78,12 +80,12 @@ def test_explicit_values_are_read_and_trimmed() -> None:
     )
     assert s.app_id == "detector"
     assert s.depends_on == ("g1", "g2", "g3")
-    assert s.partitions == 12
-    assert s.gate_enabled is False
+    assert s.kafka.partitions == 12
+    assert s.gate.enabled is False
     # fast == slow is allowed
-    assert s.refresh_interval == s.fast_refresh_interval == 2.5
+    assert s.gate.refresh_interval == s.gate.fast_refresh_interval == 2.5
     # the rebalance timeout follows the session timeout unless set
-    assert s.session_timeout == s.rebalance_timeout == 30.0
+    assert s.kafka.session_timeout == s.kafka.rebalance_timeout == 30.0
     assert s.table_store == "memory://"
     assert s.worker_id == "w1"
     assert s.worker_data_dir == os.path.join("/tmp/x", "detector-7000")
@@ -103,7 +105,7 @@ def test_explicit_values_are_read_and_trimmed() -> None:
     ],
 )
 def test_gate_switch_spellings(raw: str, expected: bool) -> None:
-    assert load_settings({"AML_GATE": raw}).gate_enabled is expected
+    assert load_settings({"AML_GATE": raw}).gate.enabled is expected
 
 
 def _fails(env: dict[str, str], *names: str) -> str:
@@ -229,7 +231,7 @@ def test_out_of_range(name: str, raw: str) -> None:
 
 @pytest.mark.parametrize(("name", "raw"), [("AML_PARTITIONS", "1"), ("AML_PARTITIONS", "10000")])
 def test_range_bounds_are_inclusive(name: str, raw: str) -> None:
-    assert load_settings({name: raw}).partitions == int(raw)
+    assert load_settings({name: raw}).kafka.partitions == int(raw)
 
 
 def test_fast_refresh_longer_than_slow() -> None:
@@ -262,7 +264,7 @@ def test_bad_names(name: str, raw: str) -> None:
 
 
 def test_longest_topic_name_is_accepted() -> None:
-    assert load_settings({"AML_DLQ_TOPIC": "x" * 249}).dlq_topic == "x" * 249
+    assert load_settings({"AML_DLQ_TOPIC": "x" * 249}).kafka.dlq_topic == "x" * 249
 
 
 @pytest.mark.parametrize(
@@ -288,9 +290,9 @@ def test_config_error_is_a_value_error() -> None:
 
 def test_operator_view_limits() -> None:
     s = load_settings({})
-    assert (s.stall_after, s.lag_warn) == (30.0, 1000)
+    assert (s.gate.stall_after, s.gate.lag_warn) == (30.0, 1000)
     s = load_settings({"AML_STALL_AFTER": "2.5", "AML_LAG_WARN": "0"})
-    assert (s.stall_after, s.lag_warn) == (2.5, 0)
+    assert (s.gate.stall_after, s.gate.lag_warn) == (2.5, 0)
 
 
 @pytest.mark.parametrize(
@@ -311,14 +313,14 @@ def test_bad_operator_view_limits(name: str, raw: str, says: str) -> None:
 
 
 def test_the_refresh_deadline_is_derived_unless_set() -> None:
-    assert load_settings({}).refresh_deadline == 0.0
-    assert load_settings({"AML_REFRESH_DEADLINE": "3"}).refresh_deadline == 3.0
+    assert load_settings({}).gate.refresh_deadline == 0.0
+    assert load_settings({"AML_REFRESH_DEADLINE": "3"}).gate.refresh_deadline == 3.0
     s = load_settings({"AML_REFRESH_INTERVAL": "0.3", "AML_REFRESH_DEADLINE": "0.3"})
-    assert (s.refresh_interval, s.refresh_deadline) == (0.3, 0.3)
+    assert (s.gate.refresh_interval, s.gate.refresh_deadline) == (0.3, 0.3)
 
 
 def test_kafka_security_defaults_to_plaintext_and_is_read_at_start_up() -> None:
-    assert load_settings({}).kafka_security.protocol == "PLAINTEXT"
+    assert load_settings({}).kafka.security.protocol == "PLAINTEXT"
     s = load_settings(
         {
             "KAFKA_SECURITY_PROTOCOL": "sasl_plaintext",
@@ -327,8 +329,8 @@ def test_kafka_security_defaults_to_plaintext_and_is_read_at_start_up() -> None:
             "KAFKA_SASL_PASSWORD": "pw",
         }
     )
-    assert (s.kafka_security.protocol, s.kafka_security.sasl_mechanism) == ("SASL_PLAINTEXT", "SCRAM-SHA-256")
-    assert (s.kafka_security.username, s.kafka_security.password) == ("svc", "pw")
+    assert (s.kafka.security.protocol, s.kafka.security.sasl_mechanism) == ("SASL_PLAINTEXT", "SCRAM-SHA-256")
+    assert (s.kafka.security.username, s.kafka.security.password) == ("svc", "pw")
 
 
 @pytest.mark.parametrize(
@@ -344,11 +346,29 @@ def test_bad_kafka_security(env: dict[str, str], name: str) -> None:
     _fails(env, name)
 
 
+def test_the_gate_mode_and_the_wait_policy_are_read_into_their_enums() -> None:
+    """The AML service waits in event time by default, the others per partition; a value names itself."""
+    assert load_settings({}).gate.mode is GateMode.EVENT_TIME
+    assert load_settings({"AML_SERVICE": "fraud"}).gate.mode is GateMode.PARTITION
+    assert load_settings({"AML_GATE_MODE": "Partition"}).gate.mode is GateMode.PARTITION
+    assert (
+        load_settings({"AML_SERVICE": "probe", "AML_GATE_MODE": "event-time"}).gate.mode
+        is GateMode.EVENT_TIME
+    )
+    assert load_settings({}).gate.wait_policy is WaitPolicy.WAIT
+    assert load_settings({"AML_WAIT_POLICY": "decide-stale"}).gate.wait_policy is WaitPolicy.DECIDE_STALE
+    assert GateMode.EVENT_TIME.value == "event-time" and WaitPolicy.DECIDE_STALE.value == "decide-stale"
+    message = _fails({"AML_GATE_MODE": "offset"}, "AML_GATE_MODE")
+    assert message == "AML_GATE_MODE='offset' is not one of event-time, partition."
+    message = _fails({"AML_WAIT_POLICY": "give-up"}, "AML_WAIT_POLICY")
+    assert message == "AML_WAIT_POLICY='give-up' is not one of wait, decide-stale."
+
+
 def test_probe_cost_is_off_by_default_and_read_when_set() -> None:
     s = load_settings({})
-    assert (s.probe_cost_ms, s.probe_cost_kind) == (0.0, "cpu")
+    assert (s.detection.probe_cost_ms, s.detection.probe_cost_kind) == (0.0, ProbeCostKind.CPU)
     s = load_settings({"AML_PROBE_COST_MS": "2.5", "AML_PROBE_COST_KIND": "Block"})
-    assert (s.probe_cost_ms, s.probe_cost_kind) == (2.5, "block")
+    assert (s.detection.probe_cost_ms, s.detection.probe_cost_kind) == (2.5, ProbeCostKind.BLOCK)
 
 
 @pytest.mark.parametrize(
@@ -366,33 +386,37 @@ def test_bad_probe_cost(name: str, raw: str, says: str) -> None:
 
 
 def test_probe_failures_are_off_by_default_and_read_when_set() -> None:
-    assert load_settings({}).probe_fail == {}
-    assert load_settings({"AML_PROBE_FAIL": "p-0-1:3, a:b:7"}).probe_fail == {"p-0-1": 3, "a:b": 7}
+    assert load_settings({}).detection.probe_fail == {}
+    assert load_settings({"AML_PROBE_FAIL": "p-0-1:3, a:b:7"}).detection.probe_fail == {"p-0-1": 3, "a:b": 7}
     for raw in ("p-0-1", "p-0-1:x", ":3", "p:0"):
         assert "PAYMENT_ID:ATTEMPTS" in _fails({"AML_PROBE_FAIL": raw}, "AML_PROBE_FAIL")
 
 
 def test_the_freshness_wait_is_shorter_than_the_http_timeout() -> None:
     """A question that waits its whole bound at B or C must still be answered within the request."""
-    assert load_settings({"AML_FRESHNESS_WAIT": "1.5", "AML_HTTP_TIMEOUT": "2"}).freshness_wait == 1.5
+    assert (
+        load_settings({"AML_FRESHNESS_WAIT": "1.5", "AML_HTTP_TIMEOUT": "2"}).dependencies.freshness_wait
+        == 1.5
+    )
     with pytest.raises(ConfigError, match=r"^AML_FRESHNESS_WAIT=3 must be shorter than AML_HTTP_TIMEOUT=3"):
         load_settings({"AML_FRESHNESS_WAIT": "3", "AML_HTTP_TIMEOUT": "3"})
 
 
 def test_the_clock_skew_bound_defaults_to_the_contracts_and_is_read_when_set() -> None:
-    assert load_settings({}).max_clock_skew == DEFAULT_MAX_CLOCK_SKEW == 5.0
-    assert load_settings({"AML_MAX_CLOCK_SKEW": "0.25"}).max_clock_skew == 0.25
-    assert load_settings({"AML_MAX_CLOCK_SKEW": "0"}).max_clock_skew == 0
-    assert load_settings({"AML_MAX_CLOCK_SKEW": "1e12"}).max_clock_skew == 1e12  # the bound off
+    assert load_settings({}).kafka.max_clock_skew == DEFAULT_MAX_CLOCK_SKEW == 5.0
+    assert load_settings({"AML_MAX_CLOCK_SKEW": "0.25"}).kafka.max_clock_skew == 0.25
+    assert load_settings({"AML_MAX_CLOCK_SKEW": "0"}).kafka.max_clock_skew == 0
+    assert load_settings({"AML_MAX_CLOCK_SKEW": "1e12"}).kafka.max_clock_skew == 1e12  # the bound off
     for raw in ("-1", "1.1e12", "nan", "inf"):
         assert "out of range" in _fails({"AML_MAX_CLOCK_SKEW": raw}, "AML_MAX_CLOCK_SKEW")
     assert "seconds" in _fails({"AML_MAX_CLOCK_SKEW": "5s"}, "AML_MAX_CLOCK_SKEW")
 
 
 def test_the_api_bounds_default_and_are_read_when_set() -> None:
-    assert (load_settings({}).api_max_rows, load_settings({}).api_timeout) == (50_000, 10.0)
+    defaults = load_settings({}).dependencies
+    assert (defaults.api_max_rows, defaults.api_timeout) == (50_000, 10.0)
     settings = load_settings({"AML_API_MAX_ROWS": "200", "AML_API_TIMEOUT": "0.5"})
-    assert (settings.api_max_rows, settings.api_timeout) == (200, 0.5)
+    assert (settings.dependencies.api_max_rows, settings.dependencies.api_timeout) == (200, 0.5)
     # Fewer rows than a counterparty's currencies would leave a list that no page can move on.
     assert "out of range" in _fails({"AML_API_MAX_ROWS": "199"}, "AML_API_MAX_ROWS")
     assert "out of range" in _fails({"AML_API_TIMEOUT": "0"}, "AML_API_TIMEOUT")
@@ -407,18 +431,20 @@ def test_the_worker_data_folder_template_keeps_braces_in_the_folder_name() -> No
 
 
 @pytest.mark.parametrize(
-    ("variable", "field"), [("AML_API_TOKEN", "api_token"), ("AML_WEB_TOKEN", "web_token")]
+    ("variable", "group", "field"),
+    [("AML_API_TOKEN", "dependencies", "api_token"), ("AML_WEB_TOKEN", "web", "token")],
 )
 def test_tokens_are_checked_kept_out_of_reprs_and_handed_to_started_processes(
-    variable: str, field: str
+    variable: str, group: str, field: str
 ) -> None:
     from aml_app.harness.workers import settings_env
 
     token = "a-shared-secret-of-" + "y" * 20
     settings = load_settings({variable: token})
-    assert getattr(settings, field) == token and token not in repr(settings)
+    assert getattr(getattr(settings, group), field) == token and token not in repr(settings)
     assert settings_env(settings)[variable] == token
-    assert getattr(load_settings({}), field) == "" and settings_env(load_settings({}))[variable] == ""
+    unset = load_settings({})
+    assert getattr(getattr(unset, group), field) == "" and settings_env(unset)[variable] == ""
     for bad in ("short", "has a space in it, sixteen+", "x" * 513, "a-tab\there-and-more-chars"):
         with pytest.raises(
             ConfigError, match=rf"^{variable} must be 16 to 512 printable characters"

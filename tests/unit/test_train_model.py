@@ -302,4 +302,5 @@ def test_an_alert_budget_picks_the_largest_of_the_files_not_above_it(tmp_path: P
         load_settings({"AML_ALERT_BUDGET": "0.001"})
     with pytest.raises(ConfigError, match="out of range"):
         load_settings({"AML_ALERT_BUDGET": "2", "AML_MODEL": str(path)})
-    assert load_settings({"AML_ALERT_BUDGET": "0.001", "AML_MODEL": str(path)}).aml_alert_budget == 0.001
+    budgeted = load_settings({"AML_ALERT_BUDGET": "0.001", "AML_MODEL": str(path)})
+    assert budgeted.detection.aml_alert_budget == 0.001
