@@ -68,7 +68,7 @@ async def retry_forever(
 
     With `attempts`, the exception of the last allowed attempt is raised instead (a retry ceiling); so
     is the last failure once `stop()` says to give up (asked before each new attempt)."""
-    backoff = Backoff(first_delay, max_delay, jitter)
+    backoff = None  # made at the first failure: the common case succeeds at once, on the hot path
     attempt = 1
     while True:
         try:
@@ -79,6 +79,7 @@ async def retry_forever(
             if (attempts is not None and attempt >= attempts) or (stop is not None and stop()):
                 log.warning("%s failed (attempt %d, giving up): %r", what, attempt, exc)
                 raise
+            backoff = backoff or Backoff(first_delay, max_delay, jitter)
             wait = backoff.next()
             log.warning("%s failed (attempt %d, retrying in %.2fs): %r", what, attempt, wait, exc)
             if on_failure is not None:

@@ -23,7 +23,8 @@ from aml_app.gate.options import LaneLimits, LanePolicy
 from aml_app.gate.sink import ReviewKind, Sink
 from aml_app.models import InvalidPayment, Payment, parse_payment
 
-#: Called with the lane and the event it has just taken, before the event waits (back-pressure's resume).
+#: Called with a paused lane and the event it has just taken, before the event waits (back-pressure's
+#: resume).
 OnTaken = Callable[[Lane, EventT[Any]], Any]
 
 
@@ -56,7 +57,8 @@ class Admitter:
                 break
             head = False
             _, arrived = lane.take()
-            await on_taken(lane, event)
+            if lane.paused:  # only a paused lane has anything to do when its queue shrinks
+                await on_taken(lane, event)
             admitted = await self.admit(event, arrived, parsed, event_us)
             lane.go_on()
             if admitted is not None:

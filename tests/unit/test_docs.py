@@ -26,6 +26,12 @@ def test_readme_is_short_and_starts_with_the_two_commands() -> None:
     assert "## Limits" in text
 
 
+def test_the_benchmarks_are_a_reference_of_current_figures() -> None:
+    """At most 40 KB: each benchmark's command, code version, load and current figures; the history of
+    how they moved is in git and bench/results/."""
+    assert len((ROOT / "BENCHMARKS.md").read_bytes()) <= 40_000
+
+
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
 def test_relative_links_resolve(document: Path) -> None:
     for target in re.findall(r"\]\(([^)\s]+)\)", document.read_text()):
