@@ -19,12 +19,14 @@ import asyncio
 import time
 from datetime import UTC, datetime
 
+from aml_app.tables.watermarks import WorkerGate
+
 from aml_app.app import send_decision, settings
 from aml_app.gate import Admission
 from aml_app.gate.handling import LeftToComplete
 from aml_app.models import Payment, decision_json
 from aml_app.settings import ProbeCostKind
-from aml_app.worker.agent import gated_agent
+from aml_app.worker.agent import Served, gated_agent
 
 NOTE = "probe: admitted by the gate; no evidence asked for and no rule run"
 
@@ -88,4 +90,5 @@ async def record(payment: Payment, admission: Admission) -> LeftToComplete:
     return await send_decision(payment.payment_id, value)
 
 
-gated = gated_agent(record)
+def service(worker_gate: WorkerGate) -> Served:
+    return Served(gated_agent(worker_gate, record))

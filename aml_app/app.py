@@ -58,10 +58,10 @@ app = AmlApp(
     broker=settings.kafka.faust_brokers,
     store=settings.table_store,
     datadir=settings.worker_data_dir_template,
-    # Only this worker's service: each module in agents/ is one gated service (AML_SERVICE picks it).
-    autodiscover=[f"aml_app.agents.{settings.service}", "aml_app.tables", "aml_app.views.web"],
-    # Faust scans its origin too: the module that defines the app, not the package, whose scan would
-    # import every service's agent module where the package is installed (agents/ is aml_app/agents/).
+    # The tables, as Faust declares them; the worker's gate, agent and views are built by
+    # `aml_app.agents.compose` (called by `aml-app worker` before Faust's worker starts).
+    autodiscover=["aml_app.tables"],
+    # Faust scans its origin too: the module that defines the app, not the whole package.
     origin="aml_app.app",
     topic_partitions=settings.kafka.partitions,
     topic_replication_factor=settings.kafka.replication_factor,

@@ -401,6 +401,9 @@ def main() -> None:
             click.echo(f"aml-app: configuration error: {problem}", err=True)
             sys.exit(2)
         reach_or_exit(settings)
+        from aml_app.agents import compose
+
+        compose(settings.service)  # this worker's gate, its service's agent and its views
     from faust.cli.faust import cli
 
     our_face(cli)

@@ -17,8 +17,9 @@ the slow interval only) and when each dependency's offset last moved; every work
 dependency statuses from the two tables (`operator_view`), and the leader logs stalls (`watch_stalls`).
 
 The tables are defined at import, as Faust requires; everything else of the gate on this worker (the
-`FreshnessGate`, the Kafka readers, the timers, the publisher) is one mode service, `WorkerGate`, that
-the app starts after table recovery and stops with itself.
+`FreshnessGate`, the Kafka readers, the timers, the publisher) is one mode service, `WorkerGate`, built
+when the worker is composed (`gate_service`), that the app starts after table recovery and stops with
+itself.
 """
 
 from __future__ import annotations
@@ -570,6 +571,9 @@ class WorkerGate(Service):
         )
 
 
-#: This worker's gate. Faust types `app.service` for a class; it starts an instance as well.
-worker_gate = WorkerGate()
-app.service(worker_gate)  # type: ignore[arg-type]
+def gate_service() -> WorkerGate:
+    """This worker's gate, as a service of the app: started after table recovery, stopped with the app.
+    Built once, by whoever composes the worker (`aml_app.agents.compose`)."""
+    worker_gate = WorkerGate()
+    app.service(worker_gate)  # type: ignore[arg-type]  # Faust types it for a class; it starts an instance
+    return worker_gate

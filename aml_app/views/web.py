@@ -15,8 +15,8 @@ starts before the tables are recovered, so while they recover the operator field
 
 from __future__ import annotations
 
-import importlib
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from faust.types import TP
@@ -26,31 +26,14 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from aml_app.app import app, settings
 from aml_app.gate import GatedConsumer
 from aml_app.tables.alerts import recovered_to
+from aml_app.tables.watermarks import WorkerGate, watermarks
 from aml_app.tables.watermarks import recovering as watermarks_recovering
-from aml_app.tables.watermarks import watermarks, worker_gate
 from aml_app.views import metrics
 from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
-from aml_app.worker import detector
+from aml_app.worker.detector import Detector, stats_json
 
 if TYPE_CHECKING:
     from multidict import MultiMapping
-
-# The service's agent module registers its gated consumer; make sure it exists before hooking into it.
-service_module = importlib.import_module(f"aml_app.agents.{settings.service}")
-
-
-def _registered() -> GatedConsumer:
-    if worker_gate.consumer is None:
-        raise RuntimeError(f"aml_app.agents.{settings.service} registered no gated agent (gated_agent)")
-    return worker_gate.consumer
-
-
-gated = _registered()
-#: The detecting services' handler (None for a service without one, the probe).
-running_detector: detector.Detector | None = getattr(service_module, "detector", None)
-gate, status, publisher = worker_gate.gate, worker_gate.status, worker_gate.publisher
-gated.observers.append(metrics.observe_admission)
-status.duration_observers.append(metrics.observe_refresh)
 
 
 def _assigned() -> list[int]:
@@ -72,76 +55,84 @@ def _highwaters(partitions: list[int]) -> dict[int, int | None]:
     return found
 
 
-def snapshot() -> dict[str, Any]:
-    now = time.time()
-    assigned = _assigned()
-    recovering = watermarks_recovering()
-    rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
-    in_flight = {p: lane.in_flight for p, lane in gated.lanes.items()}
-    if recovering:
-        view: dict[str, Any] = {"partitions": [], "dependencies": [], "gate": None}
-    else:
-        view = worker_gate.operator_view(
-            now, in_flight=in_flight, local=assigned, highwaters=_highwaters(assigned)
-        )
-    return {
-        "worker": settings.worker_id,
-        "service": settings.service,
-        "app_id": settings.app_id,
-        "topic": settings.kafka.payments_topic,
-        "depends_on": list(settings.depends_on),
-        "gate_enabled": settings.gate.enabled,
-        "gate_mode": settings.gate.mode.value,
-        "cut": worker_gate.cut_view(),
-        "recovering": recovering,
-        "is_leader": app.is_leader(),
-        "assigned": assigned,
-        "watermarks": rows,
-        "waiting": {str(p): o for p, o in gate.waiting.items()},
-        "blocked_since": {str(p): t for p, t in gate.blocked_since.items()},
-        "in_flight": {str(p): o for p, o in in_flight.items()},
-        "processed": {str(p): lane.done for p, lane in gated.lanes.items()},
-        "payments_handled": metrics.counts.handled,
-        "dead_lettered": gated.stats.dead_lettered,
-        "decided_stale": gated.stats.decided_stale,
-        "parked": gated.stats.payments_parked,
-        "wait_policy": settings.gate.wait_policy.value,
-        "max_attempts": settings.gate.max_attempts,
-        "rebalances": gated.stats.rebalances,
-        "refetches": gated.stats.refetches,
-        "holes_refetched": gated.stats.holes_refetched,
-        "gaps_accepted": gated.stats.gaps_accepted,
-        "fetching": {str(p): state for p, state in gated.fetch_state(settings.kafka.payments_topic).items()},
-        "refresh": {
-            "last_refresh_age_s": None
-            if status.last_refresh is None
-            else round(time.monotonic() - status.last_refresh, 3),
-            "refreshes": status.refreshes,
-            "errors": status.errors,
-            "last_error": status.last_error,
-            "admin_requests": worker_gate.offsets.requests,
-            "derived_requests": worker_gate.offsets.derived_requests,
-            "derived_records_read": worker_gate.offsets.derived_records_read,
-            **worker_gate.watchdog.as_json(time.monotonic()),
-        },
-        "detector": None if running_detector is None else detector.stats_json(running_detector),
-        "alerts_sent": {str(p): state for p, state in recovered_to().items()},
-        "retrying": worker_gate.retrying_everywhere(now),
-        "handler_failures": gated.stats.handler_failures,
-        "opened_by_recheck": gate.opened_by_recheck,
-        "table_writes": {
-            "demand": publisher.stats(),
-            "watermarks": {
-                "errors": worker_gate.refresh_errors.count,
-                "last_error": worker_gate.refresh_errors.last,
+@dataclass(frozen=True)
+class Shown:
+    """What a worker's views show: its gate service, its gated consumer and its detector (None for a
+    service without one, the probe)."""
+
+    worker_gate: WorkerGate
+    gated: GatedConsumer
+    detector: Detector | None
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.time()
+        assigned = _assigned()
+        recovering = watermarks_recovering()
+        rows = {str(p): watermarks[p] for p in sorted(watermarks.keys())}
+        in_flight = {p: lane.in_flight for p, lane in self.gated.lanes.items()}
+        if recovering:
+            view: dict[str, Any] = {"partitions": [], "dependencies": [], "gate": None}
+        else:
+            view = self.worker_gate.operator_view(
+                now, in_flight=in_flight, local=assigned, highwaters=_highwaters(assigned)
+            )
+        return {
+            "worker": settings.worker_id,
+            "service": settings.service,
+            "app_id": settings.app_id,
+            "topic": settings.kafka.payments_topic,
+            "depends_on": list(settings.depends_on),
+            "gate_enabled": settings.gate.enabled,
+            "gate_mode": settings.gate.mode.value,
+            "cut": self.worker_gate.cut_view(),
+            "recovering": recovering,
+            "is_leader": app.is_leader(),
+            "assigned": assigned,
+            "watermarks": rows,
+            "waiting": {str(p): o for p, o in self.worker_gate.gate.waiting.items()},
+            "blocked_since": {str(p): t for p, t in self.worker_gate.gate.blocked_since.items()},
+            "in_flight": {str(p): o for p, o in in_flight.items()},
+            "processed": {str(p): lane.done for p, lane in self.gated.lanes.items()},
+            "payments_handled": metrics.counts.handled,
+            "dead_lettered": self.gated.stats.dead_lettered,
+            "decided_stale": self.gated.stats.decided_stale,
+            "parked": self.gated.stats.payments_parked,
+            "wait_policy": settings.gate.wait_policy.value,
+            "max_attempts": settings.gate.max_attempts,
+            "rebalances": self.gated.stats.rebalances,
+            "refetches": self.gated.stats.refetches,
+            "holes_refetched": self.gated.stats.holes_refetched,
+            "gaps_accepted": self.gated.stats.gaps_accepted,
+            "fetching": {
+                str(p): state for p, state in self.gated.fetch_state(settings.kafka.payments_topic).items()
             },
-        },
-        **view,
-        "generated_at": now,
-    }
-
-
-metrics.register_snapshot(snapshot, settings.service)
+            "refresh": {
+                "last_refresh_age_s": None
+                if self.worker_gate.status.last_refresh is None
+                else round(time.monotonic() - self.worker_gate.status.last_refresh, 3),
+                "refreshes": self.worker_gate.status.refreshes,
+                "errors": self.worker_gate.status.errors,
+                "last_error": self.worker_gate.status.last_error,
+                "admin_requests": self.worker_gate.offsets.requests,
+                "derived_requests": self.worker_gate.offsets.derived_requests,
+                "derived_records_read": self.worker_gate.offsets.derived_records_read,
+                **self.worker_gate.watchdog.as_json(time.monotonic()),
+            },
+            "detector": None if self.detector is None else stats_json(self.detector),
+            "alerts_sent": {str(p): state for p, state in recovered_to().items()},
+            "retrying": self.worker_gate.retrying_everywhere(now),
+            "handler_failures": self.gated.stats.handler_failures,
+            "opened_by_recheck": self.worker_gate.gate.opened_by_recheck,
+            "table_writes": {
+                "demand": self.worker_gate.publisher.stats(),
+                "watermarks": {
+                    "errors": self.worker_gate.refresh_errors.count,
+                    "last_error": self.worker_gate.refresh_errors.last,
+                },
+            },
+            **view,
+            "generated_at": now,
+        }
 
 
 def _check(request: Request, allowed: tuple[str, ...] = ()) -> None:
@@ -151,24 +142,6 @@ def _check(request: Request, allowed: tuple[str, ...] = ()) -> None:
     check_query(query, allowed, repeated)
 
 
-@app.page("/watermarks.json")
-class WatermarksJson(View):
-    """The watermark table and this worker's gate, as JSON; `?partition=0,2` keeps only those partitions."""
-
-    async def get(self, request: Request) -> Response:
-        try:
-            _check(request, ("partition",))
-            doc = snapshot()
-            raw = request.query.get("partition")
-            if raw is not None:
-                chosen = parse_partitions(raw, set(watermarks.keys()))
-                doc["partitions"] = [p for p in doc["partitions"] if p["partition"] in chosen]
-        except BadQuery as exc:
-            return self.error(400, str(exc))
-        return self.json(doc)
-
-
-@app.page("/watermarks/")
 class WatermarksPage(View):
     """The operator page: one self-contained HTML document that polls `watermarks.json`."""
 
@@ -180,14 +153,12 @@ class WatermarksPage(View):
         return self.html(PAGE, headers=dict(PAGE_HEADERS))
 
 
-@app.page("/watermarks")
 class WatermarksRedirect(View):
     async def get(self, request: Request) -> Response:
         # Relative, so it also works behind a proxy that serves the worker under a prefix.
         return self.text("see watermarks/\n", status=302, headers={"Location": "watermarks/"})
 
 
-@app.page("/metrics")
 class Metrics(View):
     """Prometheus text format, rendered by prometheus_client from this process's registry."""
 
@@ -199,9 +170,37 @@ class Metrics(View):
         return self.bytes(metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-@app.page("/health")
 class Health(View):
     """For a container's or a load balancer's probe: this worker's web server answers."""
 
     async def get(self, request: Request) -> Response:
         return self.json({"service": settings.service, "worker": settings.worker_id})
+
+
+def add_views(shown: Shown) -> None:
+    """Serve `shown` on this worker's web server, and count each admission and refresh in `/metrics`."""
+    shown.gated.observers.append(metrics.observe_admission)
+    shown.worker_gate.status.duration_observers.append(metrics.observe_refresh)
+    metrics.register_snapshot(shown.snapshot, settings.service)
+
+    @app.page("/watermarks.json")
+    class WatermarksJson(View):
+        """The watermark table and this worker's gate, as JSON; `?partition=0,2` keeps only those
+        partitions."""
+
+        async def get(self, request: Request) -> Response:
+            try:
+                _check(request, ("partition",))
+                doc = shown.snapshot()
+                raw = request.query.get("partition")
+                if raw is not None:
+                    chosen = parse_partitions(raw, set(watermarks.keys()))
+                    doc["partitions"] = [p for p in doc["partitions"] if p["partition"] in chosen]
+            except BadQuery as exc:
+                return self.error(400, str(exc))
+            return self.json(doc)
+
+    app.page("/watermarks/")(WatermarksPage)
+    app.page("/watermarks")(WatermarksRedirect)
+    app.page("/metrics")(Metrics)
+    app.page("/health")(Health)

@@ -2,10 +2,14 @@
 
 Every gated service (AML, fraud, the probe) is the same machinery with a different handler: the agent only
 dispatches, per-partition lanes wait on the gate, the handler runs, acks go in offset order
-(`aml_app.gate.GatedConsumer`). The module in `agents/` that `AML_SERVICE` names calls `gated_agent` once.
+(`aml_app.gate.GatedConsumer`). The service in `agents/` that `AML_SERVICE` names calls `gated_agent` once,
+when the worker is composed (`aml_app.agents.compose`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from aml_app.app import alerts_topic, app, decisions_topic, dlq_topic, payments_topic, review_topic, settings
 from aml_app.faust_internals import keep_in_metadata
@@ -14,13 +18,29 @@ from aml_app.gate.handling import BatchHandler, Handler
 from aml_app.gate.options import LaneLimits, LanePolicy
 from aml_app.settings import WaitPolicy
 from aml_app.tables.alerts import copartitioning_problem
-from aml_app.tables.watermarks import park_requests, refresh, worker_gate
+from aml_app.tables.watermarks import WorkerGate, park_requests, refresh
+
+if TYPE_CHECKING:
+    from aml_app.worker.detector import Detector
+
+
+@dataclass(frozen=True)
+class Served:
+    """A gated service as a worker runs it: its gated consumer and, for a detecting service, its
+    detector (what the web view shows of it)."""
+
+    gated: GatedConsumer
+    detector: Detector | None = None
 
 
 def gated_agent(
-    handler: Handler | None = None, *, batch_handler: BatchHandler | None = None, max_batch: int = 1
+    worker_gate: WorkerGate,
+    handler: Handler | None = None,
+    *,
+    batch_handler: BatchHandler | None = None,
+    max_batch: int = 1,
 ) -> GatedConsumer:
-    """Register the agent of this worker's service and return its gated consumer.
+    """Register the agent of this worker's service, gated by `worker_gate`, and return its gated consumer.
 
     `handler` takes one payment at a time; `batch_handler` up to `max_batch` admitted payments of one
     partition at once (one round trip to each dependency for all of them).
@@ -68,6 +88,4 @@ def gated_agent(
         await gated.consume(stream)
 
     app.agent(payments_topic, name=settings.service)(consume)
-    # Every worker's page shows the lanes that keep failing, through the demand table.
-    worker_gate.publisher.retrying = gated.retrying_json
     return gated

@@ -49,11 +49,12 @@ from aml_app.dependencies.client import (
 from aml_app.dependencies.relations import LOOP_HOPS, MinAverage
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.rules import Hit
-from aml_app.gate import Admission
+from aml_app.gate import Admission, GatedConsumer
 from aml_app.gate.handling import LeftToComplete
 from aml_app.kafka.deadlines import DeadlineExceeded, within
 from aml_app.models import Alert, Payment, decision_json
 from aml_app.tables.alerts import alert_key, alerts_sent, applied_to, read_back
+from aml_app.tables.watermarks import WorkerGate
 
 log = logging.getLogger(__name__)
 
@@ -512,9 +513,11 @@ def stats_json(detector: Detector) -> dict[str, Any]:
     }
 
 
-def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None = None) -> Detector:
-    """Build the detector of this worker's service and register its gated agent. `batch_rules`, when
-    given, decides a batch at once and must give each payment what `rules` gives it."""
+def detecting_service(
+    worker_gate: WorkerGate, service: str, rules: Rules, batch_rules: BatchRules | None = None
+) -> tuple[GatedConsumer, Detector]:
+    """Build the detector of this worker's service and register its gated agent, gated by `worker_gate`.
+    `batch_rules`, when given, decides a batch at once and must give each payment what `rules` gives it."""
     from aml_app.worker.agent import gated_agent
 
     client = DependencyClient(
@@ -540,11 +543,11 @@ def detecting_service(service: str, rules: Rules, batch_rules: BatchRules | None
         batch_rules,
         derived,
     )
-    gated_agent(batch_handler=detector, max_batch=settings.detection.max_batch)
+    gated = gated_agent(worker_gate, batch_handler=detector, max_batch=settings.detection.max_batch)
 
     # mode types a signal's receivers so that no function matches them (not even `def f(*a, **k)`).
     @app.on_before_shutdown.connect  # type: ignore[arg-type]
     async def close_client(app: Any, **kwargs: Any) -> None:
         await client.close()
 
-    return detector
+    return gated, detector

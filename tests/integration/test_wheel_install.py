@@ -185,9 +185,8 @@ def services() -> list[str]:
 
 
 #: Imports every module of the installed aml_app in one process: the modules are found by walking the
-#: installed package, so a module missing from the wheel is missing from `walked`. A worker runs one
-#: gated service (gated_agent refuses a second, and aml_app.views.web imports the agent AML_SERVICE
-#: names), so of aml_app.agents.* only that service's module is imported, first.
+#: installed package, so a module missing from the wheel is missing from `walked`. Importing registers
+#: no agent (`aml_app.agents.compose` does), so every service's module imports beside the others.
 IMPORT_ALL = """
 import importlib, json, pkgutil, sys, traceback
 import aml_app
@@ -200,8 +199,7 @@ walked = sorted(
         aml_app.__path__, "aml_app.", onerror=lambda name: failed.setdefault(name, traceback.format_exc())
     )
 )
-agent = "aml_app.agents." + service
-for name in [agent, *(n for n in walked if not n.startswith("aml_app.agents."))]:
+for name in walked:
     try:
         importlib.import_module(name)
     except BaseException:
@@ -240,8 +238,9 @@ def test_the_installed_package_is_the_wheels_and_has_every_module_of_the_source(
     assert expected <= imported
 
 
-#: What a worker's start-up imports: Faust's autodiscovery, which also scans the app's origin package
-#: (aml_app) with venusian. Records the agents loaded and what the discovery logged as failing.
+#: What a worker's start-up does: Faust's autodiscovery, which also scans the app's origin module with
+#: venusian, then the composition of the worker (`aml-app worker` calls it). Records the agents the app
+#: then has and what the discovery logged as failing.
 DISCOVER = """
 import json, logging, sys
 
@@ -254,20 +253,22 @@ class Keep(logging.Handler):
 
 
 logging.getLogger("faust").addHandler(Keep(logging.WARNING))
-from aml_app.app import app
+from aml_app.app import app, settings
 
 app.discover()
-agents = sorted(n for n in sys.modules if n.startswith("aml_app.agents."))
+from aml_app.agents import compose
+
+compose(settings.service)
 with open(sys.argv[1], "w") as out:
-    json.dump({"agents": agents, "errors": errors}, out)
+    json.dump({"agents": sorted(app.agents), "errors": errors}, out)
 """
 
 
 @pytest.mark.parametrize("service", services())
-def test_an_installed_worker_discovers_only_its_own_service(installed: Installed, service: str) -> None:
-    # In the wheel agents/ lies inside aml_app/, where Faust's scan of the origin package reaches every
-    # service's agent; the editable install maps it from the repository root, outside the scanned folder,
-    # so only an installed worker meets the other services' agents.
+def test_an_installed_worker_runs_only_its_own_service(installed: Installed, service: str) -> None:
+    # In the wheel agents/ lies inside aml_app/, where a scan of the whole package would reach every
+    # service's module; the editable install maps it from the repository root, outside the scanned
+    # folder, so only an installed worker could meet the other services' agents.
     report = installed.outside / f"discover-{service}.json"
     run(
         [installed.python, "-c", DISCOVER, report],
@@ -276,7 +277,7 @@ def test_an_installed_worker_discovers_only_its_own_service(installed: Installed
         env=outside_env(AML_SERVICE=service),
     )
     result = json.loads(report.read_text())
-    assert result == {"agents": [f"aml_app.agents.{service}"], "errors": []}
+    assert result == {"agents": [service], "errors": []}
 
 
 def test_the_installed_command_answers_help(installed: Installed) -> None:

@@ -335,3 +335,28 @@ def test_the_size_check_sees_a_long_function(tmp_path: Path) -> None:
     long = tmp_path / "long.py"
     long.write_text("def f():\n" + "    x = 1\n" * 60)
     assert oversized(long, 300, 60) == ["long.py:1 f (61 lines)"]
+
+
+def test_the_registry_names_every_service_module_and_registers_nothing_at_import() -> None:
+    """`aml_app.agents.SERVICES` is how a worker finds its service (`AML_SERVICE`), in static imports the
+    rules above see; importing it builds no gate and registers no agent (`compose` does)."""
+    code = (
+        "import json\n"
+        "from aml_app.agents import SERVICES\n"
+        "from aml_app.app import app\n"
+        "from aml_app.settings import available_services\n"
+        "print(json.dumps([sorted(SERVICES), available_services(), sorted(app.agents), "
+        "len(app._extra_services)]))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    names, available, agents, services = json.loads(out.stdout.strip().splitlines()[-1])
+    assert names == available == ["aml", "fraud", "probe"]
+    assert agents == [] and services == 0
+
+
+def test_the_worker_is_composed_in_one_place_and_the_views_import_no_service() -> None:
+    """No module reaches a service through `importlib` (an import the rules cannot see)."""
+    sources = [ROOT / "aml_app" / "views" / "web.py", ROOT / "aml_app" / "app.py", *ROOT.glob("agents/*.py")]
+    assert [p.name for p in sources if "import_module" in p.read_text()] == []

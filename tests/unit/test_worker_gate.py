@@ -11,6 +11,7 @@ PROBE = """
 import asyncio, json
 from aml_app.tables import watermarks as w
 
+worker_gate = w.gate_service()
 closed = []
 
 
@@ -18,8 +19,8 @@ async def close(name):
     closed.append(name)
 
 
-w.worker_gate.offsets.close = lambda: close("offsets")
-w.worker_gate.unapplied.close = lambda: close("unapplied")
+worker_gate.offsets.close = lambda: close("offsets")
+worker_gate.unapplied.close = lambda: close("unapplied")
 
 
 class Consumer:
@@ -27,27 +28,31 @@ class Consumer:
         closed.append("lanes")
 
 
-w.worker_gate.register(Consumer())
+worker_gate.register(Consumer())
 
 
 async def main():
-    await w.worker_gate.start()
-    running = sorted(t.fun.__name__ for t in w.worker_gate._get_tasks())
-    await w.worker_gate.stop()
+    await worker_gate.start()
+    running = sorted(t.fun.__name__ for t in worker_gate._get_tasks())
+    await worker_gate.stop()
     return running
 
 
 timers = asyncio.run(main())
-left = [n for n in ("gate", "offsets", "unapplied", "status", "publisher", "refresh_errors") if hasattr(w, n)]
-print(json.dumps([w.worker_gate in w.app._extra_services, timers, closed, left]))
+left = [
+    n for n in ("worker_gate", "gate", "offsets", "unapplied", "status", "publisher", "refresh_errors")
+    if hasattr(w, n)
+]
+print(json.dumps([worker_gate in w.app._extra_services, timers, closed, left]))
 """
 
 
 def test_the_worker_gate_is_a_service_the_app_starts_and_stopping_it_closes_its_clients() -> None:
     """Registered with the app (started after table recovery, stopped with it), it runs the refresh,
     demand and stall timers; when it stops, it stops the lanes and closes the leader's Kafka clients.
-    The module holds the tables and the policy, and no gate, reader, status or publisher of its own.
-    In a fresh interpreter: importing the tables builds the app."""
+    The module holds the tables and the policy, and no gate, reader, status or publisher of its own:
+    importing it builds none (`gate_service` does). In a fresh interpreter: importing the tables builds
+    the app."""
     out = subprocess.run(
         [sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True
     )
@@ -72,7 +77,7 @@ class Short(RefreshPolicy):
 
 
 w.refresh = Short(1.0, 0.1, 30)
-gate = w.worker_gate
+gate = w.gate_service()
 gate.changelogs.known = True
 w.app.is_leader = lambda: True
 written = []
