@@ -30,7 +30,8 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any, cast
+from dataclasses import replace
+from typing import Any, Generic, TypeVar, cast
 
 import faust
 from faust.tables.manager import TableManager
@@ -39,13 +40,15 @@ from mode import Service
 from aml_app.app import app, settings
 from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_topic
 from aml_app.gate import FreshnessGate, GatedConsumer
-from aml_app.gate.event_time import cut_row, instant
+from aml_app.gate.event_time import Cut, cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
 from aml_app.gate.unapplied import UnappliedReader
 from aml_app.gate.watchdog import Outcome, RefreshWatchdog, Verdict
 from aml_app.gate.watermark import (
+    Json,
     RefreshPolicy,
-    Row,
+    Stamped,
+    WatermarkRow,
     build_rows,
     distrust,
     live_blocked_since,
@@ -58,6 +61,8 @@ from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.settings import GateMode
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def _global_table(name: str, key_type: type, help: str) -> WatchedGlobalTable:
@@ -87,8 +92,33 @@ demand = _global_table("gate-demand", str, "Per worker: the partitions it waits 
 #: The event-time gate's one row (key CUT), written by the leader with the watermarks.
 cuts = _global_table("gate-cut", str, "The event-time gate's cut: every W(q) and the earliest unapplied ts.")
 CUT = "cut"
+
+
 #: Payments an operator asked to park (`aml-app park P:O`): "P:O" -> who, when and why. Written by the
 #: command straight to the table's changelog; a lane parks such a payment when it fails on it.
+class Typed(Generic[T]):
+    """A table's values as their type, each value parsed once: again only when the table holds another
+    (a write, or the changelog applying one), so the gate's lookups on the hot path cost a dict read."""
+
+    def __init__(self, table: WatchedGlobalTable, parse: Callable[[Json], T]) -> None:
+        self.table, self.parse = table, parse
+        self._parsed: dict[Any, tuple[Json, T]] = {}
+
+    def get(self, key: Any) -> T | None:
+        raw = self.table.get(key)
+        if raw is None:
+            return None
+        seen = self._parsed.get(key)
+        if seen is not None and seen[0] is raw:
+            return seen[1]
+        value = self.parse(raw)
+        self._parsed[key] = (raw, value)
+        return value
+
+
+#: The rows and the cut as the gate and the views read them.
+rows_of = Typed(watermarks, WatermarkRow.from_json)
+cut_of = Typed(cuts, Cut.from_json)
 park_requests = _global_table(
     "gate-park", str, "Payments an operator asked to park: 'P:O' -> who, when, why."
 )
@@ -152,9 +182,9 @@ class RefreshStatus:
         self.last_error = message
 
 
-def _worth_writing(old: Row | None, row: Row, changed: bool) -> bool:
+def _worth_writing(old: Stamped | None, row: Stamped, changed: bool) -> bool:
     """Write a row when it changed, or when it is getting old, so readers can trust its age."""
-    return changed or old is None or row["refreshed_at"] - old["refreshed_at"] >= refresh.row_rewrite
+    return changed or old is None or row.refreshed_at - old.refreshed_at >= refresh.row_rewrite
 
 
 class ChangelogsKnown:
@@ -234,10 +264,10 @@ class WorkerGate(Service):
         super().__init__(**kwargs)
         #: Waiters re-check on a timer too, in case the table hooks below stop firing (and rows age).
         self.gate = FreshnessGate(
-            lookup=lambda p: watermarks.get(p),
+            lookup=rows_of.get,
             recheck_every=refresh.gate_recheck,
             distrust=self.distrusted,
-            cut=(lambda: cuts.get(CUT)) if EVENT_TIME else None,
+            cut=(lambda: cut_of.get(CUT)) if EVENT_TIME else None,
             lateness_us=round(settings.gate.allowed_lateness * 1_000_000),
         )
         gate = self.gate
@@ -303,7 +333,7 @@ class WorkerGate(Service):
         await self.offsets.close()
         await self.unapplied.close()
 
-    def distrusted(self, row: Row) -> str | None:
+    def distrusted(self, row: Stamped) -> str | None:
         """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
         generation = app.consumer_generation_id
         return distrust(row, time.time(), settings.gate.watermark_max_age, generation, self.gate.log)
@@ -319,7 +349,7 @@ class WorkerGate(Service):
         now = time.monotonic()
         waiting = live_demand(demand.values(), time.time(), max_age=refresh.demand_max_age)
         last = status.last_refresh if status.last_error is None else status.last_attempt
-        rows = {p: watermarks[p] for p in waiting if watermarks.get(p) is not None}
+        rows = {p: row for p in waiting if (row := rows_of.get(p)) is not None}
         generation = app.consumer_generation_id
         if refresh_due(
             now,
@@ -396,7 +426,7 @@ class WorkerGate(Service):
             refreshed_at=time.time(),
             log_ends=status.log_ends,
             service_committed=status.service_committed,
-            previous={p: watermarks.get(p) for p in reading.partitions},
+            previous={p: rows_of.get(p) for p in reading.partitions},
             generation=app.consumer_generation_id,
             log=reading.log,
             derived=reading.derived,
@@ -407,25 +437,25 @@ class WorkerGate(Service):
         return Outcome.SUCCEEDED
 
     @staticmethod
-    def _write_rows(rows: dict[int, Row]) -> None:
+    def _write_rows(rows: dict[int, WatermarkRow]) -> None:
         for p, row in rows.items():
-            old = watermarks.get(p)
+            old = rows_of.get(p)
             if _worth_writing(old, row, row_changed(old, row)):
-                watermarks[p] = row
+                watermarks[p] = row.as_json()
 
     @staticmethod
     def _mark_error(message: str) -> None:
         """Keep every watermark as it was; record the error on the rows so every worker can see it."""
         for p in list(watermarks.keys()):
-            row = watermarks[p]
-            if row.get("error") != message:
-                watermarks[p] = {**row, "error": message, "error_at": time.time()}
+            row = rows_of.get(p)
+            if row is not None and row.error != message:
+                watermarks[p] = row.failed(message, time.time()).as_json()
 
-    async def _write_cut(self, rows: dict[int, Row], log_id: str | None, attempt: object) -> Outcome:
+    async def _write_cut(self, rows: dict[int, WatermarkRow], log_id: str | None, attempt: object) -> Outcome:
         """Read every partition's first unapplied payment after the committed offsets and write the cut
         row; on a failed read the old row stays and ages out (`distrust`), so the gate closes, never
         opens."""
-        reached = {p: row["watermark"] for p, row in rows.items()}
+        reached = {p: row.watermark for p, row in rows.items()}
         try:
             found = await self.unapplied.read(reached, log_id)
         except OffsetReadError as exc:
@@ -434,14 +464,14 @@ class WorkerGate(Service):
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
         if attempt is not self._attempt:
             return Outcome.OVERRAN
-        derived = next((row["derived"] for row in rows.values() if row.get("derived")), None)
+        derived = next((row.derived for row in rows.values() if row.derived), None)
         row = cut_row(
             reached, found, time.time(), generation=app.consumer_generation_id, log=log_id, derived=derived
         )
-        old = cuts.get(CUT)
-        changed = old is None or any(old.get(k) != v for k, v in row.items() if k != "refreshed_at")
+        old = cut_of.get(CUT)
+        changed = old is None or replace(old, refreshed_at=row.refreshed_at) != row
         if _worth_writing(old, row, changed):
-            cuts[CUT] = row
+            cuts[CUT] = row.as_json()
         return Outcome.SUCCEEDED
 
     # --- every worker: its demand, the statuses ----------------------------------------------------
@@ -503,12 +533,12 @@ class WorkerGate(Service):
 
     def cut_view(self) -> dict[str, Any] | None:
         """The cut row as the page shows it: the frontier as an instant too (None: per-partition gate)."""
-        row = cuts.get(CUT) if EVENT_TIME else None
+        row = cut_of.get(CUT) if EVENT_TIME else None
         if row is None:
             return None
-        frontier = row.get("frontier")
+        frontier = row.frontier
         return {
-            **row,
+            **row.as_json(),
             "frontier_at": None if frontier is None else instant(frontier),
             "lateness_s": settings.gate.allowed_lateness,
             "untrusted": self.distrusted(row),
@@ -556,7 +586,7 @@ class WorkerGate(Service):
     ) -> dict[str, Any]:
         """The table as an operator sees it (partitions, dependencies, gate): see aml_app.gate.health."""
         waiting, since = self.waiting_everywhere(now)
-        rows = {p: row for p in list(watermarks.keys()) if (row := watermarks.get(p)) is not None}
+        rows = {p: row for p in list(watermarks.keys()) if (row := rows_of.get(p)) is not None}
         return describe(
             rows,
             settings.depends_on,

@@ -29,11 +29,11 @@ Payments within the allowed lateness of t (timestamped in (t - lateness, t]) are
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from aml_app.gate.watermark import Row
+from aml_app.gate.watermark import Json
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MICROSECOND = timedelta(microseconds=1)
@@ -62,6 +62,58 @@ class Unapplied:
     first_ts: int | None
 
 
+@dataclass(frozen=True)
+class Cut:
+    """The event-time gate's one row: every partition's W(q) of one reading and that reading's frontier.
+
+    The table holds its JSON (`as_json`); the gate and the views read this type (`from_json`)."""
+
+    #: W(q) per partition (partitions as text, as in the JSON).
+    watermarks: Mapping[str, int]
+    #: The earliest event time (µs) not yet applied on some partition (None: none), and its partition.
+    frontier: int | None
+    held_by: int | None
+    refreshed_at: float
+    #: Per partition, the log end the leader read at W(q); per partition not caught up, its first
+    #: unapplied event time; the partitions it could not read.
+    ends: Mapping[str, int] = field(default_factory=dict)
+    behind: Mapping[str, int] = field(default_factory=dict)
+    unread: tuple[int, ...] = ()
+    generation: int | None = None
+    log: str | None = None
+    #: A derived group's offsets on its topic, of the same reading (`watermark.derived_need`).
+    derived: Mapping[str, Mapping[str, int]] | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Cut:
+        return cls(
+            watermarks=dict(doc["watermarks"]),
+            frontier=doc.get("frontier"),
+            held_by=doc.get("held_by"),
+            refreshed_at=float(doc.get("refreshed_at") or 0.0),
+            ends=dict(doc.get("ends") or {}),
+            behind=dict(doc.get("behind") or {}),
+            unread=tuple(doc.get("unread") or ()),
+            generation=doc.get("generation"),
+            log=doc.get("log"),
+            derived=doc.get("derived") or None,
+        )
+
+    def as_json(self) -> Json:
+        return {
+            "watermarks": dict(self.watermarks),
+            "ends": dict(self.ends),
+            "behind": dict(self.behind),
+            "unread": list(self.unread),
+            "frontier": self.frontier,
+            "held_by": self.held_by,
+            "refreshed_at": self.refreshed_at,
+            "generation": self.generation,
+            "log": self.log,
+            **({"derived": {g: dict(o) for g, o in self.derived.items()}} if self.derived else {}),
+        }
+
+
 def cut_row(
     watermarks: Mapping[int, int],
     unapplied: Mapping[int, Unapplied],
@@ -70,7 +122,7 @@ def cut_row(
     generation: int | None = None,
     log: str | None = None,
     derived: Mapping[str, Any] | None = None,
-) -> Row:
+) -> Cut:
     """The one row the event-time gate reads: every partition's W(q) and the frontier of that reading.
 
     `frontier` is the earliest event time not yet applied on some partition (None: none), `held_by` the
@@ -83,6 +135,8 @@ def cut_row(
     for q, found in unapplied.items():
         if found.first_ts is not None:
             behind[str(q)] = found.first_ts
+    frontier: int | None
+    held_by: int | None
     if unread:
         frontier, held_by = 0, unread[0]
     elif behind:
@@ -91,38 +145,36 @@ def cut_row(
         )
     else:
         frontier, held_by = None, None
-    return {
-        "watermarks": {str(q): w for q, w in sorted(watermarks.items())},
-        "ends": {str(q): found.end for q, found in sorted(unapplied.items())},
-        "behind": behind,
-        "unread": unread,
-        "frontier": frontier,
-        "held_by": held_by,
-        "refreshed_at": refreshed_at,
-        "generation": generation,
-        "log": log,
-        # A derived group's offsets on its topic, of the same reading (`watermark.derived_need`).
-        **({"derived": dict(derived)} if derived else {}),
-    }
+    return Cut(
+        watermarks={str(q): w for q, w in sorted(watermarks.items())},
+        frontier=frontier,
+        held_by=held_by,
+        refreshed_at=refreshed_at,
+        ends={str(q): found.end for q, found in sorted(unapplied.items())},
+        behind=behind,
+        unread=tuple(unread),
+        generation=generation,
+        log=log,
+        derived=dict(derived) if derived else None,
+    )
 
 
-def admits(cut: Row | None, partition: int, offset: int, event_us: int, lateness_us: int) -> bool:
+def admits(cut: Cut | None, partition: int, offset: int, event_us: int, lateness_us: int) -> bool:
     """Whether payment (partition, offset) at `event_us` may start under this cut row."""
     if cut is None:
         return False
-    w = cut["watermarks"].get(str(partition))
+    w = cut.watermarks.get(str(partition))
     if w is None or offset >= w:
         return False
-    frontier = cut["frontier"]
-    return frontier is None or event_us - lateness_us < frontier
+    return cut.frontier is None or event_us - lateness_us < cut.frontier
 
 
-def decided_at(cut: Row, event_us: int, lateness_us: int) -> dict[str, Any]:
+def decided_at(cut: Cut, event_us: int, lateness_us: int) -> dict[str, Any]:
     """What a decision records of the cut it was decided at: the instant, the frontier and every W(q)."""
-    frontier = cut["frontier"]
+    frontier = cut.frontier
     return {
         "at": instant(event_us - lateness_us),
         "frontier": None if frontier is None else instant(frontier),
-        "watermarks": dict(cut["watermarks"]),
-        **({"derived": cut["derived"]} if cut.get("derived") else {}),
+        "watermarks": dict(cut.watermarks),
+        **({"derived": {g: dict(o) for g, o in cut.derived.items()}} if cut.derived else {}),
     }

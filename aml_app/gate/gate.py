@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from aml_app.gate.event_time import admits, decided_at
-from aml_app.gate.watermark import Row, derived_need, is_open
+from aml_app.gate.event_time import Cut, admits, decided_at
+from aml_app.gate.watermark import Stamped, WatermarkRow, derived_need, is_open
 
 if TYPE_CHECKING:
     from faust.types import EventT
@@ -28,37 +28,39 @@ if TYPE_CHECKING:
     from aml_app.models import Payment
 
 #: What a partition with no row yet stands at: nothing is done.
-CLOSED: Row = {"watermark": -1, "dependencies": {}}
+CLOSED = WatermarkRow(partition=-1, watermark=-1, dependencies={}, refreshed_at=0.0)
 
 
 @dataclass(frozen=True)
 class Opening:
-    """What let a payment through: its partition's watermark row (a table value, as the leader wrote
-    it), the event-time cut it was admitted at, or the seconds it waited before the decide-stale policy
-    admitted it anyway. The one place the gate's records are read by key."""
+    """What let a payment through: its partition's watermark row, the event-time cut it was admitted
+    at, or the seconds it waited before the decide-stale policy admitted it anyway."""
 
-    row: Row
+    row: WatermarkRow
     #: The event-time gate's cut the payment was admitted at (`aml_app.gate.event_time.decided_at`);
     #: None for the per-partition gate.
     cut: dict[str, Any] | None = None
     #: Seconds waited before the decide-stale policy gave up on the gate (None: the gate opened).
     stale: float | None = None
 
+    #: The cut the payment was admitted at, whose derived offsets its evidence must include too.
+    cut_row: Cut | None = None
+
     @property
     def watermark(self) -> int:
-        return int(self.row["watermark"])
+        return self.row.watermark
 
     @property
     def dependencies(self) -> dict[str, int]:
-        return dict(self.row["dependencies"])
+        return dict(self.row.dependencies)
 
     @property
     def log(self) -> str | None:
-        return self.row.get("log")
+        return self.row.log
 
     @property
     def derived(self) -> dict[str, dict[int, int]]:
-        return derived_need(self.row, self.cut)
+        return derived_need(self.row, self.cut_row)
 
 
 @dataclass(frozen=True)
@@ -113,10 +115,10 @@ class Admitted:
     admission: Admission
 
 
-Lookup = Callable[[int], Row | None]
-CutLookup = Callable[[], Row | None]
+Lookup = Callable[[int], WatermarkRow | None]
+CutLookup = Callable[[], Cut | None]
 #: Why a row may not be trusted (None: it may); see `aml_app.gate.watermark.distrust`.
-Distrust = Callable[[Row], str | None]
+Distrust = Callable[[Stamped], str | None]
 
 
 class FreshnessGate:
@@ -156,7 +158,7 @@ class FreshnessGate:
         """Since when (wall clock) each partition has had a waiter."""
         return {p: min(t for _, t in ws) for p, ws in self._waiters.items()}
 
-    def row(self, partition: int) -> Row | None:
+    def row(self, partition: int) -> WatermarkRow | None:
         return self._lookup(partition)
 
     @property
@@ -164,7 +166,9 @@ class FreshnessGate:
         """Whether this is the event-time gate across partitions."""
         return self._cut is not None
 
-    def _opening(self, partition: int, offset: int, event_us: int | None) -> tuple[Row, Row | None] | None:
+    def _opening(
+        self, partition: int, offset: int, event_us: int | None
+    ) -> tuple[WatermarkRow, Cut | None] | None:
         """The partition's row and, in event-time mode, the cut row, if they let the payment through."""
         row = self._lookup(partition)
         if row is None or not is_open(offset, row):
@@ -190,7 +194,7 @@ class FreshnessGate:
         if cut is None:
             return Opening(row)
         assert event_us is not None  # a cut admits only a payment with an event time
-        return Opening(row, decided_at(cut, event_us, self.lateness_us))
+        return Opening(row, decided_at(cut, event_us, self.lateness_us), cut_row=cut)
 
     def is_open(self, partition: int, offset: int, event_us: int | None = None) -> bool:
         return self._opening(partition, offset, event_us) is not None

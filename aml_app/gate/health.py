@@ -23,7 +23,7 @@ from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from aml_app.gate.watermark import Row
+from aml_app.gate.watermark import WatermarkRow
 
 OK, LAGGING, STALLED, UNKNOWN_GROUP, ERROR = "ok", "lagging", "stalled", "unknown group", "error"
 STATUSES = (OK, LAGGING, STALLED, UNKNOWN_GROUP, ERROR)
@@ -55,7 +55,7 @@ def payments_waiting(log_end: int | None, watermark: int, service_committed: int
 
 
 def partition_view(
-    row: Row,
+    row: WatermarkRow,
     *,
     waiting_offset: int | None = None,
     blocked_since: float | None = None,
@@ -65,31 +65,30 @@ def partition_view(
     untrusted: str | None = None,
 ) -> dict[str, Any]:
     """One partition as the operator views show it (docs/operating.md has every field)."""
-    listed = row.get("log_end")
-    known = [x for x in (listed, highwater) if x is not None]
+    known = [x for x in (row.log_end, highwater) if x is not None]
     log_end = max(known) if known else None
-    deps: dict[str, int] = dict(row["dependencies"])
+    deps: dict[str, int] = dict(row.dependencies)
     return {
-        "partition": row["partition"],
+        "partition": row.partition,
         "log_end": log_end,
-        "service_committed": row.get("service_committed"),
+        "service_committed": row.service_committed,
         "in_flight": in_flight,
         "local": local,
         "dependencies": deps,
         "dependency_lag": {g: None if log_end is None else max(0, log_end - c) for g, c in deps.items()},
-        "never_committed": list(row.get("never_committed") or []),
-        "advanced_at": dict(row.get("advanced_at") or {}),
-        "watermark": row["watermark"],
-        "lag": None if log_end is None else max(0, log_end - row["watermark"]),
-        "payments_waiting": payments_waiting(log_end, row["watermark"], row.get("service_committed")),
+        "never_committed": list(row.never_committed),
+        "advanced_at": dict(row.advanced_at),
+        "watermark": row.watermark,
+        "lag": None if log_end is None else max(0, log_end - row.watermark),
+        "payments_waiting": payments_waiting(log_end, row.watermark, row.service_committed),
         "waiting_offset": waiting_offset,
         "blocked_since": blocked_since,
         "bottleneck": bottleneck(deps),
-        "refreshed_at": row.get("refreshed_at"),
-        "generation": row.get("generation"),
-        "log": row.get("log"),
+        "refreshed_at": row.refreshed_at,
+        "generation": row.generation,
+        "log": row.log,
         "untrusted": untrusted,
-        "error": row.get("error"),
+        "error": row.error,
     }
 
 
@@ -164,7 +163,7 @@ def dependency_view(
 
 
 def describe(
-    rows: Mapping[int, Row],
+    rows: Mapping[int, WatermarkRow],
     groups: Sequence[str],
     now: float,
     limits: Limits,
@@ -197,9 +196,9 @@ def describe(
         part["waited_s"] = None if since is None else round(max(0.0, now - since), 3)
         part["breached"] = part["waited_s"] is not None and part["waited_s"] >= limits.max_wait
     waited = [part["waited_s"] for part in parts if part["waited_s"] is not None]
-    errors = [(r.get("error_at") or 0.0, r["error"]) for r in rows.values() if r.get("error")]
+    errors = [(r.error_at or 0.0, r.error) for r in rows.values() if r.error]
     error_at, error = max(errors) if errors else (None, None)
-    newest = max((r["refreshed_at"] for r in rows.values()), default=None)
+    newest = max((r.refreshed_at for r in rows.values()), default=None)
     waits = [p["payments_waiting"] for p in parts]
     return {
         "partitions": parts,

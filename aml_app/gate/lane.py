@@ -4,7 +4,8 @@ A lane receives its partition's events from the agent's stream, queues them, han
 one batch at a time and keeps the handled batches until their acks. It knows the next offset it
 expects, so it drops a re-delivery and notices a jump: a *hole* (records Faust did not hand over, or a
 gap in the log; `aml_app.gate.delivery` tells which), past which it holds what arrives. It knows nothing
-of Faust's consumer or the gate: `GatedConsumer` runs its tasks, pauses its partition and acks.
+of Faust's consumer or the gate: `GatedConsumer` runs its tasks and pauses its partition, and the
+steps (`admit`, `handling`, `acks`) take, handle and ack its events.
 """
 
 from __future__ import annotations

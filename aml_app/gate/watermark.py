@@ -9,10 +9,102 @@ has finished nothing: its contribution is 0.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-Row = dict[str, Any]
+#: A table value as JSON (what the changelog carries).
+Json = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class WatermarkRow:
+    """One partition's row of the watermark table: W(p) and the reading it was computed from.
+
+    The table holds its JSON (`as_json`, the changelog's format and `/watermarks.json`'s `watermarks`);
+    the gate, the leader and the views read this type (`from_json`), never the JSON's keys."""
+
+    partition: int
+    watermark: int
+    #: Each dependency group's committed offset on the partition (0 where it has none).
+    dependencies: Mapping[str, int]
+    #: When the leader read the offsets (its clock).
+    refreshed_at: float
+    #: The log end (ListOffsets latest, never below a committed offset) and this service's own commit.
+    log_end: int | None = None
+    service_committed: int | None = None
+    #: The groups that never committed on the partition.
+    never_committed: tuple[str, ...] = ()
+    #: Per group, when its committed offset last moved.
+    advanced_at: Mapping[str, float | None] = field(default_factory=dict)
+    #: The consumer generation the leader wrote it in, and the log its offsets are of (see `distrust`).
+    generation: int | None = None
+    log: str | None = None
+    #: Per group reading a topic derived from payments, its offsets there (partitions as text).
+    derived: Mapping[str, Mapping[str, int]] | None = None
+    #: The last refresh's failure on this partition, and when (the offsets are the last good reading).
+    error: str | None = None
+    error_at: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> WatermarkRow:
+        return cls(
+            partition=int(doc.get("partition", -1)),
+            watermark=int(doc["watermark"]),
+            dependencies=dict(doc.get("dependencies") or {}),
+            refreshed_at=float(doc.get("refreshed_at") or 0.0),
+            log_end=doc.get("log_end"),
+            service_committed=doc.get("service_committed"),
+            never_committed=tuple(doc.get("never_committed") or ()),
+            advanced_at=dict(doc.get("advanced_at") or {}),
+            generation=doc.get("generation"),
+            log=doc.get("log"),
+            derived=doc.get("derived"),
+            error=doc.get("error"),
+            error_at=doc.get("error_at"),
+        )
+
+    def as_json(self) -> Json:
+        doc: Json = {
+            "partition": self.partition,
+            "watermark": self.watermark,
+            "dependencies": dict(self.dependencies),
+            "refreshed_at": self.refreshed_at,
+            "log_end": self.log_end,
+            "service_committed": self.service_committed,
+            "never_committed": list(self.never_committed),
+            "advanced_at": dict(self.advanced_at),
+            "generation": self.generation,
+            "log": self.log,
+        }
+        if self.derived is not None:
+            doc["derived"] = {group: dict(offsets) for group, offsets in self.derived.items()}
+        if self.error is not None:
+            doc["error"], doc["error_at"] = self.error, self.error_at
+        return doc
+
+    def failed(self, message: str, at: float) -> WatermarkRow:
+        """This row with the refresh's failure recorded (its offsets stay the last good reading)."""
+        return replace(self, error=message, error_at=at)
+
+
+class Stamped(Protocol):
+    """What `distrust` reads of a row of either table (a partition's row, the event-time cut)."""
+
+    @property
+    def refreshed_at(self) -> float: ...
+
+    @property
+    def generation(self) -> int | None: ...
+
+    @property
+    def log(self) -> str | None: ...
+
+
+class CutLike(Protocol):
+    """What `derived_need` reads of the event-time cut (`aml_app.gate.event_time.Cut`)."""
+
+    @property
+    def derived(self) -> Mapping[str, Mapping[str, int]] | None: ...
 
 
 @dataclass(frozen=True)
@@ -100,13 +192,13 @@ def watermark(committed: Mapping[str, int | None]) -> int:
     return min(max(offset or 0, 0) for offset in committed.values())
 
 
-def is_open(offset: int, row: Row | None) -> bool:
+def is_open(offset: int, row: WatermarkRow | None) -> bool:
     """Whether payment at `offset` may start: strictly below the watermark."""
-    return row is not None and offset < row["watermark"]
+    return row is not None and offset < row.watermark
 
 
 def distrust(
-    row: Row, now: float, max_age: float, generation: int | None, log: str | None = None
+    row: Stamped, now: float, max_age: float, generation: int | None, log: str | None = None
 ) -> str | None:
     """Why a worker may not admit payments on `row` (None: it may).
 
@@ -118,16 +210,16 @@ def distrust(
     offsets must be of the `log` this worker reads (`aml_app.kafka.identity`): after the topic is
     deleted and created again, or the cluster changes, offsets of two logs are never compared.
     """
-    if log is not None and row.get("log") != log:
+    if log is not None and row.log != log:
         return (
-            f"the row's offsets are of log {row.get('log')}, but this worker reads log {log} (the payments "
+            f"the row's offsets are of log {row.log}, but this worker reads log {log} (the payments "
             "topic was deleted and created again, or the cluster changed): offsets of two logs are not "
             "compared; the workers read the current log at their next assignment (restart them)"
         )
-    age = now - row["refreshed_at"]
+    age = now - row.refreshed_at
     if age > max_age:
         return f"the row is {age:.1f} s old (more than {max_age:g} s): the leader has not refreshed it"
-    written = row.get("generation")
+    written = row.generation
     if generation is not None and (written is None or written < generation):
         return (
             f"the row was written in consumer generation {written}, before this worker's "
@@ -143,11 +235,11 @@ def build_rows(
     *,
     log_ends: Mapping[int, int] | None = None,
     service_committed: Mapping[int, int | None] | None = None,
-    previous: Mapping[int, Row | None] | None = None,
+    previous: Mapping[int, WatermarkRow | None] | None = None,
     generation: int | None = None,
     log: str | None = None,
     derived: Mapping[str, Mapping[int, int]] | None = None,
-) -> dict[int, Row]:
+) -> dict[int, WatermarkRow]:
     """One table row per partition: the watermark and the offsets it was computed from.
 
     Besides W(p) and the dependencies' offsets, a row carries what an operator needs to see why a
@@ -161,7 +253,7 @@ def build_rows(
     The log end is never below an offset some group committed: a committed offset is proof that the log
     reaches that far, and some brokers (Tansu) answer ListOffsets with a record batch's base offset + 1.
     """
-    rows: dict[int, Row] = {}
+    rows: dict[int, WatermarkRow] = {}
     on_derived = derived_json(derived) if derived else None  # the same reading's, for every row
     for p in partitions:
         raw = {g: offsets.get(p) for g, offsets in committed_by_group.items()}
@@ -170,26 +262,26 @@ def build_rows(
         own = None if own is None or own < 0 else own
         listed = None if log_ends is None else log_ends.get(p)
         log_end = None if listed is None else max(listed, own or 0, *deps.values())
-        old = (previous or {}).get(p) or {}
-        old_deps, old_advanced = old.get("dependencies") or {}, old.get("advanced_at") or {}
+        old = (previous or {}).get(p)
+        old_deps = old.dependencies if old is not None else {}
+        old_advanced = old.advanced_at if old is not None else {}
         advanced_at = {
             g: old_advanced[g] if old_deps.get(g) == c and old_advanced.get(g) is not None else refreshed_at
             for g, c in deps.items()
         }
-        rows[p] = {
-            "partition": p,
-            "watermark": watermark(deps),
-            "dependencies": deps,
-            "refreshed_at": refreshed_at,
-            "log_end": log_end,
-            "service_committed": own,
-            "never_committed": sorted(g for g, offset in raw.items() if offset is None or offset < 0),
-            "advanced_at": advanced_at,
-            "generation": generation,
-            "log": log,
-        }
-        if on_derived is not None:
-            rows[p]["derived"] = on_derived
+        rows[p] = WatermarkRow(
+            partition=p,
+            watermark=watermark(deps),
+            dependencies=deps,
+            refreshed_at=refreshed_at,
+            log_end=log_end,
+            service_committed=own,
+            never_committed=tuple(sorted(g for g, offset in raw.items() if offset is None or offset < 0)),
+            advanced_at=advanced_at,
+            generation=generation,
+            log=log,
+            derived=on_derived,
+        )
     return rows
 
 
@@ -200,33 +292,35 @@ def derived_json(derived: Mapping[str, Mapping[int, int]]) -> dict[str, dict[str
     }
 
 
-def derived_need(*rows: Mapping[str, Any] | None) -> dict[str, dict[int, int]]:
+def derived_need(*rows: WatermarkRow | CutLike | None) -> dict[str, dict[int, int]]:
     """What each derived group's answers must include for a payment the rows let through: per group, the
     highest offset on its topic over the rows (a partition's row and the event-time gate's cut)."""
     need: dict[str, dict[int, int]] = {}
     for row in rows:
-        for group, offsets in ((row or {}).get("derived") or {}).items():
+        for group, offsets in ((row.derived if row is not None else None) or {}).items():
             mine = need.setdefault(group, {})
             for d, o in offsets.items():
                 mine[int(d)] = max(mine.get(int(d), 0), int(o))
     return need
 
 
-def row_changed(old: Row | None, new: Row) -> bool:
+def row_changed(old: WatermarkRow | None, new: WatermarkRow) -> bool:
     """Whether `new` says something `old` did not (an error row always counts as changed)."""
-    if old is None or old.get("error"):
+    if old is None or old.error:
         return True
-    keys = (
-        "watermark",
-        "dependencies",
-        "log_end",
-        "service_committed",
-        "never_committed",
-        "generation",
-        "log",
-        "derived",
+    return any(
+        getattr(old, k) != getattr(new, k)
+        for k in (
+            "watermark",
+            "dependencies",
+            "log_end",
+            "service_committed",
+            "never_committed",
+            "generation",
+            "log",
+            "derived",
+        )
     )
-    return any(old.get(k) != new.get(k) for k in keys)
 
 
 def live_demand(demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float) -> dict[int, int]:
@@ -259,7 +353,7 @@ def refresh_due(
     now: float,
     last_refresh: float | None,
     waiting: Mapping[int, int],
-    rows: Mapping[int, Row],
+    rows: Mapping[int, WatermarkRow],
     slow_interval: float,
     fast_interval: float,
     generation: int | None = None,
@@ -285,7 +379,7 @@ def refresh_due(
         row = rows.get(p)
         if row is None or not is_open(offset, row):
             return True
-        written = row.get("generation")
+        written = row.generation
         return generation is not None and (written is None or written < generation)
 
     return any(blocked(p, offset) for p, offset in waiting.items()) and age >= fast_interval

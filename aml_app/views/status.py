@@ -19,6 +19,7 @@ import logging
 import sys
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -144,8 +145,8 @@ async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
         service_committed=reading.service_committed,
         log=reading.log,
     )
-    for row in rows.values():  # one reading cannot tell when an offset last moved
-        row["advanced_at"] = {g: None for g in row["advanced_at"]}
+    # One reading cannot tell when an offset last moved.
+    rows = {p: replace(row, advanced_at=dict.fromkeys(row.advanced_at)) for p, row in rows.items()}
     limits = Limits(stall_after=settings.gate.stall_after, lag_warn=settings.gate.lag_warn)
     view = describe(rows, settings.depends_on, now, limits, highwaters=highwaters)
     return {

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord
 
-from aml_app.gate.event_time import Unapplied, admits, cut_row, decided_at, instant, micros
+from aml_app.gate.event_time import Cut, Unapplied, admits, cut_row, decided_at, instant, micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.unapplied import event_time
+from aml_app.gate.watermark import WatermarkRow
 from aml_app.kafka.tools import payment_json
 
 DEADLINE = 2.0
@@ -19,11 +20,11 @@ T = micros("2026-11-20T10:00:00Z")
 MINUTE = 60_000_000
 
 
-def row(p: int, w: int) -> dict[str, Any]:
-    return {"partition": p, "watermark": w, "dependencies": {"relations": w}, "refreshed_at": 0.0}
+def row(p: int, w: int) -> WatermarkRow:
+    return WatermarkRow(partition=p, watermark=w, dependencies={"relations": w}, refreshed_at=0.0)
 
 
-def cut(watermarks: dict[int, int], unapplied: dict[int, Unapplied]) -> dict[str, Any]:
+def cut(watermarks: dict[int, int], unapplied: dict[int, Unapplied]) -> Cut:
     return cut_row(watermarks, unapplied, refreshed_at=0.0)
 
 
@@ -40,17 +41,17 @@ def test_the_frontier_is_the_earliest_unapplied_payment_and_quiet_partitions_hav
         {0: 5, 1: 3, 2: 0},
         {0: Unapplied(9, T + MINUTE), 1: Unapplied(7, T), 2: Unapplied(0, None)},
     )
-    assert row_["frontier"] == T and row_["held_by"] == 1
-    assert row_["behind"] == {"0": T + MINUTE, "1": T}
+    assert row_.frontier == T and row_.held_by == 1
+    assert row_.behind == {"0": T + MINUTE, "1": T}
     caught_up = cut({0: 5, 1: 7}, {0: Unapplied(5, None), 1: Unapplied(7, None)})
-    assert caught_up["frontier"] is None and caught_up["held_by"] is None
+    assert caught_up.frontier is None and caught_up.held_by is None
     # A payment of any time passes partitions whose dependencies have applied their whole log.
     assert admits(caught_up, 0, 4, T + 365 * 24 * 60 * MINUTE, 0)
 
 
 def test_a_partition_that_was_not_read_keeps_the_gate_closed() -> None:
     row_ = cut({0: 5, 1: 7}, {0: Unapplied(5, None)})
-    assert row_["unread"] == [1] and row_["held_by"] == 1
+    assert row_.unread == (1,) and row_.held_by == 1
     assert not admits(row_, 0, 0, T, 0)
 
 

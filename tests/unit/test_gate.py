@@ -5,19 +5,21 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from aml_app.backoff import Backoff, jittered, retry_forever
 from aml_app.gate.gate import FreshnessGate
+from aml_app.gate.watermark import WatermarkRow
 
 DEADLINE = 2.0  # generous upper bound for things that should happen at once
 QUIET = 0.05  # how long a waiter must stay blocked to count as "not woken"
 
 
-def row(p: int, w: int) -> dict[str, Any]:
-    return {"partition": p, "watermark": w, "dependencies": {"relations": w}, "refreshed_at": 0.0}
+def row(p: int, w: int) -> WatermarkRow:
+    return WatermarkRow(partition=p, watermark=w, dependencies={"relations": w}, refreshed_at=0.0)
 
 
 async def spin(times: int = 5) -> None:
@@ -159,12 +161,12 @@ async def test_partitions_are_independent() -> None:
     gate = FreshnessGate(rows.get)
     blocked = await start_waiting(gate, 0, 3)
     result = await asyncio.wait_for(gate.wait_open(1, 3), DEADLINE)
-    assert result.row["partition"] == 1
+    assert result.row.partition == 1
     assert not blocked.done()
     assert gate.waiting == {0: 3}
     rows[0] = row(0, 4)
     gate.notify([0, 1])
-    assert (await asyncio.wait_for(blocked, DEADLINE)).row["partition"] == 0
+    assert (await asyncio.wait_for(blocked, DEADLINE)).row.partition == 0
 
 
 async def test_two_waiters_on_one_partition_both_wake() -> None:
@@ -298,21 +300,21 @@ async def test_a_waiter_rechecks_the_table_on_a_timer_when_no_notification_comes
 async def test_a_distrusted_row_keeps_the_gate_closed_whatever_its_watermark() -> None:
     """A row the worker may not trust (too old, or replayed from before its consumer generation) admits
     nothing; the leader's next write of a trusted row lets the waiter through."""
-    rows = {0: {**row(0, 10), "generation": 1}}
+    rows = {0: replace(row(0, 10), generation=1)}
     generation = 2
     gate = FreshnessGate(
         rows.get,
-        distrust=lambda r: None if r["generation"] >= generation else "written before this generation",
+        distrust=lambda r: None if (r.generation or 0) >= generation else "written before this generation",
     )
     assert gate.is_open(0, 4) is False
     assert gate.distrusted(0) == "written before this generation"
     task = await start_waiting(gate, 0, 4)
     await assert_still_blocked(task)
 
-    rows[0] = {**row(0, 10), "generation": 2}
+    rows[0] = replace(row(0, 10), generation=2)
     gate.notify([0])
     result = await asyncio.wait_for(task, DEADLINE)
-    assert result.row["generation"] == 2 and gate.distrusted(0) is None
+    assert result.row.generation == 2 and gate.distrusted(0) is None
 
 
 async def test_give_up_after_returns_the_closed_row_marked_stale() -> None:

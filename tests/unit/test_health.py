@@ -23,7 +23,7 @@ from aml_app.gate.health import (
     partition_view,
     payments_waiting,
 )
-from aml_app.gate.watermark import build_rows
+from aml_app.gate.watermark import WatermarkRow, build_rows
 
 NOW = 10_000.0
 LIMITS = Limits(stall_after=30.0, lag_warn=100)
@@ -35,13 +35,13 @@ def rows_for(
     *,
     advanced: float = NOW,
     own: dict[int, int | None] | None = None,
-) -> dict[int, dict[str, Any]]:
+) -> dict[int, WatermarkRow]:
     """Rows as the leader builds them, every offset last moving at `advanced`."""
     return build_rows(sorted(log_ends), committed, advanced, log_ends=log_ends, service_committed=own or {})
 
 
-def status_of(group: str, rows: dict[int, dict[str, Any]], waiting: dict[int, int] | None = None, **kw: Any):
-    view = describe(rows, list(rows[min(rows)]["dependencies"]), NOW, LIMITS, waiting=waiting or {}, **kw)
+def status_of(group: str, rows: dict[int, WatermarkRow], waiting: dict[int, int] | None = None, **kw: Any):
+    view = describe(rows, list(rows[min(rows)].dependencies), NOW, LIMITS, waiting=waiting or {}, **kw)
     return next(d for d in view["dependencies"] if d["group"] == group)
 
 
@@ -72,7 +72,7 @@ def test_payments_waiting(log_end: int | None, w: int, ours: int | None, expecte
 
 def test_partition_view_takes_the_larger_log_end_and_derives_lags() -> None:
     row = rows_for({"r": {0: 8}, "a": {0: 3}}, {0: 4}, own={0: 3})[0]
-    assert row["log_end"] == 8  # raised to the highest commit by build_rows
+    assert row.log_end == 8  # raised to the highest commit by build_rows
     part = partition_view(row, highwater=12, waiting_offset=3, in_flight=None, local=True)
     assert part["log_end"] == 12  # this worker's fetches saw further
     assert part["dependency_lag"] == {"r": 4, "a": 9}
@@ -152,7 +152,7 @@ def test_lagging_by_time_behind_the_log_end_without_advancing() -> None:
 
 def test_error_wins_over_everything() -> None:
     rows = rows_for({"r": {0: 1}, "typo": {0: None}}, {0: 10}, advanced=NOW - 1000)
-    rows = {p: {**row, "error": "KafkaConnectionError", "error_at": NOW - 1} for p, row in rows.items()}
+    rows = {p: row.failed("KafkaConnectionError", NOW - 1) for p, row in rows.items()}
     view = describe(rows, ["r", "typo"], NOW, LIMITS, waiting={0: 1})
     assert {d["status"] for d in view["dependencies"]} == {ERROR}
     assert "KafkaConnectionError" in view["dependencies"][0]["detail"]

@@ -21,6 +21,7 @@ from aml_app.gate import Admission, GatedConsumer
 from aml_app.gate.event_time import micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.options import LaneLimits, LanePolicy
+from aml_app.gate.watermark import WatermarkRow
 from aml_app.models import Payment
 
 TOPIC = "payments"
@@ -181,8 +182,8 @@ class FakeReview(FakeDeadLetters):
         )
 
 
-def row(p: int, w: int) -> dict[str, Any]:
-    return {"partition": p, "watermark": w, "dependencies": {"relations": w}, "refreshed_at": 0.0}
+def row(p: int, w: int) -> WatermarkRow:
+    return WatermarkRow(partition=p, watermark=w, dependencies={"relations": w}, refreshed_at=0.0)
 
 
 class Harness:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aml_app.gate.watermark import (
+    WatermarkRow,
     build_rows,
     derived_need,
     distrust,
@@ -17,6 +22,9 @@ from aml_app.gate.watermark import (
     row_changed,
     watermark,
 )
+
+#: A row from its JSON, as the gate reads the table's values (fields left out take their defaults).
+R = WatermarkRow.from_json
 
 # --- watermark ----------------------------------------------------------------------------------
 
@@ -48,19 +56,19 @@ def test_empty_raises() -> None:
 
 
 def test_offset_equal_to_watermark_is_closed() -> None:
-    assert is_open(5, {"watermark": 5}) is False
+    assert is_open(5, R({"watermark": 5})) is False
 
 
 def test_offset_one_below_watermark_is_open() -> None:
-    assert is_open(4, {"watermark": 5}) is True
+    assert is_open(4, R({"watermark": 5})) is True
 
 
 def test_offset_above_watermark_is_closed() -> None:
-    assert is_open(6, {"watermark": 5}) is False
+    assert is_open(6, R({"watermark": 5})) is False
 
 
 def test_zero_watermark_closes_offset_zero() -> None:
-    assert is_open(0, {"watermark": 0}) is False
+    assert is_open(0, R({"watermark": 0})) is False
 
 
 def test_missing_row_is_closed() -> None:
@@ -77,7 +85,7 @@ def test_build_rows() -> None:
     }
     rows = build_rows([0, 1, 2, 3], committed, refreshed_at=123.5, generation=7, log="c:t1")
     assert set(rows) == {0, 1, 2, 3}
-    assert rows[0] == {
+    assert rows[0].as_json() == {
         "partition": 0,
         "watermark": 7,
         "dependencies": {"relations": 10, "aggregates": 7},
@@ -91,19 +99,19 @@ def test_build_rows() -> None:
         "log": "c:t1",
     }
     # None and a missing partition both count as 0
-    assert rows[1]["dependencies"] == {"relations": 0, "aggregates": 0}
-    assert rows[1]["watermark"] == 0
+    assert rows[1].dependencies == {"relations": 0, "aggregates": 0}
+    assert rows[1].watermark == 0
     # negative offsets are clamped to 0
-    assert rows[2]["dependencies"] == {"relations": 5, "aggregates": 0}
-    assert rows[2]["watermark"] == 0
-    assert rows[3]["watermark"] == 8
-    assert all(rows[p]["partition"] == p for p in rows)
+    assert rows[2].dependencies == {"relations": 5, "aggregates": 0}
+    assert rows[2].watermark == 0
+    assert rows[3].watermark == 8
+    assert all(rows[p].partition == p for p in rows)
 
 
 def test_build_rows_only_for_requested_partitions() -> None:
     rows = build_rows([2], {"g": {0: 1, 2: 4}}, 0.0)
     assert list(rows) == [2]
-    assert rows[2]["watermark"] == 4
+    assert rows[2].watermark == 4
 
 
 def test_build_rows_without_groups_raises() -> None:
@@ -115,42 +123,42 @@ def test_build_rows_log_end_is_never_below_a_committed_offset() -> None:
     committed = {"relations": {0: 10, 1: 4}, "aggregates": {0: 7, 1: None}}
     # Tansu answers ListOffsets with a batch's base offset + 1: 3 on partition 0, short of the commits.
     rows = build_rows([0, 1, 2], committed, 1.0, log_ends={0: 3, 1: 9}, service_committed={0: 12, 1: None})
-    assert rows[0]["log_end"] == 12  # our own commit proves the log reaches 12
-    assert rows[1]["log_end"] == 9
-    assert rows[2]["log_end"] is None  # no log end read for partition 2
-    assert rows[0]["service_committed"] == 12
-    assert rows[1]["service_committed"] is None
+    assert rows[0].log_end == 12  # our own commit proves the log reaches 12
+    assert rows[1].log_end == 9
+    assert rows[2].log_end is None  # no log end read for partition 2
+    assert rows[0].service_committed == 12
+    assert rows[1].service_committed is None
 
 
 def test_build_rows_own_commit_negative_means_none() -> None:
     rows = build_rows([0], {"g": {0: 1}}, 1.0, log_ends={0: 5}, service_committed={0: -1})
-    assert rows[0]["service_committed"] is None
-    assert rows[0]["log_end"] == 5
+    assert rows[0].service_committed is None
+    assert rows[0].log_end == 5
 
 
 def test_build_rows_never_committed_lists_none_and_negative_offsets() -> None:
     rows = build_rows([0, 1], {"a": {0: None, 1: 3}, "b": {0: -1}, "c": {0: 0, 1: 2}}, 1.0)
-    assert rows[0]["never_committed"] == ["a", "b"]  # an explicit 0 is a commit
-    assert rows[1]["never_committed"] == ["b"]
-    assert rows[0]["watermark"] == 0 and rows[1]["watermark"] == 0  # the gate's rule is unchanged
+    assert rows[0].never_committed == ("a", "b")  # an explicit 0 is a commit
+    assert rows[1].never_committed == ("b",)
+    assert rows[0].watermark == 0 and rows[1].watermark == 0  # the gate's rule is unchanged
 
 
 def test_build_rows_advanced_at_kept_while_the_offset_stays_and_reset_when_it_moves() -> None:
     first = build_rows([0], {"r": {0: 5}, "a": {0: 2}}, 100.0)
-    assert first[0]["advanced_at"] == {"r": 100.0, "a": 100.0}
+    assert first[0].advanced_at == {"r": 100.0, "a": 100.0}
     second = build_rows([0], {"r": {0: 6}, "a": {0: 2}}, 105.0, previous=first)
-    assert second[0]["advanced_at"] == {"r": 105.0, "a": 100.0}
+    assert second[0].advanced_at == {"r": 105.0, "a": 100.0}
     # a group moving backwards (its offsets were reset) moved too
     third = build_rows([0], {"r": {0: 6}, "a": {0: 1}}, 110.0, previous=second)
-    assert third[0]["advanced_at"] == {"r": 105.0, "a": 110.0}
+    assert third[0].advanced_at == {"r": 105.0, "a": 110.0}
 
 
 def test_build_rows_advanced_at_from_an_error_row_or_an_old_row_shape() -> None:
-    errored = {**build_rows([0], {"r": {0: 5}}, 100.0)[0], "error": "boom", "error_at": 101.0}
-    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: errored})[0]["advanced_at"] == {"r": 100.0}
-    old_shape = {"partition": 0, "watermark": 5, "dependencies": {"r": 5}, "refreshed_at": 90.0}
-    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: old_shape})[0]["advanced_at"] == {"r": 102.0}
-    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: None})[0]["advanced_at"] == {"r": 102.0}
+    errored = build_rows([0], {"r": {0: 5}}, 100.0)[0].failed("boom", 101.0)
+    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: errored})[0].advanced_at == {"r": 100.0}
+    old_shape = R({"partition": 0, "watermark": 5, "dependencies": {"r": 5}, "refreshed_at": 90.0})
+    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: old_shape})[0].advanced_at == {"r": 102.0}
+    assert build_rows([0], {"r": {0: 5}}, 102.0, previous={0: None})[0].advanced_at == {"r": 102.0}
 
 
 def test_row_changed() -> None:
@@ -158,9 +166,15 @@ def test_row_changed() -> None:
     same_later = build_rows([0], {"r": {0: 5}}, 200.0, log_ends={0: 8}, service_committed={0: 3})[0]
     assert row_changed(None, base)
     assert not row_changed(base, same_later)  # only the times differ
-    assert row_changed({**base, "error": "x"}, same_later)
-    for change in ({"log_end": 9}, {"service_committed": 4}, {"watermark": 6}, {"never_committed": ["r"]}):
-        assert row_changed(base, {**same_later, **change}), change
+    assert row_changed(replace(base, error="x"), same_later)
+    changes: list[dict[str, Any]] = [
+        {"log_end": 9},
+        {"service_committed": 4},
+        {"watermark": 6},
+        {"never_committed": ("r",)},
+    ]
+    for change in changes:
+        assert row_changed(base, replace(same_later, **change)), change
     assert row_changed(
         base, build_rows([0], {"r": {0: 6}}, 200.0, log_ends={0: 8}, service_committed={0: 3})[0]
     )
@@ -215,7 +229,7 @@ def test_live_blocked_since_earliest_over_recent_entries() -> None:
 SLOW, FAST = 1.0, 0.1
 
 
-def due(age: float | None, waiting: dict[int, int], rows: dict[int, dict]) -> bool:
+def due(age: float | None, waiting: dict[int, int], rows: dict[int, WatermarkRow]) -> bool:
     now = 500.0
     last = None if age is None else now - age
     return refresh_due(now, last, waiting, rows, SLOW, FAST)
@@ -236,27 +250,27 @@ def test_nothing_waiting_waits_for_slow_interval() -> None:
 
 
 def test_blocked_partition_uses_fast_interval() -> None:
-    rows = {0: {"watermark": 5}}
+    rows = {0: R({"watermark": 5})}
     assert due(FAST, {0: 5}, rows) is True
     assert due(0.5, {0: 9}, rows) is True
     assert due(FAST / 2, {0: 5}, rows) is False  # even blocked, not faster than the fast interval
 
 
 def test_waiting_but_open_partition_waits_for_slow_interval() -> None:
-    rows = {0: {"watermark": 5}}
+    rows = {0: R({"watermark": 5})}
     assert due(0.5, {0: 4}, rows) is False
 
 
 def test_the_event_time_gate_refreshes_fast_while_anything_waits() -> None:
     """Its payments can wait on the cut while their own row is open."""
-    rows = {0: {"watermark": 5}}
+    rows = {0: R({"watermark": 5})}
     assert refresh_due(500.0, 499.5, {0: 4}, rows, SLOW, FAST, every_wait=True) is True
     assert refresh_due(500.0, 499.95, {0: 4}, rows, SLOW, FAST, every_wait=True) is False
     assert refresh_due(500.0, 499.5, {}, rows, SLOW, FAST, every_wait=True) is False
 
 
 def test_any_blocked_partition_triggers_fast_refresh() -> None:
-    rows = {0: {"watermark": 5}, 1: {"watermark": 2}}
+    rows = {0: R({"watermark": 5}), 1: R({"watermark": 2})}
     assert due(0.5, {0: 1, 1: 2}, rows) is True
 
 
@@ -281,7 +295,7 @@ def test_open_iff_every_group_committed_past_the_offset(
     committed: dict[str, int | None], offset: int
 ) -> None:
     expected = all((c if c is not None else 0) > offset for c in committed.values())
-    assert is_open(offset, {"watermark": watermark(committed)}) == expected
+    assert is_open(offset, R({"watermark": watermark(committed)})) == expected
     row = build_rows([0], {g: {0: c} for g, c in committed.items()}, 0.0)[0]
     assert is_open(offset, row) == expected
 
@@ -290,14 +304,14 @@ def test_open_iff_every_group_committed_past_the_offset(
 
 
 def test_a_recent_row_of_this_generation_is_trusted() -> None:
-    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 3}
+    row = R({"watermark": 5, "refreshed_at": 100.0, "generation": 3})
     assert distrust(row, now=104.0, max_age=5.0, generation=3) is None
     assert distrust(row, now=105.0, max_age=5.0, generation=3) is None  # exactly max_age old
     assert distrust(row, now=104.0, max_age=5.0, generation=2) is None  # a newer generation's row
 
 
 def test_a_row_older_than_the_max_age_is_not_trusted() -> None:
-    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 3}
+    row = R({"watermark": 5, "refreshed_at": 100.0, "generation": 3})
     reason = distrust(row, now=105.5, max_age=5.0, generation=3)
     assert reason == "the row is 5.5 s old (more than 5 s): the leader has not refreshed it"
 
@@ -305,27 +319,27 @@ def test_a_row_older_than_the_max_age_is_not_trusted() -> None:
 def test_a_row_of_an_earlier_generation_is_not_trusted() -> None:
     """Replayed from the changelog at a restart, or written before the last rebalance (the generation
     counts from 0, so 0 is a generation like any other)."""
-    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 0}
+    row = R({"watermark": 5, "refreshed_at": 100.0, "generation": 0})
     assert "written in consumer generation 0, before this worker's 1" in distrust(row, 100.0, 5.0, 1)
     assert distrust(row, 100.0, 5.0, 0) is None
-    unstamped = {"watermark": 5, "refreshed_at": 100.0}
+    unstamped = R({"watermark": 5, "refreshed_at": 100.0})
     assert "generation None" in distrust(unstamped, 100.0, 5.0, 0)
     assert distrust(unstamped, 100.0, 5.0, None) is None  # no generation to compare with
 
 
 def test_a_row_of_another_log_is_not_trusted() -> None:
     """The payments topic deleted and created again (or another cluster): offsets of two logs."""
-    row = {"watermark": 5, "refreshed_at": 100.0, "generation": 3, "log": "c:old"}
+    row = R({"watermark": 5, "refreshed_at": 100.0, "generation": 3, "log": "c:old"})
     assert distrust(row, 100.0, 5.0, 3, log="c:old") is None
     reason = distrust(row, 100.0, 5.0, 3, log="c:new")
     assert reason is not None and reason.startswith("the row's offsets are of log c:old, but this worker")
-    assert distrust({**row, "log": None}, 100.0, 5.0, 3, log="c:new") is not None
+    assert distrust(replace(row, log=None), 100.0, 5.0, 3, log="c:new") is not None
     assert distrust(row, 100.0, 5.0, 3, log=None) is None  # the worker has not read its log yet
 
 
 def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generation() -> None:
     """The row is open by its watermark, but this worker cannot trust it: the next refresh stamps it."""
-    rows = {0: {"watermark": 10, "generation": 2}}
+    rows = {0: R({"watermark": 10, "generation": 2})}
     assert refresh_due(10.3, 10.0, {0: 4}, rows, 1.0, 0.1, generation=3) is True
     assert refresh_due(10.3, 10.0, {0: 4}, rows, 1.0, 0.1, generation=2) is False
     assert refresh_due(10.05, 10.0, {0: 4}, rows, 1.0, 0.1, generation=3) is False  # not yet
@@ -334,11 +348,35 @@ def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generatio
 def test_rows_and_the_cut_carry_a_derived_groups_offsets_and_the_need_takes_the_highest() -> None:
     committed = {"b": {0: 5, 1: 6}, "c": {0: 4, 1: 4}}
     rows = build_rows([0, 1], committed, refreshed_at=1.0, derived={"c": {0: 17, 2: 3}})
-    assert rows[0]["derived"] == rows[1]["derived"] == {"c": {"0": 17, "2": 3}}
-    assert "derived" not in build_rows([0], committed, refreshed_at=1.0)[0]
+    assert rows[0].derived == rows[1].derived == {"c": {"0": 17, "2": 3}}
+    assert build_rows([0], committed, refreshed_at=1.0)[0].derived is None
     assert row_changed(
         rows[0], build_rows([0, 1], committed, refreshed_at=2.0, derived={"c": {0: 18, 2: 3}})[0]
     )
-    cut = {"derived": {"c": {"0": 16, "2": 9}, "d": {"1": 1}}}
+    cut = SimpleNamespace(derived={"c": {"0": 16, "2": 9}, "d": {"1": 1}})
     assert derived_need(rows[0], cut) == {"c": {0: 17, 2: 9}, "d": {1: 1}}
-    assert derived_need(None, {}) == {}
+    assert derived_need(None, None) == {}
+
+
+def test_a_row_and_the_cut_read_back_from_their_json_are_themselves() -> None:
+    """The table holds each row's JSON (the changelog's format, `/watermarks.json`); the gate reads it
+    back into the same row, every field, an error and a derived group's offsets included."""
+    from aml_app.gate.event_time import Cut, Unapplied, cut_row
+
+    rows = build_rows(
+        [0, 1],
+        {"b": {0: 5, 1: None}},
+        refreshed_at=7.0,
+        log_ends={0: 9},
+        service_committed={0: 2},
+        generation=3,
+        log="c:t",
+        derived={"c": {0: 17}},
+    )
+    for row in (*rows.values(), rows[0].failed("boom", 8.0)):
+        assert WatermarkRow.from_json(row.as_json()) == row
+    cut = cut_row(
+        {0: 5, 1: 0}, {0: Unapplied(9, 1_000)}, 7.0, generation=3, log="c:t", derived={"c": {"0": 17}}
+    )
+    assert Cut.from_json(cut.as_json()) == cut
+    assert cut.as_json()["unread"] == [1] and "derived" not in cut_row({0: 5}, {}, 7.0).as_json()
