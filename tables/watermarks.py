@@ -42,9 +42,11 @@ from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, wait_for_t
 from aml_app.gate import FreshnessGate, GatedConsumer
 from aml_app.gate.event_time import Cut, cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
+from aml_app.gate.options import ParkRequest
 from aml_app.gate.unapplied import UnappliedReader
 from aml_app.gate.watchdog import Outcome, RefreshWatchdog, Verdict
 from aml_app.gate.watermark import (
+    Demand,
     Json,
     RefreshPolicy,
     Stamped,
@@ -104,6 +106,12 @@ class Typed(Generic[T]):
         self.table, self.parse = table, parse
         self._parsed: dict[Any, tuple[Json, T]] = {}
 
+    def values(self) -> list[T]:
+        return [value for _, value in self.items()]
+
+    def items(self) -> list[tuple[Any, T]]:
+        return [(key, value) for key in list(self.table.keys()) if (value := self.get(key)) is not None]
+
     def get(self, key: Any) -> T | None:
         raw = self.table.get(key)
         if raw is None:
@@ -116,12 +124,14 @@ class Typed(Generic[T]):
         return value
 
 
-#: The rows and the cut as the gate and the views read them.
+#: The rows, the cut and the demand entries as the gate and the views read them.
 rows_of = Typed(watermarks, WatermarkRow.from_json)
 cut_of = Typed(cuts, Cut.from_json)
+demand_of = Typed(demand, Demand.from_json)
 park_requests = _global_table(
     "gate-park", str, "Payments an operator asked to park: 'P:O' -> who, when, why."
 )
+park_of = Typed(park_requests, ParkRequest.from_json)
 EVENT_TIME = settings.gate.mode is GateMode.EVENT_TIME
 #: Every pace of the refresh, the gate and the delivery check, derived in one place.
 refresh = RefreshPolicy(
@@ -228,7 +238,8 @@ class DemandPublisher:
 
     def __init__(self, gate: FreshnessGate) -> None:
         self.gate = gate
-        self.published: dict[str, Any] | None = None
+        #: What it last published: the waiting offsets and the failing lanes, by partition.
+        self.published: tuple[dict[int, int], dict[int, Any]] | None = None
         self.published_at = 0.0
         self.writes = 0
         self.errors = WriteErrors("publishing this worker's gate demand")
@@ -237,12 +248,12 @@ class DemandPublisher:
 
     def tick(self, now: float) -> None:
         gate = self.gate
-        current = {"waiting": {str(p): o for p, o in gate.waiting.items()}, "retrying": self.retrying()}
-        busy = bool(current["waiting"] or current["retrying"])
+        current = (dict(gate.waiting), {int(p): doc for p, doc in self.retrying().items()})
+        busy = bool(current[0] or current[1])
         stale = busy and now - self.published_at >= refresh.demand_republish
         if current != self.published or stale:
-            since = {str(p): t for p, t in gate.blocked_since.items()}
-            demand[settings.worker_id] = {**current, "since": since, "at": now}
+            entry = Demand(at=now, waiting=current[0], since=gate.blocked_since, retrying=current[1])
+            demand[settings.worker_id] = entry.as_json()
             self.published, self.published_at = current, now
             self.writes += 1
 
@@ -347,7 +358,7 @@ class WorkerGate(Service):
             return
         status = self.status
         now = time.monotonic()
-        waiting = live_demand(demand.values(), time.time(), max_age=refresh.demand_max_age)
+        waiting = live_demand(demand_of.values(), time.time(), max_age=refresh.demand_max_age)
         last = status.last_refresh if status.last_error is None else status.last_attempt
         rows = {p: row for p in waiting if (row := rows_of.get(p)) is not None}
         generation = app.consumer_generation_id
@@ -550,7 +561,7 @@ class WorkerGate(Service):
         This worker's own gate is merged in, so its page is right before its demand entry comes back
         through the changelog.
         """
-        entries = list(demand.values())
+        entries = demand_of.values()
         waiting = live_demand(entries, now, max_age=refresh.demand_max_age)
         since = live_blocked_since(entries, now, max_age=refresh.demand_max_age)
         for p, offset in self.gate.waiting.items():
@@ -563,17 +574,17 @@ class WorkerGate(Service):
         """The lanes that keep failing on a payment, on every worker (from the demand table), with this
         worker's own merged in at once; one entry per partition, with the worker that retries it."""
         found: dict[int, dict[str, Any]] = {}
-        for worker, entry in list(demand.items()):
-            if now - float(entry.get("at", 0)) > refresh.demand_max_age:
+        for worker, entry in demand_of.items():
+            if now - entry.at > refresh.demand_max_age:
                 continue
-            for p, doc in (entry.get("retrying") or {}).items():
-                found[int(p)] = {**doc, "worker": worker}
-        mine = self.publisher.retrying()
-        for p, doc in mine.items():
-            found[int(p)] = {**doc, "worker": settings.worker_id}
-        for p in [p for p, doc in found.items() if doc["worker"] == settings.worker_id]:
-            if str(p) not in mine:
-                del found[p]  # our demand entry is older than our lane's success
+            for p, doc in entry.retrying.items():
+                found[p] = {**doc, "worker": worker}
+        mine = {int(p): doc for p, doc in self.publisher.retrying().items()}
+        for q, doc in mine.items():
+            found[q] = {**doc, "worker": settings.worker_id}
+        for q in [q for q, doc in found.items() if doc["worker"] == settings.worker_id]:
+            if q not in mine:
+                del found[q]  # our demand entry is older than our lane's success
         return [{**found[p], "retrying_for_s": round(now - found[p]["since"], 3)} for p in sorted(found)]
 
     def operator_view(

@@ -20,7 +20,7 @@ from aml_app.gate.stats import GateStats
 from aml_app.models import Payment
 
 if TYPE_CHECKING:
-    from aml_app.gate.options import LanePolicy
+    from aml_app.gate.options import LanePolicy, ParkRequest
 
 log = logging.getLogger(__name__)
 
@@ -119,14 +119,13 @@ class Handling:
     async def _park(self, admitted: Admitted, attempts: int, exc: BaseException) -> None:
         asked = self._asked_to_park(admitted.admission)
         if asked is not None and (not self.max_attempts or attempts < self.max_attempts):
-            by, because = asked.get("by", "aml-app park"), asked.get("reason") or "no reason given"
-            why = f"parked by hand ({by}: {because})"
+            why = f"parked by hand ({asked.by}: {asked.reason or 'no reason given'})"
         else:
             why = f"parked after {attempts} failed attempts"
         reason = f"{why}: {describe_error(exc)}"
         await self.sink.to_review(admitted.event, ReviewKind.PARKED, reason, attempts=attempts)
 
-    def _asked_to_park(self, admission: Admission) -> dict[str, Any] | None:
+    def _asked_to_park(self, admission: Admission) -> ParkRequest | None:
         if self.park_requested is None:
             return None
         return self.park_requested(admission.partition, admission.offset)

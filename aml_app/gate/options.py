@@ -2,14 +2,32 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW
 
-#: Whether an operator asked to park the payment at (partition, offset), and who and why (`aml-app park`).
-ParkRequested = Callable[[int, int], dict[str, Any] | None]
+
+@dataclass(frozen=True)
+class ParkRequest:
+    """An operator's request to park a payment (`aml-app park`): who, why and when. The park table
+    holds its JSON, which the command writes."""
+
+    by: str = "aml-app park"
+    reason: str = ""
+    at: float | None = None
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> ParkRequest:
+        return cls(by=str(doc.get("by") or cls.by), reason=str(doc.get("reason") or ""), at=doc.get("at"))
+
+    def as_json(self) -> dict[str, Any]:
+        return {"reason": self.reason, "by": self.by, "at": self.at}
+
+
+#: Whether an operator asked to park the payment at (partition, offset), and who and why.
+ParkRequested = Callable[[int, int], ParkRequest | None]
 
 
 @dataclass(frozen=True)

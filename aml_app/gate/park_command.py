@@ -19,6 +19,7 @@ import click
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from aml_app.gate.options import ParkRequest
 from aml_app.kafka.security import aiokafka_kwargs
 from aml_app.settings import Settings, load_settings
 
@@ -52,11 +53,9 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
             raise click.ClickException(
                 f"topic {topic} does not exist: has a worker of {settings.app_id} run?"
             )
-        request = {
-            "reason": reason,
-            "by": f"{getpass.getuser()}@{socket.gethostname()}",
-            "at": time.time(),
-        }
+        request = ParkRequest(
+            by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason, at=time.time()
+        ).as_json()
         key = json.dumps(f"{partition}:{offset}").encode()
         await producer.send_and_wait(topic, json.dumps(request).encode(), key=key, partition=0)
     except (TimeoutError, KafkaError) as exc:

@@ -323,28 +323,53 @@ def row_changed(old: WatermarkRow | None, new: WatermarkRow) -> bool:
     )
 
 
-def live_demand(demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float) -> dict[int, int]:
+@dataclass(frozen=True)
+class Demand:
+    """One worker's entry of the demand table: the lowest offset it waits on per partition and since
+    when, its lanes that keep failing (as `aml_app.gate.handling.Retrying` shows them), and when it
+    wrote the entry. The table holds its JSON (partitions as text)."""
+
+    at: float
+    waiting: Mapping[int, int] = field(default_factory=dict)
+    since: Mapping[int, float] = field(default_factory=dict)
+    retrying: Mapping[int, Mapping[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, doc: Mapping[str, Any]) -> Demand:
+        return cls(
+            at=float(doc.get("at", 0)),
+            waiting={int(p): int(o) for p, o in (doc.get("waiting") or {}).items()},
+            since={int(p): float(t) for p, t in (doc.get("since") or {}).items()},
+            retrying={int(p): dict(d) for p, d in (doc.get("retrying") or {}).items()},
+        )
+
+    def as_json(self) -> Json:
+        return {
+            "waiting": {str(p): o for p, o in self.waiting.items()},
+            "retrying": {str(p): dict(d) for p, d in self.retrying.items()},
+            "since": {str(p): t for p, t in self.since.items()},
+            "at": self.at,
+        }
+
+
+def live_demand(entries: Iterable[Demand], now: float, max_age: float) -> dict[int, int]:
     """Lowest waiting offset per partition over every worker whose demand entry is recent."""
     waiting: dict[int, int] = {}
-    for entry in demand_entries:
-        if now - float(entry.get("at", 0)) > max_age:
+    for entry in entries:
+        if now - entry.at > max_age:
             continue
-        for p, offset in entry.get("waiting", {}).items():
-            p = int(p)
+        for p, offset in entry.waiting.items():
             waiting[p] = min(waiting.get(p, offset), offset)
     return waiting
 
 
-def live_blocked_since(
-    demand_entries: Iterable[Mapping[str, Any]], now: float, max_age: float
-) -> dict[int, float]:
+def live_blocked_since(entries: Iterable[Demand], now: float, max_age: float) -> dict[int, float]:
     """Earliest time some worker started waiting, per partition, over the recent demand entries."""
     since: dict[int, float] = {}
-    for entry in demand_entries:
-        if now - float(entry.get("at", 0)) > max_age:
+    for entry in entries:
+        if now - entry.at > max_age:
             continue
-        for p, started in (entry.get("since") or {}).items():
-            p = int(p)
+        for p, started in entry.since.items():
             since[p] = min(since.get(p, started), started)
     return since
 

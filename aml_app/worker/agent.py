@@ -18,7 +18,7 @@ from aml_app.gate.handling import BatchHandler, Handler
 from aml_app.gate.options import LaneLimits, LanePolicy
 from aml_app.settings import WaitPolicy
 from aml_app.tables.alerts import copartitioning_problem
-from aml_app.tables.watermarks import WorkerGate, park_requests, refresh
+from aml_app.tables.watermarks import WorkerGate, park_of, refresh
 
 if TYPE_CHECKING:
     from aml_app.worker.detector import Detector
@@ -64,7 +64,7 @@ def gated_agent(
             if settings.gate.wait_policy is WaitPolicy.DECIDE_STALE
             else None,
             max_attempts=settings.gate.max_attempts,
-            park_requested=lambda p, o: park_requests.get(f"{p}:{o}"),
+            park_requested=lambda p, o: park_of.get(f"{p}:{o}"),
         ),
         review=review_topic,
         worker_id=settings.worker_id,

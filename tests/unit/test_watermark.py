@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from aml_app.gate.watermark import (
+    Demand,
     WatermarkRow,
     build_rows,
     derived_need,
@@ -25,6 +26,12 @@ from aml_app.gate.watermark import (
 
 #: A row from its JSON, as the gate reads the table's values (fields left out take their defaults).
 R = WatermarkRow.from_json
+
+
+def entries_of(docs: list[dict[str, Any]]) -> list[Demand]:
+    """Demand entries from their JSON, as the leader reads the demand table."""
+    return [Demand.from_json(doc) for doc in docs]
+
 
 # --- watermark ----------------------------------------------------------------------------------
 
@@ -190,23 +197,25 @@ def test_live_demand_min_across_workers_ignoring_stale() -> None:
         {"at": now, "waiting": {"0": 7, "1": 3}},
         {"at": now - 1, "waiting": {"0": 4}},
     ]
-    assert live_demand(entries, now, max_age=5) == {0: 4, 1: 3}
+    assert live_demand(entries_of(entries), now, max_age=5) == {0: 4, 1: 3}
 
 
 def test_live_demand_string_partition_keys_become_ints() -> None:
-    result = live_demand([{"at": 10.0, "waiting": {"3": 9}}, {"at": 10.0, "waiting": {3: 2}}], 10, 5)
+    result = live_demand(
+        entries_of([{"at": 10.0, "waiting": {"3": 9}}, {"at": 10.0, "waiting": {3: 2}}]), 10, 5
+    )
     assert result == {3: 2}
     assert all(isinstance(p, int) for p in result)
 
 
 def test_live_demand_age_boundary_is_inclusive() -> None:
-    assert live_demand([{"at": 95.0, "waiting": {"0": 1}}], now=100.0, max_age=5) == {0: 1}
-    assert live_demand([{"at": 94.9, "waiting": {"0": 1}}], now=100.0, max_age=5) == {}
+    assert live_demand(entries_of([{"at": 95.0, "waiting": {"0": 1}}]), now=100.0, max_age=5) == {0: 1}
+    assert live_demand(entries_of([{"at": 94.9, "waiting": {"0": 1}}]), now=100.0, max_age=5) == {}
 
 
 def test_live_demand_tolerates_missing_fields() -> None:
     # no "at": treated as epoch 0, stale; no "waiting": contributes nothing
-    assert live_demand([{"waiting": {"0": 1}}, {"at": 100.0}], now=100.0, max_age=5) == {}
+    assert live_demand(entries_of([{"waiting": {"0": 1}}, {"at": 100.0}]), now=100.0, max_age=5) == {}
 
 
 def test_live_demand_empty() -> None:
@@ -221,7 +230,7 @@ def test_live_blocked_since_earliest_over_recent_entries() -> None:
         {"at": now - 1, "waiting": {"0": 4}, "since": {"0": 980.0}},
         {"at": now, "waiting": {"2": 1}},  # an entry from before "since" existed
     ]
-    assert live_blocked_since(entries, now, max_age=5) == {0: 980.0, 1: 995.0}
+    assert live_blocked_since(entries_of(entries), now, max_age=5) == {0: 980.0, 1: 995.0}
 
 
 # --- refresh_due --------------------------------------------------------------------------------
@@ -380,3 +389,14 @@ def test_a_row_and_the_cut_read_back_from_their_json_are_themselves() -> None:
     )
     assert Cut.from_json(cut.as_json()) == cut
     assert cut.as_json()["unread"] == [1] and "derived" not in cut_row({0: 5}, {}, 7.0).as_json()
+
+
+def test_a_demand_entry_read_back_from_its_json_is_itself() -> None:
+    entry = Demand(at=5.0, waiting={0: 3}, since={0: 4.5}, retrying={1: {"offset": 7, "attempts": 2}})
+    assert entry.as_json() == {
+        "waiting": {"0": 3},
+        "retrying": {"1": {"offset": 7, "attempts": 2}},
+        "since": {"0": 4.5},
+        "at": 5.0,
+    }
+    assert Demand.from_json(entry.as_json()) == entry
