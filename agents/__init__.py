@@ -12,6 +12,7 @@ from collections.abc import Callable
 from aml_app.agents import aml, fraud, probe
 from aml_app.tables.watermarks import WorkerGate, gate_service
 
+from aml_app.errors import ConfigError
 from aml_app.views.web import Shown, add_views
 from aml_app.worker.agent import Served
 
@@ -23,8 +24,20 @@ SERVICES: dict[str, Callable[[WorkerGate], Served]] = {
 }
 
 
+def unregistered(service: str) -> str | None:
+    """Why `service` cannot run, in one sentence (None: it can): a module of agents/ not in `SERVICES`."""
+    if service in SERVICES:
+        return None
+    return (
+        f"AML_SERVICE={service!r} is not in the registry of gated services (SERVICES in "
+        f"aml_app/agents/__init__.py: {', '.join(SERVICES)}); a new service's module is named there."
+    )
+
+
 def compose(service: str) -> Shown:
     """Build this worker: its gate service, `service`'s gated agent on it, and the web views."""
+    if (problem := unregistered(service)) is not None:
+        raise ConfigError(problem)
     worker_gate = gate_service()
     served = SERVICES[service](worker_gate)
     # Every worker's page shows the lanes that keep failing, through the demand table.

@@ -400,9 +400,12 @@ def main() -> None:
         if problem := api_url_problem(settings):
             click.echo(f"aml-app: configuration error: {problem}", err=True)
             sys.exit(2)
-        reach_or_exit(settings)
-        from aml_app.agents import compose
+        from aml_app.agents import compose, unregistered
 
+        if problem := unregistered(settings.service):
+            click.echo(f"aml-app: configuration error: {problem}", err=True)
+            sys.exit(2)
+        reach_or_exit(settings)
         compose(settings.service)  # this worker's gate, its service's agent and its views
     from faust.cli.faust import cli
 

@@ -360,3 +360,20 @@ def test_the_worker_is_composed_in_one_place_and_the_views_import_no_service() -
     """No module reaches a service through `importlib` (an import the rules cannot see)."""
     sources = [ROOT / "aml_app" / "views" / "web.py", ROOT / "aml_app" / "app.py", *ROOT.glob("agents/*.py")]
     assert [p.name for p in sources if "import_module" in p.read_text()] == []
+
+
+def test_a_service_missing_from_the_registry_is_one_sentence() -> None:
+    """A module of agents/ that `SERVICES` does not name cannot run: `compose` (and `aml-app worker`,
+    before it reaches the cluster) says so in one sentence."""
+    code = (
+        "from aml_app.agents import compose, unregistered\n"
+        "from aml_app.errors import ConfigError\n"
+        "assert unregistered('aml') is None\n"
+        "try:\n    compose('newly_added')\nexcept ConfigError as exc:\n    print(exc)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    sentence = out.stdout.strip().splitlines()[-1]
+    assert sentence.startswith("AML_SERVICE='newly_added' is not in the registry of gated services")
+    assert "aml, fraud, probe" in sentence
