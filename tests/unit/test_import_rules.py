@@ -18,13 +18,17 @@ import pytest
 FAUST_SIDE = ("aml_app.app", "faust", "aml_app.agents", "aml_app.tables")
 
 
-def loaded_after(code: str) -> set[str]:
-    """The modules loaded after running `code` in a fresh interpreter (our settings' defaults)."""
-    probe = f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))"
+def last_line(code: str) -> str:
+    """The last line `code` prints, run in a fresh interpreter (our settings' defaults)."""
     out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
-    return set(json.loads(out.stdout.strip().splitlines()[-1]))
+    return out.stdout.strip().splitlines()[-1]
+
+
+def loaded_after(code: str) -> set[str]:
+    """The modules loaded after running `code` in a fresh interpreter."""
+    return set(json.loads(last_line(f"{code}\nimport json, sys\nprint(json.dumps(sorted(sys.modules)))")))
 
 
 def faust_side(modules: set[str]) -> list[str]:
@@ -348,10 +352,7 @@ def test_the_registry_names_every_service_module_and_registers_nothing_at_import
         "print(json.dumps([sorted(SERVICES), available_services(), sorted(app.agents), "
         "len(app._extra_services)]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    names, available, agents, services = json.loads(out.stdout.strip().splitlines()[-1])
+    names, available, agents, services = json.loads(last_line(code))
     assert names == available == ["aml", "fraud", "probe"]
     assert agents == [] and services == 0
 
@@ -371,9 +372,6 @@ def test_a_service_missing_from_the_registry_is_one_sentence() -> None:
         "assert unregistered('aml') is None\n"
         "try:\n    compose('newly_added')\nexcept ConfigError as exc:\n    print(exc)"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
-    )
-    sentence = out.stdout.strip().splitlines()[-1]
+    sentence = last_line(code)
     assert sentence.startswith("AML_SERVICE='newly_added' is not in the registry of gated services")
     assert "aml, fraud, probe" in sentence
