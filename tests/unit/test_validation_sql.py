@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import random
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -30,7 +31,7 @@ from aml_app.contract import (
     skew_micros,
     validate_payment,
 )
-from aml_app.pipeline import validation
+from aml_app.pipeline import expressions, validation
 from aml_app.pipeline.kafka_source import LATEST_TIMESTAMP_MS
 
 MAX = 65536  # the default AML_MAX_PAYMENT_BYTES
@@ -972,7 +973,8 @@ def test_the_comparison_catches_a_weakened_rule(
 ) -> None:
     name, replacement = WEAKENED[weakening]
     monkeypatch.setattr(validation, name, replacement)
-    monkeypatch.setattr(validation, "_built", {})  # the expressions are built once per session: anew here
+    # The expressions are built once per session (`built_once`): anew here, and the session's own after.
+    monkeypatch.setattr(expressions, "_by_context", weakref.WeakKeyDictionary())
     assert disagreements(records, spark_rows(frame)), f"{weakening}: no record told the difference"
 
 
