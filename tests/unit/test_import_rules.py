@@ -18,10 +18,10 @@ import pytest
 FAUST_SIDE = ("aml_app.app", "faust", "aml_app.agents", "aml_app.tables")
 
 
-def last_line(code: str) -> str:
-    """The last line `code` prints, run in a fresh interpreter (our settings' defaults)."""
+def last_line(code: str, cwd: Path | None = None) -> str:
+    """The last line `code` prints, run in a fresh interpreter (our settings' defaults) in `cwd`."""
     out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True, cwd=cwd
     )
     return out.stdout.strip().splitlines()[-1]
 
@@ -85,10 +85,7 @@ def test_the_installed_package_puts_no_bare_agents_or_tables_module_on_the_path(
         "print(json.dumps([u.find_spec('agents') is None, u.find_spec('tables') is None, "
         "list(aml_app.agents.__path__), list(aml_app.tables.__path__)]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path
-    )
-    no_agents, no_tables, agents_path, tables_path = json.loads(out.stdout.strip().splitlines()[-1])
+    no_agents, no_tables, agents_path, tables_path = json.loads(last_line(probe, cwd=tmp_path))
     assert no_agents and no_tables
     root = Path(__file__).resolve().parents[2]
     assert [Path(p).resolve() for p in agents_path] == [root / "agents"]
@@ -283,10 +280,7 @@ def test_importing_anything_outside_the_faust_app_has_no_side_effects(tmp_path: 
         f"for m in {modules!r}:\n    importlib.import_module(m)\n"
         "print(json.dumps([threading.active_count(), os.listdir('.'), 'aml_app.app' in sys.modules]))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True, cwd=tmp_path
-    )
-    threads, files, app_built = json.loads(out.stdout.strip().splitlines()[-1])
+    threads, files, app_built = json.loads(last_line(probe, cwd=tmp_path))
     assert len(modules) > 30
     assert (threads, files, app_built) == (1, [], False)
 
