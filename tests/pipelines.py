@@ -8,6 +8,7 @@ import asyncio
 import os
 import signal
 import threading
+from collections.abc import Iterable
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -66,14 +67,14 @@ class Running:
     def failure(self) -> str | None:
         return self.pipeline.failure()
 
-    async def committed(self, partitions: range) -> dict[str, dict[int, int]]:
+    async def committed(self, partitions: Iterable[int]) -> dict[str, dict[int, int]]:
         return {g: await asyncio.to_thread(p.committed, partitions) for g, p in self.progress.items()}
 
     async def caught_up(self, ends: dict[int, int], timeout: float = CATCH_UP) -> None:
         async def done() -> bool:
             failure = self.failure()
             assert failure is None, failure
-            committed = await self.committed(range(len(ends)))
+            committed = await self.committed(sorted(ends))
             return all(c == ends for c in committed.values())
 
         await wait_until(done, timeout, f"both groups to commit up to the log end {ends}", interval=0.2)
