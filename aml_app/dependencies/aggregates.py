@@ -282,12 +282,15 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # per query (LATERAL): a join of all queries at once let the planner hash whole tables on every call
 # (BENCHMARKS.md, "End to end").
 # Each row (or unpacked payment) counts in every window from the smallest one that holds it (`w`: 1 for
-# 1 h, 2 for 24 h, 3 for 7 d) on. The answers come from two hash aggregates over the rows: per
-# (direction, currency, w) the totals, payments and near-threshold payments, added up window by window
-# (and a direction's payments over its currencies) in Python; and per counterparty the smallest window
-# in which it was paid, paid the account, or either, counted per account in one more aggregate: the
-# distinct counterparties without DISTINCT aggregates (which would sort every group for every window:
-# twice the CPU). A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's
+# 1 h, 2 for 24 h, 3 for 7 d) on. Each query's answer comes from two hash aggregates over its own rows,
+# inside its LATERAL: per (direction, currency, w) the totals, payments and near-threshold payments,
+# added up window by window (and a direction's payments over its currencies) in Python; and per
+# counterparty the smallest window in which it was paid, paid the account, or either, counted in one
+# more aggregate: the distinct counterparties without DISTINCT aggregates (which would sort every group
+# for every window: twice the CPU). Aggregated per query, the hash tables are a few hundred entries and
+# stay in memory; the same aggregates over every query's rows at once held them all (tens of thousands
+# for a batch about merchants), spilled them to temporary files and took 6-14 % longer on a store of the
+# simulator's traffic. A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's
 # CPU on the end-to-end benchmark's traffic, three aggregates over the rows and two over their
 # counterparties a fifth more again (BENCHMARKS.md, "End to end"); one aggregate over grouping sets for
 # both took a fifth longer than the two on a store the capacity benchmark left.
@@ -299,50 +302,56 @@ WITH q AS (
         at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at - %(7d)s, 'epoch') AS first_minute,
         date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS last_minute
     FROM unnest(%(accounts)b::text[], %(ats)b::timestamptz[]) WITH ORDINALITY AS h(account, at, i)
-), rows AS MATERIALIZED (
-    SELECT q.i, s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
-        CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
-    FROM q CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
-            f.first_ts, f.last_ts
-        FROM {flows} f WHERE f.payer = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
-            AND f.payee <> q.account
-        UNION ALL
-        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
-        FROM {flows} f WHERE f.payee = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
-            AND f.payer <> q.account
-    ) s
-    WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
-        s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
-    UNION ALL
-    SELECT q.i, s.direction, s.counterparty, s.currency, 1, p.amount,
-        CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
-        CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
-    FROM q CROSS JOIN unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge) CROSS JOIN LATERAL (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
-        FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
-            AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
-        UNION ALL
-        SELECT 'in', f.payer, f.currency, f.times, f.amounts
-        FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
-            AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
-    ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
-    WHERE p.ts > q.lo_7d AND p.ts <= q.at
-), parties AS (
-    SELECT i, min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
-        AS received, min(w) AS seen
-    FROM rows GROUP BY i, counterparty
 )
-SELECT i, 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
-    NULL, NULL, NULL, NULL, NULL, NULL
-FROM rows GROUP BY i, direction, currency, w
-UNION ALL
-SELECT i, 'counterparties', NULL, NULL, NULL,
-    count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2), count(*) FILTER (WHERE sent <= 3),
-    count(*) FILTER (WHERE received <= 1), count(*) FILTER (WHERE received <= 2),
-    count(*) FILTER (WHERE received <= 3),
-    count(*) FILTER (WHERE seen <= 1), count(*) FILTER (WHERE seen <= 2), count(*) FILTER (WHERE seen <= 3)
-FROM parties GROUP BY i
+SELECT q.i, a.* FROM q CROSS JOIN LATERAL (
+    WITH rows AS MATERIALIZED (
+        SELECT s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
+            CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
+        FROM (
+            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
+                f.first_ts, f.last_ts
+            FROM {flows} f
+            WHERE f.payer = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
+                AND f.payee <> q.account
+            UNION ALL
+            SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
+            FROM {flows} f
+            WHERE f.payee = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
+                AND f.payer <> q.account
+        ) s
+        WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
+            s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+        UNION ALL
+        SELECT s.direction, s.counterparty, s.currency, 1, p.amount,
+            CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
+            CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
+        FROM unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge) CROSS JOIN LATERAL (
+            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
+            FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+                AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+            UNION ALL
+            SELECT 'in', f.payer, f.currency, f.times, f.amounts
+            FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+                AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+        ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
+        WHERE p.ts > q.lo_7d AND p.ts <= q.at
+    ), parties AS (
+        SELECT min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
+            AS received, min(w) AS seen
+        FROM rows GROUP BY counterparty
+    )
+    SELECT 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
+        NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
+    FROM rows GROUP BY direction, currency, w
+    UNION ALL
+    SELECT 'counterparties', NULL, NULL, NULL,
+        count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2),
+        count(*) FILTER (WHERE sent <= 3), count(*) FILTER (WHERE received <= 1),
+        count(*) FILTER (WHERE received <= 2), count(*) FILTER (WHERE received <= 3),
+        count(*) FILTER (WHERE seen <= 1), count(*) FILTER (WHERE seen <= 2),
+        count(*) FILTER (WHERE seen <= 3)
+    FROM parties
+) a
 """
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
 

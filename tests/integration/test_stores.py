@@ -1131,6 +1131,45 @@ def test_the_heavy_edges_into_an_account_that_hundreds_pay_are_found_through_its
             assert any("edges_by_payee_last" in line for line in plan), f"{name}:\n" + "\n".join(plan)
 
 
+def test_a_windows_aggregates_stay_in_memory_for_a_batch_about_a_merchant(store_url: str) -> None:
+    """C's window query aggregates each question's rows on their own: a batch of 50 questions about a
+    merchant that 3,000 pay reads 150,000 rows, which aggregated all at once overflow `work_mem` (4 MB by
+    default) into temporary files; per question they stay in memory."""
+    writer = Writer(store_url, aggregates.SCHEMA)
+    writer.migrate()
+    writer.close()
+    now = datetime.now(UTC)
+    with psycopg.connect(store_url, autocommit=True) as conn:
+        conn.execute(  # 3,000 payers of the merchant over the week, one payment each
+            "INSERT INTO aggregates.flows (payer, bucket, payee, currency, payments, total, near,"
+            " first_ts, last_ts) SELECT 'p' || i, date_bin('1 minute', ts, 'epoch'), 'merchant', 'EUR',"
+            " 1, 12, 0, ts, ts FROM (SELECT i, %(t)s - i * interval '3 minutes' AS ts"
+            " FROM generate_series(1, 3000) AS i) AS p",
+            {"t": now - timedelta(minutes=1)},
+        )
+        conn.execute("ANALYZE aggregates.flows")
+        text = sql.SQL(aggregates._WINDOWS).format(
+            flows=sql.Identifier("aggregates", "flows"), near=sql.SQL(aggregates._NEAR)
+        )
+        low, high = aggregates.near_bounds(THRESHOLD, BAND)
+        params = {
+            "accounts": ["merchant"] * 50,
+            "ats": [now - timedelta(seconds=i) for i in range(50)],
+            "bucket": aggregates.BUCKET,
+            "near_low": low,
+            "near_high": high,
+            **aggregates.WINDOWS,
+        }
+        conn.execute("SET work_mem = '4MB'")
+        plan = [
+            line for (line,) in conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + text, params).fetchall()
+        ]
+    shown = "\n".join(plan)
+    # Each question's rows aggregated on their own, and no aggregate spilled to a file.
+    assert any("HashAggregate" in line and "loops=50)" in line for line in plan), shown
+    assert not any("temp written" in line or "Disk Usage" in line for line in plan), shown
+
+
 def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
     """Each service's aggregation of a kept batch runs in one task: a shuffle would cost a stage, files
     and a scheduling round per aggregation, about 100 ms per micro-batch (BENCHMARKS.md)."""
