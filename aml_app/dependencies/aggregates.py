@@ -381,6 +381,23 @@ def empty_window() -> dict[str, Any]:
     }
 
 
+def windows_query(
+    schema: Schema, queries: Sequence[tuple[str, datetime]], threshold: Decimal, band: Decimal
+) -> tuple[sql.Composed, dict[str, Any]]:
+    """The window query for (account, at) `queries` and its parameters."""
+    low, high = near_bounds(threshold, band)
+    text = sql.SQL(_WINDOWS).format(flows=sql.Identifier(schema.name, "flows"), near=sql.SQL(_NEAR))
+    params = {
+        "accounts": [a for a, _ in queries],
+        "ats": [at for _, at in queries],
+        "bucket": BUCKET,
+        "near_low": low,
+        "near_high": high,
+        **WINDOWS,
+    }
+    return text, params
+
+
 async def aggregates_many(
     cur: Any,
     schema: Schema | None,
@@ -421,21 +438,7 @@ async def aggregates_many(
     ]
     if schema is None or not queries:
         return answers
-    low, high = near_bounds(threshold, band)
-    await cur.execute(
-        sql.SQL(_WINDOWS).format(
-            flows=sql.Identifier(schema.name, "flows"),
-            near=sql.SQL(_NEAR),
-        ),
-        {
-            "accounts": [a for a, _ in queries],
-            "ats": [at for _, at in queries],
-            "bucket": BUCKET,
-            "near_low": low,
-            "near_high": high,
-            **WINDOWS,
-        },
-    )
+    await cur.execute(*windows_query(schema, queries, threshold, band))
     for i, kind, direction, currency, smallest, *values in await cur.fetchall():
         windows = answers[i - 1]["windows"]
         if kind == "totals":  # one direction, currency and smallest window: total, payments, near-threshold

@@ -1148,18 +1148,8 @@ def test_a_windows_aggregates_stay_in_memory_for_a_batch_about_a_merchant(store_
             {"t": now - timedelta(minutes=1)},
         )
         conn.execute("ANALYZE aggregates.flows")
-        text = sql.SQL(aggregates._WINDOWS).format(
-            flows=sql.Identifier("aggregates", "flows"), near=sql.SQL(aggregates._NEAR)
-        )
-        low, high = aggregates.near_bounds(THRESHOLD, BAND)
-        params = {
-            "accounts": ["merchant"] * 50,
-            "ats": [now - timedelta(seconds=i) for i in range(50)],
-            "bucket": aggregates.BUCKET,
-            "near_low": low,
-            "near_high": high,
-            **aggregates.WINDOWS,
-        }
+        queries = [("merchant", now - timedelta(seconds=i)) for i in range(50)]
+        text, params = aggregates.windows_query(aggregates.SCHEMA, queries, THRESHOLD, BAND)
         conn.execute("SET work_mem = '4MB'")
         plan = [
             line for (line,) in conn.execute(sql.SQL("EXPLAIN (ANALYZE, BUFFERS) ") + text, params).fetchall()
