@@ -178,6 +178,9 @@ def main() -> None:
         len(benign),
         args.repeat,
     )
+    assert reference is not None
+    if any(reference[payment_id] != found for payment_id, found in by_payment(benign_batched, hits).items()):
+        raise SystemExit("the benign rows alone give other hits than among every payment")
     doc["data"]["benign_payments"] = len(benign)
     doc["data"]["benign_two_party"] = sum(e.payer != e.payee for e in benign_evidence)
     doc["data"]["benign_model_alerts"] = sum(any(h.rule == "aml.model" for h in v) for v in hits)
