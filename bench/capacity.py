@@ -48,9 +48,9 @@ handing alerts and decisions to the producer) and the gate's hold (`waited_ms`);
 execution time by statement (`bench.pg_statements`: the embedded server runs with pg_stat_statements
 here), per payment decided by both.
 
-    .venv/bin/python -m bench.capacity [--rates 50,250,500,1000,2000] [--step-seconds 60] [--warm-up 15]
-        [--aml-workers 2] [--prelude-rate 500] [--prelude-seconds 30]
-        [--drain-seconds 300] [--stages-rate 1000] [--seed 5]
+    .venv/bin/python -m bench.capacity [--rates 50,150,250,350,500,1000,2000] [--step-seconds 60]
+        [--warm-up 15] [--aml-workers 2] [--prelude-rate 500] [--prelude-seconds 30]
+        [--drain-seconds 120] [--stages-rate 1000] [--seed 5]
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ from bench.common import (
 )
 
 NAME = "capacity"
-DEFAULT_RATES = (50.0, 250.0, 500.0, 1000.0, 2000.0)
+DEFAULT_RATES = (50.0, 150.0, 250.0, 350.0, 500.0, 1000.0, 2000.0)
 P99_BOUND_S = 2.0  # the latency a rate must keep to count as the system's capacity
 HELD_RATE_SHARE = 0.95  # the producer reached the rate
 BACKLOG_EDGE_S = 5.0  # seconds averaged at each end of a step for the backlog's growth
