@@ -50,6 +50,10 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
             "spark.app.name": app_name,
             "spark.ui.enabled": os.environ.get("AML_SPARK_UI", "false"),
             "spark.sql.shuffle.partitions": "2",
+            # The services' plans have no shuffle (each aggregation runs in one task: `in_one_task`), so
+            # adaptive execution has nothing to adapt; it still re-plans and reports every job, a quarter
+            # of the JVM's CPU for a micro-batch of 25 payments and a fifth for 2,000 (BENCHMARKS.md).
+            "spark.sql.adaptive.enabled": "false",
             "spark.sql.session.timeZone": "UTC",
             "spark.sql.execution.arrow.pyspark.enabled": "true",
             "spark.python.worker.reuse": "true",

@@ -1162,7 +1162,9 @@ def test_a_windows_aggregates_stay_in_memory_for_a_batch_about_a_merchant(store_
 
 def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
     """Each service's aggregation of a kept batch runs in one task: a shuffle would cost a stage, files
-    and a scheduling round per aggregation, about 100 ms per micro-batch (BENCHMARKS.md)."""
+    and a scheduling round per aggregation, about 100 ms per micro-batch (BENCHMARKS.md). With nothing to
+    adapt, the pipeline's session plans them without adaptive execution, whose re-planning and plan
+    reports cost a quarter of the JVM's CPU for a small micro-batch."""
     from aml_app.pipeline.transforms import edges, flows, in_one_task, kept, trimmed
     from aml_app.pipeline.validation import validated
     from tests.stores import records_frame
@@ -1178,8 +1180,14 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
         valid = batch.where("valid")
         for aggregated in (edges(in_one_task(valid)), flows(in_one_task(valid), THRESHOLD, BAND)):
             assert "Exchange" not in plan(aggregated), plan(aggregated)
+            assert "AdaptiveSparkPlan" not in plan(aggregated), plan(aggregated)
             assert aggregated.count() >= 1
         assert "Exchange" in plan(edges(valid))  # the check sees a shuffle where there is one
+        spark.conf.set("spark.sql.adaptive.enabled", "true")
+        try:  # and adaptive execution where it is on
+            assert "AdaptiveSparkPlan" in plan(edges(in_one_task(valid)))
+        finally:
+            spark.conf.set("spark.sql.adaptive.enabled", "false")
 
 
 def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
