@@ -19,7 +19,7 @@ run interleaved, `--block` batches each, for `--rounds` rounds; the first third 
 CPU per batch by thread kind (C2/C1 = the JIT compilers, `py4j` = the threads that run the driver's calls).
 
     .venv/bin/python -m bench.spark_batch_cost [--sizes 25,1000,20000] [--rounds 15] [--block 10]
-        [--java-options=-XX:+UseParallelGC] [--conf spark.sql.adaptive.enabled=false]
+        [--java-options=-XX:+UseParallelGC] [--conf spark.sql.adaptive.enabled=true]
 """
 
 from __future__ import annotations

@@ -1183,11 +1183,12 @@ def test_the_aggregations_of_a_batch_need_no_shuffle(spark: Any) -> None:
             assert "AdaptiveSparkPlan" not in plan(aggregated), plan(aggregated)
             assert aggregated.count() >= 1
         assert "Exchange" in plan(edges(valid))  # the check sees a shuffle where there is one
+        session_value = spark.conf.get("spark.sql.adaptive.enabled")
         spark.conf.set("spark.sql.adaptive.enabled", "true")
         try:  # and adaptive execution where it is on
             assert "AdaptiveSparkPlan" in plan(edges(in_one_task(valid)))
         finally:
-            spark.conf.set("spark.sql.adaptive.enabled", "false")
+            spark.conf.set("spark.sql.adaptive.enabled", session_value)
 
 
 def test_a_service_whose_store_is_ahead_skips_what_it_holds(spark: Any) -> None:
