@@ -60,6 +60,7 @@ import asyncio
 import bisect
 import itertools
 import json
+import os
 import re
 import statistics
 import time
@@ -104,6 +105,11 @@ BACKLOG_EVERY_S = 0.1
 NEVER = float("inf")  # the latency of a payment never decided
 PIPELINE = "pipeline (Spark: driver, JVM, Python workers)"
 PIPELINE_PARTS = ("pipeline: Python driver", "pipeline: JVM", "pipeline: Spark's Python workers")
+#: Part of "pipeline: JVM" (not added to the system's CPU again): the JIT's threads, HotSpot's compilers and
+#: its code-cache sweeper. Spark runs thousands of methods a few times per micro-batch, so at low rates
+#: they reach the compilers' thresholds over minutes, and compiling them is much of the JVM's CPU early on.
+JIT = "pipeline: JVM, of it the JIT (at least)"
+JIT_THREADS = re.compile(r"^(C[12] CompilerThre|Sweeper thread)")
 GOALS = {
     "p99_at_50_s": 1.0,
     "p99_at_1000_s": 2.0,
@@ -140,6 +146,7 @@ class Sample:
     polls: int  # the commit watch's successful polls so far
     caches: dict[str, dict[str, int]] = field(default_factory=dict)  # each API replica's answer cache
     statements: pg_statements.Counters | None = None  # PostgreSQL's time by statement so far
+    jit: dict[int, float] = field(default_factory=dict)  # CPU seconds so far of each JIT thread (`JIT`)
 
 
 @dataclass
@@ -179,6 +186,40 @@ def system_cpu(demo: Demo) -> dict[str, float]:
             parts[PIPELINE_PARTS[part]] += seconds
         used.update(parts)
     return used
+
+
+def pipeline_jvms(demo: Demo) -> set[int]:
+    """The pipeline's Spark JVMs (its driver, here)."""
+    parents, stats = proc_table()
+    pid = processes(demo).get(PIPELINE)
+    family = descendants(pid, parents) & set(stats) if pid is not None else set()
+    return {member for member in family if _comm(member) == "java"}
+
+
+def jit_threads(jvms: Iterable[int]) -> dict[int, float]:
+    """CPU seconds so far of each JIT thread of `jvms` (by thread id). HotSpot starts and stops compiler
+    threads as its queue grows and shrinks: a thread that ended between two readings takes its CPU with
+    it, so the difference of two readings over the threads of the later one is a lower bound."""
+    found = {}
+    for jvm in jvms:
+        try:
+            tasks = os.listdir(f"/proc/{jvm}/task")
+        except OSError:
+            continue  # the JVM ended
+        for task in tasks:
+            try:
+                stat = Path(f"/proc/{jvm}/task/{task}/stat").read_text()
+            except OSError:
+                continue  # the thread ended
+            if JIT_THREADS.match(stat[stat.index("(") + 1 : stat.rindex(")")]):
+                fields = stat.rsplit(")", 1)[1].split()
+                found[int(task)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
+    return found
+
+
+def jit_used(start: Sample, end: Sample) -> float:
+    """The JIT threads' CPU between two samples, at least (see `jit_threads`)."""
+    return sum(seconds - start.jit.get(task, 0.0) for task, seconds in end.jit.items())
 
 
 def _comm(pid: int) -> str:
@@ -336,6 +377,7 @@ class CapacityDemo(Demo):
     async def sample(self) -> Sample:
         at = time.time()
         cpu = await asyncio.to_thread(system_cpu, self)
+        jit = await asyncio.to_thread(lambda: jit_threads(pipeline_jvms(self)))
         workers = self.system.all_workers
         states = await asyncio.gather(*(w.state(timeout=5) for w in workers))
         metrics = await asyncio.gather(*(scrape_metrics(w.url, w.headers) for w in workers))
@@ -352,6 +394,7 @@ class CapacityDemo(Demo):
             self.system.watch.polls,
             {api.name: (h or {}).get("answer_cache") or {} for api, h in zip(apis, healths, strict=True)},
             statements,
+            jit=jit,
         )
 
     async def catch_up(self, step: Step, deadline_s: float) -> None:
@@ -678,6 +721,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
         ]
         used = {k: s1.cpu[k] - s0.cpu.get(k, 0.0) for k in s1.cpu}
         system_s = sum(v for k, v in used.items() if k != OWN)
+        used[JIT] = jit_used(s0, s1)  # a part of the JVM's, not added to the system's
         n_both = len(both) or float("nan")  # nothing decided by both: no cost per payment to give
         doc["cpu"] = {
             "seconds": round(s1.at - s0.at, 2),
