@@ -60,7 +60,6 @@ import asyncio
 import bisect
 import itertools
 import json
-import os
 import re
 import statistics
 import time
@@ -92,6 +91,7 @@ from bench.common import (
     markdown_table,
     proc_table,
     processes,
+    thread_cpu,
     workfolder,
 )
 
@@ -165,12 +165,13 @@ class Step:
     stopped_early: bool = False
 
 
-def system_cpu(demo: Demo) -> dict[str, float]:
-    """CPU seconds so far of every process of `processes`, the pipeline split into its parts; one read
-    of /proc for all."""
+def system_cpu(demo: Demo) -> tuple[dict[str, float], dict[int, float]]:
+    """CPU seconds so far of every process of `processes`, the pipeline split into its parts, and of each
+    JIT thread of the pipeline's JVM (`jit_threads`); one read of /proc for all processes."""
     table = proc_table()
     parents, stats = table
     used = {}
+    jit: dict[int, float] = {}
     for name, pid in processes(demo).items():
         if name != PIPELINE:
             used[name] = cpu_of(name, pid, table)
@@ -179,42 +180,26 @@ def system_cpu(demo: Demo) -> dict[str, float]:
         comm = {member: _comm(member) for member in family}
         jvms = {member for member in family if comm[member] == "java"}
         under_jvm = set().union(*(descendants(j, parents) for j in jvms)) - jvms if jvms else set()
+        jit = jit_threads(jvms)
         parts = dict.fromkeys(PIPELINE_PARTS, 0.0)
         for member in family:
             seconds = sum(int(stats[member][i]) for i in (11, 12, 13, 14)) / CLK_TCK
             part = 1 if member in jvms else 2 if member in under_jvm else 0
             parts[PIPELINE_PARTS[part]] += seconds
         used.update(parts)
-    return used
-
-
-def pipeline_jvms(demo: Demo) -> set[int]:
-    """The pipeline's Spark JVMs (its driver, here)."""
-    parents, stats = proc_table()
-    pid = processes(demo).get(PIPELINE)
-    family = descendants(pid, parents) & set(stats) if pid is not None else set()
-    return {member for member in family if _comm(member) == "java"}
+    return used, jit
 
 
 def jit_threads(jvms: Iterable[int]) -> dict[int, float]:
     """CPU seconds so far of each JIT thread of `jvms` (by thread id). HotSpot starts and stops compiler
     threads as its queue grows and shrinks: a thread that ended between two readings takes its CPU with
     it, so the difference of two readings over the threads of the later one is a lower bound."""
-    found = {}
-    for jvm in jvms:
-        try:
-            tasks = os.listdir(f"/proc/{jvm}/task")
-        except OSError:
-            continue  # the JVM ended
-        for task in tasks:
-            try:
-                stat = Path(f"/proc/{jvm}/task/{task}/stat").read_text()
-            except OSError:
-                continue  # the thread ended
-            if JIT_THREADS.match(stat[stat.index("(") + 1 : stat.rindex(")")]):
-                fields = stat.rsplit(")", 1)[1].split()
-                found[int(task)] = (int(fields[11]) + int(fields[12])) / CLK_TCK
-    return found
+    return {
+        task: seconds
+        for jvm in jvms
+        for task, (name, seconds) in thread_cpu(jvm).items()
+        if JIT_THREADS.match(name)
+    }
 
 
 def jit_used(start: Sample, end: Sample) -> float:
@@ -376,8 +361,7 @@ class CapacityDemo(Demo):
 
     async def sample(self) -> Sample:
         at = time.time()
-        cpu = await asyncio.to_thread(system_cpu, self)
-        jit = await asyncio.to_thread(lambda: jit_threads(pipeline_jvms(self)))
+        cpu, jit = await asyncio.to_thread(system_cpu, self)
         workers = self.system.all_workers
         states = await asyncio.gather(*(w.state(timeout=5) for w in workers))
         metrics = await asyncio.gather(*(scrape_metrics(w.url, w.headers) for w in workers))

@@ -214,6 +214,25 @@ def cpu_seconds(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
+def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """Each live thread of process `pid` by thread id: its name and user+system CPU seconds so far (none
+    for a process that has ended)."""
+    found: dict[int, tuple[str, float]] = {}
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found  # the process ended
+    for task in tasks:
+        try:
+            stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
+        except OSError:
+            continue  # the thread ended
+        fields = stat.rsplit(")", 1)[1].split()
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        found[int(task)] = (name, (int(fields[11]) + int(fields[12])) / CLK_TCK)
+    return found
+
+
 def proc_table() -> tuple[dict[int, int], dict[int, list[str]]]:
     """Every live process: its parent, and the fields of its /proc/<pid>/stat after the name."""
     parents: dict[int, int] = {}

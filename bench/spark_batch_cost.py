@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import os
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -47,7 +46,7 @@ from aml_app.pipeline.transforms import (
     trimmed,
 )
 from aml_app.pipeline.validation import validated
-from bench.common import CLK_TCK, code_version, finish, machine, markdown_table
+from bench.common import code_version, finish, machine, markdown_table, thread_cpu
 
 NAME = "spark_batch_cost"
 THRESHOLD, BAND = Decimal(10_000), Decimal("0.1")
@@ -200,15 +199,10 @@ def same_outputs(a: dict[str, BatchOutputs], b: dict[str, BatchOutputs]) -> bool
 def jvm_threads(pid: int) -> dict[str, float]:
     """CPU seconds of the JVM's threads by kind (thread names without their numbers)."""
     kinds: dict[str, float] = collections.defaultdict(float)
-    for task in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = open(f"/proc/{pid}/task/{task}/stat").read()
-        except OSError:
-            continue  # the thread ended
-        name = stat[stat.index("(") + 1 : stat.rindex(")")].rstrip("0123456789 #-")
-        fields = stat.rsplit(")", 1)[1].split()
+    for name, seconds in thread_cpu(pid).values():
+        name = name.rstrip("0123456789 #-")
         kind = {"C2 CompilerThre": "JIT C2", "C1 CompilerThre": "JIT C1", "Thread": "py4j"}.get(name, name)
-        kinds[kind] += (int(fields[11]) + int(fields[12])) / CLK_TCK
+        kinds[kind] += seconds
     return kinds
 
 
