@@ -269,26 +269,31 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # --- the query ------------------------------------------------------------------------------------
 
 # One pass per (account, at) serves all three windows, which nest: (at - 7 d, at] holds (at - 24 h, at],
-# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded). Per account and side, one index
-# range of flow rows (from the payer's side through the primary key, from the payee's side through
-# flows_by_payee): the minutes from the one that holds lo_7d to the one that holds `at`. A row is cut when
-# its payments lie on both sides of an edge (`at` or a lo_w: its first and last time tell, without reading
-# them); any other row counts whole in window w when its first payment is after lo_w and its last at or
-# before `at`. A cut row's payments are unpacked from its arrays and counted one by one. Most rows hold one
-# payment and are never cut, and a row is one minute, so the cut ones are looked up apart, in the minute of
-# each edge (the four edges are hours apart: a row is cut by one at most), and the range's rows go through
-# a plain filter: checking each row for a cut where it was read cost a quarter of the query on a store of
-# merchants that hundreds pay (BENCHMARKS.md, "Capacity"). Each range is an index scan of its own,
-# per query (LATERAL): a join of all queries at once let the planner hash whole tables on every call
-# (BENCHMARKS.md, "End to end").
+# which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded). Per account of the call and side,
+# one index range of flow rows (from the payer's side through the primary key, from the payee's side
+# through flows_by_payee), read once for every question about that account (`base`): the minutes from the
+# one that holds its earliest question's lo_7d to the one that holds its latest `at`. A detector's batch
+# asks about its busiest payees several times (on the simulator's traffic the busiest merchant holds half
+# of the query's time), and reading a range costs about two thirds of answering from it, so each range
+# is read once per call, a third less time for batches of 50 payments (BENCHMARKS.md, "Capacity"). Each
+# account's range is an index scan of its own (LATERAL): a join of all accounts at once let the planner
+# hash whole tables on every call (BENCHMARKS.md, "End to end").
+# Per question, a row of the range is cut when its payments lie on both sides of an edge (`at` or a lo_w:
+# its first and last time tell, without reading them); any other row counts whole in window w when its
+# first payment is after lo_w and its last at or before `at`, so rows of the range outside the question's
+# week count nowhere. A cut row's payments are unpacked from its arrays and counted one by one. Most rows
+# hold one payment and are never cut, and a row is one minute, so the cut ones are looked up apart, in the
+# minute of each edge (the four edges are hours apart: a row is cut by one at most), and the range's rows
+# go through a plain filter: checking each row for a cut where it was read cost a quarter of the query on
+# a store of merchants that hundreds pay.
 # Each row (or unpacked payment) counts in every window from the smallest one that holds it (`w`: 1 for
-# 1 h, 2 for 24 h, 3 for 7 d) on. Each query's answer comes from two hash aggregates over its own rows,
+# 1 h, 2 for 24 h, 3 for 7 d) on. Each question's answer comes from two hash aggregates over its own rows,
 # inside its LATERAL: per (direction, currency, w) the totals, payments and near-threshold payments,
 # added up window by window (and a direction's payments over its currencies) in Python; and per
 # counterparty the smallest window in which it was paid, paid the account, or either, counted in one
 # more aggregate: the distinct counterparties without DISTINCT aggregates (which would sort every group
-# for every window: twice the CPU). Aggregated per query, the hash tables are a few hundred entries and
-# stay in memory; the same aggregates over every query's rows at once held them all (tens of thousands
+# for every window: twice the CPU). Aggregated per question, the hash tables are a few hundred entries and
+# stay in memory; the same aggregates over every question's rows at once held them all (tens of thousands
 # for a batch about merchants), spilled them to temporary files and took 6-14 % longer on a store of the
 # simulator's traffic. A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's
 # CPU on the end-to-end benchmark's traffic, three aggregates over the rows and two over their
@@ -299,58 +304,65 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 _WINDOWS = """
 WITH q AS (
     SELECT i, account COLLATE "C" AS account, at, at - %(1h)s AS lo_1h, at - %(24h)s AS lo_24h,
-        at - %(7d)s AS lo_7d, date_bin(%(bucket)s, at - %(7d)s, 'epoch') AS first_minute,
-        date_bin(%(bucket)s, at + interval '1 microsecond', 'epoch') AS last_minute
+        at - %(7d)s AS lo_7d
     FROM unnest(%(accounts)b::text[], %(ats)b::timestamptz[]) WITH ORDINALITY AS h(account, at, i)
+), accounts AS (
+    SELECT account, date_bin(%(bucket)s, min(at) - %(7d)s, 'epoch') AS first_minute,
+        date_bin(%(bucket)s, max(at) + interval '1 microsecond', 'epoch') AS last_minute
+    FROM q GROUP BY account
 )
-SELECT q.i, a.* FROM q CROSS JOIN LATERAL (
-    WITH rows AS MATERIALIZED (
-        SELECT s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
-            CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
-        FROM (
-            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
-                f.first_ts, f.last_ts
-            FROM {flows} f
-            WHERE f.payer = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
-                AND f.payee <> q.account
-            UNION ALL
-            SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
-            FROM {flows} f
-            WHERE f.payee = q.account AND f.bucket >= q.first_minute AND f.bucket <= q.last_minute
-                AND f.payer <> q.account
-        ) s
-        WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
-            s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+SELECT a.* FROM accounts g CROSS JOIN LATERAL (
+    WITH base AS MATERIALIZED (
+        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
+            f.first_ts, f.last_ts
+        FROM {flows} f
+        WHERE f.payer = g.account AND f.bucket >= g.first_minute AND f.bucket <= g.last_minute
+            AND f.payee <> g.account
         UNION ALL
-        SELECT s.direction, s.counterparty, s.currency, 1, p.amount,
-            CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
-            CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
-        FROM unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge) CROSS JOIN LATERAL (
-            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
-            FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
-                AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
-            UNION ALL
-            SELECT 'in', f.payer, f.currency, f.times, f.amounts
-            FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
-                AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
-        ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
-        WHERE p.ts > q.lo_7d AND p.ts <= q.at
-    ), parties AS (
-        SELECT min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
-            AS received, min(w) AS seen
-        FROM rows GROUP BY counterparty
+        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
+        FROM {flows} f
+        WHERE f.payee = g.account AND f.bucket >= g.first_minute AND f.bucket <= g.last_minute
+            AND f.payer <> g.account
     )
-    SELECT 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
-        NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
-    FROM rows GROUP BY direction, currency, w
-    UNION ALL
-    SELECT 'counterparties', NULL, NULL, NULL,
-        count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2),
-        count(*) FILTER (WHERE sent <= 3), count(*) FILTER (WHERE received <= 1),
-        count(*) FILTER (WHERE received <= 2), count(*) FILTER (WHERE received <= 3),
-        count(*) FILTER (WHERE seen <= 1), count(*) FILTER (WHERE seen <= 2),
-        count(*) FILTER (WHERE seen <= 3)
-    FROM parties
+    SELECT q.i, b.* FROM q CROSS JOIN LATERAL (
+        WITH rows AS MATERIALIZED (
+            SELECT s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
+                CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
+            FROM base s
+            WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
+                s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
+                OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+            UNION ALL
+            SELECT s.direction, s.counterparty, s.currency, 1, p.amount,
+                CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
+                CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
+            FROM unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge) CROSS JOIN LATERAL (
+                SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
+                FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+                    AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+                UNION ALL
+                SELECT 'in', f.payer, f.currency, f.times, f.amounts
+                FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+                    AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+            ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
+            WHERE p.ts > q.lo_7d AND p.ts <= q.at
+        ), parties AS (
+            SELECT min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
+                AS received, min(w) AS seen
+            FROM rows GROUP BY counterparty
+        )
+        SELECT 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
+            NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
+        FROM rows GROUP BY direction, currency, w
+        UNION ALL
+        SELECT 'counterparties', NULL, NULL, NULL,
+            count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2),
+            count(*) FILTER (WHERE sent <= 3), count(*) FILTER (WHERE received <= 1),
+            count(*) FILTER (WHERE received <= 2), count(*) FILTER (WHERE received <= 3),
+            count(*) FILTER (WHERE seen <= 1), count(*) FILTER (WHERE seen <= 2),
+            count(*) FILTER (WHERE seen <= 3)
+        FROM parties
+    ) b WHERE q.account = g.account
 ) a
 """
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"

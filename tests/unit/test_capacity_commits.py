@@ -1,4 +1,5 @@
-"""The capacity benchmark dates the dependencies' commits from the pipeline's own log lines."""
+"""The capacity benchmark dates the dependencies' commits from the pipeline's own log lines, and the
+event-time gate's floor from them and the payments' times."""
 
 from __future__ import annotations
 
@@ -6,8 +7,10 @@ import logging
 
 import pytest
 
+from aml_app.harness.verdict import Sent
+from aml_app.harness.verify import CommitTimeline
 from aml_app.pipeline.jobs import BATCH_LOG
-from bench.capacity import batch_lines, pipeline_commits
+from bench.capacity import batch_lines, event_time_covered, pipeline_commits
 
 #: The pipeline's log format (`aml_app.pipeline.runner`).
 FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
@@ -64,3 +67,30 @@ def test_a_commit_is_dated_at_the_start_of_its_call_and_covers_what_it_committed
     assert timeline.covered_at("relations-group", 0, 5) == pytest.approx(100.696, abs=0.0011)
     assert timeline.opened_at(groups.values(), 0, 9) is None  # nobody committed past it
     assert timeline.opened_at(groups.values(), 1, 0) is None  # a partition nobody committed
+
+
+def test_the_event_time_floor_waits_for_every_partitions_payments_up_to_the_payments_time() -> None:
+    at = "2026-11-30T10:00:{:02d}Z".format
+    valid = {
+        (0, 5): Sent("a", "x", "y", at(10)),
+        (0, 6): Sent("b", "x", "y", at(20)),
+        (1, 2): Sent("c", "x", "y", at(5)),
+        (1, 3): Sent("d", "x", "y", at(10)),  # the same instant as (0, 5): waited for
+        (1, 4): Sent("e", "x", "y", at(15)),
+        (1, 7): Sent("f", "x", "y", at(8)),  # reached the broker late: its time still counts
+        (2, 0): Sent("g", "x", "y", at(30)),  # a partition with nothing up to (0, 5)'s time
+    }
+    timeline = CommitTimeline()
+    for group in ("b", "c"):
+        timeline.record(group, 0, 7, at=100.0)
+        timeline.record(group, 1, 5, at=100.5)
+        timeline.record(group, 2, 1, at=99.0)
+    timeline.record("b", 1, 8, at=101.0)
+    covered = event_time_covered(valid, timeline, ["b", "c"])
+    # Its own commit came at 100.0; (1, 7) at or before its time is not covered by both groups yet.
+    assert timeline.opened_at(["b", "c"], 0, 5) == 100.0
+    assert covered(0, 5) is None
+    timeline.record("c", 1, 8, at=101.2)
+    assert covered(0, 5) == 101.2
+    assert covered(1, 2) == 100.5  # nothing of partition 0 is as early, (1, 2) itself at 100.5
+    assert covered(2, 0) == 101.2  # its own commit at 99.0, every partition's payments up to 10:00:30
