@@ -47,6 +47,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.pipeline_throughput
 	$(BIN)/python -m bench.spark_batch_cost
 	$(BIN)/python -m bench.api_latency
+	$(BIN)/python -m bench.window_query
 	$(BIN)/python -m bench.end_to_end
 	$(BIN)/python -m bench.gate_matters
 	$(BIN)/python -m bench.partition_skew

@@ -508,35 +508,60 @@ def pipeline_commits(lines: Sequence[Mapping[str, Any]], group_of: Mapping[str, 
 
 
 def event_time_covered(
-    valid: Mapping[tuple[int, int], Sent], timeline: CommitTimeline, groups: Iterable[str]
+    valid: Mapping[tuple[int, int], Sent],
+    sent_at: Mapping[str, float],
+    timeline: CommitTimeline,
+    groups: Iterable[str],
 ) -> Callable[[int, int], float | None]:
     """The floor of the event-time gate (`aml_app.gate.event_time`, no allowed lateness): for payment
     (p, o) with event time t, the instant both groups' commits covered every valid payment of every
-    partition timestamped at or before t (its own among them); None while some is not covered.
+    partition that was sent no later than it (in its burst or before) and is timestamped at or before
+    t; None while one is not covered.
 
     The per-partition floor (`CommitTimeline.opened_at`) covers the payment alone. The event-time gate
-    also waits for the payments of other partitions up to its time, which a micro-batch that ended
-    before they reached the broker leaves to the next one: that wait is the guarantee's, and measured
-    from this floor the gate's share is its own mechanics (refresh, changelog, evidence)."""
+    also waits for the payments of other partitions up to its time that reached the log before it,
+    which a micro-batch that ended before they reached the broker leaves to the next one: that wait is
+    the guarantee's, and measured from this floor the gate's share is its own mechanics (refresh,
+    changelog, evidence). A payment sent later with an earlier time (each step of a run starts its
+    event time again) is late: the gate does not wait for it, nor does this floor."""
     groups = tuple(groups)
-    by_partition: dict[int, list[tuple[int, int]]] = {}
+    by_partition: dict[int, list[tuple[int, float, int]]] = {}
     for (p, o), sent in valid.items():
-        by_partition.setdefault(p, []).append((micros(sent.ts), o))
-    # Per partition, times in order with the highest offset holding a time at or before each.
-    times: dict[int, list[int]] = {}
-    highest: dict[int, list[int]] = {}
+        by_partition.setdefault(p, []).append((o, sent_at[sent.payment_id], micros(sent.ts)))
+    # Per partition in offset order (the order it was sent in): send times, and runs of offsets whose
+    # event times do not go back, each with its times, for a bisection.
+    sends: dict[int, list[float]] = {}
+    offsets: dict[int, list[int]] = {}
+    runs: dict[int, list[tuple[int, list[int]]]] = {}  # (index of the run's first payment, its times)
     for p, rows in by_partition.items():
         rows.sort()
-        times[p] = [t for t, _ in rows]
-        highest[p] = list(itertools.accumulate((o for _, o in rows), max))
+        offsets[p] = [o for o, _, _ in rows]
+        sends[p] = list(itertools.accumulate((at for _, at, _ in rows), max))
+        mine: list[tuple[int, list[int]]] = []
+        for i, (_, _, t) in enumerate(rows):
+            if not mine or t < mine[-1][1][-1]:
+                mine.append((i, []))
+            mine[-1][1].append(t)
+        runs[p] = mine
+
+    def last_at_or_before(p: int, sent: float, t: int) -> int | None:
+        """The highest offset of partition p sent by `sent` and timestamped at or before t."""
+        end = bisect.bisect_right(sends[p], sent)  # payments [0, end) were sent by then
+        for first, times in reversed(runs[p]):
+            if first >= end:
+                continue
+            i = bisect.bisect_right(times, t, 0, min(len(times), end - first))
+            if i:
+                return offsets[p][first + i - 1]
+        return None
 
     def covered(partition: int, offset: int) -> float | None:
-        t = micros(valid[(partition, offset)].ts)
-        instants = []
-        for p in times:
-            i = bisect.bisect_right(times[p], t)
-            if i:
-                instants.append(timeline.opened_at(groups, p, highest[p][i - 1]))
+        sent = valid[(partition, offset)]
+        t, at = micros(sent.ts), sent_at[sent.payment_id]
+        instants = [timeline.opened_at(groups, partition, offset)]
+        for p in offsets:
+            if (o := last_at_or_before(p, at, t)) is not None:
+                instants.append(timeline.opened_at(groups, p, o))
         return None if any(c is None for c in instants) else max(c for c in instants if c is not None)
 
     return covered
@@ -650,7 +675,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
     log_path = system.pipeline.log_path
     lines = batch_lines(log_path.read_text(errors="replace") if log_path.exists() else "")
     commits = pipeline_commits(lines, {svc: registry.service(svc).group(settings) for svc in registry.NAMES})
-    cover_in_event_time = event_time_covered(ledger.valid, commits, groups)
+    cover_in_event_time = event_time_covered(ledger.valid, ledger.sent_at, commits, groups)
     out = []
     for step in demo.steps:
         if step.first_sent is None or step.last_sent is None or set(step.samples) != {"start", "end"}:

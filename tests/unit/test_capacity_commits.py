@@ -77,20 +77,24 @@ def test_the_event_time_floor_waits_for_every_partitions_payments_up_to_the_paym
         (1, 2): Sent("c", "x", "y", at(5)),
         (1, 3): Sent("d", "x", "y", at(10)),  # the same instant as (0, 5): waited for
         (1, 4): Sent("e", "x", "y", at(15)),
-        (1, 7): Sent("f", "x", "y", at(8)),  # reached the broker late: its time still counts
+        (1, 7): Sent("f", "x", "y", at(8)),  # later in the log with an earlier time, sent in (0, 5)'s burst
+        (1, 9): Sent("h", "x", "y", at(1)),  # sent after (0, 5) with an earlier time: late, not waited for
         (2, 0): Sent("g", "x", "y", at(30)),  # a partition with nothing up to (0, 5)'s time
     }
+    sent_at = {"a": 50.0, "b": 51.0, "c": 49.0, "d": 50.0, "e": 50.0, "f": 50.0, "h": 60.0, "g": 52.0}
     timeline = CommitTimeline()
     for group in ("b", "c"):
         timeline.record(group, 0, 7, at=100.0)
         timeline.record(group, 1, 5, at=100.5)
         timeline.record(group, 2, 1, at=99.0)
     timeline.record("b", 1, 8, at=101.0)
-    covered = event_time_covered(valid, timeline, ["b", "c"])
-    # Its own commit came at 100.0; (1, 7) at or before its time is not covered by both groups yet.
+    covered = event_time_covered(valid, sent_at, timeline, ["b", "c"])
+    # Its own commit came at 100.0; (1, 7), sent with it and at or before its time, is not covered by
+    # both groups yet.
     assert timeline.opened_at(["b", "c"], 0, 5) == 100.0
     assert covered(0, 5) is None
     timeline.record("c", 1, 8, at=101.2)
-    assert covered(0, 5) == 101.2
+    assert covered(0, 5) == 101.2  # (1, 9), uncovered, came too late to count
     assert covered(1, 2) == 100.5  # nothing of partition 0 is as early, (1, 2) itself at 100.5
-    assert covered(2, 0) == 101.2  # its own commit at 99.0, every partition's payments up to 10:00:30
+    assert covered(2, 0) == 101.2  # its own commit at 99.0, (1, 7) and (0, 6) before it
+    assert covered(1, 9) is None  # itself not covered
