@@ -275,9 +275,9 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # one that holds its earliest question's lo_7d to the one that holds its latest `at`. A detector's batch
 # asks about its busiest payees several times (on the simulator's traffic the busiest merchant holds half
 # of the query's time), and reading a range costs about two thirds of answering from it, so each range
-# is read once per call, a third less time for batches of 50 payments (BENCHMARKS.md, "Capacity"). Each
-# account's range is an index scan of its own (LATERAL): a join of all accounts at once let the planner
-# hash whole tables on every call (BENCHMARKS.md, "End to end").
+# is read once per call: a quarter to a third less time for batches of 50 to 100 payments (BENCHMARKS.md,
+# "C's window query alone"). Each account's range is an index scan of its own (LATERAL): a join of all
+# accounts at once let the planner hash whole tables on every call (BENCHMARKS.md, "End to end").
 # Per question, a row of the range is cut when its payments lie on both sides of an edge (`at` or a lo_w:
 # its first and last time tell, without reading them); any other row counts whole in window w when its
 # first payment is after lo_w and its last at or before `at`, so rows of the range outside the question's
