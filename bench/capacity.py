@@ -28,9 +28,9 @@ Per rate, over the payments sent after the warm-up:
   demo's commit watch (polled every 50 ms, dated at the poll before the one that saw a commit, so
   overstated by up to one poll interval) is given beside it, and the premature decisions are counted
   against both. For AML's event-time gate the share is also given from that gate's own floor
-  (`event_time_covered`): the instant both groups had committed every payment of every partition up to
-  the payment's event time, which comes later than the payment's own commit when a micro-batch ended
-  before some of them reached the broker;
+  (`event_time_covered`): the instant both groups had committed every payment of every partition sent
+  by then and timestamped up to the payment's event time, which comes later than the payment's own
+  commit when a micro-batch ended before some of them reached the broker;
 - the pipeline's commit latency: that instant minus the send time;
 - every payment of the step decided by both services at the end of the run, 0 premature decisions
   (`aml_app.harness.verify.premature`, as the demo checks) and 0 freshness violations;
