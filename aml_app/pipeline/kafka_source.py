@@ -31,6 +31,7 @@ Offsets mean something only within one log (`aml_app.kafka.identity`): the plann
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -69,6 +70,11 @@ READ_STALL_TIMEOUT = 60.0
 #: The planner asks which log the topic is at most this often (seconds): a topic deleted and created again
 #: is noticed within about this long, at the price of one admin request per interval.
 LOG_CHECK_INTERVAL = 10.0
+#: A plan whose reading of the log ends takes longer (seconds) is logged with where its time went: under
+#: overload on the embedded broker the planner has stood still for minutes, inside these reads.
+SLOW_PLAN = 2.0
+
+log = logging.getLogger(__name__)
 
 
 class SourceConfigError(ValueError):
@@ -429,13 +435,35 @@ class KafkaStreamReader(DataSourceStreamReader):
         and librdkafka can crash the process when that topic is deleted and created again (same name,
         new topic id: confluentinc/librdkafka#4964; measured here in 1 of about 8 runs of the planner's
         test). The fresh probe costs about 13 ms more per plan (median 17 ms against 4 on the embedded
-        broker)."""
+        broker). A reading slower than SLOW_PLAN is logged with its parts."""
+        started = self.clock()
         probe = probe_consumer(self.config)
         try:
             marks = topic_watermarks(self.config, self.topic, probe)
-            return marks, log_ends(probe, self.topic, marks)
+            listed = self.clock()
+            fetched = fetched_high_watermarks(
+                probe, self.topic, {p: high for p, (_low, high) in marks.items()}
+            )
         finally:
             probe.close()
+        done = self.clock()
+        if done - started > SLOW_PLAN:
+            unreached = sorted(set(marks) - set(fetched))
+            # Spark's source runner sets up no logging: Python's last-resort handler prints the message
+            # alone to the pipeline's log, so it says when.
+            log.warning(
+                "the source's planner at %s UTC: reading the log ends of %s took %.1f s: the partitions "
+                "and their ListOffsets %.1f s, the fetch probe %.1f s%s",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                self.topic,
+                done - started,
+                listed - started,
+                done - listed,
+                f" (no fetch answer for partitions {unreached}: ListOffsets' ends taken)"
+                if unreached
+                else "",
+            )
+        return marks, {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
 
     def check_log(self, now: bool = False) -> None:
         """Raise LogChanged if the topic is no longer log `self.log` (see the class docstring); asks the

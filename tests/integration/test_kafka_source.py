@@ -24,6 +24,7 @@ from confluent_kafka.admin import AdminClient, NewTopic
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadMaxRows
 
 from aml_app.kafka.broker import EmbeddedBroker
+from aml_app.pipeline import kafka_source
 from aml_app.pipeline.kafka_source import (
     LATEST_TIMESTAMP_MS,
     KafkaStreamReader,
@@ -345,6 +346,32 @@ def test_latest_offset_stays_fast_with_a_probe_per_plan(broker: EmbeddedBroker) 
             assert sum(end[p] - start[p] for p in end) == 1000
             start = end
         assert sorted(took)[2] < 0.5, f"latestOffset took {[round(t, 3) for t in took]} s"
+
+
+def test_a_slow_plan_says_where_its_time_went(
+    broker: EmbeddedBroker, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Under overload on the embedded broker the planner has stood still for minutes inside its reads
+    # of the log ends; a plan slower than SLOW_PLAN names its parts and the partitions the fetch probe
+    # did not reach (their ends then come from ListOffsets alone).
+    topic = new_topic(broker.bootstrap, 3)
+    produce(broker.bootstrap, topic, {0: 50, 1: 5, 2: 5})
+    real_fetch = kafka_source.fetched_high_watermarks
+
+    def partition_0_only(consumer: object, topic: str, starts: dict[int, int]) -> dict[int, int]:
+        return {p: end for p, end in real_fetch(consumer, topic, starts).items() if p == 0}
+
+    monkeypatch.setattr(kafka_source, "fetched_high_watermarks", partition_0_only)
+    with stream_reader(options(broker.bootstrap, topic)) as reader:
+        start = reader.initialOffset()
+        ticks = iter(range(0, 1000, 2))  # each reading of the planner's clock 2 s after the last
+        reader.clock = lambda: float(next(ticks))  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="aml_app.pipeline.kafka_source"):
+            end = reader.latestOffset(start, ReadAllAvailable())
+    assert end["0"] == 50
+    [line] = [r.getMessage() for r in caplog.records if "reading the log ends" in r.getMessage()]
+    assert re.search(rf"of {topic} took 4\.0 s: .* ListOffsets 2\.0 s, the fetch probe 2\.0 s", line), line
+    assert "no fetch answer for partitions [1, 2]" in line
 
 
 def test_latest_offset_respects_read_max_rows(broker: EmbeddedBroker) -> None:
