@@ -205,13 +205,18 @@ async def read_decisions(
         await consumer.stop()
 
 
+def stat_cpu(stat: str) -> float:
+    """User+system CPU seconds in the text of a /proc/<pid>/stat or /proc/<pid>/task/<tid>/stat."""
+    fields = stat.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
 def cpu_seconds(pid: int) -> float | None:
     """User+system CPU of a process (not its children), or None when it is gone."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return stat_cpu(Path(f"/proc/{pid}/stat").read_text())
     except OSError:
         return None
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
@@ -227,9 +232,7 @@ def thread_cpu(pid: int) -> dict[int, tuple[str, float]]:
             stat = Path(f"/proc/{pid}/task/{task}/stat").read_text()
         except OSError:
             continue  # the thread ended
-        fields = stat.rsplit(")", 1)[1].split()
-        name = stat[stat.index("(") + 1 : stat.rindex(")")]
-        found[int(task)] = (name, (int(fields[11]) + int(fields[12])) / CLK_TCK)
+        found[int(task)] = (stat[stat.index("(") + 1 : stat.rindex(")")], stat_cpu(stat))
     return found
 
 

@@ -199,7 +199,7 @@ def fetched_high_watermarks(
     (Tansu, our embedded broker, does: 1 for a 1000-record batch), which would leave a batch's tail unread
     until the next write. A fetch response always carries the real high watermark, so the planner takes the
     larger of the two. The fetch is bounded to one small batch per partition; callers start it at the
-    ListOffsets answer (`log_ends`): Kafka then answers at once with the end of the partition, and a
+    ListOffsets answer (`probed_ends`): Kafka then answers at once with the end of the partition, and a
     lagging answer costs a fetch of the last batch only. A fetch deep in the log took Tansu about 40 ms
     per partition, one partition after the other (90-120 ms for four, against 2-23 ms at the listed end:
     measured), and the planner asks once per micro-batch, before any of its work.
@@ -225,11 +225,15 @@ def fetched_high_watermarks(
     return ends
 
 
-def log_ends(probe: Any, topic: str, marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
-    """Each partition's log end: the larger of ListOffsets' answer (`marks`, from `topic_watermarks`) and
-    the high watermark of a fetch started there (`fetched_high_watermarks`), with a `probe_consumer`."""
-    fetched = fetched_high_watermarks(probe, topic, {p: high for p, (_low, high) in marks.items()})
-    return {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
+def probed_ends(probe: Any, topic: str, marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
+    """The high watermarks of fetches started at ListOffsets' answers (`marks`, from `topic_watermarks`),
+    with a `probe_consumer` (`fetched_high_watermarks`): for the partitions the probe reached."""
+    return fetched_high_watermarks(probe, topic, {p: high for p, (_low, high) in marks.items()})
+
+
+def log_ends(marks: Mapping[int, tuple[int, int]], probed: Mapping[int, int]) -> dict[int, int]:
+    """Each partition's log end: the larger of ListOffsets' answer (`marks`) and the probe's (`probed`)."""
+    return {p: max(high, probed.get(p, high)) for p, (_low, high) in marks.items()}
 
 
 def probe_consumer(config: Mapping[str, Any]) -> Any:
@@ -260,7 +264,7 @@ def log_bounds(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, in
     probe = probe_consumer(config)
     try:
         marks = topic_watermarks(config, topic, probe)
-        ends = log_ends(probe, topic, marks)
+        ends = log_ends(marks, probed_ends(probe, topic, marks))
         return {p: (low, ends[p]) for p, (low, _high) in marks.items()}
     finally:
         probe.close()
@@ -441,9 +445,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         try:
             marks = topic_watermarks(self.config, self.topic, probe)
             listed = self.clock()
-            fetched = fetched_high_watermarks(
-                probe, self.topic, {p: high for p, (_low, high) in marks.items()}
-            )
+            fetched = probed_ends(probe, self.topic, marks)
         finally:
             probe.close()
         done = self.clock()
@@ -463,7 +465,7 @@ class KafkaStreamReader(DataSourceStreamReader):
                 if unreached
                 else "",
             )
-        return marks, {p: max(high, fetched.get(p, high)) for p, (_low, high) in marks.items()}
+        return marks, log_ends(marks, fetched)
 
     def check_log(self, now: bool = False) -> None:
         """Raise LogChanged if the topic is no longer log `self.log` (see the class docstring); asks the
