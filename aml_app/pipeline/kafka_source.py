@@ -196,39 +196,50 @@ def fetched_high_watermarks(
 
     ListOffsets (what `get_watermark_offsets` asks) is the usual way, and on Apache Kafka both agree. Some
     Kafka-compatible brokers answer ListOffsets with the base offset of the last record batch instead
-    (Tansu, our embedded broker, does: 1 for a 1000-record batch), which would leave a batch's tail unread
-    until the next write. A fetch response always carries the real high watermark, so the planner takes the
-    larger of the two. The fetch is bounded to one small batch per partition; callers start it at the
-    ListOffsets answer (`probed_ends`): Kafka then answers at once with the end of the partition, and a
-    lagging answer costs a fetch of the last batch only. A fetch deep in the log took Tansu about 40 ms
-    per partition, one partition after the other (90-120 ms for four, against 2-23 ms at the listed end:
-    measured), and the planner asks once per micro-batch, before any of its work.
+    (Tansu, our embedded broker, does: 1 for a 1000-record batch, and under a steady write it can stand
+    thousands of records behind), which would leave a batch's tail unread until the next write. A fetch
+    response always carries the real high watermark, so the planner takes the larger of the two.
+
+    The answer is librdkafka's cache of each partition's high watermark, which every fetch response sets
+    for all the partitions it covers (one request covers every partition a broker leads) and which a
+    fresh consumer holds empty (-1001) until then; the records themselves are never read. Reading them
+    instead took up to `timeout` under a steady write: the queue hands out one partition's records after
+    another, and a probe that started deep in one partition's log reached the next partition's first
+    record only after that backlog (10 s with no answer for one partition of four at 2,000 records/s:
+    `bench/probe_answers.py`). The fetch is bounded to one small batch per partition, and callers start
+    it where the end can be no earlier (`probed_ends`), so Kafka answers at once.
     """
-    from confluent_kafka import KafkaError, TopicPartition
+    from confluent_kafka import TopicPartition
 
     consumer.assign([TopicPartition(topic, p, o) for p, o in starts.items()])
     ends: dict[int, int] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(ends) < len(starts) and time.monotonic() < deadline:
-            for message in consumer.consume(num_messages=len(starts), timeout=0.1):
-                p = message.partition()
-                error = message.error()
-                if error is not None and error.code() == KafkaError._PARTITION_EOF:
-                    ends[p] = message.offset()
-                elif error is None:
+        while True:
+            for p in starts:
+                if p not in ends:
                     _low, high = consumer.get_watermark_offsets(TopicPartition(topic, p), cached=True)
                     if high >= 0:
                         ends[p] = high
+            if len(ends) == len(starts) or time.monotonic() >= deadline:
+                return ends
+            # Waits for the next fetch response (its records and end-of-partition events are dropped).
+            consumer.consume(num_messages=1000, timeout=0.01)
     finally:
         consumer.unassign()
-    return ends
 
 
-def probed_ends(probe: Any, topic: str, marks: Mapping[int, tuple[int, int]]) -> dict[int, int]:
-    """The high watermarks of fetches started at ListOffsets' answers (`marks`, from `topic_watermarks`),
-    with a `probe_consumer` (`fetched_high_watermarks`): for the partitions the probe reached."""
-    return fetched_high_watermarks(probe, topic, {p: high for p, (_low, high) in marks.items()})
+def probed_ends(
+    probe: Any, topic: str, marks: Mapping[int, tuple[int, int]], floors: Mapping[int, int] | None = None
+) -> dict[int, int]:
+    """The high watermarks of fetches with a `probe_consumer` (`fetched_high_watermarks`), for the
+    partitions the probe reached. Each fetch starts at ListOffsets' answer (`marks`, from
+    `topic_watermarks`) or at `floors` (an offset the log is known to reach: where the query stands),
+    whichever is later, so the broker answers with at most the records written since."""
+    floors = floors or {}
+    return fetched_high_watermarks(
+        probe, topic, {p: max(high, floors.get(p, high)) for p, (_low, high) in marks.items()}
+    )
 
 
 def log_ends(marks: Mapping[int, tuple[int, int]], probed: Mapping[int, int]) -> dict[int, int]:
@@ -433,19 +444,22 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.source_header = options.get("sourceHeader") or None
         self._log_checked_at: float | None = None
 
-    def bounds(self) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-        """The topic's watermarks and its log ends as fetches report them, read with a probe made for
-        this plan alone. A probe kept across plans would hold the topic in librdkafka's metadata cache,
-        and librdkafka can crash the process when that topic is deleted and created again (same name,
-        new topic id: confluentinc/librdkafka#4964; measured here in 1 of about 8 runs of the planner's
-        test). The fresh probe costs about 13 ms more per plan (median 17 ms against 4 on the embedded
-        broker). A reading slower than SLOW_PLAN is logged with its parts."""
+    def bounds(
+        self, floors: Mapping[int, int] | None = None
+    ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
+        """The topic's watermarks and its log ends as fetches report them (the probe's fetches start no
+        earlier than `floors`, where the query stands), read with a probe made for this plan alone. A
+        probe kept across plans would hold the topic in librdkafka's metadata cache, and librdkafka can
+        crash the process when that topic is deleted and created again (same name, new topic id:
+        confluentinc/librdkafka#4964; measured here in 1 of about 8 runs of the planner's test). The
+        fresh probe costs about 13 ms more per plan (median 17 ms against 4 on the embedded broker). A
+        reading slower than SLOW_PLAN is logged with its parts."""
         started = self.clock()
         probe = probe_consumer(self.config)
         try:
             marks = topic_watermarks(self.config, self.topic, probe)
             listed = self.clock()
-            fetched = probed_ends(probe, self.topic, marks)
+            fetched = probed_ends(probe, self.topic, marks, floors)
         finally:
             probe.close()
         done = self.clock()
@@ -498,8 +512,8 @@ class KafkaStreamReader(DataSourceStreamReader):
         return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
 
     def latestOffset(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
-        marks, ends = self.bounds()
         begin = from_spark(start)
+        marks, ends = self.bounds(begin)
         for p, (low, _high) in marks.items():
             begin.setdefault(p, low)  # a partition added since the last batch starts at its log start
         self.check_log(now=any(ends.get(p, -1) < o for p, o in begin.items()))

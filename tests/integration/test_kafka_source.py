@@ -330,6 +330,26 @@ def test_latest_offset_reaches_the_true_end_of_big_batches(broker: EmbeddedBroke
         }
 
 
+def test_the_planners_probe_starts_where_the_query_stands(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ListOffsets says 1 for a 1000-record batch: a probe started there fetches the whole batch again at
+    # every plan, while the log can end no earlier than where the query stands.
+    topic = new_topic(broker.bootstrap, 2)
+    produce(broker.bootstrap, topic, {0: 1000, 1: 10})
+    real_fetch = kafka_source.fetched_high_watermarks
+    started: list[dict[int, int]] = []
+
+    def recorded(consumer: object, topic: str, starts: dict[int, int]) -> dict[int, int]:
+        started.append(dict(starts))
+        return real_fetch(consumer, topic, starts)
+
+    monkeypatch.setattr(kafka_source, "fetched_high_watermarks", recorded)
+    with stream_reader(options(broker.bootstrap, topic)) as reader:
+        assert reader.latestOffset({"0": 600, "1": 10}, ReadAllAvailable()) == {"0": 1000, "1": 10}
+    assert started == [{0: 600, 1: 10}]
+
+
 def test_latest_offset_stays_fast_with_a_probe_per_plan(broker: EmbeddedBroker) -> None:
     # Each plan probes the partitions it will read with a consumer of its own (one kept across plans
     # can crash librdkafka when the topic is created again). Without a short fetch.queue.backoff.ms,
