@@ -165,24 +165,33 @@ def _consumer(config: Mapping[str, Any]) -> Any:
     )
 
 
-def topic_watermarks(config: Mapping[str, Any], topic: str, client: Any = None) -> dict[int, tuple[int, int]]:
-    """(low, high) watermarks of every partition the topic has now (new partitions included).
+def topic_partitions(consumer: Any, topic: str) -> list[int]:
+    """Every partition the topic has now (new partitions included), from the cluster's metadata."""
+    metadata = consumer.list_topics(topic, timeout=METADATA_TIMEOUT)
+    described = metadata.topics.get(topic)
+    if described is None or described.error is not None or not described.partitions:
+        reason = described.error if described is not None else "no such topic"
+        raise RuntimeError(f"cannot read the partitions of topic {topic!r}: {reason}")
+    return sorted(described.partitions)
 
-    Uses `client` (a consumer) when given, else a short-lived one: the planner keeps one across batches,
-    since connecting costs more than the requests.
+
+def topic_watermarks(
+    config: Mapping[str, Any], topic: str, client: Any = None, partitions: Sequence[int] | None = None
+) -> dict[int, tuple[int, int]]:
+    """(low, high) watermarks by ListOffsets of `partitions` (default: every partition the topic has now).
+
+    Uses `client` (a consumer) when given, else a short-lived one. On the embedded broker a ListOffsets
+    costs about 1.6 µs of its CPU per record batch the partition holds, and librdkafka asks twice per
+    partition (low and high), so the planner asks only about partitions it knows nothing of.
     """
     from confluent_kafka import TopicPartition
 
     consumer = client or _consumer(config)
     try:
-        metadata = consumer.list_topics(topic, timeout=METADATA_TIMEOUT)
-        described = metadata.topics.get(topic)
-        if described is None or described.error is not None or not described.partitions:
-            reason = described.error if described is not None else "no such topic"
-            raise RuntimeError(f"cannot read the partitions of topic {topic!r}: {reason}")
+        asked = topic_partitions(consumer, topic) if partitions is None else partitions
         return {
             p: consumer.get_watermark_offsets(TopicPartition(topic, p), timeout=METADATA_TIMEOUT)
-            for p in sorted(described.partitions)
+            for p in asked
         }
     finally:
         if client is None:
@@ -196,9 +205,9 @@ def fetched_high_watermarks(
 
     ListOffsets (what `get_watermark_offsets` asks) is the usual way, and on Apache Kafka both agree. Some
     Kafka-compatible brokers answer ListOffsets with the base offset of the last record batch instead
-    (Tansu, our embedded broker, does: 1 for a 1000-record batch, and under a steady write it can stand
-    thousands of records behind), which would leave a batch's tail unread until the next write. A fetch
-    response always carries the real high watermark, so the planner takes the larger of the two.
+    (Tansu, our embedded broker, does: 1 for a 1000-record batch), which would leave a batch's tail unread
+    until the next write. A fetch response always carries the real high watermark; where ListOffsets was
+    asked too, the planner takes the larger of the two (`log_ends`).
 
     The answer is librdkafka's cache of each partition's high watermark, which every fetch response sets
     for all the partitions it covers (one request covers every partition a broker leads) and which a
@@ -207,7 +216,7 @@ def fetched_high_watermarks(
     another, and a probe that started deep in one partition's log reached the next partition's first
     record only after that backlog (10 s with no answer for one partition of four at 2,000 records/s:
     `bench/probe_answers.py`). The fetch is bounded to one small batch per partition, and callers start
-    it where the end can be no earlier (`probed_ends`), so Kafka answers at once.
+    it where the end can be no earlier (`probe_starts`), so Kafka answers at once.
     """
     from confluent_kafka import TopicPartition
 
@@ -229,22 +238,18 @@ def fetched_high_watermarks(
         consumer.unassign()
 
 
-def probed_ends(
-    probe: Any, topic: str, marks: Mapping[int, tuple[int, int]], floors: Mapping[int, int] | None = None
+def probe_starts(
+    partitions: Sequence[int], marks: Mapping[int, tuple[int, int]], floors: Mapping[int, int]
 ) -> dict[int, int]:
-    """The high watermarks of fetches with a `probe_consumer` (`fetched_high_watermarks`), for the
-    partitions the probe reached. Each fetch starts at ListOffsets' answer (`marks`, from
-    `topic_watermarks`) or at `floors` (an offset the log is known to reach: where the query stands),
-    whichever is later, so the broker answers with at most the records written since."""
-    floors = floors or {}
-    return fetched_high_watermarks(
-        probe, topic, {p: max(high, floors.get(p, high)) for p, (_low, high) in marks.items()}
-    )
+    """Where the fetch probe starts on each partition: where the log can end no earlier, the later of
+    ListOffsets' answer (`marks`, where asked) and `floors` (where the query stands, where known)."""
+    return {p: max(marks[p][1] if p in marks else 0, floors.get(p, 0)) for p in partitions}
 
 
 def log_ends(marks: Mapping[int, tuple[int, int]], probed: Mapping[int, int]) -> dict[int, int]:
-    """Each partition's log end: the larger of ListOffsets' answer (`marks`) and the probe's (`probed`)."""
-    return {p: max(high, probed.get(p, high)) for p, (_low, high) in marks.items()}
+    """Each partition's log end: the larger of ListOffsets' answer (`marks`, where asked) and the probe's
+    (`probed`, where it answered)."""
+    return {p: max(marks[p][1] if p in marks else -1, probed.get(p, -1)) for p in sorted({*marks, *probed})}
 
 
 def probe_consumer(config: Mapping[str, Any]) -> Any:
@@ -275,7 +280,7 @@ def log_bounds(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, in
     probe = probe_consumer(config)
     try:
         marks = topic_watermarks(config, topic, probe)
-        ends = log_ends(marks, probed_ends(probe, topic, marks))
+        ends = log_ends(marks, fetched_high_watermarks(probe, topic, probe_starts(list(marks), marks, {})))
         return {p: (low, ends[p]) for p, (low, _high) in marks.items()}
     finally:
         probe.close()
@@ -447,35 +452,47 @@ class KafkaStreamReader(DataSourceStreamReader):
     def bounds(
         self, floors: Mapping[int, int] | None = None
     ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
-        """The topic's watermarks and its log ends as fetches report them (the probe's fetches start no
-        earlier than `floors`, where the query stands), read with a probe made for this plan alone. A
-        probe kept across plans would hold the topic in librdkafka's metadata cache, and librdkafka can
-        crash the process when that topic is deleted and created again (same name, new topic id:
-        confluentinc/librdkafka#4964; measured here in 1 of about 8 runs of the planner's test). The
-        fresh probe costs about 13 ms more per plan (median 17 ms against 4 on the embedded broker). A
-        reading slower than SLOW_PLAN is logged with its parts."""
+        """ListOffsets' (low, high) of the partitions not in `floors`, and every partition's log end as
+        fetches report it, read with a probe made for this plan alone.
+
+        `floors` is where the query stands: the log reaches at least there, so the probe starts there and
+        those partitions need no ListOffsets, whose cost on the embedded broker grows with the partition
+        (a reading took 4 ms of broker CPU against 26 with every partition listed, at 2,500 record
+        batches a partition: `bench/probe_answers.py`). A partition the probe does not reach is listed
+        after all. A probe kept across plans would hold the topic in librdkafka's metadata cache, and
+        librdkafka can crash the process when that topic is deleted and created again (same name, new
+        topic id: confluentinc/librdkafka#4964; measured here in 1 of about 8 runs of the planner's
+        test). The fresh probe costs about 13 ms more per plan (median 17 ms against 4 on the embedded
+        broker). A reading slower than SLOW_PLAN is logged with its parts."""
+        floors = floors or {}
         started = self.clock()
         probe = probe_consumer(self.config)
         try:
-            marks = topic_watermarks(self.config, self.topic, probe)
+            partitions = topic_partitions(probe, self.topic)
+            unknown = [p for p in partitions if p not in floors]
+            marks = topic_watermarks(self.config, self.topic, probe, unknown) if unknown else {}
             listed = self.clock()
-            fetched = probed_ends(probe, self.topic, marks, floors)
+            fetched = fetched_high_watermarks(probe, self.topic, probe_starts(partitions, marks, floors))
+            probed = self.clock()
+            unreached = [p for p in partitions if p not in fetched]
+            if unreached:
+                marks.update(topic_watermarks(self.config, self.topic, probe, unreached))
         finally:
             probe.close()
         done = self.clock()
         if done - started > SLOW_PLAN:
-            unreached = sorted(set(marks) - set(fetched))
             # Spark's source runner sets up no logging: Python's last-resort handler prints the message
             # alone to the pipeline's log, so it says when.
             log.warning(
                 "the source's planner at %s UTC: reading the log ends of %s took %.1f s: the partitions "
-                "and their ListOffsets %.1f s, the fetch probe %.1f s%s",
+                "and the ListOffsets of %d %.1f s, the fetch probe %.1f s%s",
                 time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
                 self.topic,
                 done - started,
+                len(unknown),
                 listed - started,
-                done - listed,
-                f" (no fetch answer for partitions {unreached}: ListOffsets' ends taken)"
+                probed - listed,
+                f" (no fetch answer for {unreached}: their ListOffsets taken, {done - probed:.1f} s)"
                 if unreached
                 else "",
             )
@@ -498,7 +515,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.check_log(now=True)
         # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
-        marks, ends = self.bounds()
+        marks, ends = self.bounds()  # no floors: every partition listed
         marks = {p: (low, ends[p]) for p, (low, _high) in marks.items()}
         if self.starting is not None:
             chosen: dict[int, int | None] = dict(self.starting)

@@ -1,4 +1,4 @@
-"""The source planner's fetch probe (`fetched_high_watermarks`, `probed_ends`) against a stand-in for
+"""The source planner's fetch probe (`fetched_high_watermarks`, `probe_starts`) against a stand-in for
 confluent-kafka's consumer: the order in which a consumer's queue hands out records is the broker's and
 librdkafka's to choose, and the embedded broker produces the order that starved the probe only now and
 then under a steady write (`bench/probe_answers.py`); the stand-in produces it every time."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from aml_app.pipeline.kafka_source import fetched_high_watermarks, probed_ends
+from aml_app.pipeline.kafka_source import fetched_high_watermarks, probe_starts
 
 UNKNOWN = -1001  # librdkafka's "no fetch response yet"
 
@@ -69,13 +69,9 @@ def test_a_partition_no_fetch_answered_is_left_to_listoffsets() -> None:
     assert ends == {0: 9000, 1: 7000}
 
 
-def test_the_probe_starts_where_the_query_stands_when_listoffsets_is_behind_it() -> None:
-    marks = {0: (0, 1), 1: (0, 500), 2: (0, 40)}
-    consumer = Consumer({0: 1000, 1: 500, 2: 40})
-    consumer.assign = lambda partitions: setattr(  # type: ignore[method-assign]
-        consumer, "started", {tp.partition: tp.offset for tp in partitions}
-    )
-    probed_ends(consumer, "payments", marks, floors={0: 900, 1: 100})
-    assert consumer.started == {0: 900, 1: 500, 2: 40}  # type: ignore[attr-defined]
-    probed_ends(consumer, "payments", marks)
-    assert consumer.started == {0: 1, 1: 500, 2: 40}  # type: ignore[attr-defined]
+def test_the_probe_starts_where_the_log_can_end_no_earlier() -> None:
+    # ListOffsets can stand behind the log (1 for a 1000-record batch on the embedded broker) and the
+    # query's position behind ListOffsets; a partition the planner did not list starts at its floor.
+    marks = {0: (0, 1), 1: (0, 500), 3: (0, 7)}
+    floors = {0: 900, 1: 100, 2: 40}
+    assert probe_starts([0, 1, 2, 3], marks, floors) == {0: 900, 1: 500, 2: 40, 3: 7}
