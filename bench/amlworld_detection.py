@@ -134,6 +134,13 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
     benign = [p for p in background.payments if not p.is_laundering]
     benign_alerted = [p for p in benign if p.payment_id in fired]
     benign_rules = Counter(rule for p in benign_alerted for rule in fired[p.payment_id])
+    # What a detector has to alert to name an attempt without evidence: a payment between two accounts
+    # with no other traffic, told from these only by its amount, currency, format and time.
+    lone = Counter(
+        getattr(p, "channel", None) or "unknown"
+        for p in benign
+        if p.payer != p.payee and p.payment_id not in evidence
+    )
     flagged = set(fired)
     true_flags = len(flagged & laundering)
     return {
@@ -153,6 +160,8 @@ def judge(patterns: Any, background: Any, fired: dict[str, list[str]], evidence:
             "alerted": len(benign_alerted),
             "rate": ratio(len(benign_alerted), len(benign)),
             "by_rule": dict(benign_rules.most_common()),
+            "lone": lone.total(),
+            "lone_by_format": dict(lone.most_common()),
         },
         "payments": {
             "laundering": len(laundering),
@@ -197,6 +206,7 @@ def pooled(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     evidenced = sum(doc["all"]["evidenced"] for doc in docs)
     benign = {key: sum(doc["benign"][key] for doc in docs) for key in ("payments", "alerted")}
     by_rule: Counter[str] = sum((Counter(doc["benign"]["by_rule"]) for doc in docs), Counter())
+    lone: Counter[str] = sum((Counter(doc["benign"]["lone_by_format"]) for doc in docs), Counter())
     payments = {
         key: sum(doc["payments"][key] for doc in docs) for key in ("laundering", "flagged", "true_flags")
     }
@@ -215,6 +225,8 @@ def pooled(docs: Sequence[dict[str, Any]]) -> dict[str, Any]:
             **benign,
             "rate": ratio(benign["alerted"], benign["payments"]),
             "by_rule": dict(by_rule.most_common()),
+            "lone": lone.total(),
+            "lone_by_format": dict(lone.most_common()),
         },
         "payments": {
             **payments,
@@ -291,6 +303,8 @@ def report(title: str, doc: dict[str, Any], lag: bool) -> str:
             f"other way, of {every['repeated_edges']['attempts']}",
             f"benign payments alerted: {benign['alerted']} of {benign['payments']} ({benign['rate']}); "
             f"by rule: {benign['by_rule']}",
+            f"benign payments between two parties without evidence (all a detector sees of an attempt "
+            f"without evidence): {benign['lone']}, by format {benign['lone_by_format']}",
             f"payments: {payments['laundering']} laundering, {payments['flagged']} flagged, "
             f"precision {payments['precision']}, recall {payments['recall']}, F1 {payments['f1']}",
             f"replayed {doc['timeline']} payments in {doc['seconds']} s ({'lagging' if lag else 'gated'})",

@@ -14,9 +14,10 @@ The data sets: the real AMLworld files (LI-Medium's attempts in HI-Small's first
 runs of the calibrated simulator (`SCORED_SEEDS`, which no training sees), each judged alone and then
 pooled (`bench.amlworld_detection.pooled`: 200 attempts of each typology); and our own simulator
 (`aml_app.simulation.traffic`, seed 11), whose traffic is shaped otherwise: a deployment's traffic will
-not be AMLworld's either, and this shows what a model does under such a shift. Also the model's CPU time
-per payment. `--lag` gives each payment only the evidence before it (the gate off). Results:
-`bench/results/model_vs_rules.json` (`model_vs_rules_lag.json` with `--lag`).
+not be AMLworld's either, and this shows what a model does under such a shift. Also the model at each
+of its alert budgets on the real files, and its CPU time per payment. `--lag` gives each payment only
+the evidence before it (the gate off). Results: `bench/results/model_vs_rules.json`
+(`model_vs_rules_lag.json` with `--lag`).
 """
 
 from __future__ import annotations
@@ -34,12 +35,22 @@ from aml_app.detection.rules import Hit
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.traffic import simulate
-from aml_app.training.fit import SCORED_SEEDS, calibrated_run
+from aml_app.training.fit import SCORED_SEEDS, calibrated_run, replay
+from aml_app.training.holdout import within_budgets
 from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
 
 OURS_START = datetime(2026, 3, 2, 8, tzinfo=UTC)
+BUDGET_HEADERS = [
+    "budget",
+    "rules beside",
+    "own-typology recall",
+    "any alert",
+    "benign alerted",
+    "precision at HI's base rate",
+    "at least",
+]
 
 
 def detectors(
@@ -101,6 +112,28 @@ def summary(doc: dict[str, Any]) -> list[Any]:
     ]
 
 
+def budgets(model: Model, patterns: Any, background: Any) -> list[dict[str, Any]]:
+    """What the model and the rules beside it alert at each of its alert budgets (`AML_ALERT_BUDGET`),
+    each set on runs of the calibrated simulator, on one data set."""
+    return within_budgets(model, replay(patterns, background))
+
+
+def budget_rows(found: list[dict[str, Any]]) -> list[list[Any]]:
+    hi = "HI (1 in 900)"
+    return [
+        [
+            f"{100 * b['budget']:g} %",
+            b["rules_beside"],
+            b["own_typology"],
+            b["any_alert"],
+            f"{b['benign_alerted']} ({100 * b['benign_share']:.2f} %)",
+            b["estimated_at_base_rate"][hi]["precision"],
+            b["estimated_at_base_rate"][hi]["precision_at_least"],
+        ]
+        for b in found
+    ]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=SHIPPED, help="a model file, or 'amlworld' for the shipped one")
@@ -123,6 +156,7 @@ def main() -> None:
     headers = ["detector", "own-typology recall", "any-alert recall", "lowest typology", "benign rate", "F1"]
     results: dict[str, Any] = {}
     decided, spent = 0, 0.0
+    real_budgets: list[dict[str, Any]] = []
     for name, make in sets.items():
         patterns, background = make()
         timeline = timeline_of(patterns, background)
@@ -133,6 +167,10 @@ def main() -> None:
         print(f"## {name}\n")
         print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
         print(f"\nnamed by shape, with evidence: {results[name]['rules']['all']['named_by_shape']}")
+        if name == "real" and not args.lag:
+            real_budgets = budgets(model, patterns, background)
+            print("\nthe model at each of its alert budgets (`AML_ALERT_BUDGET`):\n")
+            print(markdown_table(BUDGET_HEADERS, budget_rows(real_budgets)))
         print()
     runs = [results[f"calibrated seed {s}"] for s in seeds]
     results[calibrated] = {d: pooled([run[d] for run in runs]) for d in runs[0]}
@@ -149,6 +187,7 @@ def main() -> None:
             "params": vars(args),
             "model": {k: v for k, v in model.training.items()},
             "model_us_per_payment": round(per_payment, 1),
+            "model_budgets_on_real": real_budgets,
             **results,
             "at": time.time(),
         },

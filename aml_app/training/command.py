@@ -191,9 +191,11 @@ def _simulated(
 ) -> tuple[dict[str, Any], list[Replayed]]:
     """The shipped model's training (`RUNS`), and the scored runs replayed."""
 
+    order = [*RUNS["seeds"], *RUNS["held_out"], *score_seeds]
+
     def replayed(s: int) -> Replayed:
         patterns, background = calibrated_run(s, RUNS["days"], RUNS["per_hour"], RUNS["attempts"])
-        say(f"replaying calibrated seed {s}")
+        say(f"replaying calibrated seed {s}, run {order.index(s) + 1} of {len(order)}")
         timeline = timeline_of(patterns, background)
         return replay_timeline(timeline, patterns.attempts, progress=_replaying(say))
 

@@ -113,6 +113,18 @@ def test_no_rule_catches_an_attempt_without_evidence(gated: dict[str, Any]) -> N
     assert gated["all"]["with_evidence"] == pytest.approx(0.853, abs=0.001)
 
 
+def test_an_attempt_without_evidence_looks_like_a_hundred_and_fifty_benign_payments(
+    gated: dict[str, Any],
+) -> None:
+    """The floor under a small alert budget (BENCHMARKS.md): 67 attempts are payments between accounts
+    with nothing else in the two weeks, and so are 880 of the half hour's benign payments between two
+    parties, 156 of them ACH as laundering is. B and C show such a payment alone, so a detector tells
+    them apart by the payment's own fields only."""
+    assert gated["all"]["attempts"] - gated["all"]["evidenced"] == 67
+    assert gated["benign"]["lone"] == 880
+    assert gated["benign"]["lone_by_format"]["ach"] == 156
+
+
 def test_evidence_is_another_payment_of_either_party_in_two_weeks() -> None:
     t0 = datetime(2022, 9, 1, tzinfo=UTC)
 

@@ -40,10 +40,11 @@ from aml_app.training.fit import (
     sample_weights,
     train,
 )
-from aml_app.training.replay import Services
+from aml_app.training.holdout import within_budgets
+from aml_app.training.replay import Services, timeline_of
 from bench.amlworld_detection import judge, with_evidence
 from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
-from bench.model_vs_rules import detectors
+from bench.model_vs_rules import detectors, ours
 from tests.real_amlworld import real_decided, real_files
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
@@ -156,8 +157,9 @@ def test_the_shipped_model_is_what_the_training_command_makes(shipped: Model) ->
     assert shipped.alerting_rules == {"aml.cycle", "aml.pass_through", "aml.random", "aml.scatter_gather"}
     assert "rule_veto" not in doc and SHIPPED_VETO is None and shipped.rule_veto is None
     assert [b["benign_rate"] for b in doc["alert_budgets"]] == list(ALERT_BUDGETS)
-    budgeted = load(SHIPPED, 0.001)  # AML_ALERT_BUDGET=0.001: a tighter cut, the model alone
-    assert budgeted is not None and budgeted.cut < shipped.cut and not budgeted.alerting_rules
+    budgeted = load(SHIPPED, 0.001)  # AML_ALERT_BUDGET=0.001: a tighter cut, two rules beside it
+    assert budgeted is not None and budgeted.cut < shipped.cut
+    assert budgeted.alerting_rules == {"aml.cycle", "aml.scatter_gather"}
 
 
 def test_the_calibrated_runs_models_are_scored_on_are_none_they_learn_from_or_cut_on() -> None:
@@ -186,6 +188,33 @@ def test_the_shipped_model_on_real_amlworld_holds_the_published_figures(
     assert doc["payments"]["f1"] >= PUBLISHED["f1"]
     rules = judge(patterns, background, fired["rules"], with_evidence(timeline))
     assert doc["all"]["own_recall"] > rules["all"]["own_recall"]
+
+
+def test_the_shipped_budgets_on_real_amlworld_hold_the_published_figures(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    """BENCHMARKS.md, "Rules, a model, or both": at 0.1 % the shipped file alerts 4 of the 7,494 real
+    benign payments, the goal's share, keeping cycle and scatter-gather beside the model (with all four
+    rules or none, as budgets were set before, 0.610 at 5 benign alerts)."""
+    patterns, background, _ = real
+    found = {
+        b["budget"]: b for b in within_budgets(shipped, replay(patterns, background, pairs=real_decided()))
+    }
+    assert (found[0.001]["own_typology"], found[0.001]["benign_alerted"]) == (
+        pytest.approx(0.638, abs=0.001),
+        4,
+    )
+    assert (found[0.002]["own_typology"], found[0.002]["benign_alerted"]) == (
+        pytest.approx(0.737, abs=0.001),
+        9,
+    )
+
+
+def test_a_data_set_without_payment_formats_is_judged_too() -> None:
+    """Our own simulator's payments carry no AMLworld format: its lone benign payments count as unknown."""
+    patterns, background = ours(11, 1000)
+    doc = judge(patterns, background, {}, with_evidence(timeline_of(patterns, background)))
+    assert doc["benign"]["lone"] > 0 and doc["benign"]["lone_by_format"] == {"unknown": doc["benign"]["lone"]}
 
 
 def test_scoring_replayed_features_gives_the_detectors_alerts(
