@@ -369,11 +369,11 @@ def beside_for(
 
     Each rule beside the model spends some of the budget on its own benign alerts and leaves the rest to
     the model's cut: a rule that names many attempts at few benign alerts (cycle) pays its way at a small
-    budget where one that alerts hub payees (scatter-gather) does not. The rules are chosen one at a time
-    (every subset would be 2 ** n tries), each round adding the one that names the most, while that is no
-    fewer than before; then all of them are tried as well. A rule the held-out runs find neither better
-    nor worse stays: it was precise on the runs the trees learn from (ALERTING_PRECISION), as beside the
-    file's own cut. The model alone always fits: its cut leaves what the budget allows."""
+    budget where one whose benign alerts would leave the model too little does not. The rules are chosen
+    one at a time (every subset would be 2 ** n tries), each round adding the one that names the most,
+    while that is no fewer than before; then all of them are tried as well. A rule the held-out runs find
+    neither better nor worse stays: it was precise on the runs the trees learn from (ALERTING_PRECISION),
+    as beside the file's own cut. The model alone always fits: its cut leaves what the budget allows."""
     benign = classes.index(BENIGN)
     prior = np.array([naming.get(c, 0.0) for c in classes])
 
