@@ -313,15 +313,24 @@ class CpuSampler:
         return cpu_report(cpu_used(before[1], after[1]), records, after[0] - before[0])
 
 
-def first_trigger_with_data(pipeline: Any) -> float:
-    """When the first trigger that read records started (epoch seconds), over the pipeline's queries."""
-    starts = [
-        datetime.fromisoformat(progress.timestamp.replace("Z", "+00:00")).timestamp()
-        for query in pipeline.queries
-        for progress in query.recentProgress
-        if progress.numInputRows > 0
-    ]
-    return min(starts)
+def first_trigger_with_data(pipeline: Any, timeout: float = 15) -> float:
+    """When the first trigger that read records started (epoch seconds), over the pipeline's queries.
+
+    A trigger's progress is published a moment after its handler committed the groups, so it may not be
+    there yet when the groups are seen caught up: waits up to `timeout` for it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        starts = [
+            datetime.fromisoformat(progress.timestamp.replace("Z", "+00:00")).timestamp()
+            for query in pipeline.queries
+            for progress in query.recentProgress
+            if progress.numInputRows > 0
+        ]
+        if starts:
+            return min(starts)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"no trigger with records in the queries' progress after {timeout:.0f} s")
+        time.sleep(0.05)
 
 
 # --- e: fixed and per-record costs ---------------------------------------------------------------

@@ -17,7 +17,8 @@ a. Under a steady write: a producer writes a 4-partition topic at each rate, and
    been told was written before the reading began (0 is the only right answer).
 b. At rest: a topic of `--records` records in batches of 4 (the embedded broker's costs grow with the
    batches a partition holds: BENCHMARKS.md, "The embedded broker over a long run"); per way, the
-   broker's CPU and the wall time of a reading, over `--readings` readings.
+   broker's CPU and the wall time of a reading, over `--readings` readings; and the same for a reading
+   task of a small micro-batch (`read_ranges`: six records of each of two partitions, a fresh client).
 
     .venv/bin/python -m bench.probe_answers [--rates 500,2000] [--seconds 60] [--records 40000]
 """
@@ -43,6 +44,7 @@ from aml_app.pipeline.kafka_source import (
     fetched_high_watermarks,
     log_ends,
     probe_consumer,
+    read_ranges,
     topic_watermarks,
 )
 from bench.common import cpu_seconds, finish, machine, markdown_table
@@ -219,7 +221,27 @@ def at_rest(bootstrap: str, broker_pid: int, records: int, readings: int) -> dic
             "broker_cpu_ms": round(1000 * ((cpu_seconds(broker_pid) or 0.0) - cpu) / readings, 2),
             "wall_ms": round(1000 * (time.monotonic() - began) / readings, 1),
         }
+    found["a reading task of 2 x 6 records"] = reading_tasks(config, topic, broker_pid, written, readings)
     return {"written": written, "readings": found}
+
+
+def reading_tasks(
+    config: dict[str, Any], topic: str, broker_pid: int, written: Ends, readings: int
+) -> dict[str, Any]:
+    """What a micro-batch's reading task costs when the batch is small: six records of partitions 0 and
+    1 each, well behind their ends, a fresh client per task as the source makes."""
+    offsets = [written[0] // 2 + 6 * n for n in range(readings + 1)]
+    list(read_ranges(config, topic, [(0, offsets[0], offsets[0] + 6)]))  # unmeasured: the first client
+    cpu, began = cpu_seconds(broker_pid) or 0.0, time.monotonic()
+    for start in offsets[1:]:
+        rows = sum(
+            b.num_rows for b in read_ranges(config, topic, [(0, start, start + 6), (1, start, start + 6)])
+        )
+        assert rows == 12, f"a task read {rows} records of 12"
+    return {
+        "broker_cpu_ms": round(1000 * ((cpu_seconds(broker_pid) or 0.0) - cpu) / readings, 2),
+        "wall_ms": round(1000 * (time.monotonic() - began) / readings, 1),
+    }
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:

@@ -74,6 +74,13 @@ LOG_CHECK_INTERVAL = 10.0
 #: overload on the embedded broker the planner has stood still for minutes, inside these reads.
 SLOW_PLAN = 2.0
 
+#: Settings of every client the source makes, one per plan or task. librdkafka holds back a client's
+#: first connection to the cluster for half of reconnect.backoff.ms (100 ms by default) whenever a request
+#: arrives before its bootstrap connection is up, which for a fresh client is nearly always: a plan's
+#: reading of the log ends took 57 ms at rest against 23 with 10 (`bench.probe_answers`). Backoff after
+#: a failed connection still grows to reconnect.backoff.max.ms (10 s).
+FRESH_CLIENT = {"reconnect.backoff.ms": 10}
+
 log = logging.getLogger(__name__)
 
 
@@ -144,12 +151,15 @@ def _consumer(config: Mapping[str, Any]) -> Any:
 
     return Consumer(
         {
+            **FRESH_CLIENT,
             # A group id is required by the client but never joined: we only assign() and never commit here.
             "group.id": "aml-kafka-source-reader",
             # A task reads ranges below the high watermark, so a long-polling fetch has nothing to wait for;
             # but librdkafka keeps one fetch in flight per broker, and when a task moves on to its next
             # partition, that fetch (still held by the broker for the old one) would delay the first
             # records of the new one by up to this wait (500 ms by default: a quarter-second per batch).
+            # Not less: the embedded broker answers a fetch that may wait only 1 ms with no records when
+            # the partition holds a few thousand record batches (a read stalled at 2,500).
             "fetch.wait.max.ms": 10,
             # librdkafka stops fetching a partition whose local queue holds queued.min.messages (100,000)
             # and fetches it again only after this backoff, 1 s by default (librdkafka issue 2879): a task
@@ -232,8 +242,8 @@ def fetched_high_watermarks(
                         ends[p] = high
             if len(ends) == len(starts) or time.monotonic() >= deadline:
                 return ends
-            # Waits for the next fetch response (its records and end-of-partition events are dropped).
-            consumer.consume(num_messages=1000, timeout=0.01)
+            # Returns with the next fetch response's first record or event (dropped), or after 10 ms.
+            consumer.poll(0.01)
     finally:
         consumer.unassign()
 
@@ -258,6 +268,7 @@ def probe_consumer(config: Mapping[str, Any]) -> Any:
 
     return Consumer(
         {
+            **FRESH_CLIENT,
             "group.id": "aml-kafka-source-probe",
             **config,
             "enable.auto.commit": False,
@@ -268,8 +279,9 @@ def probe_consumer(config: Mapping[str, Any]) -> Any:
             "fetch.wait.max.ms": 10,
             # The probe's queue is over queued.min.messages after its first fetch, and librdkafka then
             # holds back the partition's next fetch for fetch.queue.backoff.ms (1 s by default): a probe
-            # that has to fetch again would wait that second out.
-            "fetch.queue.backoff.ms": 10,
+            # that has to fetch again would wait that out. librdkafka also holds back a fresh client's
+            # first fetch for it.
+            "fetch.queue.backoff.ms": 1,
         }
     )
 
