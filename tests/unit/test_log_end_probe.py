@@ -27,8 +27,8 @@ class Record:
 
 
 class Consumer:
-    """Every `consume` is a fetch response: it sets the cached high watermark of each partition in
-    `answers` (one request covers them all) and hands out records of partition 0 only, as a queue
+    """Every `poll` is a fetch response: it sets the cached high watermark of each partition in
+    `answers` (one request covers them all) and hands out a record of partition 0 only, as a queue
     holding a deep backlog of partition 0 ahead of the others does."""
 
     def __init__(self, answers: dict[int, int]) -> None:
@@ -43,11 +43,10 @@ class Consumer:
     def unassign(self) -> None:
         self.assigned = {}
 
-    def consume(self, num_messages: int, timeout: float) -> list[Record]:
+    def poll(self, timeout: float) -> Record:
         self.cache.update(self.answers)
-        records = [Record(0, self.next_record + i) for i in range(num_messages)]
-        self.next_record += num_messages
-        return records
+        self.next_record += 1
+        return Record(0, self.next_record - 1)
 
     def get_watermark_offsets(self, tp: Any, cached: bool = False) -> tuple[int, int]:
         assert cached, "the probe reads the cache its fetches filled, not ListOffsets again"
@@ -59,7 +58,7 @@ def test_every_partition_is_answered_by_the_first_fetch_response_whatever_record
     consumer = Consumer({0: 9000, 1: 7000, 2: 7100, 3: 6900})
     ends = fetched_high_watermarks(consumer, "payments", {0: 10, 1: 20, 2: 30, 3: 40}, timeout=5.0)
     assert ends == {0: 9000, 1: 7000, 2: 7100, 3: 6900}
-    assert consumer.next_record <= 1000, "the probe answers from one fetch response, not by reading records"
+    assert consumer.next_record == 1, "the probe answers from one fetch response, not by reading records"
     assert consumer.assigned == {}, "the probe gives its partitions back"
 
 
