@@ -221,6 +221,16 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
+def librdkafka_log() -> tuple[logging.Logger, _Lines]:
+    """A fresh logger for a client's `logger` setting and the handler that keeps its lines."""
+    handler = _Lines()
+    logger = logging.getLogger(fresh("rdkafka"))
+    logger.propagate = False
+    logger.setLevel(logging.DEBUG)
+    logger.addHandler(handler)
+    return logger, handler
+
+
 def queue_full_backoffs(
     bootstrap: str, topic: str, end: int, first_only: bool = False, **extra: object
 ) -> tuple[list[int], pa.Table]:
@@ -229,11 +239,7 @@ def queue_full_backoffs(
     one record, each fetch brings a few kB, and the reader takes one record per Arrow batch: each fetch
     response leaves records queued while the reader is busy, so the fetcher's next decision finds the
     queue full whatever the scheduling."""
-    handler = _Lines()
-    logger = logging.getLogger(fresh("rdkafka"))
-    logger.propagate = False
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
+    logger, handler = librdkafka_log()
     config = {
         "bootstrap.servers": bootstrap,
         "queued.min.messages": 1,
@@ -385,11 +391,7 @@ def connection_holds(bootstrap: str, topic: str, **extra: object) -> list[int]:
     probe reads the topic's partitions and a fresh reading task reads a record of each of two partitions.
     A fresh client's first requests nearly always come before its bootstrap connection is up, and each
     then waits for the next connection attempt; the log shows the wait, with no timing in the test."""
-    handler = _Lines()
-    logger = logging.getLogger(fresh("rdkafka"))
-    logger.propagate = False
-    logger.setLevel(logging.DEBUG)
-    logger.addHandler(handler)
+    logger, handler = librdkafka_log()
     config = {"bootstrap.servers": bootstrap, "debug": "broker", "logger": logger, **extra}
     probe = kafka_source.probe_consumer(config)
     try:
