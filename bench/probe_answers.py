@@ -213,16 +213,25 @@ def at_rest(bootstrap: str, broker_pid: int, records: int, readings: int) -> dic
     found: dict[str, Any] = {}
     for name, read in READINGS.items():
         read(config, topic, written)  # one unmeasured reading: connections, metadata
-        cpu, began = cpu_seconds(broker_pid) or 0.0, time.monotonic()
-        for _ in range(readings):
+
+        def reading(_n: int, name: str = name, read: Reading = read) -> None:
             _marks, ends, _unanswered = read(config, topic, written)
             assert ends == written, f"{name} read {ends}, the log ends at {written}"
-        found[name] = {
-            "broker_cpu_ms": round(1000 * ((cpu_seconds(broker_pid) or 0.0) - cpu) / readings, 2),
-            "wall_ms": round(1000 * (time.monotonic() - began) / readings, 1),
-        }
+
+        found[name] = per_reading(broker_pid, readings, reading)
     found["a reading task of 2 x 6 records"] = reading_tasks(config, topic, broker_pid, written, readings)
     return {"written": written, "readings": found}
+
+
+def per_reading(broker_pid: int, readings: int, reading: Callable[[int], None]) -> dict[str, Any]:
+    """The broker's CPU and the wall time per call of `reading(n)`, n = 0 .. readings - 1."""
+    cpu, began = cpu_seconds(broker_pid) or 0.0, time.monotonic()
+    for n in range(readings):
+        reading(n)
+    return {
+        "broker_cpu_ms": round(1000 * ((cpu_seconds(broker_pid) or 0.0) - cpu) / readings, 2),
+        "wall_ms": round(1000 * (time.monotonic() - began) / readings, 1),
+    }
 
 
 def reading_tasks(
@@ -232,16 +241,15 @@ def reading_tasks(
     1 each, well behind their ends, a fresh client per task as the source makes."""
     offsets = [written[0] // 2 + 6 * n for n in range(readings + 1)]
     list(read_ranges(config, topic, [(0, offsets[0], offsets[0] + 6)]))  # unmeasured: the first client
-    cpu, began = cpu_seconds(broker_pid) or 0.0, time.monotonic()
-    for start in offsets[1:]:
+
+    def task(n: int) -> None:
+        start = offsets[n + 1]
         rows = sum(
             b.num_rows for b in read_ranges(config, topic, [(0, start, start + 6), (1, start, start + 6)])
         )
         assert rows == 12, f"a task read {rows} records of 12"
-    return {
-        "broker_cpu_ms": round(1000 * ((cpu_seconds(broker_pid) or 0.0) - cpu) / readings, 2),
-        "wall_ms": round(1000 * (time.monotonic() - began) / readings, 1),
-    }
+
+    return per_reading(broker_pid, readings, task)
 
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
