@@ -18,6 +18,7 @@ snapshot. Instants are `timestamptz` (microseconds, shown as `2026-01-02T03:04:0
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -471,9 +472,10 @@ class Reader:
         self.statement_timeout = statement_timeout
         self.pool = self._pool(f"aml-app {schema.name} API", max_connections, timeout, statement_timeout)
         self.health_pool = self._pool(f"aml-app {schema.name} health", 2, HEALTH_TIMEOUT, HEALTH_TIMEOUT)
+        #: Whether the last snapshot that looked found the store's tables.
+        self.tables_seen = False
 
     def _pool(self, name: str, size: int, timeout: float, statement_timeout: float) -> Any:
-        from psycopg import IsolationLevel
         from psycopg_pool import AsyncConnectionPool
 
         async def configure(conn: Any) -> None:
@@ -482,8 +484,9 @@ class Reader:
                 "SELECT set_config('statement_timeout', %s, false)", (f"{round(statement_timeout * 1000)}ms",)
             )
             await conn.commit()
-            await conn.set_isolation_level(IsolationLevel.REPEATABLE_READ)
-            await conn.set_read_only(True)
+            # Each snapshot begins its own transaction (REPEATABLE READ, READ ONLY) in the message of its
+            # first statement: psycopg must not begin one before it.
+            await conn.set_autocommit(True)
 
         return AsyncConnectionPool(
             self.url,
@@ -519,27 +522,71 @@ class Reader:
 
     @asynccontextmanager
     async def _snapshot(self, pool: Any) -> AsyncIterator[Snapshot]:
-        async with pool.connection() as conn, conn.transaction(), conn.cursor() as cur:
-            await cur.execute("SELECT to_regclass(%s)", (f'"{self.schema.name}".schema_version',))
-            row = await cur.fetchone()
-            if row is None or row[0] is None:
-                yield Snapshot(cur, None, {}, {})
-                return
-            name = sql.Identifier(self.schema.name)
-            await cur.execute(sql.SQL("SELECT partition, next_offset FROM {}.applied_offsets").format(name))
-            as_of = {int(p): int(o) for p, o in await cur.fetchall()}
-            # The schema's version comes with the meta rows (no extra round trip), from the same snapshot
-            # as the tables the answer reads: a store seen at this program's version has its tables.
-            await cur.execute(
-                sql.SQL(
-                    "SELECT key, value FROM {0}.meta"
-                    " UNION ALL SELECT %s, max(version)::text FROM {0}.schema_version"
-                ).format(name),
-                (_VERSION_KEY,),
-            )
-            meta = dict(await cur.fetchall())
-            self.refuse_other_version(int(meta.pop(_VERSION_KEY) or 0))
-            yield Snapshot(cur, self.schema, as_of, meta)
+        """A snapshot of the store as it is, in as few round trips as the store allows (a request waits
+        for each of them, and more so on a busy machine): the transaction's BEGIN goes in one message
+        with the statement that reads the store's state (offsets, meta, version). Once a snapshot has
+        found the store's tables, the next ones read them without asking first whether they are there;
+        one that finds them gone (a rebuild dropped them) looks again as the first one did."""
+        async with pool.connection() as conn, conn.cursor() as cur:
+            try:
+                snapshot = await self._open(cur)
+                yield snapshot
+            except BaseException:
+                if not conn.closed:  # a closed one the pool discards
+                    with contextlib.suppress(psycopg.Error):
+                        await cur.execute("ROLLBACK")
+                raise
+            await cur.execute("COMMIT")
+
+    async def _open(self, cur: Any) -> Snapshot:
+        if self.tables_seen:
+            try:
+                await self._begin(cur, self._state_query())
+                return await self._state(cur)
+            except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
+                await cur.execute("ROLLBACK")
+                self.tables_seen = False
+        await self._begin(cur, sql.SQL("SELECT to_regclass({})").format(sql.Literal(self._tables())))
+        row = await cur.fetchone()
+        if row is None or row[0] is None:
+            return Snapshot(cur, None, {}, {})
+        await cur.execute(self._state_query(), prepare=False)
+        snapshot = await self._state(cur)
+        self.tables_seen = True
+        return snapshot
+
+    def _tables(self) -> str:
+        return f'"{self.schema.name}".schema_version'
+
+    def _state_query(self) -> sql.Composed:
+        """The store's applied offsets, meta rows and schema version, in one statement."""
+        return sql.SQL(
+            "SELECT NULL::text, NULL::text, partition, next_offset FROM {0}.applied_offsets"
+            " UNION ALL SELECT key, value, NULL, NULL FROM {0}.meta"
+            " UNION ALL SELECT {1}, max(version)::text, NULL, NULL FROM {0}.schema_version"
+        ).format(sql.Identifier(self.schema.name), sql.Literal(_VERSION_KEY))
+
+    @staticmethod
+    async def _begin(cur: Any, first: sql.Composable) -> None:
+        """Begin a REPEATABLE READ, READ ONLY transaction and run `first` in it, in one message (the
+        simple query protocol, hence no parameters: `first` holds its values in its text); the cursor
+        is left on `first`'s result."""
+        begin = sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {}").format(first)
+        await cur.execute(begin, prepare=False)
+        cur.nextset()
+
+    async def _state(self, cur: Any) -> Snapshot:
+        """The snapshot from the state query's result on `cur`: as of the same snapshot as the tables the
+        answer reads, so a store seen at this program's version has its tables."""
+        as_of: dict[int, int] = {}
+        meta: dict[str, str] = {}
+        for key, value, partition, offset in await cur.fetchall():
+            if key is None:
+                as_of[int(partition)] = int(offset)
+            else:
+                meta[key] = value
+        self.refuse_other_version(int(meta.pop(_VERSION_KEY) or 0))
+        return Snapshot(cur, self.schema, as_of, meta)
 
     def refuse_other_version(self, version: int) -> None:
         """Raise `StoreVersionMismatch` unless the store is at this program's schema version."""

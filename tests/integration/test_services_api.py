@@ -5,8 +5,10 @@ against a real broker's committed offsets; and one smoke test of `serve` in a ch
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
@@ -26,7 +28,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, build_app, relations_app
 from aml_app.dependencies.client import DependencyClient, DependencyRequestError, Need
-from aml_app.dependencies.store import Reader, migrate, redacted
+from aml_app.dependencies.store import Reader, drop, migrate, redacted
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.pipeline.progress import GroupProgress
@@ -367,6 +369,39 @@ async def test_aggregates_health_without_then_with_a_store(spark: Any, store_url
         body = await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z")
         assert body["as_of"] == {"0": 3, "1": 2} and body["late_dropped"] == 1
         assert body["near_threshold_24h"] == 0  # 9500 is not near a 5000 threshold
+        # Tables it has seen, dropped under it (a rebuild): it looks again rather than failing.
+        with psycopg.connect(store_url, autocommit=True) as conn:
+            drop(conn, aggregates.SCHEMA)
+        assert (await get(client, "/aggregates/A?at=2026-03-01T12:00:00Z"))["as_of"] == {}
+        assert (await get(client, "/health"))["store_exists"] is False
+
+
+async def test_a_snapshot_waits_for_two_round_trips_beside_its_answer(stores: str) -> None:
+    """A request waits for each round trip to PostgreSQL, and more so on a busy machine: a snapshot's
+    BEGIN goes in the message of the statement that reads the store's state, then come the answer's own
+    statements (here one), then COMMIT. Counted in libpq's trace of the connection: a round trip is a
+    message sent followed by one received."""
+    reader = Reader(stores, aggregates.SCHEMA, max_connections=1)
+    await reader.open()
+    await reader.pool.wait(10)
+    try:
+        trips = []
+        for _ in range(2):  # the first one also asks whether the store has its tables
+            with tempfile.TemporaryFile("w+") as trace:
+                async with reader.pool.connection() as conn:
+                    conn.pgconn.trace(trace.fileno())
+                async with reader.snapshot() as snap:
+                    assert snap.as_of == {0: 2, 1: 2}
+                    await snap.cur.execute("SELECT 1")
+                    assert await snap.cur.fetchall() == [(1,)]
+                async with reader.pool.connection() as conn:
+                    conn.pgconn.untrace()
+                trace.seek(0)
+                sides = [line.split("\t")[1] for line in trace if line.strip()]
+            trips.append(sum(1 for sent, then in itertools.pairwise(sides) if (sent, then) == ("F", "B")))
+        assert trips == [4, 3]
+    finally:
+        await reader.close()
 
 
 def test_build_app_refuses_an_unknown_kind() -> None:
