@@ -174,9 +174,14 @@ def drop(conn: psycopg.Connection, schema: Schema) -> None:
         conn.execute(sql.SQL("DROP SCHEMA IF EXISTS {} CASCADE").format(sql.Identifier(schema.name)))
 
 
+def version_table(schema: Schema) -> str:
+    """The name of the service's `schema_version` table, for `to_regclass`: there when the tables are."""
+    return f'"{schema.name}".schema_version'
+
+
 def exists(conn: psycopg.Connection, schema: Schema) -> bool:
     """Whether the service's tables are there (at any version)."""
-    row = conn.execute("SELECT to_regclass(%s)", (f'"{schema.name}".schema_version',)).fetchone()
+    row = conn.execute("SELECT to_regclass(%s)", (version_table(schema),)).fetchone()
     return bool(row and row[0] is not None)
 
 
@@ -424,6 +429,16 @@ def redacted(url: str) -> str:
 
 #: The pseudo meta key under which a snapshot reads the schema's version (no real key has this name).
 _VERSION_KEY = "schema_version"
+#: A snapshot's transaction, begun in the message of its first statement (`_begin`).
+_BEGIN = sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {}")
+
+
+async def _begin(cur: Any, begin_and_first: sql.Composable) -> None:
+    """Run `_BEGIN` with its first statement in one message (the simple query protocol, hence no
+    parameters: the statement holds its values in its text), leaving the cursor on that statement's
+    result."""
+    await cur.execute(begin_and_first, prepare=False)
+    cur.nextset()
 
 
 @dataclass
@@ -474,6 +489,16 @@ class Reader:
         self.health_pool = self._pool(f"aml-app {schema.name} health", 2, HEALTH_TIMEOUT, HEALTH_TIMEOUT)
         #: Whether the last snapshot that looked found the store's tables.
         self.tables_seen = False
+        # What a snapshot sends first: BEGIN in one message with the statement reading the store's state
+        # (offsets, meta rows, schema version), or with the check that its tables are there.
+        self._state = sql.SQL(
+            "SELECT NULL::text, NULL::text, partition, next_offset FROM {0}.applied_offsets"
+            " UNION ALL SELECT key, value, NULL, NULL FROM {0}.meta"
+            " UNION ALL SELECT {1}, max(version)::text, NULL, NULL FROM {0}.schema_version"
+        ).format(sql.Identifier(schema.name), sql.Literal(_VERSION_KEY))
+        self._begin_state = _BEGIN.format(self._state)
+        check = sql.SQL("SELECT to_regclass({})").format(sql.Literal(version_table(schema)))
+        self._begin_check = _BEGIN.format(check)
 
     def _pool(self, name: str, size: int, timeout: float, statement_timeout: float) -> Any:
         from psycopg_pool import AsyncConnectionPool
@@ -539,48 +564,29 @@ class Reader:
             await cur.execute("COMMIT")
 
     async def _open(self, cur: Any) -> Snapshot:
+        """Begin the snapshot's transaction on `cur` and read the store's state in it."""
         if self.tables_seen:
             try:
-                await self._begin(cur, self._state_query())
-                return await self._state(cur)
+                await _begin(cur, self._begin_state)
+                return self._snapshot_of(cur, await cur.fetchall())
             except (psycopg.errors.UndefinedTable, psycopg.errors.InvalidSchemaName):
                 await cur.execute("ROLLBACK")
                 self.tables_seen = False
-        await self._begin(cur, sql.SQL("SELECT to_regclass({})").format(sql.Literal(self._tables())))
+        await _begin(cur, self._begin_check)
         row = await cur.fetchone()
         if row is None or row[0] is None:
             return Snapshot(cur, None, {}, {})
-        await cur.execute(self._state_query(), prepare=False)
-        snapshot = await self._state(cur)
+        await cur.execute(self._state, prepare=False)
+        snapshot = self._snapshot_of(cur, await cur.fetchall())
         self.tables_seen = True
         return snapshot
 
-    def _tables(self) -> str:
-        return f'"{self.schema.name}".schema_version'
-
-    def _state_query(self) -> sql.Composed:
-        """The store's applied offsets, meta rows and schema version, in one statement."""
-        return sql.SQL(
-            "SELECT NULL::text, NULL::text, partition, next_offset FROM {0}.applied_offsets"
-            " UNION ALL SELECT key, value, NULL, NULL FROM {0}.meta"
-            " UNION ALL SELECT {1}, max(version)::text, NULL, NULL FROM {0}.schema_version"
-        ).format(sql.Identifier(self.schema.name), sql.Literal(_VERSION_KEY))
-
-    @staticmethod
-    async def _begin(cur: Any, first: sql.Composable) -> None:
-        """Begin a REPEATABLE READ, READ ONLY transaction and run `first` in it, in one message (the
-        simple query protocol, hence no parameters: `first` holds its values in its text); the cursor
-        is left on `first`'s result."""
-        begin = sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {}").format(first)
-        await cur.execute(begin, prepare=False)
-        cur.nextset()
-
-    async def _state(self, cur: Any) -> Snapshot:
-        """The snapshot from the state query's result on `cur`: as of the same snapshot as the tables the
-        answer reads, so a store seen at this program's version has its tables."""
+    def _snapshot_of(self, cur: Any, state: list[tuple[Any, ...]]) -> Snapshot:
+        """The snapshot from the rows of its state statement, read in it: a store seen at this program's
+        version has its tables."""
         as_of: dict[int, int] = {}
         meta: dict[str, str] = {}
-        for key, value, partition, offset in await cur.fetchall():
+        for key, value, partition, offset in state:
             if key is None:
                 as_of[int(partition)] = int(offset)
             else:
