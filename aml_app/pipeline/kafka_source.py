@@ -77,7 +77,7 @@ SLOW_PLAN = 2.0
 #: Settings of every client the source makes, one per plan or task. librdkafka holds back a client's
 #: first connection to the cluster for half of reconnect.backoff.ms (100 ms by default) whenever a request
 #: arrives before its bootstrap connection is up, which for a fresh client is nearly always: a plan's
-#: reading of the log ends took 57 ms at rest against 23 with 10 (`bench.probe_answers`). Backoff after
+#: reading of the log ends took 57 ms at rest against 21 with 10 (`bench.probe_answers`). Backoff after
 #: a failed connection still grows to reconnect.backoff.max.ms (10 s).
 FRESH_CLIENT = {"reconnect.backoff.ms": 10}
 
