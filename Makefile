@@ -46,6 +46,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.fetch_backoff
 	$(BIN)/python -m bench.pipeline_throughput
 	$(BIN)/python -m bench.spark_batch_cost
+	$(BIN)/python -m bench.pipeline_floor
 	$(BIN)/python -m bench.api_latency
 	$(BIN)/python -m bench.window_query
 	$(BIN)/python -m bench.end_to_end
