@@ -18,7 +18,8 @@ a. Under a steady write: a producer writes a 4-partition topic at each rate, and
 b. At rest: a topic of `--records` records in batches of 4 (the embedded broker's costs grow with the
    batches a partition holds: BENCHMARKS.md, "The embedded broker over a long run"); per way, the
    broker's CPU and the wall time of a reading, over `--readings` readings; and the same for a reading
-   task of a small micro-batch (`read_ranges`: six records of each of two partitions, a fresh client).
+   task of a small micro-batch (`read_ranges`: six records of each of the four partitions, a fresh
+   client, as the pipeline's one task reads a batch of 24 payments).
 
     .venv/bin/python -m bench.probe_answers [--rates 500,2000] [--seconds 60] [--records 40000]
 """
@@ -219,7 +220,7 @@ def at_rest(bootstrap: str, broker_pid: int, records: int, readings: int) -> dic
             assert ends == written, f"{name} read {ends}, the log ends at {written}"
 
         found[name] = per_reading(broker_pid, readings, reading)
-    found["a reading task of 2 x 6 records"] = reading_tasks(config, topic, broker_pid, written, readings)
+    found["a reading task of 4 x 6 records"] = reading_tasks(config, topic, broker_pid, written, readings)
     return {"written": written, "readings": found}
 
 
@@ -237,17 +238,16 @@ def per_reading(broker_pid: int, readings: int, reading: Callable[[int], None]) 
 def reading_tasks(
     config: dict[str, Any], topic: str, broker_pid: int, written: Ends, readings: int
 ) -> dict[str, Any]:
-    """What a micro-batch's reading task costs when the batch is small: six records of partitions 0 and
-    1 each, well behind their ends, a fresh client per task as the source makes."""
+    """What a micro-batch's reading task costs when the batch is small: six records of each partition,
+    well behind their ends, a fresh client per task as the source makes."""
     offsets = [written[0] // 2 + 6 * n for n in range(readings + 1)]
     list(read_ranges(config, topic, [(0, offsets[0], offsets[0] + 6)]))  # unmeasured: the first client
 
     def task(n: int) -> None:
         start = offsets[n + 1]
-        rows = sum(
-            b.num_rows for b in read_ranges(config, topic, [(0, start, start + 6), (1, start, start + 6)])
-        )
-        assert rows == 12, f"a task read {rows} records of 12"
+        ranges = [(p, start, start + 6) for p in range(PARTITIONS)]
+        rows = sum(b.num_rows for b in read_ranges(config, topic, ranges))
+        assert rows == 6 * PARTITIONS, f"a task read {rows} records of {6 * PARTITIONS}"
 
     return per_reading(broker_pid, readings, task)
 
