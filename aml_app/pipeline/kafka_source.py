@@ -335,31 +335,22 @@ def read_ranges(
     rows: int = ARROW_BATCH_ROWS,
     source_header: str | None = None,
 ) -> Iterator[Any]:
-    """Yield Arrow record batches with the records of each (partition, start, end) range (one range per
-    partition); with `source_header`, a `source` column of each record's first such header
-    (`first_header`).
+    """Yield Arrow record batches with the records of each (partition, start, end) range, in turn; with
+    `source_header`, a `source` column of each record's first such header (`first_header`).
 
-    One client reads every range of a task at once: its fetches ask for all of them together, where one
-    range after another cost a fetch round trip each and, now and then, a consume timeout (0.5 s) when the
-    fetch still held for the previous partition answered nothing for the next (a micro-batch of 24 records
-    on 4 partitions: 52-55 ms a read one by one, 20-22 together; BENCHMARKS.md, "The pipeline alone").
-    Offsets can have holes (transaction markers, compaction), so a range ends at the first record at or
-    past `end - 1` or when the client reports the end of the partition at or past `end`; a partition whose
-    range is done is paused. A batch never mixes partitions: each has its own, yielded at `rows` records
-    and when its range is done.
+    One client serves every range of a task. Offsets can have holes (transaction markers, compaction), so
+    a range ends at the first record at or past `end - 1` or when the client reports the end of the
+    partition at or past `end`. A batch never mixes partitions.
     """
     import pyarrow as pa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
 
-    ends = {partition: end for partition, start, end in ranges if end > start}
-    if len(ends) != len([r for r in ranges if r[2] > r[1]]):
-        raise ValueError(f"a task reads each partition once, got ranges {list(ranges)}")
-    positions = {partition: start for partition, start, end in ranges if end > start}
-    names = ["partition", "offset", "timestamp", "key", "value", *(["source"] if source_header else [])]
-    pending: dict[int, dict[str, list]] = {p: {name: [] for name in names[1:]} for p in ends}
+    consumer = _consumer(config)
+    columns: dict[str, list] = {"offset": [], "timestamp": [], "key": [], "value": []}
+    if source_header is not None:
+        columns["source"] = []
 
     def flush(partition: int) -> Any:
-        columns = pending[partition]
         n = len(columns["offset"])
         arrays = [
             pa.array([partition] * n, pa.int32()),
@@ -368,63 +359,52 @@ def read_ranges(
             pa.array(columns["key"], pa.binary()),
             pa.array(columns["value"], pa.binary()),
         ]
+        names = ["partition", "offset", "timestamp", "key", "value"]
         if source_header is not None:
             arrays.append(pa.array(columns["source"], pa.string()))
+            names.append("source")
+        batch = pa.RecordBatch.from_arrays(arrays, names=names)
         for values in columns.values():
             values.clear()
-        return pa.RecordBatch.from_arrays(arrays, names=names)
+        return batch
 
-    if not ends:
-        return
-    consumer = _consumer(config)
     try:
-        consumer.assign([TopicPartition(topic, p, positions[p]) for p in sorted(ends)])
-        open_ = set(ends)
-        last_progress = time.monotonic()
-
-        def done(partition: int) -> Iterator[Any]:
-            open_.discard(partition)
-            consumer.pause([TopicPartition(topic, partition)])
-            if pending[partition]["offset"]:
-                yield flush(partition)
-
-        while open_:
-            wanted = min(rows, sum(ends[p] - positions[p] for p in open_))
-            messages = consumer.consume(num_messages=wanted, timeout=0.5)
-            if not messages and time.monotonic() - last_progress > READ_STALL_TIMEOUT:
-                stalled = ", ".join(
-                    f"[{p}] at offset {positions[p]} (reading up to {ends[p]})" for p in sorted(open_)
-                )
-                raise TimeoutError(f"no record of {topic}{stalled} for {READ_STALL_TIMEOUT:.0f} s")
-            for message in messages:
-                error, partition = message.error(), message.partition()
-                if error is not None and error.code() != KafkaError._PARTITION_EOF:
-                    raise KafkaException(error)
-                if partition not in open_:
-                    continue  # fetched before its range was done and it was paused
-                if error is not None:
-                    positions[partition] = max(positions[partition], message.offset())
-                    if positions[partition] >= ends[partition]:
-                        yield from done(partition)
-                    continue
-                offset = message.offset()
-                if offset >= ends[partition]:
-                    yield from done(partition)
-                    continue
-                last_progress = time.monotonic()
-                positions[partition] = offset + 1
-                columns = pending[partition]
-                columns["offset"].append(offset)
-                _, ts_ms = message.timestamp()
-                columns["timestamp"].append(ts_ms * 1000 if 0 <= ts_ms <= LATEST_TIMESTAMP_MS else None)
-                columns["key"].append(message.key())
-                columns["value"].append(message.value())
-                if source_header is not None:
-                    columns["source"].append(first_header(message.headers(), source_header))
-                if positions[partition] >= ends[partition]:
-                    yield from done(partition)
-                elif len(columns["offset"]) >= rows:
+        for partition, start, end in ranges:
+            consumer.assign([TopicPartition(topic, partition, start)])
+            position = start
+            last_progress = time.monotonic()
+            while position < end:
+                messages = consumer.consume(num_messages=min(rows, end - position), timeout=0.5)
+                if not messages and time.monotonic() - last_progress > READ_STALL_TIMEOUT:
+                    raise TimeoutError(
+                        f"no record of {topic}[{partition}] at offset {position} (reading up to {end}) "
+                        f"for {READ_STALL_TIMEOUT:.0f} s"
+                    )
+                for message in messages:
+                    error = message.error()
+                    if error is not None:
+                        if error.code() == KafkaError._PARTITION_EOF:
+                            position = max(position, message.offset())
+                            continue
+                        raise KafkaException(error)
+                    offset = message.offset()
+                    if offset >= end:
+                        position = end
+                        break
+                    last_progress = time.monotonic()
+                    position = offset + 1
+                    columns["offset"].append(offset)
+                    _, ts_ms = message.timestamp()
+                    columns["timestamp"].append(ts_ms * 1000 if 0 <= ts_ms <= LATEST_TIMESTAMP_MS else None)
+                    columns["key"].append(message.key())
+                    columns["value"].append(message.value())
+                    if source_header is not None:
+                        columns["source"].append(first_header(message.headers(), source_header))
+                if len(columns["offset"]) >= rows:
                     yield flush(partition)
+            if columns["offset"]:
+                yield flush(partition)
+            consumer.unassign()
     finally:
         consumer.close()
 

@@ -552,25 +552,6 @@ def test_a_task_reads_several_partitions_with_one_client(broker: EmbeddedBroker)
     assert sorted(got, key=lambda r: (r.partition, r.offset)) == placed
 
 
-def test_a_task_fetches_its_partitions_together(broker: EmbeddedBroker) -> None:
-    # A micro-batch's reading task is on the path of every payment to B and C. Reading its partitions one
-    # after another cost a fetch round trip each (and now and then a consume timeout); its fetches now ask
-    # for all of them. librdkafka's fetch log names the partitions of every fetch it sends: no timing.
-    topic = new_topic(broker.bootstrap, 4)
-    placed = produce(broker.bootstrap, topic, {0: 6, 1: 6, 2: 6, 3: 6})
-    logger, handler = librdkafka_log()
-    config = {"bootstrap.servers": broker.bootstrap, "debug": "fetch", "logger": logger}
-    batches = list(kafka_source.read_ranges(config, topic, [(p, 0, 6) for p in range(4)]))
-    got = as_placed(pa.Table.from_batches(batches, ARROW_SCHEMA))
-    assert sorted(got, key=lambda r: (r.partition, r.offset)) == placed
-    assert all(len(set(b.column("partition").to_pylist())) == 1 for b in batches), "a batch mixed"
-    fetched = [
-        int(m.group(1)) for m in (re.search(r"Fetch (\d+)/\d+/\d+ toppar", x) for x in handler.lines) if m
-    ]
-    assert fetched, "no fetch in the log: the test no longer sees what a fetch asks for"
-    assert max(fetched) == 4, f"partitions per fetch: {fetched}"
-
-
 # --- pickling -----------------------------------------------------------------------------------
 
 
