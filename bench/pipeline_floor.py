@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import dataclasses
 import itertools
+import math
 import os
 import statistics
 import sys
@@ -31,18 +32,17 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Iterable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from aml_app.dependency_services import service as dependency_service
 from aml_app.harness.embedded_postgres import EmbeddedPostgres
 from aml_app.harness.verify import percentile
 from aml_app.kafka.broker import EmbeddedBroker, free_port, wait_until_answering
-from aml_app.settings import DependencySettings, KafkaSettings, PipelineSettings, Settings
+from aml_app.settings import PipelineSettings, Settings
 from bench.common import finish, machine, markdown_table
 from bench.pipeline_throughput import (
-    MAX_PAYMENT_BYTES,
     PARTITIONS,
     POLL_INTERVAL,
     SERVICES,
@@ -51,6 +51,7 @@ from bench.pipeline_throughput import (
     CpuSampler,
     create_topics,
     latencies,
+    pipeline_settings,
     produce_at_rate,
 )
 
@@ -92,6 +93,12 @@ class Progress:
         self._thread.join(5)
 
 
+def mean(values: Iterable[float]) -> float:
+    """The mean to 0.1, NaN for none (an arm too short to hold a whole trigger after its first seconds)."""
+    listed = list(values)
+    return round(statistics.mean(listed), 1) if listed else math.nan
+
+
 def arm(
     spark: Any, settings: Settings, trigger: float, args: argparse.Namespace, poller: CommitPoller
 ) -> dict[str, Any]:
@@ -130,11 +137,11 @@ def arm(
         "payments": len(measured),
         "commit_ms": {q: round(percentile(lat_ms, q), 1) for q in (50, 90, 99)},
         "triggers": len(triggers),
-        "rows_per_trigger": round(statistics.mean(r["rows"] for r in triggers), 1),
-        "start_to_start_ms": round(1000 * statistics.mean(b - a for a, b in itertools.pairwise(starts)), 1),
-        "duration_ms_mean": {k: round(statistics.mean(r.get(k, 0) for r in triggers), 1) for k in DURATIONS},
+        "rows_per_trigger": mean(r["rows"] for r in triggers),
+        "start_to_start_ms": mean(1000 * (b - a) for a, b in itertools.pairwise(starts)),
+        "duration_ms_mean": {k: mean(r.get(k, 0) for r in triggers) for k in DURATIONS},
         "handler_ms_mean": {
-            phase: round(1000 * statistics.mean(r["phases"].get(phase, 0.0) for r in handled), 1)
+            phase: mean(1000 * r["phases"].get(phase, 0.0) for r in handled)
             for phase in ("spark", "store", "commit")
         },
         "cpu": cpu.between(settle, ended, len(measured)),
@@ -157,21 +164,8 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         create_topics(broker.bootstrap, [topic, dlq], PARTITIONS)
         server = EmbeddedPostgres(workdir / "postgres", free_port()).start()
         groups = [f"relations-{suffix}", f"aggregates-{suffix}"]
-        settings = Settings(
-            kafka=KafkaSettings(
-                bootstrap_servers=(broker.bootstrap,),
-                payments_topic=topic,
-                dlq_topic=dlq,
-                max_payment_bytes=MAX_PAYMENT_BYTES,
-            ),
-            dependencies=DependencySettings(
-                endpoints={
-                    name: dataclasses.replace(dependency_service(name).default_endpoint(), group=group)
-                    for name, group in zip(SERVICES, groups, strict=True)
-                },
-                store_url=server.url(),
-            ),
-            pipeline=PipelineSettings(spark_master="local[2]"),
+        settings = pipeline_settings(
+            broker.bootstrap, topic, dlq, groups, server.url(), PipelineSettings(spark_master="local[2]")
         )
         poller = CommitPoller(broker.bootstrap, topic, groups, POLL_INTERVAL).start()
         spark = spark_session("local[2]", app_name="bench-pipeline-floor")

@@ -105,6 +105,28 @@ def payments(n: int, invalid_every: int, seed: int, tag: str) -> Iterator[tuple[
         yield key, payment_json(f"{tag}-{i}", f"acct-{payer}", f"acct-{payee}", amount, ts), True
 
 
+def pipeline_settings(
+    bootstrap: str, topic: str, dlq: str, groups: list[str], store_url: str, pipeline: PipelineSettings
+) -> Settings:
+    """The pipeline's settings on a benchmark's own broker, topics, groups (B's, then C's) and store."""
+    return Settings(
+        kafka=KafkaSettings(
+            bootstrap_servers=(bootstrap,),
+            payments_topic=topic,
+            dlq_topic=dlq,
+            max_payment_bytes=MAX_PAYMENT_BYTES,
+        ),
+        dependencies=DependencySettings(
+            endpoints={
+                name: dataclasses.replace(dependency_service(name).default_endpoint(), group=group)
+                for name, group in zip(SERVICES, groups, strict=True)
+            },
+            store_url=store_url,
+        ),
+        pipeline=pipeline,
+    )
+
+
 def create_topics(bootstrap: str, topics: list[str], partitions: int) -> None:
     from confluent_kafka.admin import AdminClient, NewTopic
 
@@ -673,21 +695,13 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         del batches
         server = EmbeddedPostgres(workdir / "postgres", free_port()).start()
         groups = [f"relations-{suffix}", f"aggregates-{suffix}"]
-        settings = Settings(
-            kafka=KafkaSettings(
-                bootstrap_servers=(broker.bootstrap,),
-                payments_topic=topic,
-                dlq_topic=dlq,
-                max_payment_bytes=MAX_PAYMENT_BYTES,
-            ),
-            dependencies=DependencySettings(
-                endpoints={
-                    name: dataclasses.replace(dependency_service(name).default_endpoint(), group=group)
-                    for name, group in zip(SERVICES, groups, strict=True)
-                },
-                store_url=server.url(),
-            ),
-            pipeline=PipelineSettings(
+        settings = pipeline_settings(
+            broker.bootstrap,
+            topic,
+            dlq,
+            groups,
+            server.url(),
+            PipelineSettings(
                 spark_master=args.master,
                 trigger_interval=args.trigger_interval,
                 max_records_per_trigger=args.max_records_per_trigger,
