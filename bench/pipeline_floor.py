@@ -26,6 +26,7 @@ import dataclasses
 import itertools
 import math
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -190,6 +191,7 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
         if server is not None:
             server.stop()
         broker.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
     return doc
 
 
