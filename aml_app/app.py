@@ -11,7 +11,7 @@ from aiohttp.typedefs import Middleware
 from faust.types import TopicT
 
 from aml_app.collector import settle
-from aml_app.faust_internals import FetchWaitApp
+from aml_app.faust_internals import FetchWaitApp, PromptStopWorker
 from aml_app.gate.assignments import watch_assignments
 from aml_app.kafka.security import faust_credentials
 from aml_app.loopback import is_loopback, loopback_hosts_only
@@ -85,6 +85,8 @@ app = AmlApp(
     web_application_options={"middlewares": web_middlewares(settings)},
     # TLS/SASL from KAFKA_SECURITY_PROTOCOL etc. (None: plaintext); Faust passes it to all its clients.
     broker_credentials=faust_credentials(settings.kafka.security),
+    # Stops without mode's fixed second at the end (aml_app.faust_internals).
+    Worker=PromptStopWorker,
 )
 #: Warns at each assignment that leaves this worker without a payments partition (aml_app.gate.assignments).
 assignment_watch = watch_assignments(app, settings.kafka.payments_topic, settings.app_id, settings.worker_id)

@@ -1,7 +1,7 @@
-"""Every use of a Faust or aiokafka private name, in one place, checked when this module is imported.
+"""Every use of a Faust, mode or aiokafka private name, in one place, checked when this module is imported.
 
 The gate leans on a few things Faust does not expose. Each is here, with the reason and the test that
-found it; nothing else in the project touches a private name of either library:
+found it; nothing else in the project touches a private name of these libraries:
 
 - `transport_with_fetch_wait`: Faust hard-codes its worker consumer's fetch wait (1.5 s), which a broker
   that holds fetches (Tansu) adds to every hop (`AML_FETCH_MAX_WAIT_MS`, BENCHMARKS.md).
@@ -33,6 +33,9 @@ found it; nothing else in the project touches a private name of either library:
 - `partition_flags`: the delivery repairs' view of whether Faust pauses or fetches a partition.
 - `keep_in_metadata`, `wait_for_topic`: keep the topics the worker writes in its producer's metadata
   (aiokafka drops a topic it does not track, and sends to it then hang), and wait for a topic's metadata.
+- `PromptStopWorker`: mode's worker sleeps a fixed second (`Worker._sentinel_task`) before closing the
+  event loop at every stop, for the tasks it has just cancelled; this one waits for those tasks, at
+  most that second, so a SIGTERM'd worker exits as soon as they are done.
 
 Importing this module checks that each name still exists and raises `IncompatibleFaust`, one sentence
 naming the versions it was built for, so an upgrade fails at start-up instead of in the middle of the
@@ -52,6 +55,7 @@ from typing import Any
 import aiokafka
 import faust
 import faust.streams
+import mode
 from faust.tables.base import Collection
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -59,7 +63,7 @@ from faust.types import TP, AppT, EventT, StreamT, TransportT
 
 from aml_app.kafka.log_ends import fetched_log_ends
 
-BUILT_FOR = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
+BUILT_FOR = {"faust-streaming": "0.15.3", "aiokafka": "0.14.0", "mode-streaming": "0.7.1"}
 
 #: (owner, name, how to look): "attr" = an attribute of the module or class; "annotation" = declared
 #: on the class (an instance attribute); "source:<function>" = assigned or read in that function.
@@ -88,6 +92,7 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust.streams.Stream, "_on_message_in", "source:__init__"),
     (faust.streams.Stream, "_on_stream_event_in", "source:__init__"),
     (faust.streams.Stream, "_channel_stop_iteration", "attr"),
+    (mode.Worker, "_sentinel_task", "source:_shutdown_loop"),
 ]
 
 #: sha256 of the source of Faust's `Consumer._drain_messages` that `lean_drain_messages` adapts.
@@ -423,6 +428,25 @@ class WatchedGlobalTable(faust.GlobalTable):
 
 
 # --- producer metadata ---------------------------------------------------------------------------
+
+
+class PromptStopWorker(faust.Worker):
+    """Faust's worker, ending its stop as soon as the tasks it cancelled are done.
+
+    mode's `Worker._shutdown_loop` cancels every task left, then runs `_sentinel_task`, a fixed
+    `sleep(1.0)` that gives them a moment before the loop closes: a second added to every stop (a
+    rolling restart, a scale-down, a SIGTERM). Here the sentinel waits for exactly those tasks, up to
+    the same second."""
+
+    async def _sentinel_task(self) -> None:
+        current = asyncio.current_task()
+        others = [task for task in asyncio.all_tasks() if task is not current]
+        if others:
+            await asyncio.wait(others, timeout=SENTINEL_WAIT)
+
+
+#: The longest the last step of a worker's stop waits for its cancelled tasks (mode's fixed sleep).
+SENTINEL_WAIT = 1.0
 
 
 def keep_in_metadata(app: AppT, topics: Iterable[str]) -> None:

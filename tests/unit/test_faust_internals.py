@@ -10,6 +10,7 @@ import threading
 import types
 from typing import Any
 
+import mode
 import pytest
 from faust.transport.consumer import Consumer as FaustConsumer
 from faust.types import TP
@@ -17,7 +18,9 @@ from intervaltree import IntervalTree
 
 from aml_app import faust_internals
 from aml_app.faust_internals import (
+    SENTINEL_WAIT,
     IncompatibleFaust,
+    PromptStopWorker,
     check,
     dispatch_events,
     incompatibility,
@@ -31,7 +34,11 @@ from aml_app.gate.delivery import generation_starts
 
 def test_every_private_name_is_there_in_the_pinned_versions() -> None:
     assert missing_names() == []
-    assert faust_internals.BUILT_FOR == {"faust-streaming": "0.15.3", "aiokafka": "0.14.0"}
+    assert faust_internals.BUILT_FOR == {
+        "faust-streaming": "0.15.3",
+        "aiokafka": "0.14.0",
+        "mode-streaming": "0.7.1",
+    }
 
 
 def test_a_missing_name_is_one_sentence_naming_the_versions_it_was_built_for() -> None:
@@ -61,7 +68,9 @@ def test_a_missing_name_is_one_sentence_naming_the_versions_it_was_built_for() -
         check(required)
     sentence = str(raised.value)
     assert "\n" not in sentence
-    assert sentence.startswith("aml-app was built for faust-streaming 0.15.3 and aiokafka 0.14.0, but ")
+    assert sentence.startswith(
+        "aml-app was built for faust-streaming 0.15.3 and aiokafka 0.14.0 and mode-streaming 0.7.1, but "
+    )
     assert "faust.fake._current_event" in sentence and "pyproject.toml" in sentence
     assert incompatibility(["x"]).count(".") >= 1
 
@@ -347,3 +356,60 @@ async def test_the_worker_consumer_seeks_in_the_consumer_thread() -> None:
         thread.stop()
     assert thread.seeks == [("tp", 7, thread.thread.ident)]
     assert thread.thread.ident != threading.get_ident()
+
+
+def stop_with_sentinel(sentinel: Any, task_body: Any) -> tuple[list[str], bool]:
+    """The end of mode's `Worker._shutdown_loop` on a loop of its own: a task is running, the worker
+    cancels it and runs `sentinel` to completion. Returns what the task did and whether a callback due
+    half of mode's fixed second after the cancel had fired by the time the sentinel returned."""
+    loop = asyncio.new_event_loop()
+    steps: list[str] = []
+    try:
+        task = loop.create_task(task_body(steps))
+        loop.run_until_complete(asyncio.sleep(0))  # the task is running
+        task.cancel()
+        fired: list[bool] = []
+        loop.call_later(SENTINEL_WAIT / 2, fired.append, True)
+        loop.run_until_complete(loop.create_task(sentinel()))
+        return steps, bool(fired)
+    finally:
+        loop.close()
+
+
+async def cleans_up_over_a_few_iterations(steps: list[str]) -> None:
+    try:
+        await asyncio.sleep(60)
+    finally:
+        for _ in range(3):
+            await asyncio.sleep(0)
+        steps.append("cleaned up")
+
+
+def test_a_stopping_worker_waits_for_its_cancelled_tasks_and_not_a_fixed_second() -> None:
+    """mode's sentinel sleeps 1 s at every stop; the worker's waits for the tasks it cancelled. Negative
+    control: mode's own sentinel lets the half-second callback fire first."""
+    worker = object.__new__(PromptStopWorker)
+    ours = stop_with_sentinel(worker._sentinel_task, cleans_up_over_a_few_iterations)
+    assert ours == (["cleaned up"], False)
+
+    mode_worker = object.__new__(mode.Worker)
+    modes = stop_with_sentinel(mode_worker._sentinel_task, cleans_up_over_a_few_iterations)
+    assert modes == (["cleaned up"], True)
+
+
+def test_a_task_that_ignores_its_cancel_holds_a_stop_for_at_most_mode_s_second() -> None:
+    async def stubborn(steps: list[str]) -> None:
+        while True:
+            try:
+                await asyncio.sleep(60)
+            except asyncio.CancelledError:
+                steps.append("ignored a cancel")
+
+    worker = object.__new__(PromptStopWorker)
+    assert stop_with_sentinel(worker._sentinel_task, stubborn) == (["ignored a cancel"], True)
+
+
+def test_the_app_starts_its_workers_with_the_prompt_stop() -> None:
+    from aml_app.app import app
+
+    assert app.conf.Worker is PromptStopWorker
