@@ -30,7 +30,11 @@ Per rate, over the payments sent after the warm-up:
   against both. For AML's event-time gate the share is also given from that gate's own floor
   (`event_time_covered`): the instant both groups had committed every payment of every partition sent
   by then and timestamped up to the payment's event time, which comes later than the payment's own
-  commit when a micro-batch ended before some of them reached the broker;
+  commit when a micro-batch ended before some of them reached the broker. The share is split at the
+  instant the leader published the first row of its gate's table (AML: the event-time cut; fraud: the
+  partition's watermark) that opens the gate on the payment, the row's broker timestamp on the table's
+  changelog (`published_at`): before it, the leader's refresh; after it, per worker, the changelog hop
+  to a follower, the lane, the evidence and the rules;
 - the pipeline's commit latency: that instant minus the send time;
 - every payment of the step decided by both services at the end of the run, 0 premature decisions
   (`aml_app.harness.verify.premature`, as the demo checks) and 0 freshness violations;
@@ -61,6 +65,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import bisect
+import contextlib
 import itertools
 import json
 import re
@@ -76,11 +81,12 @@ from typing import Any
 import aiohttp
 
 from aml_app import dependency_services as registry
-from aml_app.gate.event_time import micros
+from aml_app.gate.event_time import Cut, admits, micros
 from aml_app.harness.demo import PROGRESS_EVERY, Demo, Options, sleep_unless
 from aml_app.harness.report import say
-from aml_app.harness.system import SystemFailure
-from aml_app.harness.verdict import Sent
+from aml_app.harness.system import SystemFailure, service_settings
+from aml_app.harness.tails import TopicTail
+from aml_app.harness.verdict import Sent, Verdict
 from aml_app.harness.verify import CommitTimeline, decided_at, percentile, premature
 from aml_app.settings import Settings, load_settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
@@ -240,6 +246,54 @@ async def scrape_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
     return found
 
 
+class GateTableTail(TopicTail):
+    """The changelog of the table a service's gate opens on (AML's event-time cut, fraud's per-partition
+    watermarks), with each write's broker timestamp: when the leader published what it read."""
+
+    def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
+        super().__init__(bootstrap, topic)
+        self.rows: list[tuple[float, dict[str, Any]]] = []
+
+    def take(self, record: Any) -> None:
+        with contextlib.suppress(TypeError, ValueError):
+            doc = json.loads(record.value)
+            if isinstance(doc, dict):
+                self.rows.append((record.timestamp / 1000, doc))
+
+
+def gate_table(app_id: str, mode: str) -> str:
+    """The changelog topic (Faust's `<app id>-<table>-changelog`) of the table a gate mode opens on."""
+    return f"{app_id}-{'gate-cut' if mode == 'event-time' else 'watermarks'}-changelog"
+
+
+def published_at(
+    rows: Sequence[tuple[float, Mapping[str, Any]]], mode: str, lateness_us: int
+) -> Callable[[int, int, int, float], float | None]:
+    """For payment (partition, offset, event time µs, sent at): when the leader first wrote a row that
+    opens the gate on it (the row's broker timestamp), None if none did. The rows in write order."""
+    times = [at for at, _ in rows]
+    cuts = [Cut.from_json(doc) if mode == "event-time" else None for _, doc in rows]
+
+    def opens(i: int, partition: int, offset: int, event_us: int) -> bool:
+        cut, doc = cuts[i], rows[i][1]
+        if cut is not None:
+            return admits(cut, partition, offset, event_us, lateness_us)
+        return doc.get("partition") == partition and int(doc.get("watermark", 0)) > offset
+
+    def first(partition: int, offset: int, event_us: int, sent: float) -> float | None:
+        # No row written before the payment was sent can open on it (its offset did not exist).
+        for i in range(bisect.bisect_left(times, sent - CLOCK_SLACK_S), len(rows)):
+            if opens(i, partition, offset, event_us):
+                return times[i]
+        return None
+
+    return first
+
+
+#: Broker timestamps are milliseconds: a row may carry an instant up to a millisecond before the send.
+CLOCK_SLACK_S = 0.002
+
+
 class CapacityDemo(Demo):
     """The demo, with its flow of payments replaced by steps of rising rate in the same system."""
 
@@ -251,10 +305,43 @@ class CapacityDemo(Demo):
         self.args = args
         self.steps: list[Step] = []
         self.step_over = asyncio.Event()
+        self.gate_tables: dict[str, GateTableTail] = {}
+        self.gate_table_tasks: list[asyncio.Task[None]] = []
 
     async def flow(self) -> None:
         self.started = time.monotonic()
         args = self.args
+        for svc, mode in GATE_MODES.items():
+            app_id = service_settings(self.settings, svc, self.system.layout.suffix).app_id
+            tail = GateTableTail(self.system.bootstrap, gate_table(app_id, mode))
+            await tail.start(1)
+            self.gate_tables[svc] = tail
+            self.gate_table_tasks.append(asyncio.create_task(tail.run()))
+        await self.steps_of_rates(args)
+
+    async def drain(self) -> None:
+        """The demo's drain; the gate tables are read until every payment is decided."""
+        try:
+            await super().drain()
+        finally:
+            await self.stop_gate_tables()
+
+    async def run(self) -> Verdict | None:
+        try:
+            return await super().run()
+        finally:
+            await self.stop_gate_tables()
+
+    async def stop_gate_tables(self) -> None:
+        tasks, self.gate_table_tasks = self.gate_table_tasks, []
+        for tail in self.gate_tables.values():
+            tail.halt()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if tasks:
+            for tail in self.gate_tables.values():
+                await tail.stop()
+
+    async def steps_of_rates(self, args: argparse.Namespace) -> None:
         rates: list[float] = args.rates
         done = []
         if args.prelude_seconds > 0:
@@ -676,6 +763,10 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
     lines = batch_lines(log_path.read_text(errors="replace") if log_path.exists() else "")
     commits = pipeline_commits(lines, {svc: registry.service(svc).group(settings) for svc in registry.NAMES})
     cover_in_event_time = event_time_covered(ledger.valid, ledger.sent_at, commits, groups)
+    lateness_us = round(settings.gate.allowed_lateness * 1_000_000)
+    published = {
+        svc: published_at(tail.rows, GATE_MODES[svc], lateness_us) for svc, tail in demo.gate_tables.items()
+    }
     out = []
     for step in demo.steps:
         if step.first_sent is None or step.last_sent is None or set(step.samples) != {"start", "end"}:
@@ -729,6 +820,34 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
                     ]
                 )
 
+            # The share in two: until the leader published a row opening the gate on the payment (its
+            # refresh), and from then to the decision (the changelog hop to a follower, the lane, the
+            # evidence, the rules).
+            opened = {
+                pid: published[svc](*place[pid], micros(ledger.valid[place[pid]].ts), ledger.sent_at[pid])
+                for pid in mine
+                if svc in published
+            }
+            floor = in_event_time if GATE_MODES.get(svc) == "event-time" else committed
+            split = {
+                "gate_published_ms": quantiles(
+                    [o - c for pid, o in opened.items() if o is not None and (c := floor[pid]) is not None]
+                ),
+                "gate_after_published_ms": quantiles(
+                    [decided_at(mine[pid]) - o for pid, o in opened.items() if o is not None]
+                ),
+                "gate_after_published_by_worker_ms": {
+                    worker: quantiles(
+                        [
+                            decided_at(d) - o
+                            for pid, d in mine.items()
+                            if d.get("worker") == worker and (o := opened.get(pid)) is not None
+                        ]
+                    )
+                    for worker in sorted({str(d.get("worker")) for d in mine.values()})
+                },
+                "never_published": sum(1 for o in opened.values() if o is None),
+            }
             doc["services"][svc] = {
                 # A payment never decided counts as infinitely late: the percentiles then say so.
                 "latency_ms": quantiles(
@@ -775,6 +894,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
                     )
                     for worker in sorted({str(d.get("worker")) for d in mine.values()})
                 },
+                **(split if opened else {}),
                 "undecided_measured": len(measured) - len(mine),
                 "gate_hold_ms": quantiles([float(d.get("waited_ms", 0)) / 1000 for d in mine.values()]),
                 "backlog_start": round(at_start, 1),
@@ -1056,6 +1176,21 @@ def report(doc: dict[str, Any]) -> str:
                 f"{worker} {q['p50']} / {q['p99']}"
                 for v in s["services"].values()
                 for worker, q in v["gate_share_by_worker_ms"].items()
+            )
+            for s in steps
+        ),
+        "gate share split, p50 / p99 (ms): covered -> the leader published a row opening the gate; "
+        "then -> decided, per worker: "
+        + ", ".join(
+            f"{s['rate']:g}/s "
+            + " ".join(
+                f"{svc} {v['gate_published_ms']['p50']} / {v['gate_published_ms']['p99']}; "
+                + " ".join(
+                    f"{worker} {q['p50']} / {q['p99']}"
+                    for worker, q in v["gate_after_published_by_worker_ms"].items()
+                )
+                for svc, v in s["services"].items()
+                if "gate_published_ms" in v
             )
             for s in steps
         ),
