@@ -290,7 +290,8 @@ def published_at(
     return first
 
 
-#: Broker timestamps are milliseconds: a row may carry an instant up to a millisecond before the send.
+#: A row's broker timestamp is cut to the millisecond, and the send time is taken on this side of the
+#: producer: rows up to this much before the send are read too (none of them can open on the payment).
 CLOCK_SLACK_S = 0.002
 
 
