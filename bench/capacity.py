@@ -161,6 +161,8 @@ class Sample:
     caches: dict[str, dict[str, int]] = field(default_factory=dict)  # each API replica's answer cache
     statements: pg_statements.Counters | None = None  # PostgreSQL's time by statement so far
     jit: dict[int, float] = field(default_factory=dict)  # CPU seconds so far of each JIT thread (`JIT`)
+    #: Each API replica's time answering its batch route so far: "sum" (seconds) and "count".
+    api_batches: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -226,6 +228,47 @@ def _comm(pid: int) -> str:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
         return ""
+
+
+#: An API replica's time answering batch requests (`POST /relations`, `POST /aggregates`), from the
+#: middleware's start to the response: what the worker's HTTP time adds to it is queueing and transport.
+API_BATCH_LINE = re.compile(
+    r'^aml_api_request_seconds_(sum|count)\{(?=[^}]*route="POST /[a-z]+")[^}]*\} ([0-9.eE+-]+)$'
+)
+
+
+async def scrape_api_batches(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The sum and count of an API replica's batch-route histogram (`API_BATCH_LINE`)."""
+    try:
+        async with (
+            aiohttp.ClientSession() as session,
+            session.get(f"{url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(5)) as r,
+        ):
+            text = await r.text() if r.status == 200 else ""
+    except (aiohttp.ClientError, TimeoutError):
+        text = ""
+    return api_batch_sums(text)
+
+
+def api_batch_sums(text: str) -> dict[str, float]:
+    """The batch routes' histogram sum and count in a replica's /metrics text, summed over the routes."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if match := API_BATCH_LINE.match(line):
+            found[match[1]] = found.get(match[1], 0.0) + float(match[2])
+    return found
+
+
+def api_batch_ms(start: Sample, end: Sample) -> dict[str, float | None]:
+    """Per API kind, over the measured part: the mean time a replica took to answer a batch request."""
+    spent: dict[str, list[float]] = {}
+    for name, b1 in end.api_batches.items():
+        b0 = start.api_batches.get(name) or {}
+        kind = "relations" if name.startswith("relations") else "aggregates"
+        entry = spent.setdefault(kind, [0.0, 0.0])
+        entry[0] += b1.get("sum", 0.0) - b0.get("sum", 0.0)
+        entry[1] += b1.get("count", 0.0) - b0.get("count", 0.0)
+    return {kind: round(1000 * total / n, 1) if n else None for kind, (total, n) in spent.items()}
 
 
 async def scrape_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
@@ -463,6 +506,7 @@ class CapacityDemo(Demo):
         metrics = await asyncio.gather(*(scrape_metrics(w.url, w.headers) for w in workers))
         apis = list(self.system.apis.values())
         healths = await asyncio.gather(*(api.health() for api in apis))
+        batches = await asyncio.gather(*(scrape_api_batches(api.url, api.headers) for api in apis))
         postgres = self.system.postgres
         statements = None if postgres is None else await pg_statements.read(postgres.url("aml"))
         assert self.system.watch is not None
@@ -475,6 +519,7 @@ class CapacityDemo(Demo):
             {api.name: (h or {}).get("answer_cache") or {} for api, h in zip(apis, healths, strict=True)},
             statements,
             jit=jit,
+            api_batches={api.name: b for api, b in zip(apis, batches, strict=True)},
         )
 
     async def catch_up(self, step: Step, deadline_s: float) -> None:
@@ -937,6 +982,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
             "pipeline": pipeline_stages(lines, start, end),
             "workers": worker_stages(step.samples, services, s1.at - s0.at),
             "answer_caches": answer_caches(s0, s1),
+            "api_batch_ms": api_batch_ms(s0, s1),
         }
         if s0.statements is not None and s1.statements is not None:
             doc["stages"]["postgres"] = pg_statements.between(s0.statements, s1.statements, len(both))
@@ -1261,6 +1307,8 @@ def stages_report(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> s
                 f"(HTTP to B and C mean {w['http_mean_ms']} ms)",
             )
         )
+    for kind, ms in sorted(step["stages"].get("api_batch_ms", {}).items(), reverse=True):
+        rows.append((f"{kind} API: a batch request answered", f"mean {ms} ms (the replicas' own histogram)"))
     for kind, cache in sorted(step["stages"].get("answer_caches", {}).items(), reverse=True):
         rows.append(
             (
