@@ -237,8 +237,8 @@ API_BATCH_LINE = re.compile(
 )
 
 
-async def scrape_api_batches(url: str, headers: dict[str, str]) -> dict[str, float]:
-    """The sum and count of an API replica's batch-route histogram (`API_BATCH_LINE`)."""
+async def metrics_text(url: str, headers: dict[str, str]) -> str:
+    """A process's /metrics text (`headers`: its token); empty when it does not answer."""
     try:
         async with (
             aiohttp.ClientSession() as session,
@@ -247,7 +247,12 @@ async def scrape_api_batches(url: str, headers: dict[str, str]) -> dict[str, flo
             text = await r.text() if r.status == 200 else ""
     except (aiohttp.ClientError, TimeoutError):
         text = ""
-    return api_batch_sums(text)
+    return text
+
+
+async def scrape_api_batches(url: str, headers: dict[str, str]) -> dict[str, float]:
+    """The sum and count of an API replica's batch-route histogram (`API_BATCH_LINE`)."""
+    return api_batch_sums(await metrics_text(url, headers))
 
 
 def api_batch_sums(text: str) -> dict[str, float]:
@@ -259,12 +264,17 @@ def api_batch_sums(text: str) -> dict[str, float]:
     return found
 
 
+def api_kind(name: str) -> str:
+    """The API an API replica's name is of (`relations-2-api` -> relations)."""
+    return "relations" if name.startswith("relations") else "aggregates"
+
+
 def api_batch_ms(start: Sample, end: Sample) -> dict[str, float | None]:
     """Per API kind, over the measured part: the mean time a replica took to answer a batch request."""
     spent: dict[str, list[float]] = {}
     for name, b1 in end.api_batches.items():
         b0 = start.api_batches.get(name) or {}
-        kind = "relations" if name.startswith("relations") else "aggregates"
+        kind = api_kind(name)
         entry = spent.setdefault(kind, [0.0, 0.0])
         entry[0] += b1.get("sum", 0.0) - b0.get("sum", 0.0)
         entry[1] += b1.get("count", 0.0) - b0.get("count", 0.0)
@@ -274,16 +284,8 @@ def api_batch_ms(start: Sample, end: Sample) -> dict[str, float | None]:
 async def scrape_metrics(url: str, headers: dict[str, str]) -> dict[str, float]:
     """The sums and counts of the gate-wait and refresh histograms of a worker's /metrics (`headers`:
     its token)."""
-    try:
-        async with (
-            aiohttp.ClientSession() as session,
-            session.get(f"{url}/metrics", headers=headers, timeout=aiohttp.ClientTimeout(5)) as r,
-        ):
-            text = await r.text() if r.status == 200 else ""
-    except (aiohttp.ClientError, TimeoutError):
-        text = ""
     found = {}
-    for line in text.splitlines():
+    for line in (await metrics_text(url, headers)).splitlines():
         if match := METRIC_LINE.match(line):
             found[f"{match[1]}_{match[2]}"] = float(match[3])
     return found
@@ -784,7 +786,7 @@ def answer_caches(start: Sample, end: Sample) -> dict[str, Any]:
     out: dict[str, dict[str, Any]] = {}
     for name, c1 in end.caches.items():
         c0 = start.caches.get(name) or {}
-        kind = "relations" if name.startswith("relations") else "aggregates"
+        kind = api_kind(name)
         entry = out.setdefault(kind, {"hits": 0, "joined": 0, "misses": 0})
         for k in ("hits", "joined", "misses"):
             entry[k] += c1.get(k, 0) - c0.get(k, 0)
