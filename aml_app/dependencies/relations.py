@@ -69,7 +69,7 @@ import psycopg
 from psycopg import sql
 
 from aml_app.dependencies.copy import copy_arrow
-from aml_app.dependencies.store import Schema, as_of_json, iso_text, money_text
+from aml_app.dependencies.store import Schema, Sent, as_of_json, iso_text, money_text
 
 MAX_HOPS = 3
 #: The parts answered when a query names none.
@@ -86,6 +86,8 @@ EARLIEST = datetime.min.replace(tzinfo=UTC)
 LOOP_MAX_PAYEES = 100
 #: The most accounts one level of a loop search may reach before it stops (`complete` false).
 LOOP_FRONTIER = 500
+#: A loop search expands both of its sides in one round while neither frontier is larger than this.
+LOOP_BOTH_SIDES = 16
 #: At most this many `sources` and `co_payees` in an answer, the strongest first.
 LISTED = 10
 #: The most entries the `out` parts of one call of `relations_many` list together (edge rows: one per
@@ -600,20 +602,20 @@ _PINNED = sql.SQL("e3.payer = q.closing")
 _OPEN = sql.SQL("q.closing IS NULL")
 
 
-async def _chains(
-    cur: Any,
+async def _send_chains(
+    sent: Sent,
     edges: sql.Composable,
     accounts: list[str],
     closings: list[str | None],
     ats: list[datetime | None],
     hops: int,
     min_average: MinAverage,
-) -> dict[int, list[str]]:
-    """The `chain` part of queries that all name a `closing`, or all name none."""
+) -> Any:
+    """Send the `chain` part of queries that all name a `closing`, or all name none."""
     low, high = FLOW_RATIO
     pinned = closings[0] is not None
     assert all((c is not None) == pinned for c in closings), "closing named by some queries only"
-    await cur.execute(
+    return await sent.send(
         sql.SQL(_CHAINS).format(edges=edges, last=_PINNED if pinned else _OPEN),
         {
             "accounts": accounts,
@@ -626,6 +628,9 @@ async def _chains(
             **_heavy_params(min_average),
         },
     )
+
+
+async def _read_chains(cur: Any, accounts: list[str]) -> dict[int, list[str]]:
     found = {}
     for i, one, two, three in await cur.fetchall():
         before = three or two or ([one] if one is not None else [])
@@ -633,27 +638,35 @@ async def _chains(
     return found
 
 
-async def _listed(
-    cur: Any,
+async def _send_listed(
+    sent: Sent,
     query: str,
     edges: sql.Composable,
     accounts: list[str],
     ats: list[datetime | None],
     min_average: MinAverage,
-) -> dict[int, list[tuple[Any, Any]]]:
-    await cur.execute(
+) -> Any:
+    return await sent.send(
         sql.SQL(query).format(edges=edges), {"accounts": accounts, "ats": ats, **_heavy_params(min_average)}
     )
+
+
+async def _read_listed(cur: Any) -> dict[int, list[tuple[Any, Any]]]:
     found: dict[int, list[tuple[Any, Any]]] = {}
     for i, name, value in await cur.fetchall():
         found.setdefault(i, []).append((name, value))
     return found
 
 
-async def _cycles(
-    cur: Any, edges: sql.Composable, accounts: list[str], ats: list[datetime | None], hops: int
-) -> dict[int, dict[str, Any]]:
-    await cur.execute(sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "ats": ats, "hops": hops})
+async def _send_cycles(
+    sent: Sent, edges: sql.Composable, accounts: list[str], ats: list[datetime | None], hops: int
+) -> Any:
+    return await sent.send(
+        sql.SQL(_CYCLES).format(edges=edges), {"accounts": accounts, "ats": ats, "hops": hops}
+    )
+
+
+async def _read_cycles(cur: Any, accounts: list[str]) -> dict[int, dict[str, Any]]:
     found = {}
     for i, two, three in await cur.fetchall():
         account = accounts[i - 1]
@@ -760,10 +773,14 @@ class LoopSearch:
         best = len(self.found) - 1 if self.found else self.query.loop_hops - 1
         return sum(self.levels.values()) >= best or not any(self.frontiers.values())
 
-    def side(self) -> str:
-        """The direction to expand next: the smaller frontier that is not empty."""
+    def sides(self) -> list[str]:
+        """The directions to expand next: both while neither frontier holds more than LOOP_BOTH_SIDES
+        accounts (a round trip to the server costs more than a small step), else the smaller frontier
+        that is not empty."""
         going = [d for d in ("forward", "backward") if self.frontiers[d]]
-        return min(going, key=lambda d: len(self.frontiers[d]))
+        if all(len(self.frontiers[d]) <= LOOP_BOTH_SIDES for d in going):
+            return going
+        return [min(going, key=lambda d: len(self.frontiers[d]))]
 
     def asked(self, direction: str) -> list[tuple[str, datetime]]:
         """(account, time) of each frontier account's label at this level, to expand."""
@@ -820,17 +837,19 @@ class LoopSearch:
         return {"found": self.found is not None, "path": path, "complete": self.complete}
 
 
-async def _loops(cur: Any, edges: sql.Composable, asked: Sequence[Query]) -> list[dict[str, Any]]:
+async def _loops(sent: Sent, edges: sql.Composable, asked: Sequence[Query]) -> list[dict[str, Any]]:
     """The `loop` part of each query (see the module docstring): every unfinished search takes one step
-    per round, forward or backward, in one statement per direction for the whole batch."""
+    per round, forward or backward, in one statement per direction for the whole batch; a round's two
+    statements go to the server together, and its first round with whatever `sent` holds unread."""
     searches = [LoopSearch(q) for q in asked]
-    while going := [(k, s.side()) for k, s in enumerate(searches) if not s.done]:
+    while going := [(k, d) for k, s in enumerate(searches) if not s.done for d in s.sides()]:
+        round_ = []
         for direction, statement in (("forward", _LOOP_FORWARD), ("backward", _LOOP_BACKWARD)):
             moving = [k for k, d in going if d == direction]
             if not moving:
                 continue
             rows = [(k, a, t) for k in moving for a, t in searches[k].asked(direction)]
-            await cur.execute(
+            cur = await sent.send(
                 sql.SQL(statement).format(edges=edges),
                 {
                     "searches": [k for k, _, _ in rows],
@@ -843,11 +862,14 @@ async def _loops(cur: Any, edges: sql.Composable, asked: Sequence[Query]) -> lis
                     "max_payees": LOOP_MAX_PAYEES,
                 },
             )
+            round_.append((direction, moving, cur))
+        for direction, moving, cur in round_:
             steps: dict[int, list[tuple[str, str, datetime]]] = {k: [] for k in moving}
             for k, source, target, when in await cur.fetchall():
                 steps[k].append((source, target, when))
             for k in moving:
-                searches[k].advance(direction, sorted(steps[k]))
+                if not searches[k].done:  # its forward step may have found the shortest loop
+                    searches[k].advance(direction, sorted(steps[k]))
     return [s.answer() for s in searches]
 
 
@@ -931,70 +953,8 @@ async def relations_many(
     if schema is None or not asked:
         return answers
     edges = sql.Identifier(schema.name, "edges")
-    for part, own, other in (("out", "payer", "payee"), ("in", "payee", "payer")):
-        wanted = [(i, q.account) for i, q in enumerate(asked) if part in q.parts]
-        if wanted:
-            await cur.execute(
-                sql.SQL(_SIDE).format(edges=edges, own=sql.Identifier(own), other=sql.Identifier(other)),
-                {
-                    "accounts": [a for _, a in wanted],
-                    "ats": [asked[i].at for i, _ in wanted],
-                    "afters": [asked[i].after for i, _ in wanted],
-                    "rows": max_rows,
-                },
-            )
-            sides = await _sides(await _rows(cur))
-            for k, (i, _account) in enumerate(wanted, start=1):
-                answers[i][part], cut = sides.get(k, ([], False))
-                if cut:
-                    answers[i].setdefault("truncated", {})[part] = len(answers[i][part])
-    for (hops, _min), indexes in _grouped(asked, "cycle", lambda q: (q.hops, None)).items():
-        cycles = await _cycles(
-            cur, edges, [asked[i].account for i in indexes], [asked[i].at for i in indexes], hops
-        )
-        for k, i in enumerate(indexes, start=1):
-            answers[i]["cycle"] = cycles[k]
-    looping = [i for i, q in enumerate(asked) if "loop" in q.parts]
-    if looping:
-        loops = await _loops(cur, edges, [asked[i] for i in looping])
-        for i, loop in zip(looping, loops, strict=True):
-            answers[i]["loop"] = loop
-    for (hops, _key, _pinned), indexes in _grouped(
-        asked, "chain", lambda q: (q.hops, _heavy_key(q.min_average), q.closing is not None)
-    ).items():
-        min_average = asked[indexes[0]].min_average
-        chains = await _chains(
-            cur,
-            edges,
-            [asked[i].account for i in indexes],
-            [asked[i].closing for i in indexes],
-            [asked[i].at for i in indexes],
-            hops,
-            min_average,
-        )
-        for k, i in enumerate(indexes, start=1):
-            answers[i]["chain"] = chains[k]
-    for part, query, fields in (
-        ("sources", _SOURCES, ("source", "via")),
-        ("co_payees", _CO_PAYEES, ("account", "shared")),
-    ):
-        for (_hops, _key), indexes in _grouped(
-            asked, part, lambda q: (None, _heavy_key(q.min_average))
-        ).items():
-            min_average = asked[indexes[0]].min_average
-            listed = await _listed(
-                cur,
-                query,
-                edges,
-                [asked[i].account for i in indexes],
-                [asked[i].at for i in indexes],
-                min_average,
-            )
-            for k, i in enumerate(indexes, start=1):
-                answers[i][part] = [
-                    {fields[0]: name, fields[1]: list(value) if isinstance(value, list) else int(value)}
-                    for name, value in listed.get(k, [])
-                ]
+    async with Sent(cur.connection) as sent:
+        await _every_part_but_neighbourhood(sent, edges, asked, answers, max_rows)
     room = max_rows
     for i, q in enumerate(asked):
         if "neighbourhood" in q.parts:
@@ -1007,6 +967,91 @@ async def relations_many(
         if "truncated" in answer:  # in the order of the parts
             answer["truncated"] = {p: answer["truncated"][p] for p in PARTS if p in answer["truncated"]}
     return answers
+
+
+async def _every_part_but_neighbourhood(
+    sent: Sent, edges: sql.Composable, asked: Sequence[Query], answers: list[dict[str, Any]], max_rows: int
+) -> None:
+    """Fill in every part but `neighbourhood`: one statement per part (and group of queries that can
+    share it) for the whole batch, all sent before any is read, so that in a snapshot they and the loop
+    searches' first round cost one wait for the server."""
+    sides = []
+    for part, own, other in (("out", "payer", "payee"), ("in", "payee", "payer")):
+        wanted = [(i, q.account) for i, q in enumerate(asked) if part in q.parts]
+        if wanted:
+            cur = await sent.send(
+                sql.SQL(_SIDE).format(edges=edges, own=sql.Identifier(own), other=sql.Identifier(other)),
+                {
+                    "accounts": [a for _, a in wanted],
+                    "ats": [asked[i].at for i, _ in wanted],
+                    "afters": [asked[i].after for i, _ in wanted],
+                    "rows": max_rows,
+                },
+            )
+            sides.append((part, wanted, cur))
+    cycles = []
+    for (hops, _min), indexes in _grouped(asked, "cycle", lambda q: (q.hops, None)).items():
+        accounts = [asked[i].account for i in indexes]
+        cur = await _send_cycles(sent, edges, accounts, [asked[i].at for i in indexes], hops)
+        cycles.append((indexes, accounts, cur))
+    chains = []
+    for (hops, _key, _pinned), indexes in _grouped(
+        asked, "chain", lambda q: (q.hops, _heavy_key(q.min_average), q.closing is not None)
+    ).items():
+        accounts = [asked[i].account for i in indexes]
+        cur = await _send_chains(
+            sent,
+            edges,
+            accounts,
+            [asked[i].closing for i in indexes],
+            [asked[i].at for i in indexes],
+            hops,
+            asked[indexes[0]].min_average,
+        )
+        chains.append((indexes, accounts, cur))
+    listed = []
+    for part, query, fields in (
+        ("sources", _SOURCES, ("source", "via")),
+        ("co_payees", _CO_PAYEES, ("account", "shared")),
+    ):
+        for (_hops, _key), indexes in _grouped(
+            asked, part, lambda q: (None, _heavy_key(q.min_average))
+        ).items():
+            cur = await _send_listed(
+                sent,
+                query,
+                edges,
+                [asked[i].account for i in indexes],
+                [asked[i].at for i in indexes],
+                asked[indexes[0]].min_average,
+            )
+            listed.append((part, fields, indexes, cur))
+    looping = [i for i, q in enumerate(asked) if "loop" in q.parts]
+    if looping:
+        loops = await _loops(sent, edges, [asked[i] for i in looping])
+        for i, loop in zip(looping, loops, strict=True):
+            answers[i]["loop"] = loop
+    for part, wanted, cur in sides:
+        by_query = await _sides(await _rows(cur))
+        for k, (i, _account) in enumerate(wanted, start=1):
+            answers[i][part], cut = by_query.get(k, ([], False))
+            if cut:
+                answers[i].setdefault("truncated", {})[part] = len(answers[i][part])
+    for indexes, accounts, cur in cycles:
+        found = await _read_cycles(cur, accounts)
+        for k, i in enumerate(indexes, start=1):
+            answers[i]["cycle"] = found[k]
+    for indexes, accounts, cur in chains:
+        flows = await _read_chains(cur, accounts)
+        for k, i in enumerate(indexes, start=1):
+            answers[i]["chain"] = flows[k]
+    for part, fields, indexes, cur in listed:
+        rows = await _read_listed(cur)
+        for k, i in enumerate(indexes, start=1):
+            answers[i][part] = [
+                {fields[0]: name, fields[1]: list(value) if isinstance(value, list) else int(value)}
+                for name, value in rows.get(k, [])
+            ]
 
 
 def _grouped(asked: Sequence[Query], part: str, key: Any) -> dict[Any, list[int]]:

@@ -452,6 +452,30 @@ class Snapshot:
     meta: dict[str, str]
 
 
+class Sent:
+    """Statements of one snapshot sent together, each on a cursor of its own, read once all are sent: in a
+    snapshot (which runs in psycopg's pipeline mode) a request waits for the server once for them all
+    rather than once each. Elsewhere each runs as it is sent. The cursors close with the block."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.cursors: list[Any] = []
+
+    async def __aenter__(self) -> Sent:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for cur in self.cursors:
+            await cur.close()
+
+    async def send(self, query: Any, params: Mapping[str, Any]) -> Any:
+        """Queue `query` on a new cursor, returned for its results."""
+        cur = self.conn.cursor()
+        self.cursors.append(cur)
+        await cur.execute(query, params)
+        return cur
+
+
 #: How long a read statement may run by default (the APIs set their own bound, `AML_API_TIMEOUT`): the
 #: server stops it even if no one is left to cancel it.
 STATEMENT_TIMEOUT = 10.0
@@ -548,20 +572,24 @@ class Reader:
     @asynccontextmanager
     async def _snapshot(self, pool: Any) -> AsyncIterator[Snapshot]:
         """A snapshot of the store as it is, in as few round trips as the store allows (a request waits
-        for each of them, and more so on a busy machine): the transaction's BEGIN goes in one message
-        with the statement that reads the store's state (offsets, meta, version). Once a snapshot has
-        found the store's tables, the next ones read them without asking first whether they are there;
-        one that finds them gone (a rebuild dropped them) looks again as the first one did."""
+        for each of them, and more so on a busy machine, where each is two wake-ups: the server's
+        backend, then this process): the transaction's BEGIN goes in one message with the statement
+        that reads the store's state (offsets, meta, version). The answer's statements then run in
+        psycopg's pipeline mode: those sent together (`Sent`) cost one round trip, and COMMIT goes with
+        the pipeline's closing Sync. Once a snapshot has found the store's tables, the next ones read
+        them without asking first whether they are there; one that finds them gone (a rebuild dropped
+        them) looks again as the first one did."""
         async with pool.connection() as conn, conn.cursor() as cur:
             try:
                 snapshot = await self._open(cur)
-                yield snapshot
+                async with conn.pipeline():
+                    yield snapshot
+                    await cur.execute("COMMIT")
             except BaseException:
                 if not conn.closed:  # a closed one the pool discards
                     with contextlib.suppress(psycopg.Error):
                         await cur.execute("ROLLBACK")
                 raise
-            await cur.execute("COMMIT")
 
     async def _open(self, cur: Any) -> Snapshot:
         """Begin the snapshot's transaction on `cur` and read the store's state in it."""

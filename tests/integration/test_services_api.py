@@ -376,30 +376,84 @@ async def test_aggregates_health_without_then_with_a_store(spark: Any, store_url
         assert (await get(client, "/health"))["store_exists"] is False
 
 
+@asynccontextmanager
+async def round_trips(reader: Reader) -> AsyncIterator[list[int]]:
+    """The round trips of the block's snapshots (the pool holds one connection), counted in libpq's trace
+    of the connection: a round trip is a message sent (F, the frontend) followed by one received (B).
+    """
+    counted: list[int] = []
+    with tempfile.TemporaryFile("w+") as trace:
+        async with reader.pool.connection() as conn:
+            conn.pgconn.trace(trace.fileno())
+        yield counted
+        async with reader.pool.connection() as conn:
+            conn.pgconn.untrace()
+        trace.seek(0)
+        # A message's line starts with its time; a statement's text may go on over lines of its own.
+        sides = [line.split("\t")[1] for line in trace if line[:1].isdigit() and "\t" in line]
+    counted.append(sum(1 for sent, then in itertools.pairwise(sides) if (sent, then) == ("F", "B")))
+
+
 async def test_a_snapshot_waits_for_two_round_trips_beside_its_answer(stores: str) -> None:
     """A request waits for each round trip to PostgreSQL, and more so on a busy machine: a snapshot's
     BEGIN goes in the message of the statement that reads the store's state, then come the answer's own
-    statements (here one), then COMMIT. Counted in libpq's trace of the connection: a round trip is a
-    message sent followed by one received."""
+    statements (here one), then COMMIT."""
     reader = Reader(stores, aggregates.SCHEMA, max_connections=1)
     await reader.open()
     await reader.pool.wait(10)
     try:
         trips = []
         for _ in range(2):  # the first one also asks whether the store has its tables
-            with tempfile.TemporaryFile("w+") as trace:
-                async with reader.pool.connection() as conn:
-                    conn.pgconn.trace(trace.fileno())
+            async with round_trips(reader) as counted:
                 async with reader.snapshot() as snap:
                     assert snap.as_of == {0: 2, 1: 2}
                     await snap.cur.execute("SELECT 1")
                     assert await snap.cur.fetchall() == [(1,)]
-                async with reader.pool.connection() as conn:
-                    conn.pgconn.untrace()
-                trace.seek(0)
-                sides = [line.split("\t")[1] for line in trace if line.strip()]
-            trips.append(sum(1 for sent, then in itertools.pairwise(sides) if (sent, then) == ("F", "B")))
+            trips += counted
         assert trips == [4, 3]
+    finally:
+        await reader.close()
+
+
+async def test_a_batch_of_every_part_waits_for_the_server_once(stores: str) -> None:
+    """B sends a batch's statements for every part but `neighbourhood` (one per part, more with several
+    kinds of `chain` or heavy edges) and the loop searches' first round together, and reads them after:
+    the answer waits for the server once for them all, beside its snapshot's two round trips. The loop's
+    later rounds cost one each."""
+    at = T0
+    parts = ["out", "in", "cycle", "chain", "sources", "co_payees"]
+    asked = [
+        relations.Query("A", 3, parts),
+        relations.Query("B", 2, parts, Decimal(5)),
+        relations.Query("C", 3, ["chain", "loop"], Decimal(0), "B", at),
+        relations.Query("A", 3, ["chain"], Decimal(0), "C", at),
+    ]
+    loops = [
+        relations.Query("C", 3, ["loop"], Decimal(0), "B", at),
+        relations.Query("B", 3, ["loop"], Decimal(0), "A", at),
+    ]
+    reader = Reader(stores, relations.SCHEMA, max_connections=1)
+    await reader.open()
+    await reader.pool.wait(10)
+    try:
+        async with reader.snapshot():
+            pass  # the first snapshot also asks whether the store has its tables
+        trips, answers = [], []
+        for queries in (asked[:2], asked, loops, asked + loops):
+            async with round_trips(reader) as counted:
+                async with reader.snapshot() as snap:
+                    answers.append(await relations.relations_many(snap.cur, snap.schema, queries, snap.as_of))
+            trips += counted
+        one_by_one = []
+        for query in asked + loops:
+            async with reader.snapshot() as snap:
+                one_by_one += await relations.relations_many(snap.cur, snap.schema, [query], snap.as_of)
+        assert answers[3] == one_by_one
+        assert answers[3][2]["loop"] == {"found": True, "path": ["C", "A", "B", "C"], "complete": True}
+        # The snapshot's two round trips and one for every part's statement; the loop searches' first
+        # round goes with the other parts' statements.
+        assert trips[0] == 3
+        assert trips[3] == trips[2] > 3
     finally:
         await reader.close()
 

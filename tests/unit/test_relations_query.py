@@ -1,5 +1,5 @@
 """What B's answer cache keeps an answer under: one key per question, and the per-currency minimum parsed
-once per text."""
+once per text; which sides of a loop search a round expands."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from aml_app.dependencies import relations
 from aml_app.dependencies.api import BadRequest, parse_min_average
 from aml_app.dependencies.relations import Query
 
@@ -59,3 +60,18 @@ def test_a_per_currency_minimum_is_parsed_once_and_shared_read_only() -> None:
     for _ in range(2):  # a refusal is not kept: the second asker hears it too
         with pytest.raises(BadRequest, match="not an ISO 4217 currency code"):
             parse_min_average("USD:1,XYZ:2")
+
+
+def test_a_loop_search_expands_both_sides_in_one_round_while_they_are_small() -> None:
+    """Each round of B's loop searches is a round trip to PostgreSQL: a search whose frontiers are both
+    small takes a step on each side in the same round, one whose frontier has grown takes the smaller."""
+    at = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    search = relations.LoopSearch(Query("A", 1, ["loop"], Decimal(0), "Z", at))
+    assert search.sides() == ["forward", "backward"]
+    search.advance("backward", [("Z", f"M{i:02}", at) for i in range(relations.LOOP_BOTH_SIDES)])
+    assert search.sides() == ["forward", "backward"]
+    small = relations.LOOP_BOTH_SIDES
+    search.advance("backward", [(f"M{i % small:02}", f"N{i:02}", at) for i in range(small + 1)])
+    assert search.sides() == ["forward"]
+    search.advance("forward", [])
+    assert search.sides() == ["backward"]
