@@ -738,12 +738,13 @@ Label = tuple[int, datetime, tuple[str, ...]]
 
 class LoopSearch:
     """One `loop` question, searched from both ends (the payee forward, the closing payer backward) one
-    level at a time, the side with the smaller frontier first. A label is kept only if it beats, in time,
-    every label of its account at its level or below (a later arrival, or an earlier last departure,
-    reaches nothing the better one does not); a path is found where a forward label arrives no later than
-    a backward label of the same account may leave. Once the two sides' levels add up to the found path's
-    length, no shorter one is left: every shorter path meets at a level already reached. The shortest is
-    simple, since cutting a repeated account out would give a shorter one."""
+    level at a time: both sides in one round while their frontiers are small (`sides`), else the side
+    with the smaller frontier. A label is kept only if it beats, in time, every label of its account at
+    its level or below (a later arrival, or an earlier last departure, reaches nothing the better one
+    does not); a path is found where a forward label arrives no later than a backward label of the same
+    account may leave. Once the two sides' levels add up to the found path's length, no shorter one is
+    left: every shorter path meets at a level already reached. The shortest is simple, since cutting a
+    repeated account out would give a shorter one."""
 
     def __init__(self, query: Query) -> None:
         assert query.at is not None and query.closing is not None
