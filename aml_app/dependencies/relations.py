@@ -839,9 +839,9 @@ class LoopSearch:
 
 
 async def _loops(sent: Sent, edges: sql.Composable, asked: Sequence[Query]) -> list[dict[str, Any]]:
-    """The `loop` part of each query (see the module docstring): every unfinished search takes one step
-    per round, forward or backward, in one statement per direction for the whole batch; a round's two
-    statements go to the server together, and its first round with whatever `sent` holds unread."""
+    """The `loop` part of each query (see the module docstring): every unfinished search takes a step
+    per round on one side or both (`LoopSearch.sides`), in one statement per direction for the whole
+    batch; a round's statements go to the server together, its first with whatever `sent` holds unread."""
     searches = [LoopSearch(q) for q in asked]
     while going := [(k, d) for k, s in enumerate(searches) if not s.done for d in s.sides()]:
         round_ = []
