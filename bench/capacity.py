@@ -581,6 +581,23 @@ def quantiles(values: Sequence[float], scale: float = 1000.0) -> dict[str, float
     return out
 
 
+def by_worker(
+    decided: Mapping[Any, Mapping[str, Any]], since: Mapping[Any, float | None]
+) -> dict[str, dict[str, float | int]]:
+    """Per worker that decided any of `decided`, the quantiles of its decisions' time after `since` (a
+    payment with no such instant is left out)."""
+    return {
+        worker: quantiles(
+            [
+                decided_at(d) - at
+                for pid, d in decided.items()
+                if d.get("worker") == worker and (at := since.get(pid)) is not None
+            ]
+        )
+        for worker in sorted({str(d.get("worker")) for d in decided.values()})
+    }
+
+
 def first_decisions(records: Iterable[Mapping[str, Any]]) -> dict[str, Mapping[str, Any]]:
     """Each payment's earliest decision record."""
     first: dict[str, Mapping[str, Any]] = {}
@@ -884,16 +901,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
                 "gate_after_published_ms": quantiles(
                     [decided_at(mine[pid]) - o for pid, o in opened.items() if o is not None]
                 ),
-                "gate_after_published_by_worker_ms": {
-                    worker: quantiles(
-                        [
-                            decided_at(d) - o
-                            for pid, d in mine.items()
-                            if d.get("worker") == worker and (o := opened.get(pid)) is not None
-                        ]
-                    )
-                    for worker in sorted({str(d.get("worker")) for d in mine.values()})
-                },
+                "gate_after_published_by_worker_ms": by_worker(mine, opened),
                 "never_published": sum(1 for o in opened.values() if o is None),
             }
             doc["services"][svc] = {
@@ -932,16 +940,7 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
                 # saw a commit): the share as earlier runs of this benchmark measured it.
                 "gate_share_watch_ms": share(watched),
                 # Per worker: the leader sees its own refresh at once, the others through the changelog.
-                "gate_share_by_worker_ms": {
-                    worker: quantiles(
-                        [
-                            decided_at(d) - c
-                            for pid, d in mine.items()
-                            if d.get("worker") == worker and (c := committed[pid]) is not None
-                        ]
-                    )
-                    for worker in sorted({str(d.get("worker")) for d in mine.values()})
-                },
+                "gate_share_by_worker_ms": by_worker(mine, committed),
                 **(split if opened else {}),
                 "undecided_measured": len(measured) - len(mine),
                 "gate_hold_ms": quantiles([float(d.get("waited_ms", 0)) / 1000 for d in mine.values()]),
