@@ -427,7 +427,10 @@ class WatchedGlobalTable(faust.GlobalTable):
         self._changed(self._to_key(event.key) for event in batch)
 
 
-# --- producer metadata ---------------------------------------------------------------------------
+# --- the worker's stop ---------------------------------------------------------------------------
+
+#: The longest the last step of a worker's stop waits for its cancelled tasks (mode's fixed sleep).
+SENTINEL_WAIT = 1.0
 
 
 class PromptStopWorker(faust.Worker):
@@ -445,8 +448,7 @@ class PromptStopWorker(faust.Worker):
             await asyncio.wait(others, timeout=SENTINEL_WAIT)
 
 
-#: The longest the last step of a worker's stop waits for its cancelled tasks (mode's fixed sleep).
-SENTINEL_WAIT = 1.0
+# --- producer metadata ---------------------------------------------------------------------------
 
 
 def keep_in_metadata(app: AppT, topics: Iterable[str]) -> None:
