@@ -272,33 +272,34 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # which holds (at - 1 h, at]. For window w, `lo_w` = at - w (excluded). Per account of the call and side,
 # one index range of flow rows (from the payer's side through the primary key, from the payee's side
 # through flows_by_payee), read once for every question about that account (`base`): the minutes from the
-# one that holds its earliest question's lo_7d to the one that holds its latest `at`. A detector's batch
-# asks about its busiest payees several times (on the simulator's traffic the busiest merchant holds half
-# of the query's time), and reading a range costs about two thirds of answering from it, so each range
-# is read once per call: a quarter to a third less time for batches of 50 to 100 payments (BENCHMARKS.md,
-# "C's window query alone"). Each account's range is an index scan of its own (LATERAL): a join of all
-# accounts at once let the planner hash whole tables on every call (BENCHMARKS.md, "End to end").
-# Per question, a row of the range is cut when its payments lie on both sides of an edge (`at` or a lo_w:
-# its first and last time tell, without reading them); any other row counts whole in window w when its
-# first payment is after lo_w and its last at or before `at`, so rows of the range outside the question's
-# week count nowhere. A cut row's payments are unpacked from its arrays and counted one by one. Most rows
-# hold one payment and are never cut, and a row is one minute, so the cut ones are looked up apart, in the
-# minute of each edge (the four edges are hours apart: a row is cut by one at most), and the range's rows
-# go through a plain filter: checking each row for a cut where it was read cost a quarter of the query on
-# a store of merchants that hundreds pay.
-# Each row (or unpacked payment) counts in every window from the smallest one that holds it (`w`: 1 for
-# 1 h, 2 for 24 h, 3 for 7 d) on. Each question's answer comes from two hash aggregates over its own rows,
-# inside its LATERAL: per (direction, currency, w) the totals, payments and near-threshold payments,
-# added up window by window (and a direction's payments over its currencies) in Python; and per
-# counterparty the smallest window in which it was paid, paid the account, or either, counted in one
-# more aggregate: the distinct counterparties without DISTINCT aggregates (which would sort every group
-# for every window: twice the CPU). Aggregated per question, the hash tables are a few hundred entries and
-# stay in memory; the same aggregates over every question's rows at once held them all (tens of thousands
-# for a batch about merchants), spilled them to temporary files and took 6-14 % longer on a store of the
-# simulator's traffic. A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's
-# CPU on the end-to-end benchmark's traffic, three aggregates over the rows and two over their
-# counterparties a fifth more again (BENCHMARKS.md, "End to end"); one aggregate over grouping sets for
-# both took a fifth longer than the two on a store the capacity benchmark left.
+# one that holds its earliest question's lo_7d to the one that holds its latest `at`. Each account's range
+# is an index scan of its own (LATERAL): a join of all accounts at once let the planner hash whole tables
+# on every call (BENCHMARKS.md, "End to end").
+# A detector's batch asks about its busiest payees several times, at instants seconds apart (on the
+# simulator's traffic the busiest merchant holds half of the query's time), so most of an account's range
+# counts alike for all of its questions: a row is `shared` when it ends by the account's first `at` and,
+# for each window, lies wholly before every question's lo_w or wholly after all of them. A shared row
+# counts in the same windows for every question (from the smallest one that holds it, `w`: 1 for 1 h, 2
+# for 24 h, 3 for 7 d, on; none when it ends by every lo_7d: `shared` holds that w, 0 for none, and is
+# null for a row that is not shared; the edges it is compared with are computed once per account), so it
+# is aggregated once per account: per (direction, currency, w) its totals, payments and near-threshold
+# payments, and per counterparty the smallest window in which it was paid, paid the account, or either.
+# Only the other rows (`own`: those
+# that reach between the account's first and last `at`, or between the first and last of an edge: a
+# batch's seconds) go through each question: a row counts whole in window w when its first payment is
+# after lo_w and its last at or before `at`; a row cut by an edge (`at` or a lo_w: its first and last time
+# tell, without reading them; a cut row is never shared) is unpacked from its arrays, looked up apart in
+# the minute of each edge (the four edges are hours apart: a row is cut by one at most), and its payments
+# counted one by one. A question's answer adds its own rows' aggregates to the account's shared ones, in
+# Python; its distinct counterparties are the shared ones plus those its own rows reach in a smaller
+# window than the shared rows do (or only there), counted in one join of the account's own parties with
+# its shared ones. Counting distinct counterparties by their smallest window, not with DISTINCT
+# aggregates, keeps a window's count from sorting every group (twice the CPU).
+# Aggregated per account, the hash tables hold one account's counterparties and stay in memory; the same
+# aggregates over every account's rows at once held them all (tens of thousands for a batch about
+# merchants), spilled them to temporary files and took 6-14 % longer on a store of the simulator's
+# traffic. A FILTER per window on each aggregate instead cost about a tenth more of PostgreSQL's CPU on
+# the end-to-end benchmark's traffic (BENCHMARKS.md, "End to end").
 # The lists go as binary parameters (`%(name)b`): psycopg writes them several times faster than text
 # arrays (relations.py gives the figures).
 _WINDOWS = """
@@ -308,61 +309,97 @@ WITH q AS (
     FROM unnest(%(accounts)b::text[], %(ats)b::timestamptz[]) WITH ORDINALITY AS h(account, at, i)
 ), accounts AS (
     SELECT account, date_bin(%(bucket)s, min(at) - %(7d)s, 'epoch') AS first_minute,
-        date_bin(%(bucket)s, max(at) + interval '1 microsecond', 'epoch') AS last_minute
+        date_bin(%(bucket)s, max(at) + interval '1 microsecond', 'epoch') AS last_minute,
+        min(at) AS first_at, min(lo_1h) AS first_1h, min(lo_24h) AS first_24h, min(lo_7d) AS first_7d,
+        max(lo_1h) AS last_1h, max(lo_24h) AS last_24h, max(lo_7d) AS last_7d
     FROM q GROUP BY account
 )
 SELECT a.* FROM accounts g CROSS JOIN LATERAL (
     WITH base AS MATERIALIZED (
-        SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
-            f.first_ts, f.last_ts
-        FROM {flows} f
-        WHERE f.payer = g.account AND f.bucket >= g.first_minute AND f.bucket <= g.last_minute
-            AND f.payee <> g.account
-        UNION ALL
-        SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
-        FROM {flows} f
-        WHERE f.payee = g.account AND f.bucket >= g.first_minute AND f.bucket <= g.last_minute
-            AND f.payer <> g.account
-    )
-    SELECT q.i, b.* FROM q CROSS JOIN LATERAL (
-        WITH rows AS MATERIALIZED (
-            SELECT s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
-                CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
-            FROM base s
-            WHERE s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
-                s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
-                OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+        SELECT s.*, CASE WHEN s.last_ts <= g.first_at
+                AND (s.last_ts <= g.first_1h OR s.first_ts > g.last_1h)
+                AND (s.last_ts <= g.first_24h OR s.first_ts > g.last_24h)
+                AND (s.last_ts <= g.first_7d OR s.first_ts > g.last_7d)
+            THEN CASE WHEN s.first_ts > g.last_1h THEN 1 WHEN s.first_ts > g.last_24h THEN 2
+                WHEN s.first_ts > g.last_7d THEN 3 ELSE 0 END END AS shared
+        FROM (
+            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.payments, f.total, f.near,
+                f.first_ts, f.last_ts
+            FROM {flows} f
+            WHERE f.payer = g.account AND f.bucket >= g.first_minute AND f.bucket <= g.last_minute
+                AND f.payee <> g.account
             UNION ALL
-            SELECT s.direction, s.counterparty, s.currency, 1, p.amount,
-                CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
-                CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
-            FROM unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge) CROSS JOIN LATERAL (
-                SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
-                FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
-                    AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
-                UNION ALL
-                SELECT 'in', f.payer, f.currency, f.times, f.amounts
-                FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
-                    AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
-            ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
-            WHERE p.ts > q.lo_7d AND p.ts <= q.at
-        ), parties AS (
-            SELECT min(w) FILTER (WHERE direction = 'out') AS sent, min(w) FILTER (WHERE direction = 'in')
-                AS received, min(w) AS seen
-            FROM rows GROUP BY counterparty
-        )
-        SELECT 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
+            SELECT 'in', f.payer, f.currency, f.payments, f.total, 0, f.first_ts, f.last_ts
+            FROM {flows} f
+            WHERE f.payee = g.account AND f.bucket >= g.first_minute AND f.bucket <= g.last_minute
+                AND f.payer <> g.account
+        ) s
+    ), own AS MATERIALIZED (
+        SELECT * FROM base s WHERE s.shared IS NULL
+    ), shared_parties AS MATERIALIZED (
+        SELECT counterparty, min(shared) FILTER (WHERE direction = 'out') AS sent,
+            min(shared) FILTER (WHERE direction = 'in') AS received, min(shared) AS seen
+        FROM base WHERE shared > 0 GROUP BY counterparty
+    ), shared_totals AS MATERIALIZED (
+        SELECT direction, currency, shared, sum(total), sum(payments), sum(near),
             NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
-        FROM rows GROUP BY direction, currency, w
-        UNION ALL
-        SELECT 'counterparties', NULL, NULL, NULL,
-            count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2),
+        FROM base WHERE shared > 0 GROUP BY direction, currency, shared
+    ), shared_counts AS MATERIALIZED (
+        SELECT count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2),
             count(*) FILTER (WHERE sent <= 3), count(*) FILTER (WHERE received <= 1),
             count(*) FILTER (WHERE received <= 2), count(*) FILTER (WHERE received <= 3),
             count(*) FILTER (WHERE seen <= 1), count(*) FILTER (WHERE seen <= 2),
             count(*) FILTER (WHERE seen <= 3)
-        FROM parties
-    ) b WHERE q.account = g.account
+        FROM shared_parties
+    ), mine AS MATERIALIZED (
+        SELECT * FROM q WHERE q.account = g.account
+    ), rows AS MATERIALIZED (
+        SELECT q.i, s.direction, s.counterparty, s.currency, s.payments, s.total, s.near,
+            CASE WHEN s.first_ts > q.lo_1h THEN 1 WHEN s.first_ts > q.lo_24h THEN 2 ELSE 3 END AS w
+        FROM mine q JOIN own s
+            ON s.first_ts > q.lo_7d AND s.last_ts <= q.at AND NOT (
+                s.first_ts <= q.lo_1h AND s.last_ts > q.lo_1h
+                OR s.first_ts <= q.lo_24h AND s.last_ts > q.lo_24h)
+        UNION ALL
+        SELECT q.i, s.direction, s.counterparty, s.currency, 1, p.amount,
+            CASE WHEN s.direction = 'out' THEN {near} ELSE 0 END,
+            CASE WHEN p.ts > q.lo_1h THEN 1 WHEN p.ts > q.lo_24h THEN 2 ELSE 3 END
+        FROM mine q CROSS JOIN LATERAL unnest(ARRAY[q.at, q.lo_1h, q.lo_24h, q.lo_7d]) AS e(edge)
+        CROSS JOIN LATERAL (
+            SELECT 'out' AS direction, f.payee AS counterparty, f.currency, f.times, f.amounts
+            FROM {flows} f WHERE f.payer = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+                AND f.payee <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+            UNION ALL
+            SELECT 'in', f.payer, f.currency, f.times, f.amounts
+            FROM {flows} f WHERE f.payee = q.account AND f.bucket = date_bin(%(bucket)s, e.edge, 'epoch')
+                AND f.payer <> q.account AND f.first_ts <= e.edge AND f.last_ts > e.edge
+        ) s CROSS JOIN LATERAL unnest(s.times, s.amounts) AS p(ts, amount)
+        WHERE p.ts > q.lo_7d AND p.ts <= q.at
+    ), parties AS (
+        SELECT i, counterparty, min(w) FILTER (WHERE direction = 'out') AS sent,
+            min(w) FILTER (WHERE direction = 'in') AS received, min(w) AS seen
+        FROM rows GROUP BY i, counterparty
+    )
+    SELECT i, 'totals' AS kind, direction, currency, w, sum(total), sum(payments), sum(near),
+        NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
+    FROM rows GROUP BY i, direction, currency, w
+    UNION ALL
+    SELECT q.i, 'totals', t.* FROM mine q CROSS JOIN shared_totals t
+    UNION ALL
+    SELECT q.i, 'counterparties', NULL, NULL, NULL, c.* FROM mine q CROSS JOIN shared_counts c
+    UNION ALL
+    SELECT p.i, 'counterparties', NULL, NULL, NULL,
+        count(*) FILTER (WHERE p.sent <= 1 AND coalesce(s.sent, 4) > 1),
+        count(*) FILTER (WHERE p.sent <= 2 AND coalesce(s.sent, 4) > 2),
+        count(*) FILTER (WHERE p.sent <= 3 AND coalesce(s.sent, 4) > 3),
+        count(*) FILTER (WHERE p.received <= 1 AND coalesce(s.received, 4) > 1),
+        count(*) FILTER (WHERE p.received <= 2 AND coalesce(s.received, 4) > 2),
+        count(*) FILTER (WHERE p.received <= 3 AND coalesce(s.received, 4) > 3),
+        count(*) FILTER (WHERE p.seen <= 1 AND coalesce(s.seen, 4) > 1),
+        count(*) FILTER (WHERE p.seen <= 2 AND coalesce(s.seen, 4) > 2),
+        count(*) FILTER (WHERE p.seen <= 3 AND coalesce(s.seen, 4) > 3)
+    FROM parties p LEFT JOIN shared_parties s ON s.counterparty = p.counterparty
+    GROUP BY p.i
 ) a
 """
 _NEAR = "(p.amount >= %(near_low)s AND p.amount < %(near_high)s)::int"
@@ -462,14 +499,14 @@ async def aggregates_many(
                     window[f"{side}_count"] += int(count)
                     if name == "24h" and direction == "out":  # near-threshold payments count over 24 h
                         answers[i - 1]["near_threshold_24h"] += int(near)
-        else:  # distinct counterparties: sent to, received from, either
+        else:  # distinct counterparties (sent to, received from, either): shared ones, then its own's more
             for key, counts in zip(
                 ("sent_counterparties", "received_counterparties", "counterparties"),
                 (values[0:3], values[3:6], values[6:9]),
                 strict=True,
             ):
                 for name, count in zip(WINDOWS, counts, strict=True):
-                    windows[name][key] = int(count)  # numeric, like the totals in its column
+                    windows[name][key] += int(count)  # numeric, like the totals in its column
     for answer in answers:
         seen: dict[str, Decimal] = {}
         for window in answer["windows"].values():
