@@ -13,19 +13,25 @@ rows.
 
 The figures are client wall time over a warm store (nothing else runs), the mean per batch over the
 2,000 payments, best of --repeat rounds. A change to the query is measured by running this at both
-commits (`machine.code_at_start` names the code).
+commits (`machine.code_at_start` names the code), or, on a machine whose speed drifts, in one run with
+`--against REV`: each round times the query as it stands and then C's store module at git revision REV
+on the same store, batch size by batch size.
 
-    .venv/bin/python -m bench.window_query [--payments 150000] [--repeat 3]
+    .venv/bin/python -m bench.window_query [--payments 150000] [--repeat 3] [--against REV]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import subprocess
+import sys
 import time
+import types
 import zlib
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 from aml_app.dependencies import aggregates
@@ -60,6 +66,19 @@ def questions(payments: list[tuple]) -> list[tuple[str, datetime]]:
     return [(account, ts) for _p, _o, payer, payee, _c, _a, ts in payments for account in (payer, payee)]
 
 
+def store_module_at(rev: str) -> Any:
+    """C's store module (`aml_app.dependencies.aggregates`) as it stands at git revision `rev`."""
+    path = "aml_app/dependencies/aggregates.py"
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"aggregates_at_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses and annotations look themselves up there
+    exec(compile(text, f"{rev}:{path}", "exec"), module.__dict__)
+    return module
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import psycopg
 
@@ -74,16 +93,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stores = build_stores(settings, rows, vacuum=True)
         asked = rows[-ASKED:]
         by_batch: dict[str, Any] = {}
+        against = store_module_at(args.against) if args.against else None
         with psycopg.connect(server.url()) as conn:
 
-            def ask(qs: list[tuple[str, datetime]]) -> float:
+            def ask(qs: list[tuple[str, datetime]], module: Any = aggregates) -> float:
                 started = time.perf_counter()
-                conn.execute(*aggregates.windows_query(aggregates.SCHEMA, qs, threshold, band)).fetchall()
+                conn.execute(*module.windows_query(module.SCHEMA, qs, threshold, band)).fetchall()
                 return time.perf_counter() - started
 
             for size in BATCHES:
                 batches = [questions(asked[i : i + size]) for i in range(0, len(asked), size)]
-                rounds = [sum(ask(qs) for qs in batches) for _ in range(args.repeat)]
+                rounds, rounds_against = [], []
+                for _ in range(args.repeat):
+                    rounds.append(sum(ask(qs) for qs in batches))
+                    if against is not None:
+                        rounds_against.append(sum(ask(qs, against) for qs in batches))
                 repeats = collections.Counter(
                     n for qs in batches for n in collections.Counter(a for a, _ in qs).values()
                 )
@@ -93,6 +117,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "ms_per_batch_every_round": [round(1000 * r / len(batches), 2) for r in rounds],
                     "questions_about_one_account_in_a_batch": dict(sorted(repeats.items())),
                 }
+                if rounds_against:
+                    by_batch[str(size)]["against"] = {
+                        "ms_per_batch": round(1000 * min(rounds_against) / len(batches), 2),
+                        "ms_per_batch_every_round": [
+                            round(1000 * r / len(batches), 2) for r in rounds_against
+                        ],
+                    }
             spent: collections.defaultdict[str, float] = collections.defaultdict(float)
             asked_about: collections.Counter[str] = collections.Counter()
             for account, at in questions(asked[:ONE_BY_ONE]):
@@ -131,14 +162,27 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(doc: dict[str, Any]) -> str:
     by_batch = doc["by_batch_payments"]
+    against = doc["params"].get("against")
     table = markdown_table(
-        ["payments a batch", "questions a batch", "ms a batch (best round)", "every round", "repeats"],
+        [
+            "payments a batch",
+            "questions a batch",
+            "ms a batch (best round)",
+            "every round",
+            *([f"at {against}: best", "every round"] if against else []),
+            "repeats",
+        ],
         [
             (
                 size,
                 2 * int(size),
                 v["ms_per_batch"],
                 v["ms_per_batch_every_round"],
+                *(
+                    (v["against"]["ms_per_batch"], v["against"]["ms_per_batch_every_round"])
+                    if against
+                    else ()
+                ),
                 v["questions_about_one_account_in_a_batch"],
             )
             for size, v in by_batch.items()
@@ -169,6 +213,7 @@ def cli() -> None:
     parser.add_argument("--payments", type=int, default=150_000)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--out", default=NAME, help="the results file's name in bench/results/")
+    parser.add_argument("--against", help="a git revision whose window query is timed beside this one")
     args = parser.parse_args()
     doc = measure(args)
     finish(args.out, doc, report)
