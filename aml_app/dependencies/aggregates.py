@@ -341,8 +341,8 @@ SELECT a.* FROM accounts g CROSS JOIN LATERAL (
             min(shared) FILTER (WHERE direction = 'in') AS received, min(shared) AS seen
         FROM base WHERE shared > 0 GROUP BY counterparty
     ), shared_totals AS MATERIALIZED (
-        SELECT direction, currency, shared, sum(total), sum(payments), sum(near),
-            NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
+        SELECT direction, currency, shared AS w, sum(total) AS total, sum(payments) AS payments,
+            sum(near) AS near
         FROM base WHERE shared > 0 GROUP BY direction, currency, shared
     ), shared_counts AS MATERIALIZED (
         SELECT count(*) FILTER (WHERE sent <= 1), count(*) FILTER (WHERE sent <= 2),
@@ -384,7 +384,9 @@ SELECT a.* FROM accounts g CROSS JOIN LATERAL (
         NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint, NULL::bigint
     FROM rows GROUP BY i, direction, currency, w
     UNION ALL
-    SELECT q.i, 'totals', t.* FROM mine q CROSS JOIN shared_totals t
+    SELECT q.i, 'totals', t.direction, t.currency, t.w, t.total, t.payments, t.near,
+        NULL, NULL, NULL, NULL, NULL, NULL
+    FROM mine q CROSS JOIN shared_totals t
     UNION ALL
     SELECT q.i, 'counterparties', NULL, NULL, NULL, c.* FROM mine q CROSS JOIN shared_counts c
     UNION ALL
@@ -499,7 +501,7 @@ async def aggregates_many(
                     window[f"{side}_count"] += int(count)
                     if name == "24h" and direction == "out":  # near-threshold payments count over 24 h
                         answers[i - 1]["near_threshold_24h"] += int(near)
-        else:  # distinct counterparties (sent to, received from, either): shared ones, then its own's more
+        else:  # distinct counterparties (sent to, received from, either): shared, then those its own rows add
             for key, counts in zip(
                 ("sent_counterparties", "received_counterparties", "counterparties"),
                 (values[0:3], values[3:6], values[6:9]),
