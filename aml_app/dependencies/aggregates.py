@@ -277,24 +277,23 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
 # on every call (BENCHMARKS.md, "End to end").
 # A detector's batch asks about its busiest payees several times, at instants seconds apart (on the
 # simulator's traffic the busiest merchant holds half of the query's time), so most of an account's range
-# counts alike for all of its questions: a row is `shared` when it ends by the account's first `at` and,
-# for each window, lies wholly before every question's lo_w or wholly after all of them. A shared row
-# counts in the same windows for every question (from the smallest one that holds it, `w`: 1 for 1 h, 2
-# for 24 h, 3 for 7 d, on; none when it ends by every lo_7d: `shared` holds that w, 0 for none, and is
-# null for a row that is not shared; the edges it is compared with are computed once per account), so it
-# is aggregated once per account: per (direction, currency, w) its totals, payments and near-threshold
-# payments, and per counterparty the smallest window in which it was paid, paid the account, or either.
-# Only the other rows (`own`: those
-# that reach between the account's first and last `at`, or between the first and last of an edge: a
-# batch's seconds) go through each question: a row counts whole in window w when its first payment is
-# after lo_w and its last at or before `at`; a row cut by an edge (`at` or a lo_w: its first and last time
-# tell, without reading them; a cut row is never shared) is unpacked from its arrays, looked up apart in
-# the minute of each edge (the four edges are hours apart: a row is cut by one at most), and its payments
-# counted one by one. A question's answer adds its own rows' aggregates to the account's shared ones, in
-# Python; its distinct counterparties are the shared ones plus those its own rows reach in a smaller
-# window than the shared rows do (or only there), counted in one join of the account's own parties with
-# its shared ones. Counting distinct counterparties by their smallest window, not with DISTINCT
-# aggregates, keeps a window's count from sorting every group (twice the CPU).
+# counts alike for all of its questions: a row is `shared` when it ends by the account's first `at` and, for
+# each window, lies wholly before every question's lo_w or wholly after all of them. A shared row counts in
+# the same windows for every question (from the smallest one that holds it, `w`: 1 for 1 h, 2 for 24 h, 3 for
+# 7 d, on; none when it ends by every lo_7d: `shared` holds that w, 0 for none, and is null for a row that is
+# not shared; the edges it is compared with are computed once per account), so it is aggregated once per
+# account: per (direction, currency, w) its totals, payments and near-threshold payments, and per counterparty
+# the smallest window in which it was paid, paid the account, or either. Only the other rows (`own`: those
+# that reach between the account's first and last `at`, or between the first and last of an edge: a batch's
+# seconds) go through each question: a row counts whole in window w when its first payment is after lo_w and
+# its last at or before `at`; a row cut by an edge (`at` or a lo_w: its first and last time tell, without
+# reading them; a cut row is never shared) is unpacked from its arrays, looked up apart in the minute of each
+# edge (the four edges are hours apart: a row is cut by one at most), and its payments counted one by one. A
+# question's answer adds its own rows' aggregates to the account's shared ones, in Python; its distinct
+# counterparties are the shared ones plus those its own rows reach in a smaller window than the shared rows do
+# (or only there), counted in one join of the account's own parties with its shared ones. Counting distinct
+# counterparties by their smallest window, not with DISTINCT aggregates, keeps a window's count from sorting
+# every group (twice the CPU).
 # Aggregated per account, the hash tables hold one account's counterparties and stay in memory; the same
 # aggregates over every account's rows at once held them all (tens of thousands for a batch about
 # merchants), spilled them to temporary files and took 6-14 % longer on a store of the simulator's
