@@ -79,6 +79,14 @@ def store_module_at(rev: str) -> Any:
     return module
 
 
+def per_batch(rounds: list[float], batches: int) -> dict[str, Any]:
+    """Milliseconds a batch: the best round's and every round's, from each round's seconds."""
+    return {
+        "ms_per_batch": round(1000 * min(rounds) / batches, 2),
+        "ms_per_batch_every_round": [round(1000 * r / batches, 2) for r in rounds],
+    }
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     import psycopg
 
@@ -113,17 +121,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 by_batch[str(size)] = {
                     "batches": len(batches),
-                    "ms_per_batch": round(1000 * min(rounds) / len(batches), 2),
-                    "ms_per_batch_every_round": [round(1000 * r / len(batches), 2) for r in rounds],
+                    **per_batch(rounds, len(batches)),
                     "questions_about_one_account_in_a_batch": dict(sorted(repeats.items())),
                 }
                 if rounds_against:
-                    by_batch[str(size)]["against"] = {
-                        "ms_per_batch": round(1000 * min(rounds_against) / len(batches), 2),
-                        "ms_per_batch_every_round": [
-                            round(1000 * r / len(batches), 2) for r in rounds_against
-                        ],
-                    }
+                    by_batch[str(size)]["against"] = per_batch(rounds_against, len(batches))
             spent: collections.defaultdict[str, float] = collections.defaultdict(float)
             asked_about: collections.Counter[str] = collections.Counter()
             for account, at in questions(asked[:ONE_BY_ONE]):
