@@ -199,9 +199,14 @@ def system_cpu(demo: Demo) -> tuple[dict[str, float], dict[int, float]]:
         jit = jit_threads(jvms)
         parts = dict.fromkeys(PIPELINE_PARTS, 0.0)
         for member in family:
-            seconds = sum(int(stats[member][i]) for i in (11, 12, 13, 14)) / CLK_TCK
+            own, reaped = (
+                sum(int(stats[member][i]) for i in columns) / CLK_TCK for columns in ((11, 12), (13, 14))
+            )
             part = 1 if member in jvms else 2 if member in under_jvm else 0
-            parts[PIPELINE_PARTS[part]] += seconds
+            parts[PIPELINE_PARTS[part]] += own
+            # The JVM's children are Spark's Python workers: one that ended took its CPU into the JVM's
+            # reaped children's times, which count as theirs (else the part falls when a worker ends).
+            parts[PIPELINE_PARTS[2 if member in jvms else part]] += reaped
         used.update(parts)
     return used, jit
 
