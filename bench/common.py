@@ -16,9 +16,11 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -346,6 +348,19 @@ def machine() -> dict[str, Any]:
         "loadavg_at_start": os.getloadavg(),
         "code_at_start": code_version(),
     }
+
+
+def module_at(rev: str, path: str) -> Any:
+    """The module of file `path` (of this repository) as it stands at git revision `rev`, for a benchmark
+    that times a change beside what it replaces in one run."""
+    root = Path(__file__).resolve().parent.parent
+    text = subprocess.run(
+        ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True, check=True
+    ).stdout
+    module = types.ModuleType(f"{Path(path).stem}_at_{rev}")
+    sys.modules[module.__name__] = module  # its dataclasses and annotations look themselves up there
+    exec(compile(text, f"{rev}:{path}", "exec"), module.__dict__)
+    return module
 
 
 def write_results(name: str, doc: dict[str, Any]) -> Path:

@@ -24,14 +24,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import subprocess
-import sys
 import time
-import types
 import zlib
 from datetime import UTC, datetime
 from decimal import Decimal
-from pathlib import Path
 from typing import Any
 
 from aml_app.dependencies import aggregates
@@ -40,7 +36,7 @@ from aml_app.kafka.broker import free_port
 from aml_app.settings import DependencySettings, Settings
 from aml_app.simulation.traffic import simulate
 from bench.api_latency import PARTITIONS, build_stores
-from bench.common import finish, machine, markdown_table, workfolder
+from bench.common import finish, machine, markdown_table, module_at, workfolder
 
 NAME = "window_query"
 BATCHES = (1, 10, 50, 100)
@@ -66,19 +62,6 @@ def questions(payments: list[tuple]) -> list[tuple[str, datetime]]:
     return [(account, ts) for _p, _o, payer, payee, _c, _a, ts in payments for account in (payer, payee)]
 
 
-def store_module_at(rev: str) -> Any:
-    """C's store module (`aml_app.dependencies.aggregates`) as it stands at git revision `rev`."""
-    path = "aml_app/dependencies/aggregates.py"
-    root = Path(__file__).resolve().parent.parent
-    text = subprocess.run(
-        ["git", "show", f"{rev}:{path}"], cwd=root, capture_output=True, text=True, check=True
-    ).stdout
-    module = types.ModuleType(f"aggregates_at_{rev}")
-    sys.modules[module.__name__] = module  # its dataclasses and annotations look themselves up there
-    exec(compile(text, f"{rev}:{path}", "exec"), module.__dict__)
-    return module
-
-
 def per_batch(rounds: list[float], batches: int) -> dict[str, Any]:
     """Milliseconds a batch: the best round's and every round's, from each round's seconds."""
     return {
@@ -101,7 +84,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         stores = build_stores(settings, rows, vacuum=True)
         asked = rows[-ASKED:]
         by_batch: dict[str, Any] = {}
-        against = store_module_at(args.against) if args.against else None
+        against = module_at(args.against, "aml_app/dependencies/aggregates.py") if args.against else None
         with psycopg.connect(server.url()) as conn:
 
             def ask(qs: list[tuple[str, datetime]], module: Any = aggregates) -> float:

@@ -4,7 +4,8 @@ Why a parsing layer: the rules should compare Decimals and datetimes, not poke a
 malformed or mismatched answer (wrong account, wrong instant, a missing field) must stop the decision with
 a clear ValueError instead of silently reading as "nothing suspicious". Parsing checks the shape the
 services document (docs/pipeline.md) and nothing more; an unknown account's answer (all
-zeros, empty lists) is valid and parses to empty values.
+zeros, empty lists) is valid and parses to empty values. msgspec checks the shape (`from_json`); a
+malformed answer is parsed again field by field (`checked`), whose error names the place of what is wrong.
 
 No Faust here: Service-A and Service-A1 build `Evidence` from plain payment fields.
 """
@@ -15,7 +16,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
-from typing import Any
+from typing import Annotated, Any
+
+import msgspec
 
 WINDOW_NAMES = ("1h", "24h", "7d")
 _COUNTS = ("sent_count", "received_count", "counterparties", "sent_counterparties", "received_counterparties")
@@ -121,14 +124,13 @@ def _as_of(doc: Mapping[str, Any], where: str) -> dict[int, int]:
         raise ValueError(f"{where}.as_of is malformed: {exc}") from None
 
 
-@dataclass(frozen=True)
-class Window:
+class Window(msgspec.Struct, frozen=True):
     """One window (at - w, at] of Service C: counts and per-currency sums, the payment itself included."""
 
     sent_count: int = 0
-    sent: Mapping[str, Decimal] = field(default_factory=dict)
+    sent: Mapping[str, Decimal] = msgspec.field(default_factory=dict)
     received_count: int = 0
-    received: Mapping[str, Decimal] = field(default_factory=dict)
+    received: Mapping[str, Decimal] = msgspec.field(default_factory=dict)
     counterparties: int = 0
     sent_counterparties: int = 0
     received_counterparties: int = 0
@@ -174,6 +176,16 @@ class Aggregates:
 
     @classmethod
     def from_json(cls, doc: Any) -> Aggregates:
+        """C's answer, its shape checked by msgspec; where it is malformed, `checked` names the place."""
+        try:
+            return _aggregates(msgspec.convert(doc, _AggregatesDoc, str_keys=True))
+        except (msgspec.ValidationError, ArithmeticError, ValueError) as exc:
+            cls.checked(doc)
+            raise ValueError(f"aggregates answer: {exc}") from None
+
+    @classmethod
+    def checked(cls, doc: Any) -> Aggregates:
+        """C's answer parsed field by field: what `from_json` runs to say what is wrong and where."""
         account = _text(_need(doc, "account", "aggregates answer"), "aggregates answer.account")
         where = f"aggregates answer for {account!r}"
         windows_doc = _need(doc, "windows", where)
@@ -197,8 +209,7 @@ class Aggregates:
         )
 
 
-@dataclass(frozen=True)
-class Edge:
+class Edge(msgspec.Struct, frozen=True):
     """A direct counterparty in Service B: payments on the edge, all currencies merged in `count`."""
 
     counterparty: str
@@ -220,8 +231,7 @@ class Edge:
         )
 
 
-@dataclass(frozen=True)
-class Cycle:
+class Cycle(msgspec.Struct, frozen=True):
     """The shortest directed cycle from the account back to itself (path starts and ends there); for a
     `loop`, `complete` is false when B stopped searching before it could say there is none."""
 
@@ -261,6 +271,16 @@ class Relations:
 
     @classmethod
     def from_json(cls, doc: Any) -> Relations:
+        """B's answer, its shape checked by msgspec; where it is malformed, `checked` names the place."""
+        try:
+            return _relations(msgspec.convert(doc, _RelationsDoc, str_keys=True))
+        except (msgspec.ValidationError, ArithmeticError, ValueError) as exc:
+            cls.checked(doc)
+            raise ValueError(f"relations answer: {exc}") from None
+
+    @classmethod
+    def checked(cls, doc: Any) -> Relations:
+        """B's answer parsed field by field: what `from_json` runs to say what is wrong and where."""
         account = _text(_need(doc, "account", "relations answer"), "relations answer.account")
         where = f"relations answer for {account!r}"
         hops = _count(_need(doc, "hops", where), where, "hops")
@@ -337,9 +357,13 @@ def _loop(doc: Any, account: str, where: str) -> Cycle:
     if not isinstance(complete, bool):
         raise ValueError(f"{where}.loop.complete must be true or false, got {complete!r}")
     found = _cycle(doc, account, LOOP_MAX_HOPS, where, "loop")
-    if found.found and len(set(found.path[:-1])) < len(found.path) - 1:
-        raise ValueError(f"{where}.loop.path must pass through distinct accounts, got {list(found.path)}")
-    return Cycle(found.found, found.path, complete)
+    return _distinct(Cycle(found.found, found.path, complete), where)
+
+
+def _distinct(loop: Cycle, where: str) -> Cycle:
+    if loop.found and len(set(loop.path[:-1])) < len(loop.path) - 1:
+        raise ValueError(f"{where}.loop.path must pass through distinct accounts, got {list(loop.path)}")
+    return loop
 
 
 def _cycle(doc: Any, account: str, hops: int, where: str, part: str = "cycle") -> Cycle:
@@ -349,16 +373,181 @@ def _cycle(doc: Any, account: str, hops: int, where: str, part: str = "cycle") -
         raise ValueError(f"{where}.{part}.found must be true or false, got {found!r}")
     if not isinstance(raw_path, list):
         raise ValueError(f"{where}.{part}.path must be a list, got {raw_path!r}")
-    path = _accounts(raw_path, where, part + ".path")
-    if not found:
+    return _closed(Cycle(found, _accounts(raw_path, where, part + ".path")), account, hops, where, part)
+
+
+def _closed(cycle: Cycle, account: str, hops: int, where: str, part: str) -> Cycle:
+    """`cycle` if it is one from `account` back to it in 1..`hops` edges, or none with no path."""
+    path = cycle.path
+    if not cycle.found:
         if path:
             raise ValueError(f"{where}.{part} has a path but found is false")
-        return Cycle()
+        return cycle
     if len(path) < 2 or path[0] != account or path[-1] != account or len(path) - 1 > hops:
         raise ValueError(
             f"{where}.{part}.path must start and end at {account!r} with 1..{hops} edges, got {list(path)}"
         )
-    return Cycle(found=True, path=path)
+    return cycle
+
+
+# --- the answers' shape, as msgspec checks it ------------------------------------------------------
+# A worker parses four answers a payment: msgspec checks their shape in C, in a third of the time a check
+# field by field in Python takes (bench.evidence_parse), and `from_json` runs `checked` only to name what
+# is wrong. What types cannot say (amounts are finite and >= 0, a chain ends at the account, a cycle
+# returns to it) is checked below by the same functions as in `checked`, or as they check it. Amounts are
+# strings here: a JSON number is refused, as `checked` refuses it. tests/unit/test_rules.py holds the two
+# parses to the same answers and the same refusals.
+
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+_Text = Annotated[str, msgspec.Meta(min_length=1)]
+_Instant = Annotated[datetime, msgspec.Meta(tz=True)]
+
+
+class _WindowDoc(msgspec.Struct):
+    sent_count: _Count
+    sent: dict[_Text, _Text]
+    received_count: _Count
+    received: dict[_Text, _Text]
+    counterparties: _Count
+    sent_counterparties: _Count
+    received_counterparties: _Count
+
+
+class _WindowsDoc(msgspec.Struct):
+    h1: _WindowDoc = msgspec.field(name="1h")
+    h24: _WindowDoc = msgspec.field(name="24h")
+    d7: _WindowDoc = msgspec.field(name="7d")
+
+
+class _AggregatesDoc(msgspec.Struct):
+    account: _Text
+    at: _Instant
+    windows: _WindowsDoc
+    near_threshold_24h: _Count
+    reporting_threshold: _Text
+    threshold_band: _Text
+    late_dropped: _Count = 0
+    as_of: dict[int, _Count] = msgspec.field(default_factory=dict)
+
+
+class _EdgeDoc(msgspec.Struct):
+    counterparty: _Text
+    count: _Count
+    totals: dict[_Text, _Text]
+    first_seen: _Instant
+    last_seen: _Instant
+
+
+class _NeighbourDoc(msgspec.Struct):
+    account: _Text
+    hops: _Count
+
+
+class _SourceDoc(msgspec.Struct):
+    source: _Text
+    via: Annotated[tuple[_Text, ...], msgspec.Meta(min_length=2)]
+
+
+class _CoPayeeDoc(msgspec.Struct):
+    account: _Text
+    shared: _Count
+
+
+class _CycleDoc(msgspec.Struct):
+    found: bool
+    path: tuple[_Text, ...]
+
+
+class _LoopDoc(_CycleDoc):
+    complete: bool = True
+
+
+class _RelationsDoc(msgspec.Struct):
+    account: _Text
+    hops: _Count
+    out: list[_EdgeDoc] = msgspec.field(default_factory=list)
+    in_: list[_EdgeDoc] = msgspec.field(name="in", default_factory=list)
+    neighbourhood: list[_NeighbourDoc] = msgspec.field(default_factory=list)
+    cycle: _CycleDoc = msgspec.field(default_factory=lambda: _CycleDoc(False, ()))
+    as_of: dict[int, _Count] = msgspec.field(default_factory=dict)
+    chain: tuple[_Text, ...] = ()
+    sources: list[_SourceDoc] = msgspec.field(default_factory=list)
+    co_payees: list[_CoPayeeDoc] = msgspec.field(default_factory=list)
+    loop: _LoopDoc = msgspec.field(default_factory=lambda: _LoopDoc(False, ()))
+
+
+def _amount(text: str) -> Decimal:
+    """`parse_money` of a string already known to be one; InvalidOperation or ValueError when malformed."""
+    amount = Decimal(text)
+    if amount.is_finite() and amount >= 0:
+        return amount
+    raise ValueError(f"{text!r} is not a finite amount >= 0")
+
+
+def _amounts(texts: Mapping[str, str]) -> dict[str, Decimal]:
+    return {currency: _amount(text) for currency, text in texts.items()}
+
+
+def _utc(when: datetime) -> datetime:
+    return when if when.tzinfo is UTC else when.astimezone(UTC)
+
+
+def _window(doc: _WindowDoc) -> Window:
+    return Window(
+        doc.sent_count,
+        _amounts(doc.sent),
+        doc.received_count,
+        _amounts(doc.received),
+        doc.counterparties,
+        doc.sent_counterparties,
+        doc.received_counterparties,
+    )
+
+
+def _aggregates(doc: _AggregatesDoc) -> Aggregates:
+    threshold, band = _amount(doc.reporting_threshold), _amount(doc.threshold_band)
+    if threshold <= 0 or not band < 1:
+        raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
+    windows = doc.windows
+    return Aggregates(
+        account=doc.account,
+        at=_utc(doc.at),
+        windows={"1h": _window(windows.h1), "24h": _window(windows.h24), "7d": _window(windows.d7)},
+        near_threshold_24h=doc.near_threshold_24h,
+        reporting_threshold=threshold,
+        threshold_band=band,
+        late_dropped=doc.late_dropped,
+        as_of=doc.as_of,
+    )
+
+
+def _edges(docs: list[_EdgeDoc]) -> dict[str, Edge]:
+    return {
+        e.counterparty: Edge(
+            e.counterparty, e.count, _amounts(e.totals), _utc(e.first_seen), _utc(e.last_seen)
+        )
+        for e in docs
+    }
+
+
+def _relations(doc: _RelationsDoc) -> Relations:
+    account, hops, loop = doc.account, doc.hops, doc.loop
+    where = f"relations answer for {account!r}"
+    return Relations(
+        account=account,
+        hops=hops,
+        out=_edges(doc.out),
+        in_=_edges(doc.in_),
+        neighbourhood={n.account: n.hops for n in doc.neighbourhood},
+        cycle=_closed(Cycle(doc.cycle.found, doc.cycle.path), account, hops, where, "cycle"),
+        as_of=doc.as_of,
+        chain=_chain(list(doc.chain), account, hops, where) if doc.chain else (),
+        sources={s.source: s.via for s in doc.sources},
+        co_payees={c.account: c.shared for c in doc.co_payees},
+        loop=_distinct(
+            _closed(Cycle(loop.found, loop.path, loop.complete), account, LOOP_MAX_HOPS, where, "loop"), where
+        ),
+    )
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ The rules here report in EUR with one rate, 2 USD per EUR, so that converted fig
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -748,6 +749,104 @@ def test_malformed_answers_name_the_place_of_what_is_wrong(answer: dict[str, Any
     parse = Relations.from_json if "hops" in answer else Aggregates.from_json
     with pytest.raises(ValueError, match=re.escape(message)):
         parse(answer)
+
+
+def full_answers() -> list[dict[str, Any]]:
+    """Answers with every part filled: what the fast parse and the field-by-field one must read alike."""
+    busy = window(3, {"EUR": "12.50", "USD": "7"}, 2, {"GBP": "0.01"}, 2, 1)
+    neighbours = [{"account": "n", "hops": 2}, {"account": "b", "hops": 1}]
+    return [
+        aggregates("a", near=2, h1=busy, h24=busy, d7=window(9, {"EUR": "1e3"}, 1, {}, 4, 0)),
+        {**aggregates("a"), "at": "2026-03-02T13:30:00+01:30", "late_dropped": 4, "exact": False},
+        {
+            **relations(
+                "a",
+                out=[edge("b", 2, {"EUR": "20.00", "USD": "1.5"}), edge("c")],
+                path=["a", "b", "a"],
+                chain=["x", "y", "a"],
+                sources={"s": ["s", "m", "a"]},
+                co_payees={"c": 2},
+                loop=["a", "b", "c", "a"],
+            ),
+            "in": [{**edge("d"), "first_seen": "2026-03-02T07:00:00-05:00"}],
+            "neighbourhood": neighbours,
+        },
+        {**relations("a"), "loop": {"found": False, "path": [], "complete": False}},
+        {"account": "a", "hops": 3},  # B asked for no part
+    ]
+
+
+#: Values put in place of one field of a well-formed answer.
+ODD_VALUES = (
+    None,
+    -1,
+    0,
+    1,
+    2.0,
+    1.5,
+    True,
+    "",
+    "x",
+    "-1",
+    "NaN",
+    "Infinity",
+    "1,5",
+    "0",
+    "1",
+    "2026-03-02T12:00:00",
+    "2026-03-02T12:00:00Z",
+    [],
+    ["a"],
+    ["a", "a"],
+    {},
+    {"found": True, "path": ["a", "b", "a"]},
+)
+
+
+def places(doc: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    """Every key and index of a JSON document, as paths from its root."""
+    inner = doc.items() if isinstance(doc, dict) else enumerate(doc) if isinstance(doc, list) else ()
+    return [step for key, value in inner for step in [(*path, key), *places(value, (*path, key))]]
+
+
+def changed(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
+    """`doc` with the field at `path` set to `value` (removed, for a dict's field, when `value` is ...)."""
+    copy = json.loads(json.dumps(doc))
+    *parents, last = path
+    target = copy
+    for step in parents:
+        target = target[step]
+    if value is ... and isinstance(target, dict):
+        del target[last]
+    else:
+        target[last] = None if value is ... else value
+    return copy
+
+
+def test_the_fast_parse_accepts_and_refuses_what_the_field_by_field_parse_does() -> None:
+    # Every field of every full answer, removed or set to each odd value in turn (about 3,300 answers).
+    tried = 0
+    for answer in full_answers():
+        parse = Relations if "hops" in answer else Aggregates
+        for where in places(answer):
+            for value in (..., *ODD_VALUES):
+                odd = changed(answer, where, value)
+                tried += 1
+                try:
+                    expected = parse.checked(odd)
+                except ValueError as refused:
+                    with pytest.raises(ValueError) as caught:
+                        parse.from_json(odd)
+                    assert str(caught.value) == str(refused), where  # the place of what is wrong, named
+                    continue
+                assert parse.from_json(odd) == expected, (where, value)
+    assert tried > 3_000
+
+
+@pytest.mark.parametrize("answer", full_answers())
+def test_the_fast_parse_reads_well_formed_answers_as_the_field_by_field_parse(answer: dict[str, Any]) -> None:
+    parse = Relations if "hops" in answer else Aggregates
+    assert parse.from_json(answer) == parse.checked(answer)
 
 
 def test_relations_asked_for_some_parts_only_read_the_others_as_empty() -> None:

@@ -1,0 +1,229 @@
+"""A worker's price of reading a payment's evidence: decoding B's and C's answers and parsing them into
+`Evidence`, per payment, against the same work at a git revision.
+
+At 300 payments/s a detector worker spends about a fifth of its samples (py-spy) decoding the JSON of B's
+and C's batch answers and parsing each payment's four answers into typed evidence. This benchmark times
+that work alone, on answers shaped as the services send them: the simulator's traffic (`simulate`, seed
+5: merchants that hundreds pay), fed to the replay's reference B and C (`aml_app.training.replay`), which
+answer what the APIs answer with the gate on; the last `--decided` payments are asked about, their
+answers (with `as_of` and `log`, as the APIs add them) in batch bodies of 50 payments, a lane's batch.
+
+Per payment, CPU time (`time.process_time`), best of `--repeat` rounds (the garbage collector paused):
+- decoding the two batch bodies: `json.loads` (what aiohttp's `response.json` runs) and msgspec's
+  decoder (what the dependency client runs);
+- parsing the four answers: `Evidence.parse` as it stands, and `aml_app/detection/evidence.py` at
+  `--against REV`; every payment's two parses are checked equal field by field;
+- the answers alone, as `Evidence.parse` reads them (`from_json`: msgspec checks their shape) and field by
+  field in Python (`checked`: what reads a malformed answer to say what is wrong).
+
+    .venv/bin/python -m bench.evidence_parse [--decided 2000] [--repeat 5] [--against REV]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import gc
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from decimal import Decimal
+from typing import Any
+
+import msgspec
+
+from aml_app.detection.evidence import Aggregates, Evidence, Relations
+from aml_app.detection.thresholds import AmlThresholds
+from aml_app.simulation.traffic import simulate
+from aml_app.training.replay import Services, row_of
+from bench.common import finish, machine, markdown_table, module_at
+
+NAME = "evidence_parse"
+BATCH = 50  # payments a batch body answers: a lane's batch under load
+AS_OF = {"0": 41_233, "1": 40_877, "2": 41_502, "3": 40_990}
+
+
+def corpus(decided: int) -> list[tuple[list[dict[str, Any]], list[bytes]]]:
+    """The asked payments, `BATCH` at a time: their fields, and the two bodies (C's, then B's) that
+    answer them."""
+    payments = sorted(
+        simulate(5, decided * 3, 500.0, datetime(2026, 11, 30, tzinfo=UTC)).payments, key=lambda p: p.ts
+    )
+    services = Services(AmlThresholds())
+    asked = []
+    for i, payment in enumerate(payments):
+        services.feed(payment)
+        if i < len(payments) - decided:
+            continue
+        at = row_of(payment).ts
+        stamp = {"as_of": AS_OF, "log": "bench-log"}
+        asked.append(
+            (
+                payment,
+                [{**services.aggregates(a, at), **stamp} for a in (payment.payer, payment.payee)],
+                [
+                    {**services.relations(payment.payer, at), **stamp},
+                    {**services.payee_relations(payment.payee, payment.payer, at), **stamp},
+                ],
+            )
+        )
+    batches = []
+    for start in range(0, len(asked), BATCH):
+        part = asked[start : start + BATCH]
+        fields = [
+            {
+                "payment_id": p.payment_id,
+                "payer": p.payer,
+                "payee": p.payee,
+                "amount": Decimal(p.amount),
+                "currency": p.currency,
+                "ts": p.ts,
+                "channel": getattr(p, "channel", None),
+            }
+            for p, _, _ in part
+        ]
+        bodies = [
+            json.dumps({"answers": [answer for _, c, _ in part for answer in c]}).encode(),
+            json.dumps({"answers": [answer for _, _, b in part for answer in b]}).encode(),
+        ]
+        batches.append((fields, bodies))
+    return batches
+
+
+def parse_all(parse: Callable[..., Any], batches: list, decoded: list) -> list[Any]:
+    """Every payment's evidence, parsed by `parse` (an `Evidence.parse`) from the decoded bodies."""
+    found = []
+    for (fields, _), (aggregates, relations) in zip(batches, decoded, strict=True):
+        for i, payment in enumerate(fields):
+            found.append(
+                parse(
+                    **payment,
+                    payer_aggregates=aggregates["answers"][2 * i],
+                    payee_aggregates=aggregates["answers"][2 * i + 1],
+                    payer_relations=relations["answers"][2 * i],
+                    payee_relations=relations["answers"][2 * i + 1],
+                )
+            )
+    return found
+
+
+def read_answers(way: str, decoded: list) -> None:
+    """Every answer parsed alone, by `from_json` (msgspec's check) or by `checked` (field by field)."""
+    parse_aggregates, parse_relations = getattr(Aggregates, way), getattr(Relations, way)
+    for aggregates, relations in decoded:
+        for answer in aggregates["answers"]:
+            parse_aggregates(answer)
+        for answer in relations["answers"]:
+            parse_relations(answer)
+
+
+def plain(value: Any) -> Any:
+    """A parsed value as plain data, whatever classes hold it (dataclasses or msgspec structs)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, msgspec.Struct):
+        return {name: plain(getattr(value, name)) for name in value.__struct_fields__}
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value
+
+
+def best(work: Callable[[], object], repeat: int, payments: int) -> dict[str, Any]:
+    """Microseconds of CPU a payment: the best round's and every round's. The garbage collector is paused
+    while a round runs, as `timeit` pauses it: its passes over the corpus's objects are this process's."""
+    rounds = []
+    for _ in range(repeat):
+        gc.collect()
+        gc.disable()
+        try:
+            started = time.process_time()
+            work()
+            rounds.append(time.process_time() - started)
+        finally:
+            gc.enable()
+    return {
+        "us_per_payment": round(1e6 * min(rounds) / payments, 1),
+        "us_per_payment_every_round": [round(1e6 * r / payments, 1) for r in rounds],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    info = machine()
+    started = time.monotonic()
+    batches = corpus(args.decided)
+    payments = sum(len(fields) for fields, _ in batches)
+    print(f"{payments} payments' answers in {len(batches)} batch bodies ({time.monotonic() - started:.0f} s)")
+    decoded = [[msgspec.json.decode(body) for body in bodies] for _, bodies in batches]
+    assert decoded == [[json.loads(body) for body in bodies] for _, bodies in batches]
+    doc: dict[str, Any] = {
+        "benchmark": NAME,
+        "machine": info,
+        "params": vars(args),
+        "payments": payments,
+        "answer_bytes_per_payment": round(sum(len(b) for _, bodies in batches for b in bodies) / payments),
+        "decode": {
+            "json.loads": best(
+                lambda: [json.loads(body) for _, bodies in batches for body in bodies], args.repeat, payments
+            ),
+            "msgspec": best(
+                lambda: [msgspec.json.decode(body) for _, bodies in batches for body in bodies],
+                args.repeat,
+                payments,
+            ),
+        },
+        "parse": {
+            "current": best(lambda: parse_all(Evidence.parse, batches, decoded), args.repeat, payments)
+        },
+        "answers": {
+            way: best(functools.partial(read_answers, way, decoded), args.repeat, payments)
+            for way in ("from_json", "checked")
+        },
+    }
+    if args.against:
+        old = module_at(args.against, "aml_app/detection/evidence.py").Evidence.parse
+        now, then = parse_all(Evidence.parse, batches, decoded), parse_all(old, batches, decoded)
+        if [plain(e) for e in now] != [plain(e) for e in then]:
+            raise SystemExit(f"the evidence parsed at {args.against} differs from the current parse's")
+        doc["parse"]["against"] = best(lambda: parse_all(old, batches, decoded), args.repeat, payments)
+    return doc
+
+
+def report(doc: dict[str, Any]) -> str:
+    decode, parse = doc["decode"], doc["parse"]
+    against = doc["params"]["against"]
+    rows = [
+        ("decode the batch bodies: json.loads", decode["json.loads"]),
+        ("decode the batch bodies: msgspec", decode["msgspec"]),
+        ("parse the four answers: as it stands", parse["current"]),
+    ]
+    if "against" in parse:
+        rows.append((f"parse the four answers: at {against}", parse["against"]))
+    rows += [(f"the four answers alone: {way}", v) for way, v in doc["answers"].items()]
+    table = markdown_table(
+        ["work", "us of CPU a payment, best", "every round"],
+        [(name, v["us_per_payment"], v["us_per_payment_every_round"]) for name, v in rows],
+    )
+    return (
+        f"{doc['payments']} payments, {doc['answer_bytes_per_payment']} bytes of answers each, "
+        f"in bodies of {BATCH} payments\n\n{table}"
+    )
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--decided", type=int, default=2_000, help="payments whose answers are parsed")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--out", default=NAME, help="the results file's name in bench/results/")
+    parser.add_argument("--against", help="a git revision whose evidence.py is timed beside this one")
+    args = parser.parse_args()
+    finish(args.out, measure(args), report)
+
+
+if __name__ == "__main__":
+    cli()
