@@ -68,6 +68,7 @@ from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
 from typing import Any
 
+import msgspec
 import psycopg
 import psycopg_pool
 from aiohttp import web
@@ -228,7 +229,7 @@ async def _computed(
                 metrics.saw_not_yet()
             return web.json_response(body)
         for i, computed in zip(todo, body["answers"], strict=True):
-            text = json.dumps(computed)
+            text = msgspec.json.encode(computed).decode()  # an eighth of json.dumps's time on C's answers
             flight.landed(keys[i], cache.put(keys[i], text, computed, keep="truncated" not in computed))
             texts[i] = text
             await asyncio.sleep(0)

@@ -76,6 +76,9 @@ def money_text(value: Decimal) -> str:
 
     ("12.5", "12.50" and "12.5000" all give "12.50"; "0.0001" stays "0.0001").
     """
+    text = format(value, "f")
+    if text[-3:-2] == "." and text != "-0.00":  # in cents already, as most sums are: canonical as it is
+        return text
     reduced = value.normalize()
     exponent = reduced.as_tuple().exponent
     if isinstance(exponent, int) and exponent > -2:

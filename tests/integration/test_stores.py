@@ -1084,6 +1084,16 @@ def test_money_text_is_canonical(value: str, text: str) -> None:
     assert reference_money_text(Decimal(value)) == text
 
 
+@given(st.decimals(min_value=0, max_value=10**15, allow_nan=False, allow_infinity=False))
+def test_money_text_agrees_with_the_reference_on_any_amount(value: Decimal) -> None:
+    # Sums in cents take money_text's short way; every other amount the long one: both must be canonical.
+    value = abs(value)  # no negative zero: the store's amounts are sums of positive ones
+    assert money_text(value) == reference_money_text(value)
+    cents = value.quantize(Decimal("0.01"))
+    assert money_text(cents) == reference_money_text(cents)
+    assert money_text(Decimal("-0.00")) == money_text(Decimal("-0")) == "0.00"
+
+
 async def test_the_writer_keeps_the_planner_statistics_up_with_the_tables(store_url: str) -> None:
     """A fresh store filled batch by batch is analyzed as it grows (autovacuum waits a minute and for 10 %
     of a table), so the planner's row count never lags the table by more than ANALYZE_GROWTH, and B's
