@@ -12,11 +12,11 @@ No Faust here: Service-A and Service-A1 build `Evidence` from plain payment fiel
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal, InvalidOperation
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 
@@ -177,11 +177,7 @@ class Aggregates:
     @classmethod
     def from_json(cls, doc: Any) -> Aggregates:
         """C's answer, its shape checked by msgspec; where it is malformed, `checked` names the place."""
-        try:
-            return _aggregates(msgspec.convert(doc, _AggregatesDoc, str_keys=True))
-        except (msgspec.ValidationError, ArithmeticError, ValueError) as exc:
-            cls.checked(doc)
-            raise ValueError(f"aggregates answer: {exc}") from None
+        return _fast(doc, _AggregatesDoc, _aggregates, cls.checked, "aggregates answer")
 
     @classmethod
     def checked(cls, doc: Any) -> Aggregates:
@@ -272,11 +268,7 @@ class Relations:
     @classmethod
     def from_json(cls, doc: Any) -> Relations:
         """B's answer, its shape checked by msgspec; where it is malformed, `checked` names the place."""
-        try:
-            return _relations(msgspec.convert(doc, _RelationsDoc, str_keys=True))
-        except (msgspec.ValidationError, ArithmeticError, ValueError) as exc:
-            cls.checked(doc)
-            raise ValueError(f"relations answer: {exc}") from None
+        return _fast(doc, _RelationsDoc, _relations, cls.checked, "relations answer")
 
     @classmethod
     def checked(cls, doc: Any) -> Relations:
@@ -398,6 +390,8 @@ def _closed(cycle: Cycle, account: str, hops: int, where: str, part: str) -> Cyc
 # strings here: a JSON number is refused, as `checked` refuses it. tests/unit/test_rules.py holds the two
 # parses to the same answers and the same refusals.
 
+_Shape = TypeVar("_Shape", bound=msgspec.Struct)
+_Parsed = TypeVar("_Parsed")
 _Count = Annotated[int, msgspec.Meta(ge=0)]
 _Text = Annotated[str, msgspec.Meta(min_length=1)]
 _Instant = Annotated[datetime, msgspec.Meta(tz=True)]
@@ -474,6 +468,22 @@ class _RelationsDoc(msgspec.Struct):
     sources: list[_SourceDoc] = msgspec.field(default_factory=list)
     co_payees: list[_CoPayeeDoc] = msgspec.field(default_factory=list)
     loop: _LoopDoc = msgspec.field(default_factory=lambda: _LoopDoc(False, ()))
+
+
+def _fast(
+    doc: Any,
+    shape: type[_Shape],
+    build: Callable[[_Shape], _Parsed],
+    checked: Callable[[Any], object],
+    what: str,
+) -> _Parsed:
+    """`build` of `doc` converted to `shape`; a malformed `doc` is parsed by `checked`, which raises the
+    error that names the place of what is wrong (msgspec's own message only if `checked` finds nothing)."""
+    try:
+        return build(msgspec.convert(doc, shape, str_keys=True))
+    except (msgspec.ValidationError, ArithmeticError, ValueError) as exc:
+        checked(doc)
+        raise ValueError(f"{what}: {exc}") from None
 
 
 def _amount(text: str) -> Decimal:
