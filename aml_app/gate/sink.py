@@ -42,7 +42,13 @@ class Sink:
         )
         await self._send(self.dead_letters, "the dead-letter topic", event, headers, None, on_failure)
         self.stats.dead_lettered += 1
-        log.info("dead-lettered %s:%d: %s", message.topic, message.offset, reason)
+        log.info(
+            "dead-lettered %s partition %d offset %d: %s",
+            message.topic,
+            message.partition,
+            message.offset,
+            reason,
+        )
 
     async def to_review(self, event: EventT[Any], kind: ReviewKind, reason: str, attempts: int = 0) -> None:
         """A payment decided stale or parked, in the payment's partition of the review topic."""
@@ -63,7 +69,14 @@ class Sink:
             self.stats.decided_stale += 1
         else:
             self.stats.payments_parked += 1
-        log.warning("%s %s:%d: %s", kind.value, message.topic, message.offset, reason)
+        log.warning(
+            "%s %s partition %d offset %d: %s",
+            kind.value,
+            message.topic,
+            message.partition,
+            message.offset,
+            reason,
+        )
 
     @staticmethod
     async def _send(
