@@ -33,6 +33,8 @@ found it; nothing else in the project touches a private name of these libraries:
 - `partition_flags`: the delivery repairs' view of whether Faust pauses or fetches a partition.
 - `keep_in_metadata`, `wait_for_topic`: keep the topics the worker writes in its producer's metadata
   (aiokafka drops a topic it does not track, and sends to it then hang), and wait for a topic's metadata.
+- `BackToBackTimers`: mode's Timer warns each time a timer's run outlasts its interval (logger
+  `mode.timers`); the gate's fast timers run back to back under load by design, so theirs are dropped.
 - `PromptStopWorker`: mode's worker sleeps a fixed second (`Worker._sentinel_task`) before closing the
   event loop at every stop, for the tasks it has just cancelled; this one waits for those tasks, at
   most that second, so a SIGTERM'd worker exits as soon as they are done.
@@ -47,6 +49,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import inspect
+import logging
 import weakref
 from collections.abc import Callable, Iterable, Mapping
 from importlib import metadata
@@ -480,3 +483,38 @@ def partition_flags(app: AppT, tp: TP) -> tuple[bool, bool | None]:
     paused = tp in getattr(consumer, "_paused_partitions", set())
     active = getattr(consumer, "_active_partitions", None)
     return paused, None if active is None else tp in active
+
+
+# --- mode's warning for a timer that overlaps ---------------------------------------------------
+
+#: What mode's Timer logs (logger `mode.timers`, WARNING) each time a run outlasts its interval
+#: (`mode.timers.Timer`; tests/unit/test_faust_internals.py checks the text is still mode's).
+TIMER_OVERLAPPING = "Timer %s is overlapping (interval=%r runtime=%r)"
+
+
+class BackToBackTimers(logging.Filter):
+    """Drops mode's overlap warning for the timers named (mode names a timer by its function's qualified
+    name). The gate's refresh and demand run every `AML_FAST_REFRESH_INTERVAL` while a payment waits,
+    an interval that is a floor, not a deadline: under load they run back to back, which the refresh's
+    duration shows (`aml_admin_refresh_seconds`); a warning for each run was four lines in ten of a
+    worker's log at 300 payments/s."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        super().__init__()
+        self.names = frozenset(names)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        return not (
+            record.msg == TIMER_OVERLAPPING
+            and isinstance(args, tuple)
+            and bool(args)
+            and args[0] in self.names
+        )
+
+
+def quiet_back_to_back(*names: str) -> None:
+    """Install `BackToBackTimers` for `names` on mode's timer logger (once per set of names)."""
+    timers = logging.getLogger("mode.timers")
+    if not any(isinstance(f, BackToBackTimers) and f.names == frozenset(names) for f in timers.filters):
+        timers.addFilter(BackToBackTimers(names))

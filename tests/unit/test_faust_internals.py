@@ -413,3 +413,11 @@ def test_the_app_starts_its_workers_with_the_prompt_stop() -> None:
     from aml_app.app import app
 
     assert app.conf.Worker is PromptStopWorker
+
+
+def test_the_overlap_warning_dropped_for_the_fast_timers_is_still_modes() -> None:
+    import inspect
+
+    import mode.timers
+
+    assert faust_internals.TIMER_OVERLAPPING in inspect.getsource(mode.timers)
