@@ -425,7 +425,7 @@ class DependencyClient:
             async with request as response:
                 if response.status >= 500:
                     raise DependencyUnavailable(f"{dependency} answered {response.status} for {url.path}")
-                # msgspec decodes in a third of json's time; its errors are ValueErrors, as json's are.
+                # msgspec decodes in about half of json's time; its errors are ValueErrors, as json's are.
                 body = msgspec.json.decode(await response.read())
                 if response.status >= 400:
                     message = body.get("error") if isinstance(body, dict) else body

@@ -383,7 +383,7 @@ def _closed(cycle: Cycle, account: str, hops: int, where: str, part: str) -> Cyc
 
 
 # --- the answers' shape, as msgspec checks it ------------------------------------------------------
-# A worker parses four answers a payment: msgspec checks their shape in C, in a third of the time a check
+# A worker parses four answers a payment: msgspec checks their shape in C, in about half the time a check
 # field by field in Python takes (bench.evidence_parse), and `from_json` runs `checked` only to name what
 # is wrong. What types cannot say (amounts are finite and >= 0, a chain ends at the account, a cycle
 # returns to it) is checked below by the same functions as in `checked`, or as they check it. Amounts are
