@@ -486,16 +486,8 @@ def _fast(
         raise ValueError(f"{what}: {exc}") from None
 
 
-def _amount(text: str) -> Decimal:
-    """`parse_money` of a string already known to be one; InvalidOperation or ValueError when malformed."""
-    amount = Decimal(text)
-    if amount.is_finite() and amount >= 0:
-        return amount
-    raise ValueError(f"{text!r} is not a finite amount >= 0")
-
-
 def _amounts(texts: Mapping[str, str]) -> dict[str, Decimal]:
-    return {currency: _amount(text) for currency, text in texts.items()}
+    return {currency: parse_money(text, currency) for currency, text in texts.items()}
 
 
 def _utc(when: datetime) -> datetime:
@@ -515,7 +507,8 @@ def _window(doc: _WindowDoc) -> Window:
 
 
 def _aggregates(doc: _AggregatesDoc) -> Aggregates:
-    threshold, band = _amount(doc.reporting_threshold), _amount(doc.threshold_band)
+    threshold = parse_money(doc.reporting_threshold, "reporting_threshold")
+    band = parse_money(doc.threshold_band, "threshold_band")
     if threshold <= 0 or not band < 1:
         raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
     windows = doc.windows
