@@ -62,7 +62,11 @@ PAYMENT_FORMATS = ("ach", "wire", "cheque", "credit_card", "cash", "bitcoin")
 # the rules' verdicts and the payment's format. Every one reads a part the detector asks B for
 # (`PAYER_PARTS`, `PAYEE_PARTS`): any other part is empty in the worker. Counts, sums and hours enter as
 # log(1 + x); a payer's `*_forwarded` is log(1 + sent) - log(1 + received) in the window, so 0 is "paid
-# on what came in".
+# on what came in". The `*_amount_*` figures set the payment's amount (log(1 + x)) against the account's
+# own flows, since a tree splits one feature at a time and cannot draw a ratio: `vs_received`, what the
+# payer received in the window (0: a hop passing on what came in, as AMLworld's random walks and stacks
+# do); `vs_*_mean`, the account's mean payment out or in over the week (log(1 + total) - log(count):
+# parts of one split alike); `share`, the week's total out of the payer or into the payee.
 _WINDOW_FIGURES = ("sent_count", "received_count", "sent_counterparties", "received_counterparties")
 FEATURES: tuple[str, ...] = (
     "amount",
@@ -84,6 +88,12 @@ FEATURES: tuple[str, ...] = (
     "payee_flow_accounts",
     "payee_sources",
     "payee_co_payees",
+    "payer_24h_amount_vs_received",
+    "payer_7d_amount_vs_received",
+    "payer_7d_amount_vs_sent_mean",
+    "payee_7d_amount_vs_received_mean",
+    "payer_7d_amount_share",
+    "payee_7d_amount_share",
     *(f"rule_{typology}" for typology in TYPOLOGIES),
     *(f"format_{name}" for name in PAYMENT_FORMATS),
 )
@@ -92,6 +102,10 @@ _WINDOWS = ("1h", "24h", "7d")
 #: Where the payer's 24 h and 7 d sent totals are in a row (its received totals follow them).
 _PAYER_24H_SENT = FEATURES.index("payer_24h_sent_total")
 _PAYER_7D_SENT = FEATURES.index("payer_7d_sent_total")
+#: Where the payer's 7 d sent count and the payee's 7 d received count and total are in a row.
+_PAYER_7D_SENT_COUNT = FEATURES.index("payer_7d_sent_count")
+_PAYEE_7D_RECEIVED_COUNT = FEATURES.index("payee_7d_received_count")
+_PAYEE_7D_RECEIVED = FEATURES.index("payee_7d_received_total")
 
 
 def _log(value: float) -> float:
@@ -129,6 +143,8 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
         (evidence.ts - edge.first_seen).total_seconds() / 3600 if edge else 0,
     )
     row = list(map(log1p, plain)) if min(plain) >= 0 else list(map(_log, plain))
+    amount_in = row[0]
+    sent_count, received_count = plain[_PAYER_7D_SENT_COUNT], plain[_PAYEE_7D_RECEIVED_COUNT]
     row += (
         row[_PAYER_24H_SENT] - row[_PAYER_24H_SENT + 1],  # payer_24h_forwarded
         row[_PAYER_7D_SENT] - row[_PAYER_7D_SENT + 1],  # payer_7d_forwarded
@@ -136,6 +152,12 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
         float(len(payee.chain)),
         log1p(len(payee.sources)),
         log1p(len(payee.co_payees)),
+        amount_in - row[_PAYER_24H_SENT + 1],  # payer_24h_amount_vs_received
+        amount_in - row[_PAYER_7D_SENT + 1],  # payer_7d_amount_vs_received
+        amount_in - row[_PAYER_7D_SENT] + math.log(sent_count) if sent_count > 0 else 0.0,
+        amount_in - row[_PAYEE_7D_RECEIVED] + math.log(received_count) if received_count > 0 else 0.0,
+        amount_in - row[_PAYER_7D_SENT],  # payer_7d_amount_share
+        amount_in - row[_PAYEE_7D_RECEIVED],  # payee_7d_amount_share
     )
     row += _rule_flags(frozenset(hit.typology for hit in hits)) if hits else _NO_RULE
     row += _format_flags(evidence.channel)
@@ -814,8 +836,12 @@ def _shown(name: str, value: float) -> str:
         return "yes" if value else "no"
     if name.endswith("_hops") or name == "payee_flow_accounts":
         return str(int(value))
-    if name.endswith("_forwarded"):
+    if name.endswith(("_forwarded", "_amount_vs_received")):
         return f"{math.exp(value):.2f} times what came in"
+    if name.endswith("_mean"):
+        return f"{math.exp(value):.2f} times its mean payment"
+    if name.endswith("_amount_share"):
+        return f"{math.exp(value):.2f} of the week's total"
     plain = math.expm1(value)
     return f"{plain:.2f}" if "total" in name or name == "amount" else str(round(plain))
 
