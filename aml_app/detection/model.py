@@ -154,6 +154,7 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
         log1p(len(payee.co_payees)),
         amount_in - row[_PAYER_24H_SENT + 1],  # payer_24h_amount_vs_received
         amount_in - row[_PAYER_7D_SENT + 1],  # payer_7d_amount_vs_received
+        # payer_7d_amount_vs_sent_mean, payee_7d_amount_vs_received_mean
         amount_in - row[_PAYER_7D_SENT] + math.log(sent_count) if sent_count > 0 else 0.0,
         amount_in - row[_PAYEE_7D_RECEIVED] + math.log(received_count) if received_count > 0 else 0.0,
         amount_in - row[_PAYER_7D_SENT],  # payer_7d_amount_share
