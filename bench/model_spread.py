@@ -157,6 +157,7 @@ def figures(doc: dict[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.parse_args()
+    code, measured_on = code_version(), machine()  # what runs: the modules are imported by now
     started = time.perf_counter()
     runs: dict[int, Replayed] = {}
 
@@ -262,8 +263,8 @@ def main() -> None:
     write_results(
         "model_spread",
         {
-            "code": code_version(),
-            "machine": machine(),
+            "code": code,
+            "machine": measured_on,
             "calibrated_seeds": list(SCORED_SEEDS),
             "runs": {k: v for k, v in RUNS.items() if k in ("days", "per_hour", "attempts")},
             "trainings": results,
