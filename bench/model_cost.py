@@ -23,6 +23,10 @@ deciding is timed over all of it:
   third of the files' payments are laundering and the model explains each alert it makes, while a
   deployment's traffic is almost all benign.
 
+- `stages`: where a lane's batch spends the model's CPU: the feature rows (`features`, in Python), the
+  walk of the trees and the naming (`Model.probabilities`), and the rest of `Model.judge`, which is the
+  explanation of each alert (occlusion read off the trees, and its text), also given per alert.
+
 CPU is `time.process_time` (this process, every thread) over a whole pass, divided by the payments;
 each way is run `--repeat` times and the median and the lowest are kept (the machine is shared: the lowest
 is the least disturbed). The model's cost is a way's CPU less the rules'. Every way must give the same
@@ -45,8 +49,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from aml_app.detection.evidence import Evidence
-from aml_app.detection.model import load
+from aml_app.detection.model import FEATURES, Model, features, load
 from aml_app.detection.rules import Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import DetectionSettings, Settings
@@ -118,6 +124,57 @@ def by_payment(batched: list[list[Evidence]], hits: list[list[Hit]]) -> dict[str
     return dict(zip(order, hits, strict=True))
 
 
+def stages(
+    model: Model, batched: list[list[Evidence]], thresholds: AmlThresholds, payments: int, repeat: int
+) -> dict[str, float]:
+    """CPU µs per payment of each stage of `Model.judge` on `batched` (median of `repeat` passes): the
+    feature rows, the walk and naming, and the rest (the alerts' explanations), which is also given per
+    alert. The rules' hits are found before timing: the model reads them, the rules' cost is `rules`."""
+    rule_hits = [[aml_rules(evidence, thresholds) for evidence in batch] for batch in batched]
+    scored = [
+        [
+            (evidence, hits)
+            for evidence, hits in zip(batch, found, strict=True)
+            if evidence.payer != evidence.payee
+        ]
+        for batch, found in zip(batched, rule_hits, strict=True)
+    ]
+
+    def rows() -> list[np.ndarray]:
+        return [
+            np.array([features(evidence, hits, thresholds) for evidence, hits in batch], dtype=float).reshape(
+                -1, len(FEATURES)
+            )
+            for batch in scored
+        ]
+
+    built = rows()
+    alerts = sum(name is not None for matrix in built if len(matrix) for name in model.verdicts(matrix))
+    spent: dict[str, list[float]] = {"features": [], "walk and naming": [], "judge": []}
+    for _ in range(repeat):
+        started = time.process_time()
+        rows()
+        spent["features"].append(time.process_time() - started)
+        started = time.process_time()
+        for matrix in built:
+            if len(matrix):
+                model.verdicts(matrix)
+        spent["walk and naming"].append(time.process_time() - started)
+        started = time.process_time()
+        for batch, found in zip(batched, rule_hits, strict=True):
+            model.judge(batch, found, thresholds)
+        spent["judge"].append(time.process_time() - started)
+    median = {name: statistics.median(values) for name, values in spent.items()}
+    explaining = max(median["judge"] - median["features"] - median["walk and naming"], 0.0)
+    return {
+        "features_us": round(median["features"] / payments * 1e6, 1),
+        "walk_and_naming_us": round(median["walk and naming"] / payments * 1e6, 1),
+        "explanations_us": round(explaining / payments * 1e6, 1),
+        "alerts": alerts,
+        "explanation_per_alert_us": round(explaining / max(alerts, 1) * 1e6, 1),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5, help="passes per way of deciding (default 5)")
@@ -165,6 +222,8 @@ def main() -> None:
         elif got != reference:
             raise SystemExit(f"batches of {size} give other hits than one payment at a time")
         print(f"batch {size}: {figures[f'batch {size}']}")
+    figures["stages"] = stages(model, batches(lanes_, LANE_BATCH), thresholds, count, args.repeat)
+    print(f"stages, batches of {LANE_BATCH}: {figures['stages']}")
     # The same on the real benign background alone: a deployment's traffic is almost all benign, and the
     # model explains only what it alerts, so this is the cost per payment at the real base rate.
     benign = [(payment, evidence) for payment, evidence in payments if not payment.is_laundering]
@@ -195,7 +254,7 @@ def main() -> None:
             raise SystemExit(f"the model of {args.before} gives other hits than the batch path")
         print(f"before ({args.before[:7]}): {figures['before']}")
     for name, entry in figures.items():
-        if name not in ("rules", "benign rules"):
+        if name not in ("rules", "benign rules", "stages"):
             rules = figures["benign rules" if name.startswith("benign") else "rules"]["median_us"]
             entry["model_us"] = round(entry["median_us"] - rules, 1)
     doc["figures"] = figures
@@ -224,6 +283,13 @@ def report(doc: dict[str, Any]) -> str:
         )
         rows.append([label, entry["median_us"], entry["lowest_us"], entry["model_us"]])
     table = markdown_table(["way", "CPU µs per payment (median)", "lowest", "of which the model"], rows)
+    split = figures.get("stages")
+    if split:
+        table += (
+            f"\nThe model at batches of {LANE_BATCH}, µs per payment: feature rows {split['features_us']}, "
+            f"walk and naming {split['walk_and_naming_us']}, explanations {split['explanations_us']} "
+            f"({split['explanation_per_alert_us']} per alert, {split['alerts']} alerts)."
+        )
     return table + "\nEvery way gave the same hits for every payment."
 
 
