@@ -78,11 +78,11 @@ class ExchangeRates:
     def total(self, sums: Mapping[str, Decimal]) -> Decimal:
         """The sum of per-currency amounts in the reporting currency, to the cent; currencies without a
         rate count 0."""
-        per_unit, exact = self.per_unit, Decimal(0)
+        exact = Decimal(0)
         for currency, amount in sums.items():  # a loop, not generators: every rule and window calls it
-            rate = per_unit.get(currency)
-            if rate is not None:
-                exact += amount / rate
+            converted = self.convert(amount, currency)
+            if converted is not None:
+                exact += converted
         return exact.quantize(CENT, rounding=ROUND_HALF_EVEN)
 
     def in_each(self, amount: Decimal) -> dict[str, Decimal]:
