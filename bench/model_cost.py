@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from aml_app.detection.evidence import Evidence
-from aml_app.detection.model import FEATURES, Model, features, load
+from aml_app.detection.model import Model, load
 from aml_app.detection.rules import Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import DetectionSettings, Settings
@@ -131,21 +131,10 @@ def stages(
     feature rows, the walk and naming, and the rest (the alerts' explanations), which is also given per
     alert. The rules' hits are found before timing: the model reads them, the rules' cost is `rules`."""
     rule_hits = [[aml_rules(evidence, thresholds) for evidence in batch] for batch in batched]
-    scored = [
-        [
-            (evidence, hits)
-            for evidence, hits in zip(batch, found, strict=True)
-            if evidence.payer != evidence.payee
-        ]
-        for batch, found in zip(batched, rule_hits, strict=True)
-    ]
 
     def rows() -> list[np.ndarray]:
         return [
-            np.array([features(evidence, hits, thresholds) for evidence, hits in batch], dtype=float).reshape(
-                -1, len(FEATURES)
-            )
-            for batch in scored
+            model.rows(batch, found, thresholds)[1] for batch, found in zip(batched, rule_hits, strict=True)
         ]
 
     built = rows()

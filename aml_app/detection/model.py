@@ -347,6 +347,19 @@ class Model:
         explanations of those that alert found together: each payment's alert is what it would be alone."""
         return self.judge(evidences, rule_hits, thresholds)[0]
 
+    def rows(
+        self, evidences: Sequence[Evidence], rule_hits: Sequence[Sequence[Hit]], thresholds: AmlThresholds
+    ) -> tuple[list[int], np.ndarray]:
+        """The payments the model scores (every one but a self-payment), by index, and their feature rows:
+        what `judge` reads, and what `bench.model_cost` times on its own."""
+        scored = [i for i, evidence in enumerate(evidences) if evidence.payer != evidence.payee]
+        rows = np.fromiter(
+            itertools.chain.from_iterable(features(evidences[i], rule_hits[i], thresholds) for i in scored),
+            dtype=float,
+            count=len(scored) * len(FEATURES),
+        ).reshape(len(scored), len(FEATURES))
+        return scored, rows
+
     def judge(
         self, evidences: Sequence[Evidence], rule_hits: Sequence[Sequence[Hit]], thresholds: AmlThresholds
     ) -> tuple[list[Hit | None], list[float]]:
@@ -354,14 +367,9 @@ class Model:
         says whether the rules beside the model alert it (`beside`)."""
         found: list[Hit | None] = [None] * len(evidences)
         benign_p = [math.nan] * len(evidences)
-        scored = [i for i, evidence in enumerate(evidences) if evidence.payer != evidence.payee]
+        scored, rows = self.rows(evidences, rule_hits, thresholds)
         if not scored:
             return found, benign_p
-        rows = np.fromiter(
-            itertools.chain.from_iterable(features(evidences[i], rule_hits[i], thresholds) for i in scored),
-            dtype=float,
-            count=len(scored) * len(FEATURES),
-        ).reshape(len(scored), len(FEATURES))
         bins, reached, leaves, raw = self._raw(rows)
         p = _softmax(raw)
         benign = self.classes.index(BENIGN)
