@@ -91,7 +91,7 @@ from aml_app.harness.verify import CommitTimeline, decided_at, percentile, prema
 from aml_app.settings import Settings, load_settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
 from aml_app.simulation.traffic import SimPayment
-from bench import pg_statements
+from bench import pg_statements, py_profile
 from bench.common import (
     CLK_TCK,
     OWN,
@@ -179,6 +179,8 @@ class Step:
     report: SimulatorReport | None = None
     caught_up_after: float | None = None  # seconds from the last send until everything was decided
     stopped_early: bool = False
+    #: py-spy's summary of each Python process over the measured part (`--profile`), by process name.
+    profile: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 def system_cpu(demo: Demo) -> tuple[dict[str, float], dict[int, float]]:
@@ -209,6 +211,16 @@ def system_cpu(demo: Demo) -> tuple[dict[str, float], dict[int, float]]:
             parts[PIPELINE_PARTS[2 if member in jvms else part]] += reaped
         used.update(parts)
     return used, jit
+
+
+def python_processes(demo: Demo) -> dict[str, int]:
+    """The system's Python processes by the names their CPU has in `system_cpu`: the workers, the API
+    replicas and the pipeline's driver (the Spark JVM and Spark's short-lived Python workers aside)."""
+    every = processes(demo)
+    found = {name: pid for name, pid in every.items() if name.startswith("worker ") or name.endswith(" API")}
+    if PIPELINE in every:
+        found[PIPELINE_PARTS[0]] = every[PIPELINE]
+    return found
 
 
 def jit_threads(jvms: Iterable[int]) -> dict[int, float]:
@@ -502,8 +514,14 @@ class CapacityDemo(Demo):
                 return
             raise SystemFailure(f"the {step.rate:g}/s step ended within its warm-up")
         step.samples["start"] = await self.sample()
+        profiling = None
+        if self.args.profile > 0:
+            seconds = min(self.args.profile, step.first_sent + step.seconds - time.time())
+            profiling = asyncio.create_task(py_profile.record(python_processes(self), seconds))
         await asyncio.wait([simulator])
         step.samples["end"] = await self.sample()
+        if profiling is not None:
+            step.profile = await profiling
 
     async def sample(self) -> Sample:
         at = time.time()
@@ -992,6 +1010,16 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
         }
         if s0.statements is not None and s1.statements is not None:
             doc["stages"]["postgres"] = pg_statements.between(s0.statements, s1.statements, len(both))
+        if step.profile:
+            us = doc["cpu"]["us_per_payment"]
+            doc["profile"] = {
+                name: found
+                | {
+                    "us_per_payment": py_profile.per_payment(found, us.get(name)),
+                    "files_us_per_payment": py_profile.per_payment(found, us.get(name), "files"),
+                }
+                for name, found in step.profile.items()
+            }
         out.append(doc)
     return out
 
@@ -1257,8 +1285,27 @@ def report(doc: dict[str, Any]) -> str:
         ),
         f"load average at start {doc['machine']['loadavg_at_start']}, "
         f"at end {doc['machine'].get('loadavg_at_end')}",
+        *(profile_report(s) for s in steps if s.get("profile")),
     ]
     return "\n\n".join(parts)
+
+
+def profile_report(step: Mapping[str, Any], shown: int = 12) -> str:
+    """Each Python process's costliest functions at one rate (`--profile`): µs of CPU a payment,
+    inclusive of what they call, with the process's busy samples."""
+    rows = []
+    for name, found in step["profile"].items():
+        if "error" in found:
+            rows.append((name, f"not sampled: {found['error']}", ""))
+            continue
+        rows.append((name, f"{found['busy']} busy samples, {found['idle']} idle", ""))
+        top = list(found["us_per_payment"].items())[:shown]
+        rows.extend(("", function, us) for function, us in top)
+        files = list(found.get("files_us_per_payment", {}).items())[: shown // 2]
+        rows.extend(("", f"file {file}", us) for file, us in files)
+    return f"py-spy at {step['rate']:g}/s, µs of CPU a payment by function (inclusive):\n\n" + markdown_table(
+        ["process", "function", "µs a payment"], rows
+    )
 
 
 def representative(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> Mapping[str, Any] | None:
@@ -1360,11 +1407,19 @@ def cli() -> None:
     )
     parser.add_argument("--stages-rate", type=float, default=1000.0, help="the rate whose stages are printed")
     parser.add_argument("--seed", type=int, default=5)
+    parser.add_argument(
+        "--profile",
+        type=float,
+        default=0.0,
+        help="seconds of py-spy samples of every Python process in each step's measured part (0: none)",
+    )
     args = parser.parse_args()
     if args.warm_up is None:
         args.warm_up = args.step_seconds / 4
     if args.warm_up + 5 >= args.step_seconds:
         parser.error("--step-seconds must exceed --warm-up by more than 5 s")
+    if args.profile > 0 and py_profile.available() is None:
+        parser.error("--profile needs py-spy (pip install py-spy; the dev extra has it)")
     doc = asyncio.run(measure(args))
     finish(NAME, doc, report)
     from bench.plot import plot_capacity  # matplotlib only once there are figures
