@@ -14,7 +14,10 @@ Per payment, CPU time (`time.process_time`), best of `--repeat` rounds (the garb
 - parsing the four answers: `Evidence.parse` as it stands, and `aml_app/detection/evidence.py` at
   `--against REV`; every payment's two parses are checked equal field by field;
 - the answers alone, as `Evidence.parse` reads them (`from_json`: msgspec checks their shape) and field by
-  field in Python (`checked`: what reads a malformed answer to say what is wrong).
+  field in Python (`checked`: what reads a malformed answer to say what is wrong);
+- writing the two request bodies that ask about a batch, as the dependency client builds them
+  (`evidence_for`, caught where the client sends them): `json.dumps` (what aiohttp's `json=` runs) and
+  msgspec's encoder (what the client runs), the two checked to carry the same JSON.
 
     .venv/bin/python -m bench.evidence_parse [--decided 2000] [--repeat 5] [--against REV]
 """
@@ -22,6 +25,7 @@ Per payment, CPU time (`time.process_time`), best of `--repeat` rounds (the garb
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import functools
 import gc
@@ -34,7 +38,8 @@ from typing import Any
 
 import msgspec
 
-from aml_app.detection.evidence import Aggregates, Evidence, Relations
+from aml_app.dependencies.client import DependencyClient, Need, evidence_for
+from aml_app.detection.evidence import Aggregates, Evidence, Relations, parse_instant
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.traffic import simulate
 from aml_app.training.replay import Services, row_of
@@ -90,6 +95,35 @@ def corpus(decided: int) -> list[tuple[list[dict[str, Any]], list[bytes]]]:
         ]
         batches.append((fields, bodies))
     return batches
+
+
+class RequestBodies(DependencyClient):
+    """A dependency client that sends nothing: it keeps each request body where the client would send it
+    and answers every question with an empty answer."""
+
+    def __init__(self) -> None:
+        super().__init__("http://relations.invalid", "http://aggregates.invalid")
+        self.bodies: list[Any] = []
+
+    async def _send_to(self, dependency: str, url: Any, body: Any) -> dict[str, Any]:
+        self.bodies.append(body)
+        return {"answers": [{} for _ in body["queries"]]}
+
+
+def request_bodies(batches: list) -> list[Any]:
+    """The bodies of the requests the client sends to ask about each batch (its payments' evidence)."""
+    client = RequestBodies()
+    need = Need({int(p): o for p, o in AS_OF.items()}, "bench-log", 2.0)
+    thresholds = AmlThresholds()
+    heavy = thresholds.rates.in_each(thresholds.graph_min_average)  # as the detectors ask
+
+    async def ask() -> None:
+        for fields, _ in batches:
+            questions = [(f["payer"], f["payee"], parse_instant(f["ts"], "ts")) for f in fields]
+            await evidence_for(client, questions, heavy, thresholds.cycle_max_hops, need, route=0)
+
+    asyncio.run(ask())
+    return client.bodies
 
 
 def parse_all(parse: Callable[..., Any], batches: list, decoded: list) -> list[Any]:
@@ -183,6 +217,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             for way in ("from_json", "checked")
         },
     }
+    requests = request_bodies(batches)
+    written = [msgspec.json.encode(b) for b in requests]
+    if [json.loads(b) for b in written] != [json.loads(json.dumps(b)) for b in requests]:
+        raise SystemExit("msgspec and json.dumps write different request bodies")
+    doc["request_bytes_per_payment"] = round(sum(map(len, written)) / payments)
+    doc["encode"] = {
+        "json.dumps": best(lambda: [json.dumps(b).encode() for b in requests], args.repeat, payments),
+        "msgspec": best(lambda: [msgspec.json.encode(b) for b in requests], args.repeat, payments),
+    }
     if args.against:
         old = module_at(args.against, "aml_app/detection/evidence.py").Evidence.parse
         now, then = parse_all(Evidence.parse, batches, decoded), parse_all(old, batches, decoded)
@@ -203,6 +246,7 @@ def report(doc: dict[str, Any]) -> str:
     if "against" in parse:
         rows.append((f"parse the four answers: at {against}", parse["against"]))
     rows += [(f"the four answers alone: {way}", v) for way, v in doc["answers"].items()]
+    rows += [(f"write the request bodies: {way}", v) for way, v in doc.get("encode", {}).items()]
     table = markdown_table(
         ["work", "us of CPU a payment, best", "every round"],
         [(name, v["us_per_payment"], v["us_per_payment_every_round"]) for name, v in rows],

@@ -76,6 +76,8 @@ class NotYet(RuntimeError):
 
 
 log = logging.getLogger(__name__)
+#: The header of a request whose body is JSON.
+JSON_BODY = {"Content-Type": "application/json"}
 
 
 @dataclass(frozen=True)
@@ -421,7 +423,12 @@ class DependencyClient:
         self.stats.by_dependency[dependency] = self.stats.by_dependency.get(dependency, 0) + 1
         client = self._client()
         try:
-            request = client.get(url) if body is None else client.post(url, json=body)
+            # msgspec writes the body in about a tenth of json's time (aiohttp's `json=` calls json.dumps).
+            request = (
+                client.get(url)
+                if body is None
+                else client.post(url, data=msgspec.json.encode(body), headers=JSON_BODY)
+            )
             async with request as response:
                 if response.status >= 500:
                     raise DependencyUnavailable(f"{dependency} answered {response.status} for {url.path}")
