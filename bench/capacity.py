@@ -53,11 +53,13 @@ refresh durations (`aml_admin_refresh_seconds` in `/metrics`), each worker's han
 (`detector` in `/watermarks.json`: evidence over HTTP from B and C, rules with the model for AML,
 handing alerts and decisions to the producer) and the gate's hold (`waited_ms`); and PostgreSQL's
 execution time by statement (`bench.pg_statements`: the embedded server runs with pg_stat_statements
-here), per payment decided by both.
+here), per payment decided by both. With `--profile SECONDS`, inside each Python process too: py-spy's
+samples of every worker, API replica and the pipeline's driver over the measured part split each one's
+CPU per payment by function and by source file (`bench.py_profile`).
 
     .venv/bin/python -m bench.capacity [--rates 50,150,250,350,500,1000,2000] [--step-seconds 60]
         [--warm-up 15] [--aml-workers 2] [--prelude-rate 500] [--prelude-seconds 30]
-        [--drain-seconds 120] [--stages-rate 1000] [--seed 5]
+        [--drain-seconds 120] [--stages-rate 1000] [--seed 5] [--profile 45]
 """
 
 from __future__ import annotations
