@@ -7,8 +7,9 @@ samples a second for the step's measured part, only the thread that holds the GI
 blocked on a socket, PostgreSQL or the JVM, or runnable but not running on a busy machine, is not
 counted, so the shares are of the Python code the process ran (C that releases the GIL, like Arrow's
 readers, is not in them). Samples whose innermost frame is a wait (`IDLE`) are counted apart. A
-function's share times its process's CPU per payment (from the same step) is what it costs a payment,
-within the sampling error (1 / sqrt of its samples) and what the GIL-free C adds to the process.
+function's share times its process's CPU per payment (from the same step) estimates what it costs a
+payment: within the sampling error (about 1 / sqrt of its samples), and taking the C that runs without
+the GIL to be spread like the rest.
 """
 
 from __future__ import annotations
@@ -22,8 +23,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-#: Samples a second per process: enough for shares of a few percent over a minute, little CPU (py-spy
-#: pauses a process for each sample; at 50 a second that is well under a percent of a core).
+#: Samples a second per process: enough for shares of a few percent over a minute.
 RATE = 50
 #: Frames a thread waits in: a sample whose innermost frame is one of these is idle, not CPU.
 IDLE = (
