@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import shutil
-import sys
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
+
+from aml_app.harness.child_process import installed_executable
 
 #: Samples a second per process: enough for shares of a few percent over a minute.
 RATE = 50
@@ -55,10 +55,8 @@ SHOWN = 60
 
 
 def available() -> str | None:
-    """The py-spy executable beside this interpreter (a virtualenv's, not on PATH) or on PATH; None
-    without one (it is a development dependency: `pip install py-spy`)."""
-    beside = Path(sys.executable).parent / "py-spy"
-    return str(beside) if beside.exists() else shutil.which("py-spy")
+    """The py-spy executable, or None (it is a development dependency: `pip install py-spy`)."""
+    return installed_executable("py-spy")
 
 
 async def record(pids: Mapping[str, int], seconds: float, rate: int = RATE) -> dict[str, dict[str, Any]]:

@@ -20,12 +20,16 @@ from typing import Self
 ERROR_LINE = re.compile(r"\[ERROR\]|\sERROR\s")  # Faust's, and Python logging's and Spark's layouts
 
 
+def installed_executable(name: str) -> str | None:
+    """The executable `name` next to this interpreter (a virtualenv's, often not on PATH), else the one
+    on PATH; None without one."""
+    beside = Path(sys.executable).with_name(name)
+    return str(beside) if beside.exists() else shutil.which(name)
+
+
 def aml_app_executable() -> str:
     """`aml-app` next to this interpreter (the venv), else the one on PATH."""
-    beside = Path(sys.executable).with_name("aml-app")
-    if beside.exists():
-        return str(beside)
-    found = shutil.which("aml-app")
+    found = installed_executable("aml-app")
     if found is None:
         raise FileNotFoundError(f"no aml-app executable next to {sys.executable} or on PATH")
     return found
