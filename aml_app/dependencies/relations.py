@@ -25,10 +25,11 @@ at its own time does not depend on how far B has applied since; the detectors as
   ... -> closing of at most `loop_hops` - 1 edges through distinct accounts, each edge paid no earlier
   than the one before and within LOOP_SPAN before `at`. The search reads an edge's first and last times
   only, so an edge is taken at max(the time reached, its first payment) if its last is not earlier: exact for
-  edges of one payment, and never missing a loop otherwise. Searched from both ends at once (`LoopSearch`:
-  forward from the account, backward from the closing payer, one statement per direction and level for
-  the whole batch), so each side goes about half as deep; an account in between that paid more than
-  LOOP_MAX_PAYEES distinct accounts is not gone through. AMLworld's cycles run to 13 hops over days;
+  edges of one payment, and never missing a loop otherwise. Searched from both ends (`LoopSearch`: forward
+  from the account, backward from the closing payer, one statement per direction and level for the
+  whole batch), so each side goes about half as deep; an account in between that paid more than
+  LOOP_MAX_PAYEES distinct accounts by `at` is not gone through (each write keeps those accounts, with
+  the time they passed it, in `many_payees`). AMLworld's cycles run to 13 hops over days;
   B's `cycle` sees 3. {"found", "path": [account, ..., closing, account], "complete"}; `complete` is
   false when the two frontiers held more than LOOP_FRONTIER accounts and the search stopped.
 
@@ -83,6 +84,8 @@ LOOP_SPAN = timedelta(days=14)
 EARLIEST = datetime.min.replace(tzinfo=UTC)
 #: A loop does not go on through an account that paid more distinct accounts than this: a merchant or a
 #: payment processor connects everyone in time, and laundering loops run through accounts of few payees.
+#: The store keeps which accounts passed it, and when (`many_payees`): another value needs a migration that
+#: counts them again (`count_many_payees`).
 LOOP_MAX_PAYEES = 100
 #: The most accounts one level of a loop search may reach before it stops (`complete` false).
 LOOP_FRONTIER = 500
@@ -148,6 +151,19 @@ class Query(NamedTuple):
         return (self.account, self.hops, tuple(self.parts), _heavy_key(self.min_average), *self[4:])
 
 
+#: The payers among `{which}` that paid more than %(limit)s distinct other accounts, each with `since`: the
+#: first payment to its (limit + 1)-th payee, from which on a loop does not go through it. Edges are only
+#: ever added to, so an account in it stays, and its `since` can only move earlier.
+_MANY_PAYEES = """
+SELECT payer, (array_agg(first ORDER BY first))[%(limit)s::int + 1] AS since
+FROM (
+    SELECT e.payer, min(e.first_seen) AS first FROM {edges} e
+    WHERE e.payee <> e.payer AND {which}
+    GROUP BY e.payer, e.payee
+) d
+GROUP BY payer HAVING count(*) > %(limit)s
+"""
+
 SCHEMA = Schema(
     "relations",
     [
@@ -191,6 +207,19 @@ SCHEMA = Schema(
         """
         CREATE INDEX edges_by_payee_last ON {schema}.edges (payee, last_seen) WHERE times IS NOT NULL
         """,
+        # 6: the accounts a loop does not go through, and from when (`_MANY_PAYEES`), kept by each write
+        # (`mark_many_payees`), so that a loop search looks an account up instead of counting its payees at
+        # every step (a backward step from a merchant's payer asks about each of its hundreds of customers).
+        """
+        CREATE TABLE {schema}.many_payees (
+            payer text COLLATE "C" PRIMARY KEY,
+            since timestamptz NOT NULL
+        );
+        INSERT INTO {schema}.many_payees
+        """
+        + _MANY_PAYEES.replace("{edges}", "{schema}.edges")
+        .replace("{which}", "true")
+        .replace("%(limit)s", str(LOOP_MAX_PAYEES)),
     ],
 )
 
@@ -242,6 +271,50 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
             """
         ).format(edges=sql.Identifier(schema.name, "edges"))
     )
+    mark_many_payees(conn, schema)
+
+
+# A batch's payers whose `many_payees` may change: one not in it whose edge rows (over currencies and
+# payees, a bound on its payees) now pass the limit, or one in it paid by the batch before its `since`
+# (a payee first paid later leaves its (limit + 1)-th first payment where it is).
+_BATCH_PAYERS = """
+WITH batch AS (
+    SELECT payer, min(first_seen) AS first FROM batch_edges WHERE payee <> payer GROUP BY payer
+), changing AS (
+    SELECT b.payer FROM batch b LEFT JOIN {many} m ON m.payer = b.payer
+    WHERE CASE WHEN m.payer IS NULL THEN
+            (SELECT count(*) FROM (SELECT FROM {edges} e WHERE e.payer = b.payer LIMIT %(limit)s + 1) n)
+            > %(limit)s
+        ELSE b.first < m.since END
+)
+"""
+
+
+def mark_many_payees(conn: psycopg.Connection, schema: Schema) -> None:
+    """Bring `many_payees` up to date with the batch of edges just added (`batch_edges`)."""
+    many, edges = sql.Identifier(schema.name, "many_payees"), sql.Identifier(schema.name, "edges")
+    conn.execute(
+        sql.SQL(
+            _BATCH_PAYERS
+            + "INSERT INTO {many} AS m (payer, since)"
+            + _MANY_PAYEES
+            + "ON CONFLICT (payer) DO UPDATE SET since = excluded.since"
+        ).format(many=many, edges=edges, which=sql.SQL("e.payer IN (SELECT payer FROM changing)")),
+        {"limit": LOOP_MAX_PAYEES},
+    )
+
+
+def count_many_payees(conn: psycopg.Connection, schema: Schema) -> None:
+    """Count `many_payees` again over every edge, for the current LOOP_MAX_PAYEES."""
+    many, edges = sql.Identifier(schema.name, "many_payees"), sql.Identifier(schema.name, "edges")
+    with conn.transaction():
+        conn.execute(sql.SQL("DELETE FROM {}").format(many))
+        conn.execute(
+            sql.SQL("INSERT INTO {many} " + _MANY_PAYEES).format(
+                many=many, edges=edges, which=sql.SQL("true")
+            ),
+            {"limit": LOOP_MAX_PAYEES},
+        )
 
 
 # --- queries --------------------------------------------------------------------------------------
@@ -681,8 +754,8 @@ async def _read_cycles(cur: Any, accounts: list[str]) -> dict[int, dict[str, Any
 
 
 # The frontier of a round of loop searches: (search, account, time) with each search's payee (where its
-# loop starts) and closing payer. An account in between passes only if it paid at most %(max_payees)s
-# distinct accounts: the DISTINCT walks the primary key in order and stops one past the limit.
+# loop starts) and closing payer. An account in between passes only if it had paid at most
+# LOOP_MAX_PAYEES distinct accounts by the search's `at` (`many_payees`).
 _FRONTIER = """
 WITH f AS (
     SELECT * FROM unnest(%(searches)b::int[], %(accounts)b::text[], %(times)b::timestamptz[],
@@ -690,10 +763,7 @@ WITH f AS (
 )
 """
 _FEW_PAYEES = """
-(SELECT count(*) FROM (
-    SELECT DISTINCT d.payee FROM {edges} d
-    WHERE d.payer = {account} AND d.payee <> d.payer AND d.first_seen <= {at}
-    LIMIT %(max_payees)s + 1) n) <= %(max_payees)s
+NOT EXISTS (SELECT FROM {many} m WHERE m.payer = {account} AND m.since <= {at})
 """
 
 # Forward: from each frontier account (the time money reached it), the accounts its out-edges reach in
@@ -707,7 +777,7 @@ SELECT f.k, f.account, e.payee, min(greatest(f.t, e.first_seen))
 FROM f JOIN {{edges}} e ON e.payer = f.account COLLATE "C"
 WHERE {_last("e", "f.at")} >= f.t AND e.first_seen <= f.at AND e.payee <> e.payer AND e.payee <> f.payee
     AND (f.account = f.payee OR """
-    + _FEW_PAYEES.format(edges="{edges}", account="f.account", at="f.at")
+    + _FEW_PAYEES.format(many="{many}", account="f.account", at="f.at")
     + """)
 GROUP BY f.k, f.account, e.payee
 """
@@ -728,7 +798,7 @@ _LOOP_BACKWARD = (
 )
 SELECT s.k, s.account, s.source, s.latest FROM steps s
 WHERE s.source = s.payee OR """
-    + _FEW_PAYEES.format(edges="{edges}", account="s.source", at="s.at")
+    + _FEW_PAYEES.format(many="{many}", account="s.source", at="s.at")
 )
 
 #: A label of an account in one direction of a search: its level, the time (earliest reached forward,
@@ -738,13 +808,14 @@ Label = tuple[int, datetime, tuple[str, ...]]
 
 class LoopSearch:
     """One `loop` question, searched from both ends (the payee forward, the closing payer backward) one
-    level at a time: both sides in one round while their frontiers are small (`sides`), else the side
-    with the smaller frontier. A label is kept only if it beats, in time, every label of its account at
+    level at a time (`sides`). A label is kept only if it beats, in time, every label of its account at
     its level or below (a later arrival, or an earlier last departure, reaches nothing the better one
     does not); a path is found where a forward label arrives no later than a backward label of the same
     account may leave. Once the two sides' levels add up to the found path's length, no shorter one is
-    left: every shorter path meets at a level already reached. The shortest is simple, since cutting a
-    repeated account out would give a shorter one."""
+    left: every shorter path meets at a level already reached. Once either side's frontier is empty, that
+    side has labelled every account it reaches in time, the other end among them (where it meets the
+    other side's first label): every loop there is has been found, the shortest at its lowest level. The
+    shortest is simple, since cutting a repeated account out would give a shorter one."""
 
     def __init__(self, query: Query) -> None:
         assert query.at is not None and query.closing is not None
@@ -772,16 +843,18 @@ class LoopSearch:
     @property
     def done(self) -> bool:
         best = len(self.found) - 1 if self.found else self.query.loop_hops - 1
-        return sum(self.levels.values()) >= best or not any(self.frontiers.values())
+        return sum(self.levels.values()) >= best or not all(self.frontiers.values())
 
     def sides(self) -> list[str]:
-        """The directions to expand next: both while neither frontier holds more than LOOP_BOTH_SIDES
-        accounts (a round trip to the server costs more than a small step), else the smaller frontier
-        that is not empty."""
-        going = [d for d in ("forward", "backward") if self.frontiers[d]]
-        if all(len(self.frontiers[d]) <= LOOP_BOTH_SIDES for d in going):
-            return going
-        return [min(going, key=lambda d: len(self.frontiers[d]))]
+        """The directions to expand next. First forward alone: the payee pays few accounts as a rule, and
+        a search whose forward side dies there is done without reading the closing payer's payers (a
+        merchant's are hundreds). Then both while neither frontier holds more than LOOP_BOTH_SIDES
+        accounts (a round trip to the server costs more than a small step), else the smaller one."""
+        if self.levels["forward"] == 0:
+            return ["forward"]
+        if all(len(f) <= LOOP_BOTH_SIDES for f in self.frontiers.values()):
+            return ["forward", "backward"]
+        return [min(("forward", "backward"), key=lambda d: len(self.frontiers[d]))]
 
     def asked(self, direction: str) -> list[tuple[str, datetime]]:
         """(account, time) of each frontier account's label at this level, to expand."""
@@ -838,7 +911,9 @@ class LoopSearch:
         return {"found": self.found is not None, "path": path, "complete": self.complete}
 
 
-async def _loops(sent: Sent, edges: sql.Composable, asked: Sequence[Query]) -> list[dict[str, Any]]:
+async def _loops(
+    sent: Sent, edges: sql.Composable, many: sql.Composable, asked: Sequence[Query]
+) -> list[dict[str, Any]]:
     """The `loop` part of each query (see the module docstring): every unfinished search takes a step
     per round on one side or both (`LoopSearch.sides`), in one statement per direction for the whole
     batch; a round's statements go to the server together, its first with whatever `sent` holds unread."""
@@ -851,7 +926,7 @@ async def _loops(sent: Sent, edges: sql.Composable, asked: Sequence[Query]) -> l
                 continue
             rows = [(k, a, t) for k in moving for a, t in searches[k].asked(direction)]
             cur = await sent.send(
-                sql.SQL(statement).format(edges=edges),
+                sql.SQL(statement).format(edges=edges, many=many),
                 {
                     "searches": [k for k, _, _ in rows],
                     "accounts": [a for _, a, _ in rows],
@@ -860,7 +935,6 @@ async def _loops(sent: Sent, edges: sql.Composable, asked: Sequence[Query]) -> l
                     "payees": [asked[k].account for k, _, _ in rows],
                     "payers": [asked[k].closing for k, _, _ in rows],
                     "span": LOOP_SPAN,
-                    "max_payees": LOOP_MAX_PAYEES,
                 },
             )
             round_.append((direction, moving, cur))
@@ -955,7 +1029,8 @@ async def relations_many(
         return answers
     edges = sql.Identifier(schema.name, "edges")
     async with Sent(cur.connection) as sent:
-        await _every_part_but_neighbourhood(sent, edges, asked, answers, max_rows)
+        many = sql.Identifier(schema.name, "many_payees")
+        await _every_part_but_neighbourhood(sent, edges, many, asked, answers, max_rows)
     room = max_rows
     for i, q in enumerate(asked):
         if "neighbourhood" in q.parts:
@@ -971,7 +1046,12 @@ async def relations_many(
 
 
 async def _every_part_but_neighbourhood(
-    sent: Sent, edges: sql.Composable, asked: Sequence[Query], answers: list[dict[str, Any]], max_rows: int
+    sent: Sent,
+    edges: sql.Composable,
+    many: sql.Composable,
+    asked: Sequence[Query],
+    answers: list[dict[str, Any]],
+    max_rows: int,
 ) -> None:
     """Fill in every part but `neighbourhood`: one statement per part (and group of queries that can
     share it) for the whole batch, all sent before any is read, so that in a snapshot they and the loop
@@ -1029,7 +1109,7 @@ async def _every_part_but_neighbourhood(
             listed.append((part, fields, indexes, cur))
     looping = [i for i, q in enumerate(asked) if "loop" in q.parts]
     if looping:
-        loops = await _loops(sent, edges, [asked[i] for i in looping])
+        loops = await _loops(sent, edges, many, [asked[i] for i in looping])
         for i, loop in zip(looping, loops, strict=True):
             answers[i]["loop"] = loop
     for part, wanted, cur in sides:

@@ -154,9 +154,14 @@ EXAMPLES = settings(
 @given(scenario=scenarios())
 def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, scenario: Scenario) -> None:
     url = postgres.create_database(f"example_{uuid.uuid4().hex[:12]}")
+    kept = relations.LOOP_MAX_PAYEES
     try:
+        # Written with a limit of two payees, so that each batch's write keeps `many_payees` for accounts
+        # that pass it, or pass it earlier, in any order of their payments.
+        relations.LOOP_MAX_PAYEES = 2
         for batch in scenario.batches:
             apply_records(spark, url, "relations", batch.records)
+        relations.LOOP_MAX_PAYEES = kept
         expected_as_of = {str(p): o for p, o in sorted(scenario.final_offsets.items())}
         # min_average: every edge, a threshold amid the amounts drawn, and exactly at a sampled amount.
         # And one per currency (JPY named nowhere: never heavy).
@@ -205,10 +210,17 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
             for at in ats
             for most in (2, 3, 16)
         ]
-        kept = relations.LOOP_MAX_PAYEES
+        with psycopg.connect(url, autocommit=True) as conn:
+            marked = conn.execute("SELECT * FROM relations.many_payees ORDER BY payer").fetchall()
+            relations.LOOP_MAX_PAYEES = 2
+            relations.count_many_payees(conn, relations.SCHEMA)
+            assert conn.execute("SELECT * FROM relations.many_payees ORDER BY payer").fetchall() == marked
         try:
-            for payees in (kept, 2):
+            for payees in (2, kept):
                 relations.LOOP_MAX_PAYEES = payees
+                if payees == kept:
+                    with psycopg.connect(url, autocommit=True) as conn:
+                        relations.count_many_payees(conn, relations.SCHEMA)
                 answers = run(relations_answers(url, loop_queries))
                 for q, answer in zip(loop_queries, answers, strict=True):
                     assert q.closing is not None and q.at is not None
@@ -243,6 +255,7 @@ def test_relations_match_the_reference(spark: Any, postgres: EmbeddedPostgres, s
                 apply_records(spark, url, "relations", batch.records, covered=again)
         assert run(relations_answers(url, [(a, 3, relations.PARTS) for a in ACCOUNTS])) == before
     finally:
+        relations.LOOP_MAX_PAYEES = kept
         drop_database(postgres, url)
 
 
@@ -548,12 +561,72 @@ async def test_loops_go_forward_in_time_within_the_span_past_few_payees_up_to_th
     assert await loop("G", "G", at) == {"found": False, "path": [], "complete": True}
     assert is_loop(payments, ["A", "B", "C", "D", "A"], at, relations.LOOP_SPAN)
     assert not is_loop(payments, ["A", "B", "C", "X", "A"], at, relations.LOOP_SPAN)
-    monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", 1)  # B paid C and X: no way through B
+
+    def count_payees_up_to(limit: int) -> None:
+        monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", limit)
+        with psycopg.connect(store_url, autocommit=True) as conn:
+            relations.count_many_payees(conn, relations.SCHEMA)
+
+    count_payees_up_to(1)  # B paid C and X: no way through B
     assert (await loop("A", "D", at))["found"] is False and (await loop("A", "X", at))["found"] is False
     assert (await loop("D", "E", T0 + 21 * day))["found"] is True  # no account in between
-    monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", 2)
+    count_payees_up_to(2)
     monkeypatch.setattr(relations, "LOOP_FRONTIER", 10)
     assert await loop("A", "D", at) == {"found": False, "path": [], "complete": False}
+
+
+def many_payees(url: str) -> list[tuple[str, datetime]]:
+    with psycopg.connect(url) as conn:
+        return [(a, t) for a, t in conn.execute("SELECT * FROM relations.many_payees ORDER BY payer")]
+
+
+def test_each_write_keeps_when_an_account_passed_the_payees_a_loop_goes_through(
+    spark: Any, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`many_payees` holds, for each account that paid more than LOOP_MAX_PAYEES distinct others, the
+    first payment to the payee that took it past: a new payee before that moves it earlier, and so does
+    an earlier payment to a payee it had; a self-payment, another currency or a later payee does not."""
+    monkeypatch.setattr(relations, "LOOP_MAX_PAYEES", 2)
+    minute = timedelta(minutes=1)
+    batches = [
+        (("P", "Q1", "1", T0 + 10 * minute), ("P", "Q2", "1", T0 + 20 * minute), ("P", "P", "1", T0)),
+        (("P", "Q3", "1", T0 + 30 * minute), ("R", "Q1", "1", T0), ("R", "Q2", "1", T0)),
+        (("P", "Q4", "1", T0 + 5 * minute), ("P", "Q5", "1", T0 + 40 * minute)),
+        (("P", "Q2", "1", T0 + 2 * minute, "USD"), ("R", "Q1", "1", T0 - minute, "USD")),
+    ]
+    expected = [
+        [],  # P paid two others: at the limit, not past it
+        [("P", T0 + 30 * minute)],
+        [("P", T0 + 20 * minute)],  # Q4 at 5 minutes: P's third payee is Q2
+        [("P", T0 + 10 * minute)],  # Q2 first paid at 2 minutes, in USD: its third is Q1
+    ]
+    start = 0
+    for batch, marked in zip(batches, expected, strict=True):
+        apply_payments(spark, store_url, "relations", rows(*batch, start=start))
+        start += len(batch)
+        assert many_payees(store_url) == marked
+    with psycopg.connect(store_url, autocommit=True) as conn:
+        relations.count_many_payees(conn, relations.SCHEMA)
+    assert many_payees(store_url) == expected[-1]
+
+
+def test_a_version_5_relations_store_migrates_to_many_payees(store_url: str) -> None:
+    """Version 6 counts the accounts of many payees in a store written before it."""
+    version_5 = relations.Schema("relations", relations.SCHEMA.migrations[:5])
+    wide = relations.LOOP_MAX_PAYEES + 1
+    with psycopg.connect(store_url) as conn:
+        migrate(conn, version_5)
+        for payer, payees in (("P", wide), ("F", wide - 1)):
+            conn.execute(
+                "INSERT INTO relations.edges SELECT %s, 'Q' || i, 'EUR', 1, 1,"
+                " %s + i * interval '1 minute', %s + i * interval '1 minute'"
+                " FROM generate_series(1, %s) AS i",
+                (payer, T0, T0, payees),
+            )
+        conn.execute("INSERT INTO relations.edges VALUES ('F', 'F', 'EUR', 1, 1, %s, %s)", (T0, T0))
+        conn.commit()
+        assert migrate(conn, relations.SCHEMA) == 5
+    assert many_payees(store_url) == [("P", T0 + wide * timedelta(minutes=1))]
 
 
 async def test_unknown_account_and_a_store_without_tables(spark: Any, store_url: str) -> None:

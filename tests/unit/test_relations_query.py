@@ -3,7 +3,7 @@ once per text; which sides of a loop search a round expands."""
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -62,16 +62,44 @@ def test_a_per_currency_minimum_is_parsed_once_and_shared_read_only() -> None:
             parse_min_average("USD:1,XYZ:2")
 
 
-def test_a_loop_search_expands_both_sides_in_one_round_while_they_are_small() -> None:
-    """Each round of B's loop searches is a round trip to PostgreSQL: a search whose frontiers are both
-    small takes a step on each side in the same round, one whose frontier has grown takes the smaller."""
+def test_a_loop_search_goes_forward_first_then_both_sides_while_they_are_small() -> None:
+    """Each round of B's loop searches is a round trip to PostgreSQL. The first goes forward alone (the
+    closing payer may be a merchant that hundreds pay); then a search whose frontiers are both small
+    takes a step on each side in the same round, one whose frontier has grown takes the smaller."""
     at = datetime(2026, 3, 1, 12, tzinfo=UTC)
-    search = relations.LoopSearch(Query("A", 1, ["loop"], Decimal(0), "Z", at))
-    assert search.sides() == ["forward", "backward"]
-    search.advance("backward", [("Z", f"M{i:02}", at) for i in range(relations.LOOP_BOTH_SIDES)])
-    assert search.sides() == ["forward", "backward"]
     small = relations.LOOP_BOTH_SIDES
+    search = relations.LoopSearch(Query("A", 1, ["loop"], Decimal(0), "Z", at))
+    assert search.sides() == ["forward"]
+    search.advance("forward", [("A", "B", at)])
+    assert search.sides() == ["forward", "backward"]
+    search.advance("backward", [("Z", f"M{i:02}", at) for i in range(small)])
+    assert search.sides() == ["forward", "backward"]
     search.advance("backward", [(f"M{i % small:02}", f"N{i:02}", at) for i in range(small + 1)])
     assert search.sides() == ["forward"]
-    search.advance("forward", [])
+    search.advance("forward", [("B", f"C{i:02}", at) for i in range(small + 2)])
     assert search.sides() == ["backward"]
+
+
+def test_a_loop_search_is_done_once_either_side_reaches_nothing_new() -> None:
+    """A side whose frontier is empty has labelled every account it reaches in time, the closing payer
+    or the payee among them: whatever the other side would still find, the search has found already."""
+    at = datetime(2026, 3, 1, 12, tzinfo=UTC)
+    early = at - timedelta(hours=2)
+    dead_end = relations.LoopSearch(Query("A", 1, ["loop"], Decimal(0), "Z", at))
+    dead_end.advance("forward", [("A", "B", early)])
+    dead_end.advance("backward", [("Z", f"M{i:02}", at) for i in range(40)])
+    assert not dead_end.done
+    dead_end.advance("forward", [])  # B paid no one in time
+    assert dead_end.done and dead_end.answer() == {"found": False, "path": [], "complete": True}
+    # Forward reaches the closing payer and nothing else: the loop is found where the sides first meet.
+    closing = relations.LoopSearch(Query("A", 1, ["loop"], Decimal(0), "Z", at))
+    closing.advance("forward", [("A", "B", early)])
+    closing.advance("backward", [("Z", f"M{i:02}", at) for i in range(40)])
+    closing.advance("forward", [("B", "Z", early)])
+    assert closing.done
+    assert closing.answer() == {"found": True, "path": ["A", "B", "Z", "A"], "complete": True}
+    # The backward side runs dry first.
+    source = relations.LoopSearch(Query("A", 1, ["loop"], Decimal(0), "Z", at))
+    source.advance("forward", [("A", f"B{i:02}", early) for i in range(40)])
+    source.advance("backward", [])
+    assert source.done and source.answer()["complete"] is True
