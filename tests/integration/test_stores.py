@@ -374,6 +374,17 @@ async def test_out_in_totals_and_seen_times(spark: Any, store_url: str) -> None:
     assert answer["as_of"] == {"0": 4}
 
 
+async def test_seen_times_keep_four_digits_of_year_and_six_of_fraction(spark: Any, store_url: str) -> None:
+    """The server writes the `out` and `in` lists' times: the year 1 with four digits, a whole second with
+    six digits of fraction, and the first and last over two currencies by time."""
+    year_1 = datetime(1, 1, 1, tzinfo=UTC)
+    apply_payments(spark, store_url, "relations", rows(("A", "B", "1", year_1), ("A", "B", "1", T0, "USD")))
+    answer = await one_relation(store_url, "A", 1)
+    assert [(e["first_seen"], e["last_seen"]) for e in answer["out"]] == [
+        ("0001-01-01T00:00:00.000000Z", "2026-03-01T00:00:00.000000Z")
+    ]
+
+
 async def test_an_answer_as_of_an_instant_holds_only_the_payments_made_by_then(
     spark: Any, store_url: str
 ) -> None:
