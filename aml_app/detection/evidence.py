@@ -12,6 +12,7 @@ No Faust here: Service-A and Service-A1 build `Evidence` from plain payment fiel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -486,8 +487,20 @@ def _fast(
         raise ValueError(f"{what}: {exc}") from None
 
 
+@functools.lru_cache(maxsize=16384)
+def _amount(text: str) -> Decimal:
+    """`parse_money` of a text msgspec has checked to be one, remembered: an answer repeats its sums (a
+    window's total is often the next window's too, and an account's stay put until it pays again) and
+    every answer carries the same threshold and band, so most texts a worker reads it has read before.
+    A text that is not an amount raises (InvalidOperation or ValueError) and `_fast` says where."""
+    amount = Decimal(text)
+    if not amount.is_finite() or amount < 0:
+        raise ValueError(f"an amount must be finite and >= 0, got {text!r}")
+    return amount
+
+
 def _amounts(texts: Mapping[str, str]) -> dict[str, Decimal]:
-    return {currency: parse_money(text, currency) for currency, text in texts.items()}
+    return {currency: _amount(text) for currency, text in texts.items()}
 
 
 def _utc(when: datetime) -> datetime:
@@ -507,8 +520,7 @@ def _window(doc: _WindowDoc) -> Window:
 
 
 def _aggregates(doc: _AggregatesDoc) -> Aggregates:
-    threshold = parse_money(doc.reporting_threshold, "reporting_threshold")
-    band = parse_money(doc.threshold_band, "threshold_band")
+    threshold, band = _amount(doc.reporting_threshold), _amount(doc.threshold_band)
     if threshold <= 0 or not band < 1:
         raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
     windows = doc.windows
