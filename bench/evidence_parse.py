@@ -8,11 +8,13 @@ that work alone, on answers shaped as the services send them: the simulator's tr
 answer what the APIs answer with the gate on; the last `--decided` payments are asked about, their
 answers (with `as_of` and `log`, as the APIs add them) in batch bodies of 50 payments, a lane's batch.
 
-Per payment, CPU time (`time.process_time`), best of `--repeat` rounds (the garbage collector paused):
+Per payment, CPU time (`time.process_time`), best of `--repeat` rounds (the garbage collector paused;
+the parse's cache of amount texts emptied before each round, so a round is one pass over the stream):
 - decoding the two batch bodies: `json.loads` (what aiohttp's `response.json` runs) and msgspec's
   decoder (what the dependency client runs);
 - parsing the four answers: `Evidence.parse` as it stands, and `aml_app/detection/evidence.py` at
-  `--against REV`; every payment's two parses are checked equal field by field;
+  `--against REV`, their rounds interleaved, with the median of their ratios; every payment's two
+  parses are checked equal field by field;
 - the answers alone, as `Evidence.parse` reads them (`from_json`: msgspec checks their shape) and field by
   field in Python (`checked`: what reads a malformed answer to say what is wrong);
 - writing the two request bodies that ask about a batch, as the dependency client builds them
@@ -30,8 +32,9 @@ import dataclasses
 import functools
 import gc
 import json
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any
@@ -39,6 +42,7 @@ from typing import Any
 import msgspec
 
 from aml_app.dependencies.client import DependencyClient, Need, evidence_for
+from aml_app.detection import evidence
 from aml_app.detection.evidence import Aggregates, Evidence, Relations, parse_instant
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.traffic import simulate
@@ -166,23 +170,49 @@ def plain(value: Any) -> Any:
     return value
 
 
-def best(work: Callable[[], object], repeat: int, payments: int) -> dict[str, Any]:
-    """Microseconds of CPU a payment: the best round's and every round's. The garbage collector is paused
-    while a round runs, as `timeit` pauses it: its passes over the corpus's objects are this process's."""
-    rounds = []
-    for _ in range(repeat):
-        gc.collect()
-        gc.disable()
-        try:
-            started = time.process_time()
-            work()
-            rounds.append(time.process_time() - started)
-        finally:
-            gc.enable()
+def _round(work: Callable[[], object], parser: Any = evidence) -> float:
+    """CPU seconds of one `work()`, the garbage collector paused, as `timeit` pauses it: its passes over
+    the corpus's objects are this process's. The cache of amount texts of `parser` (the evidence module
+    the work parses with) starts empty, as a worker's does before the stream: each round is one pass over
+    the stream, never over texts read in a round before."""
+    cache = getattr(parser, "_amount", None)
+    if cache is not None:
+        cache.cache_clear()
+    gc.collect()
+    gc.disable()
+    try:
+        started = time.process_time()
+        work()
+        return time.process_time() - started
+    finally:
+        gc.enable()
+
+
+def _figures(rounds: list[float], payments: int) -> dict[str, Any]:
     return {
         "us_per_payment": round(1e6 * min(rounds) / payments, 1),
         "us_per_payment_every_round": [round(1e6 * r / payments, 1) for r in rounds],
     }
+
+
+def best(work: Callable[[], object], repeat: int, payments: int) -> dict[str, Any]:
+    """Microseconds of CPU a payment: the best round's and every round's."""
+    return _figures([_round(work) for _ in range(repeat)], payments)
+
+
+def side_by_side(
+    works: Mapping[str, tuple[Callable[[], object], Any]], repeat: int, payments: int
+) -> tuple[dict[str, dict[str, Any]], float]:
+    """`best` of each (work, the evidence module it parses with), their rounds interleaved (the order
+    turned every round, so a machine that slows down weighs on both); and the median of the first work's
+    round over the second's."""
+    rounds: dict[str, list[float]] = {name: [] for name in works}
+    for r in range(repeat):
+        for name in list(works)[:: 1 if r % 2 == 0 else -1]:
+            rounds[name].append(_round(*works[name]))
+    first, second = rounds.values()
+    ratio = statistics.median(a / b for a, b in zip(first, second, strict=True))
+    return {name: _figures(times, payments) for name, times in rounds.items()}, round(ratio, 3)
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -209,9 +239,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 payments,
             ),
         },
-        "parse": {
-            "current": best(lambda: parse_all(Evidence.parse, batches, decoded), args.repeat, payments)
-        },
         "answers": {
             way: best(functools.partial(read_answers, way, decoded), args.repeat, payments)
             for way in ("from_json", "checked")
@@ -226,12 +253,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "json.dumps": best(lambda: [json.dumps(b).encode() for b in requests], args.repeat, payments),
         "msgspec": best(lambda: [msgspec.json.encode(b) for b in requests], args.repeat, payments),
     }
+    current = functools.partial(parse_all, Evidence.parse, batches, decoded)
     if args.against:
-        old = module_at(args.against, "aml_app/detection/evidence.py").Evidence.parse
-        now, then = parse_all(Evidence.parse, batches, decoded), parse_all(old, batches, decoded)
-        if [plain(e) for e in now] != [plain(e) for e in then]:
+        then = module_at(args.against, "aml_app/detection/evidence.py")
+        old = functools.partial(parse_all, then.Evidence.parse, batches, decoded)
+        if [plain(e) for e in current()] != [plain(e) for e in old()]:
             raise SystemExit(f"the evidence parsed at {args.against} differs from the current parse's")
-        doc["parse"]["against"] = best(lambda: parse_all(old, batches, decoded), args.repeat, payments)
+        works = {"current": (current, evidence), "against": (old, then)}
+        doc["parse"], doc["parse_ratio_median"] = side_by_side(works, args.repeat, payments)
+    else:
+        doc["parse"] = {"current": best(current, args.repeat, payments)}
     return doc
 
 
@@ -251,9 +282,15 @@ def report(doc: dict[str, Any]) -> str:
         ["work", "us of CPU a payment, best", "every round"],
         [(name, v["us_per_payment"], v["us_per_payment_every_round"]) for name, v in rows],
     )
+    ratio = (
+        f"\n\nthe parse as it stands over the parse at {against}, rounds interleaved: median "
+        f"{doc['parse_ratio_median']}"
+        if "against" in parse
+        else ""
+    )
     return (
         f"{doc['payments']} payments, {doc['answer_bytes_per_payment']} bytes of answers each, "
-        f"in bodies of {BATCH} payments\n\n{table}"
+        f"in bodies of {BATCH} payments\n\n{table}{ratio}"
     )
 
 
