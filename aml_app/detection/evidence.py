@@ -487,20 +487,14 @@ def _fast(
         raise ValueError(f"{what}: {exc}") from None
 
 
-@functools.lru_cache(maxsize=16384)
-def _amount(text: str) -> Decimal:
-    """`parse_money` of a text msgspec has checked to be one, remembered: an answer repeats its sums (a
-    window's total is often the next window's too, and an account's stay put until it pays again) and
-    every answer carries the same threshold and band, so most texts a worker reads it has read before.
-    A text that is not an amount raises (InvalidOperation or ValueError) and `_fast` says where."""
-    amount = Decimal(text)
-    if not amount.is_finite() or amount < 0:
-        raise ValueError(f"an amount must be finite and >= 0, got {text!r}")
-    return amount
+#: `parse_money`, remembered: an answer repeats its sums (a window's total is often the next window's
+#: too, and an account's stay put until it pays again) and every answer carries the same threshold and
+#: band, so most amounts a worker reads it has read before, in the same currency.
+_amount = functools.lru_cache(maxsize=16384)(parse_money)
 
 
 def _amounts(texts: Mapping[str, str]) -> dict[str, Decimal]:
-    return {currency: _amount(text) for currency, text in texts.items()}
+    return {currency: _amount(text, currency) for currency, text in texts.items()}
 
 
 def _utc(when: datetime) -> datetime:
@@ -520,7 +514,8 @@ def _window(doc: _WindowDoc) -> Window:
 
 
 def _aggregates(doc: _AggregatesDoc) -> Aggregates:
-    threshold, band = _amount(doc.reporting_threshold), _amount(doc.threshold_band)
+    threshold = _amount(doc.reporting_threshold, "reporting_threshold")
+    band = _amount(doc.threshold_band, "threshold_band")
     if threshold <= 0 or not band < 1:
         raise ValueError("reporting_threshold must be > 0 and threshold_band in [0, 1)")
     windows = doc.windows
