@@ -1,0 +1,43 @@
+"""The tests' Spark drivers map Spark's classes from the class archive that `tests.jvm` makes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.jvm import SHORT_LIVED, VARIABLE, archive_options
+
+START_A_DRIVER = """
+import sys
+from aml_app.pipeline.runner import spark_session
+spark_session("local[2]", "aml-archive-check").stop()
+"""
+
+
+def classes_loaded(tmp_path: Path, options: list[str]) -> dict[str, str]:
+    """Class -> where the driver JVM loaded it from, for a driver started as the pipeline starts one."""
+    log = tmp_path / "classes.log"
+    logging = f"-Xlog:class+load=info:file={log}"
+    env = os.environ | {VARIABLE: " ".join([SHORT_LIVED, *options, logging])}
+    subprocess.run(
+        [sys.executable, "-c", START_A_DRIVER], env=env, capture_output=True, timeout=180, check=True
+    )
+    found: dict[str, str] = {}
+    for line in log.read_text().splitlines():  # the last JVM to write is the driver, after the launcher
+        _, _, rest = line.partition("[class,load] ")
+        name, _, source = rest.partition(" source: ")
+        found[name] = source
+    return found
+
+
+def test_a_driver_maps_sparks_classes_from_the_archive(tmp_path: Path) -> None:
+    options = archive_options()
+    if not options:
+        pytest.skip("this JVM cannot make a class archive")
+    shared = classes_loaded(tmp_path, options)
+    # "(top)": the archive on top of the JDK's own; without it the class comes from Spark's jar.
+    assert shared["org.apache.spark.SparkContext"] == "shared objects file (top)"
