@@ -382,7 +382,12 @@ class CapacityDemo(Demo):
             await tail.start(1)
             self.gate_tables[svc] = tail
             self.gate_table_tasks.append(asyncio.create_task(tail.run()))
-        await self.steps_of_rates(args)
+        try:
+            await self.steps_of_rates(args)
+        except BaseException:
+            # The tails read the broker, which the demo stops next: they stop first.
+            await self.stop_gate_tables()
+            raise
 
     async def drain(self) -> None:
         """The demo's drain; the gate tables are read until every payment is decided."""
@@ -486,7 +491,7 @@ class CapacityDemo(Demo):
             if warm_up is not None:
                 await self.tasks.pop("step sampler")
         except Exception as exc:
-            raise SystemFailure(f"the {rate:g}/s step failed: {exc!r}") from exc
+            raise SystemFailure(f"the {rate:g}/s step failed: {str(exc) or repr(exc)}") from exc
         step.stopped_early = step.report.stopped_early
         return step
 
@@ -1422,7 +1427,11 @@ def cli() -> None:
         parser.error("--step-seconds must exceed --warm-up by more than 5 s")
     if args.profile > 0 and py_profile.available() is None:
         parser.error("--profile needs py-spy (pip install py-spy; the dev extra has it)")
-    doc = asyncio.run(measure(args))
+    try:
+        doc = asyncio.run(measure(args))
+    except SystemFailure as exc:
+        say(f"capacity failed: {exc}")
+        raise SystemExit(1) from None
     finish(NAME, doc, report)
     from bench.plot import plot_capacity  # matplotlib only once there are figures
 
