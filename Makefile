@@ -8,6 +8,10 @@ STAMP := $(VENV)/.installed
 TYPECHECK_TREE := rm -rf var/typecheck && mkdir -p var/typecheck/aml_app && \
 	ln -s $(CURDIR)/aml_app/* $(CURDIR)/agents $(CURDIR)/tables var/typecheck/aml_app/
 
+# The unit tests each keep one core busy: two processes, a module to each (its fixtures made once). The
+# integration tests already keep both cores busy with the processes they start: one pytest, in turn.
+UNIT_TESTS := tests/unit -n 2 --dist loadfile
+
 .PHONY: demo test lint bench model clean system-deps
 
 $(STAMP): pyproject.toml docker/constraints.txt
@@ -30,7 +34,7 @@ test: system-deps $(STAMP)
 	$(BIN)/ruff format --check .
 	@$(TYPECHECK_TREE)
 	$(BIN)/mypy
-	$(BIN)/pytest
+	$(BIN)/pytest $(UNIT_TESTS); unit=$$?; $(BIN)/pytest tests/integration; test $$unit -eq 0 -a $$? -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
