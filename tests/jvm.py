@@ -90,7 +90,9 @@ def class_archive() -> Path | None:
         )
         os.replace(partial, archive)
     except (OSError, subprocess.SubprocessError) as exc:
-        print(f"no JVM class archive, Spark's JVMs start without one: {exc}", file=sys.stderr)
+        said = getattr(exc, "stderr", None) or b""
+        last = said.decode(errors="replace").strip().splitlines()[-1:]
+        print(f"no JVM class archive, Spark's JVMs start without one: {exc} {''.join(last)}", file=sys.stderr)
         partial.unlink(missing_ok=True)
         return None
     return archive
