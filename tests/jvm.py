@@ -67,6 +67,7 @@ def class_archive() -> Path | None:
     digest of both); None, with a line saying why, when the JVM cannot make one."""
     java = shutil.which("java")
     if java is None:
+        print("no JVM class archive: no java on the PATH", file=sys.stderr)
         return None
     import pyspark
 
