@@ -8,9 +8,12 @@ STAMP := $(VENV)/.installed
 TYPECHECK_TREE := rm -rf var/typecheck && mkdir -p var/typecheck/aml_app && \
 	ln -s $(CURDIR)/aml_app/* $(CURDIR)/agents $(CURDIR)/tables var/typecheck/aml_app/
 
-# The unit tests each keep one core busy: two processes, a module to each (its fixtures made once). The
-# integration tests already keep both cores busy with the processes they start: one pytest, in turn.
+# Two pytest processes each, a module to each (its fixtures made once): a unit test keeps one core busy,
+# and an integration test leaves the cores idle about 40 % of its time, waiting on its brokers' group
+# joins, its processes' starts and its deadlines. Each integration process starts its own broker,
+# PostgreSQL server and SparkSession.
 UNIT_TESTS := tests/unit -n 2 --dist loadfile
+INTEGRATION_TESTS := tests/integration -n 2 --dist loadfile
 
 .PHONY: demo test lint bench model clean system-deps
 
@@ -34,7 +37,7 @@ test: system-deps $(STAMP)
 	$(BIN)/ruff format --check .
 	@$(TYPECHECK_TREE)
 	$(BIN)/mypy
-	$(BIN)/pytest $(UNIT_TESTS); unit=$$?; $(BIN)/pytest tests/integration; test $$unit -eq 0 -a $$? -eq 0
+	$(BIN)/pytest $(UNIT_TESTS); unit=$$?; $(BIN)/pytest $(INTEGRATION_TESTS); test $$unit -eq 0 -a $$? -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
