@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import functools
 import os
 import secrets
 import shutil
+import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
@@ -38,6 +40,7 @@ PIPELINE_DEADLINE = 180.0  # Spark starts in 10-25 s on two cores, more when the
 WORKER_STOP_GRACE = 15.0
 SERVICE_STOP_GRACE = 30.0
 CLIENT_STOP_DEADLINE = 10.0
+PORT_PICKS = 50  # random ports tried for a server whose own port is taken
 # Tansu holds a group join for about half the session timeout: keep it short so workers start fast.
 WORKER_SESSION_TIMEOUT = "6"
 PIPELINE_RUNNING = "pipeline running"  # the runner's log line once both queries are started
@@ -135,6 +138,8 @@ class System:
         self.dead_letters: DeadLetterTail | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.killed: set[str] = set()  # worker ids killed on purpose
+        #: Locks on the ports this system's servers were given (`reserve`).
+        self.reserved: list[int] = []
 
     # ---- start-up
 
@@ -213,12 +218,38 @@ class System:
             self.settings = replace(self.settings, dependencies=dependencies)
 
     def free(self, variable: str, who: str, port: int) -> int:
-        """`port`, or a free one when it is taken (said out loud)."""
-        if port_free("127.0.0.1", port):
+        """`port`, or a free one when it is taken (said out loud); reserved until `cleanup`."""
+        if self.reserve(port):
             return port
-        chosen = free_port()
-        self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")
-        return chosen
+        for _ in range(PORT_PICKS):
+            chosen = free_port()
+            if self.reserve(chosen):
+                self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")
+                return chosen
+        raise SystemFailure(f"no free port for {who} after {PORT_PICKS} tries ({variable}: {port} is busy)")
+
+    def reserve(self, port: int) -> bool:
+        """Take `port` for one of this system's servers if it is free and no other system holds it.
+
+        A server binds its port seconds after the harness chose it (Spark's start, initdb), so two systems
+        starting side by side (two demos, tests on two processes) would both find a default port free.
+        Each reservation is an exclusive lock on a file named for the port, held until `cleanup` (or this
+        process's end)."""
+        path = Path(tempfile.gettempdir()) / f"aml-app-port-{port}.lock"
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+        except OSError:  # another user's lock file
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        if not port_free("127.0.0.1", port):
+            os.close(fd)
+            return False
+        self.reserved.append(fd)
+        return True
 
     @property
     def dead_letter_sources(self) -> tuple[str, ...]:
@@ -485,3 +516,6 @@ class System:
         if self.postgres is not None:
             self.say("stopping the embedded PostgreSQL server")
             await asyncio.to_thread(self.postgres.stop)
+        reserved, self.reserved = self.reserved, []
+        for fd in reserved:
+            os.close(fd)

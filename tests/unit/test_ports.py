@@ -63,6 +63,22 @@ def test_the_harness_gives_a_worker_another_port_when_its_own_is_a_connections_e
     assert said == [f"port {outgoing} is busy (AML_WEB_PORT): worker aml-0 uses {chosen}"]
 
 
+async def test_two_systems_starting_side_by_side_never_get_the_same_free_port(tmp_path: Path) -> None:
+    # Nothing listens on the port yet (its server starts seconds later): only the reservation keeps the
+    # second system off it, until the first one's cleanup.
+    port = free_port()
+    first = System(Settings(), tmp_path / "first", Layout(), say=lambda _: None)
+    said: list[str] = []
+    second = System(Settings(), tmp_path / "second", Layout(), say=said.append)
+    assert first.free("AML_WEB_PORT", "worker aml-0", port) == port
+    other = second.free("AML_WEB_PORT", "worker aml-0", port)
+    assert other != port and port_free("127.0.0.1", port)
+    assert said == [f"port {port} is busy (AML_WEB_PORT): worker aml-0 uses {other}"]
+    await first.cleanup()
+    assert second.free("AML_BROKER_PORT", "the embedded broker", port) == port
+    await second.cleanup()
+
+
 CRASH_LOG = """\
 [2026-11-27 09:38:56,794] [30856] [INFO] [^---Server]: Starting...
 [2026-11-27 09:38:56,794] [30856] [ERROR] [^Worker]: Error: OSError(98, "address already in use")
