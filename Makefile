@@ -9,7 +9,7 @@ TYPECHECK_TREE := rm -rf var/typecheck && mkdir -p var/typecheck/aml_app && \
 	ln -s $(CURDIR)/aml_app/* $(CURDIR)/agents $(CURDIR)/tables var/typecheck/aml_app/
 
 # Two pytest processes each, a module to each (its fixtures made once): a unit test keeps one core busy,
-# and an integration test leaves the cores idle about 40 % of its time, waiting on its brokers' group
+# and an integration test leaves the cores idle about 45 % of its time, waiting on its brokers' group
 # joins, its processes' starts and its deadlines. Each integration process starts its own broker,
 # PostgreSQL server and SparkSession.
 UNIT_TESTS := tests/unit -n 2 --dist loadfile
