@@ -6,9 +6,10 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
    up to `AML_FRESHNESS_WAIT` for its store to get there or answers "not yet", and the batch waits and
    asks again, as it does while a service is away;
 2. check freshness: every answer's `as_of` must include the payment, and be of the payment's log (the
-   identity the admitting row carries, `aml_app.kafka.identity`). The gate makes this true; if it is
-   not, that is a freshness violation: counted, and with the gate on the payment waits and asks again,
-   so no decision is ever made on evidence that lacks it. With the gate off (the comparison mode) the
+   identity the admitting row carries, `aml_app.kafka.identity`), and reach every W(q) of the event-time
+   cut it was admitted at. The gate makes this true; if it is not, that is a freshness violation:
+   counted, and with the gate on the payment waits and asks again, so no decision is ever made on
+   evidence that lacks it. With the gate off (the comparison mode) the
    violation is counted and the service decides on what it saw, as an ungated consumer would;
 3. run the service's rules (pure functions of the evidence);
 4. send the alert, once: the alert record is also the changelog entry of `alerts-sent` (RocksDB table),
@@ -321,11 +322,15 @@ class Detector:
 
     def includes(self, answer_name: str, answer: Mapping[str, Any], admission: Admission) -> bool:
         """Whether an answer (one of ANSWERS) proves it includes the admitted payment: past its offset, of
-        its log; for a dependency reading a derived topic, at or past the group's offsets there that the
-        admitting reading mapped (none recorded: not proved)."""
+        its log, and at or past every partition's W(q) of the event-time cut it was admitted at (what the
+        question needed: a replica that answered short of it proves nothing); for a dependency reading a
+        derived topic, at or past the group's offsets there that the admitting reading mapped (none
+        recorded: not proved)."""
         group = self.derived.get(answer_name.split()[-1])
         if group is None:
-            return includes(answer, admission.partition, admission.offset, admission.log)
+            return includes(answer, admission.partition, admission.offset, admission.log) and covers_cut(
+                answer, admission.cut
+            )
         needed = admission.derived.get(group)
         if needed is None:
             return False
@@ -476,6 +481,14 @@ class Detector:
     def remember(self, alert: SentAlert) -> None:
         """The local store only: a table write would send a second record."""
         alerts_sent.data[alert_key(alert.payment_id)] = alert.alert.asdict()
+
+
+def covers_cut(answer: Mapping[str, Any], cut: Mapping[str, Any] | None) -> bool:
+    """Whether an answer's `as_of` reaches every partition's W(q) of an event-time cut (None: no cut):
+    the evidence of every payment up to the admitted one's time, which the event-time gate waited for."""
+    watermarks = (cut or {}).get("watermarks") or {}
+    as_of = answer.get("as_of", {})
+    return all(int(as_of.get(str(q), 0)) >= int(w) for q, w in watermarks.items())
 
 
 def _settle_claim(claim: asyncio.Future[Any], done: asyncio.Future[Any]) -> None:

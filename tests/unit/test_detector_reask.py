@@ -210,6 +210,28 @@ def test_the_event_time_gates_cut_is_needed_on_every_partition() -> None:
     assert d.need(items) == Need({PARTITION: 12, 5: 41, 6: 7}, "c:topic", d.freshness_wait)
 
 
+async def test_answers_short_of_the_event_time_cut_are_stale() -> None:
+    """Admitted at a cut whose W(5) is 40, a payment's answers must reach offset 40 on partition 5 too
+    (what the question needed): a replica that answered short of it, whatever its own partition's
+    offset, has not shown the evidence of every payment up to the payment's time. Asked again until
+    an answer reaches the cut."""
+    fake = FakeDependencies(relations=[12], aggregates=[12])
+    schedule = fake._round
+
+    def with_partition_5(dependency: str, asked: list[str]) -> tuple[int, dict[str, int]]:
+        n, as_of = schedule(dependency, asked)
+        return n, {**as_of, "5": 39 + min(n, 1)}  # 39 at first, 40 from the second round
+
+    fake._round = with_partition_5  # type: ignore[method-assign]
+    d = detector(fake)
+    cut = {"at": TS, "frontier": None, "watermarks": {str(PARTITION): 12, "5": 40}}
+    items = [(p, dataclasses.replace(a, cut=cut)) for p, a in batch(gated=True, log="c:topic")]
+    evidence = await d.fresh_evidence(items)
+    assert len(fake.calls["aggregates"]) == 2
+    assert all(rounds(answers) == {1} and stale == 1 for answers, stale in evidence)
+    assert d.stats.freshness_violations == 2
+
+
 @pytest.mark.parametrize(
     ("relations", "aggregates", "fresh_from"),
     [
