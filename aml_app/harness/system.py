@@ -138,7 +138,7 @@ class System:
         self.dead_letters: DeadLetterTail | None = None
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.killed: set[str] = set()  # worker ids killed on purpose
-        #: Locks on the ports this system's servers were given (`reserve`).
+        #: Open files whose locks reserve the ports this system's servers were given (`reserve`).
         self.reserved: list[int] = []
 
     # ---- start-up

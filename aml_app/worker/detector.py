@@ -9,8 +9,8 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
    identity the admitting row carries, `aml_app.kafka.identity`), and reach every W(q) of the event-time
    cut it was admitted at. The gate makes this true; if it is not, that is a freshness violation:
    counted, and with the gate on the payment waits and asks again, so no decision is ever made on
-   evidence that lacks it. With the gate off (the comparison mode) the
-   violation is counted and the service decides on what it saw, as an ungated consumer would;
+   evidence that lacks it. With the gate off (the comparison mode) the violation is counted and the
+   service decides on what it saw, as an ungated consumer would;
 3. run the service's rules (pure functions of the evidence);
 4. send the alert, once: the alert record is also the changelog entry of `alerts-sent` (RocksDB table),
    so a payment processed again after a crash or a rebalance finds it and does not alert twice; alerts
