@@ -61,6 +61,7 @@ from aml_app.gate.watermark import (
 )
 from aml_app.kafka.deadlines import DeadlineExceeded, within
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
+from aml_app.kafka.quiet import quiet_hand_assignments
 from aml_app.settings import GateMode
 
 log = logging.getLogger(__name__)
@@ -299,6 +300,8 @@ class WorkerGate(Service):
         self.consumer: GatedConsumer | None = None
         # Under load the fast timers run back to back: their durations are a metric, not a warning each.
         quiet_back_to_back(*(qualname(timer.fun) for timer in (self.refresh_watermarks, self.publish_demand)))
+        # The readers assign partitions by hand for each read: no INFO line (a five-line table) each time.
+        quiet_hand_assignments()
 
     @staticmethod
     def _new_readers() -> tuple[DependencyOffsets, UnappliedReader]:
