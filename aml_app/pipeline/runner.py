@@ -405,6 +405,15 @@ def start_pipeline(
     return start_queries(spark, settings, prepare(settings, services, on_batch, rebuild), triggers)
 
 
+def configure_logging() -> None:
+    """INFO for the pipeline's own lines, WARNING for py4j's: it logs at INFO each connection to the JVM it
+    closes (two a micro-batch: the services' jobs run in threads of their own, `transforms.concurrently`)
+    and each call of the JVM into Python (the batch handler), 529 of the 877 lines of the pipeline's log
+    in a 130 s run at 10 payments/s."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
 def run_pipeline(
     settings: Settings,
     master: str,
@@ -415,7 +424,7 @@ def run_pipeline(
     cannot be bound exits 2. `/metrics` is served from the start (AML_PIPELINE_METRICS_PORT)."""
     from aml_app.pipeline.metrics import PipelineMetrics
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     metrics = PipelineMetrics()
     if settings.pipeline.metrics_port:
         try:
@@ -459,7 +468,7 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
     The group's offsets stay where they are meanwhile (they never move backwards), so the gate keeps its
     watermarks; the API reports the store behind until the replay has passed them.
     """
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    configure_logging()
     try:
         prepared = prepare(settings, [service], rebuild=True)
     except StoreRefused as exc:

@@ -19,7 +19,7 @@ from aml_app.kafka.quiet import (
 
 @pytest.fixture
 def subscription_logger():
-    """aiokafka's subscription logger, its filters as they were after the test."""
+    """aiokafka's subscription logger without filters, its own restored after the test."""
     logger = logging.getLogger(ASSIGNMENT_LOGGER)
     filters = list(logger.filters)
     for f in filters:
