@@ -135,8 +135,9 @@ class GateSettings:
     max_attempts: int = 0
     refresh_interval: float = 1.0
     #: AML_FAST_REFRESH_INTERVAL: while a payment waits, a dependency's commit opens the gate within this
-    #: interval plus one refresh; each refresh costs the leader about 1.7 ms of CPU (BENCHMARKS.md,
-    #: "Capacity": 25 ms takes about 50 ms off the gate's share at 50/s for 4 % of a core per leader).
+    #: interval plus one refresh; each refresh costs the leader about 1.7 ms of CPU, 3.6 with the
+    #: event-time gate's reads (BENCHMARKS.md, "Capacity": 25 ms takes about 50 ms off the gate's share at
+    #: 50/s for 4 % of a core per leader; `capacity_rate10_quiet.json`: the AML leader against a follower).
     fast_refresh_interval: float = 0.025
     #: How old a watermark row may be and still open the gate (AML_WATERMARK_MAX_AGE; by default five
     #: refresh intervals): a leader that stops refreshing closes the gate instead of leaving it open.
