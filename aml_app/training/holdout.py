@@ -88,8 +88,8 @@ class Parts:
     score: Replayed
 
 
-def part_of(run: Replayed, by: str, shares: Sequence[float], seed: int = 0) -> list[int]:
-    """Per payment of `run`, the index of its part in PARTS."""
+def part_of(run: Replayed, by: str, shares: Sequence[float], seed: int | str = 0) -> list[int]:
+    """Per payment of `run`, the index of its part (`shares` in order: PARTS for `split`)."""
     if by not in SPLITS:
         raise ValueError(f"split by {by!r}: expected one of {', '.join(SPLITS)}")
     bounds = np.cumsum(shares)[:-1] / sum(shares)
@@ -119,6 +119,15 @@ def split(run: Replayed, by: str = "time", shares: Sequence[float] = (0.6, 0.2, 
         raise ValueError(f"shares {list(shares)}: expected three positive numbers (learn, cut, score)")
     parts = part_of(run, by, shares, seed)
     return Parts(*(run.subset([i for i, p in enumerate(parts) if p == k]) for k in range(len(PARTS))))
+
+
+def folded(run: Replayed, by: str, folds: int, seed: int = 0) -> list[Replayed]:
+    """`run` in `folds` parts of about equal size, cut as `part_of` cuts (each attempt wholly in one), for
+    `aml_app.training.fit.cross_fitted`."""
+    if folds < 2:
+        raise ValueError(f"{folds} folds: expected at least 2")
+    parts = part_of(run, by, [1.0] * folds, f"fold:{seed}")  # not the split's hash: it would fill k - 1
+    return [run.subset([i for i, p in enumerate(parts) if p == k]) for k in range(folds)]
 
 
 def _ratio(part: float, whole: float) -> float | None:

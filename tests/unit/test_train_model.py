@@ -23,6 +23,8 @@ from aml_app.training.fit import (
     Replayed,
     beside_for,
     calibrated_run,
+    cross_fitted,
+    fit_trees,
     replay,
     replay_timeline,
     train,
@@ -33,6 +35,7 @@ from aml_app.training.holdout import (
     PARTS,
     benign_rate_bound,
     estimates,
+    folded,
     part_of,
     queue_precision,
     scored,
@@ -143,6 +146,59 @@ def test_training_reads_nothing_of_the_scored_part(run: Replayed) -> None:
     assert control != doc
 
 
+def test_the_folds_cover_the_pool_once_and_keep_each_attempt_whole(run: Replayed) -> None:
+    pool = Replayed.pooled([split(run, "attempt").learn, split(run, "attempt").cut])
+    pieces = folded(pool, "attempt", 4)
+    ids = [[p.payment_id for p in piece.payments] for piece in pieces]
+    assert all(ids) and sorted(i for piece in ids for i in piece) == sorted(
+        p.payment_id for p in pool.payments
+    )
+    assert sum(len(piece.attempts) for piece in pieces) == len([m for _, m in pool.attempts if m])
+    with pytest.raises(ValueError, match="at least 2"):
+        folded(pool, "attempt", 1)
+
+
+def test_each_fold_is_scored_by_trees_that_never_saw_it(run: Replayed) -> None:
+    """A fold's probabilities are those of the trees fitted to the other folds: scrambling the fold's own
+    labels leaves them as they are and moves the other folds' (the control)."""
+    pieces = folded(run, "attempt", 3)
+    found = cross_fitted(pieces, SMALL)
+    classes = sorted({piece.labels[i] for piece in pieces for i in piece.between()})
+    for k, fold in enumerate(pieces):
+        others = fit_trees([piece for j, piece in enumerate(pieces) if j != k], SMALL)
+        assert [str(c) for c in others.classes_] == classes
+        assert np.array_equal(found[k], others.predict_proba(np.array(fold.rows, dtype=float)))
+    everything = fit_trees(pieces, SMALL)
+    assert not np.array_equal(found[0], everything.predict_proba(np.array(pieces[0].rows, dtype=float)))
+    scrambled_labels = copy.deepcopy(pieces[0])
+    scrambled_labels.labels = [BENIGN if label != BENIGN else "fan_in" for label in scrambled_labels.labels]
+    same_rows = cross_fitted([scrambled_labels, *pieces[1:]], SMALL)
+    assert np.array_equal(same_rows[0], found[0])
+    assert not all(np.array_equal(a, b) for a, b in zip(same_rows[1:], found[1:], strict=True))
+
+
+def test_out_of_fold_every_benign_payment_of_the_pool_sets_the_cut(run: Replayed) -> None:
+    """Cross-fitted, the cut and the budgets are set on the whole pool's benign payments, not on the cut
+    part's alone; the scored part is still never read."""
+    parts = split(run, "attempt")
+    pool = Replayed.pooled([parts.learn, parts.cut])
+    pieces = folded(pool, "attempt", 3)
+    out_of_fold = cross_fitted(pieces, SMALL)
+    doc, _ = train(pieces, pieces, SMALL, held_out_probabilities=out_of_fold)
+    assert doc["training"]["held_out"]["benign_payments"] == pool.labels.count(BENIGN)
+    alone, _ = train([parts.learn], [parts.cut], SMALL)
+    assert alone["training"]["held_out"]["benign_payments"] == parts.cut.labels.count(BENIGN)
+    whole = Replayed.pooled([parts.learn, parts.cut, _scrambled(parts.score)])
+    again = split(whole, "attempt")
+    pieces_again = folded(Replayed.pooled([again.learn, again.cut]), "attempt", 3)
+    redone, _ = train(
+        pieces_again, pieces_again, SMALL, held_out_probabilities=cross_fitted(pieces_again, SMALL)
+    )
+    assert redone == doc
+    with pytest.raises(ValueError, match="other classes"):
+        train(pieces, pieces, SMALL, held_out_probabilities=[p[:, :1] for p in out_of_fold])
+
+
 def test_the_report_counts_what_the_model_and_its_rules_alert(run: Replayed) -> None:
     parts = split(run, "attempt")
     doc, _ = train([parts.learn], [parts.cut], SMALL)
@@ -186,6 +242,8 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
         str(folder / "Patterns.txt"),
         "--split",
         "attempt",
+        "--folds",
+        "2",
         "--out",
         str(out),
         "--report",
@@ -201,8 +259,10 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     assert written["attempts"] > 0 and "estimated at the base rate HI" in done.stdout
     read = re.search(r"read ([0-9,]+) payments", done.stderr)
     assert read is not None, done.stderr
-    # The trees learned from the learning part's payments only, the report read the scored part only.
-    assert 0 < doc["training"]["payments"] < 0.6 * int(read[1].replace(",", ""))
+    # The trees learned from the learning and cut parts' payments (in two folds), the report read the
+    # scored part only.
+    assert doc["training"]["history"]["folds"] == 2 and "scoring fold 2 of 2" in done.stderr
+    assert 0 < doc["training"]["payments"] < 0.8 * int(read[1].replace(",", ""))
     assert 0 < written["payments"] < 0.4 * int(read[1].replace(",", ""))
 
 
