@@ -25,6 +25,7 @@ BEGIN
     FOR owned IN
         SELECT c.oid::regclass AS name FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind IN ('r', 'p')
+            AND pg_get_userbyid(c.relowner) <> 'aml_pipeline'
     LOOP
         EXECUTE format('ALTER TABLE %s OWNER TO aml_pipeline', owned.name);
     END LOOP;

@@ -38,7 +38,9 @@ SUPERUSER = "aml"
 WRITER = "aml_pipeline"
 READER = "aml_api"
 #: Run in the database. Default privileges give READER what WRITER creates from now on; the GRANTs
-#: cover what it already created; whatever the superuser made is WRITER's from now on.
+#: cover what it already created; whatever the superuser made is WRITER's from now on. Only a table
+#: WRITER does not own yet is altered: ALTER TABLE ... OWNER locks the table out, and on a restarted
+#: server in use that waits for every reader and can deadlock with one reading two tables.
 LEAST_PRIVILEGE = f"""
 REVOKE ALL ON DATABASE {{database}} FROM PUBLIC;
 GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {{database}} TO {WRITER};
@@ -60,6 +62,7 @@ BEGIN
     FOR owned IN
         SELECT c.oid::regclass AS name FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
         WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind IN ('r', 'p')
+            AND pg_get_userbyid(c.relowner) <> '{WRITER}'
     LOOP
         EXECUTE format('ALTER TABLE %s OWNER TO {WRITER}', owned.name);
     END LOOP;

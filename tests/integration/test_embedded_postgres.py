@@ -85,3 +85,19 @@ async def test_the_pipeline_owns_the_stores_and_the_apis_may_only_read_them(
         for statement in forbidden:
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute(statement)
+
+
+def test_provisioning_a_server_in_use_waits_for_no_store_table(postgres: EmbeddedPostgres) -> None:
+    """A restarted server is provisioned again while the pipeline and the APIs read the stores: the
+    tables already WRITER's are left alone, so provisioning takes no lock a reader holds (an ALTER of
+    their owner waits for every reader and can deadlock with one reading two tables)."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    postgres.create_database(name)
+    for service in registry.SERVICES.values():
+        Writer(postgres.url(name, WRITER), service.schema).migrate()
+    with psycopg.connect(postgres.url(name, READER)) as reading:
+        reading.execute("SELECT count(*) FROM relations.applied_offsets").fetchone()  # holds its lock
+        with psycopg.connect(postgres.url("postgres"), autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {name} SET lock_timeout = '5s'")
+        postgres.create_database(name)  # fails on the lock timeout where it waits for the reader
+        reading.rollback()
