@@ -147,7 +147,8 @@ def test_training_reads_nothing_of_the_scored_part(run: Replayed) -> None:
 
 
 def test_the_folds_cover_the_pool_once_and_keep_each_attempt_whole(run: Replayed) -> None:
-    pool = Replayed.pooled([split(run, "attempt").learn, split(run, "attempt").cut])
+    parts = split(run, "attempt")
+    pool = Replayed.pooled([parts.learn, parts.cut])
     pieces = folded(pool, "attempt", 4)
     ids = [[p.payment_id for p in piece.payments] for piece in pieces]
     assert all(ids) and sorted(i for piece in ids for i in piece) == sorted(
