@@ -24,6 +24,7 @@ no real file is read. `aml_app.training.command` trains on a deployment's own la
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tempfile
 from collections import Counter
@@ -48,6 +49,8 @@ NAMING_STEPS = (-1.0, -0.5, -0.25, 0.25, 0.5, 1.0)
 #: The label of a laundering payment that no attempt names (a history labelled by payment only).
 UNNAMED = "laundering"
 PROGRESS_EVERY = 1000
+#: Folds of the trees that say what a payment looks like (`labelled_by_look`).
+LOOK_FOLDS = 4
 #: The alert budgets a model file carries (`alert_budgets`): shares of benign payments alerted.
 ALERT_BUDGETS = (0.0005, 0.001, 0.002, 0.005, 0.01)
 CUT_RATE = 0.008  # benign payments alerted on the held-out runs together; the goal is at most 1 %
@@ -230,12 +233,20 @@ def train(
     progress: Callable[[str], None] | None = None,
     veto: float | None = RULE_VETO,
     held_out_probabilities: Sequence[np.ndarray] | None = None,
+    by_look: bool = False,
 ) -> tuple[dict[str, Any], Any]:
     """The model file's document, and the fitted scikit-learn model (for tests that compare the two).
     The trees learn from `runs` (weighed by `sample_weights`); the cut is set on `held_out`, runs they
     never saw, from their `held_out_probabilities` where given (`cross_fitted`: each scored by trees that
     never saw it), else from these trees' own; `veto`: the file's `rule_veto` (None: the rules beside the
-    model are never vetoed)."""
+    model are never vetoed); `by_look`: the trees learn the laundering payments as `labelled_by_look`
+    labels them."""
+    relabelled = None
+    if by_look:
+        look, relabelled = labelled_by_look(runs, params, attempts_alike)
+        if progress is not None:
+            progress(f"labelled {relabelled:,} laundering payments by the typology they look like")
+        runs = [look]
     x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
     y = [run.labels[i] for run in runs for i in run.between()]
     fitted = fit_trees(runs, params, attempts_alike)
@@ -279,6 +290,7 @@ def train(
         "training": {
             "params": dict(params),
             "attempts_alike": attempts_alike,
+            **({} if relabelled is None else {"labelled_by_look": relabelled}),
             "cut_rate": cut_rate,
             "held_out": budget,
             "alerting_precision": ALERTING_PRECISION,
@@ -292,10 +304,18 @@ def train(
     return doc, fitted
 
 
-def fit_trees(runs: Sequence[Replayed], params: dict[str, Any] = PARAMS, attempts_alike: bool = True) -> Any:
-    """Scikit-learn's trees fitted to the payments between two parties of `runs` (`sample_weights`)."""
+def fit_trees(
+    runs: Sequence[Replayed],
+    params: dict[str, Any] = PARAMS,
+    attempts_alike: bool = True,
+    by_look: bool = False,
+) -> Any:
+    """Scikit-learn's trees fitted to the payments between two parties of `runs` (`sample_weights`), each
+    labelled by its attempt's typology, or with `by_look` as `labelled_by_look` labels it."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
+    if by_look:
+        runs = [labelled_by_look(runs, params, attempts_alike)[0]]
     x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
     y = [run.labels[i] for run in runs for i in run.between()]
     return HistGradientBoostingClassifier(random_state=0, early_stopping=False, **params).fit(
@@ -303,11 +323,59 @@ def fit_trees(runs: Sequence[Replayed], params: dict[str, Any] = PARAMS, attempt
     )
 
 
+def labelled_by_look(
+    runs: Sequence[Replayed],
+    params: dict[str, Any] = PARAMS,
+    attempts_alike: bool = True,
+    folds: int = LOOK_FOLDS,
+) -> tuple[Replayed, int]:
+    """`runs` pooled, with each laundering payment that trees which never saw it name as another
+    typology labelled by that typology, where they name another payment of its attempt by the attempt's
+    own; and how many payments it relabelled.
+
+    Why: an attempt is caught by its own typology when any one of its payments is named so, and some
+    payments of one typology look like another's: a stack's first layer is a bipartite set of payments,
+    a cycle before its closing payment is a chain of hops as a random walk is. An attempt named right by
+    its other payments needs no name from these; labelled by its typology, each still pulls the look it
+    shares towards that typology, and the other typology's attempts that show only that look are named
+    wrong more often. Labelled by what they look like, they stop pulling. The trees that say what a
+    payment looks like are fitted to the other `folds` (each attempt wholly in one), as `cross_fitted`
+    scores a fold (BENCHMARKS.md, "Trained on the real files", measures what it gains)."""
+    pool = Replayed.pooled(runs)
+    fold = [-1] * len(pool.payments)
+    for a, (_, members) in enumerate(pool.attempts):
+        for i in members:
+            fold[i] = a % folds
+    alone = [i for i, f in enumerate(fold) if f < 0]
+    for n, i in enumerate(alone):
+        fold[i] = n % folds
+    indices = [[i for i, f in enumerate(fold) if f == k] for k in range(folds)]
+    pieces = [pool.subset(members) for members in indices]
+    classes = sorted({pool.labels[i] for i in pool.between()})
+    looks: dict[int, str] = {}
+    for members, p in zip(indices, cross_fitted(pieces, params, attempts_alike), strict=True):
+        p[:, classes.index(BENIGN)] = -np.inf
+        looks.update(zip(members, (classes[c] for c in p.argmax(axis=1)), strict=True))
+    labels = list(pool.labels)
+    moved = 0
+    between = set(pool.between())  # the payments the model scores, and so names
+    for typology, members in pool.attempts:
+        scored = [i for i in members if i in between]
+        if not any(looks[i] == typology for i in scored):
+            continue
+        for i in scored:
+            if looks[i] != typology:
+                labels[i] = looks[i]
+                moved += 1
+    return dataclasses.replace(pool, labels=labels), moved
+
+
 def cross_fitted(
     folds: Sequence[Replayed],
     params: dict[str, Any] = PARAMS,
     attempts_alike: bool = True,
     progress: Callable[[str], None] | None = None,
+    by_look: bool = False,
 ) -> list[np.ndarray]:
     """Per fold, its payments' (rows, classes) probabilities from trees fitted to the other folds: the
     classes in sorted order, as the trees fitted to all of them name them; a class a fold's trees never
@@ -322,7 +390,7 @@ def cross_fitted(
     for k, fold in enumerate(folds):
         if progress is not None:
             progress(f"scoring fold {k + 1} of {len(folds)} with trees fitted to the others")
-        fitted = fit_trees([run for j, run in enumerate(folds) if j != k], params, attempts_alike)
+        fitted = fit_trees([run for j, run in enumerate(folds) if j != k], params, attempts_alike, by_look)
         p = np.zeros((len(fold.payments), len(classes)))
         if fold.payments:
             own = fitted.predict_proba(np.array(fold.rows, dtype=float))

@@ -25,6 +25,7 @@ from aml_app.training.fit import (
     calibrated_run,
     cross_fitted,
     fit_trees,
+    labelled_by_look,
     replay,
     replay_timeline,
     train,
@@ -178,6 +179,56 @@ def test_each_fold_is_scored_by_trees_that_never_saw_it(run: Replayed) -> None:
     assert not all(np.array_equal(a, b) for a, b in zip(same_rows[1:], found[1:], strict=True))
 
 
+def _looks() -> Replayed:
+    """A history whose payments look one of three ways (the one feature x): benign (0), shared by two
+    typologies (1) and fan-in's own (2). Forty fan-in attempts pay once each way, sixty fan-out attempts
+    once the shared way; ten fan-in attempts pay the shared way only, and one pays it to itself."""
+    out = Replayed()
+
+    def pay(x: float, label: str, payer: str, payee: str) -> int:
+        out.payments.append(SimpleNamespace(payment_id=f"p{len(out.payments)}", payer=payer, payee=payee))
+        out.rows.append([x])
+        out.labels.append(label)
+        out.rules.append([])
+        out.typologies.append([])
+        return len(out.payments) - 1
+
+    for n in range(40):
+        out.attempts.append(("fan_in", [pay(1, "fan_in", f"a{n}", "h"), pay(2, "fan_in", f"b{n}", "h")]))
+    for n in range(60):
+        out.attempts.append(("fan_out", [pay(1, "fan_out", "s", f"c{n}")]))
+    for n in range(10):
+        out.attempts.append(("fan_in", [pay(1, "fan_in", f"d{n}", "g")]))
+    out.attempts.append(("fan_in", [pay(1, "fan_in", "e", "e"), pay(2, "fan_in", "f", "e")]))
+    for n in range(200):
+        pay(0, BENIGN, f"x{n}", f"y{n}")
+    return out
+
+
+def test_a_payment_takes_the_typology_it_looks_like_where_its_attempt_is_named_right() -> None:
+    """The shared look is fan-out's (all of fan-out's weight is there, half of fan-in's): a fan-in attempt
+    that its own look names right has its shared payment labelled fan-out; one that pays only the shared
+    way keeps its label, as do fan-out, the benign payments and a self-payment, which is never named."""
+    history = _looks()
+    relabelled, moved = labelled_by_look([history], SMALL)
+    pairs = history.attempts[:40]
+    assert moved == len(pairs)
+    for _, (shared, own) in pairs:
+        assert (relabelled.labels[shared], relabelled.labels[own]) == ("fan_out", "fan_in")
+    unchanged = [i for i in range(len(history.labels)) if i not in {shared for _, (shared, _) in pairs}]
+    assert [relabelled.labels[i] for i in unchanged] == [history.labels[i] for i in unchanged]
+    assert relabelled.attempts == history.attempts and relabelled.rows == history.rows
+    # The trees learn what the labels by look say, and the file says how many were moved.
+    by_look = fit_trees([history], SMALL, by_look=True)
+    assert np.array_equal(
+        by_look.predict_proba(np.array(history.rows, dtype=float)),
+        fit_trees([relabelled], SMALL).predict_proba(np.array(history.rows, dtype=float)),
+    )
+    doc, _ = train([history], [history], SMALL, by_look=True)
+    assert doc["training"]["labelled_by_look"] == moved
+    assert doc["training"]["per_class"]["fan_in"] == history.labels.count("fan_in") - moved - 1
+
+
 def test_out_of_fold_every_benign_payment_of_the_pool_sets_the_cut(run: Replayed) -> None:
     """Cross-fitted, the cut and the budgets are set on the whole pool's benign payments, not on the cut
     part's alone; the scored part is still never read."""
@@ -263,6 +314,8 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     # The trees learned from the learning and cut parts' payments (in two folds), the report read the
     # scored part only.
     assert doc["training"]["history"]["folds"] == 2 and "scoring fold 2 of 2" in done.stderr
+    # By default the laundering payments are learnt by the typology they look like.
+    assert "labelled_by_look" in doc["training"] and "by the typology they look like" in done.stderr
     assert 0 < doc["training"]["payments"] < 0.8 * int(read[1].replace(",", ""))
     assert 0 < written["payments"] < 0.4 * int(read[1].replace(",", ""))
 
