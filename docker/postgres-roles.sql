@@ -27,7 +27,12 @@ BEGIN
         WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind IN ('r', 'p')
             AND pg_get_userbyid(c.relowner) <> 'aml_pipeline'
     LOOP
-        EXECUTE format('ALTER TABLE %s OWNER TO aml_pipeline', owned.name);
+        BEGIN
+            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', owned.name);
+            EXECUTE format('ALTER TABLE %s OWNER TO aml_pipeline', owned.name);
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE '% is in use: its owner changes at the next provisioning', owned.name;
+        END;
     END LOOP;
 END
 $$;

@@ -39,8 +39,10 @@ WRITER = "aml_pipeline"
 READER = "aml_api"
 #: Run in the database. Default privileges give READER what WRITER creates from now on; the GRANTs
 #: cover what it already created; whatever the superuser made is WRITER's from now on. Only a table
-#: WRITER does not own yet is altered: ALTER TABLE ... OWNER locks the table out, and on a restarted
-#: server in use that waits for every reader and can deadlock with one reading two tables.
+#: WRITER does not own yet is altered, and only one nobody reads or writes just then (NOWAIT; a busy
+#: one is altered at the next provisioning): ALTER TABLE ... OWNER locks the table out, and on a
+#: restarted server in use it would wait for every reader, and deadlock with one reading two tables
+#: while the transaction holds the first.
 LEAST_PRIVILEGE = f"""
 REVOKE ALL ON DATABASE {{database}} FROM PUBLIC;
 GRANT CONNECT, CREATE, TEMPORARY ON DATABASE {{database}} TO {WRITER};
@@ -64,7 +66,12 @@ BEGIN
         WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind IN ('r', 'p')
             AND pg_get_userbyid(c.relowner) <> '{WRITER}'
     LOOP
-        EXECUTE format('ALTER TABLE %s OWNER TO {WRITER}', owned.name);
+        BEGIN
+            EXECUTE format('LOCK TABLE %s IN ACCESS EXCLUSIVE MODE NOWAIT', owned.name);
+            EXECUTE format('ALTER TABLE %s OWNER TO {WRITER}', owned.name);
+        EXCEPTION WHEN lock_not_available THEN
+            RAISE NOTICE '% is in use: its owner changes at the next provisioning', owned.name;
+        END;
     END LOOP;
 END
 $$

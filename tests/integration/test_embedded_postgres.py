@@ -101,3 +101,42 @@ def test_provisioning_a_server_in_use_waits_for_no_store_table(postgres: Embedde
             admin.execute(f"ALTER DATABASE {name} SET lock_timeout = '5s'")
         postgres.create_database(name)  # fails on the lock timeout where it waits for the reader
         reading.rollback()
+
+
+def _owners(url: str) -> dict[str, str]:
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT c.oid::regclass::text, pg_get_userbyid(c.relowner) FROM pg_class c"
+            " JOIN pg_namespace n ON n.oid = c.relnamespace"
+            " WHERE n.nspname IN ('relations', 'aggregates') AND c.relkind IN ('r', 'p')"
+        ).fetchall()
+    return dict(rows)
+
+
+def test_provisioning_a_server_in_use_leaves_a_busy_table_of_another_owner_for_later(
+    postgres: EmbeddedPostgres,
+) -> None:
+    """Stores the superuser created (a pipeline given the superuser's URL, as the chaos soak's) are
+    WRITER's after a restart; a table someone reads just then is left as it is, not waited for (an ALTER
+    of its owner would wait for the reader, and deadlock with one reading two tables), and is WRITER's
+    at the next provisioning."""
+    name = f"test_{uuid.uuid4().hex[:12]}"
+    postgres.create_database(name)
+    for service in registry.SERVICES.values():
+        Writer(postgres.url(name), service.schema).migrate()
+    busy = "relations.applied_offsets"
+    assert set(_owners(postgres.url(name)).values()) == {"aml"}
+    with psycopg.connect(postgres.url(name)) as reading:
+        reading.execute(f"SELECT count(*) FROM {busy}").fetchone()  # holds its lock
+        with psycopg.connect(postgres.url("postgres"), autocommit=True) as admin:
+            admin.execute(f"ALTER DATABASE {name} SET lock_timeout = '5s'")
+        postgres.create_database(name)  # fails on the lock timeout where it waits for the reader
+        owners = _owners(postgres.url(name))
+        assert owners.pop(busy) == "aml"
+        assert set(owners.values()) == {WRITER}
+        # Provisioning holds no table now: the reader reads another one at once.
+        reading.execute("SET lock_timeout = '1s'")
+        reading.execute("SELECT count(*) FROM aggregates.applied_offsets").fetchone()
+        reading.rollback()
+    postgres.create_database(name)
+    assert set(_owners(postgres.url(name)).values()) == {WRITER}
