@@ -59,7 +59,7 @@ class Admitter:
             _, arrived = lane.take()
             if lane.paused:  # only a paused lane has anything to do when its queue shrinks
                 await on_taken(lane, event)
-            admitted = await self.admit(event, arrived, parsed, event_us)
+            admitted = await self.admit(event, arrived, parsed, event_us, lambda: lane.stopped)
             lane.go_on()
             if admitted is not None:
                 taken.append(admitted)
@@ -88,10 +88,16 @@ class Admitter:
         return micros(parsed.ts)
 
     async def admit(
-        self, event: EventT[Any], arrived: float, parsed: Payment | InvalidPayment, event_us: int | None
+        self,
+        event: EventT[Any],
+        arrived: float,
+        parsed: Payment | InvalidPayment,
+        event_us: int | None,
+        stopped: Callable[[], bool] = lambda: False,
     ) -> Admitted | None:
         """Wait for the gate (`event_us`: the payment's event time, for the event-time gate); a payment
-        that breaks the contract is dead-lettered (None)."""
+        that breaks the contract is dead-lettered (None). `stopped`: whether the admitting lane stopped
+        (`Admission.go_on`)."""
         p, offset = event.message.partition, event.message.offset
         if isinstance(parsed, InvalidPayment):
 
@@ -110,5 +116,5 @@ class Admitter:
         # From arrival at this worker to the start of processing: the time the payment was held, by the
         # gate on itself or on an earlier payment of its partition.
         waited_ms = round((time.monotonic() - arrived) * 1000, 3)
-        admission = Admission.of(opening, p, offset, waited_ms, self.gate_enabled)
+        admission = Admission.of(opening, p, offset, waited_ms, self.gate_enabled, stopped)
         return Admitted(event, parsed, admission)

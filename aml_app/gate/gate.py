@@ -84,6 +84,17 @@ class Admission:
     #: Per group reading a topic derived from payments, its offsets on that topic that the admitting
     #: reading mapped (`aml_app.gate.watermark.derived_need`): what that group's answers must include.
     derived: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: Whether the lane that admitted it has stopped (a revoke): its partition is another owner's then.
+    stopped: Callable[[], bool] = field(default=lambda: False, compare=False, repr=False)
+
+    def go_on(self) -> None:
+        """Raise `CancelledError` once the lane that admitted it stopped. A lane's stop is a cancel, and
+        a cancel can be lost inside the handler's awaits (the chaos soak saw one lost in a request to an
+        API answering 503: the stopped lane waited out the outage, then decided 55 payments its
+        partition's next owner decided too). A handler that waits out a dependency, or is about to send
+        its decisions, checks here, so a stopped lane never decides for the next owner."""
+        if self.stopped():
+            raise asyncio.CancelledError(f"the lane of partition {self.partition} was stopped")
 
     @property
     def wants_fresh(self) -> bool:
@@ -91,7 +102,15 @@ class Admission:
         return self.gated and self.stale is None
 
     @classmethod
-    def of(cls, opening: Opening, partition: int, offset: int, waited_ms: float, gated: bool) -> Admission:
+    def of(
+        cls,
+        opening: Opening,
+        partition: int,
+        offset: int,
+        waited_ms: float,
+        gated: bool,
+        stopped: Callable[[], bool] = lambda: False,
+    ) -> Admission:
         return cls(
             partition=partition,
             offset=offset,
@@ -103,6 +122,7 @@ class Admission:
             cut=opening.cut,
             stale=opening.stale,
             derived=opening.derived,
+            stopped=stopped,
         )
 
 

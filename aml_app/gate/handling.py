@@ -157,7 +157,8 @@ class Handling:
     async def call(self, admitted: list[Admitted]) -> LeftToComplete:
         # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
         # partitioned tables like any agent: their reads and writes go to the event's partition, which
-        # every event of a lane's batch shares.
+        # every event of a lane's batch shares. A retry of a stopped lane whose cancel was lost ends here.
+        admitted[0].admission.go_on()
         set_current_event(admitted[0].event)
         if self.batch_handler is not None:
             return await self.batch_handler([(a.payment, a.admission) for a in admitted])

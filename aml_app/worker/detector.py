@@ -190,6 +190,7 @@ class Detector:
         ]
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
         started = self.stats.lap("rules", started)
+        items[0][1].go_on()  # a lane's batch: its partition may be another worker's since the evidence
         alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
         started = self.stats.lap("alert", started)
         sends = []
@@ -258,6 +259,7 @@ class Detector:
         todo = list(range(len(items)))
         unavailable, stale_wait = Backoff(*UNAVAILABLE_DELAYS), Backoff(*STALE_DELAYS)
         while todo:
+            items[0][1].go_on()  # a lane's batch; a stopped lane waits out no outage for its successor
             questions = [
                 (items[i][0].payer, items[i][0].payee, datetime.fromisoformat(items[i][0].ts).astimezone(UTC))
                 for i in todo

@@ -353,6 +353,34 @@ async def test_a_batch_is_decided_on_the_evidence_it_waited_for(
         assert d.stats.decided_not_fresh == 1
 
 
+@pytest.mark.parametrize("stops", ["while C is away", "once the evidence is in"])
+async def test_a_batch_whose_lane_stopped_decides_nothing(
+    monkeypatch: pytest.MonkeyPatch, stops: str
+) -> None:
+    """A revoke stops the lane by a cancel, which the handler's awaits can lose: the batch then still
+    sees that its lane stopped, asks B and C nothing more and sends no alert and no decision, which
+    the partition's next owner sends. Without the check it waits out the outage and decides both."""
+    sent = Sent()
+    monkeypatch.setattr(detector_module, "send_decision", sent)
+    fake = FakeDependencies(relations=[12], aggregates=[12], away={"aggregates": {0, 1}})
+    stopped = [False]
+
+    def stop_when() -> bool:
+        # The revoke comes after the first failed round, or after the last (answered) one.
+        rounds_asked = len(fake.calls["aggregates"])
+        stopped[0] = stopped[0] or rounds_asked >= (1 if stops == "while C is away" else 3)
+        return stopped[0]
+
+    items = [
+        (payment, dataclasses.replace(admission, stopped=stop_when)) for payment, admission in batch(True)
+    ]
+    d = detector(fake)
+    with pytest.raises(asyncio.CancelledError):
+        await d(items)
+    assert sent.decisions == {}
+    assert len(fake.calls["aggregates"]) == (1 if stops == "while C is away" else 3)
+
+
 async def test_a_decision_on_windows_c_had_pruned_says_so_and_is_counted() -> None:
     fake = FakeDependencies(relations=[12], aggregates=[12])
     d = detector(fake)

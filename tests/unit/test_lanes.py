@@ -972,6 +972,38 @@ async def test_a_lane_whose_handler_swallows_the_revoke_stops_all_the_same(
     )
 
 
+async def test_a_stopped_lane_whose_cancel_was_lost_retries_nothing(make: Callable[..., Harness]) -> None:
+    """The handler loses the revoke's cancel and then fails (a dependency away): the stopped lane does
+    not handle the payment again, which its successor handles; each payment is handled once."""
+    h = make()
+    h.open(0, 100)
+    inside = asyncio.Event()
+    release = asyncio.Event()
+    plain = h.handle
+
+    async def swallowing_then_failing(payment: Payment, admission: Admission) -> None:
+        if admission.offset == 0 and not inside.is_set():
+            inside.set()
+            try:
+                await release.wait()
+            except asyncio.CancelledError:
+                asyncio.current_task().uncancel()  # type: ignore[union-attr]  # the lost cancel
+            raise RuntimeError("relations answered 503")
+        await plain(payment, admission)
+
+    h.gated.handling.handler = swallowing_then_failing  # type: ignore[assignment]
+    h.dispatch(*(event(0, o) for o in range(3)))
+    await until(inside.is_set, "the first payment in the handler")
+    old = h.gated.lanes[0].task
+    h.gated.on_revoked()
+    h.assign({0: 0})
+    h.dispatch(*(event(0, o) for o in range(3)))
+    assert old is not None
+    await until(lambda: old.done() and len(h.handled) >= 3, "the stopped lane ended, its successor on")
+    await quiet()
+    assert sorted(h.handled) == [(0, 0), (0, 1), (0, 2)]
+
+
 async def test_a_rebalance_keeps_the_payments_in_flight_with_the_queued_ones(
     make: Callable[..., Harness],
 ) -> None:
