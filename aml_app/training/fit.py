@@ -354,7 +354,8 @@ def labelled_by_look(
     classes = sorted({pool.labels[i] for i in pool.between()})
     looks: dict[int, str] = {}
     for members, p in zip(indices, cross_fitted(pieces, params, attempts_alike), strict=True):
-        p[:, classes.index(BENIGN)] = -np.inf
+        if BENIGN in classes:  # a look is a typology's
+            p[:, classes.index(BENIGN)] = -np.inf
         looks.update(zip(members, (classes[c] for c in p.argmax(axis=1)), strict=True))
     labels = list(pool.labels)
     moved = 0
@@ -384,7 +385,8 @@ def cross_fitted(
     Why: the cut of a small alert budget is set by the few benign payments that look likeliest
     laundering. A part of 1,500 benign payments set aside for it places a cut of 0.05 % above every one
     of them; scored by trees that never saw them, every payment of the history can set it, as each
-    laundering payment can set the naming prior."""
+    laundering payment can set the naming prior. `by_look`: each fold's trees learn as `fit_trees`
+    with it does."""
     classes = sorted({run.labels[i] for run in folds for i in run.between()})
     found = []
     for k, fold in enumerate(folds):
