@@ -229,6 +229,14 @@ def test_a_payment_takes_the_typology_it_looks_like_where_its_attempt_is_named_r
     assert doc["training"]["per_class"]["fan_in"] == history.labels.count("fan_in") - moved - 1
 
 
+def test_labels_by_look_need_no_benign_payment() -> None:
+    """A history of laundering alone (as a fold of one may be) is relabelled all the same."""
+    history = _looks()
+    laundering = history.subset([i for i, label in enumerate(history.labels) if label != BENIGN])
+    relabelled, moved = labelled_by_look([laundering], SMALL)
+    assert moved == 40 and BENIGN not in relabelled.labels
+
+
 def test_out_of_fold_every_benign_payment_of_the_pool_sets_the_cut(run: Replayed) -> None:
     """Cross-fitted, the cut and the budgets are set on the whole pool's benign payments, not on the cut
     part's alone; the scored part is still never read."""
