@@ -17,7 +17,9 @@ of the payments, decisions, alerts and dead-letter topics that note when each re
 poller of the groups' committed offsets (explicit partitions, as Tansu needs) keeping a timeline, and log
 ends from a fetch's high watermark (Tansu's ListOffsets answers the start of the last batch + 1). A
 decision is premature when its payment's offset is at or past a dependency group's committed offset in
-the first poll that started after the decision arrived: the commits were not there even then.
+the first poll that started after the decision arrived: the commits were not there even then. A payment
+with no decision is read for again by a new reader of the decisions topic, so the verdict says whether
+the broker lacks its decision or the soak's reader missed it (each reader counts the offsets it skipped).
 
     .venv/bin/python -m bench.chaos_soak --seed 7 --duration 240 [--rate 100]
         [--faults kill-worker,kill-worker,kill-pipeline,kill-api,postgres-stop,postgres-slow,broker-freeze,
@@ -267,6 +269,14 @@ class TopicReader:
                     headers = tuple((k, bytes(v or b"")) for k, v in (r.headers or ()))
                     self.records.append(Seen(r.partition, r.offset, r.key, r.value, headers, now))
 
+    def skipped(self) -> int:
+        """How many offsets below the highest one read per partition no record was read at: on a topic
+        that is not compacted, records this reader missed."""
+        seen: dict[int, set[int]] = {}
+        for r in self.records:
+            seen.setdefault(r.partition, set()).add(r.offset)
+        return sum(max(offsets) + 1 - len(offsets) for offsets in seen.values())
+
     def highwater(self) -> dict[int, int]:
         """The latest fetch's high watermark per partition (those fetched so far)."""
         found = {tp.partition: self.consumer.highwater(tp) for tp in self.tps}
@@ -469,6 +479,26 @@ async def log_ends(bootstrap: str, topic: str, partitions: int) -> tuple[dict[in
         return fetched, {tp.partition: offset for tp, offset in listed.items()}
     finally:
         await close_within(consumer.stop(), STOP_DEADLINE, "stopping the log end reader")
+
+
+async def read_again(bootstrap: str, topic: str, partitions: int) -> list[Seen]:
+    """Every record of `topic`, read by a new reader from offset 0 to the ends a fetch reports: what the
+    broker holds, to tell a record the soak's own reader missed from one the broker never kept."""
+    ends, _ = await log_ends(bootstrap, topic, partitions)
+    reader = await TopicReader(bootstrap, topic, partitions).start()
+    try:
+        deadline = time.monotonic() + 60
+        for tp in reader.tps:
+            while await reader.consumer.position(tp) < ends[tp.partition]:
+                if time.monotonic() > deadline:
+                    raise SoakError(f"reading {topic} again took longer than 60 s")
+                batch = await reader.consumer.getmany(tp, timeout_ms=200)
+                reader.records += [
+                    Seen(r.partition, r.offset, r.key, r.value, (), time.time()) for r in batch.get(tp, [])
+                ]
+        return reader.records
+    finally:
+        await reader.stop()
 
 
 def payment_bytes(payment_id: str, payer: str, payee: str, amount: str, ts: str) -> bytes:
@@ -726,7 +756,7 @@ class Soak:
             self.timings["catch_up_s"] = time.monotonic() - started
             aml = await self.aml_commit_check()
             stores = await self.check_stores()
-            doc = self.judge(aml, stores)
+            doc = self.judge(aml, stores, await self.decided_on_a_fresh_read())
         except Exception as exc:  # SystemFailure, SoakError, a broker or server that did not start
             error = f"{type(exc).__name__}: {exc}"
             self.say(f"the soak could not run: {error}")
@@ -1314,7 +1344,21 @@ class Soak:
 
     # -- the verdict
 
-    def judge(self, aml: dict[str, Any], stores: dict[str, Any]) -> dict[str, Any]:
+    async def decided_on_a_fresh_read(self) -> set[tuple[int, int]] | None:
+        """The payments a new reader of the decisions topic finds decided, when the soak's reader left
+        some undecided (None otherwise): a lost payment found here was missed by the reader, not lost."""
+        self.update()
+        f = self.findings
+        if set(f.valid) <= f.decided:
+            return None
+        again = Findings()
+        bootstrap = self.system.bootstrap[0] if self.system else ""
+        again.decisions_from(await read_again(bootstrap, self.readers["decisions"].topic, PARTITIONS))
+        return again.decided
+
+    def judge(
+        self, aml: dict[str, Any], stores: dict[str, Any], read_again: set[tuple[int, int]] | None = None
+    ) -> dict[str, Any]:
         self.update()
         f = self.findings
         assert self.poller is not None
@@ -1394,6 +1438,8 @@ class Soak:
             },
             "lost": {
                 "payments": len(lost),
+                # Decided all the same in what a new reader finds: the soak's reader missed them.
+                "decided_on_a_fresh_read": None if read_again is None else len(set(lost) & read_again),
                 "examples": [
                     {"partition": p, "offset": o, "payment_id": f.valid[(p, o)].payment_id}
                     for p, o in lost[:10]
@@ -1423,14 +1469,17 @@ class Soak:
                 "regressions": self.poller.regressions()[:20],
             },
             "readers": {
-                name: {"records": len(r.records), "errors": r.errors} for name, r in self.readers.items()
+                name: {"records": len(r.records), "errors": r.errors, "skipped": r.skipped()}
+                for name, r in self.readers.items()
             },
         }
         failures = []
         if premature_ids:
             failures.append(f"{len(premature_ids)} premature decisions")
         if lost:
-            failures.append(f"{len(lost)} payments lost (never decided)")
+            found = None if read_again is None else len(set(lost) & read_again)
+            missed = "" if found is None else f"; a new reader finds {found} decided"
+            failures.append(f"{len(lost)} payments lost (never decided{missed})")
         if alerted_twice:
             failures.append(f"{len(alerted_twice)} payments alerted twice")
         if not stores["agree"]:
