@@ -33,7 +33,7 @@ from aml_app.gate.acks import Acks
 from aml_app.gate.admit import Admitter
 from aml_app.gate.delivery import DeliveryChecker
 from aml_app.gate.gate import Admission, FreshnessGate
-from aml_app.gate.generation import Assignment, log_changed
+from aml_app.gate.generation import Assignment, log_changed, recovered
 from aml_app.gate.handling import BatchHandler, Handler, Handling, Retrying
 from aml_app.gate.lane import Arrival, Lane
 from aml_app.gate.options import DEFAULT_LIMITS, DEFAULT_POLICY, LaneLimits, LanePolicy
@@ -43,9 +43,6 @@ from aml_app.gate.stats import GateStats
 from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 
 log = logging.getLogger(__name__)
-
-#: How often an assignment's resumption looks whether Faust's recovery of its tables has ended (s).
-RECOVERY_CHECK = 0.05
 
 
 class AssignmentRefused(RuntimeError):
@@ -190,23 +187,8 @@ class GatedConsumer:
             return
         if read_from is not None:
             self.gate.log = read_from
-        if await self._recovered(assignment):
+        if await recovered(self.app, assignment):
             self.on_assigned(starts)
-
-    async def _recovered(self, assignment: Assignment) -> bool:
-        """Wait until Faust has recovered this generation's tables; False if a newer rebalance began.
-
-        The events a lane kept across a revoke are resumed from memory, past Faust's pause of the
-        partitions during recovery: resumed at once, a kept payment that the partition's owner in
-        between alerted on was checked against an `alerts-sent` store still missing that alert, and
-        alerted again. Faust's `rebalancing` flag stays set from a revoke until the recovery of the
-        current generation resumes its streams (a stale generation's recovery leaves it set). Each wait
-        is short; a recovery that never ends shows as "recovering" on the worker's views."""
-        while getattr(self.app, "rebalancing", False):  # set by aiokafka's thread too
-            if not assignment.active:
-                return False
-            await asyncio.sleep(RECOVERY_CHECK)
-        return assignment.active
 
     async def consume(self, stream: faust.Stream[Any]) -> None:
         """The agent body: dispatch, never wait."""

@@ -7,11 +7,16 @@ generation (reading its starts) checks that it is still the current one before a
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import faust
 from faust.types import EventT
+
+#: How often an assignment's resumption looks whether Faust's recovery of its tables has ended (s).
+RECOVERY_CHECK = 0.05
 
 
 @dataclass
@@ -49,3 +54,20 @@ def log_changed(topic: str | None, was: str | None, now: str) -> str:
         "again, or the cluster changed): this worker stops so that it starts again on the new log with "
         "nothing of the old one"
     )
+
+
+async def recovered(app: faust.App, assignment: Assignment) -> bool:
+    """Wait until Faust has recovered the tables of `assignment`'s generation; False if a newer
+    rebalance began meanwhile.
+
+    The events a lane kept across a revoke are resumed from memory, past Faust's pause of the
+    partitions during recovery: resumed at once, a kept payment that the partition's owner in between
+    alerted on was checked against an `alerts-sent` store still missing that alert, and alerted again.
+    Faust's `rebalancing` flag stays set from a revoke until the recovery of the current generation
+    resumes its streams (a stale generation's recovery leaves it set). Each wait is short; a recovery
+    that never ends shows as "recovering" on the worker's views."""
+    while getattr(app, "rebalancing", False):  # set by aiokafka's thread too
+        if not assignment.active:
+            return False
+        await asyncio.sleep(RECOVERY_CHECK)
+    return assignment.active
