@@ -17,9 +17,11 @@ of the payments, decisions, alerts and dead-letter topics that note when each re
 poller of the groups' committed offsets (explicit partitions, as Tansu needs) keeping a timeline, and log
 ends from a fetch's high watermark (Tansu's ListOffsets answers the start of the last batch + 1). A
 decision is premature when its payment's offset is at or past a dependency group's committed offset in
-the first poll that started after the decision arrived: the commits were not there even then. A payment
-with no decision is read for again by a new reader of the decisions topic, so the verdict says whether
-the broker lacks its decision or the soak's reader missed it (each reader counts the offsets it skipped).
+the first poll that started after the decision arrived: the commits were not there even then. Each
+reader fetches again the offsets a fetch skipped (Tansu takes a batch's offsets before it stores the
+batch, and a fetch meanwhile returns a later batch another producer stored first), and a payment still
+without a decision is read for again by a new reader, so the verdict says whether the broker lacks its
+decision or the soak's reader missed it.
 
     .venv/bin/python -m bench.chaos_soak --seed 7 --duration 240 [--rate 100]
         [--faults kill-worker,kill-worker,kill-pipeline,kill-api,postgres-stop,postgres-slow,broker-freeze,
@@ -125,6 +127,9 @@ WARM_UP_DEADLINE = 240.0  # Spark compiles its first micro-batch in 10-30 s, mor
 SIMULATOR_SLACK = 180.0  # beyond --duration: sends held up by a frozen broker or a busy machine
 FAULTS_DEADLINE = 180.0
 STOP_DEADLINE = 15.0
+#: How long a reader fetches again the offsets a fetch skipped (s). Tansu takes a batch's offsets before
+#: it stores the batch, and a fetch meanwhile returns a later batch that another producer stored first.
+REFETCH_FOR = 5.0
 HTTP_TIMEOUT = 15.0
 COMMIT_PATIENCE = 30.0  # after the grace, how much longer to watch a group that has not reached the end
 
@@ -234,7 +239,8 @@ class Seen:
 
 
 class TopicReader:
-    """Reads a whole topic from offset 0 without a group, keeping every record (duplicates too)."""
+    """Reads a whole topic from offset 0 without a group, keeping every record (duplicates too), each
+    partition's in offset order: offsets a fetch skipped are fetched again (`REFETCH_FOR`)."""
 
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         self.topic = topic
@@ -247,6 +253,9 @@ class TopicReader:
         )
         self.records: list[Seen] = []
         self.errors = 0
+        self.refetches = 0
+        self.expected: dict[int, int] = {}  # partition -> the next offset to keep
+        self.skipped_since: dict[tuple[int, int], float] = {}  # (partition, offset) -> first skipped
 
     async def start(self) -> TopicReader:
         await self.consumer.start()
@@ -264,10 +273,26 @@ class TopicReader:
                 await asyncio.sleep(0.5)
                 continue
             now = time.time()
-            for records in batch.values():
-                for r in records:
-                    headers = tuple((k, bytes(v or b"")) for k, v in (r.headers or ()))
-                    self.records.append(Seen(r.partition, r.offset, r.key, r.value, headers, now))
+            for tp, records in batch.items():
+                self.keep(tp, records, now)
+
+    def keep(self, tp: TopicPartition, records: Sequence[Any], now: float) -> None:
+        """Keep `tp`'s records that follow the last kept one; at a jump past offsets never read, seek
+        back and fetch them again, for `REFETCH_FOR` seconds (after that the offsets hold no record)."""
+        expected = self.expected.get(tp.partition, 0)
+        for r in records:
+            if r.offset < expected:
+                continue  # kept before: fetched again after a seek back
+            if r.offset > expected:
+                first = self.skipped_since.setdefault((tp.partition, expected), now)
+                if now - first < REFETCH_FOR:
+                    self.refetches += 1
+                    self.consumer.seek(tp, expected)
+                    break
+            headers = tuple((k, bytes(v or b"")) for k, v in (r.headers or ()))
+            self.records.append(Seen(r.partition, r.offset, r.key, r.value, headers, now))
+            expected = r.offset + 1
+        self.expected[tp.partition] = expected
 
     def skipped(self) -> int:
         """How many offsets below the highest one read per partition no record was read at: on a topic
@@ -493,9 +518,7 @@ async def read_again(bootstrap: str, topic: str, partitions: int) -> list[Seen]:
                 if time.monotonic() > deadline:
                     raise SoakError(f"reading {topic} again took longer than 60 s")
                 batch = await reader.consumer.getmany(tp, timeout_ms=200)
-                reader.records += [
-                    Seen(r.partition, r.offset, r.key, r.value, (), time.time()) for r in batch.get(tp, [])
-                ]
+                reader.keep(tp, batch.get(tp, []), time.time())
         return reader.records
     finally:
         await reader.stop()
@@ -1469,7 +1492,12 @@ class Soak:
                 "regressions": self.poller.regressions()[:20],
             },
             "readers": {
-                name: {"records": len(r.records), "errors": r.errors, "skipped": r.skipped()}
+                name: {
+                    "records": len(r.records),
+                    "errors": r.errors,
+                    "refetches": r.refetches,
+                    "skipped": r.skipped(),
+                }
                 for name, r in self.readers.items()
             },
         }
