@@ -39,6 +39,8 @@ from aml_app.gate.lane import Arrival, Lane
 from aml_app.gate.options import DEFAULT_LIMITS, DEFAULT_POLICY, LaneLimits, LanePolicy
 from aml_app.gate.repairs import Repairs
 from aml_app.gate.sink import Sink
+from aml_app.gate.stall import TICK as STALL_TICK
+from aml_app.gate.stall import stalls
 from aml_app.gate.stats import GateStats
 from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 
@@ -131,9 +133,11 @@ class GatedConsumer:
         check_every: float,
         quiet: float,
         refuse: Callable[[], str | None] = lambda: None,
+        session_timeout: float | None = None,
     ) -> None:
         """Wire this consumer to the app's rebalances; every `check_every` s, check the delivery of the
-        lanes quiet for `quiet` s.
+        lanes quiet for `quiet` s; with the group's `session_timeout`, watch for stalls of the worker
+        (`aml_app.gate.stall`).
 
         Any gated service calls this once next to its agent: the lanes stop on revoke, resume (or drop
         their kept events) on assignment, and fetched-but-undelivered records are fetched again. At each
@@ -165,6 +169,9 @@ class GatedConsumer:
         self.app.on_before_shutdown.connect(stop_lanes)  # type: ignore[arg-type]
         self.app.on_partitions_assigned.connect(resume_lanes)  # type: ignore[arg-type]
         self.app.timer(check_every)(check_delivery)
+        if session_timeout is not None:
+            stalls.start(session_timeout)
+            self.app.timer(STALL_TICK)(stalls.tick_async)
 
     async def _learn_starts(
         self,

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from aml_app.gate.event_time import Cut, admits, decided_at
+from aml_app.gate.stall import stalls
 from aml_app.gate.watermark import Stamped, WatermarkRow, derived_need, is_open
 
 if TYPE_CHECKING:
@@ -95,6 +96,13 @@ class Admission:
         its decisions, checks here, so a stopped lane never decides for the next owner."""
         if self.stopped():
             raise asyncio.CancelledError(f"the lane of partition {self.partition} was stopped")
+
+    async def still_ours(self) -> None:
+        """`go_on`, once no stall of this worker holds sends (`aml_app.gate.stall`): a worker stopped
+        past its session timeout learns of its eviction only at its next heartbeat, and a lane that
+        sent before then alerted on what the partition's next owner had alerted on already."""
+        await stalls.settled()
+        self.go_on()
 
     @property
     def wants_fresh(self) -> bool:

@@ -78,6 +78,7 @@ def gated_agent(
         check_every=refresh.delivery_check,
         quiet=refresh.delivery_quiet,
         refuse=copartitioning_problem,
+        session_timeout=settings.kafka.session_timeout,
     )
 
     async def consume(stream):  # type: ignore[no-untyped-def]

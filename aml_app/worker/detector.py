@@ -190,7 +190,7 @@ class Detector:
         ]
         decided_at = datetime.now(UTC).isoformat(timespec="microseconds")
         started = self.stats.lap("rules", started)
-        items[0][1].go_on()  # a lane's batch: its partition may be another worker's since the evidence
+        await items[0][1].still_ours()  # a lane's batch: its partition may be another worker's by now
         alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
         started = self.stats.lap("alert", started)
         sends = []

@@ -22,6 +22,8 @@ from aml_app.dependencies.aggregates import empty_window
 from aml_app.dependencies.client import DependencyUnavailable, Need, NotYet
 from aml_app.detection.evidence import Evidence
 from aml_app.gate import Admission
+from aml_app.gate import gate as gate_module
+from aml_app.gate.stall import StallWatch
 from aml_app.models import Payment
 from aml_app.worker import detector as detector_module
 from aml_app.worker.detector import Detector
@@ -379,6 +381,32 @@ async def test_a_batch_whose_lane_stopped_decides_nothing(
         await d(items)
     assert sent.decisions == {}
     assert len(fake.calls["aggregates"]) == (1 if stops == "while C is away" else 3)
+
+
+async def test_a_batch_that_ends_just_after_a_stall_of_the_worker_waits_to_learn_its_lane_stopped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker stopped past its session timeout finishes, once continued, the batches whose evidence
+    came meanwhile before the revoke reaches its lanes. The batch waits a heartbeat's time after the
+    stall; the revoke that comes meanwhile stops it, and nothing is sent. Without the wait it decides
+    (and alerts on) payments the partition's next owner has decided already."""
+    sent = Sent()
+    monkeypatch.setattr(detector_module, "send_decision", sent)
+    watch = StallWatch()
+    watch.start(session_timeout=1.0)  # a stall is 0.5 s or more; sends then wait 0.2 s
+    assert watch.last is not None
+    watch.last -= 30.0  # stopped for half a minute; the ticker has not run since
+    monkeypatch.setattr(gate_module, "stalls", watch)
+    revoked = [False]
+    asyncio.get_running_loop().call_later(0.05, lambda: revoked.__setitem__(0, True))
+    items = [
+        (payment, dataclasses.replace(admission, stopped=lambda: revoked[0]))
+        for payment, admission in batch(True)
+    ]
+    d = detector(FakeDependencies(relations=[12], aggregates=[12]))
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(d(items), 5)
+    assert sent.decisions == {} and watch.stalls == 1
 
 
 async def test_a_decision_on_windows_c_had_pruned_says_so_and_is_counted() -> None:
