@@ -10,7 +10,8 @@ hold their sends (`Admission.still_ours`); then a lane that was revoked meanwhil
 that was not goes on. A stall the ticker has not run since is seen as one too: after a stop the loop
 may run a lane's continuation before the ticker's.
 
-Ticking is off until `start`: a process without a gated consumer (a unit test, a command) never holds.
+The watch is off until `start` and its first tick: a process without a gated consumer (a unit test, a
+command) never holds, and nor does a worker's start-up, which runs before its timers.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ class StallWatch:
         self.clock = clock
         self.limit = 0.0
         self.settle = 0.0
-        #: When the ticker last ran (None: not started).
+        self.started = False
+        #: When the ticker last ran (None: not yet).
         self.last: float | None = None
         #: When a stall was last seen to end.
         self.resumed_at = float("-inf")
@@ -42,12 +44,14 @@ class StallWatch:
         """Watch for stalls of half the session timeout, and hold sends a fifth of it after one (the
         heartbeat interval the workers use, within which aiokafka's thread learns of an eviction)."""
         self.limit, self.settle = session_timeout / 2, session_timeout / 5
-        self.last = self.clock()
+        self.started = True
 
     def tick(self) -> None:
+        """The ticker's run; the first one starts the watch (the worker's start-up is no stall)."""
         now = self.clock()
-        self._observe(now)
-        self.last = now
+        if self.started:
+            self._observe(now)
+            self.last = now
 
     async def tick_async(self) -> None:
         """`tick`, as a Faust timer calls it."""

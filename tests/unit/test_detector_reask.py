@@ -394,6 +394,7 @@ async def test_a_batch_that_ends_just_after_a_stall_of_the_worker_waits_to_learn
     monkeypatch.setattr(detector_module, "send_decision", sent)
     watch = StallWatch()
     watch.start(session_timeout=1.0)  # a stall is 0.5 s or more; sends then wait 0.2 s
+    watch.tick()
     assert watch.last is not None
     watch.last -= 30.0  # stopped for half a minute; the ticker has not run since
     monkeypatch.setattr(gate_module, "stalls", watch)

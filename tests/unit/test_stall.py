@@ -21,6 +21,9 @@ def watch(session_timeout: float = 10.0) -> tuple[StallWatch, Clock]:
     clock = Clock()
     w = StallWatch(clock)
     w.start(session_timeout)
+    clock.now += 7.0  # the worker's start-up, before its timers run: no stall
+    w.tick()
+    assert w.hold() == 0 and w.stalls == 0
     return w, clock
 
 
@@ -62,6 +65,7 @@ def test_sends_wait_a_fifth_of_the_session_timeout_after_a_stall(first: str) -> 
 async def test_settled_returns_once_the_hold_is_over() -> None:
     w = StallWatch()
     w.start(session_timeout=0.5)  # holds 0.1 s after a stall of 0.25 s
+    w.tick()
     assert w.last is not None
     w.last -= 1.0  # the loop did not run for a second
     assert w.hold() > 0
