@@ -17,13 +17,11 @@ import faust
 from faust.types import EventT, StreamT
 
 from aml_app.gate.gate import Admission, Admitted
+from aml_app.gate.generation import rebalance_ended
 from aml_app.gate.handling import Handling
 from aml_app.gate.lane import HandledBatch, Lane
 
 log = logging.getLogger(__name__)
-
-#: Seconds between looks at whether a rebalance still holds the acks (see `Acks.settle`).
-ACK_HOLD_CHECK = 0.05
 
 
 def done() -> asyncio.Future[None]:
@@ -93,9 +91,7 @@ class Acks:
             # Faust forgets the acks of a revoked partition when its revoke begins, but keeps any made
             # after that, until the lanes stop: held over into the next generation, they were counted
             # twice with the offsets a resumed lane records as handled, and Faust's commit crawled. A
-            # held ack is not lost: the lane stops, or the rebalance ends first. The flag is set by
-            # aiokafka's thread before the revoke reaches this loop, which no asyncio.Event could be.
-            while getattr(self.app, "rebalancing", False):  # noqa: ASYNC110
-                await asyncio.sleep(ACK_HOLD_CHECK)
+            # held ack is not lost: the lane stops, or the rebalance ends first.
+            await rebalance_ended(self.app)
             await ack(event)
         lane.settled(len(events))

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import faust
 from faust.types import EventT
 
-#: How often an assignment's resumption looks whether Faust's recovery of its tables has ended (s).
-RECOVERY_CHECK = 0.05
+#: How often a wait for the end of a rebalance looks at Faust's `rebalancing` flag (s).
+REBALANCE_CHECK = 0.05
 
 
 @dataclass
@@ -66,8 +67,16 @@ async def recovered(app: faust.App, assignment: Assignment) -> bool:
     Faust's `rebalancing` flag stays set from a revoke until the recovery of the current generation
     resumes its streams (a stale generation's recovery leaves it set). Each wait is short; a recovery
     that never ends shows as "recovering" on the worker's views."""
-    while getattr(app, "rebalancing", False):  # set by aiokafka's thread too
-        if not assignment.active:
+    return await rebalance_ended(app, lambda: assignment.active)
+
+
+async def rebalance_ended(app: faust.App, going_on: Callable[[], bool] = lambda: True) -> bool:
+    """Wait while Faust's `rebalancing` flag is set, from a revoke until the recovery of the current
+    generation resumes its streams; False, at once, when `going_on()` turns false meanwhile. The flag is
+    set by aiokafka's thread before the revoke reaches the event loop, which no asyncio.Event could be,
+    so it is polled every `REBALANCE_CHECK` s."""
+    while getattr(app, "rebalancing", False):
+        if not going_on():
             return False
-        await asyncio.sleep(RECOVERY_CHECK)
-    return assignment.active
+        await asyncio.sleep(REBALANCE_CHECK)
+    return going_on()

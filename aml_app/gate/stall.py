@@ -37,7 +37,7 @@ class StallWatch:
         self.last: float | None = None
         #: When a stall was last seen to end.
         self.resumed_at = float("-inf")
-        #: Stalls seen (for the worker's stats).
+        #: Stalls seen.
         self.stalls = 0
 
     def start(self, session_timeout: float) -> None:
