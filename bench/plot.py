@@ -154,7 +154,7 @@ def plot_end_to_end(doc: dict[str, Any]) -> Path:
     ax.set_yticks(range(len(costs)), [name for name, _ in costs], fontsize=7)
     ax.set_xlabel("CPU µs per payment")
     ratio = doc["ratio_aml_to_slowest_dependency"]
-    ax.set_title(f"End to end on 2 cores: AML / slowest dependency = {ratio:.3f}")
+    ax.set_title(f"End to end on 2 cores:\nAML / slowest dependency = {ratio:.3f}")
     return _save(fig, "end_to_end")
 
 
