@@ -272,11 +272,13 @@ class DependencyOffsets:
     async def _read_plain(
         self, admin: AIOKafkaAdminClient, partitions: Sequence[int], groups: Sequence[str]
     ) -> dict[str, dict[int, int | None]]:
-        result: dict[str, dict[int, int | None]] = {}
-        for group in groups:
-            self.requests += 1
-            result[group] = await self._fetch_committed(admin, group, self.topic, partitions)
-        return result
+        """The groups' OffsetFetch requests side by side: a refresh waits for one round trip, not one per
+        group (the leader's loop is busy under load, and each wait there is a turn behind the lanes)."""
+        self.requests += len(groups)
+        answers = await asyncio.gather(
+            *(self._fetch_committed(admin, group, self.topic, partitions) for group in groups)
+        )
+        return dict(zip(groups, answers, strict=True))
 
     async def _fetch_committed(
         self, admin: AIOKafkaAdminClient, group: str, topic: str, partitions: Sequence[int]

@@ -4,6 +4,8 @@ real cluster produces when a group's coordinator moves (a broker restart), which
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -88,3 +90,38 @@ async def test_a_group_that_never_committed_is_read_as_nothing_committed() -> No
     admin = FakeAdmin([committed(-1), committed(4)])
     _, offsets = await reader_with(admin).read()
     assert offsets == {"relations": dict.fromkeys(range(4)), "aggregates": dict.fromkeys(range(4), 4)}
+
+
+class OverlapAdmin(FakeAdmin):
+    """Answers an OffsetFetch only once every group's is in flight, or after a short wait: it counts
+    how many were asked at once."""
+
+    def __init__(self, groups: int) -> None:
+        super().__init__([committed(3)] * groups)
+        self.groups = groups
+        self.in_flight = 0
+        self.most = 0
+        self.all_asked = asyncio.Event()
+
+    async def list_consumer_group_offsets(
+        self, group: str, group_coordinator_id: int, partitions: list[TopicPartition]
+    ) -> dict[TopicPartition, OffsetAndMetadata]:
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        if self.in_flight == self.groups:
+            self.all_asked.set()
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.all_asked.wait(), 0.5)
+        self.in_flight -= 1
+        return await super().list_consumer_group_offsets(group, group_coordinator_id, partitions)
+
+
+async def test_the_groups_offsets_are_asked_for_side_by_side() -> None:
+    """A refresh waits for one OffsetFetch round trip, not one per group: under load each wait on the
+    leader's loop is a turn behind the lanes' callbacks."""
+    admin = OverlapAdmin(len(GROUPS))
+    reader = reader_with(admin)
+    _, offsets = await reader.read()
+    assert offsets == {g: dict.fromkeys(range(4), 3) for g in GROUPS}
+    assert admin.most == len(GROUPS)
+    assert reader.requests == 1 + 2 + len(GROUPS)  # the partitions, each coordinator, each group's offsets
