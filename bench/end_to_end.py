@@ -13,6 +13,8 @@ it can (plus the demo's malformed records, nominally one per hundred). Then, fro
   (it can never decide a payment before its dependencies have committed it). Goal >= 0.8, with the
   shipped model on (`--model amlworld`, the default; `--model off`: the rules alone).
 
+When: the payments sent, covered by both groups' commits and decided by AML, every 0.25 s (`progress`).
+
 Where the time goes: CPU seconds of every process over the run, per record: each process with its
 descendants, live and reaped (the pipeline's JVM and Python workers; PostgreSQL's server with its backends,
 found from its `postmaster.pid` since `pg_ctl` detaches it from us), and this process alone; and the AML
@@ -27,17 +29,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 from aml_app.harness.demo import Demo, Options
-from aml_app.harness.verify import decided_at
+from aml_app.harness.verify import CommitTimeline, decided_at
 from aml_app.settings import load_settings
 from bench.common import cpu_of, finish, machine, markdown_table, processes, workfolder
 from tests.harness import wait_until
 
 NAME = "end_to_end"
 GOAL = 0.8
+STEP_S = 0.25
 
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -86,6 +91,11 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         done_at[group] = max(t for t in times if t is not None)
     decisions = demo.system.decisions["aml"].of_run(steady)
     done_at["aml"] = max(decided_at(d) for d in decisions)
+    series = progress(
+        [ledger.sent_at[p] - first_sent for p in steady],
+        [_covered(watch.timeline, demo.system.groups, d) - first_sent for d in decisions],
+        [decided_at(d) - first_sent for d in decisions],
+    )
     rates = {who: n / (at - first_sent) for who, at in done_at.items()}
     slowest = min(rates[g] for g in demo.system.groups)
     used = {k: cpu["end"][k] - cpu["start"].get(k, 0.0) for k in cpu["end"]}
@@ -102,6 +112,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ratio_aml_to_slowest_dependency": rates["aml"] / slowest,
         "goal": f"AML throughput / slowest dependency's >= {GOAL}",
         "goal_met": rates["aml"] / slowest >= GOAL,
+        "progress": series,
         "cpu_seconds": used,
         "cpu_us_per_record": {k: v / n * 1e6 for k, v in used.items()},
         "detector": detector,
@@ -112,6 +123,29 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
             "ok": verdict.ok,
         },
     }
+
+
+def _covered(timeline: CommitTimeline, groups: Sequence[str], decision: Mapping[str, Any]) -> float:
+    """When both groups' commits covered a decided payment (it was decided, so they did)."""
+    at = timeline.opened_at(groups, decision["partition"], decision["offset"])
+    if at is None:
+        raise RuntimeError(f"a decision on {decision['partition']}/{decision['offset']} was never covered")
+    return at
+
+
+def progress(
+    sent: Sequence[float], covered: Sequence[float], decided: Sequence[float], step: float = STEP_S
+) -> dict[str, list[float]]:
+    """Payments sent, covered by both dependencies' commits and decided by AML by each `step` seconds
+    after the first send: where the gated service falls behind, while its dependencies run or after."""
+    end = max([*sent, *covered, *decided])
+    ticks = [round(i * step, 3) for i in range(int(end / step) + 2)]
+
+    def counts(times: Sequence[float]) -> list[float]:
+        ordered = sorted(times)
+        return [bisect.bisect_right(ordered, t) for t in ticks]
+
+    return {"seconds": ticks, "sent": counts(sent), "covered": counts(covered), "decided": counts(decided)}
 
 
 def report(doc: dict[str, Any]) -> str:

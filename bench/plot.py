@@ -147,9 +147,21 @@ def plot_pipeline(doc: dict[str, Any]) -> Path:
 
 
 def plot_end_to_end(doc: dict[str, Any]) -> Path:
-    """CPU µs per payment of each process: where a gated payment's cost goes on a shared machine."""
+    """CPU µs per payment of each process: where a gated payment's cost goes on a shared machine; and
+    when AML falls behind its dependencies, while they run or after."""
     costs = sorted(doc["cpu_us_per_record"].items(), key=lambda kv: kv[1])
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    series = doc.get("progress")
+    fig, axes = plt.subplots(1, 2 if series else 1, figsize=(12 if series else 7, 3.8))
+    ax = axes[0] if series else axes
+    if series:
+        when = axes[1]
+        curves = (("sent", "sent"), ("covered", "both groups committed"), ("decided", "AML decided"))
+        for key, label in curves:
+            when.plot(series["seconds"], series[key], label=label)
+        when.set_xlabel("seconds after the first send")
+        when.set_ylabel("payments")
+        when.legend(fontsize=8, loc="lower right")
+        when.set_title("Progress")
     ax.barh(range(len(costs)), [v for _, v in costs], color="tab:blue")
     ax.set_yticks(range(len(costs)), [name for name, _ in costs], fontsize=7)
     ax.set_xlabel("CPU µs per payment")
