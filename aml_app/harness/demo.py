@@ -38,6 +38,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from aml_app.dependencies.store import redacted
+from aml_app.harness import undecided
 from aml_app.harness.embedded_postgres import PostgresError
 from aml_app.harness.report import fmt_ms, print_summary, say
 from aml_app.harness.system import Interrupted, Layout, System, SystemFailure
@@ -412,6 +413,10 @@ class Demo:
                     "not everything was committed, decided and dead-lettered within "
                     f"{self.options.drain_deadline:.0f} s"
                 )
+                try:
+                    await asyncio.wait_for(undecided.report(self), undecided.REPORT_DEADLINE_S)
+                except Exception as exc:  # a report that fails must not hide the run's own verdict
+                    say(f"could not say where the undecided payments are: {exc!r}")
                 return
             self.system.check_health(self.tasks)
             if time.monotonic() >= next_report:
