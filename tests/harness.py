@@ -16,6 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from confluent_kafka import Producer
 
 from aml_app.harness.child_process import aml_app_executable
+from aml_app.harness.tails import InOrder
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.kafka.security import PLAINTEXT
@@ -154,6 +155,7 @@ class TopicReader:
         self.partitions = partitions
         self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
         self.records: list[Any] = []
+        self.order = InOrder(lambda tp, offset: self.consumer.seek(tp, offset))
 
     async def start(self) -> TopicReader:
         await self.consumer.start()
@@ -163,8 +165,12 @@ class TopicReader:
         return self
 
     async def poll(self, timeout: float = 0.2) -> list[Any]:
+        """The records read since the last poll, each partition's in offset order (`InOrder`)."""
         batch = await self.consumer.getmany(timeout_ms=int(timeout * 1000))
-        new = [record for records in batch.values() for record in records]
+        new = []
+        for tp, records in batch.items():
+            taken, _ = self.order.accept(tp, records)
+            new.extend(taken)
         self.records.extend(new)
         return new
 

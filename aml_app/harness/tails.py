@@ -7,12 +7,19 @@ count records (duplicates included) as well as distinct payments.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+
+#: How long a jump in a partition's offsets is read again before the reader takes it as a gap in the log.
+GAP_CONFIRM_S = 1.0
+#: The pause between two reads of a jump.
+REREAD_PAUSE_S = 0.05
 
 
 async def partitions_of(consumer: AIOKafkaConsumer, topic: str, expected: int) -> list[int]:
@@ -22,13 +29,50 @@ async def partitions_of(consumer: AIOKafkaConsumer, topic: str, expected: int) -
     return sorted(found) if found else list(range(expected))
 
 
+class InOrder:
+    """A live reader's records of each partition in offset order, with no record skipped that a fresh
+    read would find.
+
+    A jump in a partition's offsets is read again for `GAP_CONFIRM_S` before the reader goes on past it:
+    the embedded broker, appending batches of several producers to one partition, can hand a reader a
+    later batch before an earlier one is visible (a live reader then skips records a fresh read finds;
+    seen in 1 of 9 runs of three or four producers, 13 of 60,000 records). In a Kafka log a gap is real
+    (transaction markers, compaction) and costs the reader that wait once.
+    """
+
+    def __init__(self, seek: Callable[[TopicPartition, int], object]) -> None:
+        self.seek = seek
+        #: Per partition, the offset after the last record taken.
+        self.next_offset: dict[int, int] = {}
+        #: Per (partition, expected offset) of a jump seen, when it was first seen.
+        self.jumps: dict[tuple[int, int], float] = {}
+
+    def accept(self, tp: TopicPartition, records: Sequence[Any]) -> tuple[list[Any], bool]:
+        """The records of one partition to take, in order, and whether the reader sought back to the
+        offset it expects at a jump not yet confirmed (the rest of `records` comes again)."""
+        taken: list[Any] = []
+        for record in records:
+            expected = self.next_offset.get(tp.partition)
+            if expected is not None and record.offset < expected:
+                continue  # taken before a seek back
+            if expected is not None and record.offset > expected:
+                first_seen = self.jumps.setdefault((tp.partition, expected), time.monotonic())
+                if time.monotonic() - first_seen < GAP_CONFIRM_S:
+                    self.seek(tp, expected)
+                    return taken, True
+            taken.append(record)
+            self.next_offset[tp.partition] = record.offset + 1
+        return taken, False
+
+
 class TopicTail:
-    """Reads a whole topic from the beginning; `run` loops until `halt`."""
+    """Reads a whole topic from the beginning, in order (`InOrder`); `run` loops until `halt`."""
 
     def __init__(self, bootstrap: Sequence[str], topic: str) -> None:
         self.topic = topic
         self.consumer = AIOKafkaConsumer(bootstrap_servers=list(bootstrap), enable_auto_commit=False)
         self.closing = False
+        self.order = InOrder(lambda tp, offset: self.consumer.seek(tp, offset))
 
     async def start(self, expected_partitions: int) -> TopicTail:
         await self.consumer.start()
@@ -41,9 +85,18 @@ class TopicTail:
     async def run(self) -> None:
         while not self.closing:
             batch = await self.consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                for record in records:
-                    self.take(record)
+            reread = False
+            for tp, records in batch.items():
+                reread |= self.receive(tp, records)
+            if reread:
+                await asyncio.sleep(REREAD_PAUSE_S)
+
+    def receive(self, tp: TopicPartition, records: Sequence[Any]) -> bool:
+        """Take `records` of one partition in offset order (True: a jump is read again)."""
+        taken, reread = self.order.accept(tp, records)
+        for record in taken:
+            self.take(record)
+        return reread
 
     def take(self, record: Any) -> None:
         raise NotImplementedError
