@@ -11,13 +11,17 @@ per service.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aml_app.harness.report import say
+from aml_app.harness.system import service_settings
+from aml_app.harness.tails import RecordTail
+
+if TYPE_CHECKING:
+    from aml_app.harness.demo import Demo
 
 #: The worker state fields that say where a partition's payments are.
 WORKER_FIELDS = (
@@ -64,29 +68,22 @@ def acked_past(places: Iterable[tuple[int, int]], committed: Mapping[int, int]) 
 
 async def payment_ids_in(bootstrap: Sequence[str], topic: str, wanted: set[str]) -> set[str]:
     """Which of `wanted` a fresh read of `topic` from its start finds as `payment_id`s: the read ends
-    after `QUIET_S` seconds without a record, or after `READ_DEADLINE_S`."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=list(bootstrap), enable_auto_commit=False)
-    found: set[str] = set()
-    await asyncio.wait_for(consumer.start(), READ_DEADLINE_S)
+    after `QUIET_S` seconds without a new record, or after `READ_DEADLINE_S`."""
+    tail = RecordTail(bootstrap, topic)
+    await asyncio.wait_for(tail.start(expected_partitions=1), READ_DEADLINE_S)
+    reading = asyncio.create_task(tail.run())
     try:
-        partitions = consumer.partitions_for_topic(topic) or set()
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
         deadline = time.monotonic() + READ_DEADLINE_S
-        quiet_since = time.monotonic()
+        seen, quiet_since = 0, time.monotonic()
         while time.monotonic() - quiet_since < QUIET_S and time.monotonic() < deadline:
-            batch = await consumer.getmany(timeout_ms=200)
-            for records in batch.values():
-                quiet_since = time.monotonic()
-                for record in records:
-                    with contextlib.suppress(TypeError, ValueError):
-                        doc = json.loads(record.value)
-                        if isinstance(doc, dict) and doc.get("payment_id") in wanted:
-                            found.add(doc["payment_id"])
+            await asyncio.sleep(0.1)
+            if len(tail.records) > seen:
+                seen, quiet_since = len(tail.records), time.monotonic()
     finally:
-        await asyncio.wait_for(consumer.stop(), READ_DEADLINE_S)
-    return found
+        tail.halt()
+        await asyncio.wait_for(reading, READ_DEADLINE_S)
+        await asyncio.wait_for(tail.stop(), READ_DEADLINE_S)
+    return tail.distinct(wanted)
 
 
 def worker_view(state: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -101,13 +98,10 @@ def worker_view(state: Mapping[str, Any] | None) -> dict[str, Any] | None:
     }
 
 
-async def report(demo: Any) -> dict[str, Any]:
+async def report(demo: Demo) -> dict[str, Any]:
     """Per service with undecided payments: where they are, how many its group acked, how many a fresh
-    read of its decisions topic finds, and its workers' views; written to `undecided.json` in the demo's
-    folder. `demo` is an `aml_app.harness.demo.Demo` whose drain ran out of time."""
-    from aml_app.harness.report import say
-    from aml_app.harness.system import service_settings
-
+    read of its decisions topic finds, and its workers' views; written to `undecided.json` in the folder
+    of the demo whose drain ran out of time."""
     system, ledger = demo.system, demo.ledger
     ids = ledger.ids()
     found: dict[str, Any] = {}
