@@ -40,7 +40,7 @@ from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPart
 from pyspark.sql.streaming.datasource import ReadAllAvailable, ReadLimit, ReadMaxRows
 from pyspark.sql.types import StructType
 
-from aml_app.kafka.identity import log_identity
+from aml_app.kafka.identity import LogUnknown, log_identity
 from aml_app.pipeline.ranges import (
     Range,
     SparkOffset,
@@ -74,6 +74,10 @@ LOG_CHECK_INTERVAL = 10.0
 #: overload on the embedded broker the planner has stood still for minutes, inside these reads.
 SLOW_PLAN = 2.0
 
+#: How long (seconds) the planner plans nothing while it cannot read the log before it stops the query: a
+#: broker away for less (a restart, a frozen process) costs the pipeline a pause, not a restart.
+PLAN_OUTAGE_LIMIT = 120.0
+
 #: Settings of every client the source makes, one per plan or task. librdkafka holds back a client's
 #: first connection to the cluster for half of reconnect.backoff.ms (100 ms by default) whenever a request
 #: arrives before its bootstrap connection is up, which for a fresh client is nearly always: a plan's
@@ -86,6 +90,10 @@ log = logging.getLogger(__name__)
 
 class SourceConfigError(ValueError):
     """An option of the source is missing or wrong."""
+
+
+class LogUnreadable(RuntimeError):
+    """The cluster did not say what the topic holds (unreachable, or no such topic)."""
 
 
 class LogChanged(RuntimeError):
@@ -181,7 +189,7 @@ def topic_partitions(consumer: Any, topic: str) -> list[int]:
     described = metadata.topics.get(topic)
     if described is None or described.error is not None or not described.partitions:
         reason = described.error if described is not None else "no such topic"
-        raise RuntimeError(f"cannot read the partitions of topic {topic!r}: {reason}")
+        raise LogUnreadable(f"cannot read the partitions of topic {topic!r}: {reason}")
     return sorted(described.partitions)
 
 
@@ -466,6 +474,8 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.log_store = options.get("store", "")
         self.source_header = options.get("sourceHeader") or None
         self._log_checked_at: float | None = None
+        #: When the planner last began to fail to read the log (None: it reads it).
+        self._unreadable_since: float | None = None
 
     def bounds(
         self, floors: Mapping[int, int] | None = None
@@ -547,6 +557,49 @@ class KafkaStreamReader(DataSourceStreamReader):
         return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
 
     def latestOffset(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
+        """The end of the next micro-batch; `start` itself (nothing to read) while the log cannot be read,
+        for at most PLAN_OUTAGE_LIMIT seconds (`outage`)."""
+        from confluent_kafka import KafkaException
+
+        began = self.clock()
+        try:
+            end = self._plan(start, limit)
+        except (KafkaException, LogUnknown, LogUnreadable) as exc:
+            return self.outage(start, exc, began)
+        if self._unreadable_since is not None:
+            log.warning(
+                "the source's planner at %s UTC: reads the log of %s again after %.1f s",
+                time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+                self.topic,
+                self.clock() - self._unreadable_since,
+            )
+            self._unreadable_since = None
+        return end
+
+    def outage(self, start: SparkOffset, exc: Exception, began: float) -> SparkOffset:
+        """Plan nothing while the log cannot be read; raise `exc` once that has lasted PLAN_OUTAGE_LIMIT.
+
+        Spark stops a query whose planner raises, and the pipeline exits with it: a broker frozen for 15 s
+        (the chaos soak's fault) restarted the whole pipeline when it caught an idle topic's planner, which
+        waits METADATA_TIMEOUT for an answer. Planning nothing, Spark asks again at the next trigger. The
+        outage counts from when the first failed plan began."""
+        now = self.clock()
+        if self._unreadable_since is None:
+            self._unreadable_since = began
+        if now - self._unreadable_since >= PLAN_OUTAGE_LIMIT:
+            raise exc
+        log.warning(
+            "the source's planner at %s UTC: cannot read the log of %s for %.1f s (%s); planning nothing, "
+            "it stops the query after %.0f s",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            self.topic,
+            now - self._unreadable_since,
+            exc,
+            PLAN_OUTAGE_LIMIT,
+        )
+        return start
+
+    def _plan(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
         begin = from_spark(start)
         marks, ends = self.bounds(begin)
         for p, (low, _high) in marks.items():

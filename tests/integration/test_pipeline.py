@@ -24,7 +24,7 @@ from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, relations_app
 from aml_app.dependencies.store import Reader
 from aml_app.kafka.broker import EmbeddedBroker
-from aml_app.pipeline import jobs
+from aml_app.pipeline import jobs, kafka_source
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config
 from tests.harness import Names, wait_until
@@ -185,6 +185,27 @@ async def test_commits_are_never_ahead_of_the_api_and_reach_the_log_end_when_idl
     assert not ahead, f"committed ahead of as_of: {ahead[:3]}"
     moving = {tuple(sorted(c.items())) for _g, c, _a in samples}
     assert len(moving) > 3, "the sampler saw the commits move while payments flowed"
+
+
+async def test_an_idle_pipeline_rides_out_a_broker_frozen_past_the_planners_timeout(
+    run_pipeline: Any, broker: EmbeddedBroker, names: Names, producer: AIOKafkaProducer
+) -> None:
+    """The broker frozen (SIGSTOP) while the topic is idle, longer than a plan waits for the cluster's
+    metadata: the planner plans nothing until the broker answers again and the queries go on. Spark stops
+    a query whose planner raises, and the pipeline exited with it (the chaos soak's 15 s freeze)."""
+    running = run_pipeline()
+    first = await produce_payments(producer, names.payments, 40, seed=21, malformed_every=0)
+    await running.caught_up(log_ends(first, names.partitions))
+    broker.pause()
+    try:
+        # The fault's length, not a wait for a condition: an idle query plans every trigger, so a plan
+        # is under way when the freeze begins or starts within the trigger interval, and waits it out.
+        await asyncio.sleep(kafka_source.METADATA_TIMEOUT + 3)
+    finally:
+        broker.resume()
+    assert running.failure() is None, running.failure()
+    second = await produce_payments(producer, names.payments, 40, seed=22, malformed_every=0)
+    await running.caught_up(log_ends(merge(first, second), names.partitions))
 
 
 def test_spark_real_time_mode_refuses_the_python_kafka_source_and_foreach_batch(

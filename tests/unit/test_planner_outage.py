@@ -1,0 +1,105 @@
+"""The source's planner while the broker does not answer, at its narrowest seam: `latestOffset` with the
+reading of the log ends (`bounds`) and of the log's identity replaced, and a fake clock; no Kafka, no
+Spark. A frozen broker makes those reads time out; Spark stops a query whose planner raises, and the
+pipeline exits with it (seen in the chaos soak with C on the derived topic: the 15 s freeze caught the
+idle query's planner)."""
+
+from __future__ import annotations
+
+import pytest
+from confluent_kafka import KafkaError, KafkaException
+from pyspark.sql.streaming.datasource import ReadAllAvailable
+
+from aml_app.kafka.identity import LogUnknown
+from aml_app.pipeline import kafka_source
+from aml_app.pipeline.kafka_source import PLAN_OUTAGE_LIMIT, KafkaStreamReader, LogChanged
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Log:
+    """What `bounds` answers: the log ends, or the error a read of them raises now (it takes `wait`
+    seconds on the clock, as a read that waits out its timeout does)."""
+
+    def __init__(self, clock: Clock, ends: dict[int, int]) -> None:
+        self.clock, self.ends = clock, ends
+        self.error: Exception | None = None
+        self.wait = 0.0
+
+    def bounds(self, floors: object = None) -> tuple[dict, dict[int, int]]:
+        self.clock.now += self.wait
+        if self.error is not None:
+            raise self.error
+        return {}, dict(self.ends)
+
+
+def planner(clock: Clock, log: Log) -> KafkaStreamReader:
+    reader = KafkaStreamReader({"kafka.bootstrap.servers": "127.0.0.1:1", "subscribe": "payments"})
+    reader.clock = clock  # type: ignore[method-assign]
+    reader.read_log = lambda config, topic: "c1:AAAA"  # type: ignore[method-assign]
+    reader.bounds = log.bounds  # type: ignore[method-assign]
+    return reader
+
+
+TRANSPORT = KafkaException(KafkaError(KafkaError._TRANSPORT, "Failed to get metadata"))
+
+
+def test_a_broker_that_does_not_answer_plans_nothing_until_it_answers_again() -> None:
+    clock = Clock()
+    log = Log(clock, {0: 10, 1: 20})
+    reader = planner(clock, log)
+    start = {"0": 5, "1": 5}
+    assert reader.latestOffset(start, ReadAllAvailable()) == {"0": 10, "1": 20}
+
+    log.error, log.wait = TRANSPORT, kafka_source.METADATA_TIMEOUT
+    for _ in range(3):  # 30 s of a frozen broker: each plan waits out its timeout and plans nothing
+        assert reader.latestOffset(start, ReadAllAvailable()) == start
+
+    log.error, log.wait = None, 0.0
+    log.ends = {0: 12, 1: 20}
+    assert reader.latestOffset(start, ReadAllAvailable()) == {"0": 12, "1": 20}
+
+
+def test_an_outage_longer_than_the_limit_stops_the_query_with_its_error() -> None:
+    clock = Clock()
+    log = Log(clock, {0: 10})
+    reader = planner(clock, log)
+    start = {"0": 5}
+    log.error, log.wait = TRANSPORT, kafka_source.METADATA_TIMEOUT
+    plans = 0
+    with pytest.raises(KafkaException):
+        while plans < 100:
+            assert reader.latestOffset(start, ReadAllAvailable()) == start
+            plans += 1
+    assert plans == int(PLAN_OUTAGE_LIMIT // kafka_source.METADATA_TIMEOUT) - 1
+
+
+def test_an_outage_over_is_counted_afresh() -> None:
+    clock = Clock()
+    log = Log(clock, {0: 10})
+    reader = planner(clock, log)
+    start = {"0": 5}
+    log.error = LogUnknown("cannot tell which log topic 'payments' is: timed out")
+    reader.latestOffset(start, ReadAllAvailable())
+    clock.now += PLAN_OUTAGE_LIMIT - 1
+    assert reader.latestOffset(start, ReadAllAvailable()) == start
+    log.error = None
+    reader.latestOffset(start, ReadAllAvailable())
+    log.error = TRANSPORT
+    clock.now += 1
+    assert reader.latestOffset(start, ReadAllAvailable()) == start, "the earlier outage still counted"
+
+
+def test_another_log_stops_the_query_at_once() -> None:
+    clock = Clock()
+    log = Log(clock, {0: 10})
+    reader = planner(clock, log)
+    reader.log = "c1:OLD"
+    with pytest.raises(LogChanged):
+        reader.latestOffset({"0": 5}, ReadAllAvailable())
