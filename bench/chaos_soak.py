@@ -130,6 +130,8 @@ STOP_DEADLINE = 15.0
 #: How long a reader fetches again the offsets a fetch skipped (s). Tansu takes a batch's offsets before
 #: it stores the batch, and a fetch meanwhile returns a later batch that another producer stored first.
 REFETCH_FOR = 5.0
+#: How long the checks wait for the derived topic's reader to reach the topic's end (s).
+DERIVED_READ_DEADLINE = 60.0
 HTTP_TIMEOUT = 15.0
 COMMIT_PATIENCE = 30.0  # after the grace, how much longer to watch a group that has not reached the end
 
@@ -240,10 +242,11 @@ class Seen:
 
 class TopicReader:
     """Reads a whole topic from offset 0 without a group, keeping every record (duplicates too), each
-    partition's in offset order: offsets a fetch skipped are fetched again (`REFETCH_FOR`)."""
+    partition's in offset order: offsets a fetch skipped are fetched again for `refetch_for` seconds."""
 
-    def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
+    def __init__(self, bootstrap: str, topic: str, partitions: int, refetch_for: float = REFETCH_FOR) -> None:
         self.topic = topic
+        self.refetch_for = refetch_for
         self.tps = [TopicPartition(topic, p) for p in range(partitions)]
         self.consumer = AIOKafkaConsumer(
             bootstrap_servers=bootstrap,
@@ -278,14 +281,14 @@ class TopicReader:
 
     def keep(self, tp: TopicPartition, records: Sequence[Any], now: float) -> None:
         """Keep `tp`'s records that follow the last kept one; at a jump past offsets never read, seek
-        back and fetch them again, for `REFETCH_FOR` seconds (after that the offsets hold no record)."""
+        back and fetch them again, for `refetch_for` seconds (after that the offsets hold no record)."""
         expected = self.expected.get(tp.partition, 0)
         for r in records:
             if r.offset < expected:
                 continue  # kept before: fetched again after a seek back
             if r.offset > expected:
                 first = self.skipped_since.setdefault((tp.partition, expected), now)
-                if now - first < REFETCH_FOR:
+                if now - first < self.refetch_for:
                     self.refetches += 1
                     self.consumer.seek(tp, expected)
                     break
@@ -301,6 +304,11 @@ class TopicReader:
         for r in self.records:
             seen.setdefault(r.partition, set()).add(r.offset)
         return sum(max(offsets) + 1 - len(offsets) for offsets in seen.values())
+
+    async def behind(self, ends: Mapping[int, int]) -> int:
+        """How many offsets below `ends` this reader has not read past, over all partitions."""
+        positions = [await self.consumer.position(tp) for tp in self.tps]
+        return sum(max(ends.get(tp.partition, 0) - at, 0) for tp, at in zip(self.tps, positions, strict=True))
 
     def highwater(self) -> dict[int, int]:
         """The latest fetch's high watermark per partition (those fetched so far)."""
@@ -680,6 +688,8 @@ class Soak:
         self.readers: dict[str, TopicReader] = {}
         self.poller: CommitPoller | None = None
         self.derived = DerivedRecords()
+        #: Offsets of the derived topic its reader did not reach (`derived_read_whole`; None: not derived).
+        self.derived_behind: int | None = None
         self.closing = asyncio.Event()
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.findings = Findings()
@@ -779,6 +789,7 @@ class Soak:
             self.timings["catch_up_s"] = time.monotonic() - started
             aml = await self.aml_commit_check()
             stores = await self.check_stores()
+            self.derived_behind = await self.derived_read_whole()
             doc = self.judge(aml, stores, await self.decided_on_a_fresh_read())
         except Exception as exc:  # SystemFailure, SoakError, a broker or server that did not start
             error = f"{type(exc).__name__}: {exc}"
@@ -889,7 +900,12 @@ class Soak:
             # The stage's offsets are read before C's in each poll, as the proof needs (DerivedRecords).
             groups = (s.kafka.enrichment_group, *groups)
             on_topic[self.derived_group] = s.kafka.enriched_topic
-            self.readers["derived"] = await TopicReader(bootstrap, s.kafka.enriched_topic, PARTITIONS).start()
+            # One producer, the stage, writes the derived topic, in transactions: a marker at each commit.
+            # Read again for seconds, every marker held the reader back until it saw a tenth of the topic,
+            # and C's positions, read from what it saw, stood too high; Tansu's race needs two producers.
+            self.readers["derived"] = await TopicReader(
+                bootstrap, s.kafka.enriched_topic, PARTITIONS, refetch_for=0.0
+            ).start()
             self.tasks["derived reader"] = asyncio.create_task(self.readers["derived"].run(self.closing))
             self.derived.reader = self.readers["derived"]
         self.poller = CommitPoller(bootstrap, s.kafka.payments_topic, PARTITIONS, groups, on_topic)
@@ -1367,6 +1383,20 @@ class Soak:
 
     # -- the verdict
 
+    async def derived_read_whole(self) -> int | None:
+        """Offsets of the derived topic its reader has not reached by its end (None without `--derived`):
+        C's positions come from the records it read (`DerivedRecords`), and from fewer they stand too high,
+        so a premature decision could pass."""
+        reader = self.readers.get("derived")
+        if reader is None or self.system is None:
+            return None
+        ends, _ = await log_ends(self.system.bootstrap[0], reader.topic, PARTITIONS)
+        until = time.monotonic() + DERIVED_READ_DEADLINE
+        while (behind := await reader.behind(ends)) and time.monotonic() < until:
+            await self.tick()
+            await asyncio.sleep(0.25)
+        return behind
+
     async def decided_on_a_fresh_read(self) -> set[tuple[int, int]] | None:
         """The payments a new reader of the decisions topic finds decided, when the soak's reader left
         some undecided (None otherwise): a lost payment found here was missed by the reader, not lost."""
@@ -1530,6 +1560,11 @@ class Soak:
         odd = self.odd_verdicts()
         doc["odd_timestamps"] = odd
         failures += odd["failures"]
+        doc["derived_reader_behind"] = self.derived_behind
+        if self.derived_behind:
+            failures.append(
+                f"the derived topic's reader stands {self.derived_behind} offsets short of its end"
+            )
         if self.unexpected:
             failures.append(f"{len(self.unexpected)} process(es) died on their own")
         errors = [x for x in self.faults if x.error]
