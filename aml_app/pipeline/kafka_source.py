@@ -65,7 +65,9 @@ ARROW_BATCH_ROWS = 10_000
 #: milliseconds of its own, more than reading and checking a few thousand records in parallel saves.
 MIN_RECORDS_PER_TASK = 5_000
 METADATA_TIMEOUT = 10.0
-# A task that gets no record for this long fails (Spark retries it) instead of hanging the batch.
+# A task that gets no record for this long fails instead of hanging the batch: on a cluster Spark retries
+# it (spark.task.maxFailures); in local mode (`local[2]`, no retries) the query stops and the pipeline
+# exits, for its supervisor to start again.
 READ_STALL_TIMEOUT = 60.0
 #: The planner asks which log the topic is at most this often (seconds): a topic deleted and created again
 #: is noticed within about this long, at the price of one admin request per interval.
