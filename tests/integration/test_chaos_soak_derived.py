@@ -9,16 +9,17 @@ session's.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from bench.chaos_soak import Options, Soak, summary, write
+from bench.chaos_soak import Options
+from tests.soaks import injected, soaked
 
 pytestmark = pytest.mark.integration
 
-FAULTS = ("broker-freeze-long", "kill-stage", "kill-api", "kill-pipeline")
+
+DERIVED_FAULTS = ("broker-freeze-long", "kill-stage", "kill-api", "kill-pipeline")
 
 
 @pytest.mark.timeout(1500)
@@ -27,20 +28,14 @@ async def test_a_short_chaos_soak_with_c_on_the_derived_topic_keeps_every_promis
         seed=7,
         duration=75,
         rate=100,
-        faults=FAULTS,
+        faults=DERIVED_FAULTS,
         gap=(16.0, 18.0),  # the 15 s freeze is over before the next fault
         catch_up=420,
         derived=True,
         results=tmp_path / "chaos_soak_derived.json",
     )
-    doc = await Soak(options).run()
-    write(doc, options.results)
-    print(summary(doc))
-    print(json.dumps({k: doc.get(k) for k in ("failures", "groups", "readers")}, indent=2, default=str))
-
-    assert not doc.get("error"), doc.get("error")
-    injected = sorted(x["kind"] for x in doc["faults"] if x["started_at_s"] is not None and not x["error"])
-    assert injected == sorted(FAULTS), doc["faults"]
+    doc = await soaked(options, ("failures", "groups", "readers"))
+    assert injected(doc) == sorted(DERIVED_FAULTS), doc["faults"]
     assert doc["premature"]["decisions"] == 0, doc["premature"]
     assert doc["lost"]["payments"] == 0, doc["lost"]
     assert doc["alerts"]["alerted_twice"] == 0, doc["alerts"]
