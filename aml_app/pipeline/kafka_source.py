@@ -79,6 +79,8 @@ SLOW_PLAN = 2.0
 #: How long (seconds) the planner plans nothing while it cannot read the log before it stops the query: a
 #: broker away for less (a restart, a frozen process) costs the pipeline a pause, not a restart.
 PLAN_OUTAGE_LIMIT = 120.0
+#: How long the query's start pauses between two reads of a log it cannot read (seconds).
+PLAN_RETRY_S = 1.0
 
 #: Settings of every client the source makes, one per plan or task. librdkafka holds back a client's
 #: first connection to the cluster for half of reconnect.backoff.ms (100 ms by default) whenever a request
@@ -457,8 +459,9 @@ class KafkaStreamReader(DataSourceStreamReader):
 
     #: Which log a topic is (module-level function; a test gives the reader a fake one).
     read_log = staticmethod(log_identity)
-    #: The planner's clock (a test gives the reader a fake one).
+    #: The planner's clock, and how it pauses (a test gives the reader fake ones).
     clock = staticmethod(time.monotonic)
+    sleep = staticmethod(time.sleep)
 
     def __init__(self, options: Mapping[str, str]) -> None:
         self.config = client_config(options)
@@ -542,6 +545,22 @@ class KafkaStreamReader(DataSourceStreamReader):
             raise LogChanged(log_changed(self.log_services, self.log_store, self.topic, self.log, current))
 
     def initialOffset(self) -> SparkOffset:
+        """Where a new query starts; while the log cannot be read, read again every PLAN_RETRY_S for at
+        most PLAN_OUTAGE_LIMIT seconds (`unreadable`)."""
+        from confluent_kafka import KafkaException
+
+        while True:
+            began = self.clock()
+            try:
+                offsets = self._initial()
+            except (KafkaException, LogUnknown, LogUnreadable) as exc:
+                self.unreadable(exc, began, "waiting to start the query")
+                self.sleep(PLAN_RETRY_S)
+                continue
+            self.readable()
+            return offsets
+
+    def _initial(self) -> SparkOffset:
         self.check_log(now=True)
         # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
@@ -559,15 +578,44 @@ class KafkaStreamReader(DataSourceStreamReader):
         return ReadAllAvailable() if self.max_records is None else ReadMaxRows(self.max_records)
 
     def latestOffset(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
-        """The end of the next micro-batch; `start` itself (nothing to read) while the log cannot be read,
-        for at most PLAN_OUTAGE_LIMIT seconds (`outage`)."""
+        """The end of the next micro-batch; `start` itself (nothing to read: Spark asks again at the next
+        trigger) while the log cannot be read, for at most PLAN_OUTAGE_LIMIT seconds (`unreadable`)."""
         from confluent_kafka import KafkaException
 
         began = self.clock()
         try:
             end = self._plan(start, limit)
         except (KafkaException, LogUnknown, LogUnreadable) as exc:
-            return self.outage(start, exc, began)
+            self.unreadable(exc, began, "planning nothing")
+            return start
+        self.readable()
+        return end
+
+    def unreadable(self, exc: Exception, began: float, meanwhile: str) -> None:
+        """The planner could not read the log in a call that began at `began`: say so, and raise `exc` once
+        that has lasted PLAN_OUTAGE_LIMIT since the first such call began.
+
+        Spark stops a query whose planner raises, and the pipeline exits with it: a broker frozen for 15 s
+        (the chaos soak's fault) restarted the whole pipeline when it caught an idle query's plan, or a
+        restarted pipeline's query start, each of which waits METADATA_TIMEOUT for an answer."""
+        now = self.clock()
+        if self._unreadable_since is None:
+            self._unreadable_since = began
+        if now - self._unreadable_since >= PLAN_OUTAGE_LIMIT:
+            raise exc
+        log.warning(
+            "the source's planner at %s UTC: cannot read the log of %s for %.1f s (%s); %s, it stops the "
+            "query after %.0f s",
+            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
+            self.topic,
+            now - self._unreadable_since,
+            exc,
+            meanwhile,
+            PLAN_OUTAGE_LIMIT,
+        )
+
+    def readable(self) -> None:
+        """The planner read the log: an outage, if there was one, is over."""
         if self._unreadable_since is not None:
             log.warning(
                 "the source's planner at %s UTC: reads the log of %s again after %.1f s",
@@ -576,30 +624,6 @@ class KafkaStreamReader(DataSourceStreamReader):
                 self.clock() - self._unreadable_since,
             )
             self._unreadable_since = None
-        return end
-
-    def outage(self, start: SparkOffset, exc: Exception, began: float) -> SparkOffset:
-        """Plan nothing while the log cannot be read; raise `exc` once that has lasted PLAN_OUTAGE_LIMIT.
-
-        Spark stops a query whose planner raises, and the pipeline exits with it: a broker frozen for 15 s
-        (the chaos soak's fault) restarted the whole pipeline when it caught an idle topic's planner, which
-        waits METADATA_TIMEOUT for an answer. Planning nothing, Spark asks again at the next trigger. The
-        outage counts from when the first failed plan began."""
-        now = self.clock()
-        if self._unreadable_since is None:
-            self._unreadable_since = began
-        if now - self._unreadable_since >= PLAN_OUTAGE_LIMIT:
-            raise exc
-        log.warning(
-            "the source's planner at %s UTC: cannot read the log of %s for %.1f s (%s); planning nothing, "
-            "it stops the query after %.0f s",
-            time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime()),
-            self.topic,
-            now - self._unreadable_since,
-            exc,
-            PLAN_OUTAGE_LIMIT,
-        )
-        return start
 
     def _plan(self, start: SparkOffset, limit: ReadLimit) -> SparkOffset:
         begin = from_spark(start)

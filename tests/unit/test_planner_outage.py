@@ -22,6 +22,9 @@ class Clock:
     def __call__(self) -> float:
         return self.now
 
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
 
 class Log:
     """What `bounds` answers: the log ends, or the error a read of them raises now (it takes `wait`
@@ -31,17 +34,22 @@ class Log:
         self.clock, self.ends = clock, ends
         self.error: Exception | None = None
         self.wait = 0.0
+        #: The error stops after this many reads (None: it lasts).
+        self.until: int | None = None
+        self.reads = 0
 
-    def bounds(self, floors: object = None) -> tuple[dict, dict[int, int]]:
+    def bounds(self, floors: object = None) -> tuple[dict, dict[int, tuple[int, int]]]:
+        self.reads += 1
         self.clock.now += self.wait
-        if self.error is not None:
+        if self.error is not None and (self.until is None or self.reads <= self.until):
             raise self.error
-        return {}, dict(self.ends)
+        return {p: (0, end) for p, end in self.ends.items()}, dict(self.ends)
 
 
 def planner(clock: Clock, log: Log) -> KafkaStreamReader:
     reader = KafkaStreamReader({"kafka.bootstrap.servers": "127.0.0.1:1", "subscribe": "payments"})
     reader.clock = clock  # type: ignore[method-assign]
+    reader.sleep = clock.sleep  # type: ignore[method-assign]
     reader.read_log = lambda config, topic: "c1:AAAA"  # type: ignore[method-assign]
     reader.bounds = log.bounds  # type: ignore[method-assign]
     return reader
@@ -103,3 +111,25 @@ def test_another_log_stops_the_query_at_once() -> None:
     reader.log = "c1:OLD"
     with pytest.raises(LogChanged):
         reader.latestOffset({"0": 5}, ReadAllAvailable())
+
+
+def test_a_query_started_while_the_broker_does_not_answer_starts_once_it_does() -> None:
+    """A restarted pipeline's query starts during the outage (Spark took half a minute to come up on a
+    busy machine, and the broker froze meanwhile): its start waits for the broker."""
+    clock = Clock()
+    log = Log(clock, {0: 10, 1: 20})
+    log.error, log.wait, log.until = TRANSPORT, kafka_source.METADATA_TIMEOUT, 2
+    reader = planner(clock, log)
+    assert reader.initialOffset() == {"0": 0, "1": 0}
+    assert log.reads == 3
+
+
+def test_a_query_start_gives_up_after_the_outage_limit() -> None:
+    clock = Clock()
+    log = Log(clock, {0: 10})
+    log.error, log.wait = TRANSPORT, kafka_source.METADATA_TIMEOUT
+    reader = planner(clock, log)
+    with pytest.raises(KafkaException):
+        reader.initialOffset()
+    assert clock.now - 1000.0 >= PLAN_OUTAGE_LIMIT
+    assert log.reads <= PLAN_OUTAGE_LIMIT / kafka_source.METADATA_TIMEOUT + 1
