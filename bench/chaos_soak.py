@@ -901,8 +901,9 @@ class Soak:
             groups = (s.kafka.enrichment_group, *groups)
             on_topic[self.derived_group] = s.kafka.enriched_topic
             # One producer, the stage, writes the derived topic, in transactions: a marker at each commit.
-            # Read again for seconds, every marker held the reader back until it saw a tenth of the topic,
-            # and C's positions, read from what it saw, stood too high; Tansu's race needs two producers.
+            # Read again for seconds, each marker holds the reader back (a 60 s soak read a tenth of the
+            # topic) and C's positions, read from what it saw, stand too high; Tansu's race needs two
+            # producers.
             self.readers["derived"] = await TopicReader(
                 bootstrap, s.kafka.enriched_topic, PARTITIONS, refetch_for=0.0
             ).start()

@@ -595,9 +595,9 @@ class KafkaStreamReader(DataSourceStreamReader):
         """The planner could not read the log in a call that began at `began`: say so, and raise `exc` once
         that has lasted PLAN_OUTAGE_LIMIT since the first such call began.
 
-        Spark stops a query whose planner raises, and the pipeline exits with it: a broker frozen for 15 s
-        (the chaos soak's fault) restarted the whole pipeline when it caught an idle query's plan, or a
-        restarted pipeline's query start, each of which waits METADATA_TIMEOUT for an answer."""
+        Spark stops a query whose planner raises, and the pipeline exits with it: without this, a broker
+        frozen for 15 s (the chaos soak's fault) restarts the whole pipeline whenever it catches an idle
+        query's plan or a query's start, each of which waits METADATA_TIMEOUT for an answer."""
         now = self.clock()
         if self._unreadable_since is None:
             self._unreadable_since = began

@@ -192,7 +192,7 @@ async def test_an_idle_pipeline_rides_out_a_broker_frozen_past_the_planners_time
 ) -> None:
     """The broker frozen (SIGSTOP) while the topic is idle, longer than a plan waits for the cluster's
     metadata: the planner plans nothing until the broker answers again and the queries go on. Spark stops
-    a query whose planner raises, and the pipeline exited with it (the chaos soak's 15 s freeze)."""
+    a query whose planner raises, and the pipeline exits with it (the chaos soak's 15 s freeze)."""
     running = run_pipeline()
     first = await produce_payments(producer, names.payments, 40, seed=21, malformed_every=0)
     await running.caught_up(log_ends(first, names.partitions))

@@ -1,8 +1,8 @@
-"""The source's planner while the broker does not answer, at its narrowest seam: `latestOffset` with the
-reading of the log ends (`bounds`) and of the log's identity replaced, and a fake clock; no Kafka, no
-Spark. A frozen broker makes those reads time out; Spark stops a query whose planner raises, and the
-pipeline exits with it (seen in the chaos soak with C on the derived topic: the 15 s freeze caught the
-idle query's planner)."""
+"""The source's planner while the broker does not answer, at its narrowest seam: `latestOffset` and
+`initialOffset` with the reading of the log ends (`bounds`) and of the log's identity replaced, and a
+fake clock; no Kafka, no Spark. A frozen broker makes those reads time out; Spark stops a query whose
+planner raises, and the pipeline exits with it (the chaos soak's 15 s freeze catches an idle query's
+plan, or a restarted pipeline's query start)."""
 
 from __future__ import annotations
 
