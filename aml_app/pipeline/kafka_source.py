@@ -65,10 +65,6 @@ ARROW_BATCH_ROWS = 10_000
 #: milliseconds of its own, more than reading and checking a few thousand records in parallel saves.
 MIN_RECORDS_PER_TASK = 5_000
 METADATA_TIMEOUT = 10.0
-# A task that gets no record for this long fails instead of hanging the batch: on a cluster Spark retries
-# it (spark.task.maxFailures); in local mode (`local[2]`, no retries) the query stops and the pipeline
-# exits, for its supervisor to start again.
-READ_STALL_TIMEOUT = 60.0
 #: The planner asks which log the topic is at most this often (seconds): a topic deleted and created again
 #: is noticed within about this long, at the price of one admin request per interval.
 LOG_CHECK_INTERVAL = 10.0
@@ -79,6 +75,11 @@ SLOW_PLAN = 2.0
 #: How long (seconds) the planner plans nothing while it cannot read the log before it stops the query: a
 #: broker away for less (a restart, a frozen process) costs the pipeline a pause, not a restart.
 PLAN_OUTAGE_LIMIT = 120.0
+# A task that gets no record for this long fails instead of hanging the batch: on a cluster Spark retries
+# it (spark.task.maxFailures); in local mode (`local[2]`, no retries) the query stops and the pipeline
+# exits, for its supervisor to start again. As long as the planner waits: a read under way when the
+# broker stops answering rides out what a plan does.
+READ_STALL_TIMEOUT = PLAN_OUTAGE_LIMIT
 #: How long the query's start pauses between two reads of a log it cannot read (seconds).
 PLAN_RETRY_S = 1.0
 
