@@ -126,7 +126,7 @@ def budget_rows(found: list[dict[str, Any]]) -> list[list[Any]]:
     return [
         [
             f"{100 * b['budget']:g} %",
-            b["rules_beside"],
+            b["rules_beside"][0],  # one model
             b["own_typology"],
             b["any_alert"],
             f"{b['benign_alerted']} ({100 * b['benign_share']:.2f} %)",

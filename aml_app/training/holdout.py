@@ -130,6 +130,17 @@ def folded(run: Replayed, by: str, folds: int, seed: int = 0) -> list[Replayed]:
     return [run.subset([i for i, p in enumerate(parts) if p == k]) for k in range(folds)]
 
 
+def crossed(run: Replayed, by: str, parts: int, seed: int = 0) -> list[Replayed]:
+    """`run` in `parts` parts of about equal size, cut as `split` cuts (by time: stretches one after the
+    other; by attempt: a hash; each attempt wholly in one), for a cross-validated report: each part is
+    scored by a model trained on the others (`scored_each`). Its own hash, so that `folded` fills every
+    fold of the other parts."""
+    if parts < 2:
+        raise ValueError(f"{parts} parts: expected at least 2")
+    found = part_of(run, by, [1.0] * parts, f"cross:{seed}")
+    return [run.subset([i for i, p in enumerate(found) if p == k]) for k in range(parts)]
+
+
 def _ratio(part: float, whole: float) -> float | None:
     return round(part / whole, 4) if whole else None
 
@@ -139,8 +150,22 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
     attempts named by their own typology and those with any alert; the benign payments alerted, as a
     share of all and of those between two parties; and precision and F1 estimated at BASE_RATES from the
     payment recall and the benign alert rate (precision = p r / (p r + (1 - p) b) at base rate p)."""
-    model = Model.from_json(doc)
-    named, score = _named(model, run)
+    return scored_each([(doc, run)])
+
+
+def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str, Any]:
+    """`scored` of each run by its own model file, as one report on the runs pooled: a cross-validation's,
+    where each part of a history is scored by a model trained on the others, so that every attempt and
+    payment is scored once and the figures rest on the whole history rather than on one part of it."""
+    models = [(Model.from_json(doc), part) for doc, part in pairs]
+    run = Replayed.pooled([part for _, part in pairs])
+    named: list[set[str]] = []
+    scores: list[float] = []
+    for model, part in models:
+        names, probability = _named(model, part)
+        named += names
+        scores += probability.tolist()
+    score = np.array(scores)
     per_typology: dict[str, dict[str, Any]] = {}
     counts: dict[str, tuple[int, int]] = {}
     for typology in sorted({t for t, _ in run.attempts}):
@@ -178,7 +203,7 @@ def scored(doc: Mapping[str, Any], run: Replayed) -> dict[str, Any]:
             "share_of_all_upper_95": round(measured["bound"], 5),
         },
         "estimated_at_base_rate": measured["estimated"],
-        "alert_budgets": within_budgets(model, run),
+        "alert_budgets": _within_budgets(models),
         "top_of_the_queue": queue_precision(
             [score[i] for i, names in enumerate(named) if names],
             [run.labels[i] != BENIGN for i, names in enumerate(named) if names],
@@ -215,10 +240,22 @@ def _named(model: Model, run: Replayed) -> tuple[list[set[str]], np.ndarray]:
 def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
     """Per alert budget of the model file (`AML_ALERT_BUDGET`): what the detector cut for it alerts on
     `run`, the attempts named by their own typology and with any alert, and the benign payments."""
-    held_out = int(model.training.get("held_out", {}).get("benign_payments", 0))
+    return _within_budgets([(model, run)])
+
+
+def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, Any]]:
+    """`within_budgets` of each run by its own model, pooled (`scored_each`); the models' files carry the
+    same budgets, as `aml_app.training.fit.train` writes them."""
+    run = Replayed.pooled([part for _, part in models])
     found = []
-    for rate, _, rules in model.budgets:
-        named, _ = _named(model.within(rate), run)
+    for n, rate in enumerate(rate for rate, _, _ in models[0][0].budgets):
+        named = [names for model, part in models for names in _named(model.within(rate), part)[0]]
+        # Benign alerts the budget allowed where each model's was set: at 0 the cut alerts nothing.
+        allowed = sum(
+            int(rate * int(model.training.get("held_out", {}).get("benign_payments", 0)))
+            for model, _ in models
+        )
+        beside = [len(model.budgets[n][2]) for model, _ in models]  # per model
         own = sum(any(t in named[i] for i in members) for t, members in run.attempts)
         alerted = sum(any(named[i] for i in members) for _, members in run.attempts)
         measured = _measured(named, run)
@@ -226,9 +263,8 @@ def within_budgets(model: Model, run: Replayed) -> list[dict[str, Any]]:
         found.append(
             {
                 "budget": rate,
-                # Benign alerts the budget allowed where it was set: at 0 the cut alerts nothing.
-                "allowed_where_set": int(rate * held_out),
-                "rules_beside": len(rules),
+                "allowed_where_set": allowed,
+                "rules_beside": beside,
                 "own_typology": _ratio(own, len(run.attempts)),
                 "any_alert": _ratio(alerted, len(run.attempts)),
                 "benign_alerted": benign_alerted,
@@ -293,7 +329,7 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         hi = next(iter(b["estimated_at_base_rate"].values()))
         lines.append(
             f"alert budget {b['budget']:g} ({b['allowed_where_set']:,} benign alerts where it was set, "
-            f"{b['rules_beside']} rules beside the model): own typology "
+            f"{_rules_beside(b['rules_beside'])}): own typology "
             f"{b['own_typology']:.3f}, any alert {b['any_alert']:.3f}, "
             f"benign alerted {b['benign_alerted']:,} ({_percent(b['benign_share'])}, below "
             f"{_percent(b['benign_share_upper_95'])}); precision at {next(iter(BASE_RATES))} "
@@ -303,6 +339,14 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())
         lines.append(f"precision at the top of the queue, {name}: {shown}")
     return lines
+
+
+def _rules_beside(counts: Sequence[int]) -> str:
+    """How many rules alert beside the model, or beside each of a cross-validation's models."""
+    if len(counts) == 1:
+        return f"{counts[0]} rules beside the model"
+    fewest, most = min(counts), max(counts)
+    return f"{fewest if fewest == most else f'{fewest} to {most}'} rules beside each model"
 
 
 def _percent(share: float | None) -> str:

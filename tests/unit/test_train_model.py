@@ -35,11 +35,13 @@ from aml_app.training.holdout import (
     BASE_RATES,
     PARTS,
     benign_rate_bound,
+    crossed,
     estimates,
     folded,
     part_of,
     queue_precision,
     scored,
+    scored_each,
     split,
     within_budgets,
 )
@@ -145,6 +147,45 @@ def test_training_reads_nothing_of_the_scored_part(run: Replayed) -> None:
     assert train([again.learn], [again.cut], SMALL)[0] == doc
     control, _ = train([parts.learn], [_scrambled(parts.cut)], SMALL)
     assert control != doc
+
+
+@pytest.mark.parametrize("by", ["time", "attempt"])
+def test_the_cross_validated_parts_cover_the_history_once_and_leave_every_fold_filled(
+    run: Replayed, by: str
+) -> None:
+    pieces = crossed(run, by, 3)
+    ids = [[p.payment_id for p in piece.payments] for piece in pieces]
+    assert all(ids) and sorted(i for piece in ids for i in piece) == sorted(
+        p.payment_id for p in run.payments
+    )
+    assert sum(len(piece.attempts) for piece in pieces) == len([m for _, m in run.attempts if m])
+    for k in range(3):  # the folds of the other parts, which set each model's cut, are none of them empty
+        rest = Replayed.pooled([piece for j, piece in enumerate(pieces) if j != k])
+        assert all(fold.payments for fold in folded(rest, by, 3))
+    with pytest.raises(ValueError, match="at least 2"):
+        crossed(run, by, 1)
+
+
+def test_a_cross_validated_report_adds_up_what_each_model_alerts_on_its_own_part(run: Replayed) -> None:
+    """Each part is scored by its own model: the pooled counts are the sum of the parts' reports, which
+    differ from one model scoring both (the control)."""
+    first, second = crossed(run, "attempt", 2)
+    doc_a, _ = train([first], [first], SMALL)
+    doc_b, _ = train([second], [second], {**SMALL, "max_iter": 5})
+    pooled = scored_each([(doc_a, second), (doc_b, first)])
+    alone = [scored(doc_a, second), scored(doc_b, first)]
+
+    def counts(report: dict) -> tuple[int, ...]:
+        own = [round(v["own_typology"] * v["attempts"]) for v in report["per_typology"].values()]
+        budgets = [b["benign_alerted"] for b in report["alert_budgets"]]
+        return (report["attempts"], report["benign"]["alerted"], sum(own), *budgets)
+
+    assert counts(pooled) == tuple(map(sum, zip(*map(counts, alone), strict=True)))
+    one_model = scored(doc_a, Replayed.pooled([second, first]))
+    assert counts(one_model) != counts(pooled)
+    assert pooled["alert_budgets"][0]["allowed_where_set"] == sum(
+        r["alert_budgets"][0]["allowed_where_set"] for r in alone
+    )
 
 
 def test_the_folds_cover_the_pool_once_and_keep_each_attempt_whole(run: Replayed) -> None:
@@ -286,8 +327,10 @@ def train_model(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_part(tmp_path: Path) -> None:
-    folder = tmp_path / "history"
+@pytest.fixture(scope="module")
+def history(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Two days of the calibrated simulator in AMLworld's layout (Trans.csv, Patterns.txt)."""
+    folder = tmp_path_factory.mktemp("history")
     small = ("--days", "2", "--per-hour", "50", "--attempts", "6", "--seed", "43")
     simulate = subprocess.run(
         [sys.executable, "-m", "aml_app.cli", "simulate-amlworld", str(folder), *small],
@@ -296,6 +339,13 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
         timeout=300,
     )
     assert simulate.returncode == 0, simulate.stderr
+    return folder
+
+
+def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_part(
+    tmp_path: Path, history: Path
+) -> None:
+    folder = history
     out, report = tmp_path / "model.json", tmp_path / "report.json"
     done = train_model(
         str(folder / "Trans.csv"),
@@ -326,6 +376,38 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     assert "labelled_by_look" in doc["training"] and "by the typology they look like" in done.stderr
     assert 0 < doc["training"]["payments"] < 0.8 * int(read[1].replace(",", ""))
     assert 0 < written["payments"] < 0.4 * int(read[1].replace(",", ""))
+
+
+def test_cross_validated_the_command_scores_every_attempt_once_and_writes_a_model_of_all(
+    tmp_path: Path, history: Path
+) -> None:
+    out, report = tmp_path / "model.json", tmp_path / "report.json"
+    files = (str(history / "Trans.csv"), str(history / "Patterns.txt"))
+    done = train_model(
+        *files, "--split", "attempt", "--folds", "2", "--cross-validate", "2", "--by-attempt",
+        "--out", str(out), "--report", str(report),
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "cross-validation 2 of 2: training without part 2" in done.stderr
+    whole = read_history(files)
+    replayed = replay_timeline(whole.payments, whole.attempts, unnamed=True)
+    written = json.loads(report.read_text())
+    assert written["cross_validated"] == 2 and "rules beside each model" in done.stdout
+    assert written["payments"] == len(whole.payments)
+    assert written["attempts"] == len([m for _, m in replayed.attempts if m]) > 0
+    doc = json.loads(out.read_text())
+    assert doc["training"]["history"]["cross_validated"] == 2
+    two_party = sum(p.payer != p.payee for p in whole.payments)
+    assert doc["training"]["payments"] == two_party  # the model written learnt from every payment
+
+
+@pytest.mark.parametrize("given", [("--cross-validate", "1"), ("--cross-validate", "3", "--folds", "0")])
+def test_a_cross_validation_the_history_cannot_hold_is_refused(
+    tmp_path: Path, given: tuple[str, ...]
+) -> None:
+    done = train_model(str(tmp_path / "none.csv"), "--out", str(tmp_path / "m.json"), *given)
+    assert done.returncode == 2
+    assert "--cross-validate takes at least 2 parts" in done.stderr or "does not exist" in done.stderr
 
 
 def test_the_command_refuses_a_bad_history_in_one_sentence(tmp_path: Path) -> None:
