@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from aml_app.detection.model import BENIGN, Model
-from aml_app.training.fit import Replayed
+from aml_app.training.fit import UNNAMED, Replayed
 
 SPLITS = ("time", "attempt")
 PARTS = ("learn", "cut", "score")
@@ -166,18 +166,7 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
         named += names
         scores += probability.tolist()
     score = np.array(scores)
-    per_typology: dict[str, dict[str, Any]] = {}
-    counts: dict[str, tuple[int, int]] = {}
-    for typology in sorted({t for t, _ in run.attempts}):
-        own = [members for t, members in run.attempts if t == typology]
-        right = sum(any(typology in named[i] for i in members) for members in own)
-        alerted = sum(any(named[i] for i in members) for members in own)
-        counts[typology] = (right, alerted)
-        per_typology[typology] = {
-            "attempts": len(own),
-            "own_typology": _ratio(right, len(own)),
-            "any_alert": _ratio(alerted, len(own)),
-        }
+    per_typology = _per_typology(named, run)
     attempts = len(run.attempts)
     measured = _measured(named, run)
     benign, laundering, benign_alerted = (
@@ -189,9 +178,12 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
     return {
         "payments": len(run.payments),
         "attempts": attempts,
-        "own_typology": _ratio(sum(right for right, _ in counts.values()), attempts),
-        "any_alert": _ratio(sum(alerted for _, alerted in counts.values()), attempts),
-        "per_typology": per_typology,
+        "own_typology": _ratio(sum(v["right"] for v in per_typology.values()), attempts),
+        "any_alert": _ratio(sum(v["alerted"] for v in per_typology.values()), attempts),
+        "per_typology": {
+            typology: {k: v[k] for k in ("attempts", "own_typology", "any_alert")}
+            for typology, v in per_typology.items()
+        },
         "laundering_payments": len(laundering),
         "payment_recall": round(measured["recall"], 4),
         "benign": {
@@ -211,6 +203,24 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
             len(benign),
         ),
     }
+
+
+def _per_typology(named: Sequence[set[str]], run: Replayed) -> dict[str, dict[str, Any]]:
+    """Per typology of `run`'s attempts: how many, how many `named` names by their own typology (right)
+    and with any alert, and those as shares."""
+    found = {}
+    for typology in sorted({t for t, _ in run.attempts}):
+        own = [members for t, members in run.attempts if t == typology]
+        right = sum(any(typology in named[i] for i in members) for members in own)
+        alerted = sum(any(named[i] for i in members) for members in own)
+        found[typology] = {
+            "attempts": len(own),
+            "right": right,
+            "alerted": alerted,
+            "own_typology": _ratio(right, len(own)),
+            "any_alert": _ratio(alerted, len(own)),
+        }
+    return found
 
 
 def _named(model: Model, run: Replayed) -> tuple[list[set[str]], np.ndarray]:
@@ -256,8 +266,9 @@ def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, 
             for model, _ in models
         )
         beside = [len(model.budgets[n][2]) for model, _ in models]  # per model
-        own = sum(any(t in named[i] for i in members) for t, members in run.attempts)
-        alerted = sum(any(named[i] for i in members) for _, members in run.attempts)
+        per_typology = _per_typology(named, run)
+        own = sum(v["right"] for v in per_typology.values())
+        alerted = sum(v["alerted"] for v in per_typology.values())
         measured = _measured(named, run)
         benign_alerted = measured["benign_alerted"]
         found.append(
@@ -267,6 +278,7 @@ def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, 
                 "rules_beside": beside,
                 "own_typology": _ratio(own, len(run.attempts)),
                 "any_alert": _ratio(alerted, len(run.attempts)),
+                "own_typology_each": {t: v["own_typology"] for t, v in per_typology.items()},
                 "benign_alerted": benign_alerted,
                 "benign_share": _ratio(benign_alerted, len(measured["benign"])),
                 "benign_share_upper_95": round(measured["bound"], 5),
@@ -330,7 +342,7 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"alert budget {b['budget']:g} ({b['allowed_where_set']:,} benign alerts where it was set, "
             f"{_rules_beside(b['rules_beside'])}): own typology "
-            f"{b['own_typology']:.3f}, any alert {b['any_alert']:.3f}, "
+            f"{b['own_typology']:.3f}{_lowest(b['own_typology_each'])}, any alert {b['any_alert']:.3f}, "
             f"benign alerted {b['benign_alerted']:,} ({_percent(b['benign_share'])}, below "
             f"{_percent(b['benign_share_upper_95'])}); precision at {next(iter(BASE_RATES))} "
             f"{hi['precision']:.3f}, at least {hi['precision_at_least']:.3f}"
@@ -339,6 +351,16 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())
         lines.append(f"precision at the top of the queue, {name}: {shown}")
     return lines
+
+
+def _lowest(each: Mapping[str, float | None]) -> str:
+    """The typology named least often by its own name, as the report shows it beside a budget's recall:
+    laundering that no attempt names (`UNNAMED`) has no typology to be named by."""
+    shares = {t: v for t, v in each.items() if t != UNNAMED and v is not None}
+    if not shares:
+        return ""
+    typology = min(shares, key=lambda t: (shares[t], t))
+    return f" (lowest {typology} {shares[typology]:.3f})"
 
 
 def _rules_beside(counts: Sequence[int]) -> str:

@@ -40,6 +40,7 @@ from aml_app.training.holdout import (
     folded,
     part_of,
     queue_precision,
+    rendered,
     scored,
     scored_each,
     split,
@@ -313,9 +314,24 @@ def test_the_report_counts_what_the_model_and_its_rules_alert(run: Replayed) -> 
     hi = report["estimated_at_base_rate"]["HI (1 in 900)"]
     li = report["estimated_at_base_rate"]["LI (1 in 1,750)"]
     assert hi["precision"] >= li["precision"]  # more laundering per payment, more of the alerts right
+    for budget in report["alert_budgets"]:  # each budget's recall, typology by typology, adds up
+        each = budget["own_typology_each"]
+        assert each.keys() == report["per_typology"].keys()
+        right = sum(round(each[t] * v["attempts"]) for t, v in report["per_typology"].items())
+        assert right == round(budget["own_typology"] * report["attempts"])
     no_rules = {**doc, "alerting_rules": [], "cut": 0.0}  # nothing alerts
     silent = scored(no_rules, parts.score)
     assert silent["benign"]["alerted"] == 0 and silent["any_alert"] == 0
+
+
+def test_a_budget_shows_its_lowest_typology_and_laundering_no_attempt_names_is_none(run: Replayed) -> None:
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    report = scored(doc, parts.score)
+    budget = report["alert_budgets"][0]
+    budget["own_typology_each"] = {UNNAMED: 0.0, "random": 0.5, "cycle": 0.9}
+    lines = [line for line in rendered(report) if line.startswith("alert budget ")]
+    assert "(lowest random 0.500)" in lines[0]
 
 
 def train_model(*args: str) -> subprocess.CompletedProcess[str]:
