@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -198,10 +199,11 @@ def train_model_command(
             unnamed=True,
             progress=_replaying(say),
         )
+        how = _Training(by, folds, seed, cut_rate, by_look, say)
         if parts:
-            doc, report = _cross_validated(run, by, parts, folds, seed, cut_rate, by_look, say)
+            doc, report = _cross_validated(run, parts, how)
         else:
-            doc, report = _split(run, by, _shares(shares), folds, seed, cut_rate, by_look, say)
+            doc, report = _split(run, _shares(shares), how)
         doc["training"]["history"] = {
             "files": history.files,
             "split": by,
@@ -217,88 +219,77 @@ def train_model_command(
         Path(report_path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
+@dataclass(frozen=True)
+class _Training:
+    """How the command trains each model: the split's kind and hash seed, the inner folds, the cut rate,
+    the labels, and where progress goes."""
+
+    by: str
+    folds: int
+    seed: int
+    cut_rate: float
+    by_look: bool
+    say: Callable[[str], None]
+
+    def trained(self, pool: Replayed) -> dict[str, Any]:
+        """The model file's document: the trees learn from `pool`, whose folds, each scored by trees
+        fitted to the others, set the cut, the alert budgets and the naming prior."""
+        pieces = folded(pool, self.by, self.folds, self.seed)
+        out_of_fold = cross_fitted(pieces, progress=self.say, by_look=self.by_look)
+        self.say("fitting the trees to every fold")
+        doc, _ = train(
+            pieces,
+            pieces,
+            cut_rate=self.cut_rate,
+            progress=self.say,
+            held_out_probabilities=out_of_fold,
+            by_look=self.by_look,
+        )
+        return doc
+
+
 def _split(
-    run: Replayed,
-    by: str,
-    shares: tuple[float, float, float],
-    folds: int,
-    seed: int,
-    cut_rate: float,
-    by_look: bool,
-    say: Callable[[str], None],
+    run: Replayed, shares: tuple[float, float, float], how: _Training
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model trained on the learning and cut parts, and the report on the scored part."""
-    parts = split(run, by, shares, seed)
+    parts = split(run, how.by, shares, how.seed)
     for name in PARTS:
         part = getattr(parts, name)
-        say(f"{name}: {len(part.payments):,} payments, {len(part.attempts):,} attempts")
+        how.say(f"{name}: {len(part.payments):,} payments, {len(part.attempts):,} attempts")
     _enough(parts.learn, parts.cut)
-    if folds >= 2:
-        doc = _trained(Replayed.pooled([parts.learn, parts.cut]), by, folds, seed, cut_rate, by_look, say)
+    if how.folds >= 2:
+        doc = how.trained(Replayed.pooled([parts.learn, parts.cut]))
     else:
-        say("fitting the trees")
-        doc, _ = train([parts.learn], [parts.cut], cut_rate=cut_rate, progress=say, by_look=by_look)
+        how.say("fitting the trees")
+        doc, _ = train(
+            [parts.learn], [parts.cut], cut_rate=how.cut_rate, progress=how.say, by_look=how.by_look
+        )
     return doc, {"scored": f"the {PARTS[2]} part", **scored(doc, parts.score)}
 
 
-def _cross_validated(
-    run: Replayed,
-    by: str,
-    parts: int,
-    folds: int,
-    seed: int,
-    cut_rate: float,
-    by_look: bool,
-    say: Callable[[str], None],
-) -> tuple[dict[str, Any], dict[str, Any]]:
+def _cross_validated(run: Replayed, parts: int, how: _Training) -> tuple[dict[str, Any], dict[str, Any]]:
     """The model trained on the whole history, and the report of `parts` models, each trained on all
     but one part and scoring that one (`aml_app.training.holdout.scored_each`).
 
     Why: a part of a fifth of a history of 450 attempts measures recall to about 0.04, so one split's
     figure says as much about the split as about the model; scored once each, all of them measure it."""
-    pieces = crossed(run, by, parts, seed)
+    pieces = crossed(run, how.by, parts, how.seed)
     docs = []
     for k, piece in enumerate(pieces):
         rest = Replayed.pooled([other for j, other in enumerate(pieces) if j != k])
-        say(
+        how.say(
             f"cross-validation {k + 1} of {parts}: training without part {k + 1} "
             f"({len(piece.payments):,} payments, {len(piece.attempts):,} attempts)"
         )
         _enough(rest, rest)
-        docs.append(_trained(rest, by, folds, seed, cut_rate, by_look, say))
-    say("training the model written on the whole history")
-    doc = _trained(run, by, folds, seed, cut_rate, by_look, say)
-    scored_by = f"each of {parts} parts by a model trained on the others"
+        docs.append(how.trained(rest))
+    how.say("training the model written on the whole history")
+    doc = how.trained(run)
     return doc, {
-        "scored": scored_by,
+        "scored": f"each of {parts} parts by a model trained on the others",
         "cross_validated": parts,
         **scored_each(list(zip(docs, pieces, strict=True))),
     }
-
-
-def _trained(
-    pool: Replayed,
-    by: str,
-    folds: int,
-    seed: int,
-    cut_rate: float,
-    by_look: bool,
-    say: Callable[[str], None],
-) -> dict[str, Any]:
-    """The model file's document: the trees learn from `pool`, whose `folds`, each scored by trees fitted
-    to the others, set the cut, the alert budgets and the naming prior."""
-    pieces = folded(pool, by, folds, seed)
-    out_of_fold = cross_fitted(pieces, progress=say, by_look=by_look)
-    say("fitting the trees to every fold")
-    doc, _ = train(
-        pieces,
-        pieces,
-        cut_rate=cut_rate,
-        progress=say,
-        held_out_probabilities=out_of_fold,
-        by_look=by_look,
-    )
-    return doc
 
 
 def _enough(learn: Replayed, cut: Replayed) -> None:
