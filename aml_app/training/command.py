@@ -172,8 +172,9 @@ def train_model_command(
             "--cross-validate takes at least 2 parts, labelled FILES and --folds of at least 2"
         )
     if by_look is None:
-        # Labels by look name more of a history's own held-out attempts; the shipped model, learnt on
-        # the simulator and judged on real files, names fewer of those with them (BENCHMARKS.md).
+        # Labels by look name about as many of a history's own held-out attempts as labels by attempt
+        # (the real files, cross-validated); the shipped model, learnt on the simulator and judged on
+        # real files, names fewer with them (BENCHMARKS.md).
         by_look = not simulated
     if simulated:
         doc, scored_runs = _simulated(_seeds(score_seeds, "--score-seeds"), by_look, say)

@@ -340,7 +340,8 @@ def labelled_by_look(
     shares towards that typology, and the other typology's attempts that show only that look are named
     wrong more often. Labelled by what they look like, they stop pulling. The trees that say what a
     payment looks like are fitted to the other `folds` (each attempt wholly in one), as `cross_fitted`
-    scores a fold (BENCHMARKS.md, "Trained on the real files", measures what it gains)."""
+    scores a fold. On the real AMLworld files it names about as many scored attempts as labels by attempt
+    (BENCHMARKS.md, "Trained on the real files": 0.799 against 0.801 cross-validated)."""
     pool = Replayed.pooled(runs)
     fold = [-1] * len(pool.payments)
     for a, (_, members) in enumerate(pool.attempts):
