@@ -13,7 +13,7 @@ its other payments.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,9 @@ PARTS = ("learn", "cut", "score")
 #: rates at which the report estimates precision.
 BASE_RATES = {"HI (1 in 900)": 1 / 900, "LI (1 in 1,750)": 1 / 1750}
 TOP_K = (10, 50, 100)
+#: Bands of an attempt's payments (name, most payments), for recall by size: one payment shows B and C
+#: no shape to name (AMLworld gives lone payments several typologies), from three on the shape shows.
+SIZE_BANDS = (("1", 1), ("2", 2), ("3-5", 5), ("6+", 2**62))
 #: One-sided 95 % normal quantile, for the bound on the benign alert rate (`benign_rate_bound`).
 Z_95 = 1.645
 
@@ -180,10 +183,8 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
         "attempts": attempts,
         "own_typology": _ratio(sum(v["right"] for v in per_typology.values()), attempts),
         "any_alert": _ratio(sum(v["alerted"] for v in per_typology.values()), attempts),
-        "per_typology": {
-            typology: {k: v[k] for k in ("attempts", "own_typology", "any_alert")}
-            for typology, v in per_typology.items()
-        },
+        "per_typology": _shares(per_typology),
+        "per_size": _shares(per_size(named, run)),
         "laundering_payments": len(laundering),
         "payment_recall": round(measured["recall"], 4),
         "benign": {
@@ -208,19 +209,46 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
 def _per_typology(named: Sequence[set[str]], run: Replayed) -> dict[str, dict[str, Any]]:
     """Per typology of `run`'s attempts: how many, how many `named` names by their own typology (right)
     and with any alert, and those as shares."""
-    found = {}
-    for typology in sorted({t for t, _ in run.attempts}):
-        own = [members for t, members in run.attempts if t == typology]
-        right = sum(any(typology in named[i] for i in members) for members in own)
-        alerted = sum(any(named[i] for i in members) for members in own)
-        found[typology] = {
-            "attempts": len(own),
+    return _per_group(named, run, lambda typology, members: typology)
+
+
+def size_band(payments: int) -> str:
+    """The band of SIZE_BANDS an attempt of `payments` payments falls in."""
+    return next(name for name, most in SIZE_BANDS if payments <= most)
+
+
+def per_size(named: Sequence[set[str]], run: Replayed) -> dict[str, dict[str, Any]]:
+    """`_per_typology` per band of the attempts' payments (SIZE_BANDS), smallest first."""
+    found = _per_group(named, run, lambda typology, members: size_band(len(members)))
+    return {name: found[name] for name, _ in SIZE_BANDS if name in found}
+
+
+def _per_group(
+    named: Sequence[set[str]], run: Replayed, group: Callable[[str, list[int]], str]
+) -> dict[str, dict[str, Any]]:
+    """Per `group` of `run`'s attempts (of their typology and payments): how many, how many `named`
+    names by their own typology (right) and with any alert, and those as shares."""
+    counts: dict[str, list[int]] = {}
+    for typology, members in run.attempts:
+        count = counts.setdefault(group(typology, members), [0, 0, 0])
+        count[0] += 1
+        count[1] += any(typology in named[i] for i in members)
+        count[2] += any(named[i] for i in members)
+    return {
+        name: {
+            "attempts": attempts,
             "right": right,
             "alerted": alerted,
-            "own_typology": _ratio(right, len(own)),
-            "any_alert": _ratio(alerted, len(own)),
+            "own_typology": _ratio(right, attempts),
+            "any_alert": _ratio(alerted, attempts),
         }
-    return found
+        for name, (attempts, right, alerted) in sorted(counts.items())
+    }
+
+
+def _shares(groups: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """A report's view of `_per_group`: attempts and the shares, not the counts behind them."""
+    return {name: {k: v[k] for k in ("attempts", "own_typology", "any_alert")} for name, v in groups.items()}
 
 
 def _named(model: Model, run: Replayed) -> tuple[list[set[str]], np.ndarray]:
@@ -279,6 +307,7 @@ def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, 
                 "own_typology": _ratio(own, len(run.attempts)),
                 "any_alert": _ratio(alerted, len(run.attempts)),
                 "own_typology_each": {t: v["own_typology"] for t, v in per_typology.items()},
+                "own_typology_by_size": {k: v["own_typology"] for k, v in per_size(named, run).items()},
                 "benign_alerted": benign_alerted,
                 "benign_share": _ratio(benign_alerted, len(measured["benign"])),
                 "benign_share_upper_95": round(measured["bound"], 5),
@@ -323,6 +352,15 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         lines.append(
             f"{'all':<16}{report['attempts']:>9}{report['own_typology']:>14.3f}{report['any_alert']:>11.3f}"
         )
+    if sizes := report.get("per_size"):
+        lines.append(
+            "by the attempt's payments: "
+            + "; ".join(
+                f"{name} ({v['attempts']:,}): own typology {v['own_typology']:.3f}, "
+                f"any alert {v['any_alert']:.3f}"
+                for name, v in sizes.items()
+            )
+        )
     b = report["benign"]
     lines.append(
         f"benign alerted: {b['alerted']:,} of {b['payments']:,} ({_percent(b['share_of_all'])} of all, "
@@ -347,6 +385,9 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
             f"{_percent(b['benign_share_upper_95'])}); precision at {next(iter(BASE_RATES))} "
             f"{hi['precision']:.3f}, at least {hi['precision_at_least']:.3f}"
         )
+        if sizes := b.get("own_typology_by_size"):
+            shown = ", ".join(f"{name}: {share:.3f}" for name, share in sizes.items())
+            lines.append(f"  own typology by the attempt's payments: {shown}")
     for name, at in report["top_of_the_queue"].items():
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())
         lines.append(f"precision at the top of the queue, {name}: {shown}")

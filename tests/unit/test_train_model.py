@@ -39,10 +39,12 @@ from aml_app.training.holdout import (
     estimates,
     folded,
     part_of,
+    per_size,
     queue_precision,
     rendered,
     scored,
     scored_each,
+    size_band,
     split,
     within_budgets,
 )
@@ -322,6 +324,50 @@ def test_the_report_counts_what_the_model_and_its_rules_alert(run: Replayed) -> 
     no_rules = {**doc, "alerting_rules": [], "cut": 0.0}  # nothing alerts
     silent = scored(no_rules, parts.score)
     assert silent["benign"]["alerted"] == 0 and silent["any_alert"] == 0
+
+
+def test_recall_by_the_attempts_payments_counts_each_attempt_in_its_band_once() -> None:
+    assert [size_band(n) for n in (1, 2, 3, 5, 6, 40)] == ["1", "2", "3-5", "3-5", "6+", "6+"]
+    run = Replayed(
+        labels=["fan_in", "cycle", "cycle", "stack", "stack", "stack", "random", "random"],
+        attempts=[("fan_in", [0]), ("cycle", [1, 2]), ("stack", [3, 4, 5]), ("random", [6, 7])],
+    )
+    # fan-in named right; the cycle alerted under another name; the stack right by its second payment;
+    # the random walk not alerted.
+    named = [{"fan_in"}, {"stack"}, set(), set(), {"stack"}, set(), set(), set()]
+    found = per_size(named, run)
+    assert list(found) == ["1", "2", "3-5"]
+    assert {k: (v["attempts"], v["right"], v["alerted"]) for k, v in found.items()} == {
+        "1": (1, 1, 1),
+        "2": (2, 0, 1),
+        "3-5": (1, 1, 1),
+    }
+
+
+def test_the_report_gives_recall_by_the_attempts_payments(run: Replayed) -> None:
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    report = scored(doc, parts.score)
+    sizes = [len(members) for _, members in parts.score.attempts]
+    by_hand = {"1": 0, "2": 0, "3-5": 0, "6+": 0}
+    for n in sizes:
+        by_hand["1" if n == 1 else "2" if n == 2 else "3-5" if n <= 5 else "6+"] += 1
+    assert {k: v["attempts"] for k, v in report["per_size"].items()} == {
+        k: v for k, v in by_hand.items() if v
+    }
+    own = sum(round(v["own_typology"] * v["attempts"]) for v in report["per_size"].values())
+    assert own == round(report["own_typology"] * report["attempts"])
+    for budget in report["alert_budgets"]:  # each budget's recall, band by band, adds up
+        right = sum(
+            round(share * report["per_size"][k]["attempts"])
+            for k, share in budget["own_typology_by_size"].items()
+        )
+        assert right == round(budget["own_typology"] * report["attempts"])
+    lines = rendered(report)
+    assert any(line.startswith("by the attempt's payments: ") for line in lines)
+    assert sum("own typology by the attempt's payments: " in line for line in lines) == len(
+        report["alert_budgets"]
+    )
 
 
 def test_a_budget_shows_its_lowest_typology_and_laundering_no_attempt_names_is_none(run: Replayed) -> None:
