@@ -59,7 +59,7 @@ from aml_app.gate.watermark import (
     refresh_due,
     row_changed,
 )
-from aml_app.kafka.deadlines import DeadlineExceeded, within
+from aml_app.kafka.deadlines import CancelledWithin, DeadlineExceeded, within
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.quiet import quiet_hand_assignments
 from aml_app.settings import GateMode
@@ -383,14 +383,11 @@ class WorkerGate(Service):
             started = time.perf_counter()
             try:
                 outcome = await within(self.refresh_once(now, attempt), deadline, "the watermark refresh")
-            except DeadlineExceeded:
-                # A call that never returns (a client waiting on a broker that froze mid-request):
-                # abandoned, never awaited again; the next refresh starts with new clients.
+            except (DeadlineExceeded, CancelledWithin) as exc:
+                # A call that never returns (a client waiting on a broker that froze mid-request), or one
+                # that a client cancelled under it: abandoned; the next refresh starts with new clients.
                 outcome = Outcome.OVERRAN
-                message = (
-                    f"the watermark refresh took longer than {deadline:g} s and was abandoned; retrying "
-                    "with new Kafka clients"
-                )
+                message = f"{exc} and was abandoned; retrying with new Kafka clients"
                 self.status.failed(message, "the last known watermarks")
                 self._mark_error(message)
                 self._rebuild_readers()

@@ -28,6 +28,13 @@ class DeadlineExceeded(TimeoutError):
     """An awaited call did not finish in time; it was cancelled and left behind."""
 
 
+class CancelledWithin(RuntimeError):
+    """An awaited call ended cancelled while its caller was not: a client closed under it, or a future it
+    awaited was cancelled by code it does not own (aiokafka, a broker frozen mid-request). An error of the
+    call, not a cancel of the caller: as a `CancelledError` it would end the caller's task for good, and a
+    timer with it."""
+
+
 def abandoned() -> int:
     """How many calls given up at a deadline have not ended yet (for the views and the tests)."""
     return len(_abandoned)
@@ -48,7 +55,8 @@ def _abandon(future: asyncio.Future[Any]) -> None:
 
 async def within(awaitable: Awaitable[T], seconds: float, what: str) -> T:
     """Await `awaitable` for at most `seconds`; then cancel it, leave it behind and raise
-    `DeadlineExceeded` naming `what`. A cancel of the caller cancels it too, without waiting for it."""
+    `DeadlineExceeded` naming `what`. A cancel of the caller cancels it too, without waiting for it; a
+    call that ends cancelled on its own raises `CancelledWithin`."""
     future = asyncio.ensure_future(awaitable)
     try:
         done, _ = await asyncio.wait({future}, timeout=seconds)
@@ -58,6 +66,8 @@ async def within(awaitable: Awaitable[T], seconds: float, what: str) -> T:
     if not done:
         _abandon(future)
         raise DeadlineExceeded(f"{what} took longer than {seconds:g} s")
+    if future.cancelled():
+        raise CancelledWithin(f"{what} was cancelled by the code it called")
     return future.result()
 
 

@@ -448,11 +448,7 @@ class Detector:
             await within(asyncio.shield(earlier.ack), ALERT_SETTLE_WAIT, f"the alert of {payment_id}")
         except DeadlineExceeded:
             raise  # still unknown: this batch fails and is handled again later, never sent twice
-        except asyncio.CancelledError:
-            if not earlier.ack.cancelled():
-                raise  # this handling is cancelled, not the send
-            self.in_doubt.add(partition)
-        except Exception:  # failed: the broker may have it all the same
+        except Exception:  # failed or cancelled (`CancelledWithin`): the broker may have it all the same
             self.in_doubt.add(partition)
         else:
             self.remember(earlier)

@@ -9,7 +9,14 @@ import contextlib
 import pytest
 
 from aml_app.gate.unapplied import UnappliedReader
-from aml_app.kafka.deadlines import DeadlineExceeded, abandoned, close_within, start_within, within
+from aml_app.kafka.deadlines import (
+    CancelledWithin,
+    DeadlineExceeded,
+    abandoned,
+    close_within,
+    start_within,
+    within,
+)
 from aml_app.kafka.offsets import DependencyOffsets
 from aml_app.kafka.security import PLAINTEXT
 
@@ -68,6 +75,24 @@ async def test_within_gives_results_and_errors_and_a_cancel_of_the_caller_reache
         await caller
     await asyncio.sleep(0)
     assert cancelled == [True]
+
+
+async def test_a_call_cancelled_by_the_code_it_called_is_an_error_not_a_cancel_of_the_caller() -> None:
+    """A future the call awaits, cancelled by code the caller does not own (a client closed under it):
+    `within` raises `CancelledWithin`, an Exception a timer handles, where the `CancelledError` itself
+    would end the caller's task."""
+
+    async def cancelled_under() -> None:
+        pending = asyncio.get_running_loop().create_future()
+        asyncio.get_running_loop().call_soon(pending.cancel)
+        await pending
+
+    with pytest.raises(CancelledWithin, match="reading the offsets was cancelled by the code it called"):
+        await within(cancelled_under(), 1, "reading the offsets")
+    shielded = asyncio.get_running_loop().create_future()
+    shielded.cancel()  # an acknowledgement cancelled under a send, awaited through a shield
+    with pytest.raises(CancelledWithin):
+        await within(asyncio.shield(shielded), 1, "the alert")
 
 
 async def _raise(exc: BaseException) -> None:
