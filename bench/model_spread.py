@@ -92,16 +92,19 @@ def alerts(model: Model, run: Replayed) -> dict[str, list[str]]:
     """payment id -> the alerts ("typology:rule") of the model's detector (`Model.detect`: the rules that
     alert beside the model, then the model's own) on a replayed run's features."""
     rows = np.array(run.rows, dtype=float)
-    verdicts = model.verdicts(rows)
     benign = model.probabilities(rows)[:, model.classes.index(BENIGN)].tolist()
-    fired: dict[str, list[str]] = {}
-    for payment, rules, typologies, verdict, p in zip(
-        run.payments, run.rules, run.typologies, verdicts, benign, strict=True
-    ):
-        kept = payment.payer == payment.payee or model.keeps_rules(p)
-        chosen = [
-            f"{t}:{r}" for r, t in zip(rules, typologies, strict=True) if kept and r in model.alerting_rules
+    beside = [
+        [
+            (t, r)
+            for r, t in zip(rules, typologies, strict=True)
+            if (payment.payer == payment.payee or model.keeps_rules(p)) and r in model.alerting_rules
         ]
+        for payment, rules, typologies, p in zip(run.payments, run.rules, run.typologies, benign, strict=True)
+    ]
+    verdicts = model.verdicts(rows, [frozenset(t for t, _ in kept) for kept in beside])
+    fired: dict[str, list[str]] = {}
+    for payment, kept, verdict in zip(run.payments, beside, verdicts, strict=True):
+        chosen = [f"{t}:{r}" for t, r in kept]
         if verdict is not None and payment.payer != payment.payee:
             chosen.append(f"{verdict}:aml.model")
         if chosen:

@@ -12,7 +12,10 @@ trained on one generator's traffic, it alerts far more of traffic shaped otherwi
 calibrated simulator. With it on, the model decides with the rules whose precision on the training runs
 was high (`alerting_rules` in the model file); the other rules' hits are its features, not alerts. A file
 that names a `rule_veto` lets those rules alert only where the model does not find the payment at least
-that likely benign (`Model.keeps_rules`).
+that likely benign (`Model.keeps_rules`). A file with `names_past_rules` has the model name the likeliest
+typology the rules alerting beside it have not named on the payment: one payment graph carries several
+typologies in AMLworld (an A -> B -> A pair is a stack, a cycle, a scatter-gather or a gather-scatter), and
+a second name gives the analyst a second hypothesis where the same one would add nothing.
 
 Inference needs numpy only: the trees are exported to JSON at training and compiled here (`_Walk`) into
 one bit mask per feature, bin and tree, so that the worker scores a lane's whole batch in a few array
@@ -220,6 +223,9 @@ class Model:
     #: A rule beside the model alerts a payment only where the model's probability of benign is below
     #: this (`keeps_rules`); None (a file trained without it): wherever the rule fires.
     rule_veto: float | None = None
+    #: Name the likeliest typology the rules alerting beside the model have not named on the payment
+    #: (`typologies_named`); False (a file trained without it): the likeliest.
+    names_past_rules: bool = False
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Model:
@@ -269,6 +275,7 @@ class Model:
                 )
             ),
             rule_veto=None if doc.get("rule_veto") is None else float(doc["rule_veto"]),
+            names_past_rules=bool(doc.get("names_past_rules", False)),
         )
 
     def within(self, budget: float) -> Model:
@@ -313,27 +320,32 @@ class Model:
         rows = np.atleast_2d(np.asarray(rows, dtype=float))
         return _softmax(self._raw(rows)[3])
 
-    def _verdict(self, p: np.ndarray) -> str | None:
+    def _verdict(self, p: np.ndarray, beside: frozenset[str] = frozenset()) -> str | None:
         """The typology the model names for one row's probabilities when benign is below the cut, else
-        None: the likeliest once each is weighed by the naming prior (`aml_app.training.fit.naming_prior`)."""
-        return self._names(np.asarray(p)[None, :])[0]
+        None (`typologies_named`); `beside`: the typologies the rules alerting beside the model name."""
+        return self._names(np.asarray(p)[None, :], [beside])[0]
 
-    def _names(self, p: np.ndarray) -> list[str | None]:
-        """`_verdict` of each row of probabilities."""
+    def _names(self, p: np.ndarray, beside: Sequence[frozenset[str]] | None = None) -> list[str | None]:
+        """`_verdict` of each row of probabilities, `beside` each (None: no rule names any)."""
         benign = self.classes.index(BENIGN)
         named: list[str | None] = [None] * len(p)
         alerting = np.flatnonzero(p[:, benign] < self.cut)
         if len(alerting):
-            weighed = np.log(np.maximum(p[alerting], 1e-300)) + self.naming
-            weighed[:, benign] = -np.inf
-            for j, best in zip(alerting.tolist(), weighed.argmax(axis=1).tolist(), strict=True):
-                named[j] = self.classes[best]
+            past = (
+                None
+                if beside is None or not self.names_past_rules
+                else [beside[j] for j in alerting.tolist()]
+            )
+            names = typologies_named(p[alerting], self.classes, self.naming, past)
+            for j, name in zip(alerting.tolist(), names, strict=True):
+                named[j] = name
         return named
 
-    def verdicts(self, rows: np.ndarray) -> list[str | None]:
+    def verdicts(self, rows: np.ndarray, beside: Sequence[frozenset[str]] | None = None) -> list[str | None]:
         """Per row of features, the typology the model alerts (what `hit` says), or None: many rows at
-        once, for the benches that score a model on features replayed once."""
-        return self._names(self.probabilities(rows))
+        once, for the benches that score a model on features replayed once. `beside`: per row, the
+        typologies the rules alerting beside the model name (`beside`)."""
+        return self._names(self.probabilities(rows), beside)
 
     def hit(self, evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds) -> Hit | None:
         """The model's alert about this payment, saying why, or None."""
@@ -375,7 +387,8 @@ class Model:
         benign = self.classes.index(BENIGN)
         for i, value in zip(scored, p[:, benign].tolist(), strict=True):
             benign_p[i] = value
-        named = self._names(p)
+        beside = [frozenset(hit.typology for hit in self.beside(rule_hits[i], benign_p[i])) for i in scored]
+        named = self._names(p, beside)
         alerting = np.array([j for j, typology in enumerate(named) if typology is not None], dtype=np.intp)
         if not len(alerting):
             return found, benign_p
@@ -394,12 +407,15 @@ class Model:
             typology = named[j]
             assert typology is not None
             telling = [(i, v) for i, up, v in zip(order, rise, value, strict=True) if up > 0]
-            found[scored[j]] = self._explained(telling, probabilities, typology)
+            found[scored[j]] = self._explained(telling, probabilities, typology, beside[j])
         return found, benign_p
 
-    def _explained(self, telling: list[tuple[int, float]], p: list[float], typology: str) -> Hit:
-        """The model's alert naming `typology`: the probabilities against the cut, and the most telling
-        features (index, the payment's value) with a typical benign payment's value."""
+    def _explained(
+        self, telling: list[tuple[int, float]], p: list[float], typology: str, beside: frozenset[str]
+    ) -> Hit:
+        """The model's alert naming `typology`: the probabilities against the cut, the typologies it passed
+        over because the rules beside it name them, and the most telling features (index, the payment's
+        value) with a typical benign payment's value."""
         benign, best = self.classes.index(BENIGN), self.classes.index(typology)
         typical = self._typical_shown
         shown = [(FEATURES[i], _shown(FEATURES[i], value), typical[i]) for i, value in telling]
@@ -409,7 +425,13 @@ class Model:
             typology=typology,
             reason=(
                 f"the model puts the chance that this payment is benign at {p[benign]:.4f}, below its cut "
-                f"{self.cut:.4f}, and names {typology} (probability {p[best]:.4f}); most telling: "
+                f"{self.cut:.4f}, and names {typology} (probability {p[best]:.4f})"
+                + (
+                    f", the likeliest the rules beside it do not name ({', '.join(sorted(beside))})"
+                    if self.names_past_rules and beside
+                    else ""
+                )
+                + "; most telling: "
                 + (because or "no single feature")
                 + "."
             ),
@@ -448,6 +470,26 @@ class Model:
         if not self.keeps_rules(benign):
             return []
         return [hit for hit in rule_hits if hit.rule in self.alerting_rules]
+
+
+def typologies_named(
+    p: np.ndarray,
+    classes: Sequence[str],
+    prior: np.ndarray,
+    past: Sequence[frozenset[str]] | None = None,
+) -> list[str]:
+    """Per row of class probabilities, the typology the model names: the likeliest once each is weighed by
+    the naming prior (`aml_app.training.fit.naming_prior`), past those the row's `past` holds (what the
+    rules beside the model name on the payment: `names_past_rules`) unless it holds them all."""
+    weighed = np.log(np.maximum(p, 1e-300)) + prior
+    weighed[:, classes.index(BENIGN)] = -np.inf
+    if past is not None:
+        column = {name: c for c, name in enumerate(classes)}
+        for row, names in enumerate(past):
+            taken = [column[name] for name in names if name in column]
+            if taken and len(taken) < len(classes) - 1:
+                weighed[row, taken] = -np.inf
+    return [classes[c] for c in weighed.argmax(axis=1).tolist()]
 
 
 def rules_kept(benign: float, veto: float | None) -> bool:

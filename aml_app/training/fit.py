@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from aml_app.detection.evidence import Evidence
-from aml_app.detection.model import BENIGN, FEATURES, SHIPPED_FILE, features, rules_kept
+from aml_app.detection.model import BENIGN, FEATURES, SHIPPED_FILE, features, rules_kept, typologies_named
 from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
@@ -283,6 +283,7 @@ def train(
         "depth": depth,
         "cut": cut,
         "naming_prior": naming,
+        "names_past_rules": True,
         "alert_budgets": budgets,
         "alerting_rules": alerting,
         **({} if veto is None else {"rule_veto": veto}),
@@ -532,25 +533,25 @@ def named_right(
 ) -> int:
     """How many of `run`'s attempts the detector names by their own typology: a rule beside the model
     does where the model does not veto it, or the model alerts one of their payments and names the
-    typology (`Model._verdict`)."""
+    typology (`Model._verdict` of a file with `names_past_rules`, which `train` writes)."""
     benign = classes.index(BENIGN)
-    weighed = np.log(np.maximum(probabilities, 1e-300)) + prior
-    weighed[:, benign] = -np.inf
-    named = [classes[c] for c in weighed.argmax(axis=1)]
+    laundering = sorted({i for _, members in run.attempts for i in members})
+    beside = {
+        i: frozenset(t for r, t in zip(run.rules[i], run.typologies[i], strict=True) if r in alerting)
+        if _kept(probabilities[i, benign], run.payments[i], veto)
+        else frozenset()
+        for i in laundering
+    }
+    names = typologies_named(probabilities[laundering], classes, prior, [beside[i] for i in laundering])
+    named = dict(zip(laundering, names, strict=True))
     right = 0
     for typology, members in run.attempts:
         right += any(
-            (
+            typology in beside[i]
+            or (
                 run.payments[i].payer != run.payments[i].payee
                 and probabilities[i, benign] < cut
                 and named[i] == typology
-            )
-            or (
-                _kept(probabilities[i, benign], run.payments[i], veto)
-                and any(
-                    r in alerting and t == typology
-                    for r, t in zip(run.rules[i], run.typologies[i], strict=True)
-                )
             )
             for i in members
         )

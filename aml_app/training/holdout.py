@@ -255,23 +255,21 @@ def _named(model: Model, run: Replayed) -> tuple[list[set[str]], np.ndarray]:
     """Per payment, the typologies the model and the rules beside it alert (`Model.keeps_rules`), and the
     model's probability that the payment is not benign (0 for a self-payment, which it never scores)."""
     between = run.between()
-    verdicts: list[str | None] = [None] * len(run.payments)
     benign = np.full(len(run.payments), np.nan)
+    rows = np.array([run.rows[i] for i in between], dtype=float)
     if between:
-        rows = np.array([run.rows[i] for i in between], dtype=float)
-        for i, verdict in zip(between, model.verdicts(rows), strict=True):
-            verdicts[i] = verdict
         benign[between] = model.probabilities(rows)[:, model.classes.index(BENIGN)]
-    named: list[set[str]] = []
-    for rules, typologies, verdict, p in zip(
-        run.rules, run.typologies, verdicts, benign.tolist(), strict=True
-    ):
-        names = (
-            {t for r, t in zip(rules, typologies, strict=True) if r in model.alerting_rules}
-            if model.keeps_rules(p)
-            else set()
-        )
-        named.append(names | {verdict} if verdict is not None else names)
+    named = [
+        {t for r, t in zip(rules, typologies, strict=True) if r in model.alerting_rules}
+        if model.keeps_rules(p)
+        else set()
+        for rules, typologies, p in zip(run.rules, run.typologies, benign.tolist(), strict=True)
+    ]
+    if between:
+        beside = [frozenset(named[i]) for i in between]
+        for i, verdict in zip(between, model.verdicts(rows, beside), strict=True):
+            if verdict is not None:
+                named[i].add(verdict)
     return named, np.where(np.isnan(benign), 0.0, 1.0 - benign)
 
 

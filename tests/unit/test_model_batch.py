@@ -69,17 +69,19 @@ def hit_node_by_node(model: Model, evidence: Evidence, thresholds: AmlThresholds
     that a row on the same leaves as the payment's has its probabilities to the last bit)."""
     if evidence.payer == evidence.payee:
         return None
-    row = np.array(features(evidence, aml_rules(evidence, thresholds), thresholds))
+    rules = aml_rules(evidence, thresholds)
+    row = np.array(features(evidence, rules, thresholds))
     occluded = np.tile(row, (len(row), 1))
     np.fill_diagonal(occluded, model.benign_typical)
     walked = walked_node_by_node(model, np.vstack([row, occluded]))
     p, benign = walked[0], model.classes.index(BENIGN)
-    typology = model._verdict(p)
+    beside = frozenset(hit.typology for hit in model.beside(rules, float(p[benign])))
+    typology = model._verdict(p, beside)
     if typology is None:
         return None
     moved = walked[1:, benign] - p[benign]
     telling = [(int(i), float(row[i])) for i in np.argsort(-moved)[:3] if moved[i] > 0]
-    return model._explained(telling, p.tolist(), typology)
+    return model._explained(telling, p.tolist(), typology, beside)
 
 
 def test_a_batch_gives_each_payment_the_hits_it_gets_alone_on_every_real_payment(
