@@ -82,7 +82,8 @@ def _seeds(text: str, hint: str) -> list[int]:
     type=click.Choice(SPLITS),
     default="time",
     show_default=True,
-    help="How the history is cut into its parts.",
+    help="How the history is cut into its parts: by event time, by attempt (a hash of each attempt and "
+    "benign payment), or by account (of each payer, so that the report scores payers training never read).",
 )
 @click.option(
     "--shares",
@@ -122,7 +123,9 @@ def _seeds(text: str, hint: str) -> list[int]:
     "the others and report them pooled, so that every attempt is scored once; the model written learns "
     "from the whole history (--shares is unused). 0: one scored part.",
 )
-@click.option("--seed", type=int, default=0, show_default=True, help="Of the hash that splits by attempt.")
+@click.option(
+    "--seed", type=int, default=0, show_default=True, help="Of the hash that splits by attempt or account."
+)
 @click.option(
     "--report",
     "report_path",

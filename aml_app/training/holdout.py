@@ -5,9 +5,11 @@ By time (the default, a deployment's history): the first `learn` share of the pa
 order, then the next `cut` share, then the rest. Every payment's features still read the history before
 it, as the detector's evidence does; what a part holds is which labels training may read. By attempt (for
 files that are not one stretch of time, such as AMLworld's patterns replayed into another set's
-background): each attempt and each benign payment falls in a part by a hash of its id. Either way an
-attempt lies wholly in one part (by time, its first payment's), so no scored attempt teaches the trees
-its other payments.
+background): each attempt and each benign payment falls in a part by a hash of its id. By account:
+each benign payment and each attempt (by its first payment) falls in its payer's part, so that no payer
+the report scores is one the trees learnt from, as on another bank's traffic. Either way an attempt
+lies wholly in one part (by time, its first payment's), so no scored attempt teaches the trees its
+other payments.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import numpy as np
 from aml_app.detection.model import BENIGN, Model
 from aml_app.training.fit import UNNAMED, Replayed
 
-SPLITS = ("time", "attempt")
+SPLITS = ("time", "attempt", "account")
 PARTS = ("learn", "cut", "score")
 #: Laundering payments per payment in AMLworld's HI and LI sets (Altman et al. 2023, Table 4), the base
 #: rates at which the report estimates precision.
@@ -107,13 +109,12 @@ def part_of(run: Replayed, by: str, shares: Sequence[float], seed: int | str = 0
         digest = hashlib.sha256(f"{seed}:{key}".encode()).digest()
         return int(np.searchsorted(bounds, int.from_bytes(digest[:8], "big") / 2**64, side="right"))
 
-    # An attempt is known by its first payment's id, whatever order the attempts are listed in.
-    first_id = {
-        a: run.payments[min(members)].payment_id for a, (_, members) in enumerate(run.attempts) if members
-    }
-    return [
-        hashed(first_id[attempt_of[i]] if i in attempt_of else run.payments[i].payment_id) for i in range(n)
-    ]
+    def key(payment: Any) -> str:
+        return f"payer:{payment.payer}" if by == "account" else str(payment.payment_id)
+
+    # An attempt is known by its first payment, whatever order the attempts are listed in.
+    starter = {a: key(run.payments[min(members)]) for a, (_, members) in enumerate(run.attempts) if members}
+    return [hashed(starter[attempt_of[i]] if i in attempt_of else key(run.payments[i])) for i in range(n)]
 
 
 def split(run: Replayed, by: str = "time", shares: Sequence[float] = (0.6, 0.2, 0.2), seed: int = 0) -> Parts:

@@ -109,12 +109,23 @@ def test_a_history_in_the_wrong_layout_is_one_sentence(tmp_path: Path) -> None:
         read_history([bad])
 
 
-@pytest.mark.parametrize("by", ["time", "attempt"])
+@pytest.mark.parametrize("by", ["time", "attempt", "account"])
 def test_the_parts_cover_the_history_once_and_keep_each_attempt_whole(run: Replayed, by: str) -> None:
     parts = part_of(run, by, (0.6, 0.2, 0.2))
     assert set(parts) == {0, 1, 2}
     for _, members in run.attempts:
         assert len({parts[i] for i in members}) == 1
+    payers: dict[str, set[int]] = {}
+    for i, label in enumerate(run.labels):
+        if label == BENIGN:
+            payers.setdefault(run.payments[i].payer, set()).add(parts[i])
+    in_several = sum(len(found) > 1 for found in payers.values())
+    # By account a payer's benign payments and the attempts it starts share a part; otherwise (the
+    # control) many payers straddle, and some attempts lie apart from their payer's benign payments.
+    assert in_several == 0 if by == "account" else in_several > len(payers) / 10
+    starters = [(parts[min(m)], payers[run.payments[min(m)].payer]) for _, m in run.attempts if m]
+    apart = sum(part not in found for part, found in starters)
+    assert len(starters) > 10 and (apart == 0 if by == "account" else apart > 0)
     pieces = split(run, by)
     assert sum(len(getattr(pieces, name).payments) for name in PARTS) == len(run.payments)
     ids = [{p.payment_id for p in getattr(pieces, name).payments} for name in PARTS]
@@ -152,7 +163,7 @@ def test_training_reads_nothing_of_the_scored_part(run: Replayed) -> None:
     assert control != doc
 
 
-@pytest.mark.parametrize("by", ["time", "attempt"])
+@pytest.mark.parametrize("by", ["time", "attempt", "account"])
 def test_the_cross_validated_parts_cover_the_history_once_and_leave_every_fold_filled(
     run: Replayed, by: str
 ) -> None:
