@@ -50,17 +50,20 @@ def benign_rate_bound(alerted: int, payments: int) -> float:
 
 
 def _measured(named: Sequence[set[str]], run: Replayed) -> dict[str, Any]:
-    """What the detector's alerts (`named`, per payment) measure on `run`: the benign payments alerted,
-    the laundering payments' recall, the benign rate's bound and the estimates at the base rates."""
+    """What the detector's alerts (`named`, per payment) measure on `run`: the benign payments alerted
+    and the payers they come from (an analyst clears one account's alerts together), the laundering
+    payments' recall, the benign rate's bound and the estimates at the base rates."""
     benign = [i for i, label in enumerate(run.labels) if label == BENIGN]
     laundering = [i for i, label in enumerate(run.labels) if label != BENIGN]
     alerted = sum(bool(named[i]) for i in benign)
+    payers = len({run.payments[i].payer for i in benign if named[i]})
     recall = sum(bool(named[i]) for i in laundering) / len(laundering) if laundering else 0.0
     bound = benign_rate_bound(alerted, len(benign))
     return {
         "benign": benign,
         "laundering": laundering,
         "benign_alerted": alerted,
+        "benign_payers_alerted": payers,
         "recall": recall,
         "bound": bound,
         "estimated": estimates(recall, alerted / len(benign) if benign else 0.0, bound),
@@ -192,6 +195,7 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
             "payments": len(benign),
             "between_two_parties": len(two_party),
             "alerted": benign_alerted,
+            "payers_alerted": measured["benign_payers_alerted"],
             "share_of_all": _ratio(benign_alerted, len(benign)),
             "share_of_two_party": _ratio(sum(bool(named[i]) for i in two_party), len(two_party)),
             "share_of_all_upper_95": round(measured["bound"], 5),
@@ -308,6 +312,7 @@ def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, 
                 "own_typology_each": {t: v["own_typology"] for t, v in per_typology.items()},
                 "own_typology_by_size": {k: v["own_typology"] for k, v in per_size(named, run).items()},
                 "benign_alerted": benign_alerted,
+                "benign_payers_alerted": measured["benign_payers_alerted"],
                 "benign_share": _ratio(benign_alerted, len(measured["benign"])),
                 "benign_share_upper_95": round(measured["bound"], 5),
                 "payment_recall": round(measured["recall"], 4),
@@ -363,7 +368,8 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
     b = report["benign"]
     lines.append(
         f"benign alerted: {b['alerted']:,} of {b['payments']:,} ({_percent(b['share_of_all'])} of all, "
-        f"{_percent(b['share_of_two_party'])} of the {b['between_two_parties']:,} between two parties); "
+        f"{_percent(b['share_of_two_party'])} of the {b['between_two_parties']:,} between two parties) "
+        f"from {_payers(b['payers_alerted'])}; "
         f"laundering payments alerted: {report['payment_recall']:.3f} of {report['laundering_payments']:,}"
     )
     lines.append(
@@ -380,7 +386,8 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
             f"alert budget {b['budget']:g} ({b['allowed_where_set']:,} benign alerts where it was set, "
             f"{_rules_beside(b['rules_beside'])}): own typology "
             f"{b['own_typology']:.3f}{_lowest(b['own_typology_each'])}, any alert {b['any_alert']:.3f}, "
-            f"benign alerted {b['benign_alerted']:,} ({_percent(b['benign_share'])}, below "
+            f"benign alerted {b['benign_alerted']:,} from {_payers(b['benign_payers_alerted'])} "
+            f"({_percent(b['benign_share'])}, below "
             f"{_percent(b['benign_share_upper_95'])}); precision at {next(iter(BASE_RATES))} "
             f"{hi['precision']:.3f}, at least {hi['precision_at_least']:.3f}"
         )
@@ -391,6 +398,11 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())
         lines.append(f"precision at the top of the queue, {name}: {shown}")
     return lines
+
+
+def _payers(count: int) -> str:
+    """How many payers a report's benign alerts come from, as its text says it."""
+    return f"{count:,} payer{'' if count == 1 else 's'}"
 
 
 def _lowest(each: Mapping[str, float | None]) -> str:

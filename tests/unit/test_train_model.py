@@ -34,6 +34,7 @@ from aml_app.training.history import read_history
 from aml_app.training.holdout import (
     BASE_RATES,
     PARTS,
+    _measured,
     benign_rate_bound,
     crossed,
     estimates,
@@ -335,6 +336,29 @@ def test_the_report_counts_what_the_model_and_its_rules_alert(run: Replayed) -> 
     no_rules = {**doc, "alerting_rules": [], "cut": 0.0}  # nothing alerts
     silent = scored(no_rules, parts.score)
     assert silent["benign"]["alerted"] == 0 and silent["any_alert"] == 0
+
+
+def test_the_report_counts_the_payers_its_benign_alerts_come_from(run: Replayed) -> None:
+    """An analyst clears one account's alerts together: four benign alerts from two payers are two
+    accounts to look at. Neither the payments alerted nor every payer alerted (a laundering one too)."""
+    payers = ["hub", "hub", "hub", "hub", "shop", "shop", "mule"]
+    toy = Replayed(
+        payments=[SimpleNamespace(payer=p, payee="x", payment_id=str(i)) for i, p in enumerate(payers)],
+        labels=[BENIGN] * 6 + ["fan_out"],
+        attempts=[("fan_out", [6])],
+    )
+    named = [{"fan_out"}, {"fan_out"}, {"fan_out"}, set(), {"fan_in"}, set(), {"fan_out"}]
+    measured = _measured(named, toy)
+    assert (measured["benign_alerted"], measured["benign_payers_alerted"]) == (4, 2)
+    parts = split(run, "attempt")
+    doc, _ = train([parts.learn], [parts.cut], SMALL)
+    report = scored({**doc, "alerting_rules": [], "cut": 1.0}, parts.score)  # every two-party payment
+    benign = [p for p, label in zip(parts.score.payments, parts.score.labels, strict=True) if label == BENIGN]
+    two_party = {p.payer for p in benign if p.payer != p.payee}
+    assert report["benign"]["payers_alerted"] == len(two_party) < report["benign"]["alerted"]
+    assert f"from {len(two_party):,} payers;" in next(
+        line for line in rendered(report) if line.startswith("benign alerted:")
+    )
 
 
 def test_recall_by_the_attempts_payments_counts_each_attempt_in_its_band_once() -> None:
