@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import tempfile
 import uuid
@@ -22,6 +23,9 @@ from tests.harness import DecisionLog, Names, Worker
 from tests.jvm import in_process_session, short_lived_jvms
 
 short_lived_jvms()
+# `make test` runs two test processes on two cores: scikit-learn's OpenMP pool (sized when it first loads)
+# takes one thread in each, so two processes fitting trees at once never spin waiting on each other.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 @pytest.fixture(scope="session")

@@ -5,6 +5,7 @@ alert saying why. Services B and C are the naive reference (`aml_app/training/re
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -17,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_info
 
 from aml_app.detection.evidence import Cycle
 from aml_app.detection.model import (
@@ -101,6 +103,14 @@ def test_the_trees_walked_here_give_scikit_learns_probabilities(
     assert np.array_equal(
         model.probabilities(with_gaps[:300]), np.vstack([model.probabilities(row) for row in with_gaps[:300]])
     )
+
+
+def test_the_tests_fit_trees_on_one_openmp_thread_per_process() -> None:
+    """`make test`'s two processes share two cores: a second OpenMP thread in each only contends with
+    the other process's trees."""
+    importlib.import_module("sklearn.ensemble")  # loads the OpenMP runtime the trees are fitted on
+    pools = [pool for pool in threadpool_info() if pool["user_api"] == "openmp"]
+    assert pools and [pool["num_threads"] for pool in pools] == [1] * len(pools)
 
 
 def test_training_weighs_each_attempt_alike_and_each_class_alike() -> None:
