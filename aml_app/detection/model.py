@@ -35,7 +35,7 @@ import math
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 from importlib import resources
 from math import log1p
@@ -101,6 +101,8 @@ FEATURES: tuple[str, ...] = (
     *(f"format_{name}" for name in PAYMENT_FORMATS),
 )
 _WEEK = timedelta(days=7)
+#: Where a week's horizon stops for a payment in the contract's first week (year 0001) instead of overflowing.
+_EARLIEST = datetime.min.replace(tzinfo=UTC)
 _WINDOWS = ("1h", "24h", "7d")
 #: Where the payer's 24 h and 7 d sent totals are in a row (its received totals follow them).
 _PAYER_24H_SENT = FEATURES.index("payer_24h_sent_total")
@@ -136,7 +138,7 @@ def features(evidence: Evidence, hits: Sequence[Hit], thresholds: AmlThresholds)
                 _in_reporting(rates, received) if received else 0.0,
             )
     edge = payer.out.get(evidence.payee)  # as of the payment's time: it counts this payment
-    week_ago = evidence.ts - _WEEK
+    week_ago = evidence.ts - _WEEK if evidence.ts - _EARLIEST > _WEEK else _EARLIEST
     plain += (
         payer_aggregates.near_threshold_24h,
         payee_aggregates.near_threshold_24h,

@@ -37,6 +37,8 @@ from aml_app.gate.watermark import Json
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 MICROSECOND = timedelta(microseconds=1)
+#: The earliest instant a payment's `ts` may hold (the contract's year 0001), in microseconds since the epoch.
+EARLIEST_US = (datetime.min.replace(tzinfo=UTC) - EPOCH) // MICROSECOND
 
 
 def micros(ts: str) -> int:
@@ -170,10 +172,11 @@ def admits(cut: Cut | None, partition: int, offset: int, event_us: int, lateness
 
 
 def decided_at(cut: Cut, event_us: int, lateness_us: int) -> dict[str, Any]:
-    """What a decision records of the cut it was decided at: the instant, the frontier and every W(q)."""
+    """What a decision records of the cut it was decided at: the instant, the frontier and every W(q).
+    The instant stops at the earliest one a payment may hold: a year-1 payment's cut is not in year 0."""
     frontier = cut.frontier
     return {
-        "at": instant(event_us - lateness_us),
+        "at": instant(max(event_us - lateness_us, EARLIEST_US)),
         "frontier": None if frontier is None else instant(frontier),
         "watermarks": dict(cut.watermarks),
         **({"derived": {g: dict(o) for g, o in cut.derived.items()}} if cut.derived else {}),

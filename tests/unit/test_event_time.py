@@ -82,6 +82,15 @@ def test_a_decision_records_the_cut_it_was_decided_at() -> None:
     }
 
 
+def test_a_decision_dated_within_the_lateness_of_year_one_records_the_earliest_instant() -> None:
+    """The contract accepts years 0001-9999: the cut a year-1 payment is decided at stops at the earliest
+    instant rather than overflow and crash the lane on every worker in turn."""
+    first = micros("0001-01-01T00:00:30Z")
+    row_ = cut({0: 5}, {0: Unapplied(5, None)})
+    assert admits(row_, 0, 4, first, MINUTE)
+    assert decided_at(row_, first, MINUTE)["at"] == "0001-01-01T00:00:00Z"
+
+
 def record(
     value: bytes | None, timestamp: int = 1_800_000_000_000, key: bytes | None = b"a"
 ) -> ConsumerRecord:

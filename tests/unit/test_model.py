@@ -11,6 +11,7 @@ import math
 import os
 import subprocess
 import sys
+from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
 from types import SimpleNamespace
@@ -568,3 +569,24 @@ def test_training_counts_the_models_second_name_beside_a_rule() -> None:
     assert named_right(probabilities, classes, 0.05, run, set(), np.zeros(3)) == 0  # no rule: cycle
     # the model vetoes the rule where it finds the payment benign enough: then it names cycle itself
     assert named_right(probabilities, classes, 0.05, run, {"aml.cycle"}, np.zeros(3), veto=0.005) == 0
+
+
+def test_a_payment_dated_in_the_first_week_of_year_one_gets_its_features(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    """The contract accepts years 0001-9999; the model's week-long horizon stops at the earliest instant
+    rather than overflow (B and C clamp their windows the same way)."""
+    thresholds = AmlThresholds()
+    evidence = _evidence(real[2], lambda e: e.payer != e.payee and e.payer_relations.out)
+    early = datetime(1, 1, 2, tzinfo=UTC)
+    dated = dataclasses.replace(
+        evidence,
+        ts=early,
+        payer_aggregates=dataclasses.replace(evidence.payer_aggregates, at=early),
+        payee_aggregates=dataclasses.replace(evidence.payee_aggregates, at=early),
+    )
+    row = features(dated, [], thresholds)
+    assert len(row) == len(FEATURES)
+    # Every payee B knows of was first paid after the week's start, which is the earliest instant.
+    assert row[FEATURES.index("payer_new_payees_7d")] == row[FEATURES.index("payer_payees")] > 0
+    shipped.hit(dated, aml_rules(dated, thresholds), thresholds)
