@@ -353,7 +353,14 @@ class WorkerGate(Service):
     def distrusted(self, row: Stamped) -> str | None:
         """Why this worker may not admit payments on `row` now (`aml_app.gate.watermark.distrust`)."""
         generation = app.consumer_generation_id
-        return distrust(row, time.time(), settings.gate.watermark_max_age, generation, self.gate.log)
+        return distrust(
+            row,
+            time.time(),
+            settings.gate.watermark_max_age,
+            generation,
+            self.gate.log,
+            groups=settings.depends_on,
+        )
 
     # --- the leader's refresh -----------------------------------------------------------------------
 
@@ -480,7 +487,13 @@ class WorkerGate(Service):
             return Outcome.OVERRAN
         derived = next((row.derived for row in rows.values() if row.derived), None)
         row = cut_row(
-            reached, found, time.time(), generation=app.consumer_generation_id, log=log_id, derived=derived
+            reached,
+            found,
+            time.time(),
+            generation=app.consumer_generation_id,
+            log=log_id,
+            derived=derived,
+            groups=settings.depends_on,
         )
         old = cut_of.get(CUT)
         changed = old is None or replace(old, refreshed_at=row.refreshed_at) != row

@@ -28,7 +28,7 @@ Payments within the allowed lateness of t (timestamped in (t - lateness, t]) are
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -85,6 +85,8 @@ class Cut:
     log: str | None = None
     #: A derived group's offsets on its topic, of the same reading (`watermark.derived_need`).
     derived: Mapping[str, Mapping[str, int]] | None = None
+    #: The dependency groups every W(q) is the minimum over (the leader's AML_DEPENDS_ON).
+    groups: tuple[str, ...] = ()
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Cut:
@@ -99,6 +101,7 @@ class Cut:
             generation=doc.get("generation"),
             log=doc.get("log"),
             derived=doc.get("derived") or None,
+            groups=tuple(doc.get("groups") or ()),
         )
 
     def as_json(self) -> Json:
@@ -112,6 +115,7 @@ class Cut:
             "refreshed_at": self.refreshed_at,
             "generation": self.generation,
             "log": self.log,
+            "groups": list(self.groups),
             **({"derived": {g: dict(o) for g, o in self.derived.items()}} if self.derived else {}),
         }
 
@@ -124,6 +128,7 @@ def cut_row(
     generation: int | None = None,
     log: str | None = None,
     derived: Mapping[str, Any] | None = None,
+    groups: Sequence[str] = (),
 ) -> Cut:
     """The one row the event-time gate reads: every partition's W(q) and the frontier of that reading.
 
@@ -158,6 +163,7 @@ def cut_row(
         generation=generation,
         log=log,
         derived=dict(derived) if derived else None,
+        groups=tuple(groups),
     )
 
 

@@ -7,7 +7,8 @@ dependencies' statuses say.
 Pure functions over the watermark table's rows (and who waits where), so the web page, `/metrics` and
 `aml-app status` show the same thing and every rule is unit-tested. The rules, in order of precedence:
 
-- `error`: the last refresh failed; every number is the last one known.
+- `error`: the last refresh failed (every number is the last one known), or the leader's rows do not
+  count the group (the leader runs with another AML_DEPENDS_ON, as in a rolling restart).
 - `unknown group`: the group has no committed offset on any partition (a wrong name, or never started).
 - `stalled`: on some partition a payment waits at offset w, the group's committed offset is <= w (it
   holds that payment back) and it has not advanced for `stall_after` seconds.
@@ -101,6 +102,7 @@ def _stalled_on(group: str, part: Mapping[str, Any], now: float, limits: Limits)
     waiting, advanced = part["waiting_offset"], part["advanced_at"].get(group)
     return (
         waiting is not None
+        and group in part["dependencies"]
         and part["dependencies"][group] <= waiting
         and advanced is not None
         and now - advanced >= limits.stall_after
@@ -128,8 +130,15 @@ def dependency_view(
     lags = [p["dependency_lag"].get(group) for p in parts]
     advanced = [t for p in parts if (t := p["advanced_at"].get(group)) is not None]
     last_advance = max(advanced) if advanced else None
+    uncounted = [p["partition"] for p in parts if group not in p["dependencies"]]
     if error:
         status, detail = ERROR, f"the last offset refresh failed ({error}); showing the last known offsets"
+    elif uncounted:
+        status, detail = (
+            ERROR,
+            f"the leader's rows do not count this group on {plural_partitions(uncounted)} (the leader runs "
+            "with another AML_DEPENDS_ON): this worker's gate stays closed there",
+        )
     elif all(group in p["never_committed"] for p in parts):
         status, detail = UNKNOWN_GROUP, "no committed offset on any partition: is the group name right?"
     elif stalled:
@@ -158,7 +167,7 @@ def dependency_view(
         "stalled_partitions": stalled,
         "lagging_partitions": lagging,
         "holding_back": [p["partition"] for p in parts if group in p["bottleneck"] and _held(p)],
-        "committed": {str(p["partition"]): p["dependencies"][group] for p in parts},
+        "committed": {str(p["partition"]): p["dependencies"].get(group) for p in parts},
     }
 
 

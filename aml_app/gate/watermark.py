@@ -8,7 +8,7 @@ has finished nothing: its contribution is 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -44,6 +44,11 @@ class WatermarkRow:
     #: The last refresh's failure on this partition, and when (the offsets are the last good reading).
     error: str | None = None
     error_at: float | None = None
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The dependency groups W(p) is the minimum over (the leader's AML_DEPENDS_ON)."""
+        return tuple(self.dependencies)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> WatermarkRow:
@@ -98,6 +103,9 @@ class Stamped(Protocol):
 
     @property
     def log(self) -> str | None: ...
+
+    @property
+    def groups(self) -> tuple[str, ...]: ...
 
 
 class CutLike(Protocol):
@@ -198,7 +206,13 @@ def is_open(offset: int, row: WatermarkRow | None) -> bool:
 
 
 def distrust(
-    row: Stamped, now: float, max_age: float, generation: int | None, log: str | None = None
+    row: Stamped,
+    now: float,
+    max_age: float,
+    generation: int | None,
+    log: str | None = None,
+    *,
+    groups: Collection[str] = (),
 ) -> str | None:
     """Why a worker may not admit payments on `row` (None: it may).
 
@@ -208,13 +222,24 @@ def distrust(
     in this worker's consumer generation or later: a restarted worker, or one after a rebalance, waits
     for the current leader's first refresh instead of trusting rows its changelog replayed. And its
     offsets must be of the `log` this worker reads (`aml_app.kafka.identity`): after the topic is
-    deleted and created again, or the cluster changes, offsets of two logs are never compared.
+    deleted and created again, or the cluster changes, offsets of two logs are never compared. And its
+    watermark must count every group of `groups`, those this worker depends on: while AML_DEPENDS_ON
+    changes in a rolling restart, a leader still on the old setting publishes a W(p) that says nothing
+    of a group added to it.
     """
     if log is not None and row.log != log:
         return (
             f"the row's offsets are of log {row.log}, but this worker reads log {log} (the payments "
             "topic was deleted and created again, or the cluster changed): offsets of two logs are not "
             "compared; the workers read the current log at their next assignment (restart them)"
+        )
+    uncounted = [g for g in groups if g not in row.groups]
+    if uncounted:
+        return (
+            f"the row's watermark does not count group{'s' if len(uncounted) > 1 else ''} "
+            f"{', '.join(uncounted)}, which this worker depends on (it counts "
+            f"{', '.join(row.groups) or 'none'}: the leader runs with another AML_DEPENDS_ON); waiting "
+            "for a leader that depends on the same groups"
         )
     age = now - row.refreshed_at
     if age > max_age:

@@ -160,6 +160,18 @@ def test_error_wins_over_everything() -> None:
     assert view["gate"]["admin_error_at"] == NOW - 1
 
 
+def test_a_group_the_leaders_rows_do_not_count_is_an_error_and_never_breaks_the_view() -> None:
+    """A group added to AML_DEPENDS_ON during a rolling restart: the leader (still on the old setting)
+    writes rows without it. The view names it and keeps every other group's status."""
+    rows = rows_for({"r": {0: 4, 1: 7}}, {0: 10, 1: 7}, advanced=NOW - 1000)
+    view = describe(rows, ["r", "risk"], NOW, LIMITS, waiting={0: 4})
+    r, risk = view["dependencies"]
+    assert r["status"] == STALLED and r["committed"] == {"0": 4, "1": 7}
+    assert risk["status"] == ERROR and risk["committed"] == {"0": None, "1": None}
+    assert risk["detail"].startswith("the leader's rows do not count this group on partitions 0, 1")
+    assert risk["stalled_partitions"] == [] and risk["lag"] is None
+
+
 def test_without_log_ends_lag_is_unknown_and_not_lagging() -> None:
     rows = build_rows([0], {"r": {0: 3}}, NOW - 1000)  # the leader has not read a log end yet
     d = status_of("r", rows)

@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from aml_app.gate.event_time import Cut, Unapplied, cut_row
 from aml_app.gate.watermark import (
     Demand,
     WatermarkRow,
@@ -344,6 +345,26 @@ def test_a_row_of_another_log_is_not_trusted() -> None:
     assert reason is not None and reason.startswith("the row's offsets are of log c:old, but this worker")
     assert distrust(replace(row, log=None), 100.0, 5.0, 3, log="c:new") is not None
     assert distrust(row, 100.0, 5.0, 3, log=None) is None  # the worker has not read its log yet
+
+
+def test_a_row_that_does_not_count_every_group_this_worker_depends_on_is_not_trusted() -> None:
+    """A group added to AML_DEPENDS_ON during a rolling restart: the leader on the old setting writes
+    W(p) without it, and a worker on the new one must not admit payments the new group has not applied.
+    A leader counting more groups than the worker gives a lower W(p): safe, so trusted."""
+    row = build_rows([0], {"relations": {0: 9}, "aggregates": {0: 8}}, 100.0, generation=3)[0]
+    assert row.groups == ("relations", "aggregates")
+    assert distrust(row, 100.0, 5.0, 3, groups=("aggregates", "relations")) is None
+    assert distrust(row, 100.0, 5.0, 3, groups=("relations",)) is None
+    reason = distrust(row, 100.0, 5.0, 3, groups=("relations", "aggregates", "risk"))
+    assert reason is not None and reason.startswith(
+        "the row's watermark does not count group risk, which this worker depends on"
+    )
+    cut = cut_row({0: 8}, {0: Unapplied(8, None)}, 100.0, generation=3, groups=("relations", "aggregates"))
+    assert Cut.from_json(cut.as_json()) == cut and cut.groups == ("relations", "aggregates")
+    assert distrust(cut, 100.0, 5.0, 3, groups=("relations", "aggregates")) is None
+    assert distrust(cut, 100.0, 5.0, 3, groups=("relations", "aggregates", "risk")) is not None
+    unnamed = Cut.from_json({k: v for k, v in cut.as_json().items() if k != "groups"})
+    assert distrust(unnamed, 100.0, 5.0, 3, groups=("relations",)) is not None
 
 
 def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generation() -> None:

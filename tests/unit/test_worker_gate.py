@@ -192,3 +192,29 @@ def test_only_the_fast_timers_overlapping_is_not_a_warning() -> None:
         [sys.executable, "-c", OVERLAPS], capture_output=True, text=True, timeout=120, check=True
     )
     assert json.loads(out.stdout.strip().splitlines()[-1]) == ["watch_refresh", "watch_stalls"]
+
+
+GROUPS = """
+import json, time
+from aml_app.gate.watermark import build_rows
+from aml_app.tables import watermarks as w
+
+gate = w.gate_service()
+now, generation = time.time(), w.app.consumer_generation_id
+old = build_rows([0], {"relations": {0: 9}, "aggregates": {0: 9}}, now, generation=generation)[0]
+new = build_rows([0], {g: {0: 9} for g in w.settings.depends_on}, now, generation=generation)[0]
+print(json.dumps([list(w.settings.depends_on), gate.distrusted(old), gate.distrusted(new)]))
+"""
+
+
+def test_a_worker_distrusts_rows_that_do_not_count_a_group_it_depends_on() -> None:
+    """A worker restarted with a group added to AML_DEPENDS_ON keeps its gate closed on the rows a
+    leader on the old setting writes, and opens it on rows that count every group it depends on."""
+    env = {**os.environ, "AML_DEPENDS_ON": "relations,aggregates,risk"}
+    out = subprocess.run(
+        [sys.executable, "-c", GROUPS], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    groups, old, new = json.loads(out.stdout.strip().splitlines()[-1])
+    assert groups == ["relations", "aggregates", "risk"]
+    assert old is not None and "does not count group risk" in old
+    assert new is None
