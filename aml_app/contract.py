@@ -293,6 +293,32 @@ def origin_headers(
     ]
 
 
+#: The most bytes of a record's value one record set aside (a dead letter, a review copy) carries. A
+#: record the contract refuses for its size can be larger than a producer's `max.request.size` or a
+#: topic's `max.message.bytes` (1 MB by default): sent whole, it would be refused for ever and hold its
+#: partition. A larger value goes in parts (`in_parts`).
+SET_ASIDE_PART_BYTES = 512 * 1024
+
+
+def in_parts(
+    value: bytes | None, headers: list[tuple[str, bytes]], prefix: str, part_bytes: int = SET_ASIDE_PART_BYTES
+) -> list[tuple[bytes | None, list[tuple[str, bytes]]]]:
+    """The records that carry `value` with `headers`: itself, or when larger than `part_bytes` its
+    consecutive slices, each with `<prefix>.part` (`i/n`, from 1) and `<prefix>.bytes` (the whole
+    value's length), so that a reader joins the parts of one origin in order into the original bytes."""
+    if value is None or len(value) <= part_bytes:
+        return [(value, headers)]
+    count = -(-len(value) // part_bytes)
+    total = str(len(value)).encode()
+    return [
+        (
+            value[i * part_bytes : (i + 1) * part_bytes],
+            [*headers, (f"{prefix}.part", f"{i + 1}/{count}".encode()), (f"{prefix}.bytes", total)],
+        )
+        for i in range(count)
+    ]
+
+
 def dead_letter_headers(
     reason: str, topic: str, partition: int, offset: int, origin: str
 ) -> list[tuple[str, bytes]]:

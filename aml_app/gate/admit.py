@@ -100,11 +100,7 @@ class Admitter:
         (`Admission.go_on`)."""
         p, offset = event.message.partition, event.message.offset
         if isinstance(parsed, InvalidPayment):
-
-            def failed(attempt: int, exc: BaseException, wait: float) -> None:
-                self.handling.failed_at(p, offset, 1, attempt, exc, wait)
-
-            await self.sink.dead_letter(event, str(parsed), on_failure=failed)
+            await self.handling.dead_letter(event, str(parsed))
             return None
         if self.gate_enabled:
             opening = await self.gate.wait_open(p, offset, event_us, self.stale_after)

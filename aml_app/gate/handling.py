@@ -12,6 +12,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from faust.types import EventT
+
 from aml_app.backoff import retry_forever
 from aml_app.faust_internals import set_current_event
 from aml_app.gate.gate import Admission, Admitted
@@ -105,7 +107,7 @@ class Handling:
                 lambda: self.call(admitted),
                 on_failure=failed,
                 attempts=self.max_attempts or None,
-                stop=lambda: any(self._asked_to_park(a.admission) is not None for a in admitted),
+                stop=lambda: self._any_asked(admitted),
             )
         except Exception as exc:  # a retry ceiling or a park request: retry_forever raises nothing else
             if len(admitted) > 1:
@@ -113,25 +115,42 @@ class Handling:
                 waits = [p for p in pending if p is not None]
                 return asyncio.gather(*waits) if waits else None
             attempts[0] += 1  # the failure retry_forever raised was not reported to `failed`
-            await self._park(admitted[0], attempts[0], exc)
+            await self._park(admitted[0].event, first.partition, first.offset, attempts[0], exc)
             return None
 
-    async def _park(self, admitted: Admitted, attempts: int, exc: BaseException) -> None:
-        asked = self._asked_to_park(admitted.admission)
+    async def _park(
+        self,
+        event: EventT[Any],
+        partition: int,
+        offset: int,
+        attempts: int,
+        exc: BaseException,
+        why: str = "",
+    ) -> None:
+        """Write the payment to the review topic, saying why: an operator's request (if one was made
+        before the ceiling) or the ceiling, the last error, and `why` more."""
+        asked = self._asked_to_park(partition, offset)
         if asked is not None and (not self.max_attempts or attempts < self.max_attempts):
-            why = f"parked by hand ({asked.by}: {asked.reason or 'no reason given'})"
+            parked = f"parked by hand ({asked.by}: {asked.reason or 'no reason given'})"
         else:
-            why = f"parked after {attempts} failed attempts"
-        reason = f"{why}: {describe_error(exc)}"
-        await self.sink.to_review(admitted.event, ReviewKind.PARKED, reason, attempts=attempts)
+            parked = f"parked after {attempts} failed attempts"
+        reason = f"{parked}: {describe_error(exc)}" + (f"; {why}" if why else "")
+        await self.sink.to_review(event, ReviewKind.PARKED, reason, attempts=attempts)
 
-    def _asked_to_park(self, admission: Admission) -> ParkRequest | None:
-        if self.park_requested is None:
-            return None
-        return self.park_requested(admission.partition, admission.offset)
+    def _asked_to_park(self, partition: int, offset: int) -> ParkRequest | None:
+        return None if self.park_requested is None else self.park_requested(partition, offset)
+
+    def _any_asked(self, admitted: list[Admitted]) -> bool:
+        return any(self._asked_to_park(a.admission.partition, a.admission.offset) for a in admitted)
+
+    def _gives_up(self, admitted: list[Admitted], failures: int) -> bool:
+        """Whether `failures` failed attempts reach the retry ceiling, or an operator asked to park."""
+        return bool(self.max_attempts and failures >= self.max_attempts) or self._any_asked(admitted)
 
     async def redo(self, admitted: list[Admitted], exc: BaseException) -> None:
-        """Handle the payments again: their pending work (the sends) failed with `exc`."""
+        """Handle the payments again: their pending work (the sends) failed with `exc`, their first failed
+        attempt. As in `handle`, a batch that reaches the retry ceiling or a park request is handled one
+        payment at a time, and a payment that reaches it alone is parked."""
         first = admitted[0].admission
         self.failed(admitted, 1, exc, 0.0)
         log.warning(
@@ -147,12 +166,54 @@ class Handling:
             if pending is not None:
                 await pending
 
-        await retry_forever(
-            f"processing {len(admitted)} payment(s) again at {first.partition}:{first.offset} "
-            "(their pending work failed)",
-            again,
-            on_failure=lambda attempt, exc, wait: self.failed(admitted, attempt, exc, wait),
-        )
+        failures, last = [1], exc
+
+        def failed(attempt: int, error: BaseException, wait: float) -> None:
+            failures[0] = attempt + 1
+            self.failed(admitted, attempt + 1, error, wait)
+
+        if not self._gives_up(admitted, 1):
+            try:
+                await retry_forever(
+                    f"processing {len(admitted)} payment(s) again at {first.partition}:{first.offset} "
+                    "(their pending work failed)",
+                    again,
+                    on_failure=failed,
+                    attempts=self.max_attempts - 1 if self.max_attempts else None,
+                    stop=lambda: self._any_asked(admitted),
+                )
+                return
+            except Exception as error:  # a retry ceiling or a park request
+                failures[0] += 1
+                last = error
+        if len(admitted) > 1:
+            for one in admitted:
+                await self.redo([one], last)
+            return
+        await self._park(admitted[0].event, first.partition, first.offset, failures[0], last)
+
+    async def dead_letter(self, event: EventT[Any], reason: str) -> None:
+        """Write a payment that breaks the contract to the dead-letter topic, retrying as `handle` does:
+        at the retry ceiling or an operator's request it is parked on the review topic instead, with
+        both reasons, so a dead-letter topic that refuses it never holds the partition."""
+        partition, offset = event.message.partition, event.message.offset
+        failures = [0]
+
+        def failed(attempt: int, exc: BaseException, wait: float) -> None:
+            failures[0] = attempt
+            self.failed_at(partition, offset, 1, attempt, exc, wait)
+
+        try:
+            await self.sink.dead_letter(
+                event,
+                reason,
+                on_failure=failed,
+                attempts=self.max_attempts or None,
+                stop=lambda: self._asked_to_park(partition, offset) is not None,
+            )
+        except Exception as exc:  # a retry ceiling or a park request: retry_forever raises nothing else
+            why = f"it breaks the contract ({reason}) and its dead letter failed"
+            await self._park(event, partition, offset, failures[0] + 1, exc, why)
 
     async def call(self, admitted: list[Admitted]) -> LeftToComplete:
         # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use

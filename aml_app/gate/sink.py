@@ -1,18 +1,20 @@
 """Where a lane sends the payments it does not decide: those that break the contract to the dead-letter
 topic, those decided stale or parked to the review topic. Each record is the original key and bytes, with
-why and where it was read in headers (`dlq.*`, `review.*`: docs/contract.md); each send is retried until
-the broker has it, so nothing set aside is lost."""
+why and where it was read in headers (`dlq.*`, `review.*`: docs/contract.md), a value too large for one
+record in parts (`aml_app.contract.in_parts`); each send is retried until the broker has it, so nothing
+set aside is lost."""
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from enum import StrEnum
 from typing import Any
 
 from faust.types import EventT, TopicT
 
 from aml_app.backoff import OnFailure, retry_forever
-from aml_app.contract import dead_letter_headers, origin_headers
+from aml_app.contract import dead_letter_headers, in_parts, origin_headers
 from aml_app.gate.stats import GateStats
 
 log = logging.getLogger(__name__)
@@ -34,13 +36,31 @@ class Sink:
         self.worker_id = worker_id
         self.stats = stats
 
-    async def dead_letter(self, event: EventT[Any], reason: str, on_failure: OnFailure | None = None) -> None:
-        """The original bytes as the value, the reason and the origin in headers (Kafka Connect style)."""
+    async def dead_letter(
+        self,
+        event: EventT[Any],
+        reason: str,
+        on_failure: OnFailure | None = None,
+        attempts: int | None = None,
+        stop: Callable[[], bool] | None = None,
+    ) -> None:
+        """The original bytes as the value, the reason and the origin in headers (Kafka Connect style).
+        Retried until the broker has it, or (raising the last error) `attempts` failures or `stop()`."""
         message = event.message
         headers = dead_letter_headers(
             reason, message.topic, message.partition, message.offset, self.worker_id
         )
-        await self._send(self.dead_letters, "the dead-letter topic", event, headers, None, on_failure)
+        await self._send(
+            self.dead_letters,
+            "the dead-letter topic",
+            "dlq",
+            event,
+            headers,
+            None,
+            on_failure,
+            attempts,
+            stop,
+        )
         self.stats.dead_lettered += 1
         log.info(
             "dead-lettered %s partition %d offset %d: %s",
@@ -64,7 +84,7 @@ class Sink:
             kind=kind.value,
             attempts=attempts,
         )
-        await self._send(self.review, "the review topic", event, headers, message.partition, None)
+        await self._send(self.review, "the review topic", "review", event, headers, message.partition, None)
         if kind is ReviewKind.STALE:
             self.stats.decided_stale += 1
         else:
@@ -82,10 +102,13 @@ class Sink:
     async def _send(
         topic: TopicT,
         where: str,
+        prefix: str,
         event: EventT[Any],
         headers: list[tuple[str, bytes]],
         partition: int | None,
         on_failure: OnFailure | None,
+        attempts: int | None = None,
+        stop: Callable[[], bool] | None = None,
     ) -> None:
         message = event.message
 
@@ -93,10 +116,20 @@ class Sink:
         # payment's partition.
         where_to: dict[str, Any] = {} if partition is None else {"partition": partition}
 
-        async def send() -> None:
-            fut = await topic.send(key=message.key, value=message.value, headers=headers, **where_to)
-            await fut
+        parts = in_parts(message.value, headers, prefix)
+        for number, (value, part_headers) in enumerate(parts, 1):
 
-        await retry_forever(
-            f"writing {message.partition}:{message.offset} to {where}", send, on_failure=on_failure
-        )
+            async def send(
+                value: bytes | None = value, part_headers: list[tuple[str, bytes]] = part_headers
+            ) -> None:
+                fut = await topic.send(key=message.key, value=value, headers=part_headers, **where_to)
+                await fut
+
+            part = f" (part {number} of {len(parts)})" if len(parts) > 1 else ""
+            await retry_forever(
+                f"writing {message.partition}:{message.offset} to {where}{part}",
+                send,
+                on_failure=on_failure,
+                attempts=attempts,
+                stop=stop,
+            )

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from aml_app.contract import dead_letter_headers
+from aml_app.contract import dead_letter_headers, in_parts
 
 DELIVERY_TIMEOUT = 30.0
 
@@ -90,14 +90,15 @@ class DeadLetters:
 
         sent = 0
         for record in records:
-            headers: list[tuple[str, str | bytes | None]] = [
-                *dead_letter_headers(
-                    record.reason, self.source_topic, record.partition, record.offset, self.service
-                )
-            ]
-            self.producer.produce(
-                self.topic, key=record.key, value=record.value, headers=headers, on_delivery=delivered
+            headers = dead_letter_headers(
+                record.reason, self.source_topic, record.partition, record.offset, self.service
             )
+            # A value too large for one record (the producer's message.max.bytes) goes in parts.
+            for value, part_headers in in_parts(record.value, headers, "dlq"):
+                sent_headers: list[tuple[str, str | bytes | None]] = [*part_headers]
+                self.producer.produce(
+                    self.topic, key=record.key, value=value, headers=sent_headers, on_delivery=delivered
+                )
             sent += 1
         if sent:
             remaining = self.producer.flush(DELIVERY_TIMEOUT)

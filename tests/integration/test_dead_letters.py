@@ -85,3 +85,33 @@ async def test_each_malformed_payment_is_dead_lettered_and_the_rest_decided(
         await dlq.stop()
     state = await worker.state()
     assert state["dead_lettered"] == len(MALFORMED)
+
+
+async def test_a_payment_too_large_for_one_record_is_dead_lettered_in_parts_and_the_rest_decided(
+    broker, names, producer, new_worker, deps, decision_log
+):
+    """1.5 MB: larger than the worker's producer sends at once (1 MB by default). Sent whole, the dead
+    letter is refused for ever and holds its partition."""
+    huge = b'{"payload": "' + os.urandom(750_000).hex().encode() + b'"}'
+    good = payment_json("after-huge", "acct-1", "acct-2", "1.00", "2026-11-20T10:15:00Z")
+    placed = await produce(producer, names.payments, [(0, b"acct-1", huge), (0, b"acct-1", good)])
+    worker = new_worker()
+    await CommitTimeline().commit(deps, {p: ends_of(placed).get(p, 0) for p in range(names.partitions)})
+    await decision_log.wait_for({placed[1]}, timeout=60)
+    dlq = await TopicReader(broker.bootstrap, names.dlq, names.partitions).start()
+    try:
+
+        async def whole() -> list | None:
+            await dlq.poll(0.2)
+            return dlq.records if sum(len(r.value) for r in dlq.records) >= len(huge) else None
+
+        parts = await wait_until(whole, 30, "every part of the dead letter", interval=0)
+    finally:
+        await dlq.stop()
+    headers = [{k: v.decode() for k, v in r.headers} for r in parts]
+    order = sorted(range(len(parts)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
+    assert [headers[i]["dlq.part"] for i in order] == [f"{n}/3" for n in (1, 2, 3)]
+    assert b"".join(parts[i].value for i in order) == huge, "the original bytes, in parts"
+    assert {(h["dlq.offset"], h["dlq.bytes"]) for h in headers} == {(str(placed[0][1]), str(len(huge)))}
+    assert all("over the limit" in h["dlq.reason"] for h in headers)
+    assert (await worker.state())["dead_lettered"] == 1

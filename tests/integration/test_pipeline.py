@@ -11,6 +11,7 @@ uncommitted).
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -25,7 +26,7 @@ from aml_app.dependencies.api import aggregates_app, relations_app
 from aml_app.dependencies.store import Reader
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.pipeline import jobs, kafka_source
-from aml_app.pipeline.progress import GroupProgress
+from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
 from aml_app.pipeline.runner import kafka_config
 from tests.harness import Names, wait_until
 from tests.payments import FUTURE, produce_payments
@@ -238,3 +239,25 @@ def test_spark_real_time_mode_refuses_the_python_kafka_source_and_foreach_batch(
         spark.readStream.format("rate").load().writeStream.foreachBatch(lambda frame, batch: None).option(
             "checkpointLocation", str(tmp_path / "sink")
         ).outputMode("update").trigger(realTime="5 seconds").start()
+
+
+async def test_a_dead_letter_too_large_for_one_record_is_sent_in_parts(
+    names: Names, broker: EmbeddedBroker
+) -> None:
+    """A record the contract refuses for its size can be larger than the producer sends at once (1 MB
+    by default): sent whole, every batch carrying it fails and B and C stop at it."""
+    huge = os.urandom(1_200_000)
+    letters = DeadLetters({"bootstrap.servers": broker.bootstrap}, names.dlq, names.payments, "relations")
+    try:
+        reason = "value is 1200000 bytes, over the limit of 65536"
+        assert letters.send([Rejected(2, 41, b"acct-9", huge, reason)]) == 1
+    finally:
+        letters.close()
+    parts = await dead_letters(broker, names.dlq, 3)
+    headers = [{k: v.decode() for k, v in record.headers} for record in parts]
+    order = sorted(range(len(parts)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
+    assert [headers[i]["dlq.part"] for i in order] == ["1/3", "2/3", "3/3"]
+    assert b"".join(parts[i].value for i in order) == huge
+    assert {(h["dlq.partition"], h["dlq.offset"], h["dlq.bytes"], h["dlq.worker"]) for h in headers} == {
+        ("2", "41", "1200000", "relations")
+    }

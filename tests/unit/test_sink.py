@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from aml_app.contract import SET_ASIDE_PART_BYTES
 from aml_app.gate.sink import ReviewKind, Sink
 from aml_app.gate.stats import GateStats
 
@@ -54,3 +55,27 @@ async def test_a_dead_letter_and_its_log_line_name_the_partition_and_the_offset(
         "dead-lettered payments partition 2 offset 6144: value is not JSON",
         "parked payments partition 3 offset 6144: failed 3 times",
     ]
+
+
+async def test_a_value_larger_than_a_part_is_set_aside_in_parts_that_rebuild_it() -> None:
+    """A record the contract refuses for its size can be larger than any producer or topic takes at
+    once (1 MB by default): whole, its send fails for ever and holds the partition."""
+    dead_letters, review = Topic(), Topic()
+    sink = Sink(dead_letters, review, "aml-0", GateStats())  # type: ignore[arg-type]
+    huge = bytes(range(256)) * (2 * SET_ASIDE_PART_BYTES // 256 + 3)
+    big = event(1, 77)
+    big.message.value = huge
+    await sink.dead_letter(big, "value is too large")
+    await sink.to_review(big, ReviewKind.PARKED, "failed 3 times", attempts=3)
+    for sent, prefix in ((dead_letters.sent, "dlq"), (review.sent, "review")):
+        assert len(sent) == 3 and all(len(r["value"]) <= SET_ASIDE_PART_BYTES for r in sent)
+        headers = [dict(r["headers"]) for r in sent]
+        assert [h[f"{prefix}.part"] for h in headers] == [b"1/3", b"2/3", b"3/3"]
+        assert {h[f"{prefix}.bytes"] for h in headers} == {str(len(huge)).encode()}
+        assert {h[f"{prefix}.offset"] for h in headers} == {b"77"}
+        assert b"".join(r["value"] for r in sent) == huge and {r["key"] for r in sent} == {b"p1"}
+    assert all(r["partition"] == 1 for r in review.sent)
+    assert sink.stats.dead_lettered == 1 and sink.stats.payments_parked == 1
+    # A value that fits is one record, without part headers.
+    await sink.dead_letter(event(1, 78), "value is not JSON")
+    assert "dlq.part" not in dict(dead_letters.sent[-1]["headers"])

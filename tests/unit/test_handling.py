@@ -1,0 +1,129 @@
+"""A lane's handling step against the narrowest seams (a handler, a Faust topic): a payment whose work
+keeps failing, however it fails, reaches the retry ceiling or an operator's park request and goes to the
+review topic; none holds its partition for ever."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from aiokafka.errors import KafkaTimeoutError
+
+from aml_app.gate.gate import Admission, Admitted
+from aml_app.gate.handling import Handling
+from aml_app.gate.options import LanePolicy, ParkRequest
+from aml_app.gate.sink import Sink
+from aml_app.gate.stats import GateStats
+from aml_app.models import Payment
+
+DEADLINE = 20.0
+
+
+class Message:
+    def __init__(self, partition: int, offset: int, value: bytes = b"{}") -> None:
+        self.topic, self.partition, self.offset, self.key, self.value = (
+            "payments",
+            partition,
+            offset,
+            b"k",
+            value,
+        )
+
+
+class Event:
+    """What the lane hands over: Faust's event (weakly referenced as the current event)."""
+
+    def __init__(self, partition: int, offset: int, value: bytes = b"{}") -> None:
+        self.message = Message(partition, offset, value)
+
+
+class Topic:
+    """A Faust topic whose broker refuses every send (`fails`) or keeps each record."""
+
+    def __init__(self, fails: bool = False) -> None:
+        self.fails = fails
+        self.sent: list[dict[str, Any]] = []
+
+    async def send(self, **record: Any) -> asyncio.Future[None]:
+        if self.fails:
+            raise KafkaTimeoutError("the broker did not answer")
+        self.sent.append(record)
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)
+        return done
+
+
+def admitted(partition: int, offset: int) -> Admitted:
+    payment = Payment(
+        payment_id=f"p-{offset}",
+        payer="a",
+        payee="b",
+        amount="1.00",
+        currency="EUR",
+        ts="2026-11-20T10:00:00Z",
+    )
+    admission = Admission(partition, offset, watermark=offset + 1, dependencies={}, waited_ms=0.0, gated=True)
+    return Admitted(Event(partition, offset), payment, admission)  # type: ignore[arg-type]
+
+
+async def failing_send(payment: Payment, admission: Admission) -> asyncio.Future[None]:
+    """A handler whose decision the broker never acknowledges."""
+    sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    sent.set_exception(KafkaTimeoutError("the decision was not acknowledged"))
+    return sent
+
+
+def handling(policy: LanePolicy, dead_letters: Topic | None = None) -> tuple[Handling, Topic]:
+    review = Topic()
+    sink = Sink(dead_letters or Topic(), review, "aml-0", GateStats())  # type: ignore[arg-type]
+    return Handling(failing_send, None, sink, GateStats(), policy), review
+
+
+async def test_a_payment_whose_sends_keep_failing_is_parked_at_the_retry_ceiling() -> None:
+    """The lane's acks hand a failed send back (`redo`): its failures count toward AML_MAX_ATTEMPTS."""
+    lane, review = handling(LanePolicy(max_attempts=3))
+    one = admitted(0, 7)
+    await asyncio.wait_for(lane.redo([one], KafkaTimeoutError("the decision was not acknowledged")), DEADLINE)
+    [parked] = review.sent
+    headers = dict(parked["headers"])
+    assert headers["review.kind"] == b"parked" and headers["review.attempts"] == b"3"
+    assert headers["review.reason"].startswith(b"parked after 3 failed attempts: KafkaTimeoutError")
+
+
+async def test_a_batch_whose_sends_keep_failing_is_parked_one_payment_at_a_time() -> None:
+    lane, review = handling(LanePolicy(max_attempts=2))
+    batch = [admitted(1, 4), admitted(1, 5)]
+    await asyncio.wait_for(lane.redo(batch, KafkaTimeoutError("lost")), DEADLINE)
+    assert [dict(r["headers"])["review.offset"] for r in review.sent] == [b"4", b"5"]
+
+
+async def test_an_operator_parks_a_payment_whose_sends_keep_failing() -> None:
+    asked = {(0, 9): ParkRequest(by="ops@host", reason="broker quota")}
+    lane, review = handling(LanePolicy(park_requested=lambda p, o: asked.get((p, o))))
+    await asyncio.wait_for(lane.redo([admitted(0, 9)], KafkaTimeoutError("lost")), DEADLINE)
+    [parked] = review.sent
+    assert dict(parked["headers"])["review.reason"].startswith(b"parked by hand (ops@host: broker quota)")
+
+
+async def test_a_dead_letter_the_broker_keeps_refusing_is_parked_at_the_retry_ceiling() -> None:
+    """A payment that breaks the contract and cannot be dead-lettered goes to review with both reasons."""
+    lane, review = handling(LanePolicy(max_attempts=2), dead_letters=Topic(fails=True))
+    event = Event(2, 11, b"{bad")
+    await asyncio.wait_for(lane.dead_letter(event, "value is not JSON"), DEADLINE)  # type: ignore[arg-type]
+    [parked] = review.sent
+    headers = dict(parked["headers"])
+    assert parked["value"] == b"{bad" and headers["review.offset"] == b"11"
+    reason = headers["review.reason"]
+    assert reason.startswith(b"parked after 2 failed attempts: KafkaTimeoutError") and reason.endswith(
+        b"the broker did not answer; it breaks the contract (value is not JSON) and its dead letter failed"
+    )
+
+
+async def test_an_operator_parks_a_dead_letter_the_broker_keeps_refusing() -> None:
+    asked = {(2, 12): ParkRequest(by="ops@host", reason="dlq acl")}
+    lane, review = handling(
+        LanePolicy(park_requested=lambda p, o: asked.get((p, o))), dead_letters=Topic(fails=True)
+    )
+    await asyncio.wait_for(lane.dead_letter(Event(2, 12, b"[1]"), "not an object"), DEADLINE)  # type: ignore[arg-type]
+    [parked] = review.sent
+    assert dict(parked["headers"])["review.reason"].startswith(b"parked by hand (ops@host: dlq acl)")
