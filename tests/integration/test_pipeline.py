@@ -11,7 +11,6 @@ uncommitted).
 from __future__ import annotations
 
 import asyncio
-import os
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -25,10 +24,11 @@ from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, relations_app
 from aml_app.dependencies.store import Reader
 from aml_app.kafka.broker import EmbeddedBroker
+from aml_app.kafka.tools import payment_json, produce
 from aml_app.pipeline import jobs, kafka_source
-from aml_app.pipeline.progress import DeadLetters, GroupProgress, Rejected
+from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config
-from tests.harness import Names, wait_until
+from tests.harness import Names, ends_of, wait_until
 from tests.payments import FUTURE, produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
 from tests.stores import relations_answers
@@ -241,23 +241,26 @@ def test_spark_real_time_mode_refuses_the_python_kafka_source_and_foreach_batch(
         ).outputMode("update").trigger(realTime="5 seconds").start()
 
 
-async def test_a_dead_letter_too_large_for_one_record_is_sent_in_parts(
-    names: Names, broker: EmbeddedBroker
+async def test_a_payment_too_large_for_one_record_holds_neither_dependency(
+    run_pipeline: Any, names: Names, producer: AIOKafkaProducer, broker: EmbeddedBroker
 ) -> None:
-    """A record the contract refuses for its size can be larger than the producer sends at once (1 MB
-    by default): sent whole, every batch carrying it fails and B and C stop at it."""
-    huge = os.urandom(1_200_000)
-    letters = DeadLetters({"bootstrap.servers": broker.bootstrap}, names.dlq, names.payments, "relations")
-    try:
-        reason = "value is 1200000 bytes, over the limit of 65536"
-        assert letters.send([Rejected(2, 41, b"acct-9", huge, reason)]) == 1
-    finally:
-        letters.close()
-    parts = await dead_letters(broker, names.dlq, 3)
-    headers = [{k: v.decode() for k, v in record.headers} for record in parts]
-    order = sorted(range(len(parts)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
-    assert [headers[i]["dlq.part"] for i in order] == ["1/3", "2/3", "3/3"]
-    assert b"".join(parts[i].value for i in order) == huge
-    assert {(h["dlq.partition"], h["dlq.offset"], h["dlq.bytes"], h["dlq.worker"]) for h in headers} == {
-        ("2", "41", "1200000", "relations")
-    }
+    """1.5 MB on partition 0 between valid payments: both groups commit past it, and each dead-letters
+    it in parts that join into its bytes."""
+    huge = b'{"payload": "' + b"A" * 1_500_000 + b'"}'
+    records = [(0, b"acct-1", payment_json("before", "acct-1", "acct-2", "1.00", "2026-11-20T10:15:00Z"))]
+    records.append((0, b"acct-1", huge))
+    records += [
+        (p, b"acct-1", payment_json(f"after-{p}", "acct-1", "acct-2", "2.00", "2026-11-20T10:16:00Z"))
+        for p in range(names.partitions)
+    ]
+    placed = await produce(producer, names.payments, records)
+    running = run_pipeline()
+    await running.caught_up({p: ends_of(placed).get(p, 0) for p in range(names.partitions)})
+    parts = await dead_letters(broker, names.dlq, 6)
+    joined: dict[str, list[tuple[int, bytes]]] = {}
+    for record in parts:
+        headers = {k: v.decode() for k, v in record.headers}
+        assert (headers["dlq.partition"], headers["dlq.offset"]) == ("0", str(placed[1][1]))
+        joined.setdefault(headers["dlq.worker"], []).append((int(headers["dlq.part"][0]), record.value))
+    assert sorted(joined) == sorted(names.deps)
+    assert all(b"".join(v for _, v in sorted(p)) == huge for p in joined.values())
