@@ -24,7 +24,7 @@ from __future__ import annotations
 import calendar
 import json
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal, InvalidOperation
 from typing import Any
@@ -301,13 +301,16 @@ SET_ASIDE_PART_BYTES = 512 * 1024
 
 
 def in_parts(
-    value: bytes | None, headers: list[tuple[str, bytes]], prefix: str, part_bytes: int = SET_ASIDE_PART_BYTES
-) -> list[tuple[bytes | None, list[tuple[str, bytes]]]]:
+    value: bytes | None,
+    headers: Sequence[tuple[str, Any]],
+    prefix: str,
+    part_bytes: int = SET_ASIDE_PART_BYTES,
+) -> list[tuple[bytes | None, list[tuple[str, Any]]]]:
     """The records that carry `value` with `headers`: itself, or when larger than `part_bytes` its
     consecutive slices, each with `<prefix>.part` (`i/n`, from 1) and `<prefix>.bytes` (the whole
     value's length), so that a reader joins the parts of one origin in order into the original bytes."""
     if value is None or len(value) <= part_bytes:
-        return [(value, headers)]
+        return [(value, [*headers])]
     count = -(-len(value) // part_bytes)
     total = str(len(value)).encode()
     return [

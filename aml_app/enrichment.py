@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from aml_app.contract import InvalidPayment, dead_letter_headers, validate_payment
+from aml_app.contract import InvalidPayment, dead_letter_headers, in_parts, validate_payment
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.failpoints import failpoint
 from aml_app.kafka.derivation import SOURCE_HEADER
@@ -159,15 +159,20 @@ class Stage:
                     self.settings.kafka.max_payment_bytes,
                     self.settings.kafka.max_clock_skew,
                 )
-                topic = (
-                    self.settings.kafka.dlq_topic
-                    if outcome.partition is None
-                    else self.settings.kafka.enriched_topic
-                )
-                kwargs: dict[str, Any] = {} if outcome.partition is None else {"partition": outcome.partition}
-                self.producer.produce(
-                    topic, key=message.key(), value=message.value(), headers=outcome.headers, **kwargs
-                )
+                if outcome.partition is None:
+                    # A value too large for one record (the producer's message.max.bytes) goes in parts.
+                    for value, headers in in_parts(message.value(), outcome.headers, "dlq"):
+                        self.producer.produce(
+                            self.settings.kafka.dlq_topic, key=message.key(), value=value, headers=headers
+                        )
+                else:
+                    self.producer.produce(
+                        self.settings.kafka.enriched_topic,
+                        key=message.key(),
+                        value=message.value(),
+                        headers=outcome.headers,
+                        partition=outcome.partition,
+                    )
                 derived += outcome.partition is not None
                 dead_lettered += outcome.partition is None
             # The crash test's worst moment: records written, the transaction still open.

@@ -95,9 +95,8 @@ class DeadLetters:
             )
             # A value too large for one record (the producer's message.max.bytes) goes in parts.
             for value, part_headers in in_parts(record.value, headers, "dlq"):
-                sent_headers: list[tuple[str, str | bytes | None]] = [*part_headers]
                 self.producer.produce(
-                    self.topic, key=record.key, value=value, headers=sent_headers, on_delivery=delivered
+                    self.topic, key=record.key, value=value, headers=part_headers, on_delivery=delivered
                 )
             sent += 1
         if sent:

@@ -89,6 +89,8 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
     await create_topics([broker.bootstrap], [derived], DERIVED_PARTITIONS)
     good = payments_for(names.partitions, 400, "e")
     bad = [(p, b"nobody", good[p][2]) for p in range(names.partitions)] + [(0, b"acct-0-0", b"not json")]
+    # Larger than a producer sends at once: its dead letter goes in parts, or the stage stops there.
+    bad.append((1, b"acct-1-0", b'{"payload": "' + b"A" * 1_500_000 + b'"}'))
     sent = good[:800] + bad + good[800:]
     placed = await produce(producer, names.payments, sent)
     ends = ends_of(placed)
