@@ -73,7 +73,8 @@ class Repairs:
     async def check_delivery(self, topic: str, quiet: float) -> None:
         """Fetch again what an owned partition should have delivered to its lane and did not, once the
         lane has had nothing new for `quiet` seconds: from the first offset it still needs (it drops any
-        duplicate). See `DeliveryChecker.undelivered`."""
+        duplicate). See `DeliveryChecker.undelivered`. It runs on a timer, which stops for good when it
+        raises: a check that fails under a rebalance fails only its partition's, until the next run."""
         now = time.monotonic()
         for p, start in list(self.assignment().starts.items()):
             lane = self.lanes.get(p)
@@ -82,16 +83,20 @@ class Repairs:
                 continue
             expected = lane.next_offset if lane and lane.next_offset is not None else start
             tp = TP(topic, p)
-            position = await self.delivery.undelivered(tp, expected, quiet)
-            if position is None:
+            try:
+                position = await self.delivery.undelivered(tp, expected, quiet)
+                if position is None:
+                    continue
+                log.warning(
+                    "%s: offsets %d..%d were fetched but never delivered; fetching them again",
+                    tp,
+                    expected,
+                    position - 1,
+                )
+                await self.delivery.seek(tp, expected)
+            except Exception as exc:  # revoked under the check (IllegalStateError), a client closed under it
+                log.warning("%s: the delivery check failed (%r); checking again at its next run", tp, exc)
                 continue
-            log.warning(
-                "%s: offsets %d..%d were fetched but never delivered; fetching them again",
-                tp,
-                expected,
-                position - 1,
-            )
-            await self.delivery.seek(tp, expected)
             self.stats.refetches += 1
 
     def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from aiokafka.errors import IllegalStateError
 from faust.types import TP
 
 from aml_app.gate import Admission, GatedConsumer
@@ -22,6 +23,7 @@ from aml_app.gate.event_time import micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.options import LaneLimits, LanePolicy
 from aml_app.gate.watermark import WatermarkRow
+from aml_app.kafka.deadlines import CancelledWithin
 from aml_app.models import Payment
 
 TOPIC = "payments"
@@ -84,6 +86,8 @@ class FakeConsumer:
         self.seeks: list[tuple[TP, int]] = []
         self.assigned: set[TP] = set()
         self.positions: dict[TP, int | None] = {}
+        #: What `position` raises for a partition (revoked under the call: aiokafka's IllegalStateError).
+        self.failing: dict[TP, Exception] = {}
         #: The gaps recorded in Faust's commit bookkeeping: (tp, first, last).
         self.gaps: list[tuple[TP, int, int]] = []
         #: Called at each pause/resume; its result is recorded with the call.
@@ -99,6 +103,8 @@ class FakeConsumer:
         return set(self.assigned)
 
     async def position(self, tp: TP) -> int | None:
+        if tp in self.failing:
+            raise self.failing[tp]
         return self.positions.get(tp)
 
     async def seek(self, tp: TP, offset: int) -> None:
@@ -638,6 +644,26 @@ async def test_check_delivery_refetches_only_what_never_reached_a_lane(make: Cal
     await h.gated.check_delivery(TOPIC, quiet=1.0)
     assert consumer.seeks == [(tp0, 5)]
     assert h.gated.stats.refetches == 2
+
+
+async def test_a_delivery_check_that_fails_on_one_partition_checks_the_others_and_never_raises(
+    make: Callable[..., Harness],
+) -> None:
+    """It runs on a timer, which stops for good (and stops the worker) when it raises: a partition
+    revoked between the assignment and the position (aiokafka's IllegalStateError) fails only its check."""
+    h = make()
+    tp0, tp1 = TP(TOPIC, 0), TP(TOPIC, 1)
+    consumer = h.app.consumer
+    consumer.assigned = {tp0, tp1}
+    consumer.positions[tp1] = 3
+    consumer.failing[tp0] = IllegalStateError(f"No current assignment for partition {tp0}")
+    h.assign({0: 0, 1: 0})
+    h.gated.assignment.known_at = time.monotonic() - 10
+    await h.gated.check_delivery(TOPIC, quiet=1.0)
+    assert consumer.seeks == [(tp1, 0)] and h.gated.stats.refetches == 1
+    consumer.failing[tp0] = CancelledWithin("the position was cancelled by the code it called")
+    await h.gated.check_delivery(TOPIC, quiet=1.0)
+    assert consumer.seeks == [(tp1, 0), (tp1, 0)]
 
 
 async def test_gate_disabled_handles_at_once(make: Callable[..., Harness]) -> None:
