@@ -242,7 +242,7 @@ class DependencyClient:
         body: dict[str, Any] = {"queries": [{"account": a, "at": at.isoformat()} for a, at in queries]}
         if need is not None:
             body["need"] = need.as_json()
-        answer = await self._send("aggregates", lambda base: base / "aggregates", body, route)
+        answer = await self._send("aggregates", lambda base: base / "aggregates", body, route, len(queries))
         return _answers(answer, len(queries), "aggregates")
 
     async def relations_many(
@@ -276,7 +276,7 @@ class DependencyClient:
         body: dict[str, Any] = {"queries": queries}
         if need is not None:
             body["need"] = need.as_json()
-        answer = await self._send("relations", lambda base: base / "relations", body, route)
+        answer = await self._send("relations", lambda base: base / "relations", body, route, len(accounts))
         return await self._whole(queries, _answers(answer, len(accounts), "relations"), need, route)
 
     async def _whole(
@@ -329,7 +329,7 @@ class DependencyClient:
             body: dict[str, Any] = {"queries": [q for _, _, q in asked]}
             if need is not None:
                 body["need"] = need.as_json()
-            again = await self._send("relations", lambda base: base / "relations", body, route)
+            again = await self._send("relations", lambda base: base / "relations", body, route, len(asked))
             got = _answers(again, len(asked), "relations")
         for i, cut in left_cut.items():
             answers[i]["truncated"] = cut
@@ -346,17 +346,24 @@ class DependencyClient:
         )
 
     async def _send(
-        self, dependency: str, where: Callable[[URL], URL], body: Any, route: int | None = None
+        self,
+        dependency: str,
+        where: Callable[[URL], URL],
+        body: Any,
+        route: int | None = None,
+        answers: int | None = None,
     ) -> dict[str, Any]:
-        """The request on each replica in turn until one answers usefully; its JSON object. An answer
-        that went back, or says "not yet", sends the question on to the next replica; the one that went
-        back is kept in case no other replica answers."""
+        """The request on each replica in turn until one answers usefully; its JSON object (with
+        `answers`, a batch of that many). An answer that cannot be read is that replica's failure, as
+        one that is down; one that went back, or says "not yet", sends the question on to the next
+        replica; the one that went back is kept in case no other replica answers."""
         replicas = self.replicas[dependency]
         failures, behind = [], []
         fallback: dict[str, Any] | None = None
         for base in replicas.order(route):
             try:
                 answer = await self._send_to(dependency, where(base), body)
+                self._readable(dependency, base, answer, answers)
             except DependencyUnavailable as exc:
                 replicas.failed(base)
                 failures.append(str(exc))
@@ -381,6 +388,17 @@ class DependencyClient:
         if len(failures) == 1:
             raise DependencyUnavailable(failures[0])
         raise DependencyUnavailable(f"every replica of {dependency} failed: {'; '.join(failures)}")
+
+    def _readable(self, dependency: str, base: URL, answer: Mapping[str, Any], answers: int | None) -> None:
+        """Raise `DependencyUnavailable` for an answer whose progress (`as_of`) or batch cannot be read."""
+        try:
+            _progress(answer)
+            if answers is not None and not answer.get("not_yet"):
+                _answers(answer, answers, dependency)
+        except (DependencyUnavailable, TypeError, ValueError, AttributeError) as exc:
+            message = f"{dependency} at {base} answered what cannot be read: {exc}"
+            self._failed(message)
+            raise DependencyUnavailable(message) from exc
 
     def _went_back(self, dependency: str, base: URL, answer: Mapping[str, Any]) -> bool:
         """Whether `answer` is below an as_of this service showed before, in the same log (the named
@@ -486,7 +504,7 @@ def _resource(base: URL, kind: str, account: str) -> URL:
     return base.with_path(path, encoded=True)
 
 
-def _answers(answer: dict[str, Any], expected: int, dependency: str) -> list[dict[str, Any]]:
+def _answers(answer: Mapping[str, Any], expected: int, dependency: str) -> list[dict[str, Any]]:
     answers = answer.get("answers")
     if (
         not isinstance(answers, list)

@@ -181,3 +181,42 @@ async def test_requests_take_turns_over_the_replicas_and_survive_one_going_down(
                 await everyone_gone.relations("A")
         finally:
             await everyone_gone.close()
+
+
+@pytest.mark.parametrize(
+    "single, batch",
+    [
+        ({"account": "A", "as_of": {"0": None}}, {"answers": [{"account": "A", "as_of": {"0": "two"}}]}),
+        ({"account": "A", "as_of": {"zero": 2}}, {"answers": []}),
+    ],
+    ids=["as_of not a number", "partition not a number, batch short"],
+)
+async def test_a_replica_that_answers_malformed_json_is_passed_over_for_the_next(
+    stores: str, single: dict, batch: dict
+) -> None:
+    """A replica's answer that cannot be read (an `as_of` that is not offsets, a batch without an answer
+    per question) is that replica's failure: the next one is asked, as for a replica that is down."""
+
+    async def answer_single(request: web.Request) -> web.Response:
+        return web.json_response(single)
+
+    async def answer_batch(request: web.Request) -> web.Response:
+        return web.json_response(batch)
+
+    broken = web.Application()
+    broken.router.add_get("/relations/{account}", answer_single)
+    broken.router.add_post("/relations", answer_batch)
+    async with (
+        served(broken) as bad,
+        served(relations_api(stores)) as good,
+        served(aggregates_api(stores)) as a,
+    ):
+        for ask in (lambda c: c.relations("A"), lambda c: c.relations_many(["A"], route=0)):
+            client = DependencyClient([bad, good], [a], timeout=2)  # the broken replica first
+            try:
+                answer = await ask(client)
+                answer = answer[0] if isinstance(answer, list) else answer
+                assert answer["as_of"] == {"0": 2, "1": 2} and answer["out"]
+                assert client.stats.failures == 1 and "relations" in client.stats.last_error
+            finally:
+                await client.close()
