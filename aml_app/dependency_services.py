@@ -19,6 +19,12 @@ from datetime import timedelta
 from types import ModuleType
 from typing import Any, Protocol, Self, TypeVar
 
+#: Queries one request to a dependency's API may hold (`aml_app.dependencies.api` refuses more).
+MAX_QUERIES = 1000
+#: Queries a detector asks each dependency about one payment (its payer and its payee), so a batch of
+#: payments fits one request while it holds at most MAX_QUERIES // QUERIES_PER_PAYMENT of them.
+QUERIES_PER_PAYMENT = 2
+
 
 @dataclass(frozen=True)
 class Endpoint:

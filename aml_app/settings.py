@@ -224,7 +224,8 @@ class DetectionSettings:
     """What the detectors decide with: the batch they decide together, the rules' thresholds, the
     learned model, and the probe service's knobs."""
 
-    #: AML_MAX_BATCH: payments of one partition decided together (one request to B and one to C).
+    #: AML_MAX_BATCH: payments of one partition decided together (one request to B and one to C), at
+    #: most 500: two queries each, and an API answers at most 1000 queries per request.
     max_batch: int = 100
     aml_thresholds: AmlThresholds = field(default_factory=AmlThresholds)
     fraud_thresholds: FraudThresholds = field(default_factory=FraudThresholds)
@@ -685,7 +686,9 @@ def _pipeline(env: Mapping[str, str]) -> PipelineSettings:
 def _detection(env: Mapping[str, str]) -> DetectionSettings:
     d = DetectionSettings()
     return DetectionSettings(
-        max_batch=_int(env, "AML_MAX_BATCH", d.max_batch, 1, 1000),
+        max_batch=_int(
+            env, "AML_MAX_BATCH", d.max_batch, 1, registry.MAX_QUERIES // registry.QUERIES_PER_PAYMENT
+        ),
         aml_thresholds=AmlThresholds.from_env(env),
         fraud_thresholds=FraudThresholds.from_env(env),
         aml_model=_aml_model(env),

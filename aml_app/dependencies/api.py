@@ -92,7 +92,7 @@ from aml_app.tokens import token_required
 log = logging.getLogger(__name__)
 
 DEFAULT_HOPS = 2
-MAX_BATCH = 1000
+MAX_BATCH = registry.MAX_QUERIES
 CHECK_EVERY = 2.0  # seconds between two checks of the store against its consumer group
 MAX_WAIT_MS = 10_000  # the longest a batch may wait for the store to cover what it needs
 POLL = (0.02, 0.25)  # seconds between two looks at the store while a batch waits: first, longest

@@ -18,13 +18,16 @@ from typing import Any
 
 import pytest
 
+from aml_app import dependency_services as registry
 from aml_app.dependencies.aggregates import empty_window
+from aml_app.dependencies.api import MAX_BATCH
 from aml_app.dependencies.client import DependencyUnavailable, Need, NotYet
 from aml_app.detection.evidence import Evidence
 from aml_app.gate import Admission
 from aml_app.gate import gate as gate_module
 from aml_app.gate.stall import StallWatch
 from aml_app.models import Payment
+from aml_app.settings import ConfigError, load_settings
 from aml_app.worker import detector as detector_module
 from aml_app.worker.detector import Detector
 
@@ -183,6 +186,20 @@ async def test_gate_on_asks_again_about_the_stale_payment_only_until_its_answers
     # It waited before each question again, longer the second time (up to STALE_DELAYS[1]).
     gaps = [b - a for a, b in zip(fake.called_at, fake.called_at[1:], strict=False)]
     assert gaps[0] >= STALE_DELAYS[0] - SLACK and gaps[1] >= STALE_DELAYS[1] - SLACK, gaps
+
+
+async def test_the_largest_batch_asks_each_api_one_request_it_accepts() -> None:
+    """AML_MAX_BATCH payments ask each dependency QUERIES_PER_PAYMENT queries apiece in one request, which
+    the API must accept (at most its MAX_BATCH queries): a batch refused for its size fails for ever."""
+    with pytest.raises(ConfigError):
+        load_settings({"AML_MAX_BATCH": str(MAX_BATCH // registry.QUERIES_PER_PAYMENT + 1)})
+    largest = MAX_BATCH // registry.QUERIES_PER_PAYMENT
+    assert load_settings({"AML_MAX_BATCH": str(largest)}).detection.max_batch == largest
+    fake = FakeDependencies(relations=[largest + 1], aggregates=[largest + 1])
+    await detector(fake).fresh_evidence(batch(gated=True, offsets=range(largest)))
+    for dependency in ("aggregates", "relations"):
+        (asked,) = fake.calls[dependency]
+        assert len(asked) == largest * registry.QUERIES_PER_PAYMENT <= MAX_BATCH, dependency
 
 
 async def test_the_questions_say_what_they_need_and_not_yet_asks_again() -> None:

@@ -222,6 +222,8 @@ def test_whole_numbers_reject_fractions(name: str) -> None:
         ("AML_REBALANCE_TIMEOUT", "601"),
         ("AML_COMMIT_INTERVAL", "0.05"),
         ("AML_COMMIT_INTERVAL", "61"),
+        ("AML_MAX_BATCH", "0"),
+        ("AML_MAX_BATCH", "501"),
     ],
 )
 def test_out_of_range(name: str, raw: str) -> None:
