@@ -155,6 +155,8 @@ def _text_field(doc: dict, name: str, max_length: int = MAX_ID_LENGTH) -> str:
     value = doc[name]
     if not isinstance(value, str):
         raise InvalidPayment(f"field {name!r} must be a string, got {type(value).__name__}")
+    if "\x00" in value:  # PostgreSQL's text, where B and C keep accounts, cannot hold one
+        raise InvalidPayment(f"field {name!r} holds a NUL character (U+0000), which no text field may hold")
     if not value.strip():
         raise InvalidPayment(f"field {name!r} is empty")
     if len(value) > max_length:

@@ -27,7 +27,18 @@ FUTURE = json.dumps(
         "ts": "2099-01-01T00:00:00Z",
     }
 ).encode()
-MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"", FUTURE)
+#: A payee with a NUL, which PostgreSQL's text cannot store: refused by the contract, never written.
+NUL_PAYEE = json.dumps(
+    {
+        "payment_id": "nul",
+        "payer": "acct-0",
+        "payee": "acct-\x00",
+        "amount": "1.00",
+        "currency": "EUR",
+        "ts": "2024-05-01T12:00:00Z",
+    }
+).encode()
+MALFORMED = (b"not json", b"[]", b'{"payment_id": "x"}', b"\xff\xfe", b"", FUTURE, NUL_PAYEE)
 
 
 @dataclass(frozen=True)

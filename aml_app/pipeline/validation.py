@@ -27,8 +27,8 @@ How each rule is checked here (Spark 4 runs with ANSI on, so only `try_` casts a
   counted by removing innermost pairs) and the keys (literals followed by a colon, decoded by Jackson).
 - Fields: `variant_get` with a check of the JSON type (`schema_of_variant`: a number is not a string);
   lengths in code points (`length`); "blank" is a class of exactly the characters Python's `str.isspace`
-  accepts, generated from Python; `ts` by one regular expression of the RFC 3339 profile and
-  `try_make_timestamp` for the calendar (Feb 30 is null).
+  accepts, generated from Python; a NUL anywhere refuses a text field; `ts` by one regular expression
+  of the RFC 3339 profile and `try_make_timestamp` for the calendar (Feb 30 is null).
 - `ts` against the record's timestamp: in whole microseconds since the epoch (`unix_micros`, exact), `ts`
   less the allowed clock skew (`skew_micros`) is not after the record's timestamp; a record without a
   timestamp (null, or before the epoch: Kafka's -1) is not checked.
@@ -104,10 +104,14 @@ def blank_pattern() -> str:
     return rf"\A[{spaces}]*\z"
 
 
+#: A Java regex found in a text that holds a NUL character, which PostgreSQL's text cannot store.
+NUL_PATTERN = r"\x00"
+
+
 def _not_blank(text: Column, max_length: int) -> Column:
-    """The rest of `_text_field` once the type is known to be a string: not blank, at most `max_length`
-    code points."""
-    return ~text.rlike(blank_pattern()) & (F.length(text) <= max_length)
+    """The rest of `_text_field` once the type is known to be a string: not blank, no NUL, at most
+    `max_length` code points (one pattern for the first two: each `rlike` is a pass over the text)."""
+    return ~text.rlike(f"{blank_pattern()}|{NUL_PATTERN}") & (F.length(text) <= max_length)
 
 
 def _nothing_after_the_object(text: Column, wrapped: Column) -> Column:

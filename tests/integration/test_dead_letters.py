@@ -40,6 +40,7 @@ MALFORMED = [
     (b"acct-1", os.urandom(64) + b"\xff\xfe", "not UTF-8"),
     (None, payment_json("nokey", "acct-1", "acct-2", "5.00", "2026-11-20T10:15:00Z"), "key is missing"),
     (b"acct-1", b"[1, 2, 3]", "must be a JSON object"),
+    (b"acct-1", bad(payee="acct-\x00"), "field 'payee' holds a NUL character"),
 ]
 
 

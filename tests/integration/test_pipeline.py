@@ -29,7 +29,7 @@ from aml_app.pipeline import jobs, kafka_source
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config
 from tests.harness import Names, ends_of, wait_until
-from tests.payments import FUTURE, produce_payments
+from tests.payments import FUTURE, NUL_PAYEE, produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
 from tests.stores import relations_answers
 
@@ -105,10 +105,12 @@ async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
         assert headers["dlq.reason"] != jobs.DISAGREEMENT
         if record.value == FUTURE:
             assert "2099-01-01T00:00:00Z is more than the allowed clock skew of 5 s" in headers["dlq.reason"]
+        if record.value == NUL_PAYEE:
+            assert "field 'payee' holds a NUL character" in headers["dlq.reason"]
         place = (int(headers["dlq.partition"]), int(headers["dlq.offset"]), record.value)
         by_service.setdefault(headers["dlq.worker"], set()).add(place)
     assert by_service == {g: set(produced.malformed) for g in names.deps}, "original bytes, each service"
-    assert any(value == FUTURE for _, _, value in produced.malformed)
+    assert {FUTURE, NUL_PAYEE} <= {value for _, _, value in produced.malformed}
 
 
 async def test_a_restart_resumes_from_the_store_not_from_the_group(

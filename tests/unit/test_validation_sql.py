@@ -388,6 +388,11 @@ def field_faults() -> Iterator[Record]:
             "\u00e9" * MAX_OPTIONAL_LENGTH,
         ):
             yield KEY, enc(doc(**{name: text}))
+    # A NUL anywhere in a text field (PostgreSQL's text cannot hold one).
+    for name in ("payment_id", "payee", "channel", "country"):
+        for text in ("a\x00", "\x00a", "a\x00b"):
+            yield KEY, enc(doc(**{name: text}))
+            yield KEY, enc(doc(**{name: text}), ensure_ascii=False)
     # Key against payer.
     for key, payer in (
         (b"acct-1", "acct-1 "),
@@ -866,6 +871,7 @@ def test_the_corpus_reaches_both_verdicts_for_every_kind_of_fault(records: list[
         "missing field",
         "must be a string",
         "is empty",
+        "holds a NUL character",
         "longer than 128",
         "longer than 64",
         "does not match payer",
@@ -950,6 +956,7 @@ WEAKENED: dict[str, tuple[str, Any]] = {
     "trailing data checked by one parse only": ("_nothing_after_the_object", _single_parse),
     "trailing data without the element count": ("_nothing_after_the_object", _two_or_more_elements),
     "Java's \\s for blank": ("blank_pattern", lambda: r"\A\s*\z"),
+    "a NUL character accepted in a text field": ("NUL_PATTERN", "(?!)"),
     "depth unchecked": ("_depth_ok", _unchecked),
     "number lengths unchecked": ("_numbers_ok", _unchecked),
     "key lengths unchecked": ("_names_ok", _unchecked),
