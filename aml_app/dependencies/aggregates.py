@@ -157,11 +157,16 @@ def floor_bucket(when: datetime) -> datetime:
     return when - (when - EPOCH) % BUCKET
 
 
-def week_before(at: datetime) -> datetime:
-    """`at - HORIZON`, or the first instant there is for an `at` in the first week of year 1 (no payment
-    is older: the contract's ts starts there)."""
+def before(at: datetime, span: timedelta) -> datetime:
+    """`at - span`, or the first instant there is when that is earlier (no payment is older: the
+    contract's ts starts in year 1)."""
     earliest = datetime.min.replace(tzinfo=UTC)
-    return at - HORIZON if at - earliest > HORIZON else earliest
+    return at - span if at - earliest > span else earliest
+
+
+def week_before(at: datetime) -> datetime:
+    """`at - HORIZON`, or the first instant there is for an `at` in the first week of year 1."""
+    return before(at, HORIZON)
 
 
 def near_bounds(threshold: Decimal, band: Decimal) -> tuple[Decimal, Decimal]:
@@ -216,7 +221,7 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
     stored_max = datetime.fromisoformat(meta["max_event_ts"]) if "max_event_ts" in meta else None
     batch_max = pc.max(flows["last_ts"]).as_py()
     new_max = batch_max if stored_max is None else max(stored_max, batch_max)
-    cutoff = floor_bucket(new_max - HORIZON)
+    cutoff = floor_bucket(week_before(new_max))
     # A payment is too late when its minute is: the cutoff is a minute's start.
     on_time = pc.greater_equal(flows["bucket"], cutoff)
     payments: int = pc.sum(flows["payments"]).as_py()
@@ -253,9 +258,9 @@ def write_batch(conn: psycopg.Connection, schema: Schema, flows: Any, keep: time
     updates = {"max_event_ts": iso_text(new_max)}
     if late:
         updates["late_dropped"] = str(int(meta.get("late_dropped", "0")) + late)
-    prune = floor_bucket(new_max - HORIZON - keep)
+    prune = floor_bucket(before(new_max, HORIZON + keep))
     pruned = datetime.fromisoformat(meta["pruned_before"]) if "pruned_before" in meta else None
-    if stored_max is not None and prune > floor_bucket(stored_max - HORIZON - keep):
+    if stored_max is not None and prune > floor_bucket(before(stored_max, HORIZON + keep)):
         deleted = conn.execute(
             sql.SQL("DELETE FROM {} WHERE bucket < %s").format(sql.Identifier(schema.name, "flows")),
             (prune,),

@@ -705,6 +705,21 @@ async def test_window_edges_inside_and_across_minutes(spark: Any, store_url: str
             assert without_as_of(await one_aggregate(store_url, account, when)) == expected
 
 
+async def test_payments_in_the_first_week_of_year_one_are_stored_and_answered(
+    spark: Any, store_url: str
+) -> None:
+    """The contract's first week: the store's horizon and pruning stop at the first instant there is
+    instead of overflowing, which would fail every write of the batch (and stop the query)."""
+    year_1 = datetime(1, 1, 1, tzinfo=UTC)
+    first = rows(("A", "B", "1", year_1), ("B", "A", "2", year_1 + timedelta(days=1)))
+    apply_payments(spark, store_url, "aggregates", first)
+    apply_payments(spark, store_url, "aggregates", rows(("A", "C", "4", year_1 + timedelta(days=2)), start=2))
+    answer = await one_aggregate(store_url, "A", year_1 + timedelta(days=3))
+    assert answer["windows"]["7d"]["sent"] == {"EUR": "5.00"}
+    assert answer["windows"]["7d"]["received"] == {"EUR": "2.00"}
+    assert answer["late_dropped"] == 0
+
+
 async def test_a_self_payment_is_neither_sent_nor_received(spark: Any, store_url: str) -> None:
     """AMLworld's "reinvestments": most real accounts pay themselves, and counted both ways such a
     payment looked like money passing through (a pass-through on 35 % of real benign payments)."""
