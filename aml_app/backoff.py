@@ -49,6 +49,24 @@ class Backoff:
         return delay
 
 
+class WorkCancelled(Exception):
+    """What a task awaited was cancelled while the task itself was not (a producer that stops cancels
+    the sends it holds): a failure of that work, to retry like any other."""
+
+
+async def awaited(work: Awaitable[T], what: str) -> T:
+    """`await work`, with its own cancellation raised as `WorkCancelled`. A `CancelledError` that
+    escaped instead would end the awaiting task as if it had been cancelled, and a lane's task that
+    ends cancelled is taken for a stopped lane; a cancel of this task still raises `CancelledError`."""
+    try:
+        return await work
+    except asyncio.CancelledError as exc:
+        task = asyncio.current_task()
+        if task is None or task.cancelling():
+            raise
+        raise WorkCancelled(f"{what} was cancelled") from exc
+
+
 #: Called after each failed attempt with (attempt, exception, seconds until the next one).
 OnFailure = Callable[[int, BaseException, float], None]
 

@@ -16,6 +16,7 @@ from typing import Any
 import faust
 from faust.types import EventT, StreamT
 
+from aml_app.backoff import awaited
 from aml_app.gate.gate import Admission, Admitted
 from aml_app.gate.generation import rebalance_ended
 from aml_app.gate.handling import Handling
@@ -51,16 +52,12 @@ class Acks:
             lane.go_on()
             try:
                 pending = entry.pending
-                if isinstance(pending, asyncio.Future) and pending.done():
+                if isinstance(pending, asyncio.Future) and pending.done() and not pending.cancelled():
                     pending.result()  # the common case under load: already acknowledged
                 else:
-                    # Shielded: a revoke cancels this task, not the send (Faust completes it anyway).
-                    await asyncio.shield(pending)
-            except asyncio.CancelledError as exc:
-                task = asyncio.current_task()
-                if task is None or task.cancelling():
-                    raise  # this lane stops (a revoke)
-                await self.handling.redo(entry.admitted, exc)  # the send itself was cancelled
+                    # Shielded: a revoke cancels this task (and stops the lane), not the send, which
+                    # Faust completes anyway; a cancelled send is a failure like any other.
+                    await awaited(asyncio.shield(pending), "a pending send")
             except Exception as exc:
                 await self.handling.redo(entry.admitted, exc)
             lane.go_on()

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from faust.types import EventT
 
-from aml_app.backoff import retry_forever
+from aml_app.backoff import awaited, retry_forever
 from aml_app.faust_internals import set_current_event
 from aml_app.gate.gate import Admission, Admitted
 from aml_app.gate.sink import ReviewKind, Sink
@@ -164,7 +164,7 @@ class Handling:
         async def again() -> None:
             pending = await self.call(admitted)
             if pending is not None:
-                await pending
+                await awaited(pending, f"the pending work of {first.partition}:{first.offset}")
 
         failures, last = [1], exc
 

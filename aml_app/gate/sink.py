@@ -13,7 +13,7 @@ from typing import Any
 
 from faust.types import EventT, TopicT
 
-from aml_app.backoff import OnFailure, retry_forever
+from aml_app.backoff import OnFailure, awaited, retry_forever
 from aml_app.contract import dead_letter_headers, in_parts, origin_headers
 from aml_app.gate.stats import GateStats
 
@@ -123,7 +123,7 @@ class Sink:
                 value: bytes | None = value, part_headers: list[tuple[str, bytes]] = part_headers
             ) -> None:
                 fut = await topic.send(key=message.key, value=value, headers=part_headers, **where_to)
-                await fut
+                await awaited(fut, f"the send of {message.partition}:{message.offset} to {where}")
 
             part = f" (part {number} of {len(parts)})" if len(parts) > 1 else ""
             await retry_forever(

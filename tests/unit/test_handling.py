@@ -127,3 +127,65 @@ async def test_an_operator_parks_a_dead_letter_the_broker_keeps_refusing() -> No
     await asyncio.wait_for(lane.dead_letter(Event(2, 12, b"[1]"), "not an object"), DEADLINE)  # type: ignore[arg-type]
     [parked] = review.sent
     assert dict(parked["headers"])["review.reason"].startswith(b"parked by hand (ops@host: dlq acl)")
+
+
+class CancelledOnce:
+    """A handler whose first decision send is cancelled (a producer that stopped cancels what it holds);
+    the next ones are acknowledged."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def __call__(self, payment: Payment, admission: Admission) -> asyncio.Future[None]:
+        self.calls += 1
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.calls == 1:
+            sent.cancel()
+        else:
+            sent.set_result(None)
+        return sent
+
+
+async def test_a_send_cancelled_under_redo_is_handled_again_and_the_lane_goes_on() -> None:
+    """A cancelled send is a failure of the send, not a stop of the lane: a CancelledError leaking out of
+    `redo` ended the acker as if revoked, and the partition was never acked again."""
+    handler = CancelledOnce()
+    review = Topic()
+    sink = Sink(Topic(), review, "aml-0", GateStats())  # type: ignore[arg-type]
+    lane = Handling(handler, None, sink, GateStats(), LanePolicy(max_attempts=5))
+    await asyncio.wait_for(lane.redo([admitted(0, 3)], KafkaTimeoutError("lost")), DEADLINE)
+    assert handler.calls == 2 and review.sent == []
+
+
+class CancelsFirstSend(Topic):
+    """A Faust topic whose first send's acknowledgement is cancelled."""
+
+    async def send(self, **record: Any) -> asyncio.Future[None]:
+        sent = await super().send(**record)
+        if len(self.sent) == 1:
+            sent = asyncio.get_running_loop().create_future()
+            sent.cancel()
+        return sent
+
+
+async def test_a_dead_letter_whose_send_is_cancelled_is_sent_again() -> None:
+    dead_letters = CancelsFirstSend()
+    lane, review = handling(LanePolicy(max_attempts=5), dead_letters=dead_letters)
+    await asyncio.wait_for(lane.dead_letter(Event(2, 13, b"{bad"), "value is not JSON"), DEADLINE)  # type: ignore[arg-type]
+    assert len(dead_letters.sent) == 2 and review.sent == []
+
+
+async def test_a_cancel_of_the_lane_still_stops_a_redo() -> None:
+    """What a cancelled send is not: the lane's own cancel (a revoke) stops the redo at once."""
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def unacknowledged(payment: Payment, admission: Admission) -> asyncio.Future[None]:
+        return never
+
+    sink = Sink(Topic(), Topic(), "aml-0", GateStats())  # type: ignore[arg-type]
+    lane = Handling(unacknowledged, None, sink, GateStats(), LanePolicy())
+    task = asyncio.ensure_future(lane.redo([admitted(0, 4)], KafkaTimeoutError("lost")))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=DEADLINE)
+    assert done and task.cancelled()
