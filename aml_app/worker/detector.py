@@ -4,7 +4,8 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
 1. ask B and C about them, one request to each for the whole batch (`aml_app.dependencies.client`),
    saying what the answers must include (the next offset past the batch, of its log): each service waits
    up to `AML_FRESHNESS_WAIT` for its store to get there or answers "not yet", and the batch waits and
-   asks again, as it does while a service is away;
+   asks again, as it does while a service is away, for up to EVIDENCE_WAIT; then it fails, and the lane
+   retries it (shown, counted toward the retry ceiling, parked on request);
 2. check freshness: every answer's `as_of` must include the payment, and be of the payment's log (the
    identity the admitting row carries, `aml_app.kafka.identity`), and reach every W(q) of the event-time
    cut it was admitted at. The gate makes this true; if it is not, that is a freshness violation:
@@ -82,6 +83,10 @@ ALERT_SETTLE_WAIT = 30.0
 #: Waits between asking again: a dependency that is away, and evidence that is not fresh yet.
 UNAVAILABLE_DELAYS = (0.1, 5.0)
 STALE_DELAYS = (0.05, 1.0)
+#: How long one attempt at a batch asks again for fresh evidence (a dependency away, one that has not
+#: applied the payments yet, answers that lack them); then the batch fails with the last reason and is
+#: retried as any failure is: shown as `retrying`, counted toward AML_MAX_ATTEMPTS, parked on request.
+EVIDENCE_WAIT = 30.0
 
 
 def note(admission: Admission, fresh: bool, exact: bool = True) -> str:
@@ -252,12 +257,23 @@ class Detector:
 
         One POST to B and one to C for the whole batch. A payment whose answers do not include it is a
         freshness violation: with the gate on it is asked about again (alone with the other stale ones)
-        until they do; with the gate off its stale answers are kept.
+        until they do; with the gate off its stale answers are kept. A dependency that is away or not
+        there yet is asked again too; after EVIDENCE_WAIT the batch fails with the last reason.
         """
         results: dict[int, tuple[list[dict], int]] = {}
         stale_reads = dict.fromkeys(range(len(items)), 0)
         todo = list(range(len(items)))
         unavailable, stale_wait = Backoff(*UNAVAILABLE_DELAYS), Backoff(*STALE_DELAYS)
+        give_up_at = time.monotonic() + EVIDENCE_WAIT
+
+        def patience(exc: Exception) -> float:
+            """Seconds this attempt may still wait before asking again, or raise `exc`: it has waited
+            EVIDENCE_WAIT, and the batch's failure is the lane's to retry, show and park."""
+            left = give_up_at - time.monotonic()
+            if left <= 0:
+                raise exc
+            return left
+
         while todo:
             items[0][1].go_on()  # a lane's batch; a stopped lane waits out no outage for its successor
             questions = [
@@ -283,7 +299,7 @@ class Detector:
                 for i in todo:
                     stale_reads[i] += 1
                 log.warning("%d payment(s) wait for their dependencies: %s", len(todo), exc)
-                await stale_wait.sleep()
+                await stale_wait.sleep(patience(exc))
                 continue
             except DependencyUnavailable as exc:
                 self.stats.unavailable += 1
@@ -291,7 +307,7 @@ class Detector:
                 log.warning(
                     "%d payment(s) from %d:%d wait: %s", len(todo), first.partition, first.offset, exc
                 )
-                await unavailable.sleep()
+                await unavailable.sleep(patience(exc))
                 continue
             again = []
             for i, four in zip(todo, answers, strict=True):
@@ -319,7 +335,12 @@ class Detector:
                 results[i] = (list(four), stale_reads[i])
             todo = again
             if todo:
-                await stale_wait.sleep()
+                first = items[todo[0]][1]
+                lacking = NotYet(
+                    f"the answers about {len(todo)} payment(s) from {first.partition}:{first.offset} "
+                    f"still lack them after {EVIDENCE_WAIT:g} s"
+                )
+                await stale_wait.sleep(patience(lacking))
         return [results[i] for i in range(len(items))]
 
     def includes(self, answer_name: str, answer: Mapping[str, Any], admission: Admission) -> bool:

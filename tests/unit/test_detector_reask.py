@@ -306,6 +306,35 @@ async def test_a_dependency_that_is_away_is_waited_out_and_the_whole_batch_asked
     assert gaps[0] >= UNAVAILABLE_DELAYS[0] - SLACK and gaps[1] >= UNAVAILABLE_DELAYS[1] - SLACK, gaps
 
 
+EVIDENCE_WAIT = 0.2
+
+
+@pytest.mark.parametrize(
+    ("fault", "error"),
+    [
+        ({"away": {"aggregates": set(range(1000))}}, DependencyUnavailable),
+        ({"not_yet": {"relations": set(range(1000))}}, NotYet),
+        ({"stale": True}, NotYet),
+    ],
+    ids=["C away", "B not there yet", "answers that lack the payment"],
+)
+async def test_a_batch_whose_evidence_never_comes_fails_after_the_evidence_wait(
+    fault: dict[str, Any], error: type[Exception], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The detector asks again for EVIDENCE_WAIT, then fails the batch with the last reason: the lane's
+    handling shows it (`retrying`), counts it toward AML_MAX_ATTEMPTS and parks it on request, none of
+    which applies to a handler that waits without end."""
+    monkeypatch.setattr(detector_module, "EVIDENCE_WAIT", EVIDENCE_WAIT)
+    behind = 10 if fault.get("stale") else 12  # an as_of of 10 lacks both payments (offsets 10 and 11)
+    fake = FakeDependencies(relations=[behind], aggregates=[behind], away=fault.get("away"))
+    fake.not_yet = fault.get("not_yet", {})
+    started = time.monotonic()
+    with pytest.raises(error):
+        await asyncio.wait_for(detector(fake).fresh_evidence(batch(gated=True)), 20 * EVIDENCE_WAIT)
+    assert time.monotonic() - started >= EVIDENCE_WAIT - SLACK
+    assert len(fake.calls["aggregates"]) > 2, "it asked again while it waited"
+
+
 async def test_an_outage_between_two_stale_rounds_asks_again_about_the_stale_payment_only() -> None:
     """Round 0: offset 11 is stale; round 1: C is away; round 2: fresh. Offset 10 is kept from round 0."""
     fake = FakeDependencies(relations=[11, 12], aggregates=[11, 12], away={"aggregates": {1}})
