@@ -42,6 +42,20 @@ _CENT = Decimal("0.01")
 CONNECT_TIMEOUT = 5
 # How long a write waits for the database to come back before giving up (the pipeline then fails).
 UNAVAILABLE_PATIENCE = 600.0
+#: Seconds a statement of the writer may run (a catch-up batch's COPY and merge take seconds), and wait
+#: for a lock (another writer, a migration, an operator's LOCK): then the server cancels it, and the
+#: write is retried within UNAVAILABLE_PATIENCE like a server that went away.
+WRITE_TIMEOUT = 300.0
+LOCK_TIMEOUT = 60.0
+#: TCP liveness of the writer's connection, unless its URL sets them: a server that vanished (a host
+#: down, a network partition) breaks the connection in about 30 s instead of holding a write for hours.
+LIVENESS = {
+    "keepalives": "1",
+    "keepalives_idle": "10",
+    "keepalives_interval": "5",
+    "keepalives_count": "3",
+    "tcp_user_timeout": "30000",
+}
 
 COMMON_TABLES = """
 CREATE TABLE IF NOT EXISTS {schema}.applied_offsets (
@@ -300,8 +314,19 @@ class Writer:
         self._giving_up.set()
 
     def connection(self) -> psycopg.Connection:
+        """The writer's connection, made on first use and after a failure, with the deadlines of a
+        write: the statement and lock timeouts on the server, TCP liveness on the client."""
         if self._conn is None or self._conn.closed or self._conn.broken:
-            self._conn = psycopg.connect(self.url, connect_timeout=CONNECT_TIMEOUT)
+            from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+            given = conninfo_to_dict(self.url)
+            liveness = {k: v for k, v in LIVENESS.items() if k not in given}
+            url = make_conninfo(self.url, **liveness)
+            conn = psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
+            for name, seconds in (("statement_timeout", WRITE_TIMEOUT), ("lock_timeout", LOCK_TIMEOUT)):
+                conn.execute("SELECT set_config(%s, %s, false)", (name, f"{round(seconds * 1000)}ms"))
+            conn.autocommit = False
+            self._conn = conn
         return self._conn
 
     def close(self) -> None:

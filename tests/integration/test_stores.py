@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from psycopg import sql
 
 from aml_app.dependencies import aggregates, relations
+from aml_app.dependencies import store as store_module
 from aml_app.dependencies.copy import copy_arrow
 from aml_app.dependencies.store import ANALYZE_GROWTH, StaleBatch, StoreError, Writer, migrate, money_text
 from aml_app.detection.exchange import ExchangeRates
@@ -1445,3 +1446,42 @@ def test_a_writer_waiting_out_an_outage_gives_up_when_told() -> None:
     assert not reader.is_alive(), "the writer still waits for the server after give_up"
     assert len(failure) == 1 and isinstance(failure[0], StoreError), failure
     assert "the pipeline is stopping" in str(failure[0])
+
+
+def test_a_write_held_by_a_lock_gives_up_instead_of_waiting_for_ever(
+    store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A statement of the write waits at most LOCK_TIMEOUT for a lock (and WRITE_TIMEOUT in all) and is
+    retried within the writer's patience, then fails with a StoreError: a write that waited without end
+    held the pipeline's batch, and its commits, without a word."""
+    monkeypatch.setattr(store_module, "LOCK_TIMEOUT", 0.2)
+    writer = Writer(store_url, relations.SCHEMA, patience=1.0)
+    writer.migrate()
+    conn = writer.connection()
+    timeouts = dict(
+        conn.execute(
+            "SELECT name, setting::int FROM pg_settings WHERE name IN ('lock_timeout', 'statement_timeout')"
+        ).fetchall()
+    )
+    conn.rollback()
+    assert timeouts == {"lock_timeout": 200, "statement_timeout": round(store_module.WRITE_TIMEOUT * 1000)}
+    outcome: list[BaseException] = []
+
+    def apply() -> None:
+        try:
+            writer.apply({0: (0, 1)}, lambda conn: None)
+        except BaseException as exc:
+            outcome.append(exc)
+
+    with psycopg.connect(store_url) as holder:
+        holder.execute("LOCK TABLE relations.applied_offsets IN ACCESS EXCLUSIVE MODE")
+        thread = threading.Thread(target=apply)
+        thread.start()
+        thread.join(timeout=30)
+        held = thread.is_alive()
+        holder.rollback()
+    thread.join(timeout=30)
+    writer.close()
+    assert not held, "the write waited for the lock past its timeout and the writer's patience"
+    [error] = outcome
+    assert isinstance(error, StoreError) and "lock timeout" in str(error)
