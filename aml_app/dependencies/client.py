@@ -28,8 +28,10 @@ is whole. So a batch answers as its queries asked one by one with no bound would
 (which read the payer's `out`) decide as they would without the bound. Each page and each question
 asked again is counted (`ClientStats.asked_again`). The follow-ups come from later snapshots of B's
 store, each covering at least what the batch's `need` names; the detectors ask as of each payment's time
-(`at`), which the event-time gate makes the same in each. Only a list that cannot go on is returned as
-B gives it, the start of the list with its `truncated`, counted (`ClientStats.truncated`) and logged: a
+(`at`), which the event-time gate makes the same in each. A whole answer claims only what every
+snapshot it was made of holds: the lowest `as_of`, and no `log` if theirs differ. Only a list that
+cannot go on is returned as B gives it, the start of the list with its `truncated`, counted
+(`ClientStats.truncated`) and logged: a
 `neighbourhood` longer than the bound (the detectors never ask for one), or a counterparty paid in more
 currencies than the bound has rows (`AML_API_MAX_ROWS` is at least 200; ISO 4217 has fewer codes).
 """
@@ -306,9 +308,11 @@ class DependencyClient:
                     answers[i] = answer
                     new = {p: len(answer.get(p, [])) for p in cut}
                 elif part == "neighbourhood":
+                    _as_of_both(answers[i], answer)
                     answers[i][part] = answer.get(part, [])
                     new = {}
                 else:  # the counterparties after `after` (an older B would list them all again)
+                    _as_of_both(answers[i], answer)
                     after = query.get("after")
                     page = [e for e in answer.get(part, []) if after is None or e["counterparty"] > after]
                     answers[i][part] = [*answers[i][part], *page] if after is not None else page
@@ -489,6 +493,16 @@ def _progress(answer: Mapping[str, Any]) -> tuple[str | None, dict[int, int]] | 
     if not isinstance(raw, Mapping):
         return None
     return answer.get("log"), {int(p): int(o) for p, o in raw.items()}
+
+
+def _as_of_both(whole: dict[str, Any], page: Mapping[str, Any]) -> None:
+    """Make `whole`, an answer that `page` (from a later request, maybe of another snapshot) goes on,
+    claim only what both hold: on each partition the lower `as_of`, and no `log` where theirs differ
+    (an answer of no log proves nothing, and the detector asks again)."""
+    mine, theirs = whole.get("as_of") or {}, page.get("as_of") or {}
+    whole["as_of"] = {p: min(int(mine.get(p, 0)), int(theirs.get(p, 0))) for p in {*mine, *theirs}}
+    if whole.get("log") != page.get("log"):
+        whole["log"] = None
 
 
 def min_average_text(min_average: MinAverage) -> str:

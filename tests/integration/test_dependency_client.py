@@ -183,6 +183,48 @@ async def test_requests_take_turns_over_the_replicas_and_survive_one_going_down(
             await everyone_gone.close()
 
 
+def edge(counterparty: str) -> dict[str, Any]:
+    return {
+        "counterparty": counterparty,
+        "count": 1,
+        "totals": {"EUR": "5000.00"},
+        "first_seen": "2026-03-01T00:00:00.000000Z",
+        "last_seen": "2026-03-01T00:00:00.000000Z",
+    }
+
+
+@pytest.mark.parametrize(
+    ("page_as_of", "page_log", "merged_as_of", "merged_log"),
+    [({"0": 8, "1": 12}, "L", {"0": 8, "1": 9}, "L"), ({"0": 10, "1": 9}, "M", {"0": 10, "1": 9}, None)],
+    ids=["a page from an older snapshot", "a page of another log"],
+)
+async def test_a_list_made_whole_from_two_snapshots_claims_only_what_both_hold(
+    page_as_of: dict[str, int], page_log: str, merged_as_of: dict[str, int], merged_log: str | None
+) -> None:
+    """An `out` list that B cut short goes on in a later request, which may be served from another
+    snapshot (another replica, a store restored). The whole list is as of the older of the two on each
+    partition, and of no log when their logs differ: an answer that kept the first one's `as_of` claimed
+    payments its second page may lack, and the detector would take it as proof."""
+    pages = [
+        {"account": "A", "as_of": {"0": 10, "1": 9}, "log": "L", "out": [edge("B")], "truncated": {"out": 1}},
+        {"account": "A", "as_of": page_as_of, "log": page_log, "out": [edge("C")]},
+    ]
+
+    async def answer(request: web.Request) -> web.Response:
+        return web.json_response({"answers": [pages.pop(0)]})
+
+    paged = web.Application()
+    paged.router.add_post("/relations", answer)
+    async with served(paged) as b:
+        client = DependencyClient([b], [b], timeout=2)
+        try:
+            [whole] = await client.relations_many(["A"], parts="out", route=0)
+        finally:
+            await client.close()
+    assert [e["counterparty"] for e in whole["out"]] == ["B", "C"] and not pages
+    assert whole["as_of"] == merged_as_of and whole["log"] == merged_log
+
+
 @pytest.mark.parametrize(
     "single, batch",
     [
