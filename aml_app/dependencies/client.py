@@ -31,9 +31,9 @@ store, each covering at least what the batch's `need` names; the detectors ask a
 (`at`), which the event-time gate makes the same in each. A whole answer claims only what every
 snapshot it was made of holds: the lowest `as_of`, and no `log` if theirs differ. Only a list that
 cannot go on is returned as B gives it, the start of the list with its `truncated`, counted
-(`ClientStats.truncated`) and logged: a
-`neighbourhood` longer than the bound (the detectors never ask for one), or a counterparty paid in more
-currencies than the bound has rows (`AML_API_MAX_ROWS` is at least 200; ISO 4217 has fewer codes).
+(`ClientStats.truncated`) and logged: a `neighbourhood` longer than the bound (the detectors never ask
+for one), or a counterparty paid in more currencies than the bound has rows (`AML_API_MAX_ROWS` is at
+least 200; ISO 4217 has fewer codes).
 """
 
 from __future__ import annotations
