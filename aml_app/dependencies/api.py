@@ -828,6 +828,8 @@ def relations_app(
                     parse_after(parts, _text_or_none(q, "after", i), where=f"queries[{i}]: "),
                 )
             )
+        if check is not None:
+            check.refuse_if_behind()  # before the answer cache too: a store behind answers nothing
         return await _batch_response(
             cache,
             [q.key() for q in queries],
@@ -886,6 +888,8 @@ def aggregates_app(
     async def batch(request: web.Request) -> web.Response:
         asked, need = await _body(request)
         queries = [(_batch_account(q, i), parse_at(_text_or_none(q, "at", i))) for i, q in enumerate(asked)]
+        if check is not None:
+            check.refuse_if_behind()  # before the answer cache too: a store behind answers nothing
         return await _batch_response(
             cache,
             queries,

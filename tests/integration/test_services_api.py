@@ -614,6 +614,12 @@ async def test_a_store_behind_its_group_is_unhealthy_and_answers_nothing(
         async with client_for(build_app("relations", checked(stores, broker, names))) as client:
             await wait_for_check(client, "ok")
             assert (await get(client, "/relations/A"))["as_of"] == {"0": 2, "1": 2}
+            # A gated batch whose answers the replica keeps: asked again, it is read from the answer
+            # cache, and must be refused all the same once the store is behind.
+            gated = {"queries": [{"account": "A"}], "need": {"as_of": {"0": 2}, "wait_ms": 0}}
+            for _ in range(2):
+                response = await client.post("/relations", json=gated)
+                assert response.status == 200, await response.text()
             progress.commit({0: 500})
             health = await wait_for_check(client, "behind")
             assert health["status"] == "behind"
@@ -622,8 +628,9 @@ async def test_a_store_behind_its_group_is_unhealthy_and_answers_nothing(
             assert "aml-app rebuild relations" in problem
             refused = await get(client, "/relations/A", status=503)
             assert "behind its consumer group" in refused["error"]
-            response = await client.post("/relations", json={"queries": [{"account": "A"}]})
-            assert response.status == 503
+            for body in ({"queries": [{"account": "A"}]}, gated):
+                response = await client.post("/relations", json=body)
+                assert response.status == 503, (body, await response.text())
 
 
 async def test_an_api_refuses_a_store_at_another_schema_version_until_it_is_migrated(
