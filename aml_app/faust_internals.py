@@ -31,6 +31,9 @@ found it; nothing else in the project touches a private name of these libraries:
   thread's iteration over fetched records crashed a worker.
 - `MEMORY_STORE`: Faust ignores a bare "memory://" store URL (an empty yarl URL is falsy).
 - `partition_flags`: the delivery repairs' view of whether Faust pauses or fetches a partition.
+- `subscribed_partitions`: Faust's `Consumer.topic_partitions` reads aiokafka's group coordinator's
+  metadata snapshot (the partition counts the group rebalances on): the event-time gate distrusts a
+  cut that covers fewer partitions than the worker's consumer sees.
 - `keep_in_metadata`, `wait_for_topic`: keep the topics the worker writes in its producer's metadata
   (aiokafka drops a topic it does not track, and sends to it then hang), and wait for a topic's metadata.
 - `BackToBackTimers`: mode's Timer warns each time a timer's run outlasts its interval (logger
@@ -59,6 +62,7 @@ import aiokafka
 import faust
 import faust.streams
 import mode
+from aiokafka.consumer.group_coordinator import BaseCoordinator
 from faust.tables.base import Collection
 from faust.transport import consumer as faust_consumer
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -96,6 +100,8 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust.streams.Stream, "_on_stream_event_in", "source:__init__"),
     (faust.streams.Stream, "_channel_stop_iteration", "attr"),
     (mode.Worker, "_sentinel_task", "source:_shutdown_loop"),
+    (BaseCoordinator, "_metadata_snapshot", "source:__init__"),
+    (faust_aiokafka.AIOKafkaConsumerThread, "topic_partitions", "attr"),
 ]
 
 #: sha256 of the source of Faust's `Consumer._drain_messages` that `lean_drain_messages` adapts.
@@ -483,6 +489,15 @@ def partition_flags(app: AppT, tp: TP) -> tuple[bool, bool | None]:
     paused = tp in getattr(consumer, "_paused_partitions", set())
     active = getattr(consumer, "_active_partitions", None)
     return paused, None if active is None else tp in active
+
+
+def subscribed_partitions(app: AppT, topic: str) -> int:
+    """How many partitions of `topic` the worker's consumer saw at its last metadata refresh (0: not
+    started, or not subscribed to it)."""
+    try:
+        return app.consumer.topic_partitions(topic) or 0
+    except AttributeError:  # a consumer thread or group coordinator not made yet
+        return 0
 
 
 # --- mode's warning for a timer that overlaps ---------------------------------------------------

@@ -39,7 +39,13 @@ from mode import Service
 from mode.utils.objects import qualname
 
 from aml_app.app import app, settings
-from aml_app.faust_internals import MEMORY_STORE, WatchedGlobalTable, quiet_back_to_back, wait_for_topic
+from aml_app.faust_internals import (
+    MEMORY_STORE,
+    WatchedGlobalTable,
+    quiet_back_to_back,
+    subscribed_partitions,
+    wait_for_topic,
+)
 from aml_app.gate import FreshnessGate, GatedConsumer
 from aml_app.gate.event_time import Cut, cut_row, instant
 from aml_app.gate.health import Limits, StallWatch, describe
@@ -177,6 +183,8 @@ class RefreshStatus:
         self.refreshes = 0
         self.errors = 0
         self.partition_check_at = 0.0
+        #: How many partitions of the payments topic the last reading had.
+        self.partitions = 0
         #: The operator fields (log ends, our own commits) are read on the slow interval only, so the
         #: fast refresh that unblocks payments costs what it did before they existed.
         self.operator_read_at = float("-inf")
@@ -192,6 +200,13 @@ class RefreshStatus:
         if message != self.last_error:
             log.warning("watermark refresh failed, holding %s: %s", holding, message)
         self.last_error = message
+
+
+def topic_partitions() -> int:
+    """How many partitions of the payments topic this worker's consumer saw at its last metadata
+    refresh (0: none yet). The group rebalances on a change, so the worker learns of added partitions
+    as fast as the consumer group does; a cut covering fewer is from before they were added."""
+    return subscribed_partitions(app, settings.kafka.payments_topic)
 
 
 def _worth_writing(old: Stamped | None, row: Stamped, changed: bool) -> bool:
@@ -360,6 +375,7 @@ class WorkerGate(Service):
             generation,
             self.gate.log,
             groups=settings.depends_on,
+            partitions=topic_partitions() if row.partitions is not None else 0,
         )
 
     # --- the leader's refresh -----------------------------------------------------------------------
@@ -416,7 +432,12 @@ class WorkerGate(Service):
         await self.changelogs.wait()
         status = self.status
         status.last_attempt = now
-        recheck = now - status.partition_check_at >= refresh.partition_recheck
+        # Partitions added to the topic: read them now if this worker's consumer sees more than the
+        # last reading had, else every partition_recheck.
+        recheck = (
+            now - status.partition_check_at >= refresh.partition_recheck
+            or topic_partitions() > status.partitions
+        )
         operator_fields = now - status.operator_read_at >= refresh.operator_read
         try:
             if REFRESH_HANGS:
@@ -433,6 +454,7 @@ class WorkerGate(Service):
             return Outcome.OVERRAN
         if recheck:
             status.partition_check_at = now
+        status.partitions = len(reading.partitions)
         if status.last_error:
             log.info("watermark refresh recovered after: %s", status.last_error)
         status.last_error = None

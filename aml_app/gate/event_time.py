@@ -88,6 +88,11 @@ class Cut:
     #: The dependency groups every W(q) is the minimum over (the leader's AML_DEPENDS_ON).
     groups: tuple[str, ...] = ()
 
+    @property
+    def partitions(self) -> int:
+        """How many partitions the cut speaks for: every one of the leader's reading."""
+        return len(self.watermarks)
+
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Cut:
         return cls(

@@ -50,6 +50,11 @@ class WatermarkRow:
         """The dependency groups W(p) is the minimum over (the leader's AML_DEPENDS_ON)."""
         return tuple(self.dependencies)
 
+    @property
+    def partitions(self) -> int | None:
+        """A partition's row speaks for its partition only (the cut's counts the partitions it covers)."""
+        return None
+
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> WatermarkRow:
         return cls(
@@ -106,6 +111,9 @@ class Stamped(Protocol):
 
     @property
     def groups(self) -> tuple[str, ...]: ...
+
+    @property
+    def partitions(self) -> int | None: ...
 
 
 class CutLike(Protocol):
@@ -213,6 +221,7 @@ def distrust(
     log: str | None = None,
     *,
     groups: Collection[str] = (),
+    partitions: int = 0,
 ) -> str | None:
     """Why a worker may not admit payments on `row` (None: it may).
 
@@ -225,7 +234,9 @@ def distrust(
     deleted and created again, or the cluster changes, offsets of two logs are never compared. And its
     watermark must count every group of `groups`, those this worker depends on: while AML_DEPENDS_ON
     changes in a rolling restart, a leader still on the old setting publishes a W(p) that says nothing
-    of a group added to it.
+    of a group added to it. And a row that speaks for every partition (the event-time cut) must cover
+    the `partitions` this worker's consumer sees the topic has (0: not known yet): one read before
+    partitions were added says nothing of the payments there.
     """
     if log is not None and row.log != log:
         return (
@@ -240,6 +251,12 @@ def distrust(
             f"{', '.join(uncounted)}, which this worker depends on (it counts "
             f"{', '.join(row.groups) or 'none'}: the leader runs with another AML_DEPENDS_ON); waiting "
             "for a leader that depends on the same groups"
+        )
+    covered = row.partitions
+    if covered is not None and covered < partitions:
+        return (
+            f"the cut covers {covered} partitions, but the payments topic has {partitions} as this "
+            "worker's consumer sees it (partitions were added): waiting for the leader to read them"
         )
     age = now - row.refreshed_at
     if age > max_age:

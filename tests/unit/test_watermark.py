@@ -367,6 +367,24 @@ def test_a_row_that_does_not_count_every_group_this_worker_depends_on_is_not_tru
     assert distrust(unnamed, 100.0, 5.0, 3, groups=("relations",)) is not None
 
 
+def test_a_cut_that_misses_a_partition_this_worker_knows_of_is_not_trusted() -> None:
+    """Partitions added to the payments topic: a cut the leader read before it knew of them says
+    nothing of the payments there, so a worker whose consumer sees more partitions than the cut covers
+    admits nothing on it. A partition's own row speaks for itself only, and is judged as before."""
+    unapplied = {p: Unapplied(8, None) for p in (0, 1)}
+    cut = cut_row({0: 8, 1: 8}, unapplied, 100.0, generation=3, groups=("relations",))
+    assert cut.partitions == 2
+    assert distrust(cut, 100.0, 5.0, 3, groups=("relations",), partitions=2) is None
+    assert distrust(cut, 100.0, 5.0, 3, groups=("relations",), partitions=0) is None  # not known yet
+    reason = distrust(cut, 100.0, 5.0, 3, groups=("relations",), partitions=3)
+    assert reason is not None and reason.startswith(
+        "the cut covers 2 partitions, but the payments topic has 3 as this worker's consumer sees it"
+    )
+    row = build_rows([0], {"relations": {0: 9}}, 100.0, generation=3)[0]
+    assert row.partitions is None
+    assert distrust(row, 100.0, 5.0, 3, groups=("relations",), partitions=3) is None
+
+
 def test_the_leader_refreshes_fast_for_a_waiter_on_a_row_of_an_earlier_generation() -> None:
     """The row is open by its watermark, but this worker cannot trust it: the next refresh stamps it."""
     rows = {0: R({"watermark": 10, "generation": 2})}

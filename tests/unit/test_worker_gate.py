@@ -218,3 +218,33 @@ def test_a_worker_distrusts_rows_that_do_not_count_a_group_it_depends_on() -> No
     assert groups == ["relations", "aggregates", "risk"]
     assert old is not None and "does not count group risk" in old
     assert new is None
+
+
+GROWN = """
+import json, time
+from aml_app.gate.event_time import Unapplied, cut_row
+from aml_app.tables import watermarks as w
+
+gate = w.gate_service()
+now, generation = time.time(), w.app.consumer_generation_id
+groups = tuple(w.settings.depends_on)
+cut = cut_row({0: 8, 1: 8}, {0: Unapplied(8, None), 1: Unapplied(8, None)}, now, generation=generation,
+              groups=groups)
+seen = []
+for count in (None, 2, 3):
+    w.app.consumer.topic_partitions = lambda topic, count=count: count
+    seen.append(gate.distrusted(cut))
+print(json.dumps(seen))
+"""
+
+
+def test_a_worker_distrusts_a_cut_that_misses_partitions_its_consumer_sees() -> None:
+    """The topic grew: the worker's consumer sees 3 partitions of `payments`, the leader's cut covers the
+    2 it read before; the worker admits nothing on that cut until one covers all 3."""
+    env = {**os.environ, "AML_GATE_MODE": "event-time"}
+    out = subprocess.run(
+        [sys.executable, "-c", GROWN], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    unknown, same, grown = json.loads(out.stdout.strip().splitlines()[-1])
+    assert unknown is None and same is None
+    assert grown is not None and "the payments topic has 3" in grown
