@@ -10,11 +10,11 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from faust.types import EventT
 
-from aml_app.backoff import awaited, retry_forever
+from aml_app.backoff import OnFailure, awaited, retry_forever
 from aml_app.faust_internals import set_current_event
 from aml_app.gate.gate import Admission, Admitted
 from aml_app.gate.sink import ReviewKind, Sink
@@ -25,6 +25,8 @@ if TYPE_CHECKING:
     from aml_app.gate.options import LanePolicy, ParkRequest
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 #: What a handler leaves to complete before its payments may be acked, e.g. the broker's acknowledgement
 #: of a decision it sent (a future); None when it finished everything itself. The lane goes on with the
@@ -61,6 +63,29 @@ class Retrying:
         }
 
 
+class GaveUp(Exception):
+    """Retries ended by the retry ceiling or an operator's park request: after `attempts` failed
+    attempts in all, the last with `error`."""
+
+    def __init__(self, attempts: int, error: BaseException) -> None:
+        super().__init__(f"gave up after {attempts} failed attempts: {describe_error(error)}")
+        self.attempts, self.error = attempts, error
+
+
+#: Runs something until it succeeds, reporting each failure to `on_failure`, and raises the last one
+#: after `attempts` failures (None: no ceiling) or once `stop()` is true (`retry_forever`'s contract).
+Retried = Callable[[OnFailure, int | None, Callable[[], bool]], Awaitable[T]]
+
+
+def _retrying(what: str, action: Callable[[], Awaitable[T]]) -> Retried[T]:
+    """`action` under `retry_forever`, as `Handling._until_done` runs it."""
+
+    def retried(on_failure: OnFailure, attempts: int | None, stop: Callable[[], bool]) -> Awaitable[T]:
+        return retry_forever(what, action, on_failure=on_failure, attempts=attempts, stop=stop)
+
+    return retried
+
+
 def describe_error(exc: BaseException, limit: int = 300) -> str:
     text = f"{type(exc).__name__}: {exc}"
     return text if len(text) <= limit else text[: limit - 1] + "…"
@@ -95,57 +120,19 @@ class Handling:
             what = f"processing payment {admitted[0].payment.payment_id} at {first.partition}:{first.offset}"
         else:
             what = f"processing {len(admitted)} payments at {first.partition}:{first.offset}..{last.offset}"
-        attempts = [0]
-
-        def failed(attempt: int, exc: BaseException, wait: float) -> None:
-            attempts[0] = attempt
-            self.failed(admitted, attempt, exc, wait)
-
         try:
-            return await retry_forever(
-                what,
-                lambda: self.call(admitted),
-                on_failure=failed,
-                attempts=self.max_attempts or None,
-                stop=lambda: self._any_asked(admitted),
+            return await self._until_done(
+                _retrying(what, lambda: self.call(admitted)),
+                (first.partition, first.offset, len(admitted)),
+                lambda: self._any_asked(admitted),
             )
-        except Exception as exc:  # a retry ceiling or a park request: retry_forever raises nothing else
+        except GaveUp as gave_up:
             if len(admitted) > 1:
                 pending = [await self.handle([one]) for one in admitted]
                 waits = [p for p in pending if p is not None]
                 return asyncio.gather(*waits) if waits else None
-            attempts[0] += 1  # the failure retry_forever raised was not reported to `failed`
-            await self._park(admitted[0].event, first.partition, first.offset, attempts[0], exc)
+            await self._park(admitted[0].event, gave_up)
             return None
-
-    async def _park(
-        self,
-        event: EventT[Any],
-        partition: int,
-        offset: int,
-        attempts: int,
-        exc: BaseException,
-        why: str = "",
-    ) -> None:
-        """Write the payment to the review topic, saying why: an operator's request (if one was made
-        before the ceiling) or the ceiling, the last error, and `why` more."""
-        asked = self._asked_to_park(partition, offset)
-        if asked is not None and (not self.max_attempts or attempts < self.max_attempts):
-            parked = f"parked by hand ({asked.by}: {asked.reason or 'no reason given'})"
-        else:
-            parked = f"parked after {attempts} failed attempts"
-        reason = f"{parked}: {describe_error(exc)}" + (f"; {why}" if why else "")
-        await self.sink.to_review(event, ReviewKind.PARKED, reason, attempts=attempts)
-
-    def _asked_to_park(self, partition: int, offset: int) -> ParkRequest | None:
-        return None if self.park_requested is None else self.park_requested(partition, offset)
-
-    def _any_asked(self, admitted: list[Admitted]) -> bool:
-        return any(self._asked_to_park(a.admission.partition, a.admission.offset) for a in admitted)
-
-    def _gives_up(self, admitted: list[Admitted], failures: int) -> bool:
-        """Whether `failures` failed attempts reach the retry ceiling, or an operator asked to park."""
-        return bool(self.max_attempts and failures >= self.max_attempts) or self._any_asked(admitted)
 
     async def redo(self, admitted: list[Admitted], exc: BaseException) -> None:
         """Handle the payments again: their pending work (the sends) failed with `exc`, their first failed
@@ -166,54 +153,82 @@ class Handling:
             if pending is not None:
                 await awaited(pending, f"the pending work of {first.partition}:{first.offset}")
 
-        failures, last = [1], exc
-
-        def failed(attempt: int, error: BaseException, wait: float) -> None:
-            failures[0] = attempt + 1
-            self.failed(admitted, attempt + 1, error, wait)
-
-        if not self._gives_up(admitted, 1):
-            try:
-                await retry_forever(
-                    f"processing {len(admitted)} payment(s) again at {first.partition}:{first.offset} "
-                    "(their pending work failed)",
-                    again,
-                    on_failure=failed,
-                    attempts=self.max_attempts - 1 if self.max_attempts else None,
-                    stop=lambda: self._any_asked(admitted),
-                )
+        what = f"processing {len(admitted)} payment(s) again at {first.partition}:{first.offset}"
+        try:
+            await self._until_done(
+                _retrying(f"{what} (their pending work failed)", again),
+                (first.partition, first.offset, len(admitted)),
+                lambda: self._any_asked(admitted),
+                failed=1,
+                error=exc,
+            )
+        except GaveUp as gave_up:
+            if len(admitted) > 1:
+                for one in admitted:
+                    await self.redo([one], gave_up.error)
                 return
-            except Exception as error:  # a retry ceiling or a park request
-                failures[0] += 1
-                last = error
-        if len(admitted) > 1:
-            for one in admitted:
-                await self.redo([one], last)
-            return
-        await self._park(admitted[0].event, first.partition, first.offset, failures[0], last)
+            await self._park(admitted[0].event, gave_up)
 
     async def dead_letter(self, event: EventT[Any], reason: str) -> None:
         """Write a payment that breaks the contract to the dead-letter topic, retrying as `handle` does:
         at the retry ceiling or an operator's request it is parked on the review topic instead, with
         both reasons, so a dead-letter topic that refuses it never holds the partition."""
         partition, offset = event.message.partition, event.message.offset
-        failures = [0]
 
-        def failed(attempt: int, exc: BaseException, wait: float) -> None:
-            failures[0] = attempt
-            self.failed_at(partition, offset, 1, attempt, exc, wait)
+        async def retried(on_failure: OnFailure, attempts: int | None, stop: Callable[[], bool]) -> None:
+            # The sink retries each part of a large value on its own: a failure never sends one twice.
+            await self.sink.dead_letter(event, reason, on_failure=on_failure, attempts=attempts, stop=stop)
 
         try:
-            await self.sink.dead_letter(
-                event,
-                reason,
-                on_failure=failed,
-                attempts=self.max_attempts or None,
-                stop=lambda: self._asked_to_park(partition, offset) is not None,
+            await self._until_done(
+                retried, (partition, offset, 1), lambda: self._asked_to_park(partition, offset) is not None
             )
-        except Exception as exc:  # a retry ceiling or a park request: retry_forever raises nothing else
+        except GaveUp as gave_up:
             why = f"it breaks the contract ({reason}) and its dead letter failed"
-            await self._park(event, partition, offset, failures[0] + 1, exc, why)
+            await self._park(event, gave_up, why)
+
+    async def _until_done(
+        self,
+        retried: Retried[T],
+        where: tuple[int, int, int],
+        asked: Callable[[], bool],
+        failed: int = 0,
+        error: BaseException | None = None,
+    ) -> T:
+        """What `retried` returns once it succeeds, each failed attempt shown in `retrying` at `where`
+        (partition, offset, payments); `GaveUp` once `failed` attempts before this one and those made
+        here reach the retry ceiling, or `asked()` says an operator asked to park."""
+        partition, offset, payments = where
+        if error is not None and (bool(self.max_attempts and failed >= self.max_attempts) or asked()):
+            raise GaveUp(failed, error)
+        attempts = [failed]
+
+        def on_failure(attempt: int, exc: BaseException, wait: float) -> None:
+            attempts[0] = failed + attempt
+            self.failed_at(partition, offset, payments, failed + attempt, exc, wait)
+
+        try:
+            return await retried(on_failure, self.max_attempts - failed if self.max_attempts else None, asked)
+        except Exception as exc:  # the ceiling or a park request: retry_forever raises nothing else
+            raise GaveUp(attempts[0] + 1, exc) from exc  # the failure it raised was not reported
+
+    async def _park(self, event: EventT[Any], gave_up: GaveUp, why: str = "") -> None:
+        """Write the payment to the review topic, saying why: an operator's request (if one was made
+        before the ceiling) or the ceiling, the last error, and `why` more."""
+        attempts, exc = gave_up.attempts, gave_up.error
+        asked = self._asked_to_park(event.message.partition, event.message.offset)
+        if asked is not None and (not self.max_attempts or attempts < self.max_attempts):
+            parked = f"parked by hand ({asked.by}: {asked.reason or 'no reason given'})"
+        else:
+            parked = f"parked after {attempts} failed attempts"
+        reason = f"{parked}: {describe_error(exc)}" + (f"; {why}" if why else "")
+        await self.sink.to_review(event, ReviewKind.PARKED, reason, attempts=attempts)
+
+    def _asked_to_park(self, partition: int, offset: int) -> ParkRequest | None:
+        return None if self.park_requested is None else self.park_requested(partition, offset)
+
+    def _any_asked(self, admitted: list[Admitted]) -> bool:
+        return any(self._asked_to_park(a.admission.partition, a.admission.offset) for a in admitted)
 
     async def call(self, admitted: list[Admitted]) -> LeftToComplete:
         # The handler runs as if inside Faust's stream iteration of the (first) event, so it can use
