@@ -363,51 +363,56 @@ class DependencyClient:
         replica; the one that went back is kept in case no other replica answers."""
         replicas = self.replicas[dependency]
         failures, behind = [], []
-        fallback: dict[str, Any] | None = None
+        fallback: tuple[dict[str, Any], Progress] | None = None
         for base in replicas.order(route):
             try:
                 answer = await self._send_to(dependency, where(base), body)
-                self._readable(dependency, base, answer, answers)
+                shown = self._readable(dependency, base, answer, answers)
             except DependencyUnavailable as exc:
                 replicas.failed(base)
                 failures.append(str(exc))
                 continue
             replicas.answered(base)
-            if self._went_back(dependency, base, answer):
+            if self._went_back(dependency, base, shown):
                 replicas.failed(base)
-                fallback = fallback if fallback is not None or answer.get("not_yet") else answer
+                if fallback is None and not answer.get("not_yet"):
+                    fallback = answer, shown
                 continue
             if answer.get("not_yet"):
                 self.stats.not_yet += 1
                 behind.append(f"{base} has as_of {answer.get('as_of')}")
                 continue
-            self._saw(dependency, answer)
+            self._saw(dependency, shown)
             return answer
         if fallback is not None:  # every replica that answered is below: the service itself went back
             self.highest.pop(dependency, None)
-            self._saw(dependency, fallback)
-            return fallback
+            answer, shown = fallback
+            self._saw(dependency, shown)
+            return answer
         if behind:
             raise NotYet(f"{dependency} has not applied what the question needs yet: {'; '.join(behind)}")
         if len(failures) == 1:
             raise DependencyUnavailable(failures[0])
         raise DependencyUnavailable(f"every replica of {dependency} failed: {'; '.join(failures)}")
 
-    def _readable(self, dependency: str, base: URL, answer: Mapping[str, Any], answers: int | None) -> None:
-        """Raise `DependencyUnavailable` for an answer whose progress (`as_of`) or batch cannot be read."""
+    def _readable(
+        self, dependency: str, base: URL, answer: Mapping[str, Any], answers: int | None
+    ) -> Progress:
+        """The answer's progress (`_progress`), read once for every check of it; `DependencyUnavailable`
+        for an answer whose progress (`as_of`) or batch cannot be read."""
         try:
-            _progress(answer)
+            shown = _progress(answer)
             if answers is not None and not answer.get("not_yet"):
                 _answers(answer, answers, dependency)
+            return shown
         except (DependencyUnavailable, TypeError, ValueError, AttributeError) as exc:
             message = f"{dependency} at {base} answered what cannot be read: {exc}"
             self._failed(message)
             raise DependencyUnavailable(message) from exc
 
-    def _went_back(self, dependency: str, base: URL, answer: Mapping[str, Any]) -> bool:
-        """Whether `answer` is below an as_of this service showed before, in the same log (the named
-        event "went back": a replica behind the others, or a store restored); logged and counted."""
-        shown = _progress(answer)
+    def _went_back(self, dependency: str, base: URL, shown: Progress) -> bool:
+        """Whether an answer's progress is below an as_of this service showed before, in the same log (the
+        named event "went back": a replica behind the others, or a store restored); logged and counted."""
         if shown is None or dependency not in self.highest:
             return False
         log_id, as_of = shown
@@ -428,8 +433,8 @@ class DependencyClient:
         )
         return True
 
-    def _saw(self, dependency: str, answer: Mapping[str, Any]) -> None:
-        shown = _progress(answer)
+    def _saw(self, dependency: str, shown: Progress) -> None:
+        """Raise the highest `as_of` this service has shown (per log) to an answer's."""
         if shown is None:
             return
         log_id, as_of = shown
@@ -479,7 +484,11 @@ class DependencyClient:
         self.stats.last_error = message
 
 
-def _progress(answer: Mapping[str, Any]) -> tuple[str | None, dict[int, int]] | None:
+#: (log, as_of) of an answer (`_progress`), None for an empty batch.
+Progress = tuple[str | None, dict[int, int]] | None
+
+
+def _progress(answer: Mapping[str, Any]) -> Progress:
     """(log, as_of) of an answer: a single answer's own, a "not yet"'s, or a batch's: its own `as_of`
     and `log` where some of its answers were kept ones (their `as_of` says where the store was when
     first asked, `aml_app.dependencies.answer_cache`), else its first answer's (one snapshot answers
