@@ -10,6 +10,7 @@ ids still tells clusters apart).
 
 from __future__ import annotations
 
+import concurrent.futures
 from collections.abc import Mapping
 from typing import Any
 
@@ -51,6 +52,10 @@ class LogIdentities:
             topic_id = described[topic].result(self.timeout).topic_id
         except KafkaException as exc:
             raise LogUnknown(f"cannot tell which log topic {topic!r} is: {exc.args[0]}") from None
+        except concurrent.futures.TimeoutError:  # the wait for librdkafka's answer ran out first
+            raise LogUnknown(
+                f"cannot tell which log topic {topic!r} is: no answer within {self.timeout:g} s"
+            ) from None
         return identity(self.cluster_id, topic, None if topic_id is None else str(topic_id))
 
 
