@@ -88,6 +88,8 @@ async def read_back(partition: int, start: int, timeout: float) -> list[tuple[by
         group_id=None,
         enable_auto_commit=False,
         client_id="aml-alerts-read-back",
+        # A start that retention deleted: every alert left counts, not only those sent from now on.
+        auto_offset_reset="earliest",
         **aiokafka_kwargs(settings.kafka.security),
     )
     deadline = time.monotonic() + timeout

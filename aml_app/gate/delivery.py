@@ -56,6 +56,8 @@ async def first_offset_from(
         enable_auto_commit=False,
         client_id="aml-gate-holes",
         max_poll_records=1,
+        # Below the log start the first record is the log start's, not the next one to arrive.
+        auto_offset_reset="earliest",
         **aiokafka_kwargs(security),
     )
     try:

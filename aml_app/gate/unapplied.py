@@ -67,6 +67,9 @@ class UnappliedReader:
                 bootstrap_servers=self.bootstrap_servers,
                 client_id="aml-gate-event-time",
                 enable_auto_commit=False,
+                # W(q) below q's log start (retention deleted records the group never committed past):
+                # the first unapplied payment is the first one left, not the next one to arrive.
+                auto_offset_reset="earliest",
                 fetch_max_wait_ms=FETCH_MAX_WAIT_MS,
                 request_timeout_ms=int(self.request_timeout * 1000),
                 **self._security,
