@@ -30,7 +30,8 @@ class Arrival(Enum):
     REDELIVERED = "redelivered"
     #: Past an open hole: held until the hole is checked.
     HELD = "held"
-    #: Past the offset it expects: a hole opens, held with this event; the log must say what it is.
+    #: Past the offset it expects: a hole opens, held with this event; the log must say what it is. Also
+    #: the first event past a hole fetched again: the fetch skipped it too, so the log is asked again.
     HOLE = "hole"
     #: Queued for processing.
     QUEUED = "queued"
@@ -74,6 +75,9 @@ class Lane:
     hole: tuple[int, int] | None = None
     #: The events received past the hole meanwhile, in offset order; queued if the hole is no hole.
     held: list[EventT[Any]] = field(default_factory=list)
+    #: The hole is fetched again: what comes past it first says the fetch skipped it too (the log did
+    #: not answer in time about a real gap), and the log is asked again.
+    refetched: bool = False
     #: Set by `stop`: the lane's successor owns its events from then on.
     stopped: bool = False
 
@@ -94,10 +98,13 @@ class Lane:
             if expected is not None and offset > expected:
                 if not self.held or offset > self.held[-1].message.offset:
                     self.held.append(event)
+                if self.refetched:
+                    self.refetched = False
+                    return Arrival.HOLE
                 return Arrival.HELD
-            self.hole, self.held = None, []  # the missing record came after all: the hole is filled
+            self.hole, self.held, self.refetched = None, [], False  # the missing record came after all
         elif expected is not None and offset > expected and checks_holes:
-            self.hole, self.held = (expected, offset), [event]
+            self.hole, self.held, self.refetched = (expected, offset), [event], False
             return Arrival.HOLE
         now = time.monotonic()
         self.next_offset = offset + 1
@@ -111,12 +118,13 @@ class Lane:
         """The open hole is a gap in the log: expect what came past it; its held events, to receive again."""
         assert self.hole is not None
         held, self.next_offset = self.held, self.hole[1]
-        self.hole, self.held = None, []
+        self.hole, self.held, self.refetched = None, [], False
         return held
 
     def refetching(self) -> None:
-        """The hole's records are fetched again: the held events come again after them."""
-        self.held = []
+        """The hole's records are fetched again: the held events come again after them, and the first
+        that comes before them opens the question again."""
+        self.held, self.refetched = [], True
 
     @property
     def buffered(self) -> int:

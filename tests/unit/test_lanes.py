@@ -744,9 +744,15 @@ class FakeLog:
         self.answer = asyncio.Event()
         self.answer.set()
 
+        #: How many reads still find nothing in time (the hole reader's None: "assume the records exist").
+        self.unanswered = 0
+
     async def first_offset(self, partition: int, offset: int) -> int | None:
         self.asked.append((partition, offset))
         await asyncio.wait_for(self.answer.wait(), DEADLINE)
+        if self.unanswered:
+            self.unanswered -= 1
+            return None
         return next((o for o in self.offsets if o >= offset), None)
 
 
@@ -792,6 +798,28 @@ async def test_a_gap_in_the_log_itself_is_crossed_with_the_held_payments_in_orde
     assert h.handled == [(0, 0), (0, 1), (0, 5), (0, 6), (0, 7)]
     assert h.app.consumer.seeks == [] and h.gated.stats.gaps_accepted == 1 and h.violations == []
     assert h.app.consumer.gaps == [(TP(TOPIC, 0), 2, 4)], "Faust commits over the gap only if told"
+
+
+async def test_a_gap_the_log_did_not_answer_about_in_time_is_checked_again_when_the_refetch_skips_it(
+    make: Callable[..., Harness],
+) -> None:
+    """The first read of the log finds nothing in time, so the lane fetches the hole again; the broker
+    goes on after the gap, and what comes past it opens the question again instead of being held for
+    ever (a paused lane is not looked at by the delivery check)."""
+    h = make()
+    log_ = FakeLog([0, 1, 5, 6, 7])
+    log_.unanswered = 1
+    h.gated.delivery.first_offset = log_.first_offset
+    tp0 = TP(TOPIC, 0)
+    h.assign({0: 0})
+    h.open(0, 100)
+    h.dispatch(event(0, 0), event(0, 1), event(0, 5), event(0, 6))
+    await until(lambda: h.app.consumer.seeks == [(tp0, 2)], "fetched again from offset 2")
+    h.dispatch(event(0, 5), event(0, 6), event(0, 7))  # the refetch: the log has nothing at 2..4
+    await until(lambda: len(h.acks) == 5, "all five acked")
+    assert log_.asked == [(0, 2), (0, 2)]
+    assert h.handled == [(0, 0), (0, 1), (0, 5), (0, 6), (0, 7)] and h.violations == []
+    assert h.gated.stats.gaps_accepted == 1 and h.app.consumer.gaps == [(tp0, 2, 4)]
 
 
 async def test_stopping_the_consumer_cancels_its_lanes_and_its_hole_checks(
