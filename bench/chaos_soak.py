@@ -169,6 +169,8 @@ class Fault:
     ended: float | None = None
     what: str = ""
     error: str = ""
+    #: freeze-worker: the wall clock just before SIGSTOP and just after SIGCONT.
+    frozen: tuple[float, float] | None = None
 
 
 def plan(options: Options) -> tuple[list[Fault], list[str]]:
@@ -592,6 +594,46 @@ class Decision:
 
 
 @dataclass
+class AlertSeen:
+    """Who sent an alert record, when it decided, and when the record arrived here (wall clock)."""
+
+    worker: str
+    decided_at: float | None
+    arrived: float
+
+    @classmethod
+    def of(cls, record: Seen) -> AlertSeen:
+        try:
+            doc = json.loads(record.value or b"")
+            worker, decided = str(doc.get("worker", "")), doc.get("decided_at")
+            decided_at = (
+                datetime.fromisoformat(decided.replace("Z", "+00:00")).timestamp() if decided else None
+            )
+        except (ValueError, TypeError, AttributeError):
+            worker, decided_at = "", None
+        return cls(worker, decided_at, record.arrived)
+
+
+def sent_after_a_freeze(records: list[AlertSeen], freezes: list[tuple[str, float, float]]) -> int:
+    """How many of a payment's alert records a frozen worker decided before it was stopped and that
+    arrived only after it was continued, given (worker, stopped, continued) per freeze.
+
+    Such a record was in the worker's producer when it froze, and the broker took it when the worker ran
+    again, after its partition's next owner had read `alerts-sent` and may have alerted on the payment:
+    a zombie's send, which only a broker that fences producers (Kafka transactions) can refuse. The soak
+    reports these apart from the alerts sent twice that the workers could have seen."""
+    return sum(
+        1
+        for r in records
+        if r.decided_at is not None
+        and any(
+            r.worker == w and r.decided_at <= stopped and r.arrived >= continued
+            for w, stopped, continued in freezes
+        )
+    )
+
+
+@dataclass
 class Findings:
     """What the readers saw, parsed as it arrives (`update` takes what is new)."""
 
@@ -603,6 +645,7 @@ class Findings:
     unreadable_decisions: int = 0
     alerts: Counter[str] = field(default_factory=Counter)
     alert_arrivals: dict[str, list[float]] = field(default_factory=dict)  # payment id -> when each arrived
+    alert_records: dict[str, list[AlertSeen]] = field(default_factory=dict)  # payment id -> its records
     dead: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)  # source -> origin -> reason
     dead_arrived: dict[str, float] = field(default_factory=dict)  # source -> last arrival
     read: dict[str, int] = field(default_factory=dict)  # topic -> records parsed so far
@@ -654,6 +697,7 @@ class Findings:
                 payment_id = (r.key or b"").decode(errors="replace")
             self.alerts[payment_id] += 1
             self.alert_arrivals.setdefault(payment_id, []).append(r.arrived)
+            self.alert_records.setdefault(payment_id, []).append(AlertSeen.of(r))
 
     def dead_letters(self, records: list[Seen], source_of: Callable[[str], str]) -> None:
         for r in self.take("dlq", records):
@@ -1131,6 +1175,7 @@ class Soak:
         others = [w for w in live if w is not victim]
         fault.target = victim.worker_id
         in_flight = sum(1 for o in ((states[live.index(victim)] or {}).get("in_flight") or {}).values() if o)
+        stopped_at = time.time()
         victim.signal_group(signal.SIGSTOP)
         self.frozen_worker = victim
         stopped = time.monotonic()
@@ -1145,6 +1190,7 @@ class Soak:
                 await asyncio.sleep(0.5)
         finally:
             victim.signal_group(signal.SIGCONT)
+            fault.frozen = (stopped_at, time.time())
             self.frozen_worker = None
         took = time.monotonic() - stopped
         fault.seconds = round(took, 1)
@@ -1430,7 +1476,13 @@ class Soak:
                     premature.append((d, group, committed, poll.started))
         premature_ids = {(d.partition, d.offset) for d, *_ in premature}
         lost = sorted(set(f.valid) - f.decided)
-        alerted_twice = {pid: n for pid, n in f.alerts.items() if n > 1}
+        freezes = [(x.target, *x.frozen) for x in self.faults if x.frozen is not None]
+        after_freeze = {
+            pid: n
+            for pid, n in f.alerts.items()
+            if n > 1 and n - sent_after_a_freeze(f.alert_records[pid], freezes) <= 1
+        }
+        alerted_twice = {pid: n for pid, n in f.alerts.items() if n > 1 and pid not in after_freeze}
         dead = {s: len(f.malformed & set(f.dead.get(s, {}))) for s in self.dead_letter_sources}
         malformed_decided = f.malformed & f.decided
         valid_dead = {s: len(set(f.valid) & set(f.dead.get(s, {}))) for s in f.dead}
@@ -1510,6 +1562,9 @@ class Soak:
                 "records": sum(f.alerts.values()),
                 "alerted_twice": len(alerted_twice),
                 "examples": {pid: self.story(pid) for pid in list(alerted_twice)[:10]},
+                # Sent again by a worker that froze with the alert in its producer (`sent_after_a_freeze`).
+                "sent_again_after_a_freeze": len(after_freeze),
+                "after_a_freeze": {pid: self.story(pid) for pid in list(after_freeze)[:10]},
             },
             "decided_twice": again,
             "aml_behind_dependencies": self.aml_lag(),
@@ -1582,6 +1637,7 @@ class Soak:
             "alerts_arrived_s": [
                 round(t - since, 2) for t in self.findings.alert_arrivals.get(payment_id, [])
             ],
+            "alerts_sent_by": [r.worker for r in self.findings.alert_records.get(payment_id, [])],
             "decisions": [
                 {
                     "worker": d.worker,
@@ -1860,7 +1916,9 @@ def summary(doc: dict[str, Any]) -> str:
         f"{'/'.join(malformed['dead_lettered'])} "
         f"{'/'.join(str(n) for n in malformed['dead_lettered'].values())}, "
         f"decided {malformed['decided']}",
-        f"alerted twice: {doc['alerts']['alerted_twice']} (of {doc['alerts']['payments']} payments alerted)",
+        f"alerted twice: {doc['alerts']['alerted_twice']} (of {doc['alerts']['payments']} payments alerted; "
+        f"{doc['alerts']['sent_again_after_a_freeze']} sent again by a worker frozen with the alert in its "
+        "producer)",
         *(
             f"payment stamped {FUTURE_TS if kind == 'future' else PAST_TS} at {odd['at']}: decided "
             f"{odd['decided']}, dead-lettered by {sorted(odd['dead_lettered']) or 'none'}"
