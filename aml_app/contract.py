@@ -301,16 +301,28 @@ def origin_headers(
 #: partition. A larger value goes in parts (`in_parts`).
 SET_ASIDE_PART_BYTES = 512 * 1024
 
+#: The largest value a valid payment may have (`AML_MAX_PAYMENT_BYTES` at most): with its key (the payer,
+#: at most MAX_ID_LENGTH characters of up to 4 UTF-8 bytes) it fits in one record set aside.
+MAX_VALID_PAYMENT_BYTES = SET_ASIDE_PART_BYTES - 4 * MAX_ID_LENGTH
+
+
+#: The least a part carries, however long the key that goes with each part.
+MIN_PART_BYTES = 4096
+
 
 def in_parts(
     value: bytes | None,
     headers: Sequence[tuple[str, Any]],
     prefix: str,
+    key: bytes | None = None,
     part_bytes: int = SET_ASIDE_PART_BYTES,
 ) -> list[tuple[bytes | None, list[tuple[str, Any]]]]:
-    """The records that carry `value` with `headers`: itself, or when larger than `part_bytes` its
-    consecutive slices, each with `<prefix>.part` (`i/n`, from 1) and `<prefix>.bytes` (the whole
-    value's length), so that a reader joins the parts of one origin in order into the original bytes."""
+    """The records that carry `value` with `key` and `headers`: itself, or when key and value together
+    are larger than `part_bytes` the value's consecutive slices (each at most `part_bytes` less the
+    key's length, and at least `MIN_PART_BYTES`), each with `<prefix>.part` (`i/n`, from 1) and
+    `<prefix>.bytes` (the whole value's length), so that a reader joins the parts of one origin in order
+    into the original bytes. Every part carries the key, so a long key leaves less room for the value."""
+    part_bytes = max(part_bytes - len(key or b""), MIN_PART_BYTES)
     if value is None or len(value) <= part_bytes:
         return [(value, [*headers])]
     count = -(-len(value) // part_bytes)

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from aml_app import dependency_services as registry
-from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, SET_ASIDE_PART_BYTES
+from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, MAX_VALID_PAYMENT_BYTES
 from aml_app.dependency_services import DependencyService, Endpoint
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
@@ -95,7 +95,7 @@ class KafkaSettings:
     partitions: int = 4
     replication_factor: int = 1
     #: AML_MAX_PAYMENT_BYTES: larger payment records go to the DLQ, from the workers and the pipeline. At
-    #: most `SET_ASIDE_PART_BYTES`, so that a valid payment fits in one record wherever it is copied (the
+    #: most `MAX_VALID_PAYMENT_BYTES`, so that a valid payment fits in one record wherever it is copied (the
     #: derived topic, the review topic) at Kafka's 1 MB defaults.
     max_payment_bytes: int = 65536
     #: AML_MAX_CLOCK_SKEW, seconds: how far a payment's `ts` may be after its Kafka record's timestamp
@@ -565,7 +565,9 @@ def _kafka(env: Mapping[str, str], app_id: str) -> KafkaSettings:
         review_topic=_name(env, "AML_REVIEW_TOPIC", f"{app_id}.review", _TOPIC, "topic"),
         partitions=_int(env, "AML_PARTITIONS", d.partitions, 1, 10000),
         replication_factor=_int(env, "AML_REPLICATION_FACTOR", d.replication_factor, 1, 10),
-        max_payment_bytes=_int(env, "AML_MAX_PAYMENT_BYTES", d.max_payment_bytes, 256, SET_ASIDE_PART_BYTES),
+        max_payment_bytes=_int(
+            env, "AML_MAX_PAYMENT_BYTES", d.max_payment_bytes, 256, MAX_VALID_PAYMENT_BYTES
+        ),
         max_clock_skew=_float(env, "AML_MAX_CLOCK_SKEW", d.max_clock_skew, 0, 1e12),
         session_timeout=session,
         rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),

@@ -116,7 +116,7 @@ class Sink:
         # payment's partition.
         where_to: dict[str, Any] = {} if partition is None else {"partition": partition}
 
-        parts = in_parts(message.value, headers, prefix)
+        parts = in_parts(message.value, headers, prefix, message.key)
         for number, (value, part_headers) in enumerate(parts, 1):
 
             async def send(

@@ -7,7 +7,8 @@ through Service-B's API. That is the promise the freshness gate reads.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,11 +94,9 @@ class DeadLetters:
             headers = dead_letter_headers(
                 record.reason, self.source_topic, record.partition, record.offset, self.service
             )
-            # A value too large for one record (the producer's message.max.bytes) goes in parts.
-            for value, part_headers in in_parts(record.value, headers, "dlq"):
-                self.producer.produce(
-                    self.topic, key=record.key, value=value, headers=part_headers, on_delivery=delivered
-                )
+            # A record too large for one (the producer's message.max.bytes) goes in parts.
+            for value, part_headers in in_parts(record.value, headers, "dlq", record.key):
+                self._produce(record.key, value, part_headers, delivered)
             sent += 1
         if sent:
             remaining = self.producer.flush(DELIVERY_TIMEOUT)
@@ -107,6 +106,28 @@ class DeadLetters:
                     f"errors: {failures[:3]}"
                 )
         return sent
+
+    def _produce(
+        self, key: bytes | None, value: bytes | None, headers: list[Any], delivered: Callable[..., None]
+    ) -> None:
+        """Queue one record. librdkafka's queue holds `queue.buffering.max.messages` records and raises
+        BufferError when full: serve delivery reports until it has room, for at most DELIVERY_TIMEOUT
+        without any."""
+        deadline = time.monotonic() + DELIVERY_TIMEOUT
+        while True:
+            try:
+                self.producer.produce(
+                    self.topic, key=key, value=value, headers=headers, on_delivery=delivered
+                )
+                break
+            except BufferError:
+                if time.monotonic() >= deadline:
+                    raise RuntimeError(
+                        f"{self.service}: the dead-letter producer's queue stayed full for "
+                        f"{DELIVERY_TIMEOUT:.0f} s"
+                    ) from None
+                self.producer.poll(0.1)
+        self.producer.poll(0)
 
     def close(self) -> None:
         self.producer.flush(DELIVERY_TIMEOUT)

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from aml_app.contract import SET_ASIDE_PART_BYTES
 from aml_app.harness.verify import CommitTimeline, premature
 from aml_app.kafka.tools import payment_json, produce
 from tests.harness import TopicReader, ends_of, wait_until
@@ -116,3 +117,55 @@ async def test_a_payment_too_large_for_one_record_is_dead_lettered_in_parts_and_
     assert {(h["dlq.offset"], h["dlq.bytes"]) for h in headers} == {(str(placed[0][1]), str(len(huge)))}
     assert all("over the limit" in h["dlq.reason"] for h in headers)
     assert (await worker.state())["dead_lettered"] == 1
+
+
+async def _read_all(bootstrap: str, topic: str, partitions: int, count: int) -> list:
+    reader = await TopicReader(bootstrap, topic, partitions).start()
+    try:
+
+        async def enough() -> list | None:
+            await reader.poll(0.2)
+            return reader.records if len(reader.records) >= count else None
+
+        return await wait_until(enough, 60, f"{count} records on {topic}", interval=0)
+    finally:
+        await reader.stop()
+
+
+async def test_the_pipeline_dead_letters_more_records_than_its_producer_queues_at_once(broker, names):
+    """librdkafka's producer queues `queue.buffering.max.messages` records (100,000 by default) and
+    raises BufferError past them; a batch of more dead letters must wait for room, not fail at every
+    restart. Here the queue holds 5."""
+    from aml_app.pipeline.progress import DeadLetters, Rejected
+
+    config = {"bootstrap.servers": broker.bootstrap, "queue.buffering.max.messages": 5, "linger.ms": 50}
+    dead_letters = DeadLetters(config, names.dlq, names.payments, "relations")
+    records = [Rejected(0, n, b"acct-1", b"{not json %d" % n, "value is not JSON") for n in range(40)]
+    try:
+        assert dead_letters.send(records) == 40
+    finally:
+        dead_letters.close()
+    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, 40)
+    assert sorted(int(dict(r.headers)["dlq.offset"]) for r in found) == list(range(40))
+
+
+async def test_a_record_whose_key_and_value_are_too_large_together_is_dead_lettered_in_parts(broker, names):
+    """Every part carries the record's key: a key of 500 KB beside a value part of 512 KiB is larger
+    than the producer sends (1,000,000 bytes), refused at every restart. The parts leave room for it."""
+    from aml_app.pipeline.progress import DeadLetters, Rejected
+
+    key, value = b"k" * 500_000, os.urandom(600_000)
+    dead_letters = DeadLetters(
+        {"bootstrap.servers": broker.bootstrap}, names.dlq, names.payments, "relations"
+    )
+    try:
+        assert dead_letters.send([Rejected(1, 7, key, value, "value is over the limit")]) == 1
+    finally:
+        dead_letters.close()
+    parts = -(-len(value) // (SET_ASIDE_PART_BYTES - len(key)))  # 25
+    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, parts)
+    assert len(found) == parts
+    headers = [{k: v.decode() for k, v in r.headers} for r in found]
+    order = sorted(range(len(found)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
+    assert b"".join(found[i].value for i in order) == value and {r.key for r in found} == {key}
+    assert {h["dlq.bytes"] for h in headers} == {str(len(value))}

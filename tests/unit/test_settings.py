@@ -208,7 +208,7 @@ def test_whole_numbers_reject_fractions(name: str) -> None:
         ("AML_REPLICATION_FACTOR", "11"),
         ("AML_MAX_PENDING", "0"),
         ("AML_MAX_PAYMENT_BYTES", "255"),
-        ("AML_MAX_PAYMENT_BYTES", "524289"),
+        ("AML_MAX_PAYMENT_BYTES", "523777"),
         ("AML_WEB_PORT", "0"),
         ("AML_WEB_PORT", "65536"),
         ("AML_BROKER_PORT", "-1"),

@@ -79,3 +79,32 @@ async def test_a_value_larger_than_a_part_is_set_aside_in_parts_that_rebuild_it(
     # A value that fits is one record, without part headers.
     await sink.dead_letter(event(1, 78), "value is not JSON")
     assert "dlq.part" not in dict(dead_letters.sent[-1]["headers"])
+
+
+async def test_every_part_leaves_room_for_a_long_key() -> None:
+    """Each part carries the record's key: a 500 KB key beside a 512 KiB part is larger than a producer
+    at Kafka's defaults sends, and the send would fail for ever."""
+    dead_letters = Topic()
+    sink = Sink(dead_letters, None, "aml-0", GateStats())  # type: ignore[arg-type]
+    long_key = event(1, 79)
+    long_key.message.key, long_key.message.value = b"k" * 500_000, bytes(600_000)
+    await sink.dead_letter(long_key, "value is too large")
+    sent = dead_letters.sent
+    assert all(len(r["key"]) + len(r["value"]) <= SET_ASIDE_PART_BYTES for r in sent)
+    assert b"".join(r["value"] for r in sent) == bytes(600_000) and {r["key"] for r in sent} == {
+        b"k" * 500_000
+    }
+
+
+async def test_the_largest_valid_payment_with_the_longest_key_is_set_aside_whole() -> None:
+    from aml_app.contract import MAX_ID_LENGTH, MAX_VALID_PAYMENT_BYTES
+
+    review = Topic()
+    sink = Sink(Topic(), review, "aml-0", GateStats())  # type: ignore[arg-type]
+    largest = event(1, 80)
+    largest.message.key, largest.message.value = (
+        "\U0001f600".encode() * MAX_ID_LENGTH,
+        bytes(MAX_VALID_PAYMENT_BYTES),
+    )
+    await sink.to_review(largest, ReviewKind.PARKED, "failed 3 times", attempts=3)
+    assert len(review.sent) == 1 and "review.part" not in dict(review.sent[0]["headers"])
