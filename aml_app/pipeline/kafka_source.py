@@ -299,16 +299,47 @@ def probe_consumer(config: Mapping[str, Any]) -> Any:
     )
 
 
-def log_bounds(config: Mapping[str, Any], topic: str) -> dict[int, tuple[int, int]]:
+#: How many fresh probes `log_bounds` makes for the partitions no fetch answered before it gives up.
+PROBE_ROUNDS = 3
+
+
+def log_bounds(
+    config: Mapping[str, Any], topic: str, rounds: int = PROBE_ROUNDS
+) -> dict[int, tuple[int, int]]:
     """(log start, log end) of every partition, the end as fetch responses report it (see
-    `fetched_high_watermarks`), with a short-lived client."""
+    `fetched_high_watermarks`), with short-lived clients.
+
+    The pipeline's start compares each store's offsets with these ends (a store past the end is of
+    another log), so an end only ListOffsets gave, which can be short of the real one, would refuse a
+    healthy store. A partition no fetch answered is probed again, and after `rounds` probes without an
+    answer this raises LogUnreadable."""
     probe = probe_consumer(config)
     try:
         marks = topic_watermarks(config, topic, probe)
-        ends = log_ends(marks, fetched_high_watermarks(probe, topic, probe_starts(list(marks), marks, {})))
-        return {p: (low, ends[p]) for p, (low, _high) in marks.items()}
+        fetched = fetched_high_watermarks(probe, topic, probe_starts(list(marks), marks, {}))
     finally:
         probe.close()
+    for _ in range(rounds - 1):
+        missing = [p for p in marks if p not in fetched]
+        if not missing:
+            break
+        probe = probe_consumer(config)
+        try:
+            fetched.update(fetched_high_watermarks(probe, topic, probe_starts(missing, marks, {})))
+        finally:
+            probe.close()
+    missing = [p for p in marks if p not in fetched]
+    if missing:
+        raise LogUnreadable(unanswered(topic, missing, rounds))
+    ends = log_ends(marks, fetched)
+    return {p: (low, ends[p]) for p, (low, _high) in marks.items()}
+
+
+def unanswered(topic: str, partitions: Sequence[int], probes: int) -> str:
+    return (
+        f"no fetch answered for partitions {sorted(partitions)} of {topic!r} in {probes} probe(s) of "
+        f"{METADATA_TIMEOUT:g} s: their log end is unknown (a ListOffsets answer alone can be short of it)"
+    )
 
 
 def committed_offsets(config: Mapping[str, Any], topic: str, group: str, partitions: list[int]) -> dict:
@@ -484,7 +515,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         self._unreadable_since: float | None = None
 
     def bounds(
-        self, floors: Mapping[int, int] | None = None
+        self, floors: Mapping[int, int] | None = None, *, answered: bool = False
     ) -> tuple[dict[int, tuple[int, int]], dict[int, int]]:
         """ListOffsets' (low, high) of the partitions not in `floors`, and every partition's log end as
         fetches report it, read with a probe made for this plan alone.
@@ -497,7 +528,9 @@ class KafkaStreamReader(DataSourceStreamReader):
         librdkafka can crash the process when that topic is deleted and created again (same name, new
         topic id: confluentinc/librdkafka#4964; measured here in 1 of about 8 runs of the planner's
         test). The fresh probe costs about 13 ms more per plan (median 17 ms against 4 on the embedded
-        broker). A reading slower than SLOW_PLAN is logged with its parts."""
+        broker). A reading slower than SLOW_PLAN is logged with its parts. With `answered`, a partition
+        the probe does not reach raises LogUnreadable instead (a query's start clamps the group's offsets
+        to these ends: a short one would start it below what its store holds)."""
         floors = floors or {}
         started = self.clock()
         probe = probe_consumer(self.config)
@@ -509,6 +542,8 @@ class KafkaStreamReader(DataSourceStreamReader):
             fetched = fetched_high_watermarks(probe, self.topic, probe_starts(partitions, marks, floors))
             probed = self.clock()
             unreached = [p for p in partitions if p not in fetched]
+            if unreached and answered:
+                raise LogUnreadable(unanswered(self.topic, unreached, 1))
             if unreached:
                 marks.update(topic_watermarks(self.config, self.topic, probe, unreached))
         finally:
@@ -565,7 +600,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.check_log(now=True)
         # Clamp committed offsets into the log as fetch responses see it: a ListOffsets high watermark that
         # stops at the last batch's base offset would pull a committed offset inside that batch back to it.
-        marks, ends = self.bounds()  # no floors: every partition listed
+        marks, ends = self.bounds(answered=True)  # no floors: every partition listed
         marks = {p: (low, ends[p]) for p, (low, _high) in marks.items()}
         if self.starting is not None:
             chosen: dict[int, int | None] = dict(self.starting)

@@ -38,7 +38,9 @@ class Log:
         self.until: int | None = None
         self.reads = 0
 
-    def bounds(self, floors: object = None) -> tuple[dict, dict[int, tuple[int, int]]]:
+    def bounds(
+        self, floors: object = None, *, answered: bool = False
+    ) -> tuple[dict, dict[int, tuple[int, int]]]:
         self.reads += 1
         self.clock.now += self.wait
         if self.error is not None and (self.until is None or self.reads <= self.until):
