@@ -430,9 +430,9 @@ def test_a_slow_plan_says_where_its_time_went(
     def partition_0_only(consumer: object, topic: str, starts: dict[int, int]) -> dict[int, int]:
         return {p: end for p, end in real_fetch(consumer, topic, starts).items() if p == 0}
 
-    monkeypatch.setattr(kafka_source, "fetched_high_watermarks", partition_0_only)
     with stream_reader(options(broker.bootstrap, topic)) as reader:
-        start = reader.initialOffset()
+        start = reader.initialOffset()  # a query's start waits for every partition's fetched end
+        monkeypatch.setattr(kafka_source, "fetched_high_watermarks", partition_0_only)
         ticks = iter(range(0, 1000, 2))  # each reading of the planner's clock 2 s after the last
         reader.clock = lambda: float(next(ticks))  # type: ignore[method-assign]
         with caplog.at_level(logging.WARNING, logger="aml_app.pipeline.kafka_source"):
