@@ -109,7 +109,7 @@ async def test_the_hole_reader_finds_the_log_start_below_deleted_offsets(asked: 
 
 
 async def test_reading_alerts_back_from_a_deleted_offset_returns_every_alert_left() -> None:
-    from tables import alerts
+    from aml_app.tables import alerts
 
     with retained_log(alerts):
         found = await alerts.read_back(0, 2, 1.0)
