@@ -644,7 +644,6 @@ class Findings:
     decided: set[tuple[int, int]] = field(default_factory=set)
     unreadable_decisions: int = 0
     alerts: Counter[str] = field(default_factory=Counter)
-    alert_arrivals: dict[str, list[float]] = field(default_factory=dict)  # payment id -> when each arrived
     alert_records: dict[str, list[AlertSeen]] = field(default_factory=dict)  # payment id -> its records
     dead: dict[str, dict[tuple[int, int], str]] = field(default_factory=dict)  # source -> origin -> reason
     dead_arrived: dict[str, float] = field(default_factory=dict)  # source -> last arrival
@@ -696,7 +695,6 @@ class Findings:
             except (ValueError, KeyError, TypeError):
                 payment_id = (r.key or b"").decode(errors="replace")
             self.alerts[payment_id] += 1
-            self.alert_arrivals.setdefault(payment_id, []).append(r.arrived)
             self.alert_records.setdefault(payment_id, []).append(AlertSeen.of(r))
 
     def dead_letters(self, records: list[Seen], source_of: Callable[[str], str]) -> None:
@@ -1635,7 +1633,7 @@ class Soak:
         since = self.t0_wall
         return {
             "alerts_arrived_s": [
-                round(t - since, 2) for t in self.findings.alert_arrivals.get(payment_id, [])
+                round(r.arrived - since, 2) for r in self.findings.alert_records.get(payment_id, [])
             ],
             "alerts_sent_by": [r.worker for r in self.findings.alert_records.get(payment_id, [])],
             "decisions": [
