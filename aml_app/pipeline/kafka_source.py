@@ -313,22 +313,22 @@ def log_bounds(
     another log), so an end only ListOffsets gave, which can be short of the real one, would refuse a
     healthy store. A partition no fetch answered is probed again, and after `rounds` probes without an
     answer this raises LogUnreadable."""
-    probe = probe_consumer(config)
-    try:
-        marks = topic_watermarks(config, topic, probe)
-        fetched = fetched_high_watermarks(probe, topic, probe_starts(list(marks), marks, {}))
-    finally:
-        probe.close()
-    for _ in range(rounds - 1):
-        missing = [p for p in marks if p not in fetched]
-        if not missing:
-            break
+    marks: dict[int, tuple[int, int]] | None = None
+    fetched: dict[int, int] = {}
+    missing: list[int] = []
+    for _ in range(rounds):
         probe = probe_consumer(config)
         try:
+            if marks is None:
+                marks = topic_watermarks(config, topic, probe)
+            missing = [p for p in marks if p not in fetched]
             fetched.update(fetched_high_watermarks(probe, topic, probe_starts(missing, marks, {})))
         finally:
             probe.close()
-    missing = [p for p in marks if p not in fetched]
+        missing = [p for p in marks if p not in fetched]
+        if not missing:
+            break
+    assert marks is not None
     if missing:
         raise LogUnreadable(unanswered(topic, missing, rounds))
     ends = log_ends(marks, fetched)
