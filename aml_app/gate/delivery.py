@@ -4,8 +4,8 @@ A lane never runs past a hole. Faust can skip records of a partition (seen about
 three workers joining at once: a range of offsets never reached the stream, later ones did) and then
 commits over the range it counts as a gap once a later offset is acked. So when an offset arrives past
 the one a lane expects, the lane holds it and reads the log directly: if records exist in between, the
-partition is fetched again from the expected offset; if not (transaction markers, compaction), the held
-events go on. The expected offset of a partition's first event is where the generation starts (the
+partition is fetched again from the first of them (what lies before it is a gap); if not (transaction
+markers, compaction), the held events go on. The expected offset of a partition's first event is where the generation starts (the
 group's committed offset), so events wait until this worker has read that after an assignment.
 
 A hole in delivery (records the consumer skipped) is told from a gap in a partition's offsets: offsets
@@ -144,21 +144,23 @@ class DeliveryChecker:
             await record_gap(self.app, tp, first, last)
         return starts, reading.log
 
-    async def is_gap(self, tp: TP, expected: int, received: int) -> bool:
-        """Whether the log holds no record at `expected`..`received - 1`; if so, Faust is told of the
-        gap, so that it commits over it."""
+    async def first_to_fetch(self, tp: TP, expected: int, received: int) -> int:
+        """Where the records of a hole `expected`..`received - 1` start: the log's first record at or
+        after `expected`, or `received` when the log holds none before it (the hole is a gap). Unknown
+        (the log did not answer in time) counts as a record at `expected`. Faust is told of the gap
+        below the returned offset, so that it commits over it."""
         assert self.first_offset is not None
         first_offset = self.first_offset
         first = await retry_forever(
             f"reading {tp.topic}:{tp.partition} at {expected} from the log",
             lambda: first_offset(tp.partition, expected),
         )
-        if first is None or first < received:
-            return False
-        # Faust commits over a gap only once it knows of it. True of the log whatever the lane does
-        # meanwhile, so recorded before the lane is looked at again.
-        await record_gap(self.app, tp, expected, received - 1)
-        return True
+        start = expected if first is None else min(first, received)
+        if start > expected:
+            # True of the log whatever the lane does meanwhile, so recorded before the lane is looked
+            # at again.
+            await record_gap(self.app, tp, expected, start - 1)
+        return start
 
     async def seek(self, tp: TP, offset: int) -> None:
         """Fetch the partition again from `offset`."""

@@ -121,6 +121,11 @@ class Lane:
         self.hole, self.held, self.refetched = None, [], False
         return held
 
+    def narrow_hole(self, first: int) -> None:
+        """The log holds no record before `first` in the open hole: expect `first` next."""
+        assert self.hole is not None
+        self.next_offset, self.hole = first, (first, self.hole[1])
+
     def refetching(self) -> None:
         """The hole's records are fetched again: the held events come again after them, and the first
         that comes before them opens the question again."""

@@ -42,30 +42,31 @@ class Repairs:
         self.enqueue = enqueue
 
     async def check_hole(self, lane: Lane, tp: TP) -> None:
-        """Offsets `expected`..`received - 1` never reached the lane: fetch them again, unless the log
-        holds no record there (the gap in offsets is real)."""
+        """Offsets `expected`..`received - 1` never reached the lane: fetch them again from the log's
+        first record there, and cross what lies before it (a gap in offsets is real: transaction
+        markers, compaction, retention)."""
         assert lane.hole is not None
         hole = expected, received = lane.hole
-        gap = await self.delivery.is_gap(tp, expected, received)
+        start = await self.delivery.first_to_fetch(tp, expected, received)
         if lane.hole != hole or self.lanes.get(lane.partition) is not lane:
             return  # filled meanwhile, or the partition moved on
-        if gap:
-            log.info(
-                "%s: no records at offsets %d..%d (a gap in the log); going on", tp, expected, received - 1
-            )
+        if start > expected:
+            log.info("%s: no records at offsets %d..%d (a gap in the log); going on", tp, expected, start - 1)
             self.stats.gaps_accepted += 1
+        if start == received:
             for event in lane.cross_gap():
                 self.enqueue(lane, event)
             return
         log.warning(
             "%s: the consumer skipped offsets %d..%d (delivered %d next); fetching them again",
             tp,
-            expected,
+            start,
             received - 1,
             received,
         )
+        lane.narrow_hole(start)
         lane.refetching()
-        await self.delivery.seek(tp, expected)
+        await self.delivery.seek(tp, start)
         self.stats.holes_refetched += 1
         if lane.paused:  # paused while it held events past the hole: they come again
             await self.resume(lane, tp, None)

@@ -822,6 +822,29 @@ async def test_a_gap_the_log_did_not_answer_about_in_time_is_checked_again_when_
     assert h.gated.stats.gaps_accepted == 1 and h.app.consumer.gaps == [(tp0, 2, 4)]
 
 
+async def test_a_hole_whose_first_record_lies_inside_it_is_narrowed_to_that_record(
+    make: Callable[..., Harness],
+) -> None:
+    """The log holds no record at the hole's first offset (a transaction marker, or below the log
+    start) but holds some inside it: the offsets before the first record are a gap, recorded, and the
+    partition is fetched again from that record, which the lane then expects. Asking the log again at
+    the hole's start would find the same answer for ever."""
+    h = make()
+    log_ = FakeLog([0, 1, 3, 4, 5, 6])
+    h.gated.delivery.first_offset = log_.first_offset
+    tp0 = TP(TOPIC, 0)
+    h.assign({0: 0})
+    h.open(0, 100)
+    h.dispatch(event(0, 0), event(0, 1), event(0, 5))  # 3 and 4 never reached the stream
+    await until(lambda: h.app.consumer.seeks != [], "fetched again")
+    h.dispatch(event(0, 3), event(0, 4), event(0, 5))  # what the broker delivers from 2 or 3 on
+    await until(lambda: len(h.acks) == 5, "all five acked")
+    assert h.handled == [(0, 0), (0, 1), (0, 3), (0, 4), (0, 5)] and h.violations == []
+    assert h.app.consumer.seeks == [(tp0, 3)] and log_.asked == [(0, 2)]
+    assert h.app.consumer.gaps == [(tp0, 2, 2)], "Faust commits over offset 2 only if told"
+    assert h.gated.lanes[0].hole is None and h.gated.stats.holes_refetched == 1
+
+
 async def test_stopping_the_consumer_cancels_its_lanes_and_its_hole_checks(
     make: Callable[..., Harness],
 ) -> None:
