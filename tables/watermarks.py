@@ -350,7 +350,7 @@ class WorkerGate(Service):
         self._attempt = None
         old = (self.offsets, self.unapplied)
         self.offsets, self.unapplied = self._new_readers()
-        self.offsets.carry_counts(old[0])
+        self.offsets.carry_over(old[0])
         for reader in old:
             self.add_future(reader.close())
 

@@ -5,8 +5,9 @@ three workers joining at once: a range of offsets never reached the stream, late
 commits over the range it counts as a gap once a later offset is acked. So when an offset arrives past
 the one a lane expects, the lane holds it and reads the log directly: if records exist in between, the
 partition is fetched again from the first of them (what lies before it is a gap); if not (transaction
-markers, compaction), the held events go on. The expected offset of a partition's first event is where the generation starts (the
-group's committed offset), so events wait until this worker has read that after an assignment.
+markers, compaction), the held events go on. The expected offset of a partition's first event is where
+the generation starts (the group's committed offset), so events wait until this worker has read that
+after an assignment.
 
 A hole in delivery (records the consumer skipped) is told from a gap in a partition's offsets: offsets
 in a Kafka partition are not always contiguous: transaction markers take an offset and

@@ -4,8 +4,9 @@
 module makes its Kafka reads, in the order the mapping's proof needs. Per refresh, after the caller has
 read the stage group's committed offsets on `payments` (S):
 
-1. the dependency group's committed offsets on the derived topic D (one OffsetFetch, which the caller
-   makes as it reads every group's: `DependencyOffsets._fetch_committed`);
+1. D's partitions (one Metadata request: a partition added since the last refresh is read too) and the
+   dependency group's committed offsets on them (one OffsetFetch, which the caller makes as it reads
+   every group's: `DependencyOffsets._fetch_committed`);
 2. D's ends (one ListOffsets) and, for a partition of D read from a new place, its log start (and once,
    D's configuration: a compacted D is refused);
 3. the records of D appended since the last refresh, each read once by a group-less consumer
@@ -26,6 +27,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.errors import OffsetOutOfRangeError
 
 from aml_app.kafka.deadlines import close_within, start_within, within
 from aml_app.kafka.derivation import DerivationError, PendingSources, check_retained, source_positions
@@ -62,6 +64,8 @@ class DerivedTopic:
         self._client = dict(client)
         self._consumer: AIOKafkaConsumer | None = None
         self._partitions: list[int] = []
+        #: Whether the topic's configuration was checked (not compacted) since the last start or close.
+        self._checked = False
         #: Per partition, the end this reader last read to (a fetch's high watermark).
         self._read_to: dict[int, int] = {}
 
@@ -73,6 +77,9 @@ class DerivedTopic:
                 enable_auto_commit=False,
                 client_id="aml-gate-derived",
                 isolation_level="read_uncommitted",
+                # A read from an offset retention deleted raises (aiokafka's default, "latest", would go
+                # on from the end, past records nobody placed): `_read` says which records are gone.
+                auto_offset_reset="none",
                 request_timeout_ms=int(self.request_timeout * 1000),
                 # A read waits for the answer to a fetch at the end: keep that wait short (the partitions
                 # are paused between reads, so nothing polls them meanwhile).
@@ -84,29 +91,43 @@ class DerivedTopic:
             self._consumer = consumer
         return self._consumer
 
+    def take_over(self, before: DerivedTopic) -> None:
+        """Go on from what `before` (a reader this one replaces) has read of the topic: the pending
+        records are facts about the log, whatever became of its clients, and reading a large lag again
+        at every replacement could never fit a refresh's deadline. `before` keeps none of them, so a
+        read it has left running cannot change them."""
+        self.pending, before.pending = before.pending, PendingSources(self.topic, self.group)
+        self.committed = before.committed
+
     async def close(self) -> None:
         consumer, self._consumer = self._consumer, None
-        self._partitions, self._read_to = [], {}
+        self._partitions, self._read_to, self._checked = [], {}, False
         if consumer is not None:
             await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
 
     async def partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
-        """The topic's partitions, read (and the topic checked: not compacted) at the first call after a
-        start or a close; the reader is assigned them, paused."""
-        if not self._partitions:
-            consumer = await self._reader()
-            self.requests += 2
+        """The topic's partitions, read at every refresh after the stage's offsets (and the topic checked
+        once per reader: not compacted); the reader is assigned them, paused. A partition added to the
+        topic holds records of payments below the stage's offsets as soon as the stage writes there:
+        left unread, they would not hold W."""
+        consumer = await self._reader()
+        if not self._checked:
+            self.requests += 1
             await within(
                 _refuse_compacted(admin, self.topic),
                 self.request_timeout,
                 f"reading {self.topic!r}'s configuration",
             )
-            self._partitions = await within(
-                _partitions_of(admin, self.topic), self.request_timeout, f"describing {self.topic!r}"
-            )
-            assigned = [TopicPartition(self.topic, d) for d in self._partitions]
+            self._checked = True
+        self.requests += 1
+        partitions = await within(
+            _partitions_of(admin, self.topic), self.request_timeout, f"describing {self.topic!r}"
+        )
+        if partitions != self._partitions:
+            assigned = [TopicPartition(self.topic, d) for d in partitions]
             consumer.assign(assigned)
             consumer.pause(*assigned)
+            self._partitions = partitions
             self._read_to.clear()
         return self._partitions
 
@@ -188,11 +209,20 @@ class DerivedTopic:
             self.requests += 1
             # Short waits: an answer without records updates the high watermark, yet getmany would go on
             # waiting for records until its timeout.
-            batches = await within(
-                consumer.getmany(tp, timeout_ms=int(min(remaining, POLL) * 1000), max_records=MAX_RECORDS),
-                remaining + 1,
-                f"reading {self.topic}[{partition}]",
-            )
+            try:
+                batches = await within(
+                    consumer.getmany(
+                        tp, timeout_ms=int(min(remaining, POLL) * 1000), max_records=MAX_RECORDS
+                    ),
+                    remaining + 1,
+                    f"reading {self.topic}[{partition}]",
+                )
+            except OffsetOutOfRangeError:
+                raise DerivationError(
+                    f"{self.topic}[{partition}] from {position} is gone from the log (retention, or the "
+                    f"topic was created again) before {self.group!r} or the gate read it: the payments in "
+                    "those records cannot be placed; the mapping goes on once the group commits past them"
+                ) from None
             for message in batches.get(tp, []):
                 where = (self.topic, partition, message.offset)
                 self.pending.add(partition, message.offset, source_positions(message.headers, *where))

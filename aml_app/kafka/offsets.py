@@ -238,10 +238,14 @@ class DependencyOffsets:
             group: dict(reader.committed) for group, reader in self._derived.items() if group in self.groups
         }
 
-    def carry_counts(self, before: DependencyOffsets) -> None:
-        """Go on counting from the reader this one replaces."""
+    def carry_over(self, before: DependencyOffsets) -> None:
+        """Go on from the reader this one replaces: its counts, and what it has read of the derived
+        topics (`DerivedTopic.take_over`)."""
         self.requests = before.requests
         self._carried = (before.derived_requests, before.derived_records_read)
+        for group, reader in self._derived.items():
+            if group in before._derived:
+                reader.take_over(before._derived[group])
 
     async def _coordinator(self, admin: AIOKafkaAdminClient, group: str) -> int:
         if group not in self._coordinators:

@@ -19,6 +19,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 
 from aml_app.harness.verify import CommitTimeline, premature
+from aml_app.kafka import derived as derived_reader
 from aml_app.kafka.broker import EmbeddedBroker, TopicSpec, create_topics
 from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
@@ -303,3 +304,55 @@ async def test_a_coordinator_answering_without_the_derived_partitions_is_asked_a
         assert read["g"] == dict.fromkeys(PAYMENTS, 4)  # nothing derived, nothing pending: S(p)
     finally:
         await mapped.close()
+
+
+async def test_a_partition_added_to_the_derived_topic_holds_the_payments_written_there(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stage writes to a partition of the derived topic added after the gate first mapped it: the
+    record there names a payment below the stage's offsets that the group has not applied, so it holds W
+    on its payments partition as a record on the first partition does. The embedded broker cannot add
+    partitions (no CreatePartitions), so the topic has two from the start and the one call that
+    describes it shows only the first until the test adds the second."""
+    suffix = uuid.uuid4().hex[:8]
+    payments, derived_topic = f"payments-{suffix}", f"payments.enriched-{suffix}"
+    stage_group, group = f"enrichment-{suffix}", f"aggregates-{suffix}"
+    bootstrap = [broker.bootstrap]
+    await create_topics(bootstrap, [payments], len(PAYMENTS))
+    await create_topics(bootstrap, [derived_topic], 2)
+    visible = {"partitions": 1}
+    described = derived_reader._partitions_of
+
+    async def growing(admin: AIOKafkaAdminClient, topic: str) -> list[int]:
+        return (await described(admin, topic))[: visible["partitions"]]
+
+    monkeypatch.setattr(derived_reader, "_partitions_of", growing)
+    producer = AIOKafkaProducer(bootstrap_servers=broker.bootstrap)
+    await producer.start()
+
+    async def write(partition: int, payment: tuple[int, int]) -> None:
+        header = (SOURCE_HEADER, f"{payment[0]}:{payment[1]}".encode())
+        await producer.send_and_wait(derived_topic, b"{}", partition=partition, headers=[header])
+
+    stage = await GroupCommitter(bootstrap, stage_group, payments).start(PAYMENTS)
+    applier = await GroupCommitter(bootstrap, group, derived_topic).start([0])
+    mapped = DependencyOffsets(
+        bootstrap, payments, [group], security=PLAINTEXT, derived={group: (derived_topic, stage_group)}
+    )
+    try:
+        await write(0, (0, 0))
+        await stage.commit(dict.fromkeys(PAYMENTS, 1))
+        await applier.commit({0: 1})
+        _, read = await mapped.read()
+        assert read[group] == dict.fromkeys(PAYMENTS, 1)
+
+        visible["partitions"] = 2  # the topic grows
+        await write(1, (1, 1))  # payment (1, 1) goes to the new partition; the group has not read it
+        await stage.commit(dict.fromkeys(PAYMENTS, 3))
+        _, read = await mapped.read()
+        assert read[group] == {0: 3, 1: 1, 2: 3}, "payment (1, 1) passed before the group applied it"
+    finally:
+        await mapped.close()
+        await stage.stop()
+        await applier.stop()
+        await producer.stop()

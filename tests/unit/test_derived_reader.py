@@ -1,0 +1,154 @@
+"""The gate's reader of a derived topic, at the seam where the embedded broker cannot play the log.
+
+Records that retention deleted past where the bookkeeping has read stop the mapping; they are never
+skipped. The bookkeeping reads each partition of the derived topic D from where it last read. When
+retention has deleted records from there on before they were read, aiokafka answers the fetch by
+resetting its position as `auto_offset_reset` says, and its default is "latest": the reader would find
+the partition at its end with nothing pending, and the payments in the deleted records (which the group
+never read either, since its offset is below them) would pass the gate. The embedded broker deletes no
+records, so a consumer that resets as aiokafka does sits at the reader's seam.
+
+A reader that replaces another (the leader gives up clients that overran a refresh) goes on from what
+the other has read, instead of reading the group's whole lag on D again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import pytest
+from aiokafka.errors import OffsetOutOfRangeError
+
+from aml_app.kafka import derived
+from aml_app.kafka.derivation import SOURCE_HEADER, DerivationError
+from aml_app.kafka.derived import DerivedTopic
+from aml_app.kafka.offsets import DependencyOffsets
+from aml_app.kafka.security import PLAINTEXT
+
+TOPIC = "payments.enriched"
+
+
+class Record:
+    def __init__(self, offset: int) -> None:
+        self.offset = offset
+        self.headers = [(SOURCE_HEADER, f"0:{offset}".encode())]  # record o comes from payment (0, o)
+
+
+class Log:
+    """The one partition of D: records `start`..`end - 1`, record o naming payment (0, o)."""
+
+    start, end = 0, 5
+
+
+class ResettingConsumer:
+    """An `AIOKafkaConsumer` over `Log` that, like aiokafka, answers a fetch below the log start by
+    resetting the position as `auto_offset_reset` says ("none": the fetch raises)."""
+
+    def __init__(self, *args: Any, auto_offset_reset: str = "latest", **kwargs: Any) -> None:
+        self.reset = auto_offset_reset
+        self.at: dict[Any, int] = {}
+
+    async def start(self) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+    def assign(self, tps: list[Any]) -> None:
+        self.at = dict.fromkeys(tps, 0)
+
+    def pause(self, *tps: Any) -> None:
+        pass
+
+    def resume(self, *tps: Any) -> None:
+        pass
+
+    def seek(self, tp: Any, offset: int) -> None:
+        self.at[tp] = offset
+
+    async def end_offsets(self, tps: list[Any]) -> dict[Any, int]:
+        return dict.fromkeys(tps, Log.end)
+
+    async def beginning_offsets(self, tps: list[Any]) -> dict[Any, int]:
+        return dict.fromkeys(tps, Log.start)
+
+    async def position(self, tp: Any) -> int:
+        return self.at[tp]
+
+    def highwater(self, tp: Any) -> int:
+        return Log.end
+
+    async def getmany(self, tp: Any, timeout_ms: int = 0, max_records: int = 1) -> dict[Any, list[Record]]:
+        if self.at[tp] < Log.start:
+            if self.reset == "none":
+                raise OffsetOutOfRangeError({tp: self.at[tp]})
+            self.at[tp] = Log.start if self.reset == "earliest" else Log.end
+        records = [Record(o) for o in range(self.at[tp], Log.end)][:max_records]
+        self.at[tp] = Log.end
+        return {tp: records} if records else {}
+
+
+async def _one_partition(admin: Any, topic: str) -> list[int]:
+    return [0]
+
+
+async def _not_compacted(admin: Any, topic: str) -> None:
+    pass
+
+
+@contextmanager
+def one_partition_of_d() -> Iterator[None]:
+    """D is `Log`, read through `ResettingConsumer`."""
+    with (
+        mock.patch.object(derived, "AIOKafkaConsumer", ResettingConsumer),
+        mock.patch.object(derived, "_partitions_of", _one_partition),
+        mock.patch.object(derived, "_refuse_compacted", _not_compacted),
+    ):
+        yield
+
+
+async def test_records_deleted_past_where_the_reader_stands_stop_the_mapping() -> None:
+    Log.start, Log.end = 0, 5
+    reader = DerivedTopic(TOPIC, "aggregates", "enrichment", {}, request_timeout=1.0)
+
+    with one_partition_of_d():
+        await reader.partitions(admin=None)  # type: ignore[arg-type]
+        # The stage derived payments 0..4 (records 0..4) and the group applied them: W = S.
+        assert await reader.positions([0], {0: 5}, {0: 5}) == {0: 5}
+        # Records 5..9 are written (payments 5..9) and the stage commits 20; retention deletes up to
+        # offset 8 before the gate or the group read them. The group has applied none of them.
+        Log.start, Log.end = 8, 10
+        with pytest.raises(DerivationError, match=r"payments\.enriched\[0\] from 5.*gone"):
+            await reader.positions([0], {0: 20}, {0: 5})
+        # Once the group has committed past the deleted records, the mapping goes on from there.
+        assert await reader.positions([0], {0: 20}, {0: 10}) == {0: 20}
+    await reader.close()
+
+
+async def test_a_reader_that_replaces_another_goes_on_from_what_it_read() -> None:
+    Log.start, Log.end = 0, 5
+    group = "aggregates"
+
+    def offsets() -> DependencyOffsets:
+        return DependencyOffsets(
+            ["127.0.0.1:9"], "payments", [group], security=PLAINTEXT, derived={group: (TOPIC, "enrichment")}
+        )
+
+    old, new = offsets(), offsets()
+    with one_partition_of_d():
+        before = old._derived[group]
+        await before.partitions(admin=None)  # type: ignore[arg-type]
+        # The group has applied nothing: records 0..4 (payments 0..4) are pending.
+        assert await before.positions([0], {0: 5}, {0: 0}) == {0: 0}
+        assert old.derived_records_read == 5
+        new.carry_over(old)  # the old reader's clients overran a refresh
+        Log.end = 7
+        after = new._derived[group]
+        await after.partitions(admin=None)  # type: ignore[arg-type]
+        assert await after.positions([0], {0: 7}, {0: 1}) == {0: 1}
+        assert new.derived_records_read == 7, "the new reader read the group's lag on D again"
+        await old.close()
+        await new.close()
