@@ -22,6 +22,7 @@ bound for the past: backfills and replays are payments too. A record without a t
 from __future__ import annotations
 
 import calendar
+import hashlib
 import json
 import re
 from collections.abc import Iterable, Sequence
@@ -309,6 +310,10 @@ MAX_VALID_PAYMENT_BYTES = SET_ASIDE_PART_BYTES - 4 * MAX_ID_LENGTH
 #: The least a part carries, however long the key that goes with each part.
 MIN_PART_BYTES = 4096
 
+#: The longest key a record set aside keeps as its key: a longer one leaves a part less than
+#: `MIN_PART_BYTES`, so it travels at the front of the value instead (`in_parts`).
+MAX_SET_ASIDE_KEY_BYTES = SET_ASIDE_PART_BYTES - MIN_PART_BYTES
+
 
 def in_parts(
     value: bytes | None,
@@ -316,20 +321,28 @@ def in_parts(
     prefix: str,
     key: bytes | None = None,
     part_bytes: int = SET_ASIDE_PART_BYTES,
-) -> list[tuple[bytes | None, list[tuple[str, Any]]]]:
-    """The records that carry `value` with `key` and `headers`: itself, or when key and value together
-    are larger than `part_bytes` the value's consecutive slices (each at most `part_bytes` less the
-    key's length, and at least `MIN_PART_BYTES`), each with `<prefix>.part` (`i/n`, from 1) and
-    `<prefix>.bytes` (the whole value's length), so that a reader joins the parts of one origin in order
-    into the original bytes. Every part carries the key, so a long key leaves less room for the value."""
-    part_bytes = max(part_bytes - len(key or b""), MIN_PART_BYTES)
-    if value is None or len(value) <= part_bytes:
-        return [(value, [*headers])]
-    count = -(-len(value) // part_bytes)
+) -> list[tuple[bytes | None, bytes | None, list[tuple[str, Any]]]]:
+    """The (key, value, headers) records that carry `value` with `key` and `headers`: itself, or when key
+    and value together are larger than `part_bytes` the value's consecutive slices (each at most
+    `part_bytes` less the key's length), each with `<prefix>.part` (`i/n`, from 1) and `<prefix>.bytes`
+    (the whole value's length), so that a reader joins the parts of one origin in order into the
+    original bytes. Every part carries the key, so a long key leaves less room for the value; a key
+    longer than `part_bytes - MIN_PART_BYTES` would leave too little (a record of about 1 MB is refused
+    at Kafka's defaults whatever its value), so it goes at the front of the value, named by
+    `<prefix>.key-bytes` (its length), and each part's key is its SHA-256, which keeps the parts on one
+    partition."""
+    if key is not None and len(key) > part_bytes - MIN_PART_BYTES:
+        headers = [*headers, (f"{prefix}.key-bytes", str(len(key)).encode())]
+        value, key = key + (value or b""), b"sha256:" + hashlib.sha256(key).hexdigest().encode()
+    room = part_bytes - len(key or b"")
+    if value is None or len(value) <= room:
+        return [(key, value, [*headers])]
+    count = -(-len(value) // room)
     total = str(len(value)).encode()
     return [
         (
-            value[i * part_bytes : (i + 1) * part_bytes],
+            key,
+            value[i * room : (i + 1) * room],
             [*headers, (f"{prefix}.part", f"{i + 1}/{count}".encode()), (f"{prefix}.bytes", total)],
         )
         for i in range(count)

@@ -161,9 +161,11 @@ class Stage:
                 )
                 if outcome.partition is None:
                     # A value too large for one record (the producer's message.max.bytes) goes in parts.
-                    for value, headers in in_parts(message.value(), outcome.headers, "dlq", message.key()):
+                    for key, value, headers in in_parts(
+                        message.value(), outcome.headers, "dlq", message.key()
+                    ):
                         self.producer.produce(
-                            self.settings.kafka.dlq_topic, key=message.key(), value=value, headers=headers
+                            self.settings.kafka.dlq_topic, key=key, value=value, headers=headers
                         )
                 else:
                     self.producer.produce(

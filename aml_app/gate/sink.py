@@ -117,12 +117,14 @@ class Sink:
         where_to: dict[str, Any] = {} if partition is None else {"partition": partition}
 
         parts = in_parts(message.value, headers, prefix, message.key)
-        for number, (value, part_headers) in enumerate(parts, 1):
+        for number, (key, value, part_headers) in enumerate(parts, 1):
 
             async def send(
-                value: bytes | None = value, part_headers: list[tuple[str, bytes]] = part_headers
+                key: bytes | None = key,
+                value: bytes | None = value,
+                part_headers: list[tuple[str, bytes]] = part_headers,
             ) -> None:
-                fut = await topic.send(key=message.key, value=value, headers=part_headers, **where_to)
+                fut = await topic.send(key=key, value=value, headers=part_headers, **where_to)
                 await awaited(fut, f"the send of {message.partition}:{message.offset} to {where}")
 
             part = f" (part {number} of {len(parts)})" if len(parts) > 1 else ""

@@ -95,8 +95,8 @@ class DeadLetters:
                 record.reason, self.source_topic, record.partition, record.offset, self.service
             )
             # A record too large for one (the producer's message.max.bytes) goes in parts.
-            for value, part_headers in in_parts(record.value, headers, "dlq", record.key):
-                self._produce(record.key, value, part_headers, delivered)
+            for key, value, part_headers in in_parts(record.value, headers, "dlq", record.key):
+                self._produce(key, value, part_headers, delivered)
             sent += 1
         if sent:
             remaining = self.producer.flush(DELIVERY_TIMEOUT)

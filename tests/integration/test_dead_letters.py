@@ -169,3 +169,28 @@ async def test_a_record_whose_key_and_value_are_too_large_together_is_dead_lette
     order = sorted(range(len(found)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
     assert b"".join(found[i].value for i in order) == value and {r.key for r in found} == {key}
     assert {h["dlq.bytes"] for h in headers} == {str(len(value))}
+
+
+async def test_a_record_whose_key_alone_fills_a_record_is_dead_lettered_with_its_key_in_the_value(
+    broker, names
+):
+    """A key of about 1 MB leaves no room for a part of any size beside it: the producer refuses every
+    record that carries it with 4 KiB of the value (MSG_SIZE_TOO_LARGE), at every restart. The key goes
+    at the front of the value, which then takes three parts."""
+    from aml_app.pipeline.progress import DeadLetters, Rejected
+
+    key, value = os.urandom(999_000), os.urandom(50_000)
+    dead_letters = DeadLetters(
+        {"bootstrap.servers": broker.bootstrap}, names.dlq, names.payments, "relations"
+    )
+    try:
+        assert dead_letters.send([Rejected(1, 8, key, value, "key is too long")]) == 1
+    finally:
+        dead_letters.close()
+    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, 3)
+    headers = [{k: v.decode() for k, v in r.headers} for r in found]
+    assert len(found) == 3 and len({r.partition for r in found}) == 1, "the parts share one partition"
+    order = sorted(range(len(found)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
+    joined = b"".join(found[i].value for i in order)
+    cut = int(headers[0]["dlq.key-bytes"])
+    assert (joined[:cut], joined[cut:]) == (key, value)

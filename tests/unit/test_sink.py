@@ -96,6 +96,26 @@ async def test_every_part_leaves_room_for_a_long_key() -> None:
     }
 
 
+async def test_a_key_too_long_to_leave_room_for_a_part_travels_in_the_value() -> None:
+    """A key of about 1 MB makes any record that carries it larger than a producer at Kafka's defaults
+    sends: it goes at the front of the value, and the parts are keyed by its digest."""
+    import hashlib
+
+    dead_letters = Topic()
+    sink = Sink(dead_letters, None, "aml-0", GateStats())  # type: ignore[arg-type]
+    huge_key = event(1, 81)
+    key, value = bytes(range(256)) * 3_900, b"{not json"  # 998,400 bytes of key
+    huge_key.message.key, huge_key.message.value = key, value
+    await sink.dead_letter(huge_key, "key is too long")
+    sent = dead_letters.sent
+    assert len(sent) == 2 and all(len(r["key"]) + len(r["value"]) <= SET_ASIDE_PART_BYTES for r in sent)
+    assert {r["key"] for r in sent} == {b"sha256:" + hashlib.sha256(key).hexdigest().encode()}
+    headers = [dict(r["headers"]) for r in sent]
+    assert {h["dlq.key-bytes"] for h in headers} == {str(len(key)).encode()}
+    joined = b"".join(r["value"] for r in sent)
+    assert joined[: len(key)] == key and joined[len(key) :] == value
+
+
 async def test_the_largest_valid_payment_with_the_longest_key_is_set_aside_whole() -> None:
     from aml_app.contract import MAX_ID_LENGTH, MAX_VALID_PAYMENT_BYTES
 
