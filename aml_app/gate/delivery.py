@@ -148,15 +148,17 @@ class DeliveryChecker:
     async def first_to_fetch(self, tp: TP, expected: int, received: int) -> int:
         """Where the records of a hole `expected`..`received - 1` start: the log's first record at or
         after `expected`, or `received` when the log holds none before it (the hole is a gap). Unknown
-        (the log did not answer in time) counts as a record at `expected`. Faust is told of the gap
-        below the returned offset, so that it commits over it."""
+        (the log did not answer in time, or answered below `expected`) counts as a record at
+        `expected`. Faust is told of the gap below the returned offset, so that it commits over it."""
         assert self.first_offset is not None
         first_offset = self.first_offset
         first = await retry_forever(
             f"reading {tp.topic}:{tp.partition} at {expected} from the log",
             lambda: first_offset(tp.partition, expected),
         )
-        start = expected if first is None else min(first, received)
+        # An answer below `expected` (the reader reset to the log start: a log truncated or created
+        # again) says nothing about the hole either.
+        start = expected if first is None or first < expected else min(first, received)
         if start > expected:
             # True of the log whatever the lane does meanwhile, so recorded before the lane is looked
             # at again.

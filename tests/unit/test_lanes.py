@@ -746,6 +746,9 @@ class FakeLog:
 
         #: How many reads still find nothing in time (the hole reader's None: "assume the records exist").
         self.unanswered = 0
+        #: Where a read lands when the offset asked is past the log's end (a log truncated or created
+        #: again: the hole reader resets to the log start), else None.
+        self.reset_to: int | None = None
 
     async def first_offset(self, partition: int, offset: int) -> int | None:
         self.asked.append((partition, offset))
@@ -753,6 +756,8 @@ class FakeLog:
         if self.unanswered:
             self.unanswered -= 1
             return None
+        if self.reset_to is not None:
+            return self.reset_to
         return next((o for o in self.offsets if o >= offset), None)
 
 
@@ -843,6 +848,28 @@ async def test_a_hole_whose_first_record_lies_inside_it_is_narrowed_to_that_reco
     assert h.app.consumer.seeks == [(tp0, 3)] and log_.asked == [(0, 2)]
     assert h.app.consumer.gaps == [(tp0, 2, 2)], "Faust commits over offset 2 only if told"
     assert h.gated.lanes[0].hole is None and h.gated.stats.holes_refetched == 1
+
+
+async def test_a_log_that_answers_below_the_hole_is_not_believed_to_have_a_gap(
+    make: Callable[..., Harness],
+) -> None:
+    """The hole reader resets to the log start when the offset asked is past the log's end (a log
+    truncated, or created again): its answer lies below the hole, says nothing about it, and must not
+    move the lane back over payments it handled; the hole is fetched again from where it starts."""
+    h = make()
+    log_ = FakeLog(range(20))
+    log_.reset_to = 0
+    h.gated.delivery.first_offset = log_.first_offset
+    tp0 = TP(TOPIC, 0)
+    h.assign({0: 0})
+    h.open(0, 100)
+    h.dispatch(event(0, 0), event(0, 1), event(0, 5))
+    await until(lambda: h.app.consumer.seeks != [], "fetched again")
+    assert h.app.consumer.seeks == [(tp0, 2)] and h.app.consumer.gaps == []
+    assert h.gated.lanes[0].next_offset == 2
+    h.dispatch(*(event(0, o) for o in range(2, 6)))
+    await until(lambda: len(h.acks) == 6, "offsets 0..5 acked")
+    assert h.handled == [(0, o) for o in range(6)] and h.violations == []
 
 
 async def test_stopping_the_consumer_cancels_its_lanes_and_its_hole_checks(
