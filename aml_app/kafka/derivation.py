@@ -157,6 +157,10 @@ class PendingSources:
         known = self._partitions[partition]
         known.scanned = max(known.scanned, end)
 
+    def known(self) -> list[int]:
+        """The partitions of D whose records are kept."""
+        return list(self._partitions)
+
     def scanned(self, partition: int) -> int:
         return self._partitions[partition].scanned
 

@@ -120,9 +120,12 @@ class DerivedTopic:
             )
             self._checked = True
         self.requests += 1
-        partitions = await within(
+        described = await within(
             _partitions_of(admin, self.topic), self.request_timeout, f"describing {self.topic!r}"
         )
+        # Partitions never leave a topic, but a broker whose metadata lags can describe fewer than the
+        # last answer did: the ones known stay read, or their pending records would stop holding W.
+        partitions = sorted({*described, *self._partitions, *self.pending.known()})
         if partitions != self._partitions:
             assigned = [TopicPartition(self.topic, d) for d in partitions]
             consumer.assign(assigned)

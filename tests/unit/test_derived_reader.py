@@ -152,3 +152,23 @@ async def test_a_reader_that_replaces_another_goes_on_from_what_it_read() -> Non
         assert new.derived_records_read == 7, "the new reader read the group's lag on D again"
         await old.close()
         await new.close()
+
+
+async def test_a_metadata_answer_that_misses_a_known_partition_does_not_drop_its_pending_records() -> None:
+    """Brokers update their metadata apart: right after partitions are added to D, one broker can
+    describe them and the next refresh's broker not yet. Partitions never leave a topic, so the ones
+    known stay read; left out, a pending record there would no longer hold W."""
+    Log.start, Log.end = 0, 5
+    reader = DerivedTopic(TOPIC, "aggregates", "enrichment", {}, request_timeout=1.0)
+    answers = [[0, 1], [0]]
+
+    async def lagging(admin: Any, topic: str) -> list[int]:
+        return answers.pop(0)
+
+    with one_partition_of_d(), mock.patch.object(derived, "_partitions_of", lagging):
+        await reader.partitions(admin=None)  # type: ignore[arg-type]
+        # D[1]'s records name payments (0, 0..4), none applied by the group: W(0) = 0.
+        assert await reader.positions([0], {0: 5}, {0: 5, 1: 0}) == {0: 0}
+        assert await reader.partitions(admin=None) == [0, 1]  # type: ignore[arg-type]
+        assert await reader.positions([0], {0: 5}, {0: 5, 1: 0}) == {0: 0}
+    await reader.close()
