@@ -64,6 +64,8 @@ class DerivedTopic:
         self._client = dict(client)
         self._consumer: AIOKafkaConsumer | None = None
         self._partitions: list[int] = []
+        #: The identity of the log the pending records are of (None: not read yet; `check_log`).
+        self.log: str | None = None
         #: Whether the topic's configuration was checked (not compacted) since the last start or close.
         self._checked = False
         #: Per partition, the end this reader last read to (a fetch's high watermark).
@@ -91,13 +93,30 @@ class DerivedTopic:
             self._consumer = consumer
         return self._consumer
 
+    def check_log(self, log: str) -> None:
+        """`log` is the identity of the topic's log (`aml_app.kafka.identity`), read after this refresh's
+        reads: the pending records are facts about one log. A topic deleted and created again under the
+        same name starts a new log whose offsets the kept records say nothing about: they are dropped,
+        and the refresh that read them fails with one sentence; the next one reads the new log from the
+        group's offsets on it."""
+        if self.log is None or self.log == log:
+            self.log = log
+            return
+        before, self.log = self.log, log
+        self.pending, self.committed = PendingSources(self.topic, self.group), {}
+        self._partitions, self._read_to, self._checked = [], {}, False
+        raise DerivationError(
+            f"{self.topic!r} was created again (its log was {before}, it is {log}): what the gate had read "
+            "of it is dropped, and read again from the group's offsets on the new log"
+        )
+
     def take_over(self, before: DerivedTopic) -> None:
         """Go on from what `before` (a reader this one replaces) has read of the topic: the pending
         records are facts about the log, whatever became of its clients, and reading a large lag again
         at every replacement could never fit a refresh's deadline. `before` keeps none of them, so a
         read it has left running cannot change them."""
         self.pending, before.pending = before.pending, PendingSources(self.topic, self.group)
-        self.committed = before.committed
+        self.committed, self.log = before.committed, before.log
 
     async def close(self) -> None:
         consumer, self._consumer = self._consumer, None

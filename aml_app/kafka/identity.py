@@ -42,23 +42,29 @@ class LogIdentities:
         self.cluster_id: str | None = None
 
     def read(self, topic: str, cluster_too: bool = True) -> str:
+        return self.read_all([topic], cluster_too)[topic]
+
+    def read_all(self, topics: list[str], cluster_too: bool = True) -> dict[str, str]:
+        """The identities of `topics`' logs, described in one request."""
         from confluent_kafka import KafkaException, TopicCollection
 
         try:
             if cluster_too or self.cluster_id is None:
                 cluster = self.admin.describe_cluster(request_timeout=self.timeout).result(self.timeout)
                 self.cluster_id = cluster.cluster_id
-            described = self.admin.describe_topics(TopicCollection([topic]), request_timeout=self.timeout)
-            topic_id = described[topic].result(self.timeout).topic_id
+            described = self.admin.describe_topics(TopicCollection(topics), request_timeout=self.timeout)
+            topic_ids = {topic: described[topic].result(self.timeout).topic_id for topic in topics}
         except KafkaException as exc:
-            raise LogUnknown(f"cannot tell which log topic {topic!r} is: {exc.args[0]}") from None
+            raise LogUnknown(f"cannot tell which log topic {_names(topics)} is: {exc.args[0]}") from None
         except concurrent.futures.TimeoutError:  # the wait for librdkafka's answer ran out first
             raise LogUnknown(
-                f"cannot tell which log topic {topic!r} is: no answer within {self.timeout:g} s"
+                f"cannot tell which log topic {_names(topics)} is: no answer within {self.timeout:g} s"
             ) from None
-        return identity(self.cluster_id, topic, None if topic_id is None else str(topic_id))
+        return {
+            topic: identity(self.cluster_id, topic, None if topic_id is None else str(topic_id))
+            for topic, topic_id in topic_ids.items()
+        }
 
 
-def log_identity(config: Mapping[str, Any], topic: str, timeout: float = 10.0) -> str:
-    """The identity of `topic`'s log, with a client of its own (blocking)."""
-    return LogIdentities(config, timeout).read(topic)
+def _names(topics: list[str]) -> str:
+    return " or ".join(repr(topic) for topic in topics)

@@ -201,16 +201,22 @@ class DependencyOffsets:
     async def _read_log(self, cluster_too: bool) -> str:
         """The identity of the topic's log, read after the offsets: if the topic was deleted and created
         again before they were read, this sees the new log, so offsets of the new log never go out under
-        the old one's name. The cluster's id is read again with the partitions."""
+        the old one's name. The cluster's id is read again with the partitions. The derived topics' logs
+        are described in the same request, and each reader checks its own (`DerivedTopic.check_log`)."""
         if self._identities is None:
             self._identities = LogIdentities(self._librdkafka, self.request_timeout)
         self.requests += 2 if cluster_too else 1
+        readers = [reader for group, reader in self._derived.items() if group in self.groups]
+        topics = list(dict.fromkeys([self.topic, *(reader.topic for reader in readers)]))
         # librdkafka's own timeouts bound the thread; this bounds the wait for it whatever it does.
-        return await within(
-            asyncio.to_thread(self._identities.read, self.topic, cluster_too),
+        logs = await within(
+            asyncio.to_thread(self._identities.read_all, topics, cluster_too),
             2 * self.request_timeout,
             f"reading which log {self.topic!r} is",
         )
+        for reader in readers:
+            reader.check_log(logs[reader.topic])
+        return logs[self.topic]
 
     async def _read_partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
         self.requests += 1

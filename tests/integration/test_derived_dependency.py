@@ -22,6 +22,7 @@ from aml_app.harness.verify import CommitTimeline, premature
 from aml_app.kafka import derived as derived_reader
 from aml_app.kafka.broker import EmbeddedBroker, TopicSpec, create_topics
 from aml_app.kafka.derivation import SOURCE_HEADER
+from aml_app.kafka.identity import LogIdentities
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import PLAINTEXT
 from aml_app.kafka.tools import GroupCommitter, produce
@@ -356,3 +357,36 @@ async def test_a_partition_added_to_the_derived_topic_holds_the_payments_written
         await stage.stop()
         await applier.stop()
         await producer.stop()
+
+
+async def test_the_derived_topics_log_is_read_with_the_payments_topics_and_checked(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The embedded broker cannot delete a topic and create it again, so the one call that says which
+    log a topic is answers with another topic id for the derived topic from the second reading on."""
+    suffix = uuid.uuid4().hex[:8]
+    payments, derived_topic = f"payments-{suffix}", f"payments.enriched-{suffix}"
+    bootstrap = [broker.bootstrap]
+    await create_topics(bootstrap, [payments], len(PAYMENTS))
+    await create_topics(bootstrap, [derived_topic], len(DERIVED))
+    real, readings = LogIdentities.read_all, []
+
+    def recreated_at_the_second(self: LogIdentities, topics: list[str], cluster_too: bool = True) -> dict:
+        logs = real(self, topics, cluster_too)
+        readings.append(topics)
+        if len(readings) >= 2:
+            logs[derived_topic] += "-created-again"
+        return logs
+
+    monkeypatch.setattr(LogIdentities, "read_all", recreated_at_the_second)
+    mapped = DependencyOffsets(
+        bootstrap, payments, ["g"], security=PLAINTEXT, derived={"g": (derived_topic, f"stage-{suffix}")}
+    )
+    try:
+        await mapped.read()
+        with pytest.raises(OffsetReadError, match=rf"'{derived_topic}' was created again"):
+            await mapped.read()
+        await mapped.read()
+        assert readings == [[payments, derived_topic]] * 3, "one request describes both topics"
+    finally:
+        await mapped.close()

@@ -172,3 +172,26 @@ async def test_a_metadata_answer_that_misses_a_known_partition_does_not_drop_its
         assert await reader.partitions(admin=None) == [0, 1]  # type: ignore[arg-type]
         assert await reader.positions([0], {0: 5}, {0: 5, 1: 0}) == {0: 0}
     await reader.close()
+
+
+async def test_a_derived_topic_created_again_is_read_again_from_the_groups_offsets() -> None:
+    """The pending records are facts about one log. Read on as if the topic created again under the
+    same name were the old one, the reader would go on from where it stood in the old log and skip the
+    new log's records below it."""
+    Log.start, Log.end = 0, 5
+    reader = DerivedTopic(TOPIC, "aggregates", "enrichment", {}, request_timeout=1.0)
+    with one_partition_of_d():
+        await reader.partitions(admin=None)  # type: ignore[arg-type]
+        assert await reader.positions([0], {0: 5}, {0: 5}) == {0: 5}
+        reader.check_log("cluster:old-id")
+        # D is deleted and created again; the stage writes records 0..7 (payments (0, 0..7)) and the
+        # group applies two of them before the gate's next refresh.
+        Log.end = 8
+        await reader.partitions(admin=None)  # type: ignore[arg-type]
+        await reader.positions([0], {0: 10}, {0: 2})  # read as the old log: records 2..4 skipped
+        with pytest.raises(DerivationError, match=r"'payments\.enriched' was created again"):
+            reader.check_log("cluster:new-id")
+        await reader.partitions(admin=None)  # type: ignore[arg-type]
+        assert await reader.positions([0], {0: 10}, {0: 2}) == {0: 2}, "payments (0, 2..4) passed"
+        reader.check_log("cluster:new-id")
+    await reader.close()
