@@ -68,3 +68,8 @@ class LogIdentities:
 
 def _names(topics: list[str]) -> str:
     return " or ".join(repr(topic) for topic in topics)
+
+
+def log_identity(config: Mapping[str, Any], topic: str, timeout: float = 10.0) -> str:
+    """The identity of `topic`'s log, with a client of its own (blocking)."""
+    return LogIdentities(config, timeout).read(topic)
