@@ -98,7 +98,8 @@ class SourceConfigError(ValueError):
 
 
 class LogUnreadable(RuntimeError):
-    """The cluster did not say what the topic holds (unreachable, or no such topic)."""
+    """The cluster does not say what the topic holds: unreachable, no such topic, or a partition's log end
+    unknown (its ListOffsets end can be short, and the fetch that tells goes unanswered)."""
 
 
 class LogChanged(RuntimeError):

@@ -102,6 +102,16 @@ class StoreRefused(RuntimeError):
     """The pipeline must not start on this store; the message says why and what to do."""
 
 
+class LogUnavailable(RuntimeError):
+    """The start could not read a topic's log for START_OUTAGE_LIMIT; the message says which and why."""
+
+
+#: How long (seconds) the start reads a topic's log again while the cluster does not answer before it
+#: gives up: a broker restarting costs a pause, not a restart. As long as a running query's planner waits
+#: (`kafka_source.PLAN_OUTAGE_LIMIT`).
+START_OUTAGE_LIMIT = 120.0
+
+
 #: How long a stop waits for the last micro-batch's store writes (Kubernetes gives a pod 30 s in all).
 DRAIN_TIMEOUT = 20.0
 
@@ -260,6 +270,45 @@ def open_store(
     return writer
 
 
+def read_logs(
+    config: Mapping[str, str],
+    topics: Sequence[str],
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.monotonic,
+) -> dict[str, tuple[str, dict[int, tuple[int, int]]]]:
+    """Each topic's log identity and bounds (`kafka_source.log_bounds`). While the cluster does not answer
+    (LogUnknown, LogUnreadable, a client error), read again with backoff; once that has lasted
+    START_OUTAGE_LIMIT, raise LogUnavailable with one sentence."""
+    from confluent_kafka import KafkaException
+
+    from aml_app.backoff import Backoff
+    from aml_app.kafka import identity
+    from aml_app.pipeline import kafka_source
+
+    logs: dict[str, tuple[str, dict[int, tuple[int, int]]]] = {}
+    for topic in topics:
+        backoff, since = Backoff(1.0, 10.0), None
+        while topic not in logs:
+            began = clock()
+            try:
+                logs[topic] = (identity.log_identity(config, topic), kafka_source.log_bounds(config, topic))
+            except (KafkaException, identity.LogUnknown, kafka_source.LogUnreadable) as exc:
+                since = began if since is None else since
+                waited, delay, why = clock() - since, backoff.next(), " ".join(str(exc).split())
+                if waited + delay > START_OUTAGE_LIMIT:
+                    raise LogUnavailable(
+                        f"cannot read the log of topic {topic} at {config.get('bootstrap.servers')} "
+                        f"(tried for {waited:.0f} s): {why}; start again once the cluster answers"
+                    ) from None
+                log.warning(
+                    "cannot read the log of topic %s for %.0f s (%s); reading it again in %.0f s, "
+                    "giving up after %.0f s",
+                    topic, waited, why, delay, START_OUTAGE_LIMIT,
+                )  # fmt: skip
+                sleep(delay)
+    return logs
+
+
 def prepare(
     settings: Settings,
     services: Sequence[str] = SERVICES,
@@ -267,7 +316,8 @@ def prepare(
     rebuild: bool = False,
 ) -> Pipeline:
     """Each service's store opened and checked, its progress published, its batch handler made: all that
-    needs Kafka and the database but not Spark, so a refused store (StoreRefused) stops us in a second.
+    needs Kafka and the database but not Spark, so a refused store (StoreRefused) stops us in a second, and
+    a cluster that does not tell a topic's log for START_OUTAGE_LIMIT (`read_logs`: LogUnavailable) then.
 
     The store's progress is published to the group first (a crash between the store's commit and the
     group's leaves the store ahead). `rebuild` starts the services' stores afresh (`aml-app rebuild`).
@@ -275,14 +325,12 @@ def prepare(
     service reads (payments, or a topic derived from it), and the queries stop if the topic becomes
     another one (`kafka_source.KafkaStreamReader`).
     """
-    from aml_app.kafka.identity import log_identity
     from aml_app.pipeline.jobs import ServiceBatches
-    from aml_app.pipeline.kafka_source import log_bounds
     from aml_app.pipeline.progress import DeadLetters
 
     config = kafka_config(settings)
     topics = list(dict.fromkeys(topic_of(settings, service) for service in services))
-    logs = {topic: (log_identity(config, topic), log_bounds(config, topic)) for topic in topics}
+    logs = read_logs(config, topics)
     pipeline = Pipeline(None, [], [], logs={topic: log_id for topic, (log_id, _) in logs.items()})
     try:
         for service in services:
@@ -420,8 +468,9 @@ def run_pipeline(
     services: Sequence[str],
     triggers: Mapping[str, float] | None = None,
 ) -> int:
-    """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0); a refused store or a metrics port that
-    cannot be bound exits 2. `/metrics` is served from the start (AML_PIPELINE_METRICS_PORT)."""
+    """Run until a query fails (exit 1) or SIGTERM/SIGINT (exit 0); a refused store, a topic whose log
+    cannot be read at the start (`read_logs`) or a metrics port that cannot be bound exits 2. `/metrics` is
+    served from the start (AML_PIPELINE_METRICS_PORT)."""
     from aml_app.pipeline.metrics import PipelineMetrics
 
     configure_logging()
@@ -442,7 +491,7 @@ def run_pipeline(
             return 2
     try:
         prepared = prepare(settings, services, on_batch=metrics.observe)
-    except StoreRefused as exc:
+    except (StoreRefused, LogUnavailable) as exc:
         log.error("%s", exc)
         print(f"aml-app pipeline: {exc}", file=sys.stderr, flush=True)
         return 2
@@ -471,7 +520,7 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
     configure_logging()
     try:
         prepared = prepare(settings, [service], rebuild=True)
-    except StoreRefused as exc:
+    except (StoreRefused, LogUnavailable) as exc:
         print(f"aml-app rebuild: {exc}", file=sys.stderr, flush=True)
         return 2
     handler = prepared.handlers[0]
