@@ -155,7 +155,9 @@ class UnappliedReader:
                         continue
                     end = consumer.highwater(tp)
                     position = await within(consumer.position(tp), max(left, 0.001), f"the position of {tp}")
-                    if end is not None and end <= position:
+                    # Caught up: read to the end, or W(q) at or past it (a log cut back below what the
+                    # dependencies committed: the reset to the log start must not read it all).
+                    if end is not None and end <= max(position, todo[tp.partition]):
                         found[tp.partition] = Unapplied(end=end, first_ts=None)
         finally:
             consumer.assign([])

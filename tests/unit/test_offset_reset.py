@@ -114,3 +114,48 @@ async def test_reading_alerts_back_from_a_deleted_offset_returns_every_alert_lef
     with retained_log(alerts):
         found = await alerts.read_back(0, 2, 1.0)
     assert [key for key, _ in found] == [payment(o).key for o in range(LOG_START, LOG_END)]
+
+
+class TruncatedLog(RetainedLog):
+    """A long partition (records 0..LONG_END - 1) whose dependencies committed past its end (a log cut
+    back by an unclean leader election, or an offset committed by hand): a fetch past the end resets to
+    the log start, as aiokafka does with "earliest", and each fetch answers one page of records."""
+
+    LONG_END, PAGE = 20_000, 100
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fetched = 0
+
+    def highwater(self, tp: Any) -> int:
+        return self.LONG_END
+
+    async def getmany(self, *tps: Any, timeout_ms: int = 0, max_records: int | None = None) -> dict:
+        out = {}
+        for tp in tps:
+            at = self.positions[tp]
+            if at > self.LONG_END:
+                at = 0 if self.reset == "earliest" else self.LONG_END
+            records = [payment(o) for o in range(at, min(at + self.PAGE, self.LONG_END))]
+            self.fetched += 1
+            self.positions[tp] = at + len(records)
+            if records:
+                out[tp] = records
+        return out
+
+
+async def test_a_watermark_past_the_log_end_reads_as_caught_up_without_reading_the_partition() -> None:
+    """Nothing at or after W(q) exists once the fetch's high watermark is at or below it: the reader
+    must not read the whole partition from its start at every refresh (on a large one, longer than the
+    refresh's deadline: no cut, and every partition waits)."""
+    reader = UnappliedReader(["127.0.0.1:9"], "payments", request_timeout=5.0, security=PLAINTEXT)
+    consumers: list[TruncatedLog] = []
+
+    def made(*args: Any, **kwargs: Any) -> TruncatedLog:
+        consumers.append(TruncatedLog(*args, **kwargs))
+        return consumers[-1]
+
+    with mock.patch.object(unapplied, "AIOKafkaConsumer", made):
+        found = await reader.read({0: TruncatedLog.LONG_END + 500})
+    assert found[0].first_ts is None and found[0].end == TruncatedLog.LONG_END
+    assert consumers[0].fetched <= 2, f"{consumers[0].fetched} fetches: the partition was read from its start"
