@@ -86,6 +86,8 @@ class DependencyOffsets:
         self._coordinators: dict[str, int] = {}
         self._partitions: list[int] = []
         self._identities: LogIdentities | None = None
+        #: The identity of the log the last reading was of (`read_all`).
+        self._log_seen: str | None = None
         self._librdkafka = {
             "bootstrap.servers": ",".join(self.bootstrap_servers),
             **librdkafka_config(security),
@@ -154,32 +156,43 @@ class DependencyOffsets:
         service's own committed offsets (`service_group`'s) and the topic's log ends (two more requests).
 
         The log ends are read after the committed offsets, so on Apache Kafka no group is ever seen
-        ahead of the log end.
+        ahead of the log end. The log's identity is read after the offsets, and the reading counts only
+        when the identity read before them (the last reading's) is the same: a topic deleted and created
+        again between the offsets and the identity would put the old log's offsets under the new log's
+        name. So the first reading, and the first after the log changed, is made twice.
         """
         try:
-            admin = await self._admin()
-            recheck = refresh_partitions or not self._partitions
-            if recheck:
-                self._partitions = await self._read_partitions(admin)
-            partitions = self._partitions
-            if not operator_fields:
-                committed = await self._read_committed(admin, partitions, self.groups)
-                return Reading(
-                    partitions, committed, log=await self._read_log(recheck), derived=self._on_derived()
-                )
-            groups = list(dict.fromkeys([*self.groups, service_group]))
-            committed = await self._read_committed(admin, partitions, groups)
-            own = committed[service_group] if service_group in self.groups else committed.pop(service_group)
-            ends = await self._read_log_ends(partitions)
-            return Reading(
-                partitions, committed, own, ends, await self._read_log(recheck), self._on_derived()
-            )
+            for _ in range(2):
+                reading = await self._read_once(service_group, refresh_partitions, operator_fields)
+                settled, self._log_seen = reading.log == self._log_seen, reading.log
+                if settled:
+                    return reading
+            raise OffsetReadError(f"{self.topic!r} became another log during the reading; reading it again")
         except OffsetReadError:
             raise
         except DerivationError as exc:  # a sentence about the derived topic: the clients are fine
             raise OffsetReadError(str(exc)) from exc
         except Exception as exc:
             raise await self._failed(exc) from exc
+
+    async def _read_once(
+        self, service_group: str, refresh_partitions: bool, operator_fields: bool
+    ) -> Reading:
+        admin = await self._admin()
+        recheck = refresh_partitions or not self._partitions
+        if recheck:
+            self._partitions = await self._read_partitions(admin)
+        partitions = self._partitions
+        if not operator_fields:
+            committed = await self._read_committed(admin, partitions, self.groups)
+            return Reading(
+                partitions, committed, log=await self._read_log(recheck), derived=self._on_derived()
+            )
+        groups = list(dict.fromkeys([*self.groups, service_group]))
+        committed = await self._read_committed(admin, partitions, groups)
+        own = committed[service_group] if service_group in self.groups else committed.pop(service_group)
+        ends = await self._read_log_ends(partitions)
+        return Reading(partitions, committed, own, ends, await self._read_log(recheck), self._on_derived())
 
     async def _failed(self, exc: Exception) -> OffsetReadError:
         """Forget the connections and coordinators, so the next refresh starts clean."""
@@ -247,7 +260,7 @@ class DependencyOffsets:
     def carry_over(self, before: DependencyOffsets) -> None:
         """Go on from the reader this one replaces: its counts, and what it has read of the derived
         topics (`DerivedTopic.take_over`)."""
-        self.requests = before.requests
+        self.requests, self._log_seen = before.requests, before._log_seen
         self._carried = (before.derived_requests, before.derived_records_read)
         for group, reader in self._derived.items():
             if group in before._derived:

@@ -363,7 +363,7 @@ async def test_the_derived_topics_log_is_read_with_the_payments_topics_and_check
     broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The embedded broker cannot delete a topic and create it again, so the one call that says which
-    log a topic is answers with another topic id for the derived topic from the second reading on."""
+    log a topic is answers with another topic id for the derived topic from the second `read` on."""
     suffix = uuid.uuid4().hex[:8]
     payments, derived_topic = f"payments-{suffix}", f"payments.enriched-{suffix}"
     bootstrap = [broker.bootstrap]
@@ -374,7 +374,7 @@ async def test_the_derived_topics_log_is_read_with_the_payments_topics_and_check
     def recreated_at_the_second(self: LogIdentities, topics: list[str], cluster_too: bool = True) -> dict:
         logs = real(self, topics, cluster_too)
         readings.append(topics)
-        if len(readings) >= 2:
+        if len(readings) >= 3:  # a reader's first reading is made twice (DependencyOffsets.read_all)
             logs[derived_topic] += "-created-again"
         return logs
 
@@ -387,6 +387,6 @@ async def test_the_derived_topics_log_is_read_with_the_payments_topics_and_check
         with pytest.raises(OffsetReadError, match=rf"'{derived_topic}' was created again"):
             await mapped.read()
         await mapped.read()
-        assert readings == [[payments, derived_topic]] * 3, "one request describes both topics"
+        assert readings == [[payments, derived_topic]] * 4, "one request describes both topics"
     finally:
         await mapped.close()

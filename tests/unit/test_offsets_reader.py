@@ -64,6 +64,7 @@ def reader_with(admin: FakeAdmin) -> DependencyOffsets:
         return "cluster:topic-id"
 
     reader._read_log = log  # type: ignore[method-assign]  # and the log identity it would ask for
+    reader._log_seen = "cluster:topic-id"  # a reading was made before, of the same log
     return reader
 
 
@@ -125,3 +126,23 @@ async def test_the_groups_offsets_are_asked_for_side_by_side() -> None:
     assert offsets == {g: dict.fromkeys(range(4), 3) for g in GROUPS}
     assert admin.most == len(GROUPS)
     assert reader.requests == 1 + 2 + len(GROUPS)  # the partitions, each coordinator, each group's offsets
+
+
+async def test_offsets_read_before_the_log_became_another_are_not_given_its_name() -> None:
+    """The topic is deleted and created again between a reading's offsets (the old log's: 1000) and its
+    identity read after them (the new log's): the offsets must not go out as the new log's, where the
+    groups have applied nothing yet. The reading is made again; the first one of a reader too."""
+    admin = FakeAdmin([committed(1000)] * 4 + [committed(1000)] * 2 + [committed(0)] * 2)
+    reader = reader_with(admin)
+    reader._log_seen = None
+    logs = iter(["cluster:old", "cluster:old", "cluster:new", "cluster:new"])
+
+    async def log(cluster_too: bool) -> str:
+        return next(logs)
+
+    reader._read_log = log  # type: ignore[method-assign]
+    reading = await reader.read_all("", operator_fields=False)
+    assert reading.log == "cluster:old" and len(admin.asked) == 4, "a reader's first reading is made twice"
+    reading = await reader.read_all("", operator_fields=False)
+    assert reading.log == "cluster:new"
+    assert reading.committed == {g: dict.fromkeys(range(4), 0) for g in GROUPS}, "the old log's offsets"
