@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any, Generic, TypeVar, cast
 
 import faust
@@ -207,6 +207,19 @@ def topic_partitions() -> int:
     refresh (0: none yet). The group rebalances on a change, so the worker learns of added partitions
     as fast as the consumer group does; a cut covering fewer is from before they were added."""
     return subscribed_partitions(app, settings.kafka.payments_topic)
+
+
+@dataclass(frozen=True)
+class Stamp:
+    """When a refresh's reads began and in which consumer generation: what its rows are stamped with."""
+
+    at: float
+    generation: int
+
+    def current(self) -> bool:
+        """Whether this worker still leads in the generation the reads began in: a deposed leader, or
+        one whose group rebalanced meanwhile, writes nothing stamped as the new generation's."""
+        return app.is_leader() and app.consumer_generation_id == self.generation
 
 
 def _worth_writing(old: Stamped | None, row: Stamped, changed: bool) -> bool:
@@ -412,7 +425,7 @@ class WorkerGate(Service):
                 outcome = Outcome.OVERRAN
                 message = f"{exc} and was abandoned; retrying with new Kafka clients"
                 self.status.failed(message, "the last known watermarks")
-                self._mark_error(message)
+                self._mark_error_guarded(message)
                 self._rebuild_readers()
             except Exception as exc:  # a timer that raises stops the worker: never for a table write
                 outcome = Outcome.FAILED
@@ -439,6 +452,8 @@ class WorkerGate(Service):
             or topic_partitions() > status.partitions
         )
         operator_fields = now - status.operator_read_at >= refresh.operator_read
+        # Stamped before the reads: a row's age bounds how old its reading is, however long the read took.
+        stamp = Stamp(time.time(), app.consumer_generation_id)
         try:
             if REFRESH_HANGS:
                 await never_answering()
@@ -452,6 +467,8 @@ class WorkerGate(Service):
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
         if attempt is not self._attempt:
             return Outcome.OVERRAN
+        if not stamp.current():
+            return Outcome.FAILED
         if recheck:
             status.partition_check_at = now
         status.partitions = len(reading.partitions)
@@ -466,17 +483,17 @@ class WorkerGate(Service):
         rows = build_rows(
             reading.partitions,
             reading.committed,
-            refreshed_at=time.time(),
+            refreshed_at=stamp.at,
             log_ends=status.log_ends,
             service_committed=status.service_committed,
             previous={p: rows_of.get(p) for p in reading.partitions},
-            generation=app.consumer_generation_id,
+            generation=stamp.generation,
             log=reading.log,
             derived=reading.derived,
         )
         self._write_rows(rows)
         if EVENT_TIME:
-            return await self._write_cut(rows, reading.log, attempt)
+            return await self._write_cut(rows, reading.log, attempt, stamp)
         return Outcome.SUCCEEDED
 
     @staticmethod
@@ -494,10 +511,20 @@ class WorkerGate(Service):
             if row is not None and row.error != message:
                 watermarks[p] = row.failed(message, time.time()).as_json()
 
-    async def _write_cut(self, rows: dict[int, WatermarkRow], log_id: str | None, attempt: object) -> Outcome:
+    def _mark_error_guarded(self, message: str) -> None:
+        """`_mark_error` where a failure would leave a timer (which then stops for good): counted, retried
+        on the next tick."""
+        try:
+            self._mark_error(message)
+        except Exception as exc:
+            self.refresh_errors.failed(exc)
+
+    async def _write_cut(
+        self, rows: dict[int, WatermarkRow], log_id: str | None, attempt: object, stamp: Stamp
+    ) -> Outcome:
         """Read every partition's first unapplied payment after the committed offsets and write the cut
-        row; on a failed read the old row stays and ages out (`distrust`), so the gate closes, never
-        opens."""
+        row, stamped as the `rows` it rests on; on a failed read the old row stays and ages out
+        (`distrust`), so the gate closes, never opens."""
         reached = {p: row.watermark for p, row in rows.items()}
         try:
             found = await self.unapplied.read(reached, log_id)
@@ -507,12 +534,14 @@ class WorkerGate(Service):
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
         if attempt is not self._attempt:
             return Outcome.OVERRAN
+        if not stamp.current():
+            return Outcome.FAILED
         derived = next((row.derived for row in rows.values() if row.derived), None)
         row = cut_row(
             reached,
             found,
-            time.time(),
-            generation=app.consumer_generation_id,
+            stamp.at,
+            generation=stamp.generation,
             log=log_id,
             derived=derived,
             groups=settings.depends_on,
@@ -553,7 +582,7 @@ class WorkerGate(Service):
                 "its Kafka clients"
             )
             log.error("%s", message)
-            self._mark_error(message)
+            self._mark_error_guarded(message)
             self._rebuild_readers()
         elif verdict is Verdict.LEAVE and not self._leaving:
             self._leaving = True
@@ -564,7 +593,7 @@ class WorkerGate(Service):
                 "worker leads; its supervisor starts it again"
             )
             log.error("%s", sentence)
-            self._mark_error(sentence)
+            self._mark_error_guarded(sentence)
             app.add_future(app.crash(RefreshStuck(sentence)))
 
     @Service.timer(refresh.stall_check)

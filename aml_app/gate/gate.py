@@ -253,35 +253,39 @@ class FreshnessGate:
         cond = self._condition(partition)
         started = time.monotonic()
         async with cond:
-            if not self.is_open(partition, offset, event_us):
-                waiter = (offset, time.time())
-                waiters = self._waiters.setdefault(partition, [])
-                waiters.append(waiter)
-                try:
-                    while not self.is_open(partition, offset, event_us):
-                        wait = self.recheck_every
-                        if give_up_after is not None:
-                            left = started + give_up_after - time.monotonic()
-                            if left <= 0:
-                                closed = self._lookup(partition) or CLOSED
-                                return Opening(closed, stale=round(time.monotonic() - started, 3))
-                            wait = min(wait, left)
-                        # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands just
-                        # after a notification (it returns the finished `cond.wait()` instead), and a
-                        # lane a revoke stops would wait on and handle its old queue again.
-                        try:
-                            async with asyncio.timeout(wait):
-                                await cond.wait()
-                        except TimeoutError:
-                            if self.is_open(partition, offset, event_us):
-                                self.opened_by_recheck += 1
-                finally:
-                    waiters.remove(waiter)
-                    if not waiters and self._waiters.get(partition) is waiters:
-                        del self._waiters[partition]
-            opened = self._open(partition, offset, event_us)
-            assert opened is not None
-            return opened
+            # One evaluation per check, returned as it is: trust is read off the clock, and a row that
+            # ages out between a check and a second evaluation would leave nothing to return.
+            if (opened := self._open(partition, offset, event_us)) is not None:
+                return opened
+            waiter = (offset, time.time())
+            waiters = self._waiters.setdefault(partition, [])
+            waiters.append(waiter)
+            try:
+                while True:
+                    wait = self.recheck_every
+                    if give_up_after is not None:
+                        left = started + give_up_after - time.monotonic()
+                        if left <= 0:
+                            closed = self._lookup(partition) or CLOSED
+                            return Opening(closed, stale=round(time.monotonic() - started, 3))
+                        wait = min(wait, left)
+                    # Not `asyncio.wait_for`: on Python 3.11 it swallows a cancel that lands just after a
+                    # notification (it returns the finished `cond.wait()` instead), and a lane a revoke
+                    # stops would wait on and handle its old queue again.
+                    notified = True
+                    try:
+                        async with asyncio.timeout(wait):
+                            await cond.wait()
+                    except TimeoutError:
+                        notified = False
+                    if (opened := self._open(partition, offset, event_us)) is not None:
+                        if not notified:
+                            self.opened_by_recheck += 1
+                        return opened
+            finally:
+                waiters.remove(waiter)
+                if not waiters and self._waiters.get(partition) is waiters:
+                    del self._waiters[partition]
 
     def notify_all(self) -> None:
         """Wake every waiter (a new cut row concerns every partition)."""

@@ -12,7 +12,7 @@ import pytest
 
 from aml_app.backoff import Backoff, jittered, retry_forever
 from aml_app.gate.gate import FreshnessGate
-from aml_app.gate.watermark import WatermarkRow
+from aml_app.gate.watermark import WatermarkRow, distrust
 
 DEADLINE = 2.0  # generous upper bound for things that should happen at once
 QUIET = 0.05  # how long a waiter must stay blocked to count as "not woken"
@@ -315,6 +315,40 @@ async def test_a_distrusted_row_keeps_the_gate_closed_whatever_its_watermark() -
     gate.notify([0])
     result = await asyncio.wait_for(task, DEADLINE)
     assert result.row.generation == 2 and gate.distrusted(0) is None
+
+
+class SteppingClock:
+    """A wall clock that moves `step` seconds at each reading once stepping: time passing, or a clock
+    stepped, between two evaluations of the same row."""
+
+    def __init__(self, now: float) -> None:
+        self.now, self.step = now, 0.0
+
+    def __call__(self) -> float:
+        now = self.now
+        self.now += self.step
+        return now
+
+
+async def test_a_row_that_ages_out_as_the_waiter_wakes_never_ends_the_wait_with_an_error() -> None:
+    """Trust is read off the clock, so each wake evaluates the row once and returns what that evaluation
+    saw: a row fresh at one reading and too old at the next keeps the waiter waiting or lets it through,
+    never raises (an error out of the gate ends the lane, and the worker stops)."""
+    clock = SteppingClock(100.0)
+    rows = {0: row(0, 10)}  # written at 0.0: too old
+    gate = FreshnessGate(
+        rows.get, recheck_every=60, distrust=lambda r: distrust(r, clock(), max_age=5.0, generation=None)
+    )
+    task = await start_waiting(gate, 0, 4)
+    gate.notify([0])
+    await assert_still_blocked(task)  # still too old: the wait goes on
+
+    rows[0] = replace(row(0, 10), refreshed_at=clock.now)
+    clock.step = 6.0  # each reading is 6 s after the one before: fresh once, then past the 5 s max age
+    gate.notify([0])
+    result = await asyncio.wait_for(task, DEADLINE)
+    assert result.row is rows[0]
+    assert gate.waiting == {}
 
 
 async def test_give_up_after_returns_the_closed_row_marked_stale() -> None:

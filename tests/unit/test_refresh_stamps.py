@@ -1,0 +1,190 @@
+"""The leader's refresh stamps what it writes with when its reads began, writes nothing once it no longer
+leads in that generation, and its timers outlive a failed write of the table.
+
+In a fresh interpreter each, as `test_worker_gate.py` does: importing the tables builds the app.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+
+STAMPS = """
+import asyncio, json, os, time
+from aml_app.gate.event_time import Unapplied
+from aml_app.kafka.offsets import Reading
+from aml_app.tables import watermarks as w
+
+clock = [1000.0]
+time.time = lambda: clock[0]
+w.app.is_leader = lambda: True
+w.app.consumer_generation_id = 3
+gate = w.gate_service()
+gate.changelogs.known = True
+w.watermarks, w.cuts = {}, {}  # what the refresh writes, by key, as the changelog would carry it
+groups = w.settings.depends_on
+scenario = os.environ["SCENARIO"]
+
+
+def meanwhile(read):
+    # Each read takes 8 s (the refresh deadline is 10 s); the leader may be deposed or rebalance.
+    clock[0] += 8.0
+    if scenario == "deposed-during-" + read:
+        w.app.is_leader = lambda: False
+    if scenario == "rebalanced-during-" + read:
+        w.app.consumer_generation_id += 1
+
+
+async def read_all(*args, **kwargs):
+    meanwhile("offsets")
+    return Reading([0, 1], {g: {0: 5, 1: 3} for g in groups}, log="cluster:topic")
+
+
+async def read(reached, log=None):
+    meanwhile("cut")
+    return {q: Unapplied(end, None) for q, end in reached.items()}
+
+
+gate.offsets.read_all = read_all
+gate.unapplied.read = read
+
+
+async def main():
+    before = time.time()
+    token = gate._attempt = object()
+    outcome = await asyncio.wait_for(gate.refresh_once(time.monotonic(), token), 10)
+    cut = w.cuts.get(w.CUT)
+    return {
+        "before": before,
+        "outcome": outcome.value,
+        "rows": {str(p): [row["refreshed_at"], row["generation"]] for p, row in w.watermarks.items()},
+        "cut": None if cut is None else [cut["refreshed_at"], cut["generation"]],
+    }
+
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def refresh(scenario: str) -> dict[str, Any]:
+    """One event-time refresh of the leader, in generation 3, whose reads each take 8 s."""
+    env = {**os.environ, "AML_GATE_MODE": "event-time", "SCENARIO": scenario}
+    out = subprocess.run(
+        [sys.executable, "-c", STAMPS], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_rows_and_the_cut_are_stamped_when_the_reads_they_rest_on_began() -> None:
+    """A row's age limit bounds how old its reading is: a read of 8 s does not make it look 8 s newer,
+    and the cut, which rests on the offsets read first, is no newer than they are."""
+    result = refresh("slow")
+    before = result["before"]
+    assert result["outcome"] == "succeeded"
+    assert result["rows"] == {"0": [before, 3], "1": [before, 3]}
+    assert result["cut"] == [before, 3]
+
+
+@pytest.mark.parametrize("change", ["deposed", "rebalanced"])
+def test_a_leader_deposed_or_rebalanced_during_its_reads_writes_nothing_of_them(change: str) -> None:
+    """What a leader read before it was deposed, or before its group rebalanced (a reset may have moved
+    the committed offsets back), is not written stamped as the new generation's: not the rows when it
+    happened during the offsets' read, not the cut when during the cut's."""
+    offsets = refresh(f"{change}-during-offsets")
+    assert offsets["outcome"] != "succeeded"
+    assert offsets["rows"] == {} and offsets["cut"] is None
+
+    cut = refresh(f"{change}-during-cut")
+    assert cut["outcome"] != "succeeded"
+    assert cut["rows"] == {"0": [cut["before"], 3], "1": [cut["before"], 3]}
+    assert cut["cut"] is None
+
+
+GUARDED = """
+import asyncio, json, os
+from aml_app.gate.watchdog import Verdict
+from aml_app.gate.watermark import WatermarkRow
+from aml_app.tables import watermarks as w
+
+w.app.is_leader = lambda: True
+gate = w.gate_service()
+gate.changelogs.known = True
+groups = w.settings.depends_on
+
+
+class FailingOnce(dict):
+    # The watermark table, whose next write fails as one to a changelog the producer does not know.
+    failures = 1
+
+    def __setitem__(self, key, value):
+        if self.failures:
+            self.failures -= 1
+            raise TypeError("'NoneType' object is not iterable")
+        super().__setitem__(key, value)
+
+
+row = WatermarkRow(partition=0, watermark=5, dependencies={g: 5 for g in groups}, refreshed_at=1.0)
+w.watermarks = FailingOnce({0: row.as_json()})
+w.rows_of = w.Typed(w.watermarks, WatermarkRow.from_json)
+crashed = []
+w.app.crash = lambda exc: crashed.append(str(exc)) or asyncio.sleep(0)
+w.app.add_future = lambda coro: coro.close()
+
+
+async def cancelled_under(*args, **kwargs):
+    # A client closed under the read: the refresh is abandoned as overrun.
+    pending = asyncio.get_running_loop().create_future()
+    asyncio.get_running_loop().call_later(0.01, pending.cancel)
+    return await pending
+
+
+async def main():
+    path = os.environ["PATH_TAKEN"]
+    first = gate.offsets
+    if path == "overrun":
+        first.read_all = cancelled_under
+        body = type(gate).refresh_watermarks.fun.__wrapped__
+    else:
+        gate.watchdog.check = lambda now: {"rebuild": Verdict.REBUILD, "leave": Verdict.LEAVE}[path]
+        body = type(gate).watch_refresh.fun.__wrapped__
+    timer = asyncio.ensure_future(body(gate))
+    done, _ = await asyncio.wait({timer}, timeout=20)
+    failure = None if not done or timer.cancelled() else timer.exception()
+    return {
+        "returned": bool(done) and not timer.cancelled() and failure is None,
+        "failure": repr(failure),
+        "counted": gate.refresh_errors.count,
+        "last_outcome": gate.watchdog.last_outcome.value if gate.watchdog.last_outcome else None,
+        "new_clients": gate.offsets is not first,
+        "crashed": len(crashed),
+    }
+
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+@pytest.mark.parametrize("path", ["overrun", "rebuild", "leave"])
+def test_a_failed_table_write_never_ends_the_refresh_or_the_watchdog_timer(path: str) -> None:
+    """Marking the rows with the error is a table write, and a timer that raises stops for good: on an
+    abandoned refresh, and when the watchdog rebuilds the clients or makes the leader leave, a failed
+    write is counted and the timer goes on with the rest of what it does."""
+    env = {**os.environ, "AML_GATE_MODE": "partition", "PATH_TAKEN": path}
+    out = subprocess.run(
+        [sys.executable, "-c", GUARDED], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["returned"], f"the timer ended with {result['failure']}"
+    assert result["counted"] == 1
+    if path == "overrun":
+        assert result["last_outcome"] == "overran"
+    if path == "leave":
+        assert result["crashed"] == 1
+    else:
+        assert result["new_clients"]
