@@ -101,6 +101,10 @@ class KafkaSettings:
     #: AML_MAX_CLOCK_SKEW, seconds: how far a payment's `ts` may be after its Kafka record's timestamp
     #: before every consumer (workers and pipeline) dead-letters it (aml_app.contract).
     max_clock_skew: float = DEFAULT_MAX_CLOCK_SKEW
+    #: AML_PAYMENTS_TRANSACTIONAL: whether the producers of `payments` write it in transactions, whose
+    #: markers take offsets: the pipeline then crosses a jump in offsets at once, else it reads it again
+    #: (a jump in a topic without markers is records its client skipped).
+    payments_transactional: bool = False
     session_timeout: float = 10.0
     rebalance_timeout: float = 10.0
     commit_interval: float = 1.0
@@ -569,6 +573,7 @@ def _kafka(env: Mapping[str, str], app_id: str) -> KafkaSettings:
             env, "AML_MAX_PAYMENT_BYTES", d.max_payment_bytes, 256, MAX_VALID_PAYMENT_BYTES
         ),
         max_clock_skew=_float(env, "AML_MAX_CLOCK_SKEW", d.max_clock_skew, 0, 1e12),
+        payments_transactional=_bool(env, "AML_PAYMENTS_TRANSACTIONAL", d.payments_transactional),
         session_timeout=session,
         rebalance_timeout=_float(env, "AML_REBALANCE_TIMEOUT", session, 1, 600),
         commit_interval=_float(env, "AML_COMMIT_INTERVAL", d.commit_interval, 0.1, 60),

@@ -15,12 +15,17 @@ record batches. Usage:
         .option("minRecordsPerTask", "5000")      # and a smaller batch into fewer (the default)
         .option("log", "cluster:topic-id")        # the log the query's results are of (else its first)
         .option("sourceHeader", "aml-source")     # add a column with each record's first such header
+        .option("transactional", "true")          # the topic is written in transactions (see below)
         .load()
 
 Columns: partition INT, offset BIGINT, timestamp TIMESTAMP, key BINARY, value BINARY, and with
 `sourceHeader`, source STRING (the header's first value as UTF-8 text, null without one: a topic derived
 from payments names each record's payment there, `aml_app.kafka.derivation`). Options starting with
 `kafka.` go to the client as they are (e.g. `kafka.security.protocol`, `kafka.sasl.mechanism`).
+
+`transactional` says whether the topic's offsets have holes (transaction markers): "true" by default with
+`sourceHeader` (a derived topic, which its stage writes in transactions), else "false" (payments). A task
+reads a jump in the offsets of a topic without holes again rather than skip records (`read_ranges`).
 
 The source does not commit the group's offsets itself: Spark calls `commit(end)` one batch late and never
 while the topic is idle, so the service commits after its own store write instead (see `progress.py`).
@@ -82,6 +87,11 @@ PLAN_OUTAGE_LIMIT = 120.0
 READ_STALL_TIMEOUT = PLAN_OUTAGE_LIMIT
 #: How long the query's start pauses between two reads of a log it cannot read (seconds).
 PLAN_RETRY_S = 1.0
+#: How often a task reads a jump in the offsets of a topic without holes again before it fails, and the
+#: pause before each reading (seconds): about the second the harness's readers give the embedded broker
+#: to show an earlier record batch it showed after a later one (`aml_app.harness.tails.GAP_CONFIRM_S`).
+REREADS = 10
+REREAD_PAUSE_S = 0.1
 
 #: Settings of every client the source makes, one per plan or task. librdkafka holds back a client's
 #: first connection to the cluster for half of reconnect.backoff.ms (100 ms by default) whenever a request
@@ -102,8 +112,13 @@ class LogUnreadable(RuntimeError):
     unknown (its ListOffsets end can be short, and the fetch that tells goes unanswered)."""
 
 
+class RecordsSkipped(RuntimeError):
+    """The client keeps handing a task a later record than the next one of a topic without holes."""
+
+
 class LogChanged(RuntimeError):
-    """The topic is now another log than the one the query's results are of; the message says what to do."""
+    """The topic is no longer the log the query's results are of (another log, or this one cut below
+    where the query stands); the message says what to do."""
 
 
 def log_changed(services: Sequence[str], store: str, topic: str, old: str, new: str) -> str:
@@ -121,6 +136,25 @@ def log_changed(services: Sequence[str], store: str, topic: str, old: str, new: 
     return (
         f"{built} built from log {old} of topic {topic}, but {topic} is now log {new} {cause}: rebuild "
         f"{them} ({rebuild}), or point AML_STORE_URL at this log's {stores}"
+    )
+
+
+def log_truncated(
+    services: Sequence[str], store: str, topic: str, partition: int, end: int, standing: int
+) -> str:
+    """The sentence that stops a query whose partition now ends at `end`, below `standing`, where the
+    query stands, on the same log: records written from `end` on would take offsets the stores count as
+    applied, and be skipped."""
+    where = f"partition {partition} of topic {topic} now ends at {end}, below offset {standing} where "
+    cause = "(a leader without its latest records took over, or a broker lost its unflushed tail)"
+    skipped = f"the records written there from offset {end} on would be skipped"
+    if not services:
+        return f"{where}this query stands on the same log {cause}: {skipped}"
+    stores = "store" if len(services) == 1 else "stores"
+    rebuild = ", ".join(f"aml-app rebuild {service}" for service in services)
+    return (
+        f"{where}the {' and '.join(services)} {stores} at {store} stand on the same log {cause}: "
+        f"{skipped}; rebuild the {stores} ({rebuild})"
     )
 
 
@@ -270,6 +304,17 @@ def probe_starts(
     return {p: max(marks[p][1] if p in marks else 0, floors.get(p, 0)) for p in partitions}
 
 
+def cut_below(
+    standing: Mapping[int, int], marks: Mapping[int, tuple[int, int]], ends: Mapping[int, int]
+) -> dict[int, int]:
+    """The partitions whose end, as a fetch reported it, is below where the query stands (`standing`).
+
+    `bounds` lists (`marks`) a partition the query stands on only when no fetch answered for it, and
+    ListOffsets can answer short of the end (the embedded broker: the start of the last record batch + 1),
+    so a listed end never counts: a short answer must not stop a healthy query."""
+    return {p: ends[p] for p, o in standing.items() if p in ends and p not in marks and ends[p] < o}
+
+
 def log_ends(marks: Mapping[int, tuple[int, int]], probed: Mapping[int, int]) -> dict[int, int]:
     """Each partition's log end: the larger of ListOffsets' answer (`marks`, where asked) and the probe's
     (`probed`, where it answered)."""
@@ -379,19 +424,23 @@ def read_ranges(
     ranges: Sequence[Range],
     rows: int = ARROW_BATCH_ROWS,
     source_header: str | None = None,
+    transactional: bool = False,
 ) -> Iterator[Any]:
     """Yield Arrow record batches with the records of each (partition, start, end) range, in turn; with
     `source_header`, a `source` column of each record's first such header (`first_header`).
 
-    One client serves every range of a task. Offsets can have holes (transaction markers, compaction), so
-    a range ends at the first record at or past `end - 1` or when the client reports the end of the
-    partition at or past `end`. A batch never mixes partitions.
+    One client serves every range of a task. A range ends at the first record at or past `end - 1` or
+    when the client reports the end of the partition at or past `end`. A batch never mixes partitions.
 
-    A jump in offsets is taken at once, not read again as the harness's readers do
-    (`aml_app.harness.tails.InOrder`): the derived topic is written in transactions, a marker at each
-    commit, so any wait per jump would cost every micro-batch that wait per marker. The embedded broker
-    can show a partition's later batch before an earlier one when several producers write it; planned
-    ranges read while three or four producers wrote 60,000 records met no jump in eleven runs.
+    The batch handler counts a range as applied up to its last record, so a record the client skips is
+    lost. A topic written in transactions (`transactional`: the derived topic, a marker at each commit)
+    has holes, and a jump in its offsets is taken at once: any wait per jump would cost every
+    micro-batch that wait per marker. A topic without holes (payments) has none, so a jump there is
+    either retention, which deleted the records before the task read them (the client resumes at the
+    log start: logged, `retained`), or records the client skipped: the embedded broker can show a
+    partition's later record batch before an earlier one when several producers write it (the
+    harness's readers met it in 1 of 9 runs, `aml_app.harness.tails.InOrder`). The task reads from
+    the expected offset again, up to REREADS times, then fails (Spark retries a failed task).
     """
     import pyarrow as pa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -423,6 +472,7 @@ def read_ranges(
         for partition, start, end in ranges:
             consumer.assign([TopicPartition(topic, partition, start)])
             position = start
+            rereads = 0
             last_progress = time.monotonic()
             while position < end:
                 messages = consumer.consume(num_messages=min(rows, end - position), timeout=0.5)
@@ -433,16 +483,27 @@ def read_ranges(
                     )
                 for message in messages:
                     error = message.error()
-                    if error is not None:
-                        if error.code() == KafkaError._PARTITION_EOF:
-                            position = max(position, message.offset())
-                            continue
+                    eof = error is not None and error.code() == KafkaError._PARTITION_EOF
+                    if error is not None and not eof:
                         raise KafkaException(error)
                     offset = message.offset()
+                    if offset > position and not transactional:
+                        position = retained(consumer, topic, partition, position, end)
+                        if position < min(offset, end):
+                            rereads += 1
+                            if rereads > REREADS:
+                                raise RecordsSkipped(skipped(topic, partition, position, offset))
+                            time.sleep(REREAD_PAUSE_S)
+                            consumer.assign([TopicPartition(topic, partition, position)])
+                            break
+                    if eof:
+                        position = max(position, offset)
+                        continue
                     if offset >= end:
                         position = end
                         break
                     last_progress = time.monotonic()
+                    rereads = 0
                     position = offset + 1
                     columns["offset"].append(offset)
                     _, ts_ms = message.timestamp()
@@ -460,6 +521,31 @@ def read_ranges(
         consumer.close()
 
 
+def retained(consumer: Any, topic: str, partition: int, position: int, end: int) -> int:
+    """Where a partition's records go on from `position`: its log start, when retention deleted the
+    records from `position` on (logged once, with those of the range up to `end`: they exist nowhere)."""
+    from confluent_kafka import TopicPartition
+
+    low, _high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=METADATA_TIMEOUT)
+    if low <= position:
+        return position
+    log.warning(
+        "%s[%d]: offsets %d..%d were deleted by retention before the pipeline read them: their records "
+        "are lost, and the pipeline goes on from offset %d",
+        topic, partition, position, min(low, end) - 1, low,
+    )  # fmt: skip
+    return low
+
+
+def skipped(topic: str, partition: int, position: int, offset: int) -> str:
+    return (
+        f"{topic}[{partition}] handed this task offset {offset} where it expects {position}, "
+        f"{REREADS + 1} times: offsets {position}..{offset - 1} are missing from a topic read as one "
+        f"without transactions (the source's option transactional; for payments AML_PAYMENTS_TRANSACTIONAL), "
+        f"so the task fails rather than count them as read"
+    )
+
+
 def count_option(options: Mapping[str, str], name: str) -> int | None:
     """A whole-number option of at least 1, or None when it is not given."""
     raw = options.get(name)
@@ -474,6 +560,16 @@ def count_option(options: Mapping[str, str], name: str) -> int | None:
     return value
 
 
+def flag_option(options: Mapping[str, str], name: str, default: bool) -> bool:
+    """A "true" or "false" option, or `default` when it is not given."""
+    raw = options.get(name)
+    if not raw:
+        return default
+    if raw.strip().lower() not in ("true", "false"):
+        raise SourceConfigError(f'{name}={raw[:80]!r} is neither "true" nor "false"')
+    return raw.strip().lower() == "true"
+
+
 class KafkaStreamReader(DataSourceStreamReader):
     """The planner (driver side) and the readers (executors) of the `aml-kafka` source.
 
@@ -485,9 +581,11 @@ class KafkaStreamReader(DataSourceStreamReader):
     query stands or has gone (what a new log looks like). A log other than `log` (the identity the
     stores recorded, given by the pipeline; else the one seen at the first plan) raises `LogChanged`:
     Spark stops the query with its sentence before any record of the new log is planned, and the
-    pipeline exits with it. The planner, rather than the batch handler, because it runs even while the
-    topic is idle (the change is noticed before the first new record arrives) and it already holds the
-    Kafka settings; the batch handler would see a new log's records only once they are read.
+    pipeline exits with it. So does a partition that ends below where the query stands on the same log
+    (`cut_below`): records written after such a cut take offsets the groups have committed past. The
+    planner, rather than the batch handler, because it runs even while the topic is idle (the change is
+    noticed before the first new record arrives) and it already holds the Kafka settings; the batch
+    handler would see a new log's records only once they are read.
     """
 
     #: Which log a topic is (module-level function; a test gives the reader a fake one).
@@ -511,6 +609,7 @@ class KafkaStreamReader(DataSourceStreamReader):
         self.log_services = tuple(s for s in options.get("services", "").split(",") if s)
         self.log_store = options.get("store", "")
         self.source_header = options.get("sourceHeader") or None
+        self.transactional = flag_option(options, "transactional", self.source_header is not None)
         self._log_checked_at: float | None = None
         #: When the planner last began to fail to read the log (None: it reads it).
         self._unreadable_since: float | None = None
@@ -668,6 +767,14 @@ class KafkaStreamReader(DataSourceStreamReader):
         for p, (low, _high) in marks.items():
             begin.setdefault(p, low)  # a partition added since the last batch starts at its log start
         self.check_log(now=any(ends.get(p, -1) < o for p, o in begin.items()))
+        # The same log, ending below where the query stands: new records would fill the offsets between
+        # and be planned past, with the groups already committed over them.
+        cut = cut_below(begin, marks, ends)
+        if cut:
+            p = min(cut)
+            raise LogChanged(
+                log_truncated(self.log_services, self.log_store, self.topic, p, cut[p], begin[p])
+            )
         max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         return to_spark(plan_end(begin, ends, max_records))
 
@@ -676,7 +783,13 @@ class KafkaStreamReader(DataSourceStreamReader):
         return [KafkaTask(task) for task in pack_ranges(ranges, self.max_tasks, self.min_records_per_task)]
 
     def read(self, partition: KafkaTask) -> Iterator[Any]:  # type: ignore[override]
-        yield from read_ranges(self.config, self.topic, partition.ranges, source_header=self.source_header)
+        yield from read_ranges(
+            self.config,
+            self.topic,
+            partition.ranges,
+            source_header=self.source_header,
+            transactional=self.transactional,
+        )
 
     def commit(self, end: SparkOffset) -> None:
         """Nothing: the service commits its group after its own durable write (see progress.py)."""

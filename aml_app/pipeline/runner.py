@@ -414,7 +414,11 @@ def start_queries(
             )
             if topic != settings.kafka.payments_topic:
                 # A derived topic's records name their payments: copies of them are skipped (`repeats`).
-                reader = reader.option("sourceHeader", SOURCE_HEADER)
+                # Its stage writes it in transactions.
+                reader = reader.option("sourceHeader", SOURCE_HEADER).option("transactional", "true")
+            else:
+                transactional = settings.kafka.payments_transactional
+                reader = reader.option("transactional", str(transactional).lower())
             for key, value in config.items():
                 reader = reader.option(f"kafka.{key}", value)
             stream = (

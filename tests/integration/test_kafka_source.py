@@ -194,6 +194,47 @@ def test_a_record_timestamp_past_year_9999_reads_as_none_instead_of_failing_the_
     assert micros == [1000, 1_714_564_800_000_000, LATEST_TIMESTAMP_MS * 1000, None, None, None]
 
 
+class Hiding:
+    """The source's real client, leaving out the offsets in `hidden` until it is assigned again, as a
+    client handed a later record batch first does."""
+
+    def __init__(self, real: Any, hidden: set[int]) -> None:
+        self.real, self.hidden = real, hidden
+        self.assigns: list[int] = []
+
+    def assign(self, partitions: list[Any]) -> None:
+        self.assigns.append(partitions[0].offset)
+        self.real.assign(partitions)
+
+    def consume(self, num_messages: int, timeout: float) -> list[Any]:
+        messages = self.real.consume(num_messages=num_messages, timeout=timeout)
+        if len(self.assigns) > 1:
+            return messages
+        return [m for m in messages if m.error() is not None or m.offset() not in self.hidden]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.real, name)
+
+
+def test_records_the_client_skipped_are_read_again_from_the_broker(
+    broker: EmbeddedBroker, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The fetched records after them are in librdkafka's queue when the task assigns the partition again:
+    # what comes next must start at the skipped offset, not with those.
+    topic = new_topic(broker.bootstrap, 1)
+    placed = produce(broker.bootstrap, topic, {0: 6})
+    made: list[Hiding] = []
+    real = kafka_source._consumer
+
+    def hiding(config: Any) -> Hiding:
+        made.append(Hiding(real(config), {2, 3}))
+        return made[-1]
+
+    monkeypatch.setattr(kafka_source, "_consumer", hiding)
+    assert as_placed(read_all(broker.bootstrap, topic, 0, 0, 6)) == placed
+    assert made[0].assigns == [0, 2]
+
+
 def test_read_range_across_batch_boundaries(broker: EmbeddedBroker) -> None:
     topic = new_topic(broker.bootstrap, 1)
     placed = produce_batches(broker.bootstrap, topic, 0, batches=5, size=100)
