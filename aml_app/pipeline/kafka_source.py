@@ -87,10 +87,11 @@ PLAN_OUTAGE_LIMIT = 120.0
 READ_STALL_TIMEOUT = PLAN_OUTAGE_LIMIT
 #: How long the query's start pauses between two reads of a log it cannot read (seconds).
 PLAN_RETRY_S = 1.0
-#: How often a task reads a jump in the offsets of a topic without holes again before it fails, and the
-#: pause before each reading (seconds): about the second the harness's readers give the embedded broker
-#: to show an earlier record batch it showed after a later one (`aml_app.harness.tails.GAP_CONFIRM_S`).
-REREADS = 10
+#: How long a task reads a jump in the offsets of a topic without holes again before it fails, and the
+#: pause before each reading (seconds). The harness's readers see the embedded broker show an earlier
+#: record batch within a second of a later one (`aml_app.harness.tails.GAP_CONFIRM_S`); the budget
+#: leaves room for a loaded machine, since a failed task stops the query in local mode.
+REREAD_BUDGET_S = 10.0
 REREAD_PAUSE_S = 0.1
 
 #: Settings of every client the source makes, one per plan or task. librdkafka holds back a client's
@@ -321,6 +322,44 @@ def log_ends(marks: Mapping[int, tuple[int, int]], probed: Mapping[int, int]) ->
     return {p: max(marks[p][1] if p in marks else -1, probed.get(p, -1)) for p in sorted({*marks, *probed})}
 
 
+def past_the_end(
+    config: Mapping[str, Any], topic: str, partition: int, offset: int, timeout: float = METADATA_TIMEOUT
+) -> bool:
+    """Whether the partition's leader refuses a fetch at `offset` as out of range: its log ends before it.
+    A fetch at or below the leader's log end is answered (with nothing past its high watermark), so a
+    high watermark below `offset` alone does not say the log was cut. False when no answer came in
+    `timeout`: the planner asks again at its next plan."""
+    from confluent_kafka import Consumer, KafkaError, TopicPartition
+
+    consumer = Consumer(
+        {
+            **FRESH_CLIENT,
+            "group.id": "aml-kafka-source-probe",
+            **config,
+            "enable.auto.commit": False,
+            "enable.partition.eof": True,
+            "auto.offset.reset": "error",
+            "fetch.wait.max.ms": 10,
+            "fetch.queue.backoff.ms": 1,
+        }
+    )
+    try:
+        consumer.assign([TopicPartition(topic, partition, offset)])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            message = consumer.poll(0.1)
+            if message is None:
+                continue
+            error = message.error()
+            if error is None or error.code() == KafkaError._PARTITION_EOF:
+                return False
+            if error.code() == KafkaError._AUTO_OFFSET_RESET:
+                return True
+        return False
+    finally:
+        consumer.close()
+
+
 def probe_consumer(config: Mapping[str, Any]) -> Any:
     """A consumer for `fetched_high_watermarks`: fetches as little as the protocol allows."""
     from confluent_kafka import Consumer
@@ -440,7 +479,7 @@ def read_ranges(
     log start: logged, `retained`), or records the client skipped: the embedded broker can show a
     partition's later record batch before an earlier one when several producers write it (the
     harness's readers met it in 1 of 9 runs, `aml_app.harness.tails.InOrder`). The task reads from
-    the expected offset again, up to REREADS times, then fails (Spark retries a failed task).
+    the expected offset again for up to REREAD_BUDGET_S, then fails (in local mode the query stops).
     """
     import pyarrow as pa
     from confluent_kafka import KafkaError, KafkaException, TopicPartition
@@ -472,7 +511,7 @@ def read_ranges(
         for partition, start, end in ranges:
             consumer.assign([TopicPartition(topic, partition, start)])
             position = start
-            rereads = 0
+            rereads, jumped_at = 0, None
             last_progress = time.monotonic()
             while position < end:
                 messages = consumer.consume(num_messages=min(rows, end - position), timeout=0.5)
@@ -491,19 +530,22 @@ def read_ranges(
                         position = retained(consumer, topic, partition, position, end)
                         if position < min(offset, end):
                             rereads += 1
-                            if rereads > REREADS:
-                                raise RecordsSkipped(skipped(topic, partition, position, offset))
+                            jumped_at = jumped_at or time.monotonic()
+                            if time.monotonic() - jumped_at > REREAD_BUDGET_S:
+                                raise RecordsSkipped(skipped(topic, partition, position, offset, rereads))
                             time.sleep(REREAD_PAUSE_S)
                             consumer.assign([TopicPartition(topic, partition, position)])
                             break
                     if eof:
                         position = max(position, offset)
                         continue
+                    if offset < position:
+                        continue  # read before (a client that went back to the log start)
                     if offset >= end:
                         position = end
                         break
                     last_progress = time.monotonic()
-                    rereads = 0
+                    rereads, jumped_at = 0, None
                     position = offset + 1
                     columns["offset"].append(offset)
                     _, ts_ms = message.timestamp()
@@ -524,9 +566,14 @@ def read_ranges(
 def retained(consumer: Any, topic: str, partition: int, position: int, end: int) -> int:
     """Where a partition's records go on from `position`: its log start, when retention deleted the
     records from `position` on (logged once, with those of the range up to `end`: they exist nowhere)."""
-    from confluent_kafka import TopicPartition
+    from confluent_kafka import KafkaException, TopicPartition
 
-    low, _high = consumer.get_watermark_offsets(TopicPartition(topic, partition), timeout=METADATA_TIMEOUT)
+    try:
+        low, _high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=METADATA_TIMEOUT
+        )
+    except KafkaException:  # no answer now: read again from `position`, within the reread budget
+        return position
     if low <= position:
         return position
     log.warning(
@@ -537,12 +584,12 @@ def retained(consumer: Any, topic: str, partition: int, position: int, end: int)
     return low
 
 
-def skipped(topic: str, partition: int, position: int, offset: int) -> str:
+def skipped(topic: str, partition: int, position: int, offset: int, reads: int) -> str:
     return (
         f"{topic}[{partition}] handed this task offset {offset} where it expects {position}, "
-        f"{REREADS + 1} times: offsets {position}..{offset - 1} are missing from a topic read as one "
-        f"without transactions (the source's option transactional; for payments AML_PAYMENTS_TRANSACTIONAL), "
-        f"so the task fails rather than count them as read"
+        f"{reads} times in {REREAD_BUDGET_S:g} s: offsets {position}..{offset - 1} are missing from a topic "
+        "read as one without transactions (the source's option transactional; for payments "
+        "AML_PAYMENTS_TRANSACTIONAL), so the task fails rather than count them as read"
     )
 
 
@@ -590,6 +637,10 @@ class KafkaStreamReader(DataSourceStreamReader):
 
     #: Which log a topic is (module-level function; a test gives the reader a fake one).
     read_log = staticmethod(log_identity)
+    #: Whether a fetch at an offset is refused as past the log's end (a test gives the reader a fake one).
+    confirm_cut = staticmethod(
+        lambda config, topic, partition, offset: past_the_end(config, topic, partition, offset)
+    )
     #: The planner's clock, and how it pauses (a test gives the reader fake ones).
     clock = staticmethod(time.monotonic)
     sleep = staticmethod(time.sleep)
@@ -770,11 +821,14 @@ class KafkaStreamReader(DataSourceStreamReader):
         # The same log, ending below where the query stands: new records would fill the offsets between
         # and be planned past, with the groups already committed over them.
         cut = cut_below(begin, marks, ends)
-        if cut:
-            p = min(cut)
-            raise LogChanged(
-                log_truncated(self.log_services, self.log_store, self.topic, p, cut[p], begin[p])
-            )
+        # A new leader can report a lower high watermark for a while after a clean election, while its
+        # log holds every record below where the query stands: only a fetch there refused as out of range
+        # says the log was cut. Until then the partition gets nothing planned.
+        for p in sorted(cut):
+            if self.confirm_cut(self.config, self.topic, p, begin[p]):
+                raise LogChanged(
+                    log_truncated(self.log_services, self.log_store, self.topic, p, cut[p], begin[p])
+                )
         max_records = limit.max_rows if isinstance(limit, ReadMaxRows) else None
         return to_spark(plan_end(begin, ends, max_records))
 

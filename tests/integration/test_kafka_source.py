@@ -654,3 +654,12 @@ def test_bad_options_are_refused_with_a_clear_message(opts: dict[str, str], mess
         KafkaStreamReader(opts)
     if "maxRecordsPerTrigger" in opts:
         assert "maxRecordsPerTrigger" in str(caught.value)
+
+
+def test_a_fetch_within_the_log_is_never_taken_for_a_cut(broker: EmbeddedBroker) -> None:
+    """The planner stops a query only when a fetch where it stands is refused as past the log's end: a
+    fetch at any offset the log holds, or at its end, must not read as one."""
+    topic = new_topic(broker.bootstrap, 1)
+    produce(broker.bootstrap, topic, {0: 10})
+    config = {"bootstrap.servers": broker.bootstrap}
+    assert [kafka_source.past_the_end(config, topic, 0, o, timeout=10) for o in (0, 5, 10)] == [False] * 3

@@ -19,7 +19,6 @@ from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from aml_app.pipeline import kafka_source
 from aml_app.pipeline.kafka_source import (
-    REREADS,
     KafkaStreamReader,
     KafkaTask,
     LogChanged,
@@ -61,9 +60,11 @@ def same_log(config: object, topic: str, timeout: float = 0.0) -> str:
     return "c1:AAAA"
 
 
-def planner(**options: str) -> KafkaStreamReader:
+def planner(cut: bool = True, **options: str) -> KafkaStreamReader:
+    """A planner on the same log; `cut`: whether a fetch where it stands is refused as out of range."""
     reader = KafkaStreamReader({**OPTIONS, **options})
     reader.read_log = same_log  # type: ignore[method-assign]
+    reader.confirm_cut = lambda config, topic, partition, offset: cut  # type: ignore[method-assign]
     return reader
 
 
@@ -78,6 +79,15 @@ def test_a_log_cut_below_where_the_query_stands_stops_the_query(monkeypatch: pyt
         "over, or a broker lost its unflushed tail): the records written there from offset 40 on would be "
         "skipped; rebuild the stores (aml-app rebuild relations, aml-app rebuild aggregates)"
     )
+
+
+def test_a_high_watermark_below_the_query_with_the_records_still_there_stops_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A new leader reports a lower high watermark for a while after a clean election; its log still
+    holds every record below where the query stands (a fetch there is answered), so nothing is cut."""
+    Probe(fetched={0: 40}, listed={}).install(monkeypatch)
+    assert planner(cut=False).latestOffset({"0": 50}, ReadAllAvailable()) == {"0": 50}
 
 
 def test_a_short_listoffsets_end_plans_nothing_and_stops_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -139,7 +149,14 @@ class Consumer:
         taken, self.queue = self.queue[:num_messages], self.queue[num_messages:]
         return taken
 
+    #: Whether ListOffsets goes unanswered (librdkafka raises).
+    unanswered = False
+
     def get_watermark_offsets(self, tp: Any, timeout: float) -> tuple[int, int]:
+        if self.unanswered:
+            from confluent_kafka import KafkaError, KafkaException
+
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT))
         return self.offsets[0], self.offsets[-1] + 1
 
     def close(self) -> None:
@@ -148,7 +165,8 @@ class Consumer:
 
 @pytest.fixture
 def consumer(monkeypatch: pytest.MonkeyPatch) -> Any:
-    monkeypatch.setattr(kafka_source, "REREAD_PAUSE_S", 0.0)
+    monkeypatch.setattr(kafka_source, "REREAD_PAUSE_S", 0.01)
+    monkeypatch.setattr(kafka_source, "REREAD_BUDGET_S", 0.2)
 
     def make(*args: Any, **kwargs: Any) -> Consumer:
         made = Consumer(*args, **kwargs)
@@ -169,16 +187,37 @@ def test_payments_skipped_by_the_client_are_read_again(consumer: Any) -> None:
     assert client.assigns == [0, 2]
 
 
+def test_a_jump_read_while_listoffsets_goes_unanswered_is_read_again(consumer: Any) -> None:
+    client = consumer(list(range(6)), hidden={2, 3}, hiding=1)
+    client.unanswered = True
+    assert read(planner(), 0, 6) == [0, 1, 2, 3, 4, 5]
+
+
 def test_payments_the_client_keeps_skipping_fail_the_task(consumer: Any) -> None:
-    client = consumer(list(range(6)), hidden={2, 3}, hiding=1000)
+    client = consumer(list(range(6)), hidden={2, 3}, hiding=100_000)
     with pytest.raises(RecordsSkipped) as failed:
         read(planner(), 0, 6)
+    reads = len(client.assigns)  # the first reading, then one after each jump but the last
     assert str(failed.value) == (
-        f"payments[0] handed this task offset 4 where it expects 2, {REREADS + 1} times: offsets 2..3 are "
-        "missing from a topic read as one without transactions (the source's option transactional; for "
-        "payments AML_PAYMENTS_TRANSACTIONAL), so the task fails rather than count them as read"
+        f"payments[0] handed this task offset 4 where it expects 2, {reads} times in 0.2 s: offsets 2..3 "
+        "are missing from a topic read as one without transactions (the source's option transactional; "
+        "for payments AML_PAYMENTS_TRANSACTIONAL), so the task fails rather than count them as read"
     )
-    assert client.assigns == [0] + [2] * REREADS
+    assert reads >= 2 and client.assigns == [0] + [2] * (reads - 1)
+
+
+def test_records_below_where_the_range_stands_are_not_read_twice(consumer: Any) -> None:
+    """A client whose position went out of range resets to the log start (auto.offset.reset earliest)
+    and hands over records the task already read, or that earlier ranges hold."""
+    client = consumer(list(range(6)))
+    real_assign = client.assign
+
+    def back_to_the_start(partitions: list[Any]) -> None:
+        real_assign(partitions)
+        client.queue = [Message(o) for o in range(6)] + [Message(6, eof=True)]
+
+    client.assign = back_to_the_start  # type: ignore[method-assign]
+    assert read(planner(), 3, 6) == [3, 4, 5]
 
 
 def test_a_skipped_tail_of_a_range_is_read_again(consumer: Any) -> None:
