@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession
 from aiohttp.test_utils import TestServer
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 
 from aml_app.dependencies import aggregates, relations
 from aml_app.dependencies.api import aggregates_app, relations_app
@@ -28,7 +28,7 @@ from aml_app.kafka.tools import payment_json, produce
 from aml_app.pipeline import jobs, kafka_source
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config
-from tests.harness import Names, ends_of, wait_until
+from tests.harness import Names, TopicReader, ends_of, wait_until
 from tests.payments import FUTURE, NUL_PAYEE, produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
 from tests.stores import relations_answers
@@ -48,21 +48,19 @@ def run_pipeline(spark: Any, broker: EmbeddedBroker, names: Names, store_url: st
         running.stop()
 
 
-async def dead_letters(broker: EmbeddedBroker, topic: str, expected: int) -> list[Any]:
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=broker.bootstrap, auto_offset_reset="earliest")
-    await consumer.start()
-    records: list[Any] = []
+async def dead_letters(broker: EmbeddedBroker, topic: str, partitions: int, expected: int) -> list[Any]:
+    """The topic's records, read in order: both services' producers append to one partition at once, and
+    the embedded broker can hand a live reader a later batch before an earlier one (`TopicReader`)."""
+    reader = await TopicReader(broker.bootstrap, topic, partitions).start()
     try:
 
-        async def enough() -> bool:
-            batch = await consumer.getmany(timeout_ms=200)
-            records.extend(r for rs in batch.values() for r in rs)
-            return len(records) >= expected
+        async def enough() -> list[Any] | None:
+            await reader.poll(0.2)
+            return reader.records if len(reader.records) >= expected else None
 
-        await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0)
+        return await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0)
     finally:
-        await consumer.stop()
-    return records
+        await reader.stop()
 
 
 @pytest.fixture(params=["written in turn", "overlapped"])
@@ -96,7 +94,7 @@ async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
         assert sum(r.dead_lettered for r in mine) == len(produced.malformed)
         assert max(r.records for r in mine) <= 400, "the read limit bounds every micro-batch"
 
-    letters = await dead_letters(broker, names.dlq, 2 * len(produced.malformed))
+    letters = await dead_letters(broker, names.dlq, names.partitions, 2 * len(produced.malformed))
     by_service: dict[str, set[tuple[int, int, bytes]]] = {}
     for record in letters:
         headers = {k: v.decode() for k, v in record.headers}
@@ -258,7 +256,7 @@ async def test_a_payment_too_large_for_one_record_holds_neither_dependency(
     placed = await produce(producer, names.payments, records)
     running = run_pipeline()
     await running.caught_up({p: ends_of(placed).get(p, 0) for p in range(names.partitions)})
-    parts = await dead_letters(broker, names.dlq, 6)
+    parts = await dead_letters(broker, names.dlq, names.partitions, 6)
     joined: dict[str, list[tuple[int, bytes]]] = {}
     for record in parts:
         headers = {k: v.decode() for k, v in record.headers}
