@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 import pytest
 
@@ -152,22 +153,10 @@ async def test_the_pipeline_dead_letters_more_records_than_its_producer_queues_a
 async def test_a_record_whose_key_and_value_are_too_large_together_is_dead_lettered_in_parts(broker, names):
     """Every part carries the record's key: a key of 500 KB beside a value part of 512 KiB is larger
     than the producer sends (1,000,000 bytes), refused at every restart. The parts leave room for it."""
-    from aml_app.pipeline.progress import DeadLetters, Rejected
-
     key, value = b"k" * 500_000, os.urandom(600_000)
-    dead_letters = DeadLetters(
-        {"bootstrap.servers": broker.bootstrap}, names.dlq, names.payments, "relations"
-    )
-    try:
-        assert dead_letters.send([Rejected(1, 7, key, value, "value is over the limit")]) == 1
-    finally:
-        dead_letters.close()
     parts = -(-len(value) // (SET_ASIDE_PART_BYTES - len(key)))  # 25
-    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, parts)
-    assert len(found) == parts
-    headers = [{k: v.decode() for k, v in r.headers} for r in found]
-    order = sorted(range(len(found)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
-    assert b"".join(found[i].value for i in order) == value and {r.key for r in found} == {key}
+    found, headers, joined = await _dead_lettered_in_parts(broker, names, key, value, parts)
+    assert joined == value and {r.key for r in found} == {key}
     assert {h["dlq.bytes"] for h in headers} == {str(len(value))}
 
 
@@ -177,20 +166,29 @@ async def test_a_record_whose_key_alone_fills_a_record_is_dead_lettered_with_its
     """A key of about 1 MB leaves no room for a part of any size beside it: the producer refuses every
     record that carries it with 4 KiB of the value (MSG_SIZE_TOO_LARGE), at every restart. The key goes
     at the front of the value, which then takes three parts."""
+    key, value = os.urandom(999_000), os.urandom(50_000)
+    found, headers, joined = await _dead_lettered_in_parts(broker, names, key, value, 3)
+    assert len({r.partition for r in found}) == 1, "the parts share one partition"
+    cut = int(headers[0]["dlq.key-bytes"])
+    assert (joined[:cut], joined[cut:]) == (key, value)
+
+
+async def _dead_lettered_in_parts(
+    broker: Any, names: Any, key: bytes, value: bytes, parts: int
+) -> tuple[list, list[dict[str, str]], bytes]:
+    """Dead-letter one record with the pipeline's `DeadLetters` and read back its `parts` parts: the
+    records, their headers and their values joined in part order."""
     from aml_app.pipeline.progress import DeadLetters, Rejected
 
-    key, value = os.urandom(999_000), os.urandom(50_000)
     dead_letters = DeadLetters(
         {"bootstrap.servers": broker.bootstrap}, names.dlq, names.payments, "relations"
     )
     try:
-        assert dead_letters.send([Rejected(1, 8, key, value, "key is too long")]) == 1
+        assert dead_letters.send([Rejected(1, 7, key, value, "too large")]) == 1
     finally:
         dead_letters.close()
-    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, 3)
+    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, parts)
+    assert len(found) == parts
     headers = [{k: v.decode() for k, v in r.headers} for r in found]
-    assert len(found) == 3 and len({r.partition for r in found}) == 1, "the parts share one partition"
     order = sorted(range(len(found)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))
-    joined = b"".join(found[i].value for i in order)
-    cut = int(headers[0]["dlq.key-bytes"])
-    assert (joined[:cut], joined[cut:]) == (key, value)
+    return found, headers, b"".join(found[i].value for i in order)
