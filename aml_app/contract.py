@@ -310,10 +310,6 @@ MAX_VALID_PAYMENT_BYTES = SET_ASIDE_PART_BYTES - 4 * MAX_ID_LENGTH
 #: The least a part carries, however long the key that goes with each part.
 MIN_PART_BYTES = 4096
 
-#: The longest key a record set aside keeps as its key: a longer one leaves a part less than
-#: `MIN_PART_BYTES`, so it travels at the front of the value instead (`in_parts`).
-MAX_SET_ASIDE_KEY_BYTES = SET_ASIDE_PART_BYTES - MIN_PART_BYTES
-
 
 def in_parts(
     value: bytes | None,

@@ -104,7 +104,7 @@ class DerivedTopic:
             return
         before, self.log = self.log, log
         self.pending, self.committed = PendingSources(self.topic, self.group), {}
-        self._partitions, self._read_to, self._checked = [], {}, False
+        self._forget_topic()
         raise DerivationError(
             f"{self.topic!r} was created again (its log was {before}, it is {log}): what the gate had read "
             "of it is dropped, and read again from the group's offsets on the new log"
@@ -118,9 +118,13 @@ class DerivedTopic:
         self.pending, before.pending = before.pending, PendingSources(self.topic, self.group)
         self.committed, self.log = before.committed, before.log
 
+    def _forget_topic(self) -> None:
+        """What the next `partitions` reads again: the topic's partitions, configuration and ends."""
+        self._partitions, self._read_to, self._checked = [], {}, False
+
     async def close(self) -> None:
         consumer, self._consumer = self._consumer, None
-        self._partitions, self._read_to, self._checked = [], {}, False
+        self._forget_topic()
         if consumer is not None:
             await close_within(consumer.stop(), self.request_timeout, "stopping the derived topic reader")
 

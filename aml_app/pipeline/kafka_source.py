@@ -329,20 +329,9 @@ def past_the_end(
     A fetch at or below the leader's log end is answered (with nothing past its high watermark), so a
     high watermark below `offset` alone does not say the log was cut. False when no answer came in
     `timeout`: the planner asks again at its next plan."""
-    from confluent_kafka import Consumer, KafkaError, TopicPartition
+    from confluent_kafka import KafkaError, TopicPartition
 
-    consumer = Consumer(
-        {
-            **FRESH_CLIENT,
-            "group.id": "aml-kafka-source-probe",
-            **config,
-            "enable.auto.commit": False,
-            "enable.partition.eof": True,
-            "auto.offset.reset": "error",
-            "fetch.wait.max.ms": 10,
-            "fetch.queue.backoff.ms": 1,
-        }
-    )
+    consumer = probe_consumer(config, reset="error")
     try:
         consumer.assign([TopicPartition(topic, partition, offset)])
         deadline = time.monotonic() + timeout
@@ -360,8 +349,9 @@ def past_the_end(
         consumer.close()
 
 
-def probe_consumer(config: Mapping[str, Any]) -> Any:
-    """A consumer for `fetched_high_watermarks`: fetches as little as the protocol allows."""
+def probe_consumer(config: Mapping[str, Any], reset: str = "earliest") -> Any:
+    """A consumer for `fetched_high_watermarks` and `past_the_end`: fetches as little as the protocol
+    allows; `reset` is its auto.offset.reset ("error": an offset past the log's end is reported)."""
     from confluent_kafka import Consumer
 
     return Consumer(
@@ -371,7 +361,7 @@ def probe_consumer(config: Mapping[str, Any]) -> Any:
             **config,
             "enable.auto.commit": False,
             "enable.partition.eof": True,
-            "auto.offset.reset": "earliest",
+            "auto.offset.reset": reset,
             "max.partition.fetch.bytes": 1,
             "queued.min.messages": 1,
             "fetch.wait.max.ms": 10,
