@@ -49,18 +49,20 @@ def run_pipeline(spark: Any, broker: EmbeddedBroker, names: Names, store_url: st
 
 
 async def dead_letters(broker: EmbeddedBroker, topic: str, partitions: int, expected: int) -> list[Any]:
-    """The topic's records, read in order: both services' producers append to one partition at once, and
-    the embedded broker can hand a live reader a later batch before an earlier one (`TopicReader`)."""
-    reader = await TopicReader(broker.bootstrap, topic, partitions).start()
-    try:
+    """The topic's records, read afresh from its start at each try: both services' producers append to
+    one partition at once, and the embedded broker can hand a live reader a later batch before an
+    earlier one, which a live reader then skips and a fresh read finds (`aml_app.harness.tails`)."""
 
-        async def enough() -> list[Any] | None:
-            await reader.poll(0.2)
-            return reader.records if len(reader.records) >= expected else None
+    async def enough() -> list[Any] | None:
+        reader = await TopicReader(broker.bootstrap, topic, partitions).start()
+        try:
+            while await reader.poll(0.5):
+                pass
+        finally:
+            await reader.stop()
+        return reader.records if len(reader.records) >= expected else None
 
-        return await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0)
-    finally:
-        await reader.stop()
+    return await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0.5)
 
 
 @pytest.fixture(params=["written in turn", "overlapped"])
