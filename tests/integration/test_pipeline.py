@@ -53,16 +53,24 @@ async def dead_letters(broker: EmbeddedBroker, topic: str, partitions: int, expe
     one partition at once, and the embedded broker can hand a live reader a later batch before an
     earlier one, which a live reader then skips and a fresh read finds (`aml_app.harness.tails`)."""
 
-    async def enough() -> list[Any] | None:
+    async def read_afresh() -> list[Any]:
         reader = await TopicReader(broker.bootstrap, topic, partitions).start()
         try:
             while await reader.poll(0.5):
                 pass
         finally:
             await reader.stop()
-        return reader.records if len(reader.records) >= expected else None
+        return reader.records
 
-    return await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0.5)
+    async def enough() -> list[Any] | None:
+        records = await read_afresh()
+        return records if len(records) >= expected else None
+
+    try:
+        return await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0.5)
+    except AssertionError as exc:  # say what is there, for a broker that lost records
+        seen = sorted((r.partition, r.offset, dict(r.headers).get("dlq.worker")) for r in await read_afresh())
+        raise AssertionError(f"{exc}; a last fresh read found {len(seen)}: {seen}") from None
 
 
 @pytest.fixture(params=["written in turn", "overlapped"])
