@@ -461,6 +461,18 @@ _VERSION_KEY = "schema_version"
 _BEGIN = sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {}")
 
 
+async def _out_of_pipeline(conn: Any) -> None:
+    """The pool's check of a connection it hands out: one still in pipeline mode fails every snapshot
+    it is given (its BEGIN goes in one message with a statement, which pipeline mode refuses), so it is
+    closed, and the pool opens another. A snapshot cancelled at the wrong moment in psycopg's exit from
+    pipeline mode can leave a connection so (seen under a chaos soak's rebalances, which cancel
+    questions whose worker left)."""
+    if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+        log.warning("closing a store connection left in pipeline mode: %s", conn)
+        await conn.close()
+        raise psycopg.OperationalError("the connection was left in pipeline mode")
+
+
 async def _begin(cur: Any, begin_and_first: sql.Composable) -> None:
     """Run `_BEGIN` with its first statement in one message (the simple query protocol, hence no
     parameters: the statement holds its values in its text), leaving the cursor on that statement's
@@ -572,6 +584,7 @@ class Reader:
             timeout=timeout,
             open=False,
             configure=configure,
+            check=_out_of_pipeline,
             kwargs={"connect_timeout": CONNECT_TIMEOUT, "fallback_application_name": name},
         )
 

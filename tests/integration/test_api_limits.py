@@ -10,6 +10,7 @@ edges, every statement that reads them waits, and `pg_stat_activity` shows which
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -523,3 +524,45 @@ async def test_health_shows_where_the_store_is_and_no_secret(busy: str) -> None:
     ):
         assert kept in shown
     assert shown.count("***") == 4
+
+
+# --- a connection left in pipeline mode is not handed out again ---------------------------------------
+
+
+async def test_a_connection_left_in_pipeline_mode_is_replaced_not_used(busy: str) -> None:
+    """One connection for the questions, left in libpq's pipeline mode as a snapshot cut short at the
+    wrong moment can leave it (seen in a chaos soak: every later question on it failed with "cannot
+    insert multiple commands into a prepared statement"): the pool replaces it, and every question is
+    answered."""
+    app = bounded(busy, max_connections=1)
+    async with client_for(app) as client:
+        assert (await answer(client, "/relations", batch(hops=3, parts="chain")))["answers"]
+        reader = app[api.READER]
+        conn = await reader.pool.getconn()
+        async with contextlib.AsyncExitStack() as never_left:
+            await never_left.enter_async_context(conn.pipeline())
+            await reader.pool.putconn(conn)
+            for _ in range(8):  # more than psycopg's prepare threshold
+                got = await answer(client, "/relations", batch(hops=3, parts="chain"))
+                assert got["answers"][0]["chain"] == ["payer-0000", "busy"], got
+            never_left.pop_all()  # the connection is gone: nothing to leave
+
+
+async def test_a_question_cut_short_leaves_its_connection_fit_for_the_next(busy: str) -> None:
+    """One connection for the questions: a question stopped at the bound, and one whose client leaves,
+    while their statements wait in the snapshot's pipeline; every question after them is answered on
+    that same connection."""
+    app = bounded(busy, answer_timeout=0.5, max_connections=1)
+    async with client_for(app) as client:
+        with edges_locked(busy):
+            body = await answer(client, "/relations", batch(hops=3, parts="chain"), status=503)
+            assert "took longer than 0.5 s" in body["error"]
+            asking = asyncio.ensure_future(client.post("/relations", data=_bytes(batch()), headers=JSON))
+            await until(lambda: running(busy, at_least=1), "the second question's statement on the server")
+            asking.cancel()  # the client leaves: the server cancels the question
+            with pytest.raises(asyncio.CancelledError):
+                await asking
+            await until(lambda: running(busy, at_most=0), "its statement gone while the lock holds", 20)
+        for _ in range(8):  # more than psycopg's prepare threshold, on the one connection
+            got = await answer(client, "/relations", batch(hops=3, parts="chain"))
+            assert got["answers"][0]["chain"] == ["payer-0000", "busy"], got
