@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from aml_app.harness.tails import from_the_start
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.kafka.tools import GroupCommitter
 from tests.harness import Names, Worker, wait_until
@@ -187,13 +188,16 @@ async def read_decisions(
 ) -> list[dict[str, Any]]:
     """Read the decisions topic from the beginning until `expected` records are in (or fail)."""
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap, enable_auto_commit=False, max_partition_fetch_bytes=8_000_000
+        bootstrap_servers=bootstrap,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        max_partition_fetch_bytes=8_000_000,
     )
     await consumer.start()
     try:
         tps = [TopicPartition(topic, p) for p in range(partitions)]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        from_the_start(consumer, tps)
         out: list[dict[str, Any]] = []
 
         async def enough() -> bool:

@@ -47,6 +47,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.harness.child_process import AmlAppProcess
+from aml_app.harness.tails import from_the_start
 from aml_app.harness.verify import CommitTimeline, decided_at, percentile
 from aml_app.kafka.broker import create_topics
 from aml_app.kafka.derivation import SOURCE_HEADER
@@ -125,12 +126,13 @@ class Scenario:
             bootstrap_servers=self.env.bootstrap,
             isolation_level="read_committed",
             enable_auto_commit=False,
+            auto_offset_reset="earliest",
             fetch_max_wait_ms=20,
         )
         await reader.start()
         tps = [TopicPartition(topic, d) for d in partitions]
         reader.assign(tps)
-        await reader.seek_to_beginning(*tps)
+        from_the_start(reader, tps)
         seen: list[tuple[float, int, int, int, int]] = []  # read at, derived partition and offset, source
         covered: dict[int, set[int]] = {p: set() for p in partitions}
         first_open = dict.fromkeys(partitions, 0)

@@ -30,6 +30,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from aml_app.harness.tails import from_the_start
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
 from aml_app.kafka.deadlines import within
@@ -112,13 +113,15 @@ async def decided(
     bootstrap: str, topic: str, expected: set[tuple[int, int]], timeout: float
 ) -> set[tuple[int, int]]:
     """Read the decisions topic until every expected payment has a decision or `timeout` passes."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+    )
     await consumer.start()
     seen: set[tuple[int, int]] = set()
     try:
         tps = [TopicPartition(topic, p) for p in range(PARTITIONS)]
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        from_the_start(consumer, tps)
         deadline = time.monotonic() + timeout
         while not expected <= seen and time.monotonic() < deadline:
             batch = await consumer.getmany(timeout_ms=200)

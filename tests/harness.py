@@ -16,7 +16,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from confluent_kafka import Producer
 
 from aml_app.harness.child_process import aml_app_executable
-from aml_app.harness.tails import InOrder
+from aml_app.harness.tails import InOrder, from_the_start
 from aml_app.harness.workers import WorkerProcess
 from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.kafka.security import PLAINTEXT
@@ -153,7 +153,9 @@ class TopicReader:
     def __init__(self, bootstrap: str, topic: str, partitions: int) -> None:
         self.topic = topic
         self.partitions = partitions
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest"
+        )
         self.records: list[Any] = []
         self.order = InOrder(lambda tp, offset: self.consumer.seek(tp, offset))
 
@@ -161,7 +163,7 @@ class TopicReader:
         await self.consumer.start()
         tps = [TopicPartition(self.topic, p) for p in range(self.partitions)]
         self.consumer.assign(tps)
-        await self.consumer.seek_to_beginning(*tps)
+        from_the_start(self.consumer, tps)
         return self
 
     async def poll(self, timeout: float = 0.2) -> list[Any]:

@@ -27,6 +27,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from aml_app.enrichment import BATCH, payee_partition
 from aml_app.harness.child_process import AmlAppProcess
+from aml_app.harness.tails import from_the_start
 from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port
 from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.kafka.log_ends import fetched_log_ends
@@ -66,12 +67,14 @@ async def read_all(bootstrap: str, topic: str, partitions: int) -> list[tuple[in
     tps = [TopicPartition(topic, p) for p in range(partitions)]
     client = {"bootstrap_servers": bootstrap}
     ends = await fetched_log_ends(client, {(topic, p): 0 for p in range(partitions)})
-    consumer = AIOKafkaConsumer(**client, isolation_level="read_committed", enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        **client, isolation_level="read_committed", enable_auto_commit=False, auto_offset_reset="earliest"
+    )
     await consumer.start()
     records = []
     try:
         consumer.assign(tps)
-        await consumer.seek_to_beginning(*tps)
+        from_the_start(consumer, tps)
         deadline = time.monotonic() + 30
         while any([await consumer.position(tp) < ends[(topic, tp.partition)] for tp in tps]):
             assert time.monotonic() < deadline, f"{topic} not read to {ends} in 30 s"

@@ -49,9 +49,8 @@ def run_pipeline(spark: Any, broker: EmbeddedBroker, names: Names, store_url: st
 
 
 async def dead_letters(broker: EmbeddedBroker, topic: str, partitions: int, expected: int) -> list[Any]:
-    """The topic's records, read afresh from its start at each try: both services' producers append to
-    one partition at once, and the embedded broker can hand a live reader a later batch before an
-    earlier one, which a live reader then skips and a fresh read finds (`aml_app.harness.tails`)."""
+    """The topic's records, read afresh from offset 0 at each try (`TopicReader`): both services'
+    producers append to one partition at once, and a read ends at its first empty poll."""
 
     async def read_afresh() -> list[Any]:
         reader = await TopicReader(broker.bootstrap, topic, partitions).start()
