@@ -218,8 +218,19 @@ class Stamp:
 
     def current(self) -> bool:
         """Whether this worker still leads in the generation the reads began in: a deposed leader, or
-        one whose group rebalanced meanwhile, writes nothing stamped as the new generation's."""
-        return app.is_leader() and app.consumer_generation_id == self.generation
+        one whose group rebalanced meanwhile, writes nothing stamped as the new generation's. When
+        not, the log says what the refresh dropped and why."""
+        if not app.is_leader():
+            log.info("watermark refresh dropped: this worker stopped leading during its reads")
+            return False
+        if app.consumer_generation_id != self.generation:
+            log.info(
+                "watermark refresh dropped: the group rebalanced during its reads (generation %s, now %s)",
+                self.generation,
+                app.consumer_generation_id,
+            )
+            return False
+        return True
 
 
 def _worth_writing(old: Stamped | None, row: Stamped, changed: bool) -> bool:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 STAMPS = """
-import asyncio, json, os, time
+import asyncio, json, logging, os, time
 from aml_app.gate.event_time import Unapplied
 from aml_app.kafka.offsets import Reading
 from aml_app.tables import watermarks as w
@@ -29,6 +29,7 @@ gate.changelogs.known = True
 w.watermarks, w.cuts = {}, {}  # what the refresh writes, by key, as the changelog would carry it
 groups = w.settings.depends_on
 scenario = os.environ["SCENARIO"]
+logging.basicConfig(level=logging.INFO)  # stderr: what the refresh says
 
 
 def meanwhile(read):
@@ -78,6 +79,7 @@ def refresh(scenario: str) -> dict[str, Any]:
         [sys.executable, "-c", STAMPS], capture_output=True, text=True, timeout=120, check=True, env=env
     )
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    result["log"] = out.stderr
     return result
 
 
@@ -96,14 +98,21 @@ def test_a_leader_deposed_or_rebalanced_during_its_reads_writes_nothing_of_them(
     """What a leader read before it was deposed, or before its group rebalanced (a reset may have moved
     the committed offsets back), is not written stamped as the new generation's: not the rows when it
     happened during the offsets' read, not the cut when during the cut's."""
+    reasons = {
+        "deposed": "this worker stopped leading during its reads",
+        "rebalanced": "the group rebalanced during its reads (generation 3, now 4)",
+    }
+    why = f"watermark refresh dropped: {reasons[change]}"
     offsets = refresh(f"{change}-during-offsets")
     assert offsets["outcome"] != "succeeded"
     assert offsets["rows"] == {} and offsets["cut"] is None
+    assert why in offsets["log"], "the log says what was dropped and why"
 
     cut = refresh(f"{change}-during-cut")
     assert cut["outcome"] != "succeeded"
     assert cut["rows"] == {"0": [cut["before"], 3], "1": [cut["before"], 3]}
     assert cut["cut"] is None
+    assert why in cut["log"]
 
 
 GUARDED = """
