@@ -232,6 +232,18 @@ class Stamp:
             return False
         return True
 
+    def outlived(self, max_age: float) -> str | None:
+        """Why what the reads found is not written: they took `max_age` or longer, so every worker would
+        distrust it as written (`distrust`), and a refresh that wrote it would pass for a success."""
+        took = time.time() - self.at
+        if took < max_age:
+            return None
+        return (
+            f"the refresh's reads took {took:.1f} s, at least AML_WATERMARK_MAX_AGE={max_age:g} s: what "
+            "they found would be distrusted as written, so the gate stays closed; the broker answers "
+            "slowly (raise AML_WATERMARK_MAX_AGE if it always takes this long)"
+        )
+
 
 def _worth_writing(old: Stamped | None, row: Stamped, changed: bool) -> bool:
     """Write a row when it changed, or when it is getting old, so readers can trust its age."""
@@ -480,6 +492,10 @@ class WorkerGate(Service):
             return Outcome.OVERRAN
         if not stamp.current():
             return Outcome.FAILED
+        if (slow := stamp.outlived(settings.gate.watermark_max_age)) is not None:
+            status.failed(slow, "the last known watermarks")
+            self._mark_error(slow)
+            return Outcome.FAILED
         if recheck:
             status.partition_check_at = now
         status.partitions = len(reading.partitions)
@@ -546,6 +562,9 @@ class WorkerGate(Service):
         if attempt is not self._attempt:
             return Outcome.OVERRAN
         if not stamp.current():
+            return Outcome.FAILED
+        if (slow := stamp.outlived(settings.gate.watermark_max_age)) is not None:
+            self.status.failed(slow, "the last event-time cut")
             return Outcome.FAILED
         derived = next((row.derived for row in rows.values() if row.derived), None)
         row = cut_row(

@@ -65,6 +65,7 @@ async def main():
         "outcome": outcome.value,
         "rows": {str(p): [row["refreshed_at"], row["generation"]] for p, row in w.watermarks.items()},
         "cut": None if cut is None else [cut["refreshed_at"], cut["generation"]],
+        "error": gate.status.last_error,
     }
 
 
@@ -72,9 +73,14 @@ print(json.dumps(asyncio.run(main())))
 """
 
 
-def refresh(scenario: str) -> dict[str, Any]:
+def refresh(scenario: str, max_age: float = 30) -> dict[str, Any]:
     """One event-time refresh of the leader, in generation 3, whose reads each take 8 s."""
-    env = {**os.environ, "AML_GATE_MODE": "event-time", "SCENARIO": scenario}
+    env = {
+        **os.environ,
+        "AML_GATE_MODE": "event-time",
+        "SCENARIO": scenario,
+        "AML_WATERMARK_MAX_AGE": str(max_age),
+    }
     out = subprocess.run(
         [sys.executable, "-c", STAMPS], capture_output=True, text=True, timeout=120, check=True, env=env
     )
@@ -91,6 +97,22 @@ def test_rows_and_the_cut_are_stamped_when_the_reads_they_rest_on_began() -> Non
     assert result["outcome"] == "succeeded"
     assert result["rows"] == {"0": [before, 3], "1": [before, 3]}
     assert result["cut"] == [before, 3]
+
+
+def test_reads_that_outlive_the_max_age_are_a_failure_that_writes_nothing_of_them() -> None:
+    """Reads that took AML_WATERMARK_MAX_AGE or longer found what every worker would distrust as soon as
+    it is written: the refresh writes none of it and fails, saying why, so the views and the watchdog
+    see a gate held closed instead of a refresh that succeeds."""
+    offsets = refresh("slow", max_age=6)  # the offsets' read takes 8 s
+    assert offsets["outcome"] == "failed"
+    assert offsets["rows"] == {} and offsets["cut"] is None
+    assert "the refresh's reads took 8.0 s, at least AML_WATERMARK_MAX_AGE=6 s" in offsets["error"]
+
+    cut = refresh("slow", max_age=12)  # the offsets' read 8 s, the cut's 16 s after the reads began
+    assert cut["outcome"] == "failed"
+    assert cut["rows"] == {"0": [cut["before"], 3], "1": [cut["before"], 3]}
+    assert cut["cut"] is None
+    assert "the refresh's reads took 16.0 s, at least AML_WATERMARK_MAX_AGE=12 s" in cut["error"]
 
 
 @pytest.mark.parametrize("change", ["deposed", "rebalanced"])
