@@ -461,13 +461,17 @@ _VERSION_KEY = "schema_version"
 _BEGIN = sql.SQL("BEGIN ISOLATION LEVEL REPEATABLE READ READ ONLY; {}")
 
 
+def _in_pipeline(conn: Any) -> bool:
+    return not conn.closed and conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF
+
+
 async def _out_of_pipeline(conn: Any) -> None:
     """The pool's check of a connection it hands out: one still in pipeline mode fails every snapshot
     it is given (its BEGIN goes in one message with a statement, which pipeline mode refuses), so it is
-    closed, and the pool opens another. A snapshot cancelled at the wrong moment in psycopg's exit from
-    pipeline mode can leave a connection so (seen under a chaos soak's rebalances, which cancel
-    questions whose worker left)."""
-    if conn.pgconn.pipeline_status != psycopg.pq.PipelineStatus.OFF:
+    closed, and the pool opens another. `Reader._snapshot` closes the one it knows to leave so (seen
+    under a chaos soak's rebalances, which cancel questions whose worker left); this is the net for
+    any other way."""
+    if _in_pipeline(conn):
         log.warning("closing a store connection left in pipeline mode: %s", conn)
         await conn.close()
         raise psycopg.OperationalError("the connection was left in pipeline mode")
@@ -627,7 +631,12 @@ class Reader:
                     yield snapshot
                     await cur.execute("COMMIT")
             except BaseException:
-                if not conn.closed:  # a closed one the pool discards
+                if _in_pipeline(conn):
+                    # A cancellation that lands as psycopg enters pipeline mode (its wait yields once
+                    # more after the mode is entered, on a loop busy for 5 ms) leaves the connection in
+                    # it, with no exit to come. Closed here, without an await, for the pool to discard.
+                    await conn.close()
+                elif not conn.closed:  # a closed one the pool discards
                     with contextlib.suppress(psycopg.Error):
                         await cur.execute("ROLLBACK")
                 raise

@@ -548,6 +548,43 @@ async def test_a_connection_left_in_pipeline_mode_is_replaced_not_used(busy: str
             never_left.pop_all()  # the connection is gone: nothing to leave
 
 
+async def test_a_question_cancelled_as_its_snapshot_enters_pipeline_mode_closes_its_connection(
+    busy: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """psycopg's wait yields to the loop once more after a step that did not need the socket when the
+    loop has been busy for `MAX_BUSY_TIME` (5 ms; 0 here, a loaded machine): a cancellation that lands
+    there as the snapshot enters pipeline mode (a client leaving) ends `pipeline()`'s entry with the
+    mode entered and no exit to come. The snapshot closes that connection, and the next is answered."""
+    reader = Reader(busy, relations.SCHEMA, max_connections=1)
+    await reader.open()
+    entered: list[psycopg.AsyncConnection[Any]] = []
+    enter = psycopg.AsyncPipeline._enter_gen
+
+    def enter_then_cancelled(pipeline: Any) -> Any:
+        result = yield from enter(pipeline)
+        entered.append(pipeline._conn)
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        return result
+
+    async def ask() -> list[Any]:
+        async with reader.snapshot() as snap:
+            await snap.cur.execute("SELECT count(*) FROM relations.edges")
+            return await snap.cur.fetchall()
+
+    try:
+        with monkeypatch.context() as patched:
+            patched.setattr(psycopg.waiting, "MAX_BUSY_TIME", 0.0)
+            patched.setattr(psycopg.AsyncPipeline, "_enter_gen", enter_then_cancelled)
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.ensure_future(ask()), 30)
+        assert len(entered) == 1 and entered[0].closed, "the connection left in pipeline mode is closed"
+        assert (await asyncio.wait_for(ask(), 30))[0][0] > 0
+    finally:
+        await reader.close()
+
+
 async def test_a_question_cut_short_leaves_its_connection_fit_for_the_next(busy: str) -> None:
     """One connection for the questions: a question stopped at the bound, and one whose client leaves,
     while their statements wait in the snapshot's pipeline; every question after them is answered on
