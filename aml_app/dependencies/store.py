@@ -634,7 +634,8 @@ class Reader:
                 if _in_pipeline(conn):
                     # A cancellation that lands as psycopg enters pipeline mode (its wait yields once
                     # more after the mode is entered, on a loop busy for 5 ms) leaves the connection in
-                    # it, with no exit to come. Closed here, without an await, for the pool to discard.
+                    # it, with no exit to come. close() does not yield, so no second cancellation stops
+                    # it; the pool discards a closed connection.
                     await conn.close()
                 elif not conn.closed:  # a closed one the pool discards
                     with contextlib.suppress(psycopg.Error):

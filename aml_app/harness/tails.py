@@ -26,9 +26,8 @@ def from_the_start(consumer: AIOKafkaConsumer, tps: Sequence[TopicPartition]) ->
     """Read `tps` from offset 0, for a consumer made with `auto_offset_reset="earliest"`: where
     retention has moved a log's start, the fetch at 0 is out of range and the consumer resets to the
     start. ListOffsets(earliest) is not asked first: the embedded broker answers it past a partition's
-    first records when two producers' first batches to it race (1 of 150 fresh partitions, offsets
-    0-3 of the dead letters of `tests/integration/test_pipeline.py` in 2 of 6 runs), and a fetch at 0
-    still returns them."""
+    first records when two producers' first batches to it race (1 of 150 fresh partitions in a probe;
+    both pipeline services' dead letters), and a fetch at 0 still returns them."""
     for tp in tps:
         consumer.seek(tp, 0)
 
