@@ -180,6 +180,28 @@ class TopicReader:
         await self.consumer.stop()
 
 
+async def read_records(
+    bootstrap: str, topic: str, partitions: int, count: int, timeout: float = 60
+) -> list[Any]:
+    """At least `count` records of `topic`, read from its start; a wait that runs out says which
+    (partition, offset) it found."""
+    reader = await TopicReader(bootstrap, topic, partitions).start()
+    try:
+
+        async def enough() -> list[Any] | None:
+            await reader.poll(0.2)
+            return reader.records if len(reader.records) >= count else None
+
+        try:
+            result: list[Any] = await wait_until(enough, timeout, f"{count} records on {topic}", interval=0)
+        except AssertionError as exc:
+            seen = sorted((r.partition, r.offset) for r in reader.records)
+            raise AssertionError(f"{exc}; found {len(seen)}: {seen}") from None
+        return result
+    finally:
+        await reader.stop()
+
+
 class DecisionLog(TopicReader):
     """The decisions topic, parsed."""
 

@@ -11,7 +11,7 @@ import pytest
 from aml_app.contract import SET_ASIDE_PART_BYTES
 from aml_app.harness.verify import CommitTimeline, premature
 from aml_app.kafka.tools import payment_json, produce
-from tests.harness import TopicReader, ends_of, wait_until
+from tests.harness import TopicReader, ends_of, read_records, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -120,19 +120,6 @@ async def test_a_payment_too_large_for_one_record_is_dead_lettered_in_parts_and_
     assert (await worker.state())["dead_lettered"] == 1
 
 
-async def _read_all(bootstrap: str, topic: str, partitions: int, count: int) -> list:
-    reader = await TopicReader(bootstrap, topic, partitions).start()
-    try:
-
-        async def enough() -> list | None:
-            await reader.poll(0.2)
-            return reader.records if len(reader.records) >= count else None
-
-        return await wait_until(enough, 60, f"{count} records on {topic}", interval=0)
-    finally:
-        await reader.stop()
-
-
 async def test_the_pipeline_dead_letters_more_records_than_its_producer_queues_at_once(broker, names):
     """librdkafka's producer queues `queue.buffering.max.messages` records (100,000 by default) and
     raises BufferError past them; a batch of more dead letters must wait for room, not fail at every
@@ -146,7 +133,7 @@ async def test_the_pipeline_dead_letters_more_records_than_its_producer_queues_a
         assert dead_letters.send(records) == 40
     finally:
         dead_letters.close()
-    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, 40)
+    found = await read_records(broker.bootstrap, names.dlq, names.partitions, 40)
     assert sorted(int(dict(r.headers)["dlq.offset"]) for r in found) == list(range(40))
 
 
@@ -187,7 +174,7 @@ async def _dead_lettered_in_parts(
         assert dead_letters.send([Rejected(1, 7, key, value, "too large")]) == 1
     finally:
         dead_letters.close()
-    found = await _read_all(broker.bootstrap, names.dlq, names.partitions, parts)
+    found = await read_records(broker.bootstrap, names.dlq, names.partitions, parts)
     assert len(found) == parts
     headers = [{k: v.decode() for k, v in r.headers} for r in found]
     order = sorted(range(len(found)), key=lambda i: int(headers[i]["dlq.part"].split("/")[0]))

@@ -28,7 +28,7 @@ from aml_app.kafka.tools import payment_json, produce
 from aml_app.pipeline import jobs, kafka_source
 from aml_app.pipeline.progress import GroupProgress
 from aml_app.pipeline.runner import kafka_config
-from tests.harness import Names, TopicReader, ends_of, wait_until
+from tests.harness import Names, ends_of, read_records
 from tests.payments import FUTURE, NUL_PAYEE, produce_payments
 from tests.pipelines import Running, check_against_reference, log_ends, merge, pipeline_settings
 from tests.stores import relations_answers
@@ -46,30 +46,6 @@ def run_pipeline(spark: Any, broker: EmbeddedBroker, names: Names, store_url: st
     yield start
     for running in started:
         running.stop()
-
-
-async def dead_letters(broker: EmbeddedBroker, topic: str, partitions: int, expected: int) -> list[Any]:
-    """The topic's records, read afresh from offset 0 at each try (`TopicReader`): both services'
-    producers append to one partition at once, and a read ends at its first empty poll."""
-
-    async def read_afresh() -> list[Any]:
-        reader = await TopicReader(broker.bootstrap, topic, partitions).start()
-        try:
-            while await reader.poll(0.5):
-                pass
-        finally:
-            await reader.stop()
-        return reader.records
-
-    async def enough() -> list[Any] | None:
-        records = await read_afresh()
-        return records if len(records) >= expected else None
-
-    try:
-        return await wait_until(enough, 60, f"{expected} dead letters on {topic}", interval=0.5)
-    except AssertionError as exc:  # say what is there, for a broker that lost records
-        seen = sorted((r.partition, r.offset, dict(r.headers).get("dlq.worker")) for r in await read_afresh())
-        raise AssertionError(f"{exc}; a last fresh read found {len(seen)}: {seen}") from None
 
 
 @pytest.fixture(params=["written in turn", "overlapped"])
@@ -103,7 +79,7 @@ async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
         assert sum(r.dead_lettered for r in mine) == len(produced.malformed)
         assert max(r.records for r in mine) <= 400, "the read limit bounds every micro-batch"
 
-    letters = await dead_letters(broker, names.dlq, names.partitions, 2 * len(produced.malformed))
+    letters = await read_records(broker.bootstrap, names.dlq, names.partitions, 2 * len(produced.malformed))
     by_service: dict[str, set[tuple[int, int, bytes]]] = {}
     for record in letters:
         headers = {k: v.decode() for k, v in record.headers}
@@ -265,7 +241,7 @@ async def test_a_payment_too_large_for_one_record_holds_neither_dependency(
     placed = await produce(producer, names.payments, records)
     running = run_pipeline()
     await running.caught_up({p: ends_of(placed).get(p, 0) for p in range(names.partitions)})
-    parts = await dead_letters(broker, names.dlq, names.partitions, 6)
+    parts = await read_records(broker.bootstrap, names.dlq, names.partitions, 6)
     joined: dict[str, list[tuple[int, bytes]]] = {}
     for record in parts:
         headers = {k: v.decode() for k, v in record.headers}
