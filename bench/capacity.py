@@ -90,10 +90,11 @@ from aml_app.harness.system import SystemFailure, service_settings
 from aml_app.harness.tails import TopicTail
 from aml_app.harness.verdict import Sent, Verdict
 from aml_app.harness.verify import CommitTimeline, decided_at, percentile, premature
+from aml_app.kafka.broker import EmbeddedBroker, free_port
 from aml_app.settings import Settings, load_settings
 from aml_app.simulation.producer import SimulatorReport, run_simulator
 from aml_app.simulation.traffic import SimPayment
-from bench import pg_statements, py_profile
+from bench import broker_census, pg_statements, py_profile
 from bench.common import (
     CLK_TCK,
     OWN,
@@ -165,6 +166,9 @@ class Sample:
     jit: dict[int, float] = field(default_factory=dict)  # CPU seconds so far of each JIT thread (`JIT`)
     #: Each API replica's time answering its batch route so far: "sum" (seconds) and "count".
     api_batches: dict[str, dict[str, float]] = field(default_factory=dict)
+    #: With `--census`: the broker's requests so far (`bench.broker_census`), and who made them.
+    census: dict[tuple[int | None, str, str], dict[str, Any]] | None = None
+    census_names: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -372,6 +376,7 @@ class CapacityDemo(Demo):
         self.step_over = asyncio.Event()
         self.gate_tables: dict[str, GateTableTail] = {}
         self.gate_table_tasks: list[asyncio.Task[None]] = []
+        self.census: broker_census.Census | None = None
 
     async def flow(self) -> None:
         self.started = time.monotonic()
@@ -542,6 +547,10 @@ class CapacityDemo(Demo):
         postgres = self.system.postgres
         statements = None if postgres is None else await pg_statements.read(postgres.url("aml"))
         assert self.system.watch is not None
+        census, names = None, {}
+        if self.census is not None:
+            census = self.census.snapshot()
+            names = await asyncio.to_thread(broker_census.owners, {k[0] for k in census}, processes(self))
         return Sample(
             at,
             cpu,
@@ -552,6 +561,8 @@ class CapacityDemo(Demo):
             statements,
             jit=jit,
             api_batches={api.name: b for api, b in zip(apis, batches, strict=True)},
+            census=census,
+            census_names=names,
         )
 
     async def catch_up(self, step: Step, deadline_s: float) -> None:
@@ -1017,6 +1028,9 @@ def analyse(demo: CapacityDemo) -> list[dict[str, Any]]:
         }
         if s0.statements is not None and s1.statements is not None:
             doc["stages"]["postgres"] = pg_statements.between(s0.statements, s1.statements, len(both))
+        if s0.census is not None and s1.census is not None:
+            diff = broker_census.difference(s0.census, s1.census)
+            doc["broker_census"] = broker_census.rows(diff, s1.census_names, s1.at - s0.at, len(both))
         if step.profile:
             us = doc["cpu"]["us_per_payment"]
             doc["profile"] = {
@@ -1124,12 +1138,26 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         drain_deadline=args.drain_seconds,
     )
     demo = CapacityDemo(settings, options, args, worker_env={"AML_MODEL": "amlworld"})
+    if args.census:
+        # The broker names the census's port in its metadata, so every client's connection passes it; the
+        # system counts the broker as its own (its CPU, its stop), as it counts an embedded one.
+        proxy_port, broker_port = free_port(), free_port()
+        broker = EmbeddedBroker(broker_port, log_path=folder / "broker.log", advertised_port=proxy_port)
+        await asyncio.to_thread(broker.start)
+        demo.census = broker_census.Census(proxy_port, (broker.host, broker_port))
+        await demo.census.start()
+        demo.system.broker = broker
+        demo.system.layout = replace(demo.system.layout, bootstrap=(f"{broker.host}:{proxy_port}",))
     say(
         f"capacity: {', '.join(f'{r:g}' for r in args.rates)} payments/s, {args.step_seconds:g} s each "
         f"after a prelude of {args.prelude_seconds:g} s at {args.prelude_rate:g}/s; the demo's own header "
         "below names the first rate only"
     )
-    verdict = await demo.run()
+    try:
+        verdict = await demo.run()
+    finally:
+        if demo.census is not None:
+            await demo.census.stop()
     if verdict is None or not demo.steps:
         raise RuntimeError("the run did not complete")
     steps = analyse(demo)
@@ -1232,6 +1260,12 @@ def report(doc: dict[str, Any]) -> str:
         "CPU µs per payment decided by both detectors, over each step's measured part:",
         cpu,
         stages_report(steps, doc["params"].get("stages_rate")),
+        *(
+            f"the broker's requests at {s['rate']:g}/s (`--census`):\n"
+            + broker_census.table(s["broker_census"])
+            for s in steps
+            if "broker_census" in s
+        ),
         "goals (met: None when the run has no step for it):\n"
         + "\n".join(f"- {k}: {json.dumps(v)}" for k, v in doc["goals"].items()),
         f"checks over the whole run: {doc['checks']}",
@@ -1420,6 +1454,12 @@ def cli() -> None:
         default=0.0,
         help="seconds of py-spy samples of every Python process in each step's measured part (0: none)",
     )
+    parser.add_argument(
+        "--census",
+        action="store_true",
+        help="count the broker's requests by process and API through a proxy (bench.broker_census); "
+        "the results go to capacity_census.json",
+    )
     args = parser.parse_args()
     if args.warm_up is None:
         args.warm_up = args.step_seconds / 4
@@ -1432,6 +1472,9 @@ def cli() -> None:
     except SystemFailure as exc:
         say(f"capacity failed: {exc}")
         raise SystemExit(1) from None
+    if args.census:
+        finish(f"{NAME}_census", doc, report)
+        return
     finish(NAME, doc, report)
     from bench.plot import plot_capacity  # matplotlib only once there are figures
 

@@ -112,10 +112,18 @@ def broker_binary() -> str:
 class EmbeddedBroker:
     """A Tansu process on 127.0.0.1:port; `pause`/`resume` make it unreachable without losing data."""
 
-    def __init__(self, port: int, host: str = "127.0.0.1", log_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        port: int,
+        host: str = "127.0.0.1",
+        log_path: Path | None = None,
+        advertised_port: int | None = None,
+    ) -> None:
+        """`advertised_port`: the port the broker names in its metadata, for a proxy in front of it."""
         self.host = host
         self.port = port
         self.log_path = log_path
+        self.advertised_port = advertised_port
         self.process: subprocess.Popen[bytes] | None = None
         self._log: IO[bytes] | None = None
 
@@ -130,9 +138,10 @@ class EmbeddedBroker:
                 "AML_BROKER_PORT, or point KAFKA_BOOTSTRAP_SERVERS at the broker that is running there"
             )
         url = f"tcp://{self.host}:{self.port}"
+        advertised = f"tcp://{self.host}:{self.advertised_port or self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL
         self.process = subprocess.Popen(
-            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
+            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", advertised],
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
