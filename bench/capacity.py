@@ -795,7 +795,7 @@ def worker_stages(
         entry = out.setdefault(
             service,
             {"refreshes": 0.0, "refresh_s": 0.0, "held": 0.0, "held_s": 0.0, "decisions": 0, "requests": 0}
-            | {"http_s": 0.0, "steps_s": {}},
+            | {"http_s": 0.0, "steps_s": {}, "refresh_phase_s": {}},
         )
         m0, m1 = start.metrics.get(worker) or {}, end.metrics.get(worker) or {}
 
@@ -806,6 +806,11 @@ def worker_stages(
         entry["refresh_s"] += diff("aml_admin_refresh_seconds_sum")
         entry["held"] += diff("aml_gate_wait_seconds_count")
         entry["held_s"] += diff("aml_gate_wait_seconds_sum")
+        p0 = ((start.states.get(worker) or {}).get("refresh") or {}).get("phase_s") or {}
+        p1 = ((end.states.get(worker) or {}).get("refresh") or {}).get("phase_s") or {}
+        for k, v in p1.items():
+            phases = entry["refresh_phase_s"]
+            phases[k] = phases.get(k, 0.0) + v - p0.get(k, 0.0)
         d0 = (start.states.get(worker) or {}).get("detector") or {}
         d1 = (end.states.get(worker) or {}).get("detector") or {}
         entry["decisions"] += d1.get("decisions", 0) - d0.get("decisions", 0)
@@ -823,6 +828,10 @@ def worker_stages(
         entry["refresh_mean_ms"] = (
             round(1000 * entry["refresh_s"] / entry["refreshes"], 1) if entry["refreshes"] else None
         )
+        entry["refresh_phase_mean_ms"] = {
+            k: round(1000 * v / entry["refreshes"], 1) if entry["refreshes"] else None
+            for k, v in entry["refresh_phase_s"].items()
+        }
         entry["held_mean_ms"] = round(1000 * entry["held_s"] / entry["held"], 1) if entry["held"] else None
         # A batch asks B and C once each: two requests per batch, retries aside.
         entry["batches"] = round(batches)
@@ -1386,8 +1395,8 @@ def stages_report(steps: Sequence[Mapping[str, Any]], wanted: float | None) -> s
         rows.append(
             (
                 f"{service}: gate refresh (leader)",
-                f"{w['refreshes_per_s']} refreshes/s, mean {w['refresh_mean_ms']} ms "
-                "(reading the committed offsets)",
+                f"{w['refreshes_per_s']} refreshes/s, mean {w['refresh_mean_ms']} ms: "
+                + ", ".join(f"{k} {v}" for k, v in w.get("refresh_phase_mean_ms", {}).items()),
             )
         )
         rows.append((f"{service}: both committed → decided", f"p50 {share['p50']}, p99 {share['p99']} ms"))

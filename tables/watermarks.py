@@ -53,6 +53,7 @@ from aml_app.gate.options import ParkRequest
 from aml_app.gate.unapplied import UnappliedReader
 from aml_app.gate.watchdog import Outcome, RefreshWatchdog, Verdict
 from aml_app.gate.watermark import (
+    REFRESH_PHASES,
     Demand,
     Json,
     RefreshPolicy,
@@ -193,6 +194,9 @@ class RefreshStatus:
         #: Told each refresh's duration in seconds, the event-time cut's read included and failed or
         #: abandoned refreshes too (the web view's metrics).
         self.duration_observers: list[Callable[[float], None]] = []
+        #: Seconds the refreshes so far spent in each of their reads, failed ones included: where a slow
+        #: refresh spends its time (the web view and `/metrics`).
+        self.phase_s: dict[str, float] = dict.fromkeys(REFRESH_PHASES, 0.0)
 
     def failed(self, message: str, holding: str) -> None:
         """Count a failed read; log it once per distinct error, saying what is held meanwhile."""
@@ -477,10 +481,12 @@ class WorkerGate(Service):
         operator_fields = now - status.operator_read_at >= refresh.operator_read
         # Stamped before the reads: a row's age bounds how old its reading is, however long the read took.
         stamp = Stamp(time.time(), app.consumer_generation_id)
+        offsets, began = self.offsets, time.perf_counter()
+        identity_before = offsets.identity_s
         try:
             if REFRESH_HANGS:
                 await never_answering()
-            reading = await self.offsets.read_all(
+            reading = await offsets.read_all(
                 settings.app_id, refresh_partitions=recheck, operator_fields=operator_fields
             )
         except OffsetReadError as exc:
@@ -488,6 +494,10 @@ class WorkerGate(Service):
                 status.failed(str(exc), "the last known watermarks")
                 self._mark_error(str(exc))
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
+        finally:
+            identity = offsets.identity_s - identity_before
+            status.phase_s["log_identity"] += identity
+            status.phase_s["offsets"] += time.perf_counter() - began - identity
         if attempt is not self._attempt:
             return Outcome.OVERRAN
         if not stamp.current():
@@ -553,12 +563,15 @@ class WorkerGate(Service):
         row, stamped as the `rows` it rests on; on a failed read the old row stays and ages out
         (`distrust`), so the gate closes, never opens."""
         reached = {p: row.watermark for p, row in rows.items()}
+        began = time.perf_counter()
         try:
             found = await self.unapplied.read(reached, log_id)
         except OffsetReadError as exc:
             if attempt is self._attempt:
                 self.status.failed(str(exc), "the last event-time cut")
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
+        finally:
+            self.status.phase_s["event_time_cut"] += time.perf_counter() - began
         if attempt is not self._attempt:
             return Outcome.OVERRAN
         if not stamp.current():

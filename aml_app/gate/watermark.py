@@ -416,6 +416,11 @@ def live_blocked_since(entries: Iterable[Demand], now: float, max_age: float) ->
     return since
 
 
+#: The reads of a refresh, in order: the groups' committed offsets (with the operator fields and, now and
+#: then, the partitions), the log's identity, and the event-time cut's first unapplied payments.
+REFRESH_PHASES = ("offsets", "log_identity", "event_time_cut")
+
+
 def refresh_due(
     now: float,
     last_refresh: float | None,

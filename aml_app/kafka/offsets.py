@@ -13,6 +13,7 @@ proof needs.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -81,6 +82,8 @@ class DependencyOffsets:
         self.groups = list(groups)
         self.request_timeout = request_timeout
         self.requests = 0
+        #: Seconds spent reading the log's identity so far (a part of each refresh the web view shows).
+        self.identity_s = 0.0
         self._client: AIOKafkaAdminClient | None = None
         self._consumer: AIOKafkaConsumer | None = None
         self._coordinators: dict[str, int] = {}
@@ -222,11 +225,15 @@ class DependencyOffsets:
         readers = [reader for group, reader in self._derived.items() if group in self.groups]
         topics = list(dict.fromkeys([self.topic, *(reader.topic for reader in readers)]))
         # librdkafka's own timeouts bound the thread; this bounds the wait for it whatever it does.
-        logs = await within(
-            asyncio.to_thread(self._identities.read_all, topics, cluster_too),
-            2 * self.request_timeout,
-            f"reading which log {self.topic!r} is",
-        )
+        began = time.perf_counter()
+        try:
+            logs = await within(
+                asyncio.to_thread(self._identities.read_all, topics, cluster_too),
+                2 * self.request_timeout,
+                f"reading which log {self.topic!r} is",
+            )
+        finally:
+            self.identity_s += time.perf_counter() - began
         for reader in readers:
             reader.check_log(logs[reader.topic])
         return logs[self.topic]
@@ -261,6 +268,7 @@ class DependencyOffsets:
         """Go on from the reader this one replaces: its counts, and what it has read of the derived
         topics (`DerivedTopic.take_over`)."""
         self.requests, self._log_seen = before.requests, before._log_seen
+        self.identity_s = before.identity_s
         self._carried = (before.derived_requests, before.derived_records_read)
         for group, reader in self._derived.items():
             if group in before._derived:

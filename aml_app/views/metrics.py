@@ -250,6 +250,15 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], value)
         out.append(counter)
+    phases = CounterMetricFamily(
+        "aml_admin_refresh_phase_seconds",
+        "Seconds the leader's refreshes spent in each read: the groups' committed offsets, the log's "
+        "identity, the event-time cut's first unapplied payments (failed reads included).",
+        labels=["phase"],
+    )
+    for phase, seconds in (refresh.get("phase_s") or {}).items():
+        phases.add_metric([phase], seconds)
+    out.append(phases)
     return labelled(out, {"service": snap["service"]})
 
 

@@ -114,6 +114,7 @@ class Shown:
                 "errors": self.worker_gate.status.errors,
                 "last_error": self.worker_gate.status.last_error,
                 "admin_requests": self.worker_gate.offsets.requests,
+                "phase_s": {k: round(v, 4) for k, v in self.worker_gate.status.phase_s.items()},
                 "derived_requests": self.worker_gate.offsets.derived_requests,
                 "derived_records_read": self.worker_gate.offsets.derived_records_read,
                 **self.worker_gate.watchdog.as_json(time.monotonic()),

@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 
 from aml_app.gate import Admission
 from aml_app.gate.health import Limits, describe
-from aml_app.gate.watermark import build_rows
+from aml_app.gate.watermark import REFRESH_PHASES, build_rows
 from aml_app.views import metrics
 from aml_app.views.page import PAGE, PAGE_HEADERS, BadQuery, check_query, parse_partitions
 from aml_app.views.status import render, worker_json_url
@@ -55,7 +55,11 @@ def snapshot(*, detector: dict[str, Any] | None = None, recovering: bool = False
         "is_leader": True,
         "dead_lettered": 2,
         "rebalances": 1,
-        "refresh": {"errors": 4, "admin_requests": 99},
+        "refresh": {
+            "errors": 4,
+            "admin_requests": 99,
+            "phase_s": {"offsets": 1.5, "log_identity": 0.25, "event_time_cut": 0.75},
+        },
         "detector": detector,
         **view,
         "generated_at": NOW,
@@ -109,6 +113,9 @@ def test_metric_families_parse_with_their_values() -> None:
     assert value(fams, "aml_dead_lettered_total") == 2
     assert value(fams, "aml_admin_refresh_errors_total") == 4
     assert value(fams, "aml_admin_requests_total") == 99
+    assert value(fams, "aml_admin_refresh_phase_seconds_total", phase="offsets") == 1.5
+    assert value(fams, "aml_admin_refresh_phase_seconds_total", phase="log_identity") == 0.25
+    assert value(fams, "aml_admin_refresh_phase_seconds_total", phase="event_time_cut") == 0.75
     assert fams["aml_decisions"].type == "counter" and fams["aml_watermark"].type == "gauge"
     assert "aml_alerts" not in fams and "aml_freshness_violations" not in fams  # no detector, no lie
 
@@ -141,12 +148,16 @@ def test_a_payment_that_keeps_failing_is_a_metric_of_its_partition_without_unbou
 
 def test_every_series_names_its_service_and_no_label_is_unbounded() -> None:
     """AML and fraud workers publish the same names: the service label tells them apart. The labels a
-    worker may use take values from small sets (partitions, dependency groups, statuses, services)."""
+    worker may use take values from small sets (partitions, dependency groups, statuses, a refresh's
+    phases, services)."""
     for service in ("aml", "fraud"):
         snap = {**snapshot(detector=DETECTOR), "service": service, "retrying": [RETRYING]}
         samples = [s for family in parse(snap).values() for s in family.samples]
         assert samples and all(s.labels["service"] == service for s in samples)
-        assert {key for s in samples for key in s.labels} <= {"service", "partition", "dependency", "status"}
+        labels = {key for s in samples for key in s.labels}
+        assert labels <= {"service", "partition", "dependency", "status", "phase"}
+        phases = {s.labels["phase"] for s in samples if "phase" in s.labels}
+        assert phases <= set(REFRESH_PHASES)
 
 
 def test_status_shows_the_retrying_payments() -> None:

@@ -43,11 +43,14 @@ def meanwhile(read):
 
 async def read_all(*args, **kwargs):
     meanwhile("offsets")
+    await asyncio.sleep(0.05)  # of it the log's identity 0.02 s, as DependencyOffsets counts it
+    gate.offsets.identity_s += 0.02
     return Reading([0, 1], {g: {0: 5, 1: 3} for g in groups}, log="cluster:topic")
 
 
 async def read(reached, log=None):
     meanwhile("cut")
+    await asyncio.sleep(0.03)
     return {q: Unapplied(end, None) for q, end in reached.items()}
 
 
@@ -66,6 +69,7 @@ async def main():
         "rows": {str(p): [row["refreshed_at"], row["generation"]] for p, row in w.watermarks.items()},
         "cut": None if cut is None else [cut["refreshed_at"], cut["generation"]],
         "error": gate.status.last_error,
+        "phases": gate.status.phase_s,
     }
 
 
@@ -97,6 +101,15 @@ def test_rows_and_the_cut_are_stamped_when_the_reads_they_rest_on_began() -> Non
     assert result["outcome"] == "succeeded"
     assert result["rows"] == {"0": [before, 3], "1": [before, 3]}
     assert result["cut"] == [before, 3]
+
+
+def test_each_read_of_a_refresh_is_timed_apart() -> None:
+    """Where a slow refresh spends its time (the web view's `phase_s` and `/metrics`): the offsets'
+    read less its log identity part, the identity, and the event-time cut."""
+    phases = refresh("slow")["phases"]
+    assert phases["log_identity"] == pytest.approx(0.02)
+    assert 0.03 <= phases["offsets"] < 1.0
+    assert 0.03 <= phases["event_time_cut"] < 1.0
 
 
 def test_reads_that_outlive_the_max_age_are_a_failure_that_writes_nothing_of_them() -> None:
