@@ -277,9 +277,10 @@ class Census:
                 tally.requests += 1
                 tally.bytes_in += size + 4
                 tally.partitions.update(topics)
+                # Noted before it goes: the answer can be read while the request is still being drained.
+                pending[correlation] = (tally, time.perf_counter())
                 broker_w.write(head + frame)
                 await broker_w.drain()
-                pending[correlation] = (tally, time.perf_counter())
         except (asyncio.IncompleteReadError, ConnectionError, asyncio.CancelledError):
             pass
         finally:
