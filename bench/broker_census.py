@@ -60,6 +60,9 @@ FLEXIBLE_FROM = {0: 9, 1: 12, 2: 6, 3: 9, 8: 8, 9: 6, 10: 3, 11: 6, 12: 4, 13: 4
 
 @dataclass
 class Tally:
+    """What one process's client asked of one API: requests, those answered, the bytes each way and the
+    wall time the broker took to answer them."""
+
     requests: int = 0
     answered: int = 0
     wall_s: float = 0.0
@@ -136,49 +139,49 @@ class _Reader:
         return self.uvarint() - 1 if flexible else self.int32()
 
 
-def _fetch_topics(body: _Reader, version: int, flexible: bool) -> Counter[str]:
-    """The topics a Fetch asks for, each with its partitions' count (a topic id from v13 on)."""
+def _topics(body: _Reader, flexible: bool, partition_bytes: int, by_id: bool = False) -> Counter[str]:
+    """A request's array of topics, each with its partitions' count (a topic by the first bytes of its
+    id when `by_id`); each partition's fields are `partition_bytes` long, its tagged fields aside."""
     found: Counter[str] = Counter()
-    if version < 15:
-        body.skip(4)  # replica id
-    body.skip(12)  # max wait, min bytes, max bytes
-    body.skip(1)  # isolation level
-    if version >= 7:
-        body.skip(8)  # session id and epoch
     for _ in range(body.array_length(flexible)):
-        if version >= 13:
+        if by_id:
             topic = "id:" + body.data[body.at : body.at + 16].hex()[:8]
             body.skip(16)
         else:
             topic = (body.compact_string() if flexible else body.string()) or "?"
         count = body.array_length(flexible)
         for _ in range(count):
-            body.skip(4 + (4 if version >= 9 else 0) + 8 + (4 if version >= 12 else 0))
-            body.skip((8 if version >= 5 else 0) + 4)
+            body.skip(partition_bytes)
             if flexible:
                 body.tagged_fields()
         if flexible:
             body.tagged_fields()
         found[topic] += count
     return found
+
+
+def _fetch_topics(body: _Reader, version: int, flexible: bool) -> Counter[str]:
+    """The topics a Fetch asks for (by topic id from v13 on)."""
+    if version < 15:
+        body.skip(4)  # replica id
+    body.skip(12)  # max wait, min bytes, max bytes
+    body.skip(1)  # isolation level
+    if version >= 7:
+        body.skip(8)  # session id and epoch
+    # partition, current leader epoch, fetch offset, last fetched epoch, log start offset, max bytes
+    partition = (
+        4 + (4 if version >= 9 else 0) + 8 + (4 if version >= 12 else 0) + (8 if version >= 5 else 0) + 4
+    )
+    return _topics(body, flexible, partition, by_id=version >= 13)
 
 
 def _list_offsets_topics(body: _Reader, version: int, flexible: bool) -> Counter[str]:
-    found: Counter[str] = Counter()
     body.skip(4)  # replica id
     if version >= 2:
         body.skip(1)  # isolation level
-    for _ in range(body.array_length(flexible)):
-        topic = (body.compact_string() if flexible else body.string()) or "?"
-        count = body.array_length(flexible)
-        for _ in range(count):
-            body.skip(4 + (4 if version >= 4 else 0) + 8 + (4 if version == 0 else 0))
-            if flexible:
-                body.tagged_fields()
-        if flexible:
-            body.tagged_fields()
-        found[topic] += count
-    return found
+    # partition, current leader epoch, timestamp, max offsets (v0)
+    partition = 4 + (4 if version >= 4 else 0) + 8 + (4 if version == 0 else 0)
+    return _topics(body, flexible, partition)
 
 
 def parse_request(frame: bytes) -> tuple[int, int, int, str, Counter[str]]:
