@@ -274,9 +274,8 @@ class Census:
                 (size,) = struct.unpack(">i", head)
                 frame = await client_r.readexactly(size)
                 key, _version, correlation, client, topics = parse_request(frame)
-                tally = self.tallies.get((pid, client, API_NAMES.get(key, str(key))))
-                if tally is None:
-                    tally = self.tallies[(pid, client, API_NAMES.get(key, str(key)))] = Tally()
+                counted = (pid, client, API_NAMES.get(key, str(key)))
+                tally = self.tallies.get(counted) or self.tallies.setdefault(counted, Tally())
                 tally.requests += 1
                 tally.bytes_in += size + 4
                 tally.partitions.update(topics)
@@ -360,8 +359,11 @@ def rows(
     merged: dict[tuple[str, str, str], dict[str, Any]] = {}
     for (pid, client, api), d in diff.items():
         key = (names.get(pid, f"pid {pid}") if pid is not None else "unknown", client, api)
-        m = merged.setdefault(key, {"requests": 0, "wall_s": 0.0, "bytes_out": 0, "partitions": Counter()})
+        m = merged.setdefault(
+            key, {"requests": 0, "answered": 0, "wall_s": 0.0, "bytes_out": 0, "partitions": Counter()}
+        )
         m["requests"] += d["requests"]
+        m["answered"] += d["answered"]
         m["wall_s"] += d["wall_s"]
         m["bytes_out"] += d["bytes_out"]
         m["partitions"].update(d["partitions"])
@@ -373,7 +375,8 @@ def rows(
             "requests_per_s": round(m["requests"] / seconds, 1),
             "requests_per_payment": round(m["requests"] / payments, 3) if payments else None,
             "answer_ms_per_s": round(1000 * m["wall_s"] / seconds, 1),
-            "answer_ms_mean": round(1000 * m["wall_s"] / m["requests"], 2),
+            # Over the answered requests: the wall time is summed as answers come.
+            "answer_ms_mean": round(1000 * m["wall_s"] / m["answered"], 2) if m["answered"] else None,
             "kb_out_per_s": round(m["bytes_out"] / seconds / 1000, 1),
             "partitions_per_s": {t: round(n / seconds, 1) for t, n in m["partitions"].most_common()},
         }
@@ -392,7 +395,7 @@ def table(found: Sequence[Mapping[str, Any]], top: int = 25) -> str:
         parts = ", ".join(f"{t} {n:g}" for t, n in list(r["partitions_per_s"].items())[:4])
         lines.append(
             f"| {r['process']} | {r['client_id']} | {r['api']} | {r['requests_per_s']:g} | "
-            f"{r['requests_per_payment']} | {r['answer_ms_per_s']:g}, {r['answer_ms_mean']:g} | "
+            f"{r['requests_per_payment']} | {r['answer_ms_per_s']:g}, {r['answer_ms_mean']} | "
             f"{r['kb_out_per_s']:g} | {parts} |"
         )
     return "\n".join(lines)
