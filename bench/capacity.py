@@ -1133,6 +1133,20 @@ def goals(steps: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     return out
 
 
+async def census_broker(log_path: Path, proxy_port: int) -> tuple[EmbeddedBroker, broker_census.Census]:
+    """An embedded broker that names `proxy_port` in its metadata, and the census listening there in
+    front of it. A census that cannot listen stops the broker again: no system owns it yet."""
+    broker = EmbeddedBroker(free_port(), log_path=log_path, advertised_port=proxy_port)
+    await asyncio.to_thread(broker.start)
+    census = broker_census.Census(proxy_port, (broker.host, broker.port))
+    try:
+        await census.start()
+    except BaseException:
+        await asyncio.to_thread(broker.stop)
+        raise
+    return broker, census
+
+
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     info = machine()
     settings = load_settings()
@@ -1150,13 +1164,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     if args.census:
         # The broker names the census's port in its metadata, so every client's connection passes it; the
         # system counts the broker as its own (its CPU, its stop), as it counts an embedded one.
-        proxy_port, broker_port = free_port(), free_port()
-        broker = EmbeddedBroker(broker_port, log_path=folder / "broker.log", advertised_port=proxy_port)
-        await asyncio.to_thread(broker.start)
-        demo.census = broker_census.Census(proxy_port, (broker.host, broker_port))
-        await demo.census.start()
+        broker, demo.census = await census_broker(folder / "broker.log", free_port())
         demo.system.broker = broker
-        demo.system.layout = replace(demo.system.layout, bootstrap=(f"{broker.host}:{proxy_port}",))
+        demo.system.layout = replace(demo.system.layout, bootstrap=(f"{broker.host}:{demo.census.port}",))
     say(
         f"capacity: {', '.join(f'{r:g}' for r in args.rates)} payments/s, {args.step_seconds:g} s each "
         f"after a prelude of {args.prelude_seconds:g} s at {args.prelude_rate:g}/s; the demo's own header "

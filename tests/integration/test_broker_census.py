@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -13,8 +14,9 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from confluent_kafka import OFFSET_BEGINNING, Consumer, Producer
 from confluent_kafka import TopicPartition as RdTopicPartition
 
-from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, wait_until_answering
+from aml_app.kafka.broker import EmbeddedBroker, create_topics, free_port, port_open, wait_until_answering
 from bench.broker_census import Census, difference, owners, rows
+from bench.capacity import census_broker
 from tests.harness import wait_until
 
 pytestmark = pytest.mark.integration
@@ -26,12 +28,8 @@ TOPIC = "census"
 async def census(tmp_path: Path) -> AsyncIterator[tuple[Census, str]]:
     """A broker of its own that advertises the census's port, so every connection after the first
     goes through the census too."""
-    proxy_port, broker_port = free_port(), free_port()
-    broker = EmbeddedBroker(broker_port, log_path=tmp_path / "broker.log", advertised_port=proxy_port)
-    await asyncio.to_thread(broker.start)
-    counting = Census(proxy_port, (broker.host, broker_port))
-    await counting.start()
-    bootstrap = f"{broker.host}:{proxy_port}"
+    broker, counting = await census_broker(tmp_path / "broker.log", free_port())
+    bootstrap = f"{broker.host}:{counting.port}"
     try:
         await wait_until_answering([bootstrap])
         await create_topics([bootstrap], [TOPIC], partitions=2)
@@ -118,3 +116,27 @@ async def test_every_client_is_counted_by_process_client_and_api(census: tuple[C
     found = rows(diff, owners({me}, {"this test": me}), seconds=1.0, payments=10)
     mine = {(r["process"], r["client_id"], r["api"]) for r in found}
     assert ("this test", "census-producer", "Produce") in mine
+
+
+async def test_a_census_that_cannot_listen_stops_its_broker(tmp_path: Path) -> None:
+    """Until the system takes the broker over, nothing else would stop it: it would outlive the run."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    started: list[EmbeddedBroker] = []
+    real_start = EmbeddedBroker.start
+
+    def start(self: EmbeddedBroker, timeout: float = 20.0) -> EmbeddedBroker:
+        started.append(self)
+        return real_start(self, timeout)
+
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(EmbeddedBroker, "start", start)
+            with pytest.raises(OSError):
+                await census_broker(tmp_path / "broker.log", taken.getsockname()[1])
+    finally:
+        taken.close()
+    [broker] = started
+    assert broker.process is None  # stopped, and its process waited for
+    assert not port_open(broker.host, broker.port)
