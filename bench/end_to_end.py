@@ -104,7 +104,9 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": NAME,
         "machine": info,
-        "params": vars(args) | {"folder": str(folder)},
+        # The pipeline's read limit (AML_MAX_RECORDS_PER_TRIGGER) sets how a catch-up is cut into batches.
+        "params": vars(args)
+        | {"folder": str(folder), "max_records_per_trigger": settings.pipeline.max_records_per_trigger},
         "records": n,
         "valid": len(steady),
         "seconds": {who: at - first_sent for who, at in done_at.items()},
