@@ -43,7 +43,17 @@ def print_summary(
                 f"p50 {fmt_ms(s.wait_p50)}, p99 {fmt_ms(s.wait_p99)} (after warm-up)",
             ),
             (f"{s.service} end-to-end", f"p50 {fmt_ms(s.latency_p50)}, p99 {fmt_ms(s.latency_p99)}"),
+            (
+                f"{s.service} after commits",
+                f"p50 {fmt_ms(s.after_commits_p50)}, p99 {fmt_ms(s.after_commits_p99)} (its own share)",
+            ),
         ]
+    rows.append(
+        (
+            "dependencies",
+            f"committed p50 {fmt_ms(v.committed_p50)}, p99 {fmt_ms(v.committed_p99)} after produced",
+        )
+    )
     reasons = ", ".join(f"{reason} {n}" for reason, n in v.reasons.most_common())
     by = ", ".join(f"{s.dead_lettered} by {s.service}" for s in v.services.values())
     by += "".join(f", {n} by {g}" for g, n in v.dead_lettered.items())

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from aml_app.harness.system import System
-from aml_app.harness.verify import Premature, decided_at, percentile, premature
+from aml_app.harness.verify import CommitTimeline, Premature, decided_at, percentile, premature
 from aml_app.settings import Settings
 from aml_app.simulation.producer import SimulatorReport
 from aml_app.simulation.score import PaymentScore, TypologyScore, payment_score, score
@@ -73,6 +75,9 @@ class ServiceVerdict:
     wait_p99: float
     latency_p50: float
     latency_p99: float
+    #: Decided minus when the dependencies' commits covered the payment (`after_commits`).
+    after_commits_p50: float
+    after_commits_p99: float
     dead_lettered: int
 
     @property
@@ -97,6 +102,9 @@ class Verdict:
     dead_lettered: dict[str, int]
     reasons: Counter[str]
     behind: dict[str, int]  # group -> records it has not committed past
+    #: Produced -> every dependency group committed past the payment, ms (`committed_after`).
+    committed_p50: float
+    committed_p99: float
     spot_failures: int
     scores: dict[str, TypologyScore]
     payments: PaymentScore
@@ -113,6 +121,35 @@ class Verdict:
             and not any(self.behind.values())
             and not self.spot_failures
         )
+
+
+def committed_after(ledger: Ledger, groups: Sequence[str], timeline: CommitTimeline) -> list[float]:
+    """Per valid payment past the warm-up, ms from its send until every dependency group's commit
+    covered it: the floor under any gated service's latency. The commit watch dates a commit at the
+    poll before the one that saw it, so each is at most a poll short."""
+    waits = []
+    for (partition, offset), sent in ledger.valid.items():
+        if sent.payment_id in ledger.warm_up:
+            continue
+        covered = timeline.opened_at(groups, partition, offset)
+        if covered is not None:
+            waits.append((covered - ledger.sent_at[sent.payment_id]) * 1000)
+    return waits
+
+
+def after_commits(
+    decisions: Sequence[Mapping[str, Any]], groups: Sequence[str], timeline: CommitTimeline
+) -> list[float]:
+    """Per decision, ms from when every dependency group's commit covered its payment until it was
+    decided: the gated service's own share of the latency (at most a poll long, as `committed_after`
+    says). The event-time gate's wait for other partitions' payments up to the payment's time is part
+    of it."""
+    shares = []
+    for d in decisions:
+        covered = timeline.opened_at(groups, d["partition"], d["offset"])
+        if covered is not None:
+            shares.append((decided_at(d) - covered) * 1000)
+    return shares
 
 
 def judge(
@@ -136,6 +173,7 @@ def judge(
         steady = [d for d in decided if d["payment_id"] not in ledger.warm_up]
         waits = [float(d.get("waited_ms", 0)) for d in steady]
         latencies = [(decided_at(d) - ledger.sent_at[d["payment_id"]]) * 1000 for d in steady]
+        shares = after_commits(steady, settings.depends_on, system.watch.timeline)
         services[service] = ServiceVerdict(
             service=service,
             decided=len(tail.distinct(ids)),
@@ -150,8 +188,11 @@ def judge(
             wait_p99=percentile(waits, 99),
             latency_p50=percentile(latencies, 50),
             latency_p99=percentile(latencies, 99),
+            after_commits_p50=percentile(shares, 50),
+            after_commits_p99=percentile(shares, 99),
             dead_lettered=len(system.dead_letters.of_run(service, ledger.malformed)),
         )
+    committed = committed_after(ledger, settings.depends_on, system.watch.timeline)
     groups = system.dead_letter_sources
     dead = system.dead_letters.of_run(groups[0], ledger.malformed)
     aml_alerts = system.alerts["aml"].of_run(ids) if "aml" in system.alerts else []
@@ -167,6 +208,8 @@ def judge(
         dead_lettered={g: len(system.dead_letters.of_run(g, ledger.malformed)) for g in groups},
         reasons=Counter(reason.split(":")[0].split(", got")[0] for reason in dead.values()),
         behind={g: system.watch.behind(g, ledger.ends) for g in system.groups},
+        committed_p50=percentile(committed, 50),
+        committed_p99=percentile(committed, 99),
         spot_failures=spot_failures,
         # Only instances whose every payment was sent (Ctrl-C may cut the run short).
         scores=score(typed_alerts, complete),

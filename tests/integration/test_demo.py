@@ -78,6 +78,15 @@ def test_demo_on_the_real_services_decides_every_payment_and_none_prematurely(tm
         assert re.search(rf"{group}\s+committed {total} of {total} offsets: reached the log end", out), (
             context
         )
+    # The wait is split where the dependencies' commits cover a payment: their part, then each service's.
+    committed = re.search(r"dependencies\s+committed p50 (\d+) ms, p99 (\d+) ms after produced", out)
+    assert committed, context
+    for service in ("aml", "fraud"):
+        share = re.search(rf"{service} after commits\s+p50 (-?\d+) ms, p99 (-?\d+) ms", out)
+        whole = re.search(rf"{service} end-to-end\s+p50 (\d+) ms, p99 (\d+) ms", out)
+        assert share and whole, context
+        assert 0 <= int(share.group(1)) < int(whole.group(1)), context
+        assert int(committed.group(1)) < int(whole.group(1)), context
     assert re.search(r"API spot check\s+5 of 5 payments OK", out), context
     assert re.search(r"result\s+OK", out), context
     # Every injected typology was caught, and every alert is on a laundering payment (patterns overlap, so
