@@ -221,6 +221,9 @@ class PipelineSettings:
     #: AML_ENRICHMENT_METRICS_PORT: the port of the enrichment stage's `/metrics` and `/health` on
     #: AML_SERVICES_HOST (`aml-app enrich`; 0: none).
     enrichment_metrics_port: int = 8091
+    #: AML_SPARK_CLASS_ARCHIVES: the folder of the Spark driver's class archives (`aml-app spark-archive`
+    #: makes one; aml_app.pipeline.class_archive), relative to the working directory; None: none used.
+    class_archives: Path | None = Path("var/jvm")
 
 
 @dataclass(frozen=True)
@@ -355,6 +358,14 @@ def _token(env: Mapping[str, str], name: str) -> str:
 def _text(env: Mapping[str, str], name: str, default: str) -> str:
     value = env.get(name)
     return default if value is None or value.strip() == "" else value.strip()
+
+
+def _folder_or_none(env: Mapping[str, str], name: str, default: Path | None) -> Path | None:
+    """A folder's path; set and empty: None (none used)."""
+    value = env.get(name)
+    if value is None:
+        return default
+    return Path(value.strip()) if value.strip() else None
 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
@@ -687,6 +698,7 @@ def _pipeline(env: Mapping[str, str]) -> PipelineSettings:
         ),
         metrics_port=_int(env, "AML_PIPELINE_METRICS_PORT", d.metrics_port, 0, 65535),
         enrichment_metrics_port=_int(env, "AML_ENRICHMENT_METRICS_PORT", d.enrichment_metrics_port, 0, 65535),
+        class_archives=_folder_or_none(env, "AML_SPARK_CLASS_ARCHIVES", d.class_archives),
     )
 
 

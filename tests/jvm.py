@@ -6,47 +6,23 @@ small jobs: 41 s of JVM CPU with it, 21 s with C1 alone), and on two cores that 
 process's time. The test process's own SparkSession is one JVM for the whole run, heavy jobs included, and
 keeps the JVM's default (C1 alone made those tests slower). Deployed pipelines keep the default too.
 
-Every driver JVM also maps Spark's classes from a class-data archive (JDK CDS) made once per machine, in
-`var/jvm/`: a driver's start and first job then take about 16 s of CPU instead of 23, 7 s of wall time
-less, since the classes are neither parsed nor verified again. A JVM whose class path differs from the
-archive's (Spark's launcher, a standalone cluster's daemons) ignores it silently, as every JVM does when
-the archive is missing or stale; its logging is off so that no JVM prints a line about it.
+Every driver JVM also maps Spark's classes from the class archive (`aml_app.pipeline.class_archive`)
+made once per machine in `var/jvm/`, the pipeline's default folder of archives. A JVM whose class path
+differs from the archive's (Spark's launcher, a standalone cluster's daemons) ignores it silently.
 """
 
 from __future__ import annotations
 
-import hashlib
 import os
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+from aml_app.pipeline import class_archive as class_archive_module
+
 SHORT_LIVED = "-XX:TieredStopAtLevel=1"
-QUIET_ARCHIVE = "-Xlog:cds=off,cds+dynamic=off"
 VARIABLE = "JAVA_TOOL_OPTIONS"
 ARCHIVES = Path(__file__).resolve().parents[1] / "var" / "jvm"
-MAKE_DEADLINE_S = 300.0
-
-# A driver's start and a first job (JSON, a grouping, code generation), then the JVM's exit, where the
-# JVM writes the archive of every class it loaded. The exit is asked through the gateway: a JVM left to
-# stop with its Python driver would still be writing when the driver returns.
-MAKE_ARCHIVE = """
-import sys
-from aml_app.pipeline.runner import spark_session
-spark = spark_session(
-    "local[2]", "aml-class-archive",
-    {"spark.driver.extraJavaOptions": "-Dlog4j.rootLogger=WARN -XX:ArchiveClassesAtExit=" + sys.argv[1]},
-)
-rows = spark.createDataFrame([(i % 3, '{"a": "%d"}' % i) for i in range(100)], "k int, doc string")
-assert len(rows.selectExpr("k", "from_json(doc, 'a string') AS d").groupBy("k").count().collect()) == 3
-jvm = spark._jvm
-try:
-    jvm.java.lang.System.exit(0)
-except Exception:  # the gateway's connection closes under the call
-    pass
-"""
 
 
 def short_lived_jvms() -> None:
@@ -59,44 +35,22 @@ def short_lived_jvms() -> None:
 def archive_options() -> list[str]:
     """The options that map the archive, made first if this machine has none ([] if it cannot be)."""
     archive = class_archive()
-    return [f"-XX:SharedArchiveFile={archive}", QUIET_ARCHIVE] if archive is not None else []
+    return class_archive_module.archive_options(archive) if archive is not None else []
 
 
 def class_archive() -> Path | None:
-    """This machine's archive of a Spark driver's classes: one per JDK and PySpark install (its name is a
-    digest of both); None, with a line saying why, when the JVM cannot make one."""
-    java = shutil.which("java")
-    if java is None:
-        print("no JVM class archive: no java on the PATH", file=sys.stderr)
-        return None
-    import pyspark
-
-    jdk = Path(java).resolve()
-    spark_home = Path(pyspark.__file__).resolve().parent
-    key = "\0".join([str(jdk), str(jdk.stat().st_mtime_ns), str(spark_home), pyspark.__version__])
-    archive = ARCHIVES / f"spark-driver-{hashlib.sha256(key.encode()).hexdigest()[:16]}.jsa"
-    if archive.exists():
-        return archive
-    ARCHIVES.mkdir(parents=True, exist_ok=True)
-    partial = archive.with_suffix(f".{os.getpid()}.partial")
-    env = os.environ | {VARIABLE: f"{SHORT_LIVED} {QUIET_ARCHIVE}"}
-    print(f"making the JVM class archive {archive} (once per machine, about a minute)", file=sys.stderr)
+    """This machine's archive of a Spark driver's classes; None, with a line saying why, when the JVM
+    cannot make one."""
     try:
-        subprocess.run(
-            [sys.executable, "-c", MAKE_ARCHIVE, str(partial)],
-            env=env,
-            capture_output=True,
-            timeout=MAKE_DEADLINE_S,
-            check=True,
-        )
-        os.replace(partial, archive)
-    except (OSError, subprocess.SubprocessError) as exc:
-        said = getattr(exc, "stderr", None) or b""
-        last = said.decode(errors="replace").strip().splitlines()[-1:]
-        print(f"no JVM class archive, Spark's JVMs start without one: {exc} {''.join(last)}", file=sys.stderr)
-        partial.unlink(missing_ok=True)
+        archive = class_archive_module.archive_path(ARCHIVES)
+        if not archive.exists():
+            print(
+                f"making the JVM class archive {archive} (once per machine, about a minute)", file=sys.stderr
+            )
+        return class_archive_module.make_archive(ARCHIVES, SHORT_LIVED)
+    except class_archive_module.ArchiveError as exc:
+        print(f"no JVM class archive, Spark's JVMs start without one: {exc}", file=sys.stderr)
         return None
-    return archive
 
 
 def in_process_session(app_name: str = "aml-pipeline") -> Any:

@@ -37,6 +37,7 @@ COMMIT_POLL_EVERY = 0.05
 
 def services_env(settings: Settings) -> dict[str, str]:
     """`settings_env` plus everything the pipeline and the APIs read."""
+    archives = settings.pipeline.class_archives  # from this process's working directory, not the child's
     return {
         **settings_env(settings),
         **{s.port_env: str(s.port(settings)) for s in registry.SERVICES.values()},
@@ -48,6 +49,7 @@ def services_env(settings: Settings) -> dict[str, str]:
         "AML_SPARK_MASTER": settings.pipeline.spark_master,
         "AML_TRIGGER_INTERVAL": str(settings.pipeline.trigger_interval),
         "AML_MAX_RECORDS_PER_TRIGGER": str(settings.pipeline.max_records_per_trigger),
+        "AML_SPARK_CLASS_ARCHIVES": "" if archives is None else str(archives.resolve()),
         "AML_MAX_PAYMENT_BYTES": str(settings.kafka.max_payment_bytes),
         "AML_MAX_CLOCK_SKEW": str(settings.kafka.max_clock_skew),
         "AML_API_CACHE_ANSWERS": str(settings.dependencies.api_cache_answers),

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from aml_app import dependency_services as registry
@@ -33,15 +34,25 @@ log = logging.getLogger("aml_app.pipeline")
 SERVICES = registry.NAMES
 
 
-def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, str] | None = None) -> Any:
-    """A SparkSession sized for this job: few shuffle partitions, UTC, no UI unless asked for."""
+def spark_session(
+    master: str,
+    app_name: str = "aml-pipeline",
+    extra: dict[str, str] | None = None,
+    class_archives: Path | None = None,
+) -> Any:
+    """A SparkSession sized for this job: few shuffle partitions, UTC, no UI unless asked for; its driver
+    maps the class archive of this install from `class_archives` when one is there (`class_archive`)."""
     # Executors must run the same interpreter (and see the same packages) as the driver.
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark import SparkConf
     from pyspark.sql import SparkSession
 
+    from aml_app.pipeline.class_archive import archive_options, existing_archive
     from aml_app.pipeline.kafka_source import KafkaSource
+
+    archive = existing_archive(class_archives) if class_archives is not None else None
+    mapped = archive_options(archive) if archive is not None else []
 
     # pyspark types setAll's pairs as a list; it takes any iterable of them.
     conf = SparkConf().setAll(
@@ -58,7 +69,7 @@ def spark_session(master: str, app_name: str = "aml-pipeline", extra: dict[str, 
             "spark.sql.execution.arrow.pyspark.enabled": "true",
             "spark.python.worker.reuse": "true",
             "spark.ui.showConsoleProgress": "false",
-            "spark.driver.extraJavaOptions": "-Dlog4j.rootLogger=WARN",
+            "spark.driver.extraJavaOptions": " ".join(["-Dlog4j.rootLogger=WARN", *mapped]),
             **(extra or {}),
         }.items()
     )
@@ -499,7 +510,7 @@ def run_pipeline(
         log.error("%s", exc)
         print(f"aml-app pipeline: {exc}", file=sys.stderr, flush=True)
         return 2
-    spark = spark_session(master)
+    spark = spark_session(master, class_archives=settings.pipeline.class_archives)
     pipeline = start_queries(spark, settings, prepared, triggers)
     log.info(
         "pipeline running: %s on %s, topics %s, store %s, metrics %s",
@@ -534,7 +545,7 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
         f"{handler.topic}, up to what group {handler.progress.group} has committed: {target}",
         flush=True,
     )
-    spark = spark_session(master)
+    spark = spark_session(master, class_archives=settings.pipeline.class_archives)
     pipeline = start_queries(spark, settings, prepared)
     last_report = [0.0]
 

@@ -1,4 +1,5 @@
-"""The tests' Spark drivers map Spark's classes from the class archive that `tests.jvm` makes."""
+"""Spark drivers map Spark's classes from the class archive: the tests' (`tests.jvm`), and a pipeline's
+from its folder of archives (`AML_SPARK_CLASS_ARCHIVES`, `aml_app.pipeline.class_archive`)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.jvm import SHORT_LIVED, VARIABLE, archive_options
+from tests.jvm import ARCHIVES, SHORT_LIVED, VARIABLE, archive_options
 
 START_A_DRIVER = """
+import sys
+from pathlib import Path
 from aml_app.pipeline.runner import spark_session
-spark_session("local[2]", "aml-archive-check").stop()
+folder = Path(sys.argv[1]) if sys.argv[1:] else None
+spark_session("local[2]", "aml-archive-check", class_archives=folder).stop()
 """
 
 
-def classes_loaded(tmp_path: Path, options: list[str]) -> dict[str, str]:
-    """Class -> where the driver JVM loaded it from, for a driver started as the pipeline starts one."""
+def classes_loaded(tmp_path: Path, options: list[str], *args: str) -> dict[str, str]:
+    """Class -> where the driver JVM loaded it from, for a driver started as the pipeline starts one
+    (`args`: its folder of class archives)."""
     log = tmp_path / "classes.log"
     logging = f"-Xlog:class+load=info:file={log}"
     env = os.environ | {VARIABLE: " ".join([SHORT_LIVED, *options, logging])}
     subprocess.run(
-        [sys.executable, "-c", START_A_DRIVER], env=env, capture_output=True, timeout=180, check=True
+        [sys.executable, "-c", START_A_DRIVER, *args], env=env, capture_output=True, timeout=180, check=True
     )
     found: dict[str, str] = {}
     for line in log.read_text().splitlines():  # the last JVM to write is the driver, after the launcher
@@ -37,3 +42,16 @@ def test_a_driver_maps_sparks_classes_from_the_archive(tmp_path: Path) -> None:
     shared = classes_loaded(tmp_path, options)
     # "(top)": the archive on top of the JDK's own; without it the class comes from Spark's jar.
     assert shared["org.apache.spark.SparkContext"] == "shared objects file (top)"
+
+
+def test_a_pipeline_maps_the_archive_of_its_install_from_its_folder(tmp_path: Path) -> None:
+    """Only the folder brings the archive here: the JVM's own options name none."""
+    assert archive_options(), (
+        "no class archive could be made: the line tests.jvm printed at the start says why"
+    )
+    assert classes_loaded(tmp_path, [], str(ARCHIVES))["org.apache.spark.SparkContext"] == (
+        "shared objects file (top)"
+    )
+    elsewhere = tmp_path / "no-archives"
+    elsewhere.mkdir()
+    assert classes_loaded(tmp_path, [], str(elsewhere))["org.apache.spark.SparkContext"].endswith(".jar")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from pathlib import Path
 
 import pytest
 
@@ -453,3 +454,11 @@ def test_tokens_are_checked_kept_out_of_reprs_and_handed_to_started_processes(
         ) as caught:
             load_settings({variable: bad})
         assert bad not in str(caught.value)
+
+
+def test_the_spark_class_archives_folder_is_var_jvm_unless_set_and_none_when_set_empty() -> None:
+    assert load_settings({}).pipeline.class_archives == Path("var/jvm")
+    assert load_settings({"AML_SPARK_CLASS_ARCHIVES": " /opt/jvm "}).pipeline.class_archives == Path(
+        "/opt/jvm"
+    )
+    assert load_settings({"AML_SPARK_CLASS_ARCHIVES": ""}).pipeline.class_archives is None
