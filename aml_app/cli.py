@@ -163,11 +163,13 @@ def pipeline_command(master: str | None, services: tuple[str, ...], triggers: tu
 def spark_archive_command() -> None:
     """Make the Spark driver's class archive in AML_SPARK_CLASS_ARCHIVES (about a minute, once per
     install), which every later `aml-app pipeline` and `rebuild` starts from."""
-    from aml_app.pipeline.class_archive import ArchiveError, make_archive
+    from aml_app.pipeline.class_archive import ArchiveError, existing_archive, make_archive
 
     folder = load_settings().pipeline.class_archives
     if folder is None:
         raise click.ClickException("AML_SPARK_CLASS_ARCHIVES is set and empty: no folder to make it in")
+    if existing_archive(folder) is None:
+        click.echo(f"making the Spark driver's class archive in {folder} (about a minute)")
     try:
         archive = make_archive(folder)
     except ArchiveError as exc:

@@ -11,21 +11,23 @@ from pathlib import Path
 from tests.jvm import ARCHIVES, SHORT_LIVED, VARIABLE, archive_options
 
 START_A_DRIVER = """
+import logging
 import sys
 from pathlib import Path
+logging.basicConfig(level=logging.INFO)
 from aml_app.pipeline.runner import spark_session
 folder = Path(sys.argv[1]) if sys.argv[1:] else None
 spark_session("local[2]", "aml-archive-check", class_archives=folder).stop()
 """
 
 
-def classes_loaded(tmp_path: Path, options: list[str], *args: str) -> dict[str, str]:
+def classes_loaded(tmp_path: Path, options: list[str], *args: str) -> tuple[dict[str, str], str]:
     """Class -> where the driver JVM loaded it from, for a driver started as the pipeline starts one
-    (`args`: its folder of class archives)."""
+    (`args`: its folder of class archives), and what the driver logged."""
     log = tmp_path / "classes.log"
     logging = f"-Xlog:class+load=info:file={log}"
     env = os.environ | {VARIABLE: " ".join([SHORT_LIVED, *options, logging])}
-    subprocess.run(
+    run = subprocess.run(
         [sys.executable, "-c", START_A_DRIVER, *args], env=env, capture_output=True, timeout=180, check=True
     )
     found: dict[str, str] = {}
@@ -33,13 +35,13 @@ def classes_loaded(tmp_path: Path, options: list[str], *args: str) -> dict[str, 
         _, _, rest = line.partition("[class,load] ")
         name, _, source = rest.partition(" source: ")
         found[name] = source
-    return found
+    return found, run.stderr.decode(errors="replace")
 
 
 def test_a_driver_maps_sparks_classes_from_the_archive(tmp_path: Path) -> None:
     options = archive_options()
     assert options, "no class archive could be made: the line tests.jvm printed at the start says why"
-    shared = classes_loaded(tmp_path, options)
+    shared, _ = classes_loaded(tmp_path, options)
     # "(top)": the archive on top of the JDK's own; without it the class comes from Spark's jar.
     assert shared["org.apache.spark.SparkContext"] == "shared objects file (top)"
 
@@ -49,9 +51,12 @@ def test_a_pipeline_maps_the_archive_of_its_install_from_its_folder(tmp_path: Pa
     assert archive_options(), (
         "no class archive could be made: the line tests.jvm printed at the start says why"
     )
-    assert classes_loaded(tmp_path, [], str(ARCHIVES))["org.apache.spark.SparkContext"] == (
-        "shared objects file (top)"
-    )
+    mapped, said = classes_loaded(tmp_path, [], str(ARCHIVES))
+    assert mapped["org.apache.spark.SparkContext"] == "shared objects file (top)"
+    assert "no Spark class archive" not in said
     elsewhere = tmp_path / "no-archives"
     elsewhere.mkdir()
-    assert classes_loaded(tmp_path, [], str(elsewhere))["org.apache.spark.SparkContext"].endswith(".jar")
+    loaded, said = classes_loaded(tmp_path, [], str(elsewhere))
+    assert loaded["org.apache.spark.SparkContext"].endswith(".jar")
+    assert f"no Spark class archive for this install in {elsewhere}" in said  # and how to make one
+    assert "aml-app spark-archive" in said
