@@ -57,6 +57,13 @@ class PipelineMetrics:
             ["service", "partition"],
             registry=self.registry,
         )
+        self.restarts = Counter(
+            "aml_pipeline_restarts",
+            "Times the queries were started again in the process because a Python process Spark "
+            "started did not connect back in time (an overloaded host).",
+            by_service,
+            registry=self.registry,
+        )
         self.last_batch = Gauge(
             "aml_pipeline_last_batch_timestamp_seconds",
             "When the service last committed a batch (Unix time).",

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -131,6 +132,46 @@ START_OUTAGE_LIMIT = 120.0
 
 #: How long a stop waits for the last micro-batch's store writes (Kubernetes gives a pod 30 s in all).
 DRAIN_TIMEOUT = 20.0
+
+#: Spark's sentences when a Python process it starts for a query (the source's streaming reader) does not
+#: connect back within the 10 s Spark waits, a wait no setting changes: an overloaded host, not a fault
+#: of the pipeline or of its data, so the pipeline starts its queries again (`Restarts`).
+WORKER_UNCONNECTED = (
+    "Python worker failed to connect back",
+    "Timed out while waiting for the Python worker to connect back",
+)
+#: At most this many such restarts within RESTART_WINDOW seconds; the next such failure ends the process
+#: (exit 1) for its supervisor to start afresh.
+RESTART_LIMIT = 3
+RESTART_WINDOW = 600.0
+
+
+def restartable(failure: str) -> bool:
+    """Whether a query's failure is Spark's Python worker not connecting back (WORKER_UNCONNECTED)."""
+    return any(sentence in failure for sentence in WORKER_UNCONNECTED)
+
+
+class Restarts:
+    """The restarts of a process's queries: at most `limit` within any `window` seconds."""
+
+    def __init__(
+        self,
+        limit: int = RESTART_LIMIT,
+        window: float = RESTART_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit, self.window, self.clock = limit, window, clock
+        self.times: deque[float] = deque()
+
+    def take(self) -> bool:
+        """Count one more restart if the budget allows it; whether it did."""
+        now = self.clock()
+        while self.times and now - self.times[0] >= self.window:
+            self.times.popleft()
+        if len(self.times) >= self.limit:
+            return False
+        self.times.append(now)
+        return True
 
 
 @dataclass
@@ -528,7 +569,13 @@ def run_pipeline(
         if settings.pipeline.metrics_port
         else "off",
     )
-    return _run_until_stopped(spark, pipeline)
+
+    def restart() -> Pipeline:
+        for service in services:
+            metrics.restarts.labels(service).inc()
+        return start_queries(spark, settings, prepare(settings, services, on_batch=metrics.observe), triggers)
+
+    return _run_until_stopped(spark, pipeline, restart=restart)
 
 
 def run_rebuild(settings: Settings, master: str, service: str) -> int:
@@ -555,21 +602,33 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
     pipeline = start_queries(spark, settings, prepared)
     last_report = [0.0]
 
-    def caught_up() -> bool:
-        applied = dict(handler.applied)
+    def caught_up(running: Pipeline) -> bool:
+        applied = dict(running.handlers[0].applied)
         done = all(applied.get(p, 0) >= o for p, o in target.items())
         if done or time.monotonic() - last_report[0] > 5:
             last_report[0] = time.monotonic()
             print(f"  replayed {sum(applied.values())} of {sum(target.values())} offsets", flush=True)
         return done
 
-    code = _run_until_stopped(spark, pipeline, caught_up)
+    def restart() -> Pipeline:
+        # From the start again: the store holds part of the replay, and is behind its group until done.
+        return start_queries(spark, settings, prepare(settings, [service], rebuild=True))
+
+    code = _run_until_stopped(spark, pipeline, caught_up, restart)
     if code == 0:
         print(f"the {service} store is rebuilt; start the pipeline (aml-app pipeline)", flush=True)
     return code
 
 
-def _run_until_stopped(spark: Any, pipeline: Pipeline, done: Callable[[], bool] | None = None) -> int:
+def _run_until_stopped(
+    spark: Any,
+    pipeline: Pipeline,
+    done: Callable[[Pipeline], bool] | None = None,
+    restart: Callable[[], Pipeline] | None = None,
+) -> int:
+    """Watch the pipeline until a signal, `done`, or a failure; stop it and Spark. A query stopped by
+    Spark's Python worker not connecting back (`restartable`) is started again with `restart` (the
+    stores say where), within the `Restarts` budget; any other failure exits 1."""
     stopping = threading.Event()
 
     def stop(*_: Any) -> None:
@@ -577,15 +636,32 @@ def _run_until_stopped(spark: Any, pipeline: Pipeline, done: Callable[[], bool] 
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    restarts = Restarts()
+    running: Pipeline | None = pipeline
     failed = None
-    while not stopping.is_set():
-        failed = pipeline.failure()
+    while running is not None and not stopping.is_set():
+        failed = running.failure()
+        if failed is not None and restart is not None and restartable(failed) and restarts.take():
+            log.warning(
+                "a query stopped as a Python process Spark started did not connect back within Spark's "
+                "10 s (an overloaded host); starting the queries again where the stores stand (restart "
+                "%d of at most %d in %.0f s): %s",
+                len(restarts.times), restarts.limit, restarts.window, failed,
+            )  # fmt: skip
+            running.stop()
+            running = None
+            try:
+                running, failed = restart(), None
+            except Exception as exc:
+                failed = f"starting the queries again failed: {exc}"
+            continue
         if failed is not None:
             break
-        if done is not None and done():
+        if done is not None and done(running):
             break
         stopping.wait(0.5)
-    pipeline.stop()
+    if running is not None:
+        running.stop()
     try:
         spark.stop()
     except Exception as exc:  # the JVM went first (it got the signal too): nothing is left to stop

@@ -14,6 +14,7 @@ import asyncio
 import random
 import secrets
 import signal
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -172,11 +173,70 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
 
 WAITING_FOR_A_BATCH = "store unavailable while applying a batch"
 
+#: The streaming reader's Python process: Spark starts one per query and waits 10 s for it to connect back.
+STREAMING_READER = "pyspark.sql.streaming.python_streaming_source_runner"
 
-async def check_pipeline_metrics(settings: Settings, ends: dict[int, int]) -> None:
+
+def python_slow_to_start_a_reader(folder: Path) -> Path:
+    """A Python for Spark's workers whose first streaming reader takes longer than Spark's 10 s wait to
+    start, as on an overloaded host: it never connects back, and exits. The rest start as usual."""
+    stalled, script = folder / "stalled", folder / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$2" = "{STREAMING_READER}" ] && [ ! -e "{stalled}" ]; then\n'
+        f'  : > "{stalled}"\n'
+        "  sleep 11\n"
+        "  exit 1\n"
+        "fi\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    script.chmod(0o755)
+    return script
+
+
+async def test_a_reader_that_does_not_connect_back_in_time_restarts_the_queries(
+    broker: EmbeddedBroker, names: Names, producer: AIOKafkaProducer, tmp_path: Path, store_url: str
+) -> None:
+    """Spark fails a query whose streaming reader's Python process has not connected back within 10 s, a
+    wait no setting changes. The pipeline starts its queries again where the stores stand, says so in its
+    log and its metrics, and applies everything once."""
+    settings = replace(
+        pipeline_settings(broker, names, store_url, max_records_per_trigger=200),
+        web=WebSettings(token=secrets.token_urlsafe(24)),
+    )
+    env = {
+        **pipeline_env(broker, names, settings),
+        "AML_WEB_TOKEN": settings.web.token,
+        "PYSPARK_PYTHON": str(python_slow_to_start_a_reader(tmp_path)),
+    }
+    produced = await produce_payments(producer, names.payments, 600, seed=41)
+    ends = log_ends(produced, names.partitions)
+    log = tmp_path / "pipeline.log"
+    pipeline = PipelineProcess(env, log).start()
+    watch = Watch(broker, names, settings)
+    try:
+
+        async def caught_up() -> bool:
+            assert pipeline.alive(), f"pipeline died:\n{pipeline.log_tail()}"
+            return await watch.caught_up(ends)
+
+        await wait_until(caught_up, 300, "both groups to reach the log end after the reader's failure")
+        text = log.read_text(errors="replace")
+        assert "Python worker failed to connect back" in text, "the reader's start did not fail"
+        assert "starting the queries again where the stores stand (restart 1 of at most 3" in text
+        await check_pipeline_metrics(settings, ends, restarts=1)
+        assert pipeline.stop(30) == 0, pipeline.log_tail()
+    finally:
+        pipeline.signal(signal.SIGTERM)
+        watch.close()
+    assert not watch.ahead, f"committed ahead of the store: {watch.ahead[:3]}"
+    await check_against_reference(settings, produced, [produced.valid])
+
+
+async def check_pipeline_metrics(settings: Settings, ends: dict[int, int], restarts: int = 0) -> None:
     """The pipeline's /metrics (AML_PIPELINE_METRICS_PORT) agree with the groups: each service's committed
-    offsets are the log ends, its batches hold every record, and the store's time is counted. They answer
-    only with AML_WEB_TOKEN, but /health."""
+    offsets are the log ends, its batches hold every record, the store's time is counted, and its queries
+    were started again `restarts` times. They answer only with AML_WEB_TOKEN, but /health."""
     url = f"http://127.0.0.1:{settings.pipeline.metrics_port}"
     async with aiohttp.ClientSession() as session:
         for headers in ({}, bearer("another-token-of-24-chars")):
@@ -208,3 +268,4 @@ async def check_pipeline_metrics(settings: Settings, ends: dict[int, int]) -> No
         assert mine[("aml_pipeline_batches_total", one)] >= 2
         assert mine[("aml_pipeline_batch_seconds_count", one)] == mine[("aml_pipeline_batches_total", one)]
         assert mine[("aml_pipeline_phase_seconds_total", (("phase", "store"), ("service", service)))] > 0
+        assert mine.get(("aml_pipeline_restarts_total", one), 0) == restarts
