@@ -61,6 +61,7 @@ def published() -> set[str]:
     names |= {s.name for f in text_string_to_metric_families(api.render().decode()) for s in f.samples}
     pipeline = PipelineMetrics()
     pipeline.observe(BatchReport("relations", 1, 10, 10, 1, {0: 10}, 0.5, {"spark": 0.4, "store": 0.1}))
+    pipeline.restarts.labels("relations").inc()
     names |= {s.name for f in pipeline.registry.collect() for s in f.samples}
     stage: Any = SimpleNamespace(derived=1, dead_lettered=0, transactions=1, aborted=0, last_progress=0.0)
     names |= {s.name for f in StageMetrics(stage).registry.collect() for s in f.samples}
