@@ -207,3 +207,16 @@ class Watch:
             progress.close()
         for store in self.stores.values():
             store.close()
+
+
+async def wait_caught_up(
+    pipeline: PipelineProcess, watch: Watch, ends: dict[int, int], what: str, timeout: float = 300
+) -> None:
+    """Wait until both groups have committed up to `ends` (`what` says after what), failing at once with
+    the end of the pipeline's log if it dies meanwhile."""
+
+    async def caught_up() -> bool:
+        assert pipeline.alive(), f"pipeline died:\n{pipeline.log_tail()}"
+        return await watch.caught_up(ends)
+
+    await wait_until(caught_up, timeout, f"both groups to reach the log end {what}")

@@ -13,7 +13,7 @@ import pytest
 from aiokafka import AIOKafkaProducer
 
 from aml_app.kafka.broker import EmbeddedBroker
-from tests.harness import Names, wait_until
+from tests.harness import Names
 from tests.payments import produce_payments
 from tests.pipelines import (
     PipelineProcess,
@@ -22,6 +22,7 @@ from tests.pipelines import (
     log_ends,
     pipeline_env,
     pipeline_settings,
+    wait_caught_up,
 )
 from tests.spark_cluster import StandaloneCluster
 
@@ -48,12 +49,7 @@ async def test_the_pipeline_on_a_standalone_cluster_equals_the_reference(
     pipeline = PipelineProcess(env, tmp_path / "pipeline.log").start()
     watch = Watch(broker, names, settings)
     try:
-
-        async def caught_up() -> bool:
-            assert pipeline.alive(), f"pipeline died:\n{pipeline.log_tail()}"
-            return await watch.caught_up(ends)
-
-        await wait_until(caught_up, 300, "both groups to commit up to the log end")
+        await wait_caught_up(pipeline, watch, ends, "on the cluster")
         state = await asyncio.to_thread(cluster.state)
         apps = state.get("activeapps", [])
         assert [a["name"] for a in apps] == ["aml-pipeline"], state

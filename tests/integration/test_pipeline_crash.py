@@ -38,6 +38,7 @@ from tests.pipelines import (
     merge,
     pipeline_env,
     pipeline_settings,
+    wait_caught_up,
 )
 
 
@@ -80,11 +81,7 @@ async def test_kill_minus_nine_mid_batch_then_restart_from_the_store(
         assert reached[names.deps[0]] < total, "the crash came before the end (else it tests nothing)"
         pipeline = PipelineProcess(env, log).start()
 
-        async def caught_up() -> bool:
-            assert pipeline.alive(), f"pipeline died:\n{pipeline.log_tail()}"
-            return await watch.caught_up(ends)
-
-        await wait_until(caught_up, 300, "both groups to commit up to the log end after the restarts")
+        await wait_caught_up(pipeline, watch, ends, "after the restarts")
     finally:
         pipeline.signal(signal.SIGTERM)
         watch.close()
@@ -140,11 +137,7 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
         produced = merge(*waves)
         ends = log_ends(produced, names.partitions)
 
-        async def caught_up() -> bool:
-            assert pipeline.alive(), f"pipeline died:\n{pipeline.log_tail()}"
-            return await watch.caught_up(ends)
-
-        await wait_until(caught_up, 300, "both groups to reach the log end once the database is back")
+        await wait_caught_up(pipeline, watch, ends, "once the database is back")
         assert "store unavailable" in log.read_text(errors="replace"), "the pipeline noticed the outage"
         await check_against_reference(settings, produced, [w.valid for w in waves])
         await check_pipeline_metrics(settings, ends)
@@ -215,12 +208,7 @@ async def test_a_reader_that_does_not_connect_back_in_time_restarts_the_queries(
     pipeline = PipelineProcess(env, log).start()
     watch = Watch(broker, names, settings)
     try:
-
-        async def caught_up() -> bool:
-            assert pipeline.alive(), f"pipeline died:\n{pipeline.log_tail()}"
-            return await watch.caught_up(ends)
-
-        await wait_until(caught_up, 300, "both groups to reach the log end after the reader's failure")
+        await wait_caught_up(pipeline, watch, ends, "after the reader's failure")
         text = log.read_text(errors="replace")
         assert "Python worker failed to connect back" in text, "the reader's start did not fail"
         assert "starting the queries again where the stores stand (restart 1 of at most 3" in text
