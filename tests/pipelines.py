@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterable
 from datetime import timedelta
@@ -220,3 +221,24 @@ async def wait_caught_up(
         return await watch.caught_up(ends)
 
     await wait_until(caught_up, timeout, f"both groups to reach the log end {what}")
+
+
+#: The streaming reader's Python process: Spark starts one per query and waits 10 s for it to connect back.
+STREAMING_READER = "pyspark.sql.streaming.python_streaming_source_runner"
+
+
+def python_slow_to_start_a_reader(folder: Path) -> Path:
+    """A Python for Spark's workers whose first streaming reader takes longer than Spark's 10 s wait to
+    start, as on an overloaded host: it never connects back, and exits. The rest start as usual."""
+    stalled, script = folder / "stalled", folder / "python"
+    script.write_text(
+        "#!/bin/sh\n"
+        f'if [ "$2" = "{STREAMING_READER}" ] && [ ! -e "{stalled}" ]; then\n'
+        f'  : > "{stalled}"\n'
+        "  sleep 11\n"
+        "  exit 1\n"
+        "fi\n"
+        f'exec "{sys.executable}" "$@"\n'
+    )
+    script.chmod(0o755)
+    return script

@@ -14,7 +14,6 @@ import asyncio
 import random
 import secrets
 import signal
-import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +37,7 @@ from tests.pipelines import (
     merge,
     pipeline_env,
     pipeline_settings,
+    python_slow_to_start_a_reader,
     wait_caught_up,
 )
 
@@ -165,26 +165,6 @@ async def test_the_database_stopped_and_started_under_a_running_pipeline(
 
 
 WAITING_FOR_A_BATCH = "store unavailable while applying a batch"
-
-#: The streaming reader's Python process: Spark starts one per query and waits 10 s for it to connect back.
-STREAMING_READER = "pyspark.sql.streaming.python_streaming_source_runner"
-
-
-def python_slow_to_start_a_reader(folder: Path) -> Path:
-    """A Python for Spark's workers whose first streaming reader takes longer than Spark's 10 s wait to
-    start, as on an overloaded host: it never connects back, and exits. The rest start as usual."""
-    stalled, script = folder / "stalled", folder / "python"
-    script.write_text(
-        "#!/bin/sh\n"
-        f'if [ "$2" = "{STREAMING_READER}" ] && [ ! -e "{stalled}" ]; then\n'
-        f'  : > "{stalled}"\n'
-        "  sleep 11\n"
-        "  exit 1\n"
-        "fi\n"
-        f'exec "{sys.executable}" "$@"\n'
-    )
-    script.chmod(0o755)
-    return script
 
 
 async def test_a_reader_that_does_not_connect_back_in_time_restarts_the_queries(

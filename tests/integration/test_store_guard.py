@@ -3,7 +3,8 @@
 A store that lost its history (here: its tables dropped while the groups have committed offsets) must
 never be trusted again silently: `aml-app pipeline` refuses to start with one sentence saying what to do,
 the API reports itself unhealthy and answers nothing, and `aml-app rebuild` replays the topic into a fresh
-store that then equals the naive reference, after which everything is healthy again.
+store that then equals the naive reference, after which everything is healthy again. The rebuild's first
+streaming reader starts too late for Spark, which fails its query: the replay starts again.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import os
 import subprocess
 import time
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -26,10 +28,18 @@ from aml_app.settings import Settings
 from tests.harness import Names
 from tests.integration.test_services_api import wait_for_check
 from tests.payments import produce_payments
-from tests.pipelines import Running, check_against_reference, log_ends, pipeline_settings
+from tests.pipelines import (
+    Running,
+    check_against_reference,
+    log_ends,
+    pipeline_settings,
+    python_slow_to_start_a_reader,
+)
 
 
-def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+def command(
+    settings: Settings, *args: str, timeout: float = 300, **extra: str
+) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "KAFKA_BOOTSTRAP_SERVERS": ",".join(settings.kafka.bootstrap_servers),
@@ -41,6 +51,7 @@ def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.
         "AML_TRIGGER_INTERVAL": "0.2",
         "AML_PIPELINE_METRICS_PORT": "0",  # no /metrics: another process may hold the default port
         "PYSPARK_SUBMIT_ARGS": "--conf spark.ui.showConsoleProgress=false pyspark-shell",
+        **extra,
     }
     return subprocess.run(
         [aml_app_executable(), *args], env=env, capture_output=True, text=True, timeout=timeout, check=False
@@ -48,7 +59,12 @@ def command(settings: Settings, *args: str, timeout: float = 300) -> subprocess.
 
 
 async def test_a_lost_store_is_refused_reported_and_rebuilt(
-    spark: Any, broker: EmbeddedBroker, names: Names, producer: AIOKafkaProducer, store_url: str
+    spark: Any,
+    broker: EmbeddedBroker,
+    names: Names,
+    producer: AIOKafkaProducer,
+    store_url: str,
+    tmp_path: Path,
 ) -> None:
     settings = pipeline_settings(broker, names, store_url, max_records_per_trigger=500)
     produced = await produce_payments(producer, names.payments, 900, seed=31)
@@ -75,9 +91,14 @@ async def test_a_lost_store_is_refused_reported_and_rebuilt(
         assert (await client.get("/relations/acct-1")).status == 503
 
         started = time.monotonic()
-        rebuilt = await asyncio.to_thread(command, settings, "rebuild", "relations", "--yes", timeout=400)
+        # Its first streaming reader starts after Spark's 10 s wait: the replay starts again, from the start.
+        slow = str(python_slow_to_start_a_reader(tmp_path))
+        rebuilt = await asyncio.to_thread(
+            command, settings, "rebuild", "relations", "--yes", timeout=400, PYSPARK_PYTHON=slow
+        )
         assert rebuilt.returncode == 0, rebuilt.stdout[-3000:] + rebuilt.stderr[-3000:]
         assert "the relations store is rebuilt" in rebuilt.stdout
+        assert "starting the queries again where the stores stand (restart 1" in rebuilt.stderr
         assert time.monotonic() - started < 400
         await wait_for_check(client, "ok")
         assert (await client.get("/relations/acct-1")).status == 200
