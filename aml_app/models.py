@@ -89,6 +89,9 @@ class Alert(faust.Record, serializer="json", include_metadata=False):
     hits: list[dict]
     decided_at: str
     worker: str
+    #: The learned model's score of the payment (its probability that the payment is not benign), by
+    #: which analysts rank their queue; None where no model scored it (the rules alone, a self-payment).
+    score: float | None = None
 
 
 def parse_payment(

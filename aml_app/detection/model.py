@@ -462,7 +462,7 @@ class Model:
         rules = [aml_rules(evidence, thresholds) for evidence in evidences]
         found, benign = self.judge(evidences, rules, thresholds)
         return [
-            self.beside(hits, p) + ([mine] if mine is not None else [])
+            scored(self.beside(hits, p) + ([mine] if mine is not None else []), p)
             for hits, mine, p in zip(rules, found, benign, strict=True)
         ]
 
@@ -472,6 +472,16 @@ class Model:
         if not self.keeps_rules(benign):
             return []
         return [hit for hit in rule_hits if hit.rule in self.alerting_rules]
+
+
+def scored(hits: list[Hit], benign: float) -> list[Hit]:
+    """`hits` on one payment, each with the model's score of it (`Hit.score`): 1 less its probability of
+    benign, none for a self-payment (NaN: not scored). Analysts work a queue top down; the score orders
+    it as the report's precision at the top of the queue does (`holdout.queue_precision`). The trees learn
+    each class weighed alike, so it ranks payments rather than estimates a share of them."""
+    if not hits or math.isnan(benign):
+        return hits
+    return [dataclasses.replace(hit, score=1.0 - benign) for hit in hits]
 
 
 def typologies_named(

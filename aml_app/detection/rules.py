@@ -60,6 +60,9 @@ class Hit:
     reason: str
     figures: Mapping[str, str | int] = field(default_factory=dict)
     path: tuple[str, ...] = ()
+    #: The learned model's score of the payment (`aml_app.detection.model`: its probability that the
+    #: payment is not benign), which ranks the alert in the analysts' queue; None where no model scored it.
+    score: float | None = None
 
     def as_json(self) -> dict[str, Any]:
         """The hit as it goes into a decision record."""

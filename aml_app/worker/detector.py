@@ -420,6 +420,7 @@ class Detector:
                 hits=[hit.as_json() for hit in hits],
                 decided_at=decided_at,
                 worker=settings.worker_id,
+                score=max((hit.score for hit in hits if hit.score is not None), default=None),
             )
             # Claimed before the send, which awaits: another handling of the payment waits for this one.
             claim: asyncio.Future[Any] = asyncio.get_running_loop().create_future()

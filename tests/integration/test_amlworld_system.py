@@ -3,7 +3,8 @@
 The model is trained and scored on a replay of Services B and C (`aml_app/training/replay.py`). Here two days
 of the real files (HI-Small's half hour of background, many payments to a minute, and LI-Medium's attempts of
 those days) go through Kafka, Spark, PostgreSQL, the APIs and a gated worker running the shipped model;
-its alerts must be the replay's, payment for payment, hit for hit, and each of the model's says why.
+its alerts must be the replay's, payment for payment, hit for hit, score for score, and each of the model's
+says why.
 """
 
 from __future__ import annotations
@@ -93,11 +94,12 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
     }
     model, thresholds = load("amlworld"), AmlThresholds()
     assert model is not None
-    replayed, replayed_benign = {}, {}
+    replayed, replayed_benign, replayed_score = {}, {}, {}
     for payment, evidence in decided(Services(thresholds), timeline):
         hits = model.detect(evidence, thresholds)
         if hits:
             replayed[payment.payment_id] = sorted(f"{hit.typology}:{hit.rule}" for hit in hits)
+            replayed_score[payment.payment_id] = hits[0].score
         for hit in hits:
             if hit.rule == "aml.model":
                 replayed_benign[payment.payment_id] = float(hit.figures["benign_probability"])
@@ -112,6 +114,11 @@ async def test_real_payments_alert_in_the_system_as_in_the_replay(
         if hit["rule"] == "aml.model"
     }
     assert in_system_benign == pytest.approx(replayed_benign, abs=2e-6)
+    # Each alert carries the model's score of its payment, the rules' beside the model too: the analysts'
+    # queue ranks the system's alerts as the replay ranks them.
+    assert None not in replayed_score.values()
+    in_system_score = {alert["payment_id"]: alert["score"] for alert in alerts}
+    assert in_system_score == pytest.approx(replayed_score, abs=2e-6)
     # Each of the worker's model alerts says why: its probability of benign against the cut, and what moved
     # the verdict most.
     said = [hit for alert in alerts for hit in alert["hits"] if hit["rule"] == "aml.model"]

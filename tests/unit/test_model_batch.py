@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from decimal import Decimal
 from typing import Any
 
@@ -115,10 +116,36 @@ def test_the_compiled_walk_and_its_explanations_are_those_of_the_trees_walked_no
     np.testing.assert_allclose(shipped.probabilities(gaps), walked_node_by_node(shipped, gaps), atol=1e-12)
     checked = 0
     for evidence, hits in list(zip(evidences, one_by_one, strict=True))[::10]:
-        mine = [hit for hit in hits if hit.rule == "aml.model"]
+        mine = [dataclasses.replace(hit, score=None) for hit in hits if hit.rule == "aml.model"]
         assert (mine[0] if mine else None) == hit_node_by_node(shipped, evidence, THRESHOLDS)
         checked += bool(mine)
     assert checked > 300
+
+
+def test_every_hit_on_a_payment_the_model_scores_carries_its_score(
+    shipped: Model, evidences: list[Evidence], one_by_one: list[list[Hit]]
+) -> None:
+    """An alerted payment between two parties: each of its hits, the model's and the rules' beside it,
+    carries 1 less the model's probability of benign, which ranks the analysts' queue; a self-payment's
+    hits (the model does not score it) and the rules' without a model carry none."""
+    benign = shipped.classes.index(BENIGN)
+    scored = 0
+    for evidence, hits in zip(evidences, one_by_one, strict=True):
+        if hits:
+            assert evidence.payer != evidence.payee  # no rule fires on a real self-payment
+            row = features(evidence, aml_rules(evidence, THRESHOLDS), THRESHOLDS)
+            p = float(shipped.probabilities(np.array([row]))[0, benign])
+            assert [hit.score for hit in hits] == pytest.approx([1.0 - p] * len(hits), abs=1e-12)
+            scored += 1
+    assert scored > 3000
+    hit = Hit(rule="aml.cycle", typology="cycle", reason="a loop.")
+    assert model_module.scored([hit], math.nan) == [hit]  # a self-payment: not scored
+    assert model_module.scored([hit], 0.25) == [dataclasses.replace(hit, score=0.75)]
+    assert any(hit.rule != "aml.model" and hit.score is not None for hits in one_by_one for hit in hits), (
+        "the rules beside the model alert some real payments"
+    )
+    rules_alone = [hit for evidence in evidences[:2000] for hit in aml_rules(evidence, THRESHOLDS)]
+    assert rules_alone and all(hit.score is None for hit in rules_alone)
 
 
 def test_a_rows_probabilities_do_not_depend_on_the_rows_scored_with_it(
