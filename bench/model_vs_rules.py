@@ -15,7 +15,8 @@ runs of the calibrated simulator (`SCORED_SEEDS`, which no training sees), each 
 pooled (`bench.amlworld_detection.pooled`: 200 attempts of each typology); and our own simulator
 (`aml_app.simulation.traffic`, seed 11), whose traffic is shaped otherwise: a deployment's traffic will
 not be AMLworld's either, and this shows what a model does under such a shift. Also the model at each
-of its alert budgets on the real files, and its CPU time per payment. `--lag` gives each payment only
+of its alert budgets on the real files, the precision at the top of its queue there (alerts ranked by
+their `score`), and its CPU time per payment. `--lag` gives each payment only
 the evidence before it (the gate off). Results: `bench/results/model_vs_rules.json`
 (`model_vs_rules_lag.json` with `--lag`).
 """
@@ -36,7 +37,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.traffic import simulate
 from aml_app.training.fit import SCORED_SEEDS, calibrated_run, replay
-from aml_app.training.holdout import within_budgets
+from aml_app.training.holdout import TOP_K, queue_of, within_budgets
 from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
@@ -114,11 +115,13 @@ def summary(doc: dict[str, Any]) -> list[Any]:
 
 def budgets(
     model: Model, patterns: Any, background: Any, pairs: Iterable[tuple[Any, Any]] | None = None
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What the model and the rules beside it alert at each of its alert budgets (`AML_ALERT_BUDGET`),
     each set on runs of the calibrated simulator, on one data set (`pairs`: its payments with their
-    evidence, replayed already)."""
-    return within_budgets(model, replay(patterns, background, pairs=pairs))
+    evidence, replayed already); and, at its own cut, the precision at the top of the analysts' queue,
+    ranked by the score each alert carries."""
+    run = replay(patterns, background, pairs=pairs)
+    return within_budgets(model, run), queue_of(model, run)
 
 
 def budget_rows(found: list[dict[str, Any]]) -> list[list[Any]]:
@@ -160,6 +163,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     payments, spent = 0, 0.0
     real_budgets: list[dict[str, Any]] = []
+    real_queue: dict[str, Any] = {}
     for name, make in sets.items():
         patterns, background = make()
         timeline = timeline_of(patterns, background)
@@ -174,9 +178,19 @@ def main() -> None:
         print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
         print(f"\nnamed by shape, with evidence: {results[name]['rules']['all']['named_by_shape']}")
         if with_budgets:
-            real_budgets = budgets(model, patterns, background, pairs)
+            real_budgets, real_queue = budgets(model, patterns, background, pairs)
             print("\nthe model at each of its alert budgets (`AML_ALERT_BUDGET`):\n")
             print(markdown_table(BUDGET_HEADERS, budget_rows(real_budgets)))
+            print(
+                f"\nthe model's queue, alerts ranked by their `score`: {real_queue['alerts']} alerts, "
+                f"the first benign one at place {real_queue['first_benign']}; precision at its top:\n"
+            )
+            print(
+                markdown_table(
+                    ["queue", *(f"top {k}" for k in TOP_K)],
+                    [[name, *at.values()] for name, at in real_queue["precision_at_top"].items()],
+                )
+            )
         print()
     runs = [results[f"calibrated seed {s}"] for s in seeds]
     results[calibrated] = {d: pooled([run[d] for run in runs]) for d in runs[0]}
@@ -194,6 +208,7 @@ def main() -> None:
             "model": {k: v for k, v in model.training.items()},
             "model_us_per_payment": round(per_payment, 1),
             "model_budgets_on_real": real_budgets,
+            "model_queue_on_real": real_queue,
             **results,
             "at": time.time(),
         },

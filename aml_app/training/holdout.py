@@ -202,13 +202,34 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
         },
         "estimated_at_base_rate": measured["estimated"],
         "alert_budgets": _within_budgets(models),
-        "top_of_the_queue": queue_precision(
-            [score[i] for i, names in enumerate(named) if names],
-            [run.labels[i] != BENIGN for i, names in enumerate(named) if names],
-            len(laundering),
-            len(benign),
-        ),
+        "top_of_the_queue": _queue(named, score, run, len(laundering), len(benign)),
     }
+
+
+def queue_of(model: Model, run: Replayed) -> dict[str, Any]:
+    """The queue of what `model` and the rules beside it alert on `run`, ranked by the score each alert
+    carries: how many alerts, the place of the first benign one (from 1; None: none), and the precision
+    at its top (`queue_precision`)."""
+    named, score = _named(model, run)
+    measured = _measured(named, run)
+    alerted = [i for i, names in enumerate(named) if names]
+    ranked = sorted(alerted, key=lambda i: -score[i])  # stable, as `queue_precision` ranks them
+    benign = [place for place, i in enumerate(ranked, start=1) if run.labels[i] == BENIGN]
+    return {
+        "alerts": len(alerted),
+        "first_benign": benign[0] if benign else None,
+        "precision_at_top": _queue(named, score, run, len(measured["laundering"]), len(measured["benign"])),
+    }
+
+
+def _queue(
+    named: Sequence[set[str]], score: np.ndarray, run: Replayed, laundering: int, benign: int
+) -> dict[str, dict[str, float | None]]:
+    """`queue_precision` of the payments `named` alerts, by their `score`."""
+    alerted = [i for i, names in enumerate(named) if names]
+    return queue_precision(
+        [score[i] for i in alerted], [run.labels[i] != BENIGN for i in alerted], laundering, benign
+    )
 
 
 def _per_typology(named: Sequence[set[str]], run: Replayed) -> dict[str, dict[str, Any]]:

@@ -53,7 +53,7 @@ from aml_app.training.fit import (
     sample_weights,
     train,
 )
-from aml_app.training.holdout import within_budgets
+from aml_app.training.holdout import queue_of, within_budgets
 from aml_app.training.replay import Services, timeline_of
 from bench.amlworld_detection import judge, with_evidence
 from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
@@ -229,6 +229,30 @@ def test_the_shipped_budgets_on_real_amlworld_hold_the_published_figures(
         pytest.approx(0.796, abs=0.001),
         4,
     )
+
+
+def test_the_shipped_models_queue_on_real_amlworld_is_the_one_its_alerts_scores_rank(
+    shipped: Model, real: tuple[Any, Any, list[Any]]
+) -> None:
+    """BENCHMARKS.md, "Rules, a model, or both": ranked by their `score`, the shipped model's 3,780 alerts
+    on the real files hold their first benign one at place 3,204. The detector's alerts, ranked by the
+    score each carries (none: last), make that queue, place for place."""
+    patterns, background, _ = real
+    queue = queue_of(shipped, replay(patterns, background, pairs=real_decided()))
+    assert (queue["alerts"], queue["first_benign"]) == (3780, 3204)
+    assert {v for at in queue["precision_at_top"].values() for v in at.values()} == {1.0}
+    decided = real_decided()
+    scored = []
+    for start in range(0, len(decided), 100):
+        batch = decided[start : start + 100]
+        for (payment, _), hits in zip(
+            batch, shipped.detect_many([e for _, e in batch], AmlThresholds()), strict=True
+        ):
+            if hits:
+                scored.append((max(h.score or 0.0 for h in hits), payment.is_laundering))
+    ranked = sorted(scored, key=lambda alert: -alert[0])
+    assert len(ranked) == queue["alerts"]
+    assert [laundering for _, laundering in ranked].index(False) + 1 == queue["first_benign"]
 
 
 def test_a_data_set_without_payment_formats_is_judged_too() -> None:
