@@ -202,34 +202,34 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
         },
         "estimated_at_base_rate": measured["estimated"],
         "alert_budgets": _within_budgets(models),
-        "top_of_the_queue": _queue(named, score, run, len(laundering), len(benign)),
+        "queue": _queue(named, score, run, len(laundering), len(benign)),
     }
 
 
 def queue_of(model: Model, run: Replayed) -> dict[str, Any]:
-    """The queue of what `model` and the rules beside it alert on `run`, ranked by the score each alert
-    carries: how many alerts, the place of the first benign one (from 1; None: none), and the precision
-    at its top (`queue_precision`)."""
+    """`_queue` of what `model` and the rules beside it alert on `run`."""
     named, score = _named(model, run)
     measured = _measured(named, run)
-    alerted = [i for i, names in enumerate(named) if names]
-    ranked = sorted(alerted, key=lambda i: -score[i])  # stable, as `queue_precision` ranks them
-    benign = [place for place, i in enumerate(ranked, start=1) if run.labels[i] == BENIGN]
-    return {
-        "alerts": len(alerted),
-        "first_benign": benign[0] if benign else None,
-        "precision_at_top": _queue(named, score, run, len(measured["laundering"]), len(measured["benign"])),
-    }
+    return _queue(named, score, run, len(measured["laundering"]), len(measured["benign"]))
 
 
 def _queue(
     named: Sequence[set[str]], score: np.ndarray, run: Replayed, laundering: int, benign: int
-) -> dict[str, dict[str, float | None]]:
-    """`queue_precision` of the payments `named` alerts, by their `score`."""
+) -> dict[str, Any]:
+    """The analysts' queue of the payments `named` alerts, ranked by the score each alert carries: how
+    many alerts, the place of the first benign one (from 1; None: none), and the precision at its top
+    (`queue_precision`)."""
     alerted = [i for i, names in enumerate(named) if names]
-    return queue_precision(
-        [score[i] for i in alerted], [run.labels[i] != BENIGN for i in alerted], laundering, benign
-    )
+    ranked = sorted(alerted, key=lambda i: -score[i])  # stable, as `queue_precision` ranks them
+    return {
+        "alerts": len(alerted),
+        "first_benign": next(
+            (place for place, i in enumerate(ranked, start=1) if run.labels[i] == BENIGN), None
+        ),
+        "precision_at_top": queue_precision(
+            [score[i] for i in alerted], [run.labels[i] != BENIGN for i in alerted], laundering, benign
+        ),
+    }
 
 
 def _per_typology(named: Sequence[set[str]], run: Replayed) -> dict[str, dict[str, Any]]:
@@ -415,7 +415,13 @@ def rendered(report: Mapping[str, Any]) -> list[str]:
         if sizes := b.get("own_typology_by_size"):
             shown = ", ".join(f"{name}: {share:.3f}" for name, share in sizes.items())
             lines.append(f"  own typology by the attempt's payments: {shown}")
-    for name, at in report["top_of_the_queue"].items():
+    queue = report["queue"]
+    first = queue["first_benign"]
+    lines.append(
+        f"the queue, ranked by each alert's score: {queue['alerts']:,} alerts, "
+        + ("none benign" if first is None else f"the first benign one at place {first:,}")
+    )
+    for name, at in queue["precision_at_top"].items():
         shown = ", ".join(f"top {k}: {'n/a' if v is None else f'{v:.3f}'}" for k, v in at.items())
         lines.append(f"precision at the top of the queue, {name}: {shown}")
     return lines

@@ -35,6 +35,7 @@ from aml_app.training.holdout import (
     BASE_RATES,
     PARTS,
     _measured,
+    _queue,
     benign_rate_bound,
     crossed,
     estimates,
@@ -464,6 +465,7 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     assert doc["training"]["history"]["split"] == "attempt"
     written = json.loads(report.read_text())
     assert written["attempts"] > 0 and "estimated at the base rate HI" in done.stdout
+    assert f"the queue, ranked by each alert's score: {written['queue']['alerts']:,} alerts" in done.stdout
     read = re.search(r"read ([0-9,]+) payments", done.stderr)
     assert read is not None, done.stderr
     # The trees learned from the learning and cut parts' payments (in two folds), the report read the
@@ -548,6 +550,18 @@ def test_precision_at_the_top_of_the_queue_weighs_benign_alerts_by_the_base_rate
     assert one_benign_first["HI (1 in 900)"]["10"] == 0.0  # the benign alert alone fills the top 10
     assert one_benign_first["HI (1 in 900)"]["100"] == round(11 / (89.9 + 11), 4)  # the first to hold 100
     assert queue_precision([0.5], [True], 1, 1)["in the part"]["10"] is None  # a queue shorter than k
+
+
+def test_the_queue_places_the_first_benign_alert_by_score() -> None:
+    """Alerts ranked by their score, the highest first and ties in the history's order; a payment not
+    alerted is not in the queue, however high its score; places count from 1."""
+    run = Replayed(labels=[BENIGN, "cycle", BENIGN, "stack", BENIGN])
+    named = [{"cycle"}, {"cycle"}, set(), {"stack"}, {"fan_in"}]
+    score = np.array([0.5, 0.9, 0.99, 0.7, 0.5])
+    queue = _queue(named, score, run, 2, 3)
+    assert (queue["alerts"], queue["first_benign"]) == (4, 3)  # 0.9, 0.7, then the first of the 0.5s
+    assert queue["precision_at_top"]["in the part"]["10"] is None  # four alerts: no top 10
+    assert _queue([set(), {"cycle"}, set(), {"stack"}, set()], score, run, 2, 3)["first_benign"] is None
 
 
 def test_a_benign_rate_of_none_alerted_is_bounded_and_the_precision_from_it_is_a_floor() -> None:
