@@ -5,8 +5,9 @@ B answers the parts of each question that the detector asks for (`PAYER_PARTS` a
 `PAYEE_PARTS` about the payee) and nothing else, as the real B does: a part it is not asked for is absent.
 
 The reference loops over every payment it is given, which is quadratic over a whole run; so each question
-gets only the payments that can change its answer: for aggregates, the payments touching the account; for
-the payer's `out`, the payments it sent; for the payee's `chain` (through the payer), the payments into
+gets only the payments that can change its answer: for aggregates, the payments touching the account that
+C still holds; for the payer's `out`, its edges summed as payments are fed (`EdgeSummary`; as of an
+earlier instant, the payments it sent); for the payee's `chain` (through the payer), the payments into
 the payee and into the accounts up to 2 steps before it; for `sources` and `co_payees`, the payments into
 the account and into its payers, and those its payers sent; for `loop`, the edges' first and last times,
 kept up as payments are fed (`aml_app.training.reference.loop_on_edges`).
@@ -25,7 +26,7 @@ import bisect
 import itertools
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -37,8 +38,11 @@ from aml_app.detection.evidence import Evidence
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import Settings
 from aml_app.training.reference import (
+    _total,
+    instant_text,
     loop_on_edges,
     made_by,
+    money_text,
     reference_aggregates,
     reference_layering,
     reference_relations,
@@ -64,6 +68,44 @@ def row_of(payment: Any) -> Row:
     amount = payment.amount if isinstance(payment.amount, Decimal) else Decimal(str(payment.amount))
     ts = payment.ts if isinstance(payment.ts, datetime) else datetime.fromisoformat(payment.ts)
     return Row(payment.payer, payment.payee, amount, payment.currency, ts.astimezone(UTC))
+
+
+@dataclass
+class EdgeSummary:
+    """One (payer, payee) edge of B's `out` part, summed as its payments are fed: what the reference's
+    loop over every payment of the payer gives (`reference.reference_relations`), each currency's total
+    added up in the same order at the same precision.
+
+    Why: a payer's `out` part lists every payee it ever paid; the reference loops over all the payer's
+    payments once per payee, so a busy payer costs more with every payment, and a training replay of a
+    bank's history grew quadratic with it."""
+
+    count: int = 0
+    totals: dict[str, Decimal] = field(default_factory=dict)
+    first: datetime | None = None
+    last: datetime | None = None
+    shown: dict[str, Any] | None = None  # the summary as B answers it, until the next payment on the edge
+
+    def add(self, payment: Row) -> None:
+        self.count += 1
+        self.totals[payment.currency] = _total(
+            (self.totals.get(payment.currency, Decimal(0)), payment.amount)
+        )
+        self.first = payment.ts if self.first is None else min(self.first, payment.ts)
+        self.last = payment.ts if self.last is None else max(self.last, payment.ts)
+        self.shown = None
+
+    def summary(self, counterparty: str) -> dict[str, Any]:
+        if self.shown is None:
+            assert self.first is not None and self.last is not None
+            self.shown = {
+                "counterparty": counterparty,
+                "count": self.count,
+                "totals": {c: money_text(self.totals[c]) for c in sorted(self.totals)},
+                "first_seen": instant_text(self.first),
+                "last_seen": instant_text(self.last),
+            }
+        return self.shown
 
 
 class EdgesAsOf(Mapping[tuple[str, str], list[tuple[datetime, datetime]]]):
@@ -126,6 +168,7 @@ class Services:
         # (payer, payee) -> per currency its payment times, sorted; payer -> payees: B's edges for `loop`
         self.times: dict[tuple[str, str], dict[str, list[datetime]]] = defaultdict(dict)
         self.out: dict[str, set[str]] = defaultdict(set)
+        self.edges: dict[tuple[str, str], EdgeSummary] = defaultdict(EdgeSummary)
         self.touching: dict[str, list[Row]] = defaultdict(list)
         self.sent_by: dict[str, list[Row]] = defaultdict(list)
         self.received_by: dict[str, list[Row]] = defaultdict(list)
@@ -141,19 +184,31 @@ class Services:
         self.received_by[payment.payee].append(payment)
         bisect.insort(self.times[(payment.payer, payment.payee)].setdefault(payment.currency, []), payment.ts)
         self.out[payment.payer].add(payment.payee)
+        self.edges[(payment.payer, payment.payee)].add(payment)
 
     def payers_of(self, accounts: set[str]) -> set[str]:
         return {p.payer for a in accounts for p in self.received_by.get(a, [])}
 
     def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
-        kept = floor_bucket(self.newest - HORIZON - self.keep) if self.newest is not None else at
-        held = [p for p in self.touching.get(account, []) if p.ts <= at and floor_bucket(p.ts) >= kept]
+        touching = self.touching.get(account, [])
+        if self.newest is not None:
+            # C holds the minutes from `kept` on. The bound only rises with the newest payment, so what
+            # falls below it is never held again: dropped, an account's list spans C's retention, not
+            # the whole history.
+            kept = floor_bucket(self.newest - HORIZON - self.keep)
+            touching = self.touching[account] = [p for p in touching if p.ts >= kept]
+        held = [p for p in touching if p.ts <= at]
         return reference_aggregates([held], account, at, THRESHOLD, BAND)
 
     def relations(self, account: str, at: datetime) -> dict[str, Any]:
-        """B's answer about a payer (`PAYER_PARTS`)."""
-        answer = reference_relations(self.sent_by.get(account, []), account, HOPS, at=at)
-        return asked(answer, PAYER_PARTS)
+        """B's answer about a payer (`PAYER_PARTS`: its payees, an `EdgeSummary` each). As of an instant
+        before a payment fed, from the reference's loop over the payer's payments made by then."""
+        if self.newest is not None and at < self.newest:
+            return asked(
+                reference_relations(self.sent_by.get(account, []), account, HOPS, at=at), PAYER_PARTS
+            )
+        out = [self.edges[(account, payee)].summary(payee) for payee in sorted(self.out.get(account, ()))]
+        return asked({"account": account, "hops": HOPS, "out": out}, PAYER_PARTS)
 
     def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
         payers = sorted(self.payers_of({account}))

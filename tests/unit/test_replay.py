@@ -3,12 +3,17 @@ detector, so the rules and the model see in the benchmarks and in training what 
 
 from __future__ import annotations
 
+import itertools
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from types import SimpleNamespace
 
+from aml_app.dependencies.aggregates import HORIZON, floor_bucket
+from aml_app.dependencies.client import PAYER_PARTS
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.training.reference import reference_relations
-from aml_app.training.replay import HOPS, Services, decided
+from aml_app.training.reference import reference_aggregates, reference_relations
+from aml_app.training.replay import BAND, HOPS, THRESHOLD, Services, asked, decided, row_of
+from tests.real_amlworld import real_files
 
 
 def _payment(pid: str, payer: str, payee: str, amount: str, minute: int) -> SimpleNamespace:
@@ -55,3 +60,70 @@ def test_gate_on_the_evidence_holds_every_payment_of_the_same_instant() -> None:
     lagging = {p.payment_id: e for p, e in decided(Services(AmlThresholds()), timeline, lag=True)}
     received = {pid: e.payee_aggregates.window("1h").received_count for pid, e in lagging.items()}
     assert received == {"p1": 0, "p2": 1, "p3": 2}
+
+
+def test_a_payers_edges_summed_as_payments_come_are_the_references_loop_over_them() -> None:
+    """B's `out` part about a payer, kept as each edge's running summary (counts, totals per currency in
+    feed order, first and last payment), is the reference's loop over every payment of the payer: on the
+    real files (several currencies, self-payments, a payer of over a hundred payments), asked as the replay
+    asks, gate on and off. As of an instant before some payment fed, an edge first paid after it is not
+    there (fails answering from the running summaries alone)."""
+
+    def naive(services: Services, account: str, at: datetime) -> dict[str, object]:
+        return asked(
+            reference_relations(services.sent_by.get(account, []), account, HOPS, at=at), PAYER_PARTS
+        )
+
+    timeline = real_files()[2]
+    gated, lagging = Services(AmlThresholds()), Services(AmlThresholds())
+    checked = 0
+    for n, (when, same) in enumerate(itertools.groupby(timeline, key=lambda p: row_of(p).ts)):
+        instant = list(same)
+        for payment in instant:
+            if n % 5 == 0:  # gate off: before the payment is fed
+                assert lagging.relations(payment.payer, when) == naive(lagging, payment.payer, when)
+            lagging.feed(payment)
+            gated.feed(payment)
+        if n % 5 == 0:
+            for payment in instant:
+                assert gated.relations(payment.payer, when) == naive(gated, payment.payer, when)
+                checked += 1
+    assert checked > 1000
+    busiest = max(gated.sent_by, key=lambda account: len(gated.sent_by[account]))
+    assert len(gated.sent_by[busiest]) > 100 and len(gated.relations(busiest, when)["out"]) > 20
+    early = [_payment("p1", "a", "b", "5000", 0), _payment("p2", "a", "c", "70.5", 5)]
+    services = Services(AmlThresholds())
+    for payment in early:
+        services.feed(payment)
+    between = row_of(_payment("at", "a", "b", "1", 2)).ts
+    assert [edge["counterparty"] for edge in services.relations("a", between)["out"]] == ["b"]
+    assert services.relations("a", between) == naive(services, "a", between)
+
+
+def test_c_answers_from_what_it_holds_however_long_the_history() -> None:
+    """C's windows about an account paid every six hours for three weeks, its retention a day past its
+    week: the replay, which drops what C no longer holds, answers as the reference over the payments C
+    holds, at the newest instant and three days before it, whose week reaches back past what C holds; and
+    its list of the account's payments spans C's retention, not the history."""
+    start = datetime(2022, 9, 1, tzinfo=UTC)
+    history = [
+        SimpleNamespace(
+            payment_id=f"p{n}",
+            payer=f"s{n % 5}",
+            payee="x",
+            amount=Decimal("100.25"),
+            currency="USD",
+            ts=(start + timedelta(hours=6 * n)).isoformat(),
+        )
+        for n in range(84)
+    ]
+    keep = timedelta(days=1)
+    services = Services(AmlThresholds(), keep=keep)
+    for payment in history:
+        services.feed(payment)
+    newest = row_of(history[-1]).ts
+    kept = floor_bucket(newest - HORIZON - keep)
+    for at in (newest, newest - timedelta(days=3)):
+        held = [row_of(p) for p in history if kept <= row_of(p).ts <= at]
+        assert services.aggregates("x", at) == reference_aggregates([held], "x", at, THRESHOLD, BAND)
+    assert len(services.touching["x"]) == sum(1 for p in history if row_of(p).ts >= kept) < len(history)
