@@ -74,7 +74,7 @@ def row_of(payment: Any) -> Row:
 class EdgeSummary:
     """One (payer, payee) edge of B's `out` part, summed as its payments are fed: what the reference's
     loop over every payment of the payer gives (`reference.reference_relations`), each currency's total
-    added up in the same order at the same precision.
+    added up in the same order at the same precision; its first and last payment are `Services.times`'.
 
     Why: a payer's `out` part lists every payee it ever paid; the reference loops over all the payer's
     payments once per payee, so a busy payer costs more with every payment, and a training replay of a
@@ -82,8 +82,6 @@ class EdgeSummary:
 
     count: int = 0
     totals: dict[str, Decimal] = field(default_factory=dict)
-    first: datetime | None = None
-    last: datetime | None = None
     shown: dict[str, Any] | None = None  # the summary as B answers it, until the next payment on the edge
 
     def add(self, payment: Row) -> None:
@@ -91,19 +89,17 @@ class EdgeSummary:
         self.totals[payment.currency] = _total(
             (self.totals.get(payment.currency, Decimal(0)), payment.amount)
         )
-        self.first = payment.ts if self.first is None else min(self.first, payment.ts)
-        self.last = payment.ts if self.last is None else max(self.last, payment.ts)
         self.shown = None
 
-    def summary(self, counterparty: str) -> dict[str, Any]:
+    def summary(self, counterparty: str, times: Mapping[str, list[datetime]]) -> dict[str, Any]:
+        """The edge as B lists it; `times`: its payments' times per currency, sorted (`Services.times`)."""
         if self.shown is None:
-            assert self.first is not None and self.last is not None
             self.shown = {
                 "counterparty": counterparty,
                 "count": self.count,
                 "totals": {c: money_text(self.totals[c]) for c in sorted(self.totals)},
-                "first_seen": instant_text(self.first),
-                "last_seen": instant_text(self.last),
+                "first_seen": instant_text(min(each[0] for each in times.values())),
+                "last_seen": instant_text(max(each[-1] for each in times.values())),
             }
         return self.shown
 
@@ -207,7 +203,10 @@ class Services:
             return asked(
                 reference_relations(self.sent_by.get(account, []), account, HOPS, at=at), PAYER_PARTS
             )
-        out = [self.edges[(account, payee)].summary(payee) for payee in sorted(self.out.get(account, ()))]
+        out = [
+            self.edges[(account, payee)].summary(payee, self.times[(account, payee)])
+            for payee in sorted(self.out.get(account, ()))
+        ]
         return asked({"account": account, "hops": HOPS, "out": out}, PAYER_PARTS)
 
     def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
