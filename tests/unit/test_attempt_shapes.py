@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+from decimal import Decimal
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,3 +98,40 @@ def test_on_the_real_files_naming_by_shape_caps_own_typology_recall_at_the_publi
         "reversed": 72,
         "by_size": {"1": [30, 51], "2": [33, 77], "3+": [20, 328]},
     }
+
+
+def test_18_of_the_files_random_attempts_show_b_no_walk_of_their_own() -> None:
+    """BENCHMARKS.md, "Where recall is lost": of LI-Medium's 49 random attempts, 9 are one payment, 4 a
+    relay A -> B -> C (as the file's stacks), 3 walks whose hops go back in time (B's chain follows
+    money forward) and 2 walks of payments under the heavy average; 0.7 of the 49 is 35."""
+    from aml_app.detection.thresholds import AmlThresholds
+
+    thresholds = AmlThresholds()
+    patterns = read_patterns(PATTERNS)
+    by_id = {p.payment_id: p for p in patterns.payments}
+    walks = [[by_id[i] for i in a.payment_ids] for a in patterns.attempts if a.typology == "random"]
+    assert len(walks) == 49
+    lone = [w for w in walks if len(w) == 1]
+    relays = [w for w in walks if len(w) == 2 and w[0].payee == w[1].payer]
+    longer = [_along_the_walk(w) for w in walks if len(w) > 2]
+    back_in_time = [w for w in longer if any(a.ts > b.ts for a, b in itertools.pairwise(w))]
+    light = [
+        w
+        for w in longer
+        if w not in back_in_time
+        and all(
+            thresholds.rates.convert(Decimal(p.amount), p.currency) < thresholds.graph_min_average for p in w
+        )
+    ]
+    assert (len(lone), len(relays), len(back_in_time), len(light)) == (9, 4, 3, 2)
+
+
+def _along_the_walk(payments: list[Any]) -> list[Any]:
+    """A walk's payments from its first payer on, each paid by the one the payment before paid."""
+    paid_by = {p.payer: p for p in payments}
+    payees = {p.payee for p in payments}
+    [walk] = [[p] for p in payments if p.payer not in payees]
+    while walk[-1].payee in paid_by and len(walk) < len(payments):
+        walk.append(paid_by[walk[-1].payee])
+    assert len(walk) == len(payments), "a random attempt is one walk"
+    return walk
