@@ -4,13 +4,13 @@ detector would see about each payment, without Kafka, Spark or PostgreSQL.
 B answers the parts of each question that the detector asks for (`PAYER_PARTS` about the payer,
 `PAYEE_PARTS` about the payee) and nothing else, as the real B does: a part it is not asked for is absent.
 
-The reference loops over every payment it is given, which is quadratic over a whole run; so each question
-gets only the payments that can change its answer: for aggregates, the payments touching the account that
-C still holds; for the payer's `out`, its edges summed as payments are fed (`EdgeSummary`; as of an
-earlier instant, the payments it sent); for the payee's `chain` (through the payer), the payments into
-the payee and into the accounts up to 2 steps before it; for `sources` and `co_payees`, the payments into
-the account and into its payers, and those its payers sent; for `loop`, the edges' first and last times,
-kept up as payments are fed (`aml_app.training.reference.loop_on_edges`).
+The reference loops over every payment it is given, which is quadratic over a whole run; so the replay
+keeps what each question reads as payments are fed, and is held equal to the reference by
+`tests/unit/test_replay.py`: C's windows read, in one pass, the account's payments that C still holds, in
+time order (`windows_of`); the payer's `out` sums its edges (`EdgeSummary`); the payee's `chain`,
+`sources` and `co_payees` are read off B's heavy edges (`Services.layering`); `loop` reads the edges'
+first and last times (`aml_app.training.reference.loop_on_edges`). As of an instant before a payment fed,
+B's parts are the reference's over the payments that can change them.
 
 Every answer is as of the payment's time, as the real B and C give it to the detectors: only payments made
 by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead);
@@ -24,26 +24,30 @@ from __future__ import annotations
 
 import bisect
 import itertools
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal, localcontext
 from typing import Any
 
 from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.client import PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
+from aml_app.detection.exchange import CENT, ExchangeRates
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import Settings
 from aml_app.training.reference import (
+    LISTED,
+    WINDOWS,
+    _chain,
+    _EdgeRow,
     _total,
     instant_text,
     loop_on_edges,
     made_by,
     money_text,
-    reference_aggregates,
     reference_layering,
     reference_relations,
 )
@@ -51,6 +55,11 @@ from aml_app.training.reference import (
 THRESHOLD = Decimal("10000")
 BAND = Decimal("0.1")
 HOPS = 3
+RATES = ExchangeRates()  # the reference's: AMLworld's
+with localcontext() as _ctx:
+    _ctx.prec = 80
+    NEAR = THRESHOLD * (1 - BAND)
+_ANSWERED = {"reporting_threshold": format(THRESHOLD, "f"), "threshold_band": format(BAND, "f")}
 
 
 @dataclass(frozen=True)
@@ -81,15 +90,22 @@ class EdgeSummary:
     bank's history grew quadratic with it."""
 
     count: int = 0
+    counts: dict[str, int] = field(default_factory=dict)
     totals: dict[str, Decimal] = field(default_factory=dict)
     shown: dict[str, Any] | None = None  # the summary as B answers it, until the next payment on the edge
 
     def add(self, payment: Row) -> None:
         self.count += 1
+        self.counts[payment.currency] = self.counts.get(payment.currency, 0) + 1
         self.totals[payment.currency] = _total(
             (self.totals.get(payment.currency, Decimal(0)), payment.amount)
         )
         self.shown = None
+
+    def heavy(self, least: Mapping[str, Decimal]) -> list[str]:
+        """The currencies in which the edge's payments average at least `least`'s (B's heavy rows); a
+        currency without a minimum is never heavy."""
+        return [c for c, total in self.totals.items() if c in least and total >= least[c] * self.counts[c]]
 
     def summary(self, counterparty: str, times: Mapping[str, list[datetime]]) -> dict[str, Any]:
         """The edge as B lists it; `times`: its payments' times per currency, sorted (`Services.times`)."""
@@ -142,6 +158,76 @@ class PayeesAsOf(Mapping[str, set[str]]):
         return len(self.out)
 
 
+def _ts(payment: Row) -> datetime:
+    return payment.ts
+
+
+def windows_of(held: list[Row], account: str, at: datetime) -> dict[str, Any]:
+    """`reference_aggregates([held], account, at, THRESHOLD, BAND)`, `held` in time order: each payment
+    of the week read once, into every window it falls in (the same sums at the same precision).
+
+    Why: the reference filters every payment C holds once per window and figure; a replay asks about
+    two accounts per payment, and a training replay of a long history spent most of its time there."""
+    # The too-late rule with one batch: the payments before the minute a week before the newest
+    dropped = bisect.bisect_left(held, floor_bucket(held[-1].ts - HORIZON), key=_ts) if held else 0
+    # per window and way: the payments' count, counterparties and amounts per currency
+    ways: dict[str, dict[str, tuple[list[int], set[str], dict[str, list[Decimal]]]]] = {
+        name: {"sent": ([0], set(), {}), "received": ([0], set(), {})} for name, _ in WINDOWS
+    }
+    after = [(at - length, ways[name]) for name, length in WINDOWS]
+    week = at - max(length for _, length in WINDOWS)
+    for p in held[bisect.bisect_right(held, week, lo=dropped, key=_ts) :]:
+        if p.payer == p.payee:  # moves no money between parties: neither sent nor received
+            continue
+        way, other = ("sent", p.payee) if p.payer == account else ("received", p.payer)
+        for edge, window in after:
+            if p.ts > edge:
+                count, parties, amounts = window[way]
+                count[0] += 1
+                parties.add(other)
+                amounts.setdefault(p.currency, []).append(p.amount)
+    windows: dict[str, Any] = {}
+    unconverted: set[str] = set()
+    for name, window in ways.items():
+        shown: dict[str, Any] = {}
+        for way in ("sent", "received"):
+            count, _, amounts = window[way]
+            shown[f"{way}_count"] = count[0]
+            if not amounts:
+                shown[way], shown[f"{way}_total"] = {}, "0.00"
+                continue
+            totals = {c: _total(amounts[c]) for c in sorted(amounts)}
+            unconverted |= totals.keys() - RATES.per_unit.keys()
+            with localcontext() as ctx:
+                ctx.prec = 80
+                exact = sum(
+                    (t / RATES.per_unit[c] for c, t in totals.items() if c in RATES.per_unit), Decimal(0)
+                )
+            shown[way] = {c: money_text(t) for c, t in totals.items()}
+            shown[f"{way}_total"] = money_text(exact.quantize(CENT, rounding=ROUND_HALF_EVEN))
+        sent, received = window["sent"][1], window["received"][1]
+        shown["counterparties"] = len(sent | received)
+        shown["sent_counterparties"] = len(sent)
+        shown["received_counterparties"] = len(received)
+        windows[name] = shown
+    return {
+        "account": account,
+        "at": instant_text(at),
+        "windows": windows,
+        "near_threshold_24h": sum(
+            1
+            for amounts in ways["24h"]["sent"][2].values()
+            for amount in amounts
+            if NEAR <= amount < THRESHOLD
+        ),
+        **_ANSWERED,
+        "late_dropped": dropped,
+        "exact": True,
+        "reporting_currency": RATES.reporting,
+        "unconverted": sorted(unconverted),
+    }
+
+
 def asked(answer: dict[str, Any], parts: str) -> dict[str, Any]:
     """B's answer as the detector gets it: the parts it asks for (`parts`) and nothing else. A part it
     does not ask for is absent from the real answer, so a rule or a model feature that read one here would
@@ -165,6 +251,9 @@ class Services:
         self.times: dict[tuple[str, str], dict[str, list[datetime]]] = defaultdict(dict)
         self.out: dict[str, set[str]] = defaultdict(set)
         self.edges: dict[tuple[str, str], EdgeSummary] = defaultdict(EdgeSummary)
+        # B's heavy edges (`EdgeSummary.heavy`): payee -> its heavy payers, payer -> its heavy payees
+        self.heavy_in: dict[str, set[str]] = defaultdict(set)
+        self.heavy_out: dict[str, set[str]] = defaultdict(set)
         self.touching: dict[str, list[Row]] = defaultdict(list)
         self.sent_by: dict[str, list[Row]] = defaultdict(list)
         self.received_by: dict[str, list[Row]] = defaultdict(list)
@@ -173,28 +262,38 @@ class Services:
         """Apply one payment-like object (`payer`, `payee`, `amount`, `currency`, `ts`)."""
         payment = row_of(sent)
         self.newest = payment.ts if self.newest is None else max(self.newest, payment.ts)
-        self.touching[payment.payer].append(payment)
+        bisect.insort(self.touching[payment.payer], payment, key=_ts)
         if payment.payee != payment.payer:
-            self.touching[payment.payee].append(payment)
+            bisect.insort(self.touching[payment.payee], payment, key=_ts)
         self.sent_by[payment.payer].append(payment)
         self.received_by[payment.payee].append(payment)
         bisect.insort(self.times[(payment.payer, payment.payee)].setdefault(payment.currency, []), payment.ts)
         self.out[payment.payer].add(payment.payee)
-        self.edges[(payment.payer, payment.payee)].add(payment)
+        edge = self.edges[(payment.payer, payment.payee)]
+        edge.add(payment)
+        if edge.heavy(self.min_average):
+            self.heavy_in[payment.payee].add(payment.payer)
+            self.heavy_out[payment.payer].add(payment.payee)
+        else:  # a payment can bring an edge's average below the minimum
+            self.heavy_in[payment.payee].discard(payment.payer)
+            self.heavy_out[payment.payer].discard(payment.payee)
 
     def payers_of(self, accounts: set[str]) -> set[str]:
         return {p.payer for a in accounts for p in self.received_by.get(a, [])}
 
     def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
+        """C's answer about `account` as of `at`: the reference's (`reference_aggregates`, over the
+        payments C holds made by then), computed from the account's payments in time order
+        (`windows_of`)."""
         touching = self.touching.get(account, [])
-        if self.newest is not None:
+        if self.newest is not None and touching:
             # C holds the minutes from `kept` on. The bound only rises with the newest payment, so what
             # falls below it is never held again: dropped, an account's list spans C's retention, not
             # the whole history.
             kept = floor_bucket(self.newest - HORIZON - self.keep)
-            touching = self.touching[account] = [p for p in touching if p.ts >= kept]
-        held = [p for p in touching if p.ts <= at]
-        return reference_aggregates([held], account, at, THRESHOLD, BAND)
+            if touching[0].ts < kept:
+                del touching[: bisect.bisect_left(touching, kept, key=_ts)]
+        return windows_of(touching[: bisect.bisect_right(touching, at, key=_ts)], account, at)
 
     def relations(self, account: str, at: datetime) -> dict[str, Any]:
         """B's answer about a payer (`PAYER_PARTS`: its payees, an `EdgeSummary` each). As of an instant
@@ -210,23 +309,18 @@ class Services:
         return asked({"account": account, "hops": HOPS, "out": out}, PAYER_PARTS)
 
     def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
-        payers = sorted(self.payers_of({account}))
-        subset = list(self.received_by.get(account, []))
-        for payer in payers:
-            subset += self.received_by.get(payer, []) + self.sent_by.get(payer, [])
-        layering = reference_layering(made_by(subset, at), account, HOPS, self.min_average)
-        back, frontier = {account}, {account}
-        for _ in range(HOPS - 1):
-            frontier = self.payers_of(frontier) - back
-            back |= frontier
-        into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
+        """B's answer about a payee (`PAYEE_PARTS`). The layering parts come from the heavy edges kept up
+        as payments are fed (`layering`); as of an instant before a payment fed, from the reference's
+        loop over the payments into and out of the account's payers made by then (`layering_as_of`)."""
+        if self.newest is not None and at < self.newest:
+            layering = self.layering_as_of(account, closing, at)
+        else:
+            layering = self.layering(account, closing, at)
         edges = EdgesAsOf(self.times, at)
         answer = {
             "account": account,
             "hops": HOPS,
-            "chain": reference_layering(into, account, HOPS, self.min_average, closing, at)["chain"],
-            "sources": layering["sources"],
-            "co_payees": layering["co_payees"],
+            **layering,
             "loop": loop_on_edges(
                 edges,
                 PayeesAsOf(edges, self.out),
@@ -239,6 +333,70 @@ class Services:
             ),
         }
         return asked(answer, PAYEE_PARTS)
+
+    def layering(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
+        """B's `chain`, `sources` and `co_payees` about `account` from every payment fed (`at` no earlier
+        than the newest), read off the heavy edges: what the reference computes from the payments into
+        the account, into its payers and out of them (`layering_as_of`).
+
+        Why: the reference loops over every payment of every payer of the account, so a busy payee
+        costs more with every payment, and a training replay of a long history grew with it."""
+        heavy_in, heavy_out = self.heavy_in, self.heavy_out
+        payers = heavy_in.get(account, set())
+        via: dict[str, set[str]] = defaultdict(set)
+        shared: Counter[str] = Counter()
+        for m in payers:
+            if m != account:
+                for s in heavy_in.get(m, ()):
+                    if s not in (account, m):
+                        via[s].add(m)
+            shared.update(v for v in heavy_out.get(m, ()) if v != account)
+        sources = sorted((-len(ms), s, sorted(ms)) for s, ms in via.items() if len(ms) >= 2)
+        co_payees = sorted((-n, a) for a, n in shared.items() if n >= 2)
+        # The chain ends closing -> account, so it only takes edges into `closing` and into its payers.
+        rows = self.heavy_rows(closing, account)
+        if rows:
+            for payer in heavy_in.get(closing, ()):
+                rows += self.heavy_rows(payer, closing)
+                for source in heavy_in.get(payer, ()):
+                    rows += self.heavy_rows(source, payer)
+        return {
+            "chain": _chain(rows, account, HOPS, closing, at),
+            "sources": [{"source": s, "via": ms} for _, s, ms in sources[:LISTED]],
+            "co_payees": [{"account": a, "shared": -n} for n, a in co_payees[:LISTED]],
+        }
+
+    def heavy_rows(self, payer: str, payee: str) -> list[_EdgeRow]:
+        """The edge's heavy rows, one per currency, as the reference's `_heavy_rows` makes them."""
+        edge = self.edges.get((payer, payee))
+        if edge is None:
+            return []
+        times = self.times[(payer, payee)]
+        return [
+            _EdgeRow(
+                payer, payee, edge.counts[c], edge.totals[c], self.min_average[c], times[c][0], times[c][-1]
+            )
+            for c in edge.heavy(self.min_average)
+        ]
+
+    def layering_as_of(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
+        """The layering parts as of `at`, from the reference's loop over the payments that can change
+        them, made by then."""
+        payers = sorted(self.payers_of({account}))
+        subset = list(self.received_by.get(account, []))
+        for payer in payers:
+            subset += self.received_by.get(payer, []) + self.sent_by.get(payer, [])
+        layering = reference_layering(made_by(subset, at), account, HOPS, self.min_average)
+        back, frontier = {account}, {account}
+        for _ in range(HOPS - 1):
+            frontier = self.payers_of(frontier) - back
+            back |= frontier
+        into = [p for a in sorted(back) for p in self.received_by.get(a, [])]
+        return {
+            "chain": reference_layering(into, account, HOPS, self.min_average, closing, at)["chain"],
+            "sources": layering["sources"],
+            "co_payees": layering["co_payees"],
+        }
 
     def evidence(self, payment: Any) -> Evidence:
         """The evidence the detector would see about `payment` (it has a `payment_id` too)."""

@@ -12,18 +12,20 @@ from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.client import PAYER_PARTS
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.training.reference import reference_aggregates, reference_relations
-from aml_app.training.replay import BAND, HOPS, THRESHOLD, Services, asked, decided, row_of
+from aml_app.training.replay import BAND, HOPS, THRESHOLD, Services, asked, decided, row_of, windows_of
 from tests.real_amlworld import real_files
 
 
-def _payment(pid: str, payer: str, payee: str, amount: str, minute: int) -> SimpleNamespace:
+def _payment(
+    pid: str, payer: str, payee: str, amount: str, minute: int, currency: str = "USD"
+) -> SimpleNamespace:
     return SimpleNamespace(
         payment_id=pid,
         payer=payer,
         payee=payee,
         amount=Decimal(amount),
-        currency="USD",
-        ts=f"2022-09-01T00:{minute:02d}:00+00:00",
+        currency=currency,
+        ts=(datetime(2022, 9, 1, tzinfo=UTC) + timedelta(minutes=minute)).isoformat(),
     )
 
 
@@ -127,3 +129,101 @@ def test_c_answers_from_what_it_holds_however_long_the_history() -> None:
         held = [row_of(p) for p in history if kept <= row_of(p).ts <= at]
         assert services.aggregates("x", at) == reference_aggregates([held], "x", at, THRESHOLD, BAND)
     assert len(services.touching["x"]) == sum(1 for p in history if row_of(p).ts >= kept) < len(history)
+
+
+def test_a_payees_layering_read_off_heavy_edges_is_the_references_loop() -> None:
+    """B's `chain`, `sources` and `co_payees` about a payee, read off the heavy edges kept up as payments
+    are fed, are the reference's loop over the payments into and out of the payee's payers: on the real
+    files at every instant, gate on and off, and on a history built to hold each part, where an edge
+    whose average falls below the minimum stops being heavy (fails while it still counts: y's payers
+    would be three)."""
+    timeline = real_files()[2]
+    gated, lagging = Services(AmlThresholds()), Services(AmlThresholds())
+    shown = 0
+    for when, same in itertools.groupby(timeline, key=lambda p: row_of(p).ts):
+        instant = list(same)
+        for payment in instant:  # gate off: before the payment is fed
+            assert lagging.layering(payment.payee, payment.payer, when) == lagging.layering_as_of(
+                payment.payee, payment.payer, when
+            )
+            lagging.feed(payment)
+            gated.feed(payment)
+        for payment in instant:
+            layering = gated.layering(payment.payee, payment.payer, when)
+            assert layering == gated.layering_as_of(payment.payee, payment.payer, when)
+            shown += any(layering.values())
+    assert shown > 1000
+
+    built = [
+        _payment("1", "s", "u", "5000", 0),  # the chain s -> u -> c -> x
+        _payment("2", "u", "c", "4800", 1),
+        _payment("3", "c", "x", "4600", 2),
+        _payment("4", "m1", "x", "2000", 3),  # x's heavy payers m1 and m2 ...
+        _payment("5", "m2", "x", "2500", 4, "EUR"),
+        _payment("6", "r", "m1", "3000", 5),  # ... both paid by r: a source
+        _payment("7", "r", "m2", "3000", 6),
+        _payment("8", "m1", "y", "1500", 7),  # ... both paying y: a co-payee
+        _payment("9", "m2", "y", "1500", 8),
+        _payment("10", "m3", "x", "2000", 9),  # heavy, then light: 2,010 over 3 payments
+        _payment("11", "m3", "y", "1500", 10),
+        _payment("12", "m3", "x", "5", 11),
+        _payment("13", "m3", "x", "5", 12),
+    ]
+    services = Services(AmlThresholds())
+    for payment in built:
+        services.feed(payment)
+    at = row_of(built[-1]).ts
+    layering = services.layering("x", "c", at)
+    assert layering == services.layering_as_of("x", "c", at)
+    assert layering == {
+        "chain": ["s", "u", "c", "x"],
+        "sources": [{"source": "r", "via": ["m1", "m2"]}],
+        "co_payees": [{"account": "y", "shared": 2}],
+    }
+
+
+def test_cs_windows_read_in_one_pass_are_the_references() -> None:
+    """C's windows about an account, each payment of its week read once into every window it falls in,
+    are the reference's filters over what C holds: on the real files (payer and payee of every payment, as
+    of its instant and five hours before) and on an account with several currencies, one without a rate,
+    a self-payment, payments near the reporting threshold and payments more than a week before the newest
+    it holds."""
+    services = Services(AmlThresholds())
+    checked = 0
+    for when, same in itertools.groupby(real_files()[2], key=lambda p: row_of(p).ts):
+        instant = list(same)
+        for payment in instant:
+            services.feed(payment)
+        for payment in instant:
+            for account in (payment.payer, payment.payee):
+                for at in (when, when - timedelta(hours=5)):
+                    answer = services.aggregates(account, at)  # drops what C no longer holds, first
+                    held = [p for p in services.touching[account] if p.ts <= at]
+                    assert answer == reference_aggregates([held], account, at, THRESHOLD, BAND)
+                    checked += 1
+    assert checked > 40_000
+
+    day = 24 * 60
+    history = [
+        _payment("1", "a", "b", "9500", 0),  # more than a week before the newest: dropped as too late
+        _payment("2", "a", "b", "9500", 3 * day),
+        _payment("3", "a", "c", "9999.99", 8 * day),  # near the threshold, in the last day
+        _payment("4", "a", "a", "500", 8 * day + 10),  # a self-payment: neither sent nor received
+        _payment("5", "d", "a", "120.5", 8 * day + 20, "EUR"),
+        _payment("6", "e", "a", "7", 8 * day + 30, "XTS"),  # no rate
+        _payment("7", "a", "b", "10000", 8 * day + 40),  # at the threshold: not near it
+        _payment("8", "a", "b", "0.015", 8 * day + 50, "EUR"),
+    ]
+    services = Services(AmlThresholds())
+    for payment in history:
+        services.feed(payment)
+    held = [row_of(p) for p in history]
+    newest = held[-1].ts
+    for at in (newest, newest - timedelta(minutes=25), newest - timedelta(days=2)):
+        answer = services.aggregates("a", at)
+        made = [p for p in services.touching["a"] if p.ts <= at]  # C's retention has dropped the first
+        assert answer == reference_aggregates([made], "a", at, THRESHOLD, BAND)
+    answer = windows_of(held, "a", newest)
+    assert answer == reference_aggregates([held], "a", newest, THRESHOLD, BAND)
+    assert (answer["late_dropped"], answer["near_threshold_24h"], answer["unconverted"]) == (1, 1, ["XTS"])
+    assert answer["windows"]["24h"]["sent"] == {"EUR": "0.015", "USD": "19999.99"}
