@@ -89,8 +89,9 @@ class Alert(faust.Record, serializer="json", include_metadata=False):
     hits: list[dict]
     decided_at: str
     worker: str
-    #: The learned model's score of the payment (its probability that the payment is not benign), by
-    #: which analysts rank their queue; None where no model scored it (the rules alone, a self-payment).
+    #: What analysts rank their queue by: the learned model's score of the payment (its probability that
+    #: the payment is not benign), or with the AML rules alone the strongest of the rules that alerted
+    #: (`aml_app.detection.rules.RULE_STRENGTH`); None for the fraud rules.
     score: float | None = None
 
 

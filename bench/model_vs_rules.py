@@ -37,7 +37,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.traffic import simulate
 from aml_app.training.fit import SCORED_SEEDS, calibrated_run, replay
-from aml_app.training.holdout import TOP_K, queue_of, within_budgets
+from aml_app.training.holdout import TOP_K, queue_of, rules_queue, within_budgets
 from aml_app.training.replay import Services, decided
 from bench.amlworld_detection import BACKGROUND, PATTERNS, judge, pooled, timeline_of, with_evidence
 from bench.common import code_version, machine, markdown_table, write_results
@@ -118,10 +118,10 @@ def budgets(
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """What the model and the rules beside it alert at each of its alert budgets (`AML_ALERT_BUDGET`),
     each set on runs of the calibrated simulator, on one data set (`pairs`: its payments with their
-    evidence, replayed already); and, at its own cut, the precision at the top of the analysts' queue,
-    ranked by the score each alert carries."""
+    evidence, replayed already); and the analysts' queues of the model at its own cut and of the rules
+    alone, ranked by the score each alert carries."""
     run = replay(patterns, background, pairs=pairs)
-    return within_budgets(model, run), queue_of(model, run)
+    return within_budgets(model, run), {"model": queue_of(model, run), "rules": rules_queue(run)}
 
 
 def budget_rows(found: list[dict[str, Any]]) -> list[list[Any]]:
@@ -163,7 +163,7 @@ def main() -> None:
     results: dict[str, Any] = {}
     payments, spent = 0, 0.0
     real_budgets: list[dict[str, Any]] = []
-    real_queue: dict[str, Any] = {}
+    real_queues: dict[str, dict[str, Any]] = {"model": {}, "rules": {}}
     for name, make in sets.items():
         patterns, background = make()
         timeline = timeline_of(patterns, background)
@@ -178,19 +178,21 @@ def main() -> None:
         print(markdown_table(headers, [[d, *summary(doc)] for d, doc in results[name].items()]))
         print(f"\nnamed by shape, with evidence: {results[name]['rules']['all']['named_by_shape']}")
         if with_budgets:
-            real_budgets, real_queue = budgets(model, patterns, background, pairs)
+            real_budgets, real_queues = budgets(model, patterns, background, pairs)
             print("\nthe model at each of its alert budgets (`AML_ALERT_BUDGET`):\n")
             print(markdown_table(BUDGET_HEADERS, budget_rows(real_budgets)))
-            print(
-                f"\nthe model's queue, alerts ranked by their `score`: {real_queue['alerts']} alerts, "
-                f"the first benign one at place {real_queue['first_benign']}; precision at its top:\n"
-            )
-            print(
-                markdown_table(
-                    ["queue", *(f"top {k}" for k in TOP_K)],
-                    [[name, *at.values()] for name, at in real_queue["precision_at_top"].items()],
+            for who, queue in zip(("the model's", "the rules'"), real_queues.values(), strict=True):
+                print(
+                    f"\n{who} queue, alerts ranked by their `score` (ties: benign first): "
+                    f"{queue['alerts']} alerts, the first benign one at place {queue['first_benign']}; "
+                    "precision at its top:\n"
                 )
-            )
+                print(
+                    markdown_table(
+                        ["queue", *(f"top {k}" for k in TOP_K)],
+                        [[name, *at.values()] for name, at in queue["precision_at_top"].items()],
+                    )
+                )
         print()
     runs = [results[f"calibrated seed {s}"] for s in seeds]
     results[calibrated] = {d: pooled([run[d] for run in runs]) for d in runs[0]}
@@ -208,7 +210,8 @@ def main() -> None:
             "model": {k: v for k, v in model.training.items()},
             "model_us_per_payment": round(per_payment, 1),
             "model_budgets_on_real": real_budgets,
-            "model_queue_on_real": real_queue,
+            "model_queue_on_real": real_queues["model"],
+            "rules_queue_on_real": real_queues["rules"],
             **results,
             "at": time.time(),
         },

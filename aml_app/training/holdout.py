@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from aml_app.detection.model import BENIGN, Model
+from aml_app.detection.rules import RULE_STRENGTH
 from aml_app.training.fit import UNNAMED, Replayed
 
 SPLITS = ("time", "attempt", "account")
@@ -213,14 +214,24 @@ def queue_of(model: Model, run: Replayed) -> dict[str, Any]:
     return _queue(named, score, run, len(measured["laundering"]), len(measured["benign"]))
 
 
+def rules_queue(run: Replayed) -> dict[str, Any]:
+    """`_queue` of what the rules alone alert on `run`, each alert ranked by the strongest rule that fired
+    (`RULE_STRENGTH`), as the AML worker scores them without a model."""
+    named = [set(typologies) for typologies in run.typologies]
+    score = np.array([max((RULE_STRENGTH[r] for r in rules), default=0.0) for rules in run.rules])
+    measured = _measured(named, run)
+    return _queue(named, score, run, len(measured["laundering"]), len(measured["benign"]))
+
+
 def _queue(
     named: Sequence[set[str]], score: np.ndarray, run: Replayed, laundering: int, benign: int
 ) -> dict[str, Any]:
     """The analysts' queue of the payments `named` alerts, ranked by the score each alert carries: how
     many alerts, the place of the first benign one (from 1; None: none), and the precision at its top
-    (`queue_precision`)."""
+    (`queue_precision`). Alerts of one score are ranked benign first: the figures are the worst the
+    ties allow (the rules alone score each rule's alerts alike)."""
     alerted = [i for i, names in enumerate(named) if names]
-    ranked = sorted(alerted, key=lambda i: -score[i])  # stable, as `queue_precision` ranks them
+    ranked = sorted(alerted, key=lambda i: (-score[i], run.labels[i] != BENIGN))  # as `queue_precision`
     return {
         "alerts": len(alerted),
         "first_benign": next(
@@ -346,13 +357,14 @@ def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, 
 def queue_precision(
     scores: Sequence[float], laundering: Sequence[bool], laundering_payments: int, benign_payments: int
 ) -> dict[str, dict[str, float | None]]:
-    """Precision at the top k of the alert queue, alerts ranked by the model's probability that they are
-    not benign (an analyst works the queue top down): in the part as it is, and estimated at each of
-    BASE_RATES, where each benign alert stands for as many as the base rate's benign payments per
-    laundering one outnumber the part's (so in a part of one laundering payment in three, at one in 900
-    each benign alert weighs about 450). None where the queue is shorter than k."""
-    order = np.argsort(-np.asarray(scores, dtype=float), kind="stable")
-    bad = np.asarray(laundering, dtype=bool)[order]
+    """Precision at the top k of the alert queue, alerts ranked by their score (the model's probability
+    that they are not benign, or the rules' strength; an analyst works the queue top down): in the part
+    as it is, and estimated at each of BASE_RATES, where each benign alert stands for as many as the base
+    rate's benign payments per laundering one outnumber the part's (so in a part of one laundering
+    payment in three, at one in 900 each benign alert weighs about 450). None where the queue is shorter
+    than k."""
+    order = np.lexsort((np.asarray(laundering, dtype=bool), -np.asarray(scores, dtype=float)))
+    bad = np.asarray(laundering, dtype=bool)[order]  # ties: benign first, the worst they allow
     found: dict[str, dict[str, float | None]] = {}
     weights = {"in the part": 1.0}
     if laundering_payments and benign_payments:

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from aml_app.detection.rules import RULE_STRENGTH
 from aml_app.harness.demo import Demo, Options
 from aml_app.harness.verdict import Verdict
 from aml_app.harness.verify import decided_at
@@ -153,6 +154,10 @@ async def test_kill_9_of_a_worker_and_of_api_replicas_then_an_api_outage_lose_no
     fraud = demo.system.decisions["fraud"].of_run(demo.ledger.ids())
     assert len(fraud) == verdict.valid == len({d["payment_id"] for d in fraud})
     assert verdict.services["aml"].alerts >= 5 and verdict.services["fraud"].alerts >= 1
+    # The rules alone rank each AML alert by the strongest rule that fired; fraud's alerts carry no score.
+    for record in demo.system.alerts["aml"].of_run(demo.ledger.ids()):
+        assert record["score"] == max(RULE_STRENGTH[hit["rule"]] for hit in record["hits"]), record
+    assert all(r["score"] is None for r in demo.system.alerts["fraud"].of_run(demo.ledger.ids()))
 
     assert {"down", "up"} <= set(outage)
     assert outage["traffic_left_s"] > 8, f"the outage began after the traffic: {outage}"

@@ -33,7 +33,7 @@ from aml_app.detection.model import (
     load,
     typologies_named,
 )
-from aml_app.detection.rules import Hit, aml_rules
+from aml_app.detection.rules import RULE_STRENGTH, TYPOLOGIES, Hit, aml_rules, strengthened
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.training.fit import (
@@ -53,7 +53,7 @@ from aml_app.training.fit import (
     sample_weights,
     train,
 )
-from aml_app.training.holdout import queue_of, within_budgets
+from aml_app.training.holdout import queue_of, rules_queue, within_budgets
 from aml_app.training.replay import Services, timeline_of
 from bench.amlworld_detection import judge, with_evidence
 from bench.model_spread import CUT_SEEDS, TRAININGS, alerts
@@ -253,6 +253,26 @@ def test_the_shipped_models_queue_on_real_amlworld_is_the_one_its_alerts_scores_
     ranked = sorted(scored, key=lambda alert: -alert[0])
     assert len(ranked) == queue["alerts"]
     assert [laundering for _, laundering in ranked].index(False) + 1 == queue["first_benign"]
+
+
+def test_the_rules_queue_on_real_amlworld_ranks_by_their_strength(real: tuple[Any, Any, list[Any]]) -> None:
+    """BENCHMARKS.md, "Rules, a model, or both": ranked by the strongest rule that fired (`RULE_STRENGTH`;
+    alerts of one score benign first), the rules' 2,432 alerts on the real files hold their first benign
+    one at place 786; in the order the payments came, the first alert is benign. The worker's hits,
+    strengthened, rank that queue."""
+    patterns, background, _ = real
+    queue = rules_queue(replay(patterns, background, pairs=real_decided()))
+    assert (queue["alerts"], queue["first_benign"]) == (2432, 786)
+    assert {v for at in queue["precision_at_top"].values() for v in at.values()} == {1.0}
+    scored = [
+        (max(hit.score or 0.0 for hit in hits), payment.is_laundering)
+        for payment, evidence in real_decided()
+        if (hits := strengthened(aml_rules(evidence, AmlThresholds())))
+    ]
+    ranked = sorted(scored, key=lambda alert: (-alert[0], alert[1]))
+    assert len(ranked) == queue["alerts"]
+    assert [laundering for _, laundering in ranked].index(False) + 1 == queue["first_benign"]
+    assert not scored[0][1]
 
 
 def test_a_data_set_without_payment_formats_is_judged_too() -> None:
@@ -621,3 +641,13 @@ def test_a_payment_dated_in_the_first_week_of_year_one_gets_its_features(
     # Every payee B knows of was first paid after the week's start, which is the earliest instant.
     assert row[FEATURES.index("payer_new_payees_7d")] == row[FEATURES.index("payer_payees")] > 0
     shipped.hit(dated, aml_rules(dated, thresholds), thresholds)
+
+
+def test_the_rules_strengths_are_their_precision_on_the_runs_the_shipped_model_learns_from() -> None:
+    """The rules alone rank their alerts by `RULE_STRENGTH`: what the shipped model's training measured
+    on its calibrated runs, every AML rule's, and each hit scored by its own rule's."""
+    precision = json.loads(SHIPPED_PATH.read_text())["training"]["rule_precision"]
+    assert RULE_STRENGTH == precision
+    assert set(RULE_STRENGTH) == {f"aml.{typology}" for typology in TYPOLOGIES}
+    hits = [Hit("aml.cycle", "cycle", "r"), Hit("aml.fan_out", "fan_out", "r")]
+    assert [hit.score for hit in strengthened(hits)] == [precision["aml.cycle"], precision["aml.fan_out"]]
