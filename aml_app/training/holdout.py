@@ -228,19 +228,23 @@ def _queue(
 ) -> dict[str, Any]:
     """The analysts' queue of the payments `named` alerts, ranked by the score each alert carries: how
     many alerts, the place of the first benign one (from 1; None: none), and the precision at its top
-    (`queue_precision`). Alerts of one score are ranked benign first: the figures are the worst the
-    ties allow (the rules alone score each rule's alerts alike)."""
+    (`queue_precision`), both in `queue_order`."""
     alerted = [i for i, names in enumerate(named) if names]
-    ranked = sorted(alerted, key=lambda i: (-score[i], run.labels[i] != BENIGN))  # as `queue_precision`
+    scores = [float(score[i]) for i in alerted]
+    bad = [run.labels[i] != BENIGN for i in alerted]
     return {
         "alerts": len(alerted),
         "first_benign": next(
-            (place for place, i in enumerate(ranked, start=1) if run.labels[i] == BENIGN), None
+            (place for place, j in enumerate(queue_order(scores, bad), start=1) if not bad[j]), None
         ),
-        "precision_at_top": queue_precision(
-            [score[i] for i in alerted], [run.labels[i] != BENIGN for i in alerted], laundering, benign
-        ),
+        "precision_at_top": queue_precision(scores, bad, laundering, benign),
     }
+
+
+def queue_order(scores: Sequence[float], laundering: Sequence[bool]) -> np.ndarray:
+    """The alerts' places in the analysts' queue: the highest score first, and alerts of one score benign
+    first, the worst the ties allow (the rules alone score each rule's alerts alike)."""
+    return np.lexsort((np.asarray(laundering, dtype=bool), -np.asarray(scores, dtype=float)))
 
 
 def _per_typology(named: Sequence[set[str]], run: Replayed) -> dict[str, dict[str, Any]]:
@@ -363,8 +367,7 @@ def queue_precision(
     rate's benign payments per laundering one outnumber the part's (so in a part of one laundering
     payment in three, at one in 900 each benign alert weighs about 450). None where the queue is shorter
     than k."""
-    order = np.lexsort((np.asarray(laundering, dtype=bool), -np.asarray(scores, dtype=float)))
-    bad = np.asarray(laundering, dtype=bool)[order]  # ties: benign first, the worst they allow
+    bad = np.asarray(laundering, dtype=bool)[queue_order(scores, laundering)]
     found: dict[str, dict[str, float | None]] = {}
     weights = {"in the part": 1.0}
     if laundering_payments and benign_payments:

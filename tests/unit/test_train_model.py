@@ -553,8 +553,8 @@ def test_precision_at_the_top_of_the_queue_weighs_benign_alerts_by_the_base_rate
 
 
 def test_the_queue_places_the_first_benign_alert_by_score() -> None:
-    """Alerts ranked by their score, the highest first and ties in the history's order; a payment not
-    alerted is not in the queue, however high its score; places count from 1."""
+    """Alerts ranked by their score, the highest first and ties benign first (the worst they allow); a
+    payment not alerted is not in the queue, however high its score; places count from 1."""
     run = Replayed(labels=[BENIGN, "cycle", BENIGN, "stack", BENIGN])
     named = [{"cycle"}, {"cycle"}, set(), {"stack"}, {"fan_in"}]
     score = np.array([0.5, 0.9, 0.99, 0.7, 0.5])
@@ -562,6 +562,8 @@ def test_the_queue_places_the_first_benign_alert_by_score() -> None:
     assert (queue["alerts"], queue["first_benign"]) == (4, 3)  # 0.9, 0.7, then the first of the 0.5s
     assert queue["precision_at_top"]["in the part"]["10"] is None  # four alerts: no top 10
     assert _queue([set(), {"cycle"}, set(), {"stack"}, set()], score, run, 2, 3)["first_benign"] is None
+    tied = _queue([{"cycle"}, {"cycle"}], np.array([0.5, 0.5]), Replayed(labels=["cycle", BENIGN]), 1, 1)
+    assert tied["first_benign"] == 1  # the benign alert of the tie first, though it came later
 
 
 def test_a_benign_rate_of_none_alerted_is_bounded_and_the_precision_from_it_is_a_floor() -> None:
