@@ -310,24 +310,29 @@ def loop_on_edges(
     loop_hops: int,
     span: timedelta,
     max_payees: int,
+    tried: Mapping[str, set[str]] | None = None,
 ) -> dict[str, Any]:
     """`reference_loop` over edges kept as `_edge_times` makes them and each payer's payees (for callers
-    that keep both up to date)."""
+    that keep both up to date). `tried`: the payees the walk tries from each account, `out` by default;
+    a caller that knows which edges no walk as of `at` can take (last paid before `at` - `span`) may
+    leave them out, while `out` still counts every payee for `max_payees`."""
     best: tuple[str, ...] | None = None
+    steps = out if tried is None else tried
 
     def walk(here: str, reached: datetime, seen: tuple[str, ...]) -> None:
         nonlocal best
         depth = len(seen) - 1
         if best is not None and depth + 1 >= len(best) - 1:
             return
-        for there in sorted(out.get(here, ())):
+        for there in sorted(steps.get(here, ())):
             when = _step(edges.get((here, there), []), reached, at)
             if when is None or there in (account, here) or there in seen:
                 continue
             if there == closing:
                 best = (*seen, there)
                 return
-            if depth + 2 < loop_hops and len(out.get(there, set()) - {there}) <= max_payees:
+            paid = out.get(there, set())
+            if depth + 2 < loop_hops and len(paid) - (there in paid) <= max_payees:
                 walk(there, when, (*seen, there))
 
     walk(account, at - span, (account,))

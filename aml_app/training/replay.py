@@ -9,8 +9,9 @@ keeps what each question reads as payments are fed, and is held equal to the ref
 `tests/unit/test_replay.py`: C's windows read, in one pass, the account's payments that C still holds, in
 time order (`windows_of`); the payer's `out` sums its edges (`EdgeSummary`); the payee's `chain`,
 `sources` and `co_payees` are read off B's heavy edges (`Services.layering`); `loop` reads the edges'
-first and last times (`aml_app.training.reference.loop_on_edges`). As of an instant before a payment fed,
-B's parts are the reference's over the payments that can change them.
+first and last times (`aml_app.training.reference.loop_on_edges`), trying only the edges paid within its
+span (`Services.live_out`). As of an instant before a payment fed, B's parts are the reference's over the
+payments that can change them.
 
 Every answer is as of the payment's time, as the real B and C give it to the detectors: only payments made
 by then count, however many later ones were fed (`bench/partition_skew.py` feeds some partitions ahead);
@@ -23,6 +24,7 @@ Used by the detection tests on simulated traffic and by `bench/amlworld_detectio
 from __future__ import annotations
 
 import bisect
+import heapq
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
@@ -250,6 +252,10 @@ class Services:
         # (payer, payee) -> per currency its payment times, sorted; payer -> payees: B's edges for `loop`
         self.times: dict[tuple[str, str], dict[str, list[datetime]]] = defaultdict(dict)
         self.out: dict[str, set[str]] = defaultdict(set)
+        # payer -> the payees of its edges last paid within LOOP_SPAN of the newest payment, and a heap of
+        # (a payment's time, payer, payee) saying when to look at an edge again (`_expire`)
+        self.live_out: dict[str, set[str]] = defaultdict(set)
+        self.paid_at: list[tuple[datetime, str, str]] = []
         self.edges: dict[tuple[str, str], EdgeSummary] = defaultdict(EdgeSummary)
         # B's heavy edges (`EdgeSummary.heavy`): payee -> its heavy payers, payer -> its heavy payees
         self.heavy_in: dict[str, set[str]] = defaultdict(set)
@@ -269,6 +275,9 @@ class Services:
         self.received_by[payment.payee].append(payment)
         bisect.insort(self.times[(payment.payer, payment.payee)].setdefault(payment.currency, []), payment.ts)
         self.out[payment.payer].add(payment.payee)
+        self.live_out[payment.payer].add(payment.payee)
+        heapq.heappush(self.paid_at, (payment.ts, payment.payer, payment.payee))
+        self._expire()
         edge = self.edges[(payment.payer, payment.payee)]
         edge.add(payment)
         if edge.heavy(self.min_average):
@@ -277,6 +286,19 @@ class Services:
         else:  # a payment can bring an edge's average below the minimum
             self.heavy_in[payment.payee].discard(payment.payer)
             self.heavy_out[payment.payer].discard(payment.payee)
+
+    def _expire(self) -> None:
+        """Drop from `live_out` the edges last paid before the newest payment's time less LOOP_SPAN.
+
+        Why: a loop as of an instant starts LOOP_SPAN before it and takes an edge only if paid since
+        (`reference._step`), and the replay asks as of the newest payment or later; a walk that tries
+        every payee an account ever paid grows with the history."""
+        assert self.newest is not None
+        horizon = self.newest - LOOP_SPAN
+        while self.paid_at and self.paid_at[0][0] < horizon:
+            _, payer, payee = heapq.heappop(self.paid_at)
+            if max(paid[-1] for paid in self.times[(payer, payee)].values()) < horizon:
+                self.live_out[payer].discard(payee)
 
     def payers_of(self, accounts: set[str]) -> set[str]:
         return {p.payer for a in accounts for p in self.received_by.get(a, [])}
@@ -311,28 +333,45 @@ class Services:
     def payee_relations(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
         """B's answer about a payee (`PAYEE_PARTS`). The layering parts come from the heavy edges kept up
         as payments are fed (`layering`); as of an instant before a payment fed, from the reference's
-        loop over the payments into and out of the account's payers made by then (`layering_as_of`)."""
+        loop over the payments into and out of the account's payers made by then (`layering_as_of`);
+        `loop` tries the edges paid within its span (`loop`), or as of such an instant every edge made by
+        then (`loop_as_of`)."""
         if self.newest is not None and at < self.newest:
-            layering = self.layering_as_of(account, closing, at)
+            layering, loop = self.layering_as_of(account, closing, at), self.loop_as_of(account, closing, at)
         else:
-            layering = self.layering(account, closing, at)
+            layering, loop = self.layering(account, closing, at), self.loop(account, closing, at)
+        return asked({"account": account, "hops": HOPS, **layering, "loop": loop}, PAYEE_PARTS)
+
+    def loop(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
+        """B's `loop` about `account` closed by a payment from `closing` at `at` (no earlier than the
+        newest payment fed), trying only the edges `live_out` holds: one last paid before `at` less
+        LOOP_SPAN no walk can take."""
+        return loop_on_edges(
+            EdgesAsOf(self.times, at),
+            self.out,
+            account,
+            closing,
+            at,
+            self.loop_hops,
+            LOOP_SPAN,
+            LOOP_MAX_PAYEES,
+            tried=self.live_out,
+        )
+
+    def loop_as_of(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
+        """B's `loop` as of any instant: over every edge paid by then, each currency's first and last
+        payment made by then."""
         edges = EdgesAsOf(self.times, at)
-        answer = {
-            "account": account,
-            "hops": HOPS,
-            **layering,
-            "loop": loop_on_edges(
-                edges,
-                PayeesAsOf(edges, self.out),
-                account,
-                closing,
-                at,
-                self.loop_hops,
-                LOOP_SPAN,
-                LOOP_MAX_PAYEES,
-            ),
-        }
-        return asked(answer, PAYEE_PARTS)
+        return loop_on_edges(
+            edges,
+            PayeesAsOf(edges, self.out),
+            account,
+            closing,
+            at,
+            self.loop_hops,
+            LOOP_SPAN,
+            LOOP_MAX_PAYEES,
+        )
 
     def layering(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
         """B's `chain`, `sources` and `co_payees` about `account` from every payment fed (`at` no earlier

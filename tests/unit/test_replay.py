@@ -10,8 +10,9 @@ from types import SimpleNamespace
 
 from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.client import PAYER_PARTS
+from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.training.reference import reference_aggregates, reference_relations
+from aml_app.training.reference import reference_aggregates, reference_loop, reference_relations
 from aml_app.training.replay import BAND, HOPS, THRESHOLD, Services, asked, decided, row_of, windows_of
 from tests.real_amlworld import real_files
 
@@ -180,6 +181,54 @@ def test_a_payees_layering_read_off_heavy_edges_is_the_references_loop() -> None
         "sources": [{"source": "r", "via": ["m1", "m2"]}],
         "co_payees": [{"account": "y", "shared": 2}],
     }
+
+
+def test_a_payees_loop_walked_over_edges_paid_within_its_span_is_the_references() -> None:
+    """B's `loop` about a payee, walking only the edges paid within its span (`Services.live_out`), is
+    the walk over every edge made by then and, at every 250th payment, the reference's over every payment
+    fed: on the real files, gate on. On a history built for it, an edge first paid long ago but paid
+    again within the span is walked (fails when an edge expires by its first payment: the longer loop
+    through m), and an account that paid more than LOOP_MAX_PAYEES, most long ago, still ends the walk
+    (fails when only its recent payees count: the loop through b)."""
+    services, fed, found = Services(AmlThresholds()), [], 0
+    for when, same in itertools.groupby(real_files()[2], key=lambda p: row_of(p).ts):
+        instant = list(same)
+        for payment in instant:
+            services.feed(payment)
+            fed.append(payment)
+        for payment in instant:
+            loop = services.loop(payment.payee, payment.payer, when)
+            assert loop == services.loop_as_of(payment.payee, payment.payer, when)
+            if len(fed) % 250 == 0:
+                assert loop == reference_loop(
+                    fed, payment.payee, payment.payer, when, services.loop_hops, LOOP_SPAN, LOOP_MAX_PAYEES
+                )
+            found += loop["found"]
+    assert found > 200
+
+    day, now = 1440, 30 * 1440
+    built = [
+        _payment("1", "x", "c", "900", now - 20 * day),  # too long ago for a loop closed now
+        *(_payment(f"b{n}", "b", f"p{n}", "900", now - 20 * day) for n in range(LOOP_MAX_PAYEES + 1)),
+        _payment("2", "x", "k", "900", now - 15 * day),  # first paid before the span, again within it
+        _payment("3", "x", "m", "900", now - 3 * day),  # a longer loop: x -> m -> q -> c
+        _payment("4", "x", "b", "900", now - 3 * day),  # b paid too many to be walked through
+        _payment("7", "x", "k", "900", now - 3 * day),
+        _payment("5", "b", "c", "900", now - 2 * day),
+        _payment("6", "m", "q", "900", now - 2 * day),
+        _payment("8", "q", "c", "900", now - day),
+        _payment("9", "k", "c", "900", now - day // 2),
+        _payment("10", "c", "x", "900", now),
+    ]
+    services = Services(AmlThresholds())
+    for payment in built:
+        services.feed(payment)
+    at = row_of(built[-1]).ts
+    assert services.live_out["b"] == {"c"} and "c" not in services.live_out["x"]
+    loop = services.loop("x", "c", at)
+    assert loop == services.loop_as_of("x", "c", at)
+    assert loop == reference_loop(built, "x", "c", at, services.loop_hops, LOOP_SPAN, LOOP_MAX_PAYEES)
+    assert loop == {"found": True, "path": ["x", "k", "c", "x"]}
 
 
 def test_cs_windows_read_in_one_pass_are_the_references() -> None:
