@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -84,7 +84,9 @@ CUT_SEEDS = (4, 5, 6, 7, 8, 9)
 def format_unread(run: Replayed) -> Replayed:
     """`run` with its payment-format features 0."""
     columns = [FEATURES.index(f"format_{name}") for name in PAYMENT_FORMATS]
-    rows = [[0.0 if i in columns else value for i, value in enumerate(row)] for row in run.rows]
+    rows: list[Sequence[float]] = [
+        [0.0 if i in columns else value for i, value in enumerate(row)] for row in run.rows
+    ]
     return dataclasses.replace(run, rows=rows)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import tempfile
+from array import array
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -83,13 +84,17 @@ SCORED_SEEDS = (1, 20, 21, 22, 23)
 
 @dataclass
 class Replayed:
-    """One timeline replayed with the gate on: per payment, its features, label and the rules' hits."""
+    """One timeline replayed with the gate on: per payment, its features, label and the rules' hits.
+
+    A replay keeps each payment's features as an `array("d")` and its hits as tuples (most are the empty
+    one): a row as a list of Python floats takes nearly four times the memory, and the rows are most of
+    what train-model holds on a long history."""
 
     payments: list[Any] = field(default_factory=list)
-    rows: list[list[float]] = field(default_factory=list)
+    rows: list[Sequence[float]] = field(default_factory=list)
     labels: list[str] = field(default_factory=list)
-    rules: list[list[str]] = field(default_factory=list)  # rule names that fired, per payment
-    typologies: list[list[str]] = field(default_factory=list)  # and the typology of each
+    rules: list[Sequence[str]] = field(default_factory=list)  # rule names that fired, per payment
+    typologies: list[Sequence[str]] = field(default_factory=list)  # and the typology of each
     attempts: list[tuple[str, list[int]]] = field(default_factory=list)  # typology, its payments' indices
 
     @classmethod
@@ -154,14 +159,14 @@ def replay_timeline(
     for n, (payment, evidence) in enumerate(replayed, start=1):
         hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
-        out.rows.append(features(evidence, hits, thresholds))
+        out.rows.append(array("d", features(evidence, hits, thresholds)))
         label = typology.get(payment.payment_id)
         if label is None and unnamed and getattr(payment, "is_laundering", False):
             label = UNNAMED
             lone.append(payment.payment_id)
         out.labels.append(label or BENIGN)
-        out.rules.append([hit.rule for hit in hits])
-        out.typologies.append([hit.typology for hit in hits])
+        out.rules.append(tuple(hit.rule for hit in hits))
+        out.typologies.append(tuple(hit.typology for hit in hits))
         if progress is not None and n % PROGRESS_EVERY == 0:
             progress(n, len(timeline))
     index = {payment.payment_id: i for i, payment in enumerate(out.payments)}

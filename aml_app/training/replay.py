@@ -64,7 +64,7 @@ with localcontext() as _ctx:
 _ANSWERED = {"reporting_threshold": format(THRESHOLD, "f"), "threshold_band": format(BAND, "f")}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Row:
     """A payment-like object for the reference, parsed once (the reference accepts text, but re-parses)."""
 
@@ -81,7 +81,7 @@ def row_of(payment: Any) -> Row:
     return Row(payment.payer, payment.payee, amount, payment.currency, ts.astimezone(UTC))
 
 
-@dataclass
+@dataclass(slots=True)
 class EdgeSummary:
     """One (payer, payee) edge of B's `out` part, summed as its payments are fed: what the reference's
     loop over every payment of the payer gives (`reference.reference_relations`), each currency's total
