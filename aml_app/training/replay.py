@@ -346,31 +346,31 @@ class Services:
         """B's `loop` about `account` closed by a payment from `closing` at `at` (no earlier than the
         newest payment fed), trying only the edges `live_out` holds: one last paid before `at` less
         LOOP_SPAN no walk can take."""
-        return loop_on_edges(
-            EdgesAsOf(self.times, at),
-            self.out,
-            account,
-            closing,
-            at,
-            self.loop_hops,
-            LOOP_SPAN,
-            LOOP_MAX_PAYEES,
-            tried=self.live_out,
-        )
+        return self._walk(account, closing, at, self.out, self.live_out)
 
     def loop_as_of(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
         """B's `loop` as of any instant: over every edge paid by then, each currency's first and last
         payment made by then."""
-        edges = EdgesAsOf(self.times, at)
+        return self._walk(account, closing, at, PayeesAsOf(EdgesAsOf(self.times, at), self.out), None)
+
+    def _walk(
+        self,
+        account: str,
+        closing: str,
+        at: datetime,
+        out: Mapping[str, set[str]],
+        tried: Mapping[str, set[str]] | None,
+    ) -> dict[str, Any]:
         return loop_on_edges(
-            edges,
-            PayeesAsOf(edges, self.out),
+            EdgesAsOf(self.times, at),
+            out,
             account,
             closing,
             at,
             self.loop_hops,
             LOOP_SPAN,
             LOOP_MAX_PAYEES,
+            tried=tried,
         )
 
     def layering(self, account: str, closing: str, at: datetime) -> dict[str, Any]:
