@@ -209,9 +209,7 @@ def scored_each(pairs: Sequence[tuple[Mapping[str, Any], Replayed]]) -> dict[str
 
 def queue_of(model: Model, run: Replayed) -> dict[str, Any]:
     """`_queue` of what `model` and the rules beside it alert on `run`."""
-    named, score = _named(model, run)
-    measured = _measured(named, run)
-    return _queue(named, score, run, len(measured["laundering"]), len(measured["benign"]))
+    return _queue_of_run(*_named(model, run), run)
 
 
 def rules_queue(run: Replayed) -> dict[str, Any]:
@@ -219,8 +217,13 @@ def rules_queue(run: Replayed) -> dict[str, Any]:
     (`RULE_STRENGTH`), as the AML worker scores them without a model."""
     named = [set(typologies) for typologies in run.typologies]
     score = np.array([max((RULE_STRENGTH[r] for r in rules), default=0.0) for rules in run.rules])
-    measured = _measured(named, run)
-    return _queue(named, score, run, len(measured["laundering"]), len(measured["benign"]))
+    return _queue_of_run(named, score, run)
+
+
+def _queue_of_run(named: Sequence[set[str]], score: np.ndarray, run: Replayed) -> dict[str, Any]:
+    """`_queue` with the laundering and benign payments counted off `run`'s labels."""
+    laundering = sum(label != BENIGN for label in run.labels)
+    return _queue(named, score, run, laundering, len(run.labels) - laundering)
 
 
 def _queue(

@@ -385,16 +385,22 @@ def exact_from(batches: Sequence[Sequence[Any]]) -> datetime | None:
 def in_reporting(payments: Sequence[Any], rates: ExchangeRates) -> str:
     """The payments' amounts converted one currency at a time into the reporting currency, to the cent;
     amounts in currencies without a rate count nothing."""
+    return totals_in_reporting(
+        {
+            c: _total(amount_of(p) for p in payments if p.currency == c)
+            for c in {p.currency for p in payments}
+        },
+        rates,
+    )
+
+
+def totals_in_reporting(totals: Mapping[str, Decimal], rates: ExchangeRates) -> str:
+    """Per-currency totals converted one currency at a time into the reporting currency, to the cent,
+    at 80 digits as the reference's sums (`ExchangeRates.total` works at 28); currencies without a rate
+    count nothing."""
     with localcontext() as ctx:
         ctx.prec = 80
-        exact = sum(
-            (
-                _total(amount_of(p) for p in payments if p.currency == c) / rates.per_unit[c]
-                for c in {p.currency for p in payments}
-                if c in rates.per_unit
-            ),
-            Decimal(0),
-        )
+        exact = sum((t / rates.per_unit[c] for c, t in totals.items() if c in rates.per_unit), Decimal(0))
     return money_text(exact.quantize(Decimal("0.01"), rounding=ROUND_HALF_EVEN))
 
 

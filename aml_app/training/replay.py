@@ -30,14 +30,14 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from decimal import ROUND_HALF_EVEN, Decimal, localcontext
+from decimal import Decimal, localcontext
 from typing import Any
 
 from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.client import PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
-from aml_app.detection.exchange import CENT, ExchangeRates
+from aml_app.detection.exchange import ExchangeRates
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import Settings
 from aml_app.training.reference import (
@@ -52,6 +52,7 @@ from aml_app.training.reference import (
     money_text,
     reference_layering,
     reference_relations,
+    totals_in_reporting,
 )
 
 THRESHOLD = Decimal("10000")
@@ -200,13 +201,8 @@ def windows_of(held: list[Row], account: str, at: datetime) -> dict[str, Any]:
                 continue
             totals = {c: _total(amounts[c]) for c in sorted(amounts)}
             unconverted |= totals.keys() - RATES.per_unit.keys()
-            with localcontext() as ctx:
-                ctx.prec = 80
-                exact = sum(
-                    (t / RATES.per_unit[c] for c, t in totals.items() if c in RATES.per_unit), Decimal(0)
-                )
             shown[way] = {c: money_text(t) for c, t in totals.items()}
-            shown[f"{way}_total"] = money_text(exact.quantize(CENT, rounding=ROUND_HALF_EVEN))
+            shown[f"{way}_total"] = totals_in_reporting(totals, RATES)
         sent, received = window["sent"][1], window["received"][1]
         shown["counterparties"] = len(sent | received)
         shown["sent_counterparties"] = len(sent)
