@@ -28,6 +28,7 @@ import click
 from aml_app.detection.model import BENIGN
 from aml_app.training.fit import (
     CUT_RATE,
+    MAX_BENIGN_FIT,
     RUNS,
     SHIPPED_VETO,
     Replayed,
@@ -127,6 +128,14 @@ def _seeds(text: str, hint: str) -> list[int]:
     "--seed", type=int, default=0, show_default=True, help="Of the hash that splits by attempt or account."
 )
 @click.option(
+    "--max-benign",
+    type=click.IntRange(min=1),
+    default=MAX_BENIGN_FIT,
+    show_default=True,
+    help="The most benign payments between two parties each fit of the trees learns from; where there "
+    "are more, a uniform sample (the cut and the alert budgets are still set on all of them).",
+)
+@click.option(
     "--report",
     "report_path",
     type=click.Path(dir_okay=False, writable=True),
@@ -154,6 +163,7 @@ def train_model_command(
     by_look: bool | None,
     parts: int,
     seed: int,
+    max_benign: int,
     report_path: str | None,
     simulated: bool,
     score_seeds: str,
@@ -203,7 +213,7 @@ def train_model_command(
             unnamed=True,
             progress=_replaying(say),
         )
-        how = _Training(by, folds, seed, cut_rate, by_look, say)
+        how = _Training(by, folds, seed, cut_rate, by_look, max_benign, say)
         if parts:
             doc, report = _cross_validated(run, parts, how)
         else:
@@ -226,20 +236,23 @@ def train_model_command(
 @dataclass(frozen=True)
 class _Training:
     """How the command trains each model: the split's kind and hash seed, the inner folds, the cut rate,
-    the labels, and where progress goes."""
+    the labels, the most benign payments a fit learns from, and where progress goes."""
 
     by: str
     folds: int
     seed: int
     cut_rate: float
     by_look: bool
+    max_benign: int
     say: Callable[[str], None]
 
     def trained(self, pool: Replayed) -> dict[str, Any]:
         """The model file's document: the trees learn from `pool`, whose folds, each scored by trees
         fitted to the others, set the cut, the alert budgets and the naming prior."""
         pieces = folded(pool, self.by, self.folds, self.seed)
-        out_of_fold = cross_fitted(pieces, progress=self.say, by_look=self.by_look)
+        out_of_fold = cross_fitted(
+            pieces, progress=self.say, by_look=self.by_look, max_benign=self.max_benign
+        )
         self.say("fitting the trees to every fold")
         doc, _ = train(
             pieces,
@@ -248,6 +261,7 @@ class _Training:
             progress=self.say,
             held_out_probabilities=out_of_fold,
             by_look=self.by_look,
+            max_benign=self.max_benign,
         )
         return doc
 
@@ -266,7 +280,12 @@ def _split(
     else:
         how.say("fitting the trees")
         doc, _ = train(
-            [parts.learn], [parts.cut], cut_rate=how.cut_rate, progress=how.say, by_look=how.by_look
+            [parts.learn],
+            [parts.cut],
+            cut_rate=how.cut_rate,
+            progress=how.say,
+            by_look=how.by_look,
+            max_benign=how.max_benign,
         )
     return doc, {"scored": f"the {PARTS[2]} part", **scored(doc, parts.score)}
 

@@ -55,6 +55,12 @@ LOOK_FOLDS = 4
 #: The alert budgets a model file carries (`alert_budgets`): shares of benign payments alerted.
 ALERT_BUDGETS = (0.0005, 0.001, 0.002, 0.005, 0.01)
 CUT_RATE = 0.008  # benign payments alerted on the held-out runs together; the goal is at most 1 %
+#: The most benign payments between two parties one fit of the trees learns from (`fit_rows`): where a
+#: history holds more, a uniform sample of them. A fit's time grows with its rows and a long history is
+#: almost all benign; the cut and the budgets are still set on every benign payment, each scored by trees
+#: that never saw it. Well above what the histories of this project's figures give a fit (the shipped
+#: training: 18,266; the real files: 7,494), so that none of them moves.
+MAX_BENIGN_FIT = 250_000
 ALERTING_PRECISION = 0.8
 #: A rule beside the model alerts only where the model puts the payment's probability of benign below
 #: this (`Model.keeps_rules`): where the trees, which read the rule's verdict, find benign likelier than
@@ -82,13 +88,19 @@ RUNS: dict[str, Any] = {
 SCORED_SEEDS = (1, 20, 21, 22, 23)
 
 
+#: Every self-payment's row of features: the model never scores a self-payment, so a replay computes
+#: none for one (in AMLworld's traffic about three payments in four) and points at this row of zeros.
+UNSCORED_ROW = array("d", bytes(8 * len(FEATURES)))
+
+
 @dataclass
 class Replayed:
     """One timeline replayed with the gate on: per payment, its features, label and the rules' hits.
 
     A replay keeps each payment's features as an `array("d")` and its hits as tuples (most are the empty
     one): a row as a list of Python floats takes nearly four times the memory, and the rows are most of
-    what train-model holds on a long history."""
+    what train-model holds on a long history. A self-payment's row is UNSCORED_ROW: only the payments
+    between two parties (`between`) are learnt from, scored or named."""
 
     payments: list[Any] = field(default_factory=list)
     rows: list[Sequence[float]] = field(default_factory=list)
@@ -159,7 +171,8 @@ def replay_timeline(
     for n, (payment, evidence) in enumerate(replayed, start=1):
         hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
-        out.rows.append(array("d", features(evidence, hits, thresholds)))
+        between = payment.payer != payment.payee
+        out.rows.append(array("d", features(evidence, hits, thresholds)) if between else UNSCORED_ROW)
         label = typology.get(payment.payment_id)
         if label is None and unnamed and getattr(payment, "is_laundering", False):
             label = UNNAMED
@@ -216,17 +229,44 @@ def sample_weights(runs: Sequence[Replayed], attempts_alike: bool = True) -> np.
     Why: an attempt is caught by its own typology when any one of its payments is named so. Weighed by
     payments, a sixteen-payment fan-out's first payment, which looks like any lone payment and need not
     be named right, outweighs a lone payment's attempt sixteen to one where the two look alike."""
+    return _balanced(*_attempt_weights(runs, attempts_alike))
+
+
+def _attempt_weights(runs: Sequence[Replayed], attempts_alike: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Per payment between two parties of `runs`, in order: 1/n for a payment of an attempt of n
+    (`attempts_alike`; else 1), and its label."""
     weights, labels = [], []
     for run in runs:
         size = {i: len(members) for _, members in run.attempts for i in members}
         for i in run.between():
             weights.append(1.0 / size.get(i, 1) if attempts_alike else 1.0)
             labels.append(run.labels[i])
-    weight, of = np.array(weights), np.array(labels)
-    classes = sorted(set(labels))
+    return np.array(weights), np.array(labels)
+
+
+def _balanced(weight: np.ndarray, of: np.ndarray) -> np.ndarray:
+    """`weight` scaled so that each class of `of` weighs the same in all."""
+    classes = sorted(set(of.tolist()))
     for name in classes:
         weight[of == name] *= len(of) / (len(classes) * weight[of == name].sum())
     return weight
+
+
+def fit_rows(
+    runs: Sequence[Replayed], attempts_alike: bool = True, max_benign: int = MAX_BENIGN_FIT
+) -> tuple[np.ndarray, list[str], np.ndarray]:
+    """The features, labels and weights (`sample_weights`) of the payments between two parties of `runs`
+    that the trees learn from: every laundering one, and at most `max_benign` benign ones, a uniform
+    sample (fixed seed) where there are more, the classes weighed alike among the rows kept."""
+    x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
+    y = [run.labels[i] for run in runs for i in run.between()]
+    weights, labels = _attempt_weights(runs, attempts_alike)
+    benign = np.flatnonzero(labels == BENIGN)
+    if len(benign) <= max_benign:
+        return x, y, _balanced(weights, labels)
+    dropped = np.random.default_rng(0).choice(benign, size=len(benign) - max_benign, replace=False)
+    keep = np.setdiff1d(np.arange(len(y)), dropped)
+    return x[keep], [y[i] for i in keep], _balanced(weights[keep], labels[keep])
 
 
 def train(
@@ -239,22 +279,23 @@ def train(
     veto: float | None = RULE_VETO,
     held_out_probabilities: Sequence[np.ndarray] | None = None,
     by_look: bool = False,
+    max_benign: int = MAX_BENIGN_FIT,
 ) -> tuple[dict[str, Any], Any]:
     """The model file's document, and the fitted scikit-learn model (for tests that compare the two).
-    The trees learn from `runs` (weighed by `sample_weights`); the cut is set on `held_out`, runs they
-    never saw, from their `held_out_probabilities` where given (`cross_fitted`: each scored by trees that
-    never saw it), else from these trees' own; `veto`: the file's `rule_veto` (None: the rules beside the
-    model are never vetoed); `by_look`: the trees learn the laundering payments as `labelled_by_look`
-    labels them."""
+    The trees learn from `runs` (`fit_rows`: at most `max_benign` benign payments of them); the cut is
+    set on `held_out`, runs they never saw, from their `held_out_probabilities` where given
+    (`cross_fitted`: each scored by trees that never saw it), else from these trees' own; `veto`: the
+    file's `rule_veto` (None: the rules beside the model are never vetoed); `by_look`: the trees learn
+    the laundering payments as `labelled_by_look` labels them."""
     relabelled = None
     if by_look:
-        look, relabelled = labelled_by_look(runs, params, attempts_alike)
+        look, relabelled = labelled_by_look(runs, params, attempts_alike, max_benign=max_benign)
         if progress is not None:
             progress(f"labelled {relabelled:,} laundering payments by the typology they look like")
         runs = [look]
     x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
     y = [run.labels[i] for run in runs for i in run.between()]
-    fitted = fit_trees(runs, params, attempts_alike)
+    fitted = fit_trees(runs, params, attempts_alike, max_benign=max_benign)
     classes = [str(c) for c in fitted.classes_]
     if progress is not None:
         progress(
@@ -303,6 +344,7 @@ def train(
             "rule_precision": {rule: round(p, 4) for rule, p in precision.items()},
             "payments": len(y),
             "per_class": dict(sorted(Counter(y).items())),
+            **({"benign_learnt": max_benign} if y.count(BENIGN) > max_benign else {}),
             "scikit_learn": sklearn.__version__,
         },
         "trees": trees,
@@ -315,17 +357,17 @@ def fit_trees(
     params: dict[str, Any] = PARAMS,
     attempts_alike: bool = True,
     by_look: bool = False,
+    max_benign: int = MAX_BENIGN_FIT,
 ) -> Any:
-    """Scikit-learn's trees fitted to the payments between two parties of `runs` (`sample_weights`), each
+    """Scikit-learn's trees fitted to the payments between two parties of `runs` (`fit_rows`), each
     labelled by its attempt's typology, or with `by_look` as `labelled_by_look` labels it."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     if by_look:
-        runs = [labelled_by_look(runs, params, attempts_alike)[0]]
-    x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
-    y = [run.labels[i] for run in runs for i in run.between()]
+        runs = [labelled_by_look(runs, params, attempts_alike, max_benign=max_benign)[0]]
+    x, y, weights = fit_rows(runs, attempts_alike, max_benign)
     return HistGradientBoostingClassifier(random_state=0, early_stopping=False, **params).fit(
-        x, y, sample_weight=sample_weights(runs, attempts_alike)
+        x, y, sample_weight=weights
     )
 
 
@@ -334,6 +376,7 @@ def labelled_by_look(
     params: dict[str, Any] = PARAMS,
     attempts_alike: bool = True,
     folds: int = LOOK_FOLDS,
+    max_benign: int = MAX_BENIGN_FIT,
 ) -> tuple[Replayed, int]:
     """`runs` pooled, with each laundering payment that trees which never saw it name as another
     typology labelled by that typology, where they name another payment of its attempt by the attempt's
@@ -360,7 +403,15 @@ def labelled_by_look(
     pieces = [pool.subset(members) for members in indices]
     classes = sorted({pool.labels[i] for i in pool.between()})
     looks: dict[int, str] = {}
-    for members, p in zip(indices, cross_fitted(pieces, params, attempts_alike), strict=True):
+
+    def laundering(piece: Replayed) -> list[int]:  # the only payments whose look is read
+        return [i for i in piece.between() if piece.labels[i] != BENIGN]
+
+    for members, p in zip(
+        indices,
+        cross_fitted(pieces, params, attempts_alike, scored=laundering, max_benign=max_benign),
+        strict=True,
+    ):
         if BENIGN in classes:  # a look is a typology's
             p[:, classes.index(BENIGN)] = -np.inf
         looks.update(zip(members, (classes[c] for c in p.argmax(axis=1)), strict=True))
@@ -384,34 +435,50 @@ def cross_fitted(
     attempts_alike: bool = True,
     progress: Callable[[str], None] | None = None,
     by_look: bool = False,
+    scored: Callable[[Replayed], Sequence[int]] = Replayed.between,
+    max_benign: int = MAX_BENIGN_FIT,
 ) -> list[np.ndarray]:
     """Per fold, its payments' (rows, classes) probabilities from trees fitted to the other folds: the
     classes in sorted order, as the trees fitted to all of them name them; a class a fold's trees never
-    learnt gets 0.
+    learnt gets 0, and so does every class of a payment that `scored` leaves out (by default a
+    self-payment, which the model never scores).
 
     Why: the cut of a small alert budget is set by the few benign payments that look likeliest
     laundering. A part of 1,500 benign payments set aside for it places a cut of 0.05 % above every one
     of them; scored by trees that never saw them, every payment of the history can set it, as each
-    laundering payment can set the naming prior. `by_look`: each fold's trees learn as `fit_trees`
-    with it does."""
+    laundering payment can set the naming prior. `by_look` and `max_benign`: each fold's trees learn as
+    `fit_trees` with them does."""
     classes = sorted({run.labels[i] for run in folds for i in run.between()})
     found = []
     for k, fold in enumerate(folds):
         if progress is not None:
             progress(f"scoring fold {k + 1} of {len(folds)} with trees fitted to the others")
-        fitted = fit_trees([run for j, run in enumerate(folds) if j != k], params, attempts_alike, by_look)
-        p = np.zeros((len(fold.payments), len(classes)))
-        if fold.payments:
-            own = fitted.predict_proba(np.array(fold.rows, dtype=float))
-            for c, name in enumerate(fitted.classes_):
-                p[:, classes.index(str(name))] = own[:, c]
-        found.append(p)
+        others = [run for j, run in enumerate(folds) if j != k]
+        fitted = fit_trees(others, params, attempts_alike, by_look, max_benign)
+        found.append(_probabilities(fitted, fold, classes, scored(fold)))
     return found
 
 
 def predicted(fitted: Any, runs: Sequence[Replayed]) -> list[np.ndarray]:
-    """Per run, the fitted trees' (rows, classes) probabilities of its payments."""
-    return [fitted.predict_proba(np.array(run.rows, dtype=float)) for run in runs]
+    """Per run, the fitted trees' (rows, classes) probabilities of its payments between two parties; a
+    self-payment's are 0."""
+    classes = [str(c) for c in fitted.classes_]
+    return [_probabilities(fitted, run, classes, run.between()) for run in runs]
+
+
+def _probabilities(fitted: Any, run: Replayed, classes: list[str], scored: Sequence[int]) -> np.ndarray:
+    """`run`'s (rows, `classes`) probabilities: of the payments at `scored` from `fitted`, 0 elsewhere.
+
+    Why only those: a self-payment's probabilities are never read (neither the cut nor the naming counts
+    one), and in AMLworld's traffic about three payments in four are self-payments; the trees score each
+    row on its own, so the rows they do score are the same as when scored with all the others."""
+    p = np.zeros((len(run.payments), len(classes)))
+    if len(scored):
+        rows = list(scored)
+        own = fitted.predict_proba(np.array([run.rows[i] for i in rows], dtype=float))
+        for c, name in enumerate(fitted.classes_):
+            p[rows, classes.index(str(name))] = own[:, c]
+    return p
 
 
 def _kept(p_benign: float, payment: Any, veto: float | None) -> bool:

@@ -8,6 +8,7 @@ import json
 import re
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,14 +21,17 @@ from aml_app.settings import load_settings
 from aml_app.training.fit import (
     ALERT_BUDGETS,
     UNNAMED,
+    UNSCORED_ROW,
     Replayed,
     beside_for,
     calibrated_run,
     cross_fitted,
+    fit_rows,
     fit_trees,
     labelled_by_look,
     replay,
     replay_timeline,
+    sample_weights,
     train,
 )
 from aml_app.training.history import read_history
@@ -102,6 +106,14 @@ def test_a_laundering_row_that_a_pattern_lists_takes_its_typology_and_is_not_dou
     by_pair = dict(zip(((p.payer[4:], p.payee[4:]) for p in replayed.payments), replayed.labels, strict=True))
     assert by_pair == {("A", "B"): BENIGN, ("B", "C"): "fan_out", ("B", "E"): "fan_out", ("C", "D"): UNNAMED}
     assert sorted(t for t, _ in replayed.attempts) == ["fan_out", UNNAMED]
+
+
+def test_a_self_payment_is_replayed_without_features(run: Replayed) -> None:
+    """The model never scores a self-payment: the replay computes no features for one, and each payment
+    between two parties has its own row."""
+    selves = [i for i, payment in enumerate(run.payments) if payment.payer == payment.payee]
+    assert selves and all(run.rows[i] is UNSCORED_ROW for i in selves)
+    assert not any(run.rows[i] is UNSCORED_ROW or not any(run.rows[i]) for i in run.between())
 
 
 def test_a_history_in_the_wrong_layout_is_one_sentence(tmp_path: Path) -> None:
@@ -226,14 +238,60 @@ def test_each_fold_is_scored_by_trees_that_never_saw_it(run: Replayed) -> None:
     for k, fold in enumerate(pieces):
         others = fit_trees([piece for j, piece in enumerate(pieces) if j != k], SMALL)
         assert [str(c) for c in others.classes_] == classes
-        assert np.array_equal(found[k], others.predict_proba(np.array(fold.rows, dtype=float)))
+        between = fold.between()
+        assert np.array_equal(
+            found[k][between], others.predict_proba(np.array(fold.rows, dtype=float))[between]
+        )
+        # A self-payment, which the model never scores, is not scored here either.
+        selves = sorted(set(range(len(fold.payments))) - set(between))
+        assert selves and not found[k][selves].any()
     everything = fit_trees(pieces, SMALL)
-    assert not np.array_equal(found[0], everything.predict_proba(np.array(pieces[0].rows, dtype=float)))
+    between = pieces[0].between()
+    assert not np.array_equal(
+        found[0][between], everything.predict_proba(np.array(pieces[0].rows, dtype=float))[between]
+    )
     scrambled_labels = copy.deepcopy(pieces[0])
     scrambled_labels.labels = [BENIGN if label != BENIGN else "fan_in" for label in scrambled_labels.labels]
     same_rows = cross_fitted([scrambled_labels, *pieces[1:]], SMALL)
     assert np.array_equal(same_rows[0], found[0])
     assert not all(np.array_equal(a, b) for a, b in zip(same_rows[1:], found[1:], strict=True))
+
+
+def test_a_fit_learns_from_every_laundering_payment_and_at_most_its_share_of_benign_ones(
+    run: Replayed,
+) -> None:
+    """Past `max_benign`, a fit learns from a fixed sample of the benign payments between two parties and
+    from every laundering one, each class weighing the same; below it, from all, as `sample_weights`
+    weighs them."""
+    between = run.between()
+    x, y, weights = fit_rows([run])
+    assert y == [run.labels[i] for i in between] and np.array_equal(weights, sample_weights([run]))
+    benign = y.count(BENIGN)
+    assert benign > 100
+    x_kept, y_kept, w_kept = fit_rows([run], max_benign=100)
+    assert y_kept.count(BENIGN) == 100
+    assert Counter(label for label in y_kept if label != BENIGN) == Counter(
+        label for label in y if label != BENIGN
+    )
+    rows = iter(zip(x.tolist(), y, strict=True))  # the rows kept, in order, with their own labels
+    assert all(pair in rows for pair in zip(x_kept.tolist(), y_kept, strict=True))
+    totals = {name: w_kept[np.array(y_kept) == name].sum() for name in set(y_kept)}
+    assert max(totals.values()) == pytest.approx(min(totals.values()))
+    again = fit_rows([run], max_benign=100)
+    assert np.array_equal(again[0], x_kept) and again[1] == y_kept
+    # The cut is still set on every benign payment, each scored by trees fitted to the other folds.
+    pieces = folded(run, "attempt", 3)
+    capped, _ = train(
+        pieces,
+        pieces,
+        SMALL,
+        held_out_probabilities=cross_fitted(pieces, SMALL, max_benign=100),
+        max_benign=100,
+    )
+    assert capped["training"]["benign_learnt"] == 100
+    assert capped["training"]["held_out"]["benign_payments"] == run.labels.count(BENIGN)
+    whole, _ = train(pieces, pieces, SMALL, held_out_probabilities=cross_fitted(pieces, SMALL))
+    assert "benign_learnt" not in whole["training"] and whole["cut"] != capped["cut"]
 
 
 def _looks() -> Replayed:
@@ -452,6 +510,8 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
         "attempt",
         "--folds",
         "2",
+        "--max-benign",
+        "300",
         "--out",
         str(out),
         "--report",
@@ -475,6 +535,9 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     assert "labelled_by_look" in doc["training"] and "by the typology they look like" in done.stderr
     assert 0 < doc["training"]["payments"] < 0.8 * int(read[1].replace(",", ""))
     assert 0 < written["payments"] < 0.4 * int(read[1].replace(",", ""))
+    # Each fit learnt from 300 of the benign payments, the cut was set on all of them.
+    assert doc["training"]["benign_learnt"] == 300 < doc["training"]["per_class"][BENIGN]
+    assert doc["training"]["held_out"]["benign_payments"] > doc["training"]["per_class"][BENIGN]
 
 
 def test_cross_validated_the_command_scores_every_attempt_once_and_writes_a_model_of_all(
