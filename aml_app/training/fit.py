@@ -297,10 +297,13 @@ def train(
     y = [run.labels[i] for run in runs for i in run.between()]
     fitted = fit_trees(runs, params, attempts_alike, max_benign=max_benign)
     classes = [str(c) for c in fitted.classes_]
+    sampled = y.count(BENIGN) > max_benign
     if progress is not None:
-        progress(
-            f"fitted {len(fitted._predictors) * len(classes):,} trees; setting the cut and the naming prior"
+        learnt = (
+            f" to {max_benign:,} of {y.count(BENIGN):,} benign payments (--max-benign)" if sampled else ""
         )
+        fitted_trees = len(fitted._predictors) * len(classes)
+        progress(f"fitted {fitted_trees:,} trees{learnt}; setting the cut and the naming prior")
     is_benign = np.array(y) == BENIGN
     fired: Counter[str] = Counter()
     right: Counter[str] = Counter()
@@ -344,7 +347,7 @@ def train(
             "rule_precision": {rule: round(p, 4) for rule, p in precision.items()},
             "payments": len(y),
             "per_class": dict(sorted(Counter(y).items())),
-            **({"benign_learnt": max_benign} if y.count(BENIGN) > max_benign else {}),
+            **({"benign_learnt": max_benign} if sampled else {}),
             "scikit_learn": sklearn.__version__,
         },
         "trees": trees,

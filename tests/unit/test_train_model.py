@@ -537,6 +537,7 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     assert 0 < written["payments"] < 0.4 * int(read[1].replace(",", ""))
     # Each fit learnt from 300 of the benign payments, the cut was set on all of them.
     assert doc["training"]["benign_learnt"] == 300 < doc["training"]["per_class"][BENIGN]
+    assert f"trees to 300 of {doc['training']['per_class'][BENIGN]:,} benign payments" in done.stderr
     assert doc["training"]["held_out"]["benign_payments"] > doc["training"]["per_class"][BENIGN]
 
 
