@@ -259,14 +259,13 @@ def fit_rows(
     that the trees learn from: every laundering one, and at most `max_benign` benign ones, a uniform
     sample (fixed seed) where there are more, the classes weighed alike among the rows kept."""
     x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
-    y = [run.labels[i] for run in runs for i in run.between()]
     weights, labels = _attempt_weights(runs, attempts_alike)
     benign = np.flatnonzero(labels == BENIGN)
-    if len(benign) <= max_benign:
-        return x, y, _balanced(weights, labels)
-    dropped = np.random.default_rng(0).choice(benign, size=len(benign) - max_benign, replace=False)
-    keep = np.setdiff1d(np.arange(len(y)), dropped)
-    return x[keep], [y[i] for i in keep], _balanced(weights[keep], labels[keep])
+    if len(benign) > max_benign:
+        dropped = np.random.default_rng(0).choice(benign, size=len(benign) - max_benign, replace=False)
+        keep = np.setdiff1d(np.arange(len(labels)), dropped)
+        x, weights, labels = x[keep], weights[keep], labels[keep]
+    return x, labels.tolist(), _balanced(weights, labels)
 
 
 def train(
@@ -297,10 +296,11 @@ def train(
     y = [run.labels[i] for run in runs for i in run.between()]
     fitted = fit_trees(runs, params, attempts_alike, max_benign=max_benign)
     classes = [str(c) for c in fitted.classes_]
-    sampled = y.count(BENIGN) > max_benign
+    benign_payments = y.count(BENIGN)
+    sampled = benign_payments > max_benign
     if progress is not None:
         learnt = (
-            f" to {max_benign:,} of {y.count(BENIGN):,} benign payments (--max-benign)" if sampled else ""
+            f" to {max_benign:,} of {benign_payments:,} benign payments (--max-benign)" if sampled else ""
         )
         fitted_trees = len(fitted._predictors) * len(classes)
         progress(f"fitted {fitted_trees:,} trees{learnt}; setting the cut and the naming prior")
