@@ -15,13 +15,11 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-import aml_app.training.fit as fit_module
 from aml_app.detection.model import BENIGN, Model, load
 from aml_app.errors import ConfigError
 from aml_app.settings import load_settings
 from aml_app.training.fit import (
     ALERT_BUDGETS,
-    LOOK_FOLDS,
     UNNAMED,
     UNSCORED_ROW,
     Replayed,
@@ -352,54 +350,6 @@ def test_labels_by_look_need_no_benign_payment() -> None:
     laundering = history.subset([i for i, label in enumerate(history.labels) if label != BENIGN])
     relabelled, moved = labelled_by_look([laundering], SMALL)
     assert moved == 40 and BENIGN not in relabelled.labels
-
-
-def test_the_trees_that_say_a_look_learn_from_laundering_payments_alone(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A look is a typology, which no benign payment takes: the look's trees learn from no benign row, and
-    a history labels its laundering payments by look the same with its benign payments as without."""
-    history = _looks()
-    learnt: list[list[str]] = []
-
-    def seen(runs: list[Replayed], attempts_alike: bool = True, max_benign: int = 0) -> tuple:
-        rows = fit_rows(runs, attempts_alike, max_benign)
-        learnt.append(rows[1])
-        return rows
-
-    monkeypatch.setattr(fit_module, "fit_rows", seen)
-    relabelled, moved = labelled_by_look([history], SMALL)
-    assert len(learnt) == LOOK_FOLDS and all(labels and BENIGN not in labels for labels in learnt)
-    laundering = [i for i, label in enumerate(history.labels) if label != BENIGN]
-    alone, moved_alone = labelled_by_look([history.subset(laundering)], SMALL)
-    assert moved == moved_alone == 40
-    assert [relabelled.labels[i] for i in laundering] == alone.labels
-
-
-def test_a_history_of_one_typology_or_one_fold_of_laundering_keeps_its_labels(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """With one typology no payment looks like another, and with every laundering payment in one fold
-    the trees naming that fold would learn from none: no tree is fitted and no label moves. Two attempts of
-    two typologies fill two folds, each named by trees that learnt the other typology alone."""
-    history = _looks()
-    fits: list[int] = []
-
-    def counted(runs: list[Replayed], attempts_alike: bool = True, max_benign: int = 0) -> tuple:
-        fits.append(len(runs))
-        return fit_rows(runs, attempts_alike, max_benign)
-
-    monkeypatch.setattr(fit_module, "fit_rows", counted)
-    fan_in = [i for i, label in enumerate(history.labels) if label in (BENIGN, "fan_in")]
-    one_typology = history.subset(fan_in)
-    assert labelled_by_look([one_typology], SMALL) == (Replayed.pooled([one_typology]), 0) and not fits
-    (first, second), [fan_out] = history.attempts[0][1], history.attempts[40][1]
-    benign = [i for i, label in enumerate(history.labels) if label == BENIGN]
-    one_fold = history.subset([first, fan_out, *benign])  # fan-out's attempt and a fan-in payment alone
-    assert labelled_by_look([one_fold], SMALL) == (Replayed.pooled([one_fold]), 0) and not fits
-    two_folds = history.subset([first, second, fan_out, *benign])
-    relabelled, moved = labelled_by_look([two_folds], SMALL)
-    assert moved == 0 and relabelled.labels == two_folds.labels and len(fits) == LOOK_FOLDS
 
 
 def test_out_of_fold_every_benign_payment_of_the_pool_sets_the_cut(run: Replayed) -> None:
