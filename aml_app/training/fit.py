@@ -393,7 +393,9 @@ def labelled_by_look(
     wrong more often. Labelled by what they look like, they stop pulling. The trees that say what a
     payment looks like are fitted to the other `folds` (each attempt wholly in one), as `cross_fitted`
     scores a fold. On the real AMLworld files it names about as many scored attempts as labels by attempt
-    (BENCHMARKS.md, "Trained on the real files": 0.799 against 0.801 cross-validated)."""
+    (BENCHMARKS.md, "Trained on the real files": 0.799 against 0.801 cross-validated). The trees learn
+    from the benign payments too, although a look is a typology: fitted to the laundering ones alone they
+    named fewer of the real files' attempts in every partition measured (docs/detection.md)."""
     pool = Replayed.pooled(runs)
     fold = [-1] * len(pool.payments)
     for a, (_, members) in enumerate(pool.attempts):
