@@ -292,7 +292,6 @@ def train(
         if progress is not None:
             progress(f"labelled {relabelled:,} laundering payments by the typology they look like")
         runs = [look]
-    x = np.array([run.rows[i] for run in runs for i in run.between()], dtype=float)
     y = [run.labels[i] for run in runs for i in run.between()]
     fitted = fit_trees(runs, params, attempts_alike, max_benign=max_benign)
     classes = [str(c) for c in fitted.classes_]
@@ -304,7 +303,6 @@ def train(
         )
         fitted_trees = len(fitted._predictors) * len(classes)
         progress(f"fitted {fitted_trees:,} trees{learnt}; setting the cut and the naming prior")
-    is_benign = np.array(y) == BENIGN
     fired: Counter[str] = Counter()
     right: Counter[str] = Counter()
     for run in runs:
@@ -323,6 +321,10 @@ def train(
     naming = naming_prior(probabilities, classes, cut, held_out, set(alerting), veto)
     budgets = alert_budgets(probabilities, classes, held_out, set(alerting), naming, veto)
     trees, depth = export(fitted)
+    # Built once the trees are fitted, not beside the rows `fit_rows` holds for them.
+    benign_rows = np.array(
+        [run.rows[i] for run in runs for i in run.between() if run.labels[i] == BENIGN], dtype=float
+    )
     import sklearn
 
     doc = {
@@ -336,7 +338,7 @@ def train(
         "alert_budgets": budgets,
         "alerting_rules": alerting,
         **({} if veto is None else {"rule_veto": veto}),
-        "benign_typical": [float(v) for v in np.median(x[is_benign], axis=0)],
+        "benign_typical": [float(v) for v in np.median(benign_rows, axis=0)],
         "training": {
             "params": dict(params),
             "attempts_alike": attempts_alike,
