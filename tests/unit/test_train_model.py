@@ -11,6 +11,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,8 +19,11 @@ import pytest
 from aml_app.detection.model import BENIGN, Model, load
 from aml_app.errors import ConfigError
 from aml_app.settings import load_settings
+from aml_app.training import fit as fit_module
 from aml_app.training.fit import (
     ALERT_BUDGETS,
+    LOOK_BENIGN_PER_LAUNDERING,
+    LOOK_FOLDS,
     UNNAMED,
     UNSCORED_ROW,
     Replayed,
@@ -294,10 +298,11 @@ def test_a_fit_learns_from_every_laundering_payment_and_at_most_its_share_of_ben
     assert "benign_learnt" not in whole["training"] and whole["cut"] != capped["cut"]
 
 
-def _looks() -> Replayed:
+def _looks(benign: int = 200) -> Replayed:
     """A history whose payments look one of three ways (the one feature x): benign (0), shared by two
     typologies (1) and fan-in's own (2). Forty fan-in attempts pay once each way, sixty fan-out attempts
-    once the shared way; ten fan-in attempts pay the shared way only, and one pays it to itself."""
+    once the shared way; ten fan-in attempts pay the shared way only, and one pays it to itself; then
+    `benign` benign payments."""
     out = Replayed()
 
     def pay(x: float, label: str, payer: str, payee: str) -> int:
@@ -315,7 +320,7 @@ def _looks() -> Replayed:
     for n in range(10):
         out.attempts.append(("fan_in", [pay(1, "fan_in", f"d{n}", "g")]))
     out.attempts.append(("fan_in", [pay(1, "fan_in", "e", "e"), pay(2, "fan_in", "f", "e")]))
-    for n in range(200):
+    for n in range(benign):
         pay(0, BENIGN, f"x{n}", f"y{n}")
     return out
 
@@ -342,6 +347,39 @@ def test_a_payment_takes_the_typology_it_looks_like_where_its_attempt_is_named_r
     doc, _ = train([history], [history], SMALL, by_look=True)
     assert doc["training"]["labelled_by_look"] == moved
     assert doc["training"]["per_class"]["fan_in"] == history.labels.count("fan_in") - moved - 1
+
+
+def test_the_trees_that_label_by_look_learn_from_a_sample_of_the_benign_payments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A long history is almost all benign: each fit of the look's trees learns from every laundering
+    payment of its folds and a sample of `LOOK_BENIGN_PER_LAUNDERING` benign ones for each laundering one
+    of the history, and the looks are the same as with every benign payment learnt."""
+    history = _looks(benign=2000)
+    laundering = sum(history.labels[i] != BENIGN for i in history.between())
+    learnt: list[Counter[str]] = []
+    real_rows = fit_module.fit_rows
+
+    def counted(*args: Any, **kwargs: Any) -> tuple[np.ndarray, list[str], np.ndarray]:
+        x, y, weights = real_rows(*args, **kwargs)
+        learnt.append(Counter(y))
+        return x, y, weights
+
+    monkeypatch.setattr(fit_module, "fit_rows", counted)
+    relabelled, moved = labelled_by_look([history], SMALL)
+    assert len(learnt) == LOOK_FOLDS
+    assert all(counts[BENIGN] == LOOK_BENIGN_PER_LAUNDERING * laundering for counts in learnt)
+    assert sum(counts.total() - counts[BENIGN] for counts in learnt) == (LOOK_FOLDS - 1) * laundering
+    assert moved == 40
+    assert relabelled.labels == _looks_relabelled(history)
+
+
+def _looks_relabelled(history: Replayed) -> list[str]:
+    """`_looks`'s labels by look: each forty fan-in attempts' shared payment labelled fan-out."""
+    labels = list(history.labels)
+    for _, (shared, _own) in history.attempts[:40]:
+        labels[shared] = "fan_out"
+    return labels
 
 
 def test_labels_by_look_need_no_benign_payment() -> None:
