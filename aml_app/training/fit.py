@@ -53,8 +53,9 @@ PROGRESS_EVERY = 1000
 #: Folds of the trees that say what a payment looks like (`labelled_by_look`).
 LOOK_FOLDS = 4
 #: Benign payments those trees learn from, at most, per laundering payment of the history: on a simulated
-#: history of 274,106 payments, 4 named as many attempts as every benign payment at 65 % of the CPU, 1 fewer
-#: (docs/detection.md). The real files hold fewer benign payments between two parties than laundering ones.
+#: history of 274,106 payments, four named as many attempts as every benign payment at 65 % of the CPU, one
+#: named fewer (docs/detection.md). The real files hold fewer benign payments between two parties than
+#: laundering ones, so none of their fits samples.
 LOOK_BENIGN_PER_LAUNDERING = 4
 #: The alert budgets a model file carries (`alert_budgets`): shares of benign payments alerted.
 ALERT_BUDGETS = (0.0005, 0.001, 0.002, 0.005, 0.01)
