@@ -417,12 +417,11 @@ def labelled_by_look(
     pieces = [pool.subset(members) for members in indices]
     classes = sorted({pool.labels[i] for i in pool.between()})
     looks: dict[int, str] = {}
-    laundered = sum(pool.labels[i] != BENIGN for i in pool.between())
-    look_benign = min(max_benign, LOOK_BENIGN_PER_LAUNDERING * laundered) or max_benign
 
     def laundering(piece: Replayed) -> list[int]:  # the only payments whose look is read
         return [i for i in piece.between() if piece.labels[i] != BENIGN]
 
+    look_benign = min(max_benign, LOOK_BENIGN_PER_LAUNDERING * len(laundering(pool))) or max_benign
     for members, p in zip(
         indices,
         cross_fitted(pieces, params, attempts_alike, scored=laundering, max_benign=look_benign),
