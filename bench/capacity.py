@@ -1,12 +1,12 @@
 """Capacity: how long a payment waits for its verdict, and how many payments/s the whole system decides.
 
 The whole system runs as in the demo (`aml_app.harness.demo.Demo` on `aml_app.harness.system.System`: the
-embedded broker, the embedded PostgreSQL, the Spark pipeline of Services B and C, two replicas of each
-API, `--aml-workers` AML workers with the learned model on (`AML_MODEL=amlworld`) and one fraud worker),
-started once. A prelude (`--prelude-rate` for `--prelude-seconds`, not measured) lets Spark compile its
-code for batches of real payments: the first ones take seconds each. The simulator then sends at each
-rate of `--rates` in turn, `--step-seconds` per rate (each step a run of the simulator of its own, with
-its own accounts, and the demo's one malformed record per hundred), and before the next step the
+embedded broker, the embedded PostgreSQL, the Spark pipeline of Services B and C, `--api-replicas` (two)
+replicas of each API, `--aml-workers` AML workers with the learned model on (`AML_MODEL=amlworld`) and one
+fraud worker), started once. A prelude (`--prelude-rate` for `--prelude-seconds`, not measured) lets Spark
+compile its code for batches of real payments: the first ones take seconds each. The simulator then sends
+at each rate of `--rates` in turn, `--step-seconds` per rate (each step a run of the simulator of its own,
+with its own accounts, and the demo's one malformed record per hundred), and before the next step the
 system catches up with everything sent (at most `--drain-seconds`). Each step's simulation is built
 before its first send, while the system is idle (20-45 s for 120,000 payments). The first
 `--warm-up` seconds of each step (a quarter by default) are left out of its figures: the pipeline's
@@ -58,7 +58,7 @@ samples of every worker, API replica and the pipeline's driver over the measured
 CPU per payment by function and by source file (`bench.py_profile`).
 
     .venv/bin/python -m bench.capacity [--rates 50,150,250,350,500,1000,2000] [--step-seconds 60]
-        [--warm-up 15] [--aml-workers 2] [--prelude-rate 500] [--prelude-seconds 30]
+        [--warm-up 15] [--aml-workers 2] [--api-replicas 2] [--prelude-rate 500] [--prelude-seconds 30]
         [--drain-seconds 120] [--stages-rate 1000] [--seed 5] [--profile 45]
 """
 
@@ -86,7 +86,7 @@ from aml_app import dependency_services as registry
 from aml_app.gate.event_time import Cut, admits, micros
 from aml_app.harness.demo import PROGRESS_EVERY, Demo, Options, sleep_unless
 from aml_app.harness.report import say
-from aml_app.harness.system import SystemFailure, service_settings
+from aml_app.harness.system import Layout, SystemFailure, service_settings
 from aml_app.harness.tails import TopicTail
 from aml_app.harness.verdict import Sent, Verdict
 from aml_app.harness.verify import CommitTimeline, decided_at, percentile, premature
@@ -1161,6 +1161,8 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         drain_deadline=args.drain_seconds,
     )
     demo = CapacityDemo(settings, options, args, worker_env={"AML_MODEL": "amlworld"})
+    if args.api_replicas != demo.system.layout.api_replicas:
+        demo.system.layout = replace(demo.system.layout, api_replicas=args.api_replicas)
     if args.census:
         # The broker names the census's port in its metadata, so every client's connection passes it; the
         # system counts the broker as its own (its CPU, its stop), as it counts an embedded one.
@@ -1458,6 +1460,9 @@ def cli() -> None:
         "--warm-up", type=float, default=None, help="seconds of each step left out (default: a quarter)"
     )
     parser.add_argument("--aml-workers", type=int, default=2)
+    parser.add_argument(
+        "--api-replicas", type=int, default=Layout.api_replicas, help="replicas of each of B's and C's APIs"
+    )
     parser.add_argument("--prelude-rate", type=float, default=500.0, help="payments/s before the steps")
     parser.add_argument(
         "--prelude-seconds", type=float, default=30.0, help="seconds of sending before the steps (0: none)"
@@ -1482,6 +1487,8 @@ def cli() -> None:
     args = parser.parse_args()
     if args.warm_up is None:
         args.warm_up = args.step_seconds / 4
+    if args.api_replicas < 1:
+        parser.error("--api-replicas must be at least 1")
     if args.warm_up + 5 >= args.step_seconds:
         parser.error("--step-seconds must exceed --warm-up by more than 5 s")
     if args.profile > 0 and py_profile.available() is None:
