@@ -1161,8 +1161,7 @@ async def measure(args: argparse.Namespace) -> dict[str, Any]:
         drain_deadline=args.drain_seconds,
     )
     demo = CapacityDemo(settings, options, args, worker_env={"AML_MODEL": "amlworld"})
-    if args.api_replicas != demo.system.layout.api_replicas:
-        demo.system.layout = replace(demo.system.layout, api_replicas=args.api_replicas)
+    demo.system.layout = replace(demo.system.layout, api_replicas=args.api_replicas)
     if args.census:
         # The broker names the census's port in its metadata, so every client's connection passes it; the
         # system counts the broker as its own (its CPU, its stop), as it counts an embedded one.
