@@ -29,6 +29,7 @@ from aml_app.detection.model import BENIGN
 from aml_app.training.fit import (
     CUT_RATE,
     MAX_BENIGN_FIT,
+    PARAMS,
     RUNS,
     SHIPPED_VETO,
     Replayed,
@@ -136,6 +137,14 @@ def _seeds(text: str, hint: str) -> list[int]:
     "are more, a uniform sample (the cut and the alert budgets are still set on all of them).",
 )
 @click.option(
+    "--max-iter",
+    type=click.IntRange(min=1),
+    default=PARAMS["max_iter"],
+    show_default=True,
+    help="Boosting iterations of each fit of the trees (scikit-learn's max_iter): fewer fit sooner and "
+    "may name fewer attempts; the report on the scored part shows what they cost.",
+)
+@click.option(
     "--report",
     "report_path",
     type=click.Path(dir_okay=False, writable=True),
@@ -164,6 +173,7 @@ def train_model_command(
     parts: int,
     seed: int,
     max_benign: int,
+    max_iter: int,
     report_path: str | None,
     simulated: bool,
     score_seeds: str,
@@ -184,13 +194,14 @@ def train_model_command(
         raise click.UsageError(
             "--cross-validate takes at least 2 parts, labelled FILES and --folds of at least 2"
         )
+    params = {**PARAMS, "max_iter": max_iter}
     if by_look is None:
         # Labels by look name about as many of a history's own held-out attempts as labels by attempt
         # (the real files, cross-validated); the shipped model, learnt on the simulator and judged on
         # real files, names fewer with them (BENCHMARKS.md).
         by_look = not simulated
     if simulated:
-        doc, scored_runs = _simulated(_seeds(score_seeds, "--score-seeds"), by_look, say)
+        doc, scored_runs = _simulated(_seeds(score_seeds, "--score-seeds"), by_look, params, say)
         report: dict[str, Any] = {
             "scored": "calibrated seeds " + score_seeds,
             **scored(doc, Replayed.pooled(scored_runs)),
@@ -213,7 +224,7 @@ def train_model_command(
             unnamed=True,
             progress=_replaying(say),
         )
-        how = _Training(by, folds, seed, cut_rate, by_look, max_benign, say)
+        how = _Training(by, folds, seed, cut_rate, by_look, max_benign, params, say)
         if parts:
             doc, report = _cross_validated(run, parts, how)
         else:
@@ -236,7 +247,8 @@ def train_model_command(
 @dataclass(frozen=True)
 class _Training:
     """How the command trains each model: the split's kind and hash seed, the inner folds, the cut rate,
-    the labels, the most benign payments a fit learns from, and where progress goes."""
+    the labels, the most benign payments a fit learns from, the trees' parameters, and where progress
+    goes."""
 
     by: str
     folds: int
@@ -244,6 +256,7 @@ class _Training:
     cut_rate: float
     by_look: bool
     max_benign: int
+    params: dict[str, Any]
     say: Callable[[str], None]
 
     def trained(self, pool: Replayed) -> dict[str, Any]:
@@ -251,12 +264,13 @@ class _Training:
         fitted to the others, set the cut, the alert budgets and the naming prior."""
         pieces = folded(pool, self.by, self.folds, self.seed)
         out_of_fold = cross_fitted(
-            pieces, progress=self.say, by_look=self.by_look, max_benign=self.max_benign
+            pieces, self.params, progress=self.say, by_look=self.by_look, max_benign=self.max_benign
         )
         self.say("fitting the trees to every fold")
         doc, _ = train(
             pieces,
             pieces,
+            self.params,
             cut_rate=self.cut_rate,
             progress=self.say,
             held_out_probabilities=out_of_fold,
@@ -282,6 +296,7 @@ def _split(
         doc, _ = train(
             [parts.learn],
             [parts.cut],
+            how.params,
             cut_rate=how.cut_rate,
             progress=how.say,
             by_look=how.by_look,
@@ -331,7 +346,7 @@ def _enough(learn: Replayed, cut: Replayed) -> None:
 
 
 def _simulated(
-    score_seeds: Sequence[int], by_look: bool, say: Callable[[str], None]
+    score_seeds: Sequence[int], by_look: bool, params: dict[str, Any], say: Callable[[str], None]
 ) -> tuple[dict[str, Any], list[Replayed]]:
     """The shipped model's training (`RUNS`), and the scored runs replayed."""
 
@@ -346,7 +361,7 @@ def _simulated(
     learn = [replayed(s) for s in RUNS["seeds"]]
     held_out = [replayed(s) for s in RUNS["held_out"]]
     say("fitting the trees")
-    doc, _ = train(learn, held_out, progress=say, veto=SHIPPED_VETO, by_look=by_look)
+    doc, _ = train(learn, held_out, params, progress=say, veto=SHIPPED_VETO, by_look=by_look)
     doc["training"]["runs"] = dict(RUNS)
     return doc, [replayed(s) for s in score_seeds]
 

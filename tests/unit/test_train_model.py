@@ -547,6 +547,8 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
         "2",
         "--max-benign",
         "300",
+        "--max-iter",
+        "20",
         "--out",
         str(out),
         "--report",
@@ -573,6 +575,9 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     # Each fit learnt from 300 of the benign payments, the cut was set on all of them.
     assert doc["training"]["benign_learnt"] == 300 < doc["training"]["per_class"][BENIGN]
     assert f"trees to 300 of {doc['training']['per_class'][BENIGN]:,} benign payments" in done.stderr
+    # Every fit took the iterations asked for (`--max-iter`): 20 rounds of each class's trees.
+    assert doc["training"]["params"]["max_iter"] == 20
+    assert f"fitted {20 * len(doc['classes']):,} trees to 300" in done.stderr
     assert doc["training"]["held_out"]["benign_payments"] > doc["training"]["per_class"][BENIGN]
 
 
@@ -583,7 +588,7 @@ def test_cross_validated_the_command_scores_every_attempt_once_and_writes_a_mode
     files = (str(history / "Trans.csv"), str(history / "Patterns.txt"))
     done = train_model(
         *files, "--split", "attempt", "--folds", "2", "--cross-validate", "2", "--by-attempt",
-        "--out", str(out), "--report", str(report),
+        "--max-iter", "20", "--out", str(out), "--report", str(report),
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     assert "cross-validation 2 of 2: training without part 2" in done.stderr
