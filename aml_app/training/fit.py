@@ -42,6 +42,7 @@ from aml_app.detection.rules import aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
+from aml_app.training.binning import faster_weighted_binning
 from aml_app.training.replay import Services, decided, timeline_of
 
 SHIPPED_PATH = Path(__file__).resolve().parents[1] / "detection" / SHIPPED_FILE
@@ -370,15 +371,17 @@ def fit_trees(
     max_benign: int = MAX_BENIGN_FIT,
 ) -> Any:
     """Scikit-learn's trees fitted to the payments between two parties of `runs` (`fit_rows`), each
-    labelled by its attempt's typology, or with `by_look` as `labelled_by_look` labels it."""
+    labelled by its attempt's typology, or with `by_look` as `labelled_by_look` labels it; the weighted
+    features binned with one sort each (`aml_app.training.binning`)."""
     from sklearn.ensemble import HistGradientBoostingClassifier
 
     if by_look:
         runs = [labelled_by_look(runs, params, attempts_alike, max_benign=max_benign)[0]]
     x, y, weights = fit_rows(runs, attempts_alike, max_benign)
-    return HistGradientBoostingClassifier(random_state=0, early_stopping=False, **params).fit(
-        x, y, sample_weight=weights
-    )
+    with faster_weighted_binning():
+        return HistGradientBoostingClassifier(random_state=0, early_stopping=False, **params).fit(
+            x, y, sample_weight=weights
+        )
 
 
 def labelled_by_look(
