@@ -58,6 +58,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.window_query
 	$(BIN)/python -m bench.evidence_parse
 	$(BIN)/python -m bench.end_to_end
+	$(BIN)/python -m bench.training_binning
 	$(BIN)/python -m bench.gate_matters
 	$(BIN)/python -m bench.partition_skew
 	$(BIN)/python -m bench.amlworld_detection
