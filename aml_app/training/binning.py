@@ -28,9 +28,14 @@ import numpy as np
 ADAPTED_FROM = "68517bde21c457038f7e82c479c0f0f7bf5a2708e3c691fa4b32274dc8b70f2d"
 
 
-def digest(*functions: Callable[..., Any]) -> str:
-    """The sha256 of the functions' sources, in order."""
-    return hashlib.sha256("".join(inspect.getsource(f) for f in functions).encode()).hexdigest()
+def digest(*functions: Callable[..., Any]) -> str | None:
+    """The sha256 of the functions' sources, in order; None where a source cannot be read (an install
+    without its .py files), which then bins as scikit-learn does."""
+    try:
+        sources = "".join(inspect.getsource(f) for f in functions)
+    except (OSError, TypeError):
+        return None
+    return hashlib.sha256(sources.encode()).hexdigest()
 
 
 def one_sort(original: Callable[..., Any]) -> Callable[..., Any]:

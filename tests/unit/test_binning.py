@@ -4,6 +4,8 @@ wherever its functions are not the ones the faster one was adapted from."""
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 from sklearn.ensemble import HistGradientBoostingClassifier
@@ -98,6 +100,18 @@ def test_another_scikit_learn_bins_as_it_does(monkeypatch: pytest.MonkeyPatch) -
     with faster_weighted_binning() as used:
         assert not used
         assert binning._find_binning_thresholds is another
+
+
+def test_a_scikit_learn_without_its_sources_bins_as_it_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An install without the .py files (`inspect.getsource` fails): scikit-learn's own binning, no error."""
+    original = binning._find_binning_thresholds
+
+    def unreadable(_: object) -> str:
+        raise OSError("could not get source code")
+
+    monkeypatch.setattr(inspect, "getsource", unreadable)
+    with faster_weighted_binning() as used:
+        assert not used and binning._find_binning_thresholds is original
 
 
 def test_nested_the_outer_one_puts_scikit_learns_back() -> None:
