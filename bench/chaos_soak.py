@@ -84,7 +84,7 @@ from aml_app.kafka.derivation import SOURCE_HEADER
 from aml_app.settings import KafkaSettings, Settings, WebSettings
 from aml_app.simulation.producer import payment_count
 from aml_app.simulation.traffic import DEFAULT_SPEEDUP, default_start
-from bench.common import PROJECT, RESULTS, code_version, machine
+from bench.common import PROJECT, RESULTS, machine, machine_at_end
 
 NAME = "chaos_soak"
 PARTITIONS = 4
@@ -870,8 +870,7 @@ class Soak:
         finally:
             await self.cleanup()
         self.timings["total_s"] = time.monotonic() - self.began
-        info["loadavg_at_end"] = os.getloadavg()
-        info["code_at_end"] = code_version()
+        machine_at_end(info)
         doc = {
             "benchmark": NAME,
             "machine": info,

@@ -343,15 +343,57 @@ def code_version() -> str:
     return digest.hexdigest()[:12]
 
 
+def speed_probe(rounds: int = 5) -> float:
+    """CPU milliseconds of one fixed piece of pure-Python work, the best of `rounds`.
+
+    Why: two virtual machines of one kind (two cores) ran one code's capacity sweep at 50/s on 25.1-27.7
+    and on 33.4-35.0 ms of CPU a payment (`capacity_rate50_quiet_ee1ae67*.json`); a figure of how fast
+    the machine's CPU second is tells a slower machine from a slower change.
+    This thread's CPU time, not wall time, so work competing for the cores lengthens it little; the best
+    round, so a preemption or a cold cache does not count."""
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.thread_time()
+        total, table = 0, {}
+        for i in range(300_000):
+            total += i * i % 7
+            table[i & 1023] = total
+        best = min(best, time.thread_time() - start)
+    return round(best * 1000, 1)
+
+
+def cpu_ticks(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:
+    """The machine's CPU time so far in clock ticks, all of it and what the hypervisor stole (Linux's
+    `/proc/stat`); None where it cannot be read."""
+    try:
+        fields = stat.read_text().splitlines()[0].split()
+    except (OSError, IndexError):
+        return None
+    if fields[0] != "cpu" or len(fields) < 9:
+        return None
+    ticks = [int(v) for v in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return sum(ticks), ticks[7]
+
+
 def machine() -> dict[str, Any]:
-    """What the figures were measured on; the load average hints at competing work."""
+    """What the figures were measured on: the load average hints at competing work, the speed probe at
+    how fast the machine is (`speed_probe`), the stolen CPU at other tenants of its host."""
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),
         "cpus": os.cpu_count(),
         "loadavg_at_start": os.getloadavg(),
+        "speed_probe_ms_at_start": speed_probe(),
+        "cpu_ticks_at_start": cpu_ticks(),
         "code_at_start": code_version(),
     }
+
+
+def steal_share(start: Sequence[int] | None, end: tuple[int, int] | None) -> float | None:
+    """The share of the machine's CPU time between two `cpu_ticks` readings that the hypervisor stole."""
+    if not start or not end or end[0] <= start[0]:
+        return None
+    return round((end[1] - start[1]) / (end[0] - start[0]), 4)
 
 
 def module_at(rev: str, path: str) -> Any:
@@ -367,13 +409,20 @@ def module_at(rev: str, path: str) -> Any:
     return module
 
 
-def write_results(name: str, doc: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    info = doc.setdefault("machine", {})
+def machine_at_end(info: dict[str, Any]) -> None:
+    """Add to `machine()`'s record what the run ends with: the load, the speed probe, the share of the
+    machine's CPU time stolen since the start, and the code."""
     info["loadavg_at_end"] = os.getloadavg()
+    info["speed_probe_ms_at_end"] = speed_probe()
+    info["cpu_stolen_share"] = steal_share(info.get("cpu_ticks_at_start"), cpu_ticks())
     info["code_at_end"] = code_version()
     if info.get("code_at_start") != info["code_at_end"]:
         print("warning: the service's code changed during the benchmark", file=sys.stderr)
+
+
+def write_results(name: str, doc: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    machine_at_end(doc.setdefault("machine", {}))
     path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(doc, indent=2, default=str) + "\n")
     return path
