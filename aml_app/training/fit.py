@@ -43,7 +43,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from aml_app.training.binning import faster_weighted_binning
-from aml_app.training.replay import Services, decided, timeline_of
+from aml_app.training.replay import Services, fed, timeline_of
 
 SHIPPED_PATH = Path(__file__).resolve().parents[1] / "detection" / SHIPPED_FILE
 NAMING_ROUNDS = 3
@@ -168,17 +168,31 @@ def replay_timeline(
     (each with a `typology` and its `payment_ids`). With `unnamed`, a payment marked laundering
     (`is_laundering`) that no attempt lists is an attempt of its own, of typology UNNAMED: a history
     labelled by payment, not by pattern, still trains a model that alerts, without naming a shape. `progress`
-    hears (done, of) every PROGRESS_EVERY payments."""
+    hears (done, of) every PROGRESS_EVERY payments.
+
+    B and C are not asked about a self-payment: no rule asks about one and the model scores none (its
+    row is UNSCORED_ROW), and in AMLworld's traffic about three payments in four are self-payments."""
     thresholds = AmlThresholds()
     typology = {pid: a.typology for a in attempts for pid in a.payment_ids}
     out = Replayed()
     lone: list[str] = []
-    replayed = decided(Services(thresholds), timeline) if pairs is None else pairs
+    replayed: Iterable[tuple[Any, Evidence | None]]
+    if pairs is None:
+        services = Services(thresholds)
+        replayed = (
+            (payment, services.evidence(payment) if payment.payer != payment.payee else None)
+            for payment in fed(services, timeline)
+        )
+    else:
+        replayed = pairs
     for n, (payment, evidence) in enumerate(replayed, start=1):
-        hits = aml_rules(evidence, thresholds)
         out.payments.append(payment)
-        between = payment.payer != payment.payee
-        out.rows.append(array("d", features(evidence, hits, thresholds)) if between else UNSCORED_ROW)
+        if evidence is None or payment.payer == payment.payee:
+            hits, row = [], UNSCORED_ROW
+        else:
+            hits = aml_rules(evidence, thresholds)
+            row = array("d", features(evidence, hits, thresholds))
+        out.rows.append(row)
         label = typology.get(payment.payment_id)
         if label is None and unnamed and getattr(payment, "is_laundering", False):
             label = UNNAMED

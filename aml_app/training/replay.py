@@ -472,9 +472,15 @@ def decided(services: Services, timeline: Iterable[Any], lag: bool = False) -> I
             services.feed(payment)
             yield payment, evidence
         return
+    for payment in fed(services, timeline):
+        yield payment, services.evidence(payment)
+
+
+def fed(services: Services, timeline: Iterable[Any]) -> Iterator[Any]:
+    """Each payment of `timeline` (in event-time order) once `services` were fed every payment up to its
+    time, those of the same instant included (gate on: `decided`, which asks them about each)."""
     for _, instant in itertools.groupby(timeline, key=lambda payment: row_of(payment).ts):
         same = list(instant)
         for payment in same:
             services.feed(payment)
-        for payment in same:
-            yield payment, services.evidence(payment)
+        yield from same

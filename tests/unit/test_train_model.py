@@ -58,6 +58,8 @@ from aml_app.training.holdout import (
     split,
     within_budgets,
 )
+from aml_app.training.replay import Services
+from tests.real_amlworld import real_decided, real_files
 
 SMALL = {"max_iter": 20, "max_leaf_nodes": 7, "learning_rate": 0.1}
 HEADER = (
@@ -118,6 +120,25 @@ def test_a_self_payment_is_replayed_without_features(run: Replayed) -> None:
     selves = [i for i, payment in enumerate(run.payments) if payment.payer == payment.payee]
     assert selves and all(run.rows[i] is UNSCORED_ROW for i in selves)
     assert not any(run.rows[i] is UNSCORED_ROW or not any(run.rows[i]) for i in run.between())
+
+
+def test_a_replay_asks_b_and_c_about_payments_between_two_parties(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A self-payment's evidence is never read (no rule asks about one, the model scores none), so the
+    replay does not ask for it, and gives what a replay of every payment's evidence gives, byte for byte."""
+    patterns, _, timeline = real_files()
+    every = replay_timeline(timeline, patterns.attempts, pairs=real_decided())
+    asked: list[str] = []
+    evidence = Services.evidence
+
+    def counted(services: Services, payment: Any) -> Any:
+        asked.append(payment.payment_id)
+        return evidence(services, payment)
+
+    monkeypatch.setattr(Services, "evidence", counted)
+    replayed = replay_timeline(timeline, patterns.attempts)
+    between = [p.payment_id for p in timeline if p.payer != p.payee]
+    assert asked == between and len(timeline) - len(between) > 5_000  # the half hour's self-payments
+    assert replayed == every
 
 
 def test_a_history_in_the_wrong_layout_is_one_sentence(tmp_path: Path) -> None:
