@@ -259,10 +259,14 @@ class Services:
         self.touching: dict[str, list[Row]] = defaultdict(list)
         self.sent_by: dict[str, list[Row]] = defaultdict(list)
         self.received_by: dict[str, list[Row]] = defaultdict(list)
+        # C's answers given since the last payment fed, by (account, at): the payments of one instant are
+        # all fed before any is asked about, and a busy account is asked about several times at it
+        self.answered: dict[tuple[str, datetime], dict[str, Any]] = {}
 
     def feed(self, sent: Any) -> None:
         """Apply one payment-like object (`payer`, `payee`, `amount`, `currency`, `ts`)."""
         payment = row_of(sent)
+        self.answered.clear()
         self.newest = payment.ts if self.newest is None else max(self.newest, payment.ts)
         bisect.insort(self.touching[payment.payer], payment, key=_ts)
         if payment.payee != payment.payer:
@@ -302,7 +306,9 @@ class Services:
     def aggregates(self, account: str, at: datetime) -> dict[str, Any]:
         """C's answer about `account` as of `at`: the reference's (`reference_aggregates`, over the
         payments C holds made by then), computed from the account's payments in time order
-        (`windows_of`)."""
+        (`windows_of`), once for each account and instant between two payments fed."""
+        if (answer := self.answered.get((account, at))) is not None:
+            return answer
         touching = self.touching.get(account, [])
         if self.newest is not None and touching:
             # C holds the minutes from `kept` on. The bound only rises with the newest payment, so what
@@ -311,7 +317,10 @@ class Services:
             kept = floor_bucket(self.newest - HORIZON - self.keep)
             if touching[0].ts < kept:
                 del touching[: bisect.bisect_left(touching, kept, key=_ts)]
-        return windows_of(touching[: bisect.bisect_right(touching, at, key=_ts)], account, at)
+        answer = self.answered[(account, at)] = windows_of(
+            touching[: bisect.bisect_right(touching, at, key=_ts)], account, at
+        )
+        return answer
 
     def relations(self, account: str, at: datetime) -> dict[str, Any]:
         """B's answer about a payer (`PAYER_PARTS`: its payees, an `EdgeSummary` each). As of an instant

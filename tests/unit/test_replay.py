@@ -7,11 +7,15 @@ import itertools
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from types import SimpleNamespace
+from typing import Any
+
+import pytest
 
 from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.client import PAYER_PARTS
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.thresholds import AmlThresholds
+from aml_app.training import replay as replay_module
 from aml_app.training.reference import reference_aggregates, reference_loop, reference_relations
 from aml_app.training.replay import BAND, HOPS, THRESHOLD, Services, asked, decided, row_of, windows_of
 from tests.real_amlworld import real_files
@@ -130,6 +134,29 @@ def test_c_answers_from_what_it_holds_however_long_the_history() -> None:
         held = [row_of(p) for p in history if kept <= row_of(p).ts <= at]
         assert services.aggregates("x", at) == reference_aggregates([held], "x", at, THRESHOLD, BAND)
     assert len(services.touching["x"]) == sum(1 for p in history if row_of(p).ts >= kept) < len(history)
+
+
+def test_c_computes_an_accounts_windows_once_an_instant_and_again_after_a_payment_fed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three payments into x in one minute: all three are fed before any is asked about, so C's answer
+    about x at that minute is computed once for the three; a payment fed after it is counted."""
+    computed: list[str] = []
+
+    def counted(held: list[Any], account: str, at: datetime) -> dict[str, Any]:
+        computed.append(account)
+        return windows_of(held, account, at)
+
+    monkeypatch.setattr(replay_module, "windows_of", counted)
+    same = [_payment(f"p{n}", f"s{n}", "x", "100", 3) for n in range(3)]
+    services = Services(AmlThresholds())
+    asked_about = list(decided(services, same))
+    assert computed.count("x") == 1 and len(asked_about) == 3
+    at = row_of(same[0]).ts
+    assert asked_about[0][1].payee_aggregates == asked_about[2][1].payee_aggregates
+    services.feed(_payment("p3", "s3", "x", "100", 3))
+    assert services.aggregates("x", at)["windows"]["1h"]["received_count"] == 4
+    assert computed.count("x") == 2
 
 
 def test_a_payees_layering_read_off_heavy_edges_is_the_references_loop() -> None:
