@@ -343,23 +343,33 @@ def code_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def speed_probe(rounds: int = 5) -> float:
-    """CPU milliseconds of one fixed piece of pure-Python work, the best of `rounds`.
+def speed_probe(rounds: int = 5) -> dict[str, float]:
+    """CPU milliseconds of one fixed piece of pure-Python work on each CPU this process may run on, the
+    best of `rounds` each.
 
     Why: two virtual machines of one kind (two cores) ran one code's capacity sweep at 50/s on 25.1-27.7
-    and on 33.4-35.0 ms of CPU a payment (`capacity_rate50_quiet_ee1ae67*.json`); a figure of how fast
-    the machine's CPU second is tells a slower machine from a slower change.
-    This thread's CPU time, not wall time, so work competing for the cores lengthens it little; the best
-    round, so a preemption or a cold cache does not count."""
-    best = float("inf")
-    for _ in range(rounds):
-        start = time.thread_time()
-        total, table = 0, {}
-        for i in range(300_000):
-            total += i * i % 7
-            table[i & 1023] = total
-        best = min(best, time.thread_time() - start)
-    return round(best * 1000, 1)
+    and on 33.4-35.0 ms of CPU a payment (`capacity_rate50_quiet_ee1ae67*.json`), and on one machine the
+    same work took 40-45 ms on one of its virtual CPUs and 60-75 on the other at times; a figure of how fast
+    each CPU second is tells a slower machine from a slower change. This thread's CPU time, not wall
+    time, so work competing for the cores lengthens it little; the best round, so a preemption or a cold
+    cache does not count."""
+    cpus = sorted(os.sched_getaffinity(0))
+    found = {}
+    try:
+        for cpu in cpus:
+            os.sched_setaffinity(0, {cpu})
+            best = float("inf")
+            for _ in range(rounds):
+                start = time.thread_time()
+                total, table = 0, {}
+                for i in range(300_000):
+                    total += i * i % 7
+                    table[i & 1023] = total
+                best = min(best, time.thread_time() - start)
+            found[str(cpu)] = round(best * 1000, 1)
+    finally:
+        os.sched_setaffinity(0, cpus)
+    return found
 
 
 def cpu_ticks(stat: Path = Path("/proc/stat")) -> tuple[int, int] | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -42,8 +43,10 @@ def test_results_record_the_probe_at_both_ends_and_the_share_stolen_between(
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     doc: dict[str, Any] = {"benchmark": "probe", "machine": common.machine()}
     written = json.loads(common.write_results("probe", doc).read_text())["machine"]
-    assert written["speed_probe_ms_at_start"] > 0
-    assert written["speed_probe_ms_at_end"] > 0
+    cpus = {str(cpu) for cpu in os.sched_getaffinity(0)}
+    for probe in (written["speed_probe_ms_at_start"], written["speed_probe_ms_at_end"]):
+        assert probe.keys() == cpus and min(probe.values()) > 0
+    assert os.sched_getaffinity(0) == {int(cpu) for cpu in cpus}  # the probe gives the CPUs back
     assert written["cpu_ticks_at_start"] == [10_000, 100]
     assert written["cpu_stolen_share"] == 0.05
     assert written["code_at_end"] == written["code_at_start"]
