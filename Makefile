@@ -67,6 +67,7 @@ bench: system-deps $(STAMP)
 	$(BIN)/python -m bench.scaling
 	$(BIN)/python -m bench.chaos_soak --seed 1 --duration 240
 	$(BIN)/python -m bench.broker_growth
+	$(BIN)/python -m bench.edge_growth
 	$(BIN)/python -m bench.plot
 
 # Train the AML model (AML_MODEL=amlworld) again from the calibrated simulator: the same file, byte for byte.

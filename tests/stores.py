@@ -90,7 +90,12 @@ async def relations_answers(
     try:
         async with reader.snapshot() as snap:
             return await relations.relations_many(
-                snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log")
+                snap.cur,
+                snap.schema,
+                queries,
+                snap.as_of,
+                snap.meta.get("log"),
+                folded=relations.folded_before(snap.meta),
             )
     finally:
         await reader.close()

@@ -788,7 +788,13 @@ def relations_app(
 
         async def compute(snap: Snapshot) -> list[dict[str, Any]]:
             return await relations.relations_many(
-                snap.cur, snap.schema, queries, snap.as_of, snap.meta.get("log"), limits.max_rows
+                snap.cur,
+                snap.schema,
+                queries,
+                snap.as_of,
+                snap.meta.get("log"),
+                limits.max_rows,
+                relations.folded_before(snap.meta),
             )
 
         return await answered_when_covered(reader, need, compute, limits.timeout)

@@ -8,7 +8,9 @@ UPDATE` from a temporary table filled by COPY).
 
 A query with `at` is answered as of that instant: every part as if only the payments made by then had
 been applied (an edge's count, total, last time and average over those), so the answer about a payment
-at its own time does not depend on how far B has applied since; the detectors ask so.
+at its own time does not depend on how far B has applied since; the detectors ask so. An edge lists its
+payments for `keep` (AML_AGGREGATES_RETENTION) before a batch's newest, then folds them (`fold_edges`):
+an answer as of an instant before the latest fold says `exact: false`.
 
 `relations_many` answers, from one REPEATABLE READ snapshot and in a few statements for a whole batch:
 - `out` / `in`: the account's direct counterparties, merged over currencies, sorted by counterparty;
@@ -70,7 +72,15 @@ import psycopg
 from psycopg import sql
 
 from aml_app.dependencies.copy import copy_arrow
-from aml_app.dependencies.store import Schema, Sent, as_of_json, money_text
+from aml_app.dependencies.store import (
+    Schema,
+    Sent,
+    as_of_json,
+    iso_text,
+    money_text,
+    read_meta,
+    write_meta,
+)
 
 MAX_HOPS = 3
 #: The parts answered when a query names none.
@@ -232,14 +242,16 @@ EDGE_COLUMNS = (
 
 
 def write_table(conn: psycopg.Connection, edges: Any, keep: timedelta) -> int:
-    """The registry's write (`aml_app.dependency_services`): a batch's edges into the store; B keeps
-    every edge, so `keep` does not apply. Returns the edge rows applied."""
-    write_edges(conn, SCHEMA, edges)
+    """The registry's write (`aml_app.dependency_services`): a batch's edges into the store, each edge's
+    payments before the batch's newest time minus `keep` folded (`write_edges`). Returns the edge rows
+    applied."""
+    write_edges(conn, SCHEMA, edges, keep)
     return int(edges.num_rows)
 
 
-def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
-    """Add a batch's edge rows (an Arrow table, one row per edge) to the stored edges."""
+def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: timedelta | None = None) -> None:
+    """Add a batch's edge rows (an Arrow table, one row per edge) to the stored edges; with `keep`, fold
+    the payments of the batch's edges made before the batch's newest payment minus `keep` (`FOLD`)."""
     if edges.num_rows == 0:
         return
     conn.execute(
@@ -271,7 +283,77 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any) -> None:
             """
         ).format(edges=sql.Identifier(schema.name, "edges"))
     )
+    if keep is not None:
+        fold_edges(conn, schema, edges, keep)
     mark_many_payees(conn, schema)
+
+
+# An edge row keeps each payment's time and amount so that an answer as of an instant counts the payments
+# made by then; a pair that pays every day would make its row, and every write and every question about
+# it, grow for as long as the store runs. So a write folds the payments of its edges made before the
+# batch's newest payment minus `keep` (AML_AGGREGATES_RETENTION: how far behind its newest event time C
+# answers exactly too) into the row's count and total, keeping their latest one listed: a row lists every
+# payment made from the instant it was folded at, and the latest before it. An answer as of `at` counts
+# what was paid after `at` and takes it from the row's count and total (`_count`, `_sum`), and finds the
+# last payment by `at` among those listed (`_last`): exact for every `at` from that instant on. The store
+# keeps the latest instant it folded at (meta `folded_before`); an answer as of an earlier one says
+# `exact: false`. A row is folded only once it lists FOLD_FROM payments and a quarter of them can go, so
+# a busy pair's row is rewritten by a fold about once in every quarter of its payments, not every batch.
+FOLD_FROM = 64
+
+_FOLD = """
+WITH folding AS (
+    SELECT e.payer, e.payee, e.currency, (
+        SELECT o.i FROM unnest(e.times) WITH ORDINALITY AS o(t, i) WHERE o.t < %(fold)s
+        ORDER BY o.t DESC, o.i DESC LIMIT 1
+    ) AS latest
+    FROM batch_edges b JOIN {edges} e USING (payer, payee, currency)
+    WHERE cardinality(e.times) >= %(least)s
+        AND 4 * (SELECT count(*) FROM unnest(e.times) AS o(t) WHERE o.t < %(fold)s) >= cardinality(e.times)
+)
+UPDATE {edges} AS e SET
+    times = ARRAY(
+        SELECT c.t FROM unnest(e.times) WITH ORDINALITY AS c(t, i)
+        WHERE c.t >= %(fold)s OR c.i = f.latest ORDER BY c.i
+    ),
+    amounts = ARRAY(
+        SELECT c.a FROM unnest(e.times, e.amounts) WITH ORDINALITY AS c(t, a, i)
+        WHERE c.t >= %(fold)s OR c.i = f.latest ORDER BY c.i
+    )
+FROM folding f
+WHERE e.payer = f.payer AND e.payee = f.payee AND e.currency = f.currency
+"""
+
+
+def fold_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: timedelta) -> None:
+    """Fold the batch's edges' payments made before its newest payment minus `keep` (see FOLD_FROM), and
+    record the instant in the store's meta (`folded_before`) when any row was folded."""
+    import pyarrow.compute as pc
+
+    newest = pc.max(edges["last_seen"]).as_py()
+    try:
+        fold = newest - keep
+    except OverflowError:  # a `keep` longer than the store's history: nothing to fold
+        return
+    folded = conn.execute(
+        sql.SQL(_FOLD).format(edges=sql.Identifier(schema.name, "edges")),
+        {"fold": fold, "least": FOLD_FROM},
+    ).rowcount
+    if folded:
+        meta = read_meta(conn, schema)
+        if "folded_before" not in meta or datetime.fromisoformat(meta["folded_before"]) < fold:
+            write_meta(conn, schema, {"folded_before": iso_text(fold)})
+
+
+def folded_before(meta: Mapping[str, str]) -> datetime | None:
+    """The latest instant the store folded edges at (from its meta; None: never): B answers as of any
+    instant from it on exactly."""
+    return datetime.fromisoformat(meta["folded_before"]) if "folded_before" in meta else None
+
+
+def health(meta: Mapping[str, str]) -> dict[str, Any]:
+    """What B's /health adds from its store's meta."""
+    return {"folded_before": meta.get("folded_before")}
 
 
 # A batch's payers whose `many_payees` may change: one not in it whose edge rows (over currencies and
@@ -455,26 +537,29 @@ def _whole(e: str, at: str) -> str:
 
 
 def _count(e: str, at: str = "q.at") -> str:
-    """The number of payments on `e` made by `at` (of a row that `_paid` holds for)."""
+    """The number of payments on `e` made by `at` (of a row that `_paid` holds for): its count less those
+    listed after `at` (a folded row lists every payment after the instant it was folded at)."""
     return (
         f"(CASE WHEN {_whole(e, at)} THEN {e}.payments "
-        f"ELSE (SELECT count(*) FROM unnest({e}.times) AS c(t) WHERE c.t <= {at}) END)"
+        f"ELSE {e}.payments - (SELECT count(*) FROM unnest({e}.times) AS c(t) WHERE c.t > {at}) END)"
     )
 
 
 def _sum(e: str, at: str = "q.at") -> str:
     """Their total."""
     return (
-        f"(CASE WHEN {_whole(e, at)} THEN {e}.total ELSE (SELECT sum(c.a) FROM unnest({e}.times, "
-        f"{e}.amounts) AS c(t, a) WHERE c.t <= {at}) END)"
+        f"(CASE WHEN {_whole(e, at)} THEN {e}.total ELSE {e}.total - (SELECT coalesce(sum(c.a), 0) "
+        f"FROM unnest({e}.times, {e}.amounts) AS c(t, a) WHERE c.t > {at}) END)"
     )
 
 
 def _last(e: str, at: str = "q.at") -> str:
-    """The last of them."""
+    """The last of them (a row folded after `at` may list none of them: then its first, in an answer
+    that says it is not exact)."""
     return (
         f"(CASE WHEN {_whole(e, at)} THEN {e}.last_seen "
-        f"ELSE (SELECT max(c.t) FROM unnest({e}.times) AS c(t) WHERE c.t <= {at}) END)"
+        f"ELSE (SELECT coalesce(max(c.t), {e}.first_seen) FROM unnest({e}.times) AS c(t) "
+        f"WHERE c.t <= {at}) END)"
     )
 
 
@@ -995,13 +1080,15 @@ async def relations_many(
     as_of: Mapping[int, int],
     log: str | None = None,
     max_rows: int = MAX_ROWS,
+    folded: datetime | None = None,
 ) -> list[dict[str, Any]]:
     """Answers for several queries (`Query`, or (account, hops, parts) tuples), inside the caller's read
     snapshot (cursor `cur`).
 
     `as_of` is the store's applied offsets and `log` the log they are of (its meta `log`; None for a store
     that records none), both read in the same snapshot; a store without tables answers every query empty
-    (the caller passes `schema` None then).
+    (the caller passes `schema` None then). `folded`: the instant the store last folded edges at
+    (`folded_before`); an answer as of an earlier instant says `"exact": false` (others say nothing).
 
     The lists are bounded by `max_rows` for the whole call: the `out` parts list at most that many edge
     rows (one per counterparty and currency) together, the `in` parts as many, and the `neighbourhood`
@@ -1025,6 +1112,8 @@ async def relations_many(
             "as_of": as_of_json(as_of),
             "log": log,
         }
+        if folded is not None and q.at is not None and q.at < folded:
+            answer["exact"] = False
         for part in ALL_PARTS:
             if part in q.parts:
                 answer[part] = {"found": False, "path": []} if part == "cycle" else []

@@ -228,7 +228,8 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
             ),
             (
                 "aml_decided_on_pruned",
-                "Decisions on C's windows that lacked payments C had pruned (AML_AGGREGATES_RETENTION).",
+                "Decisions on answers that lacked payments C had pruned or B had folded "
+                "(AML_AGGREGATES_RETENTION).",
                 detector.get("decided_on_pruned", 0),
             ),
         ]

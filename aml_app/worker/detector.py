@@ -100,8 +100,9 @@ def note(admission: Admission, fresh: bool, exact: bool = True) -> str:
         return "decided on evidence that did not include this payment (gate off)"
     if not exact:
         return (
-            "decided on windows that lack payments C had pruned (the payment is older than C's newest "
-            "event time by more than AML_AGGREGATES_RETENTION)"
+            "decided on answers that B and C could not give exactly as of the payment's time (C had pruned "
+            "or B had folded its payments: the payment is older than their newest event time by more than "
+            "AML_AGGREGATES_RETENTION)"
         )
     return ""
 
@@ -113,7 +114,7 @@ class DetectorStats:
     duplicates_suppressed: int = 0
     freshness_violations: int = 0
     decided_not_fresh: int = 0
-    #: Decided on C's windows that lacked payments C had pruned: another decision than a timely one.
+    #: Decided on answers that lacked payments C had pruned or B had folded: maybe not a timely decision.
     decided_on_pruned: int = 0
     unavailable: int = 0
     #: Seconds spent per step, summed over payments (where a payment's time goes, for the benchmarks).
@@ -224,7 +225,7 @@ class Detector:
     ) -> bytes:
         """The decision record's JSON (the fields of `aml_app.models.Decision`)."""
         fresh = all(self.includes(name, a, admission) for name, a in zip(ANSWERS, answers, strict=True))
-        exact = all(answer.get("exact", True) for answer in answers[:2])  # C's, payer and payee
+        exact = all(answer.get("exact", True) for answer in answers)
         if not exact:
             self.stats.decided_on_pruned += 1
         return decision_json(

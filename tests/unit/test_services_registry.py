@@ -43,7 +43,9 @@ def test_the_registry_holds_b_then_c_with_their_settings() -> None:
 
 
 def test_c_alone_checks_its_thresholds_and_reports_late_payments_in_health() -> None:
-    assert service("relations").health({"late_dropped": "3"}) == {}
+    assert service("relations").health({"late_dropped": "3"}) == {"folded_before": None}
+    folded = {"folded_before": "2026-03-01T12:00:00.000000Z"}
+    assert service("relations").health(folded) == folded
     assert service("aggregates").health({"late_dropped": "3"}) == {"late_dropped": 3, "max_event_ts": None}
 
 
