@@ -204,6 +204,7 @@ async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -
             "store_exists": False,
             "as_of": {},
             "log": None,
+            "folded_before": None,
             "answer_cache": {
                 "entries": 0,
                 "capacity": settings.dependencies.api_cache_answers,
