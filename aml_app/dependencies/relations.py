@@ -251,7 +251,7 @@ def write_table(conn: psycopg.Connection, edges: Any, keep: timedelta) -> int:
 
 def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: timedelta | None = None) -> None:
     """Add a batch's edge rows (an Arrow table, one row per edge) to the stored edges; with `keep`, fold
-    the payments of the batch's edges made before the batch's newest payment minus `keep` (`FOLD`)."""
+    the payments of the batch's edges made before the batch's newest payment minus `keep` (`fold_edges`)."""
     if edges.num_rows == 0:
         return
     conn.execute(
