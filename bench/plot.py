@@ -3,8 +3,9 @@
 Reads the result files in bench/results (whichever exist) and writes gate_overhead.png (decisions/s
 per run), gate_latency.png (latency CDF per run), scaling.png (decisions/s and admin requests/s against
 the worker count), pipeline_throughput.png (records/s against a plain consumer), end_to_end.png (CPU
-per payment per process), gate_matters.png (recall per typology, gate on and off) and capacity.png
-(produced → decided latency and the gate's own share against the payment rate).
+per payment per process), gate_matters.png (recall per typology, gate on and off), capacity.png
+(produced → decided latency and the gate's own share against the payment rate) and edge_growth.png
+(B's write and question about busy pairs, day by day, edges folded or not).
 
     .venv/bin/python -m bench.plot
 """
@@ -233,6 +234,27 @@ def plot_capacity(doc: dict[str, Any]) -> Path:
     return _save(fig, "capacity")
 
 
+def plot_edge_growth(doc: dict[str, Any]) -> Path:
+    days = doc["days"]
+    variants = [k for k, v in days[0].items() if isinstance(v, dict)]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for variant, colour in zip(variants, ["tab:blue", "tab:grey"], strict=False):
+        x = [d["day"] for d in days]
+        ax.plot(
+            x,
+            [d[variant]["question_ms"] for d in days],
+            color=colour,
+            marker="o",
+            label=f"{variant}: question",
+        )
+        ax.plot(x, [d[variant]["write_ms"] for d in days], color=colour, ls="--", label=f"{variant}: write")
+    ax.set_xlabel("day of event time")
+    ax.set_ylabel("ms (a batch's write; a question about ten payees)")
+    ax.set_title("B's store: pairs paying every minute")
+    ax.legend(fontsize=8, loc="upper left")
+    return _save(fig, "edge_growth")
+
+
 def main() -> None:
     made = []
     if overhead := _load("gate_overhead"):
@@ -249,6 +271,8 @@ def main() -> None:
         made.append(plot_gate_matters(gate_matters))
     if capacity := _load("capacity"):
         made.append(plot_capacity(capacity))
+    if edge_growth := _load("edge_growth"):
+        made.append(plot_edge_growth(edge_growth))
     print("\n".join(str(p) for p in made) or f"no results in {RESULTS}; run a benchmark first")
 
 
