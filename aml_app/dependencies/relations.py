@@ -264,9 +264,13 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: time
         """
     )
     copy_arrow(conn, "batch_edges", edges, EDGE_COLUMNS, key=EDGE_COLUMNS[:3])
-    conn.execute(
+    # The edges that now list FOLD_FROM payments or more, the second of them before the fold's instant,
+    # come back: only those may be folded (a list is in the order its batches came, near time order).
+    fold = fold_instant(edges, keep)
+    long_lists = conn.execute(
         sql.SQL(
             """
+            WITH written AS (
             INSERT INTO {edges} AS e SELECT * FROM batch_edges
             ON CONFLICT (payer, payee, currency) DO UPDATE SET
                 payments = e.payments + excluded.payments,
@@ -280,11 +284,16 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: time
                 amounts = CASE WHEN e.payments = 1 OR e.times IS NOT NULL THEN
                     coalesce(e.amounts, ARRAY[e.total]) || coalesce(excluded.amounts, ARRAY[excluded.total])
                     END
+            RETURNING payer, payee, currency, cardinality(times) AS listed, times[2] AS second
+            )
+            SELECT payer, payee, currency FROM written
+            WHERE listed >= %(least)s AND second < %(fold)s::timestamptz
             """
-        ).format(edges=sql.Identifier(schema.name, "edges"))
-    )
-    if keep is not None:
-        fold_edges(conn, schema, edges, keep)
+        ).format(edges=sql.Identifier(schema.name, "edges")),
+        {"least": FOLD_FROM, "fold": fold},
+    ).fetchall()
+    if fold is not None and long_lists:
+        fold_edges(conn, schema, fold, long_lists)
     mark_many_payees(conn, schema)
 
 
@@ -298,18 +307,23 @@ def write_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: time
 # last payment by `at` among those listed (`_last`): exact for every `at` from that instant on. The store
 # keeps the latest instant it folded at (meta `folded_before`); an answer as of an earlier one says
 # `exact: false`. A row is folded only once it lists FOLD_FROM payments and a quarter of them can go, so
-# a busy pair's row is rewritten by a fold about once in every quarter of its payments, not every batch.
+# a busy pair's row is rewritten by a fold about once in every quarter of its payments, not every batch;
+# and counted only when its second listed payment is before the instant (lists grow in the order batches
+# come, near time order), so a store younger than `keep` spends nothing on folds.
 FOLD_FROM = 64
 
+# Each edge asked about is found by its primary key; one is folded when a quarter of its list can go.
 _FOLD = """
-WITH folding AS (
+WITH asked AS (
+    SELECT * FROM unnest(%(payers)b::text[], %(payees)b::text[], %(currencies)b::text[])
+        AS k(payer, payee, currency)
+), folding AS (
     SELECT e.payer, e.payee, e.currency, (
         SELECT o.i FROM unnest(e.times) WITH ORDINALITY AS o(t, i) WHERE o.t < %(fold)s
         ORDER BY o.t DESC, o.i DESC LIMIT 1
     ) AS latest
-    FROM batch_edges b JOIN {edges} e USING (payer, payee, currency)
-    WHERE cardinality(e.times) >= %(least)s
-        AND 4 * (SELECT count(*) FROM unnest(e.times) AS o(t) WHERE o.t < %(fold)s) >= cardinality(e.times)
+    FROM asked k JOIN {edges} e ON e.payer = k.payer AND e.payee = k.payee AND e.currency = k.currency
+    WHERE 4 * (SELECT count(*) FROM unnest(e.times) AS o(t) WHERE o.t < %(fold)s) >= cardinality(e.times)
 )
 UPDATE {edges} AS e SET
     times = ARRAY(
@@ -325,19 +339,30 @@ WHERE e.payer = f.payer AND e.payee = f.payee AND e.currency = f.currency
 """
 
 
-def fold_edges(conn: psycopg.Connection, schema: Schema, edges: Any, keep: timedelta) -> None:
-    """Fold the batch's edges' payments made before its newest payment minus `keep` (see FOLD_FROM), and
-    record the instant in the store's meta (`folded_before`) when any row was folded."""
+def fold_instant(edges: Any, keep: timedelta | None) -> datetime | None:
+    """The batch's newest payment minus `keep`: what its edges' payments before are folded at (None: no
+    `keep`, or one longer than the store's history)."""
     import pyarrow.compute as pc
 
-    newest = pc.max(edges["last_seen"]).as_py()
+    if keep is None:
+        return None
+    newest: datetime = pc.max(edges["last_seen"]).as_py()
     try:
-        fold = newest - keep
-    except OverflowError:  # a `keep` longer than the store's history: nothing to fold
-        return
+        return newest - keep
+    except OverflowError:
+        return None
+
+
+def fold_edges(
+    conn: psycopg.Connection, schema: Schema, fold: datetime, listing: Sequence[Sequence[str]]
+) -> None:
+    """Fold the payments made before `fold` of the edges `listing` (payer, payee, currency: those that
+    list FOLD_FROM or more), and record the instant in the store's meta (`folded_before`) when any row
+    was folded."""
+    payers, payees, currencies = (list(column) for column in zip(*listing, strict=True))
     folded = conn.execute(
         sql.SQL(_FOLD).format(edges=sql.Identifier(schema.name, "edges")),
-        {"fold": fold, "least": FOLD_FROM},
+        {"fold": fold, "payers": payers, "payees": payees, "currencies": currencies},
     ).rowcount
     if folded:
         meta = read_meta(conn, schema)
