@@ -8,12 +8,12 @@ a day by default) before a batch's newest one into the row's count and total (`r
 
 Ten pairs each pay once a minute for --days days, beside --others accounts that pay a random one of
 --others accounts once an hour; a batch is an hour of payments (690 by default), written the way the
-pipeline writes one (`relations.write_table` inside `Writer.apply`, the batch's edge rows made by
+pipeline writes one (`relations.write_edges` inside `Writer.apply`, the batch's edge rows made by
 `bench.api_latency.batch_outputs` without Spark). Two databases on one embedded PostgreSQL take the
 same batches, one after the other: one with a day's `keep`, one with none (nothing folded). At the end
 of each day: the mean wall time of that day's writes, one detector batch of questions (the ten payees'
 relations, every default part, as of a minute before the newest payment: their rows are cut there),
-best of three, and the size of the edges table.
+best of three, the longest list an edge row holds, and the size of B's tables and indexes.
 
     .venv/bin/python -m bench.edge_growth [--days 14] [--others 90]
 """
