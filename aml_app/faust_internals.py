@@ -29,6 +29,9 @@ found it; nothing else in the project touches a private name of these libraries:
 - `seek_in_consumer_thread`: Faust seeks aiokafka's consumer from the caller's thread while the consumer
   runs in a thread of its own; the gate's delivery repairs seek, and a seek that raced the consumer
   thread's iteration over fetched records crashed a worker.
+- `seek_recovery_offsets`: Faust's table recovery seeks its changelog partitions in a task of its own
+  after reading their offsets; a rebalance handled in between adds partitions with no offset yet, whose
+  seek crashed the worker.
 - `MEMORY_STORE`: Faust ignores a bare "memory://" store URL (an empty yarl URL is falsy).
 - `partition_flags`: the delivery repairs' view of whether Faust pauses or fetches a partition.
 - `subscribed_partitions`: Faust's `Consumer.topic_partitions` reads aiokafka's group coordinator's
@@ -80,6 +83,7 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", "attr"),
     (faust_aiokafka.Consumer, "_new_consumer_thread", "attr"),
     (faust_aiokafka.AIOKafkaConsumerThread, "_highwaters", "attr"),
+    (faust_aiokafka.AIOKafkaConsumerThread, "_seek_wait", "attr"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:__init__"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:start"),
     (Collection, "_to_key", "attr"),
@@ -206,9 +210,13 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
         async def _highwaters(self, partitions: list[TP]) -> Mapping[TP, int]:
             return await highwaters_from_fetches(self, await super()._highwaters(partitions))
 
+        _seek_wait = seek_recovery_offsets
+
     class TunedConsumer(faust_aiokafka.Consumer):
+        Thread = TunedConsumerThread
+
         def _new_consumer_thread(self) -> faust_aiokafka.AIOKafkaConsumerThread:
-            return TunedConsumerThread(self, loop=self.loop, beacon=self.beacon)
+            return self.Thread(self, loop=self.loop, beacon=self.beacon)
 
         _drain_messages = lean_drain_messages
         _seek = seek_in_consumer_thread
@@ -321,6 +329,22 @@ async def seek_in_consumer_thread(self: Any, partition: TP, offset: int) -> None
     of a KeyError in `Fetcher.fetched_records` (seen in the end-to-end benchmark, right after the gate
     fetched a hole again). Faust's `Consumer.seek` calls this, then moves its read offset as before."""
     await self._thread.call_thread(self._thread.seek, partition, offset)
+
+
+async def seek_recovery_offsets(
+    self: Any, consumer: aiokafka.AIOKafkaConsumer, partitions: Mapping[TP, int | None]
+) -> None:
+    """Faust's `AIOKafkaConsumerThread._seek_wait`, leaving out the partitions whose offset is None.
+
+    Faust's table recovery reads its changelog partitions' offsets, then seeks them in a task it has just
+    started, reading its offsets table again there. A rebalance handled on the event loop in between
+    adds the partitions it assigns with no offset yet (None, for a store that has applied nothing) and
+    starts the recovery again; Faust's seek of None raised ValueError, which crashed the worker (the chaos
+    soak, as a frozen worker came back). Those partitions are seeked by the recovery the rebalance starts;
+    a partition the rebalance took away stays as Faust handles it (aiokafka's IllegalStateError, which
+    Faust's recovery takes for "rebalance again")."""
+    known = {tp: offset for tp, offset in partitions.items() if offset is not None}
+    await faust_aiokafka.AIOKafkaConsumerThread._seek_wait(self, consumer, known)
 
 
 class FetchWaitApp(faust.App):
