@@ -6,6 +6,7 @@ set aside is lost."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from enum import StrEnum
@@ -125,7 +126,10 @@ class Sink:
                 part_headers: list[tuple[str, bytes]] = part_headers,
             ) -> None:
                 fut = await topic.send(key=key, value=value, headers=part_headers, **where_to)
-                await awaited(fut, f"the send of {message.partition}:{message.offset} to {where}")
+                # Shielded: a lane stopped meanwhile (a rebalance) stops waiting, and the producer's
+                # future is left to the producer; cancelled, Faust's callback on it logs a traceback.
+                what = f"the send of {message.partition}:{message.offset} to {where}"
+                await awaited(asyncio.shield(fut), what)
 
             part = f" (part {number} of {len(parts)})" if len(parts) > 1 else ""
             await retry_forever(

@@ -128,3 +128,34 @@ async def test_the_largest_valid_payment_with_the_longest_key_is_set_aside_whole
     )
     await sink.to_review(largest, ReviewKind.PARKED, "failed 3 times", attempts=3)
     assert len(review.sent) == 1 and "review.part" not in dict(review.sent[0]["headers"])
+
+
+class PendingTopic(Topic):
+    """A topic whose sends the broker has not acknowledged yet."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.futures: list[asyncio.Future[None]] = []
+        self.asked = asyncio.Event()
+
+    async def send(self, **record: Any) -> asyncio.Future[None]:
+        self.sent.append(record)
+        self.futures.append(asyncio.get_running_loop().create_future())
+        self.asked.set()
+        return self.futures[-1]
+
+
+async def test_a_lane_stopped_while_its_dead_letter_is_in_flight_leaves_the_send_to_the_producer() -> None:
+    """A rebalance stops the lanes while a dead letter's acknowledgement is awaited: the wait ends, the
+    producer's future does not. Cancelled, Faust's callback on it (`Topic._on_published`) logged an
+    ERROR traceback at a rebalance of the chaos soak and left its own message pending for ever."""
+    dead_letters = PendingTopic()
+    sink = Sink(dead_letters, None, "aml-0", GateStats())  # type: ignore[arg-type]
+    lane = asyncio.ensure_future(sink.dead_letter(event(3, 179), "field 'amount' must be greater than zero"))
+    await asyncio.wait_for(dead_letters.asked.wait(), 5)
+    lane.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await lane
+    [sent] = dead_letters.futures
+    assert not sent.cancelled(), "the producer's future was cancelled with the lane"
+    sent.set_result(None)
