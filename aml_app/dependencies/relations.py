@@ -365,8 +365,8 @@ def fold_edges(
         {"fold": fold, "payers": payers, "payees": payees, "currencies": currencies},
     ).rowcount
     if folded:
-        meta = read_meta(conn, schema)
-        if "folded_before" not in meta or datetime.fromisoformat(meta["folded_before"]) < fold:
+        latest = folded_before(read_meta(conn, schema))
+        if latest is None or latest < fold:
             write_meta(conn, schema, {"folded_before": iso_text(fold)})
 
 
