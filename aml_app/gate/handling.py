@@ -151,7 +151,10 @@ class Handling:
         async def again() -> None:
             pending = await self.call(admitted)
             if pending is not None:
-                await awaited(pending, f"the pending work of {first.partition}:{first.offset}")
+                # Shielded, as the acks' wait is: a revoke stops this redo, not the sends it waits for,
+                # which the producer completes anyway (a cancelled send future logs Faust's traceback).
+                where = f"{first.partition}:{first.offset}"
+                await awaited(asyncio.shield(pending), f"the pending work of {where}")
 
         what = f"processing {len(admitted)} payment(s) again at {first.partition}:{first.offset}"
         try:

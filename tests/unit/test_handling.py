@@ -189,3 +189,22 @@ async def test_a_cancel_of_the_lane_still_stops_a_redo() -> None:
     task.cancel()
     done, _ = await asyncio.wait({task}, timeout=DEADLINE)
     assert done and task.cancelled()
+
+
+async def test_a_lane_stopped_during_a_redo_leaves_the_pending_sends_to_the_producer() -> None:
+    """A revoke stops the redo, not the broker's acknowledgement it waits for: cancelling that future
+    made Faust's callback on it log a traceback and leave its own message pending."""
+    never: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    async def unacknowledged(payment: Payment, admission: Admission) -> asyncio.Future[None]:
+        return never
+
+    sink = Sink(Topic(), Topic(), "aml-0", GateStats())  # type: ignore[arg-type]
+    lane = Handling(unacknowledged, None, sink, GateStats(), LanePolicy())
+    task = asyncio.ensure_future(lane.redo([admitted(0, 5)], KafkaTimeoutError("lost")))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=DEADLINE)
+    assert done and task.cancelled()
+    assert not never.cancelled()
+    never.set_result(None)
