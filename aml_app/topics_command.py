@@ -5,8 +5,10 @@ whoever provisions a cluster. `--create` creates the missing ones on `KAFKA_BOOT
 their configs, through the same TLS/SASL settings as every other client; an existing topic whose
 partition count differs from `AML_PARTITIONS` is reported and left as it is, unless `--grow` adds
 partitions to those with fewer, the payments topic last (its alerts topics are the changelogs of
-tables partitioned like it). The compose file runs it once as an init service before anything else
-starts.
+tables partitioned like it). An existing topic whose config differs from its spec (made by an older
+release, or by hand) is named with the `kafka-configs.sh` command that sets it, and left as it is: the
+cluster's operators own a live topic's config. The compose file runs it once as an init service before
+anything else starts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import click
-from aiokafka.admin import NewPartitions
+from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import for_code
 
 from aml_app.kafka.broker import TopicSpec
@@ -37,6 +40,10 @@ class Outcome:
     existing: dict[str, int] = field(default_factory=dict)  # name -> its partition count
     grown: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (partitions before, after)
     brokers: int = 0  # in the cluster
+    #: Existing topic -> {config key: (its value, None when unset; the spec's)} where the two differ.
+    drift: dict[str, dict[str, tuple[str | None, str]]] = field(default_factory=dict)
+    #: Why the existing topics' configs could not be read (empty when they were).
+    configs_unread: str = ""
 
 
 #: The replication factor production Kafka clusters use (and Kafka's docs recommend): a topic survives
@@ -61,6 +68,43 @@ def growth_order(specs: Sequence[TopicSpec], existing: dict[str, int], payments:
     partitioned like the payments), which workers refuse to run on."""
     short = [spec for spec in specs if 0 < existing.get(spec.name, 0) < spec.partitions]
     return sorted(short, key=lambda spec: spec.name == payments)
+
+
+#: Apache Kafka's defaults of the keys our specs set: what a key a broker describes no value for stands at.
+KAFKA_DEFAULTS = {
+    "cleanup.policy": "delete",
+    "retention.ms": str(7 * 24 * 3600 * 1000),
+    "min.insync.replicas": "1",
+}
+
+
+def config_drift(spec: TopicSpec, have: dict[str, str]) -> dict[str, tuple[str | None, str]]:
+    """The keys of the spec's config whose value on the topic differs: key -> (its value, None when
+    unset; the spec's). `have` is what the cluster describes: every value on Apache Kafka, only those
+    set on some brokers, for which an unset key stands at Kafka's default."""
+
+    def same(key: str, value: str | None, wanted: str) -> bool:
+        if value is None:
+            return False
+        if key == "cleanup.policy":  # a list: compact,delete is delete,compact
+            return sorted(value.split(",")) == sorted(wanted.split(","))
+        return value == wanted
+
+    return {
+        k: (have.get(k), v)
+        for k, v in sorted(spec.config.items())
+        if not same(k, have.get(k, KAFKA_DEFAULTS.get(k)), v)
+    }
+
+
+def alter_command(name: str, drift: dict[str, tuple[str | None, str]], servers: str) -> str:
+    """The Kafka CLI command that sets the spec's values of `drift` on topic `name` (list values bracketed,
+    as kafka-configs.sh takes them)."""
+    values = ",".join(f"{k}=[{v}]" if "," in v else f"{k}={v}" for k, (_, v) in drift.items())
+    return (
+        f"kafka-configs.sh --bootstrap-server {servers} --alter --entity-type topics --entity-name {name} "
+        f"--add-config '{values}'"
+    )
 
 
 def spec_table(specs: Sequence[TopicSpec]) -> str:
@@ -101,6 +145,7 @@ async def create_missing(
         if present:
             for described in await admin.describe_topics(present):
                 outcome.existing[described["topic"]] = len(described["partitions"])
+            await read_drift(admin, [spec for spec in specs if spec.name in existing], outcome)
         missing = [spec for spec in specs if spec.name not in existing]
         if missing:
             response = await admin.create_topics([spec.new_topic() for spec in missing])
@@ -131,6 +176,29 @@ async def create_missing(
         return outcome
     finally:
         await admin.close()
+
+
+async def read_drift(admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec], outcome: Outcome) -> None:
+    """Fill `outcome.drift` for the existing topics of `specs`; a cluster that will not describe them
+    (an ACL, an old broker) is said in `outcome.configs_unread`, not an error: creating goes on."""
+    try:
+        responses = await admin.describe_configs(
+            [ConfigResource(ConfigResourceType.TOPIC, spec.name) for spec in specs]
+        )
+    except Exception as exc:
+        outcome.configs_unread = f"{type(exc).__name__}: {exc}".rstrip(": ")
+        return
+    by_name = {spec.name: spec for spec in specs}
+    for response in responses:
+        # Every version: (error_code, error_message, resource_type, resource_name, entries), and each
+        # entry starts (name, value).
+        for code, message, _, name, entries in response.resources:
+            if code != 0:
+                outcome.configs_unread = f"{name}: {message or for_code(code).__name__}"
+                continue
+            drift = config_drift(by_name[name], {entry[0]: entry[1] for entry in entries})
+            if drift:
+                outcome.drift[name] = drift
 
 
 @click.command("topics")
@@ -185,6 +253,16 @@ def topics_command(create: bool, grow: bool, timeout: float) -> None:
                 how = " (--grow adds the missing ones)" if count < spec.partitions else ""
                 note = f" with {count} partitions, not {spec.partitions}; left as it is{how}"
             click.echo(f"  exists   {spec.name}{note}")
+            drift = outcome.drift.get(spec.name)
+            if drift:
+                differs = ", ".join(
+                    f"{k}={have if have is not None else '(unset)'} (the spec: {want})"
+                    for k, (have, want) in drift.items()
+                )
+                click.echo(f"           its config differs: {differs}; left as it is, to set it:")
+                click.echo(f"           {alter_command(spec.name, drift, servers)}")
+    if outcome.configs_unread:
+        click.echo(f"\nnote: the existing topics' configs could not be read ({outcome.configs_unread}).")
     warning = replication_note(min(spec.replication_factor for spec in specs), outcome.brokers)
     if warning:
         click.echo(f"\nnote: {warning}")

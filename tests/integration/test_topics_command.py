@@ -8,7 +8,7 @@ import subprocess
 import uuid
 
 import pytest
-from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from aml_app.harness.child_process import aml_app_executable
 from aml_app.kafka.broker import EmbeddedBroker
@@ -82,3 +82,46 @@ def test_a_bad_security_setting_stops_it_before_connecting(broker: EmbeddedBroke
     assert result.returncode != 0
     assert "KAFKA_SASL_PASSWORD" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+async def test_an_existing_topic_whose_config_differs_is_named_with_the_command_that_sets_it(
+    broker: EmbeddedBroker,
+) -> None:
+    """A decisions topic made before they had a retention (compacted alone) grows for ever: `--create`
+    leaves it as it is, but says so, with what to run; the topics it creates itself differ in nothing."""
+    suffix = uuid.uuid4().hex[:8]
+    env = {
+        "AML_PAYMENTS_TOPIC": f"payments-{suffix}",
+        "AML_DLQ_TOPIC": f"dlq-{suffix}",
+        "AML_DECISIONS_TOPIC": f"decisions-{suffix}",
+        "AML_ALERTS_TOPIC": f"alerts-{suffix}",
+        "AML_REVIEW_TOPIC": f"review-{suffix}",
+        "AML_ENRICHED_TOPIC": f"enriched-{suffix}",
+    }
+    admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics(
+            [NewTopic(f"decisions-{suffix}", 4, 1, topic_configs={"cleanup.policy": "compact"})]
+        )
+    finally:
+        await admin.close()
+    first = topics(broker, "--create", **env)
+    assert first.returncode == 0, first.stderr
+    lines = first.stdout.splitlines()
+    at = lines.index(f"  exists   decisions-{suffix}")
+    assert lines[at + 1].strip() == (
+        "its config differs: cleanup.policy=compact (the spec: compact,delete), "
+        "retention.ms=(unset) (the spec: 2592000000); left as it is, to set it:"
+    )
+    assert lines[at + 2].strip() == (
+        f"kafka-configs.sh --bootstrap-server {broker.bootstrap} --alter --entity-type topics "
+        f"--entity-name decisions-{suffix} "
+        "--add-config 'cleanup.policy=[compact,delete],retention.ms=2592000000'"
+    )
+    assert first.stdout.count("its config differs") == 1, first.stdout  # those it created agree
+    assert "could not be read" not in first.stdout
+
+    again = topics(broker, "--create", **env)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.count("its config differs") == 1  # still there: left as it is
