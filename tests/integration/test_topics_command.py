@@ -26,15 +26,15 @@ def topics(broker: EmbeddedBroker, *args: str, **env: str) -> subprocess.Complet
     )
 
 
+def fresh_names(suffix: str) -> dict[str, str]:
+    """This worker's topics under names of their own (the other service's keep their defaults)."""
+    names = ("payments", "dlq", "decisions", "alerts", "review", "enriched")
+    return {f"AML_{name.upper()}_TOPIC": f"{name}-{suffix}" for name in names}
+
+
 async def test_create_makes_the_missing_topics_with_their_partitions(broker: EmbeddedBroker) -> None:
     suffix = uuid.uuid4().hex[:8]
-    env = {
-        "AML_PAYMENTS_TOPIC": f"payments-{suffix}",
-        "AML_DLQ_TOPIC": f"dlq-{suffix}",
-        "AML_DECISIONS_TOPIC": f"decisions-{suffix}",
-        "AML_ALERTS_TOPIC": f"alerts-{suffix}",
-        "AML_PARTITIONS": "3",
-    }
+    env = {**fresh_names(suffix), "AML_PARTITIONS": "3"}
     listed = topics(broker, **env)
     assert listed.returncode == 0, listed.stderr
     assert f"payments-{suffix}" in listed.stdout and "cleanup.policy=compact" in listed.stdout
@@ -90,14 +90,7 @@ async def test_an_existing_topic_whose_config_differs_is_named_with_the_command_
     """A decisions topic made before they had a retention (compacted alone) grows for ever: `--create`
     leaves it as it is, but says so, with what to run; the topics it creates itself differ in nothing."""
     suffix = uuid.uuid4().hex[:8]
-    env = {
-        "AML_PAYMENTS_TOPIC": f"payments-{suffix}",
-        "AML_DLQ_TOPIC": f"dlq-{suffix}",
-        "AML_DECISIONS_TOPIC": f"decisions-{suffix}",
-        "AML_ALERTS_TOPIC": f"alerts-{suffix}",
-        "AML_REVIEW_TOPIC": f"review-{suffix}",
-        "AML_ENRICHED_TOPIC": f"enriched-{suffix}",
-    }
+    env = fresh_names(suffix)
     admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
     await admin.start()
     try:
