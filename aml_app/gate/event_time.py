@@ -140,7 +140,7 @@ def cut_row(
     `frontier` is the earliest event time not yet applied on some partition (None: none), `held_by` the
     partition it is on; `behind` lists, per partition that is not caught up, its first unapplied event time
     (for the page). A partition missing from `unapplied` was not read: the row keeps the gate closed
-    (frontier at the epoch's start) rather than treat it as caught up.
+    (`admits`; its frontier, shown on the page, is the epoch's start) rather than treat it as caught up.
     """
     behind: dict[str, int] = {}
     unread = sorted(set(watermarks) - set(unapplied))
@@ -173,8 +173,10 @@ def cut_row(
 
 
 def admits(cut: Cut | None, partition: int, offset: int, event_us: int, lateness_us: int) -> bool:
-    """Whether payment (partition, offset) at `event_us` may start under this cut row."""
-    if cut is None:
+    """Whether payment (partition, offset) at `event_us` may start under this cut row. None while a
+    partition was not read: nothing is known of its payments, which may be older than any payment (the
+    contract takes times from year 1, so no frontier instant alone would hold every one back)."""
+    if cut is None or cut.unread:
         return False
     w = cut.watermarks.get(str(partition))
     if w is None or offset >= w:

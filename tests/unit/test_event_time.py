@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from aiokafka.structs import ConsumerRecord
 
-from aml_app.gate.event_time import Cut, Unapplied, admits, cut_row, decided_at, instant, micros
+from aml_app.gate.event_time import EARLIEST_US, Cut, Unapplied, admits, cut_row, decided_at, instant, micros
 from aml_app.gate.gate import FreshnessGate
 from aml_app.gate.unapplied import event_time
 from aml_app.gate.watermark import WatermarkRow
@@ -53,6 +53,9 @@ def test_a_partition_that_was_not_read_keeps_the_gate_closed() -> None:
     row_ = cut({0: 5, 1: 7}, {0: Unapplied(5, None)})
     assert row_.unread == (1,) and row_.held_by == 1
     assert not admits(row_, 0, 0, T, 0)
+    # Before the epoch too (the row's frontier is the epoch's start), down to the contract's earliest.
+    assert not admits(row_, 0, 0, T - 60 * 365 * 24 * 3600 * 10**6, 0)
+    assert not admits(row_, 0, 0, EARLIEST_US, MINUTE)
 
 
 def test_admits_needs_the_payment_below_its_partitions_watermark_and_before_the_frontier() -> None:
