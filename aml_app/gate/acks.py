@@ -19,7 +19,7 @@ from faust.types import EventT, StreamT
 from aml_app.backoff import awaited
 from aml_app.gate.gate import Admission, Admitted
 from aml_app.gate.generation import rebalance_ended
-from aml_app.gate.handling import Handling
+from aml_app.gate.handling import Handled, Handling
 from aml_app.gate.lane import HandledBatch, Lane
 
 log = logging.getLogger(__name__)
@@ -59,19 +59,19 @@ class Acks:
                     # Faust completes anyway; a cancelled send is a failure like any other.
                     await awaited(asyncio.shield(pending), "a pending send")
             except Exception as exc:
-                await self.handling.redo(entry.admitted, exc)
+                await self.handling.redo(entry.again, exc)
             lane.go_on()
             # Settled while still at the front: the lane queues behind it rather than acking ahead.
             await self.settle(lane, entry.events, entry.admitted)
             lane.acked_front()
 
-    async def hand_over(self, lane: Lane, admitted: list[Admitted], pending: Any) -> None:
+    async def hand_over(self, lane: Lane, admitted: list[Admitted], handled: Handled) -> None:
         """The lane's current batch is handled: ack it at once when nothing waits, else queue it."""
         events = lane.hand_over()
-        if pending is None and not lane.handled:
+        if handled.pending is None and not lane.handled:
             await self.settle(lane, events, admitted)  # nothing to wait for: ack at once
         else:
-            lane.add_handled(HandledBatch(events, admitted, pending or done()))
+            lane.add_handled(HandledBatch(events, admitted, handled.pending or done(), handled.covers))
 
     async def settle(self, lane: Lane, events: list[EventT[Any]], admitted: list[Admitted]) -> None:
         """The payments are done: tell the observers, then ack every event in offset order."""

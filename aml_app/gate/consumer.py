@@ -34,7 +34,7 @@ from aml_app.gate.admit import Admitter
 from aml_app.gate.delivery import DeliveryChecker
 from aml_app.gate.gate import Admission, FreshnessGate
 from aml_app.gate.generation import Assignment, log_changed, recovered
-from aml_app.gate.handling import BatchHandler, Handler, Handling, Retrying
+from aml_app.gate.handling import NOTHING_LEFT, BatchHandler, Handler, Handling, Retrying
 from aml_app.gate.lane import Arrival, Lane
 from aml_app.gate.options import DEFAULT_LIMITS, DEFAULT_POLICY, LaneLimits, LanePolicy
 from aml_app.gate.repairs import Repairs
@@ -336,9 +336,9 @@ class GatedConsumer:
             lane.go_on()
             admitted = await self.admitter.take(lane, self._taken)
             lane.go_on()
-            pending = await self.handling.handle(admitted) if admitted else None
+            handled = await self.handling.handle(admitted) if admitted else NOTHING_LEFT
             lane.go_on()
-            await self.acks.hand_over(lane, admitted, pending)
+            await self.acks.hand_over(lane, admitted, handled)
 
     async def _taken(self, lane: Lane, event: EventT[Any]) -> None:
         """A lane paused by back-pressure whose queue fell to half the bound fetches again."""

@@ -38,6 +38,19 @@ Handler = Callable[[Payment, Admission], Awaitable[LeftToComplete]]
 BatchHandler = Callable[[list[tuple[Payment, Admission]]], Awaitable[LeftToComplete]]
 
 
+@dataclass(frozen=True)
+class Handled:
+    """What `Handling.handle` leaves: the work to complete before the payments are acked (None: none), and
+    the payments that work is for, which are handled again if it fails. A payment parked on the review
+    topic is done: it is not among them."""
+
+    pending: LeftToComplete
+    covers: list[Admitted]
+
+
+NOTHING_LEFT = Handled(None, [])
+
+
 @dataclass
 class Retrying:
     """A lane that keeps failing on a payment (or a batch starting there): shown to the operators."""
@@ -111,7 +124,7 @@ class Handling:
         #: Lanes that keep failing on a payment, by partition.
         self.retrying: dict[int, Retrying] = {}
 
-    async def handle(self, admitted: list[Admitted]) -> LeftToComplete:
+    async def handle(self, admitted: list[Admitted]) -> Handled:
         """Run the handler until it succeeds (retrying with backoff, shown in `retrying`); with a retry
         ceiling, a batch that reaches it is handled one payment at a time, and a payment that reaches it
         alone is parked on the review topic (then it is done: the lane moves on)."""
@@ -121,18 +134,20 @@ class Handling:
         else:
             what = f"processing {len(admitted)} payments at {first.partition}:{first.offset}..{last.offset}"
         try:
-            return await self._until_done(
+            pending = await self._until_done(
                 _retrying(what, lambda: self.call(admitted)),
                 (first.partition, first.offset, len(admitted)),
                 lambda: self._any_asked(admitted),
             )
         except GaveUp as gave_up:
             if len(admitted) > 1:
-                pending = [await self.handle([one]) for one in admitted]
-                waits = [p for p in pending if p is not None]
-                return asyncio.gather(*waits) if waits else None
+                handled = [await self.handle([one]) for one in admitted]
+                waits = [h.pending for h in handled if h.pending is not None]
+                covers = [a for h in handled if h.pending is not None for a in h.covers]
+                return Handled(asyncio.gather(*waits), covers) if waits else NOTHING_LEFT
             await self._park(admitted[0].event, gave_up)
-            return None
+            return NOTHING_LEFT
+        return NOTHING_LEFT if pending is None else Handled(pending, admitted)
 
     async def redo(self, admitted: list[Admitted], exc: BaseException) -> None:
         """Handle the payments again: their pending work (the sends) failed with `exc`, their first failed
@@ -147,6 +162,12 @@ class Handling:
             first.offset,
             describe_error(exc),
         )
+        await self._again(admitted, exc, failed=1)
+
+    async def _again(self, admitted: list[Admitted], exc: BaseException, failed: int) -> None:
+        """`redo`'s retries, `failed` attempts counted before them: a payment split from its batch starts
+        its own count, as in `handle`, so that only a payment that keeps failing alone is parked."""
+        first = admitted[0].admission
 
         async def again() -> None:
             pending = await self.call(admitted)
@@ -162,13 +183,13 @@ class Handling:
                 _retrying(f"{what} (their pending work failed)", again),
                 (first.partition, first.offset, len(admitted)),
                 lambda: self._any_asked(admitted),
-                failed=1,
+                failed=failed,
                 error=exc,
             )
         except GaveUp as gave_up:
             if len(admitted) > 1:
                 for one in admitted:
-                    await self.redo([one], gave_up.error)
+                    await self._again([one], gave_up.error, failed=0)
                 return
             await self._park(admitted[0].event, gave_up)
 

@@ -40,11 +40,13 @@ class Arrival(Enum):
 @dataclass
 class HandledBatch:
     """Payments whose handler ran and whose `pending` work (a decision's send) has not completed; `events`
-    also holds the batch's dead letters, acked with it."""
+    also holds the batch's dead letters, acked with it. `again`: the payments handled again should the
+    work fail (those of `admitted` not parked)."""
 
     events: list[EventT[Any]]
     admitted: list[Admitted]
     pending: Awaitable[Any]
+    again: list[Admitted]
 
 
 @dataclass

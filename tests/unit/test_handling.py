@@ -5,12 +5,15 @@ review topic; none holds its partition for ever."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 from typing import Any
 
 from aiokafka.errors import KafkaTimeoutError
 
+from aml_app.gate.acks import Acks
 from aml_app.gate.gate import Admission, Admitted
 from aml_app.gate.handling import Handling
+from aml_app.gate.lane import Lane
 from aml_app.gate.options import LanePolicy, ParkRequest
 from aml_app.gate.sink import Sink
 from aml_app.gate.stats import GateStats
@@ -207,3 +210,72 @@ async def test_a_lane_stopped_during_a_redo_leaves_the_pending_sends_to_the_prod
     assert task.done() and task.cancelled()
     assert not sent.cancelled()
     sent.set_result(None)
+
+
+async def test_a_payment_parked_in_its_batch_is_not_handled_again_when_the_others_sends_fail() -> None:
+    """A batch at the ceiling is handled one payment at a time: A keeps failing and is parked, B is decided
+    and its send fails later. Only B is handled again: A, done once parked, was parked a second time (or
+    decided after its parking, had its failure passed)."""
+    a, b = admitted(0, 10), admitted(0, 11)
+    calls: list[list[int]] = []
+    send_failures = [KafkaTimeoutError("B's decision was not acknowledged")]
+
+    async def batch(items: list[tuple[Payment, Admission]]) -> asyncio.Future[None]:
+        offsets = [admission.offset for _, admission in items]
+        calls.append(offsets)
+        if 10 in offsets:
+            raise RuntimeError("A's evidence is not fresh")
+        sent: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if send_failures:
+            sent.set_exception(send_failures.pop())
+        else:
+            sent.set_result(None)
+        return sent
+
+    review = Topic()
+    handling = Handling(
+        None, batch, Sink(Topic(), review, "aml-0", GateStats()), GateStats(), LanePolicy(max_attempts=2)
+    )  # type: ignore[arg-type]
+    acked: list[int] = []
+    everything_acked = asyncio.Event()
+
+    async def ack(event: Event) -> None:
+        acked.append(event.message.offset)
+        if len(acked) == 2:
+            everything_acked.set()
+
+    acks = Acks(SimpleNamespace(rebalancing=False), handling)  # type: ignore[arg-type]
+    acks.stream = SimpleNamespace(ack=ack)  # type: ignore[assignment]
+    lane = Lane(0)
+    lane.current = [a.event, b.event]  # type: ignore[list-item]
+    handled = await handling.handle([a, b])
+    assert handled.covers == [b]
+    await acks.hand_over(lane, [a, b], handled)
+    acker = asyncio.ensure_future(acks.run(lane))
+    try:
+        await asyncio.wait_for(everything_acked.wait(), DEADLINE)
+    finally:
+        acker.cancel()
+    assert acked == [10, 11]
+    assert [dict(r["headers"])["review.offset"] for r in review.sent] == [b"10"]
+    assert calls == [[10, 11], [10, 11], [10], [10], [11], [11]]
+
+
+async def test_a_batch_split_in_a_redo_gives_each_payment_its_own_attempts() -> None:
+    """With AML_MAX_ATTEMPTS=1 a batch whose send failed once reaches the ceiling at once and is split;
+    each payment is then tried alone, as `handle` does, and only one that fails alone is parked (all
+    three were parked without an attempt)."""
+    calls: list[list[int]] = []
+
+    async def batch(items: list[tuple[Payment, Admission]]) -> None:
+        calls.append([admission.offset for _, admission in items])
+
+    review = Topic()
+    handling = Handling(
+        None, batch, Sink(Topic(), review, "aml-0", GateStats()), GateStats(), LanePolicy(max_attempts=1)
+    )  # type: ignore[arg-type]
+    batch_of_three = [admitted(0, offset) for offset in (20, 21, 22)]
+    await asyncio.wait_for(
+        handling.redo(batch_of_three, KafkaTimeoutError("an alert's send timed out")), DEADLINE
+    )
+    assert calls == [[20], [21], [22]] and review.sent == []

@@ -56,7 +56,7 @@ def test_the_acks_go_from_the_front_and_make_room() -> None:
         lane.receive(event(0, o), 0, checks_holes=True)
     first, _ = lane.take()
     assert lane.in_flight == 0 and offsets(lane.unacked()) == [0, 1, 2]
-    lane.add_handled(HandledBatch(lane.hand_over(), [], _ready()))
+    lane.add_handled(HandledBatch(lane.hand_over(), [], _ready(), []))
     assert lane.handled_payments == 1 and lane.resume_offset() == 0
     lane.acked_front()
     lane.settled(1)
