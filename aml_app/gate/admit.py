@@ -106,7 +106,9 @@ class Admitter:
             opening = await self.gate.wait_open(p, offset, event_us, self.stale_after)
             if opening.stale is not None:
                 reason = f"decided stale after waiting {opening.stale:g} s at the gate"
-                await self.sink.to_review(event, ReviewKind.STALE, reason)
+                await self.sink.to_review(
+                    event, ReviewKind.STALE, reason, on_failure=self.handling.review_failed(p, offset)
+                )
         else:
             opening = Opening(self.gate.row(p) or CLOSED)
         # From arrival at this worker to the start of processing: the time the payment was held, by the

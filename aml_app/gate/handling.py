@@ -246,7 +246,23 @@ class Handling:
         else:
             parked = f"parked after {attempts} failed attempts"
         reason = f"{parked}: {describe_error(exc)}" + (f"; {why}" if why else "")
-        await self.sink.to_review(event, ReviewKind.PARKED, reason, attempts=attempts)
+        partition, offset = event.message.partition, event.message.offset
+        await self.sink.to_review(
+            event,
+            ReviewKind.PARKED,
+            reason,
+            attempts=attempts,
+            on_failure=self.review_failed(partition, offset),
+        )
+
+    def review_failed(self, partition: int, offset: int) -> OnFailure:
+        """Shows a payment whose copy the review topic keeps refusing in `retrying`, as a failing handler
+        is: the lane holds on it until the broker has it, and an operator must see why."""
+
+        def on_failure(attempt: int, exc: BaseException, wait: float) -> None:
+            self.failed_at(partition, offset, 1, attempt, exc, wait, during="writing it to the review topic")
+
+        return on_failure
 
     def _asked_to_park(self, partition: int, offset: int) -> ParkRequest | None:
         return None if self.park_requested is None else self.park_requested(partition, offset)
@@ -270,15 +286,23 @@ class Handling:
         self.failed_at(first.partition, first.offset, len(admitted), attempt, exc, wait)
 
     def failed_at(
-        self, partition: int, offset: int, payments: int, attempt: int, exc: BaseException, wait: float
+        self,
+        partition: int,
+        offset: int,
+        payments: int,
+        attempt: int,
+        exc: BaseException,
+        wait: float,
+        during: str = "",
     ) -> None:
-        """Record a failed attempt where the operators see it (`retrying`)."""
+        """Record a failed attempt where the operators see it (`retrying`); `during` names a step other
+        than the handler's."""
         now = time.time()
         current = self.retrying.get(partition)
         if current is None or current.offset != offset:
             current = self.retrying[partition] = Retrying(partition, offset, payments, since=now)
         current.attempts = max(current.attempts + 1, attempt)
-        current.error = describe_error(exc)
+        current.error = f"{during}: {describe_error(exc)}" if during else describe_error(exc)
         current.next_retry_at = now + wait
         self.stats.handler_failures += 1
 

@@ -71,8 +71,16 @@ class Sink:
             reason,
         )
 
-    async def to_review(self, event: EventT[Any], kind: ReviewKind, reason: str, attempts: int = 0) -> None:
-        """A payment decided stale or parked, in the payment's partition of the review topic."""
+    async def to_review(
+        self,
+        event: EventT[Any],
+        kind: ReviewKind,
+        reason: str,
+        attempts: int = 0,
+        on_failure: OnFailure | None = None,
+    ) -> None:
+        """A payment decided stale or parked, in the payment's partition of the review topic; retried until
+        the broker has it, each failure told to `on_failure`."""
         assert self.review is not None, "deciding stale or parking needs a review topic"
         message = event.message
         headers = origin_headers(
@@ -85,7 +93,9 @@ class Sink:
             kind=kind.value,
             attempts=attempts,
         )
-        await self._send(self.review, "the review topic", "review", event, headers, message.partition, None)
+        await self._send(
+            self.review, "the review topic", "review", event, headers, message.partition, on_failure
+        )
         if kind is ReviewKind.STALE:
             self.stats.decided_stale += 1
         else:

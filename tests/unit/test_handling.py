@@ -279,3 +279,30 @@ async def test_a_batch_split_in_a_redo_gives_each_payment_its_own_attempts() -> 
         handling.redo(batch_of_three, KafkaTimeoutError("an alert's send timed out")), DEADLINE
     )
     assert calls == [[20], [21], [22]] and review.sent == []
+
+
+class RefusesFirst(Topic):
+    """A Faust topic whose broker refuses the first `refusals` sends, then keeps each record."""
+
+    def __init__(self, refusals: int) -> None:
+        super().__init__()
+        self.refusals = refusals
+
+    async def send(self, **record: Any) -> asyncio.Future[None]:
+        if self.refusals:
+            self.refusals -= 1
+            raise KafkaTimeoutError("the review topic did not answer")
+        return await super().send(**record)
+
+
+async def test_a_parked_payment_the_review_topic_refuses_shows_as_retrying() -> None:
+    """The lane holds on a payment until the review topic has its copy: operators see that in `retrying`
+    (the page, `aml-app status`, the metric), not only in the log."""
+    review = RefusesFirst(refusals=2)
+    sink = Sink(Topic(), review, "aml-0", GateStats())  # type: ignore[arg-type]
+    lane = Handling(failing_send, None, sink, GateStats(), LanePolicy(max_attempts=1))
+    await asyncio.wait_for(lane.redo([admitted(3, 8)], KafkaTimeoutError("lost")), DEADLINE)
+    assert len(review.sent) == 1
+    shown = lane.retrying[3]
+    assert (shown.offset, shown.attempts) == (8, 3)
+    assert shown.error.startswith("writing it to the review topic: KafkaTimeoutError")

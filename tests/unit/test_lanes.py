@@ -15,7 +15,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from aiokafka.errors import IllegalStateError
+from aiokafka.errors import IllegalStateError, KafkaTimeoutError
 from faust.types import TP
 
 from aml_app.gate import Admission, GatedConsumer
@@ -180,9 +180,16 @@ class FakeDeadLetters:
 
 
 class FakeReview(FakeDeadLetters):
+    """The review topic; its broker refuses the next `refusals` sends."""
+
+    refusals = 0
+
     async def send(  # type: ignore[override]
         self, *, key: bytes | None, value: bytes | None, partition: int, headers: list
     ) -> asyncio.Future[None]:
+        if self.refusals:
+            self.refusals -= 1
+            raise KafkaTimeoutError("the review topic did not answer")
         return await super().send(
             key=key, value=value, headers=[*headers, ("partition", str(partition).encode())]
         )
@@ -1222,6 +1229,21 @@ async def test_a_batch_at_the_ceiling_is_tried_one_payment_at_a_time_and_only_th
     assert h.batches == [whole, whole, [(2, 0)], [(2, 1)], [(2, 1)], [(2, 2)]]
     assert h.handled == [(2, 0), (2, 2)] and [s["headers"]["review.offset"] for s in h.review.sent] == [b"1"]
     assert h.violations == []
+
+
+async def test_a_stale_payment_the_review_topic_refuses_shows_as_retrying_until_it_has_it(
+    make: Callable[..., Harness],
+) -> None:
+    """The lane holds on the payment until the review topic has its copy; meanwhile operators see why."""
+    h = make(stale_after=0.05)  # partition 0 has no row: its gate never opens
+    h.review.refusals = 2
+    h.dispatch(event(0, 0))
+    await until(
+        lambda: 0 in h.gated.retrying and h.gated.retrying[0].error.startswith("writing it to the review"),
+        "the refused review copy shown as retrying",
+    )
+    await until(lambda: h.acks == [(0, 0)], "the payment decided stale once the review topic has it")
+    assert len(h.review.sent) == 1 and h.gated.retrying == {}
 
 
 async def test_decide_stale_admits_a_payment_that_waited_past_the_bound_and_sends_it_for_review(
