@@ -18,7 +18,9 @@ For each batch of payments of one partition that the gate let through (`AML_MAX_
    are keyed by payment id, so a compacted topic agrees downstream. A payment handled again while its
    alert's acknowledgement is still to come (its batch retried, its partition back after a rebalance)
    waits for it; after a send that failed (the broker may hold the alert all the same: a timeout after
-   the write) the partition of the alerts topic is read back before any alert goes there again;
+   the write) the partition of the alerts topic is read back before any alert goes there again, from
+   where that alert can be (after the last alert acknowledged there before it was sent), and stays in
+   doubt if another send failed during the read;
 5. send the decisions (every payment, keyed by payment id, as JSON straight to the producer); the lane
    goes on with its next batch and acks this one once the broker has every alert (then remembered in the
    table's local store) and every decision.
@@ -73,6 +75,23 @@ class SentAlert(NamedTuple):
     alert: Alert
     ack: asyncio.Future[Any]
     partition: int = 0
+    #: The lowest offset the alert can be at: after the last alert acknowledged on its partition when it
+    #: was sent, since a log only grows (None: after what the store recovered).
+    floor: int | None = None
+
+
+@dataclass
+class Doubt:
+    """An alerts partition where a send failed: the broker may hold its alert all the same."""
+
+    #: The lowest offset such an alert can be at (None: after what the store recovered).
+    start: int | None
+    #: Failures recorded, so that a read-back clears only the doubt it began after.
+    marks: int = 1
+
+    def add(self, floor: int | None) -> None:
+        self.start = None if self.start is None or floor is None else min(self.start, floor)
+        self.marks += 1
 
 
 #: How long a payment handled again waits for the acknowledgement of its earlier alert, and for the
@@ -157,7 +176,7 @@ class Detector:
         #: Alerts handed to the producer and not acknowledged yet, by payment id.
         self.unsettled: dict[str, SentAlert] = {}
         #: Alerts partitions where a send failed: read back before the next alert goes there.
-        self.in_doubt: set[int] = set()
+        self.in_doubt: dict[int, Doubt] = {}
         #: Alerts partition -> the offset after the last alert the broker acknowledged here.
         self.read_from: dict[int, int] = {}
         #: (partition, start, timeout) -> the records of the alerts topic's partition from start to its end.
@@ -425,7 +444,8 @@ class Detector:
             )
             # Claimed before the send, which awaits: another handling of the payment waits for this one.
             claim: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            entry = SentAlert(payment.payment_id, alert, claim, admission.partition)
+            floor = self.read_from.get(admission.partition)
+            entry = SentAlert(payment.payment_id, alert, claim, admission.partition, floor)
             self.unsettled[payment.payment_id] = entry
             try:
                 # The alert, on the payment's own partition, is also `alerts-sent`'s changelog entry (see
@@ -454,12 +474,16 @@ class Detector:
         cannot both send."""
         while (earlier := self.unsettled.get(payment_id)) is not None:
             await self.settle(earlier, payment_id, partition)
-        if alerts_sent.get(alert_key(payment_id)) is None and partition in self.in_doubt:
-            start = self.read_from.get(partition, applied_to(partition))
+        doubt = self.in_doubt.get(partition)
+        if alerts_sent.get(alert_key(payment_id)) is None and doubt is not None:
+            marks = doubt.marks
+            start = applied_to(partition) if doubt.start is None else doubt.start
             for key, value in await self.read_back(partition, start, ALERT_SETTLE_WAIT):
                 if key is not None and value is not None:
                     alerts_sent.data[key] = json.loads(value)
-            self.in_doubt.discard(partition)
+            # A send that failed during the read may have been written after the end it read to.
+            if self.in_doubt.get(partition) is doubt and doubt.marks == marks:
+                del self.in_doubt[partition]
             if payment_id in self.unsettled:  # claimed by another handling meanwhile
                 return await self.alerted_before(payment_id, partition)
         return alerts_sent.get(alert_key(payment_id)) is not None
@@ -472,7 +496,7 @@ class Detector:
         except DeadlineExceeded:
             raise  # still unknown: this batch fails and is handled again later, never sent twice
         except Exception:  # failed or cancelled (`CancelledWithin`): the broker may have it all the same
-            self.in_doubt.add(partition)
+            self.doubt(earlier)
         else:
             self.remember(earlier)
         finally:
@@ -489,7 +513,7 @@ class Detector:
                 del self.unsettled[alert.payment_id]
             if isinstance(ack, BaseException):
                 failure = failure or ack
-                self.in_doubt.add(alert.partition)
+                self.doubt(alert)
                 continue
             self.remember(alert)
             offset = getattr(ack, "offset", None)
@@ -498,6 +522,15 @@ class Detector:
             self.stats.alerts += 1
         if failure is not None:
             raise failure
+
+    def doubt(self, alert: SentAlert) -> None:
+        """The alert's send failed: its partition is read back, from where the alert can be, before the
+        next alert goes there (an alert acknowledged after it, at a higher offset, moves nothing)."""
+        doubt = self.in_doubt.get(alert.partition)
+        if doubt is None:
+            self.in_doubt[alert.partition] = Doubt(alert.floor)
+        else:
+            doubt.add(alert.floor)
 
     def remember(self, alert: SentAlert) -> None:
         """The local store only: a table write would send a second record."""
