@@ -7,6 +7,7 @@ through Service-B's API. That is the promise the freshness gate reads.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -15,6 +16,10 @@ from typing import Any
 from aml_app.contract import dead_letter_headers, in_parts
 
 DELIVERY_TIMEOUT = 30.0
+#: How often (seconds) a group's offsets are committed again unchanged. The group has no member, so
+#: Kafka drops a partition's committed offset `offsets.retention.minutes` (7 days by default) after its
+#: last commit: a partition without payments that long, or an idle topic, would read as nothing applied.
+RECOMMIT_EVERY = 3600.0
 
 
 class GroupProgress:
@@ -23,11 +28,18 @@ class GroupProgress:
     A group's committed offsets never move backwards here: `floor` is what the group had committed when
     this started (read once), and `commit` only sends partitions past both it and our last commit. A
     store being rebuilt from the start of the topic therefore leaves the group alone until it has caught
-    up, and the gate never sees a dependency's progress shrink.
+    up, and the gate never sees a dependency's progress shrink. Every `recommit_every` seconds the
+    commit, or `recommit` while the topic is idle, sends every partition again, so that the broker's
+    offset expiry never takes back what was published.
     """
 
     def __init__(
-        self, config: Mapping[str, Any], topic: str, group: str, partitions: Iterable[int] = ()
+        self,
+        config: Mapping[str, Any],
+        topic: str,
+        group: str,
+        partitions: Iterable[int] = (),
+        recommit_every: float = RECOMMIT_EVERY,
     ) -> None:
         from confluent_kafka import Consumer
 
@@ -36,22 +48,39 @@ class GroupProgress:
         wanted = list(partitions)
         self.floor: dict[int, int] = self.committed(wanted) if wanted else {}
         self.sent: dict[int, int] = dict(self.floor)
+        self.recommit_every = recommit_every
+        self.recommitted = time.monotonic()
+        # A micro-batch commits on Spark's thread, `recommit` on the driver's main one: one at a time, so
+        # an earlier offset never reaches the broker after a later one.
+        self.lock = threading.Lock()
 
     def commit(self, offsets: Mapping[int, int]) -> dict[int, int]:
-        """Commit `{partition: next offset}` where it moves the group forward; returns what the group
-        now has committed (as far as we know). Raises if the broker refuses, so the batch is retried."""
+        """Commit `{partition: next offset}` where it moves the group forward, and every partition again
+        when `recommit_every` has passed; returns what the group now has committed (as far as we know).
+        Raises if the broker refuses, so the batch is retried."""
         from confluent_kafka import TopicPartition
 
-        forward = {p: o for p, o in offsets.items() if o > self.sent.get(p, 0)}
-        if forward:
-            tps = [TopicPartition(self.topic, p, o) for p, o in sorted(forward.items())]
-            for tp in self.consumer.commit(offsets=tps, asynchronous=False) or []:
-                if tp.error is not None:
-                    raise RuntimeError(
-                        f"commit of {self.group} {self.topic}[{tp.partition}] failed: {tp.error}"
-                    )
-            self.sent.update(forward)
-        return dict(sorted(self.sent.items()))
+        with self.lock:
+            forward = {p: o for p, o in offsets.items() if o > self.sent.get(p, 0)}
+            now = time.monotonic()
+            due = now - self.recommitted >= self.recommit_every
+            send = {**self.sent, **forward} if due else forward
+            if send:
+                tps = [TopicPartition(self.topic, p, o) for p, o in sorted(send.items())]
+                for tp in self.consumer.commit(offsets=tps, asynchronous=False) or []:
+                    if tp.error is not None:
+                        raise RuntimeError(
+                            f"commit of {self.group} {self.topic}[{tp.partition}] failed: {tp.error}"
+                        )
+                self.sent.update(forward)
+            if due:
+                self.recommitted = now
+            return dict(sorted(self.sent.items()))
+
+    def recommit(self) -> None:
+        """What the driver calls while no micro-batch runs (an idle topic): every partition committed
+        again once `recommit_every` has passed since the last time."""
+        self.commit({})
 
     def committed(self, partitions: Iterable[int]) -> dict[int, int]:
         """The group's committed offsets as the broker has them now (partitions without any left out)."""

@@ -199,6 +199,15 @@ class Pipeline:
                 return f"a store write failed: {error}"
         return None
 
+    def recommit(self) -> None:
+        """Commit each group's offsets again where `GroupProgress.recommit_every` has passed (an idle topic
+        runs no micro-batch to do it); a broker that refuses now is asked again at the next call."""
+        for handler in self.handlers:
+            try:
+                handler.progress.recommit()
+            except Exception as exc:
+                log.warning("committing %s's offsets again: %s", handler.service, exc)
+
     def stop(self) -> None:
         """Stop the queries, then close what they used. A batch waiting for an unavailable store gives up
         first (nothing of it is committed), so a stop never waits out a database outage."""
@@ -659,6 +668,7 @@ def _run_until_stopped(
             break
         if done is not None and done(running):
             break
+        running.recommit()
         stopping.wait(0.5)
     if running is not None:
         running.stop()

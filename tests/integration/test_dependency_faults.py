@@ -96,3 +96,39 @@ async def test_a_dependency_moved_back_while_a_payment_waits_keeps_it_waiting(
     await decision_log.wait_for(set(placed), timeout=60)
     # The timeline keeps commits that move a group forward: 3..5 count as covered at the commit of 6.
     assert premature(decided_once(decision_log, placed), names.deps, timeline) == []
+
+
+def test_the_pipeline_commits_every_partition_again_so_the_brokers_expiry_takes_nothing_back(
+    broker,
+) -> None:
+    """A group without members loses a partition's offset `offsets.retention.minutes` after its last
+    commit (KIP-211): a partition with no payments for a week, or an idle topic, would read as nothing
+    applied, and the event-time gate would hold every payment until a restart. The embedded broker
+    expires nothing, so the group is deleted by hand, as the expiry leaves it."""
+    import uuid
+
+    from confluent_kafka.admin import NewTopic
+
+    from aml_app.pipeline.progress import GroupProgress
+
+    topic, group = f"payments-{uuid.uuid4().hex[:8]}", f"relations-{uuid.uuid4().hex[:8]}"
+    admin = AdminClient({"bootstrap.servers": broker.bootstrap})
+    for future in admin.create_topics([NewTopic(topic, 2, 1)], operation_timeout=10).values():
+        future.result(10)
+    config = {"bootstrap.servers": broker.bootstrap}
+
+    kept = GroupProgress(config, topic, group, recommit_every=0.0)
+    unchanged = GroupProgress(config, topic, f"{group}-control", recommit_every=3600.0)
+    try:
+        for progress in (kept, unchanged):
+            progress.commit({0: 5, 1: 3})
+            delete_group(broker.bootstrap, progress.group)
+            progress.commit({0: 6, 1: 3})  # payments on partition 0 only
+        assert unchanged.committed([0, 1]) == {0: 6}, "the control: partition 1 is not committed again"
+        assert kept.committed([0, 1]) == {0: 6, 1: 3}
+        delete_group(broker.bootstrap, group)
+        kept.recommit()  # the topic idle: no micro-batch runs
+        assert kept.committed([0, 1]) == {0: 6, 1: 3}
+    finally:
+        kept.close()
+        unchanged.close()

@@ -26,9 +26,13 @@ class FakePipeline:
     def __init__(self, failures: list[str | None]) -> None:
         self.failures = failures
         self.stopped = False
+        self.recommits = 0
 
     def failure(self) -> str | None:
         return self.failures.pop(0) if self.failures else None
+
+    def recommit(self) -> None:
+        self.recommits += 1
 
     def stop(self) -> None:
         self.stopped = True
@@ -114,3 +118,38 @@ def test_other_failures_and_a_failed_restart_end_the_process(caplog: pytest.LogC
     assert caplog.messages[-1] == (
         "pipeline failed: starting the queries again failed: the relations store is behind its consumer group"
     )
+
+
+def test_the_watch_commits_the_groups_again_while_the_queries_run() -> None:
+    """An idle topic runs no micro-batch: the driver's watch is what keeps the groups' offsets from
+    expiring (`GroupProgress.recommit`)."""
+    running = FakePipeline([None, None, None])
+    assert runner._run_until_stopped(Spark(), running, lambda p: not p.failures) == 0  # type: ignore[arg-type]
+    assert running.recommits == 2
+
+
+class Refusing:
+    def recommit(self) -> None:
+        raise RuntimeError("KafkaError{code=_TIMED_OUT}")
+
+
+class Counting:
+    calls = 0
+
+    def recommit(self) -> None:
+        self.calls += 1
+
+
+def test_a_recommit_the_broker_refuses_is_a_warning_and_the_other_groups_go_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    counted = Counting()
+    handlers = [
+        type("Handler", (), {"service": "relations", "progress": Refusing()})(),
+        type("Handler", (), {"service": "aggregates", "progress": counted})(),
+    ]
+    pipeline = runner.Pipeline(None, [], [], handlers=handlers)
+    with caplog.at_level(logging.WARNING, logger="aml_app.pipeline"):
+        pipeline.recommit()
+    assert counted.calls == 1
+    assert caplog.messages == ["committing relations's offsets again: KafkaError{code=_TIMED_OUT}"]
