@@ -373,7 +373,9 @@ class DependencyClient:
                 failures.append(str(exc))
                 continue
             replicas.answered(base)
-            if self._went_back(dependency, base, shown):
+            # A reply with kept answers shows the newest store this replica read, a bound below where
+            # its store is: another replica's later read being above it says nothing of this one.
+            if "kept" not in answer and self._went_back(dependency, base, shown):
                 replicas.failed(base)
                 if fallback is None and not answer.get("not_yet"):
                     fallback = answer, shown
