@@ -509,9 +509,6 @@ class WorkerGate(Service):
         if recheck:
             status.partition_check_at = now
         status.partitions = len(reading.partitions)
-        if status.last_error:
-            log.info("watermark refresh recovered after: %s", status.last_error)
-        status.last_error = None
         status.last_refresh = now
         status.refreshes += 1
         if reading.log_ends is not None and reading.service_committed is not None:
@@ -530,7 +527,12 @@ class WorkerGate(Service):
         )
         self._write_rows(rows)
         if EVENT_TIME:
-            return await self._write_cut(rows, reading.log, attempt, stamp)
+            outcome = await self._write_cut(rows, reading.log, attempt, stamp)
+            if outcome is not Outcome.SUCCEEDED:
+                return outcome
+        if status.last_error:
+            log.info("watermark refresh recovered after: %s", status.last_error)
+        status.last_error = None
         return Outcome.SUCCEEDED
 
     @staticmethod
@@ -556,6 +558,12 @@ class WorkerGate(Service):
         except Exception as exc:
             self.refresh_errors.failed(exc)
 
+    def _cut_failed(self, message: str) -> None:
+        """The cut's read failed: its old row ages out and the gate closes. The rows, just written fresh,
+        carry the error, so that every worker's views and health check see it, not the leader's alone."""
+        self.status.failed(message, "the last event-time cut")
+        self._mark_error(f"the event-time cut: {message}")
+
     async def _write_cut(
         self, rows: dict[int, WatermarkRow], log_id: str | None, attempt: object, stamp: Stamp
     ) -> Outcome:
@@ -568,7 +576,7 @@ class WorkerGate(Service):
             found = await self.unapplied.read(reached, log_id)
         except OffsetReadError as exc:
             if attempt is self._attempt:
-                self.status.failed(str(exc), "the last event-time cut")
+                self._cut_failed(str(exc))
             return Outcome.OVERRAN if exc.timed_out else Outcome.FAILED
         finally:
             self.status.phase_s["event_time_cut"] += time.perf_counter() - began
@@ -577,7 +585,7 @@ class WorkerGate(Service):
         if not stamp.current():
             return Outcome.FAILED
         if (slow := stamp.outlived(settings.gate.watermark_max_age)) is not None:
-            self.status.failed(slow, "the last event-time cut")
+            self._cut_failed(slow)
             return Outcome.FAILED
         derived = next((row.derived for row in rows.values() if row.derived), None)
         row = cut_row(

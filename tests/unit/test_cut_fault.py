@@ -1,0 +1,105 @@
+"""A leader whose event-time cut cannot be read while the groups' offsets can: the gate admits nothing,
+so every worker's views and health check must say why, not the leader's refresh state alone; once the
+cut is read again, everything says so. In a fresh interpreter, as `test_refresh_stamps.py` does."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+SCRIPT = """
+import asyncio, json, logging, time
+from aml_app.gate.event_time import Unapplied
+from aml_app.kafka.offsets import OffsetReadError, Reading
+from aml_app.tables import watermarks as w
+from aml_app.views.status import health_code
+
+clock = [1000.0]
+time.time = lambda: clock[0]
+w.app.is_leader = lambda: True
+w.app.consumer_generation_id = 3
+gate = w.gate_service()
+gate.changelogs.known = True
+w.watermarks, w.cuts = {}, {}
+w.rows_of.table, w.cut_of.table = w.watermarks, w.cuts
+groups = w.settings.depends_on
+said = []
+
+
+class Said(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+
+
+logging.getLogger("aml_app.tables.watermarks").addHandler(Said())
+logging.getLogger("aml_app.tables.watermarks").setLevel(logging.INFO)
+
+
+async def read_all(*args, **kwargs):
+    return Reading([0, 1], {g: {0: 5, 1: 3} for g in groups}, log="cluster:topic")
+
+
+failing = [False]
+
+
+async def read(reached, log=None):
+    if failing[0]:
+        raise OffsetReadError("no answer within 5 s fetching partitions [1] of 'payments'", timed_out=True)
+    return {q: Unapplied(end, None) for q, end in reached.items()}
+
+
+gate.offsets.read_all = read_all
+gate.unapplied.read = read
+
+
+def seen():
+    view = gate.operator_view(time.time())
+    doc = {"dependencies": view["dependencies"], "gate": view["gate"], "refresh": {"state": "ok"}}
+    return {
+        "admin_error": view["gate"]["admin_error"],
+        "statuses": [d["status"] for d in view["dependencies"]],
+        "health": health_code(doc),
+    }
+
+
+async def main():
+    outcomes = []
+    for failing[0] in (False, True, True, True, True, False):
+        token = gate._attempt = object()
+        outcomes.append((await gate.refresh_once(time.monotonic(), token)).value)
+        clock[0] += 1.5
+        if len(outcomes) == 5:
+            during = seen()
+    return {"outcomes": outcomes, "during": during, "after": seen(), "said": said}
+
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def run() -> dict[str, Any]:
+    env = {**os.environ, "AML_GATE_MODE": "event-time", "AML_WATERMARK_MAX_AGE": "5"}
+    out = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def test_a_cut_that_cannot_be_read_shows_on_every_workers_views_until_it_can() -> None:
+    result = run()
+    assert result["outcomes"] == ["succeeded", "overran", "overran", "overran", "overran", "succeeded"]
+    during = result["during"]
+    assert (
+        during["admin_error"]
+        == "the event-time cut: no answer within 5 s fetching partitions [1] of 'payments'"
+    )
+    assert set(during["statuses"]) == {"error"} and during["health"] == 2
+    assert result["after"] == {"admin_error": None, "statuses": ["ok", "ok"], "health": 0}
+    # Logged once when it starts and once when it ends: the offsets' reads in between succeeded.
+    failed = [line for line in result["said"] if line.startswith("watermark refresh failed")]
+    recovered = [line for line in result["said"] if line.startswith("watermark refresh recovered")]
+    assert len(failed) == 1 and len(recovered) == 1
