@@ -526,6 +526,7 @@ class WorkerGate(Service):
             derived=reading.derived,
         )
         self._write_rows(rows)
+        self._drop_rows_beyond(set(reading.partitions))
         if EVENT_TIME:
             outcome = await self._write_cut(rows, reading.log, attempt, stamp)
             if outcome is not Outcome.SUCCEEDED:
@@ -541,6 +542,13 @@ class WorkerGate(Service):
             old = rows_of.get(p)
             if _worth_writing(old, row, row_changed(old, row)):
                 watermarks[p] = row.as_json()
+
+    @staticmethod
+    def _drop_rows_beyond(partitions: set[int]) -> None:
+        """Drop the rows of partitions the topic no longer has (deleted and created again with fewer):
+        kept, their last error and their old log would speak for the topic on every view for ever."""
+        for p in [p for p in list(watermarks.keys()) if p not in partitions]:
+            del watermarks[p]
 
     @staticmethod
     def _mark_error(message: str) -> None:

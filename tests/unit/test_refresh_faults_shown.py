@@ -1,6 +1,7 @@
-"""A leader whose event-time cut cannot be read while the groups' offsets can: the gate admits nothing,
-so every worker's views and health check must say why, not the leader's refresh state alone; once the
-cut is read again, everything says so. In a fresh interpreter, as `test_refresh_stamps.py` does."""
+"""Faults of the leader's refresh as every worker's views and health check show them, and their end: the
+event-time cut that cannot be read while the groups' offsets can (the gate admits nothing), and the
+payments topic created again with fewer partitions. In a fresh interpreter each, as
+`test_refresh_stamps.py` does."""
 
 from __future__ import annotations
 
@@ -103,3 +104,62 @@ def test_a_cut_that_cannot_be_read_shows_on_every_workers_views_until_it_can() -
     failed = [line for line in result["said"] if line.startswith("watermark refresh failed")]
     recovered = [line for line in result["said"] if line.startswith("watermark refresh recovered")]
     assert len(failed) == 1 and len(recovered) == 1
+
+
+SHRUNK = """
+import asyncio, json, time
+from aml_app.kafka.offsets import OffsetReadError, Reading
+from aml_app.tables import watermarks as w
+from aml_app.views.status import health_code
+
+clock = [1000.0]
+time.time = lambda: clock[0]
+w.app.is_leader = lambda: True
+w.app.consumer_generation_id = 3
+gate = w.gate_service()
+gate.changelogs.known = True
+w.watermarks, w.cuts = {}, {}
+w.rows_of.table, w.cut_of.table = w.watermarks, w.cuts
+groups = w.settings.depends_on
+phase = ["old"]
+
+
+async def read_all(*args, **kwargs):
+    if phase[0] == "old":
+        return Reading(list(range(6)), {g: {p: 10 for p in range(6)} for g in groups}, log="c:topic-v1")
+    if phase[0] == "gone":
+        raise OffsetReadError("topic 'payments' does not exist (yet)")
+    return Reading([0, 1, 2], {g: {p: 4 for p in range(3)} for g in groups}, log="c:topic-v2")
+
+
+gate.offsets.read_all = read_all
+
+
+async def main():
+    for phase[0] in ("old", "gone", "new"):
+        token = gate._attempt = object()
+        await gate.refresh_once(time.monotonic(), token)
+        clock[0] += 1.5
+    view = gate.operator_view(time.time())
+    doc = {"dependencies": view["dependencies"], "gate": view["gate"], "refresh": {}}
+    return {
+        "rows": {str(p): [r["log"], r.get("error")] for p, r in sorted(w.watermarks.items())},
+        "admin_error": view["gate"]["admin_error"],
+        "health": health_code(doc),
+    }
+
+
+print(json.dumps(asyncio.run(main())))
+"""
+
+
+def test_rows_of_partitions_the_topic_no_longer_has_are_dropped() -> None:
+    """Deleted while its topic was away, created again with three partitions of six: rows 3-5 kept the
+    error of the topic's absence and its old log, and every view showed the error for ever."""
+    env = {**os.environ, "AML_GATE_MODE": "partition"}
+    out = subprocess.run(
+        [sys.executable, "-c", SHRUNK], capture_output=True, text=True, timeout=120, check=True, env=env
+    )
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["rows"] == {str(p): ["c:topic-v2", None] for p in range(3)}
+    assert result["admin_error"] is None and result["health"] == 0
