@@ -364,6 +364,7 @@ class DependencyClient:
         replicas = self.replicas[dependency]
         failures, behind = [], []
         fallback: tuple[dict[str, Any], Progress] | None = None
+        level = False  # whether a replica answered at or above what this service showed before
         for base in replicas.order(route):
             try:
                 answer = await self._send_to(dependency, where(base), body)
@@ -375,14 +376,17 @@ class DependencyClient:
             replicas.answered(base)
             # A reply with kept answers shows the newest store this replica read, a bound below where
             # its store is: another replica's later read being above it says nothing of this one.
-            if "kept" not in answer and self._went_back(dependency, base, shown):
+            went_back = "kept" not in answer and self._went_back(dependency, base, shown)
+            level = level or not went_back
+            if went_back:
                 replicas.failed(base)
-                if fallback is None and not answer.get("not_yet"):
-                    fallback = answer, shown
-                continue
             if answer.get("not_yet"):
                 self.stats.not_yet += 1
                 behind.append(f"{base} has as_of {answer.get('as_of')}")
+                continue
+            if went_back:
+                if fallback is None:  # kept in case no other replica answers
+                    fallback = answer, shown
                 continue
             self._saw(dependency, shown)
             return answer
@@ -392,6 +396,8 @@ class DependencyClient:
             self._saw(dependency, shown)
             return answer
         if behind:
+            if not level:  # every replica that answered is below, and behind: the service went back
+                self.highest.pop(dependency, None)
             raise NotYet(f"{dependency} has not applied what the question needs yet: {'; '.join(behind)}")
         if len(failures) == 1:
             raise DependencyUnavailable(failures[0])

@@ -1,15 +1,19 @@
-"""Two replicas of B over one store that only moves forward: a reply of answers one replica kept is not
-a replica that went back, though its `as_of` (the newest store that replica read) is below what the
-other replica showed since. Taken for one, it rested the replica and had the other compute again."""
+"""How the detectors' client takes replicas' replies that are below what the service showed before: a
+reply of answers one replica kept (two replicas over one store that only moves forward) did not go back,
+though its `as_of`, the newest store that replica read, is below what the other showed since (taken for
+one, it rested the replica and had the other compute again); replies that went back and say "not yet"
+are a store behind the question, not an outage."""
 
 from __future__ import annotations
 
 import json
 from typing import Any
 
+import pytest
+
 from aml_app.dependencies.answer_cache import AnswerCache
 from aml_app.dependencies.api import _batch_response
-from aml_app.dependencies.client import DependencyClient, Need
+from aml_app.dependencies.client import DependencyClient, Need, NotYet
 
 STORE: dict[int, int] = {}
 CACHES: dict[str, AnswerCache] = {}
@@ -56,3 +60,24 @@ async def test_a_replica_answering_from_its_kept_answers_has_not_gone_back() -> 
     finally:
         await aml.close()
         await fraud.close()
+
+
+class Restored(DependencyClient):
+    """Every replica over a store restored from a backup: below what it showed, and behind the need."""
+
+    async def _send_to(self, dependency: str, url: Any, body: Any) -> dict[str, Any]:
+        return {"not_yet": True, "as_of": {"0": 40}, "log": "L", "waited_ms": 2000}
+
+
+async def test_replicas_behind_and_below_what_they_showed_are_not_yet_not_an_outage() -> None:
+    """Said "every replica of relations failed: " with no reason, counted no "not yet", and kept the
+    highest as_of shown, so every later answer below it went back again."""
+    client = Restored(["http://r0", "http://r1"], "http://c")
+    client.highest["relations"] = ("L", {0: 100})  # shown before the restore
+    try:
+        with pytest.raises(NotYet, match="relations has not applied what the question needs yet"):
+            await client.relations_many(["a"], parts="out", need=Need({0: 60}, "L", 2))
+        assert client.stats.not_yet == 2 and client.stats.went_back == 2
+        assert "relations" not in client.highest
+    finally:
+        await client.close()
