@@ -61,7 +61,8 @@ class AnswerCache:
         self.misses = 0
         #: Questions answered with the answer another request was computing.
         self.joined = 0
-        self._flying: dict[Hashable, asyncio.Future[Kept | None]] = {}
+        #: Key -> the answer a request is computing, and the need it computes it for (None: none).
+        self._flying: dict[Hashable, tuple[asyncio.Future[Kept | None], Need | None]] = {}
         #: The newest `as_of` this replica's store showed in an answer it read, and its log: where the
         #: store is, as far as the replica knows, when it answers from what it kept.
         self.newest: tuple[str | None, dict[int, int]] | None = None
@@ -77,16 +78,21 @@ class AnswerCache:
         return kept.text
 
     def in_flight(self, key: Hashable, need: Need | None) -> asyncio.Future[Kept | None] | None:
-        """The answer to `key` another request is computing now, for a gated read (`need`) to wait for."""
-        if need is None:
+        """The answer to `key` another request is computing now, for a gated read (`need`) to wait for;
+        None where that request needs more than `need`: it may wait for the store to get there first,
+        while the store may already answer this one."""
+        if need is None or (flying := self._flying.get(key)) is None:
             return None
-        future = self._flying.get(key)
-        return None if future is None or future.done() else future
+        future, computing_for = flying
+        if future.done() or (computing_for is not None and not computing_for.met(need.as_of, need.log)):
+            return None
+        return future
 
     @contextmanager
-    def flight(self, keys: Sequence[Hashable]) -> Iterator[Flight]:
-        """Say that this request computes `keys` until the block ends; whoever waits on one of them then
-        gets its answer, or None if the block ended without one (an error, a "not yet", a cancel)."""
+    def flight(self, keys: Sequence[Hashable], need: Need | None = None) -> Iterator[Flight]:
+        """Say that this request computes `keys` (for `need`) until the block ends; whoever waits on one
+        of them then gets its answer, or None if the block ended without one (an error, a "not yet", a
+        cancel)."""
         if self.entries == 0:
             yield Flight({})
             return
@@ -94,14 +100,15 @@ class AnswerCache:
         futures: dict[Hashable, asyncio.Future[Kept | None]] = {}
         for key in keys:
             if key not in self._flying:
-                futures[key] = self._flying[key] = loop.create_future()
+                futures[key] = loop.create_future()
+                self._flying[key] = futures[key], need
         try:
             yield Flight(futures)
         finally:
             for key, future in futures.items():
                 if not future.done():
                     future.set_result(None)
-                if self._flying.get(key) is future:
+                if self._flying.get(key, (None, None))[0] is future:
                     del self._flying[key]
 
     def shared(self, kept: Kept | None, need: Need) -> str | None:

@@ -183,7 +183,7 @@ async def _batch_response(
     todo = [i for i in missing if i not in waits]
     computed = set(todo)
     if todo:
-        body = await _computed(cache, keys, todo, texts, answer, metrics)
+        body = await _computed(cache, keys, todo, texts, need, answer, metrics)
         if body is not None:
             return body
     if waits:
@@ -198,7 +198,7 @@ async def _batch_response(
         again = [i for i in waits if texts[i] is None]
         computed.update(again)
         if again:
-            body = await _computed(cache, keys, again, texts, answer, metrics)
+            body = await _computed(cache, keys, again, texts, need, answer, metrics)
             if body is not None:
                 return body
     kept = [i for i in range(len(keys)) if i not in computed]
@@ -218,12 +218,13 @@ async def _computed(
     keys: Sequence[Hashable],
     todo: list[int],
     texts: list[str | None],
+    need: Need | None,
     answer: Callable[[list[int]], Awaitable[dict[str, Any]]],
     metrics: ApiMetrics | None,
 ) -> web.Response | None:
-    """Compute the answers `todo` into `texts`, sharing each with the requests that wait for it; the
-    response to send as it is instead (a "not yet"), or None."""
-    with cache.flight([keys[i] for i in todo]) as flight:
+    """Compute the answers `todo` (for `need`) into `texts`, sharing each with the requests that wait for
+    it; the response to send as it is instead (a "not yet"), or None."""
+    with cache.flight([keys[i] for i in todo], need) as flight:
         body = await answer(todo)
         if "answers" not in body:
             if metrics is not None and body.get("not_yet"):

@@ -166,3 +166,24 @@ async def test_only_a_gated_read_with_the_cache_on_waits_for_another_askers_answ
     )
     assert second.asked == [["b"]]
     assert isinstance(two, dict) and two["answers"] == [{"q": "b", "as_of": {"0": 6}, "log": "L"}]
+
+
+async def test_a_question_being_computed_for_a_higher_need_is_not_waited_for() -> None:
+    """The two detectors ask the same question with different needs (their batches and cuts differ): one
+    whose need the store already meets does not wait while the other's waits for the store (up to its
+    whole wait, and the join's bound, 30 s here) but reads the store itself."""
+    cache, first, second = AnswerCache(10), Store(5), Store(6)
+    higher = asyncio.ensure_future(
+        _batch_response(cache, ["a", "b"], Need({0: 9}, "L"), first.answer(["a", "b"]), timeout=30)
+    )
+    async with asyncio.timeout(10):
+        await first.started.wait()
+    second.go.set()
+    async with asyncio.timeout(10):
+        response = await _batch_response(cache, ["b"], Need({0: 4}, "L"), second.answer(["b"]), timeout=30)
+    assert response.text is not None
+    two = json.loads(response.text)
+    assert second.asked == [["b"]] and two["answers"] == [{"q": "b", "as_of": {"0": 6}, "log": "L"}]
+    assert not higher.done() and cache.joined == 0
+    first.go.set()
+    await higher
