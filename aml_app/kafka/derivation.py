@@ -26,8 +26,9 @@ stage makes:
 - a partition of D fed by several payments partitions interleaves their offsets: each is tracked apart;
 - a stage behind holds W at S(p); a stage that restarts and writes some records again (duplicates
   later in D, with smaller source offsets) holds W at the smallest one until G applies it;
-- records of D that retention deleted before G read them, where this bookkeeping had not read them
-  either, cannot be placed: `DerivationError` says so; so does a compacted D (`aml_app.kafka.derived`).
+- records of D that retention deleted before G read them cannot be placed, whether this bookkeeping
+  read them or not (G would go on from the log start past payments it never applied): `DerivationError`
+  says so; so does a compacted D (`aml_app.kafka.derived`).
 
 **Cost.** The pending records are read once each, as they are appended (not the whole lag at every
 refresh), and kept per (partition of D, payments partition) as a monotonic queue of the source offsets
@@ -163,11 +164,6 @@ class PendingSources:
 
     def scanned(self, partition: int) -> int:
         return self._partitions[partition].scanned
-
-    def kept_from(self, partition: int) -> int | None:
-        """From which offset of `partition` the pending records are known (None: not read yet)."""
-        known = self._partitions.get(partition)
-        return None if known is None else known.start
 
     def positions(
         self,

@@ -176,18 +176,17 @@ class DerivedTopic:
             self.request_timeout,
             f"reading the ends of {self.topic!r}",
         )
-        committed: dict[int, int] = {}
-        for d, tp in tps.items():
-            offset, kept = raw.get(d), self.pending.kept_from(d)
-            if offset is not None and kept is not None and offset >= kept:
-                committed[d] = offset
-                continue
-            # Read from a place not read before: the records from there on must still be in the log.
-            self.requests += 1
-            first = await within(
-                consumer.beginning_offsets([tp]), self.request_timeout, f"reading where {self.topic!r} starts"
-            )
-            committed[d] = check_retained(self.topic, self.group, d, offset, first[tp])
+        # Where every partition starts, in one request: the records the group has not read must still be
+        # in the log, whether this bookkeeping read them before or not (retention deletes both alike).
+        self.requests += 1
+        starts = await within(
+            consumer.beginning_offsets(list(tps.values())),
+            self.request_timeout,
+            f"reading where {self.topic!r} starts",
+        )
+        committed = {
+            d: check_retained(self.topic, self.group, d, raw.get(d), starts[tp]) for d, tp in tps.items()
+        }
         ends = {}
         for d, tp in tps.items():
             ends[d] = await self._read_to_end(consumer, d, tp, committed[d], reported[tp])

@@ -121,7 +121,9 @@ async def test_records_deleted_past_where_the_reader_stands_stop_the_mapping() -
         # Records 5..9 are written (payments 5..9) and the stage commits 20; retention deletes up to
         # offset 8 before the gate or the group read them. The group has applied none of them.
         Log.start, Log.end = 8, 10
-        with pytest.raises(DerivationError, match=r"payments\.enriched\[0\] from 5.*gone"):
+        with pytest.raises(
+            DerivationError, match=r"committed 5 on payments\.enriched\[0\], but .* 5 to 8 are gone"
+        ):
             await reader.positions([0], {0: 20}, {0: 5})
         # Once the group has committed past the deleted records, the mapping goes on from there.
         assert await reader.positions([0], {0: 20}, {0: 10}) == {0: 20}
@@ -195,3 +197,19 @@ async def test_a_derived_topic_created_again_is_read_again_from_the_groups_offse
         assert await reader.positions([0], {0: 10}, {0: 2}) == {0: 2}, "payments (0, 2..4) passed"
         reader.check_log("cluster:new-id")
     await reader.close()
+
+
+async def test_records_read_by_the_gate_not_the_group_refuse_the_mapping_once_deleted() -> None:
+    """D[0] holds 0..9 (payments 0..9 of partition 0), read by the gate while G stands at 0; retention
+    deletes 0..4. G's consumer would go on from 5 and commit 10 past payments 0..4 it never applied:
+    the mapping is refused as it is for records nobody read (it went on, and W(0) became 10)."""
+    with one_partition_of_d():
+        Log.start, Log.end = 0, 10
+        reader = DerivedTopic(TOPIC, "aggregates", "enrichment", {}, 1.0)
+        await reader.partitions(admin=None)
+        assert await reader.positions([0], {0: 10}, {0: 0}) == {0: 0}
+        Log.start = 5
+        with pytest.raises(
+            DerivationError, match=r"committed 0 on .*\[0\], but the records from 0 to 5 are gone"
+        ):
+            await reader.positions([0], {0: 10}, {0: 0})
