@@ -370,10 +370,10 @@ def _folder_or_none(env: Mapping[str, str], name: str, default: Path | None) -> 
 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     raw = _text(env, name, str(default))
-    try:
-        value = int(raw)
-    except ValueError:
-        raise ConfigError(f"{name}={raw!r} is not a whole number; expected {low}..{high}.") from None
+    # Digits 0-9 only: Python's int() also takes "1_0" and other scripts' digits.
+    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", raw):
+        raise ConfigError(f"{name}={raw!r} is not a whole number; expected {low}..{high}.")
+    value = int(raw)
     if not low <= value <= high:
         raise ConfigError(f"{name}={value} is out of range; expected {low}..{high}.")
     return value
@@ -471,9 +471,12 @@ def _store_url(env: Mapping[str, str], name: str, default: str) -> str:
     from psycopg.conninfo import conninfo_to_dict
 
     try:
-        conninfo_to_dict(value)
+        params = conninfo_to_dict(value)
     except Exception as exc:
-        raise ConfigError(f"{name} is not a valid PostgreSQL URL: {exc}") from None
+        raise ConfigError(f"{name} is not a valid PostgreSQL URL: {str(exc).strip()}") from None
+    for port in str(params.get("port") or "5432").split(","):
+        if not re.fullmatch(r"[0-9]{1,5}", port) or not 1 <= int(port) <= 65535:
+            raise ConfigError(f"{name} has the port {port!r}; a port is a whole number 1..65535.")
     return value
 
 
@@ -599,11 +602,12 @@ def _kafka(env: Mapping[str, str], app_id: str) -> KafkaSettings:
         kafka.alerts_topic,
         kafka.dlq_topic,
         kafka.review_topic,
+        kafka.enriched_topic,
     )
     if len(set(topics)) != len(topics):
         raise ConfigError(
-            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC, AML_DLQ_TOPIC and AML_REVIEW_TOPIC "
-            "must differ."
+            "AML_PAYMENTS_TOPIC, AML_DECISIONS_TOPIC, AML_ALERTS_TOPIC, AML_DLQ_TOPIC, AML_REVIEW_TOPIC and "
+            "AML_ENRICHED_TOPIC must differ."
         )
     return kafka
 

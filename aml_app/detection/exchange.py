@@ -117,6 +117,7 @@ class ExchangeRates:
                 )
             return cls(reporting, MappingProxyType({c: rate / base for c, rate in AMLWORLD_RATES.items()}))
         rates = {reporting: Decimal(1)}
+        named: set[str] = set()
         for item in (part.strip() for part in raw.split(",")):
             if not item:
                 continue
@@ -130,5 +131,9 @@ class ExchangeRates:
                     f"{RATES_VARIABLE} has {item!r}; expected CODE=RATE items such as EUR=0.92, "
                     f"a rate > 0 in units per one {reporting}."
                 )
-            rates[currency.strip().upper()] = rate
+            code = currency.strip().upper()
+            if code in named:
+                raise ConfigError(f"{RATES_VARIABLE} names {code} twice; give each currency one rate.")
+            named.add(code)
+            rates[code] = rate
         return cls(reporting, MappingProxyType(rates))

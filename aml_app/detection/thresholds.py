@@ -147,8 +147,11 @@ def _check_ranges(thresholds: Any) -> None:
 
 
 def _show(value: Any) -> str:
-    """Plain text for a limit in a message ("1000000000000", not "1E+12")."""
-    return format(value, "f") if isinstance(value, Decimal) else str(value)
+    """Plain text for a value in a message ("1000000000000", not "1E+12"); a number too long to read
+    (or to print: "1e999999999" has a billion digits) in scientific notation."""
+    if isinstance(value, Decimal):
+        return format(value, "f") if value.adjusted() < 30 else format(value, ".6e")
+    return str(value)
 
 
 def _kind(default: Any) -> str:

@@ -77,8 +77,9 @@ def load_security(env: Mapping[str, str] | None = None) -> KafkaSecurity:
     """Read and check the KAFKA_SECURITY_*, KAFKA_SASL_* and KAFKA_SSL_* variables.
 
     A combination that cannot work (SASL settings without a SASL protocol, a SASL protocol without
-    credentials, TLS files without TLS, a file that does not exist) is a ConfigError with one sentence:
-    a setting that would be silently ignored is a mistake the operator wants to hear about at start-up.
+    credentials, TLS files without TLS, a file that does not exist or does not load) is a ConfigError
+    with one sentence: a setting that would be silently ignored is a mistake the operator wants to hear
+    about at start-up.
     """
     env = os.environ if env is None else env
     protocol = (_value(env, "KAFKA_SECURITY_PROTOCOL") or "PLAINTEXT").upper()
@@ -146,7 +147,31 @@ def load_security(env: Mapping[str, str] | None = None) -> KafkaSecurity:
     for name, path in files.items():
         if path is not None and not (os.path.isfile(path) and os.access(path, os.R_OK)):
             raise ConfigError(f"{name}={path!r} is not a readable file.")
+    _load_tls_files(security)
     return security
+
+
+def _load_tls_files(security: KafkaSecurity) -> None:
+    """Load the TLS files once at start-up, as every client will: a file that is not a certificate (or
+    its key) is a ConfigError here, not a traceback from the first client."""
+    context = ssl.create_default_context()
+    if security.cafile:
+        try:
+            context.load_verify_locations(cafile=security.cafile)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"KAFKA_SSL_CAFILE={security.cafile!r} holds no PEM certificate the client can load "
+                f"({exc.strerror or exc})."
+            ) from None
+    if security.certfile:
+        try:
+            context.load_cert_chain(security.certfile, security.keyfile)
+        except (ssl.SSLError, OSError) as exc:
+            raise ConfigError(
+                f"KAFKA_SSL_CERTFILE={security.certfile!r} (with KAFKA_SSL_KEYFILE="
+                f"{security.keyfile!r}) is not a PEM certificate and its private key the client can load "
+                f"({exc.strerror or exc})."
+            ) from None
 
 
 def ssl_context(security: KafkaSecurity) -> ssl.SSLContext | None:

@@ -61,6 +61,7 @@ def test_total_converts_rounds_to_the_cent_and_names_what_it_left_out() -> None:
         ({"AML_EXCHANGE_RATES": "EUR=inf"}, "a rate > 0"),
         ({"AML_EXCHANGE_RATES": "EURO=0.9"}, "names 'EURO', which is not an ISO 4217 code"),
         ({"AML_EXCHANGE_RATES": "USD=2"}, "must give the reporting currency USD the rate 1"),
+        ({"AML_EXCHANGE_RATES": "eur=0.9,EUR=0.8"}, "AML_EXCHANGE_RATES names EUR twice"),
         ({"AML_REPORTING_CURRENCY": "DOLLAR"}, "AML_REPORTING_CURRENCY='DOLLAR' is not an ISO 4217"),
         ({"AML_REPORTING_CURRENCY": "NOK"}, "NOK has no default rates"),
     ],

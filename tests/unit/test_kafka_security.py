@@ -229,3 +229,29 @@ def test_the_listed_variables_are_exactly_the_ones_read(tls_files: dict[str, str
     env = Recording({**sasl_env(), "KAFKA_SSL_CAFILE": tls_files["cafile"]})
     load_security(env)
     assert env.read == set(VARIABLES)
+
+
+def test_tls_files_that_do_not_load_are_one_sentence(
+    tls_files: dict[str, str], tmp_path: pytest.TempPathFactory
+) -> None:
+    """Readable, but not a certificate, or a certificate without its key: every client would fail on
+    them, the first with a traceback (the worker, `aml-app serve`, `aml-app status`)."""
+    not_pem = tmp_path / "hostname"  # type: ignore[operator]
+    not_pem.write_text("kafka-1\n")
+    for env, named in (
+        ({"KAFKA_SSL_CAFILE": str(not_pem)}, "KAFKA_SSL_CAFILE"),
+        ({"KAFKA_SSL_CERTFILE": str(not_pem)}, "KAFKA_SSL_CERTFILE"),
+        (
+            {"KAFKA_SSL_CERTFILE": tls_files["certfile"], "KAFKA_SSL_KEYFILE": tls_files["certfile"]},
+            "KEYFILE",
+        ),
+    ):
+        with pytest.raises(ConfigError) as info:
+            load_security({"KAFKA_SECURITY_PROTOCOL": "SSL", **env})
+        message = str(info.value)
+        assert message.startswith(named if named != "KEYFILE" else "KAFKA_SSL_CERTFILE"), message
+        assert named in message and "\n" not in message and message.endswith(").")
+    full = {"KAFKA_SSL_CAFILE": tls_files["cafile"], "KAFKA_SSL_CERTFILE": tls_files["certfile"]}
+    assert load_security(
+        {"KAFKA_SECURITY_PROTOCOL": "SSL", **full, "KAFKA_SSL_KEYFILE": tls_files["keyfile"]}
+    )

@@ -949,6 +949,10 @@ def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
         ({"AML_RULE_PASS_THROUGH_MIN_RATIO": "1.5"}, r"AML_RULE_PASS_THROUGH_MIN_RATIO=1.5 is out of range"),
         ({"AML_RULE_CYCLE_MAX_HOPS": "17"}, r"AML_RULE_CYCLE_MAX_HOPS=17 is out of range; expected 2..16"),
         (
+            {"AML_RULE_FAN_IN_MIN_AVERAGE": "1e99999999999"},
+            r"AML_RULE_FAN_IN_MIN_AVERAGE=1\.000000e\+99999999999 is out of range",
+        ),
+        (
             {"AML_RULE_CYCLE_MIN_HOPS": "3", "AML_RULE_CYCLE_MAX_HOPS": "2"},
             r"AML_RULE_CYCLE_MIN_HOPS=3 is larger",
         ),

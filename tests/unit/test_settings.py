@@ -462,3 +462,26 @@ def test_the_spark_class_archives_folder_is_var_jvm_unless_set_and_none_when_set
         "/opt/jvm"
     )
     assert load_settings({"AML_SPARK_CLASS_ARCHIVES": ""}).pipeline.class_archives is None
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"AML_PARTITIONS": "\uff11\uff12"}, "AML_PARTITIONS='\uff11\uff12' is not a whole number"),
+        ({"AML_PARTITIONS": "1_0"}, "AML_PARTITIONS='1_0' is not a whole number"),
+        ({"AML_STORE_URL": "postgresql://x@127.0.0.1:notaport/aml"}, "AML_STORE_URL has the port 'notaport'"),
+        ({"AML_STORE_URL": "postgresql://x@h1:5432,h2:70000/aml"}, "AML_STORE_URL has the port '70000'"),
+        ({"AML_ENRICHED_TOPIC": "payments"}, "AML_ENRICHED_TOPIC must differ"),
+    ],
+)
+def test_values_accepted_before_and_wrong_are_one_sentence(env: dict[str, str], message: str) -> None:
+    """Digits of other scripts and `1_0` (Python's int() takes both), a store URL whose port is no number
+    (the API retried its connection for ever), the enrichment stage writing into its own input."""
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_store_url_of_several_hosts_and_the_default_port_is_accepted() -> None:
+    assert load_settings({"AML_STORE_URL": "postgresql://x@h1:5432,h2:5433/aml"}).dependencies.store_url
+    assert load_settings({"AML_STORE_URL": "postgresql://x@h1/aml"}).dependencies.store_url
