@@ -224,6 +224,8 @@ class PipelineSettings:
     #: AML_SPARK_CLASS_ARCHIVES: the folder of the Spark driver's class archives (`aml-app spark-archive`
     #: makes one; aml_app.pipeline.class_archive), relative to the working directory; None: none used.
     class_archives: Path | None = Path("var/jvm")
+    #: AML_SPARK_UI: Spark's web UI for `aml-app pipeline` (port 4040).
+    spark_ui: bool = False
 
 
 @dataclass(frozen=True)
@@ -703,6 +705,7 @@ def _pipeline(env: Mapping[str, str]) -> PipelineSettings:
         metrics_port=_int(env, "AML_PIPELINE_METRICS_PORT", d.metrics_port, 0, 65535),
         enrichment_metrics_port=_int(env, "AML_ENRICHMENT_METRICS_PORT", d.enrichment_metrics_port, 0, 65535),
         class_archives=_folder_or_none(env, "AML_SPARK_CLASS_ARCHIVES", d.class_archives),
+        spark_ui=_bool(env, "AML_SPARK_UI", d.spark_ui),
     )
 
 

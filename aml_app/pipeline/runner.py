@@ -40,6 +40,7 @@ def spark_session(
     app_name: str = "aml-pipeline",
     extra: dict[str, str] | None = None,
     class_archives: Path | None = None,
+    ui: bool = False,
 ) -> Any:
     """A SparkSession sized for this job: few shuffle partitions, UTC, no UI unless asked for; its driver
     maps the class archive of this install from `class_archives` when one is there (`class_archive`)."""
@@ -66,7 +67,7 @@ def spark_session(
         {  # type: ignore[arg-type]
             "spark.master": master,
             "spark.app.name": app_name,
-            "spark.ui.enabled": os.environ.get("AML_SPARK_UI", "false"),
+            "spark.ui.enabled": "true" if ui else "false",
             "spark.sql.shuffle.partitions": "2",
             # The services' plans have no shuffle (each aggregation runs in one task: `in_one_task`), so
             # adaptive execution has nothing to adapt; it still re-plans and reports every job, a quarter
@@ -566,7 +567,9 @@ def run_pipeline(
         log.error("%s", exc)
         print(f"aml-app pipeline: {exc}", file=sys.stderr, flush=True)
         return 2
-    spark = spark_session(master, class_archives=settings.pipeline.class_archives)
+    spark = spark_session(
+        master, class_archives=settings.pipeline.class_archives, ui=settings.pipeline.spark_ui
+    )
     pipeline = start_queries(spark, settings, prepared, triggers)
     log.info(
         "pipeline running: %s on %s, topics %s, store %s, metrics %s",
@@ -607,7 +610,9 @@ def run_rebuild(settings: Settings, master: str, service: str) -> int:
         f"{handler.topic}, up to what group {handler.progress.group} has committed: {target}",
         flush=True,
     )
-    spark = spark_session(master, class_archives=settings.pipeline.class_archives)
+    spark = spark_session(
+        master, class_archives=settings.pipeline.class_archives, ui=settings.pipeline.spark_ui
+    )
     pipeline = start_queries(spark, settings, prepared)
     last_report = [0.0]
 

@@ -485,3 +485,11 @@ def test_values_accepted_before_and_wrong_are_one_sentence(env: dict[str, str], 
 def test_a_store_url_of_several_hosts_and_the_default_port_is_accepted() -> None:
     assert load_settings({"AML_STORE_URL": "postgresql://x@h1:5432,h2:5433/aml"}).dependencies.store_url
     assert load_settings({"AML_STORE_URL": "postgresql://x@h1/aml"}).dependencies.store_url
+
+
+def test_the_spark_ui_is_a_switch_read_with_the_other_settings() -> None:
+    """It was handed to Spark as written: a typo reached the JVM instead of stopping the start."""
+    assert load_settings({}).pipeline.spark_ui is False
+    assert load_settings({"AML_SPARK_UI": "true"}).pipeline.spark_ui is True
+    with pytest.raises(ConfigError, match=r"AML_SPARK_UI=.ture. is not a switch; use on or off\."):
+        load_settings({"AML_SPARK_UI": "ture"})
