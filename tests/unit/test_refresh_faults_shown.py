@@ -11,22 +11,11 @@ import subprocess
 import sys
 from typing import Any
 
-SCRIPT = """
-import asyncio, json, logging, time
-from aml_app.gate.event_time import Unapplied
-from aml_app.kafka.offsets import OffsetReadError, Reading
-from aml_app.tables import watermarks as w
-from aml_app.views.status import health_code
+from tests.leader import LEADER
 
-clock = [1000.0]
-time.time = lambda: clock[0]
-w.app.is_leader = lambda: True
-w.app.consumer_generation_id = 3
-gate = w.gate_service()
-gate.changelogs.known = True
-w.watermarks, w.cuts = {}, {}
-w.rows_of.table, w.cut_of.table = w.watermarks, w.cuts
-groups = w.settings.depends_on
+SCRIPT = (
+    LEADER
+    + """
 said = []
 
 
@@ -79,6 +68,7 @@ async def main():
 
 print(json.dumps(asyncio.run(main())))
 """
+)
 
 
 def run() -> dict[str, Any]:
@@ -106,21 +96,9 @@ def test_a_cut_that_cannot_be_read_shows_on_every_workers_views_until_it_can() -
     assert len(failed) == 1 and len(recovered) == 1
 
 
-SHRUNK = """
-import asyncio, json, time
-from aml_app.kafka.offsets import OffsetReadError, Reading
-from aml_app.tables import watermarks as w
-from aml_app.views.status import health_code
-
-clock = [1000.0]
-time.time = lambda: clock[0]
-w.app.is_leader = lambda: True
-w.app.consumer_generation_id = 3
-gate = w.gate_service()
-gate.changelogs.known = True
-w.watermarks, w.cuts = {}, {}
-w.rows_of.table, w.cut_of.table = w.watermarks, w.cuts
-groups = w.settings.depends_on
+SHRUNK = (
+    LEADER
+    + """
 phase = ["old"]
 
 
@@ -151,6 +129,7 @@ async def main():
 
 print(json.dumps(asyncio.run(main())))
 """
+)
 
 
 def test_rows_of_partitions_the_topic_no_longer_has_are_dropped() -> None:

@@ -14,20 +14,11 @@ from typing import Any
 
 import pytest
 
-STAMPS = """
-import asyncio, json, logging, os, time
-from aml_app.gate.event_time import Unapplied
-from aml_app.kafka.offsets import Reading
-from aml_app.tables import watermarks as w
+from tests.leader import LEADER
 
-clock = [1000.0]
-time.time = lambda: clock[0]
-w.app.is_leader = lambda: True
-w.app.consumer_generation_id = 3
-gate = w.gate_service()
-gate.changelogs.known = True
-w.watermarks, w.cuts = {}, {}  # what the refresh writes, by key, as the changelog would carry it
-groups = w.settings.depends_on
+STAMPS = (
+    LEADER
+    + """
 scenario = os.environ["SCENARIO"]
 logging.basicConfig(level=logging.INFO)  # stderr: what the refresh says
 
@@ -75,6 +66,7 @@ async def main():
 
 print(json.dumps(asyncio.run(main())))
 """
+)
 
 
 def refresh(scenario: str, max_age: float = 30) -> dict[str, Any]:
