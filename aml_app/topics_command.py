@@ -25,7 +25,7 @@ from aiokafka.errors import for_code
 from aml_app.kafka.broker import TopicSpec
 from aml_app.kafka.reach import Unreachable, answering_admin
 from aml_app.settings import ConfigError, Settings, load_settings
-from aml_app.topics import topic_specs
+from aml_app.topics import DAY_MS, topic_specs
 
 TOPIC_ALREADY_EXISTS = 36
 
@@ -73,7 +73,7 @@ def growth_order(specs: Sequence[TopicSpec], existing: dict[str, int], payments:
 #: Apache Kafka's defaults of the keys our specs set: what a key a broker describes no value for stands at.
 KAFKA_DEFAULTS = {
     "cleanup.policy": "delete",
-    "retention.ms": str(7 * 24 * 3600 * 1000),
+    "retention.ms": str(7 * DAY_MS),
     "min.insync.replicas": "1",
 }
 
