@@ -546,11 +546,13 @@ def _derived_dependencies(
                 f"AML_DERIVED_DEPENDENCIES: {group!r} reads {topic!r}, the payments topic itself; leave it "
                 "out (only groups reading a derived topic belong there)."
             )
-        if stage in (app_id, group):
+        if stage == app_id or stage in depends:
+            whose = "this service's own" if stage == app_id else "the dependency's own"
+            if stage not in (app_id, group):
+                whose = "another dependency's"
             raise ConfigError(
                 f"AML_DERIVED_DEPENDENCIES: the stage group of {group!r} is {stage!r}, which is "
-                f"{'this service' if stage == app_id else 'the dependency'}'s own group; name the group "
-                "the derivation stage commits on payments."
+                f"{whose} group; name the group the derivation stage commits on payments."
             )
         derived[group] = (topic, stage)
     return derived
@@ -772,6 +774,13 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             "a service cannot wait for its own consumer group."
         )
     kafka = _kafka(env, app_id)
+    if kafka.enrichment_group == app_id or kafka.enrichment_group in depends:
+        # One group for two consumers of payments: each would commit the other's progress.
+        raise ConfigError(
+            f"AML_ENRICHMENT_GROUP={kafka.enrichment_group!r} is also "
+            f"{'AML_APP_ID' if kafka.enrichment_group == app_id else 'in AML_DEPENDS_ON'}; "
+            "the enrichment stage needs a consumer group of its own."
+        )
     derived = _derived_dependencies(env, depends, app_id, kafka.payments_topic)
     defaults = Settings()
     table_store = _text(env, "AML_TABLE_STORE", defaults.table_store)

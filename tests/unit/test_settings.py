@@ -162,11 +162,24 @@ def test_derived_dependencies_name_each_groups_topic_and_stage() -> None:
         ("aggregates:payments:enrichment", "the payments topic itself"),
         ("aggregates:payments.enriched:aml", "this service's own group"),
         ("aggregates:payments.enriched:aggregates", "the dependency's own group"),
+        ("aggregates:payments.enriched:relations", "another dependency's group"),
     ],
 )
 def test_derived_dependencies_refused_in_one_sentence(raw: str, words: str) -> None:
     message = _fails({"AML_DERIVED_DEPENDENCIES": raw}, "AML_DERIVED_DEPENDENCIES", words)
     assert message.count(". ") == 0, message
+
+
+@pytest.mark.parametrize(
+    ("env", "words"),
+    [
+        ({"AML_ENRICHMENT_GROUP": "aml"}, "is also AML_APP_ID"),
+        ({"AML_ENRICHMENT_GROUP": "relations"}, "is also in AML_DEPENDS_ON"),
+        ({"AML_ENRICHMENT_GROUP": "b", "AML_DEPENDS_ON": "a,b"}, "is also in AML_DEPENDS_ON"),
+    ],
+)
+def test_enrichment_group_is_its_own(env: dict[str, str], words: str) -> None:
+    _fails(env, "AML_ENRICHMENT_GROUP", words)
 
 
 def test_app_id_listed_in_depends_on() -> None:
