@@ -416,7 +416,15 @@ class WorkerGate(Service):
             self.gate.log,
             groups=settings.depends_on,
             partitions=topic_partitions() if row.partitions is not None else 0,
+            failure=lambda: self._read_failure(row),
         )
+
+    def _read_failure(self, row: Stamped) -> str | None:
+        """The leader's last failed read that keeps `row` old: its own error, or for the cut any row's
+        (a cut is written only after the offsets it rests on were read)."""
+        if isinstance(row, WatermarkRow):
+            return row.error
+        return next((r.error for r in rows_of.values() if r is not None and r.error), None)
 
     # --- the leader's refresh -----------------------------------------------------------------------
 

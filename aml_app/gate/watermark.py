@@ -8,7 +8,7 @@ has finished nothing: its contribution is 0.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -222,6 +222,7 @@ def distrust(
     *,
     groups: Collection[str] = (),
     partitions: int = 0,
+    failure: Callable[[], str | None] | None = None,
 ) -> str | None:
     """Why a worker may not admit payments on `row` (None: it may).
 
@@ -236,7 +237,8 @@ def distrust(
     changes in a rolling restart, a leader still on the old setting publishes a W(p) that says nothing
     of a group added to it. And a row that speaks for every partition (the event-time cut) must cover
     the `partitions` this worker's consumer sees the topic has (0: not known yet): one read before
-    partitions were added says nothing of the payments there.
+    partitions were added says nothing of the payments there. An old row names the leader's last failed
+    read when `failure` (asked only then) gives one.
     """
     if log is not None and row.log != log:
         return (
@@ -260,7 +262,9 @@ def distrust(
         )
     age = now - row.refreshed_at
     if age > max_age:
-        return f"the row is {age:.1f} s old (more than {max_age:g} s): the leader has not refreshed it"
+        error = None if failure is None else failure()
+        why = "the leader has not refreshed it" if error is None else f"the leader's read failed: {error}"
+        return f"the row is {age:.1f} s old (more than {max_age:g} s): {why}"
     written = row.generation
     if generation is not None and (written is None or written < generation):
         return (

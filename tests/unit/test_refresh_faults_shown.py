@@ -52,6 +52,7 @@ def seen():
         "admin_error": view["gate"]["admin_error"],
         "statuses": [d["status"] for d in view["dependencies"]],
         "health": health_code(doc),
+        "cut_untrusted": gate.cut_view()["untrusted"],
     }
 
 
@@ -89,7 +90,17 @@ def test_a_cut_that_cannot_be_read_shows_on_every_workers_views_until_it_can() -
         == "the event-time cut: no answer within 5 s fetching partitions [1] of 'payments'"
     )
     assert set(during["statuses"]) == {"error"} and during["health"] == 2
-    assert result["after"] == {"admin_error": None, "statuses": ["ok", "ok"], "health": 0}
+    # The cut, 7.5 s old, names the read that keeps it old.
+    assert during["cut_untrusted"] == (
+        "the row is 7.5 s old (more than 5 s): the leader's read failed: the event-time cut: "
+        "no answer within 5 s fetching partitions [1] of 'payments'"
+    )
+    assert result["after"] == {
+        "admin_error": None,
+        "statuses": ["ok", "ok"],
+        "health": 0,
+        "cut_untrusted": None,
+    }
     # Logged once when it starts and once when it ends: the offsets' reads in between succeeded.
     failed = [line for line in result["said"] if line.startswith("watermark refresh failed")]
     recovered = [line for line in result["said"] if line.startswith("watermark refresh recovered")]

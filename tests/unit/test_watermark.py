@@ -324,6 +324,16 @@ def test_a_row_older_than_the_max_age_is_not_trusted() -> None:
     row = R({"watermark": 5, "refreshed_at": 100.0, "generation": 3})
     reason = distrust(row, now=105.5, max_age=5.0, generation=3)
     assert reason == "the row is 5.5 s old (more than 5 s): the leader has not refreshed it"
+    failed = distrust(row, now=105.5, max_age=5.0, generation=3, failure=lambda: "no answer within 5 s")
+    assert failed == "the row is 5.5 s old (more than 5 s): the leader's read failed: no answer within 5 s"
+
+
+def test_the_failure_of_a_row_is_asked_only_when_the_row_is_old() -> None:
+    def failure() -> str:
+        raise AssertionError("asked for a recent row")
+
+    row = R({"watermark": 5, "refreshed_at": 100.0, "generation": 3})
+    assert distrust(row, now=104.0, max_age=5.0, generation=3, failure=failure) is None
 
 
 def test_a_row_of_an_earlier_generation_is_not_trusted() -> None:
