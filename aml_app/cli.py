@@ -13,6 +13,7 @@ import threading
 
 import click
 
+from aml_app.click_types import FiniteRange
 from aml_app.dependency_services import NAMES as DEPENDENCY_SERVICES
 from aml_app.settings import ConfigError, Settings, load_settings
 
@@ -47,8 +48,20 @@ def broker_command(port: int | None) -> None:
 
 
 @click.command("demo")
-@click.option("--duration", type=float, default=60.0, show_default=True, help="Seconds of simulated traffic.")
-@click.option("--rate", type=float, default=50.0, show_default=True, help="Payments per second.")
+@click.option(
+    "--duration",
+    type=FiniteRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds of simulated traffic.",
+)
+@click.option(
+    "--rate",
+    type=FiniteRange(min=0, min_open=True),
+    default=50.0,
+    show_default=True,
+    help="Payments per second.",
+)
 @click.option("--workers", type=int, default=1, show_default=True, help="AML worker processes.")
 @click.option("--fraud-workers", type=int, default=1, show_default=True, help="Fraud worker processes.")
 @click.option(

@@ -22,6 +22,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import for_code
 
+from aml_app.click_types import FiniteRange
 from aml_app.kafka.broker import TopicSpec
 from aml_app.kafka.reach import Unreachable, answering_admin
 from aml_app.settings import ConfigError, Settings, load_settings
@@ -216,7 +217,7 @@ async def read_drift(admin: AIOKafkaAdminClient, specs: Sequence[TopicSpec], out
 )
 @click.option(
     "--timeout",
-    type=click.FloatRange(min=1, max=600),
+    type=FiniteRange(min=1, max=600),
     default=60.0,
     show_default=True,
     help="Seconds to wait for the cluster to answer (with --create).",

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import csv
 import functools
-import io
 import json
 import os
 import re
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
 from pathlib import Path
+from typing import BinaryIO
 
 from aml_app.contract import InvalidPayment, validate_payment
 from aml_app.kafka.tools import PaymentRecord
@@ -93,6 +93,7 @@ class AmlworldImport:
     skipped: Counter[str] = field(default_factory=Counter)  # currency name -> rows skipped
     skipped_laundering: int = 0  # laundering rows among the skipped ones (not in `laundering`)
     attempts: list[PatternAttempt] = field(default_factory=list)  # from a patterns file
+    skipped_attempts: int = 0  # a patterns file's attempts every row of which was skipped
 
     @property
     def laundering(self) -> frozenset[str]:
@@ -123,6 +124,7 @@ class AmlworldImport:
             self.skipped + other.skipped,
             self.skipped_laundering + other.skipped_laundering,
             [*self.attempts, *other.attempts],
+            self.skipped_attempts + other.skipped_attempts,
         )
 
 
@@ -157,8 +159,8 @@ def read_amlworld(
     started = time.monotonic()
     next_progress = started + progress_interval
     try:
-        with open(path, "rb") as raw, io.TextIOWrapper(raw, encoding="utf-8-sig", newline="") as source:
-            reader = csv.reader(source, strict=True)
+        with open(path, "rb") as raw:
+            reader = csv.reader(_decoded(raw, name), strict=True)
             header = next(reader, None)
             line = reader.line_num
             if header is None:
@@ -168,8 +170,8 @@ def read_amlworld(
                     f"{name} line {line}: the header is {','.join(header)[:200]!r}, "
                     f"expected {','.join(HEADER)}."
                 )
-            for row in reader:
-                if limit is not None and rows >= limit:
+            while limit is None or rows < limit:  # not one row more is read than asked for
+                if (row := next(reader, None)) is None:
                     break
                 line = reader.line_num
                 rows += 1
@@ -182,12 +184,20 @@ def read_amlworld(
                 if progress is not None and rows % 10_000 == 0 and time.monotonic() >= next_progress:
                     next_progress = time.monotonic() + progress_interval
                     progress(_read_so_far(name, rows, raw.tell(), size, time.monotonic() - started))
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{name} line {line + 1}: not UTF-8 text ({exc.reason}).") from None
     except csv.Error as exc:
         raise ValueError(f"{name} line {line + 1}: not readable as CSV ({exc}).") from None
     payments.sort(key=lambda p: p.ts)
     return AmlworldImport(name, rows, payments, skipped, skipped_laundering)
+
+
+def _decoded(raw: BinaryIO, name: str) -> Iterator[str]:
+    """The file's lines as text, each decoded alone, so that a byte that is not UTF-8 is named at its own
+    line (a text wrapper decodes ahead in chunks and fails lines before it); the first drops a BOM."""
+    for number, data in enumerate(raw, start=1):
+        try:
+            yield data.decode("utf-8-sig" if number == 1 else "utf-8")
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"{name} line {number}: not UTF-8 text ({exc.reason}).") from None
 
 
 def _read_so_far(name: str, rows: int, position: int, size: int, elapsed: float) -> str:
@@ -281,6 +291,7 @@ class AmlworldPatterns:
     attempts: list[PatternAttempt]
     payments: list[AmlworldPayment]
     skipped: Counter[str] = field(default_factory=Counter)  # currency name -> rows skipped
+    skipped_attempts: int = 0  # attempts every row of which was skipped (not in `attempts`)
 
 
 def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> AmlworldPatterns:
@@ -295,10 +306,12 @@ def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> Amlw
     accounts: dict[str, str] = {}
     times: dict[str, str] = {}
     current: tuple[str, str, list[str], dict[str, None]] | None = None  # typology, detail, ids, accounts
+    rows_in_attempt = 0  # its rows, skipped ones too
+    skipped_attempts = 0
     line = 0
     try:
-        with open(path, encoding="utf-8-sig", newline="") as source:
-            for line, raw in enumerate(source, start=1):
+        with open(path, "rb") as source:
+            for line, raw in enumerate(_decoded(source, name), start=1):
                 text = raw.rstrip("\r\n")
                 if not text.strip():
                     continue
@@ -313,12 +326,16 @@ def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> Amlw
                         raise ValueError(
                             f"{name} line {line}: unknown laundering typology {kind.strip()[:40]!r}."
                         )
-                    current = (typology, detail.strip(), [], {})
+                    current, rows_in_attempt = (typology, detail.strip(), [], {}), 0
                     continue
                 if text.startswith(END):
-                    if current is None or not current[2]:
+                    if current is None or not rows_in_attempt:
                         raise ValueError(f"{name} line {line}: an attempt ends that has no payment.")
                     typology, detail, ids, members = current
+                    current = None
+                    if not ids:  # every payment skipped (e.g. all in Bitcoin): nothing of it is sent
+                        skipped_attempts += 1
+                        continue
                     attempts.append(
                         PatternAttempt(
                             f"{prefix}-attempt-{len(attempts) + 1}",
@@ -328,7 +345,6 @@ def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> Amlw
                             tuple(members),
                         )
                     )
-                    current = None
                     continue
                 if current is None:
                     raise ValueError(f"{name} line {line}: a payment outside any laundering attempt.")
@@ -336,20 +352,19 @@ def read_patterns(path: str | Path, *, prefix: str = "amlworld-pattern") -> Amlw
                 payment = _payment(row, name, line, prefix, accounts, times)
                 if row[IS_LAUNDERING] != "1":
                     raise ValueError(f"{name} line {line}: a payment of an attempt is labelled 0, not 1.")
+                rows_in_attempt += 1
                 if payment is None:
                     skipped[row[PAYMENT_CURRENCY]] += 1
                     continue
                 current[2].append(payment.payment_id)
                 current[3].update(dict.fromkeys((payment.payer, payment.payee)))
                 payments.append(payment)
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"{name} line {line + 1}: not UTF-8 text ({exc.reason}).") from None
     except csv.Error as exc:
         raise ValueError(f"{name} line {line}: not readable as CSV ({exc}).") from None
     if current is not None:
         raise ValueError(f"{name} ends inside a laundering attempt.")
     payments.sort(key=lambda p: p.ts)
-    return AmlworldPatterns(name, attempts, payments, skipped)
+    return AmlworldPatterns(name, attempts, payments, skipped, skipped_attempts)
 
 
 def is_patterns_file(path: str | Path) -> bool:
@@ -381,7 +396,13 @@ def read_patterns_import(path: str | Path, *, prefix: str = "amlworld-pattern") 
     skipped = sum(patterns.skipped.values())
     rows = len(patterns.payments) + skipped
     return AmlworldImport(
-        patterns.path, rows, patterns.payments, patterns.skipped, skipped, patterns.attempts
+        patterns.path,
+        rows,
+        patterns.payments,
+        patterns.skipped,
+        skipped,
+        patterns.attempts,
+        patterns.skipped_attempts,
     )
 
 

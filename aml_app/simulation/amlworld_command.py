@@ -19,6 +19,7 @@ from datetime import datetime
 import click
 from aiokafka.errors import KafkaError
 
+from aml_app.click_types import FiniteRange
 from aml_app.dependencies.aggregates import HORIZON
 from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.kafka.tools import produce, started_producer
@@ -103,7 +104,7 @@ async def send_payments(
 )
 @click.option(
     "--days-per-second",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=None,
     help="Pace the payments by event time: this many days of it per second (default: as fast as the "
     "broker takes them). Service C counts a payment only within 7 days of the newest it has seen, so weeks "
@@ -189,6 +190,10 @@ def _summary(imported: AmlworldImport, sent: int, topic: str, elapsed: float, tr
     click.echo(f"  laundering: {len(imported.laundering)} payment(s) sent with Is Laundering = 1")
     if imported.attempts:
         click.echo(f"  attempts: {len(imported.attempts)} laundering attempt(s) of the patterns file")
+    if imported.skipped_attempts:
+        click.echo(
+            f"  skipped attempts: {imported.skipped_attempts} (every row skipped; not in the ground truth)"
+        )
     if imported.payments:
         click.echo(f"  event time {imported.payments[0].ts} .. {imported.payments[-1].ts}")
     if truth is not None:

@@ -17,13 +17,15 @@ from datetime import UTC, datetime, timedelta
 import click
 from aiokafka.errors import KafkaError
 
+from aml_app.click_types import FiniteRange
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
-from aml_app.simulation.producer import SimulatorReport, payment_count, run_simulator
+from aml_app.simulation.producer import GroundTruthError, SimulatorReport, payment_count, run_simulator
 from aml_app.simulation.traffic import DEFAULT_SPEEDUP, ahead_of_sending
 
 MAX_RATE = 100_000.0
 MAX_PAYMENTS = 10_000_000  # the whole simulation is built in memory first
+SHORTFALL = 0.95  # a run reaching less of the asked rate says so
 
 
 def parse_start(raw: str | None) -> datetime | None:
@@ -40,7 +42,12 @@ def parse_start(raw: str | None) -> datetime | None:
         raise click.BadParameter(
             f"{raw!r} has no timezone; add Z or an offset such as +01:00.", param_hint="--start"
         )
-    return when.astimezone(UTC)
+    try:
+        return when.astimezone(UTC)
+    except OverflowError:
+        raise click.BadParameter(
+            f"{raw!r} is before year 1 or after 9999 in UTC.", param_hint="--start"
+        ) from None
 
 
 def check_start(
@@ -62,14 +69,14 @@ def check_start(
 @click.command("simulate")
 @click.option(
     "--rate",
-    type=click.FloatRange(min=0, min_open=True, max=MAX_RATE),
+    type=FiniteRange(min=0, min_open=True, max=MAX_RATE),
     default=50.0,
     show_default=True,
     help="Payments per second.",
 )
 @click.option(
     "--duration",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteRange(min=0, min_open=True),
     default=60.0,
     show_default=True,
     help="Seconds of sending; rate * duration payments in all.",
@@ -93,7 +100,7 @@ def check_start(
 )
 @click.option(
     "--speedup",
-    type=click.FloatRange(min=0, min_open=True, max=1_000_000),
+    type=FiniteRange(min=0, min_open=True, max=1_000_000),
     default=DEFAULT_SPEEDUP,
     show_default=True,
     help="Simulated seconds per real second of sending.",
@@ -163,13 +170,13 @@ def simulate_command(
                 )
             )
         )
-    except ValueError as exc:  # the run cannot hold the instances asked for
+    except (ValueError, GroundTruthError) as exc:  # the run cannot hold the instances asked for
         raise click.ClickException(str(exc)) from None
     except (KafkaError, OSError) as exc:
         raise click.ClickException(
             f"could not send to Kafka at {','.join(settings.kafka.bootstrap_servers)}: {exc}"
         ) from None
-    _summary(report)
+    _summary(report, rate)
 
 
 async def _until_signalled(send: Callable[[asyncio.Event], Awaitable[SimulatorReport]]) -> SimulatorReport:
@@ -185,16 +192,26 @@ async def _until_signalled(send: Callable[[asyncio.Event], Awaitable[SimulatorRe
             loop.remove_signal_handler(sig)
 
 
-def _summary(report: SimulatorReport) -> None:
+def _summary(report: SimulatorReport, rate: float) -> None:
     simulation = report.simulation
     state = "stopped early" if report.stopped_early else "done"
     click.echo(
         f"simulator {state}: {report.sent}/{report.planned} payments in {report.elapsed:.1f} s; "
         f"event time {simulation.payments[0].ts} .. {simulation.payments[-1].ts}"
     )
+    if not report.stopped_early and report.sent > 1 and report.achieved_rate < SHORTFALL * rate:
+        click.echo(
+            f"  sent at {report.achieved_rate:,.0f}/s, below the {rate:,g}/s asked: the producer or the "
+            "broker could not keep up"
+        )
     for typology, instances in report.instances_per_typology.items():
         sent = report.payments_per_typology[typology]
         click.echo(f"  {typology:<13} {instances} instance(s), {sent} payment(s) sent")
     click.echo(f"  background    {report.payments_per_typology['background']} payment(s) sent")
     if report.ground_truth_path:
         click.echo(f"ground truth: {report.ground_truth_path}")
+        unsent = [i for i in simulation.instances if not set(i.payment_ids) <= report.placements.keys()]
+        if unsent:  # written whole before the first send
+            click.echo(
+                f"  it lists {len(unsent)} instance(s) not fully sent: score against the sent ones only"
+            )

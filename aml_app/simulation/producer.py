@@ -1,9 +1,11 @@
 """Sends a simulation to Kafka at a steady rate (aiokafka, key = payer, acks=all).
 
 Pacing is scheduled against one monotonic start: payment n is due at start + n / rate, and each wake-up
-sends every payment that is due, in one burst. A slow send or a late wake-up therefore never shifts the
-schedule (no drift); the next burst is simply larger. Every burst's deliveries are awaited before the
-next one, so `placements` only lists payments the broker acknowledged, in send order.
+sends every payment that is due, in one burst of at most `BURST_SECONDS` of the rate. A slow send or a
+late wake-up therefore never shifts the schedule (no drift); the next burst is simply larger, up to that
+bound, so that a producer slower than the rate still stops promptly and reports progress (and the run
+reports the rate it reached). Every burst's deliveries are awaited before the next one, so
+`placements` only lists payments the broker acknowledged, in send order.
 
 The simulation (and so the ground truth) is built before anything is sent; the ground truth file is
 written before the first send, so a consumer can score decisions while they arrive.
@@ -12,11 +14,13 @@ written before the first send, so a consumer can score decisions while they arri
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
+from fractions import Fraction
 
 from aiokafka import AIOKafkaProducer
 
@@ -35,6 +39,8 @@ from aml_app.simulation.traffic import (
 )
 
 MIN_BURST_INTERVAL = 0.01  # seconds; at high rates, wake up at most this often and send what is due
+BURST_SECONDS = 0.1  # a burst holds at most this much of the rate (and at least MIN_BURST payments)
+MIN_BURST = 100
 
 
 @dataclass
@@ -59,11 +65,20 @@ class SimulatorReport:
         return self.sent / self.elapsed if self.elapsed > 0 else 0.0
 
 
+class GroundTruthError(Exception):
+    """The ground truth file cannot be written (nothing was sent)."""
+
+
 def payment_count(rate: float, duration: float) -> int:
-    """Payments in a run of `duration` seconds at `rate` per second; ValueError if none or nonsense."""
-    if not rate > 0 or not duration > 0:
-        raise ValueError(f"rate and duration must be positive, got rate={rate} and duration={duration}")
-    count = int(rate * duration)
+    """Payments in a run of `duration` seconds at `rate` per second; ValueError if none or nonsense.
+
+    Counted on the numbers as written (0.29/s for 100 s is 29 payments; their binary product is 28.99...).
+    """
+    if not (math.isfinite(rate) and math.isfinite(duration)) or not rate > 0 or not duration > 0:
+        raise ValueError(
+            f"rate and duration must be positive finite numbers, got rate={rate} and duration={duration}"
+        )
+    count = math.floor(Fraction(repr(rate)) * Fraction(repr(duration)))
     if count < 1:
         raise ValueError(f"rate {rate}/s for {duration} s sends no payment; send for longer or faster")
     return count
@@ -114,7 +129,13 @@ async def run_simulator(
         prefix=prefix,
     )
     if ground_truth_path is not None:
-        simulation.write_ground_truth(ground_truth_path)
+        try:
+            simulation.write_ground_truth(ground_truth_path)
+        except OSError as exc:
+            raise GroundTruthError(
+                f"could not write the ground truth to {ground_truth_path}: {exc.strerror or exc}; "
+                "nothing was sent"
+            ) from None
     report = SimulatorReport(
         topic=topic,
         planned=len(simulation.payments),
@@ -144,6 +165,7 @@ async def _send_paced(
     on_sent: Callable[[SimPayment, int, int, float], None] | None = None,
 ) -> None:
     payments = report.simulation.payments
+    most = max(MIN_BURST, int(rate * BURST_SECONDS))
     started = time.monotonic()
     next_progress = started + progress_interval
     while report.sent < len(payments):
@@ -151,7 +173,7 @@ async def _send_paced(
             report.stopped_early = True
             break
         now = time.monotonic()
-        due = min(len(payments), int((now - started) * rate) + 1)  # payment n is due at n / rate
+        due = min(len(payments), int((now - started) * rate) + 1, report.sent + most)  # n due at n / rate
         if due > report.sent:
             burst = payments[report.sent : due]
             sent_at = datetime.now(UTC)

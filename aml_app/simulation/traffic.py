@@ -92,6 +92,9 @@ from aml_app.kafka.tools import PaymentRecord
 
 T = TypeVar("T")
 DEFAULT_SPEEDUP = 60.0
+#: The most simulated seconds between two payments sent one after the other: a pass-through's onward
+#: payments, each at least a slot after the last, must stay within the hour its rule looks at.
+MAX_SLOT_SECONDS = 900
 DEFAULT_THRESHOLD = Decimal("10000")
 DEFAULT_BAND = Decimal("0.1")
 HOUR = timedelta(hours=1)
@@ -668,6 +671,12 @@ def simulate(
         raise ValueError(f"rate must be a positive number of payments per second, got {rate!r}")
     if not (isinstance(speedup, int | float) and math.isfinite(speedup) and speedup > 0):
         raise ValueError(f"speedup must be a positive number, got {speedup!r}")
+    if speedup / rate > MAX_SLOT_SECONDS:
+        raise ValueError(
+            f"speedup / rate is {speedup / rate:,.0f} simulated seconds per payment, more than "
+            f"{MAX_SLOT_SECONDS}: an instance's payments, each a slot apart, would fall outside the rules' "
+            "one-hour windows (lower the speedup or raise the rate)"
+        )
     if start.tzinfo is None or start.utcoffset() is None:
         raise ValueError(f"start must be timezone-aware, got {start.isoformat()}")
     if not (reporting_threshold > 0 and 0 < threshold_band < 1):

@@ -25,6 +25,7 @@ from typing import Any
 
 import click
 
+from aml_app.click_types import FiniteRange
 from aml_app.detection.model import BENIGN
 from aml_app.training.fit import (
     CUT_RATE,
@@ -95,7 +96,7 @@ def _seeds(text: str, hint: str) -> list[int]:
 )
 @click.option(
     "--cut-rate",
-    type=click.FloatRange(0, 1, min_open=True, max_open=True),
+    type=FiniteRange(0, 1, min_open=True, max_open=True),
     default=CUT_RATE,
     show_default=True,
     help="The share of benign payments of the cut part that the detector alerts.",

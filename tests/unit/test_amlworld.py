@@ -319,6 +319,41 @@ def test_a_malformed_patterns_file_is_one_sentence(tmp_path: Path, text: str, fa
         read_patterns(path)
 
 
+def test_a_byte_that_is_not_utf8_is_named_at_its_own_line(tmp_path: Path) -> None:
+    """Far into the file too (a text wrapper decodes 8 KB ahead and named line 1963 for line 2002)."""
+    path = tmp_path / "Trans.csv"
+    rows = [ROW_OK.replace(",1", ",0")] * 2000 + [ROW_OK.replace("ACH", "Ch\xe8que")]
+    path.write_bytes("\n".join([HEADER, *rows]).encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=r"Trans\.csv line 2002: not UTF-8 text"):
+        read_amlworld(path)
+    patterns = tmp_path / "Patterns.txt"
+    patterns.write_bytes(f"BEGIN LAUNDERING ATTEMPT - CYCLE\n{rows[-1]}\n".encode("latin-1"))
+    with pytest.raises(ValueError, match=r"Patterns\.txt line 2: not UTF-8 text"):
+        read_patterns(patterns)
+
+
+def test_a_limit_reads_no_row_beyond_it(tmp_path: Path) -> None:
+    path = tmp_path / "Trans.csv"
+    path.write_bytes(f"{HEADER}\n{ROW_OK}\n".encode() + b'2022/09/01 00:21,"010\xe8\n')
+    assert len(read_amlworld(path, limit=1).payments) == 1
+
+
+def test_an_attempt_paid_only_in_bitcoin_is_skipped_whole(tmp_path: Path) -> None:
+    """Its rows are skipped as every Bitcoin row is; the attempt, with nothing left to send, is skipped and
+    counted, not taken for an attempt with no payment (which refused the whole file)."""
+    bitcoin = ROW_OK.replace("Euro", "Bitcoin")
+    path = tmp_path / "Patterns.txt"
+    path.write_text(
+        f"BEGIN LAUNDERING ATTEMPT - FAN-OUT\n{bitcoin}\n{bitcoin}\nEND LAUNDERING ATTEMPT\n"
+        f"BEGIN LAUNDERING ATTEMPT - CYCLE\n{ROW_OK}\n{bitcoin}\nEND LAUNDERING ATTEMPT\n"
+    )
+    patterns = read_patterns(path)
+    assert [a.typology for a in patterns.attempts] == ["cycle"] and patterns.skipped_attempts == 1
+    assert patterns.skipped == {"Bitcoin": 3} and len(patterns.payments) == 1
+    imported = read_patterns_import(path)
+    assert imported.skipped_attempts == 1 and imported.rows_read == 4
+
+
 def test_a_patterns_file_replays_into_a_transactions_file(tmp_path: Path) -> None:
     """The layouts are told apart by their first line; merged, the attempts' payments take their places in
     the background's event time, and the ground truth names each one's typology and attempt."""

@@ -15,7 +15,7 @@ import pytest
 from aml_app.detection.rules import TYPOLOGIES, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.score import TypologyScore, format_scores, score
-from aml_app.simulation.traffic import Simulation, simulate
+from aml_app.simulation.traffic import MAX_SLOT_SECONDS, Simulation, simulate
 from aml_app.training.replay import Services, decided
 
 START = datetime(2026, 3, 2, 8, tzinfo=UTC)
@@ -63,6 +63,16 @@ def test_every_instance_is_caught_and_the_background_is_quiet(
     assert wrong and wrong <= stacks, sorted(wrong)
     background = {p.payment_id for p in simulation.payments if p.typology is None}
     assert not background & {pid for pid, _ in gated_alerts}
+
+
+def test_every_instance_is_caught_at_the_coarsest_send_slot_allowed() -> None:
+    """At MAX_SLOT_SECONDS simulated seconds per payment an instance's payments, each a slot apart at
+    least, still fall within its rule's windows (at 1,200 the pass-through's onward payments fell outside
+    its hour, and its instances were listed but never caught)."""
+    rate = 50
+    run = simulate(seed=11, count=3000, rate=rate, start=START, instances=3, speedup=MAX_SLOT_SECONDS * rate)
+    scores = score(detect(run, gated=True), run.instances)
+    assert all(scores[t].recall == 1.0 for t in TYPOLOGIES), format_scores(scores)
 
 
 def test_each_instance_first_fires_at_the_payment_that_completes_it(

@@ -109,6 +109,7 @@ PACKAGES = [
         "loopback",
         "tokens",
         "backoff",
+        "click_types",
     ),
     ("collector",),
     ("metrics_server",),

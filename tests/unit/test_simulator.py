@@ -4,7 +4,9 @@ file; and the scoring on hand-made inputs. No Kafka."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections import defaultdict
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
@@ -16,8 +18,14 @@ from click.testing import CliRunner
 from aml_app.contract import validate_payment
 from aml_app.detection.rules import TYPOLOGIES
 from aml_app.detection.thresholds import AmlThresholds
-from aml_app.simulation.command import simulate_command
-from aml_app.simulation.producer import payment_count
+from aml_app.simulation.command import _summary, simulate_command
+from aml_app.simulation.producer import (
+    BURST_SECONDS,
+    MIN_BURST,
+    SimulatorReport,
+    payment_count,
+    run_simulator,
+)
 from aml_app.simulation.score import format_payment_score, format_scores, payment_score, score
 from aml_app.simulation.traffic import (
     Instance,
@@ -413,6 +421,7 @@ def test_a_bad_ground_truth_line_is_named(tmp_path: Path, line: str, message: st
         ({"count": 300, "instances": 5}, "at most a third may be injected"),
         ({"instances": -1}, "instances must be"),
         ({"speedup": 0}, "speedup must be"),
+        ({"rate": 1, "speedup": 1200}, "1,200 simulated seconds per payment, more than 900"),
     ],
 )
 def test_impossible_parameters_are_refused(kwargs: dict, message: str) -> None:
@@ -424,7 +433,9 @@ def test_impossible_parameters_are_refused(kwargs: dict, message: str) -> None:
 def test_payment_count() -> None:
     assert payment_count(50, 60) == 3000
     assert payment_count(0.5, 3) == 1
-    for rate, duration in ((0, 60), (50, 0), (0.1, 1)):
+    # As written, not as the binary product (28.999999999999996) truncates.
+    assert payment_count(0.29, 100) == 29 and payment_count(0.57, 100) == 57
+    for rate, duration in ((0, 60), (50, 0), (0.1, 1), (50, float("inf")), (float("nan"), 60)):
         with pytest.raises(ValueError):
             payment_count(rate, duration)
 
@@ -437,6 +448,10 @@ def test_payment_count() -> None:
         (["--start", "yesterday"], "not an ISO-8601 instant"),
         (["--start", "2026-03-01T09:00:00"], "has no timezone"),
         (["--rate", "1", "--duration", "0.5"], "sends no payment"),
+        (["--duration", "inf"], "'inf' is not a finite number"),
+        (["--speedup", "nan"], "'nan' is not a finite number"),
+        (["--start", "0001-01-01T00:30:00+01:00"], "before year 1 or after 9999"),
+        (["--start", "9999-12-31T23:30:00-01:00"], "before year 1 or after 9999"),
     ],
 )
 def test_the_command_refuses_bad_options_before_connecting(args: list[str], message: str) -> None:
@@ -458,6 +473,16 @@ def test_the_command_refuses_a_start_that_would_timestamp_payments_after_they_ar
     now = datetime.now(UTC).replace(microsecond=0)
     result = CliRunner().invoke(simulate_command, [*args[:4], "--start", now.isoformat()], env=env)
     assert result.exit_code == 2 and "start at or before" in result.output
+
+
+def test_a_ground_truth_that_cannot_be_written_is_named_as_such(tmp_path: Path) -> None:
+    """Not as a failure to reach Kafka: nothing was sent, and the file is what went wrong."""
+    path = tmp_path / "missing" / "truth.jsonl"
+    args = ["--rate", "50", "--duration", "10", "--ground-truth", str(path)]
+    result = CliRunner().invoke(simulate_command, args, env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+    assert result.exit_code == 1
+    assert f"could not write the ground truth to {path}: No such file or directory" in result.output
+    assert "Kafka" not in result.output
 
 
 def test_the_command_reports_a_bad_threshold_variable() -> None:
@@ -536,3 +561,74 @@ def test_payment_score_is_minority_class_f1_over_payments() -> None:
     quiet = payment_score([], TRUTH)
     assert (quiet.precision, quiet.recall, quiet.f1) == (None, 0.0, 0.0)
     assert payment_score([], []).f1 is None
+
+
+# --------------------------------------------------------------------------- pacing
+
+
+class _Sent:
+    def __init__(self, offset: int) -> None:
+        self.partition, self.offset = 0, offset
+
+
+class _SlowProducer:
+    """Acknowledges at once, but each send costs `cost` seconds of the event loop: slower than the rate."""
+
+    def __init__(self, cost: float) -> None:
+        self.cost, self.sent = cost, 0
+
+    async def send(
+        self, topic: str, key: bytes | None = None, value: bytes | None = None
+    ) -> asyncio.Future[_Sent]:
+        began = time.perf_counter()
+        while time.perf_counter() - began < self.cost:
+            pass
+        future: asyncio.Future[_Sent] = asyncio.get_running_loop().create_future()
+        future.set_result(_Sent(self.sent))
+        self.sent += 1
+        return future
+
+
+async def test_a_producer_slower_than_the_rate_sends_in_bounded_bursts() -> None:
+    """Each burst holds at most a tenth of a second of the rate (at least MIN_BURST payments), so a stop
+    or a progress line waits for one bounded burst, not for the whole backlog (bursts grew without bound:
+    [1, 526, 2166, ...] at 50,000/s)."""
+    bursts: dict[float, int] = defaultdict(int)
+
+    def on_sent(payment: SimPayment, partition: int, offset: int, sent_at: float) -> None:
+        bursts[sent_at] += 1
+
+    rate = 4000.0  # 400 a burst at most; the producer manages about 2,000/s
+    report = await run_simulator(
+        [], "payments", rate, 1.0, 3, None, producer=_SlowProducer(0.0005), on_sent=on_sent, start=START
+    )
+    assert report.sent == 4000 and sum(bursts.values()) == 4000
+    assert max(bursts.values()) <= max(MIN_BURST, int(rate * BURST_SECONDS))
+    assert len(bursts) >= 10
+
+
+def test_the_summary_says_when_the_rate_was_not_reached(capsys: pytest.CaptureFixture[str]) -> None:
+    simulation = simulate(seed=1, count=200, rate=100, start=START, instances=0)
+    report = SimulatorReport("payments", 200, simulation, None, sent=200, elapsed=4.0)
+    report.payments_per_typology = {t: 0 for t in (*TYPOLOGIES, "background")}
+    _summary(report, 100)
+    assert "sent at 50/s, below the 100/s asked" in capsys.readouterr().out
+    report.elapsed = 2.0
+    _summary(report, 100)
+    assert "below" not in capsys.readouterr().out
+
+
+def test_the_summary_of_a_stopped_run_names_the_instances_not_fully_sent(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    simulation = simulate(seed=1, count=3000, rate=100, start=START, instances=2)
+    sent = simulation.payments[:1500]
+    report = SimulatorReport("payments", 3000, simulation, "truth.jsonl", sent=1500, elapsed=15.0)
+    report.payments_per_typology = {t: 0 for t in (*TYPOLOGIES, "background")}
+    report.placements = {p.payment_id: (0, n) for n, p in enumerate(sent)}
+    report.stopped_early = True
+    ids = {p.payment_id for p in sent}
+    unsent = sum(not set(i.payment_ids) <= ids for i in simulation.instances)
+    assert 0 < unsent < len(simulation.instances)
+    _summary(report, 100)
+    assert f"it lists {unsent} instance(s) not fully sent" in capsys.readouterr().out
