@@ -5,8 +5,10 @@ operator page, `/watermarks.json`, `/metrics` and Faust's own routes; sent by Pr
 `aml-app status`) answer only requests that carry their token as `Authorization: Bearer <token>`, the
 field's way for service calls and scrapes. A browser cannot add that header to the page it opens, so the
 worker's page also takes the token once in its address (`/watermarks/?token=...`, as Jupyter does): the
-answer is a redirect to the address without it and a cookie derived from the token (HttpOnly,
-SameSite=Strict) that the page's own requests carry from then on. Tokens are compared in constant time
+answer is a redirect to the address without it and a session cookie (HttpOnly, SameSite=Strict): its
+expiry and an HMAC of it under the token, so that the server ends the session after `SESSION_SECONDS`
+whatever the browser keeps, and a cookie read from a browser is not the token. It opens only what the
+page reads (`PAGE_PATHS`, GET), never `/metrics` or Faust's routes. Tokens are compared in constant time
 and never logged. A load balancer's probe (`/health`) needs none.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import time
 from collections.abc import Awaitable, Callable, Collection
 
 from aiohttp import web
@@ -27,6 +30,10 @@ OPEN_PATHS = frozenset({"/health"})
 COOKIE = "aml_web_session"
 #: The query parameter that carries the token once, in the address a browser opens.
 QUERY = "token"
+#: How long a session cookie opens the page, checked by the server.
+SESSION_SECONDS = 12 * 3600
+#: What the session cookie opens (GET and HEAD): the page and the document it polls.
+PAGE_PATHS = frozenset({"/watermarks/", "/watermarks.json"})
 #: The header of a 401: which scheme to use.
 CHALLENGE = ("WWW-Authenticate", 'Bearer realm="aml-app"')
 
@@ -44,10 +51,18 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-def session_cookie(token: str) -> str:
-    """The cookie's value: derived from the token, so that a cookie read from a browser is not the token
-    itself and opens nothing but this page."""
-    return hmac.new(token.encode(), b"aml-app operator page", hashlib.sha256).hexdigest()
+def session_cookie(token: str, expires: int) -> str:
+    """The cookie's value: when it expires (Unix seconds) and an HMAC of that under the token."""
+    mac = hmac.new(token.encode(), f"aml-app operator page|{expires}".encode(), hashlib.sha256).hexdigest()
+    return f"{expires}.{mac}"
+
+
+def session_open(token: str, value: str, now: float) -> bool:
+    """Whether `value` is a session cookie this token issued that has not expired at `now`."""
+    expires, _, _ = value.partition(".")
+    if not (expires.isascii() and expires.isdigit() and len(expires) <= 12) or int(expires) <= now:
+        return False
+    return hmac.compare_digest(value.encode(), session_cookie(token, int(expires)).encode())
 
 
 def token_required(
@@ -58,7 +73,6 @@ def token_required(
     `?token=` is redirected to its address without it and given the session cookie, which is then taken
     in place of the header."""
     expected = bearer(token)["Authorization"].encode()
-    cookie = session_cookie(token).encode()
 
     def refused(detail: str) -> web.Response:
         return web.json_response(
@@ -74,15 +88,27 @@ def token_required(
                 request.query[QUERY].encode(), token.encode()
             ):
                 return refused("another one in its address")
-            response = web.HTTPSeeOther(str(request.rel_url.without_query_params(QUERY)))
+            address = str(request.rel_url.without_query_params(QUERY))
+            response = web.Response(status=303, headers={"Location": address})
+            expires = int(time.time()) + SESSION_SECONDS
             response.set_cookie(
-                COOKIE, cookie.decode(), httponly=True, samesite="Strict", path="/", max_age=12 * 3600
+                COOKIE,
+                session_cookie(token, expires),
+                httponly=True,
+                samesite="Strict",
+                path="/",
+                max_age=SESSION_SECONDS,
             )
             return response
         given = request.headers.get("Authorization", "").encode()
         if hmac.compare_digest(given, expected):
             return await handler(request)
-        if login and hmac.compare_digest(request.cookies.get(COOKIE, "").encode(), cookie):
+        if (
+            login
+            and request.method in ("GET", "HEAD")
+            and request.path in PAGE_PATHS
+            and session_open(token, request.cookies.get(COOKIE, ""), time.time())
+        ):
             return await handler(request)
         return refused("none" if not given else "another one")
 

@@ -211,7 +211,8 @@ def describe(
     waits = [p["payments_waiting"] for p in parts]
     return {
         "partitions": parts,
-        "dependencies": [dependency_view(g, parts, now, limits, error) for g in groups],
+        # No row yet: nothing is known of any group (not "unknown group", which blames its name).
+        "dependencies": [dependency_view(g, parts, now, limits, error) for g in groups] if parts else [],
         "gate": {
             "refresh_age_s": None if newest is None else round(max(0.0, now - newest), 3),
             "admin_error": error,

@@ -128,6 +128,13 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         "generation, or of another log): its gate stays closed there whatever the watermark.",
     )
     untrusted.add_metric([], len(gate.get("untrusted_partitions") or []))
+    cut = snap.get("cut") or {}
+    cut_untrusted = _gauge(
+        "aml_cut_untrusted",
+        "1 while this worker does not trust the event-time cut, or the cut could not read a partition: its "
+        "gate admits nothing.",
+    )
+    cut_untrusted.add_metric([], 1 if cut.get("untrusted") or cut.get("unread") else 0)
     breached = _gauge(
         "aml_wait_breached_partitions",
         "Partitions where a payment has waited at the gate longer than AML_MAX_WAIT (any worker).",
@@ -140,9 +147,10 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
     age = _gauge("aml_refresh_age_seconds", "Age of the newest watermark row.")
     if gate.get("refresh_age_s") is not None:
         age.add_metric([], gate["refresh_age_s"])
-    admin_error = _gauge("aml_admin_error", "1 while the last watermark refresh failed.")
-    admin_error.add_metric([], 1 if gate.get("admin_error") else 0)
     refresh = snap["refresh"]
+    admin_error = _gauge("aml_admin_error", "1 while the last watermark refresh failed.")
+    # The rows carry the error to every worker; the leader's own, before it has written any row.
+    admin_error.add_metric([], 1 if gate.get("admin_error") or refresh.get("last_error") else 0)
     stuck = _gauge(
         "aml_refresh_stuck",
         "1 on the leader while it has completed no watermark refresh for longer than it may "
@@ -240,6 +248,7 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         advanced,
         blocked,
         untrusted,
+        cut_untrusted,
         breached,
         longest,
         age,

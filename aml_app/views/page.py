@@ -212,10 +212,29 @@ function setBanner(kind, message) {
 
 function summary(data) {
   const parts = data.partitions, deps = data.dependencies, gate = data.gate;
-  if (!parts.length) return ["info", "No watermark yet: waiting for the leader's first refresh."];
+  const failing = data.refresh && data.refresh.last_error;
+  if (!parts.length) {
+    return failing ? ["bad", "Offset refresh failing: " + failing + ". No watermark yet."]
+      : ["info", "No watermark yet: waiting for the leader's first refresh."];
+  }
   if (gate.admin_error) {
     return ["bad", "Offset refresh failing: " + gate.admin_error +
       ". Watermarks hold their last known values."];
+  }
+  // A row the gate distrusts closes it whatever the dependencies do: say so before blaming them.
+  const cutNow = data.cut;
+  if (data.gate_mode === "event-time" && cutNow && cutNow.untrusted) {
+    return ["bad", "The gate admits nothing: its event-time cut is not trusted (" + cutNow.untrusted + ")."];
+  }
+  if (data.gate_mode === "event-time" && cutNow && cutNow.unread && cutNow.unread.length) {
+    return ["bad", "The gate admits nothing: the event-time cut could not read partition" +
+      (cutNow.unread.length > 1 ? "s " : " ") + cutNow.unread.join(", ") + "."];
+  }
+  const distrusted = parts.filter((p) => p.untrusted);
+  if (distrusted.length) {
+    return ["bad", "The gate stays closed on partition" + (distrusted.length > 1 ? "s " : " ") +
+      distrusted.map((p) => p.partition).join(", ") + ", whatever its watermark: " +
+      distrusted[0].untrusted + "."];
   }
   if (gate.breached_partitions && gate.breached_partitions.length) {
     return ["bad", "Breached: payments have waited longer than AML_MAX_WAIT (" + gate.max_wait_s +
@@ -294,7 +313,8 @@ function renderParts(data) {
         p.dependencies[g]);
       tr.append(cell);
     });
-    tr.append(el("td", { "data-field": "watermark" }, p.watermark));
+    tr.append(el("td", { "data-field": "watermark", class: p.untrusted ? "bn" : "",
+      title: p.untrusted ? "distrusted: " + p.untrusted : "" }, p.watermark));
     tr.append(el("td", { "data-field": "payments_waiting" }, p.payments_waiting));
     tr.append(el("td", { "data-field": "waiting_offset" }, p.waiting_offset));
     tr.append(el("td", { "data-field": "blocked_since", title: clock(p.blocked_since) },
@@ -373,7 +393,9 @@ function render(data) {
 
 async function tick() {
   try {
-    const response = await fetch("../watermarks.json", { cache: "no-store" });
+    // A deadline: a worker that takes the request and never answers must not leave old numbers live.
+    const response = await fetch("../watermarks.json",
+      { cache: "no-store", signal: AbortSignal.timeout(5000) });
     if (!response.ok) throw new Error("HTTP " + response.status);
     const data = await response.json();
     render(data);

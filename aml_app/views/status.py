@@ -27,8 +27,10 @@ import aiohttp
 import click
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from aml_app.click_types import FiniteRange
 from aml_app.gate.health import ERROR, LAGGING, STALLED, UNKNOWN_GROUP, Limits, describe, plural_partitions
 from aml_app.gate.watermark import build_rows
+from aml_app.kafka.deadlines import close_within, start_within
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 from aml_app.settings import Settings
@@ -45,19 +47,32 @@ def health_code(doc: Mapping[str, Any]) -> int:
     """The exit code a status document calls for, so that scripts and probes need not parse it:
 
     - critical (2): a dependency is stalled, unknown or unread (the last refresh failed), a partition is
-      breached (a payment waited past AML_MAX_WAIT), or the worker's refresh is stuck;
+      breached (a payment waited past AML_MAX_WAIT), the worker's gate distrusts a row (closed there
+      whatever the watermark), or the worker's refresh is stuck or failing;
     - warning (1): a dependency lags, or a payment keeps failing and is retried;
-    - unknown (3): the worker is still recovering its tables (no numbers yet); also what the command
-      exits with when it cannot read its source at all;
+    - unknown (3): the worker is still recovering its tables, or has no watermark yet (no numbers);
+      also what the command exits with when it cannot read its source at all or is misconfigured;
     - ok (0): otherwise.
     """
     if doc.get("recovering"):
         return EXIT_UNKNOWN
     statuses = {d["status"] for d in doc.get("dependencies", [])}
     gate = doc.get("gate") or {}
-    stuck = (doc.get("refresh") or {}).get("state") == "stuck"
-    if statuses & CRITICAL_STATUSES or gate.get("breached_partitions") or gate.get("admin_error") or stuck:
+    refresh = doc.get("refresh") or {}
+    cut = doc.get("cut") or {}
+    if (
+        statuses & CRITICAL_STATUSES
+        or gate.get("breached_partitions")
+        or gate.get("admin_error")
+        or gate.get("untrusted_partitions")
+        or cut.get("untrusted")
+        or cut.get("unread")
+        or refresh.get("state") == "stuck"
+        or refresh.get("last_error")
+    ):
         return EXIT_CRITICAL
+    if not doc.get("partitions"):
+        return EXIT_UNKNOWN
     if statuses & WARNING_STATUSES or doc.get("retrying"):
         return EXIT_WARNING
     return EXIT_OK
@@ -88,7 +103,7 @@ async def fetched_high_watermarks(
         request_timeout_ms=int(timeout * 1000),
         **aiokafka_kwargs(security),
     )
-    await asyncio.wait_for(consumer.start(), timeout)
+    await start_within(consumer.start, consumer.stop, timeout, "the log-end reader")
     try:
         tps = {p: TopicPartition(topic, p) for p in starts}
         consumer.assign(list(tps.values()))
@@ -104,7 +119,7 @@ async def fetched_high_watermarks(
                     found[p] = high
         return found
     finally:
-        await consumer.stop()
+        await close_within(consumer.stop(), timeout, "stopping the log-end reader")
 
 
 async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
@@ -222,8 +237,11 @@ def render(doc: Mapping[str, Any]) -> str:
     lines = [f"topic {doc['topic']}, service group {doc['app_id']}: {origin}, {at}"]
     if doc.get("recovering"):
         return "\n".join([*lines, "the worker is still recovering its tables: no numbers yet"])
+    failing = (doc.get("refresh") or {}).get("last_error")
+    if failing:
+        lines.append(f"this worker's last offset refresh failed: {failing}")
     if not doc["partitions"]:
-        return "\n".join([*lines, "no watermark yet: the leader has not refreshed the table"])
+        return "\n".join([*lines, "no watermark yet: the leader has not written the table"])
     groups = list(doc["depends_on"])
     header = ["PARTITION", "LOG-END", "COMMITTED", "IN-FLIGHT", *groups]
     header += ["WATERMARK", "WAITING", "WAITING-AT", "BLOCKED-SINCE", "BOTTLENECK"]
@@ -257,7 +275,18 @@ def render(doc: Mapping[str, Any]) -> str:
             f"breached: payments have waited longer than AML_MAX_WAIT ({gate['max_wait_s']:g} s) on "
             f"{plural_partitions(gate['breached_partitions'])}, the longest {gate['longest_wait_s']:.0f} s",
         ]
+    untrusted = [p for p in doc["partitions"] if p.get("untrusted")]
+    if untrusted:
+        lines += ["", "the gate distrusts these rows and stays closed there, whatever their watermark:"]
+        lines += [f"  partition {p['partition']}: {p['untrusted']}" for p in untrusted]
     cut = doc.get("cut")
+    if cut and cut.get("untrusted"):
+        lines += ["", f"event-time cut distrusted, the gate admits nothing: {cut['untrusted']}"]
+    if cut and cut.get("unread"):
+        lines += [
+            "",
+            f"event-time cut: {plural_partitions(cut['unread'])} could not be read; the gate admits nothing",
+        ]
     if cut and cut.get("held_by") is not None:
         lines += [
             "",
@@ -296,22 +325,33 @@ def render(doc: Mapping[str, Any]) -> str:
     help="Ask a running worker (e.g. 127.0.0.1:6066) instead of the broker; adds waits and stalls.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON document instead of the table.")
-@click.option("--timeout", type=float, default=5.0, show_default=True, help="Seconds to wait for answers.")
+@click.option(
+    "--timeout",
+    type=FiniteRange(min=0, min_open=True, max=600),
+    default=5.0,
+    show_default=True,
+    help="Seconds to wait for answers.",
+)
 def status_command(worker_url: str | None, as_json: bool, timeout: float) -> None:
     """Show the watermark table: log ends, committed offsets, watermarks, waits, dependency status.
 
     Exits 0 when all is well, 1 when a dependency lags or a payment is retried, 2 when a dependency is
-    stalled, unknown or unread, a partition is breached or the refresh is stuck, 3 when the source cannot
-    be read or the worker is still recovering."""
-    from aml_app.settings import load_settings
+    stalled, unknown or unread, a partition is breached, the gate distrusts a row or the refresh is stuck
+    or failing, 3 when the source cannot be read, a setting is wrong, or there are no numbers yet."""
+    from aml_app.settings import ConfigError, load_settings
 
     # The Kafka client logs every failed connection attempt; the one line below says it all.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
+        settings = load_settings()
+    except ConfigError as exc:  # a check that cannot run says unknown, not critical
+        click.echo(f"aml-app status: configuration error: {exc}", err=True)
+        sys.exit(EXIT_UNKNOWN)
+    try:
         if worker_url:
-            doc = asyncio.run(from_worker(worker_url, timeout, load_settings().web.token))
+            doc = asyncio.run(from_worker(worker_url, timeout, settings.web.token))
         else:
-            doc = asyncio.run(from_broker(load_settings(), timeout))
+            doc = asyncio.run(from_broker(settings, timeout))
     except StatusError as exc:
         click.echo(f"aml-app status: {exc}", err=True)
         sys.exit(EXIT_UNKNOWN)

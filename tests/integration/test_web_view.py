@@ -349,8 +349,14 @@ async def check_token_required(worker: Any, token: str) -> None:
         assert "HttpOnly" in cookie and "SameSite=Strict" in cookie and token not in cookie, cookie
         async with session.get(f"{worker.url}/watermarks.json") as r:
             assert r.status == 200  # the cookie, no header
-    forged = {"Cookie": f"{COOKIE}={session_cookie('another-token-of-32-characters')}"}
+        async with session.get(f"{worker.url}/metrics") as r:
+            assert r.status == 401  # the page's cookie opens the page's reads only
+    later = int(time.time()) + 3600
+    forged = {"Cookie": f"{COOKIE}={session_cookie('another-token-of-32-characters', later)}"}
     status, _, _ = await get(f"{worker.url}/watermarks.json", headers=forged)
+    assert status == 401
+    expired = {"Cookie": f"{COOKIE}={session_cookie(token, int(time.time()) - 1)}"}
+    status, _, _ = await get(f"{worker.url}/watermarks.json", headers=expired)
     assert status == 401
 
 
@@ -430,3 +436,21 @@ async def test_page_in_headless_chromium_shows_the_json(
         )
         assert recovering[0].startswith("Recovering") and recovering[1] is True
         await browser.screenshot(tmp_path / "watermarks-recovering.png")
+
+        # A row the gate distrusts closes it whatever the dependencies do: the banner says so first, and
+        # the partition's watermark is marked with the reason (it blamed the dependencies, or said ok).
+        why = "the row is 40.0 s old (more than 5 s): the leader's read failed: no answer within 5 s"
+        distrusted = await browser.evaluate(
+            "(() => { const d = window.gateView.last; "
+            "const parts = d.partitions.map((p, i) => "
+            f"({{...p, untrusted: i === 0 ? {json.dumps(why)} : null}})); "
+            "window.render({...d, partitions: parts}); "
+            "const cell = document.querySelector('#parts tbody tr td[data-field=\"watermark\"]'); "
+            "return [document.getElementById('banner').textContent, cell.title, cell.className]; })()"
+        )
+        first = doc["partitions"][0]["partition"]
+        assert distrusted == [
+            f"The gate stays closed on partition {first}, whatever its watermark: {why}.",
+            f"distrusted: {why}",
+            "bn",
+        ]

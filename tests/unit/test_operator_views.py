@@ -24,6 +24,7 @@ from aml_app.views.status import render, worker_json_url
 from tests.unit.test_lanes import Harness, event, until
 
 NOW = 5000.0
+LIMITS = Limits(30, 1000, max_wait=30)
 
 
 def snapshot(*, detector: dict[str, Any] | None = None, recovering: bool = False) -> dict[str, Any]:
@@ -298,6 +299,36 @@ def test_render_recovering_and_empty() -> None:
     assert "no watermark yet" in render(broker_doc)
 
 
+def test_render_says_why_the_gate_is_closed_where_the_dependencies_are_not_to_blame() -> None:
+    """A distrusted row or cut, and the leader's failing first refresh, were in the document only."""
+    doc = {**snapshot(), "source": "worker"}
+    doc["cut"] = {"untrusted": "the row was written in consumer generation 2, before this worker's 3"}
+    text = render(doc)
+    assert "partition 1: the row is 40.0 s old (more than 5 s): the leader has not refreshed it" in text
+    assert "event-time cut distrusted, the gate admits nothing: the row was written in consumer" in text
+    doc["cut"] = {"untrusted": None, "unread": [2, 3]}
+    assert "event-time cut: partitions 2, 3 could not be read; the gate admits nothing" in render(doc)
+    empty = {**doc, "partitions": [], "refresh": {"last_error": "topic 'payments' does not exist (yet)"}}
+    lines = render(empty).splitlines()
+    assert lines[1:] == [
+        "this worker's last offset refresh failed: topic 'payments' does not exist (yet)",
+        "no watermark yet: the leader has not written the table",
+    ]
+
+
+def test_a_failing_refresh_before_any_row_raises_the_admin_error_metric() -> None:
+    """The rows carry a refresh's error to every worker, but there are none before the first success."""
+    empty = {
+        **snapshot(),
+        "partitions": [],
+        "dependencies": [],
+        "gate": describe({}, [], NOW, LIMITS)["gate"],
+    }
+    assert value(parse(empty), "aml_admin_error") == 0
+    empty["refresh"] = {**empty["refresh"], "last_error": "topic 'payments' does not exist (yet)"}
+    assert value(parse(empty), "aml_admin_error") == 1
+
+
 # --- the gated consumer's observer hook ---------------------------------------------------------
 
 
@@ -331,3 +362,12 @@ def test_the_operating_guide_lists_every_metric_a_worker_publishes() -> None:
     shown = {name + ("_total" if family.type == "counter" else "") for name, family in parse(snap).items()}
     missing = sorted(n for n in shown | names if f"`{n}`" not in guide and f"`{n}_total`" not in guide)
     assert missing == [], f"docs/operating.md does not list {missing}"
+
+
+def test_a_distrusted_or_partly_read_cut_is_a_metric() -> None:
+    assert value(parse(snapshot()), "aml_cut_untrusted") == 0
+    assert value(parse({**snapshot(), "cut": {"untrusted": None, "unread": []}}), "aml_cut_untrusted") == 0
+    assert (
+        value(parse({**snapshot(), "cut": {"untrusted": "the row is 9.0 s old"}}), "aml_cut_untrusted") == 1
+    )
+    assert value(parse({**snapshot(), "cut": {"untrusted": None, "unread": [2]}}), "aml_cut_untrusted") == 1

@@ -47,7 +47,7 @@ gate.unapplied.read = read
 
 def seen():
     view = gate.operator_view(time.time())
-    doc = {"dependencies": view["dependencies"], "gate": view["gate"], "refresh": {"state": "ok"}}
+    doc = {**view, "refresh": {"state": "ok"}}
     return {
         "admin_error": view["gate"]["admin_error"],
         "statuses": [d["status"] for d in view["dependencies"]],
@@ -130,7 +130,7 @@ async def main():
         await gate.refresh_once(time.monotonic(), token)
         clock[0] += 1.5
     view = gate.operator_view(time.time())
-    doc = {"dependencies": view["dependencies"], "gate": view["gate"], "refresh": {}}
+    doc = {**view, "refresh": {}}
     return {
         "rows": {str(p): [r["log"], r.get("error")] for p, r in sorted(w.watermarks.items())},
         "admin_error": view["gate"]["admin_error"],
