@@ -19,14 +19,22 @@ from aml_app.settings import ConfigError, Settings, load_settings
 
 
 @click.command("broker")
-@click.option("--port", type=int, default=None, help="Port on 127.0.0.1 (default AML_BROKER_PORT, 9092).")
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Port on 127.0.0.1 (default AML_BROKER_PORT, 9092).",
+)
 def broker_command(port: int | None) -> None:
     """Run the embedded Kafka-compatible broker (Tansu, in memory) and create the topics."""
-    from aml_app.kafka.broker import EmbeddedBroker, create_topics, wait_until_answering
+    from aml_app.kafka.broker import BrokerError, EmbeddedBroker, create_topics, wait_until_answering
     from aml_app.topics import topic_specs
 
     settings = load_settings()
-    broker = EmbeddedBroker(port or settings.kafka.broker_port).start()
+    try:
+        broker = EmbeddedBroker(port or settings.kafka.broker_port).start()
+    except BrokerError as exc:
+        raise click.ClickException(str(exc)) from None
     try:
         bootstrap = [broker.bootstrap]
         asyncio.run(wait_until_answering(bootstrap))
@@ -39,7 +47,11 @@ def broker_command(port: int | None) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         assert broker.process is not None
-        broker.process.wait()
+        code = broker.process.wait()
+        # Not asked to stop (a signal ends the wait with an exception): the broker died under us.
+        raise click.ClickException(f"the embedded broker exited by itself with code {code}")
+    except BrokerError as exc:
+        raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         pass
     finally:
@@ -239,6 +251,8 @@ def enrich_command() -> None:
     import os
     import signal
 
+    from confluent_kafka import KafkaException
+
     from aml_app.detection.exchange import ExchangeRates
     from aml_app.enrichment import Stage, StageError, default_transactional_id
 
@@ -248,10 +262,13 @@ def enrich_command() -> None:
     stop: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda number, _frame: stop.append(number))
+    servers = ",".join(settings.kafka.bootstrap_servers)
     try:
         stage = Stage(settings, transactional_id, rates)
     except StageError as exc:
         raise SystemExit(f"aml-app enrich: {exc}.") from None
+    except KafkaException as exc:
+        raise SystemExit(f"aml-app enrich: cannot start on the Kafka cluster at {servers} ({exc}).") from None
     if settings.pipeline.enrichment_metrics_port:
         from aml_app.enrichment import StageMetrics
         from aml_app.metrics_server import serve_metrics
@@ -277,6 +294,10 @@ def enrich_command() -> None:
     )
     try:
         stage.run(lambda: bool(stop))
+    except StageError as exc:
+        raise SystemExit(f"aml-app enrich: {exc}.") from None
+    except KafkaException as exc:
+        raise SystemExit(f"aml-app enrich: the Kafka cluster at {servers} failed it ({exc}).") from None
     finally:
         stage.close()
 

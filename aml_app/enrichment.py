@@ -92,6 +92,13 @@ def derive(
     return Derived(payee_partition(payment["payee"], partitions), headers)
 
 
+#: What a transaction that cannot end usually means, for the sentence the stage stops with.
+FENCED_HINT = (
+    "; another instance may run with the same AML_ENRICHMENT_ID (a restarted one fences its predecessor), "
+    "or the cluster is gone"
+)
+
+
 class StageError(RuntimeError):
     """The stage cannot run; the message says why in one sentence."""
 
@@ -147,8 +154,8 @@ class Stage:
             self.last_progress = time.time()
             return 0
         derived = dead_lettered = 0
-        self.producer.begin_transaction()
         try:
+            self.producer.begin_transaction()
             for message in messages:
                 outcome = derive(
                     message.key(),
@@ -185,12 +192,15 @@ class Stage:
             )
             self.producer.commit_transaction(TRANSACTION_TIMEOUT)
         except KafkaException as exc:
+            if exc.args and getattr(exc.args[0], "fatal", lambda: False)():
+                raise StageError(f"the transactional producer failed for good ({exc}){FENCED_HINT}") from None
             log.warning("enrichment: transaction aborted (%s); reading the batch again", exc)
             self.aborted += 1
-            self.producer.abort_transaction(TRANSACTION_TIMEOUT)
+            try:
+                self.producer.abort_transaction(TRANSACTION_TIMEOUT)
+            except KafkaException as failed:  # fenced, or the cluster gone: this producer can do no more
+                raise StageError(f"cannot abort the transaction ({failed}){FENCED_HINT}") from None
             self._rewind()
-            if exc.args and getattr(exc.args[0], "fatal", lambda: False)():
-                raise
             return 0
         self.transactions += 1
         self.derived += derived

@@ -19,7 +19,10 @@ import click
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from aml_app.click_types import FiniteRange
 from aml_app.gate.options import ParkRequest
+from aml_app.kafka.deadlines import DeadlineExceeded, close_within, within
+from aml_app.kafka.reach import Unreachable, answering_admin
 from aml_app.kafka.security import aiokafka_kwargs
 from aml_app.settings import Settings, load_settings
 
@@ -33,14 +36,38 @@ def changelog_topic(settings: Settings) -> str:
 
 def parse_where(text: str) -> tuple[int, int]:
     partition, sep, offset = text.partition(":")
-    if not sep or not partition.isdigit() or not offset.isdigit():
+    if not sep or not all(part.isascii() and part.isdigit() for part in (partition, offset)):
         raise click.BadParameter(f"{text!r} is not PARTITION:OFFSET, such as 0:1234", param_hint="P:O")
     return int(partition), int(offset)
+
+
+async def _changelog_exists(settings: Settings, topic: str, timeout: float) -> bool:
+    """Whether `topic` exists, asked so that it is not created: a producer's (or an admin's
+    describe_topics) metadata request lets the broker create a topic it does not have, which on a
+    cluster that creates topics on request made a wrong AML_APP_ID a stray topic and a request no
+    worker reads."""
+    try:
+        admin = await answering_admin(
+            settings.kafka.bootstrap_servers, settings.kafka.security, timeout, "aml-park"
+        )
+    except Unreachable as exc:
+        raise click.ClickException(str(exc)) from None
+    try:
+        return topic in await within(admin.list_topics(), timeout, "listing the topics")
+    except DeadlineExceeded as exc:
+        raise click.ClickException(f"no answer from the Kafka cluster: {exc}") from None
+    finally:
+        await close_within(admin.close(), timeout, "closing the admin client")
 
 
 async def request_park(settings: Settings, partition: int, offset: int, reason: str, timeout: float) -> str:
     """Write the request; return the topic it went to."""
     topic = changelog_topic(settings)
+    if not await _changelog_exists(settings, topic, timeout):
+        raise click.ClickException(
+            f"topic {topic} does not exist: has a worker of {settings.app_id} run? (AML_APP_ID, or "
+            "AML_SERVICE, names the service)"
+        )
     producer = AIOKafkaProducer(
         bootstrap_servers=list(settings.kafka.bootstrap_servers),
         request_timeout_ms=int(timeout * 1000),
@@ -48,11 +75,6 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
     )
     try:
         await asyncio.wait_for(producer.start(), timeout)
-        known = await asyncio.wait_for(producer.partitions_for(topic), timeout)
-        if not known:
-            raise click.ClickException(
-                f"topic {topic} does not exist: has a worker of {settings.app_id} run?"
-            )
         request = ParkRequest(
             by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason, at=time.time()
         ).as_json()
@@ -71,7 +93,13 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
 @click.command("park")
 @click.argument("where", metavar="P:O")
 @click.option("--reason", default="", help="Why, for the review topic's record.")
-@click.option("--timeout", type=float, default=10.0, show_default=True, help="Seconds to wait for Kafka.")
+@click.option(
+    "--timeout",
+    type=FiniteRange(min=0, min_open=True, max=600),
+    default=10.0,
+    show_default=True,
+    help="Seconds to wait for Kafka.",
+)
 def park_command(where: str, reason: str, timeout: float) -> None:
     """Park payment P:O of this service (AML_SERVICE): at its next failure its lane writes it to the
     review topic with its error and moves on."""

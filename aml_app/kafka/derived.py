@@ -25,6 +25,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import errors as Errors
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import OffsetOutOfRangeError
@@ -260,6 +261,12 @@ async def _refuse_compacted(admin: AIOKafkaAdminClient, topic: str) -> None:
     answers = await admin.describe_configs([ConfigResource(ConfigResourceType.TOPIC, topic)])
     for answer in answers:
         for resource in answer.resources:
+            code, message = resource[0], resource[1]
+            if code:  # no entries then: unknown is not "not compacted", and the next refresh asks again
+                raise DerivationError(
+                    f"cannot read {topic!r}'s configuration to check it is not compacted: "
+                    f"{Errors.for_code(code).__name__}{f' ({message})' if message else ''}"
+                )
             for name, value, *_ in resource[4]:
                 if name == "cleanup.policy" and "compact" in (value or ""):
                     raise DerivationError(

@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
+from pathlib import Path
 
 import pytest
 from aiokafka.admin import AIOKafkaAdminClient
@@ -120,3 +122,38 @@ def test_a_worker_without_a_reachable_cluster_says_so_in_one_sentence(tmp_path, 
     )
     assert lines[1].endswith("; check KAFKA_BOOTSTRAP_SERVERS.")
     assert done.stdout == b""
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def test_broker_command_on_a_port_in_use_says_so_in_one_sentence(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = [AML_APP, "broker", "--port", str(port)]
+        done = subprocess.run(command, cwd=tmp_path, capture_output=True, timeout=60, check=False)
+    err = done.stderr.decode()
+    assert done.returncode == 1 and f"Error: port {port} on 127.0.0.1 is already in use" in err, err
+    assert "Traceback" not in err
+
+
+async def test_broker_command_exits_1_when_its_broker_dies(tmp_path):
+    """Not "stopped" and exit 0, as after Ctrl-C."""
+    port = free_port()
+    broker = await asyncio.create_subprocess_exec(
+        AML_APP, "broker", "--port", str(port), cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    try:
+        await asyncio.wait_for(line_with(broker, "embedded broker ready"), 30)
+        [tansu] = children_of(broker.pid)
+        os.kill(tansu, signal.SIGKILL)
+        out, _ = await asyncio.wait_for(broker.communicate(), 20)
+    finally:
+        if broker.returncode is None:
+            broker.terminate()
+            await asyncio.wait_for(broker.wait(), 20)
+    assert broker.returncode == 1
+    assert "the embedded broker exited by itself with code -9" in out.decode()

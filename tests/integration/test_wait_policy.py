@@ -10,6 +10,7 @@ import os
 
 import aiohttp
 import pytest
+from aiokafka.admin import AIOKafkaAdminClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from aml_app.harness.child_process import aml_app_executable
@@ -143,3 +144,14 @@ async def test_aml_app_park_parks_a_failing_payment_by_hand(
     assert (0, 1) not in decision_log.decided()
     code, _, err = await aml_app(env, "park", "zero")
     assert code == 2 and "'zero' is not PARTITION:OFFSET" in err
+    # A service no worker ran (a wrong AML_APP_ID): refused, and its changelog topic not created (the
+    # producer's metadata request created it, and the command said it had asked the workers).
+    wrong = {**env, "AML_APP_ID": f"{names.suffix}-nobody"}
+    code, _, err = await aml_app(wrong, "park", "0:1")
+    assert code == 1 and f"topic {names.suffix}-nobody-gate-park-changelog does not exist" in err
+    admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    await admin.start()
+    try:
+        assert f"{names.suffix}-nobody-gate-park-changelog" not in await admin.list_topics()
+    finally:
+        await admin.close()

@@ -213,3 +213,30 @@ async def test_records_read_by_the_gate_not_the_group_refuse_the_mapping_once_de
             DerivationError, match=r"committed 0 on .*\[0\], but the records from 0 to 5 are gone"
         ):
             await reader.positions([0], {0: 10}, {0: 0})
+
+
+class _Configs:
+    """An admin that answers DescribeConfigs with one resource: (error code, message, type, name, entries)."""
+
+    def __init__(self, code: int, entries: list[tuple[Any, ...]]) -> None:
+        self.code, self.entries = code, entries
+
+    async def describe_configs(self, resources: list[Any]) -> list[Any]:
+        message = "denied" if self.code else None
+        return [mock.Mock(resources=[(self.code, message, 2, TOPIC, self.entries)])]
+
+
+@pytest.mark.parametrize(
+    ("code", "named"), [(29, "TopicAuthorizationFailedError"), (3, "UnknownTopicOrPartitionError")]
+)
+async def test_a_topic_whose_configuration_cannot_be_read_is_not_taken_for_uncompacted(
+    code: int, named: str
+) -> None:
+    """A broker that will not describe the topic answers no entries: it passed as "not compacted" and was
+    never asked again, so a compacted D could be mapped."""
+    with pytest.raises(DerivationError, match=rf"cannot read 'payments\.enriched'.*: {named} \(denied\)"):
+        await derived._refuse_compacted(_Configs(code, []), TOPIC)  # type: ignore[arg-type]
+    compacted = [("cleanup.policy", "compact", False, 5, False)]
+    with pytest.raises(DerivationError, match="is compacted"):
+        await derived._refuse_compacted(_Configs(0, compacted), TOPIC)  # type: ignore[arg-type]
+    await derived._refuse_compacted(_Configs(0, [("cleanup.policy", "delete", False, 5, False)]), TOPIC)  # type: ignore[arg-type]

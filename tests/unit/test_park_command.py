@@ -25,8 +25,21 @@ def test_park_with_the_broker_down_says_so_in_one_sentence() -> None:
         result = runner.invoke(park_command, ["0:1", "--timeout", "2"], env=env)
         gc.collect()
     assert result.exit_code == 1, result.output
-    assert result.output.startswith("Error: no answer from the Kafka cluster at 127.0.0.1:"), result.output
+    assert result.output.startswith("Error: the Kafka cluster at 127.0.0.1:"), result.output
+    assert "did not answer within 2 s" in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert "Traceback" not in result.output
     unclosed = [w for w in caught if "Unclosed" in str(w.message)]
     assert unclosed == [], [str(w.message) for w in unclosed]
+
+
+def test_park_refuses_a_place_or_a_timeout_it_cannot_use() -> None:
+    runner = CliRunner()
+    for args in (
+        ["\u00b2:1"],
+        ["0:1", "--timeout", "0"],
+        ["0:1", "--timeout", "inf"],
+        ["0:1", "--timeout", "nan"],
+    ):
+        result = runner.invoke(park_command, args, env={"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"})
+        assert result.exit_code == 2 and "Traceback" not in result.output, (args, result.output)
