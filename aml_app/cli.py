@@ -31,11 +31,13 @@ def broker_command(port: int | None) -> None:
     from aml_app.topics import topic_specs
 
     settings = load_settings()
+    broker = EmbeddedBroker(port or settings.kafka.broker_port)
+    # Before the start: a SIGTERM then (honcho stopping everything) would leave the broker running.
+    # Ctrl-C must stop it even when started from a shell that ignores SIGINT in background jobs.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:
-        broker = EmbeddedBroker(port or settings.kafka.broker_port).start()
-    except BrokerError as exc:
-        raise click.ClickException(str(exc)) from None
-    try:
+        broker.start()
         bootstrap = [broker.bootstrap]
         asyncio.run(wait_until_answering(bootstrap))
         topics = topic_specs(settings)
@@ -43,9 +45,6 @@ def broker_command(port: int | None) -> None:
         click.echo(f"embedded broker ready: KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap}")
         names = ", ".join(t.name for t in topics)
         click.echo(f"topics: {names} ({settings.kafka.partitions} partitions); Ctrl-C stops it")
-        # Ctrl-C must stop it even when started from a shell that ignores SIGINT in background jobs.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
         assert broker.process is not None
         code = broker.process.wait()
         # Not asked to stop (a signal ends the wait with an exception): the broker died under us.
@@ -55,8 +54,9 @@ def broker_command(port: int | None) -> None:
     except KeyboardInterrupt:
         pass
     finally:
-        broker.stop()
-        click.echo("embedded broker stopped")
+        if broker.process is not None:
+            broker.stop()
+            click.echo("embedded broker stopped")
 
 
 @click.command("demo")
@@ -132,9 +132,14 @@ def postgres_command(port: int | None, folder: str) -> None:
     settings = load_settings()
     port = port or int(conninfo_to_dict(settings.dependencies.store_url).get("port") or 5433)
     server = EmbeddedPostgres(folder, port)
+    # Before the start: a SIGTERM then (honcho stopping everything) would leave the server running.
+    stopped = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stopped.set())
+    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     try:
         server.start()
     except PostgresError as exc:
+        server.stop()  # one it started and could not make ready
         click.echo(f"aml-app postgres: {exc}", err=True)
         sys.exit(2)
     click.echo(
@@ -142,9 +147,6 @@ def postgres_command(port: int | None, folder: str) -> None:
         f"AML_STORE_URL={server.url('aml', WRITER)}, the APIs read as "
         f"AML_API_STORE_URL={server.url('aml', READER)}"
     )
-    stopped = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stopped.set())
-    signal.signal(signal.SIGTERM, lambda *_: stopped.set())
     try:
         while not stopped.wait(1.0):
             if not server.running():

@@ -146,6 +146,9 @@ class EmbeddedPostgres:
         self.bin = server_binaries()
         self.user = server_user()
         self._place(Path(folder).resolve())
+        #: Whether this object's `pg_ctl start` ran: `stop` never stops a server another one started in
+        #: the same folder (whose port this one found taken).
+        self._started = False
 
     def _place(self, folder: Path) -> None:
         self.folder = folder
@@ -251,6 +254,7 @@ class EmbeddedPostgres:
             raise PostgresError(
                 f"PostgreSQL did not start in {self.data}: {started.stdout.strip()} (log: {self.log_path})"
             )
+        self._started = True
         self._wait_ready()
         self.create_database("aml")
         return self
@@ -312,6 +316,8 @@ class EmbeddedPostgres:
         return self._run("pg_ctl", "-D", str(self.data), "status", check=False).returncode == 0
 
     def stop(self, mode: str = "fast") -> None:
-        """Stop the server: `fast` rolls back open transactions and shuts down, `immediate` is a crash."""
-        if (self.data / "postmaster.pid").exists():
+        """Stop the server this object started: `fast` rolls back open transactions and shuts down,
+        `immediate` is a crash."""
+        started, self._started = self._started, False
+        if started and (self.data / "postmaster.pid").exists():
             self._run("pg_ctl", "-D", str(self.data), "-m", mode, "-w", "stop", check=False)

@@ -156,6 +156,7 @@ class System:
     async def start(self) -> None:
         """Broker, topics, pipeline, APIs, workers, then the commit watch and the topic readers."""
         self.folder.mkdir(parents=True, exist_ok=True)
+        self.hold_folder()
         await self.start_broker()
         if self.stop_requested.is_set():
             raise Interrupted
@@ -177,6 +178,13 @@ class System:
         if self.layout.bootstrap:
             self.bootstrap = list(self.layout.bootstrap)
         elif os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "").strip():
+            if self.settings.kafka.security.protocol != "PLAINTEXT":
+                # Its topic set-up and readers speak plaintext: one sentence, not 20 s to "unreachable".
+                raise SystemFailure(
+                    f"KAFKA_SECURITY_PROTOCOL={self.settings.kafka.security.protocol}: the demo and the "
+                    "test systems reach a plaintext cluster only; leave KAFKA_BOOTSTRAP_SERVERS unset "
+                    "for an embedded broker"
+                )
             self.bootstrap = list(self.settings.kafka.bootstrap_servers)
             self.say(f"using the Kafka cluster at {','.join(self.bootstrap)} (KAFKA_BOOTSTRAP_SERVERS)")
         else:
@@ -217,16 +225,35 @@ class System:
             )
             self.settings = replace(self.settings, dependencies=dependencies)
 
+    def hold_folder(self) -> None:
+        """Take the run's folder for this system until `cleanup`: a second run there would empty the
+        first's logs and worker state and stop its PostgreSQL server (one data directory, one
+        postmaster.pid)."""
+        fd = os.open(self.folder / ".lock", os.O_RDONLY | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            raise SystemFailure(
+                f"{self.folder} is in use by another run (a demo or a test's system): wait for it to end"
+            ) from None
+        self.reserved.append(fd)
+
     def free(self, variable: str, who: str, port: int) -> int:
         """`port`, or a free one when it is taken (said out loud); reserved until `cleanup`."""
         if self.reserve(port):
             return port
+        chosen = self.any_free(who, f"{variable}: {port} is busy")
+        self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")
+        return chosen
+
+    def any_free(self, who: str, why: str = "") -> int:
+        """A free port, reserved until `cleanup`."""
         for _ in range(PORT_PICKS):
             chosen = free_port()
             if self.reserve(chosen):
-                self.say(f"port {port} is busy ({variable}): {who} uses {chosen}")
                 return chosen
-        raise SystemFailure(f"no free port for {who} after {PORT_PICKS} tries ({variable}: {port} is busy)")
+        raise SystemFailure(f"no free port for {who} after {PORT_PICKS} tries" + (f" ({why})" if why else ""))
 
     def reserve(self, port: int) -> bool:
         """Take `port` for one of this system's servers if it is free and no other system holds it.
@@ -293,10 +320,11 @@ class System:
             first = service.port(s)
             for replica in range(1, self.layout.api_replicas + 1):
                 name = kind if replica == 1 else f"{kind}-{replica}"
+                # Every replica's port is reserved: a system starting beside this one must not take it.
                 port = (
                     self.free(f"the port of {name}", f"the {name} API", first)
                     if replica == 1
-                    else free_port()
+                    else self.any_free(f"the {name} API")
                 )
                 own = service.with_port(s, port)
                 self.apis[name] = ApiProcess(

@@ -14,7 +14,7 @@ import pytest
 
 from aml_app import dependency_services as registry
 from aml_app.dependencies.store import Reader, Writer
-from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres
+from aml_app.harness.embedded_postgres import READER, WRITER, EmbeddedPostgres, PostgresError
 from aml_app.kafka.broker import free_port
 
 
@@ -140,3 +140,13 @@ def test_provisioning_a_server_in_use_leaves_a_busy_table_of_another_owner_for_l
         reading.rollback()
     postgres.create_database(name)
     assert set(_owners(postgres.url(name)).values()) == {WRITER}
+
+
+def test_a_server_that_did_not_start_stops_nothing(postgres: EmbeddedPostgres) -> None:
+    """Its port taken by the server already running in its folder: its stop (a demo's cleanup, the
+    command's) stopped that other server, whose postmaster.pid it found there."""
+    second = EmbeddedPostgres(postgres.folder, postgres.port)
+    with pytest.raises(PostgresError, match="already in use"):
+        second.start()
+    second.stop()
+    assert postgres.running()

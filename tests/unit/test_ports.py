@@ -9,13 +9,15 @@ from __future__ import annotations
 import socket
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from aml_app.harness.dependencies import ServiceProcess
-from aml_app.harness.system import Layout, System, failure
+from aml_app.harness.system import Layout, System, SystemFailure, failure
 from aml_app.kafka.broker import free_port, outgoing_port_range, port_free, port_open
+from aml_app.kafka.security import KafkaSecurity
 from aml_app.settings import Settings
 
 
@@ -79,6 +81,18 @@ async def test_two_systems_starting_side_by_side_never_get_the_same_free_port(tm
     await second.cleanup()
 
 
+async def test_a_second_system_in_the_same_folder_is_refused_until_the_first_ends(tmp_path: Path) -> None:
+    """It emptied the first's logs and worker state and stopped the first's PostgreSQL server."""
+    first = System(Settings(), tmp_path, Layout(), say=lambda _: None)
+    second = System(Settings(), tmp_path, Layout(), say=lambda _: None)
+    first.hold_folder()
+    with pytest.raises(SystemFailure, match="is in use by another run"):
+        second.hold_folder()
+    await first.cleanup()
+    second.hold_folder()
+    await second.cleanup()
+
+
 CRASH_LOG = """\
 [2026-11-27 09:38:56,794] [30856] [INFO] [^---Server]: Starting...
 [2026-11-27 09:38:56,794] [30856] [ERROR] [^Worker]: Error: OSError(98, "address already in use")
@@ -106,3 +120,15 @@ def test_an_error_the_end_of_the_log_shows_is_not_repeated(tmp_path: Path) -> No
     message = failure("the relations API", api, "exited with code 1")
     assert message.count("the store is unreachable") == 1
     assert message.startswith(f"the relations API exited with code 1; the end of {log}:")
+
+
+async def test_a_secured_cluster_is_refused_in_one_sentence(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The systems' topic set-up and readers speak plaintext: it took 20 s to say "unreachable"."""
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    settings = Settings()
+    secured = replace(settings, kafka=replace(settings.kafka, security=KafkaSecurity(protocol="SSL")))
+    system = System(secured, tmp_path, Layout(), say=lambda _: None)
+    with pytest.raises(SystemFailure, match="KAFKA_SECURITY_PROTOCOL=SSL: the demo and the test systems"):
+        await system.start_broker()
