@@ -2,8 +2,10 @@
 
 Why a separate rule set: fraud looks for a payer being abused (an account takeover paying a new
 beneficiary, a burst of payments), AML for a payer abusing the system; both need the payment itself
-already in Services B and C, which the freshness gate guarantees. Same conventions as
-`aml_app.detection.rules`: amounts in the payment's own currency without FX, inclusive thresholds.
+already in Services B and C, which the freshness gate guarantees. Inclusive thresholds, as the AML rules;
+unlike them, amounts in the payment's own currency without FX (`large_new_counterparty_min_amount` is
+one number for every currency). As there, a self-payment moves no money between parties: no rule is
+asked about it (B's graph counts it as an edge to the payer itself, a "new counterparty" the first time).
 """
 
 from __future__ import annotations
@@ -82,5 +84,8 @@ FRAUD_RULES: tuple[Callable[[Evidence, FraudThresholds], Hit | None], ...] = (
 
 
 def fraud_rules(evidence: Evidence, thresholds: FraudThresholds) -> list[Hit]:
-    """Every fraud rule that fires on this payment, in the order of FRAUD_TYPOLOGIES."""
+    """Every fraud rule that fires on this payment, in the order of FRAUD_TYPOLOGIES; none on a
+    self-payment."""
+    if evidence.payer == evidence.payee:
+        return []
     return [hit for rule in FRAUD_RULES if (hit := rule(evidence, thresholds)) is not None]

@@ -240,6 +240,11 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
                 "(AML_AGGREGATES_RETENTION).",
                 detector.get("decided_on_pruned", 0),
             ),
+            (
+                "aml_decided_on_incomplete_loop",
+                "Decisions whose payee's cycle search B stopped at its bound before it could rule one out.",
+                detector.get("decided_on_incomplete_loop", 0),
+            ),
         ]
     out: list[Metric] = [recovering, leader, *per_partition.values(), dep_committed, dep_lag]
     out += [

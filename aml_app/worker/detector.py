@@ -108,8 +108,23 @@ STALE_DELAYS = (0.05, 1.0)
 EVIDENCE_WAIT = 30.0
 
 
-def note(admission: Admission, fresh: bool, exact: bool = True) -> str:
-    """Why a decision was not made on the gate's guarantee, in words (empty when it was)."""
+#: The note's sentence when B's loop search stopped at its bound: a clear verdict that has not ruled out
+#: a cycle through the payment (asking again stops at the same place).
+LOOP_INCOMPLETE = (
+    "B's search for a cycle through the payment stopped at its bound before it could rule one out"
+)
+
+
+def note(admission: Admission, fresh: bool, exact: bool = True, loop_complete: bool = True) -> str:
+    """Why a decision was not made on the gate's guarantee, in words (empty when it was), and what its
+    evidence could not rule out."""
+    why = _why(admission, fresh, exact)
+    if loop_complete:
+        return why
+    return f"{why}; {LOOP_INCOMPLETE}" if why else LOOP_INCOMPLETE
+
+
+def _why(admission: Admission, fresh: bool, exact: bool) -> str:
     if admission.stale is not None:
         return (
             f"decided stale after waiting {admission.stale:g} s at the gate (AML_WAIT_POLICY=decide-stale); "
@@ -135,6 +150,7 @@ class DetectorStats:
     decided_not_fresh: int = 0
     #: Decided on answers that lacked payments C had pruned or B had folded: maybe not a timely decision.
     decided_on_pruned: int = 0
+    decided_on_incomplete_loop: int = 0
     unavailable: int = 0
     #: Seconds spent per step, summed over payments (where a payment's time goes, for the benchmarks).
     seconds: dict[str, float] = field(
@@ -247,6 +263,9 @@ class Detector:
         exact = all(answer.get("exact", True) for answer in answers)
         if not exact:
             self.stats.decided_on_pruned += 1
+        loop_complete = all((answer.get("loop") or {}).get("complete", True) for answer in answers)
+        if not loop_complete:
+            self.stats.decided_on_incomplete_loop += 1
         return decision_json(
             payment_id=payment.payment_id,
             partition=admission.partition,
@@ -255,7 +274,7 @@ class Detector:
             verdict="alert" if hits else "clear",
             rules=[hit.rule for hit in hits],
             typologies=sorted({hit.typology for hit in hits}),
-            note=note(admission, fresh, exact),
+            note=note(admission, fresh, exact, loop_complete),
             watermark=admission.watermark,
             dependencies=admission.dependencies,
             waited_ms=admission.waited_ms,
@@ -567,6 +586,7 @@ def stats_json(detector: Detector) -> dict[str, Any]:
         "freshness_violations": s.freshness_violations,
         "decided_not_fresh": s.decided_not_fresh,
         "decided_on_pruned": s.decided_on_pruned,
+        "decided_on_incomplete_loop": s.decided_on_incomplete_loop,
         "dependency_unavailable": s.unavailable,
         "dependency_not_yet": c.not_yet,
         "dependency_went_back": c.went_back,

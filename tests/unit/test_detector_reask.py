@@ -29,7 +29,7 @@ from aml_app.gate.stall import StallWatch
 from aml_app.models import Payment
 from aml_app.settings import ConfigError, load_settings
 from aml_app.worker import detector as detector_module
-from aml_app.worker.detector import Detector
+from aml_app.worker.detector import LOOP_INCOMPLETE, Detector
 
 TS = "2026-03-02T12:00:00Z"
 PARTITION = 3
@@ -470,6 +470,26 @@ async def test_a_decision_on_answers_c_pruned_or_b_folded_says_so_and_is_counted
         assert "C had pruned or B had folded" in pruned["note"], pruned
         assert "AML_AGGREGATES_RETENTION" in pruned["note"], pruned
     assert d.stats.decided_on_pruned == 2
+
+
+async def test_a_decision_whose_loop_search_stopped_at_its_bound_says_so_and_is_counted() -> None:
+    """B's `loop.complete` false: the search for a cycle through the payment stopped before it could rule
+    one out, and the clear verdict read as if B had found none."""
+    fake = FakeDependencies(relations=[12], aggregates=[12])
+    d = detector(fake)
+    [(payment, admission)] = batch(gated=True, offsets=(10,))
+    [(answers, stale_reads)] = await d.fresh_evidence([(payment, admission)])
+    stopped = [
+        {**a, "loop": {"found": False, "path": [], "complete": False}} if j == 3 else a
+        for j, a in enumerate(answers)
+    ]
+    decided = json.loads(d.decision(payment, admission, [], stopped, stale_reads, TS))
+    assert decided["note"] == LOOP_INCOMPLETE and d.stats.decided_on_incomplete_loop == 1
+    both = [{**a, "exact": False} if j == 1 else a for j, a in enumerate(stopped)]
+    decided = json.loads(d.decision(payment, admission, [], both, stale_reads, TS))
+    assert decided["note"].endswith(f"AML_AGGREGATES_RETENTION); {LOOP_INCOMPLETE}")
+    assert json.loads(d.decision(payment, admission, [], answers, stale_reads, TS))["note"] == ""
+    assert d.stats.decided_on_incomplete_loop == 2
 
 
 async def test_a_derived_cs_answers_are_checked_by_its_offsets_on_its_topic() -> None:

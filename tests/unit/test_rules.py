@@ -621,6 +621,21 @@ def test_fraud_rules_reads_the_payers_answers_only() -> None:
     assert [h.typology for h in fraud_rules(both, FRAUD)] == ["large_new_counterparty", "velocity_spike"]
 
 
+def test_no_fraud_rule_is_asked_about_a_self_payment() -> None:
+    """B lists the payer's edge to itself in `out`: a first large self-transfer was a payment to a "new
+    counterparty", and a burst of them a velocity spike."""
+    own = evidence(
+        "9000.00",
+        payee="a",
+        payer_aggregates=aggregates("a", h1=window(sent_count=50), d7=window(sent_count=50)),
+        payer_relations=relations("a", out=[edge("a")]),
+        payee_aggregates=aggregates("a"),
+        payee_relations=relations("a"),
+    )
+    assert large_new_counterparty(own, FRAUD) is not None  # the rule alone would
+    assert fraud_rules(own, FRAUD) == []
+
+
 # --------------------------------------------------------------------------- parsing
 
 
