@@ -253,6 +253,11 @@ class Model:
         classes = tuple(doc["classes"])
         if BENIGN not in classes:
             raise ValueError(f"the model has no {BENIGN!r} class")
+        if len(doc["baseline"]) != len(classes) or any(not 0 <= t["class"] < len(classes) for t in trees):
+            raise ValueError(
+                f"the model's baseline and trees do not match its {len(classes)} classes (written by an "
+                "aml-app train-model that exported two-class models wrong: train it again)"
+            )
         return cls(
             classes=classes,
             baseline=np.array(doc["baseline"], dtype=float),

@@ -17,6 +17,7 @@ every attempt is scored once, by a model that never read it; the model written l
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -191,6 +192,11 @@ def train_model_command(
         raise click.UsageError(
             "give labelled FILES or --simulated (the shipped model's training), one of the two"
         )
+    for written in (out, report_path):
+        # Before the training, which takes minutes: not a traceback at its end.
+        folder = Path(written).resolve().parent if written is not None else None
+        if folder is not None and not (folder.is_dir() and os.access(folder, os.W_OK)):
+            raise click.UsageError(f"cannot write {written}: {folder} is not a folder this user may write")
     if parts and (parts < 2 or folds < 2 or simulated):
         raise click.UsageError(
             "--cross-validate takes at least 2 parts, labelled FILES and --folds of at least 2"
@@ -236,13 +242,16 @@ def train_model_command(
             **({"cross_validated": parts} if parts else {"shares": list(_shares(shares))}),
             "folds": folds if folds >= 2 else 0,
         }
-    write(doc, Path(out))
+    try:
+        write(doc, Path(out))
+        if report_path is not None:
+            Path(report_path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
+    except OSError as exc:
+        raise click.ClickException(f"could not write {exc.filename}: {exc.strerror or exc}.") from None
     alerting = ", ".join(doc["alerting_rules"]) or "none"
     say(f"wrote {out}; cut {doc['cut']:.4f}; rules that alert beside it: {alerting}")
     for line in rendered(report):
         click.echo(line)
-    if report_path is not None:
-        Path(report_path).write_text(json.dumps(report, indent=2, sort_keys=True) + "\n")
 
 
 @dataclass(frozen=True)
@@ -289,7 +298,7 @@ def _split(
     for name in PARTS:
         part = getattr(parts, name)
         how.say(f"{name}: {len(part.payments):,} payments, {len(part.attempts):,} attempts")
-    _enough(parts.learn, parts.cut)
+    _enough(parts.learn, parts.cut, parts.score)
     if how.folds >= 2:
         doc = how.trained(Replayed.pooled([parts.learn, parts.cut]))
     else:
@@ -331,18 +340,25 @@ def _cross_validated(run: Replayed, parts: int, how: _Training) -> tuple[dict[st
     }
 
 
-def _enough(learn: Replayed, cut: Replayed) -> None:
-    """One sentence when a part cannot train: the trees need benign and laundering payments to learn
-    from, the cut benign payments to be set on."""
-    labels = set(learn.labels)
+def _enough(learn: Replayed, cut: Replayed, score: Replayed | None = None) -> None:
+    """One sentence when a part cannot train or be scored: the trees need benign and laundering payments
+    between two parties to learn from (they never read a self-payment), the cut benign ones to be set on,
+    and the report laundering attempts to measure."""
+    labels = {learn.labels[i] for i in learn.between()}
     if labels == {BENIGN} or BENIGN not in labels:
         raise click.ClickException(
-            "the learning part needs both benign and laundering payments; give a longer history, other "
-            "--shares, or --split attempt (for files that are not one stretch of time)."
+            "the learning part needs both benign and laundering payments between two parties; give a "
+            "longer history, other --shares, or --split attempt (for files that are not one stretch of time)."
         )
-    if BENIGN not in cut.labels:
+    if all(cut.labels[i] != BENIGN for i in cut.between()):
         raise click.ClickException(
-            "the cut part holds no benign payment; give a longer history or other --shares."
+            "the cut part holds no benign payment between two parties; give a longer history or other "
+            "--shares."
+        )
+    if score is not None and not score.attempts:
+        raise click.ClickException(
+            "the scored part holds no laundering attempt, so the report could measure nothing; give a "
+            "longer history, other --shares or --seed, or --split attempt."
         )
 
 

@@ -217,10 +217,21 @@ def calibrated_run(seed: int, days: float, per_hour: float, attempts: int) -> tu
         return read_patterns(patterns), read_amlworld(transactions, prefix=f"calibrated-{seed}")
 
 
+def baseline(model: Any) -> list[float]:
+    """Each class's starting score, as `export`'s trees add to it (two classes: 0 and the log-odds)."""
+    values = [float(v) for v in model._baseline_prediction.ravel()]
+    return [0.0, *values] if model.n_trees_per_iteration_ == 1 else values
+
+
 def export(model: Any) -> tuple[list[dict[str, Any]], int]:
-    """The fitted trees as JSON-ready columns, and the deepest leaf's depth."""
+    """The fitted trees as JSON-ready columns, and the deepest leaf's depth.
+
+    scikit-learn fits one tree per class per iteration, but for two classes one tree, whose score is the
+    log-odds of the second class: those trees add to the second class's score (and `baseline` gives
+    the first 0), the softmax of `[0, f]` being the sigmoid of `f`."""
     trees, depth = [], 0
-    for iteration in model._predictors:  # scikit-learn's fitted trees: one per class per iteration
+    binary = model.n_trees_per_iteration_ == 1
+    for iteration in model._predictors:
         for k, predictor in enumerate(iteration):
             nodes = predictor.nodes
             if nodes["is_categorical"].any():
@@ -228,7 +239,7 @@ def export(model: Any) -> tuple[list[dict[str, Any]], int]:
             depth = max(depth, int(nodes["depth"].max()))
             trees.append(
                 {
-                    "class": k,
+                    "class": 1 if binary else k,
                     "feature": [int(v) for v in nodes["feature_idx"]],
                     "threshold": [float(v) for v in nodes["num_threshold"]],
                     "missing_left": [bool(v) for v in nodes["missing_go_to_left"]],
@@ -321,7 +332,7 @@ def train(
         learnt = (
             f" to {max_benign:,} of {benign_payments:,} benign payments (--max-benign)" if sampled else ""
         )
-        fitted_trees = len(fitted._predictors) * len(classes)
+        fitted_trees = len(fitted._predictors) * fitted.n_trees_per_iteration_
         progress(f"fitted {fitted_trees:,} trees{learnt}; setting the cut and the naming prior")
     fired: Counter[str] = Counter()
     right: Counter[str] = Counter()
@@ -350,7 +361,7 @@ def train(
     doc = {
         "features": list(FEATURES),
         "classes": classes,
-        "baseline": [float(v) for v in fitted._baseline_prediction.ravel()],
+        "baseline": baseline(fitted),
         "depth": depth,
         "cut": cut,
         "naming_prior": naming,

@@ -106,6 +106,24 @@ def test_the_trees_walked_here_give_scikit_learns_probabilities(
     )
 
 
+def test_a_two_class_model_file_gives_scikit_learns_probabilities(small_runs: list[Replayed]) -> None:
+    """A history labelled by payment only (a transactions file, no patterns): scikit-learn fits one tree
+    an iteration, the log-odds of the second class. Exported as the first class's, the file's P(benign)
+    was the trees' P(laundering) (0.87 apart on a real sample), and a file written so is refused."""
+    binary = [
+        dataclasses.replace(run, labels=[BENIGN if label == BENIGN else "laundering" for label in run.labels])
+        for run in small_runs
+    ]
+    doc, fitted = train(binary[:2], binary[2:], SMALL)
+    assert fitted.n_trees_per_iteration_ == 1 and doc["classes"] == [BENIGN, "laundering"]
+    model = Model.from_json(json.loads(json.dumps(doc)))
+    rows = np.array([row for run in binary for row in run.rows])
+    np.testing.assert_allclose(model.probabilities(rows), fitted.predict_proba(rows), rtol=0, atol=1e-12)
+    wrong = {**doc, "baseline": doc["baseline"][1:], "trees": [{**t, "class": 0} for t in doc["trees"]]}
+    with pytest.raises(ValueError, match="do not match its 2 classes"):
+        Model.from_json(wrong)
+
+
 def test_the_tests_fit_trees_on_one_openmp_thread_per_process() -> None:
     """`make test`'s two processes share two cores: a second OpenMP thread in each only contends with
     the other process's trees."""

@@ -236,9 +236,14 @@ def test_a_cross_validated_report_adds_up_what_each_model_alerts_on_its_own_part
     assert counts(pooled) == tuple(map(sum, zip(*map(counts, alone), strict=True)))
     one_model = scored(doc_a, Replayed.pooled([second, first]))
     assert counts(one_model) != counts(pooled)
-    assert pooled["alert_budgets"][0]["allowed_where_set"] == sum(
-        r["alert_budgets"][0]["allowed_where_set"] for r in alone
-    )
+    # The allowance on the pooled scored parts, each benign payment once: summed over the models where
+    # each was set, with N parts every benign payment counted N - 1 times (four times too many at 5).
+    budget = pooled["alert_budgets"][0]
+    scored_parts = Replayed.pooled([second, first])
+    benign = sum(scored_parts.labels[i] == BENIGN for i in scored_parts.between())
+    assert budget["allowed_where_set"] == int(budget["budget"] * benign)
+    assert budget["allowed_where"] == "at its rate on the scored parts"
+    assert all(r["alert_budgets"][0]["allowed_where"] == "where it was set" for r in alone)
 
 
 def test_the_folds_cover_the_pool_once_and_keep_each_attempt_whole(run: Replayed) -> None:
@@ -658,6 +663,39 @@ def test_a_history_without_laundering_to_learn_from_is_refused(tmp_path: Path) -
     benign.write_text("\n".join([HEADER, *(row(m, f"A{m}", f"B{m}", "10.00", 0) for m in range(30))]) + "\n")
     done = train_model(str(benign), "--out", str(tmp_path / "model.json"))
     assert done.returncode == 1 and "needs both benign and laundering payments" in done.stderr
+
+
+def test_a_history_whose_only_laundering_is_a_self_payment_is_refused(tmp_path: Path) -> None:
+    """The trees learn only from payments between two parties: it wrote a benign-only model that could
+    never alert."""
+    own = row(3, "L", "L", "9000.00", 1).replace(",002,", ",001,")  # one bank, one account: a self-payment
+    rows = [row(m, f"A{m}", f"B{m}", "10.00", 0) for m in range(30)] + [own]
+    history = tmp_path / "Trans.csv"
+    history.write_text("\n".join([HEADER, *rows]) + "\n")
+    done = train_model(str(history), "--split", "attempt", "--out", str(tmp_path / "model.json"))
+    assert done.returncode == 1 and "benign and laundering payments between two parties" in done.stderr
+    assert not (tmp_path / "model.json").exists()
+
+
+def test_a_scored_part_without_an_attempt_is_refused_before_training(tmp_path: Path) -> None:
+    """Its report formatted no figures (a traceback after the model was written)."""
+    rows = [row(m, f"A{m}", f"B{m}", "10.00", 0) for m in range(60)]
+    rows += [row(m, f"L{m}", f"M{m}", "9000.00", 1) for m in range(1, 9)]
+    history = tmp_path / "Trans.csv"
+    history.write_text("\n".join([HEADER, *rows]) + "\n")
+    done = train_model(str(history), "--max-iter", "5", "--out", str(tmp_path / "model.json"))
+    assert done.returncode == 1, done.stderr
+    assert "the scored part holds no laundering attempt" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_an_out_or_report_in_a_missing_folder_is_refused_before_the_history_is_read(tmp_path: Path) -> None:
+    history = tmp_path / "Trans.csv"
+    history.write_text(HEADER + "\n")
+    for option in ("--out", "--report"):
+        others = ["--out", str(tmp_path / "m.json")] if option == "--report" else []
+        done = train_model(str(history), *others, option, str(tmp_path / "none" / "x.json"))
+        assert done.returncode == 2, done.stderr
+        assert "is not a folder this user may write" in done.stderr and "Traceback" not in done.stderr
 
 
 def test_precision_at_the_top_of_the_queue_weighs_benign_alerts_by_the_base_rate() -> None:
