@@ -88,9 +88,13 @@ class ExchangeRates:
     def in_each(self, amount: Decimal) -> dict[str, Decimal]:
         """`amount` (in the reporting currency) in every currency with a rate, to the cent: one question
         asked the same in each currency, as Service B's heavy edges."""
-        return {
-            c: (amount * rate).quantize(CENT, rounding=ROUND_HALF_EVEN) for c, rate in self.per_unit.items()
-        }
+        return {c: _cents(amount * rate) for c, rate in self.per_unit.items()}
+
+    def in_one(self, amount: Decimal, currency: str) -> Decimal | None:
+        """`amount` (in the reporting currency) in `currency`, to the cent as `in_each` gives it; None
+        without a rate."""
+        rate = self.per_unit.get(currency)
+        return None if rate is None else _cents(amount * rate)
 
     def unconverted(self, sums: Mapping[str, Decimal]) -> list[str]:
         """The currencies of `sums` that have no rate, sorted (named in a hit's figures)."""
@@ -137,3 +141,7 @@ class ExchangeRates:
             named.add(code)
             rates[code] = rate
         return cls(reporting, MappingProxyType(rates))
+
+
+def _cents(amount: Decimal) -> Decimal:
+    return amount.quantize(CENT, rounding=ROUND_HALF_EVEN)

@@ -299,12 +299,13 @@ def _stacked(layered: dict[str, tuple[str, ...]], thresholds: AmlThresholds) -> 
 
 def _flow_through_payer(evidence: Evidence, thresholds: AmlThresholds) -> tuple[str, ...]:
     """Service B's flow into the payee that this payment continues (its last edge the payer's), if the
-    payment is heavy in the reporting currency; else ()."""
+    payment is heavy: at least the heavy minimum in its own currency, to the cent, as B was asked (a
+    payment B counts heavy at its rounded minimum converted back fell a fraction of a cent short)."""
     chain = evidence.payee_relations.chain
     if len(chain) < 2 or chain[-2] != evidence.payer:
         return ()
-    amount = thresholds.rates.convert(evidence.amount, evidence.currency)
-    if amount is None or amount < thresholds.graph_min_average:
+    minimum = thresholds.rates.in_one(thresholds.graph_min_average, evidence.currency)
+    if minimum is None or evidence.amount < minimum:
         return ()
     return chain
 

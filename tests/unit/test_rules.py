@@ -484,6 +484,19 @@ def test_random_walk(chain: list[str], amount: str, thresholds: AmlThresholds, f
         assert hit.path == tuple(chain) and hit.figures["hops"] == len(chain) - 1
 
 
+def test_a_payment_is_heavy_as_b_was_asked_to_the_cent() -> None:
+    """B is asked for edges of at least the heavy minimum in each currency to the cent (1171.78 USD for
+    1000 EUR at AMLworld's rates); the rule converted the payment back (999.997 EUR) and found it short,
+    so a walk B reported heavy did not fire."""
+    amlworld = aml(rates=ExchangeRates.from_env({"AML_REPORTING_CURRENCY": "EUR"}))
+    minimum = amlworld.rates.in_each(amlworld.graph_min_average)["USD"]
+    assert minimum == Decimal("1171.78")
+    walk = relations("b", chain=["x", "y", "a", "b"])
+    assert random_walk(evidence(str(minimum), "USD", payee_relations=walk), amlworld) is not None
+    below = str(minimum - Decimal("0.01"))
+    assert random_walk(evidence(below, "USD", payee_relations=walk), amlworld) is None
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
