@@ -403,6 +403,10 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a switch; use on or off.")
 
 
+#: The most decimal places of a decimal setting: a payment's amount has at most 4.
+DECIMAL_PLACES = 4
+
+
 def _decimal(env: Mapping[str, str], name: str, default: Decimal, low: Decimal, high: Decimal) -> Decimal:
     raw = _text(env, name, str(default))
     try:
@@ -411,6 +415,10 @@ def _decimal(env: Mapping[str, str], name: str, default: Decimal, low: Decimal, 
         raise ConfigError(f"{name}={raw!r} is not a decimal number; expected {low}..{high}.") from None
     if not value.is_finite() or not low <= value <= high:
         raise ConfigError(f"{name}={raw} is out of range; expected {low}..{high}.")
+    exponent = value.normalize().as_tuple().exponent
+    if isinstance(exponent, int) and -exponent > DECIMAL_PLACES:
+        # The band's bounds (threshold x (1 - band)) are then exact at 8 places, as Spark compares them.
+        raise ConfigError(f"{name}={raw} has more than {DECIMAL_PLACES} decimal places.")
     return value
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import socket
+from decimal import Decimal
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,17 @@ def test_derived_dependencies_refused_in_one_sentence(raw: str, words: str) -> N
 )
 def test_enrichment_group_is_its_own(env: dict[str, str], words: str) -> None:
     _fails(env, "AML_ENRICHMENT_GROUP", words)
+
+
+def test_decimal_settings_have_at_most_four_places() -> None:
+    """C counts a payment near the threshold with Spark at 8 places (the bounds rounded there) and again
+    exactly where a window splits a minute: a threshold of 10000.000000004 counted 9000.0000 in one and
+    not the other. Four places each keep threshold x (1 - band) exact at 8."""
+    _fails({"AML_REPORTING_THRESHOLD": "10000.000000004"}, "AML_REPORTING_THRESHOLD", "more than 4 decimal")
+    _fails({"AML_THRESHOLD_BAND": "0.12345"}, "AML_THRESHOLD_BAND", "more than 4 decimal")
+    s = load_settings({"AML_REPORTING_THRESHOLD": "9999.9999", "AML_THRESHOLD_BAND": "0.0500"})
+    assert s.dependencies.reporting_threshold == Decimal("9999.9999")
+    assert load_settings({"AML_REPORTING_THRESHOLD": "1E+4"}).dependencies.reporting_threshold == 10000
 
 
 def test_app_id_listed_in_depends_on() -> None:
