@@ -1118,11 +1118,12 @@ async def relations_many(
     The lists are bounded by `max_rows` for the whole call: the `out` parts list at most that many edge
     rows (one per counterparty and currency) together, the `in` parts as many, and the `neighbourhood`
     parts at most that many accounts together, taken by the queries in order (the first query takes all
-    it has, up to the bound; the next what is left; ...), and reading them reads at most that many rows
-    and one more per query. A part cut short lists the start of its whole answer (whole counterparties
-    only) and is named in the answer's `truncated`, with how many entries it lists (`{"out": 1000}`);
-    an answer with nothing cut short has no `truncated`. A query's `after` gives the next page of its
-    `out` and `in`: the counterparties after the last one listed.
+    it has, up to the bound; the next what is left; ...); reading the `out` parts reads at most that
+    many rows and one more per query, the `in` parts and the neighbourhood every edge of the account (or
+    the frontier), sorted to be cut (docs/pipeline.md). A part cut short lists the start of its whole
+    answer (whole counterparties only) and is named in the answer's `truncated`, with how many entries
+    it lists (`{"out": 1000}`); an answer with nothing cut short has no `truncated`. A query's `after`
+    gives the next page of its `out` and `in`: the counterparties after the last one listed.
     """
     if max_rows < 1:
         raise ValueError(f"max_rows must be at least 1, got {max_rows!r}")

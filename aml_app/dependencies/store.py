@@ -323,9 +323,13 @@ class Writer:
             liveness = {k: v for k, v in LIVENESS.items() if k not in given}
             url = make_conninfo(self.url, **liveness)
             conn = psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT, autocommit=True)
-            for name, seconds in (("statement_timeout", WRITE_TIMEOUT), ("lock_timeout", LOCK_TIMEOUT)):
-                conn.execute("SELECT set_config(%s, %s, false)", (name, f"{round(seconds * 1000)}ms"))
-            conn.autocommit = False
+            try:
+                for name, seconds in (("statement_timeout", WRITE_TIMEOUT), ("lock_timeout", LOCK_TIMEOUT)):
+                    conn.execute("SELECT set_config(%s, %s, false)", (name, f"{round(seconds * 1000)}ms"))
+                conn.autocommit = False
+            except BaseException:  # not ours yet: `close` would not see it, and each retry would leave one
+                conn.close()
+                raise
             self._conn = conn
         return self._conn
 
