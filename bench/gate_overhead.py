@@ -135,14 +135,25 @@ async def main(
     gated_rates = [r["decisions_per_s"] for r in doc["runs"] if r["variant"] == "gated"]
     ungated_rates = [r["decisions_per_s"] for r in doc["runs"] if r["variant"] == "ungated"]
     pair_ratios = [g / u for g, u in zip(gated_rates, ungated_rates, strict=True)]
+    # First to last decision favours the gated worker: it fetches into its lanes while it awaits its
+    # first watermark, work before its window opens. From its start to its last decision counts that.
+    totals = {
+        variant: [
+            r["start_to_first_decision_s"] + r["span_s"] for r in doc["runs"] if r["variant"] == variant
+        ]
+        for variant in ("gated", "ungated")
+    }
+    from_start = [u / g for g, u in zip(totals["gated"], totals["ungated"], strict=True)]
     doc["summary"] = {
         "pair_ratios": pair_ratios,
+        "pair_ratios_from_start": from_start,
+        "median_pair_ratio_from_start": median(from_start),
         "median_pair_ratio": median(pair_ratios),
         "ratio_of_medians": median(gated_rates) / median(ungated_rates),
         "median_gated_per_s": median(gated_rates),
         "median_ungated_per_s": median(ungated_rates),
         "goal": "gated / ungated >= 0.9",
-        "goal_met": median(pair_ratios) >= 0.9,
+        "goal_met": median(from_start) >= 0.9,
     }
     return doc
 
@@ -178,11 +189,18 @@ def report(doc: dict[str, Any]) -> str:
     )
     s = doc["summary"]
     summary = markdown_table(
-        ["pair ratios (gated/ungated)", "median pair ratio", "ratio of medians", "goal ≥ 0.9"],
+        [
+            "pair ratios, worker start to last decision",
+            "first to last decision",
+            "median pair ratio (from start)",
+            "ratio of medians",
+            "goal ≥ 0.9",
+        ],
         [
             (
+                ", ".join(f"{r:.3f}" for r in s["pair_ratios_from_start"]),
                 ", ".join(f"{r:.3f}" for r in s["pair_ratios"]),
-                s["median_pair_ratio"],
+                s["median_pair_ratio_from_start"],
                 s["ratio_of_medians"],
                 "met" if s["goal_met"] else "NOT met",
             )

@@ -11,6 +11,7 @@ verdict, the tests' assertions and the benchmarks' latencies all mean the same t
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -89,11 +90,16 @@ def premature(
 
 
 def percentile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated percentile, q in [0, 100]; NaN when there are no values."""
+    """Linear-interpolated percentile, q in [0, 100]; NaN when there are no values, infinite where it
+    reaches an infinite value (a payment never decided: inf - inf and inf * 0 would give NaN)."""
     ordered = sorted(values)
     if not ordered:
         return float("nan")
     k = (len(ordered) - 1) * q / 100
     lo = int(k)
     hi = min(lo + 1, len(ordered) - 1)
+    if k == lo or ordered[lo] == ordered[hi]:
+        return float(ordered[lo])
+    if math.isinf(ordered[hi]):
+        return float(ordered[hi])
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)

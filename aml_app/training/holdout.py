@@ -338,9 +338,9 @@ def _within_budgets(models: Sequence[tuple[Model, Replayed]]) -> list[dict[str, 
         if len(models) == 1:
             held_out = models[0][0].training.get("held_out", {})
             allowed, where = int(rate * int(held_out.get("benign_payments", 0))), "where it was set"
-        else:
-            benign_between = sum(run.labels[i] == BENIGN for i in run.between())
-            allowed, where = int(rate * benign_between), "at its rate on the scored parts"
+        else:  # a budget is a share of every benign payment, self-payments too (as where it was set)
+            benign = sum(label == BENIGN for label in run.labels)
+            allowed, where = int(rate * benign), "at its rate on the scored parts"
         beside = [len(model.budgets[n][2]) for model, _ in models]  # per model
         per_typology = _per_typology(named, run)
         own = sum(v["right"] for v in per_typology.values())
