@@ -102,8 +102,16 @@ class PostgresError(RuntimeError):
 
 def server_binaries() -> Path:
     """The folder with initdb, pg_ctl and postgres: $AML_PG_BIN, else PATH, else Debian's layout."""
-    explicit = os.environ.get("AML_PG_BIN")
-    candidates = [Path(explicit)] if explicit else []
+    explicit = os.environ.get("AML_PG_BIN", "").strip()
+    if explicit:  # named: used or refused, never passed over for another server's programs
+        missing = [tool for tool in ("initdb", "pg_ctl", "postgres") if not (Path(explicit) / tool).exists()]
+        if missing:
+            raise PostgresError(
+                f"AML_PG_BIN={explicit!r} holds no {', '.join(missing)}; name the folder of "
+                "PostgreSQL's server programs, or unset it to search PATH and Debian's layout"
+            )
+        return Path(explicit)
+    candidates: list[Path] = []
     on_path = shutil.which("pg_ctl")
     if on_path:
         candidates.append(Path(os.path.realpath(on_path)).parent)
