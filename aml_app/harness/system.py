@@ -46,6 +46,18 @@ WORKER_SESSION_TIMEOUT = "6"
 PIPELINE_RUNNING = "pipeline running"  # the runner's log line once both queries are started
 
 
+def _locked(path: Path) -> int | None:
+    """An open descriptor holding an exclusive lock on `path` (until it is closed), or None when another
+    holds it. OSError when the file cannot be opened."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return None
+    return fd
+
+
 class SystemFailure(RuntimeError):
     """Something the system depends on failed; the message says what (with the end of a log)."""
 
@@ -229,14 +241,11 @@ class System:
         """Take the run's folder for this system until `cleanup`: a second run there would empty the
         first's logs and worker state and stop its PostgreSQL server (one data directory, one
         postmaster.pid)."""
-        fd = os.open(self.folder / ".lock", os.O_RDONLY | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        fd = _locked(self.folder / ".lock")
+        if fd is None:
             raise SystemFailure(
                 f"{self.folder} is in use by another run (a demo or a test's system): wait for it to end"
-            ) from None
+            )
         self.reserved.append(fd)
 
     def free(self, variable: str, who: str, port: int) -> int:
@@ -262,15 +271,11 @@ class System:
         starting side by side (two demos, tests on two processes) would both find a default port free.
         Each reservation is an exclusive lock on a file named for the port, held until `cleanup` (or this
         process's end)."""
-        path = Path(tempfile.gettempdir()) / f"aml-app-port-{port}.lock"
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CREAT, 0o644)
+            fd = _locked(Path(tempfile.gettempdir()) / f"aml-app-port-{port}.lock")
         except OSError:  # another user's lock file
             return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
+        if fd is None:
             return False
         if not port_free("127.0.0.1", port):
             os.close(fd)
