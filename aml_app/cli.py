@@ -13,7 +13,7 @@ import threading
 
 import click
 
-from aml_app.click_types import FiniteRange
+from aml_app.click_types import POSITIVE
 from aml_app.dependency_services import NAMES as DEPENDENCY_SERVICES
 from aml_app.settings import ConfigError, Settings, load_settings
 
@@ -62,14 +62,14 @@ def broker_command(port: int | None) -> None:
 @click.command("demo")
 @click.option(
     "--duration",
-    type=FiniteRange(min=0, min_open=True),
+    type=POSITIVE,
     default=60.0,
     show_default=True,
     help="Seconds of simulated traffic.",
 )
 @click.option(
     "--rate",
-    type=FiniteRange(min=0, min_open=True),
+    type=POSITIVE,
     default=50.0,
     show_default=True,
     help="Payments per second.",

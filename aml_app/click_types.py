@@ -17,3 +17,9 @@ class FiniteRange(click.FloatRange):
         if not math.isfinite(number):
             self.fail(f"{value!r} is not a finite number.", param, ctx)
         return number
+
+
+#: A positive finite number: a rate, a duration, a count of days.
+POSITIVE = FiniteRange(min=0, min_open=True)
+#: A command's deadline in seconds: zero or less would be none (aiohttp's and aiokafka's reading).
+TIMEOUT = FiniteRange(min=0, min_open=True, max=600)

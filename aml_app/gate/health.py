@@ -121,6 +121,12 @@ def plural_partitions(parts: Sequence[int]) -> str:
     return ("partition " if len(parts) == 1 else "partitions ") + ", ".join(str(p) for p in parts)
 
 
+def cut_closed(cut: Mapping[str, Any] | None) -> bool:
+    """Whether the event-time cut of an operator view (`cut_view`) keeps the gate shut everywhere: this
+    worker distrusts it, or it could not read a partition."""
+    return bool(cut and (cut.get("untrusted") or cut.get("unread")))
+
+
 def dependency_view(
     group: str, parts: Sequence[Mapping[str, Any]], now: float, limits: Limits, error: str | None = None
 ) -> dict[str, Any]:

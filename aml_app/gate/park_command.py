@@ -19,7 +19,7 @@ import click
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from aml_app.click_types import FiniteRange
+from aml_app.click_types import TIMEOUT
 from aml_app.gate.options import ParkRequest
 from aml_app.kafka.deadlines import DeadlineExceeded, close_within, within
 from aml_app.kafka.reach import Unreachable, answering_admin
@@ -95,7 +95,7 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
 @click.option("--reason", default="", help="Why, for the review topic's record.")
 @click.option(
     "--timeout",
-    type=FiniteRange(min=0, min_open=True, max=600),
+    type=TIMEOUT,
     default=10.0,
     show_default=True,
     help="Seconds to wait for Kafka.",

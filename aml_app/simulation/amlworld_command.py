@@ -19,7 +19,7 @@ from datetime import datetime
 import click
 from aiokafka.errors import KafkaError
 
-from aml_app.click_types import FiniteRange
+from aml_app.click_types import POSITIVE
 from aml_app.dependencies.aggregates import HORIZON
 from aml_app.kafka.security import PLAINTEXT, KafkaSecurity
 from aml_app.kafka.tools import produce, started_producer
@@ -104,7 +104,7 @@ async def send_payments(
 )
 @click.option(
     "--days-per-second",
-    type=FiniteRange(min=0, min_open=True),
+    type=POSITIVE,
     default=None,
     help="Pace the payments by event time: this many days of it per second (default: as fast as the "
     "broker takes them). Service C counts a payment only within 7 days of the newest it has seen, so weeks "

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import click
 
-from aml_app.click_types import FiniteRange
+from aml_app.click_types import POSITIVE
 from aml_app.simulation.calibrated import simulate_calibrated
 
 
 @click.command("simulate-amlworld")
 @click.argument("directory", type=click.Path(file_okay=False, writable=True, path_type=Path))
 @click.option("--seed", type=int, default=1, show_default=True)
-@click.option("--days", type=FiniteRange(min=0, min_open=True), default=14.0, show_default=True)
+@click.option("--days", type=POSITIVE, default=14.0, show_default=True)
 @click.option(
     "--per-hour",
-    type=FiniteRange(min=0, min_open=True),
+    type=POSITIVE,
     default=400.0,
     show_default=True,
     help="Background payments per hour of event time.",

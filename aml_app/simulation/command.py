@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 import click
 from aiokafka.errors import KafkaError
 
-from aml_app.click_types import FiniteRange
+from aml_app.click_types import POSITIVE, FiniteRange
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import ConfigError, load_settings
 from aml_app.simulation.producer import GroundTruthError, SimulatorReport, payment_count, run_simulator
@@ -76,7 +76,7 @@ def check_start(
 )
 @click.option(
     "--duration",
-    type=FiniteRange(min=0, min_open=True),
+    type=POSITIVE,
     default=60.0,
     show_default=True,
     help="Seconds of sending; rate * duration payments in all.",

@@ -22,7 +22,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from aml_app.gate import Admission
-from aml_app.gate.health import STALLED, STATUSES
+from aml_app.gate.health import STALLED, STATUSES, cut_closed
 
 #: One registry per worker process (not the library's global one, which other code may fill).
 registry = CollectorRegistry()
@@ -128,13 +128,12 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
         "generation, or of another log): its gate stays closed there whatever the watermark.",
     )
     untrusted.add_metric([], len(gate.get("untrusted_partitions") or []))
-    cut = snap.get("cut") or {}
     cut_untrusted = _gauge(
         "aml_cut_untrusted",
         "1 while this worker does not trust the event-time cut, or the cut could not read a partition: its "
         "gate admits nothing.",
     )
-    cut_untrusted.add_metric([], 1 if cut.get("untrusted") or cut.get("unread") else 0)
+    cut_untrusted.add_metric([], 1 if cut_closed(snap.get("cut")) else 0)
     breached = _gauge(
         "aml_wait_breached_partitions",
         "Partitions where a payment has waited at the gate longer than AML_MAX_WAIT (any worker).",

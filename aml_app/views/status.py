@@ -27,8 +27,17 @@ import aiohttp
 import click
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from aml_app.click_types import FiniteRange
-from aml_app.gate.health import ERROR, LAGGING, STALLED, UNKNOWN_GROUP, Limits, describe, plural_partitions
+from aml_app.click_types import TIMEOUT
+from aml_app.gate.health import (
+    ERROR,
+    LAGGING,
+    STALLED,
+    UNKNOWN_GROUP,
+    Limits,
+    cut_closed,
+    describe,
+    plural_partitions,
+)
 from aml_app.gate.watermark import build_rows
 from aml_app.kafka.deadlines import close_within, start_within
 from aml_app.kafka.offsets import DependencyOffsets, OffsetReadError
@@ -59,14 +68,12 @@ def health_code(doc: Mapping[str, Any]) -> int:
     statuses = {d["status"] for d in doc.get("dependencies", [])}
     gate = doc.get("gate") or {}
     refresh = doc.get("refresh") or {}
-    cut = doc.get("cut") or {}
     if (
         statuses & CRITICAL_STATUSES
         or gate.get("breached_partitions")
         or gate.get("admin_error")
         or gate.get("untrusted_partitions")
-        or cut.get("untrusted")
-        or cut.get("unread")
+        or cut_closed(doc.get("cut"))
         or refresh.get("state") == "stuck"
         or refresh.get("last_error")
     ):
@@ -327,7 +334,7 @@ def render(doc: Mapping[str, Any]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON document instead of the table.")
 @click.option(
     "--timeout",
-    type=FiniteRange(min=0, min_open=True, max=600),
+    type=TIMEOUT,
     default=5.0,
     show_default=True,
     help="Seconds to wait for answers.",
