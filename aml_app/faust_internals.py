@@ -1,7 +1,9 @@
 """Every use of a Faust, mode or aiokafka private name, in one place, checked when this module is imported.
 
 The gate leans on a few things Faust does not expose. Each is here, with the reason and the test that
-found it; nothing else in the project touches a private name of these libraries:
+found it; nothing else in the project touches a private name of these libraries, except
+`aml_app.kafka.metadata` (a metadata request that creates no topic), kept apart so that readers of
+offsets need not import Faust:
 
 - `transport_with_fetch_wait`: Faust hard-codes its worker consumer's fetch wait (1.5 s), which a broker
   that holds fetches (Tansu) adds to every hop (`AML_FETCH_MAX_WAIT_MS`, BENCHMARKS.md).

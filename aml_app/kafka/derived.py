@@ -32,6 +32,7 @@ from aiokafka.errors import OffsetOutOfRangeError
 
 from aml_app.kafka.deadlines import close_within, start_within, within
 from aml_app.kafka.derivation import DerivationError, PendingSources, check_retained, source_positions
+from aml_app.kafka.metadata import describe_existing
 
 #: Records fetched per call while catching up on a derived partition.
 MAX_RECORDS = 5_000
@@ -277,7 +278,7 @@ async def _refuse_compacted(admin: AIOKafkaAdminClient, topic: str) -> None:
 
 
 async def _partitions_of(admin: AIOKafkaAdminClient, topic: str) -> list[int]:
-    described = await admin.describe_topics([topic])
+    described = await describe_existing(admin, [topic])
     found = [t for t in described if t["topic"] == topic and not t["error_code"]]
     partitions = sorted(p["partition"] for p in found[0]["partitions"]) if found else []
     if not partitions:

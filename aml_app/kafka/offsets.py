@@ -24,6 +24,7 @@ from aml_app.kafka.deadlines import close_within, start_within, within
 from aml_app.kafka.derivation import DerivationError
 from aml_app.kafka.derived import DerivedTopic
 from aml_app.kafka.identity import LogIdentities
+from aml_app.kafka.metadata import describe_existing
 from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs, librdkafka_config
 
 
@@ -241,7 +242,7 @@ class DependencyOffsets:
     async def _read_partitions(self, admin: AIOKafkaAdminClient) -> list[int]:
         self.requests += 1
         topics = await within(
-            admin.describe_topics([self.topic]), self.request_timeout, f"describing {self.topic!r}"
+            describe_existing(admin, [self.topic]), self.request_timeout, f"describing {self.topic!r}"
         )
         found = [t for t in topics if t["topic"] == self.topic and not t["error_code"]]
         if not found or not found[0]["partitions"]:

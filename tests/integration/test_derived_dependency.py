@@ -390,3 +390,40 @@ async def test_the_derived_topics_log_is_read_with_the_payments_topics_and_check
         assert readings == [[payments, derived_topic]] * 4, "one request describes both topics"
     finally:
         await mapped.close()
+
+
+async def test_reading_a_topic_that_does_not_exist_creates_none(broker: EmbeddedBroker) -> None:
+    """A metadata request that names a topic lets a broker create it (Kafka does where
+    auto.create.topics.enable is on, the embedded broker always): a worker started before `payments` was
+    created, or after a derived topic was deleted, would make the topic itself, with the broker's
+    default partition count, and gate on an empty log."""
+    suffix = uuid.uuid4().hex[:8]
+    payments, derived = f"payments-{suffix}", f"payments.enriched-{suffix}"
+    bootstrap = [broker.bootstrap]
+    admin = AIOKafkaAdminClient(bootstrap_servers=broker.bootstrap)
+    await admin.start()
+    missing = DependencyOffsets(bootstrap, payments, ["g"], security=PLAINTEXT)
+    mapped = DependencyOffsets(
+        bootstrap, payments, ["g"], security=PLAINTEXT, derived={"g": (derived, f"stage-{suffix}")}
+    )
+    try:
+        with pytest.raises(OffsetReadError, match=rf"topic '{payments}' does not exist \(yet\)"):
+            await missing.read()
+        assert payments not in await admin.list_topics()
+
+        await create_topics(bootstrap, [payments], len(PAYMENTS))
+        await create_topics(bootstrap, [derived], len(DERIVED))
+        await mapped.read()  # the derived topic's configuration is checked once, here
+        await admin.delete_topics([derived])
+        await wait_until(lambda: _absent(admin, derived), 10, f"{derived} deleted")
+        with pytest.raises(OffsetReadError, match=rf"topic '{derived}' does not exist \(yet\)"):
+            await mapped.read()
+        assert derived not in await admin.list_topics()
+    finally:
+        await missing.close()
+        await mapped.close()
+        await admin.close()
+
+
+async def _absent(admin: AIOKafkaAdminClient, topic: str) -> bool:
+    return topic not in await admin.list_topics()

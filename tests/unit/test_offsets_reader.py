@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 
 import pytest
 from aiokafka import TopicPartition
@@ -42,8 +43,9 @@ class FakeAdmin:
         self.lookups = 0
         self.asked: list[tuple[str, int]] = []
 
-    async def describe_topics(self, topics: list[str]) -> list[dict]:
-        return [{"topic": TOPIC, "error_code": 0, "partitions": [{"partition": p} for p in range(4)]}]
+    async def _send_request(self, request: object) -> SimpleNamespace:  # the topic's metadata
+        described = [{"topic": TOPIC, "error_code": 0, "partitions": [{"partition": p} for p in range(4)]}]
+        return SimpleNamespace(to_object=lambda: {"topics": described})
 
     async def find_coordinator(self, group: str) -> int:
         self.lookups += 1
