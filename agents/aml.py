@@ -16,7 +16,7 @@ def service(worker_gate: WorkerGate) -> Served:
     """The AML agent: the rules, each hit scored by its rule's strength; with a model (`AML_MODEL`), the
     model and the rules it keeps alerting beside it, the model scoring a lane's batch at once."""
     thresholds = settings.detection.aml_thresholds
-    model = load(settings.detection.aml_model, settings.detection.aml_alert_budget)
+    model = load(settings.detection.aml_model, settings.detection.aml_alert_budget, settings.model_settings())
 
     def detect_many(evidences: list[Evidence]) -> list[list[Hit]]:
         if model is None:

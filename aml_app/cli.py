@@ -430,8 +430,9 @@ def main() -> None:
         if settings.detection.aml_model and settings.service == "aml":
             from aml_app.detection.model import load
 
-            # A model that cannot be read, or has no such budget, stops the worker here, in one sentence.
-            load(settings.detection.aml_model, settings.detection.aml_alert_budget)
+            # A model that cannot be read, has no such budget or was trained with other settings stops
+            # the worker here, in one sentence.
+            load(settings.detection.aml_model, settings.detection.aml_alert_budget, settings.model_settings())
         if len(sys.argv) > 1 and sys.argv[1] in OWN_COMMANDS:
             if (missing := missing_extra(sys.argv[1])) and not asks_for_help(sys.argv[1:]):
                 click.echo(missing, err=True)

@@ -26,6 +26,7 @@ from typing import Any, TypeVar
 from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, MAX_VALID_PAYMENT_BYTES
 from aml_app.dependency_services import DependencyService, Endpoint
+from aml_app.detection.model_settings import record
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
 from aml_app.kafka.security import KafkaSecurity, load_security
@@ -288,6 +289,16 @@ class Settings:
     pipeline: PipelineSettings = field(default_factory=PipelineSettings)
     detection: DetectionSettings = field(default_factory=DetectionSettings)
     web: WebSettings = field(default_factory=WebSettings)
+
+    def model_settings(self) -> tuple[tuple[str, str], ...]:
+        """The settings a learned model's features are computed with, as `aml-app train-model` records
+        them (`aml_app.detection.model_settings`); hashable, for the cached `model.load`."""
+        own = record(
+            self.detection.aml_thresholds,
+            self.dependencies.reporting_threshold,
+            self.dependencies.threshold_band,
+        )
+        return tuple(sorted(own.items()))
 
     def with_endpoint(self, name: str, **changes: Any) -> Settings:
         """These settings with dependency service `name`'s group, port or API replicas changed."""

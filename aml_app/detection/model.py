@@ -46,6 +46,7 @@ import numpy as np
 
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.exchange import CENT, ExchangeRates
+from aml_app.detection.model_settings import mismatch, trained_with
 from aml_app.detection.rules import TYPOLOGIES, Hit, aml_rules
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.errors import ConfigError
@@ -915,11 +916,14 @@ def _shown(name: str, value: float) -> str:
 
 
 @functools.cache
-def load(source: str, budget: float | None = None) -> Model | None:
+def load(
+    source: str, budget: float | None = None, deployed: tuple[tuple[str, str], ...] | None = None
+) -> Model | None:
     """The model `AML_MODEL` names: '' (off, None), 'amlworld' (shipped) or a path, cut for `budget`
     (`AML_ALERT_BUDGET`, `Model.within`) if given; read once per process. A model that cannot be read,
-    or has no such budget, is a configuration error: the command line reads it before the worker
-    starts, so it stops there with one sentence."""
+    has no such budget, or was trained with other settings than `deployed` (`Settings.model_settings`)
+    is a configuration error: the command line reads it before the worker starts, so it stops there with
+    one sentence."""
     source = source.strip()
     if not source or source.lower() == "off":
         return None
@@ -929,8 +933,14 @@ def load(source: str, budget: float | None = None) -> Model | None:
         else:
             text = Path(source).read_text()
         model = Model.from_json(json.loads(text))
+        trained_with(model.training)  # a record that is not one is an unreadable file
     except (OSError, ValueError, KeyError, TypeError, IndexError) as exc:
         raise ConfigError(f"{MODEL_VARIABLE}={source!r} is not a readable AML model: {exc}.") from None
+    if deployed is not None and (differs := mismatch(trained_with(model.training), dict(deployed))):
+        raise ConfigError(
+            f"{MODEL_VARIABLE}={source!r} was {differs}: train a model with this deployment's settings "
+            "(aml-app train-model), or run it with the settings it was trained with."
+        )
     if budget is not None:
         try:
             model = model.within(budget)

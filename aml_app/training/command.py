@@ -28,6 +28,9 @@ import click
 
 from aml_app.click_types import FiniteRange
 from aml_app.detection.model import BENIGN
+from aml_app.detection.model_settings import record
+from aml_app.detection.thresholds import AmlThresholds
+from aml_app.settings import load_settings
 from aml_app.training.fit import (
     CUT_RATE,
     MAX_BENIGN_FIT,
@@ -43,7 +46,7 @@ from aml_app.training.fit import (
 )
 from aml_app.training.history import read_history
 from aml_app.training.holdout import PARTS, SPLITS, crossed, folded, rendered, scored, scored_each, split
-from aml_app.training.replay import timeline_of
+from aml_app.training.replay import Reporting, timeline_of
 
 PROGRESS_INTERVAL = 5.0
 #: Folds of the pooled learning and cut parts (`--folds`). A cut part of 1,500 benign payments cannot
@@ -202,13 +205,22 @@ def train_model_command(
             "--cross-validate takes at least 2 parts, labelled FILES and --folds of at least 2"
         )
     params = {**PARAMS, "max_iter": max_iter}
+    # The deployment's thresholds, rates and C's band, which the worker runs the model with: the replay
+    # computes the features with them, and the file records them (`aml_app.detection.model_settings`).
+    settings = load_settings()
+    thresholds = settings.detection.aml_thresholds
+    reporting = Reporting(
+        thresholds.rates, settings.dependencies.reporting_threshold, settings.dependencies.threshold_band
+    )
     if by_look is None:
         # Labels by look name about as many of a history's own held-out attempts as labels by attempt
         # (the real files, cross-validated); the shipped model, learnt on the simulator and judged on
         # real files, names fewer with them (BENCHMARKS.md).
         by_look = not simulated
     if simulated:
-        doc, scored_runs = _simulated(_seeds(score_seeds, "--score-seeds"), by_look, params, say)
+        doc, scored_runs = _simulated(
+            _seeds(score_seeds, "--score-seeds"), by_look, params, say, (thresholds, reporting)
+        )
         report: dict[str, Any] = {
             "scored": "calibrated seeds " + score_seeds,
             **scored(doc, Replayed.pooled(scored_runs)),
@@ -230,6 +242,8 @@ def train_model_command(
             history.attempts,
             unnamed=True,
             progress=_replaying(say),
+            thresholds=thresholds,
+            reporting=reporting,
         )
         how = _Training(by, folds, seed, cut_rate, by_look, max_benign, params, say)
         if parts:
@@ -242,6 +256,7 @@ def train_model_command(
             **({"cross_validated": parts} if parts else {"shares": list(_shares(shares))}),
             "folds": folds if folds >= 2 else 0,
         }
+    doc["training"]["settings"] = record(thresholds, reporting.threshold, reporting.band)
     try:
         write(doc, Path(out))
         if report_path is not None:
@@ -363,9 +378,15 @@ def _enough(learn: Replayed, cut: Replayed, score: Replayed | None = None) -> No
 
 
 def _simulated(
-    score_seeds: Sequence[int], by_look: bool, params: dict[str, Any], say: Callable[[str], None]
+    score_seeds: Sequence[int],
+    by_look: bool,
+    params: dict[str, Any],
+    say: Callable[[str], None],
+    deployment: tuple[AmlThresholds, Reporting],
 ) -> tuple[dict[str, Any], list[Replayed]]:
-    """The shipped model's training (`RUNS`), and the scored runs replayed."""
+    """The shipped model's training (`RUNS`), and the scored runs replayed with `deployment`'s thresholds
+    and C's reporting."""
+    thresholds, reporting = deployment
 
     order = [*RUNS["seeds"], *RUNS["held_out"], *score_seeds]
 
@@ -373,7 +394,9 @@ def _simulated(
         patterns, background = calibrated_run(s, RUNS["days"], RUNS["per_hour"], RUNS["attempts"])
         say(f"replaying calibrated seed {s}, run {order.index(s) + 1} of {len(order)}")
         timeline = timeline_of(patterns, background)
-        return replay_timeline(timeline, patterns.attempts, progress=_replaying(say))
+        return replay_timeline(
+            timeline, patterns.attempts, progress=_replaying(say), thresholds=thresholds, reporting=reporting
+        )
 
     learn = [replayed(s) for s in RUNS["seeds"]]
     held_out = [replayed(s) for s in RUNS["held_out"]]

@@ -43,7 +43,7 @@ from aml_app.detection.thresholds import AmlThresholds
 from aml_app.simulation.amlworld import read_amlworld, read_patterns
 from aml_app.simulation.calibrated import simulate_calibrated
 from aml_app.training.binning import faster_weighted_binning
-from aml_app.training.replay import Services, fed, timeline_of
+from aml_app.training.replay import Reporting, Services, fed, timeline_of
 
 SHIPPED_PATH = Path(__file__).resolve().parents[1] / "detection" / SHIPPED_FILE
 NAMING_ROUNDS = 3
@@ -163,6 +163,8 @@ def replay_timeline(
     unnamed: bool = False,
     progress: Callable[[int, int], None] | None = None,
     pairs: Iterable[tuple[Any, Evidence]] | None = None,
+    thresholds: AmlThresholds | None = None,
+    reporting: Reporting | None = None,
 ) -> Replayed:
     """Every payment of `timeline` (event-time order) through the reference, labelled by `attempts`
     (each with a `typology` and its `payment_ids`). With `unnamed`, a payment marked laundering
@@ -171,14 +173,17 @@ def replay_timeline(
     hears (done, of) every PROGRESS_EVERY payments.
 
     B and C are not asked about a self-payment: no rule asks about one and the model scores none (its
-    row is UNSCORED_ROW), and in AMLworld's traffic about three payments in four are self-payments."""
-    thresholds = AmlThresholds()
+    row is UNSCORED_ROW), and in AMLworld's traffic about three payments in four are self-payments.
+
+    `thresholds` and `reporting` (default: the defaults) are the deployment's, which its model is then
+    run with (`aml_app.detection.model_settings`)."""
+    thresholds = thresholds if thresholds is not None else AmlThresholds()
     typology = {pid: a.typology for a in attempts for pid in a.payment_ids}
     out = Replayed()
     lone: list[str] = []
     replayed: Iterable[tuple[Any, Evidence | None]]
     if pairs is None:
-        services = Services(thresholds)
+        services = Services(thresholds, reporting=reporting)
         replayed = (
             (payment, services.evidence(payment) if payment.payer != payment.payee else None)
             for payment in fed(services, timeline)

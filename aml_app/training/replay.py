@@ -24,6 +24,7 @@ Used by the detection tests on simulated traffic and by `bench/amlworld_detectio
 from __future__ import annotations
 
 import bisect
+import functools
 import heapq
 import itertools
 from collections import Counter, defaultdict
@@ -58,11 +59,30 @@ from aml_app.training.reference import (
 THRESHOLD = Decimal("10000")
 BAND = Decimal("0.1")
 HOPS = 3
-RATES = ExchangeRates()  # the reference's: AMLworld's
-with localcontext() as _ctx:
-    _ctx.prec = 80
-    NEAR = THRESHOLD * (1 - BAND)
-_ANSWERED = {"reporting_threshold": format(THRESHOLD, "f"), "threshold_band": format(BAND, "f")}
+
+
+@dataclass(frozen=True)
+class Reporting:
+    """What C's answers depend on besides the payments: the rates it totals in (`AML_REPORTING_CURRENCY`,
+    `AML_EXCHANGE_RATES`) and the threshold and band it counts near-threshold payments by
+    (`AML_REPORTING_THRESHOLD`, `AML_THRESHOLD_BAND`). The defaults are the reference's."""
+
+    rates: ExchangeRates = field(default_factory=ExchangeRates)
+    threshold: Decimal = THRESHOLD
+    band: Decimal = BAND
+
+    @functools.cached_property
+    def near(self) -> Decimal:
+        with localcontext() as ctx:
+            ctx.prec = 80
+            return self.threshold * (1 - self.band)
+
+    @functools.cached_property
+    def answered(self) -> dict[str, str]:
+        return {"reporting_threshold": format(self.threshold, "f"), "threshold_band": format(self.band, "f")}
+
+
+DEFAULT_REPORTING = Reporting()
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,9 +185,12 @@ def _ts(payment: Row) -> datetime:
     return payment.ts
 
 
-def windows_of(held: list[Row], account: str, at: datetime) -> dict[str, Any]:
-    """`reference_aggregates([held], account, at, THRESHOLD, BAND)`, `held` in time order: each payment
-    of the week read once, into every window it falls in (the same sums at the same precision).
+def windows_of(
+    held: list[Row], account: str, at: datetime, reporting: Reporting = DEFAULT_REPORTING
+) -> dict[str, Any]:
+    """`reference_aggregates([held], account, at, reporting.threshold, reporting.band, reporting.rates)`,
+    `held` in time order: each payment of the week read once, into every window it falls in (the same sums
+    at the same precision).
 
     Why: the reference filters every payment C holds once per window and figure; a replay asks about
     two accounts per payment, and a training replay of a long history spent most of its time there."""
@@ -191,6 +214,7 @@ def windows_of(held: list[Row], account: str, at: datetime) -> dict[str, Any]:
                 amounts.setdefault(p.currency, []).append(p.amount)
     windows: dict[str, Any] = {}
     unconverted: set[str] = set()
+    rates, near, threshold = reporting.rates, reporting.near, reporting.threshold
     for name, window in ways.items():
         shown: dict[str, Any] = {}
         for way in ("sent", "received"):
@@ -200,9 +224,9 @@ def windows_of(held: list[Row], account: str, at: datetime) -> dict[str, Any]:
                 shown[way], shown[f"{way}_total"] = {}, "0.00"
                 continue
             totals = {c: _total(amounts[c]) for c in sorted(amounts)}
-            unconverted |= totals.keys() - RATES.per_unit.keys()
+            unconverted |= totals.keys() - rates.per_unit.keys()
             shown[way] = {c: money_text(t) for c, t in totals.items()}
-            shown[f"{way}_total"] = totals_in_reporting(totals, RATES)
+            shown[f"{way}_total"] = totals_in_reporting(totals, rates)
         sent, received = window["sent"][1], window["received"][1]
         shown["counterparties"] = len(sent | received)
         shown["sent_counterparties"] = len(sent)
@@ -216,12 +240,12 @@ def windows_of(held: list[Row], account: str, at: datetime) -> dict[str, Any]:
             1
             for amounts in ways["24h"]["sent"][2].values()
             for amount in amounts
-            if NEAR <= amount < THRESHOLD
+            if near <= amount < threshold
         ),
-        **_ANSWERED,
+        **reporting.answered,
         "late_dropped": dropped,
         "exact": True,
-        "reporting_currency": RATES.reporting,
+        "reporting_currency": rates.reporting,
         "unconverted": sorted(unconverted),
     }
 
@@ -237,8 +261,12 @@ def asked(answer: dict[str, Any], parts: str) -> dict[str, Any]:
 class Services:
     """What B and C would answer after the payments fed so far were applied."""
 
-    def __init__(self, thresholds: AmlThresholds, keep: timedelta | None = None) -> None:
-        """`keep`: C's retention past its week (default: AML_AGGREGATES_RETENTION's)."""
+    def __init__(
+        self, thresholds: AmlThresholds, keep: timedelta | None = None, reporting: Reporting | None = None
+    ) -> None:
+        """`keep`: C's retention past its week (default: AML_AGGREGATES_RETENTION's); `reporting`: C's
+        (default: the thresholds' rates, the default threshold and band)."""
+        self.reporting = reporting if reporting is not None else Reporting(thresholds.rates)
         self.keep = (
             keep if keep is not None else timedelta(seconds=Settings().dependencies.aggregates_retention)
         )
@@ -318,7 +346,7 @@ class Services:
             if touching[0].ts < kept:
                 del touching[: bisect.bisect_left(touching, kept, key=_ts)]
         answer = self.answered[(account, at)] = windows_of(
-            touching[: bisect.bisect_right(touching, at, key=_ts)], account, at
+            touching[: bisect.bisect_right(touching, at, key=_ts)], account, at, self.reporting
         )
         return answer
 

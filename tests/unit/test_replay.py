@@ -14,10 +14,21 @@ import pytest
 from aml_app.dependencies.aggregates import HORIZON, floor_bucket
 from aml_app.dependencies.client import PAYER_PARTS
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
+from aml_app.detection.exchange import ExchangeRates
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.training import replay as replay_module
 from aml_app.training.reference import reference_aggregates, reference_loop, reference_relations
-from aml_app.training.replay import BAND, HOPS, THRESHOLD, Services, asked, decided, row_of, windows_of
+from aml_app.training.replay import (
+    BAND,
+    HOPS,
+    THRESHOLD,
+    Reporting,
+    Services,
+    asked,
+    decided,
+    row_of,
+    windows_of,
+)
 from tests.real_amlworld import real_files
 
 
@@ -143,9 +154,9 @@ def test_c_computes_an_accounts_windows_once_an_instant_and_again_after_a_paymen
     about x at that minute is computed once for the three; a payment fed after it is counted."""
     computed: list[str] = []
 
-    def counted(held: list[Any], account: str, at: datetime) -> dict[str, Any]:
+    def counted(held: list[Any], account: str, at: datetime, reporting: Reporting) -> dict[str, Any]:
         computed.append(account)
-        return windows_of(held, account, at)
+        return windows_of(held, account, at, reporting)
 
     monkeypatch.setattr(replay_module, "windows_of", counted)
     same = [_payment(f"p{n}", f"s{n}", "x", "100", 3) for n in range(3)]
@@ -303,3 +314,24 @@ def test_cs_windows_read_in_one_pass_are_the_references() -> None:
     assert answer == reference_aggregates([held], "a", newest, THRESHOLD, BAND)
     assert (answer["late_dropped"], answer["near_threshold_24h"], answer["unconverted"]) == (1, 1, ["XTS"])
     assert answer["windows"]["24h"]["sent"] == {"EUR": "0.015", "USD": "19999.99"}
+
+
+def test_c_answers_with_the_deployments_currency_threshold_and_band() -> None:
+    """A training replay computes a deployment's features: C's totals in its reporting currency and its
+    near-threshold count by its threshold and band, as the reference does with them."""
+    rates = ExchangeRates.from_env({"AML_REPORTING_CURRENCY": "EUR"})
+    reporting = Reporting(rates, Decimal("5000"), Decimal("0.2"))
+    timeline = [_payment("p1", "a", "b", "4100", 0), _payment("p2", "a", "c", "3900", 1)]
+    services = Services(AmlThresholds(rates=rates), reporting=reporting)
+    for payment in timeline:
+        services.feed(payment)
+    at = row_of(timeline[1]).ts
+    answer = services.aggregates("a", at)
+    expected = reference_aggregates([timeline], "a", at, Decimal("5000"), Decimal("0.2"), rates)
+    assert {k: v for k, v in answer.items() if k in expected} == expected
+    assert answer["reporting_currency"] == "EUR" and answer["near_threshold_24h"] == 1
+    assert answer["reporting_threshold"] == "5000" and answer["threshold_band"] == "0.2"
+    in_dollars = Services(AmlThresholds())
+    for payment in timeline:
+        in_dollars.feed(payment)
+    assert in_dollars.aggregates("a", at)["near_threshold_24h"] == 0

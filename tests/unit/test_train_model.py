@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import numpy as np
 import pytest
 
 from aml_app.detection.model import BENIGN, Model, load
+from aml_app.detection.model_settings import DEFAULT_BAND, DEFAULT_THRESHOLD, record
+from aml_app.detection.thresholds import AmlThresholds
 from aml_app.errors import ConfigError
 from aml_app.settings import load_settings
 from aml_app.training import fit as fit_module
@@ -535,12 +538,13 @@ def test_a_budget_shows_its_lowest_typology_and_laundering_no_attempt_names_is_n
     assert "(lowest random 0.500)" in lines[0]
 
 
-def train_model(*args: str) -> subprocess.CompletedProcess[str]:
+def train_model(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "aml_app.cli", "train-model", *args],
         capture_output=True,
         text=True,
         timeout=600,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -605,6 +609,55 @@ def test_the_command_trains_a_model_the_worker_loads_and_reports_on_the_scored_p
     assert doc["training"]["params"]["max_iter"] == 20
     assert f"fitted {20 * len(doc['classes']):,} trees to 300" in done.stderr
     assert doc["training"]["held_out"]["benign_payments"] > doc["training"]["per_class"][BENIGN]
+
+
+def test_the_model_is_trained_with_the_deployments_settings_and_runs_only_with_them(
+    tmp_path: Path, history: Path
+) -> None:
+    """The features read the rules' hits, amounts in the reporting currency and C's near-threshold count:
+    a model trained with the defaults and run in euros, or with another rule threshold, reads numbers it
+    never learnt from. The command replays with the deployment's settings and records them; the worker
+    starts only with the settings its model was trained with."""
+    euros = {"AML_REPORTING_CURRENCY": "EUR", "AML_RULE_FAN_IN_MIN_COUNTERPARTIES": "5"}
+    out = tmp_path / "model.json"
+    small = ("--split", "attempt", "--folds", "2", "--max-benign", "300", "--max-iter", "5")
+    done = train_model(
+        str(history / "Trans.csv"), str(history / "Patterns.txt"), *small, "--out", str(out), env=euros
+    )
+    assert done.returncode == 0, done.stderr
+    in_dollars = tmp_path / "dollars.json"
+    done = train_model(
+        str(history / "Trans.csv"), str(history / "Patterns.txt"), *small, "--out", str(in_dollars)
+    )
+    assert done.returncode == 0, done.stderr
+    # The replay computed the features in euros: a typical benign payment's amount is another number.
+    typical = {path: json.loads(path.read_text())["benign_typical"][0] for path in (out, in_dollars)}
+    assert typical[out] != typical[in_dollars], typical
+    recorded = json.loads(out.read_text())["training"]["settings"]
+    assert recorded == record(AmlThresholds.from_env(euros), DEFAULT_THRESHOLD, DEFAULT_BAND), (
+        "the file records the settings the command ran with"
+    )
+    assert load(str(out), None, load_settings(euros).model_settings()) is not None
+    with pytest.raises(
+        ConfigError,
+        match=r"^AML_MODEL='.*model.json' was trained with AML_REPORTING_CURRENCY=EUR, but this worker has "
+        r"AML_REPORTING_CURRENCY=USD: train a model with this deployment's settings",
+    ):
+        load(str(out), None, load_settings({}).model_settings())
+    with pytest.raises(
+        ConfigError, match=r"trained with AML_RULE_FAN_IN_MIN_COUNTERPARTIES=5, but this worker has .*=4"
+    ):
+        load(
+            str(out),
+            None,
+            load_settings({**euros, "AML_RULE_FAN_IN_MIN_COUNTERPARTIES": ""}).model_settings(),
+        )
+    # The shipped model records nothing: it was trained with the defaults.
+    assert load("amlworld", None, load_settings({}).model_settings()) is not None
+    with pytest.raises(
+        ConfigError, match=r"^AML_MODEL='amlworld' was trained with AML_REPORTING_CURRENCY=USD"
+    ):
+        load("amlworld", None, load_settings({"AML_REPORTING_CURRENCY": "EUR"}).model_settings())
 
 
 def test_cross_validated_the_command_scores_every_attempt_once_and_writes_a_model_of_all(
