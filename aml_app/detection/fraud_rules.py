@@ -2,10 +2,12 @@
 
 Why a separate rule set: fraud looks for a payer being abused (an account takeover paying a new
 beneficiary, a burst of payments), AML for a payer abusing the system; both need the payment itself
-already in Services B and C, which the freshness gate guarantees. Inclusive thresholds, as the AML rules;
-unlike them, amounts in the payment's own currency without FX (`large_new_counterparty_min_amount` is
-one number for every currency). As there, a self-payment moves no money between parties: no rule is
-asked about it (B's graph counts it as an edge to the payer itself, a "new counterparty" the first time).
+already in Services B and C, which the freshness gate guarantees. Inclusive thresholds and amounts in the
+reporting currency, as the AML rules: `large_new_counterparty_min_amount` is converted into the
+payment's currency to the cent (`ExchangeRates.in_one`), so 5,000 yen is not a large payment where the
+reporting currency is the dollar, and a currency without a rate is never large. As there, a self-payment
+moves no money between parties: no rule is asked about it (B's graph counts it as an edge to the payer
+itself, a "new counterparty" the first time).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ HOURS_PER_WEEK = 7 * 24
 def large_new_counterparty(evidence: Evidence, thresholds: FraudThresholds) -> Hit | None:
     """A large payment that is the payer's first ever to this payee (Service B's edge count is 1, this
     payment included). No edge at all means B has not seen it: no evidence, no hit."""
-    if evidence.amount < thresholds.large_new_counterparty_min_amount:
+    least = thresholds.rates.in_one(thresholds.large_new_counterparty_min_amount, evidence.currency)
+    if least is None or evidence.amount < least:
         return None
     edge = evidence.payer_relations.out.get(evidence.payee)
     if edge is None or edge.count != 1:
@@ -39,7 +42,9 @@ def large_new_counterparty(evidence: Evidence, thresholds: FraudThresholds) -> H
         figures={
             "amount": money(evidence.amount),
             "currency": evidence.currency,
-            "min_amount": money(thresholds.large_new_counterparty_min_amount),
+            "min_amount": money(least),  # in the payment's currency
+            "min_amount_reporting": money(thresholds.large_new_counterparty_min_amount),
+            "reporting_currency": thresholds.rates.reporting,
             "payments_to_payee": edge.count,
         },
     )

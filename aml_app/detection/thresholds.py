@@ -74,6 +74,7 @@ class FraudThresholds:
     large_new_counterparty_min_amount: Decimal = Decimal("5000")
     velocity_min_count: int = 10
     velocity_multiple: Decimal = Decimal("5")
+    rates: ExchangeRates = field(default_factory=ExchangeRates)
 
     def __post_init__(self) -> None:
         _check_ranges(self)
@@ -81,7 +82,7 @@ class FraudThresholds:
     @classmethod
     def from_env(cls, env: Mapping[str, str]) -> FraudThresholds:
         """The thresholds with `AML_RULE_*` overrides from `env`; ConfigError names a bad variable."""
-        return _from_env(cls, env)
+        return dataclasses.replace(_from_env(cls, env), rates=ExchangeRates.from_env(env))
 
 
 # field -> (lowest, highest, what it counts): the allowed range of every threshold, inclusive.

@@ -585,17 +585,22 @@ def test_hit_as_json_is_plain_json() -> None:
 
 
 @pytest.mark.parametrize(
-    ("amount", "out", "fires"),
+    ("amount", "currency", "out", "fires"),
     [
-        ("5000.00", [edge("b", 1)], True),
-        ("4999.99", [edge("b", 1)], False),
-        ("5000.00", [edge("b", 2)], False),  # not the first payment to b
-        ("5000.00", [edge("c", 1)], False),  # B has not seen this edge: no evidence
-        ("5000.00", [], False),
+        ("5000.00", "USD", [edge("b", 1)], True),
+        ("4999.99", "USD", [edge("b", 1)], False),
+        ("5000.00", "USD", [edge("b", 2)], False),  # not the first payment to b
+        ("5000.00", "USD", [edge("c", 1)], False),  # B has not seen this edge: no evidence
+        ("5000.00", "USD", [], False),
+        # In the reporting currency (USD): 5,000 yen is about 47 dollars, 4,999.99 pounds about 6,465.
+        ("5000.00", "JPY", [edge("b", 1)], False),
+        ("5000.00", "GBP", [edge("b", 1)], True),
+        ("4999.99", "GBP", [edge("b", 1)], True),
+        ("1000000.00", "XAU", [edge("b", 1)], False),  # a currency without a rate is never large
     ],
 )
-def test_large_new_counterparty(amount: str, out: list[dict[str, Any]], fires: bool) -> None:
-    hit = large_new_counterparty(evidence(amount, payer_relations=relations("a", out=out)), FRAUD)
+def test_large_new_counterparty(amount: str, currency: str, out: list[dict[str, Any]], fires: bool) -> None:
+    hit = large_new_counterparty(evidence(amount, currency, payer_relations=relations("a", out=out)), FRAUD)
     assert (hit is not None) is fires
     if hit:
         assert (hit.rule, hit.typology, hit.figures["payments_to_payee"]) == (
