@@ -12,6 +12,12 @@ computed again; the second asker waits for that answer (`Flight`) and takes it w
 its own need too, else asks the store itself.
 
 Reads without a need (the ungated comparison mode) always read the store: they want what is there now.
+
+What is kept is of the store the replica read. A store rebuilt (`aml-app rebuild`, after a new threshold
+or a topic created again) starts over from the topic's earliest offset: the replica's store check, every
+two seconds, then finds it behind its last reading or of another log (`rebuilt`), as does a question
+that reads another log (`saw`), and every kept answer goes. They also go when the store is found at
+another schema version, and they hold at most MAX_BYTES in all.
 """
 
 from __future__ import annotations
@@ -27,6 +33,11 @@ from aml_app.dependencies.client import Need
 
 #: Answers longer than this are not kept: a busy account's lists would push out many small answers.
 MAX_TEXT = 64 * 1024
+#: The most the kept answers may hold in all, counted as their text and their `as_of` (AS_OF_BYTES a
+#: partition, parsed): at the default 10,000 answers of a topic of 1,000 partitions, their `as_of` alone
+#: took a gigabyte.
+MAX_BYTES = 64 * 1024 * 1024
+AS_OF_BYTES = 100
 
 
 @dataclass(frozen=True)
@@ -34,6 +45,14 @@ class Kept:
     text: str
     as_of: Mapping[int, int]
     log: str | None
+
+    @property
+    def size(self) -> int:
+        return len(self.text) + AS_OF_BYTES * len(self.as_of)
+
+    def covers(self, other: Kept) -> bool:
+        """Whether this answer's snapshot is of the same log and at least as far on every partition."""
+        return self.log == other.log and all(self.as_of.get(p, 0) >= o for p, o in other.as_of.items())
 
 
 class Flight:
@@ -57,6 +76,7 @@ class AnswerCache:
             raise ValueError(f"entries must be at least 0, got {entries!r}")
         self.entries = entries
         self._kept: OrderedDict[Hashable, Kept] = OrderedDict()
+        self._bytes = 0  # the kept answers' `Kept.size`, summed
         self.hits = 0
         self.misses = 0
         #: Questions answered with the answer another request was computing.
@@ -66,6 +86,33 @@ class AnswerCache:
         #: The newest `as_of` this replica's store showed in an answer it read, and its log: where the
         #: store is, as far as the replica knows, when it answers from what it kept.
         self.newest: tuple[str | None, dict[int, int]] | None = None
+        #: Times every kept answer went, the store being another than the one they were read from.
+        self.cleared = 0
+
+    def saw(self, log: str | None, as_of: Mapping[int, int]) -> None:
+        """Note where a read now shows the store. Answers read side by side show it a little apart, so
+        only another log says that it is another store: then what was kept from the old one goes."""
+        if self.newest is not None and self.newest[0] == log:
+            newest = self.newest[1]
+            self.newest = (log, {**newest, **{p: max(o, newest.get(p, 0)) for p, o in as_of.items()}})
+            return
+        if self.newest is not None:
+            self.clear()
+        self.newest = (log, dict(as_of))
+
+    def rebuilt(self, log: str | None, as_of: Mapping[int, int]) -> None:
+        """The store is another than the one the kept answers were read from (the store check found it
+        behind its own last reading: `StoreCheck`): every kept answer goes, and the store's position
+        starts over from this reading."""
+        self.clear()
+        self.newest = (log, dict(as_of))
+
+    def clear(self) -> None:
+        """Let every kept answer go (answers being computed still reach their waiters, who check them)."""
+        if self._kept:
+            self.cleared += 1
+        self._kept.clear()
+        self._bytes = 0
 
     def get(self, key: Hashable, need: Need | None) -> str | None:
         """The JSON text of the answer kept for `key` if its snapshot meets `need`, else None."""
@@ -127,18 +174,21 @@ class AnswerCache:
         if not isinstance(raw, Mapping):
             return None
         as_of, log = {int(p): int(o) for p, o in raw.items()}, answer.get("log")
-        if self.newest is None or self.newest[0] != log:
-            self.newest = (log, as_of)
-        else:
-            self.newest = (log, {p: max(o, self.newest[1].get(p, 0)) for p, o in as_of.items()})
+        self.saw(log, as_of)
         if not keep or self.entries == 0:
             return None
         kept = Kept(text, as_of, log)
-        if len(text) <= MAX_TEXT:
+        before = self._kept.get(key)
+        if len(text) <= MAX_TEXT and not (before is not None and before.covers(kept) and before != kept):
+            # (a slower request's older snapshot does not replace a newer answer to the same question)
+            if before is not None:
+                self._bytes -= before.size
             self._kept[key] = kept
+            self._bytes += kept.size
             self._kept.move_to_end(key)
-            while len(self._kept) > self.entries:
-                self._kept.popitem(last=False)
+            while len(self._kept) > self.entries or self._bytes > MAX_BYTES:
+                _, gone = self._kept.popitem(last=False)
+                self._bytes -= gone.size
         return kept
 
     def lookup(self, keys: Sequence[Hashable], need: Need | None) -> list[str | None]:
@@ -151,4 +201,5 @@ class AnswerCache:
             "hits": self.hits,
             "misses": self.misses,
             "joined": self.joined,
+            "cleared": self.cleared,
         }

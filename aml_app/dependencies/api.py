@@ -642,6 +642,11 @@ class StoreCheck:
         self.problem: str | None = None
         self.error: str | None = None
         self.checked_at: float | None = None
+        #: The answer caches of the store's API, and the store as the last check read it: a store found
+        #: behind that reading, or of another log, is another store (rebuilt), and the caches let go of
+        #: what they kept from the old one (`AnswerCache.rebuilt`).
+        self.caches: list[AnswerCache] = []
+        self._read: tuple[str | None, dict[int, int]] | None = None
 
     async def check(self) -> None:
         from aml_app.kafka.offsets import OffsetReadError
@@ -657,10 +662,22 @@ class StoreCheck:
             # Committed first, then the store: see guard.behind. Through the connections of /health:
             # questions that take every other one do not blind the guard.
             async with self.reader.health_snapshot() as snap:
-                applied = snap.as_of
+                applied, log_id = snap.as_of, snap.meta.get("log")
         except unreadable as exc:
             self.error = str(exc) or type(exc).__name__
+            if isinstance(exc, StoreVersionMismatch):  # what was kept is of a store no longer there
+                for cache in self.caches:
+                    cache.clear()
             return
+        last, self._read = self._read, (log_id, dict(applied))
+        another = last is not None and (
+            last[0] != log_id or any(applied.get(p, 0) < o for p, o in last[1].items())
+        )
+        for cache in self.caches:
+            if another:
+                cache.rebuilt(log_id, applied)
+            else:
+                cache.saw(log_id, applied)
         self.error = None
         self.problem = behind(self.service, self.group, applied, committed[self.group])
         if self.problem and self.state != "behind":
@@ -773,6 +790,8 @@ def relations_app(
     settings), keeps batch answers for the next asker."""
     limits = limits or Limits.of(settings)
     cache = cache or _cache_of(settings)
+    if check is not None:
+        check.caches.append(cache)
     app = _app(
         "relations",
         [
@@ -871,6 +890,8 @@ def aggregates_app(
     asker."""
     limits = limits or Limits.of(settings)
     cache = cache or _cache_of(settings)
+    if check is not None:
+        check.caches.append(cache)
     app = _app(
         "aggregates",
         ["GET /aggregates/{account}?at=ISO-8601", "POST /aggregates"],

@@ -158,4 +158,11 @@ async def test_health_says_what_the_cache_served(store: str) -> None:
             await client.close()
         async with aiohttp.ClientSession() as session, session.get(f"{b}/health") as response:
             health = await response.json()
-        assert health["answer_cache"] == {"entries": 4, "capacity": 100, "hits": 4, "misses": 4, "joined": 0}
+        assert health["answer_cache"] == {
+            "entries": 4,
+            "capacity": 100,
+            "hits": 4,
+            "misses": 4,
+            "joined": 0,
+            "cleared": 0,
+        }

@@ -211,6 +211,7 @@ async def test_health_and_as_of_follow_the_applies(spark: Any, store_url: str) -
                 "hits": 0,
                 "misses": 0,
                 "joined": 0,
+                "cleared": 0,
             },
         }
         assert (await get(client, "/relations/A"))["as_of"] == {}

@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiohttp import web
 
+from aml_app.dependencies import answer_cache
 from aml_app.dependencies.answer_cache import MAX_TEXT, AnswerCache
-from aml_app.dependencies.api import _batch_response
+from aml_app.dependencies.api import StoreCheck, _batch_response, aggregates_app
 from aml_app.dependencies.client import Need, Replicas
+from aml_app.dependencies.store import StoreVersionMismatch
+from aml_app.settings import load_settings
 
 
 def kept(as_of: dict[int, int], log: str = "L", **more: object) -> tuple[str, dict[str, object]]:
@@ -187,3 +192,86 @@ async def test_a_question_being_computed_for_a_higher_need_is_not_waited_for() -
     assert not higher.done() and cache.joined == 0
     first.go.set()
     await higher
+
+
+def test_what_was_kept_from_another_log_goes_even_for_a_need_without_one() -> None:
+    """A detector on a derived topic states its need without a log: an answer kept from the topic's old
+    log (higher offsets) met it after the topic was created again and the store rebuilt."""
+    cache = AnswerCache(10)
+    cache.put("a", *kept({0: 900}, log="D-old"))
+    assert cache.get("a", Need({0: 41}, None)) is not None
+    cache.put("b", *kept({0: 40}, log="D-new"), keep=False)  # a question reads the rebuilt store
+    assert cache.get("a", Need({0: 41}, None)) is None
+    assert cache.newest == ("D-new", {0: 40}) and cache.as_json()["cleared"] == 1
+
+
+def test_answers_read_side_by_side_a_little_apart_keep_what_was_kept() -> None:
+    cache = AnswerCache(10)
+    cache.put("a", *kept({0: 600}))
+    cache.put("b", *kept({0: 500}))  # a slower request's snapshot, taken before "a"'s
+    assert cache.get("a", Need({0: 600}, "L")) is not None and cache.newest == ("L", {0: 600})
+
+
+def test_a_slower_requests_older_snapshot_does_not_replace_a_newer_answer() -> None:
+    cache = AnswerCache(10)
+    cache.put("q", *kept({0: 200}))
+    cache.put("q", *kept({0: 100}))
+    assert cache.get("q", Need({0: 150}, "L")) is not None
+
+
+def test_the_kept_answers_hold_at_most_max_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted by entries alone, 10,000 answers of a topic of 1,000 partitions held a gigabyte."""
+    wide = {p: 1 for p in range(1000)}
+    one = len(kept(wide)[0]) + 1000 * answer_cache.AS_OF_BYTES
+    monkeypatch.setattr(answer_cache, "MAX_BYTES", 2 * one + one // 2)
+    cache = AnswerCache(10_000)
+    for key in "abcd":
+        cache.put(key, *kept(wide))
+    assert [k for k in "abcd" if cache.get(k, Need({0: 1}, "L")) is not None] == ["c", "d"]
+    assert cache.as_json()["entries"] == 2
+
+
+class Health:
+    """The store as the check's snapshots read it, one reading after another."""
+
+    def __init__(self, readings: list[tuple[str | None, dict[int, int]] | Exception]) -> None:
+        self.readings = readings
+
+    @contextlib.asynccontextmanager
+    async def health_snapshot(self) -> Any:
+        reading = self.readings.pop(0)
+        if isinstance(reading, Exception):
+            raise reading
+        log, as_of = reading
+        yield SimpleNamespace(as_of=as_of, meta={"log": log} if log else {})
+
+
+class Committed:
+    async def read(self) -> tuple[list[int], dict[str, dict[int, int]]]:
+        return [0], {"aggregates": {0: 0}}
+
+
+@pytest.mark.parametrize(
+    ("second", "goes"),
+    [
+        (("L", {0: 900}), False),
+        (("L", {0: 40}), True),  # rebuilt on the same log, not caught up yet
+        (("L", {}), True),  # rebuilt, empty
+        (("M", {0: 2000}), True),  # of another log
+        (StoreVersionMismatch("the aggregates store has schema version 9"), True),
+    ],
+)
+async def test_the_store_check_lets_the_cache_go_when_the_store_is_another(
+    second: tuple[str, dict[int, int]] | Exception, goes: bool
+) -> None:
+    """A rebuild (a new threshold, a topic created again) replays from the earliest offset: the store
+    check, reading the store every two seconds, finds it behind its last reading or of another log, and
+    the answers kept from the old store go before a question is answered from them."""
+    check = StoreCheck(Health([("L", {0: 800}), second]), "aggregates", load_settings({}))  # type: ignore[arg-type]
+    check.offsets = Committed()  # type: ignore[assignment]
+    cache = AnswerCache(10)
+    aggregates_app(check.reader, load_settings({}), check, cache=cache)
+    await check.check()
+    cache.put("a", *kept({0: 800}))
+    await check.check()
+    assert (cache.get("a", Need({0: 1}, None)) is None) is goes
