@@ -157,10 +157,15 @@ class Stage:
         try:
             self.producer.begin_transaction()
             for message in messages:
+                source = _source(message)
+                # The payment's own record time, which C checks its `ts` against on the derived topic as
+                # every consumer of payments does (the stage's clock would let C refuse what A accepts).
+                # librdkafka's 0 is "now": a record without a time gets the stage's.
+                stamp = source[3] or 0
                 outcome = derive(
                     message.key(),
                     message.value(),
-                    _source(message),
+                    source,
                     self.partitions,
                     self.rates,
                     self.settings.kafka.max_payment_bytes,
@@ -172,7 +177,11 @@ class Stage:
                         message.value(), outcome.headers, "dlq", message.key()
                     ):
                         self.producer.produce(
-                            self.settings.kafka.dlq_topic, key=key, value=value, headers=headers
+                            self.settings.kafka.dlq_topic,
+                            key=key,
+                            value=value,
+                            headers=headers,
+                            timestamp=stamp,
                         )
                 else:
                     self.producer.produce(
@@ -181,6 +190,7 @@ class Stage:
                         value=message.value(),
                         headers=outcome.headers,
                         partition=outcome.partition,
+                        timestamp=stamp,
                     )
                 derived += outcome.partition is not None
                 dead_lettered += outcome.partition is None

@@ -62,8 +62,10 @@ def stage(
     return AmlAppProcess(["enrich"], env, workdir / "enrich.log", workdir, append=append).start()
 
 
-async def read_all(bootstrap: str, topic: str, partitions: int) -> list[tuple[int, int, dict[str, bytes]]]:
-    """Every committed record of `topic`: (partition, offset, headers)."""
+async def read_all(
+    bootstrap: str, topic: str, partitions: int
+) -> list[tuple[int, int, dict[str, bytes], int]]:
+    """Every committed record of `topic`: (partition, offset, headers, timestamp)."""
     tps = [TopicPartition(topic, p) for p in range(partitions)]
     client = {"bootstrap_servers": bootstrap}
     ends = await fetched_log_ends(client, {(topic, p): 0 for p in range(partitions)})
@@ -79,7 +81,7 @@ async def read_all(bootstrap: str, topic: str, partitions: int) -> list[tuple[in
         while any([await consumer.position(tp) < ends[(topic, tp.partition)] for tp in tps]):
             assert time.monotonic() < deadline, f"{topic} not read to {ends} in 30 s"
             for tp, messages in (await consumer.getmany(timeout_ms=200)).items():
-                records += [(tp.partition, m.offset, dict(m.headers)) for m in messages]
+                records += [(tp.partition, m.offset, dict(m.headers), m.timestamp) for m in messages]
     finally:
         await consumer.stop()
     return records
@@ -141,13 +143,18 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
 
     assert await committed_offsets(broker.bootstrap, group, names.payments, names.partitions) == ends
     out = await read_all(broker.bootstrap, derived, DERIVED_PARTITIONS)
-    sources = [_position(headers[SOURCE_HEADER]) for _, _, headers in out]
+    sources = [_position(headers[SOURCE_HEADER]) for _, _, headers, _ in out]
     assert set(sources) == set(payee_at), "every valid payment, and nothing else"
     assert len(sources) - len(set(sources)) <= BATCH, "at most the one transaction the kill left open again"
-    for partition, _, headers in out:
+    for partition, _, headers, _ in out:
         assert partition == payee_partition(payee_at[_position(headers[SOURCE_HEADER])], DERIVED_PARTITIONS)
+    # Each derived record keeps its payment's record time, which C checks the payment's `ts` against as
+    # every consumer of payments does: stamped with the stage's clock, C refused what A accepted.
+    stamped = {(p, o): t for p, o, _, t in await read_all(broker.bootstrap, names.payments, names.partitions)}
+    assert all(t == stamped[_position(h[SOURCE_HEADER])] for _, _, h, t in out)
+    assert len({t for _, _, _, t in out}) > 1, "the payments were sent over more than one millisecond"
     letters = await read_all(broker.bootstrap, names.dlq, names.partitions)
-    mine = [h for _, _, h in letters if h.get("dlq.worker") == b"enrichment"]
+    mine = [h for _, _, h, _ in letters if h.get("dlq.worker") == b"enrichment"]
     assert {(int(h["dlq.partition"]), int(h["dlq.offset"])) for h in mine} == bad_at
     assert all(h["dlq.reason"] for h in mine)
 
