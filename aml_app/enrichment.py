@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from aml_app.backoff import Backoff
 from aml_app.contract import InvalidPayment, dead_letter_headers, in_parts, validate_payment
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.failpoints import failpoint
@@ -50,6 +51,10 @@ AMOUNT_HEADER = "aml-reporting-amount"
 BATCH = 500
 #: How long a transaction's calls may take (init, offsets, commit, abort).
 TRANSACTION_TIMEOUT = 30.0
+#: How many times a commit that timed out is asked again before the stage stops (10 x 30 s).
+COMMIT_ATTEMPTS = 10
+#: The pause after an aborted transaction, doubled after each one that follows, up to RETRY_MOST seconds.
+RETRY_FIRST, RETRY_MOST = 0.1, 5.0
 
 
 def payee_partition(payee: str, partitions: int) -> int:
@@ -129,6 +134,9 @@ class Stage:
         self.producer.init_transactions(TRANSACTION_TIMEOUT)
         self.consumer.subscribe([settings.kafka.payments_topic])
         self.derived = self.dead_lettered = self.transactions = self.aborted = 0
+        self.retry = Backoff(RETRY_FIRST, RETRY_MOST)
+        #: The errors the last poll returned instead of records (logged when they change).
+        self.poll_errors: list[str] = []
         #: When the last transaction committed, or the last poll found nothing (Unix time): what the
         #: stage's /metrics shows as its heartbeat.
         self.last_progress = time.time()
@@ -149,10 +157,21 @@ class Stage:
         """One transaction over the records one poll returns; how many records it read."""
         from confluent_kafka import KafkaException
 
-        messages = [m for m in self.consumer.consume(BATCH, timeout) if m.error() is None]
+        polled = self.consumer.consume(BATCH, timeout)
+        messages = [m for m in polled if m.error() is None]
         if not messages:
+            errors = sorted({str(m.error()) for m in polled})
+            if errors:  # payments unreadable (no such topic, no right to read it): no progress to show
+                if errors != self.poll_errors:
+                    log.warning(
+                        "enrichment: reading %s fails: %s", self.settings.kafka.payments_topic, errors
+                    )
+                self.poll_errors = errors
+                return 0
+            self.poll_errors = []
             self.last_progress = time.time()
             return 0
+        self.poll_errors = []
         derived = dead_lettered = 0
         try:
             self.producer.begin_transaction()
@@ -200,7 +219,7 @@ class Stage:
             self.producer.send_offsets_to_transaction(
                 positions, self.consumer.consumer_group_metadata(), TRANSACTION_TIMEOUT
             )
-            self.producer.commit_transaction(TRANSACTION_TIMEOUT)
+            self._commit()
         except KafkaException as exc:
             if exc.args and getattr(exc.args[0], "fatal", lambda: False)():
                 raise StageError(f"the transactional producer failed for good ({exc}){FENCED_HINT}") from None
@@ -211,12 +230,38 @@ class Stage:
             except KafkaException as failed:  # fenced, or the cluster gone: this producer can do no more
                 raise StageError(f"cannot abort the transaction ({failed}){FENCED_HINT}") from None
             self._rewind()
+            # A batch that fails every time (a record the derived topic refuses, a topic gone) is read
+            # again more and more slowly, up to RETRY_MOST seconds, while the heartbeat goes stale.
+            time.sleep(self.retry.next())
             return 0
+        self.retry = Backoff(RETRY_FIRST, RETRY_MOST)
         self.transactions += 1
         self.derived += derived
         self.dead_lettered += dead_lettered
         self.last_progress = time.time()
         return len(messages)
+
+    def _commit(self) -> None:
+        """Commit the open transaction. A commit that timed out is still pending in librdkafka, which
+        refuses an abort then (retriable, not abortable): it is asked again, COMMIT_ATTEMPTS times in
+        all, while the heartbeat goes stale; an error that needs an abort raises for the caller's."""
+        from confluent_kafka import KafkaException
+
+        for attempt in range(1, COMMIT_ATTEMPTS + 1):
+            try:
+                self.producer.commit_transaction(TRANSACTION_TIMEOUT)
+                return
+            except KafkaException as exc:
+                error = exc.args[0] if exc.args else None
+                pending = error is not None and error.retriable() and not error.txn_requires_abort()
+                if not pending or getattr(error, "fatal", lambda: False)():
+                    raise
+                if attempt == COMMIT_ATTEMPTS:
+                    raise StageError(
+                        f"the transaction's commit did not finish in {COMMIT_ATTEMPTS} attempts of "
+                        f"{TRANSACTION_TIMEOUT:g} s ({exc}): the cluster does not answer"
+                    ) from None
+                log.warning("enrichment: the commit is still pending (%s); asking again", exc)
 
     def _rewind(self) -> None:
         """Back to where the aborted batch started: the group's committed offsets, or the log start of a

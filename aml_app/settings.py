@@ -801,6 +801,15 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             "the enrichment stage needs a consumer group of its own."
         )
     derived = _derived_dependencies(env, depends, app_id, kafka.payments_topic)
+    for group, (topic, stage) in derived.items():
+        # The gate maps the derived topic with the stage group's offsets on payments: another group's
+        # (the stage's before a re-derivation under a new group) can be ahead of what was derived.
+        if topic == kafka.enriched_topic and stage != kafka.enrichment_group:
+            raise ConfigError(
+                f"AML_DERIVED_DEPENDENCIES: {group!r} reads {topic!r}, which aml-app enrich writes under "
+                f"AML_ENRICHMENT_GROUP={kafka.enrichment_group!r}, but names the stage group {stage!r}; "
+                "name the group that writes it."
+            )
     defaults = Settings()
     table_store = _text(env, "AML_TABLE_STORE", defaults.table_store)
     if not table_store.startswith(("rocksdb://", "memory://")):

@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 from confluent_kafka import KafkaError, KafkaException
 
+from aml_app import enrichment
+from aml_app.backoff import Backoff
 from aml_app.enrichment import Stage, StageError
 
 
@@ -53,8 +55,9 @@ class Record:
 
 
 class Producer:
-    def __init__(self, commit: KafkaError, abort: KafkaError | None) -> None:
-        self.commit, self.abort, self.aborted = commit, abort, 0
+    def __init__(self, commit: KafkaError, abort: KafkaError | None, fails: int = 1_000_000) -> None:
+        """A producer whose commits fail with `commit` `fails` times, then succeed."""
+        self.commit, self.abort, self.aborted, self.fails, self.commits = commit, abort, 0, fails, 0
 
     def begin_transaction(self) -> None:
         pass
@@ -66,7 +69,9 @@ class Producer:
         pass
 
     def commit_transaction(self, timeout: float) -> None:
-        raise KafkaException(self.commit)
+        self.commits += 1
+        if self.commits <= self.fails:
+            raise KafkaException(self.commit)
 
     def abort_transaction(self, timeout: float) -> None:
         self.aborted += 1
@@ -82,13 +87,28 @@ def stage(producer: Producer) -> Stage:
     made.settings, made.rates, made.partitions = load_settings({}), ExchangeRates.from_env({}), 3
     made.consumer, made.producer = Consumer(), producer  # type: ignore[assignment]
     made.derived = made.dead_lettered = made.transactions = made.aborted = 0
+    made.retry, made.poll_errors, made.last_progress = Backoff(0.001, 0.002), [], 0.0
     return made
 
 
 def test_a_transaction_that_fails_and_aborts_reads_the_batch_again() -> None:
-    producer = Producer(KafkaError(KafkaError._TIMED_OUT, "slow", retriable=True), None)
+    producer = Producer(KafkaError(KafkaError._INVALID_ARG, "refused", txn_requires_abort=True), None)
     ran = stage(producer)
     assert ran.run_once() == 0 and ran.aborted == 1 and producer.aborted == 1
+
+
+def test_a_commit_that_timed_out_is_asked_again_not_aborted() -> None:
+    """librdkafka keeps a commit that timed out pending and refuses an abort then (_CONFLICT): the stage
+    stopped, saying another instance might share its id."""
+    timed_out = KafkaError(KafkaError._TIMED_OUT, "commit timed out", retriable=True)
+    producer = Producer(timed_out, KafkaError(KafkaError._CONFLICT, "commit in progress"), fails=2)
+    ran = stage(producer)
+    assert ran.run_once() == 1 and producer.commits == 3 and producer.aborted == 0
+    assert ran.transactions == 1 and ran.aborted == 0
+    hung = Producer(timed_out, None)
+    with pytest.raises(StageError, match=r"commit did not finish in 10 attempts of 30 s .*does not answer"):
+        stage(hung).run_once()
+    assert hung.commits == 10 and hung.aborted == 0
 
 
 def test_a_fenced_producer_stops_the_stage_with_one_sentence() -> None:
@@ -105,3 +125,33 @@ def test_a_fatal_error_stops_the_stage_before_any_abort() -> None:
     with pytest.raises(StageError, match="failed for good"):
         stage(producer).run_once()
     assert producer.aborted == 0
+
+
+class Failing:
+    """A poll that returns only an error (payments unknown, or not ours to read)."""
+
+    def error(self) -> KafkaError:
+        return KafkaError(KafkaError.TOPIC_AUTHORIZATION_FAILED, "not authorized")
+
+
+def test_a_poll_of_errors_alone_is_no_progress() -> None:
+    """The heartbeat moved on such a poll, so the stalled alert never fired while nothing was derived."""
+    ran = stage(Producer(KafkaError(KafkaError._TIMED_OUT, "unused"), None))
+    ran.consumer.consume = lambda *args: [Failing()]  # type: ignore[method-assign]
+    assert ran.run_once() == 0 and ran.last_progress == 0.0 and "not authorized" in ran.poll_errors[0]
+    ran.consumer.consume = lambda *args: []  # type: ignore[method-assign]
+    assert ran.run_once() == 0 and ran.last_progress > 0 and ran.poll_errors == []
+
+
+def test_a_batch_that_fails_every_time_is_read_again_more_and_more_slowly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(enrichment.time, "sleep", slept.append)
+    ran = stage(
+        Producer(KafkaError(KafkaError.MSG_SIZE_TOO_LARGE, "too large", txn_requires_abort=True), None)
+    )
+    ran.retry = Backoff(0.1, 0.4)
+    for _ in range(4):
+        ran.run_once()
+    assert slept == [0.1, 0.2, 0.4, 0.4] and ran.aborted == 4

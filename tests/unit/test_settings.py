@@ -171,6 +171,25 @@ def test_derived_dependencies_refused_in_one_sentence(raw: str, words: str) -> N
     assert message.count(". ") == 0, message
 
 
+def test_the_enriched_topics_stage_group_is_the_one_that_writes_it() -> None:
+    """Re-derived under a new group, with the old one left in AML_DERIVED_DEPENDENCIES: the gate mapped
+    the derived topic with the old group's offsets on payments, ahead of what the new stage derived."""
+    renamed = {"AML_ENRICHMENT_GROUP": "enrichment-v2"}
+    message = _fails(
+        {**renamed, "AML_DERIVED_DEPENDENCIES": "aggregates:payments.enriched:enrichment"},
+        "AML_DERIVED_DEPENDENCIES",
+        "which aml-app enrich writes under AML_ENRICHMENT_GROUP='enrichment-v2', but names the stage group "
+        "'enrichment'",
+    )
+    assert message.count(". ") == 0, message
+    agreed = {**renamed, "AML_DERIVED_DEPENDENCIES": "aggregates:payments.enriched:enrichment-v2"}
+    assert load_settings(agreed).derived_dependencies == {
+        "aggregates": ("payments.enriched", "enrichment-v2")
+    }
+    other = {**renamed, "AML_DERIVED_DEPENDENCIES": "aggregates:p.norm:norm-stage"}  # another stage's topic
+    assert load_settings(other).derived_dependencies == {"aggregates": ("p.norm", "norm-stage")}
+
+
 @pytest.mark.parametrize(
     ("env", "words"),
     [
