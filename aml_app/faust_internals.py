@@ -6,7 +6,9 @@ found it; nothing else in the project touches a private name of these libraries,
 offsets need not import Faust:
 
 - `transport_with_fetch_wait`: Faust hard-codes its worker consumer's fetch wait (1.5 s), which a broker
-  that holds fetches (Tansu) adds to every hop (`AML_FETCH_MAX_WAIT_MS`, BENCHMARKS.md).
+  that holds fetches (Tansu) adds to every hop (`AML_FETCH_MAX_WAIT_MS`, BENCHMARKS.md), and reads
+  `read_uncommitted` outside its own transactions, where the pipeline reads `read_committed`: the
+  worker consumer reads `read_committed`, so no payment of an aborted transaction is decided.
 - `lean_drain_messages`: Faust's consumer loop hands every record to the streams through
   `Service.wait_first`, four new tasks and an `asyncio.wait` per record, which is more than half of a
   bare Faust agent's CPU per event (BENCHMARKS.md). The same loop awaits the hand-over directly while the
@@ -88,6 +90,7 @@ REQUIRED: list[tuple[Any, str, str]] = [
     (faust_aiokafka.AIOKafkaConsumerThread, "_seek_wait", "attr"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:__init__"),
     (aiokafka.AIOKafkaConsumer, "_fetch_max_wait_ms", "source:start"),
+    (aiokafka.AIOKafkaConsumer, "_isolation_level", "source:start"),
     (Collection, "_to_key", "attr"),
     (faust_consumer.Consumer, "_paused_partitions", "annotation"),
     (faust_consumer.Consumer, "_active_partitions", "annotation"),
@@ -205,8 +208,11 @@ def transport_with_fetch_wait(fetch_max_wait_ms: int) -> type[faust_aiokafka.Tra
     class TunedConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         def _create_worker_consumer(self, transport: Any) -> aiokafka.AIOKafkaConsumer:
             consumer = super()._create_worker_consumer(transport)
-            # aiokafka reads this when the consumer starts, which is after this call.
+            # aiokafka reads these when the consumer starts, which is after this call.
             consumer._fetch_max_wait_ms = fetch_max_wait_ms
+            # Faust reads read_uncommitted outside its own transactions: a payment of an aborted
+            # transaction, which the pipeline (librdkafka, read_committed) never applies, was decided.
+            consumer._isolation_level = "read_committed"
             return consumer
 
         async def _highwaters(self, partitions: list[TP]) -> Mapping[TP, int]:

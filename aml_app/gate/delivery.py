@@ -57,6 +57,8 @@ async def first_offset_from(
         enable_auto_commit=False,
         client_id="aml-gate-holes",
         max_poll_records=1,
+        # As the worker's consumer reads: a payment of an aborted transaction is no record of the hole.
+        isolation_level="read_committed",
         # Below the log start the first record is the log start's, not the next one to arrive.
         auto_offset_reset="earliest",
         **aiokafka_kwargs(security),

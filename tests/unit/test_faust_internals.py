@@ -421,3 +421,21 @@ def test_the_overlap_warning_dropped_for_the_fast_timers_is_still_modes() -> Non
     import mode.timers
 
     assert faust_internals.TIMER_OVERLAPPING in inspect.getsource(mode.timers)
+
+
+async def test_the_worker_consumer_reads_committed_payments_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Faust reads read_uncommitted outside its own transactions, the pipeline read_committed: a worker
+    decided the payments of aborted transactions, which B and C never apply (the embedded broker hands
+    them to read_committed readers too, so only the setting can be checked here)."""
+    from aiokafka import AIOKafkaConsumer
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
+    made = AIOKafkaConsumer()
+    monkeypatch.setattr(
+        faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", lambda self, transport: made
+    )
+    thread_class = transport_with_fetch_wait(100).Consumer.Thread
+    consumer = thread_class._create_worker_consumer(object.__new__(thread_class), None)
+    assert consumer is made and consumer._isolation_level == "read_committed"
+    assert consumer._fetch_max_wait_ms == 100
+    await consumer.stop()
