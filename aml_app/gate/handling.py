@@ -194,9 +194,11 @@ class Handling:
             await self._park(admitted[0].event, gave_up)
 
     async def dead_letter(self, event: EventT[Any], reason: str) -> None:
-        """Write a payment that breaks the contract to the dead-letter topic, retrying as `handle` does:
-        at the retry ceiling or an operator's request it is parked on the review topic instead, with
-        both reasons, so a dead-letter topic that refuses it never holds the partition."""
+        """Write a payment that breaks the contract to the dead-letter topic, retrying as `handle` does
+        (by default until it is written: a record is never dropped unwritten); at the retry ceiling
+        (`AML_MAX_ATTEMPTS`) or an operator's request (`aml-app park`) it is parked on the review topic
+        instead, with both reasons, so a dead-letter topic that refuses it holds the partition no longer
+        than the ceiling or the operator allows."""
         partition, offset = event.message.partition, event.message.offset
 
         async def retried(on_failure: OnFailure, attempts: int | None, stop: Callable[[], bool]) -> None:
