@@ -447,7 +447,8 @@ def main() -> None:
             from faust.cli.faust import cli as faust_cli
 
             our_face(faust_cli).main(prog_name="aml-app")
-        sys.exit(2)
+        # `status` is a monitoring check: one that cannot run says unknown (3), not critical (2).
+        sys.exit(3 if sys.argv[1:2] == ["status"] else 2)
     except ImportError as exc:
         if not getattr(exc, "one_line", False):  # aml_app.faust_internals.IncompatibleFaust
             raise

@@ -81,11 +81,13 @@ async def test_status_from_the_broker_without_any_worker(broker, names, producer
         **settings_env(names.settings(broker.bootstrap)),
         "AML_DEPENDS_ON": f"{relations},{aggregates},{ghost}",
         "AML_LAG_WARN": "4",
+        "AML_MAX_WAIT": "60",
     }
 
     code, out, err = await status(env, "--json")
     assert code == 2, err  # critical: a dependency group is unknown
     doc = json.loads(out)
+    assert doc["gate"]["max_wait_s"] == 60, "the broker's document said the default, 300"
     assert (doc["source"], doc["app_id"], doc["topic"]) == ("broker", names.app_id, names.payments)
     assert doc["depends_on"] == [relations, aggregates, ghost]
     parts = {p["partition"]: p for p in doc["partitions"]}

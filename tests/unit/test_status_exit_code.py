@@ -3,6 +3,9 @@ computed from the same document it prints."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -67,10 +70,19 @@ def test_no_watermark_yet_is_unknown_and_a_failing_first_refresh_critical() -> N
 
 
 def test_a_check_that_cannot_run_is_unknown_not_critical() -> None:
-    """A wrong setting would page someone as critical (2); the check itself is what is broken."""
+    """A wrong setting would page someone as critical (2); the check itself is what is broken. The
+    command line reads every setting before any command: it exited 2 there."""
     result = CliRunner().invoke(status_command, [], env={"AML_LAG_WARN": "abc"})
     assert result.exit_code == 3
     assert "configuration error: AML_LAG_WARN='abc'" in result.output
+    run = subprocess.run(
+        [sys.executable, "-m", "aml_app.cli", "status"],
+        env={**os.environ, "AML_LAG_WARN": "abc"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 3 and "configuration error: AML_LAG_WARN='abc'" in run.stderr
 
 
 @pytest.mark.parametrize("timeout", ["0", "-1", "inf", "nan"])
