@@ -454,9 +454,12 @@ def read_ranges(
     rows: int = ARROW_BATCH_ROWS,
     source_header: str | None = None,
     transactional: bool = False,
+    services: Sequence[str] = (),
 ) -> Iterator[Any]:
     """Yield Arrow record batches with the records of each (partition, start, end) range, in turn; with
-    `source_header`, a `source` column of each record's first such header (`first_header`).
+    `source_header`, a `source` column of each record's first such header (`first_header`), and a jump
+    of more than a commit marker checked against the log start: a derived topic's records that
+    retention deleted before `services` read them stop the query (`refuse_gone`).
 
     One client serves every range of a task. A range ends at the first record at or past `end - 1` or
     when the client reports the end of the partition at or past `end`. A batch never mixes partitions.
@@ -516,6 +519,10 @@ def read_ranges(
                     if error is not None and not eof:
                         raise KafkaException(error)
                     offset = message.offset()
+                    if offset > position + 1 and source_header is not None:
+                        # More than a commit marker: an aborted transaction, or records retention deleted
+                        # before they were read, which a commit past them would claim the store holds.
+                        refuse_gone(consumer, topic, partition, position, services)
                     if offset > position and not transactional:
                         position = retained(consumer, topic, partition, position, end)
                         if position < min(offset, end):
@@ -551,6 +558,34 @@ def read_ranges(
             consumer.unassign()
     finally:
         consumer.close()
+
+
+def refuse_gone(consumer: Any, topic: str, partition: int, position: int, services: Sequence[str]) -> None:
+    """Raise LogChanged when retention deleted a derived topic's records from `position` on: each names
+    payments that are then in no store, while the group, committed past them, would say they are (the
+    gate's reader refuses them too, but only while the group's offsets are below them)."""
+    from confluent_kafka import KafkaException, TopicPartition
+
+    try:
+        low, _high = consumer.get_watermark_offsets(
+            TopicPartition(topic, partition), timeout=METADATA_TIMEOUT
+        )
+    except KafkaException:  # no answer now: the next jump asks again
+        return
+    if low > position:
+        raise LogChanged(derived_gone(services, topic, partition, position, low))
+
+
+def derived_gone(services: Sequence[str], topic: str, partition: int, position: int, low: int) -> str:
+    """The sentence that stops a query whose derived topic lost records it had not read."""
+    whose = " and ".join(services) or "the services"
+    rebuild = ", ".join(f"aml-app rebuild {s}" for s in services) or "aml-app rebuild"
+    return (
+        f"offsets {position}..{low - 1} of partition {partition} of topic {topic} were deleted by "
+        f"retention before {whose} read them: the payments they name are in no store, and a commit past "
+        f"them would say they are; derive them again and rebuild the stores ({rebuild}), and keep {topic} "
+        "longer than the pipeline may stand still"
+    )
 
 
 def retained(consumer: Any, topic: str, partition: int, position: int, end: int) -> int:
@@ -833,6 +868,7 @@ class KafkaStreamReader(DataSourceStreamReader):
             partition.ranges,
             source_header=self.source_header,
             transactional=self.transactional,
+            services=self.log_services,
         )
 
     def commit(self, end: SparkOffset) -> None:

@@ -271,7 +271,7 @@ def open_store(
     """
     from aml_app.dependencies import store
     from aml_app.dependencies.guard import behind
-    from aml_app.pipeline.kafka_source import log_changed
+    from aml_app.pipeline.kafka_source import derived_gone, log_changed
 
     where = store.redacted(settings.dependencies.store_url)
     topic_name = topic_of(settings, service)
@@ -318,7 +318,11 @@ def open_store(
             f"(aml-app rebuild {service})."
         )
     for p, o in sorted(applied.items()):
-        if p in bounds and o < bounds[p][0]:
+        if p in bounds and o < bounds[p][0] and topic_name != settings.kafka.payments_topic:
+            # A derived topic's records name payments that are still in payments and still to decide:
+            # started at the log start, the group would commit past them, none in the store.
+            problem = problem or derived_gone([service], topic_name, p, o, bounds[p][0])
+        elif p in bounds and o < bounds[p][0]:
             log_start = bounds[p][0]
             log.warning(
                 "%s: partition %d: the store is at offset %d but the topic keeps only offsets from %d: "

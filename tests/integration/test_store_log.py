@@ -14,6 +14,7 @@ import asyncio
 import logging
 import signal
 import time
+from dataclasses import replace
 from typing import Any
 
 import psycopg
@@ -27,7 +28,7 @@ from aml_app.dependencies.api import build_app
 from aml_app.dependencies.store import Writer, redacted
 from aml_app.kafka.broker import EmbeddedBroker
 from aml_app.kafka.identity import log_identity
-from aml_app.pipeline import runner
+from aml_app.pipeline import kafka_source, runner
 from aml_app.pipeline.kafka_source import LOG_CHECK_INTERVAL, KafkaStreamReader, LogChanged
 from aml_app.pipeline.runner import StoreRefused, kafka_config, prepare, start_queries
 from aml_app.settings import Settings
@@ -54,6 +55,11 @@ def recreate(bootstrap: str, topic: str, partitions: int) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def recreate_or_create(bootstrap: str, topic: str, partitions: int) -> None:
+    admin = AdminClient({"bootstrap.servers": bootstrap})
+    admin.create_topics([NewTopic(topic, partitions, 1)], operation_timeout=TIMEOUT)[topic].result(TIMEOUT)
 
 
 def meta(url: str, schema: str) -> dict[str, str]:
@@ -109,6 +115,36 @@ async def test_a_store_of_another_log_is_refused_until_rebuilt(
     # The store that was not rebuilt is still refused.
     with pytest.raises(StoreRefused, match=r"^the aggregates store at .* was built from log "):
         await asyncio.to_thread(prepare, settings, ["aggregates"])
+
+
+async def test_a_derived_topics_records_retention_deleted_before_the_store_read_them_refuse_it(
+    broker: EmbeddedBroker, names: Names, store_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started at the log start, the group would commit past records that name payments still to decide,
+    none of them in the store; on payments such records only warn (no worker can read them either).
+    The embedded broker deletes no records: the log start is moved at the seam that reads it."""
+    derived = f"payments.enriched-{names.suffix}"
+    await asyncio.to_thread(recreate_or_create, broker.bootstrap, derived, names.partitions)
+    direct = pipeline_settings(broker, names, store_url)
+    settings = replace(
+        direct, derived_dependencies={direct.aggregates_group: (derived, f"stage-{names.suffix}")}
+    )
+    await asyncio.to_thread(opened, settings, ["aggregates", "relations"])
+    hold(settings, "aggregates", {0: 3})
+    hold(settings, "relations", {0: 3})
+    real = kafka_source.log_bounds
+    monkeypatch.setattr(
+        kafka_source,
+        "log_bounds",
+        lambda config, topic: {p: (5, 10) if p == 0 else b for p, b in real(config, topic).items()},
+    )
+    with pytest.raises(StoreRefused) as refused:
+        await asyncio.to_thread(prepare, settings, ["aggregates"])
+    assert str(refused.value).startswith(
+        f"offsets 3..4 of partition 0 of topic {derived} were deleted by retention before aggregates "
+        "read them"
+    )
+    await asyncio.to_thread(opened, settings, ["relations"])  # payments: a warning, as before
 
 
 async def test_a_store_without_a_log_takes_the_current_one_only_when_accepted(

@@ -249,3 +249,21 @@ def test_records_retention_deleted_before_the_read_are_logged_once(
         "payments[0]: offsets 0..2 were deleted by retention before the pipeline read them: their "
         "records are lost, and the pipeline goes on from offset 3"
     ]
+
+
+def test_a_derived_topics_records_retention_deleted_before_the_read_stop_the_query(consumer: Any) -> None:
+    """The derived topic is read as transactional, so a jump was taken at once: the group committed past
+    records no store held, and the gate's refusal of them ends once the group's offsets pass them."""
+    consumer([3, 4, 5, 6, 7])  # retention deleted offsets 0..2
+    reader = planner(sourceHeader="aml-source", services="aggregates", subscribe="payments.enriched")
+    with pytest.raises(LogChanged) as stopped:
+        read(reader, 0, 6)
+    assert str(stopped.value) == (
+        "offsets 0..2 of partition 0 of topic payments.enriched were deleted by retention before aggregates "
+        "read them: the payments they name are in no store, and a commit past them would say they are; "
+        "derive them again and rebuild the stores (aml-app rebuild aggregates), and keep payments.enriched "
+        "longer than the pipeline may stand still"
+    )
+    # An aborted transaction's records are a jump of more than a marker too, above the log start.
+    consumer([0, 1, 5, 6])
+    assert read(planner(sourceHeader="aml-source"), 0, 7) == [0, 1, 5, 6]
