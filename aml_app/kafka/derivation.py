@@ -37,12 +37,16 @@ that can still be the smallest pending one: O(1) per record, memory at most G's 
 
 from __future__ import annotations
 
+import re
 from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 #: The header a derived record names each payment it comes from in, as "<partition>:<offset>".
 SOURCE_HEADER = "aml-source"
+#: An `aml-source` value, exactly: the gate's reader and the pipeline's copy check (`aml_app.pipeline.
+#: repeats`) read the same ones (int() alone took " 0:10" and "0:1_0", which the pipeline did not).
+SOURCE_FORMAT = r"[0-9]{1,9}:[0-9]{1,18}"
 
 
 class DerivationError(RuntimeError):
@@ -59,19 +63,15 @@ def source_positions(
             continue
         try:
             text = (value or b"").decode("ascii")
-            p, o = text.split(":")
-            position = int(p), int(o)
-        except (UnicodeDecodeError, ValueError):
+        except UnicodeDecodeError:
+            text = ""
+        if re.fullmatch(SOURCE_FORMAT, text) is None:
             raise DerivationError(
                 f"the record at offset {offset} of {topic}[{partition}] has an {SOURCE_HEADER} header "
                 f"{value!r}, not '<partition>:<offset>' of the payment it comes from"
             ) from None
-        if position[0] < 0 or position[1] < 0:
-            raise DerivationError(
-                f"the record at offset {offset} of {topic}[{partition}] names payment {text}, "
-                "which cannot exist"
-            )
-        positions.append(position)
+        p, o = text.split(":")
+        positions.append((int(p), int(o)))
     if not positions:
         raise DerivationError(
             f"the record at offset {offset} of {topic}[{partition}] has no {SOURCE_HEADER} header: the stage "

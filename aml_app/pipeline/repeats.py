@@ -20,6 +20,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from aml_app.kafka.derivation import SOURCE_FORMAT
+
 #: (derived partition, payments partition) -> the highest payments offset applied from it.
 Seen = dict[tuple[int, int], int]
 
@@ -35,7 +37,7 @@ def parse_sources(sources: Any) -> tuple[Any, Any]:
     partitions, offsets = np.full(n, -1, np.int64), np.full(n, -1, np.int64)
     if n == 0:
         return partitions, offsets
-    well_formed = pc.fill_null(pc.match_substring_regex(sources, r"^[0-9]{1,9}:[0-9]{1,18}$"), False)
+    well_formed = pc.fill_null(pc.match_substring_regex(sources, f"^{SOURCE_FORMAT}$"), False)
     rows = np.flatnonzero(well_formed.to_numpy(zero_copy_only=False))
     if len(rows):
         parts = pc.split_pattern(pc.take(sources, pa.array(rows)), ":")
