@@ -240,6 +240,12 @@ def families(snap: Mapping[str, Any], handled_total: float) -> list[Metric]:
                 detector.get("decided_on_pruned", 0),
             ),
             (
+                "aml_payment_ids_reused",
+                "Alerts not sent because an alert of another payment holds the payment's id (ids must be "
+                "unique).",
+                detector.get("ids_reused", 0),
+            ),
+            (
                 "aml_decided_on_incomplete_loop",
                 "Decisions whose payee's cycle search B stopped at its bound before it could rule one out.",
                 detector.get("decided_on_incomplete_loop", 0),

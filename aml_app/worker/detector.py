@@ -146,6 +146,8 @@ class DetectorStats:
     decisions: int = 0
     alerts: int = 0
     duplicates_suppressed: int = 0
+    #: Suppressed alerts whose id an alert of another payment holds (`Detector.note_reuse`).
+    ids_reused: int = 0
     freshness_violations: int = 0
     decided_not_fresh: int = 0
     #: Decided on answers that lacked payments C had pruned or B had folded: maybe not a timely decision.
@@ -234,6 +236,7 @@ class Detector:
         await items[0][1].still_ours()  # a lane's batch: its partition may be another worker's by now
         alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
         started = self.stats.lap("alert", started)
+        await items[0][1].still_ours()  # the alerts may have waited for earlier ones (`settle`, `read_back`)
         sends = []
         for payment, admission, hits, answers, stale_reads in decided:
             decision = self.decision(payment, admission, hits, answers, stale_reads, decided_at)
@@ -443,8 +446,11 @@ class Detector:
         for payment, admission, hits in flagged:
             if await self.alerted_before(payment.payment_id, admission.partition):
                 self.stats.duplicates_suppressed += 1
-                log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
+                self.note_reuse(payment, admission)
                 continue
+            # `alerted_before` may have waited (for an earlier alert, a read-back): the partition may be
+            # another worker's by now, which alerts on the payment itself.
+            await admission.still_ours()
             alert = Alert(
                 payment_id=payment.payment_id,
                 partition=admission.partition,
@@ -482,6 +488,46 @@ class Detector:
             asyncio.ensure_future(ack).add_done_callback(functools.partial(_settle_claim, claim))
             sent.append(entry)
         return sent
+
+    def note_reuse(self, payment: Payment, admission: Admission) -> None:
+        """Say which payment an alert was suppressed for. A payment id names one payment (docs/contract.md):
+        an alert on the same id for other parties, amount or time is another payment's, whose producer
+        reused the id, and the alert that payment deserves is not sent: a warning, and `ids_reused`."""
+        stored = alerts_sent.get(alert_key(payment.payment_id))
+        earlier = (
+            {k: stored.get(k) for k in ("payer", "payee", "amount", "currency", "ts", "partition", "offset")}
+            if isinstance(stored, dict)
+            else None
+        )
+        mine = (payment.payer, payment.payee, str(payment.amount), payment.currency, payment.ts)
+        if (
+            earlier is None
+            or (
+                earlier["payer"],
+                earlier["payee"],
+                str(earlier["amount"]),
+                earlier["currency"],
+                earlier["ts"],
+            )
+            == mine
+        ):
+            log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
+            return
+        self.stats.ids_reused += 1
+        log.warning(
+            "payment id %r of %d:%d was alerted on before for another payment "
+            "(%d:%d: %s -> %s, %s %s at %s): payment ids must be unique; this one is not alerted on",
+            payment.payment_id,
+            admission.partition,
+            admission.offset,
+            earlier["partition"],
+            earlier["offset"],
+            earlier["payer"],
+            earlier["payee"],
+            earlier["amount"],
+            earlier["currency"],
+            earlier["ts"],
+        )
 
     async def alerted_before(self, payment_id: str, partition: int) -> bool:
         """Whether the broker has this payment's alert: remembered, or sent by an earlier handling whose
@@ -583,6 +629,7 @@ def stats_json(detector: Detector) -> dict[str, Any]:
         "decisions": s.decisions,
         "alerts": s.alerts,
         "duplicates_suppressed": s.duplicates_suppressed,
+        "ids_reused": s.ids_reused,
         "freshness_violations": s.freshness_violations,
         "decided_not_fresh": s.decided_not_fresh,
         "decided_on_pruned": s.decided_on_pruned,

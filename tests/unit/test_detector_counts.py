@@ -241,3 +241,65 @@ async def test_a_send_that_fails_while_its_partition_is_read_back_keeps_it_in_do
     d.read_back = topic.read_back
     assert await d.send_alerts(flagged("p3"), "2026-11-20T10:00:03Z") == []
     assert sent_per_payment(topic) == {"p1": 1, "p3": 1}
+
+
+async def test_an_id_an_alert_of_another_payment_holds_is_said_and_counted(
+    alerts: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Payment ids name one payment (docs/contract.md); a producer that reuses one has the second
+    payment's alert suppressed as a duplicate. That shows: a warning naming both, and `ids_reused`."""
+    import dataclasses
+    import logging
+
+    d, topic = alerts(["ok", "ok"])
+    await d.remember_alerts(await d.send_alerts(flagged("p1"), "2026-11-20T10:00:00Z"))
+    [(payment, admission, hits)] = flagged("p1")
+    again = [(payment, dataclasses.replace(admission, offset=9), hits)]
+    assert await d.send_alerts(again, "2026-11-20T10:00:01Z") == []  # the same payment, sent twice
+    assert d.stats.ids_reused == 0
+    from aml_app.models import Payment
+
+    reused = Payment("p1", "a", "b", "50000.00", "EUR", "2026-11-20T10:00:00Z")
+    other = [(reused, dataclasses.replace(admission, offset=11), hits)]
+    with caplog.at_level(logging.WARNING, logger="aml_app.worker.detector"):
+        assert await d.send_alerts(other, "2026-11-20T10:00:02Z") == []
+    assert d.stats.ids_reused == 1 and d.stats.duplicates_suppressed == 2
+    assert [r.getMessage() for r in caplog.records] == [
+        "payment id 'p1' of 2:11 was alerted on before for another payment (2:7: a -> b, 10.00 EUR at "
+        "2026-11-20T10:00:00Z): payment ids must be unique; this one is not alerted on"
+    ]
+    assert len(topic.written) == 1
+
+
+async def test_an_alert_waited_for_is_not_sent_once_the_partition_is_another_workers(
+    alerts: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The worker stopped past its session timeout while a payment's alert waited for an earlier one's
+    outcome (a read-back): the revoke that comes once it continues must stop the sends (the partition's
+    next owner alerts on the payment itself), as it does after the evidence."""
+    import dataclasses
+
+    from aml_app.gate import gate as gate_module
+    from aml_app.gate.stall import StallWatch
+    from aml_app.worker.detector import Doubt
+
+    d, topic = alerts(["ok"])
+    watch = StallWatch()
+    watch.start(session_timeout=1.0)
+    watch.tick()
+    monkeypatch.setattr(gate_module, "stalls", watch)
+    revoked = [False]
+
+    async def stalled_read_back(partition: int, start: int, timeout: float) -> list[tuple[bytes, bytes]]:
+        assert watch.last is not None
+        watch.last -= 30.0  # stopped half a minute here; the revoke comes after the next heartbeat
+        asyncio.get_running_loop().call_later(0.05, lambda: revoked.__setitem__(0, True))
+        return []
+
+    d.read_back = stalled_read_back
+    d.in_doubt[2] = Doubt(0)
+    [(payment, admission, hits)] = flagged("p1")
+    mine = [(payment, dataclasses.replace(admission, stopped=lambda: revoked[0]), hits)]
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.wait_for(d.send_alerts(mine, "2026-11-20T10:00:00Z"), 5)
+    assert topic.written == []
