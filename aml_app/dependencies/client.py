@@ -467,11 +467,16 @@ class DependencyClient:
             async with request as response:
                 if response.status >= 500:
                     raise DependencyUnavailable(f"{dependency} answered {response.status} for {url.path}")
-                # msgspec decodes in about half of json's time; its errors are ValueErrors, as json's are.
-                body = msgspec.json.decode(await response.read())
-                if response.status >= 400:
-                    message = body.get("error") if isinstance(body, dict) else body
+                raw = await response.read()
+                if response.status >= 400:  # refused, whatever the body is (a proxy's HTML page too)
+                    try:
+                        refused = msgspec.json.decode(raw)
+                        message = refused.get("error") if isinstance(refused, dict) else refused
+                    except ValueError:
+                        message = raw[:200].decode("utf-8", "replace")
                     raise DependencyRequestError(f"{dependency} refused {url}: {response.status} {message}")
+                # msgspec decodes in about half of json's time; its errors are ValueErrors, as json's are.
+                body = msgspec.json.decode(raw)
                 if not isinstance(body, dict):
                     raise DependencyUnavailable(f"{dependency} answered {type(body).__name__}, not an object")
                 return body
@@ -514,12 +519,15 @@ def _progress(answer: Mapping[str, Any]) -> Progress:
 
 def _as_of_both(whole: dict[str, Any], page: Mapping[str, Any]) -> None:
     """Make `whole`, an answer that `page` (from a later request, maybe of another snapshot) goes on,
-    claim only what both hold: on each partition the lower `as_of`, and no `log` where theirs differ
-    (an answer of no log proves nothing, and the detector asks again)."""
+    claim only what both hold: on each partition the lower `as_of`, no `log` where theirs differ (an
+    answer of no log proves nothing, and the detector asks again), and not `exact` where the page is not
+    (a later snapshot, taken after B folded payments: the decision says so)."""
     mine, theirs = whole.get("as_of") or {}, page.get("as_of") or {}
     whole["as_of"] = {p: min(int(mine.get(p, 0)), int(theirs.get(p, 0))) for p in {*mine, *theirs}}
     if whole.get("log") != page.get("log"):
         whole["log"] = None
+    if page.get("exact") is False:
+        whole["exact"] = False
 
 
 def min_average_text(min_average: MinAverage) -> str:

@@ -138,6 +138,24 @@ async def test_a_5xx_is_unavailable_and_a_4xx_is_our_bug(stores: str) -> None:
             await client.close()
 
 
+async def test_a_4xx_with_a_body_that_is_not_json_is_refused_not_an_outage() -> None:
+    """A proxy's HTML 401 or 404 was decoded before its status was read: taken for an outage, retried
+    and the replica rested, where a refusal is a request this client gets wrong."""
+
+    async def html(request: web.Request) -> web.Response:
+        return web.Response(text="<html><body>401 Authorization Required</body></html>", status=401)
+
+    app = web.Application()
+    app.router.add_get("/aggregates/{account}", html)
+    async with served(app) as url:
+        client = DependencyClient(url, url, timeout=2)
+        try:
+            with pytest.raises(DependencyRequestError, match="401 <html><body>401 Authorization Required"):
+                await client.aggregates("A", T0)
+        finally:
+            await client.close()
+
+
 def counted(app: web.Application) -> Any:
     """Counts the requests `app` answers; returns the counter."""
     answered = [0]
@@ -207,7 +225,7 @@ async def test_a_list_made_whole_from_two_snapshots_claims_only_what_both_hold(
     payments its second page may lack, and the detector would take it as proof."""
     pages = [
         {"account": "A", "as_of": {"0": 10, "1": 9}, "log": "L", "out": [edge("B")], "truncated": {"out": 1}},
-        {"account": "A", "as_of": page_as_of, "log": page_log, "out": [edge("C")]},
+        {"account": "A", "as_of": page_as_of, "log": page_log, "out": [edge("C")], "exact": False},
     ]
 
     async def answer(request: web.Request) -> web.Response:
@@ -223,6 +241,7 @@ async def test_a_list_made_whole_from_two_snapshots_claims_only_what_both_hold(
             await client.close()
     assert [e["counterparty"] for e in whole["out"]] == ["B", "C"] and not pages
     assert whole["as_of"] == merged_as_of and whole["log"] == merged_log
+    assert whole["exact"] is False, "the second page was read after B folded payments"
 
 
 @pytest.mark.parametrize(
