@@ -574,23 +574,34 @@ async def evidence_for(
     serves the second detector what the first one asked."""
     if not payments:
         return []
-    aggregates, relations = await asyncio.gather(
-        client.aggregates_many(
-            [q for payer, payee, at in payments for q in ((payer, at), (payee, at))],
-            need=(needs or {}).get("aggregates", need),
-            route=route,
-        ),
-        client.relations_many(
-            [account for payer, payee, _ in payments for account in (payer, payee)],
-            parts=[parts for _ in payments for parts in (PAYER_PARTS, PAYEE_PARTS)],
-            min_average=min_average,
-            loops=[loop for payer, _, at in payments for loop in (None, (payer, at, loop_hops))],
-            need=(needs or {}).get("relations", need),
-            # Every answer as of the payment's time: what B applied later does not change the decision.
-            ats=[at for _, _, at in payments for _ in range(2)],
-            route=route,
-        ),
-    )
+    asked = [
+        asyncio.ensure_future(request)
+        for request in (
+            client.aggregates_many(
+                [q for payer, payee, at in payments for q in ((payer, at), (payee, at))],
+                need=(needs or {}).get("aggregates", need),
+                route=route,
+            ),
+            client.relations_many(
+                [account for payer, payee, _ in payments for account in (payer, payee)],
+                parts=[parts for _ in payments for parts in (PAYER_PARTS, PAYEE_PARTS)],
+                min_average=min_average,
+                loops=[loop for payer, _, at in payments for loop in (None, (payer, at, loop_hops))],
+                need=(needs or {}).get("relations", need),
+                # Every answer as of the payment's time: what B applied later does not change the decision.
+                ats=[at for _, _, at in payments for _ in range(2)],
+                route=route,
+            ),
+        )
+    ]
+    try:
+        aggregates, relations = await asyncio.gather(*asked)
+    except BaseException:
+        # One failed (or this round was cancelled): the other request, and the rounds it would go on
+        # with, serve nobody; gather alone leaves it running beside the next round's.
+        for request in asked:
+            request.cancel()
+        raise
     return [
         (aggregates[2 * i], aggregates[2 * i + 1], relations[2 * i], relations[2 * i + 1])
         for i in range(len(payments))
