@@ -31,7 +31,8 @@ class Payment(faust.Record, serializer="json"):
 class Decision(faust.Record, serializer="json", include_metadata=False):
     """One per processed payment on `<service>.decisions`, keyed by payment_id (plain JSON, no metadata).
 
-    `fresh` says whether every dependency's answer included the payment (`evidence_as_of[dep] > offset`);
+    `fresh` says whether every dependency's answer included the payment (`evidence_as_of[dep] > offset`;
+    null for a dependency reading a derived topic, whose `as_of` is of that topic);
     with the gate on a decision is only made on fresh evidence, so it is false only in the ungated
     comparison mode. `stale_reads` counts the rounds of answers that did not include the payment.
     """
@@ -52,7 +53,7 @@ class Decision(faust.Record, serializer="json", include_metadata=False):
     gated: bool
     fresh: bool = True
     stale_reads: int = 0
-    evidence_as_of: dict[str, int] = {}
+    evidence_as_of: dict[str, int | None] = {}
     #: The event-time gate's cut the payment was decided at: the instant, the frontier and every W(q)
     #: (aml_app.gate.event_time.decided_at); None under the per-partition gate or with the gate off.
     cut: dict[str, Any] | None = None

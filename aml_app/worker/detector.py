@@ -288,8 +288,12 @@ class Detector:
             stale=admission.stale is not None,
             fresh=fresh,
             stale_reads=stale_reads,
+            # At the payment's partition; null for a dependency reading a derived topic, whose `as_of`
+            # is of that topic's partitions.
             evidence_as_of={
-                name: int(answer.get("as_of", {}).get(str(admission.partition), 0))
+                name: None
+                if name.split()[-1] in self.derived
+                else int(answer.get("as_of", {}).get(str(admission.partition), 0))
                 for name, answer in zip(ANSWERS, answers, strict=True)
             },
         )

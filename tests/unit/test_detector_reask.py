@@ -510,3 +510,8 @@ async def test_a_derived_cs_answers_are_checked_by_its_offsets_on_its_topic() ->
     assert not d.includes("payee aggregates", {"as_of": {str(PARTITION): 99}}, batch(gated=True)[0][1]), (
         "an admission that recorded no offsets for the group proves nothing"
     )
+    # The decision gives B's as_of at the payment's partition, none of C's (of another topic's partitions).
+    answers, stale_reads = evidence[0]
+    decision = json.loads(d.decision(items[0][0], items[0][1], [], answers, stale_reads, TS))
+    assert decision["evidence_as_of"]["payer aggregates"] is None
+    assert decision["evidence_as_of"]["payer relations"] == 12
