@@ -130,8 +130,12 @@ class Stage:
             }
         )
         self.partitions = self._derived_partitions()
-        self.producer = Producer({**client, "transactional.id": transactional_id})
-        self.producer.init_transactions(TRANSACTION_TIMEOUT)
+        try:
+            self.producer = Producer({**client, "transactional.id": transactional_id})
+            self.producer.init_transactions(TRANSACTION_TIMEOUT)
+        except BaseException:  # a stage that cannot start leaves no consumer behind
+            self.consumer.close()
+            raise
         self.consumer.subscribe([settings.kafka.payments_topic])
         self.derived = self.dead_lettered = self.transactions = self.aborted = 0
         self.retry = Backoff(RETRY_FIRST, RETRY_MOST)

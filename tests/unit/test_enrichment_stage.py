@@ -155,3 +155,38 @@ def test_a_batch_that_fails_every_time_is_read_again_more_and_more_slowly(
     for _ in range(4):
         ran.run_once()
     assert slept == [0.1, 0.2, 0.4, 0.4] and ran.aborted == 4
+
+
+def test_a_stage_that_cannot_start_its_producer_closes_its_consumer(monkeypatch: pytest.MonkeyPatch) -> None:
+    import confluent_kafka
+
+    from aml_app.detection.exchange import ExchangeRates
+    from aml_app.settings import load_settings
+
+    closed: list[bool] = []
+
+    class Topics:
+        topics = {"payments.enriched": type("T", (), {"error": None, "partitions": {0: None}})()}
+
+    class StartingConsumer:
+        def __init__(self, config: dict[str, Any]) -> None:
+            pass
+
+        def list_topics(self, topic: str, timeout: float) -> Topics:
+            return Topics()
+
+        def close(self) -> None:
+            closed.append(True)
+
+    class RefusingProducer:
+        def __init__(self, config: dict[str, Any]) -> None:
+            pass
+
+        def init_transactions(self, timeout: float) -> None:
+            raise KafkaException(KafkaError(KafkaError._TIMED_OUT, "no coordinator"))
+
+    monkeypatch.setattr(confluent_kafka, "Consumer", StartingConsumer)
+    monkeypatch.setattr(confluent_kafka, "Producer", RefusingProducer)
+    with pytest.raises(KafkaException):
+        Stage(load_settings({}), "enrichment-test", ExchangeRates.from_env({}))
+    assert closed == [True]
