@@ -95,10 +95,8 @@ class AnswerCache:
         if self.newest is not None and self.newest[0] == log:
             newest = self.newest[1]
             self.newest = (log, {**newest, **{p: max(o, newest.get(p, 0)) for p, o in as_of.items()}})
-            return
-        if self.newest is not None:
-            self.clear()
-        self.newest = (log, dict(as_of))
+        else:
+            self.rebuilt(log, as_of)
 
     def rebuilt(self, log: str | None, as_of: Mapping[int, int]) -> None:
         """The store is another than the one the kept answers were read from (the store check found it

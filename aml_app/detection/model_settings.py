@@ -67,16 +67,16 @@ def mismatch(trained: Mapping[str, str], deployed: Mapping[str, str]) -> str | N
         was, has = trained.get(name, "unset"), deployed.get(name, "unset")
         if was == has:
             continue
-        before, after = _rates(was), _rates(has)
-        currency = min(
-            (c for c in before.keys() | after.keys() if before.get(c) != after.get(c)), default=None
-        )
-        if name != RATES_VARIABLE or currency is None:
-            return f"trained with {name}={was}, but this worker has {name}={has}"
-        return (
-            f"trained with {name} giving {currency} {before.get(currency, 'no rate')}, but this worker "
-            f"gives it {after.get(currency, 'no rate')}"
-        )
+        if name == RATES_VARIABLE:
+            before, after = _rates(was), _rates(has)
+            differing = sorted(c for c in before.keys() | after.keys() if before.get(c) != after.get(c))
+            if differing:
+                currency = differing[0]
+                return (
+                    f"trained with {name} giving {currency} {before.get(currency, 'no rate')}, but this "
+                    f"worker gives it {after.get(currency, 'no rate')}"
+                )
+        return f"trained with {name}={was}, but this worker has {name}={has}"
     return None
 
 
