@@ -66,6 +66,8 @@ Rules = Callable[[Evidence], list[Hit]]
 #: A service's rules over a whole batch at once (the AML model scores a batch in one walk of its trees).
 BatchRules = Callable[[list[Evidence]], list[list[Hit]]]
 ANSWERS = ("payer aggregates", "payee aggregates", "payer relations", "payee relations")
+#: What tells two payments apart beside their id (`Detector.note_reuse`).
+PAYMENT_FIELDS = ("payer", "payee", "amount", "currency", "ts")
 
 
 class SentAlert(NamedTuple):
@@ -498,39 +500,19 @@ class Detector:
         an alert on the same id for other parties, amount or time is another payment's, whose producer
         reused the id, and the alert that payment deserves is not sent: a warning, and `ids_reused`."""
         stored = alerts_sent.get(alert_key(payment.payment_id))
-        earlier = (
-            {k: stored.get(k) for k in ("payer", "payee", "amount", "currency", "ts", "partition", "offset")}
-            if isinstance(stored, dict)
-            else None
-        )
-        mine = (payment.payer, payment.payee, str(payment.amount), payment.currency, payment.ts)
-        if (
-            earlier is None
-            or (
-                earlier["payer"],
-                earlier["payee"],
-                str(earlier["amount"]),
-                earlier["currency"],
-                earlier["ts"],
-            )
-            == mine
+        if not isinstance(stored, dict) or all(
+            str(stored.get(field)) == str(getattr(payment, field)) for field in PAYMENT_FIELDS
         ):
             log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
             return
         self.stats.ids_reused += 1
         log.warning(
             "payment id %r of %d:%d was alerted on before for another payment "
-            "(%d:%d: %s -> %s, %s %s at %s): payment ids must be unique; this one is not alerted on",
+            "(%s:%s: %s -> %s, %s %s at %s): payment ids must be unique; this one is not alerted on",
             payment.payment_id,
             admission.partition,
             admission.offset,
-            earlier["partition"],
-            earlier["offset"],
-            earlier["payer"],
-            earlier["payee"],
-            earlier["amount"],
-            earlier["currency"],
-            earlier["ts"],
+            *(stored.get(field) for field in ("partition", "offset", *PAYMENT_FIELDS)),
         )
 
     async def alerted_before(self, payment_id: str, partition: int) -> bool:
