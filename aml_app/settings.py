@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 from aml_app import dependency_services as registry
 from aml_app.contract import DEFAULT_MAX_CLOCK_SKEW, MAX_VALID_PAYMENT_BYTES
 from aml_app.dependency_services import DependencyService, Endpoint
-from aml_app.detection.model_settings import record
+from aml_app.detection.model_settings import DEFAULT_BAND, DEFAULT_THRESHOLD, record
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
 from aml_app.kafka.security import KafkaSecurity, load_security
@@ -197,8 +197,8 @@ class DependencySettings:
     api_access_log: bool = True
     #: AML_REPORTING_THRESHOLD / AML_THRESHOLD_BAND: what C's store counts as near the threshold; the
     #: store keeps the pair it was built with and refuses a pipeline with another.
-    reporting_threshold: Decimal = Decimal("10000")
-    threshold_band: Decimal = Decimal("0.1")
+    reporting_threshold: Decimal = DEFAULT_THRESHOLD
+    threshold_band: Decimal = DEFAULT_BAND
     #: AML_AGGREGATES_RETENTION: seconds C keeps flows past its longest window (7 days) before its newest
     #: event time: how far behind its head C answers exactly (a lagging partition, a replay).
     aggregates_retention: float = 86400.0

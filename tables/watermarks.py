@@ -152,9 +152,7 @@ refresh = RefreshPolicy(
 #: `AML_FAILPOINT=refresh-hang`, for the tests only: the leader's reads of the dependencies' offsets
 #: never answer and swallow their cancellation, as aiokafka's consumer did after a broker froze.
 REFRESH_HANGS = os.environ.get("AML_FAILPOINT") == "refresh-hang"
-limits = Limits(
-    stall_after=settings.gate.stall_after, lag_warn=settings.gate.lag_warn, max_wait=settings.gate.max_wait
-)
+limits = Limits.of(settings.gate)
 
 
 async def never_answering() -> None:

@@ -20,7 +20,7 @@ from aml_app.detection.thresholds import AmlThresholds, variable
 
 THRESHOLD_VARIABLE = "AML_REPORTING_THRESHOLD"
 BAND_VARIABLE = "AML_THRESHOLD_BAND"
-#: C's defaults (`aml_app.settings.DependencySettings`), which every replay used before it took settings.
+#: C's near-threshold definition by default (`aml_app.settings.DependencySettings`, the training replay).
 DEFAULT_THRESHOLD, DEFAULT_BAND = Decimal("10000"), Decimal("0.1")
 
 

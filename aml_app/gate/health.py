@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aml_app.gate.watermark import WatermarkRow
+from aml_app.settings import GateSettings
 
 OK, LAGGING, STALLED, UNKNOWN_GROUP, ERROR = "ok", "lagging", "stalled", "unknown group", "error"
 STATUSES = (OK, LAGGING, STALLED, UNKNOWN_GROUP, ERROR)
@@ -38,6 +39,11 @@ class Limits:
     lag_warn: int = 1000
     #: AML_MAX_WAIT: a partition whose payment has waited longer is `breached`.
     max_wait: float = 300.0
+
+    @classmethod
+    def of(cls, gate: GateSettings) -> Limits:
+        """The limits a deployment's gate settings set: every view reads the same three."""
+        return cls(stall_after=gate.stall_after, lag_warn=gate.lag_warn, max_wait=gate.max_wait)
 
 
 def bottleneck(dependencies: Mapping[str, int]) -> list[str]:

@@ -100,11 +100,15 @@ class PostgresError(RuntimeError):
     """The embedded PostgreSQL server could not be set up or started; the message says what to do."""
 
 
+#: What a folder of PostgreSQL's server programs holds.
+SERVER_PROGRAMS = ("initdb", "pg_ctl", "postgres")
+
+
 def server_binaries() -> Path:
     """The folder with initdb, pg_ctl and postgres: $AML_PG_BIN, else PATH, else Debian's layout."""
     explicit = os.environ.get("AML_PG_BIN", "").strip()
     if explicit:  # named: used or refused, never passed over for another server's programs
-        missing = [tool for tool in ("initdb", "pg_ctl", "postgres") if not (Path(explicit) / tool).exists()]
+        missing = [tool for tool in SERVER_PROGRAMS if not (Path(explicit) / tool).exists()]
         if missing:
             raise PostgresError(
                 f"AML_PG_BIN={explicit!r} holds no {', '.join(missing)}; name the folder of "
@@ -118,7 +122,7 @@ def server_binaries() -> Path:
     debian = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]), reverse=True)
     candidates += [Path(p) for p in debian]
     for folder in candidates:
-        if all((folder / tool).exists() for tool in ("initdb", "pg_ctl", "postgres")):
+        if all((folder / tool).exists() for tool in SERVER_PROGRAMS):
             return folder
     raise PostgresError(
         "no PostgreSQL server programs found (initdb, pg_ctl): install Debian's postgresql package "

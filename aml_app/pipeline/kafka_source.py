@@ -564,16 +564,22 @@ def refuse_gone(consumer: Any, topic: str, partition: int, position: int, servic
     """Raise LogChanged when retention deleted a derived topic's records from `position` on: each names
     payments that are then in no store, while the group, committed past them, would say they are (the
     gate's reader refuses them too, but only while the group's offsets are below them)."""
+    low = log_start(consumer, topic, partition)  # None: no answer now, and the next jump asks again
+    if low is not None and low > position:
+        raise LogChanged(derived_gone(services, topic, partition, position, low))
+
+
+def log_start(consumer: Any, topic: str, partition: int) -> int | None:
+    """The partition's log start as the broker gives it now; None when it does not answer in time."""
     from confluent_kafka import KafkaException, TopicPartition
 
     try:
         low, _high = consumer.get_watermark_offsets(
             TopicPartition(topic, partition), timeout=METADATA_TIMEOUT
         )
-    except KafkaException:  # no answer now: the next jump asks again
-        return
-    if low > position:
-        raise LogChanged(derived_gone(services, topic, partition, position, low))
+    except KafkaException:
+        return None
+    return int(low)
 
 
 def derived_gone(services: Sequence[str], topic: str, partition: int, position: int, low: int) -> str:
@@ -591,15 +597,8 @@ def derived_gone(services: Sequence[str], topic: str, partition: int, position: 
 def retained(consumer: Any, topic: str, partition: int, position: int, end: int) -> int:
     """Where a partition's records go on from `position`: its log start, when retention deleted the
     records from `position` on (logged once, with those of the range up to `end`: they exist nowhere)."""
-    from confluent_kafka import KafkaException, TopicPartition
-
-    try:
-        low, _high = consumer.get_watermark_offsets(
-            TopicPartition(topic, partition), timeout=METADATA_TIMEOUT
-        )
-    except KafkaException:  # no answer now: read again from `position`, within the reread budget
-        return position
-    if low <= position:
+    low = log_start(consumer, topic, partition)  # None: no answer now, read again within the budget
+    if low is None or low <= position:
         return position
     log.warning(
         "%s[%d]: offsets %d..%d were deleted by retention before the pipeline read them: their records "

@@ -39,6 +39,7 @@ from aml_app.dependencies.client import PAYEE_PARTS, PAYER_PARTS
 from aml_app.dependencies.relations import LOOP_MAX_PAYEES, LOOP_SPAN
 from aml_app.detection.evidence import Evidence
 from aml_app.detection.exchange import ExchangeRates
+from aml_app.detection.model_settings import DEFAULT_BAND, DEFAULT_THRESHOLD
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import Settings
 from aml_app.training.reference import (
@@ -56,8 +57,7 @@ from aml_app.training.reference import (
     totals_in_reporting,
 )
 
-THRESHOLD = Decimal("10000")
-BAND = Decimal("0.1")
+THRESHOLD, BAND = DEFAULT_THRESHOLD, DEFAULT_BAND
 HOPS = 3
 
 

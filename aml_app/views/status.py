@@ -169,11 +169,7 @@ async def from_broker(settings: Settings, timeout: float) -> dict[str, Any]:
     )
     # One reading cannot tell when an offset last moved.
     rows = {p: replace(row, advanced_at=dict.fromkeys(row.advanced_at)) for p, row in rows.items()}
-    limits = Limits(
-        stall_after=settings.gate.stall_after,
-        lag_warn=settings.gate.lag_warn,
-        max_wait=settings.gate.max_wait,
-    )
+    limits = Limits.of(settings.gate)
     view = describe(rows, settings.depends_on, now, limits, highwaters=highwaters)
     return {
         "source": "broker",
