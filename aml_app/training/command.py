@@ -28,7 +28,6 @@ import click
 
 from aml_app.click_types import FiniteRange
 from aml_app.detection.model import BENIGN
-from aml_app.detection.model_settings import record
 from aml_app.detection.thresholds import AmlThresholds
 from aml_app.settings import load_settings
 from aml_app.training.fit import (
@@ -256,7 +255,7 @@ def train_model_command(
             **({"cross_validated": parts} if parts else {"shares": list(_shares(shares))}),
             "folds": folds if folds >= 2 else 0,
         }
-    doc["training"]["settings"] = record(thresholds, reporting.threshold, reporting.band)
+    doc["training"]["settings"] = dict(settings.model_settings())  # what a worker compares at start-up
     try:
         write(doc, Path(out))
         if report_path is not None:
