@@ -237,11 +237,18 @@ class Detector:
         started = self.stats.lap("rules", started)
         await items[0][1].still_ours()  # a lane's batch: its partition may be another worker's by now
         alerts = await self.send_alerts([(p, a, hits) for p, a, hits, _, _ in decided if hits], decided_at)
+        sent = {alert.payment_id for alert in alerts}
+        standing: dict[str, Mapping[str, Any]] = {}
+        for payment, admission, *_ in decided:
+            if payment.payment_id not in sent and (earlier := await self.standing_alert(payment, admission)):
+                standing[payment.payment_id] = earlier
         started = self.stats.lap("alert", started)
         await items[0][1].still_ours()  # the alerts may have waited for earlier ones (`settle`, `read_back`)
         sends = []
         for payment, admission, hits, answers, stale_reads in decided:
-            decision = self.decision(payment, admission, hits, answers, stale_reads, decided_at)
+            decision = self.decision(
+                payment, admission, hits, answers, stale_reads, decided_at, standing.get(payment.payment_id)
+            )
             sends.append(await send_decision(payment.payment_id, decision))
         self.stats.lap("decision", started)
         # The payments are acked (and later committed) only after the broker has every alert and every
@@ -262,8 +269,11 @@ class Detector:
         answers: list[dict],
         stale_reads: int,
         decided_at: str,
+        standing: Mapping[str, Any] | None = None,
     ) -> bytes:
-        """The decision record's JSON (the fields of `aml_app.models.Decision`)."""
+        """The decision record's JSON (the fields of `aml_app.models.Decision`). A payment whose alert an
+        earlier handling sent is decided as that alert says, whatever the rules say now: the decision and the
+        alert an analyst reads never disagree."""
         fresh = all(self.includes(name, a, admission) for name, a in zip(ANSWERS, answers, strict=True))
         exact = all(answer.get("exact", True) for answer in answers)
         if not exact:
@@ -276,9 +286,11 @@ class Detector:
             partition=admission.partition,
             offset=admission.offset,
             service=self.service,
-            verdict="alert" if hits else "clear",
-            rules=[hit.rule for hit in hits],
-            typologies=sorted({hit.typology for hit in hits}),
+            verdict="alert" if hits or standing else "clear",
+            rules=[hit.rule for hit in hits]
+            if standing is None
+            else [hit["rule"] for hit in standing["hits"]],
+            typologies=sorted({hit.typology for hit in hits}) if standing is None else standing["typologies"],
             note=note(admission, fresh, exact, loop_complete),
             watermark=admission.watermark,
             dependencies=admission.dependencies,
@@ -514,6 +526,19 @@ class Detector:
             admission.offset,
             *(stored.get(field) for field in ("partition", "offset", *PAYMENT_FIELDS)),
         )
+
+    async def standing_alert(self, payment: Payment, admission: Admission) -> Mapping[str, Any] | None:
+        """The alert an earlier handling of this payment sent (the batch handled again after a failure or
+        by the partition's next owner, whose evidence can differ), or None. An alert of another payment
+        that reused the id is not this payment's (`note_reuse`)."""
+        if payment.payment_id in self.unsettled or admission.partition in self.in_doubt:
+            await self.alerted_before(payment.payment_id, admission.partition)
+        stored = alerts_sent.get(alert_key(payment.payment_id))
+        if not isinstance(stored, dict) or any(
+            str(stored.get(field)) != str(getattr(payment, field)) for field in PAYMENT_FIELDS
+        ):
+            return None
+        return stored
 
     async def alerted_before(self, payment_id: str, partition: int) -> bool:
         """Whether the broker has this payment's alert: remembered, or sent by an earlier handling whose

@@ -401,6 +401,43 @@ async def test_a_batch_is_decided_on_the_evidence_it_waited_for(
         assert d.stats.decided_not_fresh == 1
 
 
+class AlertsSent:
+    """Stands in for the `alerts-sent` table: what the worker's store holds, by key."""
+
+    def __init__(self, alerts: dict[bytes, dict[str, Any]]) -> None:
+        self.data = alerts
+
+    def get(self, key: bytes) -> Any:
+        return self.data.get(key)
+
+
+async def test_a_payment_alerted_on_by_an_earlier_handling_is_decided_as_its_alert_says(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The batch handled again (a failed acknowledgement, the partition's next owner): the rules now find
+    nothing in p10, whose alert the earlier handling sent, and p11's id is held by another payment's
+    alert. p10's decision keeps its alert's verdict, rules and typologies (it said "clear" beside the
+    alert before); p11 is decided on its own."""
+    from aml_app.tables.alerts import alert_key
+
+    sent = Sent()
+    monkeypatch.setattr(detector_module, "send_decision", sent)
+    p10 = batch(True)[0][0]
+    earlier = {
+        **{field: getattr(p10, field) for field in detector_module.PAYMENT_FIELDS},
+        "hits": [{"rule": "aml.fan_out", "typology": "fan-out"}],
+        "typologies": ["fan-out"],
+    }
+    other = {**earlier, "payer": "someone else"}
+    table = AlertsSent({alert_key("p10"): earlier, alert_key("p11"): other})
+    monkeypatch.setattr(detector_module, "alerts_sent", table)
+    d = detector(FakeDependencies(relations=[12], aggregates=[12]))
+    await asyncio.wait_for(await d(batch(True)), 5)  # type: ignore[arg-type]
+    first, second = sent.decisions["p10"], sent.decisions["p11"]
+    assert (first["verdict"], first["rules"], first["typologies"]) == ("alert", ["aml.fan_out"], ["fan-out"])
+    assert (second["verdict"], second["rules"], second["typologies"]) == ("clear", [], [])
+
+
 @pytest.mark.parametrize("stops", ["while C is away", "once the evidence is in"])
 async def test_a_batch_whose_lane_stopped_decides_nothing(
     monkeypatch: pytest.MonkeyPatch, stops: str
