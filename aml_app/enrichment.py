@@ -195,10 +195,10 @@ class Stage:
                     self.settings.kafka.max_clock_skew,
                 )
                 if outcome.partition is None:
-                    # A value too large for one record (the producer's message.max.bytes) goes in parts.
-                    for key, value, headers in in_parts(
-                        message.value(), outcome.headers, "dlq", message.key()
-                    ):
+                    # The record's own headers first, as Kafka Connect keeps them; a value too large for
+                    # one record (the producer's message.max.bytes) goes in parts.
+                    kept = [*(message.headers() or ()), *outcome.headers]
+                    for key, value, headers in in_parts(message.value(), kept, "dlq", message.key()):
                         self.producer.produce(
                             self.settings.kafka.dlq_topic,
                             key=key,

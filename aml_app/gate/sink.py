@@ -1,14 +1,15 @@
 """Where a lane sends the payments it does not decide: those that break the contract to the dead-letter
-topic, those decided stale or parked to the review topic. Each record is the original key and bytes, with
-why and where it was read in headers (`dlq.*`, `review.*`: docs/contract.md), a value too large for one
-record in parts (`aml_app.contract.in_parts`); each send is retried until the broker has it, so nothing
-set aside is lost."""
+topic, those decided stale or parked to the review topic. Each record is the original key, bytes,
+headers and timestamp, with why and where it was read in headers after the original ones (`dlq.*`,
+`review.*`: docs/contract.md), as Kafka Connect writes a dead letter; a value too large for one record
+goes in parts (`aml_app.contract.in_parts`); each send is retried until the broker has it, so nothing set
+aside is lost."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -127,7 +128,8 @@ class Sink:
         # payment's partition.
         where_to: dict[str, Any] = {} if partition is None else {"partition": partition}
 
-        parts = in_parts(message.value, headers, prefix, message.key)
+        parts = in_parts(message.value, [*original_headers(message.headers), *headers], prefix, message.key)
+        timestamp = faust_timestamp(message.timestamp)
         for number, (key, value, part_headers) in enumerate(parts, 1):
 
             async def send(
@@ -135,7 +137,9 @@ class Sink:
                 value: bytes | None = value,
                 part_headers: list[tuple[str, bytes]] = part_headers,
             ) -> None:
-                fut = await topic.send(key=key, value=value, headers=part_headers, **where_to)
+                fut = await topic.send(
+                    key=key, value=value, headers=part_headers, timestamp=timestamp, **where_to
+                )
                 # Shielded: a lane stopped meanwhile (a rebalance) stops waiting, and the producer's
                 # future is left to the producer; cancelled, Faust's callback on it logs a traceback.
                 what = f"the send of {message.partition}:{message.offset} to {where}"
@@ -149,3 +153,19 @@ class Sink:
                 attempts=attempts,
                 stop=stop,
             )
+
+
+def original_headers(headers: Any) -> list[tuple[str, bytes]]:
+    """The record's own headers, in order (Faust gives a list of pairs, or a mapping for a record it made)."""
+    pairs = headers.items() if isinstance(headers, Mapping) else headers or ()
+    return [(str(name), value) for name, value in pairs]
+
+
+def faust_timestamp(seconds: float | None) -> float | None:
+    """The record's timestamp as Faust's `send` takes it, so that it writes the original millisecond:
+    Faust reads a timestamp as `ms / 1000` and sends `int(seconds * 1000)`, which can truncate to the
+    millisecond before; half a millisecond more gives back the one it read. None: the record has none,
+    and the producer stamps the copy."""
+    if seconds is None or seconds < 0:
+        return None
+    return (round(seconds * 1000) + 0.5) / 1000

@@ -71,8 +71,15 @@ def rejected_records(
     """The rejected records with the payment contract's reason for each."""
     rejected = []
     rows = outputs.rejects.to_pydict()
-    for p, o, sent, key, value in zip(
-        rows["partition"], rows["offset"], rows["timestamp_ms"], rows["key"], rows["value"], strict=True
+    sources = rows.get("source") or [None] * len(rows["offset"])
+    for p, o, sent, key, value, source in zip(
+        rows["partition"],
+        rows["offset"],
+        rows["timestamp_ms"],
+        rows["key"],
+        rows["value"],
+        sources,
+        strict=True,
     ):
         try:
             validate_payment(key, value, max_bytes, sent, max_clock_skew)
@@ -81,7 +88,7 @@ def rejected_records(
         else:
             log.error("partition %d offset %d: %s", p, o, DISAGREEMENT)
             reason = DISAGREEMENT
-        rejected.append(Rejected(p, o, key, value, reason))
+        rejected.append(Rejected(p, o, key, value, reason, sent, source))
     return rejected
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aml_app.contract import dead_letter_headers, in_parts
+from aml_app.kafka.derivation import SOURCE_HEADER
 
 DELIVERY_TIMEOUT = 30.0
 #: How often (seconds) a group's offsets are committed again unchanged. The group has no member, so
@@ -100,6 +101,10 @@ class Rejected:
     key: bytes | None
     value: bytes | None
     reason: str
+    #: The record's timestamp (ms since the epoch; None or negative: none), which its dead letter keeps.
+    timestamp: int | None = None
+    #: A derived topic's `aml-source` header, which its dead letter keeps (None: none).
+    source: str | None = None
 
 
 class DeadLetters:
@@ -123,9 +128,13 @@ class DeadLetters:
             headers = dead_letter_headers(
                 record.reason, self.source_topic, record.partition, record.offset, self.service
             )
+            if record.source is not None:
+                headers.insert(0, (SOURCE_HEADER, record.source.encode()))
+            # librdkafka's 0 is "now": a record without a time gets the producer's.
+            stamp = max(record.timestamp or 0, 0)
             # A record too large for one (the producer's message.max.bytes) goes in parts.
             for key, value, part_headers in in_parts(record.value, headers, "dlq", record.key):
-                self._produce(key, value, part_headers, delivered)
+                self._produce(key, value, part_headers, delivered, stamp)
             sent += 1
         if sent:
             remaining = self.producer.flush(DELIVERY_TIMEOUT)
@@ -137,7 +146,12 @@ class DeadLetters:
         return sent
 
     def _produce(
-        self, key: bytes | None, value: bytes | None, headers: list[Any], delivered: Callable[..., None]
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        headers: list[Any],
+        delivered: Callable[..., None],
+        timestamp: int = 0,
     ) -> None:
         """Queue one record. librdkafka's queue holds `queue.buffering.max.messages` records and raises
         BufferError when full: serve delivery reports until it has room, for at most DELIVERY_TIMEOUT
@@ -146,7 +160,12 @@ class DeadLetters:
         while True:
             try:
                 self.producer.produce(
-                    self.topic, key=key, value=value, headers=headers, on_delivery=delivered
+                    self.topic,
+                    key=key,
+                    value=value,
+                    headers=headers,
+                    on_delivery=delivered,
+                    timestamp=timestamp,
                 )
                 break
             except BufferError:

@@ -377,5 +377,13 @@ def arrow_spans(rows: Any) -> Any:
 def arrow_rejects(rows: Any) -> Any:
     import pyarrow.compute as pc
 
-    columns = ["partition", "offset", "timestamp_ms", "key", "value"]
+    # A derived topic's record keeps the payment it names (`source`) in its dead letter.
+    columns = [
+        "partition",
+        "offset",
+        "timestamp_ms",
+        "key",
+        "value",
+        *(["source"] if "source" in rows.column_names else []),
+    ]
     return rows.filter(pc.invert(rows["valid"])).select(columns)

@@ -25,6 +25,11 @@ GOOD = {
 }
 
 
+#: A malformed record's own headers and time (a day before the test's other records).
+TRACED = [("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"), ("origin", b"core")]
+SENT_AT = 1_763_634_600_123
+
+
 def bad(**changes) -> bytes:
     doc = {**GOOD, **changes}
     return json.dumps({k: v for k, v in doc.items() if v is not None}).encode()
@@ -55,6 +60,13 @@ async def test_each_malformed_payment_is_dead_lettered_and_the_rest_decided(
         good = payment_json(f"good-{i}", "acct-1", "acct-2", "1.00", "2026-11-20T10:15:00Z")
         records.append((0, b"acct-1", good))
     placed = await produce(producer, names.payments, records)
+    # One more, as a producer with tracing writes it: its headers and time go with its dead letter.
+    traced = await (
+        await producer.send(
+            names.payments, key=b"acct-1", value=b"{traced", partition=0, headers=TRACED, timestamp_ms=SENT_AT
+        )
+    )
+    placed.append((traced.partition, traced.offset))
     worker = new_worker()
     await worker.wait_ready(set(range(names.partitions)))
     timeline = CommitTimeline()
@@ -73,8 +85,12 @@ async def test_each_malformed_payment_is_dead_lettered_and_the_rest_decided(
             return len(dlq.records) >= len(MALFORMED)
 
         await wait_until(all_dead_lettered, 30, "every malformed payment in the DLQ", interval=0)
-        assert len(dlq.records) == len(MALFORMED)
+        assert len(dlq.records) == len(MALFORMED) + 1
         by_offset = {int(dict(r.headers)["dlq.offset"]): r for r in dlq.records}
+        letter = by_offset[traced.offset]
+        assert letter.timestamp == SENT_AT, "the original record's time"
+        assert list(letter.headers[: len(TRACED)]) == TRACED, "the original headers first, in order"
+        assert dict(letter.headers)["dlq.reason"].startswith(b"value is not JSON")
         for i, (key, value, reason) in enumerate(MALFORMED):
             partition, offset = placed[2 * i]
             record = by_offset[offset]
@@ -87,7 +103,7 @@ async def test_each_malformed_payment_is_dead_lettered_and_the_rest_decided(
     finally:
         await dlq.stop()
     state = await worker.state()
-    assert state["dead_lettered"] == len(MALFORMED)
+    assert state["dead_lettered"] == len(MALFORMED) + 1
 
 
 async def test_a_payment_too_large_for_one_record_is_dead_lettered_in_parts_and_the_rest_decided(
@@ -128,13 +144,29 @@ async def test_the_pipeline_dead_letters_more_records_than_its_producer_queues_a
 
     config = {"bootstrap.servers": broker.bootstrap, "queue.buffering.max.messages": 5, "linger.ms": 50}
     dead_letters = DeadLetters(config, names.dlq, names.payments, "relations")
-    records = [Rejected(0, n, b"acct-1", b"{not json %d" % n, "value is not JSON") for n in range(40)]
+    # Each keeps its record's time and, read from a derived topic, the payment it names.
+    records = [
+        Rejected(
+            0,
+            n,
+            b"acct-1",
+            b"{not json %d" % n,
+            "value is not JSON",
+            SENT_AT + n,
+            f"3:{n}" if n % 2 else None,
+        )
+        for n in range(40)
+    ]
     try:
         assert dead_letters.send(records) == 40
     finally:
         dead_letters.close()
     found = await read_records(broker.bootstrap, names.dlq, names.partitions, 40)
     assert sorted(int(dict(r.headers)["dlq.offset"]) for r in found) == list(range(40))
+    for record in found:
+        n = int(dict(record.headers)["dlq.offset"])
+        assert record.timestamp == SENT_AT + n
+        assert dict(record.headers).get("aml-source") == (f"3:{n}".encode() if n % 2 else None)
 
 
 async def test_a_record_whose_key_and_value_are_too_large_together_is_dead_lettered_in_parts(broker, names):

@@ -62,6 +62,10 @@ def stage(
     return AmlAppProcess(["enrich"], env, workdir / "enrich.log", workdir, append=append).start()
 
 
+#: A tracing producer's header.
+TRACED = [("traceparent", b"00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")]
+
+
 async def read_all(
     bootstrap: str, topic: str, partitions: int
 ) -> list[tuple[int, int, dict[str, bytes], int]]:
@@ -98,11 +102,16 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
     bad.append((1, b"acct-1-0", b'{"payload": "' + b"A" * 1_500_000 + b'"}'))
     sent = good[:800] + bad + good[800:]
     placed = await produce(producer, names.payments, sent)
+    # A bad record with headers of its own (a tracing producer's), which its dead letter keeps.
+    traced = await (
+        await producer.send(names.payments, key=b"acct-0-0", value=b"{traced", partition=0, headers=TRACED)
+    )
+    placed.append((traced.partition, traced.offset))
     ends = ends_of(placed)
-    bad_at = set(placed[800 : 800 + len(bad)])
+    bad_at = set(placed[800 : 800 + len(bad)]) | {placed[-1]}
     payee_at = {
         position: json.loads(value)["payee"]
-        for (_, _, value), position in zip(sent, placed, strict=True)
+        for (_, _, value), position in zip(sent, placed[: len(sent)], strict=True)
         if position not in bad_at
     }
     group = f"enrichment-{names.suffix}"
@@ -131,7 +140,7 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
         assert status == 200, body
         shown = samples(body.decode())
         assert shown["aml_enrichment_payments_derived_total"] == len(good)
-        assert shown["aml_enrichment_dead_lettered_total"] == len(bad)
+        assert shown["aml_enrichment_dead_lettered_total"] == len(bad) + 1  # and the traced one
         assert shown["aml_enrichment_transactions_total"] >= 1
         assert time.time() - shown["aml_enrichment_last_progress_timestamp_seconds"] < 30
         again.signal_group(signal.SIGTERM)
@@ -157,6 +166,11 @@ async def test_a_killed_stage_derives_every_payment_once_and_the_gate_places_its
     mine = [h for _, _, h, _ in letters if h.get("dlq.worker") == b"enrichment"]
     assert {(int(h["dlq.partition"]), int(h["dlq.offset"])) for h in mine} == bad_at
     assert all(h["dlq.reason"] for h in mine)
+    [kept] = [h for h in mine if (int(h["dlq.partition"]), int(h["dlq.offset"])) == placed[-1]]
+    assert kept["traceparent"] == dict(TRACED)["traceparent"], "the record's own headers"
+    assert all(
+        t == stamped[(int(h["dlq.partition"]), int(h["dlq.offset"]))] for _, _, h, t in letters if h in mine
+    )
 
     # A group that has read the whole derived topic stands, on payments, at the end of every partition.
     reader = f"aggregates-{names.suffix}"

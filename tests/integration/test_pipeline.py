@@ -80,6 +80,11 @@ async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
         assert max(r.records for r in mine) <= 400, "the read limit bounds every micro-batch"
 
     letters = await read_records(broker.bootstrap, names.dlq, names.partitions, 2 * len(produced.malformed))
+    everything = len(produced.valid) + len(produced.malformed)
+    sent_at = {
+        (r.partition, r.offset): r.timestamp
+        for r in await read_records(broker.bootstrap, names.payments, names.partitions, everything)
+    }
     by_service: dict[str, set[tuple[int, int, bytes]]] = {}
     for record in letters:
         headers = {k: v.decode() for k, v in record.headers}
@@ -91,6 +96,7 @@ async def test_stores_equal_the_reference_and_bad_payments_are_dead_lettered(
         if record.value == NUL_PAYEE:
             assert "field 'payee' holds a NUL character" in headers["dlq.reason"]
         place = (int(headers["dlq.partition"]), int(headers["dlq.offset"]), record.value)
+        assert record.timestamp == sent_at[place[:2]], "the record's own time"
         by_service.setdefault(headers["dlq.worker"], set()).add(place)
     assert by_service == {g: set(produced.malformed) for g in names.deps}, "original bytes, each service"
     assert {FUTURE, NUL_PAYEE} <= {value for _, _, value in produced.malformed}

@@ -28,9 +28,36 @@ class Topic:
         return done
 
 
-def event(partition: int, offset: int) -> Any:
-    message = SimpleNamespace(topic="payments", partition=partition, offset=offset, key=b"p1", value=b"{bad")
+def event(partition: int, offset: int, headers: Any = None, timestamp: float | None = None) -> Any:
+    message = SimpleNamespace(
+        topic="payments",
+        partition=partition,
+        offset=offset,
+        key=b"p1",
+        value=b"{bad",
+        headers=headers,
+        timestamp=timestamp,
+    )
     return SimpleNamespace(message=message)
+
+
+@pytest.mark.parametrize(
+    "headers", [[("trace", b"t1"), ("trace", b"t2")], {"trace": b"t1"}], ids=["pairs", "map"]
+)
+async def test_what_is_set_aside_keeps_its_headers_first_and_its_millisecond(headers: Any) -> None:
+    """Faust gives the time in seconds and sends `int(seconds * 1000)`: 2161457298.391 * 1000 is
+    2161457298390.9998, which it would truncate to the millisecond before."""
+    assert int(2161457298391 / 1000.0 * 1000) == 2161457298390
+    dead_letters, review = Topic(), Topic()
+    sink = Sink(dead_letters, review, "aml-0", GateStats())  # type: ignore[arg-type]
+    await sink.dead_letter(event(2, 6, headers, 2161457298391 / 1000.0), "value is not JSON")
+    await sink.to_review(event(2, 7, headers, 2161457298391 / 1000.0), ReviewKind.PARKED, "failed")
+    own = list(headers.items()) if isinstance(headers, dict) else headers
+    for sent in (dead_letters.sent[0], review.sent[0]):
+        assert sent["headers"][: len(own)] == own
+        assert int(sent["timestamp"] * 1000) == 2161457298391
+    await sink.dead_letter(event(2, 8), "value is not JSON")
+    assert dead_letters.sent[-1]["timestamp"] is None, "none read, none sent: the producer stamps it"
 
 
 async def test_a_dead_letter_and_its_log_line_name_the_partition_and_the_offset(
