@@ -292,6 +292,8 @@ class Stage:
                 reported, last = now, (self.derived, self.dead_lettered)
 
     def close(self) -> None:
+        # librdkafka bounds a consumer's close by about session.timeout.ms (rdkafka.h), which it waits
+        # to leave the group; a cluster that never answers can hold it longer (librdkafka#3740).
         self.consumer.close()
         self.producer.flush(TRANSACTION_TIMEOUT)
 
