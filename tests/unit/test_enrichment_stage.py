@@ -53,6 +53,9 @@ class Record:
     def timestamp(self) -> tuple[int, int]:
         return (1, 1_700_000_000_000)
 
+    def headers(self) -> list[tuple[str, bytes]] | None:
+        return None
+
 
 class Producer:
     def __init__(self, commit: KafkaError, abort: KafkaError | None, fails: int = 1_000_000) -> None:

@@ -31,6 +31,8 @@ class Message:
             b"k",
             value,
         )
+        self.headers: list[tuple[str, bytes]] = []
+        self.timestamp: float | None = None
 
 
 class Event:

@@ -10,7 +10,7 @@ import json
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
@@ -57,6 +57,7 @@ class FakeMessage:
     generation_id: int = 1
     tracked: bool = False
     timestamp: float | None = None  # Faust's: the record's, in seconds (None: the record has none)
+    headers: list[tuple[str, bytes]] = field(default_factory=list)
 
     @property
     def tp(self) -> TP:
@@ -172,7 +173,9 @@ class FakeDeadLetters:
     def __init__(self) -> None:
         self.sent: list[dict[str, Any]] = []
 
-    async def send(self, *, key: bytes | None, value: bytes | None, headers: list) -> asyncio.Future[None]:
+    async def send(
+        self, *, key: bytes | None, value: bytes | None, headers: list, timestamp: float | None = None
+    ) -> asyncio.Future[None]:
         self.sent.append({"key": key, "value": value, "headers": dict(headers)})
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         fut.set_result(None)
@@ -185,7 +188,13 @@ class FakeReview(FakeDeadLetters):
     refusals = 0
 
     async def send(  # type: ignore[override]
-        self, *, key: bytes | None, value: bytes | None, partition: int, headers: list
+        self,
+        *,
+        key: bytes | None,
+        value: bytes | None,
+        partition: int,
+        headers: list,
+        timestamp: float | None = None,
     ) -> asyncio.Future[None]:
         if self.refusals:
             self.refusals -= 1
