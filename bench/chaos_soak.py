@@ -601,6 +601,7 @@ class Decision:
     worker: str
     decided_at: float
     arrived: float
+    verdict: str = ""
 
 
 @dataclass
@@ -646,6 +647,19 @@ def sent_after_a_freeze(records: list[AlertSeen], freezes: list[tuple[str, float
             for r in records
             for w, stopped, continued in freezes
         )
+    )
+
+
+def only_frozen_sends(records: list[AlertSeen], freezes: list[tuple[str, float, float]]) -> bool:
+    """Whether every alert record of a payment is a frozen worker's send (created before it was stopped,
+    arriving after it was continued): the partition's next owner read `alerts-sent` without it and may
+    have decided the payment clear."""
+    return bool(records) and all(
+        any(
+            r.created is not None and r.worker == w and r.created <= stopped and r.arrived >= continued
+            for w, stopped, continued in freezes
+        )
+        for r in records
     )
 
 
@@ -710,6 +724,7 @@ class Findings:
                     str(doc.get("worker", "")),
                     when,
                     r.arrived,
+                    str(doc.get("verdict", "")),
                 )
             except (ValueError, KeyError, TypeError):
                 self.unreadable_decisions += 1
@@ -1505,6 +1520,17 @@ class Soak:
         freezes = [(x.target, *x.frozen) for x in self.faults if x.frozen is not None]
         after_freeze = alerted_after_a_freeze(f.alerts, f.alert_records, freezes)
         alerted_twice = {pid: n for pid, n in f.alerts.items() if n > 1 and pid not in after_freeze}
+        # A payment handled again decides as its standing alert says: no "clear" beside an alert, but for
+        # one only a frozen worker alerted on, after its partition moved (which the new owner cannot know).
+        cleared_beside = sorted(
+            {
+                d.payment_id
+                for d in f.decisions
+                if d.verdict == "clear"
+                and d.payment_id in f.alerts
+                and not only_frozen_sends(f.alert_records.get(d.payment_id, []), freezes)
+            }
+        )
         dead = {s: len(f.malformed & set(f.dead.get(s, {}))) for s in self.dead_letter_sources}
         malformed_decided = f.malformed & f.decided
         valid_dead = {s: len(set(f.valid) & set(f.dead.get(s, {}))) for s in f.dead}
@@ -1584,6 +1610,8 @@ class Soak:
                 "records": sum(f.alerts.values()),
                 "alerted_twice": len(alerted_twice),
                 "examples": {pid: self.story(pid) for pid in list(alerted_twice)[:10]},
+                "cleared_beside_an_alert": len(cleared_beside),
+                "cleared_examples": {pid: self.story(pid) for pid in cleared_beside[:10]},
                 # Sent again by a worker that froze with the alert in its producer (`sent_after_a_freeze`).
                 "sent_again_after_a_freeze": len(after_freeze),
                 "after_a_freeze": {pid: self.story(pid) for pid in list(after_freeze)[:10]},
@@ -1618,6 +1646,8 @@ class Soak:
             failures.append(f"{len(lost)} payments lost (never decided{missed})")
         if alerted_twice:
             failures.append(f"{len(alerted_twice)} payments alerted twice")
+        if cleared_beside:
+            failures.append(f"{len(cleared_beside)} payments decided clear beside their alert")
         if not stores["agree"]:
             failures.append(f"stores disagree with the payments ({stores['disagreements']} answers)")
         for group, state in groups.items():
@@ -1940,7 +1970,8 @@ def summary(doc: dict[str, Any]) -> str:
         f"decided {malformed['decided']}",
         f"alerted twice: {doc['alerts']['alerted_twice']} (of {doc['alerts']['payments']} payments alerted; "
         f"{doc['alerts']['sent_again_after_a_freeze']} sent again by a worker frozen with the alert in its "
-        "producer)",
+        "producer); decided clear beside their alert: "
+        f"{doc['alerts'].get('cleared_beside_an_alert', 0)}",
         *(
             f"payment stamped {FUTURE_TS if kind == 'future' else PAST_TS} at {odd['at']}: decided "
             f"{odd['decided']}, dead-lettered by {sorted(odd['dead_lettered']) or 'none'}"

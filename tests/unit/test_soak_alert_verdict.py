@@ -10,7 +10,14 @@ from types import SimpleNamespace
 
 from aiokafka import TopicPartition
 
-from bench.chaos_soak import AlertSeen, Seen, TopicReader, alerted_after_a_freeze, sent_after_a_freeze
+from bench.chaos_soak import (
+    AlertSeen,
+    Seen,
+    TopicReader,
+    alerted_after_a_freeze,
+    only_frozen_sends,
+    sent_after_a_freeze,
+)
 
 #: aml-1 stopped at 100.0 and continued at 110.0 (wall clock).
 FREEZES = [("aml-1", 100.0, 110.0)]
@@ -91,3 +98,12 @@ def test_an_unreadable_alert_is_never_told_apart() -> None:
     record = AlertSeen.of(Seen(0, 0, b"p", b"not json", (), 110.2, 99.5))
     assert record.worker == ""
     assert sent_after_a_freeze([record, seen("aml-2", 109.0, 109.1)], FREEZES) == 0
+
+
+def test_a_clear_decision_beside_an_alert_is_excused_only_when_a_frozen_worker_alone_alerted() -> None:
+    """The next owner read `alerts-sent` without the frozen worker's alert, which arrived after it ran
+    again, and may have decided the payment clear; beside any other alert a clear decision is a failure."""
+    assert only_frozen_sends([seen("aml-1", 99.5, 110.2)], FREEZES)
+    assert not only_frozen_sends([seen("aml-1", 99.5, 110.2), seen("aml-2", 105.0, 105.1)], FREEZES)
+    assert not only_frozen_sends([seen("aml-1", 99.5, 99.6)], FREEZES), "it arrived before the stop"
+    assert not only_frozen_sends([], FREEZES)
