@@ -18,7 +18,7 @@ import re
 import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -30,6 +30,7 @@ from aml_app.detection.model_settings import DEFAULT_BAND, DEFAULT_THRESHOLD, re
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
 from aml_app.kafka.security import KafkaSecurity, load_security
+from aml_app.numbers import DECIMAL_PLACES, WHOLE_TEXT, ascii_decimal, decimal_places
 
 _TOPIC = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
 _GROUP = re.compile(r"^[A-Za-z0-9._-]{1,249}$")
@@ -384,7 +385,7 @@ def _folder_or_none(env: Mapping[str, str], name: str, default: Path | None) -> 
 def _int(env: Mapping[str, str], name: str, default: int, low: int, high: int) -> int:
     raw = _text(env, name, str(default))
     # Digits 0-9 only: Python's int() also takes "1_0" and other scripts' digits.
-    if not re.fullmatch(r"\s*[+-]?[0-9]+\s*", raw):
+    if not WHOLE_TEXT.fullmatch(raw.strip()):
         raise ConfigError(f"{name}={raw!r} is not a whole number; expected {low}..{high}.")
     value = int(raw)
     if not low <= value <= high:
@@ -414,22 +415,17 @@ def _bool(env: Mapping[str, str], name: str, default: bool) -> bool:
     raise ConfigError(f"{name}={raw!r} is not a switch; use on or off.")
 
 
-#: The most decimal places of a decimal setting: a payment's amount has at most 4.
-DECIMAL_PLACES = 4
-
-
 def _decimal(env: Mapping[str, str], name: str, default: Decimal, low: Decimal, high: Decimal) -> Decimal:
     raw = _text(env, name, str(default))
-    try:
-        value = Decimal(raw)
-    except InvalidOperation:
-        raise ConfigError(f"{name}={raw!r} is not a decimal number; expected {low}..{high}.") from None
-    if not value.is_finite() or not low <= value <= high:
-        raise ConfigError(f"{name}={raw} is out of range; expected {low}..{high}.")
-    exponent = value.normalize().as_tuple().exponent
-    if isinstance(exponent, int) and -exponent > DECIMAL_PLACES:
+    shown = f"{format(low, 'f')}..{format(high, 'f')}"
+    value = ascii_decimal(raw)
+    if value is None:
+        raise ConfigError(f"{name}={raw!r} is not a decimal number; expected {shown}.")
+    if not low <= value <= high:
+        raise ConfigError(f"{name}={raw.strip()} is out of range; expected {shown}.")
+    if decimal_places(value) > DECIMAL_PLACES:
         # The band's bounds (threshold x (1 - band)) are then exact at 8 places, as Spark compares them.
-        raise ConfigError(f"{name}={raw} has more than {DECIMAL_PLACES} decimal places.")
+        raise ConfigError(f"{name}={raw.strip()} has more than {DECIMAL_PLACES} decimal places.")
     return value
 
 

@@ -18,13 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import ROUND_HALF_EVEN, Decimal
 from types import MappingProxyType
 
 from aml_app.currencies import ISO_4217
 from aml_app.errors import ConfigError
+from aml_app.numbers import ascii_decimal
 
 CENT = Decimal("0.01")
+#: The range of a rate: amounts and thresholds converted with one stay within Decimal's 28 digits at the
+#: cent (a rate of 1e30 made every conversion of 5,000 raise InvalidOperation at worker start).
+LOWEST_RATE, HIGHEST_RATE = Decimal("1e-9"), Decimal("1e9")
 REPORTING_VARIABLE = "AML_REPORTING_CURRENCY"
 RATES_VARIABLE = "AML_EXCHANGE_RATES"
 
@@ -67,8 +71,15 @@ class ExchangeRates:
         for currency, rate in self.per_unit.items():
             if currency not in ISO_4217:
                 raise ConfigError(f"{RATES_VARIABLE} names {currency!r}, which is not an ISO 4217 code.")
-            if not isinstance(rate, Decimal) or not rate.is_finite() or rate <= 0:
-                raise ConfigError(f"{RATES_VARIABLE} gives {currency} the rate {rate!r}; a rate must be > 0.")
+            if not isinstance(rate, Decimal):
+                raise ConfigError(
+                    f"{RATES_VARIABLE} gives {currency} the rate {rate!r}; a rate is a Decimal."
+                )
+            if not rate.is_finite() or not LOWEST_RATE <= rate <= HIGHEST_RATE:
+                raise ConfigError(
+                    f"{RATES_VARIABLE} gives {currency} the rate {rate}; a rate is from {LOWEST_RATE:f} to "
+                    f"{HIGHEST_RATE:f}."
+                )
 
     def convert(self, amount: Decimal, currency: str) -> Decimal | None:
         """`amount` in the reporting currency, or None when `currency` has no rate."""
@@ -126,20 +137,22 @@ class ExchangeRates:
             if not item:
                 continue
             currency, sep, text = item.partition("=")
-            try:
-                rate = Decimal(text.strip()) if sep else None
-            except InvalidOperation:
-                rate = None
-            if rate is None or not rate.is_finite() or rate <= 0:
+            rate = ascii_decimal(text) if sep else None
+            if rate is None or not LOWEST_RATE <= rate <= HIGHEST_RATE:
                 raise ConfigError(
                     f"{RATES_VARIABLE} has {item!r}; expected CODE=RATE items such as EUR=0.92, "
-                    f"a rate > 0 in units per one {reporting}."
+                    f"a rate from {LOWEST_RATE:f} to {HIGHEST_RATE:f} units per one {reporting}."
                 )
             code = currency.strip().upper()
             if code in named:
                 raise ConfigError(f"{RATES_VARIABLE} names {code} twice; give each currency one rate.")
             named.add(code)
             rates[code] = rate
+        if not named:
+            raise ConfigError(
+                f"{RATES_VARIABLE}={raw!r} names no currency; give CODE=RATE items such as EUR=0.92, or "
+                "leave it unset for the default rates."
+            )
         return cls(reporting, MappingProxyType(rates))
 
 

@@ -24,13 +24,14 @@ HOURS_PER_WEEK = 7 * 24
 
 
 def large_new_counterparty(evidence: Evidence, thresholds: FraudThresholds) -> Hit | None:
-    """A large payment that is the payer's first ever to this payee (Service B's edge count is 1, this
-    payment included). No edge at all means B has not seen it: no evidence, no hit."""
+    """A large payment that is the payer's first ever to this payee: B's edge to it, as of the payment's
+    time, begins at the payment's time (its count would also take another payment of the same instant,
+    and neither would be first). No edge at all means B has not seen it: no evidence, no hit."""
     least = thresholds.rates.in_one(thresholds.large_new_counterparty_min_amount, evidence.currency)
     if least is None or evidence.amount < least:
         return None
     edge = evidence.payer_relations.out.get(evidence.payee)
-    if edge is None or edge.count != 1:
+    if edge is None or edge.first_seen != evidence.ts:
         return None
     return Hit(
         rule="fraud.large_new_counterparty",

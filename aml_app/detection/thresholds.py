@@ -18,11 +18,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, TypeVar
 
 from aml_app.detection.exchange import ExchangeRates
 from aml_app.errors import ConfigError
+from aml_app.numbers import DECIMAL_PLACES, WHOLE_TEXT, ascii_decimal, decimal_places
 
 PREFIX = "AML_RULE_"
 
@@ -111,7 +112,8 @@ LIMITS: dict[str, tuple[Any, Any, str]] = {
     "random_min_hops": (2, 3, "payments of a heavy flow ending with this payment (B looks 3 deep)"),
     "large_new_counterparty_min_amount": (Decimal("0.01"), Decimal("1e12"), "first payment to a payee"),
     "velocity_min_count": (1, 1_000_000, "payments sent by the payer in 1h"),
-    "velocity_multiple": (Decimal(1), Decimal(10000), "1h count over the payer's 7-day hourly average"),
+    # At most 168: the 7-day count includes the hour's, so the ratio never exceeds the week's hours.
+    "velocity_multiple": (Decimal(1), Decimal(168), "1h count over the payer's 7-day hourly average"),
 }
 
 
@@ -145,13 +147,18 @@ def _check_ranges(thresholds: Any) -> None:
                 f"{variable(f.name)}={_show(value)} is out of range; "
                 f"expected {_show(low)}..{_show(high)} ({meaning})."
             )
+        if isinstance(value, Decimal) and decimal_places(value) > DECIMAL_PLACES:
+            # Compared exactly with sums of amounts of at most 4 places (`rules`), and printed in figures.
+            raise ConfigError(
+                f"{variable(f.name)}={_show(value)} has more than {DECIMAL_PLACES} decimal places."
+            )
 
 
 def _show(value: Any) -> str:
     """Plain text for a value in a message ("1000000000000", not "1E+12"); a number too long to read
     (or to print: "1e999999999" has a billion digits) in scientific notation."""
     if isinstance(value, Decimal):
-        return format(value, "f") if value.adjusted() < 30 else format(value, ".6e")
+        return format(value, "f") if -30 < value.adjusted() < 30 else format(value, ".6e")
     return str(value)
 
 
@@ -163,17 +170,14 @@ def _parse(f: dataclasses.Field[Any], raw: str) -> int | Decimal:
     name = variable(f.name)
     low, high = (_show(limit) for limit in LIMITS[f.name][:2])
     text = raw.strip()
+    # ASCII digits only: int() and Decimal() also take "1_0" and other scripts' digits.
     if isinstance(f.default, int):
-        try:
-            return int(text)
-        except ValueError:
-            raise ConfigError(f"{name}={raw!r} is not a whole number; expected {low}..{high}.") from None
-    try:
-        value = Decimal(text)
-    except InvalidOperation:
-        raise ConfigError(f"{name}={raw!r} is not a decimal number; expected {low}..{high}.") from None
-    if not value.is_finite():
-        raise ConfigError(f"{name}={raw!r} is not a finite number; expected {low}..{high}.")
+        if not WHOLE_TEXT.fullmatch(text):
+            raise ConfigError(f"{name}={raw!r} is not a whole number; expected {low}..{high}.")
+        return int(text)
+    value = ascii_decimal(text)
+    if value is None:
+        raise ConfigError(f"{name}={raw!r} is not a decimal number; expected {low}..{high}.")
     return value
 
 

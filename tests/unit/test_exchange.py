@@ -56,9 +56,15 @@ def test_total_converts_rounds_to_the_cent_and_names_what_it_left_out() -> None:
     [
         ({"AML_EXCHANGE_RATES": "EUR"}, "AML_EXCHANGE_RATES has 'EUR'; expected CODE=RATE"),
         ({"AML_EXCHANGE_RATES": "EUR=abc"}, "AML_EXCHANGE_RATES has 'EUR=abc'"),
-        ({"AML_EXCHANGE_RATES": "EUR=0"}, "a rate > 0"),
-        ({"AML_EXCHANGE_RATES": "EUR=-1"}, "a rate > 0"),
-        ({"AML_EXCHANGE_RATES": "EUR=inf"}, "a rate > 0"),
+        ({"AML_EXCHANGE_RATES": "EUR=0"}, "a rate from 0.000000001 to 1000000000"),
+        ({"AML_EXCHANGE_RATES": "EUR=-1"}, "a rate from 0.000000001 to 1000000000"),
+        ({"AML_EXCHANGE_RATES": "EUR=inf"}, "a rate from 0.000000001 to 1000000000"),
+        # Conversions at 1e30 overran Decimal's 28 digits at worker start (InvalidOperation).
+        ({"AML_EXCHANGE_RATES": "JPY=1e30"}, "a rate from 0.000000001 to 1000000000"),
+        # Decimal() reads "0_92" as 92.
+        ({"AML_EXCHANGE_RATES": "EUR=0_92"}, "AML_EXCHANGE_RATES has 'EUR=0_92'"),
+        # Set but naming nothing: every currency but the reporting one counted as nothing.
+        ({"AML_EXCHANGE_RATES": ","}, "AML_EXCHANGE_RATES=',' names no currency"),
         ({"AML_EXCHANGE_RATES": "EURO=0.9"}, "names 'EURO', which is not an ISO 4217 code"),
         ({"AML_EXCHANGE_RATES": "USD=2"}, "must give the reporting currency USD the rate 1"),
         ({"AML_EXCHANGE_RATES": "eur=0.9,EUR=0.8"}, "AML_EXCHANGE_RATES names EUR twice"),

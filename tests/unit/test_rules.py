@@ -89,12 +89,14 @@ def aggregates(
     }
 
 
-def edge(counterparty: str, count: int = 1, totals: dict[str, str] | None = None) -> dict[str, Any]:
+def edge(
+    counterparty: str, count: int = 1, totals: dict[str, str] | None = None, first_seen: str = TS
+) -> dict[str, Any]:
     return {
         "counterparty": counterparty,
         "count": count,
         "totals": totals or {"EUR": "10.00"},
-        "first_seen": TS,
+        "first_seen": first_seen,
         "last_seen": TS,
     }
 
@@ -589,7 +591,9 @@ def test_hit_as_json_is_plain_json() -> None:
     [
         ("5000.00", "USD", [edge("b", 1)], True),
         ("4999.99", "USD", [edge("b", 1)], False),
-        ("5000.00", "USD", [edge("b", 2)], False),  # not the first payment to b
+        ("5000.00", "USD", [edge("b", 2, first_seen="2026-03-02T11:59:00Z")], False),  # not the first to b
+        # Two payments to b at the same instant (minute-stamped sources): each is a first.
+        ("5000.00", "USD", [edge("b", 2)], True),
         ("5000.00", "USD", [edge("c", 1)], False),  # B has not seen this edge: no evidence
         ("5000.00", "USD", [], False),
         # In the reporting currency (USD): 5,000 yen is about 47 dollars, 4,999.99 pounds about 6,465.
@@ -606,7 +610,7 @@ def test_large_new_counterparty(amount: str, currency: str, out: list[dict[str, 
         assert (hit.rule, hit.typology, hit.figures["payments_to_payee"]) == (
             "fraud.large_new_counterparty",
             "large_new_counterparty",
-            1,
+            out[0]["count"],
         )
 
 
@@ -977,7 +981,7 @@ def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
         ({"AML_RULE_FAN_OUT_MIN_AVERAGE": "-1"}, r"AML_RULE_FAN_OUT_MIN_AVERAGE=-1 is out of range"),
         (
             {"AML_RULE_PASS_THROUGH_MIN_RATIO": "nan"},
-            r"AML_RULE_PASS_THROUGH_MIN_RATIO='nan' is not a finite",
+            r"AML_RULE_PASS_THROUGH_MIN_RATIO='nan' is not a decimal number",
         ),
         ({"AML_RULE_PASS_THROUGH_MIN_RATIO": "1.5"}, r"AML_RULE_PASS_THROUGH_MIN_RATIO=1.5 is out of range"),
         ({"AML_RULE_CYCLE_MAX_HOPS": "17"}, r"AML_RULE_CYCLE_MAX_HOPS=17 is out of range; expected 2..16"),
@@ -990,6 +994,19 @@ def test_every_threshold_has_its_variable_and_range(cls: type) -> None:
             r"AML_RULE_CYCLE_MIN_HOPS=3 is larger",
         ),
         ({"AML_RULE_FANIN_MIN_AVERAGE": "10"}, r"AML_RULE_FANIN_MIN_AVERAGE is not a detection threshold"),
+        # int() and Decimal() also read "1_0" and other scripts' digits as ten.
+        ({"AML_RULE_FAN_IN_MIN_COUNTERPARTIES": "1_0"}, r"'1_0' is not a whole number"),
+        ({"AML_RULE_FAN_IN_MIN_COUNTERPARTIES": "\u0661\u0660"}, r"is not a whole number"),
+        ({"AML_RULE_FAN_IN_MIN_AVERAGE": "1_000"}, r"'1_000' is not a decimal number"),
+        # Compared exactly with 4-place sums, and printed in every hit: a billion places took 1 GB.
+        (
+            {"AML_RULE_FAN_IN_MIN_AVERAGE": "1000.0000000000000000000000001"},
+            r"AML_RULE_FAN_IN_MIN_AVERAGE=1000\.0000000000000000000000001 has more than 4 decimal places",
+        ),
+        (
+            {"AML_RULE_FAN_IN_MIN_AVERAGE": "1e-99999999"},
+            r"AML_RULE_FAN_IN_MIN_AVERAGE=1\.000000e-99999999 has more than 4 decimal places",
+        ),
     ],
 )
 def test_a_bad_value_names_its_variable(env: dict[str, str], message: str) -> None:
@@ -1000,6 +1017,14 @@ def test_a_bad_value_names_its_variable(env: dict[str, str], message: str) -> No
 def test_fraud_thresholds_bad_values_and_code_built_values() -> None:
     with pytest.raises(ConfigError, match=r"AML_RULE_VELOCITY_MIN_COUNT=0 is out of range"):
         FraudThresholds.from_env({"AML_RULE_VELOCITY_MIN_COUNT": "0"})
+    # The week's count includes the hour's: above 168 times the hourly average nothing could fire.
+    with pytest.raises(
+        ConfigError, match=r"AML_RULE_VELOCITY_MULTIPLE=169 is out of range; expected 1\.\.168"
+    ):
+        FraudThresholds.from_env({"AML_RULE_VELOCITY_MULTIPLE": "169"})
+    most = FraudThresholds.from_env({"AML_RULE_VELOCITY_MULTIPLE": "168"})
+    burst = aggregates("a", h1=window(sent_count=10), d7=window(sent_count=10))
+    assert velocity_spike(evidence(payer_aggregates=burst), most) is not None, "a new account's burst"
     with pytest.raises(ConfigError, match="AML_RULE_VELOCITY_MULTIPLE must be a decimal number"):
         FraudThresholds(velocity_multiple=5.0)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="AML_RULE_STRUCTURING_MIN_COUNT must be a whole number"):

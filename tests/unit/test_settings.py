@@ -208,6 +208,13 @@ def test_decimal_settings_have_at_most_four_places() -> None:
     not the other. Four places each keep threshold x (1 - band) exact at 8."""
     _fails({"AML_REPORTING_THRESHOLD": "10000.000000004"}, "AML_REPORTING_THRESHOLD", "more than 4 decimal")
     _fails({"AML_THRESHOLD_BAND": "0.12345"}, "AML_THRESHOLD_BAND", "more than 4 decimal")
+    # 24 places, which normalize() rounds away at Decimal's 28 digits: counted exactly, not rounded.
+    _fails(
+        {"AML_REPORTING_THRESHOLD": "10000.000000000000000000000001"},
+        "AML_REPORTING_THRESHOLD",
+        "more than 4",
+    )
+    _fails({"AML_REPORTING_THRESHOLD": "1_0000"}, "AML_REPORTING_THRESHOLD", "is not a decimal number")
     s = load_settings({"AML_REPORTING_THRESHOLD": "9999.9999", "AML_THRESHOLD_BAND": "0.0500"})
     assert s.dependencies.reporting_threshold == Decimal("9999.9999")
     assert load_settings({"AML_REPORTING_THRESHOLD": "1E+4"}).dependencies.reporting_threshold == 10000
