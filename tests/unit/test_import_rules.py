@@ -102,6 +102,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = [
     (
         "errors",
+        "numbers",
         "currencies",
         "contract",
         "dependency_services",
