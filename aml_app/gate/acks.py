@@ -84,11 +84,15 @@ class Acks:
                     log.exception("an admission observer failed")
         assert self.stream is not None
         ack = self.stream.ack
+        # Faust forgets the acks of a revoked partition when its revoke begins, but keeps any made after
+        # that, until the lanes stop: held over into the next generation, they were counted twice with the
+        # offsets a resumed lane records as handled, and Faust's commit crawled. A held ack is not lost:
+        # the lane stops, or the rebalance ends first. The wait comes once, before the batch: aiokafka's
+        # thread sets the flag at any moment, and a batch half acked when it waited was handled again in
+        # the next generation, where Faust ignores an event's second ack, so its acked offsets began past
+        # the committed one and the partition committed nothing. Stream.ack never yields, so no revoke
+        # reaches the event loop between the batch's acks.
+        await rebalance_ended(self.app)
         for event in events:
-            # Faust forgets the acks of a revoked partition when its revoke begins, but keeps any made
-            # after that, until the lanes stop: held over into the next generation, they were counted
-            # twice with the offsets a resumed lane records as handled, and Faust's commit crawled. A
-            # held ack is not lost: the lane stops, or the rebalance ends first.
-            await rebalance_ended(self.app)
             await ack(event)
         lane.settled(len(events))

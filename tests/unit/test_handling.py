@@ -308,3 +308,28 @@ async def test_a_parked_payment_the_review_topic_refuses_shows_as_retrying() -> 
     shown = lane.retrying[3]
     assert (shown.offset, shown.attempts) == (8, 3)
     assert shown.error.startswith("writing it to the review topic: KafkaTimeoutError")
+
+
+async def test_a_batch_is_acked_whole_when_a_rebalance_starts_between_two_of_its_acks() -> None:
+    """aiokafka's thread sets Faust's `rebalancing` flag at any moment. When it came between two acks of
+    a batch, the acker waited there: the revoke dropped the acks made, the batch was handled again in
+    the next generation, and Faust ignored the second ack of an event acked once, so its acked offsets
+    began past the committed one and the partition committed nothing for a generation (the acker waited
+    at offset 12 for the rebalance, which this test never ends)."""
+    app = SimpleNamespace(rebalancing=False)
+    acked: list[int] = []
+
+    async def ack(event: Event) -> None:
+        acked.append(event.message.offset)
+        if len(acked) == 2:
+            app.rebalancing = True  # the consumer thread begins a rebalance
+
+    handling = Handling(None, None, Sink(Topic(), Topic(), "aml-0", GateStats()), GateStats(), LanePolicy())  # type: ignore[arg-type]
+    acks = Acks(app, handling)  # type: ignore[arg-type]
+    acks.stream = SimpleNamespace(ack=ack)  # type: ignore[assignment]
+    lane = Lane(0)
+    events = [Event(0, offset) for offset in (10, 11, 12, 13)]
+    lane.current = events  # type: ignore[assignment]
+    admitted_ = [admitted(0, offset) for offset in (10, 11, 12, 13)]
+    await asyncio.wait_for(acks.settle(lane, events, admitted_), DEADLINE)  # type: ignore[arg-type]
+    assert acked == [10, 11, 12, 13]
