@@ -262,6 +262,15 @@ class GatedConsumer:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._background_ended)
+
+    def _background_ended(self, task: asyncio.Future[None]) -> None:
+        """A generation's reads and repairs (its starts, a hole, a gap, a resume) retry until they are done
+        or cancelled with their generation. One that failed leaves a partition paused or held for good:
+        stop loudly, as a lane does, so that a restart and a rebalance repair it."""
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            log.error("a partition's background read stopped unexpectedly; stopping the worker", exc_info=exc)
+            self.app.add_future(self.app.crash(exc))
 
     def on_revoked(self) -> None:
         """Stop every lane; keep its unacked events aside until we know who owns the partition.

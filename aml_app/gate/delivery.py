@@ -39,6 +39,9 @@ from aml_app.kafka.security import KafkaSecurity, aiokafka_kwargs
 
 log = logging.getLogger(__name__)
 
+#: How long one read of the log start offsets may take before it is tried again.
+START_READ_TIMEOUT = 30.0
+
 
 async def first_offset_from(
     bootstrap_servers: Sequence[str],
@@ -68,7 +71,13 @@ async def first_offset_from(
         tp = TopicPartition(topic, partition)
         consumer.assign([tp])
         consumer.seek(tp, offset)
-        records = await consumer.getmany(tp, timeout_ms=int(timeout * 1000), max_records=1)
+        # Under `within` too: aiokafka cancels its own futures when a broker stops mid-request, and a
+        # CancelledError that escaped ended the hole's check as if its lane had stopped.
+        records = await within(
+            consumer.getmany(tp, timeout_ms=int(timeout * 1000), max_records=1),
+            2 * timeout,
+            "reading the hole",
+        )
         found = records.get(tp)
         return found[0].offset if found else None
     finally:
@@ -139,7 +148,10 @@ class DeliveryChecker:
         # Until this returns, this generation's events wait (see `early`): a failure must be retried.
         consumer = self.app.consumer
         earliest = await retry_forever(
-            "reading the log start offsets", lambda: consumer.earliest_offsets(*tps)
+            "reading the log start offsets",
+            lambda: within(
+                consumer.earliest_offsets(*tps), START_READ_TIMEOUT, "reading the log start offsets"
+            ),
         )
         starts, deleted = generation_starts(tps, committed[group], earliest)
         for tp, first, last in deleted:

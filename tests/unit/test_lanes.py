@@ -1271,3 +1271,65 @@ async def test_decide_stale_admits_a_payment_that_waited_past_the_bound_and_send
     waiting.dispatch(event(0, 0))
     await asyncio.sleep(0.2)
     assert waiting.calls == [] and waiting.review.sent == []
+
+
+async def test_a_background_read_that_fails_stops_the_worker_loudly() -> None:
+    """A generation's reads and repairs (its starts, a hole's check) retry until done; one that failed
+    anyway left its partition paused or held for good without a word. It now stops the worker, as a
+    failed lane does, so that a restart and a rebalance repair it."""
+    h = Harness()
+    crashed: list[BaseException] = []
+
+    async def crash(exc: BaseException) -> None:
+        crashed.append(exc)
+
+    h.app.crash = crash  # type: ignore[attr-defined]
+    h.app.add_future = asyncio.ensure_future  # type: ignore[attr-defined]
+
+    async def fails() -> None:
+        raise RuntimeError("the log start offsets could not be read")
+
+    async def cancelled_with_its_generation() -> None:
+        await asyncio.sleep(3600)
+
+    h.gated._spawn(fails())
+    h.gated._spawn(cancelled_with_its_generation())
+    await asyncio.sleep(0.05)
+    for task in list(h.gated._background):
+        task.cancel()
+    await asyncio.sleep(0.01)
+    assert [str(exc) for exc in crashed] == ["the log start offsets could not be read"]
+
+
+async def test_a_hole_read_that_aiokafka_cancels_on_its_own_is_an_error_to_retry(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """aiokafka cancels its own futures when a broker stops answering mid-request. Escaped as a
+    CancelledError, that ended the hole's check as if its lane had stopped: the lane then held what came
+    after the hole for good. Read under `within`, it is `CancelledWithin`, which the check retries."""
+    from aml_app.gate import delivery
+    from aml_app.kafka.deadlines import CancelledWithin
+    from aml_app.kafka.security import KafkaSecurity
+
+    class Reader:
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        async def start(self) -> None:
+            pass
+
+        def assign(self, tps: Any) -> None:
+            pass
+
+        def seek(self, tp: Any, offset: int) -> None:
+            pass
+
+        async def getmany(self, *args: Any, **kwargs: Any) -> Any:
+            raise asyncio.CancelledError  # its own future, cancelled inside aiokafka
+
+        async def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(delivery, "AIOKafkaConsumer", Reader)
+    with pytest.raises(CancelledWithin):
+        await delivery.first_offset_from(["b:9092"], TOPIC, 0, 5, 0.5, security=KafkaSecurity())
