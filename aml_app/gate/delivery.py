@@ -159,6 +159,13 @@ class DeliveryChecker:
             await record_gap(self.app, tp, first, last)
         return starts, reading.log
 
+    async def first_record(self, tp: TP, offset: int) -> int | None:
+        """The offset of the log's first record at or after `offset` (None: none came in time); `offset`
+        itself, records assumed, before `attach`."""
+        if self.first_offset is None:
+            return offset
+        return await self.first_offset(tp.partition, offset)
+
     async def first_to_fetch(self, tp: TP, expected: int, received: int) -> int:
         """Where the records of a hole `expected`..`received - 1` start: the log's first record at or
         after `expected`, or `received` when the log holds none before it (the hole is a gap). Unknown

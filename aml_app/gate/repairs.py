@@ -21,6 +21,9 @@ from aml_app.gate.stats import GateStats
 
 log = logging.getLogger(__name__)
 
+#: How long the delivery check believes the log's word that offsets past a lane hold no records.
+MARKERS_RECHECK = 60.0
+
 
 class Repairs:
     def __init__(
@@ -40,6 +43,10 @@ class Repairs:
         self.lanes = lanes
         self.assignment = assignment
         self.enqueue = enqueue
+        #: Partition -> (expected, position) of its last refetch by the delivery check.
+        self.refetched: dict[int, tuple[int, int]] = {}
+        #: Partition -> (expected, position, when) the log said those offsets hold no records.
+        self.no_records: dict[int, tuple[int, int, float]] = {}
 
     async def check_hole(self, lane: Lane, tp: TP) -> None:
         """Offsets `expected`..`received - 1` never reached the lane: fetch them again from the log's
@@ -88,6 +95,9 @@ class Repairs:
                 position = await self.delivery.undelivered(tp, expected, quiet)
                 if position is None:
                     continue
+                if await self._only_markers(tp, expected, position, now):
+                    continue
+                self.refetched[p] = (expected, position)
                 log.warning(
                     "%s: offsets %d..%d were fetched but never delivered; fetching them again",
                     tp,
@@ -99,6 +109,26 @@ class Repairs:
                 log.warning("%s: the delivery check failed (%r); checking again at its next run", tp, exc)
                 continue
             self.stats.refetches += 1
+
+    async def _only_markers(self, tp: TP, expected: int, position: int, now: float) -> bool:
+        """Whether `expected`..`position - 1` hold no records: aiokafka's position steps past a
+        transaction's commit marker (and a compacted tail), so an idle partition of a transactional
+        topic stands one past its last record, and was fetched again and warned about at every check.
+        Asked of the log once a refetch of the same offsets brought nothing, and believed for
+        MARKERS_RECHECK seconds; a log that does not answer in time is believed too, for as long."""
+        p = tp.partition
+        said = self.no_records.get(p)
+        if said is not None and said[:2] == (expected, position) and now - said[2] < MARKERS_RECHECK:
+            return True
+        if self.refetched.get(p) != (expected, position):
+            return False  # not fetched again yet: that is the first repair
+        first = await self.delivery.first_record(tp, expected)
+        if first is not None and expected <= first < position:
+            return False  # records there, and the refetch did not take: fetch again
+        if said is None or said[:2] != (expected, position):
+            log.info("%s: offsets %d..%d hold no records (transaction markers)", tp, expected, position - 1)
+        self.no_records[p] = (expected, position, now)
+        return True
 
     def fetch_state(self, topic: str) -> dict[int, dict[str, Any]]:
         """Per owned partition, what the delivery check looks at: where this generation started, the next

@@ -1333,3 +1333,31 @@ async def test_a_hole_read_that_aiokafka_cancels_on_its_own_is_an_error_to_retry
     monkeypatch.setattr(delivery, "AIOKafkaConsumer", Reader)
     with pytest.raises(CancelledWithin):
         await delivery.first_offset_from(["b:9092"], TOPIC, 0, 5, 0.5, security=KafkaSecurity())
+
+
+async def test_offsets_that_hold_only_a_transaction_marker_are_fetched_again_once(
+    make: Callable[..., Harness],
+) -> None:
+    """aiokafka's position steps past a transaction's commit marker: an idle partition of a transactional
+    topic stands one past its last record. It was fetched again, and warned about, at every check; now
+    once, then the log is asked and says the offsets hold no records. Where they do (a refetch that did
+    not take), the check fetches again each time."""
+    # (the log's records, the refetches of three checks, the log's reads): the first check fetches again
+    # at once; the next ones ask the log first.
+    for records, fetched_again, asked in ((range(3), [3], 1), (range(5), [3, 3, 3], 2)):
+        h = make()
+        log_ = FakeLog(records)
+        h.gated.delivery.first_offset = log_.first_offset
+        tp0 = TP(TOPIC, 0)
+        consumer = h.app.consumer
+        consumer.assigned = {tp0}
+        h.assign({0: 0})
+        h.open(0, 100)
+        h.dispatch(event(0, 0), event(0, 1), event(0, 2))
+        await until(lambda h=h: len(h.acks) == 3, "offsets 0..2 acked")
+        consumer.positions[tp0] = 4  # past the marker at 3, or past 3 never delivered
+        for _ in range(3):
+            h.gated.lanes[0].last_dispatch = time.monotonic() - 10
+            await h.gated.check_delivery(TOPIC, quiet=1.0)
+        assert [offset for _, offset in consumer.seeks] == fetched_again, list(records)
+        assert len(log_.asked) == asked
