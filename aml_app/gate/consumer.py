@@ -262,15 +262,9 @@ class GatedConsumer:
         task = asyncio.ensure_future(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-        task.add_done_callback(self._background_ended)
-
-    def _background_ended(self, task: asyncio.Future[None]) -> None:
-        """A generation's reads and repairs (its starts, a hole, a gap, a resume) retry until they are done
-        or cancelled with their generation. One that failed leaves a partition paused or held for good:
-        stop loudly, as a lane does, so that a restart and a rebalance repair it."""
-        if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("a partition's background read stopped unexpectedly; stopping the worker", exc_info=exc)
-            self.app.add_future(self.app.crash(exc))
+        # A generation's reads and repairs retry until done or cancelled with it: one that failed left
+        # its partition paused or held for good, so it ends the worker as a failed lane does.
+        task.add_done_callback(self._lane_ended)
 
     def on_revoked(self) -> None:
         """Stop every lane; keep its unacked events aside until we know who owns the partition.
@@ -333,9 +327,10 @@ class GatedConsumer:
                 self._spawn(self.repairs.resume(lane, TP(self.topic, p), lane.expected(starts[p])))
 
     def _lane_ended(self, task: asyncio.Task[None]) -> None:
-        """A lane ends only when cancelled. Anything else is a bug: stop loudly, never stall silently."""
+        """A lane, or a partition's background read, ends only when cancelled. Anything else is a bug:
+        stop loudly (a restart and a rebalance repair it), never stall silently."""
         if not task.cancelled() and (exc := task.exception()) is not None:
-            log.error("a partition lane stopped unexpectedly; stopping the worker", exc_info=exc)
+            log.error("a partition's lane or read stopped unexpectedly; stopping the worker", exc_info=exc)
             self.app.add_future(self.app.crash(exc))
 
     async def _run_lane(self, lane: Lane) -> None:
