@@ -358,13 +358,18 @@ def _refresh_deadline(env: Mapping[str, str], interval: float) -> float:
 
 
 def _token(env: Mapping[str, str], name: str) -> str:
-    """A secret shared by processes: empty (none), or 16 to 512 printable characters without spaces."""
+    """A secret shared by processes: empty (none), or 16 to 512 printable ASCII characters without
+    spaces. ASCII, because a WSGI server hands header values decoded as Latin-1 and aiohttp as UTF-8:
+    a token with "ä" opened the workers and was refused by the pipeline's and the stage's /metrics."""
     value = env.get(name, "")
     if value and not (
-        16 <= len(value) <= 512 and value.isprintable() and not any(c.isspace() for c in value)
+        16 <= len(value) <= 512
+        and value.isascii()
+        and value.isprintable()
+        and not any(c.isspace() for c in value)
     ):
         raise ConfigError(
-            f"{name} must be 16 to 512 printable characters without spaces (its value is not shown)."
+            f"{name} must be 16 to 512 printable ASCII characters without spaces (its value is not shown)."
         )
     return value
 

@@ -62,7 +62,9 @@ def session_open(token: str, value: str, now: float) -> bool:
     expires, _, _ = value.partition(".")
     if not (expires.isascii() and expires.isdigit() and len(expires) <= 12) or int(expires) <= now:
         return False
-    return hmac.compare_digest(value.encode(), session_cookie(token, int(expires)).encode())
+    return hmac.compare_digest(
+        value.encode("utf-8", "surrogateescape"), session_cookie(token, int(expires)).encode()
+    )
 
 
 def token_required(
@@ -100,7 +102,9 @@ def token_required(
                 max_age=SESSION_SECONDS,
             )
             return response
-        given = request.headers.get("Authorization", "").encode()
+        # aiohttp keeps a header's undecodable bytes as surrogates: encoded back as they came, a byte
+        # that is not UTF-8 is a wrong token (401), not an error (500, which pages as AmlApiErrors).
+        given = request.headers.get("Authorization", "").encode("utf-8", "surrogateescape")
         if hmac.compare_digest(given, expected):
             return await handler(request)
         if (

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import click
 from aiokafka.admin import AIOKafkaAdminClient, NewPartitions
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
-from aiokafka.errors import for_code
+from aiokafka.errors import KafkaError, for_code
 
 from aml_app.click_types import FiniteRange
 from aml_app.kafka.broker import TopicSpec
@@ -175,6 +175,10 @@ async def create_missing(
                 ) from exc
             outcome.grown[spec.name] = (before, spec.partitions)
         return outcome
+    except KafkaError as exc:  # after the first answer: one sentence, not a traceback
+        raise TopicsError(
+            f"the Kafka cluster failed to answer: {type(exc).__name__}: {exc}".rstrip(": ")
+        ) from None
     finally:
         await admin.close()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import getpass
 import json
+import os
 import socket
 import time
 
@@ -41,6 +42,15 @@ def parse_where(text: str) -> tuple[int, int]:
     return int(partition), int(offset)
 
 
+def operator() -> str:
+    """Who asks, for the review record: the login name, or the uid where the process has none (a
+    container run under an arbitrary uid, without USER and no passwd entry: getuser raises)."""
+    try:
+        return getpass.getuser()
+    except (KeyError, OSError):
+        return f"uid {os.getuid()}"
+
+
 async def _changelog_exists(settings: Settings, topic: str, timeout: float) -> bool:
     """Whether `topic` exists, asked so that it is not created: a producer's (or an admin's
     describe_topics) metadata request lets the broker create a topic it does not have, which on a
@@ -54,8 +64,8 @@ async def _changelog_exists(settings: Settings, topic: str, timeout: float) -> b
         raise click.ClickException(str(exc)) from None
     try:
         return topic in await within(admin.list_topics(), timeout, "listing the topics")
-    except DeadlineExceeded as exc:
-        raise click.ClickException(f"no answer from the Kafka cluster: {exc}") from None
+    except (DeadlineExceeded, KafkaError) as exc:
+        raise click.ClickException(f"no answer from the Kafka cluster: {type(exc).__name__}: {exc}") from None
     finally:
         await close_within(admin.close(), timeout, "closing the admin client")
 
@@ -76,7 +86,7 @@ async def request_park(settings: Settings, partition: int, offset: int, reason: 
     try:
         await asyncio.wait_for(producer.start(), timeout)
         request = ParkRequest(
-            by=f"{getpass.getuser()}@{socket.gethostname()}", reason=reason, at=time.time()
+            by=f"{operator()}@{socket.gethostname()}", reason=reason, at=time.time()
         ).as_json()
         key = json.dumps(f"{partition}:{offset}").encode()
         await producer.send_and_wait(topic, json.dumps(request).encode(), key=key, partition=0)
@@ -105,6 +115,13 @@ def park_command(where: str, reason: str, timeout: float) -> None:
     review topic with its error and moves on."""
     partition, offset = parse_where(where)
     settings = load_settings()
+    if partition >= settings.kafka.partitions:
+        # No lane would ever match the request, and the command said it was made.
+        raise click.BadParameter(
+            f"{settings.kafka.payments_topic} has partitions 0..{settings.kafka.partitions - 1} "
+            f"(AML_PARTITIONS), not {partition}",
+            param_hint="P:O",
+        )
     topic = asyncio.run(request_park(settings, partition, offset, reason, timeout))
     click.echo(
         f"asked the {settings.app_id} workers (through {topic}) to park payment {partition}:{offset}: the "

@@ -3,6 +3,7 @@ free port, asked over HTTP (urllib, as a container's probe does)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -62,3 +63,40 @@ def test_without_a_token_it_answers_anyone_on_this_machine() -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"Authorization: Bearer \xff", b"Cookie: aml_web_session=99999999999.\xffab"],
+    ids=["token", "session cookie"],
+)
+async def test_a_header_byte_that_is_not_utf8_is_refused_not_an_error(header: bytes) -> None:
+    """aiohttp keeps such a byte as a surrogate, which `.encode()` could not take: a caller without the
+    token got a 500 and a traceback, which counts in AmlApiErrors. It is a wrong token: 401."""
+    from aiohttp import web
+
+    from aml_app.tokens import token_required
+
+    async def page(request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    app = web.Application(middlewares=[token_required(TOKEN, "AML_WEB_TOKEN", login=True)])
+    app.router.add_get("/watermarks.json", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"GET /watermarks.json HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+            + header
+            + b"\r\nConnection: close\r\n\r\n"
+        )
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 5)
+        writer.close()
+        assert status_line.split()[1] == b"401", status_line
+    finally:
+        await runner.cleanup()
