@@ -62,3 +62,33 @@ async def test_configs_the_cluster_will_not_describe_are_a_note_not_a_failure() 
     await read_drift(RefusingAdmin(), [DECISIONS], outcome)  # type: ignore[arg-type]
     assert outcome.drift == {}
     assert outcome.configs_unread.startswith("TopicAuthorizationFailedError")
+
+
+async def test_a_kafka_error_after_the_first_answer_is_one_sentence(monkeypatch: Any) -> None:
+    """Only an unreachable cluster was a sentence: a request that timed out later was a traceback."""
+    import pytest
+    from aiokafka.errors import RequestTimedOutError
+
+    from aml_app import topics_command
+    from aml_app.settings import load_settings
+    from aml_app.topics import topic_specs
+
+    class Admin:
+        async def describe_cluster(self) -> dict[str, Any]:
+            return {"brokers": [{"node_id": 1}]}
+
+        async def list_topics(self) -> list[str]:
+            raise RequestTimedOutError("the controller did not answer")
+
+        async def close(self) -> None:
+            pass
+
+    async def answering(*args: Any) -> Admin:
+        return Admin()
+
+    monkeypatch.setattr(topics_command, "answering_admin", answering)
+    settings = load_settings({})
+    with pytest.raises(
+        topics_command.TopicsError, match=r"^the Kafka cluster failed to answer: RequestTimedOutError"
+    ):
+        await topics_command.create_missing(settings, topic_specs(settings), 1.0)
