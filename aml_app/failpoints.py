@@ -8,6 +8,10 @@ import os
 
 log = logging.getLogger("aml_app.failpoints")
 
+#: Every point a test can name (`tables/watermarks.py` reads `refresh-hang` itself); settings refuse
+#: another name, which would do nothing where a test meant a crash.
+NAMES = ("after-store-write", "enrichment-before-commit", "refresh-hang")
+
 
 def failpoint(name: str) -> None:
     """Exit at once with 137 (what a shell reports for a kill -9) when AML_FAILPOINT names this point."""

@@ -29,6 +29,7 @@ from aml_app.dependency_services import DependencyService, Endpoint
 from aml_app.detection.model_settings import DEFAULT_BAND, DEFAULT_THRESHOLD, record
 from aml_app.detection.thresholds import AmlThresholds, FraudThresholds
 from aml_app.errors import ConfigError
+from aml_app.failpoints import NAMES as FAILPOINTS
 from aml_app.kafka.security import KafkaSecurity, load_security
 from aml_app.numbers import DECIMAL_PLACES, WHOLE_TEXT, ascii_decimal, decimal_places
 
@@ -785,6 +786,11 @@ def _service(env: Mapping[str, str]) -> str:
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every setting; raise ConfigError with a readable sentence on the first fault."""
     env = os.environ if env is None else env
+    failpoint = env.get("AML_FAILPOINT", "").strip()
+    if failpoint and failpoint not in FAILPOINTS:
+        raise ConfigError(
+            f"AML_FAILPOINT={failpoint!r} names no failpoint; the test knob takes {', '.join(FAILPOINTS)}."
+        )
     depends = _depends_on(env)
     service = _service(env)
     app_id = _name(env, "AML_APP_ID", service, _GROUP, "consumer group")

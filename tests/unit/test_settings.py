@@ -551,3 +551,9 @@ def test_the_spark_ui_is_a_switch_read_with_the_other_settings() -> None:
     assert load_settings({"AML_SPARK_UI": "true"}).pipeline.spark_ui is True
     with pytest.raises(ConfigError, match=r"AML_SPARK_UI=.ture. is not a switch; use on or off\."):
         load_settings({"AML_SPARK_UI": "ture"})
+
+
+def test_a_failpoint_that_names_nothing_is_refused() -> None:
+    """A misspelt test knob did nothing where a test meant a crash."""
+    _fails({"AML_FAILPOINT": "after-store-writes"}, "AML_FAILPOINT", "names no failpoint")
+    assert load_settings({"AML_FAILPOINT": "refresh-hang"}) is not None
