@@ -512,9 +512,7 @@ class Detector:
         an alert on the same id for other parties, amount or time is another payment's, whose producer
         reused the id, and the alert that payment deserves is not sent: a warning, and `ids_reused`."""
         stored = alerts_sent.get(alert_key(payment.payment_id))
-        if not isinstance(stored, dict) or all(
-            str(stored.get(field)) == str(getattr(payment, field)) for field in PAYMENT_FIELDS
-        ):
+        if not isinstance(stored, dict) or alerted_on(stored, payment):
             log.info("payment %s was alerted on before: not alerting again", payment.payment_id)
             return
         self.stats.ids_reused += 1
@@ -534,11 +532,7 @@ class Detector:
         if payment.payment_id in self.unsettled or admission.partition in self.in_doubt:
             await self.alerted_before(payment.payment_id, admission.partition)
         stored = alerts_sent.get(alert_key(payment.payment_id))
-        if not isinstance(stored, dict) or any(
-            str(stored.get(field)) != str(getattr(payment, field)) for field in PAYMENT_FIELDS
-        ):
-            return None
-        return stored
+        return stored if isinstance(stored, dict) and alerted_on(stored, payment) else None
 
     async def alerted_before(self, payment_id: str, partition: int) -> bool:
         """Whether the broker has this payment's alert: remembered, or sent by an earlier handling whose
@@ -611,6 +605,11 @@ class Detector:
     def remember(self, alert: SentAlert) -> None:
         """The local store only: a table write would send a second record."""
         alerts_sent.data[alert_key(alert.payment_id)] = alert.alert.asdict()
+
+
+def alerted_on(alert: Mapping[str, Any], payment: Payment) -> bool:
+    """Whether a stored alert is of this payment, field by field, not of another that reused its id."""
+    return all(str(alert.get(field)) == str(getattr(payment, field)) for field in PAYMENT_FIELDS)
 
 
 def covers_cut(answer: Mapping[str, Any], cut: Mapping[str, Any] | None) -> bool:
