@@ -639,14 +639,22 @@ def sent_after_a_freeze(records: list[AlertSeen], freezes: list[tuple[str, float
     the others, are sent twice all the same."""
     return int(
         any(
-            r.created is not None
-            and r.worker == w
-            and r.created <= stopped
-            and r.arrived >= continued
-            and any(other.worker not in ("", w) for other in records)
+            frozen_send(r, (w, stopped, continued)) and any(other.worker not in ("", w) for other in records)
             for r in records
             for w, stopped, continued in freezes
         )
+    )
+
+
+def frozen_send(record: AlertSeen, freeze: tuple[str, float, float]) -> bool:
+    """Whether the frozen worker's producer created `record` before the worker was stopped and the record
+    arrived only after it was continued."""
+    worker, stopped, continued = freeze
+    return (
+        record.created is not None
+        and record.worker == worker
+        and record.created <= stopped
+        and record.arrived >= continued
     )
 
 
@@ -654,13 +662,7 @@ def only_frozen_sends(records: list[AlertSeen], freezes: list[tuple[str, float, 
     """Whether every alert record of a payment is a frozen worker's send (created before it was stopped,
     arriving after it was continued): the partition's next owner read `alerts-sent` without it and may
     have decided the payment clear."""
-    return bool(records) and all(
-        any(
-            r.created is not None and r.worker == w and r.created <= stopped and r.arrived >= continued
-            for w, stopped, continued in freezes
-        )
-        for r in records
-    )
+    return bool(records) and all(any(frozen_send(r, freeze) for freeze in freezes) for r in records)
 
 
 def alerted_after_a_freeze(
